@@ -1,0 +1,68 @@
+# The two commands a newcomer needs: `make demo` and `make test`. Everything they
+# rely on (the virtual environment, the control-plane binaries) is built here.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+BIN_LINK := .bin/devcluster
+PYTEST_ARGS ?=
+
+.PHONY: help venv cluster-binaries lint test test-unit test-protocol test-e2e demo cluster cluster-down crds bench clean
+
+help:
+	@echo "make demo              run the demo on a local devcluster (add DEMO_ARGS=--keep to leave it up)"
+	@echo "make test              lint, type-check and run every test (unit, protocol, e2e)"
+	@echo "make test-unit         only the fast tests"
+	@echo "make cluster-binaries  build the pinned control-plane binaries (cached per machine)"
+	@echo "make cluster           start a devcluster in .devcluster/ and print the KUBECONFIG line"
+	@echo "make cluster-down      stop it"
+	@echo "make crds              regenerate crds/ from the API models"
+	@echo "make bench             run the benchmarks (printed tables)"
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	@touch $@
+
+venv: $(VENV)/.installed
+
+cluster-binaries:
+	@mkdir -p .bin
+	@bindir="$$(devcluster/build-binaries.sh | tail -n 1)" && ln -sfn "$$bindir" $(BIN_LINK) \
+	  && echo "[devcluster] binaries in $$bindir (linked as $(BIN_LINK))"
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test-unit: venv
+	$(VENV)/bin/pytest -m unit $(PYTEST_ARGS)
+
+test-protocol: venv
+	$(VENV)/bin/pytest -m protocol $(PYTEST_ARGS)
+
+test-e2e: venv cluster-binaries
+	$(VENV)/bin/pytest -m e2e $(PYTEST_ARGS)
+
+test: venv cluster-binaries lint
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+demo: venv cluster-binaries
+	$(PY) -m rollout_operator.demo $(DEMO_ARGS)
+
+cluster: venv cluster-binaries
+	$(PY) -m devcluster up --dir .devcluster
+
+cluster-down: venv
+	$(PY) -m devcluster down --dir .devcluster
+
+crds: venv
+	$(PY) -m rollout_operator.crdgen
+
+bench: venv cluster-binaries
+	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .bin .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,1 @@
+"""The Rollout Checkpoint Operator: Kopf handlers, API models and CRD generation."""

@@ -1,0 +1,1 @@
+"""Participant side of partial-rollout checkpointing: protocol, control plane, servers, coordinator, client."""

@@ -1,0 +1,84 @@
+"""The contract between the control plane and a rollout server.
+
+The control plane (`control.py`) owns phases, leases, reply caching, auth and storage; a server
+only says how to park its work, what to record, how to install records and how to stop an
+attempt. Keeping the split here means every server gets the same protocol behaviour for free,
+and the protocol can be tested against an in-process fake participant.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .protocol import EpisodeId, Record, Role
+
+
+@dataclass(frozen=True)
+class ParkState:
+    """What a participant reports while parking (prepare)."""
+
+    parked: list[EpisodeId] = field(default_factory=list)
+    """Episodes at a boundary (or inside a replay step): their state is capturable."""
+    blockers: list[EpisodeId] = field(default_factory=list)
+    """Episodes still inside a wait-mode step."""
+    restarts: list[EpisodeId] = field(default_factory=list)
+    """Episodes that cannot be captured and will restart from scratch."""
+
+    @property
+    def ready(self) -> bool:
+        return not self.blockers
+
+
+@dataclass(frozen=True)
+class EpisodeCounts:
+    live: int = 0
+    parked: int = 0
+    restored: int = 0
+
+
+class Participant(ABC):
+    """A rollout server's checkpoint hooks. All methods run on the server's event loop."""
+
+    role: Role
+
+    @abstractmethod
+    async def close_admission(self) -> None:
+        """Stop starting new steps; new work waits (or is refused) until `reopen`."""
+
+    @abstractmethod
+    async def park(self, deadline_ts: float) -> ParkState:
+        """Wait until every live episode is parked, or until `deadline_ts`; report either way."""
+
+    @abstractmethod
+    def export(self, scope: frozenset[str] | None) -> list[Record]:
+        """The records of parked (and still-unclaimed restored) episodes in `scope` (None: all)."""
+
+    @abstractmethod
+    def release_outside(self, scope: frozenset[str]) -> None:
+        """Drop restored-but-unclaimed state of rollouts the commit scope leaves out."""
+
+    @abstractmethod
+    def validate(self, records: Sequence[Record]) -> None:
+        """Raise `ValueError` when records cannot be installed; called before `install`."""
+
+    @abstractmethod
+    async def install(self, records: Sequence[Record], attempt: int) -> list[EpisodeId]:
+        """Install validated records under `attempt`; returns the restored episodes."""
+
+    @abstractmethod
+    async def reopen(self) -> None:
+        """Resume: reopen admission and release held work."""
+
+    @abstractmethod
+    async def retire(self, attempt: int, rollout_ids: frozenset[str] | None) -> list[EpisodeId]:
+        """Stop `attempt`'s work for the rollouts (None: all), wait until stopped, free state."""
+
+    @abstractmethod
+    def forget(self, rollout_ids: frozenset[str]) -> int:
+        """Drop retire marks of finished rollouts; returns how many were dropped."""
+
+    @abstractmethod
+    def counts(self) -> EpisodeCounts:
+        """Live, parked and restored episode counts for `/status`."""

@@ -1,0 +1,295 @@
+"""Wire models of the participant control plane (`/checkpoint/v1`).
+
+Every request and reply that crosses a process boundary is one of these strict models, so a
+typo in a field is a 422 naming the field instead of a silently ignored key. The operator
+imports these models too; `rollout_servers` never imports the operator.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+API_PREFIX = "/checkpoint/v1"
+SCHEMA_VERSION = 1
+MAX_BLOCKERS_REPORTED = 100
+
+CHECKPOINT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+"""Checkpoint ids name a directory on shared storage: no slashes, no leading dot, bounded length."""
+
+ROLLOUT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+
+CheckpointId = Annotated[str, StringConstraints(pattern=CHECKPOINT_ID_PATTERN)]
+RolloutId = Annotated[str, StringConstraints(pattern=ROLLOUT_ID_PATTERN)]
+Attempt = Annotated[int, Field(ge=0)]
+
+
+class Role(StrEnum):
+    """The four participant roles, in prepare order."""
+
+    ENVIRONMENT = "environment"
+    MODEL = "model"
+    AGENT = "agent"
+    RESOURCES = "resources"
+
+
+PREPARE_ORDER: tuple[Role, ...] = (Role.ENVIRONMENT, Role.MODEL, Role.AGENT, Role.RESOURCES)
+"""Callers are parked before their callees, so no callee sees new work while it parks."""
+
+RESUME_ORDER: tuple[Role, ...] = tuple(reversed(PREPARE_ORDER))
+"""Callees reopen before their callers send them work again."""
+
+RETIRE_ORDER: tuple[tuple[Role, ...], ...] = (
+    (Role.ENVIRONMENT,),
+    (Role.AGENT,),
+    (Role.MODEL, Role.RESOURCES),
+)
+"""Retire stops callers before callees; model and resources are retired together."""
+
+
+class Phase(StrEnum):
+    IDLE = "idle"
+    PREPARING = "preparing"
+    PREPARED = "prepared"
+    COMMITTED = "committed"
+    RESTORED = "restored"
+
+
+class ErrorCode(StrEnum):
+    """Machine-readable error codes; each maps to one HTTP status (see `HTTP_STATUS`)."""
+
+    UNAUTHORIZED = "unauthorized"
+    INVALID_REQUEST = "invalid_request"
+    UNKNOWN_CHECKPOINT = "unknown_checkpoint"
+    STALE_CHECKPOINT = "stale_checkpoint"
+    CONFLICTING_CHECKPOINT = "conflicting_checkpoint"
+    WRONG_PHASE = "wrong_phase"
+    DEADLINE_PASSED = "deadline_passed"
+    STORAGE_FAILED = "storage_failed"
+    RECORDS_INVALID = "records_invalid"
+    ATTEMPT_MISMATCH = "attempt_mismatch"
+    ATTEMPT_RETIRED = "attempt_retired"
+    TASK_MISMATCH = "task_mismatch"
+    ADMISSION_CLOSED = "admission_closed"
+    NOT_FOUND = "not_found"
+    INTERNAL = "internal"
+
+
+HTTP_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.INVALID_REQUEST: 422,
+    ErrorCode.UNKNOWN_CHECKPOINT: 404,
+    ErrorCode.STALE_CHECKPOINT: 410,
+    ErrorCode.CONFLICTING_CHECKPOINT: 409,
+    ErrorCode.WRONG_PHASE: 409,
+    ErrorCode.DEADLINE_PASSED: 408,
+    ErrorCode.STORAGE_FAILED: 507,
+    ErrorCode.RECORDS_INVALID: 422,
+    ErrorCode.ATTEMPT_MISMATCH: 409,
+    ErrorCode.ATTEMPT_RETIRED: 410,
+    ErrorCode.TASK_MISMATCH: 409,
+    ErrorCode.ADMISSION_CLOSED: 503,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.INTERNAL: 500,
+}
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ErrorDetail(StrictModel):
+    code: ErrorCode
+    detail: str
+
+
+class ErrorBody(StrictModel):
+    """`{"error": {"code": ..., "detail": ...}}`, the body of every non-2xx reply."""
+
+    error: ErrorDetail
+
+
+class EpisodeId(StrictModel):
+    """An episode is one rollout under one attempt; a restore moves it to `attempt + 1`."""
+
+    rollout_id: RolloutId
+    attempt: Attempt
+
+    def __str__(self) -> str:
+        return f"{self.rollout_id}@{self.attempt}"
+
+
+# --- requests -------------------------------------------------------------------------------
+
+
+class ControlRequest(StrictModel):
+    """Every control call names its checkpoint and an absolute deadline (unix seconds).
+
+    The participant extends its lease to `deadline_ts + lease_grace_seconds` on every call.
+    """
+
+    checkpoint_id: CheckpointId
+    deadline_ts: float = Field(gt=0)
+
+
+class PrepareRequest(ControlRequest):
+    pass
+
+
+class RenewRequest(ControlRequest):
+    pass
+
+
+class CommitRequest(ControlRequest):
+    rollout_ids: list[RolloutId] | None = Field(
+        default=None,
+        description="The commit scope. None commits every parked episode; restored state of "
+        "episodes outside the scope is released.",
+    )
+
+
+class RestoreRequest(ControlRequest):
+    attempt: Attempt = Field(description="The attempt the records are installed under (N + 1).")
+    source_instance: str | None = Field(
+        default=None,
+        pattern=r"^[a-z]+-[0-9]+$",
+        description="Read the records of this instance (`role-index`); default: this instance.",
+    )
+    rollout_ids: list[RolloutId] | None = Field(
+        default=None, description="Restore only these rollouts; None restores every record."
+    )
+
+
+class ResumeRequest(ControlRequest):
+    pass
+
+
+class RetireRequest(StrictModel):
+    """Stop an attempt's work for the given rollouts and free its state.
+
+    Retire is used only while no checkpoint is open; `operation_id` makes a retried call
+    idempotent.
+    """
+
+    operation_id: CheckpointId
+    deadline_ts: float = Field(gt=0)
+    attempt: Attempt
+    rollout_ids: list[RolloutId] | None = Field(
+        default=None, description="None retires every episode of the attempt."
+    )
+
+
+class ForgetRequest(StrictModel):
+    operation_id: CheckpointId
+    deadline_ts: float = Field(gt=0)
+    rollout_ids: list[RolloutId]
+
+
+# --- replies --------------------------------------------------------------------------------
+
+
+class StatusReply(StrictModel):
+    role: Role
+    instance: str
+    attempt: Attempt
+    phase: Phase
+    checkpoint_id: str | None = None
+    lease_expires_ts: float | None = None
+    live_episodes: int = 0
+    parked_episodes: int = 0
+    restored_episodes: int = 0
+    retired_attempts: list[Attempt] = Field(default_factory=list)
+
+
+class PrepareReply(StrictModel):
+    checkpoint_id: CheckpointId
+    phase: Phase
+    ready: bool
+    episodes: list[EpisodeId] = Field(
+        default_factory=list, description="Episodes parked at a boundary: capturable."
+    )
+    blockers: list[EpisodeId] = Field(
+        default_factory=list,
+        max_length=MAX_BLOCKERS_REPORTED,
+        description="Episodes not yet parked (first 100).",
+    )
+    blocker_count: int = 0
+    restarts: list[EpisodeId] = Field(
+        default_factory=list, description="Episodes that cannot be captured and will restart."
+    )
+
+
+class Manifest(StrictModel):
+    """Written last, next to the records file; its presence means the records are complete."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    role: Role
+    instance: str
+    checkpoint_id: CheckpointId
+    attempt: Attempt
+    records_file: str
+    records_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    record_count: int = Field(ge=0)
+    bytes: int = Field(ge=0)
+
+
+class CommitReply(StrictModel):
+    checkpoint_id: CheckpointId
+    phase: Phase
+    manifest: Manifest
+    manifest_path: str = Field(description="Relative to the checkpoint root.")
+
+
+class RestoreReply(StrictModel):
+    checkpoint_id: CheckpointId
+    phase: Phase
+    attempt: Attempt
+    restored: list[EpisodeId]
+    record_count: int
+
+
+class ResumeReply(StrictModel):
+    checkpoint_id: CheckpointId
+    phase: Phase
+
+
+class RetireReply(StrictModel):
+    operation_id: CheckpointId
+    retired: list[EpisodeId]
+
+
+class ForgetReply(StrictModel):
+    operation_id: CheckpointId
+    forgotten: int
+
+
+# --- records --------------------------------------------------------------------------------
+
+
+class Record(StrictModel):
+    """One line of a records file: a participant's state for one episode (or one held item).
+
+    `kind` is participant specific (`boundary`, `session`, `cut`, `held`, ...); `data` is the
+    participant's own JSON. `attempt` is the attempt that produced the state; restore installs
+    it under the restore request's attempt.
+    """
+
+    kind: str = Field(min_length=1, max_length=64)
+    rollout_id: RolloutId
+    attempt: Attempt
+    key: str = Field(default="", max_length=256, description="Distinguishes several records of one rollout.")
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+def task_digest(task: dict[str, Any]) -> str:
+    """A stable digest of a task, so a restored episode is only continued with the same task."""
+    canonical = json.dumps(task, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def instance_name(role: Role | str, index: int) -> str:
+    return f"{Role(role).value}-{index}"
