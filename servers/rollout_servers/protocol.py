@@ -23,9 +23,14 @@ CHECKPOINT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 ROLLOUT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 
+INSTANCE_PATTERN = r"^[a-z]+-[0-9]+$"
+"""`<role>-<index>`: also a directory name under a checkpoint."""
+
 CheckpointId = Annotated[str, StringConstraints(pattern=CHECKPOINT_ID_PATTERN)]
 RolloutId = Annotated[str, StringConstraints(pattern=ROLLOUT_ID_PATTERN)]
 Attempt = Annotated[int, Field(ge=0)]
+DeadlineTs = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+"""Absolute unix seconds; finite, so a lease computed from it always ends."""
 
 
 class Role(StrEnum):
@@ -113,6 +118,26 @@ class ErrorBody(StrictModel):
     error: ErrorDetail
 
 
+class ProtocolError(Exception):
+    """Raised anywhere in a server to answer with an `ErrorBody` and the code's HTTP status.
+
+    `ControlPlane.install` registers the handler, so rollout servers raise this for their own
+    refusals (`task_mismatch`, `attempt_retired`, ...) and get the same error shape.
+    """
+
+    def __init__(self, code: ErrorCode, detail: str) -> None:
+        super().__init__(f"{code.value}: {detail}")
+        self.code = code
+        self.detail = detail
+
+    @property
+    def status_code(self) -> int:
+        return HTTP_STATUS[self.code]
+
+    def body(self) -> ErrorBody:
+        return ErrorBody(error=ErrorDetail(code=self.code, detail=self.detail))
+
+
 class EpisodeId(StrictModel):
     """An episode is one rollout under one attempt; a restore moves it to `attempt + 1`."""
 
@@ -133,7 +158,7 @@ class ControlRequest(StrictModel):
     """
 
     checkpoint_id: CheckpointId
-    deadline_ts: float = Field(gt=0)
+    deadline_ts: DeadlineTs
 
 
 class PrepareRequest(ControlRequest):
@@ -156,7 +181,7 @@ class RestoreRequest(ControlRequest):
     attempt: Attempt = Field(description="The attempt the records are installed under (N + 1).")
     source_instance: str | None = Field(
         default=None,
-        pattern=r"^[a-z]+-[0-9]+$",
+        pattern=INSTANCE_PATTERN,
         description="Read the records of this instance (`role-index`); default: this instance.",
     )
     rollout_ids: list[RolloutId] | None = Field(
@@ -176,7 +201,7 @@ class RetireRequest(StrictModel):
     """
 
     operation_id: CheckpointId
-    deadline_ts: float = Field(gt=0)
+    deadline_ts: DeadlineTs
     attempt: Attempt
     rollout_ids: list[RolloutId] | None = Field(
         default=None, description="None retires every episode of the attempt."
@@ -185,7 +210,7 @@ class RetireRequest(StrictModel):
 
 class ForgetRequest(StrictModel):
     operation_id: CheckpointId
-    deadline_ts: float = Field(gt=0)
+    deadline_ts: DeadlineTs
     rollout_ids: list[RolloutId]
 
 
@@ -226,7 +251,7 @@ class PrepareReply(StrictModel):
 class Manifest(StrictModel):
     """Written last, next to the records file; its presence means the records are complete."""
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1] = 1
     role: Role
     instance: str
     checkpoint_id: CheckpointId
@@ -235,6 +260,12 @@ class Manifest(StrictModel):
     records_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     record_count: int = Field(ge=0)
     bytes: int = Field(ge=0)
+
+
+class RenewReply(StrictModel):
+    checkpoint_id: CheckpointId
+    phase: Phase
+    lease_expires_ts: float
 
 
 class CommitReply(StrictModel):
@@ -281,7 +312,9 @@ class Record(StrictModel):
     kind: str = Field(min_length=1, max_length=64)
     rollout_id: RolloutId
     attempt: Attempt
-    key: str = Field(default="", max_length=256, description="Distinguishes several records of one rollout.")
+    key: str = Field(
+        default="", max_length=256, description="Distinguishes several records of one rollout."
+    )
     data: dict[str, Any] = Field(default_factory=dict)
 
 
