@@ -82,6 +82,8 @@ class ErrorCode(StrEnum):
     ADMISSION_CLOSED = "admission_closed"
     NOT_FOUND = "not_found"
     INTERNAL = "internal"
+    UNREACHABLE = "unreachable"
+    """Client side only: a participant or peer did not answer (connection refused, timeout)."""
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -100,6 +102,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.ADMISSION_CLOSED: 503,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.INTERNAL: 500,
+    ErrorCode.UNREACHABLE: 502,
 }
 
 
@@ -266,6 +269,37 @@ class RenewReply(StrictModel):
     checkpoint_id: CheckpointId
     phase: Phase
     lease_expires_ts: float
+
+
+class PublishedParticipant(StrictModel):
+    """One participant's part of a published checkpoint (a summary of its `Manifest`)."""
+
+    instance: str = Field(pattern=INSTANCE_PATTERN)
+    role: Role
+    manifest_path: str = Field(description="Relative to the checkpoint root.")
+    records_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    record_count: int = Field(ge=0)
+    bytes: int = Field(ge=0)
+
+
+class CheckpointManifest(StrictModel):
+    """`<root>/<set>/<checkpoint_id>/checkpoint.json`, written last by a coordinator that runs
+    without an operator: its presence is what makes the checkpoint restorable there (with the
+    operator, the RolloutCheckpoint's Ready condition plays that part)."""
+
+    schema_version: Literal[1] = 1
+    set_name: CheckpointId
+    checkpoint_id: CheckpointId
+    attempt: Attempt = Field(description="The attempt whose state the checkpoint captured.")
+    published_ts: float
+    rollout_ids: list[RolloutId] = Field(
+        default_factory=list, description="The commit scope: rollouts that continue."
+    )
+    restarts: int = Field(default=0, ge=0)
+    participants: list[PublishedParticipant]
+    trainer_step: int | None = None
+    prepare_seconds: float = Field(default=0.0, ge=0)
+    commit_seconds: float = Field(default=0.0, ge=0)
 
 
 class CommitReply(StrictModel):

@@ -1,0 +1,426 @@
+"""Checkpoint records on shared storage, written so that a crash at any instant leaves either a
+complete, verifiable checkpoint directory or one that is visibly incomplete.
+
+Layout: `<root>/<set>/<checkpoint_id>/<role>-<index>/records-<sha256>.jsonl`, then
+`manifest.json` next to it, then (when no operator publishes) `<root>/<set>/<checkpoint_id>/
+checkpoint.json`. Every file is written under a temporary name, fsynced and only then given its
+final name; the directory is fsynced after each rename. The manifests are created with
+create-if-absent semantics (a hard link of a complete temporary file), so a reader never sees a
+half-written manifest and a retry can never replace one with different content.
+
+Reads verify everything (names, digest, byte and record counts, schema) before returning
+anything, because restore is all or nothing: a participant must be able to refuse a damaged
+checkpoint before it has installed a single record.
+
+The functions here block on disk I/O; the control plane runs them in a worker thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from .protocol import (
+    CHECKPOINT_ID_PATTERN,
+    INSTANCE_PATTERN,
+    CheckpointManifest,
+    Manifest,
+    Record,
+    Role,
+)
+
+MANIFEST_NAME = "manifest.json"
+CHECKPOINT_MANIFEST_NAME = "checkpoint.json"
+_RECORDS_NAME = re.compile(r"records-([0-9a-f]{64})\.jsonl")
+_TEMP_PREFIX = ".tmp-"
+
+
+class StorageError(Exception):
+    """The operating system refused a storage operation; the message carries its reason."""
+
+    def __init__(self, what: str, path: Path, error: OSError) -> None:
+        code = errno.errorcode.get(error.errno or 0, "E?")
+        reason = error.strerror or str(error)
+        super().__init__(f"{what} {path}: {reason} ({code})")
+        self.errno = error.errno
+        self.path = path
+
+
+class RecordsInvalid(Exception):
+    """Stored records cannot be trusted (missing, damaged, or not what the manifest promises)."""
+
+
+class UnsafePath(ValueError):
+    """A name would leave the checkpoint root or is not a plain directory name."""
+
+
+# --- paths ----------------------------------------------------------------------------------
+
+
+def _check_name(kind: str, value: str, pattern: str) -> None:
+    if re.fullmatch(pattern, value) is None:
+        raise UnsafePath(f"{kind} {value!r} is not a plain name matching {pattern}")
+
+
+def checkpoint_base(root: Path, set_name: str, checkpoint_id: str) -> Path:
+    """`<root>/<set>/<checkpoint_id>`: one checkpoint of one set, every instance below it."""
+    _check_name("set name", set_name, CHECKPOINT_ID_PATTERN)
+    _check_name("checkpoint id", checkpoint_id, CHECKPOINT_ID_PATTERN)
+    base = Path(root) / set_name / checkpoint_id
+    _check_inside(Path(root), base)
+    return base
+
+
+def checkpoint_dir(root: Path, set_name: str, checkpoint_id: str, instance: str) -> Path:
+    """`<root>/<set>/<checkpoint_id>/<instance>/`, refusing anything that would escape root."""
+    _check_name("instance", instance, INSTANCE_PATTERN)
+    directory = checkpoint_base(root, set_name, checkpoint_id) / instance
+    _check_inside(Path(root), directory)
+    return directory
+
+
+def _check_inside(root: Path, path: Path) -> None:
+    # The name checks already exclude separators and dot names; resolving catches a symlinked
+    # set or checkpoint directory that points somewhere else.
+    resolved_root = root.resolve()
+    resolved = path.resolve()
+    if resolved != resolved_root and resolved_root not in resolved.parents:
+        raise UnsafePath(f"{path} resolves to {resolved}, outside the checkpoint root {root}")
+
+
+# --- low-level durable writes (module-level so tests can inject OS failures) ----------------
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _fsync(fd: int) -> None:
+    os.fsync(fd)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        _fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _make_dirs(directory: Path) -> None:
+    """Create missing directories, fsyncing each new entry's parent so the path survives a crash."""
+    missing: list[Path] = []
+    probe = directory
+    while not probe.exists():
+        missing.append(probe)
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        for created in reversed(missing):
+            _fsync_dir(created.parent)
+    except OSError as error:
+        raise StorageError("cannot create checkpoint directory", directory, error) from error
+
+
+def _write_temp(directory: Path, chunks: Iterable[bytes]) -> tuple[Path, str, int]:
+    """Write chunks to a fresh temporary file and fsync it; returns (path, sha256, bytes)."""
+    temp = directory / f"{_TEMP_PREFIX}{uuid.uuid4().hex}"
+    digest = hashlib.sha256()
+    size = 0
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError as error:
+        raise StorageError("cannot create", temp, error) from error
+    try:
+        try:
+            for chunk in chunks:
+                _write_all(fd, chunk)
+                digest.update(chunk)
+                size += len(chunk)
+            _fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as error:
+        _discard(temp)
+        raise StorageError("cannot write", temp, error) from error
+    return temp, digest.hexdigest(), size
+
+
+def _discard(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+def _create_once(temp: Path, final: Path) -> bool:
+    """Give `temp` the name `final` only if `final` does not exist; True when it was created.
+
+    A hard link is atomic create-if-absent and never exposes a partial file. Filesystems
+    without hard links fall back to an exclusive create plus copy, which can only leave a
+    partial file behind after a crash, never replace a complete one.
+    """
+    try:
+        os.link(temp, final)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as error:
+        if error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+            raise
+    try:
+        fd = os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    try:
+        _write_all(fd, temp.read_bytes())
+        _fsync(fd)
+    finally:
+        os.close(fd)
+    return True
+
+
+def _publish_once(directory: Path, name: str, content: bytes) -> bool:
+    """Durably create `directory/name` with `content` unless it exists; True when created."""
+    temp, _, _ = _write_temp(directory, [content])
+    final = directory / name
+    try:
+        created = _create_once(temp, final)
+        _discard(temp)
+        _fsync_dir(directory)
+    except OSError as error:
+        _discard(temp)
+        raise StorageError("cannot create", final, error) from error
+    return created
+
+
+# --- records --------------------------------------------------------------------------------
+
+
+def write_records(
+    directory: Path,
+    *,
+    role: Role,
+    instance: str,
+    checkpoint_id: str,
+    attempt: int,
+    records: Sequence[Record],
+) -> Manifest:
+    """Durably write one participant's records, then its manifest; returns the manifest.
+
+    Retrying with the same records is a no-op that returns the same manifest; a manifest that
+    already exists with different content is never replaced (`StorageError` with EEXIST).
+    """
+    _make_dirs(directory)
+    lines = (record.model_dump_json().encode() + b"\n" for record in records)
+    temp, sha256, size = _write_temp(directory, lines)
+    records_file = f"records-{sha256}.jsonl"
+    try:
+        os.replace(temp, directory / records_file)
+        _fsync_dir(directory)
+    except OSError as error:
+        _discard(temp)
+        raise StorageError("cannot rename records into", directory, error) from error
+    manifest = Manifest(
+        role=role,
+        instance=instance,
+        checkpoint_id=checkpoint_id,
+        attempt=attempt,
+        records_file=records_file,
+        records_sha256=sha256,
+        record_count=len(records),
+        bytes=size,
+    )
+    if not _publish_once(directory, MANIFEST_NAME, _manifest_bytes(manifest)):
+        existing = _existing_manifest(directory / MANIFEST_NAME)
+        if existing != manifest:
+            raise StorageError(
+                "refusing to replace a different manifest",
+                directory / MANIFEST_NAME,
+                OSError(errno.EEXIST, "a manifest with other content already exists"),
+            )
+    return manifest
+
+
+def _manifest_bytes(manifest: Manifest | CheckpointManifest) -> bytes:
+    return manifest.model_dump_json(indent=2).encode() + b"\n"
+
+
+def _existing_manifest(path: Path) -> Manifest | None:
+    try:
+        return Manifest.model_validate_json(path.read_bytes())
+    except (OSError, ValidationError):
+        return None
+
+
+def read_manifest(directory: Path) -> Manifest:
+    """The manifest in `directory`; `RecordsInvalid` when absent or malformed."""
+    path = directory / MANIFEST_NAME
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError as error:
+        raise RecordsInvalid(f"no manifest at {path}: the commit never finished") from error
+    except OSError as error:
+        raise StorageError("cannot read", path, error) from error
+    try:
+        return Manifest.model_validate_json(raw)
+    except ValidationError as error:
+        raise RecordsInvalid(f"manifest {path} is malformed: {_first_error(error)}") from error
+
+
+def read_records(directory: Path, *, expect_checkpoint_id: str) -> tuple[Manifest, list[Record]]:
+    """Read and fully verify one participant's records; nothing is returned unless all check."""
+    manifest = read_manifest(directory)
+    if manifest.checkpoint_id != expect_checkpoint_id:
+        raise RecordsInvalid(
+            f"manifest in {directory} is for checkpoint {manifest.checkpoint_id!r}, "
+            f"expected {expect_checkpoint_id!r}"
+        )
+    match = _RECORDS_NAME.fullmatch(manifest.records_file)
+    if match is None or match.group(1) != manifest.records_sha256:
+        raise RecordsInvalid(
+            f"manifest in {directory} names records file {manifest.records_file!r}, "
+            f"expected records-{manifest.records_sha256}.jsonl"
+        )
+    path = directory / manifest.records_file
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError as error:
+        raise RecordsInvalid(f"records file {path} named by the manifest is missing") from error
+    except OSError as error:
+        raise StorageError("cannot read", path, error) from error
+    if len(raw) != manifest.bytes:
+        raise RecordsInvalid(
+            f"records file {path} has {len(raw)} bytes, the manifest says {manifest.bytes}"
+        )
+    actual = hashlib.sha256(raw).hexdigest()
+    if actual != manifest.records_sha256:
+        raise RecordsInvalid(
+            f"records file {path} has sha256 {actual}, the manifest says {manifest.records_sha256}"
+        )
+    lines = raw.splitlines()
+    if len(lines) != manifest.record_count:
+        raise RecordsInvalid(
+            f"records file {path} holds {len(lines)} records, "
+            f"the manifest says {manifest.record_count}"
+        )
+    records: list[Record] = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            records.append(Record.model_validate_json(line))
+        except ValidationError as error:
+            raise RecordsInvalid(
+                f"records file {path} line {number} is not a record: {_first_error(error)}"
+            ) from error
+    return manifest, records
+
+
+def _first_error(error: ValidationError) -> str:
+    first = error.errors()[0]
+    location = ".".join(str(part) for part in first["loc"]) or "document"
+    return f"{location}: {first['msg']}"
+
+
+# --- publication without an operator --------------------------------------------------------
+
+
+def write_checkpoint_manifest(root: Path, manifest: CheckpointManifest) -> Path:
+    """Publish a checkpoint: `<root>/<set>/<id>/checkpoint.json`, created once and last.
+
+    Its presence is what makes a checkpoint restorable when no operator keeps that fact in a
+    custom resource. Re-publishing identical content is a no-op; different content is refused.
+    """
+    base = checkpoint_base(root, manifest.set_name, manifest.checkpoint_id)
+    _make_dirs(base)
+    if not _publish_once(base, CHECKPOINT_MANIFEST_NAME, _manifest_bytes(manifest)):
+        existing = _existing_checkpoint_manifest(base / CHECKPOINT_MANIFEST_NAME)
+        if existing != manifest:
+            raise StorageError(
+                "refusing to replace a different checkpoint manifest",
+                base / CHECKPOINT_MANIFEST_NAME,
+                OSError(errno.EEXIST, "a checkpoint manifest with other content already exists"),
+            )
+    return base / CHECKPOINT_MANIFEST_NAME
+
+
+def _existing_checkpoint_manifest(path: Path) -> CheckpointManifest | None:
+    try:
+        return CheckpointManifest.model_validate_json(path.read_bytes())
+    except (OSError, ValidationError):
+        return None
+
+
+def read_checkpoint_manifest(root: Path, set_name: str, checkpoint_id: str) -> CheckpointManifest:
+    """A published checkpoint; `RecordsInvalid` when it was never published or is malformed."""
+    path = checkpoint_base(root, set_name, checkpoint_id) / CHECKPOINT_MANIFEST_NAME
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError as error:
+        raise RecordsInvalid(
+            f"checkpoint {checkpoint_id!r} of set {set_name!r} was never published "
+            f"(no {path}); it must not be restored"
+        ) from error
+    except OSError as error:
+        raise StorageError("cannot read", path, error) from error
+    try:
+        manifest = CheckpointManifest.model_validate_json(raw)
+    except ValidationError as error:
+        raise RecordsInvalid(f"{path} is malformed: {_first_error(error)}") from error
+    if manifest.set_name != set_name or manifest.checkpoint_id != checkpoint_id:
+        raise RecordsInvalid(
+            f"{path} describes {manifest.set_name}/{manifest.checkpoint_id}, "
+            f"expected {set_name}/{checkpoint_id}"
+        )
+    return manifest
+
+
+def published_checkpoints(root: Path, set_name: str) -> list[CheckpointManifest]:
+    """Every published checkpoint of a set, oldest first; unpublished directories are skipped."""
+    _check_name("set name", set_name, CHECKPOINT_ID_PATTERN)
+    set_dir = Path(root) / set_name
+    try:
+        entries = sorted(set_dir.iterdir()) if set_dir.exists() else []
+    except OSError as error:
+        raise StorageError("cannot list", set_dir, error) from error
+    found: list[CheckpointManifest] = []
+    for entry in entries:
+        if re.fullmatch(CHECKPOINT_ID_PATTERN, entry.name) is None:
+            continue
+        if not (entry / CHECKPOINT_MANIFEST_NAME).exists():
+            continue
+        found.append(read_checkpoint_manifest(root, set_name, entry.name))
+    found.sort(key=lambda manifest: (manifest.published_ts, manifest.checkpoint_id))
+    return found
+
+
+def remove_checkpoint(root: Path, set_name: str, checkpoint_id: str) -> bool:
+    """Delete a checkpoint with its records (retention); False when it did not exist.
+
+    The published manifest goes first and durably, so a crash half way leaves an unpublished
+    directory (garbage) rather than a published checkpoint with missing records.
+    """
+    base = checkpoint_base(root, set_name, checkpoint_id)
+    if not base.exists():
+        return False
+    try:
+        published = base / CHECKPOINT_MANIFEST_NAME
+        if published.exists():
+            published.unlink()
+            _fsync_dir(base)
+        shutil.rmtree(base)
+        _fsync_dir(base.parent)
+    except OSError as error:
+        raise StorageError("cannot remove checkpoint", base, error) from error
+    return True
