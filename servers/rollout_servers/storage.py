@@ -100,6 +100,10 @@ def _check_inside(root: Path, path: Path) -> None:
 # --- low-level durable writes (module-level so tests can inject OS failures) ----------------
 
 
+def _open_new(path: Path) -> int:
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+
+
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -142,7 +146,7 @@ def _write_temp(directory: Path, chunks: Iterable[bytes]) -> tuple[Path, str, in
     digest = hashlib.sha256()
     size = 0
     try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = _open_new(temp)
     except OSError as error:
         raise StorageError("cannot create", temp, error) from error
     try:
@@ -181,7 +185,7 @@ def _create_once(temp: Path, final: Path) -> bool:
         if error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
             raise
     try:
-        fd = os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = _open_new(final)
     except FileExistsError:
         return False
     try:

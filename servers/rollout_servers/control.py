@@ -1,0 +1,965 @@
+"""The checkpoint control plane every rollout server mounts under `/checkpoint/v1`.
+
+It owns everything that must behave the same in every server: authentication, the phase
+machine, reply replay, the lease and its watchdog, storage, and retire marks. A server only
+supplies a `Participant` (how to park, what to record, how to install and stop work).
+
+Control operations are serialized by one lock: they are rare, and a strict order is what makes
+replayed replies and phase checks trustworthy. `/status` does not take the lock, so it answers
+even while a prepare waits for episodes to park.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import math
+import os
+import re
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
+
+from . import storage
+from .participant import ParkState, Participant
+from .protocol import (
+    API_PREFIX,
+    CHECKPOINT_ID_PATTERN,
+    MAX_BLOCKERS_REPORTED,
+    CommitReply,
+    CommitRequest,
+    ErrorCode,
+    ForgetReply,
+    ForgetRequest,
+    Phase,
+    PrepareReply,
+    PrepareRequest,
+    ProtocolError,
+    Record,
+    RenewReply,
+    RenewRequest,
+    RestoreReply,
+    RestoreRequest,
+    ResumeReply,
+    ResumeRequest,
+    RetireReply,
+    RetireRequest,
+    Role,
+    StatusReply,
+    instance_name,
+)
+
+logger = logging.getLogger(__name__)
+
+OPEN_PHASES = frozenset({Phase.PREPARING, Phase.PREPARED, Phase.COMMITTED})
+"""Phases in which a checkpoint is being taken; retire is refused in them."""
+
+_REMEMBERED = 4096
+"""How many stale ids and idempotent operations are remembered (oldest forgotten first)."""
+
+_PARK_OVERRUN_SECONDS = 2.0
+"""How long past its deadline a participant's `park` may run before the call is failed."""
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+class ControlConfigError(ValueError):
+    """The control plane cannot start with this configuration; the message says what to set."""
+
+
+# --- settings -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ControlSettings:
+    role: Role
+    index: int = 0
+    set_name: str = "local"
+    checkpoint_root: Path | None = None
+    attempt: int = 0
+    token: str | None = None
+    allow_unauthenticated: bool = False
+    lease_grace_seconds: float = 30.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))
+        if self.index < 0:
+            raise ControlConfigError(f"index must be >= 0, got {self.index}")
+        if self.attempt < 0:
+            raise ControlConfigError(f"attempt must be >= 0, got {self.attempt}")
+        if re.fullmatch(CHECKPOINT_ID_PATTERN, self.set_name) is None:
+            raise ControlConfigError(
+                f"set name {self.set_name!r} must match {CHECKPOINT_ID_PATTERN} "
+                "(it names a directory under the checkpoint root)"
+            )
+        if not (math.isfinite(self.lease_grace_seconds) and self.lease_grace_seconds > 0):
+            raise ControlConfigError(
+                f"lease_grace_seconds must be a positive number, got {self.lease_grace_seconds}"
+            )
+        if self.token is not None and not self.token:
+            raise ControlConfigError("the control token is empty; unset it or give a real one")
+        if self.token is None and not self.allow_unauthenticated:
+            raise ControlConfigError(
+                "no control token: set ROLLOUT_CONTROL_TOKEN, or allow unauthenticated control "
+                "explicitly (allow_unauthenticated=True) on a trusted network only"
+            )
+
+    @classmethod
+    def from_env(
+        cls,
+        role: Role,
+        *,
+        index: int | None = None,
+        allow_unauthenticated: bool = False,
+        environ: Mapping[str, str] | None = None,
+    ) -> ControlSettings:
+        """Settings from the variables the operator puts into every participant pod."""
+        env = os.environ if environ is None else environ
+        root = env.get("ROLLOUT_CHECKPOINT_ROOT") or None
+        grace = env.get("ROLLOUT_LEASE_GRACE_SECONDS")
+        return cls(
+            role=Role(role),
+            index=index if index is not None else _int_from_env(env, "ROLLOUT_INDEX", 0),
+            set_name=env.get("ROLLOUT_SET") or "local",
+            checkpoint_root=Path(root) if root is not None else None,
+            attempt=_int_from_env(env, "ROLLOUT_ATTEMPT", 0),
+            token=env.get("ROLLOUT_CONTROL_TOKEN") or None,
+            allow_unauthenticated=allow_unauthenticated,
+            lease_grace_seconds=_float_from_env(grace, 30.0),
+        )
+
+    @property
+    def instance(self) -> str:
+        return instance_name(self.role, self.index)
+
+
+def _int_from_env(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ControlConfigError(f"{name}={raw!r} is not an integer") from None
+
+
+def _float_from_env(raw: str | None, default: float) -> float:
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ControlConfigError(f"ROLLOUT_LEASE_GRACE_SECONDS={raw!r} is not a number") from None
+
+
+# --- the phase machine (pure: no I/O, no clock) ---------------------------------------------
+
+
+class PhaseMachine:
+    """Which control call is allowed when, which reply to replay, and when the lease lapsed.
+
+    `admit_*` methods either raise `ProtocolError`, return a cached reply to replay, or return
+    None to let the caller do the work and report it with the matching `end_*` method. Keeping
+    this free of I/O lets every rule be unit-tested without a server.
+
+    Staleness: a checkpoint id that was resumed is stale for prepare, commit and renew. For
+    restore it is the pair (id, attempt) that goes stale, so a survivor that took part in
+    checkpoint X can still have X restored into it under a new attempt (in-place recovery).
+    """
+
+    def __init__(self) -> None:
+        self.phase = Phase.IDLE
+        self.checkpoint_id: str | None = None
+        self.restore_attempt: int | None = None
+        self.lease_expires_ts: float | None = None
+        self._prepared: dict[str, PrepareReply] = {}
+        self._committed: dict[str, CommitReply] = {}
+        self._restored: dict[tuple[str, int], RestoreReply] = {}
+        self._stale: OrderedDict[str, None] = OrderedDict()
+        self._stale_restores: OrderedDict[tuple[str, int], None] = OrderedDict()
+
+    # prepare ----------------------------------------------------------------------------------
+
+    def admit_prepare(
+        self, checkpoint_id: str, deadline_ts: float, now: float
+    ) -> PrepareReply | None:
+        self._refuse_stale(checkpoint_id)
+        if checkpoint_id == self.checkpoint_id and checkpoint_id in self._prepared:
+            return self._prepared[checkpoint_id]
+        self._refuse_other_open(checkpoint_id)
+        if self.phase in (Phase.COMMITTED, Phase.RESTORED):
+            raise self._wrong_phase("prepare")
+        _refuse_passed(deadline_ts, now)
+        return None
+
+    def begin_prepare(self, checkpoint_id: str) -> bool:
+        """Enter `preparing`; True when admission must be closed (first prepare of this id)."""
+        entering = self.phase is Phase.IDLE
+        self.phase = Phase.PREPARING
+        self.checkpoint_id = checkpoint_id
+        return entering
+
+    def end_prepare(self, reply: PrepareReply) -> None:
+        """A ready reply moves to `prepared` and is replayed from now on; a not-ready one stays
+        in `preparing` (still parked) until resume or a retried prepare."""
+        if self.checkpoint_id != reply.checkpoint_id:
+            return
+        if reply.ready:
+            self.phase = Phase.PREPARED
+            self._prepared[reply.checkpoint_id] = reply
+
+    # commit -----------------------------------------------------------------------------------
+
+    def admit_commit(
+        self, checkpoint_id: str, deadline_ts: float, now: float
+    ) -> CommitReply | None:
+        self._refuse_stale(checkpoint_id)
+        if checkpoint_id == self.checkpoint_id and checkpoint_id in self._committed:
+            return self._committed[checkpoint_id]
+        self._refuse_unknown(checkpoint_id)
+        if self.phase is not Phase.PREPARED:
+            detail = " (prepare was not ready)" if self.phase is Phase.PREPARING else ""
+            raise self._wrong_phase("commit", detail)
+        _refuse_passed(deadline_ts, now)
+        return None
+
+    def end_commit(self, reply: CommitReply) -> None:
+        if self.checkpoint_id == reply.checkpoint_id:
+            self.phase = Phase.COMMITTED
+            self._committed[reply.checkpoint_id] = reply
+
+    # restore ----------------------------------------------------------------------------------
+
+    def admit_restore(
+        self, checkpoint_id: str, attempt: int, deadline_ts: float, now: float
+    ) -> RestoreReply | None:
+        if (checkpoint_id, attempt) in self._stale_restores:
+            raise ProtocolError(
+                ErrorCode.STALE_CHECKPOINT,
+                f"checkpoint {checkpoint_id!r} was already restored under attempt {attempt} "
+                "and resumed; restore it under a new attempt",
+            )
+        if self.phase is Phase.RESTORED and checkpoint_id == self.checkpoint_id:
+            cached = self._restored.get((checkpoint_id, attempt))
+            if cached is not None:
+                return cached
+            raise ProtocolError(
+                ErrorCode.CONFLICTING_CHECKPOINT,
+                f"checkpoint {checkpoint_id!r} is already restored under attempt "
+                f"{self.restore_attempt}, not {attempt}",
+            )
+        self._refuse_other_open(checkpoint_id)
+        if self.phase is not Phase.IDLE:
+            raise self._wrong_phase("restore")
+        _refuse_passed(deadline_ts, now)
+        return None
+
+    def end_restore(self, attempt: int, reply: RestoreReply) -> None:
+        self.phase = Phase.RESTORED
+        self.checkpoint_id = reply.checkpoint_id
+        self.restore_attempt = attempt
+        self._restored[(reply.checkpoint_id, attempt)] = reply
+
+    # renew, resume, lease ---------------------------------------------------------------------
+
+    def admit_renew(self, checkpoint_id: str, deadline_ts: float, now: float) -> None:
+        self._refuse_stale(checkpoint_id)
+        self._refuse_unknown(checkpoint_id)
+        _refuse_passed(deadline_ts, now)
+
+    def resume(self, checkpoint_id: str) -> bool:
+        """Apply a resume; True when the participant must reopen.
+
+        Resume is the abort of every earlier phase and always succeeds for the open id, a stale
+        id, or any id while idle (the id then goes stale, so a late prepare cannot reopen it).
+        Only an unknown id while another checkpoint is open conflicts: it must not abort that one.
+        """
+        if self.phase is not Phase.IDLE and checkpoint_id == self.checkpoint_id:
+            self._close()
+            return True
+        if self.phase is not Phase.IDLE:
+            if checkpoint_id in self._stale:
+                return False
+            raise ProtocolError(
+                ErrorCode.CONFLICTING_CHECKPOINT,
+                f"checkpoint {self.checkpoint_id!r} is open ({self.phase.value}); "
+                f"resume of {checkpoint_id!r} would abort it",
+            )
+        _remember(self._stale, checkpoint_id)
+        return True
+
+    def extend_lease(self, until_ts: float) -> None:
+        if self.lease_expires_ts is None or until_ts > self.lease_expires_ts:
+            self.lease_expires_ts = until_ts
+
+    def lapsed(self, now: float) -> bool:
+        return (
+            self.phase is not Phase.IDLE
+            and self.lease_expires_ts is not None
+            and self.lease_expires_ts <= now
+        )
+
+    def expire(self, now: float) -> str | None:
+        """Resume by ourselves when the lease lapsed; returns the id that was abandoned."""
+        if not self.lapsed(now):
+            return None
+        abandoned = self.checkpoint_id
+        self._close()
+        return abandoned
+
+    def check_retire(self) -> None:
+        if self.phase in OPEN_PHASES:
+            raise self._wrong_phase("retire", " (resume the checkpoint first)")
+
+    # helpers ----------------------------------------------------------------------------------
+
+    def _close(self) -> None:
+        checkpoint_id = self.checkpoint_id
+        if checkpoint_id is not None:
+            _remember(self._stale, checkpoint_id)
+            self._prepared.pop(checkpoint_id, None)
+            self._committed.pop(checkpoint_id, None)
+            if self.restore_attempt is not None:
+                _remember(self._stale_restores, (checkpoint_id, self.restore_attempt))
+                self._restored.pop((checkpoint_id, self.restore_attempt), None)
+        self.phase = Phase.IDLE
+        self.checkpoint_id = None
+        self.restore_attempt = None
+        self.lease_expires_ts = None
+
+    def _refuse_stale(self, checkpoint_id: str) -> None:
+        if checkpoint_id in self._stale:
+            raise ProtocolError(
+                ErrorCode.STALE_CHECKPOINT,
+                f"checkpoint {checkpoint_id!r} was already resumed; start a new checkpoint id",
+            )
+
+    def _refuse_other_open(self, checkpoint_id: str) -> None:
+        if self.phase is not Phase.IDLE and checkpoint_id != self.checkpoint_id:
+            raise ProtocolError(
+                ErrorCode.CONFLICTING_CHECKPOINT,
+                f"checkpoint {self.checkpoint_id!r} is open ({self.phase.value}); resume it "
+                f"before starting {checkpoint_id!r}",
+            )
+
+    def _refuse_unknown(self, checkpoint_id: str) -> None:
+        if self.phase is Phase.IDLE or checkpoint_id != self.checkpoint_id:
+            current = "none" if self.checkpoint_id is None else repr(self.checkpoint_id)
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_CHECKPOINT,
+                f"checkpoint {checkpoint_id!r} is not open here (open: {current})",
+            )
+
+    def _wrong_phase(self, operation: str, detail: str = "") -> ProtocolError:
+        return ProtocolError(
+            ErrorCode.WRONG_PHASE,
+            f"{operation} is not allowed in phase {self.phase.value}{detail}",
+        )
+
+
+def _refuse_passed(deadline_ts: float, now: float) -> None:
+    if deadline_ts <= now:
+        raise ProtocolError(
+            ErrorCode.DEADLINE_PASSED,
+            f"deadline_ts {deadline_ts:.3f} is {now - deadline_ts:.3f}s in the past",
+        )
+
+
+def _remember(memory: OrderedDict[Any, None], key: object) -> None:
+    memory[key] = None
+    memory.move_to_end(key)
+    while len(memory) > _REMEMBERED:
+        memory.popitem(last=False)
+
+
+# --- retire marks ---------------------------------------------------------------------------
+
+
+class RetireMarks:
+    """Which (attempt, rollout) pairs must never run again here."""
+
+    def __init__(self) -> None:
+        self._whole: set[int] = set()
+        self._rollouts: dict[int, set[str]] = {}
+
+    def add(self, attempt: int, rollout_ids: frozenset[str] | None) -> None:
+        if rollout_ids is None:
+            self._whole.add(attempt)
+        else:
+            self._rollouts.setdefault(attempt, set()).update(rollout_ids)
+
+    def covers(self, attempt: int, rollout_id: str) -> bool:
+        return attempt in self._whole or rollout_id in self._rollouts.get(attempt, ())
+
+    def whole_attempts(self) -> list[int]:
+        return sorted(self._whole)
+
+    def forget(self, rollout_ids: frozenset[str]) -> int:
+        """Drop per-rollout marks; whole-attempt marks stay (they describe the attempt)."""
+        dropped = 0
+        for attempt in list(self._rollouts):
+            marked = self._rollouts[attempt]
+            gone = marked & rollout_ids
+            dropped += len(gone)
+            marked -= gone
+            if not marked:
+                del self._rollouts[attempt]
+        return dropped
+
+
+# --- the control plane ----------------------------------------------------------------------
+
+
+class ControlPlane:
+    """Mount with `install(app)`; the participant's server keeps running its own routes."""
+
+    def __init__(
+        self,
+        participant: Participant,
+        settings: ControlSettings,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if Role(participant.role) is not settings.role:
+            raise ControlConfigError(
+                f"participant role {participant.role} does not match settings role {settings.role}"
+            )
+        if settings.token is None:
+            logger.warning(
+                "control plane of %s runs WITHOUT authentication (allow_unauthenticated); "
+                "anyone who reaches it can pause, restore or retire rollouts",
+                settings.instance,
+            )
+        self._participant = participant
+        self._settings = settings
+        self._clock = clock
+        self._attempt = settings.attempt
+        self._machine = PhaseMachine()
+        self._marks = RetireMarks()
+        self._operations: OrderedDict[str, RetireReply | ForgetReply] = OrderedDict()
+        self._lock = anyio.Lock()
+        self._lease_changed = anyio.Event()
+        self._watchdog_scope: anyio.CancelScope | None = None
+        self.router = self._build_router()
+
+    # public API -------------------------------------------------------------------------------
+
+    @property
+    def settings(self) -> ControlSettings:
+        return self._settings
+
+    @property
+    def attempt(self) -> int:
+        return self._attempt
+
+    @property
+    def phase(self) -> Phase:
+        return self._machine.phase
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return self._machine.checkpoint_id
+
+    def is_retired(self, attempt: int, rollout_id: str) -> bool:
+        return self._marks.covers(attempt, rollout_id)
+
+    def install(self, app: FastAPI) -> None:
+        """Mount the routes and error handlers, and run the lease watchdog with the app.
+
+        Create the app with its own lifespan (if any) before calling this; the watchdog wraps it.
+        """
+        app.include_router(self.router)
+        app.add_exception_handler(ProtocolError, _protocol_error_handler)
+        app.add_exception_handler(RequestValidationError, _validation_error_handler)
+        inner = app.router.lifespan_context
+
+        @asynccontextmanager
+        async def lifespan(application: Any) -> AsyncIterator[Any]:
+            async with self.running(), inner(application) as state:
+                yield state
+
+        app.router.lifespan_context = lifespan
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[ControlPlane]:
+        """Run the lease watchdog for the duration of the block (the app lifespan uses this)."""
+        async with anyio.create_task_group() as group:
+            self._watchdog_scope = group.cancel_scope
+            group.start_soon(self._watchdog)
+            try:
+                yield self
+            finally:
+                group.cancel_scope.cancel()
+                self._watchdog_scope = None
+
+    async def aclose(self) -> None:
+        """Stop the watchdog; an open checkpoint is left as is (its coordinator will resume it)."""
+        if self._watchdog_scope is not None:
+            self._watchdog_scope.cancel()
+
+    def status(self) -> StatusReply:
+        counts = self._participant.counts()
+        return StatusReply(
+            role=self._settings.role,
+            instance=self._settings.instance,
+            attempt=self._attempt,
+            phase=self._machine.phase,
+            checkpoint_id=self._machine.checkpoint_id,
+            lease_expires_ts=self._machine.lease_expires_ts,
+            live_episodes=counts.live,
+            parked_episodes=counts.parked,
+            restored_episodes=counts.restored,
+            retired_attempts=self._marks.whole_attempts(),
+        )
+
+    # operations -------------------------------------------------------------------------------
+
+    async def prepare(self, request: PrepareRequest) -> PrepareReply:
+        async with self._lock:
+            cid = request.checkpoint_id
+            cached = self._machine.admit_prepare(cid, request.deadline_ts, self._clock())
+            self._extend_lease(request.deadline_ts)
+            if cached is not None:
+                return cached
+            if self._machine.begin_prepare(cid):
+                await self._call("close_admission", self._participant.close_admission())
+            state = await self._park(request.deadline_ts)
+            reply = PrepareReply(
+                checkpoint_id=cid,
+                phase=Phase.PREPARED if state.ready else Phase.PREPARING,
+                ready=state.ready,
+                episodes=list(state.parked),
+                blockers=list(state.blockers[:MAX_BLOCKERS_REPORTED]),
+                blocker_count=len(state.blockers),
+                restarts=list(state.restarts),
+            )
+            self._machine.end_prepare(reply)
+            if not state.ready:
+                logger.info(
+                    "%s: prepare %s not ready at its deadline: %d blockers",
+                    self._settings.instance,
+                    cid,
+                    len(state.blockers),
+                )
+            return reply
+
+    async def renew(self, request: RenewRequest) -> RenewReply:
+        async with self._lock:
+            self._machine.admit_renew(request.checkpoint_id, request.deadline_ts, self._clock())
+            self._extend_lease(request.deadline_ts)
+            expires = self._machine.lease_expires_ts
+            assert expires is not None
+            return RenewReply(
+                checkpoint_id=request.checkpoint_id,
+                phase=self._machine.phase,
+                lease_expires_ts=expires,
+            )
+
+    async def commit(self, request: CommitRequest) -> CommitReply:
+        async with self._lock:
+            cid = request.checkpoint_id
+            cached = self._machine.admit_commit(cid, request.deadline_ts, self._clock())
+            self._extend_lease(request.deadline_ts)
+            if cached is not None:
+                return cached
+            root = self._require_root("commit")
+            scope = None if request.rollout_ids is None else frozenset(request.rollout_ids)
+            records = self._in_scope(self._export(scope), scope)
+            directory = _directory(root, self._settings.set_name, cid, self._settings.instance)
+            try:
+                manifest = await anyio.to_thread.run_sync(
+                    lambda: storage.write_records(
+                        directory,
+                        role=self._settings.role,
+                        instance=self._settings.instance,
+                        checkpoint_id=cid,
+                        attempt=self._attempt,
+                        records=records,
+                    )
+                )
+            except storage.StorageError as error:
+                logger.error("%s: commit %s failed: %s", self._settings.instance, cid, error)
+                raise ProtocolError(ErrorCode.STORAGE_FAILED, str(error)) from error
+            if scope is not None:
+                self._participant.release_outside(scope)
+            reply = CommitReply(
+                checkpoint_id=cid,
+                phase=Phase.COMMITTED,
+                manifest=manifest,
+                manifest_path=str((directory / storage.MANIFEST_NAME).relative_to(root).as_posix()),
+            )
+            self._machine.end_commit(reply)
+            return reply
+
+    async def restore(self, request: RestoreRequest) -> RestoreReply:
+        async with self._lock:
+            cid = request.checkpoint_id
+            cached = self._machine.admit_restore(
+                cid, request.attempt, request.deadline_ts, self._clock()
+            )
+            if cached is not None:
+                self._extend_lease(request.deadline_ts)
+                return cached
+            if request.attempt < self._attempt:
+                raise ProtocolError(
+                    ErrorCode.ATTEMPT_MISMATCH,
+                    f"restore under attempt {request.attempt}, but this process already runs "
+                    f"attempt {self._attempt}",
+                )
+            if request.attempt in self._marks.whole_attempts():
+                raise ProtocolError(
+                    ErrorCode.ATTEMPT_RETIRED,
+                    f"attempt {request.attempt} was retired here; restore under a newer attempt",
+                )
+            records = await self._verified_records(request)
+            self._extend_lease(request.deadline_ts)
+            await self._call("close_admission", self._participant.close_admission())
+            try:
+                restored = await self._participant.install(records, request.attempt)
+            except Exception as error:
+                logger.exception("%s: install failed", self._settings.instance)
+                await self._call("reopen", self._participant.reopen())
+                self._machine.lease_expires_ts = None
+                raise ProtocolError(
+                    ErrorCode.INTERNAL, f"install failed: {type(error).__name__}: {error}"
+                ) from error
+            self._attempt = request.attempt
+            reply = RestoreReply(
+                checkpoint_id=cid,
+                phase=Phase.RESTORED,
+                attempt=request.attempt,
+                restored=restored,
+                record_count=len(records),
+            )
+            self._machine.end_restore(request.attempt, reply)
+            return reply
+
+    async def resume(self, request: ResumeRequest) -> ResumeReply:
+        """Resume (and abort) is accepted even past its deadline: it only ever frees work."""
+        async with self._lock:
+            if self._machine.resume(request.checkpoint_id):
+                self._lease_changed.set()
+                await self._call("reopen", self._participant.reopen())
+            return ResumeReply(checkpoint_id=request.checkpoint_id, phase=Phase.IDLE)
+
+    async def retire(self, request: RetireRequest) -> RetireReply:
+        async with self._lock:
+            cached = self._operations.get(request.operation_id)
+            if isinstance(cached, RetireReply):
+                return cached
+            self._refuse_reused_operation(request.operation_id, cached)
+            self._machine.check_retire()
+            _refuse_passed(request.deadline_ts, self._clock())
+            scope = None if request.rollout_ids is None else frozenset(request.rollout_ids)
+            # Marks first: work of this attempt that arrives while we wait is refused already.
+            self._marks.add(request.attempt, scope)
+            try:
+                with anyio.fail_after(max(0.0, request.deadline_ts - self._clock())):
+                    retired = await self._participant.retire(request.attempt, scope)
+            except TimeoutError:
+                raise ProtocolError(
+                    ErrorCode.DEADLINE_PASSED,
+                    f"retire of attempt {request.attempt} did not finish by its deadline; "
+                    "retry with the same operation_id",
+                ) from None
+            reply = RetireReply(operation_id=request.operation_id, retired=retired)
+            _remember_operation(self._operations, request.operation_id, reply)
+            return reply
+
+    async def forget(self, request: ForgetRequest) -> ForgetReply:
+        async with self._lock:
+            cached = self._operations.get(request.operation_id)
+            if isinstance(cached, ForgetReply):
+                return cached
+            self._refuse_reused_operation(request.operation_id, cached)
+            ids = frozenset(request.rollout_ids)
+            dropped = self._marks.forget(ids)
+            try:
+                self._participant.forget(ids)
+            except Exception as error:
+                logger.exception("%s: forget failed", self._settings.instance)
+                raise ProtocolError(
+                    ErrorCode.INTERNAL, f"forget failed: {type(error).__name__}: {error}"
+                ) from error
+            reply = ForgetReply(operation_id=request.operation_id, forgotten=dropped)
+            _remember_operation(self._operations, request.operation_id, reply)
+            return reply
+
+    # internals --------------------------------------------------------------------------------
+
+    def _extend_lease(self, deadline_ts: float) -> None:
+        self._machine.extend_lease(deadline_ts + self._settings.lease_grace_seconds)
+        self._lease_changed.set()
+
+    def _require_root(self, operation: str) -> Path:
+        root = self._settings.checkpoint_root
+        if root is None:
+            raise ProtocolError(
+                ErrorCode.STORAGE_FAILED,
+                f"{operation} needs a checkpoint root; ROLLOUT_CHECKPOINT_ROOT is not set",
+            )
+        return root
+
+    async def _park(self, deadline_ts: float) -> ParkState:
+        budget = max(0.0, deadline_ts - self._clock()) + _PARK_OVERRUN_SECONDS
+        try:
+            with anyio.fail_after(budget):
+                return await self._participant.park(deadline_ts)
+        except TimeoutError:
+            raise ProtocolError(
+                ErrorCode.INTERNAL,
+                f"participant did not report its park state within {_PARK_OVERRUN_SECONDS}s "
+                "after the deadline",
+            ) from None
+        except ProtocolError:
+            raise
+        except Exception as error:
+            logger.exception("%s: park failed", self._settings.instance)
+            raise ProtocolError(
+                ErrorCode.INTERNAL, f"park failed: {type(error).__name__}: {error}"
+            ) from error
+
+    def _export(self, scope: frozenset[str] | None) -> list[Record]:
+        try:
+            return list(self._participant.export(scope))
+        except Exception as error:
+            logger.exception("%s: export failed", self._settings.instance)
+            raise ProtocolError(
+                ErrorCode.INTERNAL, f"export failed: {type(error).__name__}: {error}"
+            ) from error
+
+    def _in_scope(self, records: list[Record], scope: frozenset[str] | None) -> list[Record]:
+        if scope is None:
+            return records
+        kept = [record for record in records if record.rollout_id in scope]
+        if len(kept) != len(records):
+            logger.warning(
+                "%s: export returned %d records outside the commit scope; not written",
+                self._settings.instance,
+                len(records) - len(kept),
+            )
+        return kept
+
+    async def _verified_records(self, request: RestoreRequest) -> list[Record]:
+        """Read, verify and filter the records; raises before anything is installed."""
+        root = self._require_root("restore")
+        source = request.source_instance or self._settings.instance
+        if not source.startswith(f"{self._settings.role.value}-"):
+            raise ProtocolError(
+                ErrorCode.INVALID_REQUEST,
+                f"source_instance {source!r} is not a {self._settings.role.value} instance",
+            )
+        directory = _directory(root, self._settings.set_name, request.checkpoint_id, source)
+        try:
+            manifest, records = await anyio.to_thread.run_sync(
+                lambda: storage.read_records(directory, expect_checkpoint_id=request.checkpoint_id)
+            )
+        except storage.RecordsInvalid as error:
+            raise ProtocolError(ErrorCode.RECORDS_INVALID, str(error)) from error
+        except storage.StorageError as error:
+            raise ProtocolError(ErrorCode.STORAGE_FAILED, str(error)) from error
+        if manifest.role is not self._settings.role:
+            raise ProtocolError(
+                ErrorCode.RECORDS_INVALID,
+                f"records in {directory} belong to role {manifest.role.value}, "
+                f"not {self._settings.role.value}",
+            )
+        if request.rollout_ids is not None:
+            scope = frozenset(request.rollout_ids)
+            records = [record for record in records if record.rollout_id in scope]
+        too_new = [record for record in records if record.attempt >= request.attempt]
+        if too_new:
+            raise ProtocolError(
+                ErrorCode.RECORDS_INVALID,
+                f"{len(too_new)} records were produced by attempt >= {request.attempt} "
+                f"(first: {too_new[0].rollout_id}@{too_new[0].attempt}); "
+                "restore under a newer attempt",
+            )
+        try:
+            self._participant.validate(records)
+        except ValueError as error:
+            raise ProtocolError(ErrorCode.RECORDS_INVALID, f"records refused: {error}") from error
+        return records
+
+    def _refuse_reused_operation(
+        self, operation_id: str, cached: RetireReply | ForgetReply | None
+    ) -> None:
+        if cached is not None:
+            raise ProtocolError(
+                ErrorCode.INVALID_REQUEST,
+                f"operation_id {operation_id!r} was already used for another operation",
+            )
+
+    async def _call(self, what: str, call: Awaitable[None]) -> None:
+        try:
+            await call
+        except Exception as error:
+            logger.exception("%s: %s failed", self._settings.instance, what)
+            raise ProtocolError(
+                ErrorCode.INTERNAL, f"{what} failed: {type(error).__name__}: {error}"
+            ) from error
+
+    async def _watchdog(self) -> None:
+        """Resume by ourselves when a lease lapses, so a dead coordinator never freezes work."""
+        while True:
+            changed = self._lease_changed = anyio.Event()
+            expires = self._machine.lease_expires_ts
+            if expires is None or self._machine.phase is Phase.IDLE:
+                await changed.wait()
+                continue
+            with anyio.move_on_after(max(0.0, expires - self._clock())):
+                await changed.wait()
+            if changed.is_set():
+                continue
+            with anyio.CancelScope(shield=True):
+                await self._expire()
+
+    async def _expire(self) -> None:
+        async with self._lock:
+            phase = self._machine.phase
+            abandoned = self._machine.expire(self._clock())
+            if abandoned is None:
+                return
+            logger.warning(
+                "%s: lease of checkpoint %s lapsed in phase %s; resuming by ourselves "
+                "(the coordinator stopped renewing)",
+                self._settings.instance,
+                abandoned,
+                phase.value,
+            )
+            try:
+                await self._participant.reopen()
+            except Exception:
+                logger.exception("%s: reopen after lease lapse failed", self._settings.instance)
+
+    def _build_router(self) -> APIRouter:
+        router = APIRouter(prefix=API_PREFIX)
+        plane = self
+
+        def authorized(request: Request) -> None:
+            plane._authorize(request.headers.get("authorization"))
+
+        async def status(request: Request) -> Response:
+            authorized(request)
+            return _reply(plane.status())
+
+        async def prepare(request: Request) -> Response:
+            authorized(request)
+            return _reply(await plane.prepare(await _body(request, PrepareRequest)))
+
+        async def renew(request: Request) -> Response:
+            authorized(request)
+            return _reply(await plane.renew(await _body(request, RenewRequest)))
+
+        async def commit(request: Request) -> Response:
+            authorized(request)
+            return _reply(await plane.commit(await _body(request, CommitRequest)))
+
+        async def restore(request: Request) -> Response:
+            authorized(request)
+            return _reply(await plane.restore(await _body(request, RestoreRequest)))
+
+        async def resume(request: Request) -> Response:
+            authorized(request)
+            return _reply(await plane.resume(await _body(request, ResumeRequest)))
+
+        async def retire(request: Request) -> Response:
+            authorized(request)
+            return _reply(await plane.retire(await _body(request, RetireRequest)))
+
+        async def forget(request: Request) -> Response:
+            authorized(request)
+            return _reply(await plane.forget(await _body(request, ForgetRequest)))
+
+        router.add_api_route("/status", status, methods=["GET"], response_model=StatusReply)
+        for path, endpoint, model in (
+            ("/prepare", prepare, PrepareReply),
+            ("/renew", renew, RenewReply),
+            ("/commit", commit, CommitReply),
+            ("/restore", restore, RestoreReply),
+            ("/resume", resume, ResumeReply),
+            ("/retire", retire, RetireReply),
+            ("/forget", forget, ForgetReply),
+        ):
+            router.add_api_route(path, endpoint, methods=["POST"], response_model=model)
+        return router
+
+    def _authorize(self, header: str | None) -> None:
+        expected = self._settings.token
+        if expected is None:
+            return
+        if header is None:
+            raise ProtocolError(ErrorCode.UNAUTHORIZED, "missing Authorization: Bearer <token>")
+        scheme, _, presented = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            presented.strip().encode(), expected.encode()
+        ):
+            raise ProtocolError(ErrorCode.UNAUTHORIZED, "wrong control token")
+
+
+def _directory(root: Path, set_name: str, checkpoint_id: str, instance: str) -> Path:
+    try:
+        return storage.checkpoint_dir(root, set_name, checkpoint_id, instance)
+    except storage.UnsafePath as error:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, str(error)) from error
+
+
+def _remember_operation(
+    memory: OrderedDict[str, RetireReply | ForgetReply],
+    operation_id: str,
+    reply: RetireReply | ForgetReply,
+) -> None:
+    memory[operation_id] = reply
+    while len(memory) > _REMEMBERED:
+        memory.popitem(last=False)
+
+
+async def _body(request: Request, model: type[_Model]) -> _Model:
+    """Parse the body strictly (no coercion of strings into numbers) with errors naming fields."""
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw, strict=True)
+    except ValidationError as error:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, describe_validation(error)) from None
+
+
+def describe_validation(error: ValidationError | RequestValidationError) -> str:
+    """`field: message` for each problem (at most five), so a client sees what to fix."""
+    parts: list[str] = []
+    for problem in error.errors()[:5]:
+        location = [str(part) for part in problem.get("loc", ()) if part != "body"]
+        parts.append(f"{'.'.join(location) or 'body'}: {problem.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
+
+
+def _reply(model: BaseModel) -> Response:
+    return Response(content=model.model_dump_json(), media_type="application/json")
+
+
+async def _protocol_error_handler(request: Request, error: Exception) -> Response:
+    assert isinstance(error, ProtocolError)
+    headers = {"WWW-Authenticate": "Bearer"} if error.code is ErrorCode.UNAUTHORIZED else None
+    return Response(
+        content=error.body().model_dump_json(),
+        status_code=error.status_code,
+        media_type="application/json",
+        headers=headers,
+    )
+
+
+async def _validation_error_handler(request: Request, error: Exception) -> Response:
+    assert isinstance(error, RequestValidationError)
+    return await _protocol_error_handler(
+        request, ProtocolError(ErrorCode.INVALID_REQUEST, describe_validation(error))
+    )
