@@ -1,0 +1,798 @@
+"""The episode runtime every reference server is built on.
+
+An *episode* is one rollout under one attempt, seen by one server. It is a sequence of *steps*;
+after each completed step the owner records a *boundary*: the name of the next step and the JSON
+state that step needs. A checkpoint captures boundaries, never the inside of a step, so the
+runtime has to know at every moment whether an episode is at a boundary:
+
+* a step in `wait` mode holds the episode inside the step: a checkpoint waits for it to finish
+  (it is a *blocker* until then);
+* a step in `replay` mode leaves the episode parked at the previous boundary: a checkpoint may
+  capture it at once and a restore simply runs the step again. If the step finishes while the
+  checkpoint is still open, its result is *held* (not applied) until admission reopens, so the
+  boundary a participant has already reported and exported is the one that stays true for this
+  checkpoint. Applying it early would let this participant's records run ahead of the records
+  its peers write a moment later.
+
+Admission is a gate in front of every step: while a checkpoint is open no step starts. Parked
+time (a checkpoint open while the episode is parked) is not counted against the episode's time
+budget, so a slow checkpoint never times episodes out.
+
+Restored boundaries are installed under the next attempt and wait to be claimed by that attempt's
+first call; until then a checkpoint exports them again (a second crash still continues them) and
+a commit whose scope leaves them out releases them.
+
+Retire cancels an episode only before its final cleanup starts and then waits until it has
+ended; the cleanup itself runs shielded, so a retire reply means the episode's sessions are
+closed.
+
+`RuntimeParticipant` implements the control plane's `Participant` contract over one runtime, so
+a server gets the whole protocol by describing its steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import anyio
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .participant import EpisodeCounts, ParkState, Participant
+from .protocol import EpisodeId, Record, Role
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "AttemptRetired",
+    "Boundary",
+    "Episode",
+    "EpisodeError",
+    "EpisodeExists",
+    "EpisodeRetired",
+    "EpisodeRuntime",
+    "EpisodeTimeout",
+    "RuntimeParticipant",
+    "StaleAttempt",
+    "StepMode",
+    "TaskMismatch",
+]
+
+
+class StepMode(StrEnum):
+    """How a checkpoint treats an episode while one of its steps runs."""
+
+    WAIT = "wait"
+    """The checkpoint waits for the step; the episode is a blocker until it ends."""
+    REPLAY = "replay"
+    """The episode counts as parked at its previous boundary; a restore reruns the step."""
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """Where an episode can continue: the next step and the JSON state that step needs."""
+
+    step: str
+    state: Mapping[str, Any] = field(default_factory=dict)
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+class EpisodeError(Exception):
+    """Base of the runtime's errors; servers map each to a wire error code."""
+
+
+class TaskMismatch(EpisodeError):
+    """A restored boundary was claimed with a different task than the one it recorded."""
+
+
+class AttemptRetired(EpisodeError):
+    """The episode's attempt was retired here; its work is refused from now on."""
+
+
+class StaleAttempt(EpisodeError):
+    """A call names an attempt that does not match the episode state this server holds."""
+
+
+class EpisodeExists(EpisodeError):
+    """A live episode already exists for this rollout (and key)."""
+
+    def __init__(self, episode: Episode) -> None:
+        super().__init__(f"episode {episode.id} is already live")
+        self.episode = episode
+
+
+class EpisodeRetired(EpisodeError):
+    """The episode was cancelled by a retire before its final cleanup started."""
+
+
+class EpisodeTimeout(EpisodeError):
+    """The episode used up its time budget (parked time not counted)."""
+
+
+# --- records ----------------------------------------------------------------------------------
+
+
+class BoundaryData(BaseModel):
+    """The `data` of a boundary record; validated strictly before anything is installed."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    step: str = Field(min_length=1, max_length=128)
+    state: dict[str, Any]
+    digest: str | None = None
+    steps: int = Field(ge=0)
+    active_seconds: float = Field(ge=0)
+
+
+@dataclass
+class Restored:
+    """A boundary installed by a restore, waiting for the next attempt to claim it."""
+
+    rollout_id: str
+    key: str
+    attempt: int
+    """The attempt that continues it (the restore's attempt)."""
+    produced_by: int
+    """The attempt whose records it came from."""
+    boundary: Boundary
+    digest: str | None
+    steps: int
+    active_seconds: float
+
+    @property
+    def id(self) -> EpisodeId:
+        return EpisodeId(rollout_id=self.rollout_id, attempt=self.attempt)
+
+    def record(self, kind: str) -> Record:
+        return Record(
+            kind=kind,
+            rollout_id=self.rollout_id,
+            attempt=self.attempt,
+            key=self.key,
+            data=BoundaryData(
+                step=self.boundary.step,
+                state=dict(self.boundary.state),
+                digest=self.digest,
+                steps=self.steps,
+                active_seconds=self.active_seconds,
+            ).model_dump(),
+        )
+
+
+# --- the episode ------------------------------------------------------------------------------
+
+
+class Episode:
+    """One rollout under one attempt on this server. Create through `EpisodeRuntime.begin`."""
+
+    def __init__(
+        self,
+        runtime: EpisodeRuntime,
+        rollout_id: str,
+        attempt: int,
+        key: str,
+        boundary: Boundary,
+        digest: str | None,
+        *,
+        continued_from: int | None = None,
+        steps: int = 0,
+        active_seconds: float = 0.0,
+    ) -> None:
+        self.runtime = runtime
+        self.rollout_id = rollout_id
+        self.attempt = attempt
+        self.key = key
+        self.boundary = boundary
+        self.digest = digest
+        self.continued_from = continued_from
+        """The attempt whose checkpoint this episode continues from (None: started fresh)."""
+        self.steps_completed = steps
+        self.current_step: str | None = None
+        self.holding = False
+        """A replay step finished during an open checkpoint; its result waits for reopen."""
+        self._wait_steps = 0
+        self._replay_steps = 0
+        self._cleaning = False
+        self.cleanup_started = False
+        self.retired = False
+        self.ended = anyio.Event()
+        """Set when the episode has ended: its cleanup finished, or it was closed."""
+        self._guards: set[anyio.CancelScope] = set()
+        self._timers: set[anyio.CancelScope] = set()
+        now = runtime.clock()
+        self._opened_at = now
+        self._carried = active_seconds
+        self._parked_total = 0.0
+        self._parked_since: float | None = None
+        self.closed = False
+        self._drivers = 0
+        """Tasks driving this episode; a retire waits for them rather than ending it itself."""
+
+    @property
+    def id(self) -> EpisodeId:
+        return EpisodeId(rollout_id=self.rollout_id, attempt=self.attempt)
+
+    @property
+    def parked(self) -> bool:
+        """At a boundary or inside replay steps only: the boundary is capturable now."""
+        return self._wait_steps == 0 and not self._cleaning
+
+    @property
+    def running(self) -> bool:
+        return self._wait_steps + self._replay_steps > 0 or self._cleaning
+
+    def active_seconds(self) -> float:
+        """Time spent on this episode (across attempts), not counting parked checkpoint time."""
+        now = self.runtime.clock()
+        parked = self._parked_total
+        if self._parked_since is not None:
+            parked += now - self._parked_since
+        return self._carried + max(0.0, now - self._opened_at - parked)
+
+    def remaining(self) -> float | None:
+        budget = self.runtime.episode_timeout_s
+        if budget is None:
+            return None
+        return budget - self.active_seconds()
+
+    def record(self, kind: str) -> Record:
+        return Record(
+            kind=kind,
+            rollout_id=self.rollout_id,
+            attempt=self.attempt,
+            key=self.key,
+            data=BoundaryData(
+                step=self.boundary.step,
+                state=dict(self.boundary.state),
+                digest=self.digest,
+                steps=self.steps_completed,
+                active_seconds=self.active_seconds(),
+            ).model_dump(),
+        )
+
+    def cancel(self) -> None:
+        """Cancel every guarded region of this episode (steps, holds, its driver)."""
+        self.retired = True
+        for scope in list(self._guards):
+            scope.cancel()
+
+    # parked-time accounting; called by the runtime
+    def _park_started(self, now: float) -> None:
+        if self._parked_since is None:
+            self._parked_since = now
+
+    def _park_ended(self, now: float) -> None:
+        if self._parked_since is None:
+            return
+        parked = now - self._parked_since
+        self._parked_total += parked
+        self._parked_since = None
+        for timer in self._timers:
+            # a replay step kept running while parked: its budget moves with the parked time
+            timer.deadline += parked
+
+    def __repr__(self) -> str:
+        return f"Episode({self.id}, key={self.key!r}, at={self.boundary.step!r})"
+
+
+StepObserver = Callable[[Episode, str, str], None]
+"""Called with (episode, step name, event) where event is `started`, `completed` or `failed`."""
+
+
+class EpisodeRuntime:
+    """Live episodes, restored boundaries, the admission gate and retire marks of one server.
+
+    All methods run on one event loop; nothing here is thread safe, and nothing needs to be.
+    """
+
+    def __init__(
+        self,
+        kind: str = "boundary",
+        *,
+        episode_timeout_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        observer: StepObserver | None = None,
+    ) -> None:
+        self.kind = kind
+        """The `Record.kind` of this runtime's records."""
+        self.episode_timeout_s = episode_timeout_s
+        self.clock = clock
+        self.observer = observer
+        self._live: dict[tuple[str, str], Episode] = {}
+        self._restored: dict[tuple[str, str], Restored] = {}
+        self._admission_open = True
+        self._opened = anyio.Event()
+        self._opened.set()
+        self._changed = anyio.Event()
+        self.epoch = 0
+        """Incremented every time admission closes: lets a step tell a checkpoint happened."""
+        self._retired_attempts: set[int] = set()
+        self._retired: set[tuple[str, int]] = set()
+
+    # --- admission ------------------------------------------------------------------------
+
+    @property
+    def admission_open(self) -> bool:
+        return self._admission_open
+
+    def close_admission(self) -> None:
+        """Stop starting steps. Episodes parked now start counting parked time."""
+        if not self._admission_open:
+            return
+        self._admission_open = False
+        self._opened = anyio.Event()
+        self.epoch += 1
+        now = self.clock()
+        for episode in self._live.values():
+            if episode.parked:
+                episode._park_started(now)
+        self._notify()
+
+    def reopen(self) -> None:
+        """Let steps start again and release held results."""
+        if self._admission_open:
+            return
+        self._admission_open = True
+        now = self.clock()
+        for episode in self._live.values():
+            episode._park_ended(now)
+        self._opened.set()
+        self._notify()
+
+    async def wait_admission(self) -> None:
+        """Wait at the gate until admission is open."""
+        while not self._admission_open:
+            await self._opened.wait()
+
+    # --- registry -------------------------------------------------------------------------
+
+    def find(self, rollout_id: str, key: str = "") -> Episode | None:
+        return self._live.get((rollout_id, key))
+
+    def find_restored(self, rollout_id: str, key: str = "") -> Restored | None:
+        return self._restored.get((rollout_id, key))
+
+    def live(self) -> list[Episode]:
+        return list(self._live.values())
+
+    def restored(self) -> list[Restored]:
+        return list(self._restored.values())
+
+    def is_retired(self, attempt: int, rollout_id: str) -> bool:
+        return attempt in self._retired_attempts or (rollout_id, attempt) in self._retired
+
+    def begin(
+        self,
+        rollout_id: str,
+        attempt: int,
+        first: Boundary,
+        *,
+        key: str = "",
+        digest: str | None = None,
+    ) -> Episode:
+        """Register an episode: claim a restored boundary of this attempt, or start at `first`.
+
+        Raises `AttemptRetired`, `EpisodeExists` (a live episode of the same rollout and key),
+        `TaskMismatch` (a restored boundary recorded another task) or `StaleAttempt` (a restored
+        boundary belongs to a later attempt than the caller's).
+        """
+        if self.is_retired(attempt, rollout_id):
+            raise AttemptRetired(f"attempt {attempt} of {rollout_id} is retired")
+        existing = self._live.get((rollout_id, key))
+        if existing is not None:
+            raise EpisodeExists(existing)
+        restored = self._restored.get((rollout_id, key))
+        episode: Episode
+        if restored is not None and restored.attempt > attempt:
+            raise StaleAttempt(
+                f"{rollout_id} was restored under attempt {restored.attempt}; "
+                f"the call names attempt {attempt}"
+            )
+        if restored is not None and restored.attempt == attempt:
+            if digest is not None and restored.digest is not None and digest != restored.digest:
+                raise TaskMismatch(
+                    f"{rollout_id}: the task does not match the one its checkpoint recorded"
+                )
+            del self._restored[(rollout_id, key)]
+            episode = Episode(
+                self,
+                rollout_id,
+                attempt,
+                key,
+                restored.boundary,
+                restored.digest,
+                continued_from=restored.produced_by,
+                steps=restored.steps,
+                active_seconds=restored.active_seconds,
+            )
+        else:
+            if restored is not None:
+                # an older attempt's leftover (its attempt was never continued): superseded
+                log.warning("dropping restored %s superseded by attempt %d", restored.id, attempt)
+                del self._restored[(rollout_id, key)]
+            episode = Episode(self, rollout_id, attempt, key, first, digest)
+        self._live[(rollout_id, key)] = episode
+        if not self._admission_open:
+            episode._park_started(self.clock())
+        self._notify()
+        return episode
+
+    def advance(self, episode: Episode, boundary: Boundary) -> None:
+        """Record a boundary outside a step (e.g. after final cleanup)."""
+        episode.boundary = boundary
+        self._notify()
+
+    def end(self, episode: Episode) -> None:
+        """The episode is over here: forget it and wake whoever waits for it (retire)."""
+        if self._live.get((episode.rollout_id, episode.key)) is episode:
+            del self._live[(episode.rollout_id, episode.key)]
+        episode.closed = True
+        episode.ended.set()
+        self._notify()
+
+    def drop_restored(self, rollout_id: str, key: str = "") -> Restored | None:
+        restored = self._restored.pop((rollout_id, key), None)
+        if restored is not None:
+            self._notify()
+        return restored
+
+    # --- steps ----------------------------------------------------------------------------
+
+    @contextmanager
+    def guard(self, episode: Episode) -> Iterator[None]:
+        """A region a retire may cancel; the cancellation surfaces as `EpisodeRetired`."""
+        if episode.retired:
+            raise EpisodeRetired(f"{episode.id} was retired")
+        with anyio.CancelScope() as scope:
+            episode._guards.add(scope)
+            try:
+                yield
+            finally:
+                episode._guards.discard(scope)
+        if scope.cancelled_caught:
+            raise EpisodeRetired(f"{episode.id} was retired")
+
+    async def step(
+        self,
+        episode: Episode,
+        name: str,
+        mode: StepMode,
+        run: Callable[[], Awaitable[Boundary]],
+    ) -> Boundary:
+        """Run one step: wait at the gate, run it in `mode`, record the boundary it returns."""
+        with self.guard(episode):
+            await self.wait_admission()
+            remaining = episode.remaining()
+            if remaining is not None and remaining <= 0:
+                raise EpisodeTimeout(f"{episode.id} used its {self.episode_timeout_s}s budget")
+            self._enter(episode, name, mode)
+            completed = False
+            try:
+                deadline = math.inf if remaining is None else self.clock() + remaining
+                with anyio.CancelScope(deadline=_loop_deadline(deadline, self.clock)) as timer:
+                    episode._timers.add(timer)
+                    try:
+                        boundary = await run()
+                    finally:
+                        episode._timers.discard(timer)
+                if timer.cancelled_caught:
+                    raise EpisodeTimeout(f"{episode.id} ran out of time in step {name!r}")
+                if mode is StepMode.REPLAY and not self._admission_open:
+                    # The checkpoint already reported this episode at its previous boundary:
+                    # hold the result until the checkpoint's outcome is known.
+                    episode.holding = True
+                    try:
+                        await self.wait_admission()
+                    finally:
+                        episode.holding = False
+                completed = True
+            finally:
+                self._leave(episode, name, mode, completed)
+            episode.boundary = boundary
+            episode.steps_completed += 1
+            self._notify()
+            return boundary
+
+    def _enter(self, episode: Episode, name: str, mode: StepMode) -> None:
+        if mode is StepMode.WAIT:
+            episode._wait_steps += 1
+        else:
+            episode._replay_steps += 1
+        episode.current_step = name
+        if self.observer is not None:
+            self.observer(episode, name, "started")
+        self._notify()
+
+    def _leave(self, episode: Episode, name: str, mode: StepMode, completed: bool) -> None:
+        if mode is StepMode.WAIT:
+            episode._wait_steps -= 1
+            if not self._admission_open and episode.parked:
+                episode._park_started(self.clock())
+        else:
+            episode._replay_steps -= 1
+        if not episode.running:
+            episode.current_step = None
+        if self.observer is not None:
+            self.observer(episode, name, "completed" if completed else "failed")
+        self._notify()
+
+    @asynccontextmanager
+    async def cleanup(self, episode: Episode) -> AsyncIterator[None]:
+        """Final cleanup: shielded from every cancellation, waited for by checkpoints.
+
+        From here on a retire no longer cancels the episode; it waits for `ended` instead.
+        """
+        episode.cleanup_started = True
+        episode._cleaning = True
+        if self.observer is not None:
+            self.observer(episode, "cleanup", "started")
+        self._notify()
+        completed = False
+        try:
+            with anyio.CancelScope(shield=True):
+                yield
+                completed = True
+        finally:
+            episode._cleaning = False
+            if not self._admission_open:
+                episode._park_started(self.clock())
+            if self.observer is not None:
+                self.observer(episode, "cleanup", "completed" if completed else "failed")
+            episode.ended.set()
+            self._notify()
+
+    async def hold(self, episode: Episode) -> None:
+        """Deliver only outside a checkpoint: the episode stays parked (and exported) meanwhile.
+
+        Used before a server replies with an episode's final result, so a reply never leaves
+        while the checkpoint that will be restored still thinks the episode is unfinished.
+        """
+        if not self._admission_open:
+            episode.holding = True
+            try:
+                await self.wait_admission()
+            finally:
+                episode.holding = False
+
+    # --- the participant side -------------------------------------------------------------
+
+    async def park(self, deadline_ts: float) -> ParkState:
+        """Wait until no live episode is inside a wait step or cleanup, or until the deadline.
+
+        `deadline_ts` is wall-clock (unix seconds), as on the wire.
+        """
+        while True:
+            changed = self._changed
+            blockers = _unique(ep.id for ep in self._live.values() if not ep.parked)
+            if not blockers or time.time() >= deadline_ts:
+                parked = _unique(
+                    [ep.id for ep in self._live.values() if ep.parked]
+                    + [r.id for r in self._restored.values()]
+                )
+                return ParkState(parked=parked, blockers=blockers)
+            with anyio.move_on_after(max(0.0, deadline_ts - time.time())):
+                await changed.wait()
+
+    def export(self, scope: frozenset[str] | None) -> list[Record]:
+        """Boundaries of parked episodes and unclaimed restored ones, limited to `scope`."""
+        records = [
+            ep.record(self.kind)
+            for ep in self._live.values()
+            if ep.parked and (scope is None or ep.rollout_id in scope)
+        ]
+        records.extend(
+            r.record(self.kind)
+            for r in self._restored.values()
+            if scope is None or r.rollout_id in scope
+        )
+        return records
+
+    def release_outside(self, scope: frozenset[str]) -> list[EpisodeId]:
+        """Drop restored boundaries the commit scope does not continue."""
+        released = [k for k, r in self._restored.items() if r.rollout_id not in scope]
+        ids = _unique(self._restored[k].id for k in released)
+        for k in released:
+            del self._restored[k]
+        if released:
+            self._notify()
+        return ids
+
+    def validate(self, records: Sequence[Record]) -> None:
+        """Raise `ValueError` naming the first record this runtime cannot install."""
+        seen: set[tuple[str, str]] = set()
+        for i, record in enumerate(records):
+            if record.kind != self.kind:
+                raise ValueError(f"record {i}: kind {record.kind!r}, expected {self.kind!r}")
+            try:
+                BoundaryData.model_validate(record.data)
+            except ValidationError as exc:
+                raise ValueError(f"record {i} ({record.rollout_id}): {exc}") from exc
+            ident = (record.rollout_id, record.key)
+            if ident in seen:
+                raise ValueError(f"record {i}: duplicate boundary for {record.rollout_id}")
+            seen.add(ident)
+
+    def install(self, records: Iterable[Record], attempt: int) -> list[EpisodeId]:
+        """Install validated records under `attempt`; they wait for that attempt to claim them."""
+        installed: list[EpisodeId] = []
+        for record in records:
+            data = BoundaryData.model_validate(record.data)
+            restored = Restored(
+                rollout_id=record.rollout_id,
+                key=record.key,
+                attempt=attempt,
+                produced_by=record.attempt,
+                boundary=Boundary(data.step, data.state),
+                digest=data.digest,
+                steps=data.steps,
+                active_seconds=data.active_seconds,
+            )
+            self._restored[(record.rollout_id, record.key)] = restored
+            installed.append(restored.id)
+        self._notify()
+        return _unique(installed)
+
+    async def retire(self, attempt: int, rollout_ids: frozenset[str] | None) -> list[EpisodeId]:
+        """Stop `attempt`'s episodes (None: all), wait until they have ended, refuse them after.
+
+        An episode whose final cleanup has started is not cancelled; the retire waits for it.
+        An episode without a driver (a session driven by requests) ends once its in-flight
+        steps have unwound.
+        """
+        if rollout_ids is None:
+            self._retired_attempts.add(attempt)
+        else:
+            self._retired.update((rid, attempt) for rid in rollout_ids)
+        targets = [
+            ep
+            for ep in self._live.values()
+            if ep.attempt == attempt and (rollout_ids is None or ep.rollout_id in rollout_ids)
+        ]
+        for episode in targets:
+            if not episode.cleanup_started:
+                episode.cancel()
+        for episode in targets:
+            while not episode.ended.is_set():
+                changed = self._changed
+                if not episode.running and not episode.cleanup_started and not episode._drivers:
+                    self.end(episode)
+                    break
+                await changed.wait()
+        dropped = [
+            k
+            for k, r in self._restored.items()
+            if r.attempt == attempt and (rollout_ids is None or r.rollout_id in rollout_ids)
+        ]
+        retired = [ep.id for ep in targets] + [self._restored[k].id for k in dropped]
+        for k in dropped:
+            del self._restored[k]
+        self._notify()
+        if rollout_ids is not None:
+            retired.extend(EpisodeId(rollout_id=rid, attempt=attempt) for rid in rollout_ids)
+        return _unique(retired)
+
+    def forget(self, rollout_ids: frozenset[str]) -> int:
+        """Drop the retire marks of finished rollouts; returns how many marks were dropped."""
+        marks = {m for m in self._retired if m[0] in rollout_ids}
+        self._retired -= marks
+        return len(marks)
+
+    def counts(self) -> EpisodeCounts:
+        live = self._live.values()
+        return EpisodeCounts(
+            live=len({ep.rollout_id for ep in live}),
+            parked=len({ep.rollout_id for ep in live if ep.parked}),
+            restored=len({r.rollout_id for r in self._restored.values()}),
+        )
+
+    @contextmanager
+    def driving(self, episode: Episode) -> Iterator[None]:
+        """Mark `episode` as driven by a task: a retire waits for that task to end it."""
+        episode._drivers += 1
+        try:
+            yield
+        finally:
+            episode._drivers -= 1
+            self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+
+def _loop_deadline(deadline: float, clock: Callable[[], float]) -> float:
+    """Translate a deadline on the runtime clock to the event loop's clock."""
+    if math.isinf(deadline):
+        return deadline
+    return anyio.current_time() + (deadline - clock())
+
+
+def _unique(ids: Iterable[EpisodeId]) -> list[EpisodeId]:
+    seen: dict[tuple[str, int], EpisodeId] = {}
+    for ident in ids:
+        seen.setdefault((ident.rollout_id, ident.attempt), ident)
+    return list(seen.values())
+
+
+# --- the generic participant ------------------------------------------------------------------
+
+
+class RuntimeParticipant(Participant):
+    """The checkpoint participant of a server whose state is one `EpisodeRuntime`.
+
+    Servers with extra state (the model server's delivered responses) subclass it and add their
+    records in `export`/`install`; the phases, leases and storage stay in the control plane.
+    """
+
+    def __init__(
+        self,
+        role: Role,
+        runtime: EpisodeRuntime,
+        *,
+        on_event: Callable[[str], None] | None = None,
+    ) -> None:
+        self.role = role
+        self.runtime = runtime
+        self._on_event = on_event
+
+    def _event(self, name: str) -> None:
+        if self._on_event is not None:
+            self._on_event(name)
+
+    async def close_admission(self) -> None:
+        self.runtime.close_admission()
+        self._event("close_admission")
+
+    async def park(self, deadline_ts: float) -> ParkState:
+        self._event("park")
+        state = await self.runtime.park(deadline_ts)
+        self._event("parked" if state.ready else "park_blocked")
+        return state
+
+    def export(self, scope: frozenset[str] | None) -> list[Record]:
+        return self.runtime.export(scope)
+
+    def release_outside(self, scope: frozenset[str]) -> None:
+        self.runtime.release_outside(scope)
+
+    def validate(self, records: Sequence[Record]) -> None:
+        self.runtime.validate(records)
+
+    async def install(self, records: Sequence[Record], attempt: int) -> list[EpisodeId]:
+        # Nothing may continue before the coordinator resumes: restored episodes claimed early
+        # wait at the gate.
+        self.runtime.close_admission()
+        installed = self.runtime.install(records, attempt)
+        self._event("installed")
+        return installed
+
+    async def reopen(self) -> None:
+        self.runtime.reopen()
+        self._event("reopen")
+
+    async def retire(self, attempt: int, rollout_ids: frozenset[str] | None) -> list[EpisodeId]:
+        retired = await self.runtime.retire(attempt, rollout_ids)
+        self._event("retired")
+        return retired
+
+    def forget(self, rollout_ids: frozenset[str]) -> int:
+        return self.runtime.forget(rollout_ids)
+
+    def counts(self) -> EpisodeCounts:
+        return self.runtime.counts()
