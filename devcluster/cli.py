@@ -1,0 +1,182 @@
+"""`python -m devcluster ...`: up, down, status, the test hooks, and the node agent alone."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import sys
+from pathlib import Path
+
+from devcluster import controlplane, pki
+from devcluster.admin import AgentAdmin
+from devcluster.config import DEFAULT_NODES, AgentConfig, parse_node
+from devcluster.errors import DevclusterError
+from devcluster.paths import Layout
+from devcluster.state import read_state
+
+
+def _default_dir() -> Path:
+    return Path(os.environ.get("DEVCLUSTER_DIR", ".devcluster"))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m devcluster",
+        description="A real local Kubernetes control plane plus a node agent running pods as "
+        "processes.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_dir(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--dir",
+            type=Path,
+            default=None,
+            help="cluster directory (default: $DEVCLUSTER_DIR or .devcluster)",
+        )
+
+    up = sub.add_parser("up", help="start a cluster and print the KUBECONFIG line")
+    with_dir(up)
+    up.add_argument(
+        "--node",
+        action="append",
+        default=[],
+        metavar="NAME[:k=v,...]",
+        help="a node to register (repeatable; default gpu-0 with 8 GPUs and cpu-0); "
+        "keys: cpu, memory, pods, gpus, label.<key>",
+    )
+    up.add_argument(
+        "--apiserver-port",
+        type=int,
+        default=None,
+        help="port for kube-apiserver on 127.0.0.1 (default: a free one)",
+    )
+    up.add_argument(
+        "--timeout",
+        type=float,
+        default=90.0,
+        help="seconds to wait for the cluster to become ready (default 90)",
+    )
+
+    down = sub.add_parser("down", help="stop every process of a cluster")
+    with_dir(down)
+
+    status = sub.add_parser("status", help="show a cluster's processes and ports")
+    with_dir(status)
+
+    kill = sub.add_parser("kill-pod", help="SIGKILL a pod's processes (test hook)")
+    kill.add_argument("namespace")
+    kill.add_argument("name")
+    kill.add_argument("--container", default=None)
+    with_dir(kill)
+
+    lose = sub.add_parser("lose-node", help="kill a node's processes and mark it NotReady")
+    lose.add_argument("name")
+    with_dir(lose)
+
+    restore = sub.add_parser("restore-node", help="bring a lost node back")
+    restore.add_argument("name")
+    with_dir(restore)
+
+    agent = sub.add_parser("agent", help="run the node agent alone (`up` starts one for you)")
+    agent.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="an agent.json written by `up`; the other flags are then ignored",
+    )
+    agent.add_argument("--kubeconfig", type=Path, default=None)
+    with_dir(agent)
+    agent.add_argument("--node", action="append", default=[], metavar="NAME[:k=v,...]")
+    agent.add_argument("--port", type=int, default=0, help="agent endpoint port (default: free)")
+    agent.add_argument(
+        "--pod-ip-octet",
+        type=int,
+        default=None,
+        help="pods get 127.<octet>.x.y (default: random within 2..253)",
+    )
+    agent.add_argument("-v", "--verbose", action="store_true")
+    return parser
+
+
+def _admin(root: Path) -> AgentAdmin:
+    layout = Layout(root.resolve())
+    state = read_state(layout.state_file)
+    if state is None:
+        raise DevclusterError(f"no devcluster in {layout.root}; pass --dir or start one with `up`")
+    return AgentAdmin(state.agent_url, layout.pki / "ca.crt")
+
+
+def _agent_config(args: argparse.Namespace) -> AgentConfig:
+    if args.config is not None:
+        from devcluster.agent.main import load_config
+
+        return load_config(args.config)
+    if args.kubeconfig is None:
+        raise DevclusterError("agent: pass --config (from `up`) or --kubeconfig and --dir")
+    root = (args.dir or _default_dir()).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    # Alone, the agent has no cluster CA to sign its endpoint with: it makes its own, so
+    # `kubectl logs` will not verify against it, but the test hooks work.
+    certs = pki.generate(root / "agent-pki")
+    cluster_id = secrets.token_hex(6)
+    return AgentConfig(
+        dir=root,
+        kubeconfig=args.kubeconfig,
+        nodes=[parse_node(n) for n in args.node] or list(DEFAULT_NODES),
+        admin_port=args.port,
+        cluster_id=cluster_id,
+        pod_ip_octet=args.pod_ip_octet or 2 + int(cluster_id, 16) % 252,
+        tls_cert=certs.serving.cert,
+        tls_key=certs.serving.key,
+        path_prefix=[str(Path(sys.executable).parent)],
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    root: Path = args.dir or _default_dir()
+    try:
+        if args.command == "up":
+            nodes = [parse_node(n) for n in args.node] or list(DEFAULT_NODES)
+            controlplane.up(root, nodes, args.apiserver_port, args.timeout)
+            print(f"export KUBECONFIG={Layout(root.resolve()).kubeconfig}")
+        elif args.command == "down":
+            controlplane.down(root)
+        elif args.command == "status":
+            _status(root)
+        elif args.command == "kill-pod":
+            pids = _admin(root).kill_pod(args.namespace, args.name, args.container)
+            print(f"killed {args.namespace}/{args.name}: pids {pids}")
+        elif args.command == "lose-node":
+            _admin(root).lose_node(args.name)
+            print(f"node {args.name} lost: its processes were killed and it is NotReady")
+        elif args.command == "restore-node":
+            _admin(root).restore_node(args.name)
+            print(f"node {args.name} restored")
+        elif args.command == "agent":
+            from devcluster.agent.main import run
+
+            run(_agent_config(args), verbose=args.verbose)
+    except DevclusterError as error:
+        print(f"devcluster: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("devcluster: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _status(root: Path) -> None:
+    layout = Layout(root.resolve())
+    state = read_state(layout.state_file)
+    if state is None:
+        raise DevclusterError(f"no devcluster in {layout.root}")
+    alive = set(controlplane.running_pids(state))
+    print(f"cluster {state.cluster_id} in {layout.root}: {state.phase}")
+    print(f"  apiserver  {state.apiserver_url}")
+    print(f"  kubeconfig {layout.kubeconfig}")
+    for record in state.processes:
+        mark = "running" if record.pid in alive else "stopped"
+        print(f"  {record.name:<24} pid {record.pid:<8} {mark:<8} {record.log}")

@@ -1,0 +1,82 @@
+"""The state file: what `up` started, written as soon as each process exists.
+
+`down` works from this file alone, so it can stop a cluster whose `up` was interrupted.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from devcluster.config import NodeSpec
+from devcluster.errors import DevclusterError
+
+MARKER_ENV = "DEVCLUSTER_ID"
+"""Every process a cluster starts carries `DEVCLUSTER_ID=<cluster id>` in its environment, and so do
+their descendants: `down` uses it to find stragglers that were never recorded."""
+
+
+class ProcessRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    pid: int
+    log: Path
+
+
+class Ports(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    etcd_client: int
+    etcd_peer: int
+    apiserver: int
+    controller_manager: int
+    scheduler: int
+    agent: int
+
+
+class ClusterState(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: Literal[1] = 1
+    cluster_id: str
+    dir: Path
+    phase: Literal["starting", "ready", "stopped"]
+    ports: Ports
+    pod_ip_octet: int
+    nodes: list[NodeSpec]
+    bin_dir: Path
+    processes: list[ProcessRecord] = Field(default_factory=list)
+
+    @property
+    def apiserver_url(self) -> str:
+        return f"https://127.0.0.1:{self.ports.apiserver}"
+
+    @property
+    def agent_url(self) -> str:
+        return f"https://127.0.0.1:{self.ports.agent}"
+
+
+def write_state(path: Path, state: ClusterState) -> None:
+    """Atomic replace with fsync: a crash mid-write must never lose the pids already recorded."""
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w", encoding="utf-8") as handle:
+        handle.write(state.model_dump_json(indent=2))
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def read_state(path: Path) -> ClusterState | None:
+    if not path.exists():
+        return None
+    try:
+        return ClusterState.model_validate_json(path.read_text(encoding="utf-8"))
+    except ValidationError as error:
+        raise DevclusterError(
+            f"{path} is not a devcluster state file this version understands ({error.error_count()}"
+            " problems); stop its processes by hand and remove the directory"
+        ) from error
