@@ -1,0 +1,794 @@
+"""API models of the two custom resources (group `checkpoint.rollout.dev`, version `v1alpha1`).
+
+These pydantic classes are the single source of the API: `crdgen` turns them into the CRD
+schemas in `crds/`, and the operator parses every object it reads through them. Each
+cross-field rule exists twice, once as a Python validator (so the operator and unit tests see
+the same refusal) and once as a CEL rule in the schema (so the API server refuses a bad spec
+before the operator ever sees it). Both are built from the same `Rule` constants below, so the
+message a user reads is identical wherever the spec is refused.
+
+Conventions (Kubernetes API conventions): camelCase wire names, integer durations named
+`...Seconds`, string enums, `metav1.Condition` shaped conditions.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Annotated, Any, Final
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    StringConstraints,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+from rollout_servers.protocol import ROLLOUT_ID_PATTERN, Role
+
+GROUP: Final = "checkpoint.rollout.dev"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+
+ROLLOUT_SET_KIND: Final = "RolloutSet"
+ROLLOUT_SET_PLURAL: Final = "rolloutsets"
+ROLLOUT_CHECKPOINT_KIND: Final = "RolloutCheckpoint"
+ROLLOUT_CHECKPOINT_PLURAL: Final = "rolloutcheckpoints"
+
+FINALIZER: Final = f"{GROUP}/finalizer"
+"""Our own finalizer name, so Kopf never adds its generic `kopf.zalando.org` marker."""
+
+LABEL_SET: Final = f"{GROUP}/set"
+LABEL_ROLE: Final = f"{GROUP}/role"
+LABEL_INDEX: Final = f"{GROUP}/index"
+LABEL_ATTEMPT: Final = f"{GROUP}/attempt"
+ANNOTATION_SPEC_HASH: Final = f"{GROUP}/spec-hash"
+"""On every participant pod: the digest of the participants spec it was built from."""
+ANNOTATION_TRAINER_STEP: Final = f"{GROUP}/trainer-step"
+"""On a RolloutSet: a trainer reports a trainer checkpoint at this step (DESIGN §3)."""
+
+CONTROL_PORT_NAME: Final = "control"
+"""The container port through which the operator and the peers reach a participant."""
+
+ROLE_ORDER: Final[tuple[Role, ...]] = (Role.ENVIRONMENT, Role.MODEL, Role.AGENT, Role.RESOURCES)
+
+MAX_SET_NAME_LENGTH: Final = 50
+"""`<set>-environment` must stay a 63-character DNS label (it names the role's Service)."""
+MAX_CHECKPOINT_NAME_LENGTH: Final = 128
+"""A RolloutCheckpoint's name is its checkpoint id on storage (`CHECKPOINT_ID_PATTERN`)."""
+MAX_CONTAINERS: Final = 32
+MAX_PORTS: Final = 64
+
+DNS_LABEL_PATTERN: Final = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN_PATTERN: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+CONDITION_REASON_PATTERN: Final = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
+
+
+# --- validation rules shared by pydantic and CEL ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One validation rule: the CEL expression the API server runs and the message both show."""
+
+    cel: str
+    message: str
+
+    def schema(self) -> dict[str, Any]:
+        return {"rule": self.cel, "message": self.message}
+
+
+RULE_UNIQUE_ROLES: Final = Rule(
+    cel="self.all(p, self.exists_one(q, q.role == p.role))",
+    message="participant roles must be unique: each entry is one tier of the rollout servers "
+    "and the checkpoint protocol addresses a tier by its role; use replicas for more instances",
+)
+RULE_CONTROL_PORT: Final = Rule(
+    cel="self.template.spec.containers.exists(c, has(c.ports) && "
+    "c.ports.exists(p, has(p.name) && p.name == 'control'))",
+    message='the pod template needs a container port named "control": the operator runs the '
+    "checkpoint protocol through it and the peers of this role call it",
+)
+RULE_RESTART_NEVER: Final = Rule(
+    cel="!has(self.template.spec.restartPolicy) || self.template.spec.restartPolicy == 'Never'",
+    message="template.spec.restartPolicy must be Never (or unset): a restarted container comes "
+    "back without its in-memory episodes while their state is counted as live; the operator "
+    "replaces lost pods itself, under attempt + 1, from the latest checkpoint",
+)
+RULE_NEVER_SAVES: Final = Rule(
+    cel="!(self.recovery.targetLevel == 'turn' && !self.checkpointPolicy.onTrainerCheckpoint"
+    " && !has(self.checkpointPolicy.intervalSeconds) && !has(self.checkpointPolicy.mustSaveBy))",
+    message="recovery.targetLevel turn would never save: checkpointPolicy.onTrainerCheckpoint "
+    "is false and neither intervalSeconds nor mustSaveBy is set, so no checkpoint would capture "
+    "unfinished turns (eviction checkpoints alone do not cover crashes or node loss); set one "
+    "of them, or use targetLevel sibling",
+)
+RULE_STORAGE_IMMUTABLE: Final = Rule(
+    cel="self == oldSelf",
+    message="storage is immutable: the records of earlier checkpoints live there and a restore "
+    "reads them from the same volume and path",
+)
+RULE_STORAGE_PATH: Final = Rule(
+    cel="!self.path.matches('(^|/)[.][.]?(/|$)') && !self.path.matches('//')",
+    message="storage.path must be a clean absolute path (no '.', '..' or empty segments): it is "
+    "the mount path in every container and the root every participant writes records under",
+)
+RULE_SET_NAME: Final = Rule(
+    cel=f"size(self.metadata.name) <= {MAX_SET_NAME_LENGTH} && "
+    f"self.metadata.name.matches('{DNS_LABEL_PATTERN}')",
+    message=f"a RolloutSet name must be a DNS label of at most {MAX_SET_NAME_LENGTH} characters "
+    "(lower-case letters, digits and '-', starting with a letter): it prefixes the names of the "
+    "pods and of the Services of each role, and is a label value",
+)
+RULE_CHECKPOINT_NAME: Final = Rule(
+    cel=f"size(self.metadata.name) <= {MAX_CHECKPOINT_NAME_LENGTH}",
+    message=f"a RolloutCheckpoint name must be at most {MAX_CHECKPOINT_NAME_LENGTH} characters: "
+    "it is the checkpoint id, which names the checkpoint's directory on storage",
+)
+RULE_CHECKPOINT_SPEC_IMMUTABLE: Final = Rule(
+    cel="self == oldSelf",
+    message="a RolloutCheckpoint's spec is immutable: it records what one checkpoint was asked "
+    "to capture; create another RolloutCheckpoint instead",
+)
+RULE_TRAINER_STEP: Final = Rule(
+    cel="self.trigger != 'TrainerCheckpoint' || has(self.trainerStep)",
+    message="trigger TrainerCheckpoint needs trainerStep: the step pairs this environment state "
+    "with the trainer checkpoint it belongs to",
+)
+
+
+# --- shared field types -------------------------------------------------------------------------
+
+
+def format_time(value: datetime) -> str:
+    """`metav1.Time`: RFC 3339 in UTC with whole seconds, as the API server writes it."""
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+Timestamp = Annotated[datetime, PlainSerializer(format_time, return_type=str, when_used="json")]
+RolloutIdStr = Annotated[str, StringConstraints(pattern=ROLLOUT_ID_PATTERN)]
+
+
+class ApiModel(BaseModel):
+    """Spec models: camelCase on the wire, unknown fields refused (a typo is an error)."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+class StatusModel(BaseModel):
+    """Status models ignore unknown fields, so an older operator can read a newer status."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+class OpenModel(BaseModel):
+    """A Kubernetes core object we only partly describe; every other field passes through."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="allow",
+        frozen=True,
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+
+def dump(model: BaseModel) -> dict[str, Any]:
+    """The wire form of a model: camelCase, JSON types, unset optional fields left out."""
+    return model.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+# --- conditions ---------------------------------------------------------------------------------
+
+
+class ConditionStatus(StrEnum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class Condition(StatusModel):
+    """A `metav1.Condition`: one aspect of the object's state, with why and since when."""
+
+    type: str = Field(
+        description="The aspect this condition describes, in CamelCase (e.g. Ready).",
+        max_length=316,
+    )
+    status: ConditionStatus = Field(description="True, False or Unknown.")
+    reason: str = Field(
+        description="A CamelCase word saying why the condition is in this status; meant for "
+        "programs and alerts.",
+        pattern=CONDITION_REASON_PATTERN,
+        max_length=1024,
+    )
+    message: str = Field(
+        default="", description="A human-readable explanation of the reason.", max_length=32768
+    )
+    last_transition_time: Timestamp = Field(
+        description="When the status last changed (not when the condition was last written)."
+    )
+    observed_generation: int | None = Field(
+        default=None,
+        ge=0,
+        description="The metadata.generation of the spec the condition was computed from.",
+    )
+
+
+_CONDITIONS_LIST: Final[dict[str, Any]] = {
+    "x-kubernetes-list-type": "map",
+    "x-kubernetes-list-map-keys": ["type"],
+}
+
+
+# --- RolloutSet spec ----------------------------------------------------------------------------
+
+
+class AfterDeadline(StrEnum):
+    SUSPEND = "Suspend"
+    CONTINUE = "Continue"
+
+
+class TargetLevel(StrEnum):
+    TURN = "turn"
+    SIBLING = "sibling"
+
+
+class RestorePolicy(StrEnum):
+    RECREATE = "Recreate"
+    IN_PLACE = "InPlace"
+
+
+class ContainerPort(OpenModel):
+    """The part of a `ContainerPort` the operator reads."""
+
+    name: str | None = Field(default=None, description="The port's name; see `control`.")
+    container_port: int = Field(ge=1, le=65535, description="The port number in the pod.")
+
+
+class Container(OpenModel):
+    """The part of a `Container` the operator reads; every other field is passed to the pod."""
+
+    name: str = Field(description="The container's name.")
+    ports: list[ContainerPort] = Field(
+        default_factory=list,
+        max_length=MAX_PORTS,
+        description="Container ports; one of the pod's containers needs a port named "
+        '"control" (the participant control plane, also the URL its peers call).',
+    )
+
+
+class PodSpecPart(OpenModel):
+    """The part of a `PodSpec` the operator reads; every other field is passed to the pod."""
+
+    containers: list[Container] = Field(
+        min_length=1, max_length=MAX_CONTAINERS, description="The pod's containers."
+    )
+    restart_policy: str | None = Field(
+        default=None,
+        description="Must be Never or unset; the operator sets Never (lost pods are replaced "
+        "under attempt + 1, never restarted in place).",
+    )
+
+
+class PodTemplate(OpenModel):
+    """A `PodTemplateSpec`. Only the fields the operator reads are described here; the whole
+    template (any PodSpec field) is kept and used for the participant pods."""
+
+    metadata: dict[str, Any] | None = Field(
+        default=None,
+        description="Labels and annotations for the pods; the operator adds its own labels.",
+    )
+    spec: PodSpecPart = Field(description="The PodSpec of each participant pod of this role.")
+
+
+class ParticipantSpec(ApiModel):
+    """One tier of rollout servers: a role, how many instances and their pod template."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [RULE_CONTROL_PORT.schema(), RULE_RESTART_NEVER.schema()]
+        }
+    )
+
+    role: Role = Field(
+        description="The participant's role: environment (runs episodes), model (the policy "
+        "model), agent (the multi-turn loop) or resources (tools and verifiers)."
+    )
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        description="How many instances of this role run. Each has a stable index; an "
+        "episode stays with one instance across attempts.",
+    )
+    template: PodTemplate = Field(
+        description="The pod template of every instance of this role (a PodTemplateSpec). "
+        'One container needs a port named "control". The operator adds env, labels, owner '
+        "references and the storage volume."
+    )
+
+    @model_validator(mode="after")
+    def _check_template(self) -> ParticipantSpec:
+        containers = self.template.spec.containers
+        if not any(p.name == CONTROL_PORT_NAME for c in containers for p in c.ports):
+            raise ValueError(RULE_CONTROL_PORT.message)
+        if self.template.spec.restart_policy not in (None, "Never"):
+            raise ValueError(RULE_RESTART_NEVER.message)
+        return self
+
+
+class StorageSpec(ApiModel):
+    """Where checkpoint records are written; the same volume is mounted in every participant."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                RULE_STORAGE_IMMUTABLE.schema(),
+                RULE_STORAGE_PATH.schema(),
+            ]
+        }
+    )
+
+    path: str = Field(
+        pattern=r"^/",
+        max_length=1024,
+        description="The mount path in every participant container and the checkpoint root "
+        "(ROLLOUT_CHECKPOINT_ROOT). Records go to <path>/<set>/<checkpoint>/<role>-<index>/.",
+    )
+    volume: dict[str, Any] = Field(
+        min_length=1,
+        description="A Volume source (for example persistentVolumeClaim with a ReadWriteMany "
+        "claim, or hostPath on devcluster), mounted at path in every participant pod.",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+    @model_validator(mode="after")
+    def _check_path(self) -> StorageSpec:
+        if re.search(r"(^|/)\.\.?(/|$)", self.path) or "//" in self.path:
+            raise ValueError(RULE_STORAGE_PATH.message)
+        return self
+
+
+class CheckpointPolicy(ApiModel):
+    """When checkpoints are taken, beyond the ones people or trainers create directly."""
+
+    interval_seconds: int | None = Field(
+        default=None,
+        ge=1,
+        description="Take a checkpoint every this many seconds (unset: no timer). A tick "
+        "while a checkpoint of the set runs is skipped.",
+    )
+    on_trainer_checkpoint: bool = Field(
+        default=True,
+        description="Checkpoint when the trainer reports a trainer checkpoint (annotation "
+        "checkpoint.rollout.dev/trainer-step on the RolloutSet). Ignored with targetLevel "
+        "sibling: the trainer checkpoint already holds that state.",
+    )
+    must_save_by: Timestamp | None = Field(
+        default=None,
+        description="RFC 3339 time (a walltime or reservation end) by which a checkpoint is "
+        "Ready; it starts saveReserveSeconds earlier. Then afterDeadline applies.",
+    )
+    after_deadline: AfterDeadline = Field(
+        default=AfterDeadline.SUSPEND,
+        description="What happens after the mustSaveBy checkpoint: Suspend releases the pods "
+        "(and their GPUs); Continue keeps running.",
+    )
+    on_eviction: bool = Field(
+        default=True,
+        description="Checkpoint inside the grace period when a participant pod is evicted, "
+        "drained or preempted.",
+    )
+    keep_latest: int = Field(
+        default=2, ge=1, description="How many Ready checkpoints (and their records) to keep."
+    )
+    prepare_timeout_seconds: int = Field(
+        default=300,
+        ge=1,
+        description="How long the prepare phase may wait for every episode to park at a "
+        "boundary before the checkpoint is aborted and participants resume.",
+    )
+
+
+class RecoverySpec(ApiModel):
+    """What happens when a participant pod of the current attempt is lost."""
+
+    target_level: TargetLevel = Field(
+        default=TargetLevel.TURN,
+        description="turn: unfinished episodes continue from their last boundary (needs "
+        "checkpoints); sibling: unfinished episodes restart from their first turn.",
+    )
+    restore_policy: RestorePolicy = Field(
+        default=RestorePolicy.RECREATE,
+        description="Recreate: every participant pod is replaced; InPlace: only lost pods are "
+        "replaced and survivors retire the old attempt.",
+    )
+    max_restarts: int = Field(
+        default=10,
+        ge=0,
+        description="How many failed restore tries (across the set's life) before the set "
+        "stays Degraded.",
+    )
+    restore_timeout_seconds: int = Field(
+        default=600,
+        ge=1,
+        description="How long fresh pods may take to become Ready and restore before the try "
+        "counts as failed.",
+    )
+
+
+class RolloutSetSpec(ApiModel):
+    """Desired state of a RolloutSet: the participants and how they are protected."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [RULE_NEVER_SAVES.schema()]}
+    )
+
+    participants: list[ParticipantSpec] = Field(
+        min_length=1,
+        max_length=len(ROLE_ORDER),
+        description="One entry per role (environment, model, agent, resources).",
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["role"],
+            "x-kubernetes-validations": [RULE_UNIQUE_ROLES.schema()],
+        },
+    )
+    storage: StorageSpec = Field(description="Where records go. Immutable.")
+    checkpoint_policy: CheckpointPolicy = Field(
+        default_factory=CheckpointPolicy,
+        description="When checkpoints are taken.",
+        json_schema_extra={"default": {}},
+    )
+    recovery: RecoverySpec = Field(
+        default_factory=RecoverySpec,
+        description="How lost pods are recovered.",
+        json_schema_extra={"default": {}},
+    )
+    suspend: bool = Field(
+        default=False,
+        description="true: checkpoint, then release all participant pods; false again: fresh "
+        "pods restore the checkpoint and continue.",
+    )
+    progress_deadline_seconds: int = Field(
+        default=600,
+        ge=1,
+        description="How long the pods of an attempt may take to become Ready before the set "
+        "is Degraded with reason PodsNotStarting (as Deployment.spec.progressDeadlineSeconds).",
+    )
+
+    @model_validator(mode="after")
+    def _check_rules(self) -> RolloutSetSpec:
+        roles = [p.role for p in self.participants]
+        if len(set(roles)) != len(roles):
+            raise ValueError(RULE_UNIQUE_ROLES.message)
+        policy = self.checkpoint_policy
+        if (
+            self.recovery.target_level is TargetLevel.TURN
+            and not policy.on_trainer_checkpoint
+            and policy.interval_seconds is None
+            and policy.must_save_by is None
+        ):
+            raise ValueError(RULE_NEVER_SAVES.message)
+        return self
+
+    def participant(self, role: Role) -> ParticipantSpec | None:
+        return next((p for p in self.participants if p.role is role), None)
+
+
+# --- RolloutSet status --------------------------------------------------------------------------
+
+
+class SetConditionType(StrEnum):
+    READY = "Ready"
+    PROGRESSING = "Progressing"
+    RECOVERING = "Recovering"
+    SUSPENDED = "Suspended"
+    DEGRADED = "Degraded"
+
+
+class ParticipantStatus(StatusModel):
+    """One participant pod of the attempt shown in status.attempt (or the recovery target)."""
+
+    role: Role = Field(description="The participant's role.")
+    index: int = Field(ge=0, description="The instance index within the role.")
+    pod: str = Field(description="The pod's name (<set>-<role>-<index>-a<attempt>).")
+    ready: bool = Field(description="Whether the pod is Ready (its readiness probe passes).")
+    phase: str | None = Field(default=None, description="The pod's phase.")
+    address: str | None = Field(
+        default=None,
+        description="Base URL of the participant (http://<pod IP>:<control port>), once the "
+        "pod has an IP; clients and the coordinator use it directly.",
+    )
+
+
+class RecoveryPhase(StrEnum):
+    STOPPING_ATTEMPT = "StoppingAttempt"
+    STARTING_PODS = "StartingPods"
+    RESTORING = "Restoring"
+    RESUMING = "Resuming"
+    BACKING_OFF = "BackingOff"
+
+
+class RecoveryStatus(StatusModel):
+    """A recovery in progress; kept in status so a restarted operator continues it."""
+
+    phase: RecoveryPhase = Field(description="Where the recovery is.")
+    from_attempt: int = Field(ge=1, description="The attempt whose pod was lost.")
+    target_attempt: int = Field(ge=1, description="The attempt the fresh pods run under.")
+    started_at: Timestamp = Field(description="When the loss was detected.")
+    checkpoint: str | None = Field(
+        default=None, description="The Ready checkpoint being restored (unset: fresh start)."
+    )
+    tries: int = Field(default=0, ge=0, description="Restore tries so far in this recovery.")
+    next_try_at: Timestamp | None = Field(
+        default=None, description="When the next try starts (phase BackingOff)."
+    )
+    reason: str | None = Field(default=None, description="Why the recovery started (CamelCase).")
+    message: str | None = Field(default=None, description="What was lost, for people.")
+
+
+class RolloutSetStatus(StatusModel):
+    """Observed state of a RolloutSet."""
+
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="The metadata.generation this status was computed from."
+    )
+    attempt: int | None = Field(
+        default=None,
+        ge=1,
+        description="The current attempt (starts at 1; each recovery adds one). Episodes are "
+        "identified by (rollout id, attempt).",
+    )
+    created_attempt: int | None = Field(
+        default=None,
+        ge=1,
+        description="The latest attempt whose pods were all created; a pod of that attempt "
+        "that disappears afterwards is lost (recovered), never silently recreated.",
+    )
+    restarts: int = Field(default=0, ge=0, description="Recoveries so far.")
+    latest_checkpoint: str | None = Field(
+        default=None, description="The newest Ready RolloutCheckpoint: what a recovery restores."
+    )
+    latest_checkpoint_time: Timestamp | None = Field(
+        default=None, description="When the latest Ready checkpoint was published."
+    )
+    active_checkpoint: str | None = Field(
+        default=None, description="The RolloutCheckpoint running now (at most one per set)."
+    )
+    last_trainer_step: int | None = Field(
+        default=None,
+        ge=0,
+        description="The last trainer step a TrainerCheckpoint checkpoint was created for.",
+    )
+    save_reserve_seconds: int | None = Field(
+        default=None,
+        ge=0,
+        description="How long before mustSaveBy the deadline checkpoint starts, estimated from "
+        "recent checkpoint durations plus a margin.",
+    )
+    recent_checkpoint_seconds: list[float] = Field(
+        default_factory=list,
+        max_length=20,
+        description="Total durations of the most recent Ready checkpoints (newest last).",
+    )
+    participants: list[ParticipantStatus] = Field(
+        default_factory=list, description="The participant pods and their addresses."
+    )
+    recovery: RecoveryStatus | None = Field(
+        default=None, description="Present while a recovery runs."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Ready, Progressing, Recovering, Suspended, Degraded.",
+        json_schema_extra=_CONDITIONS_LIST,
+    )
+
+
+class ObjectMeta(BaseModel):
+    """The part of `metav1.ObjectMeta` the operator reads."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    name: str
+    namespace: str | None = None
+    uid: str | None = None
+    generation: int | None = None
+    resource_version: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+    deletion_timestamp: datetime | None = None
+
+
+class RolloutSet(BaseModel):
+    """A RolloutSet object as read from the API server."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    api_version: str = API_VERSION
+    kind: str = ROLLOUT_SET_KIND
+    metadata: ObjectMeta
+    spec: RolloutSetSpec
+    status: RolloutSetStatus = Field(default_factory=RolloutSetStatus)
+
+    @model_validator(mode="after")
+    def _check_name(self) -> RolloutSet:
+        name = self.metadata.name
+        if len(name) > MAX_SET_NAME_LENGTH or not re.match(DNS_LABEL_PATTERN, name):
+            raise ValueError(RULE_SET_NAME.message)
+        return self
+
+
+# --- RolloutCheckpoint --------------------------------------------------------------------------
+
+
+class Trigger(StrEnum):
+    MANUAL = "Manual"
+    INTERVAL = "Interval"
+    TRAINER_CHECKPOINT = "TrainerCheckpoint"
+    DEADLINE = "Deadline"
+    EVICTION = "Eviction"
+    SUSPEND = "Suspend"
+
+
+class RolloutCheckpointSpec(ApiModel):
+    """What to checkpoint and why."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                RULE_CHECKPOINT_SPEC_IMMUTABLE.schema(),
+                RULE_TRAINER_STEP.schema(),
+            ]
+        }
+    )
+
+    rollout_set: str = Field(
+        min_length=1,
+        max_length=MAX_SET_NAME_LENGTH,
+        pattern=DNS_LABEL_PATTERN,
+        description="The RolloutSet (same namespace) whose participants are checkpointed.",
+    )
+    trigger: Trigger = Field(
+        default=Trigger.MANUAL,
+        description="Why the checkpoint was taken: Manual, Interval, TrainerCheckpoint, "
+        "Deadline, Eviction or Suspend.",
+    )
+    trainer_step: int | None = Field(
+        default=None,
+        ge=0,
+        description="The trainer step this checkpoint belongs to (required for "
+        "TrainerCheckpoint); recorded with the checkpoint.",
+    )
+    episodes: list[RolloutIdStr] | None = Field(
+        default=None,
+        description="Restrict the commit scope to these rollout ids (unset: every parked episode).",
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+
+    @model_validator(mode="after")
+    def _check_trainer_step(self) -> RolloutCheckpointSpec:
+        if self.trigger is Trigger.TRAINER_CHECKPOINT and self.trainer_step is None:
+            raise ValueError(RULE_TRAINER_STEP.message)
+        return self
+
+
+class CheckpointPhase(StrEnum):
+    PENDING = "Pending"
+    QUEUED = "Queued"
+    PREPARING = "Preparing"
+    COMMITTING = "Committing"
+    PUBLISHING = "Publishing"
+    RESUMING = "Resuming"
+    READY = "Ready"
+    FAILED = "Failed"
+
+
+class CheckpointConditionType(StrEnum):
+    PREPARED = "Prepared"
+    COMMITTED = "Committed"
+    READY = "Ready"
+    FAILED = "Failed"
+
+
+class CheckpointParticipant(StatusModel):
+    """One participant's committed records."""
+
+    instance: str = Field(description="The participant instance (<role>-<index>).")
+    manifest: str = Field(description="The manifest path, relative to the checkpoint root.")
+    records_sha256: str = Field(
+        pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the records file."
+    )
+    record_count: int = Field(ge=0, description="Records in the file.")
+    bytes: int = Field(ge=0, description="Size of the records file.")
+
+
+class CheckpointDurations(StatusModel):
+    """How long each part took, in seconds with millisecond resolution (pauses are often well
+    under a second, so whole seconds would hide what matters)."""
+
+    prepare_seconds: float | None = Field(
+        default=None, ge=0, description="Prepare: until every episode parked."
+    )
+    commit_seconds: float | None = Field(
+        default=None, ge=0, description="Commit: writing every participant's records."
+    )
+    pause_seconds: float | None = Field(
+        default=None, ge=0, description="Admission closed: prepare start to resume done."
+    )
+    total_seconds: float | None = Field(
+        default=None, ge=0, description="Creation of the checkpoint to its outcome."
+    )
+
+
+class RolloutCheckpointStatus(StatusModel):
+    """Observed state of a RolloutCheckpoint; Ready=True means published and restorable."""
+
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="The metadata.generation this status was computed from."
+    )
+    phase: CheckpointPhase | None = Field(
+        default=None,
+        description="Pending, Queued, Preparing, Committing, Publishing, Resuming, Ready or "
+        "Failed; persisted so a restarted operator continues or fails it cleanly.",
+    )
+    attempt: int | None = Field(
+        default=None, ge=1, description="The attempt whose state the checkpoint captured."
+    )
+    episodes: int | None = Field(
+        default=None, ge=0, description="Episodes committed (they continue after a restore)."
+    )
+    restarts: int | None = Field(
+        default=None, ge=0, description="Episodes that could not be captured and will restart."
+    )
+    blockers: list[str] = Field(
+        default_factory=list,
+        max_length=100,
+        description="Episodes (rollout@attempt) not parked at the prepare deadline (first 100).",
+    )
+    blocker_count: int | None = Field(
+        default=None, ge=0, description="How many episodes were not parked at the deadline."
+    )
+    participants: list[CheckpointParticipant] = Field(
+        default_factory=list, description="Each participant's manifest and records."
+    )
+    durations: CheckpointDurations | None = Field(
+        default=None, description="How long the phases took."
+    )
+    started_at: Timestamp | None = Field(default=None, description="When prepare started.")
+    deadline: Timestamp | None = Field(
+        default=None, description="The prepare deadline given to the participants."
+    )
+    completed_at: Timestamp | None = Field(
+        default=None, description="When the checkpoint became Ready or Failed."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Prepared, Committed, Ready (published and restorable), Failed.",
+        json_schema_extra=_CONDITIONS_LIST,
+    )
+
+
+class RolloutCheckpoint(BaseModel):
+    """A RolloutCheckpoint object as read from the API server."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    api_version: str = API_VERSION
+    kind: str = ROLLOUT_CHECKPOINT_KIND
+    metadata: ObjectMeta
+    spec: RolloutCheckpointSpec
+    status: RolloutCheckpointStatus = Field(default_factory=RolloutCheckpointStatus)
+
+    @model_validator(mode="after")
+    def _check_name(self) -> RolloutCheckpoint:
+        if len(self.metadata.name) > MAX_CHECKPOINT_NAME_LENGTH:
+            raise ValueError(RULE_CHECKPOINT_NAME.message)
+        return self

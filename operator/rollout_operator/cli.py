@@ -1,0 +1,119 @@
+"""`rollout-operator`: run the operator.
+
+    rollout-operator run --namespace NS [--namespace NS2 ...] | --all-namespaces
+                         [--liveness http://0.0.0.0:8080/healthz] [--metrics-port 9090]
+                         [--standalone | --peering NAME [--priority N]] [--verbose | --debug]
+
+It wraps `kopf.run` so a deployment needs no knowledge of Kopf's own CLI: the handlers are
+imported here, and production settings are applied by the startup hook
+(`handlers.runtime.start`, see `rollout_operator.settings`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import kopf
+from pydantic import ValidationError
+
+from .settings import RunOptions
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rollout-operator",
+        description="The Rollout Checkpoint Operator: checkpoints RL rollout server pods and "
+        "restores them under attempt + 1 after pod loss.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = commands.add_parser("run", help="run the operator until interrupted")
+    scope = run.add_mutually_exclusive_group(required=True)
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        dest="namespaces",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="serve RolloutSets in this namespace (repeatable; globs like 'team-*' allowed)",
+    )
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="serve every namespace")
+    run.add_argument(
+        "--liveness",
+        metavar="URL",
+        help="serve a liveness endpoint, e.g. http://0.0.0.0:8080/healthz",
+    )
+    run.add_argument("--metrics-port", type=int, metavar="N", help="serve Prometheus metrics")
+    peering = run.add_mutually_exclusive_group()
+    peering.add_argument(
+        "--standalone",
+        action="store_true",
+        help="run without peering (the default; run one replica)",
+    )
+    peering.add_argument(
+        "--peering",
+        metavar="NAME",
+        help="coordinate with other replicas through the KopfPeering object NAME",
+    )
+    run.add_argument("--priority", type=int, default=0, help="peering priority (with --peering)")
+    run.add_argument(
+        "--watch-timeout-seconds",
+        type=int,
+        default=300,
+        metavar="S",
+        help="server-side timeout of watch requests (reconnects after it)",
+    )
+    run.add_argument("--worker-limit", type=int, metavar="N", help="at most N object workers")
+    verbosity = run.add_mutually_exclusive_group()
+    verbosity.add_argument("-v", "--verbose", action="store_true", help="log more")
+    verbosity.add_argument("--debug", action="store_true", help="log everything, incl. Kopf")
+    run.add_argument(
+        "--log-format",
+        choices=[f.name.lower() for f in kopf.LogFormat],
+        default="full",
+        help="log line format",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        options = RunOptions(
+            namespaces=tuple(args.namespaces),
+            all_namespaces=args.all_namespaces,
+            liveness=args.liveness,
+            metrics_port=args.metrics_port,
+            peering=args.peering,
+            priority=args.priority,
+            watch_timeout_seconds=args.watch_timeout_seconds,
+            worker_limit=args.worker_limit,
+        )
+    except ValidationError as error:
+        print(f"rollout-operator: invalid options: {error}", file=sys.stderr)
+        return 2
+
+    kopf.configure(
+        debug=args.debug,
+        verbose=args.verbose,
+        log_format=kopf.LogFormat[args.log_format.upper()],
+    )
+    # Importing the package registers the handlers (including the configure hook).
+    from . import handlers  # noqa: F401
+
+    kopf.run(
+        clusterwide=options.all_namespaces,
+        namespaces=list(options.namespaces),
+        standalone=options.standalone,
+        peering_name=options.peering,
+        priority=options.priority,
+        liveness_endpoint=options.liveness,
+        memo=kopf.Memo(options=options),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

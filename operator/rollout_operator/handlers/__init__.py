@@ -1,0 +1,9 @@
+"""Kopf handlers. Importing this package registers every handler with Kopf's default registry.
+
+Handlers stay thin: they read the event, call the plain modules (`setops`, `setplan`, ...) and
+write status. Add a module here and import it below to register its handlers.
+"""
+
+from . import rolloutset, runtime
+
+__all__ = ["rolloutset", "runtime"]

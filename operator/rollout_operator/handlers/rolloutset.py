@@ -1,0 +1,100 @@
+"""RolloutSet handlers: one reconcile loop per set, woken by everything that concerns it.
+
+A Kopf daemon per RolloutSet runs `setops.reconcile_set` whenever it is woken (spec change,
+resume, a pod event of the set) and otherwise at the next progress deadline or every
+`RESYNC_SECONDS`. One loop per set means one writer per set in this process: no two passes of
+the same set overlap, and a burst of pod events collapses into one pass.
+
+Other flows (recovery, checkpoints) call `wake(namespace, name)` after they change something
+the set's status should reflect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any, Final
+
+import kopf
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from ..api import GROUP, LABEL_SET, ROLLOUT_SET_PLURAL, VERSION
+from ..conditions import utcnow
+from ..kube import sleep_until
+from ..setops import reconcile_set
+from .runtime import kube_of
+
+RESYNC_SECONDS: Final = 30.0
+"""Even without events, each set is looked at this often (a missed watch event heals)."""
+MAX_BACKOFF_SECONDS: Final = 30.0
+
+_wakeups: dict[tuple[str, str], asyncio.Event] = {}
+
+
+def wake(namespace: str | None, name: str) -> None:
+    """Ask the set's reconcile loop for a pass soon (no-op when the set has no loop here)."""
+    event = _wakeups.get((namespace or "default", name))
+    if event is not None:
+        event.set()
+
+
+@kopf.on.create(GROUP, VERSION, ROLLOUT_SET_PLURAL, id="created")
+async def created(namespace: str | None, name: str, logger: kopf.Logger, **_: Any) -> None:
+    """A new set: its loop starts with it; make sure the first pass is not delayed."""
+    logger.info("RolloutSet created; starting attempt 1")
+    wake(namespace, name)
+
+
+@kopf.on.update(GROUP, VERSION, ROLLOUT_SET_PLURAL, field="spec", id="spec-changed")
+async def spec_changed(namespace: str | None, name: str, **_: Any) -> None:
+    wake(namespace, name)
+
+
+@kopf.on.resume(GROUP, VERSION, ROLLOUT_SET_PLURAL, id="resumed")
+async def resumed(namespace: str | None, name: str, **_: Any) -> None:
+    """After an operator restart: everything is re-read from the API, nothing from memory."""
+    wake(namespace, name)
+
+
+@kopf.on.event("", "v1", "pods", labels={LABEL_SET: kopf.PRESENT}, id="pod-event")
+async def pod_event(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
+    set_name = labels.get(LABEL_SET)
+    if set_name:
+        wake(namespace, set_name)
+
+
+@kopf.daemon(GROUP, VERSION, ROLLOUT_SET_PLURAL, id="reconcile", cancellation_timeout=10.0)
+async def reconcile_loop(
+    namespace: str | None, name: str, memo: Any, logger: kopf.Logger, **_: Any
+) -> None:
+    """Reconcile the set until it is deleted or the operator stops (then it is cancelled)."""
+    namespace = namespace or "default"
+    key = (namespace, name)
+    event = _wakeups.setdefault(key, asyncio.Event())
+    event.set()
+    loop = asyncio.get_running_loop()
+    failures = 0
+    try:
+        while True:
+            await sleep_until(loop.time() + RESYNC_SECONDS, event)
+            event.clear()
+            try:
+                outcome = await reconcile_set(kube_of(memo), namespace, name)
+            except (ApiException, OSError, TimeoutError, kopf.TemporaryError) as error:
+                failures += 1
+                delay = min(MAX_BACKOFF_SECONDS, 2.0**failures) * (0.5 + random.random() / 2)
+                logger.warning("reconcile failed (%s); retrying in %.1fs", error, delay)
+                await asyncio.sleep(delay)
+                event.set()
+                continue
+            failures = 0
+            if outcome.conflict:
+                event.set()
+            elif outcome.recheck_at is not None:
+                remaining = (outcome.recheck_at - utcnow()).total_seconds()
+                if remaining < RESYNC_SECONDS:
+                    await sleep_until(loop.time() + max(remaining, 0.0) + 0.5, event)
+                    event.set()
+    finally:
+        if _wakeups.get(key) is event:
+            del _wakeups[key]

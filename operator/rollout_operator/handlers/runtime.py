@@ -1,0 +1,52 @@
+"""Operator lifecycle: settings, the shared Kubernetes client, the metrics endpoint.
+
+`configure` runs first at startup (Kopf runs startup handlers before it starts watching), so
+every watch and handler already sees our finalizer, annotation prefix and timeouts.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, cast
+
+import kopf
+from prometheus_client import start_http_server
+
+from ..kube import Kube
+from ..settings import RunOptions, configure
+
+logger = logging.getLogger(__name__)
+
+MEMO_OPTIONS = "options"
+MEMO_KUBE = "kube"
+
+
+def options_of(memo: kopf.Memo) -> RunOptions:
+    """The runner's options (defaults when the handlers run without the runner, e.g. kopf run)."""
+    options = memo.get(MEMO_OPTIONS)
+    return options if isinstance(options, RunOptions) else RunOptions()
+
+
+def kube_of(memo: kopf.Memo) -> Kube:
+    """The process's Kubernetes client, created by `start`."""
+    kube = memo.get(MEMO_KUBE)
+    if not isinstance(kube, Kube):
+        raise kopf.TemporaryError("the Kubernetes client is not ready yet", delay=1)
+    return kube
+
+
+@kopf.on.startup(id="configure")
+async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    options = options_of(memo)
+    configure(settings, options)
+    memo[MEMO_KUBE] = await Kube.connect()
+    if options.metrics_port is not None:
+        start_http_server(options.metrics_port)
+        logger.info("metrics on :%d/metrics", options.metrics_port)
+
+
+@kopf.on.cleanup(id="close-client")
+async def stop(memo: kopf.Memo, **_: Any) -> None:
+    kube = cast(Kube | None, memo.get(MEMO_KUBE))
+    if kube is not None:
+        await kube.close()

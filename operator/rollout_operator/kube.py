@@ -1,0 +1,172 @@
+"""The operator's Kubernetes client (kubernetes_asyncio) and the few calls it needs.
+
+Kopf watches and patches the objects it handles itself; this client is for everything else:
+creating pods, Services and the token Secret, listing pods, and writing a RolloutSet's status
+from handlers of other objects (pod events). Objects cross this boundary as plain dicts in the
+wire (camelCase) form, which the pure modules (`resources`, `setplan`) work on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+from kubernetes_asyncio import client, config
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from .api import GROUP, ROLLOUT_SET_PLURAL, VERSION
+
+logger = logging.getLogger(__name__)
+
+MERGE_PATCH = "application/merge-patch+json"
+_MERGE_PATCH: dict[str, Any] = {"_content_type": MERGE_PATCH}
+"""The generated client would pick JSON Patch for a dict body; status writes are merge patches."""
+
+
+class Conflict(Exception):
+    """The object changed between our read and our write (HTTP 409); read again and retry."""
+
+
+def api_error_message(error: ApiException) -> str:
+    """The API server's own message (a `Status` body), e.g. why a pod was refused."""
+    try:
+        body = json.loads(error.body or "")
+        message = body.get("message")
+        if isinstance(message, str) and message:
+            return message
+    except (TypeError, ValueError):
+        pass
+    return f"HTTP {error.status}: {error.reason}"
+
+
+@dataclass
+class Kube:
+    """One API client for the process; created in the startup hook, closed at cleanup."""
+
+    api: client.ApiClient
+    core: client.CoreV1Api
+    custom: client.CustomObjectsApi
+
+    @classmethod
+    async def connect(cls) -> Kube:
+        """In-cluster service account first, then the kubeconfig (as Kopf's login does)."""
+        configuration = client.Configuration()
+        try:
+            config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        except config.ConfigException:
+            await config.load_kube_config(client_configuration=configuration)
+        api = client.ApiClient(configuration)
+        return cls(api=api, core=client.CoreV1Api(api), custom=client.CustomObjectsApi(api))
+
+    async def close(self) -> None:
+        await self.api.close()
+
+    def to_dict(self, obj: Any) -> dict[str, Any]:
+        """A typed client object in its wire form (camelCase keys, strings for times)."""
+        return cast(dict[str, Any], self.api.sanitize_for_serialization(obj))
+
+    # --- RolloutSets ----------------------------------------------------------------------------
+
+    async def get_set(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            obj = await self.custom.get_namespaced_custom_object(
+                GROUP, VERSION, namespace, ROLLOUT_SET_PLURAL, name
+            )
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        return cast(dict[str, Any], obj)
+
+    async def patch_set_status(
+        self,
+        namespace: str,
+        name: str,
+        status: Mapping[str, Any],
+        *,
+        resource_version: str | None,
+    ) -> dict[str, Any]:
+        """Merge-patch the status subresource; with `resource_version`, only if unchanged since.
+
+        The precondition makes concurrent writers (this reconciler, the recovery and checkpoint
+        flows) safe: a lost race is a `Conflict`, never a silently overwritten condition.
+        """
+        body: dict[str, Any] = {"status": dict(status)}
+        if resource_version is not None:
+            body["metadata"] = {"resourceVersion": resource_version}
+        try:
+            obj = await self.custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, namespace, ROLLOUT_SET_PLURAL, name, body, **_MERGE_PATCH
+            )
+        except ApiException as error:
+            if error.status == 409:
+                raise Conflict(api_error_message(error)) from error
+            raise
+        return cast(dict[str, Any], obj)
+
+    # --- core objects ---------------------------------------------------------------------------
+
+    async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        pods = await self.core.list_namespaced_pod(namespace, label_selector=label_selector)
+        return [self.to_dict(p) for p in pods.items]
+
+    async def create_pod(self, namespace: str, manifest: Mapping[str, Any]) -> bool:
+        """Create a pod; False when one with that name exists already (idempotent retries)."""
+        body: Any = manifest
+        return await _create_if_absent(lambda: self.core.create_namespaced_pod(namespace, body))
+
+    async def delete_pod(
+        self, namespace: str, name: str, *, grace_seconds: int | None = None
+    ) -> bool:
+        """Delete a pod; False when it is gone already."""
+        options: dict[str, Any] = {}
+        if grace_seconds is not None:
+            options["grace_period_seconds"] = grace_seconds
+        try:
+            await self.core.delete_namespaced_pod(name, namespace, **options)
+        except ApiException as error:
+            if error.status == 404:
+                return False
+            raise
+        return True
+
+    async def create_service(self, namespace: str, manifest: Mapping[str, Any]) -> bool:
+        body: Any = manifest
+        return await _create_if_absent(lambda: self.core.create_namespaced_service(namespace, body))
+
+    async def get_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            secret = await self.core.read_namespaced_secret(name, namespace)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        return self.to_dict(secret)
+
+    async def create_secret(self, namespace: str, manifest: Mapping[str, Any]) -> bool:
+        body: Any = manifest
+        return await _create_if_absent(lambda: self.core.create_namespaced_secret(namespace, body))
+
+
+async def _create_if_absent(create: Callable[[], Awaitable[Any]]) -> bool:
+    try:
+        await create()
+    except ApiException as error:
+        if error.status == 409:
+            return False
+        raise
+    return True
+
+
+async def sleep_until(deadline: float, event: asyncio.Event) -> None:
+    """Wait until `event` is set or the loop clock reaches `deadline`, whichever is first."""
+    remaining = deadline - asyncio.get_running_loop().time()
+    if remaining <= 0 or event.is_set():
+        return
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout=remaining)

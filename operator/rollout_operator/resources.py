@@ -1,0 +1,300 @@
+"""Pure builders of the Kubernetes objects a RolloutSet owns: token Secret, pods, Services.
+
+No I/O here: every function takes the parsed RolloutSet and returns a plain manifest dict, so
+naming, labels, env, volumes and owner references are unit-tested without a cluster.
+
+Peer wiring (see docs/api.md, "Peers"): a participant reaches its peers through env vars
+`ROLLOUT_PEER_<ROLE>_URL` holding the peer pod's `http://<pod IP>:<control port>`. Pod IPs exist
+only after a pod starts, so the operator creates an attempt's pods in dependency order: callees
+(model, resources) first, then the agent once they have IPs, then the environment. Instance `i`
+of a role talks to instance `i mod replicas` of each peer role: a fixed mapping, so an episode
+restored into `environment-1` finds its agent session restored in the same `agent-k` as before.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import secrets
+from collections.abc import Mapping
+from typing import Any, Final
+
+from rollout_servers.protocol import Role
+
+from .api import (
+    ANNOTATION_SPEC_HASH,
+    API_VERSION,
+    CONTROL_PORT_NAME,
+    LABEL_ATTEMPT,
+    LABEL_INDEX,
+    LABEL_ROLE,
+    LABEL_SET,
+    ROLLOUT_SET_KIND,
+    ParticipantSpec,
+    PodTemplate,
+    RolloutSet,
+    RolloutSetSpec,
+    dump,
+)
+
+STORAGE_VOLUME_NAME: Final = "rollout-checkpoints"
+"""The pod volume the operator adds for spec.storage; templates must not use this name."""
+TOKEN_KEY: Final = "token"
+"""The key of the control token in the set's Secret."""
+MANAGED_BY: Final = "rollout-checkpoint-operator"
+
+PEERS: Final[Mapping[Role, tuple[Role, ...]]] = {
+    Role.ENVIRONMENT: (Role.AGENT, Role.MODEL, Role.RESOURCES),
+    Role.AGENT: (Role.MODEL, Role.RESOURCES),
+    Role.MODEL: (),
+    Role.RESOURCES: (),
+}
+"""Who calls whom. Pods of a role are created only after every pod of its peer roles has an IP."""
+
+ENV_SET: Final = "ROLLOUT_SET"
+ENV_ROLE: Final = "ROLLOUT_ROLE"
+ENV_INDEX: Final = "ROLLOUT_INDEX"
+ENV_ATTEMPT: Final = "ROLLOUT_ATTEMPT"
+ENV_CHECKPOINT_ROOT: Final = "ROLLOUT_CHECKPOINT_ROOT"
+ENV_CONTROL_TOKEN: Final = "ROLLOUT_CONTROL_TOKEN"
+ENV_POD_IP: Final = "ROLLOUT_POD_IP"
+
+
+def peer_env_name(role: Role) -> str:
+    return f"ROLLOUT_PEER_{role.value.upper()}_URL"
+
+
+# --- names and labels ---------------------------------------------------------------------------
+
+
+def pod_name(set_name: str, role: Role, index: int, attempt: int) -> str:
+    return f"{set_name}-{role.value}-{index}-a{attempt}"
+
+
+def service_name(set_name: str, role: Role) -> str:
+    return f"{set_name}-{role.value}"
+
+
+def secret_name(set_name: str) -> str:
+    return f"{set_name}-control-token"
+
+
+def set_labels(set_name: str) -> dict[str, str]:
+    return {LABEL_SET: set_name, "app.kubernetes.io/managed-by": MANAGED_BY}
+
+
+def role_selector(set_name: str, role: Role) -> dict[str, str]:
+    return {LABEL_SET: set_name, LABEL_ROLE: role.value}
+
+
+def pod_labels(set_name: str, role: Role, index: int, attempt: int) -> dict[str, str]:
+    return {
+        **set_labels(set_name),
+        LABEL_ROLE: role.value,
+        LABEL_INDEX: str(index),
+        LABEL_ATTEMPT: str(attempt),
+    }
+
+
+def attempt_selector(set_name: str, attempt: int) -> str:
+    """A label selector string for the pods of one attempt of a set."""
+    return f"{LABEL_SET}={set_name},{LABEL_ATTEMPT}={attempt}"
+
+
+def set_selector(set_name: str) -> str:
+    return f"{LABEL_SET}={set_name}"
+
+
+def owner_reference(rset: RolloutSet) -> dict[str, Any]:
+    """Controller reference to the set: deleting the set deletes what it owns (GC cascade)."""
+    if not rset.metadata.uid:
+        raise ValueError(f"RolloutSet {rset.metadata.name} has no uid; read it from the API")
+    return {
+        "apiVersion": API_VERSION,
+        "kind": ROLLOUT_SET_KIND,
+        "name": rset.metadata.name,
+        "uid": rset.metadata.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(rset: RolloutSet, name: str, labels: dict[str, str]) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name,
+        "labels": labels,
+        "ownerReferences": [owner_reference(rset)],
+    }
+    if rset.metadata.namespace:
+        meta["namespace"] = rset.metadata.namespace
+    return meta
+
+
+# --- the control token --------------------------------------------------------------------------
+
+
+def new_control_token() -> str:
+    """256 random bits; generated once per set and never rotated under running pods."""
+    return secrets.token_urlsafe(32)
+
+
+def control_token_secret(rset: RolloutSet, token: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(
+            rset, secret_name(rset.metadata.name), set_labels(rset.metadata.name)
+        ),
+        "type": "Opaque",
+        "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def token_from_secret(secret: Mapping[str, Any]) -> str:
+    data = secret.get("data") or {}
+    encoded = data.get(TOKEN_KEY)
+    if not encoded:
+        raise ValueError(f"secret has no {TOKEN_KEY!r} key")
+    return base64.b64decode(encoded).decode()
+
+
+# --- participant pods ---------------------------------------------------------------------------
+
+
+def control_port(template: PodTemplate) -> int:
+    """The containerPort named `control` (the API guarantees there is one)."""
+    for container in template.spec.containers:
+        for port in container.ports:
+            if port.name == CONTROL_PORT_NAME:
+                return port.container_port
+    raise ValueError('the pod template has no container port named "control"')
+
+
+def participant_url(pod_ip: str, port: int) -> str:
+    host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
+    return f"http://{host}:{port}"
+
+
+def peer_index(index: int, peer_replicas: int) -> int:
+    """Instance `index` always talks to the same peer instance (stable across attempts)."""
+    return index % peer_replicas
+
+
+def participants_hash(spec: RolloutSetSpec) -> str:
+    """Digest of what the pods are built from: participants (roles, replicas, templates) and
+    storage. Pods carry it, so a spec change under running pods is detected."""
+    payload = {
+        "participants": [dump(p) for p in spec.participants],
+        "storage": dump(spec.storage),
+    }
+    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _operator_env(
+    rset: RolloutSet, role: Role, index: int, attempt: int, peer_urls: Mapping[Role, str]
+) -> list[dict[str, Any]]:
+    name = rset.metadata.name
+    env: list[dict[str, Any]] = [
+        {"name": ENV_SET, "value": name},
+        {"name": ENV_ROLE, "value": role.value},
+        {"name": ENV_INDEX, "value": str(index)},
+        {"name": ENV_ATTEMPT, "value": str(attempt)},
+        {"name": ENV_CHECKPOINT_ROOT, "value": rset.spec.storage.path},
+        {
+            "name": ENV_CONTROL_TOKEN,
+            "valueFrom": {"secretKeyRef": {"name": secret_name(name), "key": TOKEN_KEY}},
+        },
+        {"name": ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]
+    for peer in PEERS[role]:
+        if peer in peer_urls:
+            env.append({"name": peer_env_name(peer), "value": peer_urls[peer]})
+    return env
+
+
+def _container(
+    container: Mapping[str, Any], env: list[dict[str, Any]], mount_path: str
+) -> dict[str, Any]:
+    """The template container plus our env (first, so template values may use `$(VAR)` on
+    them; template entries with our names are dropped) and the storage mount."""
+    ours = {e["name"] for e in env}
+    out = dict(container)
+    out["env"] = [*env, *(e for e in container.get("env") or [] if e.get("name") not in ours)]
+    mounts = [
+        m for m in container.get("volumeMounts") or [] if m.get("name") != STORAGE_VOLUME_NAME
+    ]
+    out["volumeMounts"] = [*mounts, {"name": STORAGE_VOLUME_NAME, "mountPath": mount_path}]
+    return out
+
+
+def participant_pod(
+    rset: RolloutSet,
+    participant: ParticipantSpec,
+    index: int,
+    attempt: int,
+    peer_urls: Mapping[Role, str],
+) -> dict[str, Any]:
+    """The pod of instance `index` of a role under `attempt`.
+
+    `peer_urls` maps each peer role to the URL of the peer instance this one talks to (see
+    `peer_index`); a role without peers gets none.
+    """
+    role = participant.role
+    set_name = rset.metadata.name
+    template = dump(participant.template)
+    template_meta: dict[str, Any] = template.get("metadata") or {}
+    labels = {**(template_meta.get("labels") or {}), **pod_labels(set_name, role, index, attempt)}
+    annotations = {
+        **(template_meta.get("annotations") or {}),
+        ANNOTATION_SPEC_HASH: participants_hash(rset.spec),
+    }
+    metadata = _metadata(rset, pod_name(set_name, role, index, attempt), labels)
+    metadata["annotations"] = annotations
+
+    spec: dict[str, Any] = dict(template["spec"])
+    env = _operator_env(rset, role, index, attempt, peer_urls)
+    spec["containers"] = [_container(c, env, rset.spec.storage.path) for c in spec["containers"]]
+    volumes = [v for v in spec.get("volumes") or [] if v.get("name") != STORAGE_VOLUME_NAME]
+    spec["volumes"] = [*volumes, {"name": STORAGE_VOLUME_NAME, **rset.spec.storage.volume}]
+    spec["restartPolicy"] = "Never"
+    spec.setdefault("hostname", f"{role.value}-{index}")
+    spec.setdefault("subdomain", service_name(set_name, role))
+    spec.setdefault("automountServiceAccountToken", False)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+
+
+# --- services -----------------------------------------------------------------------------------
+
+
+def role_service(rset: RolloutSet, participant: ParticipantSpec) -> dict[str, Any]:
+    """A headless Service per role.
+
+    Headless because episodes stick to one instance (its records hold their state), so callers
+    must address instances, never a load-balanced role: the Service gives each pod the DNS name
+    `<role>-<index>.<set>-<role>.<namespace>.svc` on clusters with DNS. It selects by set and
+    role only, so it follows the pods across attempts; only Ready pods are published.
+    """
+    set_name = rset.metadata.name
+    role = participant.role
+    labels = {**set_labels(set_name), LABEL_ROLE: role.value}
+    port = control_port(participant.template)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(rset, service_name(set_name, role), labels),
+        "spec": {
+            "clusterIP": "None",
+            "selector": role_selector(set_name, role),
+            "publishNotReadyAddresses": False,
+            "ports": [
+                {
+                    "name": CONTROL_PORT_NAME,
+                    "port": port,
+                    "targetPort": CONTROL_PORT_NAME,
+                    "protocol": "TCP",
+                }
+            ],
+        },
+    }

@@ -1,0 +1,276 @@
+"""Operations on the objects a RolloutSet owns, and the set's reconcile pass.
+
+Plain async functions over `Kube` (no Kopf), so the recovery and checkpoint flows reuse them:
+
+- `ensure_control_token` / `read_control_token`: the per-set token Secret;
+- `observe_pods`: the set's pods as `PodView`s;
+- `reconcile_pods(kube, rset, attempt)`: create the pods of an attempt that can be created now
+  (peers known); call it again on every pod event until the plan is complete;
+- `delete_attempt_pods(kube, rset, attempt)`: remove an attempt's pods (Recreate recovery);
+- `reconcile_set`: one pass of the RolloutSet reconciler (what the Kopf daemon runs).
+
+While `status.recovery` is set the recovery flow owns pod creation and the Ready, Progressing
+and Degraded conditions; `reconcile_set` then only refreshes `status.participants` (with the
+pods of the recovery's target attempt).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Final
+
+from kubernetes_asyncio.client.exceptions import ApiException
+from pydantic import ValidationError
+
+from .api import ParticipantStatus, RolloutSet, RolloutSetStatus, SetConditionType
+from .conditions import ConditionUpdate, merge_conditions, utcnow
+from .kube import Conflict, Kube, api_error_message
+from .resources import (
+    attempt_selector,
+    control_token_secret,
+    new_control_token,
+    role_service,
+    secret_name,
+    set_selector,
+    token_from_secret,
+)
+from .setplan import AttemptPlan, PodView, plan_attempt, set_conditions
+
+logger = logging.getLogger(__name__)
+
+CLIENT_ERRORS: Final = frozenset({400, 403, 422})
+"""API refusals caused by the spec (an invalid template, a quota): reported, not retried fast."""
+
+
+class SetBlocked(Exception):
+    """The set cannot be reconciled until a person acts; becomes Degraded with this reason."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+# --- owned objects ------------------------------------------------------------------------------
+
+
+def _controlled_by(obj: dict[str, Any], rset: RolloutSet) -> bool:
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return any(r.get("uid") == rset.metadata.uid and r.get("controller") for r in refs)
+
+
+async def ensure_control_token(kube: Kube, rset: RolloutSet) -> str:
+    """The set's control token, creating its Secret once. Never replaced while it exists:
+    running participants hold the token they were started with."""
+    namespace = rset.metadata.namespace or "default"
+    name = secret_name(rset.metadata.name)
+    secret = await kube.get_secret(namespace, name)
+    if secret is None:
+        manifest = control_token_secret(rset, new_control_token())
+        if await kube.create_secret(namespace, manifest):
+            return token_from_secret(manifest)
+        secret = await kube.get_secret(namespace, name)  # created concurrently
+        if secret is None:
+            raise RuntimeError(f"secret {name} vanished right after a create conflict")
+    if not _controlled_by(secret, rset):
+        raise SetBlocked(
+            "TokenSecretConflict",
+            f"secret {name} exists but does not belong to this RolloutSet; the operator will "
+            "not hand a token it did not generate to participants. Delete or rename it.",
+        )
+    return token_from_secret(secret)
+
+
+async def read_control_token(kube: Kube, namespace: str, set_name: str) -> str | None:
+    """The bearer token for the participants' control planes (None before it exists)."""
+    secret = await kube.get_secret(namespace, secret_name(set_name))
+    return None if secret is None else token_from_secret(secret)
+
+
+async def ensure_services(kube: Kube, rset: RolloutSet) -> None:
+    namespace = rset.metadata.namespace or "default"
+    for participant in rset.spec.participants:
+        try:
+            await kube.create_service(namespace, role_service(rset, participant))
+        except ApiException as error:
+            if error.status in CLIENT_ERRORS:
+                raise SetBlocked("ServiceCreationFailed", api_error_message(error)) from error
+            raise
+
+
+# --- pods ---------------------------------------------------------------------------------------
+
+
+async def observe_pods(kube: Kube, namespace: str, set_name: str) -> list[PodView]:
+    """Every pod of the set (all attempts) that carries our labels."""
+    pods = await kube.list_pods(namespace, set_selector(set_name))
+    return [view for view in (PodView.from_pod(p) for p in pods) if view is not None]
+
+
+@dataclass(frozen=True)
+class PodsOutcome:
+    plan: AttemptPlan
+    """The plan after this pass's creations (re-observed when anything was created)."""
+    created: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    """The API server's refusals, by pod: usually an invalid template."""
+
+
+async def reconcile_pods(
+    kube: Kube, rset: RolloutSet, attempt: int, pods: list[PodView] | None = None
+) -> PodsOutcome:
+    """Create the pods of `attempt` whose peers are known; report what exists and waits.
+
+    Idempotent: pods that exist (in any state) are left alone, so call it on every pod event
+    until `outcome.plan.complete`. A spec changed under running pods creates nothing.
+    """
+    namespace = rset.metadata.namespace or "default"
+    name = rset.metadata.name
+    if pods is None:
+        pods = await observe_pods(kube, namespace, name)
+    plan = plan_attempt(rset, attempt, pods)
+    if plan.stale or not plan.to_create:
+        return PodsOutcome(plan)
+    created: list[str] = []
+    errors: list[str] = []
+    for manifest in plan.to_create:
+        pod = manifest["metadata"]["name"]
+        try:
+            if await kube.create_pod(namespace, manifest):
+                created.append(pod)
+        except ApiException as error:
+            if error.status not in CLIENT_ERRORS:
+                raise
+            errors.append(f"{pod}: {api_error_message(error)}")
+    if created:
+        logger.info("RolloutSet %s/%s: created pods %s", namespace, name, ", ".join(created))
+    plan = plan_attempt(rset, attempt, await observe_pods(kube, namespace, name))
+    return PodsOutcome(plan, created, errors)
+
+
+async def delete_attempt_pods(
+    kube: Kube, rset: RolloutSet, attempt: int, *, grace_seconds: int | None = None
+) -> list[str]:
+    """Delete every pod of `attempt`; returns the names a delete was sent for."""
+    namespace = rset.metadata.namespace or "default"
+    pods = await kube.list_pods(namespace, attempt_selector(rset.metadata.name, attempt))
+    deleted: list[str] = []
+    for pod in pods:
+        name = pod["metadata"]["name"]
+        if pod["metadata"].get("deletionTimestamp"):
+            continue
+        if await kube.delete_pod(namespace, name, grace_seconds=grace_seconds):
+            deleted.append(name)
+    return deleted
+
+
+# --- the reconcile pass -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReconcileOutcome:
+    recheck_at: datetime | None = None
+    """Look again at this time even without events (a progress deadline)."""
+    conflict: bool = False
+    """The status write lost a race; reconcile again at once."""
+
+
+def _participants_wire(participants: list[ParticipantStatus]) -> list[dict[str, Any]]:
+    return [p.model_dump(mode="json", by_alias=True, exclude_none=True) for p in participants]
+
+
+async def _write_status(
+    kube: Kube, obj: dict[str, Any], changes: dict[str, Any]
+) -> ReconcileOutcome | None:
+    """Patch the keys of `changes` that differ; None when written or nothing to write."""
+    current = obj.get("status") or {}
+    delta = {k: v for k, v in changes.items() if current.get(k) != v}
+    if not delta:
+        return None
+    meta = obj["metadata"]
+    try:
+        await kube.patch_set_status(
+            meta["namespace"], meta["name"], delta, resource_version=meta.get("resourceVersion")
+        )
+    except Conflict:
+        return ReconcileOutcome(conflict=True)
+    return None
+
+
+def _blocked_status(
+    obj: dict[str, Any], generation: int | None, reason: str, message: str
+) -> dict[str, Any]:
+    status = RolloutSetStatus.model_validate(obj.get("status") or {})
+    conditions = merge_conditions(
+        status.conditions,
+        [
+            ConditionUpdate.of(SetConditionType.READY.value, False, reason, message),
+            ConditionUpdate.of(SetConditionType.PROGRESSING.value, False, reason, message),
+            ConditionUpdate.of(SetConditionType.DEGRADED.value, True, reason, message),
+        ],
+        observed_generation=generation,
+    )
+    return {
+        "observedGeneration": generation,
+        "conditions": [c.model_dump(mode="json", by_alias=True) for c in conditions],
+    }
+
+
+async def reconcile_set(
+    kube: Kube, namespace: str, name: str, *, now: datetime | None = None
+) -> ReconcileOutcome:
+    """One reconcile pass of a RolloutSet: token, Services, pods of the attempt, status."""
+    obj = await kube.get_set(namespace, name)
+    if obj is None or (obj.get("metadata") or {}).get("deletionTimestamp"):
+        return ReconcileOutcome()
+    generation = obj["metadata"].get("generation")
+    try:
+        rset = RolloutSet.model_validate(obj)
+    except ValidationError as error:
+        message = "spec is invalid (is the CRD older than the operator?): " + "; ".join(
+            f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in error.errors()[:5]
+        )
+        return (
+            await _write_status(kube, obj, _blocked_status(obj, generation, "InvalidSpec", message))
+            or ReconcileOutcome()
+        )
+    now = now or utcnow()
+    status = rset.status
+    attempt = status.attempt or 1
+    try:
+        await ensure_control_token(kube, rset)
+        await ensure_services(kube, rset)
+    except SetBlocked as blocked:
+        blocked_changes = _blocked_status(obj, generation, blocked.reason, blocked.message)
+        return await _write_status(kube, obj, blocked_changes) or ReconcileOutcome()
+
+    pods = await observe_pods(kube, namespace, name)
+    if status.recovery is not None:
+        plan = plan_attempt(rset, status.recovery.target_attempt, pods)
+        shown = {"participants": _participants_wire(plan.participants)}
+        return await _write_status(kube, obj, shown) or ReconcileOutcome()
+
+    pods_created = status.created_attempt is not None and status.created_attempt >= attempt
+    if pods_created or rset.spec.suspend:
+        outcome = PodsOutcome(plan_attempt(rset, attempt, pods))
+    else:
+        outcome = await reconcile_pods(kube, rset, attempt, pods)
+    plan = outcome.plan
+    health = set_conditions(
+        rset, plan, pods_created=pods_created, create_errors=outcome.errors, now=now
+    )
+    conditions = merge_conditions(
+        status.conditions, health.conditions, observed_generation=generation, now=now
+    )
+    changes: dict[str, Any] = {
+        "observedGeneration": generation,
+        "attempt": attempt,
+        "participants": _participants_wire(plan.participants),
+        "conditions": [c.model_dump(mode="json", by_alias=True) for c in conditions],
+    }
+    if plan.complete and not pods_created and not plan.stale:
+        changes["createdAttempt"] = attempt
+    written = await _write_status(kube, obj, changes)
+    return written or ReconcileOutcome(recheck_at=health.recheck_at)
