@@ -513,6 +513,7 @@ class ControlPlane:
         return StatusReply(
             role=self._settings.role,
             instance=self._settings.instance,
+            set_name=self._settings.set_name,
             attempt=self._attempt,
             phase=self._machine.phase,
             checkpoint_id=self._machine.checkpoint_id,

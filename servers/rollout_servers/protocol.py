@@ -223,6 +223,9 @@ class ForgetRequest(StrictModel):
 class StatusReply(StrictModel):
     role: Role
     instance: str
+    set_name: str | None = Field(
+        default=None, description="The set whose directory this participant writes under."
+    )
     attempt: Attempt
     phase: Phase
     checkpoint_id: str | None = None

@@ -1,0 +1,912 @@
+"""The checkpoint coordinator, independent of Kubernetes.
+
+It drives the participants through prepare, commit, publish and resume, and through an
+all-or-nothing restore, in the orders of DESIGN §4. The steps are separate methods because the
+operator persists its state between them (to survive its own restart); `checkpoint()` composes
+them for callers without an operator (the CLI, Slurm jobs, tests).
+
+Participants are reached through the small `ParticipantClient` protocol; `HttpParticipant` is
+the real one. Every step returns an outcome model (pydantic, so it can be stored as JSON) that
+names each participant's failure instead of raising half way: a coordinator that stops in the
+middle would leave work parked until the leases lapse.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+import anyio
+import anyio.to_thread
+import httpx
+from anyio.abc import TaskGroup
+from pydantic import BaseModel, Field
+
+from . import storage
+from .protocol import (
+    API_PREFIX,
+    MAX_BLOCKERS_REPORTED,
+    PREPARE_ORDER,
+    RESUME_ORDER,
+    RETIRE_ORDER,
+    CheckpointManifest,
+    CommitReply,
+    CommitRequest,
+    EpisodeId,
+    ErrorBody,
+    ErrorCode,
+    ForgetReply,
+    ForgetRequest,
+    Manifest,
+    PrepareReply,
+    PrepareRequest,
+    PublishedParticipant,
+    RenewReply,
+    RenewRequest,
+    RestoreReply,
+    RestoreRequest,
+    ResumeReply,
+    ResumeRequest,
+    RetireReply,
+    RetireRequest,
+    Role,
+    StatusReply,
+    StrictModel,
+)
+
+logger = logging.getLogger(__name__)
+
+_Reply = TypeVar("_Reply", bound=BaseModel)
+_T = TypeVar("_T")
+
+
+class ParticipantError(Exception):
+    """A participant refused a call (its `ErrorBody`) or could not be reached (`unreachable`)."""
+
+    def __init__(
+        self, code: ErrorCode, detail: str, instance: str, status_code: int | None = None
+    ) -> None:
+        super().__init__(f"{instance}: {code.value}: {detail}")
+        self.code = code
+        self.detail = detail
+        self.instance = instance
+        self.status_code = status_code
+
+
+class ParticipantClient(Protocol):
+    """How the coordinator reaches one participant; every call is idempotent on retry."""
+
+    @property
+    def role(self) -> Role: ...
+
+    @property
+    def instance(self) -> str: ...
+
+    async def status(self, deadline_ts: float) -> StatusReply: ...
+
+    async def prepare(self, request: PrepareRequest) -> PrepareReply: ...
+
+    async def renew(self, request: RenewRequest) -> RenewReply: ...
+
+    async def commit(self, request: CommitRequest) -> CommitReply: ...
+
+    async def restore(self, request: RestoreRequest) -> RestoreReply: ...
+
+    async def resume(self, request: ResumeRequest) -> ResumeReply: ...
+
+    async def retire(self, request: RetireRequest) -> RetireReply: ...
+
+    async def forget(self, request: ForgetRequest) -> ForgetReply: ...
+
+
+# --- the HTTP client ------------------------------------------------------------------------
+
+
+class HttpParticipant:
+    """A participant's control plane over HTTP.
+
+    Each call's timeout comes from its `deadline_ts` (plus a margin for the reply to travel),
+    so a prepare that parks until its deadline is not cut off early. Transport failures are
+    retried with backoff until the deadline: every control call is idempotent (replayed
+    replies, operation ids), so a retry after a lost reply is safe.
+    """
+
+    def __init__(
+        self,
+        role: Role,
+        base_url: str,
+        *,
+        index: int = 0,
+        token: str | None = None,
+        client: httpx.AsyncClient | None = None,
+        clock: Callable[[], float] = time.time,
+        reply_margin_seconds: float = 5.0,
+    ) -> None:
+        self._role = Role(role)
+        self._instance = f"{self._role.value}-{index}"
+        self._base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        self._owns_client = client is None
+        self._client = client if client is not None else httpx.AsyncClient()
+        self._clock = clock
+        self._margin = reply_margin_seconds
+
+    @property
+    def role(self) -> Role:
+        return self._role
+
+    @property
+    def instance(self) -> str:
+        return self._instance
+
+    @property
+    def base_url(self) -> str:
+        return self._base_url
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+    async def __aenter__(self) -> HttpParticipant:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def status(self, deadline_ts: float) -> StatusReply:
+        return await self._call("GET", "status", None, StatusReply, deadline_ts)
+
+    async def prepare(self, request: PrepareRequest) -> PrepareReply:
+        return await self._call("POST", "prepare", request, PrepareReply, request.deadline_ts)
+
+    async def renew(self, request: RenewRequest) -> RenewReply:
+        return await self._call("POST", "renew", request, RenewReply, request.deadline_ts)
+
+    async def commit(self, request: CommitRequest) -> CommitReply:
+        return await self._call("POST", "commit", request, CommitReply, request.deadline_ts)
+
+    async def restore(self, request: RestoreRequest) -> RestoreReply:
+        return await self._call("POST", "restore", request, RestoreReply, request.deadline_ts)
+
+    async def resume(self, request: ResumeRequest) -> ResumeReply:
+        return await self._call("POST", "resume", request, ResumeReply, request.deadline_ts)
+
+    async def retire(self, request: RetireRequest) -> RetireReply:
+        return await self._call("POST", "retire", request, RetireReply, request.deadline_ts)
+
+    async def forget(self, request: ForgetRequest) -> ForgetReply:
+        return await self._call("POST", "forget", request, ForgetReply, request.deadline_ts)
+
+    async def _call(
+        self,
+        method: str,
+        route: str,
+        request: BaseModel | None,
+        reply_model: type[_Reply],
+        deadline_ts: float,
+    ) -> _Reply:
+        url = f"{self._base_url}{API_PREFIX}/{route}"
+        content = None if request is None else request.model_dump_json().encode()
+        headers = dict(self._headers)
+        if content is not None:
+            headers["Content-Type"] = "application/json"
+        give_up = deadline_ts + self._margin
+        backoff = 0.05
+        while True:
+            remaining = give_up - self._clock()
+            try:
+                with anyio.fail_after(max(remaining, 0.1)):
+                    response = await self._client.request(
+                        method,
+                        url,
+                        content=content,
+                        headers=headers,
+                        timeout=httpx.Timeout(max(remaining, 0.1)),
+                    )
+            except (httpx.TransportError, TimeoutError) as error:
+                left = deadline_ts - self._clock()
+                if isinstance(error, TimeoutError | httpx.TimeoutException) or left <= 0:
+                    raise ParticipantError(
+                        ErrorCode.UNREACHABLE,
+                        f"{method} {url} failed by its deadline: {type(error).__name__}: {error}",
+                        self._instance,
+                    ) from error
+                await anyio.sleep(min(backoff, left))
+                backoff = min(backoff * 2, 1.0)
+                continue
+            return self._decode(response, reply_model)
+
+    def _decode(self, response: httpx.Response, reply_model: type[_Reply]) -> _Reply:
+        if response.is_success:
+            try:
+                return reply_model.model_validate_json(response.content)
+            except ValueError as error:
+                raise ParticipantError(
+                    ErrorCode.INTERNAL,
+                    f"unexpected {reply_model.__name__} from {response.url}: {error}",
+                    self._instance,
+                    response.status_code,
+                ) from error
+        try:
+            body = ErrorBody.model_validate_json(response.content)
+        except ValueError:
+            raise ParticipantError(
+                ErrorCode.INTERNAL,
+                f"HTTP {response.status_code} from {response.url}: {response.text[:300]}",
+                self._instance,
+                response.status_code,
+            ) from None
+        raise ParticipantError(
+            body.error.code, body.error.detail, self._instance, response.status_code
+        )
+
+
+# --- outcomes -------------------------------------------------------------------------------
+
+
+class Failure(StrictModel):
+    instance: str
+    code: ErrorCode
+    detail: str
+
+    @classmethod
+    def of(cls, error: ParticipantError) -> Failure:
+        return cls(instance=error.instance, code=error.code, detail=error.detail)
+
+    def __str__(self) -> str:
+        return f"{self.instance}: {self.code.value}: {self.detail}"
+
+
+class PrepareOutcome(StrictModel):
+    checkpoint_id: str
+    ready: bool
+    prepared: list[str] = Field(description="Instances whose prepare was ready.")
+    stopped_at: Role | None = Field(default=None, description="The first stage not ready.")
+    episodes: list[EpisodeId] = Field(default_factory=list)
+    blockers: list[EpisodeId] = Field(default_factory=list, max_length=MAX_BLOCKERS_REPORTED)
+    blocker_count: int = 0
+    restarts: list[EpisodeId] = Field(default_factory=list)
+    failures: list[Failure] = Field(default_factory=list)
+
+    def scope(self, requested: Collection[str] | None = None) -> list[str]:
+        """The commit scope: live episodes minus restarts, intersected with `requested`."""
+        restarting = {episode.rollout_id for episode in self.restarts}
+        live = {episode.rollout_id for episode in self.episodes} - restarting
+        if requested is not None:
+            live &= set(requested)
+        return sorted(live)
+
+
+class CommitOutcome(StrictModel):
+    checkpoint_id: str
+    ok: bool
+    scope: list[str] | None
+    manifests: dict[str, Manifest] = Field(default_factory=dict)
+    manifest_paths: dict[str, str] = Field(default_factory=dict)
+    record_count: int = 0
+    bytes: int = 0
+    failures: list[Failure] = Field(default_factory=list)
+
+    @property
+    def attempt(self) -> int | None:
+        attempts = {manifest.attempt for manifest in self.manifests.values()}
+        return max(attempts) if attempts else None
+
+
+class ResumeOutcome(StrictModel):
+    checkpoint_id: str
+    resumed: list[str] = Field(default_factory=list)
+    failures: list[Failure] = Field(default_factory=list)
+
+
+class RetireOutcome(StrictModel):
+    operation_id: str
+    attempt: int
+    retired: list[EpisodeId] = Field(default_factory=list)
+    failures: list[Failure] = Field(default_factory=list)
+
+
+class ForgetOutcome(StrictModel):
+    operation_id: str
+    forgotten: int = 0
+    failures: list[Failure] = Field(default_factory=list)
+
+
+class RestoreOutcome(StrictModel):
+    checkpoint_id: str
+    attempt: int
+    ok: bool
+    restored: dict[str, int] = Field(
+        default_factory=dict, description="Records installed per instance."
+    )
+    episodes: list[EpisodeId] = Field(default_factory=list)
+    failures: list[Failure] = Field(default_factory=list)
+    retired: RetireOutcome | None = Field(
+        default=None, description="Set when the restore failed and the attempt was retired."
+    )
+    resumed: ResumeOutcome | None = None
+
+
+class StatusOutcome(StrictModel):
+    statuses: list[StatusReply] = Field(default_factory=list)
+    failures: list[Failure] = Field(default_factory=list)
+
+
+class CheckpointDurations(StrictModel):
+    prepare_seconds: float = 0.0
+    commit_seconds: float = 0.0
+    pause_seconds: float = Field(default=0.0, description="First prepare to resume done.")
+    total_seconds: float = 0.0
+
+
+class CheckpointResult(StrictModel):
+    checkpoint_id: str
+    ok: bool
+    reason: str = Field(
+        description="CamelCase: Published, Committed, NotReady, PrepareFailed, CommitFailed, "
+        "PublishFailed."
+    )
+    message: str
+    attempt: int | None = None
+    prepare: PrepareOutcome
+    commit: CommitOutcome | None = None
+    resume: ResumeOutcome | None = None
+    published: str | None = Field(default=None, description="Path of checkpoint.json.")
+    durations: CheckpointDurations = Field(default_factory=CheckpointDurations)
+
+
+# --- the coordinator ------------------------------------------------------------------------
+
+
+class Coordinator:
+    """Runs the protocol across participants; holds no state between steps."""
+
+    def __init__(
+        self,
+        participants: Sequence[ParticipantClient],
+        *,
+        clock: Callable[[], float] = time.time,
+        renew_interval: float = 2.0,
+        call_timeout: float = 30.0,
+        on_progress: Callable[[str], None] | None = None,
+    ) -> None:
+        if not participants:
+            raise ValueError("a coordinator needs at least one participant")
+        instances = [participant.instance for participant in participants]
+        duplicates = sorted({name for name in instances if instances.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"participants listed twice: {', '.join(duplicates)}")
+        self._participants = list(participants)
+        self._clock = clock
+        self._renew_interval = renew_interval
+        self._call_timeout = call_timeout
+        self._on_progress = on_progress
+
+    @property
+    def participants(self) -> list[ParticipantClient]:
+        return list(self._participants)
+
+    def _progress(self, message: str) -> None:
+        logger.info("%s", message)
+        if self._on_progress is not None:
+            self._on_progress(message)
+
+    def _stage(self, roles: Collection[Role]) -> list[ParticipantClient]:
+        return [p for p in self._participants if p.role in roles]
+
+    async def _fan_out(
+        self,
+        participants: Sequence[ParticipantClient],
+        call: Callable[[ParticipantClient], Awaitable[_T]],
+    ) -> dict[str, _T | ParticipantError]:
+        """Call every participant at once; a failure is a value, so the others still finish."""
+        results: dict[str, _T | ParticipantError] = {}
+
+        async def one(participant: ParticipantClient) -> None:
+            try:
+                results[participant.instance] = await call(participant)
+            except ParticipantError as error:
+                results[participant.instance] = error
+            except Exception as error:
+                logger.exception("call to %s failed unexpectedly", participant.instance)
+                results[participant.instance] = ParticipantError(
+                    ErrorCode.INTERNAL, f"{type(error).__name__}: {error}", participant.instance
+                )
+
+        async with anyio.create_task_group() as group:
+            for participant in participants:
+                group.start_soon(one, participant)
+        return results
+
+    # status -----------------------------------------------------------------------------------
+
+    async def status(self, deadline_ts: float) -> StatusOutcome:
+        results = await self._fan_out(self._participants, lambda p: p.status(deadline_ts))
+        replies, failures = _split(self._participants, results)
+        return StatusOutcome(statuses=replies, failures=failures)
+
+    # prepare ----------------------------------------------------------------------------------
+
+    async def prepare(self, checkpoint_id: str, deadline_ts: float) -> PrepareOutcome:
+        """Prepare stage by stage in PREPARE_ORDER, stopping at the first stage not ready.
+
+        While a later stage parks, the leases of the stages already prepared are renewed; a
+        renew that finds the checkpoint gone there (lease lapsed, process restarted) ends the
+        prepare at once instead of waiting for a checkpoint that can no longer commit.
+        """
+        request = PrepareRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
+        replies: dict[str, PrepareReply] = {}
+        failures: list[Failure] = []
+        lost: list[Failure] = []
+        prepared: list[ParticipantClient] = []
+        stopped_at: Role | None = None
+        current: Role | None = None
+        async with anyio.create_task_group() as group:
+            group.start_soon(
+                self._renew_while_preparing, checkpoint_id, deadline_ts, prepared, lost, group
+            )
+            for role in PREPARE_ORDER:
+                stage = self._stage((role,))
+                if not stage:
+                    continue
+                current = role
+                self._progress(f"prepare {role.value}: {len(stage)} participant(s)")
+                results = await self._fan_out(stage, lambda p: p.prepare(request))
+                stage_ready = True
+                for participant in stage:
+                    result = results[participant.instance]
+                    if isinstance(result, ParticipantError):
+                        failures.append(Failure.of(result))
+                        stage_ready = False
+                    else:
+                        replies[participant.instance] = result
+                        stage_ready = stage_ready and result.ready
+                if not stage_ready:
+                    stopped_at = role
+                    break
+                prepared.extend(stage)
+            group.cancel_scope.cancel()
+        if lost:
+            failures.extend(lost)
+            stopped_at = stopped_at or current
+        outcome = _prepare_outcome(checkpoint_id, replies, prepared, stopped_at, failures)
+        if outcome.ready:
+            self._progress(
+                f"prepared: {len(outcome.episodes)} episodes, {len(outcome.restarts)} restarts"
+            )
+        else:
+            role_name = stopped_at.value if stopped_at is not None else "?"
+            self._progress(
+                f"prepare stopped at {role_name}: {outcome.blocker_count} blockers, "
+                f"{len(outcome.failures)} failures"
+            )
+        return outcome
+
+    async def _renew_while_preparing(
+        self,
+        checkpoint_id: str,
+        deadline_ts: float,
+        prepared: list[ParticipantClient],
+        lost: list[Failure],
+        group: TaskGroup,
+    ) -> None:
+        request = RenewRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
+        while True:
+            await anyio.sleep(self._renew_interval)
+            if self._clock() >= deadline_ts:
+                return
+            targets = list(prepared)
+            if not targets:
+                continue
+            results = await self._fan_out(targets, lambda p: p.renew(request))
+            for instance, result in results.items():
+                if isinstance(result, ParticipantError) and result.code in (
+                    ErrorCode.STALE_CHECKPOINT,
+                    ErrorCode.UNKNOWN_CHECKPOINT,
+                ):
+                    lost.append(Failure.of(result))
+                elif isinstance(result, ParticipantError):
+                    logger.warning("renew of %s failed: %s", instance, result)
+            if lost:
+                self._progress(f"checkpoint lost by {', '.join(f.instance for f in lost)}")
+                group.cancel_scope.cancel()
+                return
+
+    async def renew(
+        self, checkpoint_id: str, deadline_ts: float, *, only: Collection[str] | None = None
+    ) -> list[Failure]:
+        """Extend the leases (of `only` these instances) to `deadline_ts` + grace."""
+        request = RenewRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
+        targets = [p for p in self._participants if only is None or p.instance in only]
+        results = await self._fan_out(targets, lambda p: p.renew(request))
+        return [Failure.of(r) for r in results.values() if isinstance(r, ParticipantError)]
+
+    # commit -----------------------------------------------------------------------------------
+
+    async def commit(
+        self, checkpoint_id: str, deadline_ts: float, scope: Collection[str] | None
+    ) -> CommitOutcome:
+        """Commit everywhere at once with the given scope (see `PrepareOutcome.scope`)."""
+        rollout_ids = None if scope is None else sorted(set(scope))
+        request = CommitRequest(
+            checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, rollout_ids=rollout_ids
+        )
+        self._progress(f"commit: {len(self._participants)} participant(s)")
+        results = await self._fan_out(self._participants, lambda p: p.commit(request))
+        replies, failures = _split(self._participants, results)
+        manifests = {reply.manifest.instance: reply.manifest for reply in replies}
+        return CommitOutcome(
+            checkpoint_id=checkpoint_id,
+            ok=not failures,
+            scope=rollout_ids,
+            manifests=manifests,
+            manifest_paths={reply.manifest.instance: reply.manifest_path for reply in replies},
+            record_count=sum(m.record_count for m in manifests.values()),
+            bytes=sum(m.bytes for m in manifests.values()),
+            failures=failures,
+        )
+
+    # resume -----------------------------------------------------------------------------------
+
+    async def resume(self, checkpoint_id: str, deadline_ts: float) -> ResumeOutcome:
+        """Resume in RESUME_ORDER, best effort: a dead participant does not stop the others."""
+        request = ResumeRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
+        resumed: list[str] = []
+        failures: list[Failure] = []
+        for role in RESUME_ORDER:
+            stage = self._stage((role,))
+            if not stage:
+                continue
+            results = await self._fan_out(stage, lambda p: p.resume(request))
+            _, stage_failures = _split(stage, results)
+            failed = {failure.instance for failure in stage_failures}
+            resumed.extend(p.instance for p in stage if p.instance not in failed)
+            failures.extend(stage_failures)
+        outcome = ResumeOutcome(checkpoint_id=checkpoint_id, resumed=resumed, failures=failures)
+        self._progress(
+            f"resumed {len(outcome.resumed)} participant(s), {len(outcome.failures)} failed"
+        )
+        return outcome
+
+    # restore ----------------------------------------------------------------------------------
+
+    async def restore(
+        self,
+        checkpoint_id: str,
+        attempt: int,
+        deadline_ts: float,
+        scope: Collection[str] | None = None,
+    ) -> RestoreOutcome:
+        """Restore everywhere at once, all or nothing.
+
+        On any failure the attempt is retired everywhere (so nothing restored under it can
+        run) and everyone is resumed; the caller retries under a newer attempt. On success the
+        participants stay `restored` until the caller resumes them.
+        """
+        rollout_ids = None if scope is None else sorted(set(scope))
+        request = RestoreRequest(
+            checkpoint_id=checkpoint_id,
+            deadline_ts=deadline_ts,
+            attempt=attempt,
+            rollout_ids=rollout_ids,
+        )
+        self._progress(f"restore {checkpoint_id} under attempt {attempt}")
+        results = await self._fan_out(self._participants, lambda p: p.restore(request))
+        restored: dict[str, int] = {}
+        episodes: dict[EpisodeId, None] = {}
+        failures: list[Failure] = []
+        for participant in self._participants:
+            result = results[participant.instance]
+            if isinstance(result, ParticipantError):
+                failures.append(Failure.of(result))
+            else:
+                restored[participant.instance] = result.record_count
+                episodes.update(dict.fromkeys(result.restored))
+        if not failures:
+            return RestoreOutcome(
+                checkpoint_id=checkpoint_id,
+                attempt=attempt,
+                ok=True,
+                restored=restored,
+                episodes=list(episodes),
+            )
+        self._progress(
+            f"restore failed on {', '.join(f.instance for f in failures)}; "
+            f"retiring attempt {attempt} everywhere and resuming"
+        )
+        with anyio.CancelScope(shield=True):
+            retired = await self.retire(attempt, None, self._clock() + self._call_timeout)
+            resumed = await self.resume(checkpoint_id, self._clock() + self._call_timeout)
+        return RestoreOutcome(
+            checkpoint_id=checkpoint_id,
+            attempt=attempt,
+            ok=False,
+            restored=restored,
+            episodes=list(episodes),
+            failures=failures,
+            retired=retired,
+            resumed=resumed,
+        )
+
+    # retire and forget ------------------------------------------------------------------------
+
+    async def retire(
+        self,
+        attempt: int,
+        rollout_ids: Collection[str] | None,
+        deadline_ts: float,
+        *,
+        operation_id: str | None = None,
+    ) -> RetireOutcome:
+        """Retire in RETIRE_ORDER (callers before callees), best effort across stages."""
+        op = operation_id or f"retire-a{attempt}-{uuid.uuid4().hex[:12]}"
+        request = RetireRequest(
+            operation_id=op,
+            deadline_ts=deadline_ts,
+            attempt=attempt,
+            rollout_ids=None if rollout_ids is None else sorted(set(rollout_ids)),
+        )
+        retired: list[EpisodeId] = []
+        failures: list[Failure] = []
+        for roles in RETIRE_ORDER:
+            stage = self._stage(roles)
+            if not stage:
+                continue
+            results = await self._fan_out(stage, lambda p: p.retire(request))
+            replies, stage_failures = _split(stage, results)
+            retired.extend(episode for reply in replies for episode in reply.retired)
+            failures.extend(stage_failures)
+        return RetireOutcome(operation_id=op, attempt=attempt, retired=retired, failures=failures)
+
+    async def forget(
+        self, rollout_ids: Collection[str], deadline_ts: float, *, operation_id: str | None = None
+    ) -> ForgetOutcome:
+        op = operation_id or f"forget-{uuid.uuid4().hex[:12]}"
+        request = ForgetRequest(
+            operation_id=op, deadline_ts=deadline_ts, rollout_ids=sorted(set(rollout_ids))
+        )
+        results = await self._fan_out(self._participants, lambda p: p.forget(request))
+        replies, failures = _split(self._participants, results)
+        return ForgetOutcome(
+            operation_id=op, forgotten=sum(r.forgotten for r in replies), failures=failures
+        )
+
+    # the composed checkpoint ------------------------------------------------------------------
+
+    async def checkpoint(
+        self,
+        checkpoint_id: str,
+        *,
+        prepare_timeout: float,
+        commit_timeout: float,
+        scope: Collection[str] | None = None,
+        publish_dir: Path | None = None,
+        set_name: str = "local",
+        trainer_step: int | None = None,
+    ) -> CheckpointResult:
+        """prepare -> (not ready: resume, fail) -> commit -> publish -> resume.
+
+        With `publish_dir` (the checkpoint root as this process sees it) the checkpoint
+        manifest is written last, after every participant's manifest was found there; without
+        it the caller publishes (the operator does, in one status patch). Participants are
+        resumed on every path, also when this coroutine is cancelled.
+        """
+        started = self._clock()
+        resumed: ResumeOutcome | None = None
+        try:
+            prepare = await self.prepare(checkpoint_id, started + prepare_timeout)
+            prepared_at = self._clock()
+            if not prepare.ready:
+                resumed = await self._resume_now(checkpoint_id)
+                reason = "PrepareFailed" if prepare.failures else "NotReady"
+                return self._result(
+                    checkpoint_id,
+                    reason,
+                    _prepare_message(prepare),
+                    prepare,
+                    None,
+                    resumed,
+                    None,
+                    (started, prepared_at, prepared_at),
+                )
+            commit = await self.commit(
+                checkpoint_id, prepared_at + commit_timeout, prepare.scope(scope)
+            )
+            committed_at = self._clock()
+            times = (started, prepared_at, committed_at)
+            if not commit.ok:
+                resumed = await self._resume_now(checkpoint_id)
+                message = "; ".join(str(f) for f in commit.failures)
+                return self._result(
+                    checkpoint_id, "CommitFailed", message, prepare, commit, resumed, None, times
+                )
+            published: str | None = None
+            if publish_dir is not None:
+                durations = (prepared_at - started, committed_at - prepared_at)
+                try:
+                    path = await anyio.to_thread.run_sync(
+                        lambda: _publish(
+                            publish_dir,
+                            set_name,
+                            checkpoint_id,
+                            prepare,
+                            commit,
+                            durations,
+                            trainer_step,
+                            self._clock(),
+                        )
+                    )
+                except (storage.StorageError, storage.RecordsInvalid, ValueError) as error:
+                    resumed = await self._resume_now(checkpoint_id)
+                    return self._result(
+                        checkpoint_id,
+                        "PublishFailed",
+                        str(error),
+                        prepare,
+                        commit,
+                        resumed,
+                        None,
+                        times,
+                    )
+                published = str(path)
+                self._progress(f"published {path}")
+            resumed = await self._resume_now(checkpoint_id)
+            reason = "Published" if published is not None else "Committed"
+            message = (
+                f"{len(commit.scope or [])} episodes in {commit.record_count} records "
+                f"({commit.bytes} bytes) from {len(commit.manifests)} participants"
+            )
+            return self._result(
+                checkpoint_id, reason, message, prepare, commit, resumed, published, times
+            )
+        except BaseException:
+            if resumed is None:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(self._call_timeout):
+                    await self.resume(checkpoint_id, self._clock() + self._call_timeout)
+            raise
+
+    async def _resume_now(self, checkpoint_id: str) -> ResumeOutcome:
+        with anyio.CancelScope(shield=True):
+            outcome = await self.resume(checkpoint_id, self._clock() + self._call_timeout)
+        return outcome
+
+    def _result(
+        self,
+        checkpoint_id: str,
+        reason: str,
+        message: str,
+        prepare: PrepareOutcome,
+        commit: CommitOutcome | None,
+        resumed: ResumeOutcome | None,
+        published: str | None,
+        times: tuple[float, float, float],
+    ) -> CheckpointResult:
+        started, prepared_at, committed_at = times
+        finished = self._clock()
+        ok = reason in ("Published", "Committed")
+        if resumed is not None and resumed.failures:
+            message += "; resume failed on " + ", ".join(f.instance for f in resumed.failures)
+        return CheckpointResult(
+            checkpoint_id=checkpoint_id,
+            ok=ok,
+            reason=reason,
+            message=message,
+            attempt=commit.attempt if commit is not None else None,
+            prepare=prepare,
+            commit=commit,
+            resume=resumed,
+            published=published,
+            durations=CheckpointDurations(
+                prepare_seconds=prepared_at - started,
+                commit_seconds=committed_at - prepared_at,
+                pause_seconds=finished - started,
+                total_seconds=finished - started,
+            ),
+        )
+
+
+def _split(
+    participants: Sequence[ParticipantClient], results: dict[str, _T | ParticipantError]
+) -> tuple[list[_T], list[Failure]]:
+    """Replies and failures in participant order (stable output for people and tests)."""
+    replies: list[_T] = []
+    failures: list[Failure] = []
+    for participant in participants:
+        result = results[participant.instance]
+        if isinstance(result, ParticipantError):
+            failures.append(Failure.of(result))
+        else:
+            replies.append(result)
+    return replies, failures
+
+
+def _prepare_outcome(
+    checkpoint_id: str,
+    replies: dict[str, PrepareReply],
+    prepared: list[ParticipantClient],
+    stopped_at: Role | None,
+    failures: list[Failure],
+) -> PrepareOutcome:
+    episodes: dict[EpisodeId, None] = {}
+    restarts: dict[EpisodeId, None] = {}
+    blockers: list[EpisodeId] = []
+    blocker_count = 0
+    for reply in replies.values():
+        episodes.update(dict.fromkeys(reply.episodes))
+        restarts.update(dict.fromkeys(reply.restarts))
+        blockers.extend(reply.blockers)
+        blocker_count += reply.blocker_count
+    return PrepareOutcome(
+        checkpoint_id=checkpoint_id,
+        ready=stopped_at is None and not failures,
+        prepared=[participant.instance for participant in prepared],
+        stopped_at=stopped_at,
+        episodes=list(episodes),
+        blockers=blockers[:MAX_BLOCKERS_REPORTED],
+        blocker_count=blocker_count,
+        restarts=list(restarts),
+        failures=failures,
+    )
+
+
+def _prepare_message(prepare: PrepareOutcome) -> str:
+    where = prepare.stopped_at.value if prepare.stopped_at is not None else "?"
+    if prepare.failures:
+        return f"prepare failed at {where}: " + "; ".join(str(f) for f in prepare.failures)
+    shown = ", ".join(str(episode) for episode in prepare.blockers[:10])
+    return (
+        f"{prepare.blocker_count} episodes of {where} were not parked by the prepare "
+        f"deadline (first: {shown})"
+    )
+
+
+def _publish(
+    root: Path,
+    set_name: str,
+    checkpoint_id: str,
+    prepare: PrepareOutcome,
+    commit: CommitOutcome,
+    durations: tuple[float, float],
+    trainer_step: int | None,
+    now: float,
+) -> Path:
+    """Check each participant's manifest is where we publish, then write checkpoint.json."""
+    entries: list[PublishedParticipant] = []
+    for instance, manifest in sorted(commit.manifests.items()):
+        relative = commit.manifest_paths[instance]
+        on_disk = storage.read_manifest((root / relative).parent)
+        if on_disk != manifest:
+            raise storage.RecordsInvalid(
+                f"the manifest of {instance} at {root / relative} differs from its commit reply; "
+                "is the publish directory the participants' ROLLOUT_CHECKPOINT_ROOT?"
+            )
+        entries.append(
+            PublishedParticipant(
+                instance=instance,
+                role=manifest.role,
+                manifest_path=relative,
+                records_sha256=manifest.records_sha256,
+                record_count=manifest.record_count,
+                bytes=manifest.bytes,
+            )
+        )
+    attempt = commit.attempt
+    return storage.write_checkpoint_manifest(
+        root,
+        CheckpointManifest(
+            set_name=set_name,
+            checkpoint_id=checkpoint_id,
+            attempt=attempt if attempt is not None else 0,
+            published_ts=now,
+            rollout_ids=commit.scope or [],
+            restarts=len(prepare.restarts),
+            participants=entries,
+            trainer_step=trainer_step,
+            prepare_seconds=max(durations[0], 0.0),
+            commit_seconds=max(durations[1], 0.0),
+        ),
+    )
