@@ -61,9 +61,9 @@ __all__ = [
     "AttemptRetired",
     "Boundary",
     "Episode",
+    "EpisodeCancelled",
     "EpisodeError",
     "EpisodeExists",
-    "EpisodeRetired",
     "EpisodeRuntime",
     "EpisodeTimeout",
     "RuntimeParticipant",
@@ -117,8 +117,8 @@ class EpisodeExists(EpisodeError):
         self.episode = episode
 
 
-class EpisodeRetired(EpisodeError):
-    """The episode was cancelled by a retire before its final cleanup started."""
+class EpisodeCancelled(EpisodeError):
+    """The episode was cancelled (a retire, or its session closed) before its cleanup started."""
 
 
 class EpisodeTimeout(EpisodeError):
@@ -210,7 +210,7 @@ class Episode:
         self._replay_steps = 0
         self._cleaning = False
         self.cleanup_started = False
-        self.retired = False
+        self.cancelled = False
         self.ended = anyio.Event()
         """Set when the episode has ended: its cleanup finished, or it was closed."""
         self._guards: set[anyio.CancelScope] = set()
@@ -268,7 +268,7 @@ class Episode:
 
     def cancel(self) -> None:
         """Cancel every guarded region of this episode (steps, holds, its driver)."""
-        self.retired = True
+        self.cancelled = True
         for scope in list(self._guards):
             scope.cancel()
 
@@ -456,9 +456,9 @@ class EpisodeRuntime:
 
     @contextmanager
     def guard(self, episode: Episode) -> Iterator[None]:
-        """A region a retire may cancel; the cancellation surfaces as `EpisodeRetired`."""
-        if episode.retired:
-            raise EpisodeRetired(f"{episode.id} was retired")
+        """A region a retire may cancel; the cancellation surfaces as `EpisodeCancelled`."""
+        if episode.cancelled:
+            raise EpisodeCancelled(f"{episode.id} was cancelled")
         with anyio.CancelScope() as scope:
             episode._guards.add(scope)
             try:
@@ -466,7 +466,7 @@ class EpisodeRuntime:
             finally:
                 episode._guards.discard(scope)
         if scope.cancelled_caught:
-            raise EpisodeRetired(f"{episode.id} was retired")
+            raise EpisodeCancelled(f"{episode.id} was cancelled")
 
     async def step(
         self,

@@ -15,7 +15,7 @@ import pytest
 from rollout_servers.episodes import (
     AttemptRetired,
     Boundary,
-    EpisodeRetired,
+    EpisodeCancelled,
     EpisodeRuntime,
     EpisodeTimeout,
     RuntimeParticipant,
@@ -186,7 +186,7 @@ async def test_retire_cancels_before_cleanup_and_cleanup_still_runs() -> None:
                     await runtime.step(
                         ep, "a", StepMode.REPLAY, released(anyio.Event(), started, Boundary("b"))
                     )
-            except EpisodeRetired:
+            except EpisodeCancelled:
                 log.append("retired")
             async with runtime.cleanup(ep):
                 await anyio.lowlevel.checkpoint()
@@ -229,7 +229,7 @@ async def test_retire_during_cleanup_waits_and_does_not_interrupt() -> None:
         tg.start_soon(driver)
         await in_cleanup.wait()
         tg.start_soon(retire)
-        await wait_for(lambda: ep.retired is False and runtime.is_retired(0, "r1"))
+        await wait_for(lambda: ep.cancelled is False and runtime.is_retired(0, "r1"))
         finish.set()
     assert log == ["cleanup done", "retire replied"]
 
@@ -245,7 +245,7 @@ async def test_retire_ends_request_driven_session_once_steps_unwind() -> None:
             await runtime.step(
                 ep, "tool", StepMode.WAIT, released(anyio.Event(), started, Boundary("ready"))
             )
-        except EpisodeRetired:
+        except EpisodeCancelled:
             outcome.append("retired")
 
     async with anyio.create_task_group() as tg:

@@ -1,0 +1,142 @@
+"""`rollout-server {environment|agent|model|resources} --host H --port P ...`
+
+Each role is one process with its control plane mounted. The checkpoint identity comes from the
+environment the operator sets in every pod (`ROLLOUT_SET`, `ROLLOUT_INDEX`, `ROLLOUT_ATTEMPT`,
+`ROLLOUT_CHECKPOINT_ROOT`, `ROLLOUT_CONTROL_TOKEN`). Once listening, the process prints one JSON
+line `{"event": "ready", "port": N}` on stdout, so a supervisor (or a test) knows the port
+without polling, even with `--port 0`.
+
+SIGTERM does not stop the server: it turns unready and keeps its control plane up (the operator
+checkpoints inside the pod's grace period) until SIGKILL, a second SIGTERM, SIGINT, or
+`--drain-seconds`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import resource
+import sys
+from collections.abc import Sequence
+
+from .control import ControlConfigError
+from .protocol import Role
+from .servers.common import RolloutServer, ServerOptions, serve
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rollout-server",
+        description="Run one reference rollout server (a checkpoint participant).",
+    )
+    parser.add_argument("role", choices=[r.value for r in Role])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument("--index", type=int, default=None, help="default: $ROLLOUT_INDEX or 0")
+    parser.add_argument("--agent-url", help="environment: the agent server")
+    parser.add_argument("--model-url", help="agent: the model server")
+    parser.add_argument("--resources-url", help="environment, agent: the resources server")
+    parser.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="run the control plane without ROLLOUT_CONTROL_TOKEN (trusted networks only)",
+    )
+    parser.add_argument(
+        "--debug-hooks",
+        action="store_true",
+        help="mount /debug/* (pause points for protocol tests); never in production",
+    )
+    parser.add_argument(
+        "--episode-timeout",
+        type=float,
+        default=None,
+        help="seconds an episode may take, parked checkpoint time not counted",
+    )
+    parser.add_argument("--call-timeout", type=float, default=600.0, help="per peer call, seconds")
+    parser.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=None,
+        help="after SIGTERM, exit after this long (default: wait for SIGKILL or a second signal)",
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument("--backend", choices=["builtin", "openai"], default="builtin")
+    model.add_argument("--upstream-url", help="openai backend: the upstream server's base URL")
+    model.add_argument("--model-name", default="builtin", help="the model id served and sent")
+    model.add_argument("--token-latency-ms", type=float, default=0.0, help="builtin backend")
+    model.add_argument(
+        "--mistake-rate",
+        type=float,
+        default=0.25,
+        help="builtin backend: share of (seed, task) pairs answered off by one",
+    )
+    parser.add_argument("--log-level", default="info")
+    return parser
+
+
+def make_server(args: argparse.Namespace) -> RolloutServer:
+    from .servers.agent import AgentServer
+    from .servers.environment import EnvironmentServer
+    from .servers.model import ModelServer
+    from .servers.resources import ResourcesServer
+
+    role = Role(args.role)
+    needs = {
+        Role.ENVIRONMENT: ("agent_url", "resources_url"),
+        Role.AGENT: ("model_url", "resources_url"),
+        Role.MODEL: (),
+        Role.RESOURCES: (),
+    }[role]
+    missing = [f"--{name.replace('_', '-')}" for name in needs if not getattr(args, name)]
+    if missing:
+        raise SystemExit(f"rollout-server {role.value}: missing {', '.join(missing)}")
+    options = ServerOptions(
+        role=role,
+        index=args.index,
+        agent_url=args.agent_url,
+        model_url=args.model_url,
+        resources_url=args.resources_url,
+        allow_unauthenticated=args.allow_unauthenticated,
+        debug_hooks=args.debug_hooks,
+        episode_timeout_s=args.episode_timeout,
+        call_timeout_s=args.call_timeout,
+        backend=args.backend,
+        upstream_url=args.upstream_url,
+        model_name=args.model_name,
+        token_latency_ms=args.token_latency_ms,
+        mistake_rate=args.mistake_rate,
+    )
+    classes: dict[Role, type[RolloutServer]] = {
+        Role.ENVIRONMENT: EnvironmentServer,
+        Role.AGENT: AgentServer,
+        Role.MODEL: ModelServer,
+        Role.RESOURCES: ResourcesServer,
+    }
+    return classes[role](options)
+
+
+def _raise_open_files_limit() -> None:
+    """A thousand live episodes need a few thousand sockets; take what the hard limit allows."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else 65536
+    if soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s {args.role} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        server = make_server(args)
+    except (ControlConfigError, ValueError) as error:
+        raise SystemExit(f"rollout-server {args.role}: {error}") from None
+    _raise_open_files_limit()
+    serve(server, args.host, args.port, drain_seconds=args.drain_seconds, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()

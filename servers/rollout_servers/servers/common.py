@@ -1,0 +1,593 @@
+"""What every reference server shares: app assembly, counters, debug hooks, peers, serving.
+
+Each server is a FastAPI app that is also a checkpoint participant: it owns an `EpisodeRuntime`,
+mounts the control plane, and exposes `GET /healthz` (readiness) and `GET /stats` (server-side
+step counters, so tests can prove which steps ran in which attempt without timing anything).
+
+Debug hooks exist so protocol tests can stop an episode at an exact point (inside a step, or at
+a boundary) and then checkpoint it, deterministically. They are mounted only with
+`--debug-hooks`; without the flag every hook point is a no-op.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import time
+from collections import OrderedDict, defaultdict
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, Generic, TypeVar
+
+import anyio
+import anyio.abc
+import httpx
+import uvicorn
+from fastapi import FastAPI, Query
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..control import ControlPlane, ControlSettings
+from ..episodes import (
+    AttemptRetired,
+    Episode,
+    EpisodeCancelled,
+    EpisodeError,
+    EpisodeExists,
+    EpisodeRuntime,
+    EpisodeTimeout,
+    RuntimeParticipant,
+    StaleAttempt,
+    TaskMismatch,
+)
+from ..protocol import ErrorBody, ErrorCode, ProtocolError, Role
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class WireModel(BaseModel):
+    """Request and reply bodies of the servers' own routes: strict, unknown fields refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# --- options ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Everything a server is configured with (the CLI fills it)."""
+
+    role: Role
+    index: int | None = None
+    agent_url: str | None = None
+    model_url: str | None = None
+    resources_url: str | None = None
+    allow_unauthenticated: bool = False
+    debug_hooks: bool = False
+    episode_timeout_s: float | None = None
+    call_timeout_s: float = 600.0
+    """Upper bound of one call to a peer (a whole agent invocation is one call)."""
+    cleanup_timeout_s: float = 10.0
+    """Upper bound of each final-cleanup call, so a dead peer cannot hold an episode forever."""
+    backend: str = "builtin"
+    upstream_url: str | None = None
+    model_name: str = "builtin"
+    token_latency_ms: float = 0.0
+    mistake_rate: float = 0.25
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+def episode_error(error: EpisodeError) -> ProtocolError:
+    """The wire error for a runtime refusal."""
+    if isinstance(error, TaskMismatch):
+        return ProtocolError(ErrorCode.TASK_MISMATCH, str(error))
+    if isinstance(error, AttemptRetired | EpisodeCancelled):
+        return ProtocolError(ErrorCode.ATTEMPT_RETIRED, str(error))
+    if isinstance(error, StaleAttempt | EpisodeExists):
+        return ProtocolError(ErrorCode.ATTEMPT_MISMATCH, str(error))
+    if isinstance(error, EpisodeTimeout):
+        return ProtocolError(ErrorCode.DEADLINE_PASSED, str(error))
+    return ProtocolError(ErrorCode.INTERNAL, str(error))
+
+
+class PeerError(ProtocolError):
+    """A call to a peer server failed; carries the peer's error code (or `unreachable`)."""
+
+
+# --- counters ---------------------------------------------------------------------------------
+
+
+class StepStats:
+    """Server-side counters of steps per attempt (and per rollout), plus free-form counters.
+
+    Step names may carry a suffix after `@` (`model@2` = the model call of turn 2): totals count
+    the base name, per-rollout counts keep the full name, so a test can check exactly which
+    turn ran again.
+    """
+
+    def __init__(self, role: Role, *, keep_rollouts: int = 50_000) -> None:
+        self.role = role
+        self._totals: dict[int, dict[str, dict[str, int]]] = defaultdict(
+            lambda: defaultdict(lambda: defaultdict(int))
+        )
+        self._rollouts: OrderedDict[str, dict[int, dict[str, dict[str, int]]]] = OrderedDict()
+        self._keep = keep_rollouts
+        self.counters: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+    def observe(self, episode: Episode, name: str, event: str) -> None:
+        """The runtime's step observer."""
+        self.count(episode.attempt, episode.rollout_id, name, event)
+
+    def count(self, attempt: int, rollout_id: str | None, name: str, event: str) -> None:
+        self._totals[attempt][name.split("@", 1)[0]][event] += 1
+        if rollout_id is None:
+            return
+        per = self._rollouts.get(rollout_id)
+        if per is None:
+            per = self._rollouts[rollout_id] = {}
+            while len(self._rollouts) > self._keep:
+                self._rollouts.popitem(last=False)
+        per.setdefault(attempt, {}).setdefault(name, {}).setdefault(event, 0)
+        per[attempt][name][event] += 1
+
+    def bump(self, attempt: int, counter: str, amount: int = 1) -> None:
+        self.counters[attempt][counter] += amount
+
+    def snapshot(self, rollout_ids: list[str] | None, detail: bool) -> dict[str, Any]:
+        rollouts = (
+            self._rollouts
+            if detail
+            else {rid: self._rollouts[rid] for rid in rollout_ids or () if rid in self._rollouts}
+        )
+        return {
+            "steps": {str(a): {k: dict(v) for k, v in s.items()} for a, s in self._totals.items()},
+            "counters": {str(a): dict(c) for a, c in self.counters.items()},
+            "rollouts": {
+                rid: {str(a): steps for a, steps in per.items()} for rid, per in rollouts.items()
+            },
+        }
+
+
+# --- debug hooks ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Pause:
+    point: str
+    rollout_id: str | None
+    index: int | None
+    release: anyio.Event = field(default_factory=anyio.Event)
+    waiting: int = 0
+
+    def matches(self, point: str, rollout_id: str | None, index: int | None) -> bool:
+        return (
+            self.point == point
+            and (self.rollout_id is None or self.rollout_id == rollout_id)
+            and (self.index is None or self.index == index)
+        )
+
+
+class HookRequest(WireModel):
+    point: str = Field(min_length=1, max_length=64)
+    rollout_id: str | None = None
+    index: int | None = None
+
+
+class HookWaitRequest(HookRequest):
+    count: int = Field(default=1, ge=1)
+    paused: bool = False
+    """Wait until an armed pause holds a caller, rather than until the point was reached."""
+    timeout_s: float = Field(default=10.0, gt=0, le=120)
+
+
+class Hooks:
+    """Named points in server code where a test can pause an episode or observe progress.
+
+    `await hooks.point("verify", rollout_id)` records that the point was reached and, when a
+    pause is armed for it, waits until the test releases it. Disabled hooks cost one branch.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._pauses: list[_Pause] = []
+        self._reached: dict[tuple[str, str | None, int | None], int] = defaultdict(int)
+        self._changed = anyio.Event()
+
+    async def point(
+        self, name: str, rollout_id: str | None = None, index: int | None = None
+    ) -> None:
+        if not self.enabled:
+            return
+        self.notify(name, rollout_id, index)
+        pause = next((p for p in self._pauses if p.matches(name, rollout_id, index)), None)
+        if pause is None:
+            return
+        pause.waiting += 1
+        self._signal()
+        try:
+            await pause.release.wait()
+        finally:
+            pause.waiting -= 1
+            self._signal()
+
+    def notify(self, name: str, rollout_id: str | None = None, index: int | None = None) -> None:
+        if not self.enabled:
+            return
+        for key in {(name, rollout_id, index), (name, rollout_id, None), (name, None, None)}:
+            self._reached[key] += 1
+        self._signal()
+
+    def arm(self, request: HookRequest) -> None:
+        self._pauses.append(_Pause(request.point, request.rollout_id, request.index))
+
+    def release(self, request: HookRequest) -> int:
+        released = [
+            p
+            for p in self._pauses
+            if p.point == request.point
+            and (request.rollout_id is None or p.rollout_id == request.rollout_id)
+            and (request.index is None or p.index == request.index)
+        ]
+        for pause in released:
+            pause.release.set()
+            self._pauses.remove(pause)
+        self._signal()
+        return len(released)
+
+    async def wait(self, request: HookWaitRequest) -> dict[str, Any]:
+        key = (request.point, request.rollout_id, request.index)
+        with anyio.move_on_after(request.timeout_s):
+            while True:
+                changed = self._changed
+                if request.paused:
+                    held = sum(
+                        p.waiting
+                        for p in self._pauses
+                        if p.matches(request.point, request.rollout_id, request.index)
+                    )
+                    if held >= request.count:
+                        return {"reached": self._reached.get(key, 0), "paused": held}
+                elif self._reached.get(key, 0) >= request.count:
+                    return {"reached": self._reached[key], "paused": 0}
+                await changed.wait()
+        raise ProtocolError(
+            ErrorCode.DEADLINE_PASSED,
+            f"hook {request.point!r} (rollout {request.rollout_id}, index {request.index}) "
+            f"not {'paused' if request.paused else 'reached'} within {request.timeout_s}s",
+        )
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "armed": [
+                {
+                    "point": p.point,
+                    "rollout_id": p.rollout_id,
+                    "index": p.index,
+                    "waiting": p.waiting,
+                }
+                for p in self._pauses
+            ],
+            "reached": [
+                {"point": k[0], "rollout_id": k[1], "index": k[2], "count": v}
+                for k, v in self._reached.items()
+            ],
+        }
+
+    def _signal(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+
+# --- outcomes ---------------------------------------------------------------------------------
+
+
+class Outcome(Generic[T]):
+    """The result of work running in another task, awaited by any number of callers."""
+
+    def __init__(self) -> None:
+        self._done = anyio.Event()
+        self._value: T | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def set(self, value: T) -> None:
+        self._value = value
+        self._done.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._done.set()
+
+    async def wait(self) -> T:
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._value is not None
+        return self._value
+
+
+# --- the server base --------------------------------------------------------------------------
+
+
+class RolloutServer:
+    """Base of the four reference servers. Subclasses add routes and episode logic."""
+
+    role: Role
+    record_kind = "boundary"
+
+    def __init__(self, options: ServerOptions, *, environ: Mapping[str, str] | None = None) -> None:
+        self.options = options
+        self.stats = StepStats(self.role)
+        self.hooks = Hooks(options.debug_hooks)
+        self.runtime = EpisodeRuntime(
+            self.record_kind,
+            episode_timeout_s=options.episode_timeout_s,
+            observer=self.stats.observe,
+        )
+        self.participant = self.make_participant()
+        self.settings = ControlSettings.from_env(
+            self.role,
+            index=options.index,
+            allow_unauthenticated=options.allow_unauthenticated,
+            environ=environ,
+        )
+        self.plane = ControlPlane(self.participant, self.settings)
+        self.draining = False
+        self._tasks: anyio.abc.TaskGroup | None = None
+        self._http: httpx.AsyncClient | None = None
+
+    # --- to override --------------------------------------------------------------------------
+
+    def make_participant(self) -> RuntimeParticipant:
+        return RuntimeParticipant(self.role, self.runtime, on_event=self.hooks.notify)
+
+    def add_routes(self, app: FastAPI) -> None:
+        """Add the role's own routes."""
+
+    def extra_stats(self) -> dict[str, Any]:
+        return {}
+
+    async def on_shutdown(self) -> None:
+        """Release what the role holds beyond the shared HTTP client (runs at app shutdown)."""
+
+    # --- shared -------------------------------------------------------------------------------
+
+    @property
+    def attempt(self) -> int:
+        return self.plane.attempt
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        if self._http is None:
+            raise RuntimeError("the server is not running (no HTTP client yet)")
+        return self._http
+
+    def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn` in the server's task group (outlives the request that started it)."""
+        if self._tasks is None:
+            raise RuntimeError("the server is not running (no task group yet)")
+        self._tasks.start_soon(fn, *args)
+
+    def check_attempt(self, rollout_id: str, attempt: int) -> None:
+        """Refuse work of a retired attempt, or of another attempt than this process runs."""
+        if self.plane.is_retired(attempt, rollout_id) or self.runtime.is_retired(
+            attempt, rollout_id
+        ):
+            raise ProtocolError(
+                ErrorCode.ATTEMPT_RETIRED, f"attempt {attempt} of {rollout_id} was retired here"
+            )
+        if attempt != self.attempt:
+            raise ProtocolError(
+                ErrorCode.ATTEMPT_MISMATCH,
+                f"this {self.role.value} server runs attempt {self.attempt}, not {attempt}",
+            )
+
+    async def call_peer(
+        self,
+        url: str | None,
+        path: str,
+        body: Mapping[str, Any],
+        *,
+        timeout_s: float | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """POST JSON to a peer; its error body (or its absence) becomes a `PeerError`."""
+        if url is None:
+            raise ProtocolError(ErrorCode.INTERNAL, f"no peer URL configured for {path}")
+        timeout = self.options.call_timeout_s if timeout_s is None else timeout_s
+        try:
+            reply = await self.http.post(
+                url.rstrip("/") + path, json=dict(body), timeout=timeout, headers=headers
+            )
+        except httpx.HTTPError as error:
+            raise PeerError(
+                ErrorCode.UNREACHABLE, f"{url}{path}: {type(error).__name__}: {error}"
+            ) from error
+        if reply.status_code >= 400:
+            raise peer_error(url + path, reply)
+        data = reply.json()
+        if not isinstance(data, dict):
+            raise PeerError(ErrorCode.INTERNAL, f"{url}{path}: expected a JSON object")
+        return data
+
+    def build_app(self) -> FastAPI:
+        app = FastAPI(
+            title=f"rollout {self.role.value} server", lifespan=self._lifespan, docs_url=None
+        )
+        server = self
+
+        @app.get("/healthz")
+        async def healthz() -> Response:
+            ready = server._tasks is not None and not server.draining
+            body = {
+                "status": "ok" if ready else ("draining" if server.draining else "starting"),
+                "role": server.role.value,
+                "instance": server.settings.instance,
+                "attempt": server.attempt,
+                "phase": server.plane.phase.value,
+            }
+            return JSONResponse(body, status_code=200 if ready else 503)
+
+        @app.get("/stats")
+        async def stats(
+            rollout_id: list[str] | None = Query(default=None),  # noqa: B008
+            detail: bool = False,
+        ) -> dict[str, Any]:
+            counts = server.runtime.counts()
+            return {
+                "role": server.role.value,
+                "instance": server.settings.instance,
+                "attempt": server.attempt,
+                "live": counts.live,
+                "parked": counts.parked,
+                "restored": counts.restored,
+                **server.stats.snapshot(rollout_id, detail),
+                **server.extra_stats(),
+            }
+
+        if self.options.debug_hooks:
+            self._add_debug_routes(app)
+        self.add_routes(app)
+        self.plane.install(app)
+        return app
+
+    def _add_debug_routes(self, app: FastAPI) -> None:
+        hooks = self.hooks
+
+        @app.post("/debug/arm")
+        async def arm(request: HookRequest) -> dict[str, Any]:
+            hooks.arm(request)
+            return {"armed": True}
+
+        @app.post("/debug/release")
+        async def release(request: HookRequest) -> dict[str, Any]:
+            return {"released": hooks.release(request)}
+
+        @app.post("/debug/wait")
+        async def wait(request: HookWaitRequest) -> dict[str, Any]:
+            return await hooks.wait(request)
+
+        @app.get("/debug/state")
+        async def state() -> dict[str, Any]:
+            return hooks.state()
+
+    @asynccontextmanager
+    async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        async with (
+            httpx.AsyncClient(limits=limits, timeout=self.options.call_timeout_s) as http,
+            anyio.create_task_group() as tasks,
+        ):
+            self._http = http
+            self._tasks = tasks
+            try:
+                yield
+            finally:
+                tasks.cancel_scope.cancel()
+                self._tasks = None
+                with anyio.CancelScope(shield=True):
+                    await self.on_shutdown()
+
+
+def peer_error(where: str, reply: httpx.Response) -> PeerError:
+    try:
+        body = ErrorBody.model_validate_json(reply.content)
+    except ValueError:
+        return PeerError(ErrorCode.INTERNAL, f"{where}: HTTP {reply.status_code}")
+    return PeerError(body.error.code, f"{where}: {body.error.detail}")
+
+
+# --- serving ----------------------------------------------------------------------------------
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM does not stop the server.
+
+    The operator checkpoints inside an evicted pod's grace period, so the control plane must
+    keep answering after SIGTERM: the server only turns unready (`/healthz` 503, new episodes
+    refused) and keeps serving until SIGKILL, a second SIGTERM, SIGINT, or `drain_seconds`.
+    Stopping then still waits for in-flight requests (control calls included).
+    """
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        *,
+        on_drain: Callable[[], None],
+        drain_seconds: float | None,
+        ready_line: Callable[[str], None] | None = None,
+    ) -> None:
+        super().__init__(config)
+        self._on_drain = on_drain
+        self._drain_seconds = drain_seconds
+        self._draining = False
+        self._drain_deadline: float | None = None
+        self._ready_line = ready_line
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and not self._draining and not self.should_exit:
+            self._draining = True
+            if self._drain_seconds is not None:
+                self._drain_deadline = time.monotonic() + self._drain_seconds
+            self._on_drain()
+            return
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self._ready_line is not None:
+            port = None
+            for server in self.servers:
+                for sock in server.sockets:
+                    port = sock.getsockname()[1]
+            self._ready_line(json.dumps({"event": "ready", "port": port}))
+
+
+def serve(
+    server: RolloutServer,
+    host: str,
+    port: int,
+    *,
+    drain_seconds: float | None = None,
+    graceful_seconds: int = 5,
+    log_level: str = "info",
+) -> None:
+    """Run `server` until stopped; print one JSON `ready` line on stdout once it listens."""
+    app = server.build_app()
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=graceful_seconds,
+        lifespan="on",
+    )
+
+    def drain() -> None:
+        server.draining = True
+        log.warning("SIGTERM: draining; the control plane stays up until the process is stopped")
+
+    def ready(line: str) -> None:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+    DrainingServer(config, on_drain=drain, drain_seconds=drain_seconds, ready_line=ready).run()

@@ -1,0 +1,232 @@
+"""The resources server: per-episode sessions with a calculator tool and a verifier.
+
+A session is an episode driven by requests: seed creates it, tool calls and verification are its
+steps, close ends it. Each session declares on its seed reply whether verification *replays*
+(stateless: a checkpoint may capture the episode before it and a restore reruns it) or must be
+*waited* for (a checkpoint waits until it is done); the choice comes from the task (`verify`).
+
+Every step is idempotent by key, so a caller that replays a step after a restore gets the
+recorded result instead of the work running twice: a second seed returns the session, a tool
+call with a recorded `call` index returns its recorded output, a second verification returns
+the recorded verdict.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+from fastapi import FastAPI
+from pydantic import Field
+
+from ..episodes import Boundary, Episode, EpisodeError, StepMode
+from ..protocol import ErrorCode, ProtocolError, Role, RolloutId, task_digest
+from ..tasks import CalculatorError, Task, calculate
+from .common import RolloutServer, WireModel, episode_error
+
+log = logging.getLogger(__name__)
+
+
+class SeedRequest(WireModel):
+    rollout_id: RolloutId
+    attempt: int = Field(ge=0)
+    task: Task
+
+
+class SeedReply(WireModel):
+    rollout_id: str
+    attempt: int
+    verify: str
+    tools: list[str]
+    continued_from: int | None = None
+
+
+class ToolRequest(WireModel):
+    rollout_id: RolloutId
+    attempt: int = Field(ge=0)
+    call: int = Field(ge=0, description="The caller's index for this call (its turn)")
+    tool: str = "calculator"
+    input: str = Field(max_length=1000)
+
+
+class ToolReply(WireModel):
+    output: str | None = None
+    error: str | None = None
+    replayed: bool = False
+
+
+class VerifyRequest(WireModel):
+    rollout_id: RolloutId
+    attempt: int = Field(ge=0)
+    answer: int | None
+
+
+class VerifyReply(WireModel):
+    reward: float
+    correct: bool
+    replayed: bool = False
+
+
+class CloseRequest(WireModel):
+    rollout_id: RolloutId
+    attempt: int = Field(ge=0)
+
+
+class CloseReply(WireModel):
+    closed: bool
+
+
+class ResourcesServer(RolloutServer):
+    role = Role.RESOURCES
+    record_kind = "session"
+
+    def add_routes(self, app: FastAPI) -> None:
+        server = self
+
+        @app.post("/sessions/seed")
+        async def seed(request: SeedRequest) -> SeedReply:
+            return await server.seed(request)
+
+        @app.post("/sessions/tool")
+        async def tool(request: ToolRequest) -> ToolReply:
+            return await server.tool(request)
+
+        @app.post("/sessions/verify")
+        async def verify(request: VerifyRequest) -> VerifyReply:
+            return await server.verify(request)
+
+        @app.post("/sessions/close")
+        async def close(request: CloseRequest) -> CloseReply:
+            return await server.close(request)
+
+    # --- routes -------------------------------------------------------------------------------
+
+    async def seed(self, request: SeedRequest) -> SeedReply:
+        rid, attempt = request.rollout_id, request.attempt
+        self.check_attempt(rid, attempt)
+        task = request.task
+        try:
+            ep = self.runtime.find(rid)
+            if ep is not None and ep.attempt != attempt:
+                raise ProtocolError(
+                    ErrorCode.ATTEMPT_MISMATCH, f"{rid} has a session of attempt {ep.attempt}"
+                )
+            if ep is None:
+                ep = self.runtime.begin(
+                    rid,
+                    attempt,
+                    Boundary("seed", {"task": task.wire()}),
+                    digest=task_digest(task.wire()),
+                )
+            if ep.boundary.step == "seed":
+
+                async def run() -> Boundary:
+                    await self.hooks.point("seed", rid)
+                    return Boundary(
+                        "ready",
+                        {"task": task.wire(), "verify": task.verify, "tools": {}, "verdict": None},
+                    )
+
+                with self.runtime.guard(ep):
+                    await self.runtime.step(ep, "seed", StepMode.REPLAY, run)
+            else:
+                self.stats.bump(attempt, "seed_reused")
+        except EpisodeError as error:
+            raise episode_error(error) from error
+        return SeedReply(
+            rollout_id=rid,
+            attempt=attempt,
+            verify=str(ep.boundary.state["verify"]),
+            tools=["calculator"],
+            continued_from=ep.continued_from,
+        )
+
+    async def tool(self, request: ToolRequest) -> ToolReply:
+        ep = self._session(request.rollout_id, request.attempt)
+        if request.tool != "calculator":
+            return ToolReply(error=f"unknown tool {request.tool!r} (available: calculator)")
+        recorded = ep.boundary.state["tools"].get(str(request.call))
+        if recorded is not None:
+            self.stats.bump(request.attempt, "tool_replayed")
+            return ToolReply(**recorded, replayed=True)
+
+        async def run() -> Boundary:
+            await self.hooks.point("tool", request.rollout_id, request.call)
+            try:
+                result = {"output": str(calculate(request.input)), "error": None}
+            except CalculatorError as error:
+                result = {"output": None, "error": str(error)}
+            state = dict(ep.boundary.state)
+            state["tools"] = {**state["tools"], str(request.call): result}
+            return Boundary("ready", state)
+
+        boundary = await self._step(ep, f"tool@{request.call}", StepMode.WAIT, run)
+        return ToolReply(**boundary.state["tools"][str(request.call)])
+
+    async def verify(self, request: VerifyRequest) -> VerifyReply:
+        ep = self._session(request.rollout_id, request.attempt)
+        verdict = ep.boundary.state.get("verdict")
+        if verdict is not None:
+            self.stats.bump(request.attempt, "verify_replayed")
+            return VerifyReply(**verdict, replayed=True)
+        task = Task.model_validate(ep.boundary.state["task"])
+        mode = StepMode(ep.boundary.state["verify"])
+
+        async def run() -> Boundary:
+            await self.hooks.point("verify", request.rollout_id)
+            correct = request.answer is not None and request.answer == task.answer
+            state = dict(ep.boundary.state)
+            state["verdict"] = {"reward": 1.0 if correct else 0.0, "correct": correct}
+            return Boundary("ready", state)
+
+        boundary = await self._step(ep, "verify", mode, run)
+        return VerifyReply(**boundary.state["verdict"])
+
+    async def close(self, request: CloseRequest) -> CloseReply:
+        """Closing is cleanup: never gated by admission, and it always ends the session."""
+        rid, attempt = request.rollout_id, request.attempt
+        ep = self.runtime.find(rid)
+        if ep is None or ep.attempt != attempt:
+            restored = self.runtime.find_restored(rid)
+            if restored is not None and restored.attempt == attempt:
+                self.runtime.drop_restored(rid)
+                self.stats.count(attempt, rid, "close", "completed")
+                return CloseReply(closed=True)
+            return CloseReply(closed=False)
+        self.stats.count(attempt, rid, "close", "started")
+        if ep.running:
+            ep.cancel()
+        self.runtime.end(ep)
+        self.stats.count(attempt, rid, "close", "completed")
+        return CloseReply(closed=True)
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _session(self, rollout_id: str, attempt: int) -> Episode:
+        """The live session of (rollout, attempt), claiming a restored one on first use."""
+        self.check_attempt(rollout_id, attempt)
+        ep = self.runtime.find(rollout_id)
+        if ep is not None:
+            if ep.attempt != attempt:
+                raise ProtocolError(
+                    ErrorCode.ATTEMPT_MISMATCH,
+                    f"{rollout_id} has a session of attempt {ep.attempt}",
+                )
+            return ep
+        if self.runtime.find_restored(rollout_id) is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no session for {rollout_id}; seed it first")
+        try:
+            return self.runtime.begin(rollout_id, attempt, Boundary("seed"))
+        except EpisodeError as error:
+            raise episode_error(error) from error
+
+    async def _step(
+        self, ep: Episode, name: str, mode: StepMode, run: Callable[[], Awaitable[Boundary]]
+    ) -> Boundary:
+        if ep.boundary.step != "ready":
+            raise ProtocolError(ErrorCode.WRONG_PHASE, f"session {ep.rollout_id} is not seeded")
+        try:
+            with self.runtime.guard(ep):
+                return await self.runtime.step(ep, name, mode, run)
+        except EpisodeError as error:
+            raise episode_error(error) from error
