@@ -8,7 +8,7 @@ attempt), and it journals every hook call so tests can assert order without timi
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import anyio
 from rollout_servers.participant import EpisodeCounts, ParkState, Participant
@@ -48,6 +48,8 @@ class FakeParticipant(Participant):
         self.reopened = anyio.Event()
         self.park_gate: anyio.Event | None = None
         """When set, `park` first waits for this event (bounded by its deadline)."""
+        self.on_park: Callable[[], Awaitable[None]] | None = None
+        """Called when `park` starts: lets a test act exactly while this participant parks."""
         self._unblocked = anyio.Event()
 
     def unblock(self) -> None:
@@ -64,6 +66,8 @@ class FakeParticipant(Participant):
     async def park(self, deadline_ts: float) -> ParkState:
         self._log("park")
         self.park_calls += 1
+        if self.on_park is not None:
+            await self.on_park()
         if self.park_gate is not None:
             with anyio.move_on_after(max(0.0, deadline_ts - time.time())):
                 await self.park_gate.wait()
