@@ -1,0 +1,548 @@
+"""The RolloutCheckpoint flow (DESIGN §6.1): prepare, commit, publish, resume.
+
+The protocol itself is `rollout_servers.coordination.Coordinator`; this module adds what only an
+operator has: the phase persisted in `status.phase` before every step, so a restarted operator
+continues where the last one stopped; one checkpoint per set at a time (the set's
+`status.activeCheckpoint`, taken with a resourceVersion precondition); and publication as one
+status patch (`Ready=True` with every participant's manifest), after which the set's
+`latestCheckpoint` points at it.
+
+Why continuing is safe: prepare, commit and restore replies are cached per checkpoint id by the
+participants and replayed on retry, so repeating the step an operator died in returns what it
+would have returned. If the participants' lease lapsed meanwhile they resumed by themselves,
+the id is stale there, and the checkpoint ends Failed with a reason; it is never Ready unless
+every commit (records fsynced, manifest written last) succeeded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Final
+
+import anyio
+from kubernetes_asyncio.client.exceptions import ApiException
+from rollout_servers.coordination import (
+    CommitOutcome,
+    Coordinator,
+    Failure,
+    HttpParticipant,
+    PrepareOutcome,
+)
+from rollout_servers.protocol import ErrorCode
+
+from .api import (
+    GROUP,
+    ROLLOUT_CHECKPOINT_PLURAL,
+    VERSION,
+    CheckpointConditionType,
+    CheckpointDurations,
+    CheckpointParticipant,
+    CheckpointPhase,
+    ConditionStatus,
+    RolloutCheckpoint,
+    RolloutCheckpointStatus,
+    RolloutSet,
+    SetConditionType,
+    dump,
+)
+from .conditions import find_condition, set_condition, utcnow
+from .kube import MERGE_PATCH, Conflict, Kube
+from .setops import read_control_token
+
+logger = logging.getLogger(__name__)
+
+_MERGE_PATCH: Final[dict[str, Any]] = {"_content_type": MERGE_PATCH}
+
+TERMINAL: Final = frozenset({CheckpointPhase.READY, CheckpointPhase.FAILED})
+RECENT_DURATIONS: Final = 20
+"""How many recent checkpoint durations the set keeps (the deadline reserve is built on them)."""
+
+
+class Reason:
+    """Condition reasons of a RolloutCheckpoint (CamelCase, stable)."""
+
+    QUEUED: Final = "Queued"
+    PREPARING: Final = "Preparing"
+    PREPARED: Final = "AllParked"
+    NOT_PARKED: Final = "PrepareTimeout"
+    COMMITTED: Final = "RecordsWritten"
+    PUBLISHED: Final = "Published"
+    SET_NOT_FOUND: Final = "SetNotFound"
+    SET_NOT_READY: Final = "SetNotReady"
+    PARTICIPANT_LOST: Final = "ParticipantLost"
+    PREPARE_FAILED: Final = "PrepareFailed"
+    COMMIT_FAILED: Final = "CommitFailed"
+    LEASE_LAPSED: Final = "LeaseLapsed"
+    INVALID: Final = "InvalidCheckpoint"
+
+
+class CheckpointFailed(Exception):
+    """Ends the flow: the checkpoint becomes Failed with this reason and message."""
+
+    def __init__(self, reason: str, message: str, *, blockers: PrepareOutcome | None = None):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.blockers = blockers
+
+
+@dataclass(frozen=True)
+class FlowSettings:
+    commit_timeout_seconds: float = 120.0
+    resume_timeout_seconds: float = 30.0
+    queue_poll_seconds: float = 1.0
+    lease_slack_seconds: float = 5.0
+    """A prepare whose persisted deadline is nearer than this is not retried after a restart."""
+
+
+def _now_ts(clock: Callable[[], float]) -> datetime:
+    return datetime.fromtimestamp(clock(), UTC).replace(microsecond=0)
+
+
+def _failure_reason(failures: list[Failure]) -> str:
+    codes = {failure.code for failure in failures}
+    if codes & {ErrorCode.STALE_CHECKPOINT, ErrorCode.UNKNOWN_CHECKPOINT}:
+        return Reason.LEASE_LAPSED
+    if ErrorCode.INTERNAL in codes or not codes <= {
+        ErrorCode.STORAGE_FAILED,
+        ErrorCode.WRONG_PHASE,
+        ErrorCode.CONFLICTING_CHECKPOINT,
+        ErrorCode.DEADLINE_PASSED,
+    }:
+        return Reason.PARTICIPANT_LOST
+    return ""
+
+
+def _describe(failures: list[Failure], limit: int = 5) -> str:
+    shown = "; ".join(str(f) for f in failures[:limit])
+    more = len(failures) - limit
+    return shown + (f"; and {more} more" if more > 0 else "")
+
+
+class CheckpointFlow:
+    """Runs one RolloutCheckpoint to Ready or Failed; safe to start again after a crash."""
+
+    def __init__(
+        self,
+        kube: Kube,
+        *,
+        settings: FlowSettings | None = None,
+        clock: Callable[[], float] = time.time,
+        on_transition: Callable[[RolloutCheckpoint, str, str], Awaitable[None]] | None = None,
+        participants_factory: Callable[[RolloutSet, str], list[HttpParticipant]] | None = None,
+    ) -> None:
+        self._kube = kube
+        self._settings = settings or FlowSettings()
+        self._clock = clock
+        self._on_transition = on_transition
+        self._participants_factory = participants_factory or _http_participants
+
+    # --- persistence --------------------------------------------------------------------------
+
+    async def _read(self, namespace: str, name: str) -> RolloutCheckpoint | None:
+        try:
+            obj = await self._kube.custom.get_namespaced_custom_object(
+                GROUP, VERSION, namespace, ROLLOUT_CHECKPOINT_PLURAL, name
+            )
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        return RolloutCheckpoint.model_validate(obj)
+
+    async def _write(self, ckpt: RolloutCheckpoint, status: RolloutCheckpointStatus) -> None:
+        """Persist the whole status (a merge patch of its wire form) before the next step."""
+        body = {"status": dump(status)}
+        # Lists in a merge patch replace; fields that became unset must be sent as null.
+        for key in ("blockers", "participants"):
+            body["status"].setdefault(key, [])
+        namespace = ckpt.metadata.namespace or "default"
+        await self._kube.custom.patch_namespaced_custom_object_status(
+            GROUP,
+            VERSION,
+            namespace,
+            ROLLOUT_CHECKPOINT_PLURAL,
+            ckpt.metadata.name,
+            body,
+            **_MERGE_PATCH,
+        )
+        ckpt.status = status
+
+    async def _phase(
+        self,
+        ckpt: RolloutCheckpoint,
+        phase: CheckpointPhase,
+        *,
+        condition: tuple[CheckpointConditionType, bool, str, str] | None = None,
+        **fields: Any,
+    ) -> None:
+        status = ckpt.status.model_copy(update={"phase": phase, **fields})
+        status.observed_generation = ckpt.metadata.generation
+        if condition is not None:
+            type_, value, reason, message = condition
+            status.conditions = set_condition(
+                status.conditions,
+                type_.value,
+                value,
+                reason,
+                message,
+                observed_generation=ckpt.metadata.generation,
+            )
+        await self._write(ckpt, status)
+        if self._on_transition is not None and condition is not None:
+            await self._on_transition(ckpt, condition[2], condition[3])
+
+    async def _fail(self, ckpt: RolloutCheckpoint, failed: CheckpointFailed) -> None:
+        logger.warning(
+            "checkpoint %s failed: %s: %s", ckpt.metadata.name, failed.reason, failed.message
+        )
+        status = ckpt.status.model_copy(
+            update={"phase": CheckpointPhase.FAILED, "completed_at": utcnow()}
+        )
+        if failed.blockers is not None:
+            status.blockers = [str(e) for e in failed.blockers.blockers]
+            status.blocker_count = failed.blockers.blocker_count
+        generation = ckpt.metadata.generation
+        status.conditions = set_condition(
+            status.conditions,
+            "Ready",
+            False,
+            failed.reason,
+            failed.message,
+            observed_generation=generation,
+        )
+        status.conditions = set_condition(
+            status.conditions,
+            "Failed",
+            True,
+            failed.reason,
+            failed.message,
+            observed_generation=generation,
+        )
+        await self._write(ckpt, status)
+        if self._on_transition is not None:
+            await self._on_transition(ckpt, failed.reason, failed.message)
+
+    # --- the per-set slot ----------------------------------------------------------------------
+
+    async def _take_slot(self, ckpt: RolloutCheckpoint) -> RolloutSet:
+        """Wait until this checkpoint holds the set's `activeCheckpoint` and the set is Ready.
+
+        The slot lives in the set's status, so it survives an operator restart; a holder that
+        is gone or finished is taken over. Waiting is bounded by the set's prepare timeout.
+        """
+        namespace = ckpt.metadata.namespace or "default"
+        me = ckpt.metadata.name
+        deadline: float | None = None
+        queued_reason = ""
+        while True:
+            raw = await self._kube.get_set(namespace, ckpt.spec.rollout_set)
+            if raw is None:
+                raise CheckpointFailed(
+                    Reason.SET_NOT_FOUND,
+                    f"RolloutSet {ckpt.spec.rollout_set!r} does not exist in namespace "
+                    f"{namespace!r}; create it first or fix spec.rolloutSet",
+                )
+            rset = RolloutSet.model_validate(raw)
+            if deadline is None:
+                timeout = rset.spec.checkpoint_policy.prepare_timeout_seconds
+                deadline = self._clock() + timeout + rset.spec.recovery.restore_timeout_seconds
+            wait_reason = await self._why_wait(rset, me)
+            if wait_reason is None:
+                try:
+                    if rset.status.active_checkpoint != me:
+                        await self._kube.patch_set_status(
+                            namespace,
+                            rset.metadata.name,
+                            {"activeCheckpoint": me},
+                            resource_version=rset.metadata.resource_version,
+                        )
+                    return rset
+                except Conflict:
+                    continue
+            if wait_reason != queued_reason:
+                queued_reason = wait_reason
+                await self._phase(
+                    ckpt,
+                    CheckpointPhase.QUEUED,
+                    condition=(CheckpointConditionType.READY, False, Reason.QUEUED, wait_reason),
+                )
+            if self._clock() > deadline:
+                raise CheckpointFailed(
+                    Reason.SET_NOT_READY,
+                    f"gave up waiting to start: {wait_reason}",
+                )
+            await anyio.sleep(self._settings.queue_poll_seconds)
+
+    async def _why_wait(self, rset: RolloutSet, me: str) -> str | None:
+        """None when the checkpoint may start now; else why it waits (for the Queued message)."""
+        status = rset.status
+        active = status.active_checkpoint
+        if active and active != me:
+            other = await self._read(rset.metadata.namespace or "default", active)
+            if other is not None and other.status.phase not in TERMINAL:
+                return f"checkpoint {active} of set {rset.metadata.name} is running"
+        if status.recovery is not None:
+            return f"set {rset.metadata.name} is Recovering"
+        suspended = find_condition(status.conditions, SetConditionType.SUSPENDED.value)
+        if suspended is not None and suspended.status is ConditionStatus.TRUE:
+            return f"set {rset.metadata.name} is Suspended"
+        ready = find_condition(status.conditions, SetConditionType.READY.value)
+        if ready is None or ready.status is not ConditionStatus.TRUE:
+            return f"set {rset.metadata.name} is not Ready"
+        if not status.participants or not all(p.ready and p.address for p in status.participants):
+            return f"participants of set {rset.metadata.name} are not all Ready"
+        return None
+
+    async def _release_slot(self, ckpt: RolloutCheckpoint, extra: dict[str, Any]) -> None:
+        namespace = ckpt.metadata.namespace or "default"
+        for _ in range(10):
+            raw = await self._kube.get_set(namespace, ckpt.spec.rollout_set)
+            if raw is None:
+                return
+            rset = RolloutSet.model_validate(raw)
+            patch = dict(extra)
+            if rset.status.active_checkpoint == ckpt.metadata.name:
+                patch["activeCheckpoint"] = None
+            if not patch:
+                return
+            try:
+                await self._kube.patch_set_status(
+                    namespace,
+                    rset.metadata.name,
+                    patch,
+                    resource_version=rset.metadata.resource_version,
+                )
+                return
+            except Conflict:
+                continue
+        logger.warning("could not release the slot of set %s", ckpt.spec.rollout_set)
+
+    # --- the flow -------------------------------------------------------------------------------
+
+    async def run(self, namespace: str, name: str) -> CheckpointPhase | None:
+        ckpt = await self._read(namespace, name)
+        if ckpt is None:
+            return None
+        if ckpt.status.phase in TERMINAL:
+            return ckpt.status.phase
+        started = self._clock()
+        coordinator: Coordinator | None = None
+        participants: list[HttpParticipant] = []
+        try:
+            rset = await self._take_slot(ckpt)
+            token = await read_control_token(self._kube, namespace, rset.metadata.name)
+            if token is None:
+                raise CheckpointFailed(
+                    Reason.SET_NOT_READY,
+                    f"the control-token Secret of set {rset.metadata.name} is missing",
+                )
+            participants = self._participants_factory(rset, token)
+            coordinator = Coordinator(participants)
+            outcome = await self._drive(ckpt, rset, coordinator, started)
+            await self._release_slot(ckpt, outcome)
+        except CheckpointFailed as failed:
+            if coordinator is not None:
+                await self._abort(coordinator, ckpt)
+            await self._fail(ckpt, failed)
+            await self._release_slot(ckpt, {})
+        finally:
+            for participant in participants:
+                await participant.aclose()
+        return ckpt.status.phase
+
+    async def _abort(self, coordinator: Coordinator, ckpt: RolloutCheckpoint) -> None:
+        with anyio.CancelScope(shield=True):
+            outcome = await coordinator.resume(
+                ckpt.metadata.name, self._clock() + self._settings.resume_timeout_seconds
+            )
+        if outcome.failures:
+            logger.warning(
+                "abort of %s: resume failed on %s (their lease resumes them)",
+                ckpt.metadata.name,
+                _describe(outcome.failures),
+            )
+
+    async def _drive(
+        self, ckpt: RolloutCheckpoint, rset: RolloutSet, coordinator: Coordinator, started: float
+    ) -> dict[str, Any]:
+        """The steps, each entered with its phase persisted first. Returns the set's patch."""
+        checkpoint_id = ckpt.metadata.name
+        phase = ckpt.status.phase
+        settings = self._settings
+
+        # Resuming: published already (Ready=True); only the resume is left.
+        if phase is not CheckpointPhase.RESUMING:
+            # Prepare (also on a restart in Committing/Publishing: the replies are replayed).
+            if ckpt.status.deadline is not None and phase in (
+                CheckpointPhase.PREPARING,
+                CheckpointPhase.COMMITTING,
+                CheckpointPhase.PUBLISHING,
+            ):
+                deadline_ts = ckpt.status.deadline.timestamp()
+            else:
+                timeout = rset.spec.checkpoint_policy.prepare_timeout_seconds
+                deadline_ts = self._clock() + timeout
+                await self._phase(
+                    ckpt,
+                    CheckpointPhase.PREPARING,
+                    condition=(
+                        CheckpointConditionType.PREPARED,
+                        False,
+                        Reason.PREPARING,
+                        f"parking episodes of attempt {rset.status.attempt} at boundaries",
+                    ),
+                    attempt=rset.status.attempt,
+                    started_at=_now_ts(self._clock),
+                    deadline=datetime.fromtimestamp(deadline_ts, UTC).replace(microsecond=0),
+                )
+            prepare_started = self._clock()
+            prepare = await coordinator.prepare(checkpoint_id, max(deadline_ts, self._clock() + 1))
+            prepare_seconds = self._clock() - prepare_started
+            if prepare.failures:
+                reason = _failure_reason(prepare.failures) or Reason.PREPARE_FAILED
+                raise CheckpointFailed(reason, f"prepare failed: {_describe(prepare.failures)}")
+            if not prepare.ready:
+                raise CheckpointFailed(
+                    Reason.NOT_PARKED,
+                    f"{prepare.blocker_count} episode(s) were not parked at the prepare deadline "
+                    f"(stage {prepare.stopped_at}); first: "
+                    + ", ".join(str(e) for e in prepare.blockers[:5]),
+                    blockers=prepare,
+                )
+            scope = prepare.scope(ckpt.spec.episodes)
+            await self._phase(
+                ckpt,
+                CheckpointPhase.COMMITTING,
+                condition=(
+                    CheckpointConditionType.PREPARED,
+                    True,
+                    Reason.PREPARED,
+                    f"{len(prepare.episodes)} episode(s) parked, {len(prepare.restarts)} restart",
+                ),
+                restarts=len(prepare.restarts),
+            )
+            commit_started = self._clock()
+            commit = await coordinator.commit(
+                checkpoint_id, self._clock() + settings.commit_timeout_seconds, scope
+            )
+            commit_seconds = self._clock() - commit_started
+            if not commit.ok:
+                reason = _failure_reason(commit.failures) or Reason.COMMIT_FAILED
+                raise CheckpointFailed(reason, f"commit failed: {_describe(commit.failures)}")
+            await self._publish(ckpt, rset, scope, commit, prepare_seconds, commit_seconds, started)
+
+        resume_started = self._clock()
+        resumed = await coordinator.resume(
+            checkpoint_id, self._clock() + settings.resume_timeout_seconds
+        )
+        if resumed.failures:
+            logger.warning(
+                "checkpoint %s is Ready but resume failed on %s (their lease resumes them)",
+                checkpoint_id,
+                _describe(resumed.failures),
+            )
+        durations = ckpt.status.durations or CheckpointDurations()
+        total = self._clock() - started
+        pause = (durations.prepare_seconds or 0) + (durations.commit_seconds or 0)
+        pause += self._clock() - resume_started
+        await self._phase(
+            ckpt,
+            CheckpointPhase.READY,
+            completed_at=utcnow(),
+            durations=durations.model_copy(
+                update={"pause_seconds": round(pause, 3), "total_seconds": round(total, 3)}
+            ),
+        )
+        recent = list(rset.status.recent_checkpoint_seconds)[-(RECENT_DURATIONS - 1) :]
+        return {"recentCheckpointSeconds": [*recent, round(total, 3)]}
+
+    async def _publish(
+        self,
+        ckpt: RolloutCheckpoint,
+        rset: RolloutSet,
+        scope: list[str],
+        commit: CommitOutcome,
+        prepare_seconds: float,
+        commit_seconds: float,
+        started: float,
+    ) -> None:
+        """One status patch makes the checkpoint restorable; then the set points at it."""
+        participants = [
+            CheckpointParticipant(
+                instance=instance,
+                manifest=commit.manifest_paths[instance],
+                records_sha256=manifest.records_sha256,
+                record_count=manifest.record_count,
+                bytes=manifest.bytes,
+            )
+            for instance, manifest in sorted(commit.manifests.items())
+        ]
+        message = (
+            f"{len(scope)} episode(s) committed by {len(participants)} participant(s), "
+            f"{commit.bytes} bytes"
+        )
+        status = ckpt.status.model_copy(
+            update={
+                "phase": CheckpointPhase.RESUMING,
+                "episodes": len(scope),
+                "participants": participants,
+                "attempt": commit.attempt or rset.status.attempt,
+                "durations": CheckpointDurations(
+                    prepare_seconds=round(prepare_seconds, 3),
+                    commit_seconds=round(commit_seconds, 3),
+                    total_seconds=round(self._clock() - started, 3),
+                ),
+            }
+        )
+        generation = ckpt.metadata.generation
+        for type_, reason in (
+            (CheckpointConditionType.COMMITTED, Reason.COMMITTED),
+            (CheckpointConditionType.READY, Reason.PUBLISHED),
+        ):
+            status.conditions = set_condition(
+                status.conditions,
+                type_.value,
+                True,
+                reason,
+                message,
+                observed_generation=generation,
+            )
+        await self._write(ckpt, status)
+        if self._on_transition is not None:
+            await self._on_transition(ckpt, Reason.PUBLISHED, message)
+        await self._point_set_at(ckpt)
+
+    async def _point_set_at(self, ckpt: RolloutCheckpoint) -> None:
+        namespace = ckpt.metadata.namespace or "default"
+        for _ in range(10):
+            raw = await self._kube.get_set(namespace, ckpt.spec.rollout_set)
+            if raw is None:
+                return
+            rset = RolloutSet.model_validate(raw)
+            try:
+                await self._kube.patch_set_status(
+                    namespace,
+                    rset.metadata.name,
+                    {
+                        "latestCheckpoint": ckpt.metadata.name,
+                        "latestCheckpointTime": utcnow().strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    },
+                    resource_version=rset.metadata.resource_version,
+                )
+                return
+            except Conflict:
+                continue
+
+
+def _http_participants(rset: RolloutSet, token: str) -> list[HttpParticipant]:
+    """The coordinator's view of the set: one HTTP client per participant pod of the attempt."""
+    return [
+        HttpParticipant(p.role, p.address, index=p.index, token=token)
+        for p in rset.status.participants
+        if p.address
+    ]
