@@ -48,6 +48,8 @@ LABEL_INDEX: Final = f"{GROUP}/index"
 LABEL_ATTEMPT: Final = f"{GROUP}/attempt"
 ANNOTATION_SPEC_HASH: Final = f"{GROUP}/spec-hash"
 """On every participant pod: the digest of the participants spec it was built from."""
+ANNOTATION_TEMPLATE_HASH: Final = f"{GROUP}/template-hash"
+"""On every participant pod: the digest of its role's pod template (names what changed)."""
 ANNOTATION_TRAINER_STEP: Final = f"{GROUP}/trainer-step"
 """On a RolloutSet: a trainer reports a trainer checkpoint at this step (DESIGN §3)."""
 
@@ -434,22 +436,33 @@ class RolloutSetSpec(ApiModel):
     participants: list[ParticipantSpec] = Field(
         min_length=1,
         max_length=len(ROLE_ORDER),
-        description="One entry per role (environment, model, agent, resources).",
+        description="The rollout servers, one entry per role (environment, model, agent, "
+        "resources); roles are unique. Each instance runs as a pod named "
+        "<set>-<role>-<index>-a<attempt>. Changing replicas or templates while pods run is "
+        "refused (condition Degraded, reason SpecChangeRefused).",
         json_schema_extra={
             "x-kubernetes-list-type": "map",
             "x-kubernetes-list-map-keys": ["role"],
             "x-kubernetes-validations": [RULE_UNIQUE_ROLES.schema()],
         },
     )
-    storage: StorageSpec = Field(description="Where records go. Immutable.")
+    storage: StorageSpec = Field(
+        description="Where checkpoint records go: a volume mounted at the same path in every "
+        "participant pod. Immutable."
+    )
     checkpoint_policy: CheckpointPolicy = Field(
         default_factory=CheckpointPolicy,
-        description="When checkpoints are taken.",
+        description="When checkpoints are taken beyond the RolloutCheckpoints people and trainers "
+        "create (a timer, trainer checkpoints, a walltime deadline, evictions) and how many are "
+        "kept. With recovery.targetLevel turn at least one of onTrainerCheckpoint, "
+        "intervalSeconds or mustSaveBy must be set.",
         json_schema_extra={"default": {}},
     )
     recovery: RecoverySpec = Field(
         default_factory=RecoverySpec,
-        description="How lost pods are recovered.",
+        description="What happens when a participant pod of the current attempt fails, is "
+        "deleted or loses its node: fresh pods under attempt + 1, restored from the latest "
+        "Ready checkpoint.",
         json_schema_extra={"default": {}},
     )
     suspend: bool = Field(

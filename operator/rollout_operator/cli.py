@@ -12,6 +12,7 @@ imported here, and production settings are applied by the startup hook
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -19,6 +20,14 @@ import kopf
 from pydantic import ValidationError
 
 from .settings import RunOptions
+
+
+class _QuietPodEvents(logging.Filter):
+    """Drop Kopf's "Handler 'pod-event' succeeded." line: it fires on every status change of
+    every participant pod and would drown the lines that matter. Failures still log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "Handler 'pod-event' succeeded."
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -100,6 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         verbose=args.verbose,
         log_format=kopf.LogFormat[args.log_format.upper()],
     )
+    if not (args.verbose or args.debug):
+        logging.getLogger("kopf.objects").addFilter(_QuietPodEvents())
     # Importing the package registers the handlers (including the configure hook).
     from . import handlers  # noqa: F401
 

@@ -24,6 +24,7 @@ from rollout_servers.protocol import Role
 
 from .api import (
     ANNOTATION_SPEC_HASH,
+    ANNOTATION_TEMPLATE_HASH,
     API_VERSION,
     CONTROL_PORT_NAME,
     LABEL_ATTEMPT,
@@ -181,6 +182,16 @@ def peer_index(index: int, peer_replicas: int) -> int:
     return index % peer_replicas
 
 
+def _digest(payload: object) -> str:
+    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def template_hash(participant: ParticipantSpec) -> str:
+    """Digest of one role's pod template; lets a refused spec change name the roles touched."""
+    return _digest(dump(participant.template))
+
+
 def participants_hash(spec: RolloutSetSpec) -> str:
     """Digest of what the pods are built from: participants (roles, replicas, templates) and
     storage. Pods carry it, so a spec change under running pods is detected."""
@@ -188,8 +199,7 @@ def participants_hash(spec: RolloutSetSpec) -> str:
         "participants": [dump(p) for p in spec.participants],
         "storage": dump(spec.storage),
     }
-    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    return _digest(payload)
 
 
 def _operator_env(
@@ -249,6 +259,7 @@ def participant_pod(
     annotations = {
         **(template_meta.get("annotations") or {}),
         ANNOTATION_SPEC_HASH: participants_hash(rset.spec),
+        ANNOTATION_TEMPLATE_HASH: template_hash(participant),
     }
     metadata = _metadata(rset, pod_name(set_name, role, index, attempt), labels)
     metadata["annotations"] = annotations

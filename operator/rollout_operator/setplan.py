@@ -18,6 +18,7 @@ from rollout_servers.protocol import Role
 
 from .api import (
     ANNOTATION_SPEC_HASH,
+    ANNOTATION_TEMPLATE_HASH,
     LABEL_ATTEMPT,
     LABEL_INDEX,
     LABEL_ROLE,
@@ -36,6 +37,7 @@ from .resources import (
     participants_hash,
     peer_index,
     pod_name,
+    template_hash,
 )
 
 MAX_LISTED: Final = 5
@@ -80,6 +82,7 @@ class PodView:
     ip: str | None
     terminating: bool
     spec_hash: str | None
+    template_hash: str | None
     created: datetime | None
     problem: str | None
     """Why the pod is not (yet) running or ready, in the words of the scheduler or kubelet."""
@@ -120,6 +123,7 @@ class PodView:
             ip=status.get("podIP") or None,
             terminating=meta.get("deletionTimestamp") is not None,
             spec_hash=(meta.get("annotations") or {}).get(ANNOTATION_SPEC_HASH),
+            template_hash=(meta.get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH),
             created=_parse_time(meta.get("creationTimestamp")),
             problem=_pod_problem(phase, ready, status, conditions),
         )
@@ -275,6 +279,30 @@ def plan_attempt(rset: RolloutSet, attempt: int, pods: Sequence[PodView]) -> Att
     )
 
 
+def describe_spec_change(rset: RolloutSet, pods: Sequence[PodView]) -> list[str]:
+    """What differs between the spec and the live pods, per role, in words a person can act on
+    (replicas counted from the pods' indexes, templates compared by digest)."""
+    live = [p for p in pods if p.live]
+    changes: list[str] = []
+    for role in ROLE_ORDER:
+        participant = rset.spec.participant(role)
+        mine = [p for p in live if p.role is role]
+        if participant is None:
+            if mine:
+                changes.append(f"{role.value}: removed from the spec")
+            continue
+        if not mine:
+            changes.append(f"{role.value}: added to the spec")
+            continue
+        running = max(p.index for p in mine) + 1
+        if running != participant.replicas:
+            changes.append(f"{role.value}: replicas {running} -> {participant.replicas}")
+        wanted = template_hash(participant)
+        if any(p.template_hash not in (None, wanted) for p in mine):
+            changes.append(f"{role.value}: template changed")
+    return changes
+
+
 def _listing(items: Sequence[str]) -> str:
     shown = "; ".join(items[:MAX_LISTED])
     more = len(items) - MAX_LISTED
@@ -357,7 +385,11 @@ def set_conditions(
             f"participant pods not Ready {deadline_s}s (progressDeadlineSeconds) after the "
             f"attempt started: "
             + _listing(
-                [f"{p.name} {p.problem or p.phase}" for p in not_ready] + plan.waiting_for_peers
+                [f"{p.name} {p.problem or p.phase}" for p in not_ready]
+                + [
+                    f"{n} (not created: waiting for its peers' addresses)"
+                    for n in plan.waiting_for_peers
+                ]
             ),
         )
 
@@ -390,10 +422,10 @@ def set_conditions(
         )
 
     if plan.stale:
-        names = ", ".join(sorted({p.role.value for p in plan.stale}))
+        changed = describe_spec_change(rset, list(plan.existing.values())) or ["participants"]
         refused = (
             Reason.SPEC_CHANGE_REFUSED,
-            f"participants or storage changed while pods of attempt {attempt} run ({names}); "
+            f"the spec changed while pods of attempt {attempt} run ({'; '.join(changed)}); "
             "the running pods keep the spec they were built from and no pod is created. Rolling "
             "participants through a checkpoint and restore is not supported yet: revert the "
             "change; pods of a later attempt (after a recovery) are built from the new spec",

@@ -7,7 +7,13 @@ from typing import Any
 
 from rollout_operator import api
 from rollout_operator.conditions import ConditionUpdate
-from rollout_operator.setplan import PodView, Reason, plan_attempt, set_conditions
+from rollout_operator.setplan import (
+    PodView,
+    Reason,
+    describe_spec_change,
+    plan_attempt,
+    set_conditions,
+)
 from rollout_servers.protocol import Role
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
@@ -152,7 +158,23 @@ def test_a_spec_change_under_running_pods_freezes_the_plan() -> None:
     by_type = {c.type: c for c in health.conditions}
     assert by_type["Degraded"].reason == Reason.SPEC_CHANGE_REFUSED
     assert "revert" in by_type["Degraded"].message
+    assert "(environment: replicas 1 -> 2)" in by_type["Degraded"].message
     assert by_type["Ready"].status.value == "True"  # the running pods still serve
+
+
+def test_a_refused_change_names_the_roles_and_what_changed() -> None:
+    rset = make_set({"model": 1, "environment": 2})
+    pods = start_all(rset)
+    body = rset.model_dump(mode="json", by_alias=True, exclude_none=True)
+    body["spec"]["participants"][0]["template"]["spec"]["containers"][0]["image"] = "new:tag"
+    body["spec"]["participants"].append(body["spec"]["participants"][0] | {"role": "agent"})
+    body["spec"]["participants"][1]["replicas"] = 1
+    changed = api.RolloutSet.model_validate(body)
+    assert describe_spec_change(changed, pods) == [
+        "environment: replicas 2 -> 1",
+        "model: template changed",
+        "agent: added to the spec",
+    ]
 
 
 def conditions(health_conditions: list[ConditionUpdate]) -> dict[str, tuple[str, str]]:
