@@ -451,6 +451,7 @@ class ControlPlane:
         self._lock = anyio.Lock()
         self._lease_changed = anyio.Event()
         self._watchdog_scope: anyio.CancelScope | None = None
+        self._parking: tuple[str, anyio.CancelScope] | None = None
         self.router = self._build_router()
 
     # public API -------------------------------------------------------------------------------
@@ -535,7 +536,7 @@ class ControlPlane:
                 return cached
             if self._machine.begin_prepare(cid):
                 await self._call("close_admission", self._participant.close_admission())
-            state = await self._park(request.deadline_ts)
+            state = await self._park(cid, request.deadline_ts)
             reply = PrepareReply(
                 checkpoint_id=cid,
                 phase=Phase.PREPARED if state.ready else Phase.PREPARING,
@@ -647,7 +648,14 @@ class ControlPlane:
             return reply
 
     async def resume(self, request: ResumeRequest) -> ResumeReply:
-        """Resume (and abort) is accepted even past its deadline: it only ever frees work."""
+        """Resume (and abort) is accepted even past its deadline: it only ever frees work.
+
+        A prepare of the same id that is still parking (holding the lock until its deadline) is
+        interrupted first, so an abort takes effect at once rather than at the prepare deadline.
+        """
+        parking = self._parking
+        if parking is not None and parking[0] == request.checkpoint_id:
+            parking[1].cancel()
         async with self._lock:
             if self._machine.resume(request.checkpoint_id):
                 self._lease_changed.set()
@@ -712,11 +720,13 @@ class ControlPlane:
             )
         return root
 
-    async def _park(self, deadline_ts: float) -> ParkState:
+    async def _park(self, checkpoint_id: str, deadline_ts: float) -> ParkState:
         budget = max(0.0, deadline_ts - self._clock()) + _PARK_OVERRUN_SECONDS
+        state: ParkState | None = None
         try:
-            with anyio.fail_after(budget):
-                return await self._participant.park(deadline_ts)
+            with anyio.fail_after(budget), anyio.CancelScope() as interruptible:
+                self._parking = (checkpoint_id, interruptible)
+                state = await self._participant.park(deadline_ts)
         except TimeoutError:
             raise ProtocolError(
                 ErrorCode.INTERNAL,
@@ -730,6 +740,14 @@ class ControlPlane:
             raise ProtocolError(
                 ErrorCode.INTERNAL, f"park failed: {type(error).__name__}: {error}"
             ) from error
+        finally:
+            self._parking = None
+        if state is None:
+            raise ProtocolError(
+                ErrorCode.STALE_CHECKPOINT,
+                f"checkpoint {checkpoint_id!r} was resumed while this prepare was parking",
+            )
+        return state
 
     def _export(self, scope: frozenset[str] | None) -> list[Record]:
         try:

@@ -703,3 +703,32 @@ async def test_retire_marks_refuse_work_are_idempotent_and_forget_drops_them(
         assert plane.is_retired(5, "r1"), "whole-attempt marks stay"
         reused = await client.post(f"{API_PREFIX}/forget", json={**forget, "operation_id": "op-1"})
         _assert_error(reused, ErrorCode.INVALID_REQUEST, 422)
+
+
+async def test_resume_interrupts_a_prepare_that_is_still_parking(tmp_path: Path) -> None:
+    fake = FakeParticipant(rollouts=["r1"])
+    fake.stuck.add("r1")
+    parking = anyio.Event()
+
+    async def started() -> None:
+        parking.set()
+
+    fake.on_park = started
+    plane = ControlPlane(fake, _settings(tmp_path))
+    replies: list[httpx.Response] = []
+    async with _serve(plane) as client:
+
+        async def prepare() -> None:
+            far = _deadline(600)
+            replies.append(await _post(client, "prepare", checkpoint_id="ck", deadline_ts=far))
+
+        with anyio.fail_after(WAIT):
+            async with anyio.create_task_group() as group:
+                group.start_soon(prepare)
+                await parking.wait()
+                await _ok(client, "resume", "ck")
+        assert "resumed while this prepare was parking" in _assert_error(
+            replies[0], ErrorCode.STALE_CHECKPOINT, 410
+        )
+        assert fake.admission_open
+        assert plane.phase is Phase.IDLE
