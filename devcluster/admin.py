@@ -7,6 +7,7 @@ from pathlib import Path
 import httpx
 
 from devcluster.errors import DevclusterError
+from devcluster.pki import ca_context
 
 _TIMEOUT = 15.0
 
@@ -30,7 +31,7 @@ class AgentAdmin:
 
     def _post(self, path: str, params: dict[str, str] | None = None) -> dict[str, object]:
         try:
-            with httpx.Client(verify=str(self.ca), timeout=_TIMEOUT) as http:
+            with httpx.Client(verify=ca_context(self.ca), timeout=_TIMEOUT) as http:
                 return self._check(http.post(self.url + path, params=params))
         except httpx.TransportError as error:
             raise DevclusterError(
@@ -39,7 +40,7 @@ class AgentAdmin:
 
     async def _apost(self, path: str, params: dict[str, str] | None = None) -> dict[str, object]:
         try:
-            async with httpx.AsyncClient(verify=str(self.ca), timeout=_TIMEOUT) as http:
+            async with httpx.AsyncClient(verify=ca_context(self.ca), timeout=_TIMEOUT) as http:
                 return self._check(await http.post(self.url + path, params=params))
         except httpx.TransportError as error:
             raise DevclusterError(

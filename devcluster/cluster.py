@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,6 +13,7 @@ from devcluster.admin import AgentAdmin
 from devcluster.config import DEFAULT_NODES, NodeSpec
 from devcluster.errors import DevclusterError
 from devcluster.paths import Layout
+from devcluster.pki import ca_context
 from devcluster.procs import marked_processes
 from devcluster.state import ClusterState, read_state
 
@@ -78,6 +80,10 @@ class Cluster:
     @property
     def ca(self) -> Path:
         return self.layout.pki / "ca.crt"
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """Trusts this cluster's CA: for httpx clients talking to the API server directly."""
+        return ca_context(self.ca)
 
     @property
     def server(self) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import ssl
 import subprocess
 import sys
 import time
@@ -240,11 +241,16 @@ def up(
     return state
 
 
+def _client_context(certs: pki.Pki) -> ssl.SSLContext:
+    """Trusts the cluster CA and presents the admin certificate."""
+    context = pki.ca_context(certs.ca.cert)
+    context.load_cert_chain(certs.admin.cert, certs.admin.key)
+    return context
+
+
 async def _wait_readyz(server: str, certs: pki.Pki, starter: _Starter, deadline: float) -> None:
     last = "no answer yet"
-    async with httpx.AsyncClient(
-        verify=str(certs.ca.cert), cert=(str(certs.admin.cert), str(certs.admin.key)), timeout=2.0
-    ) as client:
+    async with httpx.AsyncClient(verify=_client_context(certs), timeout=2.0) as client:
         while True:
             starter.check_alive()
             try:

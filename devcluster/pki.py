@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,3 +192,8 @@ def generate(folder: Path) -> Pki:
         service_account_key=sa_private,
         service_account_pub=sa_public,
     )
+
+
+def ca_context(ca: Path) -> ssl.SSLContext:
+    """A TLS client context trusting only the cluster CA (httpx takes contexts, not paths)."""
+    return ssl.create_default_context(cafile=str(ca))

@@ -17,6 +17,7 @@ from kubernetes_asyncio import client
 
 from devcluster.errors import DevclusterError
 from devcluster.kube import open_api
+from devcluster.pki import ca_context
 from devcluster.state import ClusterState
 from devcluster.waiting import WaitTimeout, wait_for
 
@@ -41,7 +42,7 @@ async def wait_cluster_ready(
         return max(0.0, deadline - time.monotonic())
 
     async with (
-        httpx.AsyncClient(verify=str(ca), timeout=2.0) as http,
+        httpx.AsyncClient(verify=ca_context(ca), timeout=2.0) as http,
         open_api(kubeconfig) as api,
     ):
         core = client.CoreV1Api(api)

@@ -98,8 +98,10 @@ class Agent:
                 tg.cancel_scope.cancel()
 
     async def _wait_for_api(self, core: Any) -> None:
+        # Not just "answers": the API server creates kube-node-lease during its own bootstrap,
+        # and registering before that would fail the first lease.
         async def answers() -> bool:
-            await core.get_api_resources(_request_timeout=5)
+            await core.read_namespace("kube-node-lease", _request_timeout=5)
             return True
 
         try:
@@ -228,9 +230,11 @@ class Agent:
             await keeper.restore()
         else:
             await keeper.lose()
-            for worker in self.workers.values():
-                if worker.node is keeper:
-                    worker.kill()
+            lost = [worker for worker in self.workers.values() if worker.node is keeper]
+            for worker in lost:
+                worker.kill()
+            for worker in lost:
+                await worker.report_node_lost()
         return keeper.online
 
     def _pods(self) -> list[PodInfo]:
