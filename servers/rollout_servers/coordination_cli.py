@@ -302,7 +302,6 @@ async def _restore(
         )
     running = max(status.attempt for status in statuses)
     attempt = args.attempt if args.attempt is not None else max(published.attempt + 1, running)
-    console.progress(f"restore {published.checkpoint_id} under attempt {attempt}")
     outcome = await coordinator.restore(
         published.checkpoint_id, attempt, time.time() + args.timeout, scope=args.episode
     )
