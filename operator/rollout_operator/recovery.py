@@ -1,0 +1,491 @@
+r"""Pod-loss recovery (DESIGN §6.2): fresh pods under attempt + 1, restore, resume.
+
+`detect_loss` says whether the set's current attempt lost a participant (a pod that failed,
+was deleted, or sits on a node that is NotReady). `RecoveryFlow.run` then drives
+`status.recovery` through its phases, persisting each before acting, so an operator restart
+continues the recovery instead of starting a second one:
+
+    StoppingAttempt -> StartingPods -> Restoring -> Resuming -> (done: attempt = target)
+                                    \-> BackingOff -> StoppingAttempt (target + 1) ...
+
+Restore is all or nothing (the coordinator retires the target attempt everywhere when any
+participant fails), so a failed try cannot reuse its pods: the next try runs under a newer
+attempt, after a backoff, at most `recovery.maxRestarts` times.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, Final
+
+import anyio
+from kubernetes_asyncio.client.exceptions import ApiException
+from rollout_servers.coordination import Coordinator, HttpParticipant
+
+from .api import (
+    GROUP,
+    ROLLOUT_CHECKPOINT_PLURAL,
+    VERSION,
+    ConditionStatus,
+    RecoveryPhase,
+    RecoveryStatus,
+    RestorePolicy,
+    RolloutCheckpoint,
+    RolloutSet,
+    SetConditionType,
+    TargetLevel,
+)
+from .conditions import ConditionUpdate, find_condition, merge_conditions, utcnow
+from .kube import Conflict, Kube
+from .resources import set_selector
+from .setops import delete_attempt_pods, observe_pods, read_control_token, reconcile_pods
+from .setplan import PodView, desired_instances
+
+logger = logging.getLogger(__name__)
+
+POLL_SECONDS: Final = 0.5
+MAX_BACKOFF_SECONDS: Final = 60.0
+
+
+class Reason:
+    """Reasons on the set's Recovering condition (CamelCase, stable)."""
+
+    POD_FAILED: Final = "PodFailed"
+    POD_DELETED: Final = "PodDeleted"
+    NODE_LOST: Final = "NodeLost"
+    RECOVERED: Final = "Recovered"
+    RESTORED: Final = "Restored"
+    NO_CHECKPOINT: Final = "NoCheckpoint"
+    SIBLING_RESTART: Final = "SiblingRestart"
+    RESTORE_FAILED: Final = "RestoreFailed"
+    PODS_NOT_READY: Final = "ReplacementPodsNotReady"
+    RESTARTS_EXHAUSTED: Final = "MaxRestartsExceeded"
+
+
+@dataclass(frozen=True)
+class Loss:
+    reason: str
+    message: str
+
+
+def detect_loss(
+    rset: RolloutSet, pods: list[PodView], nodes_of: dict[str, str], lost_nodes: set[str]
+) -> Loss | None:
+    """Whether the current attempt lost a participant. Only an attempt whose pods were all
+    created counts (a pod that fails while the attempt starts is the reconciler's Degraded)."""
+    status = rset.status
+    attempt = status.attempt
+    if attempt is None or status.created_attempt is None or status.created_attempt < attempt:
+        return None
+    if rset.spec.suspend or status.recovery is not None:
+        return None
+    existing = {(p.role, p.index): p for p in pods if p.attempt == attempt}
+    for role, index in desired_instances(rset):
+        pod = existing.get((role, index))
+        label = f"{role.value}-{index} of attempt {attempt}"
+        if pod is None:
+            return Loss(Reason.POD_DELETED, f"participant {label}: its pod is gone")
+        if pod.finished:
+            return Loss(Reason.POD_FAILED, f"participant {label} ({pod.name}): {pod.problem}")
+        if pod.terminating:
+            return Loss(Reason.POD_DELETED, f"participant {label} ({pod.name}) is being deleted")
+        node = nodes_of.get(pod.name)
+        if node is not None and node in lost_nodes:
+            return Loss(
+                Reason.NODE_LOST, f"participant {label} ({pod.name}) ran on node {node}, NotReady"
+            )
+    return None
+
+
+async def observe(kube: Kube, rset: RolloutSet) -> tuple[list[PodView], dict[str, str], set[str]]:
+    """The set's pods, the node of each, and which of those nodes are not Ready."""
+    namespace = rset.metadata.namespace or "default"
+    raw = await kube.list_pods(namespace, set_selector(rset.metadata.name))
+    views = [v for v in (PodView.from_pod(p) for p in raw) if v is not None]
+    nodes_of = {
+        p["metadata"]["name"]: p["spec"]["nodeName"]
+        for p in raw
+        if (p.get("spec") or {}).get("nodeName")
+    }
+    lost: set[str] = set()
+    for node_name in set(nodes_of.values()):
+        try:
+            node = kube.to_dict(await kube.core.read_node(node_name))
+        except ApiException as error:
+            if error.status == 404:
+                lost.add(node_name)
+                continue
+            raise
+        ready = next(
+            (c for c in (node.get("status") or {}).get("conditions") or [] if c["type"] == "Ready"),
+            None,
+        )
+        if ready is None or ready.get("status") != "True":
+            lost.add(node_name)
+    return views, nodes_of, lost
+
+
+class RecoveryFailed(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def _wire(model: Any) -> Any:
+    return model.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class RecoveryFlow:
+    """Drives one set's `status.recovery` to completion (or to Degraded after maxRestarts)."""
+
+    def __init__(
+        self,
+        kube: Kube,
+        *,
+        clock: Callable[[], float] = time.time,
+        on_transition: Callable[[RolloutSet, str, str, bool], Awaitable[None]] | None = None,
+    ) -> None:
+        self._kube = kube
+        self._clock = clock
+        self._on_transition = on_transition
+
+    # --- persistence --------------------------------------------------------------------------
+
+    async def _read(self, namespace: str, name: str) -> RolloutSet | None:
+        raw = await self._kube.get_set(namespace, name)
+        return None if raw is None else RolloutSet.model_validate(raw)
+
+    async def _patch(
+        self,
+        rset: RolloutSet,
+        changes: dict[str, Any],
+        conditions: list[ConditionUpdate] | None = None,
+    ) -> RolloutSet:
+        """Patch the set's status with a resourceVersion precondition, re-reading on conflict."""
+        namespace = rset.metadata.namespace or "default"
+        for _ in range(20):
+            body = dict(changes)
+            if conditions:
+                merged = merge_conditions(
+                    rset.status.conditions, conditions, observed_generation=rset.metadata.generation
+                )
+                body["conditions"] = [_wire(c) for c in merged]
+            try:
+                raw = await self._kube.patch_set_status(
+                    namespace,
+                    rset.metadata.name,
+                    body,
+                    resource_version=rset.metadata.resource_version,
+                )
+                return RolloutSet.model_validate(raw)
+            except Conflict:
+                fresh = await self._read(namespace, rset.metadata.name)
+                if fresh is None:
+                    raise RecoveryFailed("SetDeleted", "the RolloutSet was deleted") from None
+                rset = fresh
+        raise RecoveryFailed("StatusConflict", "could not write the set's status (conflicts)")
+
+    async def _set_phase(self, rset: RolloutSet, phase: RecoveryPhase, **fields: Any) -> RolloutSet:
+        recovery = rset.status.recovery
+        assert recovery is not None
+        updated = recovery.model_copy(update={"phase": phase, **fields})
+        message = f"attempt {updated.from_attempt} -> {updated.target_attempt}: {phase.value}" + (
+            f" (checkpoint {updated.checkpoint})" if updated.checkpoint else ""
+        )
+        rset = await self._patch(
+            rset,
+            {"recovery": _wire(updated)},
+            [ConditionUpdate.of(SetConditionType.RECOVERING.value, True, phase.value, message)],
+        )
+        logger.info("set %s recovery: %s", rset.metadata.name, message)
+        return rset
+
+    # --- start --------------------------------------------------------------------------------
+
+    async def start(self, rset: RolloutSet, loss: Loss) -> RolloutSet:
+        """Record the loss: from now on the recovery owns the set's pods and conditions."""
+        attempt = rset.status.attempt or 1
+        recovery = RecoveryStatus(
+            phase=RecoveryPhase.STOPPING_ATTEMPT,
+            from_attempt=attempt,
+            target_attempt=attempt + 1,
+            started_at=utcnow(),
+            reason=loss.reason,
+            message=loss.message,
+        )
+        message = f"{loss.message}; replacing every participant under attempt {attempt + 1}"
+        rset = await self._patch(
+            rset,
+            {"recovery": _wire(recovery)},
+            [
+                ConditionUpdate.of(SetConditionType.RECOVERING.value, True, loss.reason, message),
+                ConditionUpdate.of(SetConditionType.READY.value, False, loss.reason, message),
+                ConditionUpdate.of(SetConditionType.PROGRESSING.value, True, loss.reason, message),
+            ],
+        )
+        if self._on_transition is not None:
+            await self._on_transition(rset, loss.reason, message, True)
+        return rset
+
+    # --- the flow -------------------------------------------------------------------------------
+
+    async def run(self, namespace: str, name: str) -> None:
+        rset = await self._read(namespace, name)
+        while rset is not None and rset.status.recovery is not None:
+            recovery = rset.status.recovery
+            if recovery.tries > rset.spec.recovery.max_restarts:
+                return  # exhausted: Degraded until a person acts (see `_try_failed`)
+            try:
+                match recovery.phase:
+                    case RecoveryPhase.STOPPING_ATTEMPT:
+                        rset = await self._stop_attempt(rset)
+                    case RecoveryPhase.STARTING_PODS:
+                        rset = await self._start_pods(rset)
+                    case RecoveryPhase.RESTORING:
+                        rset = await self._restore(rset)
+                    case RecoveryPhase.RESUMING:
+                        rset = await self._resume(rset)
+                    case RecoveryPhase.BACKING_OFF:
+                        rset = await self._back_off(rset)
+            except RecoveryFailed as failed:
+                rset = await self._try_failed(rset, failed)
+
+    async def _stop_attempt(self, rset: RolloutSet) -> RolloutSet:
+        recovery = rset.status.recovery
+        assert recovery is not None
+        if rset.spec.recovery.restore_policy is RestorePolicy.IN_PLACE:
+            logger.warning(
+                "restorePolicy InPlace is not implemented yet; set %s recovers with Recreate",
+                rset.metadata.name,
+            )
+        # Every pod older than the target attempt goes: a survivor of the lost attempt would
+        # keep running episodes that the restore also continues (they would complete twice).
+        for attempt in range(recovery.from_attempt, recovery.target_attempt):
+            await delete_attempt_pods(self._kube, rset, attempt)
+        # `nextTryAt` marks when this try began: its restoreTimeoutSeconds count from here.
+        return await self._set_phase(rset, RecoveryPhase.STARTING_PODS, next_try_at=utcnow())
+
+    def _try_deadline(self, rset: RolloutSet) -> float:
+        recovery = rset.status.recovery
+        assert recovery is not None
+        begun = (recovery.next_try_at or recovery.started_at).timestamp()
+        return max(begun, 0.0) + rset.spec.recovery.restore_timeout_seconds
+
+    async def _start_pods(self, rset: RolloutSet) -> RolloutSet:
+        recovery = rset.status.recovery
+        assert recovery is not None
+        target = recovery.target_attempt
+        deadline = self._try_deadline(rset)
+        while True:
+            pods = await observe_pods(
+                self._kube, rset.metadata.namespace or "default", rset.metadata.name
+            )
+            outcome = await reconcile_pods(self._kube, rset, target, pods)
+            plan = outcome.plan
+            failed = [p for p in plan.existing.values() if p.finished]
+            if failed:
+                raise RecoveryFailed(
+                    Reason.PODS_NOT_READY,
+                    f"replacement pod {failed[0].name} ended: {failed[0].problem}",
+                )
+            if outcome.errors:
+                raise RecoveryFailed(Reason.PODS_NOT_READY, "; ".join(outcome.errors[:3]))
+            if plan.all_ready:
+                break
+            if self._clock() > deadline:
+                waiting = [p.pod for p in plan.participants if not p.ready]
+                raise RecoveryFailed(
+                    Reason.PODS_NOT_READY,
+                    f"pods of attempt {target} not Ready within restoreTimeoutSeconds "
+                    f"({rset.spec.recovery.restore_timeout_seconds}): {', '.join(waiting[:5])}",
+                )
+            await anyio.sleep(POLL_SECONDS)
+            fresh = await self._read(rset.metadata.namespace or "default", rset.metadata.name)
+            if fresh is None:
+                raise RecoveryFailed("SetDeleted", "the RolloutSet was deleted")
+            rset = fresh
+        participants = [_wire(p) for p in plan.participants]
+        rset = await self._patch(rset, {"participants": participants})
+        checkpoint = await self._restorable_checkpoint(rset)
+        return await self._set_phase(rset, RecoveryPhase.RESTORING, checkpoint=checkpoint)
+
+    async def _restorable_checkpoint(self, rset: RolloutSet) -> str | None:
+        """The latest checkpoint that is Ready (published); None when there is none."""
+        if rset.spec.recovery.target_level is TargetLevel.SIBLING:
+            return None
+        name = rset.status.latest_checkpoint
+        if not name:
+            return None
+        namespace = rset.metadata.namespace or "default"
+        try:
+            raw = await self._kube.custom.get_namespaced_custom_object(
+                GROUP, VERSION, namespace, ROLLOUT_CHECKPOINT_PLURAL, name
+            )
+        except ApiException as error:
+            if error.status == 404:
+                logger.warning("latest checkpoint %s of %s is gone", name, rset.metadata.name)
+                return None
+            raise
+        ckpt = RolloutCheckpoint.model_validate(raw)
+        ready = find_condition(ckpt.status.conditions, "Ready")
+        if ready is None or ready.status is not ConditionStatus.TRUE:
+            return None
+        return name
+
+    async def _coordinator(self, rset: RolloutSet) -> tuple[Coordinator, list[HttpParticipant]]:
+        namespace = rset.metadata.namespace or "default"
+        token = await read_control_token(self._kube, namespace, rset.metadata.name)
+        if token is None:
+            raise RecoveryFailed("TokenMissing", "the set's control-token Secret is missing")
+        participants = [
+            HttpParticipant(p.role, p.address, index=p.index, token=token)
+            for p in rset.status.participants
+            if p.address
+        ]
+        if len(participants) != len(rset.status.participants):
+            raise RecoveryFailed(Reason.PODS_NOT_READY, "a replacement pod has no address")
+        return Coordinator(participants), participants
+
+    async def _restore(self, rset: RolloutSet) -> RolloutSet:
+        recovery = rset.status.recovery
+        assert recovery is not None
+        if recovery.checkpoint is None:
+            return await self._set_phase(rset, RecoveryPhase.RESUMING)
+        coordinator, clients = await self._coordinator(rset)
+        try:
+            deadline = max(self._try_deadline(rset), self._clock() + 30.0)
+            outcome = await coordinator.restore(
+                recovery.checkpoint, recovery.target_attempt, deadline
+            )
+        finally:
+            for client in clients:
+                await client.aclose()
+        if not outcome.ok:
+            raise RecoveryFailed(
+                Reason.RESTORE_FAILED,
+                f"restore of {recovery.checkpoint} under attempt {recovery.target_attempt} "
+                "failed (retired everywhere): " + "; ".join(str(f) for f in outcome.failures[:3]),
+            )
+        logger.info(
+            "set %s: restored %d episode(s) of %s under attempt %d",
+            rset.metadata.name,
+            len(outcome.episodes),
+            recovery.checkpoint,
+            recovery.target_attempt,
+        )
+        return await self._set_phase(rset, RecoveryPhase.RESUMING)
+
+    async def _resume(self, rset: RolloutSet) -> RolloutSet | None:
+        recovery = rset.status.recovery
+        assert recovery is not None
+        if recovery.checkpoint is not None:
+            coordinator, clients = await self._coordinator(rset)
+            try:
+                resumed = await coordinator.resume(recovery.checkpoint, self._clock() + 30.0)
+            finally:
+                for client in clients:
+                    await client.aclose()
+            if resumed.failures:
+                raise RecoveryFailed(
+                    Reason.RESTORE_FAILED,
+                    "resume after restore failed: "
+                    + "; ".join(str(f) for f in resumed.failures[:3]),
+                )
+            reason = Reason.RESTORED
+            how = f"restored checkpoint {recovery.checkpoint}"
+        elif rset.spec.recovery.target_level is TargetLevel.SIBLING:
+            reason, how = Reason.SIBLING_RESTART, "targetLevel sibling: episodes restart"
+        else:
+            reason, how = Reason.NO_CHECKPOINT, "no Ready checkpoint: episodes restart from scratch"
+        took = (utcnow() - recovery.started_at).total_seconds()
+        message = (
+            f"recovered from {recovery.reason or 'a lost participant'} in {took:.0f}s: "
+            f"attempt {recovery.target_attempt} runs; {how}"
+        )
+        rset = await self._patch(
+            rset,
+            {
+                "recovery": None,
+                "attempt": recovery.target_attempt,
+                "createdAttempt": recovery.target_attempt,
+                "restarts": rset.status.restarts + 1,
+            },
+            [
+                ConditionUpdate.of(SetConditionType.RECOVERING.value, False, reason, message),
+                ConditionUpdate.of(SetConditionType.READY.value, True, reason, message),
+                ConditionUpdate.of(SetConditionType.DEGRADED.value, False, reason, message),
+            ],
+        )
+        if self._on_transition is not None:
+            await self._on_transition(rset, reason, message, False)
+        return rset
+
+    async def _try_failed(
+        self, rset: RolloutSet | None, failed: RecoveryFailed
+    ) -> RolloutSet | None:
+        if rset is None:
+            return None
+        namespace = rset.metadata.namespace or "default"
+        fresh = await self._read(namespace, rset.metadata.name)
+        if fresh is None or fresh.status.recovery is None:
+            return fresh
+        rset = fresh
+        recovery = rset.status.recovery
+        assert recovery is not None
+        tries = recovery.tries + 1
+        logger.warning(
+            "set %s recovery try %d failed: %s: %s",
+            rset.metadata.name,
+            tries,
+            failed.reason,
+            failed.message,
+        )
+        if self._on_transition is not None:
+            await self._on_transition(rset, failed.reason, failed.message, True)
+        if tries > rset.spec.recovery.max_restarts:
+            message = (
+                f"gave up after {tries} tries (recovery.maxRestarts "
+                f"{rset.spec.recovery.max_restarts}); last: {failed.message}. Fix the cause and "
+                "delete the failed pods, or raise maxRestarts"
+            )
+            await self._patch(
+                rset,
+                {"recovery": _wire(recovery.model_copy(update={"tries": tries}))},
+                [
+                    ConditionUpdate.of(
+                        SetConditionType.DEGRADED.value, True, Reason.RESTARTS_EXHAUSTED, message
+                    ),
+                    ConditionUpdate.of(
+                        SetConditionType.RECOVERING.value, False, Reason.RESTARTS_EXHAUSTED, message
+                    ),
+                ],
+            )
+            return None
+        delay = min(MAX_BACKOFF_SECONDS, 2.0 ** min(tries, 10))
+        next_try = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=delay)
+        return await self._set_phase(
+            rset,
+            RecoveryPhase.BACKING_OFF,
+            tries=tries,
+            next_try_at=next_try,
+            message=f"{failed.reason}: {failed.message}",
+        )
+
+    async def _back_off(self, rset: RolloutSet) -> RolloutSet:
+        recovery = rset.status.recovery
+        assert recovery is not None
+        if recovery.next_try_at is not None:
+            wait = recovery.next_try_at.timestamp() - self._clock()
+            if wait > 0:
+                await anyio.sleep(wait)
+        # The failed try's attempt was retired everywhere; the next try needs fresh pods.
+        return await self._set_phase(
+            rset,
+            RecoveryPhase.STOPPING_ATTEMPT,
+            target_attempt=recovery.target_attempt + 1,
+        )
