@@ -354,7 +354,7 @@ async def test_blockers_are_reported_at_the_deadline_and_resume_reopens(tmp_path
     fake.restarts.add("free")
     plane = ControlPlane(fake, _settings(tmp_path))
     async with _serve(plane) as client:
-        response = await _post(client, "prepare", checkpoint_id="ck", deadline_ts=_deadline(0.3))
+        response = await _post(client, "prepare", checkpoint_id="ck", deadline_ts=_deadline(0.5))
         reply = PrepareReply.model_validate_json(response.content)
         assert not reply.ready
         assert reply.phase is Phase.PREPARING
@@ -375,7 +375,7 @@ async def test_lease_lapse_resumes_the_participant_by_itself(
     fake = FakeParticipant(rollouts=["r1"])
     plane = ControlPlane(fake, _settings(tmp_path, lease_grace_seconds=0.2))
     async with _serve(plane) as client:
-        response = await _post(client, "prepare", checkpoint_id="ck", deadline_ts=_deadline(0.2))
+        response = await _post(client, "prepare", checkpoint_id="ck", deadline_ts=_deadline(0.5))
         assert response.status_code == 200, response.text
         assert not fake.admission_open
         with caplog.at_level(logging.WARNING), anyio.fail_after(WAIT):
@@ -393,7 +393,7 @@ async def test_watchdog_runs_with_the_app_lifespan(tmp_path: Path) -> None:
     app = FastAPI()
     plane.install(app)
     async with app.router.lifespan_context(app):
-        await plane.prepare(PrepareRequest(checkpoint_id="ck", deadline_ts=_deadline(0.1)))
+        await plane.prepare(PrepareRequest(checkpoint_id="ck", deadline_ts=_deadline(0.3)))
         with anyio.fail_after(WAIT):
             await fake.reopened.wait()
     assert plane.phase is Phase.IDLE

@@ -262,7 +262,7 @@ async def test_stops_at_the_first_stage_not_ready_reports_blockers_and_resumes_i
     async with _in_process(members) as cluster:
         with anyio.fail_after(WAIT):
             result = await _coordinator(cluster).checkpoint(
-                "ck-1", prepare_timeout=0.5, commit_timeout=5, publish_dir=tmp_path
+                "ck-1", prepare_timeout=1.0, commit_timeout=5, publish_dir=tmp_path
             )
         assert not result.ok
         assert result.reason == "NotReady"
