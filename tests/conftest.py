@@ -6,7 +6,11 @@ from pathlib import Path
 
 import pytest
 
-_MARK_BY_FOLDER = {"unit": pytest.mark.unit, "protocol": pytest.mark.protocol, "e2e": pytest.mark.e2e}
+_MARK_BY_FOLDER = {
+    "unit": pytest.mark.unit,
+    "protocol": pytest.mark.protocol,
+    "e2e": pytest.mark.e2e,
+}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

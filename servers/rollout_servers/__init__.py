@@ -1,1 +1,1 @@
-"""Participant side of partial-rollout checkpointing: protocol, control plane, servers, coordinator, client."""
+"""Participant side of checkpointing: protocol, control plane, servers, coordinator, client."""
