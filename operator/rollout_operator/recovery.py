@@ -489,3 +489,30 @@ class RecoveryFlow:
             RecoveryPhase.STOPPING_ATTEMPT,
             target_attempt=recovery.target_attempt + 1,
         )
+
+
+async def recover_if_needed(
+    kube: Kube,
+    namespace: str,
+    name: str,
+    *,
+    on_transition: Callable[[RolloutSet, str, str, bool], Awaitable[None]] | None = None,
+) -> bool:
+    """One look at the set: continue a recovery, or start one when a participant was lost.
+
+    Returns whether a recovery ran (the caller's reconcile pass then refreshes the rest).
+    """
+    raw = await kube.get_set(namespace, name)
+    if raw is None or (raw.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    rset = RolloutSet.model_validate(raw)
+    flow = RecoveryFlow(kube, on_transition=on_transition)
+    if rset.status.recovery is None:
+        pods, nodes_of, lost_nodes = await observe(kube, rset)
+        loss = detect_loss(rset, pods, nodes_of, lost_nodes)
+        if loss is None:
+            return False
+        logger.warning("set %s lost a participant: %s", name, loss.message)
+        await flow.start(rset, loss)
+    await flow.run(namespace, name)
+    return True

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import kopf
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from ..api import GROUP, LABEL_SET, ROLLOUT_SET_PLURAL, VERSION
+from ..api import GROUP, LABEL_SET, ROLLOUT_SET_PLURAL, VERSION, RolloutSet
 from ..conditions import utcnow
 from ..kube import sleep_until
+from ..recovery import recover_if_needed
 from ..setops import reconcile_set
 from .runtime import kube_of
 
@@ -63,6 +64,33 @@ async def pod_event(namespace: str | None, labels: kopf.Labels, **_: Any) -> Non
         wake(namespace, set_name)
 
 
+def _node_not_ready(status: kopf.Status, **_: Any) -> bool:
+    conditions = status.get("conditions") or []
+    ready = next((c for c in conditions if c.get("type") == "Ready"), None)
+    return ready is None or ready.get("status") != "True"
+
+
+@kopf.on.event("", "v1", "nodes", when=_node_not_ready, id="node-not-ready")
+async def node_not_ready(**_: Any) -> None:
+    """A node went NotReady: every set looks at once whether a participant ran there."""
+    for namespace, name in list(_wakeups):
+        wake(namespace, name)
+
+
+async def _recovery_event(rset: RolloutSet, reason: str, message: str, warning: bool) -> None:
+    body = {
+        "apiVersion": rset.api_version,
+        "kind": rset.kind,
+        "metadata": {
+            "name": rset.metadata.name,
+            "namespace": rset.metadata.namespace,
+            "uid": rset.metadata.uid,
+        },
+    }
+    kind = "Warning" if warning else "Normal"
+    kopf.event(cast(kopf.Body, body), type=kind, reason=reason, message=message)
+
+
 @kopf.daemon(GROUP, VERSION, ROLLOUT_SET_PLURAL, id="reconcile", cancellation_timeout=10.0)
 async def reconcile_loop(
     namespace: str | None, name: str, memo: Any, logger: kopf.Logger, **_: Any
@@ -79,6 +107,9 @@ async def reconcile_loop(
             await sleep_until(loop.time() + RESYNC_SECONDS, event)
             event.clear()
             try:
+                await recover_if_needed(
+                    kube_of(memo), namespace, name, on_transition=_recovery_event
+                )
                 outcome = await reconcile_set(kube_of(memo), namespace, name)
             except (ApiException, OSError, TimeoutError, kopf.TemporaryError) as error:
                 failures += 1
