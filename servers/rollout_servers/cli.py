@@ -135,7 +135,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (ControlConfigError, ValueError) as error:
         raise SystemExit(f"rollout-server {args.role}: {error}") from None
     _raise_open_files_limit()
-    serve(server, args.host, args.port, drain_seconds=args.drain_seconds, log_level=args.log_level)
+    try:
+        serve(
+            server, args.host, args.port, drain_seconds=args.drain_seconds, log_level=args.log_level
+        )
+    except KeyboardInterrupt:
+        # uvicorn re-raises the SIGINT it shut down for; the stop was asked for, so it is clean
+        raise SystemExit(0) from None
 
 
 if __name__ == "__main__":

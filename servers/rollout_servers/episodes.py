@@ -292,7 +292,8 @@ class Episode:
 
 
 StepObserver = Callable[[Episode, str, str], None]
-"""Called with (episode, step name, event) where event is `started`, `completed` or `failed`."""
+"""Called with (episode, step name, event): `started`, `held` (a replay step's result waits for
+reopen), then `completed` or `failed`."""
 
 
 class EpisodeRuntime:
@@ -497,6 +498,8 @@ class EpisodeRuntime:
                     # The checkpoint already reported this episode at its previous boundary:
                     # hold the result until the checkpoint's outcome is known.
                     episode.holding = True
+                    if self.observer is not None:
+                        self.observer(episode, name, "held")
                     try:
                         await self.wait_admission()
                     finally:
@@ -787,6 +790,7 @@ class RuntimeParticipant(Participant):
         self._event("reopen")
 
     async def retire(self, attempt: int, rollout_ids: frozenset[str] | None) -> list[EpisodeId]:
+        self._event("retiring")
         retired = await self.runtime.retire(attempt, rollout_ids)
         self._event("retired")
         return retired

@@ -190,6 +190,15 @@ class HookWaitRequest(HookRequest):
     timeout_s: float = Field(default=10.0, gt=0, le=120)
 
 
+def _selected(pause: _Pause, request: HookRequest) -> bool:
+    """Does a request (None fields: any) name this armed pause?"""
+    return (
+        pause.point == request.point
+        and (request.rollout_id is None or pause.rollout_id == request.rollout_id)
+        and (request.index is None or pause.index == request.index)
+    )
+
+
 class Hooks:
     """Named points in server code where a test can pause an episode or observe progress.
 
@@ -231,18 +240,19 @@ class Hooks:
         self._pauses.append(_Pause(request.point, request.rollout_id, request.index))
 
     def release(self, request: HookRequest) -> int:
-        released = [
-            p
-            for p in self._pauses
-            if p.point == request.point
-            and (request.rollout_id is None or p.rollout_id == request.rollout_id)
-            and (request.index is None or p.index == request.index)
-        ]
+        released = [p for p in self._pauses if _selected(p, request)]
         for pause in released:
             pause.release.set()
             self._pauses.remove(pause)
         self._signal()
         return len(released)
+
+    def release_all(self) -> None:
+        """Let every held caller go (the server is stopping; nothing may wait on a test)."""
+        for pause in self._pauses:
+            pause.release.set()
+        self._pauses.clear()
+        self._signal()
 
     async def wait(self, request: HookWaitRequest) -> dict[str, Any]:
         key = (request.point, request.rollout_id, request.index)
@@ -250,11 +260,7 @@ class Hooks:
             while True:
                 changed = self._changed
                 if request.paused:
-                    held = sum(
-                        p.waiting
-                        for p in self._pauses
-                        if p.matches(request.point, request.rollout_id, request.index)
-                    )
+                    held = sum(p.waiting for p in self._pauses if _selected(p, request))
                     if held >= request.count:
                         return {"reached": self._reached.get(key, 0), "paused": held}
                 elif self._reached.get(key, 0) >= request.count:
@@ -335,7 +341,7 @@ class RolloutServer:
         self.runtime = EpisodeRuntime(
             self.record_kind,
             episode_timeout_s=options.episode_timeout_s,
-            observer=self.stats.observe,
+            observer=self._observe,
         )
         self.participant = self.make_participant()
         self.settings = ControlSettings.from_env(
@@ -348,6 +354,11 @@ class RolloutServer:
         self.draining = False
         self._tasks: anyio.abc.TaskGroup | None = None
         self._http: httpx.AsyncClient | None = None
+
+    def _observe(self, episode: Episode, name: str, event: str) -> None:
+        self.stats.observe(episode, name, event)
+        if event == "held":
+            self.hooks.notify("held", episode.rollout_id)
 
     # --- to override --------------------------------------------------------------------------
 
@@ -529,9 +540,11 @@ class DrainingServer(uvicorn.Server):
         on_drain: Callable[[], None],
         drain_seconds: float | None,
         ready_line: Callable[[str], None] | None = None,
+        on_stop: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(config)
         self._on_drain = on_drain
+        self._on_stop = on_stop
         self._drain_seconds = drain_seconds
         self._draining = False
         self._drain_deadline: float | None = None
@@ -550,6 +563,11 @@ class DrainingServer(uvicorn.Server):
         if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
             self.should_exit = True
         return await super().on_tick(counter)
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        if self._on_stop is not None:
+            self._on_stop()
+        await super().shutdown(sockets=sockets)
 
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets=sockets)
@@ -590,4 +608,10 @@ def serve(
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
 
-    DrainingServer(config, on_drain=drain, drain_seconds=drain_seconds, ready_line=ready).run()
+    def stopping() -> None:
+        server.draining = True
+        server.hooks.release_all()
+
+    DrainingServer(
+        config, on_drain=drain, drain_seconds=drain_seconds, ready_line=ready, on_stop=stopping
+    ).run()

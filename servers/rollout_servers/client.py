@@ -1,0 +1,454 @@
+"""The trainer side: run many episodes, survive pod loss, collect results.
+
+`RolloutClient` runs episodes concurrently against the environment servers of a rollout set and
+follows the set's *attempt*. When a `/run` fails because its servers died or were restored (a
+dropped connection, `attempt_retired`, `attempt_mismatch`, a peer that became unreachable), the
+client waits for the attempt to advance (with a deadline) and re-issues `/run` under the new
+attempt; the restored environment continues the episode from its last recorded boundary. A
+training loop thus survives pod loss without code of its own.
+
+Where the attempt and the environment URLs come from is a seam, `Topology`: a static one for
+plain processes, a JSON file one (written by whoever restores, e.g. a Slurm script), a mutable
+in-process one (tests, embedding), and, in the operator's package, one that watches the
+RolloutSet's `status.attempt`. An implementation that can *wait* for a newer attempt (a watch)
+also implements `wait_newer`; otherwise the client polls `current()`.
+
+Each rollout sticks to one environment index (a stable hash of its id, kept for the client's
+lifetime): its restored records live in that instance's records, so its continuation must go to
+the same index.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, NamedTuple, Protocol, runtime_checkable
+
+import anyio
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .protocol import ErrorBody, ErrorCode
+from .tasks import Task, sample_tasks
+
+log = logging.getLogger(__name__)
+
+# codes that mean "this attempt's servers are gone or replaced": wait for the next attempt
+_RESTORE_CODES = frozenset(
+    {
+        ErrorCode.ATTEMPT_RETIRED,
+        ErrorCode.ATTEMPT_MISMATCH,
+        ErrorCode.ADMISSION_CLOSED,
+        ErrorCode.UNREACHABLE,
+        ErrorCode.INTERNAL,
+    }
+)
+
+
+# --- the topology seam ------------------------------------------------------------------------
+
+
+class TopologySnapshot(NamedTuple):
+    attempt: int
+    environments: tuple[str, ...]
+
+
+@runtime_checkable
+class Topology(Protocol):
+    """Where the environments are and which attempt they run."""
+
+    async def current(self) -> TopologySnapshot: ...
+
+
+@runtime_checkable
+class WatchableTopology(Topology, Protocol):
+    async def wait_newer(self, attempt: int) -> TopologySnapshot:
+        """Return once the attempt is greater than `attempt` (the caller applies a deadline)."""
+        ...
+
+
+@dataclass
+class StaticTopology:
+    """Fixed URLs and attempt: plain processes where nothing is ever restored."""
+
+    environments: Sequence[str]
+    attempt: int = 0
+
+    async def current(self) -> TopologySnapshot:
+        return TopologySnapshot(self.attempt, tuple(self.environments))
+
+
+class MutableTopology:
+    """Set by whoever restores the servers in the same process (tests, embedding code)."""
+
+    def __init__(self, environments: Sequence[str], attempt: int = 0) -> None:
+        self._snapshot = TopologySnapshot(attempt, tuple(environments))
+        self._changed = anyio.Event()
+
+    def set(self, attempt: int, environments: Sequence[str] | None = None) -> None:
+        urls = self._snapshot.environments if environments is None else tuple(environments)
+        self._snapshot = TopologySnapshot(attempt, urls)
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def current(self) -> TopologySnapshot:
+        return self._snapshot
+
+    async def wait_newer(self, attempt: int) -> TopologySnapshot:
+        while self._snapshot.attempt <= attempt:
+            await self._changed.wait()
+        return self._snapshot
+
+
+class TopologyFile(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    attempt: int = Field(ge=0)
+    environments: list[str] = Field(min_length=1)
+
+
+@dataclass
+class FileTopology:
+    """`{"attempt": N, "environments": [...]}` in a file, re-read on every look.
+
+    Writers should replace the file atomically (write a temporary file, then rename).
+    """
+
+    path: Path
+
+    async def current(self) -> TopologySnapshot:
+        text = await anyio.Path(self.path).read_text()
+        try:
+            data = TopologyFile.model_validate_json(text)
+        except ValidationError as error:
+            raise ValueError(f"{self.path}: {error}") from error
+        return TopologySnapshot(data.attempt, tuple(data.environments))
+
+
+# --- results ----------------------------------------------------------------------------------
+
+
+class EpisodeResult(BaseModel):
+    """One JSON line of `rollout-collect`'s output."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rollout_id: str
+    attempt: int
+    answer: int | None
+    reward: float
+    steps: int
+    continued: bool
+    continued_from: int | None = None
+    task_id: str | None = None
+
+
+class EpisodeFailed(Exception):
+    """An episode could not finish (a refusal that no restore fixes, or a deadline)."""
+
+    def __init__(self, rollout_id: str, detail: str) -> None:
+        super().__init__(f"{rollout_id}: {detail}")
+        self.rollout_id = rollout_id
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    rollout_id: str
+    task: Task
+
+
+@dataclass
+class Progress:
+    total: int
+    done: int = 0
+    failed: int = 0
+    continued: int = 0
+    reissued: int = 0
+    attempt: int = 0
+    reward_sum: float = 0.0
+    started_at: float = field(default_factory=time.monotonic)
+
+
+# --- the client -------------------------------------------------------------------------------
+
+
+class RolloutClient:
+    def __init__(
+        self,
+        topology: Topology,
+        *,
+        concurrency: int = 64,
+        restore_timeout_s: float = 600.0,
+        run_timeout_s: float = 3600.0,
+        poll_interval_s: float = 1.0,
+        http: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.topology = topology
+        self.concurrency = concurrency
+        self.restore_timeout_s = restore_timeout_s
+        self.run_timeout_s = run_timeout_s
+        self.poll_interval_s = poll_interval_s
+        self._http = http
+        self._assignment: dict[str, int] = {}
+        self.progress = Progress(total=0)
+
+    def assign(self, rollout_id: str, environments: int) -> int:
+        """The environment index of a rollout: stable, and kept once chosen."""
+        index = self._assignment.get(rollout_id)
+        if index is None:
+            digest = hashlib.sha256(rollout_id.encode()).digest()
+            index = self._assignment[rollout_id] = int.from_bytes(digest[:8], "big") % environments
+        return index
+
+    async def run_episode(self, spec: EpisodeSpec, http: httpx.AsyncClient) -> EpisodeResult:
+        """Run one episode to its end, re-issuing it under each new attempt after a restore."""
+        with anyio.fail_after(self.run_timeout_s):
+            snapshot = await self.topology.current()
+            while True:
+                index = self.assign(spec.rollout_id, len(snapshot.environments))
+                if index >= len(snapshot.environments):
+                    raise EpisodeFailed(
+                        spec.rollout_id,
+                        f"assigned environment {index} is gone ({len(snapshot.environments)} left)",
+                    )
+                url = snapshot.environments[index].rstrip("/") + "/run"
+                body = {
+                    "rollout_id": spec.rollout_id,
+                    "attempt": snapshot.attempt,
+                    "task": spec.task.wire(),
+                }
+                try:
+                    reply = await http.post(url, json=body, timeout=None)
+                except httpx.TransportError as error:
+                    why = f"{type(error).__name__} from {url}"
+                else:
+                    if reply.status_code == 200:
+                        return self._result(spec, reply)
+                    code, detail = _error_of(reply)
+                    if code not in _RESTORE_CODES:
+                        raise EpisodeFailed(spec.rollout_id, f"{code}: {detail}")
+                    why = f"{code}: {detail}"
+                log.info(
+                    "%s: /run under attempt %d failed (%s)", spec.rollout_id, snapshot.attempt, why
+                )
+                snapshot = await self._newer(snapshot.attempt, spec.rollout_id, why)
+                self.progress.reissued += 1
+
+    async def _newer(self, attempt: int, rollout_id: str, why: str) -> TopologySnapshot:
+        """Wait (with the restore deadline) for an attempt newer than `attempt`."""
+        try:
+            with anyio.fail_after(self.restore_timeout_s):
+                if isinstance(self.topology, WatchableTopology):
+                    snapshot = await self.topology.wait_newer(attempt)
+                else:
+                    while True:  # a source without change notification: poll it
+                        snapshot = await self.topology.current()
+                        if snapshot.attempt > attempt:
+                            break
+                        await anyio.sleep(self.poll_interval_s)
+        except TimeoutError:
+            raise EpisodeFailed(
+                rollout_id,
+                f"its servers failed ({why}) and the attempt did not advance past {attempt} "
+                f"within {self.restore_timeout_s}s",
+            ) from None
+        self.progress.attempt = max(self.progress.attempt, snapshot.attempt)
+        return snapshot
+
+    def _result(self, spec: EpisodeSpec, reply: httpx.Response) -> EpisodeResult:
+        data = reply.json()
+        continued_from = data.get("continued_from")
+        return EpisodeResult(
+            rollout_id=spec.rollout_id,
+            attempt=int(data["attempt"]),
+            answer=data.get("answer"),
+            reward=float(data["reward"]),
+            steps=int(data["steps"]),
+            continued=continued_from is not None,
+            continued_from=continued_from,
+            task_id=spec.task.id,
+        )
+
+    async def run_all(
+        self,
+        specs: Sequence[EpisodeSpec],
+        on_result: Callable[[EpisodeResult | EpisodeFailed], Awaitable[None] | None] | None = None,
+    ) -> list[EpisodeResult | EpisodeFailed]:
+        """Run every episode (at most `concurrency` at once); failures are returned, not raised."""
+        self.progress = Progress(total=len(specs), attempt=(await self.topology.current()).attempt)
+        results: dict[str, EpisodeResult | EpisodeFailed] = {}
+        limiter = anyio.CapacityLimiter(self.concurrency)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=self.concurrency)
+        async with _client(self._http, limits) as http, anyio.create_task_group() as group:
+
+            async def one(spec: EpisodeSpec) -> None:
+                async with limiter:
+                    outcome: EpisodeResult | EpisodeFailed
+                    try:
+                        outcome = await self.run_episode(spec, http)
+                    except EpisodeFailed as error:
+                        outcome = error
+                    except TimeoutError:
+                        outcome = EpisodeFailed(
+                            spec.rollout_id, f"did not finish within {self.run_timeout_s}s"
+                        )
+                results[spec.rollout_id] = outcome
+                self._count(outcome)
+                if on_result is not None:
+                    maybe = on_result(outcome)
+                    if maybe is not None:
+                        await maybe
+
+            for spec in specs:
+                group.start_soon(one, spec)
+        return [results[spec.rollout_id] for spec in specs]
+
+    def _count(self, outcome: EpisodeResult | EpisodeFailed) -> None:
+        progress = self.progress
+        if isinstance(outcome, EpisodeFailed):
+            progress.failed += 1
+            return
+        progress.done += 1
+        progress.reward_sum += outcome.reward
+        progress.continued += outcome.continued
+        progress.attempt = max(progress.attempt, outcome.attempt)
+
+
+class _client:
+    """Use the caller's HTTP client, or own one for the duration of a run."""
+
+    def __init__(self, given: httpx.AsyncClient | None, limits: httpx.Limits) -> None:
+        self._given = given
+        self._limits = limits
+        self._owned: httpx.AsyncClient | None = None
+
+    async def __aenter__(self) -> httpx.AsyncClient:
+        if self._given is not None:
+            return self._given
+        self._owned = httpx.AsyncClient(limits=self._limits, timeout=httpx.Timeout(30.0))
+        return self._owned
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._owned is not None:
+            await self._owned.aclose()
+
+
+def _error_of(reply: httpx.Response) -> tuple[ErrorCode | str, str]:
+    try:
+        body = ErrorBody.model_validate_json(reply.content)
+    except ValueError:
+        return (ErrorCode.INTERNAL if reply.status_code >= 500 else f"http_{reply.status_code}"), (
+            reply.text[:200]
+        )
+    return body.error.code, body.error.detail
+
+
+def episode_specs(count: int, seed: int, prefix: str = "r") -> list[EpisodeSpec]:
+    """`count` episodes over the shipped tasks; ids and tasks are a function of (count, seed)."""
+    return [
+        EpisodeSpec(rollout_id=f"{prefix}{seed}-{i:05d}", task=task)
+        for i, task in enumerate(sample_tasks(count, seed))
+    ]
+
+
+# --- the CLI ----------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rollout-collect",
+        description="Run episodes against environment servers; survive restores; write JSONL.",
+    )
+    parser.add_argument("--environment", nargs="+", action="extend", default=[], metavar="URL")
+    parser.add_argument("--tasks", type=int, required=True, help="how many episodes")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True, help="results, one JSON line each")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--attempt", type=int, default=0, help="the attempt the servers run")
+    parser.add_argument(
+        "--topology-file",
+        type=Path,
+        help='JSON {"attempt": N, "environments": [...]} re-read to follow restores',
+    )
+    parser.add_argument("--restore-timeout", type=float, default=600.0)
+    parser.add_argument("--run-timeout", type=float, default=3600.0)
+    parser.add_argument("--progress-interval", type=float, default=10.0, help="non-TTY lines")
+    parser.add_argument("--prefix", default="r", help="rollout id prefix")
+    return parser
+
+
+def _progress_text(progress: Progress) -> str:
+    finished = progress.done + progress.failed
+    mean = progress.reward_sum / progress.done if progress.done else 0.0
+    return (
+        f"{finished}/{progress.total} done, {progress.failed} failed, "
+        f"{progress.continued} continued, mean reward {mean:.3f}, attempt {progress.attempt}, "
+        f"{time.monotonic() - progress.started_at:.0f}s"
+    )
+
+
+async def _report(client: RolloutClient, stream: IO[str], interval: float, tty: bool) -> None:
+    while True:
+        progress = client.progress
+        if tty:
+            finished = progress.done + progress.failed
+            width = 30
+            filled = width * finished // max(1, progress.total)
+            bar = "#" * filled + "." * (width - filled)
+            stream.write(f"\r[{bar}] {_progress_text(progress)}   ")
+        else:
+            stream.write(f"rollout-collect: {_progress_text(progress)}\n")
+        stream.flush()
+        await anyio.sleep(0.2 if tty else interval)
+
+
+async def collect(args: argparse.Namespace) -> int:
+    if args.topology_file is not None:
+        topology: Topology = FileTopology(args.topology_file)
+    elif args.environment:
+        topology = StaticTopology(args.environment, args.attempt)
+    else:
+        raise SystemExit("rollout-collect: give --environment URL ... or --topology-file")
+    client = RolloutClient(
+        topology,
+        concurrency=args.concurrency,
+        restore_timeout_s=args.restore_timeout,
+        run_timeout_s=args.run_timeout,
+    )
+    specs = episode_specs(args.tasks, args.seed, args.prefix)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tty = sys.stderr.isatty()
+    with args.out.open("w", encoding="utf-8") as out:
+
+        def write(outcome: EpisodeResult | EpisodeFailed) -> None:
+            if isinstance(outcome, EpisodeResult):
+                out.write(outcome.model_dump_json(exclude={"continued_from", "task_id"}) + "\n")
+                out.flush()
+            else:
+                log.error("episode failed: %s", outcome)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(_report, client, sys.stderr, args.progress_interval, tty)
+            outcomes = await client.run_all(specs, write)
+            group.cancel_scope.cancel()
+    sys.stderr.write(
+        ("\n" if tty else "") + f"rollout-collect: {_progress_text(client.progress)}\n"
+    )
+    failed = [o for o in outcomes if isinstance(o, EpisodeFailed)]
+    for failure in failed[:10]:
+        sys.stderr.write(f"  failed: {failure}\n")
+    return 1 if failed else 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    code = anyio.run(collect, args)
+    raise SystemExit(code)
