@@ -34,6 +34,7 @@ class Cluster:
         timeout: float = 90.0,
         apiserver_port: int | None = None,
         progress: controlplane.Progress | None = None,
+        timings: dict[str, float] | None = None,
     ) -> Cluster:
         state = controlplane.up(
             root,
@@ -41,6 +42,7 @@ class Cluster:
             apiserver_port=apiserver_port,
             timeout=timeout,
             progress=progress or (lambda _message: None),
+            timings=timings,
         )
         return cls(state)
 

@@ -157,7 +157,10 @@ def generate(folder: Path) -> Pki:
 
     The agent authenticates in `system:masters`: it plays the kubelet of several nodes at once,
     and the Node authorizer would need one identity per node (and NodeRestriction would refuse
-    cross-node writes), which buys no test fidelity for this project.
+    cross-node writes), which buys no test fidelity for this project. The controller-manager is
+    in `system:masters` too, because it runs all controllers under its own identity (see
+    `--use-service-account-credentials` in controlplane.py). Users and service accounts get
+    nothing beyond RBAC's defaults: that is the authorization tests exercise.
     """
     folder.mkdir(parents=True, exist_ok=True)
     ca = _Authority(folder)
@@ -185,7 +188,7 @@ def generate(folder: Path) -> Pki:
         ),
         admin=ca.issue("admin", "admin", "system:masters", client=True),
         controller_manager=ca.issue(
-            "controller-manager", "system:kube-controller-manager", client=True
+            "controller-manager", "system:kube-controller-manager", "system:masters", client=True
         ),
         scheduler=ca.issue("scheduler", "system:kube-scheduler", client=True),
         agent=ca.issue("agent", AGENT_USER, "system:masters", client=True),

@@ -37,6 +37,7 @@ async def wait_cluster_ready(
     ca: Path,
     check_alive: Callable[[], None],
     deadline: float,
+    progress: Callable[[str], None] = lambda _message: None,
 ) -> None:
     def remaining() -> float:
         return max(0.0, deadline - time.monotonic())
@@ -101,3 +102,4 @@ async def wait_cluster_ready(
                     f"{error}. See {state.dir / 'logs' / (component + '.log')} "
                     "(or raise --timeout on a slow machine)"
                 ) from error
+            progress(f"ready: {what}")

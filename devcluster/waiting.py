@@ -27,7 +27,7 @@ def _message(what: str, timeout: float, last: object, error: BaseException | Non
 
 
 async def wait_for(
-    predicate: Callable[[], Awaitable[T]],
+    predicate: Callable[[], Awaitable[T | None]],
     timeout: float,  # noqa: ASYNC109 - a poll budget, not a cancellation timeout
     what: str,
     interval: float = 0.1,
@@ -54,7 +54,7 @@ async def wait_for(
 
 
 def wait_for_sync(
-    predicate: Callable[[], T],
+    predicate: Callable[[], T | None],
     timeout: float,
     what: str,
     interval: float = 0.1,

@@ -102,7 +102,7 @@ async def wait_process_gone(pid: int, timeout: float, what: str) -> None:  # noq
 async def test_gpu_pod_runs_on_the_gpu_node_with_env_pod_ip_and_readiness(
     namespace: str, kube: Any, shared_dir: Path
 ) -> None:
-    core = client.CoreV1Api(kube)
+    core: Any = client.CoreV1Api(kube)
     await core.create_namespaced_secret(
         namespace, {"metadata": {"name": "creds"}, "stringData": {"token": "s3cret"}}
     )
@@ -159,6 +159,7 @@ async def test_gpu_pod_runs_on_the_gpu_node_with_env_pod_ip_and_readiness(
 
     pod = await wait_for_pod(core, namespace, "too-big", unschedulable, "to be Unschedulable")
     scheduled = condition(pod, "PodScheduled")
+    assert scheduled is not None
     assert scheduled.status == "False"
     assert "nvidia.com/gpu" in scheduled.message
     assert pod.status.phase == "Pending"
@@ -168,7 +169,7 @@ async def test_gpu_pod_runs_on_the_gpu_node_with_env_pod_ip_and_readiness(
 async def test_delete_sends_sigterm_waits_out_the_grace_period_then_kills(
     namespace: str, kube: Any, shared_dir: Path
 ) -> None:
-    core = client.CoreV1Api(kube)
+    core: Any = client.CoreV1Api(kube)
     grace = 3
     manifest = script_pod("stubborn", shared_dir, env={"IGNORE_TERM": "1"}, grace_seconds=grace)
     await core.create_namespaced_pod(namespace, manifest)
@@ -192,7 +193,7 @@ async def test_delete_sends_sigterm_waits_out_the_grace_period_then_kills(
 async def test_sigkill_fails_the_pod_with_137_or_restarts_it(
     cluster: Cluster, namespace: str, kube: Any, shared_dir: Path
 ) -> None:
-    core = client.CoreV1Api(kube)
+    core: Any = client.CoreV1Api(kube)
     await core.create_namespaced_pod(namespace, script_pod("once", shared_dir))
     await core.create_namespaced_pod(
         namespace, script_pod("again", shared_dir, port=8081, restart_policy="Always")
@@ -205,6 +206,7 @@ async def test_sigkill_fails_the_pod_with_137_or_restarts_it(
         core, namespace, "once", lambda p: p.status.phase == "Failed", "to fail after SIGKILL"
     )
     state = terminated_state(pod)
+    assert state is not None
     assert state.exit_code == 137
     assert state.reason == "Error"
     assert not any(is_alive(pid) for pid in killed)
@@ -223,7 +225,7 @@ async def test_sigkill_fails_the_pod_with_137_or_restarts_it(
 async def test_deleting_the_owner_cascades_to_its_pods(
     namespace: str, kube: Any, shared_dir: Path
 ) -> None:
-    core = client.CoreV1Api(kube)
+    core: Any = client.CoreV1Api(kube)
     owner = await core.create_namespaced_config_map(namespace, {"metadata": {"name": "owner"}})
     manifest = script_pod("owned", shared_dir)
     manifest["metadata"]["ownerReferences"] = [
@@ -242,7 +244,7 @@ async def test_deleting_the_owner_cascades_to_its_pods(
 async def test_rbac_refuses_a_service_account_without_rights(
     cluster: Cluster, namespace: str, kube: Any
 ) -> None:
-    core = client.CoreV1Api(kube)
+    core: Any = client.CoreV1Api(kube)
     await core.create_namespaced_service_account(namespace, {"metadata": {"name": "reader"}})
     request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {}}
     token = (
@@ -255,7 +257,7 @@ async def test_rbac_refuses_a_service_account_without_rights(
         assert refused.status_code == 403
         assert f"system:serviceaccount:{namespace}:reader" in refused.json()["message"]
 
-        rbac = client.RbacAuthorizationV1Api(kube)
+        rbac: Any = client.RbacAuthorizationV1Api(kube)
         await rbac.create_namespaced_role(
             namespace,
             {
@@ -285,7 +287,7 @@ async def test_rbac_refuses_a_service_account_without_rights(
 async def test_pods_devcluster_cannot_run_fail_with_a_reason_and_the_agent_keeps_going(
     namespace: str, kube: Any, shared_dir: Path
 ) -> None:
-    core = client.CoreV1Api(kube)
+    core: Any = client.CoreV1Api(kube)
     image_only = {
         "metadata": {"name": "image-only"},
         "spec": {"containers": [{"name": "main", "image": "nginx:1.27"}]},
@@ -315,7 +317,7 @@ async def test_pods_devcluster_cannot_run_fail_with_a_reason_and_the_agent_keeps
 async def test_lose_node_kills_its_processes_and_marks_it_not_ready(
     cluster: Cluster, namespace: str, kube: Any, shared_dir: Path
 ) -> None:
-    core = client.CoreV1Api(kube)
+    core: Any = client.CoreV1Api(kube)
     manifest = script_pod(
         "on-cpu",
         shared_dir,
