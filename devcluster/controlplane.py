@@ -404,6 +404,7 @@ def _stop(
     records = [record for record in state.processes if record.pid in ours]
     # The agent first: it stops its pods' processes gracefully; then the control plane.
     agent = [record.pid for record in records if record.name == "node-agent"]
+    agent += [pid for pid in [_hand_started_agent(layout)] if pid and pid not in agent]
     rest = [record.pid for record in reversed(records) if record.name != "node-agent"]
     if agent:
         stop_groups(agent, grace_seconds)
@@ -421,6 +422,19 @@ def _stop(
         file.unlink(missing_ok=True)
     progress(f"stopped {len(records)} processes of cluster {state.cluster_id} in {layout.root}")
     return StopReport(stopped=[record.pid for record in records], stragglers=stragglers)
+
+
+def _hand_started_agent(layout: Layout) -> int | None:
+    """An agent restarted by hand (`agent --config DIR/agent.json`) lacks the marker; it leaves
+    its pid in the directory instead. The command line guards against a reused pid."""
+    try:
+        pid = int(layout.agent_pid.read_text())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (FileNotFoundError, ValueError, ProcessLookupError):
+        return None
+    if b"devcluster" in cmdline and b"agent" in cmdline and is_alive(pid):
+        return pid
+    return None
 
 
 def _pod_groups(layout: Layout, cluster_id: str) -> list[int]:

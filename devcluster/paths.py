@@ -98,6 +98,11 @@ class Layout:
         return self.root / "run" / "pod-groups"
 
     @property
+    def agent_pid(self) -> Path:
+        """The running agent's pid, also when it was started by hand rather than by `up`."""
+        return self.root / "run" / "agent.pid"
+
+    @property
     def agent_config(self) -> Path:
         return self.root / "agent.json"
 

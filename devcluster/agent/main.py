@@ -26,7 +26,7 @@ from devcluster.agent.server import AgentHooks, HookError, PodInfo, bind, build_
 from devcluster.config import AgentConfig
 from devcluster.kube import open_api
 from devcluster.paths import Layout
-from devcluster.procs import stop_groups
+from devcluster.procs import has_marker, live_groups, stop_groups
 from devcluster.state import MARKER_ENV
 from devcluster.waiting import WaitTimeout, wait_for
 
@@ -55,6 +55,8 @@ class Agent:
     async def run(self) -> None:
         for folder in (self.layout.pods, self.layout.pod_logs, self.layout.pod_groups):
             folder.mkdir(parents=True, exist_ok=True)
+        self._kill_stale_groups()
+        self.layout.agent_pid.write_text(f"{os.getpid()}\n")
         sock = bind(self.config.admin_port)
         port = sock.getsockname()[1]
         async with (
@@ -95,7 +97,24 @@ class Agent:
                         log.info("received %s; stopping pod processes", received.name)
                         break
                 await self._stop_processes()
+                self.layout.agent_pid.unlink(missing_ok=True)
                 tg.cancel_scope.cancel()
+
+    def _kill_stale_groups(self) -> None:
+        """Pod processes left by an agent of this cluster that died without stopping them: the
+        pods they belong to are started again, so the old processes must not keep running."""
+        groups = live_groups()
+        for file in self.layout.pod_groups.iterdir():
+            if file.name.isdigit():
+                members = groups.get(int(file.name), [])
+                if any(has_marker(pid, self.config.cluster_id) for pid in members):
+                    log.warning(
+                        "killing stale pod process group %s (%s)",
+                        file.name,
+                        file.read_text().strip(),
+                    )
+                    stop_groups([int(file.name)], SHUTDOWN_GRACE_SECONDS)
+            file.unlink(missing_ok=True)
 
     async def _wait_for_api(self, core: Any) -> None:
         # Not just "answers": the API server creates kube-node-lease during its own bootstrap,
