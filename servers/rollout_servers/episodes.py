@@ -748,15 +748,16 @@ class RuntimeParticipant(Participant):
         role: Role,
         runtime: EpisodeRuntime,
         *,
-        on_event: Callable[[str], None] | None = None,
+        on_event: Callable[[str, str | None], None] | None = None,
     ) -> None:
         self.role = role
         self.runtime = runtime
         self._on_event = on_event
 
-    def _event(self, name: str) -> None:
+    def _event(self, name: str, rollout_id: str | None = None) -> None:
+        """Tell observers (the servers' debug hooks) how far a control call got."""
         if self._on_event is not None:
-            self._on_event(name)
+            self._on_event(name, rollout_id)
 
     async def close_admission(self) -> None:
         self.runtime.close_admission()
@@ -790,7 +791,8 @@ class RuntimeParticipant(Participant):
         self._event("reopen")
 
     async def retire(self, attempt: int, rollout_ids: frozenset[str] | None) -> list[EpisodeId]:
-        self._event("retiring")
+        for rollout_id in rollout_ids or (None,):
+            self._event("retiring", rollout_id)
         retired = await self.runtime.retire(attempt, rollout_ids)
         self._event("retired")
         return retired

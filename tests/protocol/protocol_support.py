@@ -90,14 +90,7 @@ class Cluster:
         if self.processes:
             raise RuntimeError("stop or kill the running processes first")
         self.attempt = attempt
-        env = dict(os.environ)
-        env.update(
-            ROLLOUT_SET=SET_NAME,
-            ROLLOUT_INDEX="0",
-            ROLLOUT_ATTEMPT=str(attempt),
-            ROLLOUT_CHECKPOINT_ROOT=str(self.checkpoint_root),
-            ROLLOUT_CONTROL_TOKEN=TOKEN,
-        )
+        env = server_env(self.checkpoint_root, attempt)
         logs = self.root / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         for role in Role:
@@ -148,26 +141,96 @@ class Cluster:
         return Coordinator(self.participants(http), **kwargs)
 
 
-def _wait_ready(role: Role, process: subprocess.Popen[bytes], deadline: float, log: Path) -> None:
+def server_env(checkpoint_root: Path, attempt: int) -> dict[str, str]:
+    """The environment the operator gives a participant pod."""
+    env = dict(os.environ)
+    env.update(
+        ROLLOUT_SET=SET_NAME,
+        ROLLOUT_INDEX="0",
+        ROLLOUT_ATTEMPT=str(attempt),
+        ROLLOUT_CHECKPOINT_ROOT=str(checkpoint_root),
+        ROLLOUT_CONTROL_TOKEN=TOKEN,
+    )
+    return env
+
+
+@dataclass
+class ServerProcess:
+    """One extra server process (outside a cluster), e.g. a relaying model server."""
+
+    role: Role
+    port: int
+    process: subprocess.Popen[bytes]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @classmethod
+    def start(cls, root: Path, role: Role, *args: str, attempt: int = 0) -> ServerProcess:
+        port = free_port()
+        root.mkdir(parents=True, exist_ok=True)
+        log = root / f"{role.value}-{port}.log"
+        with log.open("ab") as stderr:
+            process = subprocess.Popen(
+                [*SERVER, role.value, "--port", str(port), "--log-level", "warning", *args],
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                env=server_env(root / "checkpoints", attempt),
+                start_new_session=True,
+            )
+        try:
+            _wait_ready(role, process, time.monotonic() + READY_TIMEOUT_S, log)
+        except BaseException:
+            _signal_group(process, signal.SIGKILL)
+            process.wait(timeout=STOP_TIMEOUT_S)
+            raise
+        return cls(role, port, process)
+
+    def wait_event(self, event: str, limit_s: float = 10.0) -> None:
+        """Block until the process prints `{"event": <event>}` on stdout (or fail at the limit)."""
+        _wait_ready(self.role, self.process, time.monotonic() + limit_s, None, event)
+
+    def stop(self) -> int:
+        """SIGINT, then SIGKILL at the deadline; returns the exit status."""
+        _signal_group(self.process, signal.SIGINT)
+        try:
+            code = self.process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            _signal_group(self.process, signal.SIGKILL)
+            code = self.process.wait(timeout=STOP_TIMEOUT_S)
+        _close(self.process)
+        return code
+
+
+def _wait_ready(
+    role: Role,
+    process: subprocess.Popen[bytes],
+    deadline: float,
+    log: Path | None,
+    event: str = "ready",
+) -> None:
     assert process.stdout is not None
     with selectors.DefaultSelector() as selector:
         selector.register(process.stdout, selectors.EVENT_READ)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"{role.value} server not ready in time; log:\n{_tail(log)}")
+                raise TimeoutError(f"{role.value} server: no {event!r} in time; log:\n{_tail(log)}")
             if selector.select(timeout=remaining):
                 line = process.stdout.readline()
                 if not line:
                     code = process.wait(timeout=5)
                     raise RuntimeError(
-                        f"{role.value} server exited ({code}) before ready; log:\n{_tail(log)}"
+                        f"{role.value} server exited ({code}) before {event!r}; log:\n{_tail(log)}"
                     )
-                if b'"ready"' in line:
+                if f'"{event}"'.encode() in line:
                     return
 
 
-def _tail(path: Path, lines: int = 30) -> str:
+def _tail(path: Path | None, lines: int = 30) -> str:
+    if path is None:
+        return "(see the test's log)"
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
@@ -265,6 +328,17 @@ async def run(
         json={"rollout_id": rollout_id, "attempt": attempt, "task": task.wire()},
         timeout=60,
     )
+
+
+async def run_until_crash(
+    http: httpx.AsyncClient, cluster: Cluster, rollout_id: str, attempt: int, task: Task
+) -> None:
+    """A `/run` that the test expects to lose to a crash (the connection drops)."""
+    try:
+        reply = await run(http, cluster, rollout_id, attempt, task)
+    except httpx.TransportError:
+        return
+    raise AssertionError(f"/run {rollout_id}@{attempt} answered before the crash: {reply.text}")
 
 
 async def run_ok(

@@ -35,7 +35,6 @@ from protocol_support import (
     started_steps,
     two_step_task,
 )
-
 from rollout_servers.client import EpisodeResult, EpisodeSpec, MutableTopology, RolloutClient
 from rollout_servers.protocol import Role
 
@@ -116,9 +115,7 @@ async def test_checkpoint_at_every_point_survives_a_crash(make_cluster: Any) -> 
             await model.release("finish", "held")
             await model.reached("held", "held")
 
-            commit = await coordinator.commit(
-                "ckpt-1", deadline(30), prepare_outcome.scope()
-            )
+            commit = await coordinator.commit("ckpt-1", deadline(30), prepare_outcome.scope())
             assert commit.ok, commit.failures
             before = await all_stats(http, cluster)
             first_pids = dict(cluster.pids[0])

@@ -600,13 +600,14 @@ def serve(
         lifespan="on",
     )
 
-    def drain() -> None:
-        server.draining = True
-        log.warning("SIGTERM: draining; the control plane stays up until the process is stopped")
-
     def ready(line: str) -> None:
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
+
+    def drain() -> None:
+        server.draining = True
+        log.warning("SIGTERM: draining; the control plane stays up until the process is stopped")
+        ready(json.dumps({"event": "draining"}))
 
     def stopping() -> None:
         server.draining = True

@@ -35,7 +35,7 @@ import random
 import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol, TypeVar
 
 import anyio
@@ -54,6 +54,7 @@ from ..episodes import (
     StepMode,
     TaskMismatch,
 )
+from ..participant import EpisodeCounts
 from ..protocol import (
     ROLLOUT_ID_PATTERN,
     EpisodeId,
@@ -381,6 +382,12 @@ class ModelParticipant(RuntimeParticipant):
             if delivered.attempt == attempt and (rollout_ids is None or rid in rollout_ids):
                 del self.server.delivered[rid]
         return retired
+
+    def counts(self) -> EpisodeCounts:
+        counts = super().counts()
+        restored = {r.rollout_id for r in self.runtime.restored()}
+        restored |= {rid for rid, d in self.server.delivered.items() if d.restored}
+        return replace(counts, restored=len(restored))
 
     def forget(self, rollout_ids: frozenset[str]) -> int:
         for rid in rollout_ids:
