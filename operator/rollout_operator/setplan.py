@@ -174,6 +174,27 @@ def desired_instances(rset: RolloutSet) -> list[Instance]:
     return out
 
 
+def stale_pods(rset: RolloutSet, pods: Sequence[PodView]) -> list[PodView]:
+    """Live pods built from another participants spec than the current one."""
+    current = participants_hash(rset.spec)
+    return [p for p in pods if p.live and p.spec_hash not in (None, current)]
+
+
+def attempt_instances(rset: RolloutSet, attempt: int, pods: Sequence[PodView]) -> list[Instance]:
+    """The (role, index) instances `attempt` consists of.
+
+    Normally the spec's (`desired_instances`). After a refused spec change (live pods of the
+    attempt built from another spec) the spec no longer describes the attempt: then only the
+    instances that have pods count, so a replica the new spec adds is not mistaken for a lost
+    one. Loss detection and planning both use this.
+    """
+    mine = [p for p in pods if p.attempt == attempt and p.set_name == rset.metadata.name]
+    if not stale_pods(rset, mine):
+        return desired_instances(rset)
+    rank = {role: i for i, role in enumerate(ROLE_ORDER)}
+    return sorted({(p.role, p.index) for p in mine}, key=lambda inst: (rank[inst[0]], inst[1]))
+
+
 @dataclass(frozen=True)
 class AttemptPlan:
     """The pods of one attempt: what exists, what to create now, what waits for peers."""
@@ -216,15 +237,10 @@ def plan_attempt(rset: RolloutSet, attempt: int, pods: Sequence[PodView]) -> Att
     recovery flow's decision (under a new attempt), not this planner's.
     """
     name = rset.metadata.name
-    current_hash = participants_hash(rset.spec)
     mine = [p for p in pods if p.attempt == attempt and p.set_name == name]
     existing = {(p.role, p.index): p for p in mine}
-    stale = [p for p in mine if p.live and p.spec_hash not in (None, current_hash)]
-    desired = desired_instances(rset)
-    if stale:
-        # The spec changed under running pods: keep reporting what runs, create nothing.
-        rank = {role: i for i, role in enumerate(ROLE_ORDER)}
-        desired = sorted(existing, key=lambda inst: (rank[inst[0]], inst[1]))
+    stale = stale_pods(rset, mine)
+    desired = attempt_instances(rset, attempt, mine)
     ports = {p.role: control_port(p.template) for p in rset.spec.participants}
 
     def address(pod: PodView | None) -> str | None:

@@ -10,6 +10,7 @@ from rollout_operator.conditions import ConditionUpdate
 from rollout_operator.setplan import (
     PodView,
     Reason,
+    attempt_instances,
     describe_spec_change,
     plan_attempt,
     set_conditions,
@@ -318,3 +319,18 @@ def test_pod_view_reads_waiting_reasons_and_ignores_foreign_pods() -> None:
     assert view.live
     assert not view.finished
     assert not view.ready
+
+
+def test_attempt_instances_follow_the_pods_after_a_refused_change() -> None:
+    """A replica the new spec adds must not look like a lost participant of the running
+    attempt (recovery's loss detection uses this too)."""
+    rset = make_set({"model": 1, "environment": 1})
+    pods = start_all(rset)
+    assert attempt_instances(rset, 1, pods) == [(Role.ENVIRONMENT, 0), (Role.MODEL, 0)]
+    scaled = make_set({"model": 1, "environment": 2})
+    assert attempt_instances(scaled, 1, pods) == [(Role.ENVIRONMENT, 0), (Role.MODEL, 0)]
+    assert attempt_instances(scaled, 2, pods) == [
+        (Role.ENVIRONMENT, 0),
+        (Role.ENVIRONMENT, 1),
+        (Role.MODEL, 0),
+    ]
