@@ -209,6 +209,8 @@ class Hooks:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self._pauses: list[_Pause] = []
+        self._armed: dict[tuple[str, str | None], list[_Pause]] = {}
+        """Armed pauses by (point, rollout or None): a hook point looks up, never scans."""
         self._reached: dict[tuple[str, str | None, int | None], int] = defaultdict(int)
         self._changed = anyio.Event()
 
@@ -218,7 +220,8 @@ class Hooks:
         if not self.enabled:
             return
         self.notify(name, rollout_id, index)
-        pause = next((p for p in self._pauses if p.matches(name, rollout_id, index)), None)
+        candidates = self._armed.get((name, rollout_id), []) + self._armed.get((name, None), [])
+        pause = next((p for p in candidates if p.matches(name, rollout_id, index)), None)
         if pause is None:
             return
         pause.waiting += 1
@@ -237,13 +240,17 @@ class Hooks:
         self._signal()
 
     def arm(self, request: HookRequest) -> None:
-        self._pauses.append(_Pause(request.point, request.rollout_id, request.index))
+        pause = _Pause(request.point, request.rollout_id, request.index)
+        self._pauses.append(pause)
+        self._armed.setdefault((pause.point, pause.rollout_id), []).append(pause)
 
     def release(self, request: HookRequest) -> int:
         released = [p for p in self._pauses if _selected(p, request)]
         for pause in released:
             pause.release.set()
-            self._pauses.remove(pause)
+        self._pauses = [p for p in self._pauses if not p.release.is_set()]
+        for pause in released:
+            self._armed[(pause.point, pause.rollout_id)].remove(pause)
         self._signal()
         return len(released)
 
@@ -252,6 +259,7 @@ class Hooks:
         for pause in self._pauses:
             pause.release.set()
         self._pauses.clear()
+        self._armed.clear()
         self._signal()
 
     async def wait(self, request: HookWaitRequest) -> dict[str, Any]:

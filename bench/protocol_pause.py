@@ -1,0 +1,262 @@
+"""How long a checkpoint pauses 1,000 live episodes, against what it fundamentally has to do.
+
+Four reference servers run on loopback (`rollout-server <role>`, builtin model). 1,000 episodes
+are started and held live by debug hooks, a third at each of three points: between agent turns,
+in the middle of a model generation (a cut), and inside a replay-mode verification. Then:
+
+  pause      prepare start -> resume done, measured by the coordinator (median of several)
+  baseline   writing and fsyncing the same bytes (the participants' record files, in parallel,
+             on the same disk), plus four round trips to a participant (prepare, commit, resume
+             each need at least one per stage; four is the floor the ratio is held to)
+  ratio      pause / baseline, target <= 2.0
+
+and next to it the checkpoint bytes per episode against the participants' resident memory (what a
+process-level snapshot, CRIU-style, would have to write instead).
+
+Prints tables; asserts nothing. Run: `.venv/bin/python bench/protocol_pause.py [--episodes N]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import selectors
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import anyio
+import httpx
+from rollout_servers.coordination import Coordinator, HttpParticipant
+from rollout_servers.protocol import Role
+from rollout_servers.tasks import sample_tasks
+
+TOKEN = "bench-token"
+SERVER = str(Path(sys.executable).with_name("rollout-server"))
+ROLES = (Role.ENVIRONMENT, Role.AGENT, Role.MODEL, Role.RESOURCES)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextmanager
+def servers(root: Path) -> Iterator[dict[Role, tuple[str, int]]]:
+    """The four servers as processes; yields role -> (url, pid); stops them on exit."""
+    ports = {role: free_port() for role in ROLES}
+    url = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
+    peers = {
+        Role.ENVIRONMENT: ["--agent-url", url[Role.AGENT], "--resources-url", url[Role.RESOURCES]],
+        Role.AGENT: ["--model-url", url[Role.MODEL], "--resources-url", url[Role.RESOURCES]],
+        Role.MODEL: [],
+        Role.RESOURCES: [],
+    }
+    env = dict(os.environ)
+    env.update(
+        ROLLOUT_SET="bench",
+        ROLLOUT_ATTEMPT="0",
+        ROLLOUT_CHECKPOINT_ROOT=str(root / "checkpoints"),
+        ROLLOUT_CONTROL_TOKEN=TOKEN,
+        ROLLOUT_LEASE_GRACE_SECONDS="120",
+    )
+    processes: dict[Role, subprocess.Popen[bytes]] = {}
+    try:
+        for role in ROLES:
+            command = [SERVER, role.value, "--port", str(ports[role]), "--debug-hooks"]
+            command += ["--log-level", "warning", *peers[role]]
+            with (root / f"{role.value}.log").open("ab") as log:
+                processes[role] = subprocess.Popen(
+                    command, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True
+                )
+        deadline = time.monotonic() + 60
+        for role, process in processes.items():
+            _wait_ready(role, process, deadline)
+        yield {role: (url[role], processes[role].pid) for role in ROLES}
+    finally:
+        for process in processes.values():
+            os.killpg(process.pid, signal.SIGINT)
+        for process in processes.values():
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+def _wait_ready(role: Role, process: subprocess.Popen[bytes], deadline: float) -> None:
+    assert process.stdout is not None
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        while b'"ready"' not in (
+            process.stdout.readline()
+            if selector.select(timeout=max(0.0, deadline - time.monotonic()))
+            else b""
+        ):
+            if time.monotonic() >= deadline or process.poll() is not None:
+                raise RuntimeError(f"{role.value} server did not start; see its log")
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def write_and_fsync(directory: Path, sizes: list[int]) -> float:
+    """Seconds to write and fsync files of these sizes in parallel (as the commit fan-out does),
+    each followed by a directory fsync, like a records file renamed into place."""
+    payloads = [os.urandom(size) for size in sizes]
+
+    def one(i: int) -> None:
+        path = directory / f"baseline-{i}.bin"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, payloads[i])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    with ThreadPoolExecutor(len(sizes)) as pool:
+        started = time.perf_counter()
+        list(pool.map(one, range(len(sizes))))
+        return time.perf_counter() - started
+
+
+async def round_trip(http: httpx.AsyncClient, url: str, samples: int = 50) -> float:
+    """Median seconds of one authenticated control-plane call (status) to a participant."""
+    times = []
+    for _ in range(samples):
+        started = time.perf_counter()
+        reply = await http.get(
+            url + "/checkpoint/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}
+        )
+        reply.raise_for_status()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+async def bench(episodes: int, repeats: int, root: Path) -> None:
+    with servers(root) as procs:
+        urls = {role: url for role, (url, _) in procs.items()}
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+            ids = [f"b{i:05d}" for i in range(episodes)]
+            holds = {
+                Role.AGENT: ("turn", 1),  # between agent turns
+                Role.MODEL: ("token", 3),  # mid-generation: a cut
+                Role.RESOURCES: ("verify", None),  # replay-mode verification in flight
+            }
+            groups = {role: ids[i :: len(holds)] for i, role in enumerate(holds)}
+            for role, members in groups.items():
+                point, index = holds[role]
+                for rid in members:
+                    arm = {"point": point, "rollout_id": rid, "index": index}
+                    (await http.post(urls[role] + "/debug/arm", json=arm)).raise_for_status()
+            tasks = [t.model_copy(update={"verify": "replay"}) for t in sample_tasks(episodes, 1)]
+            started = time.perf_counter()
+            async with anyio.create_task_group() as runs:
+                for rid, task in zip(ids, tasks, strict=True):
+                    body = {"rollout_id": rid, "attempt": 0, "task": task.wire()}
+                    runs.start_soon(_run_until_stopped, http, urls[Role.ENVIRONMENT], body)
+                for role, members in groups.items():
+                    point, _ = holds[role]
+                    wait = {"point": point, "paused": True, "count": len(members), "timeout_s": 120}
+                    reply = await http.post(urls[role] + "/debug/wait", json=wait, timeout=130)
+                    reply.raise_for_status()
+                live_after = time.perf_counter() - started
+
+                participants = [
+                    HttpParticipant(role, urls[role], token=TOKEN, client=http) for role in ROLES
+                ]
+                coordinator = Coordinator(participants, call_timeout=120)
+                pauses, results = [], []
+                for n in range(repeats):
+                    result = await coordinator.checkpoint(
+                        f"bench-{n}", prepare_timeout=60, commit_timeout=60
+                    )
+                    if not result.ok:
+                        raise SystemExit(f"checkpoint failed: {result.reason}: {result.message}")
+                    pauses.append(result.durations.pause_seconds)
+                    results.append(result)
+                rtt = await round_trip(http, urls[Role.RESOURCES])
+                rss = {role: rss_bytes(pid) for role, (_, pid) in procs.items()}
+                runs.cancel_scope.cancel()
+
+        last = results[-1]
+        assert last.commit is not None
+        manifests = {m.role: m for m in last.commit.manifests.values()}
+        sizes = [manifests[role].bytes for role in ROLES]
+        scratch = root / "checkpoints"
+        writes = sorted(write_and_fsync(scratch, sizes) for _ in range(repeats))
+        write_s = statistics.median(writes)
+        baseline = write_s + 4 * rtt
+        pause = statistics.median(pauses)
+
+    total = sum(sizes)
+    print(f"\n{episodes} live episodes on 4 participants (loopback), {repeats} checkpoints")
+    print(f"(episodes reached their hold points {live_after:.1f}s after starting)\n")
+    print(f"{'':<34}{'seconds':>12}")
+    print(f"{'pause (prepare start -> resumed)':<34}{pause:>12.4f}")
+    print(
+        f"{'  prepare':<34}{statistics.median(r.durations.prepare_seconds for r in results):>12.4f}"
+    )
+    print(
+        f"{'  commit':<34}{statistics.median(r.durations.commit_seconds for r in results):>12.4f}"
+    )
+    print(f"{'write+fsync the same bytes':<34}{write_s:>12.4f}")
+    print(f"{'one round trip':<34}{rtt:>12.4f}")
+    print(f"{'baseline (write+fsync + 4 RTT)':<34}{baseline:>12.4f}")
+    print(f"{'ratio pause / baseline':<34}{pause / baseline:>12.2f}   (target <= 2.0)\n")
+    print(f"{'participant':<14}{'records':>9}{'bytes':>12}{'B/episode':>11}{'RSS MiB':>10}")
+    for role in ROLES:
+        m = manifests[role]
+        print(
+            f"{role.value:<14}{m.record_count:>9}{m.bytes:>12}{m.bytes / episodes:>11.0f}"
+            f"{rss[role] / 2**20:>10.1f}"
+        )
+    rss_total = sum(rss.values())
+    print(
+        f"{'total':<14}{sum(m.record_count for m in manifests.values()):>9}{total:>12}"
+        f"{total / episodes:>11.0f}{rss_total / 2**20:>10.1f}"
+    )
+    print(
+        f"\ncheckpoint bytes per episode {total / episodes:.0f} B vs resident memory per episode "
+        f"{rss_total / episodes:.0f} B: a process snapshot writes {rss_total / total:.0f}x more"
+    )
+    print(json.dumps({"pause_s": pause, "baseline_s": baseline, "ratio": pause / baseline}))
+
+
+async def _run_until_stopped(http: httpx.AsyncClient, url: str, body: dict[str, object]) -> None:
+    with suppress(httpx.HTTPError):
+        await http.post(url + "/run", json=body, timeout=None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--episodes", type=int, default=1000)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="protocol-pause-") as tmp:
+        anyio.run(bench, args.episodes, args.repeats, Path(tmp))
+
+
+if __name__ == "__main__":
+    main()

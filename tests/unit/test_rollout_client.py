@@ -1,0 +1,155 @@
+"""The trainer-side client's reaction to failed `/run` calls, against a fake environment.
+
+The fake is an httpx transport (the layer below the client); the client code runs unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from rollout_servers.client import (
+    EpisodeFailed,
+    EpisodeResult,
+    EpisodeSpec,
+    FileTopology,
+    MutableTopology,
+    RolloutClient,
+    StaticTopology,
+)
+from rollout_servers.protocol import ErrorBody, ErrorCode, ErrorDetail
+from rollout_servers.tasks import shipped_tasks
+
+TASK = shipped_tasks()[0]
+
+
+def error(code: ErrorCode, status: int) -> httpx.Response:
+    body = ErrorBody(error=ErrorDetail(code=code, detail="fake"))
+    return httpx.Response(status, content=body.model_dump_json())
+
+
+def ok(request: httpx.Request, continued_from: int | None = None) -> httpx.Response:
+    body = json.loads(request.content)
+    return httpx.Response(
+        200,
+        json={
+            "rollout_id": body["rollout_id"],
+            "attempt": body["attempt"],
+            "answer": TASK.answer,
+            "reward": 1.0,
+            "steps": 3,
+            "continued_from": continued_from,
+        },
+    )
+
+
+def fake(handler: Callable[[httpx.Request], httpx.Response]) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+
+async def test_a_failed_run_is_reissued_under_the_next_attempt_on_the_same_index() -> None:
+    topology = MutableTopology(["http://env-0", "http://env-1", "http://env-2"], attempt=4)
+    seen: list[tuple[str, int]] = []
+    waiting = anyio.Event()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        attempt = json.loads(request.content)["attempt"]
+        seen.append((request.url.host, attempt))
+        if attempt == 4:
+            waiting.set()
+            raise httpx.ConnectError("connection refused", request=request)
+        return ok(request, continued_from=4)
+
+    client = RolloutClient(topology, restore_timeout_s=30)
+    results: list[EpisodeResult] = []
+    async with fake(handler) as http, anyio.create_task_group() as group:
+
+        async def episode() -> None:
+            results.append(await client.run_episode(EpisodeSpec("r-7", TASK), http))
+
+        group.start_soon(episode)
+        await waiting.wait()
+        topology.set(5)
+    index = client.assign("r-7", 3)
+    assert seen == [(f"env-{index}", 4), (f"env-{index}", 5)]
+    assert results[0].attempt == 5
+    assert results[0].continued
+    assert client.progress.reissued == 1
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (ErrorCode.ATTEMPT_RETIRED, 410),
+        (ErrorCode.ATTEMPT_MISMATCH, 409),
+        (ErrorCode.UNREACHABLE, 502),
+        (ErrorCode.ADMISSION_CLOSED, 503),
+    ],
+)
+async def test_restore_codes_wait_for_a_newer_attempt(code: ErrorCode, status: int) -> None:
+    calls: list[int] = []
+    refused = anyio.Event()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        attempt = json.loads(request.content)["attempt"]
+        calls.append(attempt)
+        if attempt == 0:
+            refused.set()
+            return error(code, status)
+        return ok(request)
+
+    topology = MutableTopology(["http://env-0"], attempt=0)
+    client = RolloutClient(topology, restore_timeout_s=30)
+    async with fake(handler) as http, anyio.create_task_group() as group:
+        group.start_soon(client.run_episode, EpisodeSpec("r-1", TASK), http)
+        with anyio.fail_after(10):
+            await refused.wait()
+        topology.set(1)
+    assert calls == [0, 1]
+
+
+async def test_refusals_no_restore_fixes_fail_at_once() -> None:
+    client = RolloutClient(StaticTopology(["http://env-0"]))
+    async with fake(lambda _: error(ErrorCode.TASK_MISMATCH, 409)) as http:
+        with pytest.raises(EpisodeFailed, match="task_mismatch"):
+            await client.run_episode(EpisodeSpec("r-1", TASK), http)
+
+
+async def test_attempt_that_never_advances_fails_with_the_reason() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    client = RolloutClient(StaticTopology(["http://env-0"]), restore_timeout_s=0.05)
+    async with fake(refuse) as http:
+        with pytest.raises(EpisodeFailed, match="did not advance past 0"):
+            await client.run_episode(EpisodeSpec("r-1", TASK), http)
+
+
+async def test_run_all_reports_each_outcome(tmp_path: Path) -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        rid = json.loads(request.content)["rollout_id"]
+        return error(ErrorCode.TASK_MISMATCH, 409) if rid == "bad" else ok(request)
+
+    topology_file = tmp_path / "topology.json"
+    topology_file.write_text(json.dumps({"attempt": 2, "environments": ["http://env-0"]}))
+    seen: list[Any] = []
+    async with fake(handler) as http:
+        client = RolloutClient(FileTopology(topology_file), concurrency=2, http=http)
+        outcomes = await client.run_all(
+            [EpisodeSpec(rid, TASK) for rid in ("a", "bad", "c")], seen.append
+        )
+    assert [type(o) for o in outcomes] == [EpisodeResult, EpisodeFailed, EpisodeResult]
+    assert len(seen) == 3
+    assert (client.progress.done, client.progress.failed, client.progress.attempt) == (2, 1, 2)
+
+
+def test_assignment_is_stable_and_spread() -> None:
+    client = RolloutClient(StaticTopology(["a", "b", "c", "d"]))
+    first = [client.assign(f"r{i}", 4) for i in range(400)]
+    assert first == [client.assign(f"r{i}", 4) for i in range(400)]
+    assert all(first.count(i) > 50 for i in range(4))
