@@ -75,6 +75,8 @@ def _check_dir(layout: Layout) -> None:
                 f"pids {alive}); stop it with `python -m devcluster down --dir {root}` "
                 "or pick another --dir"
             )
+        # Its control plane is gone, but an agent killed without `down` can leave pod processes.
+        kill_marked(state.cluster_id)
         return
     if root.exists() and any(root.iterdir()):
         raise DevclusterError(

@@ -206,19 +206,29 @@ class Agent:
                 _request_timeout=(REQUEST_TIMEOUT, _WATCH_SECONDS + 60),
             )
             async with response:
-                async for line in response.content:
-                    event = json.loads(line)
-                    kind, obj = event["type"], event["object"]
-                    if kind == "ERROR":
-                        raise RuntimeError(f"watch error {obj.get('code')}: {obj.get('message')}")
-                    version = obj["metadata"]["resourceVersion"]
-                    if kind == "BOOKMARK":
-                        continue
-                    pod = Pod.model_validate(obj)
-                    if kind == "DELETED":
-                        self._gone(pod.metadata.uid)
-                    else:
-                        self._observe(pod)
+                # Split lines by hand: aiohttp's line reader refuses lines over 64 KiB, and a pod
+                # with a large annotation (kubectl's last-applied-configuration) can exceed that.
+                buffer = b""
+                async for chunk in response.content.iter_any():
+                    buffer += chunk
+                    while b"\n" in buffer:
+                        line, buffer = buffer.split(b"\n", 1)
+                        if line.strip():
+                            version = self._on_event(json.loads(line), version)
+
+    def _on_event(self, event: dict[str, Any], version: str) -> str:
+        """Applies one watch event and returns the resource version to resume from."""
+        kind, obj = event["type"], event["object"]
+        if kind == "ERROR":
+            raise RuntimeError(f"watch error {obj.get('code')}: {obj.get('message')}")
+        if kind == "BOOKMARK":
+            return str(obj["metadata"]["resourceVersion"])
+        pod = Pod.model_validate(obj)
+        if kind == "DELETED":
+            self._gone(pod.metadata.uid)
+        else:
+            self._observe(pod)
+        return pod.metadata.resource_version or version
 
     # ---- hooks ----------------------------------------------------------------------------------
     def _find(self, namespace: str, name: str) -> PodWorker | None:

@@ -37,6 +37,7 @@ log = logging.getLogger("devcluster.agent.pods")
 
 REQUEST_TIMEOUT = 15
 HOST_IP = "127.0.0.1"
+_GONE = (404, 409, 422)  # deleted, or replaced by a pod with the same name and a new UID
 _BACKOFF_START = 1.0
 _BACKOFF_MAX = 30.0
 _CONFIG_RETRY_SECONDS = 2.0
@@ -260,11 +261,11 @@ class PodWorker:
             await self.rt.core.patch_namespaced_pod_status(
                 meta.name,
                 meta.namespace,
-                {"status": {"conditions": conditions}},
+                self._patch({"conditions": conditions}),
                 _request_timeout=REQUEST_TIMEOUT,
             )
         except client.ApiException as error:
-            if error.status != 404:
+            if error.status not in _GONE:
                 log.warning("marking pod %s not ready failed: %s", self.pod.key, error)
 
     def pids(self) -> list[int]:
@@ -625,6 +626,11 @@ class PodWorker:
                 await anyio.sleep(1.0)
                 self.mark_dirty()
 
+    def _patch(self, status: dict[str, Any]) -> dict[str, Any]:
+        """The UID makes the patch fail on a new pod that reuses this one's name (as the
+        kubelet's status patches do), instead of overwriting that pod's status."""
+        return {"metadata": {"uid": self.uid}, "status": status}
+
     async def _flush(self) -> None:
         with contextlib.suppress(Exception):
             await self._write_status()
@@ -638,10 +644,10 @@ class PodWorker:
         meta = self.pod.metadata
         try:
             await self.rt.core.patch_namespaced_pod_status(
-                meta.name, meta.namespace, {"status": status}, _request_timeout=REQUEST_TIMEOUT
+                meta.name, meta.namespace, self._patch(status), _request_timeout=REQUEST_TIMEOUT
             )
         except client.ApiException as error:
-            if error.status == 404:
+            if error.status in _GONE:
                 return
             raise
         self._written = status

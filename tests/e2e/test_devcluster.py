@@ -64,6 +64,7 @@ server = http.server.HTTPServer((os.environ["POD_IP"], int(os.environ["PORT"])),
 record = out / (name + ".json")
 record.with_suffix(".tmp").write_text(json.dumps({"pid": os.getpid(), "env": dict(os.environ)}))
 record.with_suffix(".tmp").rename(record)
+print("serving", name, flush=True)
 server.serve_forever()
 """
 
@@ -100,7 +101,7 @@ async def wait_process_gone(pid: int, timeout: float, what: str) -> None:  # noq
 
 
 async def test_gpu_pod_runs_on_the_gpu_node_with_env_pod_ip_and_readiness(
-    namespace: str, kube: Any, shared_dir: Path
+    cluster: Cluster, namespace: str, kube: Any, shared_dir: Path
 ) -> None:
     core: Any = client.CoreV1Api(kube)
     await core.create_namespaced_secret(
@@ -148,6 +149,9 @@ async def test_gpu_pod_runs_on_the_gpu_node_with_env_pod_ip_and_readiness(
     async with httpx.AsyncClient() as http:
         response = await http.get(f"http://{ip}:8080/")
     assert response.json() == {"pod": "gpu-worker"}
+    # kubectl logs: API server -> the agent's kubelet-style endpoint -> the pod's log file
+    logs = cluster.kubectl("logs", "-n", namespace, "gpu-worker").stdout
+    assert "serving gpu-worker" in logs
 
     await core.create_namespaced_pod(
         namespace, process_pod("too-big", ["python", "-c", "pass"], gpus=9)
