@@ -43,7 +43,7 @@ from .conditions import ConditionUpdate, find_condition, merge_conditions, utcno
 from .kube import Conflict, Kube
 from .resources import set_selector
 from .setops import delete_attempt_pods, observe_pods, read_control_token, reconcile_pods
-from .setplan import PodView, desired_instances
+from .setplan import PodView, attempt_instances
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def detect_loss(
     if rset.spec.suspend or status.recovery is not None:
         return None
     existing = {(p.role, p.index): p for p in pods if p.attempt == attempt}
-    for role, index in desired_instances(rset):
+    for role, index in attempt_instances(rset, attempt, pods):
         pod = existing.get((role, index))
         label = f"{role.value}-{index} of attempt {attempt}"
         if pod is None:
