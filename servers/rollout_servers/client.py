@@ -377,6 +377,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help='JSON {"attempt": N, "environments": [...]} re-read to follow restores',
     )
+    parser.add_argument(
+        "--rollout-set",
+        metavar="NAME",
+        help="follow this RolloutSet through the Kubernetes API (its status.attempt and "
+        "environment addresses; credentials: in-cluster, else $KUBECONFIG or ~/.kube/config)",
+    )
+    parser.add_argument(
+        "--namespace", help="the RolloutSet's namespace (default: the kubeconfig context's)"
+    )
     parser.add_argument("--restore-timeout", type=float, default=600.0)
     parser.add_argument("--run-timeout", type=float, default=3600.0)
     parser.add_argument("--progress-interval", type=float, default=10.0, help="non-TTY lines")
@@ -410,12 +419,23 @@ async def _report(client: RolloutClient, stream: IO[str], interval: float, tty: 
 
 
 async def collect(args: argparse.Namespace) -> int:
+    if args.rollout_set is not None:
+        from .discovery import rollout_set_topology
+
+        async with rollout_set_topology(args.rollout_set, args.namespace) as followed:
+            return await _collect(args, followed)
     if args.topology_file is not None:
         topology: Topology = FileTopology(args.topology_file)
     elif args.environment:
         topology = StaticTopology(args.environment, args.attempt)
     else:
-        raise SystemExit("rollout-collect: give --environment URL ... or --topology-file")
+        raise SystemExit(
+            "rollout-collect: give --rollout-set NAME, --environment URL ... or --topology-file"
+        )
+    return await _collect(args, topology)
+
+
+async def _collect(args: argparse.Namespace, topology: Topology) -> int:
     client = RolloutClient(
         topology,
         concurrency=args.concurrency,
