@@ -140,6 +140,36 @@ class BoundaryData(BaseModel):
     active_seconds: float = Field(ge=0)
 
 
+def _record(
+    kind: str,
+    rollout_id: str,
+    attempt: int,
+    key: str,
+    boundary: Boundary,
+    digest: str | None,
+    steps: int,
+    active_seconds: float,
+) -> Record:
+    """A boundary record (its `data` is what `BoundaryData` validates at restore).
+
+    Built as a plain dict rather than through `BoundaryData`: a checkpoint exports thousands of
+    records while every episode waits, and the reader validates each one strictly anyway.
+    """
+    return Record(
+        kind=kind,
+        rollout_id=rollout_id,
+        attempt=attempt,
+        key=key,
+        data={
+            "step": boundary.step,
+            "state": dict(boundary.state),
+            "digest": digest,
+            "steps": steps,
+            "active_seconds": active_seconds,
+        },
+    )
+
+
 @dataclass
 class Restored:
     """A boundary installed by a restore, waiting for the next attempt to claim it."""
@@ -160,18 +190,15 @@ class Restored:
         return EpisodeId(rollout_id=self.rollout_id, attempt=self.attempt)
 
     def record(self, kind: str) -> Record:
-        return Record(
-            kind=kind,
-            rollout_id=self.rollout_id,
-            attempt=self.attempt,
-            key=self.key,
-            data=BoundaryData(
-                step=self.boundary.step,
-                state=dict(self.boundary.state),
-                digest=self.digest,
-                steps=self.steps,
-                active_seconds=self.active_seconds,
-            ).model_dump(),
+        return _record(
+            kind,
+            self.rollout_id,
+            self.attempt,
+            self.key,
+            self.boundary,
+            self.digest,
+            self.steps,
+            self.active_seconds,
         )
 
 
@@ -252,18 +279,15 @@ class Episode:
         return budget - self.active_seconds()
 
     def record(self, kind: str) -> Record:
-        return Record(
-            kind=kind,
-            rollout_id=self.rollout_id,
-            attempt=self.attempt,
-            key=self.key,
-            data=BoundaryData(
-                step=self.boundary.step,
-                state=dict(self.boundary.state),
-                digest=self.digest,
-                steps=self.steps_completed,
-                active_seconds=self.active_seconds(),
-            ).model_dump(),
+        return _record(
+            kind,
+            self.rollout_id,
+            self.attempt,
+            self.key,
+            self.boundary,
+            self.digest,
+            self.steps_completed,
+            self.active_seconds(),
         )
 
     def cancel(self) -> None:
