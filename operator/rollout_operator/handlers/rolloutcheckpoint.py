@@ -12,6 +12,7 @@ from typing import Any
 
 import kopf
 
+from .. import metrics
 from ..api import GROUP, ROLLOUT_CHECKPOINT_PLURAL, VERSION, CheckpointPhase, RolloutCheckpoint
 from ..checkpointing import TERMINAL, CheckpointFlow
 from .rolloutset import wake
@@ -45,6 +46,11 @@ async def run_checkpoint(
     flow = CheckpointFlow(kube_of(memo), on_transition=event)
     phase = await flow.run(namespace or "default", name)
     logger.info("checkpoint %s ended %s", name, phase)
+    ended = await metrics.checkpoint_ended(kube_of(memo), namespace or "default", name)
+    if ended is not None and ended.status.phase is CheckpointPhase.READY:
+        kopf.event(
+            body, type="Normal", reason="Completed", message=metrics.completion_message(ended)
+        )
     rollout_set = body.get("spec", {}).get("rolloutSet")
     if isinstance(rollout_set, str):
         wake(namespace, rollout_set)

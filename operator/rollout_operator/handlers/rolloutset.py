@@ -18,6 +18,7 @@ from typing import Any, Final, cast
 import kopf
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from .. import metrics
 from ..api import GROUP, LABEL_SET, ROLLOUT_SET_PLURAL, VERSION, RolloutSet
 from ..conditions import utcnow
 from ..kube import sleep_until
@@ -78,6 +79,7 @@ async def node_not_ready(**_: Any) -> None:
 
 
 async def _recovery_event(rset: RolloutSet, reason: str, message: str, warning: bool) -> None:
+    metrics.observe_recovery(rset, reason)
     body = {
         "apiVersion": rset.api_version,
         "kind": rset.kind,
@@ -89,6 +91,17 @@ async def _recovery_event(rset: RolloutSet, reason: str, message: str, warning: 
     }
     kind = "Warning" if warning else "Normal"
     kopf.event(cast(kopf.Body, body), type=kind, reason=reason, message=message)
+
+
+_transitions = metrics.SetTransitions()
+
+
+@kopf.on.event(GROUP, VERSION, ROLLOUT_SET_PLURAL, id="observe")
+async def observe_set(type: str | None, body: kopf.Body, **_: Any) -> None:
+    """The attempt gauge, and an Event for each transition the flows do not post themselves."""
+    for change in _transitions.observe(type, body):
+        kind = "Warning" if change.warning else "Normal"
+        kopf.event(body, type=kind, reason=change.reason, message=change.message)
 
 
 @kopf.daemon(GROUP, VERSION, ROLLOUT_SET_PLURAL, id="reconcile", cancellation_timeout=10.0)
