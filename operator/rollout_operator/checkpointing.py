@@ -21,7 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import anyio
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -58,6 +58,16 @@ logger = logging.getLogger(__name__)
 _MERGE_PATCH: Final[dict[str, Any]] = {"_content_type": MERGE_PATCH}
 
 TERMINAL: Final = frozenset({CheckpointPhase.READY, CheckpointPhase.FAILED})
+IN_FLIGHT: Final = frozenset(
+    {
+        CheckpointPhase.PREPARING,
+        CheckpointPhase.COMMITTING,
+        CheckpointPhase.PUBLISHING,
+        CheckpointPhase.RESUMING,
+    }
+)
+"""Phases entered while holding the set's slot; a restarted operator continues them."""
+_T = TypeVar("_T")
 RECENT_DURATIONS: Final = 20
 """How many recent checkpoint durations the set keeps (the deadline reserve is built on them)."""
 
@@ -94,13 +104,31 @@ class CheckpointFailed(Exception):
 class FlowSettings:
     commit_timeout_seconds: float = 120.0
     resume_timeout_seconds: float = 30.0
+    abort_timeout_seconds: float = 10.0
+    """An abort resumes what it can reach by then; a participant it missed resumes itself when
+    its lease lapses, so waiting longer for a dead pod only delays the Failed condition."""
     queue_poll_seconds: float = 1.0
-    lease_slack_seconds: float = 5.0
-    """A prepare whose persisted deadline is nearer than this is not retried after a restart."""
+    set_watch_seconds: float = 1.0
+    """How often the set is looked at during prepare and commit, to fail the checkpoint as soon
+    as its participants are lost (a recovery started) instead of at the step's deadline."""
 
 
 def _now_ts(clock: Callable[[], float]) -> datetime:
     return datetime.fromtimestamp(clock(), UTC).replace(microsecond=0)
+
+
+def _set_lost(rset: RolloutSet, attempt: int | None) -> str | None:
+    """Why the set no longer runs the checkpoint's attempt (None while it does)."""
+    status = rset.status
+    if status.recovery is not None:
+        return (
+            f"set {rset.metadata.name} lost a participant of attempt {status.recovery.from_attempt}"
+            f" ({status.recovery.message or status.recovery.reason}); its recovery to attempt "
+            f"{status.recovery.target_attempt} restores the previous Ready checkpoint"
+        )
+    if attempt is not None and status.attempt is not None and status.attempt != attempt:
+        return f"set {rset.metadata.name} moved from attempt {attempt} to {status.attempt}"
+    return None
 
 
 def _failure_reason(failures: list[Failure]) -> str:
@@ -325,16 +353,26 @@ class CheckpointFlow:
     # --- the flow -------------------------------------------------------------------------------
 
     async def run(self, namespace: str, name: str) -> CheckpointPhase | None:
+        """Run the checkpoint to Ready or Failed, continuing from its persisted phase.
+
+        The terminal phase is always the last write: the Kopf daemon running this flow is
+        cancelled as soon as it sees a terminal phase, so the slot release (and the durations
+        the set keeps) must already be done by then.
+        """
         ckpt = await self._read(namespace, name)
         if ckpt is None:
             return None
         if ckpt.status.phase in TERMINAL:
             return ckpt.status.phase
+        in_flight = ckpt.status.phase in IN_FLIGHT
         started = self._clock()
+        if in_flight and ckpt.status.started_at is not None:
+            started = min(started, ckpt.status.started_at.timestamp())
         coordinator: Coordinator | None = None
         participants: list[HttpParticipant] = []
+        published = False
         try:
-            rset = await self._take_slot(ckpt)
+            rset = await (self._held_slot(ckpt) if in_flight else self._take_slot(ckpt))
             token = await read_control_token(self._kube, namespace, rset.metadata.name)
             if token is None:
                 raise CheckpointFailed(
@@ -342,23 +380,52 @@ class CheckpointFlow:
                     f"the control-token Secret of set {rset.metadata.name} is missing",
                 )
             participants = self._participants_factory(rset, token)
+            if not participants:
+                raise CheckpointFailed(
+                    Reason.SET_NOT_READY, f"set {rset.metadata.name} shows no participant address"
+                )
             coordinator = Coordinator(participants)
-            outcome = await self._drive(ckpt, rset, coordinator, started)
-            await self._release_slot(ckpt, outcome)
+            set_patch = await self._drive(ckpt, rset, coordinator, started)
+            published = True
+            await self._release_slot(ckpt, set_patch)
+            await self._phase(ckpt, CheckpointPhase.READY, completed_at=utcnow())
         except CheckpointFailed as failed:
-            if coordinator is not None:
+            published = published or ckpt.status.phase is CheckpointPhase.RESUMING
+            if coordinator is not None and not published:
                 await self._abort(coordinator, ckpt)
-            await self._fail(ckpt, failed)
             await self._release_slot(ckpt, {})
+            if published:
+                # Ready already (records complete and published): never taken back.
+                logger.warning("checkpoint %s: %s", name, failed.message)
+                await self._phase(ckpt, CheckpointPhase.READY, completed_at=utcnow())
+            else:
+                await self._fail(ckpt, failed)
         finally:
             for participant in participants:
                 await participant.aclose()
         return ckpt.status.phase
 
+    async def _held_slot(self, ckpt: RolloutCheckpoint) -> RolloutSet:
+        """After an operator restart in a running phase: the slot is still ours (nobody takes
+        over a checkpoint that is not finished), so only check that the set and the attempt the
+        checkpoint captures are still there."""
+        namespace = ckpt.metadata.namespace or "default"
+        raw = await self._kube.get_set(namespace, ckpt.spec.rollout_set)
+        if raw is None:
+            raise CheckpointFailed(
+                Reason.SET_NOT_FOUND,
+                f"RolloutSet {ckpt.spec.rollout_set!r} was deleted while the checkpoint ran",
+            )
+        rset = RolloutSet.model_validate(raw)
+        lost = _set_lost(rset, ckpt.status.attempt)
+        if lost is not None and ckpt.status.phase is not CheckpointPhase.RESUMING:
+            raise CheckpointFailed(Reason.PARTICIPANT_LOST, lost)
+        return rset
+
     async def _abort(self, coordinator: Coordinator, ckpt: RolloutCheckpoint) -> None:
         with anyio.CancelScope(shield=True):
             outcome = await coordinator.resume(
-                ckpt.metadata.name, self._clock() + self._settings.resume_timeout_seconds
+                ckpt.metadata.name, self._clock() + self._settings.abort_timeout_seconds
             )
         if outcome.failures:
             logger.warning(
@@ -367,10 +434,54 @@ class CheckpointFlow:
                 _describe(outcome.failures),
             )
 
+    async def _while_set_holds(
+        self, ckpt: RolloutCheckpoint, step: Callable[[], Awaitable[_T]]
+    ) -> _T:
+        """Run a protocol step, cancelled as soon as the set loses the checkpoint's attempt.
+
+        A participant pod lost during prepare or commit would otherwise keep the step waiting
+        for a dead pod until the step's deadline; the set's recovery (running concurrently in
+        the set's loop) says at once that this attempt is gone (DESIGN 6.6: ParticipantLost).
+        """
+        lost: list[str] = []
+        results: list[_T] = []
+        namespace = ckpt.metadata.namespace or "default"
+
+        async with anyio.create_task_group() as group:
+
+            async def watch() -> None:
+                while True:
+                    await anyio.sleep(self._settings.set_watch_seconds)
+                    try:
+                        raw = await self._kube.get_set(namespace, ckpt.spec.rollout_set)
+                    except (ApiException, OSError, TimeoutError) as error:
+                        logger.debug("reading set %s failed: %s", ckpt.spec.rollout_set, error)
+                        continue
+                    why = (
+                        "the RolloutSet was deleted"
+                        if raw is None
+                        else _set_lost(RolloutSet.model_validate(raw), ckpt.status.attempt)
+                    )
+                    if why is not None:
+                        lost.append(why)
+                        group.cancel_scope.cancel()
+                        return
+
+            async def work() -> None:
+                results.append(await step())
+                group.cancel_scope.cancel()
+
+            group.start_soon(watch)
+            group.start_soon(work)
+        if lost:
+            raise CheckpointFailed(Reason.PARTICIPANT_LOST, lost[0])
+        return results[0]
+
     async def _drive(
         self, ckpt: RolloutCheckpoint, rset: RolloutSet, coordinator: Coordinator, started: float
     ) -> dict[str, Any]:
-        """The steps, each entered with its phase persisted first. Returns the set's patch."""
+        """The steps, each entered with its phase persisted first; ends with the participants
+        resumed and the checkpoint published (phase Resuming). Returns the set's patch."""
         checkpoint_id = ckpt.metadata.name
         phase = ckpt.status.phase
         settings = self._settings
@@ -378,11 +489,7 @@ class CheckpointFlow:
         # Resuming: published already (Ready=True); only the resume is left.
         if phase is not CheckpointPhase.RESUMING:
             # Prepare (also on a restart in Committing/Publishing: the replies are replayed).
-            if ckpt.status.deadline is not None and phase in (
-                CheckpointPhase.PREPARING,
-                CheckpointPhase.COMMITTING,
-                CheckpointPhase.PUBLISHING,
-            ):
+            if ckpt.status.deadline is not None and phase in IN_FLIGHT:
                 deadline_ts = ckpt.status.deadline.timestamp()
             else:
                 timeout = rset.spec.checkpoint_policy.prepare_timeout_seconds
@@ -401,7 +508,12 @@ class CheckpointFlow:
                     deadline=datetime.fromtimestamp(deadline_ts, UTC).replace(microsecond=0),
                 )
             prepare_started = self._clock()
-            prepare = await coordinator.prepare(checkpoint_id, max(deadline_ts, self._clock() + 1))
+            # A deadline that passed while the operator was down: a prepare that completed then
+            # is replayed at once; one that did not gets one more second, then times out.
+            prepare_deadline = max(deadline_ts, self._clock() + 1)
+            prepare = await self._while_set_holds(
+                ckpt, lambda: coordinator.prepare(checkpoint_id, prepare_deadline)
+            )
             prepare_seconds = self._clock() - prepare_started
             if prepare.failures:
                 reason = _failure_reason(prepare.failures) or Reason.PREPARE_FAILED
@@ -427,8 +539,9 @@ class CheckpointFlow:
                 restarts=len(prepare.restarts),
             )
             commit_started = self._clock()
-            commit = await coordinator.commit(
-                checkpoint_id, self._clock() + settings.commit_timeout_seconds, scope
+            commit_deadline = self._clock() + settings.commit_timeout_seconds
+            commit = await self._while_set_holds(
+                ckpt, lambda: coordinator.commit(checkpoint_id, commit_deadline, scope)
             )
             commit_seconds = self._clock() - commit_started
             if not commit.ok:
@@ -437,26 +550,26 @@ class CheckpointFlow:
             await self._publish(ckpt, rset, scope, commit, prepare_seconds, commit_seconds, started)
 
         resume_started = self._clock()
-        resumed = await coordinator.resume(
-            checkpoint_id, self._clock() + settings.resume_timeout_seconds
-        )
-        if resumed.failures:
-            logger.warning(
-                "checkpoint %s is Ready but resume failed on %s (their lease resumes them)",
-                checkpoint_id,
-                _describe(resumed.failures),
+        if _set_lost(rset, ckpt.status.attempt) is None:
+            resumed = await coordinator.resume(
+                checkpoint_id, self._clock() + settings.resume_timeout_seconds
             )
+            if resumed.failures:
+                logger.warning(
+                    "checkpoint %s is Ready but resume failed on %s (their lease resumes them)",
+                    checkpoint_id,
+                    _describe(resumed.failures),
+                )
         durations = ckpt.status.durations or CheckpointDurations()
         total = self._clock() - started
         pause = (durations.prepare_seconds or 0) + (durations.commit_seconds or 0)
         pause += self._clock() - resume_started
-        await self._phase(
-            ckpt,
-            CheckpointPhase.READY,
-            completed_at=utcnow(),
-            durations=durations.model_copy(
-                update={"pause_seconds": round(pause, 3), "total_seconds": round(total, 3)}
-            ),
+        ckpt.status = ckpt.status.model_copy(
+            update={
+                "durations": durations.model_copy(
+                    update={"pause_seconds": round(pause, 3), "total_seconds": round(total, 3)}
+                )
+            }
         )
         recent = list(rset.status.recent_checkpoint_seconds)[-(RECENT_DURATIONS - 1) :]
         return {"recentCheckpointSeconds": [*recent, round(total, 3)]}

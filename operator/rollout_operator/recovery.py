@@ -49,6 +49,12 @@ logger = logging.getLogger(__name__)
 
 POLL_SECONDS: Final = 0.5
 MAX_BACKOFF_SECONDS: Final = 60.0
+STOP_GRACE_SECONDS: Final = 1
+"""Grace period for the pods of a lost attempt. Their episodes continue from the checkpoint
+under the next attempt, so nothing of theirs is worth draining for; their GPUs are needed by
+the replacement pods, and a survivor that kept working could report episodes the restore also
+continues. (The servers turn unready on SIGTERM and keep serving until SIGKILL, so a long grace
+would keep them busy for all of it.)"""
 
 
 class Reason:
@@ -203,6 +209,8 @@ class RecoveryFlow:
             [ConditionUpdate.of(SetConditionType.RECOVERING.value, True, phase.value, message)],
         )
         logger.info("set %s recovery: %s", rset.metadata.name, message)
+        if self._on_transition is not None:
+            await self._on_transition(rset, phase.value, message, False)
         return rset
 
     # --- start --------------------------------------------------------------------------------
@@ -266,7 +274,7 @@ class RecoveryFlow:
         # Every pod older than the target attempt goes: a survivor of the lost attempt would
         # keep running episodes that the restore also continues (they would complete twice).
         for attempt in range(recovery.from_attempt, recovery.target_attempt):
-            await delete_attempt_pods(self._kube, rset, attempt)
+            await delete_attempt_pods(self._kube, rset, attempt, grace_seconds=STOP_GRACE_SECONDS)
         # `nextTryAt` marks when this try began: its restoreTimeoutSeconds count from here.
         return await self._set_phase(rset, RecoveryPhase.STARTING_PODS, next_try_at=utcnow())
 
@@ -297,6 +305,9 @@ class RecoveryFlow:
                 raise RecoveryFailed(Reason.PODS_NOT_READY, "; ".join(outcome.errors[:3]))
             if plan.all_ready:
                 break
+            stranded = await self._on_lost_nodes(rset, list(plan.existing.values()))
+            if stranded:
+                raise RecoveryFailed(Reason.PODS_NOT_READY, stranded)
             if self._clock() > deadline:
                 waiting = [p.pod for p in plan.participants if not p.ready]
                 raise RecoveryFailed(
@@ -313,6 +324,21 @@ class RecoveryFlow:
         rset = await self._patch(rset, {"participants": participants})
         checkpoint = await self._restorable_checkpoint(rset)
         return await self._set_phase(rset, RecoveryPhase.RESTORING, checkpoint=checkpoint)
+
+    async def _on_lost_nodes(self, rset: RolloutSet, pods: list[PodView]) -> str | None:
+        """Why a replacement pod can never become Ready: the scheduler placed it on a node that
+        is NotReady (it may do so in the seconds before the node lifecycle controller taints a
+        lost node). Failing the try at once lets the next attempt's pods land elsewhere,
+        instead of waiting out restoreTimeoutSeconds."""
+        waiting = {p.name for p in pods if not p.ready}
+        if not waiting:
+            return None
+        _, nodes_of, lost_nodes = await observe(self._kube, rset)
+        for name in sorted(waiting):
+            node = nodes_of.get(name)
+            if node is not None and node in lost_nodes:
+                return f"replacement pod {name} was placed on node {node}, which is NotReady"
+        return None
 
     async def _restorable_checkpoint(self, rset: RolloutSet) -> str | None:
         """The latest checkpoint that is Ready (published); None when there is none."""

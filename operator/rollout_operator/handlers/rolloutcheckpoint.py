@@ -4,6 +4,12 @@ A daemon (not an event handler) because the flow is long and must continue after
 restart: Kopf starts daemons again for every object that still exists, and
 `CheckpointFlow.run` continues from the phase persisted in status, or returns at once for a
 checkpoint that is already Ready or Failed.
+
+Kopf stops the daemon when its `when` filter turns false, i.e. when the flow writes the terminal
+phase. The flow makes that write its last, and `cancellation_backoff` lets it return by itself
+instead of being cancelled mid-way (Kopf would otherwise cancel at once and log a warning for
+every checkpoint). An exception (the API server unreachable, say) restarts the daemon after
+`backoff` seconds, and the flow continues from the persisted phase.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ def _unfinished(status: kopf.Status, **_: Any) -> bool:
     ROLLOUT_CHECKPOINT_PLURAL,
     id="run",
     when=_unfinished,
+    backoff=3.0,
+    cancellation_backoff=5.0,
     cancellation_timeout=5.0,
 )
 async def run_checkpoint(

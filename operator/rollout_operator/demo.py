@@ -1,0 +1,874 @@
+"""`make demo`: the whole product on a local devcluster, with a pod killed mid-generation.
+
+    python -m rollout_operator.demo [--keep] [--dir DIR] [--episodes N] [--seed S]
+
+Steps (each printed as it happens): a devcluster comes up (etcd, kube-apiserver, scheduler,
+controller-manager and a node agent with a GPU node and a CPU node), the CRDs are applied, the
+operator runs as a process (`rollout-operator run`), `examples/rolloutset.yaml` is applied and
+becomes Ready, a trainer client runs episodes against it (the same client and RolloutSet
+discovery `rollout-collect --rollout-set` uses), `examples/rolloutcheckpoint.yaml` is taken while
+they run, the model pod is SIGKILLed while it generates, the operator recovers the set under
+attempt 2 from the checkpoint, and the client finishes every episode. The summary says how many
+episodes continued from the checkpoint and how many restarted, how much work was redone, and
+when each recovery step happened. Everything is stopped at the end (also on failure and Ctrl-C);
+`--keep` leaves the cluster and the operator running and prints the `export KUBECONFIG=` line.
+
+The building blocks (`OperatorProcess`, `run_scenario`, the measurements) are shared with the
+end-to-end tests and `bench/recovery.py`, so what the demo shows is what they check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import anyio
+import httpx
+import yaml
+from kubernetes_asyncio import client as k8s
+from rollout_servers import storage
+from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
+from rollout_servers.discovery import rollout_set_topology
+
+from devcluster.cluster import Cluster
+from devcluster.kube import open_api
+from devcluster.waiting import wait_for, wait_for_sync
+
+from .api import GROUP, ROLLOUT_CHECKPOINT_PLURAL, ROLLOUT_SET_PLURAL, VERSION
+
+REPO: Final = Path(__file__).resolve().parents[2]
+EXAMPLES: Final = REPO / "examples"
+CRDS: Final = REPO / "crds"
+SET_NAME: Final = "math-rl"
+
+Say = Callable[[str], None]
+
+
+def _quiet(_message: str) -> None:
+    return None
+
+
+# --- the operator as a process --------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class OperatorProcess:
+    """`rollout-operator run --namespace NS` as a child process in its own process group.
+
+    Its output goes to a log file (tests print the tail when they fail). `stop` is the clean
+    end (SIGTERM, then SIGKILL after a deadline); `kill` is a crash (SIGKILL to the group), for
+    tests that restart the operator in the middle of a checkpoint or a recovery.
+    """
+
+    def __init__(self, kubeconfig: Path, namespaces: Sequence[str], log: Path) -> None:
+        self.kubeconfig = kubeconfig
+        self.namespaces = list(namespaces)
+        self.log = log
+        self.liveness = ""
+        self.process: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self) -> None:
+        if self.running:
+            raise RuntimeError("the operator is running already")
+        self.liveness = f"http://127.0.0.1:{free_port()}/healthz"
+        argv = [sys.executable, "-m", "rollout_operator.cli", "run", "--liveness", self.liveness]
+        for namespace in self.namespaces:
+            argv += ["--namespace", namespace]
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self.starts += 1
+        with self.log.open("ab") as out:
+            out.write(f"\n===== operator start #{self.starts} =====\n".encode())
+            out.flush()
+            self.process = subprocess.Popen(
+                argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def wait_live(self, timeout: float = 30.0) -> None:
+        """Until the liveness endpoint answers (Kopf started its watches and handlers)."""
+
+        def live() -> bool:
+            if not self.running:
+                raise RuntimeError(f"the operator exited; log:\n{self.tail()}")
+            try:
+                return httpx.get(self.liveness, timeout=1.0).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for_sync(live, timeout, "the operator's liveness endpoint", interval=0.2)
+
+    def _signal(self, sig: signal.Signals) -> None:
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL: the operator dies wherever it is (a crash, an OOM kill, a node loss)."""
+        if self.process is None:
+            return
+        self._signal(signal.SIGKILL)
+        self.process.wait(timeout=30)
+        self.process = None
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                self.process.wait(timeout=30)
+        self._signal(signal.SIGKILL)  # anything it left in its group
+        self.process = None
+
+    def tail(self, lines: int = 60) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+# --- manifests ------------------------------------------------------------------------------
+
+
+def apply_crds(cluster: Cluster) -> None:
+    cluster.kubectl("apply", "-f", str(CRDS))
+    cluster.kubectl(
+        "wait",
+        "--for=condition=Established",
+        "--timeout=60s",
+        f"crd/{ROLLOUT_SET_PLURAL}.{GROUP}",
+        f"crd/{ROLLOUT_CHECKPOINT_PLURAL}.{GROUP}",
+    )
+
+
+def create_namespace(cluster: Cluster, name: str) -> None:
+    """A namespace whose default ServiceAccount exists (pods are refused before it does)."""
+    cluster.kubectl("create", "namespace", name)
+    wait_for_sync(
+        lambda: cluster.kubectl("get", "sa", "default", "-n", name, check=False).returncode == 0,
+        30,
+        f"the default ServiceAccount of namespace {name}",
+        interval=0.2,
+    )
+
+
+def _load(path: Path) -> dict[str, Any]:
+    loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    assert isinstance(loaded, dict), f"{path} is not one YAML object"
+    return loaded
+
+
+def example_set(
+    storage_dir: Path,
+    *,
+    name: str = SET_NAME,
+    extra_args: Mapping[str, Sequence[str]] | None = None,
+    spec: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """`examples/rolloutset.yaml` with its storage moved to `storage_dir` (devcluster mounts a
+    hostPath at the same path, so the records land exactly there on this machine).
+
+    `extra_args` appends server arguments per role (e.g. `--debug-hooks`); `spec` merges
+    top-level spec fields (e.g. `recovery`).
+    """
+    obj = _load(EXAMPLES / "rolloutset.yaml")
+    obj["metadata"]["name"] = name
+    path = str(storage_dir)
+    obj["spec"]["storage"] = {
+        "path": path,
+        "volume": {"hostPath": {"path": path, "type": "DirectoryOrCreate"}},
+    }
+    for participant in obj["spec"]["participants"]:
+        more = list((extra_args or {}).get(participant["role"], ()))
+        if more:
+            container = participant["template"]["spec"]["containers"][0]
+            container["args"] = [*container.get("args", []), *more]
+    for key, value in (spec or {}).items():
+        current = obj["spec"].get(key)
+        if isinstance(current, dict) and isinstance(value, Mapping):
+            obj["spec"][key] = {**current, **value}
+        else:
+            obj["spec"][key] = value
+    return obj
+
+
+def example_checkpoint(name: str, set_name: str = SET_NAME) -> dict[str, Any]:
+    obj = _load(EXAMPLES / "rolloutcheckpoint.yaml")
+    obj["metadata"]["name"] = name
+    obj["spec"]["rolloutSet"] = set_name
+    return obj
+
+
+def kubectl_apply(cluster: Cluster, namespace: str, obj: Mapping[str, Any]) -> None:
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj))
+
+
+def condition(obj: Mapping[str, Any], type_: str) -> dict[str, Any] | None:
+    for item in (obj.get("status") or {}).get("conditions") or []:
+        if item.get("type") == type_:
+            return dict(item)
+    return None
+
+
+def is_true(obj: Mapping[str, Any], type_: str) -> bool:
+    found = condition(obj, type_)
+    return found is not None and found.get("status") == "True"
+
+
+# --- reading the custom resources -----------------------------------------------------------
+
+
+class Resources:
+    """The two custom resources of one namespace, read through kubernetes_asyncio."""
+
+    def __init__(self, api: Any, namespace: str) -> None:
+        self.custom = k8s.CustomObjectsApi(api)
+        self.core = k8s.CoreV1Api(api)
+        self.namespace = namespace
+
+    async def rollout_set(self, name: str = SET_NAME) -> dict[str, Any]:
+        obj: dict[str, Any] = await self.custom.get_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, ROLLOUT_SET_PLURAL, name
+        )
+        return obj
+
+    async def checkpoint(self, name: str) -> dict[str, Any]:
+        obj: dict[str, Any] = await self.custom.get_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, ROLLOUT_CHECKPOINT_PLURAL, name
+        )
+        return obj
+
+    async def wait_set(
+        self,
+        what: str,
+        predicate: Callable[[dict[str, Any]], bool],
+        timeout: float,  # noqa: ASYNC109 - a poll budget
+        name: str = SET_NAME,
+    ) -> dict[str, Any]:
+        async def check() -> dict[str, Any] | None:
+            obj = await self.rollout_set(name)
+            return obj if predicate(obj) else None
+
+        return await wait_for(check, timeout, f"RolloutSet {name} {what}", interval=0.1)
+
+    async def wait_checkpoint(
+        self,
+        name: str,
+        what: str,
+        predicate: Callable[[dict[str, Any]], bool],
+        timeout: float,  # noqa: ASYNC109 - a poll budget
+    ) -> dict[str, Any]:
+        async def check() -> dict[str, Any] | None:
+            obj = await self.checkpoint(name)
+            return obj if predicate(obj) else None
+
+        return await wait_for(
+            check,
+            timeout,
+            f"RolloutCheckpoint {name} {what}",
+            interval=0.1,
+            ignore=(k8s.ApiException,),
+        )
+
+
+def phase_is(*phases: str) -> Callable[[dict[str, Any]], bool]:
+    def check(obj: dict[str, Any]) -> bool:
+        return (obj.get("status") or {}).get("phase") in phases
+
+    return check
+
+
+def participants_by_role(obj: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for participant in (obj.get("status") or {}).get("participants") or []:
+        out[participant["role"]].append(participant)
+    return out
+
+
+# --- observing a recovery --------------------------------------------------------------------
+
+
+@dataclass
+class Timeline:
+    """When the observer first saw each step of the first recovery (monotonic seconds)."""
+
+    events: dict[str, float] = field(default_factory=dict)
+    attempts: list[int] = field(default_factory=list)
+
+    def mark(self, event: str, at: float) -> None:
+        self.events.setdefault(event, at)
+
+    def since(self, event: str, origin: str = "killed") -> float | None:
+        if event not in self.events or origin not in self.events:
+            return None
+        return self.events[event] - self.events[origin]
+
+
+RECOVERY_STEPS: Final = (
+    ("killed", "pod killed"),
+    ("loss_detected", "loss detected (Recovering)"),
+    ("pods_ready", "fresh pods Ready"),
+    ("restored", "records restored"),
+    ("resumed", "resumed, set Ready"),
+)
+
+
+async def observe_recovery(
+    resources: Resources, timeline: Timeline, from_attempt: int, stop: anyio.Event
+) -> None:
+    """Poll the set every 0.1 s and note when its recovery from `from_attempt` moves on.
+
+    Phases map to the steps a user cares about: the recovery appears (loss detected), it enters
+    Restoring (the fresh pods are all Ready), Resuming (every participant installed the records),
+    and it disappears with the attempt advanced (resumed; the set is Ready again).
+    """
+    while not stop.is_set():
+        try:
+            obj = await resources.rollout_set()
+        except (k8s.ApiException, OSError, TimeoutError):
+            obj = None
+        now = time.monotonic()
+        if obj is not None:
+            status = obj.get("status") or {}
+            recovery = status.get("recovery")
+            attempt = status.get("attempt")
+            if isinstance(attempt, int) and attempt not in timeline.attempts:
+                timeline.attempts.append(attempt)
+            if recovery and recovery.get("fromAttempt") == from_attempt:
+                timeline.mark("loss_detected", now)
+                phase = recovery.get("phase")
+                if phase in ("Restoring", "Resuming"):
+                    timeline.mark("pods_ready", now)
+                if phase == "Resuming":
+                    timeline.mark("restored", now)
+            elif isinstance(attempt, int) and attempt > from_attempt:
+                timeline.mark("loss_detected", now)
+                timeline.mark("pods_ready", now)
+                timeline.mark("restored", now)
+                timeline.mark("resumed", now)
+                return
+        with anyio.move_on_after(0.1):
+            await stop.wait()
+
+
+class StatsTracker:
+    """The last `/stats?detail=true` of every participant pod the set has shown.
+
+    Pods of a lost attempt die (the model by SIGKILL, the others when the recovery deletes
+    them), and their counters with them; the tracker keeps the last reply each pod gave, polled
+    every `interval` seconds, so work done before the loss can be compared with the work done
+    again after it. Counts may miss what a dying pod did in its last interval.
+    """
+
+    def __init__(self, http: httpx.AsyncClient, interval: float = 0.2) -> None:
+        self.http = http
+        self.interval = interval
+        self.addresses: dict[str, tuple[str, str]] = {}
+        """pod name -> (role, address)"""
+        self.last: dict[str, dict[str, Any]] = {}
+
+    def learn(self, obj: Mapping[str, Any]) -> None:
+        for participant in (obj.get("status") or {}).get("participants") or []:
+            if participant.get("address"):
+                self.addresses[participant["pod"]] = (participant["role"], participant["address"])
+
+    async def poll_once(self) -> None:
+        async def one(pod: str, address: str) -> None:
+            try:
+                reply = await self.http.get(
+                    address + "/stats", params={"detail": "true"}, timeout=1.0
+                )
+            except httpx.HTTPError:
+                return
+            if reply.status_code == 200:
+                self.last[pod] = reply.json()
+
+        async with anyio.create_task_group() as group:
+            for pod, (_, address) in list(self.addresses.items()):
+                group.start_soon(one, pod, address)
+
+    async def run(self, resources: Resources, stop: anyio.Event) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(k8s.ApiException, OSError, TimeoutError):
+                self.learn(await resources.rollout_set())
+            await self.poll_once()
+            with anyio.move_on_after(self.interval):
+                await stop.wait()
+
+    def by_role(self, role: str) -> list[dict[str, Any]]:
+        return [
+            self.last[pod]
+            for pod, (r, _) in self.addresses.items()
+            if r == role and pod in self.last
+        ]
+
+
+# --- measuring what was redone ------------------------------------------------------------------
+
+
+def checkpoint_records(storage_root: Path, set_name: str, checkpoint: str) -> dict[str, list[Any]]:
+    """The records of a published checkpoint, per participant instance (verified digests)."""
+    base = storage_root / set_name / checkpoint
+    out: dict[str, list[Any]] = {}
+    for directory in sorted(p for p in base.iterdir() if p.is_dir()):
+        _, records = storage.read_records(directory, expect_checkpoint_id=checkpoint)
+        out[directory.name] = records
+    return out
+
+
+def generation_prefixes(records: Mapping[str, list[Any]]) -> dict[str, int]:
+    """Tokens the checkpoint kept per model request (`<rollout>/<key>`): a cut generation's
+    prefix, or the whole of a held or delivered response."""
+    kept: dict[str, int] = {}
+    for instance, items in records.items():
+        if not instance.startswith("model-"):
+            continue
+        for record in items:
+            data = record.data
+            tokens = (
+                data.get("tokens")
+                if record.kind == "delivered"
+                else (data.get("state") or {}).get("tokens")
+            )
+            if isinstance(tokens, int):
+                key = f"{record.rollout_id}/{record.key}"
+                kept[key] = max(kept.get(key, 0), tokens)
+    return kept
+
+
+@dataclass
+class Redone:
+    """Work done more than once, over the episodes that ran again after the loss."""
+
+    rerun: int = 0
+    """Episodes whose /run was re-issued under the new attempt."""
+    steps: int = 0
+    """Completed environment stages and agent steps (model and tool calls) that had completed
+    before, in an earlier attempt: each step name of an episode counts once in a clean run."""
+    tokens: int = 0
+    """Model tokens generated again: generated before the loss and not kept by the restored
+    checkpoint (its cut prefixes and held responses), for requests generated again after it."""
+
+
+def completed_steps(stats: Sequence[Mapping[str, Any]], rollout_id: str) -> dict[str, int]:
+    """Completions per step name of one rollout, summed over pods and attempts."""
+    counts: dict[str, int] = defaultdict(int)
+    for reply in stats:
+        for steps in ((reply.get("rollouts") or {}).get(rollout_id) or {}).values():
+            for name, events in steps.items():
+                if name in ("run", "close", "cleanup"):
+                    continue
+                counts[name] += int(events.get("completed", 0))
+    return counts
+
+
+def tokens_by_attempt(stats: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, int]]:
+    """Model tokens per attempt and request key, summed over model pods."""
+    out: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for reply in stats:
+        for attempt, entry in (reply.get("tokens") or {}).items():
+            for key, count in (entry.get("by_request") or {}).items():
+                out[int(attempt)][key] += int(count)
+    return out
+
+
+def measure_redone(
+    tracker: StatsTracker,
+    results: Sequence[EpisodeResult],
+    first_attempt: int,
+    kept_prefixes: Mapping[str, int],
+) -> Redone:
+    """Steps and tokens redone by the episodes that ran again after the loss of `first_attempt`
+    (those whose result came from a later attempt)."""
+    rerun = [r for r in results if r.attempt > first_attempt]
+    workers = tracker.by_role("environment") + tracker.by_role("agent")
+    redone = Redone(rerun=len(rerun))
+    for result in rerun:
+        counts = completed_steps(workers, result.rollout_id)
+        redone.steps += sum(max(0, n - 1) for n in counts.values())
+    tokens = tokens_by_attempt(tracker.by_role("model"))
+    before = tokens.get(first_attempt, {})
+    after: dict[str, int] = defaultdict(int)
+    for attempt, by_key in tokens.items():
+        if attempt > first_attempt:
+            for key, count in by_key.items():
+                after[key] += count
+    rerun_ids = {r.rollout_id for r in rerun}
+    for key, count in before.items():
+        if key.partition("/")[0] in rerun_ids and after.get(key, 0) > 0:
+            redone.tokens += max(0, count - kept_prefixes.get(key, 0))
+    return redone
+
+
+# --- one scenario: episodes, a checkpoint, a pod killed mid-generation, the recovery -----------
+
+
+@dataclass
+class Scenario:
+    namespace: str
+    workdir: Path
+    episodes: int = 48
+    seed: int = 7
+    target_level: str = "turn"
+    """`turn`: restore the checkpoint (continue from boundaries); `sibling`: fresh pods only,
+    every unfinished episode runs again from its first step (a plain pod restart)."""
+    token_latency_ms: float = 20.0
+    kill_role: str = "model"
+    checkpoint_at_done: float = 0.25
+    """Take the checkpoint once this share of the episodes finished."""
+    timeout_s: float = 240.0
+
+
+@dataclass
+class ScenarioReport:
+    scenario: Scenario
+    results: list[EpisodeResult]
+    failed: list[EpisodeFailed]
+    checkpoint: dict[str, Any]
+    killed_pod: str
+    in_flight_at_kill: int
+    timeline: Timeline
+    redone: Redone
+    wall_seconds: float
+    final_set: dict[str, Any]
+
+    @property
+    def continued(self) -> list[EpisodeResult]:
+        return [r for r in self.results if r.continued]
+
+    @property
+    def restarted(self) -> list[EpisodeResult]:
+        return [r for r in self.results if r.attempt > 1 and not r.continued]
+
+    @property
+    def finished_before_loss(self) -> list[EpisodeResult]:
+        return [r for r in self.results if r.attempt == 1]
+
+
+async def _live_generations(http: httpx.AsyncClient, address: str) -> int:
+    reply = await http.get(address + "/stats", timeout=2.0)
+    return int(reply.json().get("live", 0)) if reply.status_code == 200 else 0
+
+
+async def run_scenario(cluster: Cluster, scenario: Scenario, say: Say = _quiet) -> ScenarioReport:
+    """Run the scenario in its namespace (created here) with its own operator process; the
+    operator is stopped at the end, the namespace left for the caller to delete."""
+    workdir = scenario.workdir
+    storage_dir = workdir / "checkpoints"
+    storage_dir.mkdir(parents=True, exist_ok=True)
+    namespace = scenario.namespace
+    create_namespace(cluster, namespace)
+    operator = OperatorProcess(cluster.kubeconfig, [namespace], workdir / "operator.log")
+    operator.start()
+    try:
+        operator.wait_live()
+        pid = operator.process.pid if operator.process else "?"
+        say(f"operator running (pid {pid}, log {operator.log})")
+        manifest = example_set(
+            storage_dir,
+            extra_args={"model": ["--token-latency-ms", f"{scenario.token_latency_ms:g}"]},
+            spec={"recovery": {"targetLevel": scenario.target_level}},
+        )
+        kubectl_apply(cluster, namespace, manifest)
+        say(f"applied examples/rolloutset.yaml (recovery.targetLevel {scenario.target_level})")
+        return await _drive(cluster, scenario, operator, storage_dir, say)
+    except BaseException:
+        say(f"operator log tail:\n{operator.tail(30)}")
+        raise
+    finally:
+        operator.stop()
+
+
+async def _drive(
+    cluster: Cluster, scenario: Scenario, operator: OperatorProcess, storage_dir: Path, say: Say
+) -> ScenarioReport:
+    namespace = scenario.namespace
+    async with open_api(cluster.kubeconfig) as api, httpx.AsyncClient() as http:
+        resources = Resources(api, namespace)
+        started = time.monotonic()
+        ready = await resources.wait_set("Ready", lambda o: is_true(o, "Ready"), 90)
+        say(
+            f"RolloutSet {SET_NAME} Ready in {time.monotonic() - started:.1f}s: "
+            + ", ".join(p["pod"] for p in ready["status"]["participants"])
+        )
+        specs = episode_specs(scenario.episodes, scenario.seed)
+        outcomes: list[EpisodeResult | EpisodeFailed] = []
+        timeline = Timeline()
+        stop = anyio.Event()
+        tracker = StatsTracker(http)
+        tracker.learn(ready)
+        async with rollout_set_topology(
+            SET_NAME, namespace, kubeconfig=cluster.kubeconfig
+        ) as topology:
+            rollout_client = RolloutClient(
+                topology,
+                concurrency=scenario.episodes,
+                restore_timeout_s=scenario.timeout_s,
+                run_timeout_s=scenario.timeout_s,
+            )
+            client_started = time.monotonic()
+            client_done = anyio.Event()
+            async with anyio.create_task_group() as group:
+
+                async def run_client() -> None:
+                    outcomes.extend(await rollout_client.run_all(specs))
+                    client_done.set()
+
+                group.start_soon(run_client)
+                group.start_soon(tracker.run, resources, stop)
+                say(
+                    f"client: {scenario.episodes} episodes (seed {scenario.seed}) against "
+                    f"rolloutset/{SET_NAME} via the Kubernetes API"
+                )
+                with anyio.fail_after(scenario.timeout_s):
+                    want = max(1, int(scenario.episodes * scenario.checkpoint_at_done))
+
+                    async def progressed() -> bool:
+                        return rollout_client.progress.done >= want
+
+                    await wait_for(
+                        progressed, scenario.timeout_s, f"{want} episodes to finish", interval=0.05
+                    )
+                    checkpoint = await _take_checkpoint(cluster, resources, say, rollout_client)
+                    model = participants_by_role(await resources.rollout_set())[scenario.kill_role][
+                        0
+                    ]
+
+                    async def generating() -> int:
+                        return await _live_generations(http, model["address"])
+
+                    in_flight = await wait_for(
+                        generating, 30, f"the {scenario.kill_role} to be generating", interval=0.02
+                    )
+                    await tracker.poll_once()
+                    timeline.mark("killed", time.monotonic())
+                    pids = await cluster.admin.kill_pod_async(namespace, model["pod"])
+                    say(
+                        f"SIGKILL {model['pod']} (pid {', '.join(map(str, pids))}) with "
+                        f"{in_flight} generation(s) in flight; "
+                        f"{rollout_client.progress.done}/{scenario.episodes} episodes done"
+                    )
+                    group.start_soon(observe_recovery, resources, timeline, 1, stop)
+                    last = ""
+                    while not client_done.is_set():
+                        line = _recovery_line(timeline, rollout_client)
+                        if line != last:
+                            say(line)
+                            last = line
+                        with anyio.move_on_after(0.2):
+                            await client_done.wait()
+                wall = time.monotonic() - client_started
+                await tracker.poll_once()
+                stop.set()
+        final_set = await resources.rollout_set()
+    results = [o for o in outcomes if isinstance(o, EpisodeResult)]
+    failed = [o for o in outcomes if isinstance(o, EpisodeFailed)]
+    records = (
+        checkpoint_records(storage_dir, SET_NAME, checkpoint["metadata"]["name"])
+        if scenario.target_level == "turn"
+        else {}
+    )
+    redone = measure_redone(tracker, results, 1, generation_prefixes(records))
+    return ScenarioReport(
+        scenario=scenario,
+        results=results,
+        failed=failed,
+        checkpoint=checkpoint,
+        killed_pod=model["pod"],
+        in_flight_at_kill=in_flight,
+        timeline=timeline,
+        redone=redone,
+        wall_seconds=wall,
+        final_set=final_set,
+    )
+
+
+def _recovery_line(timeline: Timeline, rollout_client: RolloutClient) -> str:
+    seen = [label for key, label in RECOVERY_STEPS[1:] if key in timeline.events]
+    where = seen[-1] if seen else "waiting for the operator to notice"
+    progress = rollout_client.progress
+    return (
+        f"recovery: {where}; episodes {progress.done}/{progress.total} done, "
+        f"{progress.reissued} re-issued"
+    )
+
+
+async def _take_checkpoint(
+    cluster: Cluster, resources: Resources, say: Say, rollout_client: RolloutClient
+) -> dict[str, Any]:
+    name = "math-rl-manual-1"
+    kubectl_apply(cluster, resources.namespace, example_checkpoint(name))
+    say(f"applied examples/rolloutcheckpoint.yaml ({rollout_client.progress.done} episodes done)")
+    done = await resources.wait_checkpoint(name, "Ready or Failed", phase_is("Ready", "Failed"), 90)
+    status = done["status"]
+    if status.get("phase") != "Ready":
+        failed = condition(done, "Failed") or {}
+        raise RuntimeError(
+            f"checkpoint {name} failed: {failed.get('reason')}: {failed.get('message')}"
+        )
+    durations = status.get("durations") or {}
+    say(
+        f"checkpoint {name} Ready: {status.get('episodes')} episodes committed, "
+        f"{status.get('restarts')} restart, {len(status.get('participants') or [])} manifests, "
+        f"pause {durations.get('pauseSeconds')}s"
+    )
+    return done
+
+
+# --- the summary --------------------------------------------------------------------------------
+
+
+def summary(report: ScenarioReport) -> list[str]:
+    results = report.results
+    lines = [
+        "",
+        "== summary ==",
+        f"episodes: {len(results)} finished, {len(report.failed)} failed "
+        f"(of {report.scenario.episodes})",
+        f"  finished before the loss (attempt 1):     {len(report.finished_before_loss)}",
+        f"  continued from the checkpoint (attempt 2): {len(report.continued)}",
+        f"  restarted from scratch (attempt 2):        {len(report.restarted)}",
+        f"checkpoint {report.checkpoint['metadata']['name']}: "
+        f"{report.checkpoint['status'].get('episodes')} episodes in its scope",
+        f"work redone by the {report.redone.rerun} episodes re-issued after the loss: "
+        f"{report.redone.steps} steps, {report.redone.tokens} model tokens "
+        f"({report.redone.tokens * report.scenario.token_latency_ms / 1000:.1f} model-busy "
+        "seconds)",
+        f"killed {report.killed_pod} with {report.in_flight_at_kill} generation(s) in flight",
+        "recovery timeline (seconds after the kill):",
+    ]
+    for key, label in RECOVERY_STEPS:
+        at = report.timeline.since(key)
+        lines.append(f"  {label:<30} {'-' if at is None else f'{at:6.2f}'}")
+    status = report.final_set.get("status") or {}
+    lines.append(
+        f"RolloutSet: attempt {status.get('attempt')}, restarts {status.get('restarts')}, "
+        f"latest checkpoint {status.get('latestCheckpoint')}"
+    )
+    lines.append(f"all episodes finished {report.wall_seconds:.1f}s after the client started")
+    return lines
+
+
+# --- the command ------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """`make demo` killed with SIGTERM cleans up like Ctrl-C does."""
+
+    def handler(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _say(message: str) -> None:
+    stamp = time.strftime("%H:%M:%S")
+    for i, line in enumerate(message.splitlines() or [""]):
+        print(f"[demo {stamp}] {line}" if i == 0 else f"               {line}", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m rollout_operator.demo", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="leave the cluster and operator running"
+    )
+    parser.add_argument(
+        "--dir", type=Path, help="devcluster directory (default: a new temporary one)"
+    )
+    parser.add_argument("--episodes", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=7)
+    args = parser.parse_args(argv)
+
+    root = args.dir or Path(tempfile.mkdtemp(prefix="rollout-demo-"))
+    cluster: Cluster | None = None
+    scenario = Scenario(
+        namespace="demo", workdir=root / "demo", episodes=args.episodes, seed=args.seed
+    )
+    keep = False
+    code = 1
+    with _sigterm_as_interrupt():
+        try:
+            started = time.monotonic()
+            _say(
+                f"starting devcluster in {root / 'cluster'} (etcd, kube-apiserver, scheduler, "
+                "controller-manager, node agent: gpu-0 with 8 GPUs, cpu-0)"
+            )
+            cluster = Cluster.start(root / "cluster", progress=None)
+            _say(f"devcluster up in {time.monotonic() - started:.1f}s; applying crds/")
+            apply_crds(cluster)
+            report = anyio.run(run_scenario, cluster, scenario, _say)
+            for line in summary(report):
+                print(line, flush=True)
+            code = 0 if not report.failed else 1
+            keep = args.keep
+        except KeyboardInterrupt:
+            _say("interrupted; cleaning up")
+            code = 130
+        except Exception as error:
+            _say(f"FAILED: {type(error).__name__}: {error}")
+            code = 1
+        finally:
+            if cluster is not None and keep:
+                _restart_operator_for_keep(cluster, scenario)
+                print(f"\nleft running; stop with: python -m devcluster down --dir {cluster.dir}")
+                print(f"export KUBECONFIG={cluster.kubeconfig}")
+                print(f"kubectl get rset,rckpt,pods -n {scenario.namespace}")
+            elif cluster is not None:
+                _say("stopping the cluster (every pod, the operator, the control plane)")
+                cluster.stop()
+                left = cluster.processes()
+                if left:
+                    _say(f"WARNING: processes left: {left}")
+    return code
+
+
+def _restart_operator_for_keep(cluster: Cluster, scenario: Scenario) -> None:
+    """`--keep`: the scenario's operator stopped with it; run one detached for the user."""
+    operator = OperatorProcess(
+        cluster.kubeconfig, [scenario.namespace], scenario.workdir / "operator.log"
+    )
+    operator.start()
+    operator.wait_live()
+    pid = operator.process.pid if operator.process else "?"
+    print(f"operator running (pid {pid}, log {operator.log}); stop it with: kill {pid}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

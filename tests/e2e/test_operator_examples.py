@@ -1,0 +1,282 @@
+"""The examples, as a user runs them: apply, wait Ready, checkpoint while episodes run, lose the
+model pod mid-generation, recover under attempt 2, and finish every episode as if nothing
+happened.
+
+One RolloutSet (the four reference servers of `examples/`) serves the whole story, because each
+step needs the state the previous one left: the checkpoint that recovery restores is the one
+taken while episodes ran. A second set whose model asks for 99 GPUs runs beside it and must end
+Degraded with a reason while the operator keeps serving the first.
+
+Determinism without sleeps: the model server runs with `--debug-hooks`, and one episode is held
+at its third token (`token` pause point, outside any step, so a checkpoint parks it), so that
+episode is provably mid-generation both when the checkpoint cuts it and when the pod is killed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import yaml
+from operator_fixtures import (
+    Debug,
+    OperatorProcess,
+    Resources,
+    condition,
+    example_checkpoint,
+    example_set,
+    is_true,
+    operator,
+    participants_by_role,
+    phase_is,
+    resources,
+    stats,
+    storage_dir,
+)
+from rollout_operator.demo import checkpoint_records
+from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
+from rollout_servers.discovery import rollout_set_topology
+from rollout_servers.storage import read_manifest
+
+from devcluster.cluster import Cluster
+
+__all__ = ["operator", "resources", "storage_dir"]
+
+EPISODES = 24
+SEED = 11
+HELD_AT_TOKEN = 2
+ENV_STAGES = ("seed", "invoke_agent", "verify", "return")
+
+
+def write_examples(folder: Path, storage: Path) -> None:
+    """The two example manifests with the storage moved to this test's folder."""
+    folder.mkdir()
+    rset = example_set(storage, extra_args={"model": ["--debug-hooks"]})
+    (folder / "rolloutset.yaml").write_text(yaml.safe_dump(rset))
+    (folder / "rolloutcheckpoint.yaml").write_text(
+        yaml.safe_dump(example_checkpoint("math-rl-manual-1"))
+    )
+
+
+def check_manifests(ckpt: dict[str, Any], storage: Path) -> None:
+    """Every participant's manifest is on storage and says what the status says."""
+    listed = ckpt["status"]["participants"]
+    assert sorted(p["instance"] for p in listed) == [
+        "agent-0",
+        "environment-0",
+        "model-0",
+        "resources-0",
+    ]
+    for entry in listed:
+        manifest = read_manifest((storage / entry["manifest"]).parent)
+        assert manifest.checkpoint_id == ckpt["metadata"]["name"]
+        assert manifest.records_sha256 == entry["recordsSha256"]
+        assert manifest.record_count == entry["recordCount"]
+        assert manifest.bytes == entry["bytes"]
+
+
+def completed(reply: dict[str, Any], rollout_id: str, attempt: int) -> dict[str, int]:
+    steps = ((reply.get("rollouts") or {}).get(rollout_id) or {}).get(str(attempt)) or {}
+    return {name: int(events.get("completed", 0)) for name, events in steps.items()}
+
+
+def done_before_checkpoint(agent_record: Any) -> set[str]:
+    """Agent steps that had completed when the checkpoint recorded this session."""
+    step = agent_record.data["step"]
+    turn = int(agent_record.data["state"]["turn"])
+    names = {f"model@{t}" for t in range(turn)} | {f"tool@{t}" for t in range(turn)}
+    if step == "tool":
+        names.add(f"model@{turn}")
+    if step == "done":
+        names |= {f"model@{turn}", f"tool@{turn}"}
+    return names
+
+
+async def test_examples_checkpoint_then_model_pod_killed_mid_generation(
+    cluster: Cluster,
+    namespace: str,
+    operator: OperatorProcess,
+    resources: Resources,
+    storage_dir: Path,
+    tmp_path: Path,
+) -> None:
+    examples = tmp_path / "examples"
+    write_examples(examples, storage_dir)
+    no_gpus = example_set(storage_dir, name="no-gpus", spec={"progressDeadlineSeconds": 5})
+    for participant in no_gpus["spec"]["participants"]:
+        if participant["role"] == "model":
+            container = participant["template"]["spec"]["containers"][0]
+            container["resources"] = {"limits": {"nvidia.com/gpu": 99}}
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(no_gpus))
+
+    # kubectl apply -f examples/ ; kubectl wait --for=condition=Ready rolloutset/math-rl
+    cluster.kubectl("apply", "-n", namespace, "-f", str(examples))
+    cluster.kubectl(
+        "wait", "--for=condition=Ready", "rolloutset/math-rl", "-n", namespace, "--timeout=90s"
+    )
+    first = await resources.wait_checkpoint(
+        "math-rl-manual-1", "Ready or Failed", phase_is("Ready", "Failed"), 60
+    )
+    assert is_true(first, "Ready"), first["status"]
+    check_manifests(first, storage_dir)
+
+    ready = await resources.rollout_set()
+    assert ready["status"]["attempt"] == 1
+    model = participants_by_role(ready)["model"][0]
+    specs = episode_specs(EPISODES, SEED)
+    held = specs[0].rollout_id
+    outcomes: list[EpisodeResult | EpisodeFailed] = []
+    seen_recovering: list[dict[str, Any]] = []
+
+    async with (
+        httpx.AsyncClient() as http,
+        rollout_set_topology("math-rl", namespace, kubeconfig=cluster.kubeconfig) as topology,
+    ):
+        await Debug(http, model["address"]).arm("token", held, index=HELD_AT_TOKEN)
+        client = RolloutClient(
+            topology, concurrency=EPISODES, restore_timeout_s=120, run_timeout_s=180
+        )
+        async with anyio.create_task_group() as group:
+
+            async def run_episodes() -> None:
+                outcomes.extend(await client.run_all(specs))
+
+            group.start_soon(run_episodes)
+            await Debug(http, model["address"]).paused("token", held)
+
+            # A checkpoint while episodes run (one of them held mid-generation).
+            name = "math-rl-running"
+            cluster.kubectl(
+                "apply", "-n", namespace, "-f", "-", input=json.dumps(example_checkpoint(name))
+            )
+            ckpt = await resources.wait_checkpoint(
+                name, "Ready or Failed", phase_is("Ready", "Failed"), 60
+            )
+            assert is_true(ckpt, "Ready"), ckpt["status"]
+            status = ckpt["status"]
+            assert status["attempt"] == 1
+            assert status["episodes"] >= 1
+            assert status["restarts"] == 0
+            assert is_true(ckpt, "Committed")
+            assert is_true(ckpt, "Prepared")
+            assert status["durations"]["pauseSeconds"] >= 0
+            check_manifests(ckpt, storage_dir)
+
+            # SIGKILL the model while it generates (the held episode is mid-generation).
+            killed = await cluster.admin.kill_pod_async(namespace, model["pod"])
+            assert killed
+
+            def recovering(obj: dict[str, Any]) -> bool:
+                if is_true(obj, "Recovering"):
+                    seen_recovering.append(obj)
+                    return True
+                return False
+
+            await resources.wait_set("Recovering", recovering, 30)
+            recovered = await resources.wait_set(
+                "Ready under attempt 2",
+                lambda o: o["status"].get("attempt") == 2 and is_true(o, "Ready"),
+                90,
+            )
+
+        # The same tasks, uninterrupted, on the recovered set: the reference.
+        reference = await RolloutClient(topology, concurrency=EPISODES).run_all(
+            episode_specs(EPISODES, SEED, prefix="ref")
+        )
+        a2 = participants_by_role(recovered)
+        env_stats = await stats(http, a2["environment"][0]["address"])
+        agent_stats = await stats(http, a2["agent"][0]["address"])
+        model_stats = await stats(http, a2["model"][0]["address"])
+
+    # --- the recovery, as the API shows it
+    during = seen_recovering[0]
+    assert condition(during, "Recovering")["reason"] == "PodFailed"  # type: ignore[index]
+    assert condition(during, "Ready")["status"] == "False"  # type: ignore[index]
+    assert recovered["status"]["restarts"] == 1
+    assert recovered["status"]["latestCheckpoint"] == name
+    assert condition(recovered, "Recovering")["reason"] == "Restored"  # type: ignore[index]
+    assert sorted(p["pod"] for p in recovered["status"]["participants"]) == [
+        "math-rl-agent-0-a2",
+        "math-rl-environment-0-a2",
+        "math-rl-model-0-a2",
+        "math-rl-resources-0-a2",
+    ]
+
+    # --- every episode finished once, with the reward of the uninterrupted run
+    failures = [o for o in outcomes if isinstance(o, EpisodeFailed)]
+    assert not failures, failures
+    results = {o.rollout_id: o for o in outcomes if isinstance(o, EpisodeResult)}
+    assert len(results) == EPISODES
+    refs = [r for r in reference if isinstance(r, EpisodeResult)]
+    assert len(refs) == EPISODES
+    for spec, ref in zip(specs, refs, strict=True):
+        got = results[spec.rollout_id]
+        assert (got.answer, got.reward, got.steps) == (ref.answer, ref.reward, ref.steps), (
+            spec.rollout_id
+        )
+    assert results[held].attempt == 2
+    assert results[held].continued_from == 1
+
+    # --- no episode completed twice: what finished under attempt 1 did not run again
+    for rid, result in results.items():
+        runs = completed(env_stats, rid, 2).get("run", 0)
+        if result.attempt == 2:
+            assert runs == 1, rid
+        else:
+            assert runs == 0, rid
+
+    # --- nothing completed before the checkpoint ran again under attempt 2
+    records = checkpoint_records(storage_dir, "math-rl", name)
+    env_records = {r.rollout_id: r for r in records["environment-0"]}
+    agent_records = {r.rollout_id: r for r in records["agent-0"]}
+    scope = set(env_records)
+    assert held in scope
+    assert len(scope) == status["episodes"]
+    continued = [rid for rid, r in results.items() if r.continued_from == 1]
+    print(
+        f"scope {len(scope)}, continued {len(continued)}, finished under attempt 1 "
+        f"{sum(r.attempt == 1 for r in results.values())}, cuts {len(records['model-0'])}"
+    )
+    assert continued, "no episode continued from the checkpoint"
+    assert set(continued) <= scope
+    for rid in continued:
+        stage = env_records[rid].data["step"]
+        before = ENV_STAGES[: ENV_STAGES.index(stage)]
+        env_a2 = completed(env_stats, rid, 2)
+        assert not [s for s in before if env_a2.get(s)], (rid, stage, env_a2)
+        if rid in agent_records:
+            agent_a2 = completed(agent_stats, rid, 2)
+            redone = done_before_checkpoint(agent_records[rid]) & {
+                n for n, c in agent_a2.items() if c
+            }
+            assert not redone, (rid, agent_records[rid].data["step"], redone)
+
+    # The generation cut at the checkpoint continued from its prefix: only the rest was made.
+    tokens_a2 = model_stats["tokens"]["2"]["by_request"]
+    cuts = {
+        f"{r.rollout_id}/{r.key}": int(r.data["state"]["tokens"])
+        for r in records["model-0"]
+        if r.kind == "generation" and r.data["step"] == "generate"
+    }
+    assert cuts[f"{held}/0"] == HELD_AT_TOKEN
+    ref_held = f"{specs[0].rollout_id.replace('r', 'ref', 1)}/0"
+    assert tokens_a2[f"{held}/0"] == tokens_a2[ref_held] - HELD_AT_TOKEN
+    for key, prefix in cuts.items():
+        rid, _, turn = key.partition("/")
+        if results[rid].attempt == 2 and key in tokens_a2:
+            ref_key = f"ref{rid[1:]}/{turn}"
+            assert tokens_a2[key] == tokens_a2[ref_key] - prefix, key
+
+    # --- the other set never started; it is Degraded with the scheduler's reason
+    stuck = await resources.wait_set(
+        "Degraded", lambda o: is_true(o, "Degraded"), 30, name="no-gpus"
+    )
+    degraded = condition(stuck, "Degraded")
+    assert degraded is not None
+    assert degraded["reason"] == "PodsNotStarting"
+    assert "no-gpus-model-0-a1" in degraded["message"]
+    assert "Insufficient nvidia.com/gpu" in degraded["message"]
+    assert condition(stuck, "Ready")["status"] == "False"  # type: ignore[index]
