@@ -248,12 +248,13 @@ class Episode:
         self._parked_total = 0.0
         self._parked_since: float | None = None
         self.closed = False
+        self._id = EpisodeId(rollout_id=rollout_id, attempt=attempt)
         self._drivers = 0
         """Tasks driving this episode; a retire waits for them rather than ending it itself."""
 
     @property
     def id(self) -> EpisodeId:
-        return EpisodeId(rollout_id=self.rollout_id, attempt=self.attempt)
+        return self._id
 
     @property
     def parked(self) -> bool:

@@ -27,7 +27,7 @@ VerifyMode = Literal["wait", "replay"]
 class Task(BaseModel):
     """One episode's task, as sent in `/run` (the environment keeps it verbatim)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     id: str = Field(min_length=1, max_length=128)
     question: str = Field(min_length=1, max_length=4096)

@@ -34,6 +34,7 @@ import logging
 import random
 import re
 import time
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol, TypeVar
@@ -74,6 +75,8 @@ _M = TypeVar("_M", bound=BaseModel)
 REQUEST_HEADER = "X-Rollout-Request"
 ATTEMPT_HEADER = "X-Rollout-Attempt"
 DELIVERED_KIND = "delivered"
+_DELIVERED_KEPT = 100_000
+"""Rollouts whose last response is kept; far more than a set runs live at once."""
 _KEY_MAX = 200
 
 
@@ -403,7 +406,8 @@ class ModelServer(RolloutServer):
     record_kind = "generation"
 
     def __init__(self, options: ServerOptions, **kwargs: Any) -> None:
-        self.delivered: dict[str, Delivered] = {}
+        self.delivered: OrderedDict[str, Delivered] = OrderedDict()
+        """The last response delivered to each rollout (most recent last, bounded)."""
         self.tokens: dict[int, dict[str, int]] = {}
         super().__init__(options, **kwargs)
         if options.backend == "builtin":
@@ -659,6 +663,9 @@ class ModelServer(RolloutServer):
                 tokens=int(state["tokens"]),
             )
             self.delivered[rid] = Delivered(key=key, attempt=attempt, data=data)
+            self.delivered.move_to_end(rid)
+            while len(self.delivered) > _DELIVERED_KEPT:
+                self.delivered.popitem(last=False)
             return Done(data.text, data.finish_reason, data.tokens)
         finally:
             self.runtime.end(ep)
