@@ -209,8 +209,6 @@ class RecoveryFlow:
             [ConditionUpdate.of(SetConditionType.RECOVERING.value, True, phase.value, message)],
         )
         logger.info("set %s recovery: %s", rset.metadata.name, message)
-        if self._on_transition is not None:
-            await self._on_transition(rset, phase.value, message, False)
         return rset
 
     # --- start --------------------------------------------------------------------------------

@@ -1,0 +1,264 @@
+"""The operator is SIGKILLed during prepare, during commit and during a restore, and a fresh
+operator process continues from what the custom resources' status recorded.
+
+The three restarts share one RolloutSet, in order, because each needs what the previous left:
+the restore restores the checkpoint whose commit survived a restart. Each phase is held
+deterministically by a participant that cannot finish its part:
+
+- prepare: an episode is held inside the agent's calculator call (the agent's `tool` pause
+  point, inside a step a checkpoint must wait for), so the agent cannot park;
+- commit: the environment already answered prepare, then is frozen (SIGSTOP), so its commit
+  call hangs;
+- restore: the replacement model pod is frozen once Ready, so its restore call hangs (the
+  environment's readiness probe has an initial delay, so the operator cannot have restored
+  before the freeze; frozen pods keep their Ready status through a high failure threshold).
+
+After each restart the outcome is checked as a user would: the checkpoint is Ready with every
+participant's manifest on storage (or the set Ready under the next attempt), every participant
+resumed (`/healthz` phase idle), and the episodes that were running all finish.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+from kubernetes_asyncio import client
+from operator_fixtures import (
+    Debug,
+    OperatorProcess,
+    Resources,
+    condition,
+    example_checkpoint,
+    example_set,
+    freeze,
+    is_true,
+    operator,
+    participants_by_role,
+    phase_is,
+    pod_pids,
+    resources,
+    storage_dir,
+    thaw,
+)
+from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
+from rollout_servers.discovery import RolloutSetTopology, rollout_set_topology
+from rollout_servers.storage import read_manifest
+
+from devcluster.cluster import Cluster
+from devcluster.testing import wait_for
+
+__all__ = ["operator", "resources", "storage_dir"]
+
+BATCH = 4
+
+
+def restart_set(storage: Path) -> dict[str, Any]:
+    rset = example_set(storage, extra_args={"agent": ["--debug-hooks"]})
+    for participant in rset["spec"]["participants"]:
+        probe = participant["template"]["spec"]["containers"][0]["readinessProbe"]
+        probe["failureThreshold"] = 600  # a frozen pod stays Ready: it is slow, not gone
+        if participant["role"] == "environment":
+            probe["initialDelaySeconds"] = 3
+    return rset
+
+
+async def phases(http: httpx.AsyncClient, rset: dict[str, Any]) -> dict[str, str]:
+    """Each participant's control-plane phase, from its (unauthenticated) /healthz."""
+    out = {}
+    for participant in rset["status"]["participants"]:
+        reply = await http.get(participant["address"] + "/healthz", timeout=5)
+        out[f"{participant['role']}-{participant['index']}"] = reply.json()["phase"]
+    return out
+
+
+async def wait_phase(
+    http: httpx.AsyncClient, address: str, phase: str, what: str, limit_s: float = 30
+) -> None:
+    async def check() -> bool:
+        reply = await http.get(address + "/healthz", timeout=2)
+        return bool(reply.json()["phase"] == phase)
+
+    await wait_for(check, limit_s, what, interval=0.05, ignore=(httpx.HTTPError,))
+
+
+def check_ready_checkpoint(ckpt: dict[str, Any], storage: Path) -> None:
+    assert is_true(ckpt, "Ready"), ckpt["status"]
+    assert not is_true(ckpt, "Failed")
+    listed = ckpt["status"]["participants"]
+    assert len(listed) == 4
+    for entry in listed:
+        manifest = read_manifest((storage / entry["manifest"]).parent)
+        assert manifest.records_sha256 == entry["recordsSha256"]
+        assert manifest.record_count == entry["recordCount"]
+
+
+class Batch:
+    """Episodes running in the background against the set (followed through the API)."""
+
+    def __init__(self, topology: RolloutSetTopology, prefix: str, seed: int) -> None:
+        self.specs = episode_specs(BATCH, seed, prefix=prefix)
+        self.client = RolloutClient(
+            topology, concurrency=BATCH, restore_timeout_s=120, run_timeout_s=180
+        )
+        self.outcomes: list[EpisodeResult | EpisodeFailed] = []
+
+    async def run(self) -> None:
+        self.outcomes.extend(await self.client.run_all(self.specs))
+
+    def check(self, attempt: int | None = None) -> None:
+        failed = [o for o in self.outcomes if isinstance(o, EpisodeFailed)]
+        assert not failed, failed
+        assert len(self.outcomes) == BATCH
+        if attempt is not None:
+            assert {o.attempt for o in self.outcomes if isinstance(o, EpisodeResult)} == {attempt}
+
+
+async def restart_in_phase(
+    operator: OperatorProcess, cluster: Cluster, in_phase: Callable[[], Awaitable[Any]]
+) -> None:
+    """Wait until the operator is in the phase, then SIGKILL it and start a fresh one."""
+    await in_phase()
+    await anyio.to_thread.run_sync(operator.kill)
+    await anyio.to_thread.run_sync(operator.start)
+
+
+async def test_operator_restarts_during_prepare_commit_and_restore(
+    cluster: Cluster,
+    namespace: str,
+    operator: OperatorProcess,
+    resources: Resources,
+    storage_dir: Path,
+) -> None:
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(restart_set(storage_dir)))
+    ready = await resources.wait_set("Ready", lambda o: is_true(o, "Ready"), 90)
+    roles = participants_by_role(ready)
+    agent = roles["agent"][0]["address"]
+    environment = roles["environment"][0]
+
+    async with (
+        httpx.AsyncClient() as http,
+        rollout_set_topology("math-rl", namespace, kubeconfig=cluster.kubeconfig) as topology,
+        anyio.create_task_group() as group,
+    ):
+        hooks = Debug(http, agent)
+
+        # --- during prepare: the agent cannot park while an episode is inside its tool call
+        prepare_batch = Batch(topology, "prep", 21)
+        held = prepare_batch.specs[0].rollout_id
+        await hooks.arm("tool", held)
+        group.start_soon(prepare_batch.run)
+        await hooks.paused("tool", held)
+        cluster.kubectl(
+            "apply",
+            "-n",
+            namespace,
+            "-f",
+            "-",
+            input=json.dumps(example_checkpoint("during-prepare")),
+        )
+        await restart_in_phase(
+            operator,
+            cluster,
+            lambda: wait_phase(http, agent, "preparing", "the agent to be preparing"),
+        )
+        preparing = await resources.checkpoint("during-prepare")
+        assert preparing["status"]["phase"] == "Preparing"
+        assert await hooks.release("tool", held) == 1
+        ckpt = await resources.wait_checkpoint(
+            "during-prepare", "Ready or Failed", phase_is("Ready", "Failed"), 60
+        )
+        check_ready_checkpoint(ckpt, storage_dir)
+        assert ckpt["status"]["episodes"] >= 1
+        assert set((await phases(http, ready)).values()) == {"idle"}
+
+        # --- during commit: the environment prepared, then stopped answering
+        commit_batch = Batch(topology, "commit", 22)
+        held = commit_batch.specs[0].rollout_id
+        await hooks.arm("tool", held)
+        group.start_soon(commit_batch.run)
+        await hooks.paused("tool", held)
+        cluster.kubectl(
+            "apply",
+            "-n",
+            namespace,
+            "-f",
+            "-",
+            input=json.dumps(example_checkpoint("during-commit")),
+        )
+        await wait_phase(http, agent, "preparing", "the agent to be preparing")
+        frozen = pod_pids(cluster, namespace, environment["pod"])
+        freeze(frozen)
+        try:
+            assert await hooks.release("tool", held) == 1
+            await restart_in_phase(
+                operator,
+                cluster,
+                lambda: resources.wait_checkpoint(
+                    "during-commit", "Committing", phase_is("Committing"), 30
+                ),
+            )
+        finally:
+            thaw(frozen)
+        ckpt = await resources.wait_checkpoint(
+            "during-commit", "Ready or Failed", phase_is("Ready", "Failed"), 60
+        )
+        check_ready_checkpoint(ckpt, storage_dir)
+        assert set((await phases(http, ready)).values()) == {"idle"}
+        set_now = await resources.rollout_set()
+        assert set_now["status"]["latestCheckpoint"] == "during-commit"
+        assert not set_now["status"].get("activeCheckpoint")
+
+        # --- during restore: the replacement model is frozen once Ready
+        model = roles["model"][0]
+        await cluster.admin.kill_pod_async(namespace, model["pod"])
+        replacement = "math-rl-model-0-a2"
+
+        async def replacement_ready() -> bool:
+            pod = await resources.core.read_namespaced_pod(replacement, namespace)
+            conditions = {c.type: c.status for c in pod.status.conditions or []}
+            return conditions.get("Ready") == "True"
+
+        await wait_for(
+            replacement_ready,
+            60,
+            f"pod {replacement} Ready",
+            interval=0.05,
+            ignore=(client.ApiException, AttributeError),
+        )
+        frozen = pod_pids(cluster, namespace, replacement)
+        freeze(frozen)
+        try:
+            await restart_in_phase(
+                operator,
+                cluster,
+                lambda: resources.wait_set(
+                    "Restoring",
+                    lambda o: (o["status"].get("recovery") or {}).get("phase") == "Restoring",
+                    60,
+                ),
+            )
+        finally:
+            thaw(frozen)
+        recovered = await resources.wait_set(
+            "Ready under attempt 2",
+            lambda o: o["status"].get("attempt") == 2 and is_true(o, "Ready"),
+            90,
+        )
+        assert not recovered["status"].get("recovery")
+        recovering = condition(recovered, "Recovering")
+        assert recovering is not None
+        assert recovering["reason"] == "Restored"
+        assert "during-commit" in recovering["message"]
+        assert set((await phases(http, recovered)).values()) == {"idle"}
+        after_batch = Batch(topology, "after", 23)
+        await after_batch.run()
+        after_batch.check(attempt=2)
+
+    prepare_batch.check()
+    commit_batch.check()
+    assert operator.starts == 4
