@@ -119,6 +119,11 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def write_and_fsync(directory: Path, sizes: list[int]) -> float:
     """Seconds to write and fsync files of these sizes in parallel (as the commit fan-out does),
     each followed by a directory fsync, like a records file renamed into place."""
@@ -161,7 +166,10 @@ async def bench(episodes: int, repeats: int, root: Path) -> None:
     with servers(root) as procs:
         urls = {role: url for role, (url, _) in procs.items()}
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+        # the load generator spreads its 1,000 open /run calls over several connection pools:
+        # one pool would cost it O(n) per call and steal the servers' CPU
+        shards = [httpx.AsyncClient(timeout=120, limits=limits) for _ in range(16)]
+        async with shards[0] as http:
             ids = [f"b{i:05d}" for i in range(episodes)]
             holds = {
                 Role.AGENT: ("turn", 1),  # between agent turns
@@ -177,9 +185,10 @@ async def bench(episodes: int, repeats: int, root: Path) -> None:
             tasks = [t.model_copy(update={"verify": "replay"}) for t in sample_tasks(episodes, 1)]
             started = time.perf_counter()
             async with anyio.create_task_group() as runs:
-                for rid, task in zip(ids, tasks, strict=True):
+                for i, (rid, task) in enumerate(zip(ids, tasks, strict=True)):
                     body = {"rollout_id": rid, "attempt": 0, "task": task.wire()}
-                    runs.start_soon(_run_until_stopped, http, urls[Role.ENVIRONMENT], body)
+                    shard = shards[i % len(shards)]
+                    runs.start_soon(_run_until_stopped, shard, urls[Role.ENVIRONMENT], body)
                 for role, members in groups.items():
                     point, _ = holds[role]
                     wait = {"point": point, "paused": True, "count": len(members), "timeout_s": 120}
@@ -208,7 +217,10 @@ async def bench(episodes: int, repeats: int, root: Path) -> None:
                         results.append(result)
                     rtt = await round_trip(control, urls[Role.RESOURCES])
                 rss = {role: rss_bytes(pid) for role, (_, pid) in procs.items()}
+                cpu = {role: cpu_seconds(pid) for role, (_, pid) in procs.items()}
                 runs.cancel_scope.cancel()
+            for shard in shards[1:]:
+                await shard.aclose()
 
         last = results[-1]
         assert last.commit is not None
@@ -241,12 +253,13 @@ async def bench(episodes: int, repeats: int, root: Path) -> None:
         print(f"{label:<36}{value:>10.4f}")
     print(f"{'ratio pause / baseline':<36}{pause / baseline:>10.2f}   (target <= 2.0)")
     print(f"{'ratio pause / floor':<36}{pause / floor:>10.2f}   (9 sequential calls)\n")
-    print(f"{'participant':<14}{'records':>9}{'bytes':>12}{'B/episode':>11}{'RSS MiB':>10}")
+    header = f"{'participant':<14}{'records':>9}{'bytes':>12}{'B/episode':>11}{'RSS MiB':>10}"
+    print(header + f"{'CPU s':>8}")
     for role in ROLES:
         m = manifests[role]
         print(
             f"{role.value:<14}{m.record_count:>9}{m.bytes:>12}{m.bytes / episodes:>11.0f}"
-            f"{rss[role] / 2**20:>10.1f}"
+            f"{rss[role] / 2**20:>10.1f}{cpu[role]:>8.1f}"
         )
     rss_total = sum(rss.values())
     print(

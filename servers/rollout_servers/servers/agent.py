@@ -194,6 +194,7 @@ class AgentServer(RolloutServer):
                     REQUEST_HEADER: f"{ep.rollout_id}/{turn}",
                     ATTEMPT_HEADER: str(ep.attempt),
                 },
+                key=ep.rollout_id,
             )
             content = str(reply["choices"][0]["message"]["content"])
             messages.append({"role": "assistant", "content": content})

@@ -16,6 +16,7 @@ import logging
 import signal
 import sys
 import time
+import zlib
 from collections import OrderedDict, defaultdict
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -333,6 +334,36 @@ class Outcome(Generic[T]):
         return self._value
 
 
+# --- HTTP to peers ---------------------------------------------------------------------------
+
+
+class ShardedClients:
+    """Several HTTP clients, each with its own connection pool, picked by a key.
+
+    httpcore scans its whole pool for every request it schedules, so a single pool with a
+    thousand long calls in flight (one agent invocation per live episode) makes every new call
+    cost O(n), and a thousand episodes O(n^2). Spreading the calls over shards keeps every pool
+    small; calls with the same key share a shard (and its keep-alive connections).
+    """
+
+    def __init__(self, shards: int, timeout_s: float) -> None:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        self._clients = [
+            httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=10.0))
+            for _ in range(shards)
+        ]
+
+    def for_key(self, key: str) -> httpx.AsyncClient:
+        return self._clients[zlib.crc32(key.encode()) % len(self._clients)]
+
+    async def aclose(self) -> None:
+        for client in self._clients:
+            await client.aclose()
+
+
+PEER_SHARDS = 16
+
+
 # --- the server base --------------------------------------------------------------------------
 
 
@@ -361,7 +392,7 @@ class RolloutServer:
         self.plane = ControlPlane(self.participant, self.settings)
         self.draining = False
         self._tasks: anyio.abc.TaskGroup | None = None
-        self._http: httpx.AsyncClient | None = None
+        self._peers: ShardedClients | None = None
 
     def _observe(self, episode: Episode, name: str, event: str) -> None:
         self.stats.observe(episode, name, event)
@@ -388,11 +419,11 @@ class RolloutServer:
     def attempt(self) -> int:
         return self.plane.attempt
 
-    @property
-    def http(self) -> httpx.AsyncClient:
-        if self._http is None:
-            raise RuntimeError("the server is not running (no HTTP client yet)")
-        return self._http
+    def http(self, key: str) -> httpx.AsyncClient:
+        """The HTTP client for calls about `key` (a rollout, a request key)."""
+        if self._peers is None:
+            raise RuntimeError("the server is not running (no HTTP clients yet)")
+        return self._peers.for_key(key)
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run `fn` in the server's task group (outlives the request that started it)."""
@@ -422,13 +453,18 @@ class RolloutServer:
         *,
         timeout_s: float | None = None,
         headers: Mapping[str, str] | None = None,
+        key: str | None = None,
     ) -> dict[str, Any]:
-        """POST JSON to a peer; its error body (or its absence) becomes a `PeerError`."""
+        """POST JSON to a peer; its error body (or its absence) becomes a `PeerError`.
+
+        `key` picks the connection pool (default: the body's rollout id).
+        """
         if url is None:
             raise ProtocolError(ErrorCode.INTERNAL, f"no peer URL configured for {path}")
         timeout = self.options.call_timeout_s if timeout_s is None else timeout_s
         try:
-            reply = await self.http.post(
+            shard = key if key is not None else str(body.get("rollout_id", path))
+            reply = await self.http(shard).post(
                 url.rstrip("/") + path, json=dict(body), timeout=timeout, headers=headers
             )
         except httpx.HTTPError as error:
@@ -505,20 +541,19 @@ class RolloutServer:
 
     @asynccontextmanager
     async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        async with (
-            httpx.AsyncClient(limits=limits, timeout=self.options.call_timeout_s) as http,
-            anyio.create_task_group() as tasks,
-        ):
-            self._http = http
-            self._tasks = tasks
-            try:
-                yield
-            finally:
-                tasks.cancel_scope.cancel()
-                self._tasks = None
-                with anyio.CancelScope(shield=True):
-                    await self.on_shutdown()
+        self._peers = ShardedClients(PEER_SHARDS, self.options.call_timeout_s)
+        try:
+            async with anyio.create_task_group() as tasks:
+                self._tasks = tasks
+                try:
+                    yield
+                finally:
+                    tasks.cancel_scope.cancel()
+                    self._tasks = None
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._peers.aclose()
+                await self.on_shutdown()
 
 
 def peer_error(where: str, reply: httpx.Response) -> PeerError:

@@ -40,7 +40,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol, TypeVar
 
 import anyio
-import httpx
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -66,7 +65,14 @@ from ..protocol import (
     task_digest,
 )
 from ..tasks import stable_fraction, task_by_question
-from .common import RolloutServer, ServerOptions, episode_error, peer_error
+from .common import (
+    PEER_SHARDS,
+    RolloutServer,
+    ServerOptions,
+    ShardedClients,
+    episode_error,
+    peer_error,
+)
 
 log = logging.getLogger(__name__)
 
@@ -269,10 +275,7 @@ class OpenAIBackend:
 
     def __init__(self, upstream_url: str, timeout_s: float) -> None:
         self.base = upstream_url.rstrip("/")
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=10.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-        )
+        self._clients = ShardedClients(PEER_SHARDS, timeout_s)
 
     async def stream(
         self, request: GenRequest, prefix: str, produced: int
@@ -295,7 +298,8 @@ class OpenAIBackend:
                 body["add_generation_prompt"] = False
             body.pop("max_completion_tokens", None)
             body["max_tokens"] = remaining
-        async with self._client.stream("POST", self.base + path, json=body) as response:
+        client = self._clients.for_key(request.digest)
+        async with client.stream("POST", self.base + path, json=body) as response:
             if response.status_code >= 400:
                 await response.aread()
                 raise peer_error(self.base + path, response)
@@ -310,7 +314,7 @@ class OpenAIBackend:
                     yield piece
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        await self._clients.aclose()
 
 
 def _piece_from_chunk(chunk: dict[str, Any], kind: str) -> Piece | None:
