@@ -109,6 +109,12 @@ RULE_NEVER_SAVES: Final = Rule(
     "unfinished turns (eviction checkpoints alone do not cover crashes or node loss); set one "
     "of them, or use targetLevel sibling",
 )
+RULE_SIBLING_INTERVAL: Final = Rule(
+    cel="!(self.recovery.targetLevel == 'sibling' && has(self.checkpointPolicy.intervalSeconds))",
+    message="checkpointPolicy.intervalSeconds with recovery.targetLevel sibling would pause "
+    "rollouts for checkpoints no recovery restores (at sibling level unfinished episodes "
+    "restart); unset intervalSeconds, or use targetLevel turn",
+)
 RULE_STORAGE_IMMUTABLE: Final = Rule(
     cel="self == oldSelf",
     message="storage is immutable: the records of earlier checkpoints live there and a restore "
@@ -381,7 +387,8 @@ class CheckpointPolicy(ApiModel):
     after_deadline: AfterDeadline = Field(
         default=AfterDeadline.SUSPEND,
         description="What happens after the mustSaveBy checkpoint: Suspend releases the pods "
-        "(and their GPUs); Continue keeps running.",
+        "(and their GPUs; condition Suspended, reason DeadlineReached) until mustSaveBy is moved "
+        "later or removed or this is set to Continue; Continue keeps running.",
     )
     on_eviction: bool = Field(
         default=True,
@@ -430,7 +437,12 @@ class RolloutSetSpec(ApiModel):
     """Desired state of a RolloutSet: the participants and how they are protected."""
 
     model_config = ConfigDict(
-        json_schema_extra={"x-kubernetes-validations": [RULE_NEVER_SAVES.schema()]}
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                RULE_NEVER_SAVES.schema(),
+                RULE_SIBLING_INTERVAL.schema(),
+            ]
+        }
     )
 
     participants: list[ParticipantSpec] = Field(
@@ -490,6 +502,9 @@ class RolloutSetSpec(ApiModel):
             and policy.must_save_by is None
         ):
             raise ValueError(RULE_NEVER_SAVES.message)
+        sibling = self.recovery.target_level is TargetLevel.SIBLING
+        if sibling and policy.interval_seconds is not None:
+            raise ValueError(RULE_SIBLING_INTERVAL.message)
         return self
 
     def participant(self, role: Role) -> ParticipantSpec | None:
@@ -505,6 +520,7 @@ class SetConditionType(StrEnum):
     RECOVERING = "Recovering"
     SUSPENDED = "Suspended"
     DEGRADED = "Degraded"
+    DEADLINE_SAVED = "DeadlineSaved"
 
 
 class ParticipantStatus(StatusModel):
@@ -600,7 +616,9 @@ class RolloutSetStatus(StatusModel):
     )
     conditions: list[Condition] = Field(
         default_factory=list,
-        description="Ready, Progressing, Recovering, Suspended, Degraded.",
+        description="Ready, Progressing, Recovering, Suspended, Degraded, and DeadlineSaved "
+        "while mustSaveBy is set (reason Waiting, Saving, Saved, Missed, CheckpointFailed or "
+        "NothingToSave).",
         json_schema_extra=_CONDITIONS_LIST,
     )
 
