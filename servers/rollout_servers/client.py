@@ -25,6 +25,7 @@ import hashlib
 import logging
 import sys
 import time
+import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -285,10 +286,13 @@ class RolloutClient:
         self.progress = Progress(total=len(specs), attempt=(await self.topology.current()).attempt)
         results: dict[str, EpisodeResult | EpisodeFailed] = {}
         limiter = anyio.CapacityLimiter(self.concurrency)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=self.concurrency)
-        async with _client(self._http, limits) as http, anyio.create_task_group() as group:
+        async with (
+            _clients(self._http, self.concurrency) as clients,
+            anyio.create_task_group() as group,
+        ):
 
             async def one(spec: EpisodeSpec) -> None:
+                http = clients[zlib.crc32(spec.rollout_id.encode()) % len(clients)]
                 async with limiter:
                     outcome: EpisodeResult | EpisodeFailed
                     try:
@@ -321,23 +325,31 @@ class RolloutClient:
         progress.attempt = max(progress.attempt, outcome.attempt)
 
 
-class _client:
-    """Use the caller's HTTP client, or own one for the duration of a run."""
+class _clients:
+    """The caller's HTTP client, or owned ones for the duration of a run.
 
-    def __init__(self, given: httpx.AsyncClient | None, limits: httpx.Limits) -> None:
+    Owned clients are one per 64 concurrent episodes: httpcore scans its whole connection pool
+    for every request, so one pool serving a thousand open `/run` calls costs O(n) per call.
+    """
+
+    def __init__(self, given: httpx.AsyncClient | None, concurrency: int) -> None:
         self._given = given
-        self._limits = limits
-        self._owned: httpx.AsyncClient | None = None
+        self._concurrency = concurrency
+        self._owned: list[httpx.AsyncClient] = []
 
-    async def __aenter__(self) -> httpx.AsyncClient:
+    async def __aenter__(self) -> list[httpx.AsyncClient]:
         if self._given is not None:
-            return self._given
-        self._owned = httpx.AsyncClient(limits=self._limits, timeout=httpx.Timeout(30.0))
+            return [self._given]
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        shards = max(1, -(-self._concurrency // 64))
+        self._owned = [
+            httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(30.0)) for _ in range(shards)
+        ]
         return self._owned
 
     async def __aexit__(self, *exc_info: object) -> None:
-        if self._owned is not None:
-            await self._owned.aclose()
+        for client in self._owned:
+            await client.aclose()
 
 
 def _error_of(reply: httpx.Response) -> tuple[ErrorCode | str, str]:
