@@ -437,24 +437,6 @@ def parse_trainer_step(value: str | None) -> int | None:
     return int(value.strip())
 
 
-def trainer_step_pending(
-    annotation: str | None,
-    last_step: int | None,
-    *,
-    on_trainer_checkpoint: bool,
-    target_level: str,
-) -> bool:
-    """Whether the annotation asks for a checkpoint not created yet (the handler's filter: a
-    step that is ignored by policy, invalid or done already wakes nobody)."""
-    step = parse_trainer_step(annotation)
-    return (
-        step is not None
-        and on_trainer_checkpoint
-        and target_level == TargetLevel.TURN.value
-        and (last_step is None or step > last_step)
-    )
-
-
 def trainer_step_decision(view: SetView) -> TrainerStepDecision:
     """A TrainerCheckpoint for a newly reported trainer step, when the policy asks for one.
 

@@ -31,7 +31,6 @@ from rollout_operator.policy import (
     save_reserve_seconds,
     suspend_decision,
     trainer_step_decision,
-    trainer_step_pending,
 )
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
@@ -193,19 +192,6 @@ def test_an_invalid_trainer_step_is_reported_not_guessed() -> None:
     assert decision.note.warning
     assert decision.note.reason == Reason.INVALID_TRAINER_STEP
     assert "whole number" in decision.note.message
-
-
-def test_the_handler_filter_wakes_only_for_a_step_still_to_do() -> None:
-    def pending(value: str | None, last: int | None, on: bool = True, level: str = "turn") -> bool:
-        return trainer_step_pending(value, last, on_trainer_checkpoint=on, target_level=level)
-
-    assert pending("5", None)
-    assert pending("6", 5)
-    assert not pending("5", 5)
-    assert not pending("x", None)
-    assert not pending(None, None)
-    assert not pending("6", 5, on=False)
-    assert not pending("6", 5, level="sibling")
 
 
 # --- interval -----------------------------------------------------------------------------------

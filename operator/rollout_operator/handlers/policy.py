@@ -1,0 +1,217 @@
+"""Checkpoint-policy handlers (DESIGN §6.3 to §6.5): thin wiring around `policyops`.
+
+- `policy_loop`: a daemon per RolloutSet that runs `PolicyPass` whenever it is woken (any event
+  of the set or of one of its RolloutCheckpoints) and otherwise at the time the last pass asked
+  for (a deadline start, an interval tick) or every `RESYNC_SECONDS`. One loop per set means the
+  policy's decisions for a set never run twice at once in this process, so two events cannot
+  both decide to create the same interval checkpoint or both release the pods.
+- `pod_terminating`: a participant pod got a deletion timestamp: the Eviction checkpoint is
+  created right from the pod event (the grace period is short; the loop may be mid-pass).
+- `checkpoint_deleted` / `set_deleted`: the finalizers that remove records (retention deletes
+  checkpoints through the API like a person would, so both paths go through here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any, Final, cast
+
+import kopf
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from ..api import (
+    GROUP,
+    LABEL_SET,
+    ROLLOUT_CHECKPOINT_PLURAL,
+    ROLLOUT_SET_PLURAL,
+    VERSION,
+    RolloutSet,
+)
+from ..conditions import utcnow
+from ..kube import sleep_until
+from ..policy import Note
+from ..policyops import (
+    CheckpointBusy,
+    PolicyPass,
+    StorageLocator,
+    checkpoint_deleted,
+    set_deleted,
+    start_eviction_checkpoint,
+)
+from .rolloutset import wake
+from .runtime import kube_of
+
+RESYNC_SECONDS: Final = 30.0
+"""Even without events each set's policy is looked at this often (a missed event heals)."""
+MAX_BACKOFF_SECONDS: Final = 30.0
+NOTES_REMEMBERED: Final = 64
+
+_wakeups: dict[tuple[str, str], asyncio.Event] = {}
+
+
+def wake_policy(namespace: str | None, name: object) -> None:
+    """Ask the set's policy loop for a pass soon (no-op when the set has no loop here)."""
+    if isinstance(name, str):
+        event = _wakeups.get((namespace or "default", name))
+        if event is not None:
+            event.set()
+
+
+async def _post(rset: RolloutSet, note: Note) -> None:
+    body = {
+        "apiVersion": rset.api_version,
+        "kind": rset.kind,
+        "metadata": {
+            "name": rset.metadata.name,
+            "namespace": rset.metadata.namespace,
+            "uid": rset.metadata.uid,
+        },
+    }
+    kind = "Warning" if note.warning else "Normal"
+    kopf.event(cast(kopf.Body, body), type=kind, reason=note.reason, message=note.message)
+
+
+@kopf.daemon(GROUP, VERSION, ROLLOUT_SET_PLURAL, id="policy", cancellation_timeout=10.0)
+async def policy_loop(
+    namespace: str | None, name: str, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+) -> None:
+    """Run the set's checkpoint policy until the set is deleted or the operator stops."""
+    namespace = namespace or "default"
+    key = (namespace, name)
+    event = _wakeups.setdefault(key, asyncio.Event())
+    event.set()
+    loop = asyncio.get_running_loop()
+    posted: list[tuple[str, str]] = []
+
+    async def note_once(rset: RolloutSet, note: Note) -> None:
+        """Post each distinct note once per loop: a pass repeats its notes until the cause
+        goes (an invalid annotation stays until someone fixes it)."""
+        if (note.reason, note.message) in posted:
+            return
+        posted.append((note.reason, note.message))
+        del posted[:-NOTES_REMEMBERED]
+        await _post(rset, note)
+
+    failures = 0
+    try:
+        while True:
+            await sleep_until(loop.time() + RESYNC_SECONDS, event)
+            event.clear()
+            try:
+                outcome = await PolicyPass(
+                    kube_of(memo),
+                    on_note=note_once,
+                    wake_set=wake,
+                    locator=StorageLocator.from_env(),
+                ).run(namespace, name)
+            except (ApiException, OSError, TimeoutError, kopf.TemporaryError) as error:
+                failures += 1
+                delay = min(MAX_BACKOFF_SECONDS, 2.0**failures) * (0.5 + random.random() / 2)
+                logger.warning(
+                    "checkpoint policy pass failed (%s); retrying in %.1fs", error, delay
+                )
+                await asyncio.sleep(delay)
+                event.set()
+                continue
+            failures = 0
+            if outcome.again:
+                event.set()
+            elif outcome.wake_at is not None:
+                remaining = (outcome.wake_at - utcnow()).total_seconds()
+                if remaining < RESYNC_SECONDS:
+                    # utcnow() is whole seconds: wake a little late rather than before the time.
+                    await sleep_until(loop.time() + max(remaining, 0.0) + 1.0, event)
+                    event.set()
+    finally:
+        if _wakeups.get(key) is event:
+            del _wakeups[key]
+
+
+@kopf.on.event(GROUP, VERSION, ROLLOUT_SET_PLURAL, id="policy-set-changed")
+async def set_changed(namespace: str | None, name: str, **_: Any) -> None:
+    """Spec, annotations (a trainer step) or status (Ready, a recovery ended) changed."""
+    wake_policy(namespace, name)
+
+
+@kopf.on.event(GROUP, VERSION, ROLLOUT_CHECKPOINT_PLURAL, id="policy-checkpoint-changed")
+async def checkpoint_changed(namespace: str | None, spec: kopf.Spec, **_: Any) -> None:
+    """A checkpoint of the set appeared, progressed, finished or went: deadline, suspend and
+    retention depend on it."""
+    wake_policy(namespace, spec.get("rolloutSet"))
+
+
+def _terminating(meta: kopf.Meta, **_: Any) -> bool:
+    return meta.get("deletionTimestamp") is not None
+
+
+@kopf.on.event(
+    "",
+    "v1",
+    "pods",
+    labels={LABEL_SET: kopf.PRESENT},
+    when=_terminating,
+    id="eviction",
+)
+async def pod_terminating(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """An evicted, drained or preempted participant pod: checkpoint inside its grace period.
+
+    Event handlers are not retried by Kopf; a failed create is retried by the next event of the
+    terminating pod (its status changes as it stops), and the recovery holds off until the
+    grace period ends either way (`policyops.eviction_holds`)."""
+    try:
+        created = await start_eviction_checkpoint(kube_of(memo), body)
+    except (ApiException, OSError, TimeoutError) as error:
+        logger.warning("eviction checkpoint for pod %s not created: %s", body.meta.name, error)
+        return
+    if created is not None:
+        logger.info("pod %s is being deleted: eviction checkpoint %s", body.meta.name, created)
+        kopf.event(
+            body,
+            type="Normal",
+            reason="EvictionCheckpoint",
+            message=f"checkpoint {created} saves the set's episodes inside this pod's grace period",
+        )
+
+
+@kopf.on.delete(GROUP, VERSION, ROLLOUT_CHECKPOINT_PLURAL, id="remove-records")
+async def remove_checkpoint_records(
+    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+) -> None:
+    """The finalizer of a RolloutCheckpoint: its records go with it (DESIGN §6.5)."""
+
+    async def note(rset: RolloutSet, found: Note) -> None:
+        await _post(rset, found)
+
+    try:
+        outcome = await checkpoint_deleted(
+            kube_of(memo), body, locator=StorageLocator.from_env(), on_note=note
+        )
+    except CheckpointBusy as busy:
+        raise kopf.TemporaryError(str(busy), delay=5) from busy
+    logger.info("checkpoint %s deleted: %s", body.meta.name, outcome)
+    wake_policy(body.meta.namespace, body.get("spec", {}).get("rolloutSet"))
+
+
+@kopf.on.delete(GROUP, VERSION, ROLLOUT_SET_PLURAL, id="remove-checkpoints", timeout=300)
+async def remove_set_checkpoints(
+    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+) -> None:
+    """The finalizer of a RolloutSet: its checkpoints (and their records) go first. Bounded:
+    after `timeout` Kopf gives up on this handler and the set goes anyway."""
+    try:
+        outcome = await set_deleted(kube_of(memo), body, locator=StorageLocator.from_env())
+    except CheckpointBusy as busy:
+        raise kopf.TemporaryError(str(busy), delay=2) from busy
+    logger.info("RolloutSet %s deleted: %s", body.meta.name, outcome)
+
+
+__all__ = [
+    "checkpoint_changed",
+    "pod_terminating",
+    "policy_loop",
+    "remove_checkpoint_records",
+    "remove_set_checkpoints",
+    "set_changed",
+    "wake_policy",
+]

@@ -1,0 +1,574 @@
+"""The checkpoint policy, carried out against the API (the Kubernetes side of `policy`).
+
+- `PolicyPass.run(namespace, name)`: one look at a set. It reads the set, its pods and its
+  RolloutCheckpoints, lets `policy.plan` decide, and then acts in an order chosen so that a crash
+  between any two steps leaves nothing a later pass could not finish: checkpoints are created
+  first (deterministic names, so a repeat gets "exists"), then a settled deadline is recorded
+  (an annotation on the set), then the set's status (conditions, `saveReserveSeconds`,
+  `lastTrainerStep`, a resume's recovery) in one patch with a resourceVersion precondition, and
+  only then pods are deleted (a suspend's release) and old checkpoints removed.
+- `start_eviction_checkpoint(pod)`: a participant pod got a deletion timestamp.
+- `eviction_holds(kube, rset)`: which terminating pods the recovery must not act on yet.
+- `checkpoint_deleted` / `set_deleted`: what the finalizers do: remove records, repoint
+  `latestCheckpoint`.
+
+**Where records are removed.** Records live on the set's storage volume, which every
+participant pod mounts; the operator removes them itself, so retention also works while a set is
+suspended (no pods) and after it is deleted. `StorageLocator` says where the operator process
+sees a set's volume: a `hostPath` volume at its own path (devcluster runs the operator on the
+node, so it sees the same folder the pods write), a `persistentVolumeClaim` at
+`$ROLLOUT_OPERATOR_STORAGE_DIR/<namespace>/<claimName>` (the chart mounts each claim named in its
+values there). A volume the operator cannot see is reported (Event `RecordsNotRemoved` naming
+the folder to delete) and the object is deleted anyway: a finalizer that can never finish would
+block namespace deletion, and records without a Ready checkpoint are garbage by definition
+(DESIGN §3), never restored.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final
+
+from kubernetes_asyncio.client.exceptions import ApiException
+from pydantic import ValidationError
+from rollout_servers.protocol import CHECKPOINT_ID_PATTERN
+from rollout_servers.storage import StorageError, checkpoint_base, remove_checkpoint
+
+from .api import (
+    API_VERSION,
+    GROUP,
+    LABEL_ATTEMPT,
+    LABEL_SET,
+    ROLLOUT_CHECKPOINT_KIND,
+    ROLLOUT_CHECKPOINT_PLURAL,
+    ROLLOUT_SET_PLURAL,
+    VERSION,
+    RecoveryPhase,
+    RecoveryStatus,
+    RolloutSet,
+    SetConditionType,
+    StorageSpec,
+    dump,
+)
+from .conditions import ConditionUpdate, merge_conditions, same_conditions
+from .kube import MERGE_PATCH, Conflict, Kube
+from .policy import (
+    ANNOTATION_DEADLINE_OUTCOME,
+    CheckpointView,
+    Create,
+    Note,
+    PolicyPlan,
+    SetView,
+    SuspendAction,
+    TerminatingPod,
+    eviction_checkpoint_name,
+    eviction_decision,
+    latest_after_delete,
+    plan,
+)
+from .policy import eviction_holds as _eviction_holds
+from .resources import owner_reference, set_selector
+
+logger = logging.getLogger(__name__)
+
+STORAGE_DIR_ENV: Final = "ROLLOUT_OPERATOR_STORAGE_DIR"
+DEFAULT_STORAGE_DIR: Final = "/var/lib/rollout-operator/storage"
+ANNOTATION_WHY: Final = f"{GROUP}/why"
+"""On a RolloutCheckpoint the policy created: what caused it, for `kubectl describe`."""
+RESUMED_REASON: Final = "Resumed"
+"""The recovery reason of a resume from suspend (it is not a loss)."""
+
+NoteSink = Callable[[RolloutSet, Note], Awaitable[None]]
+Clock = Callable[[], datetime]
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+# --- storage ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StorageLocator:
+    """Where this operator process sees a set's checkpoint volume (see the module docstring)."""
+
+    claims_dir: Path | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> StorageLocator:
+        env = os.environ if environ is None else environ
+        return cls(Path(env.get(STORAGE_DIR_ENV) or DEFAULT_STORAGE_DIR))
+
+    def root(self, namespace: str, storage: StorageSpec) -> Path | None:
+        """The folder that is the volume's root here, or None when this process cannot see it."""
+        volume = storage.volume
+        claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
+        if isinstance(claim, str) and claim and self.claims_dir is not None:
+            mounted = self.claims_dir / namespace / claim
+            return mounted if mounted.is_dir() else None
+        host = (volume.get("hostPath") or {}).get("path")
+        if isinstance(host, str) and host:
+            path = Path(host)
+            return path if path.is_dir() else None
+        return None
+
+    def describe(self, namespace: str, storage: StorageSpec) -> str:
+        """Where the records are, in words, for a message asking a person to remove them."""
+        volume = storage.volume
+        claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
+        if claim:
+            return (
+                f"claim {namespace}/{claim} (mount it into the operator at "
+                f"{self.claims_dir or DEFAULT_STORAGE_DIR}/{namespace}/{claim})"
+            )
+        host = (volume.get("hostPath") or {}).get("path")
+        if host:
+            return f"hostPath {host} (not visible to the operator on its node)"
+        return f"volume {sorted(volume)} (a kind the operator cannot mount)"
+
+
+def remove_records(root: Path, set_name: str, checkpoint: str) -> bool:
+    """Remove one checkpoint's records; False when there were none."""
+    if not checkpoint_base(root, set_name, checkpoint).exists():
+        return False
+    return remove_checkpoint(root, set_name, checkpoint)
+
+
+def remove_set_records(root: Path, set_name: str) -> bool:
+    """Remove every record of a deleted set (its checkpoints went with it)."""
+    if re.fullmatch(CHECKPOINT_ID_PATTERN, set_name) is None:
+        raise ValueError(f"not a set name: {set_name!r}")
+    folder = root / set_name
+    if not folder.is_dir():
+        return False
+    shutil.rmtree(folder)
+    return True
+
+
+# --- API calls ----------------------------------------------------------------------------------
+
+
+async def list_checkpoints(kube: Kube, namespace: str, set_name: str) -> list[dict[str, Any]]:
+    """Every RolloutCheckpoint of the set (by `spec.rolloutSet`: people create them unlabelled)."""
+    listed = await kube.custom.list_namespaced_custom_object(
+        GROUP, VERSION, namespace, ROLLOUT_CHECKPOINT_PLURAL
+    )
+    items: list[dict[str, Any]] = listed.get("items") or []
+    return [c for c in items if (c.get("spec") or {}).get("rolloutSet") == set_name]
+
+
+def checkpoint_views(raw: Iterable[Mapping[str, Any]]) -> list[CheckpointView]:
+    views: list[CheckpointView] = []
+    for obj in raw:
+        try:
+            views.append(CheckpointView.from_object(obj))
+        except ValidationError as error:
+            name = (obj.get("metadata") or {}).get("name")
+            logger.warning("RolloutCheckpoint %s is unreadable, ignored: %s", name, error)
+    return views
+
+
+def checkpoint_manifest(rset: RolloutSet, create: Create) -> dict[str, Any]:
+    """A RolloutCheckpoint the policy creates: owned by the set (deleted with it), labelled with
+    it (so `kubectl get rckpt -l checkpoint.rollout.dev/set=NAME` lists them)."""
+    spec: dict[str, Any] = {"rolloutSet": rset.metadata.name, "trigger": create.trigger.value}
+    if create.trainer_step is not None:
+        spec["trainerStep"] = create.trainer_step
+    metadata: dict[str, Any] = {
+        "name": create.name,
+        "labels": {LABEL_SET: rset.metadata.name},
+        "annotations": {ANNOTATION_WHY: create.why},
+        "ownerReferences": [owner_reference(rset)],
+    }
+    if rset.metadata.namespace:
+        metadata["namespace"] = rset.metadata.namespace
+    return {
+        "apiVersion": API_VERSION,
+        "kind": ROLLOUT_CHECKPOINT_KIND,
+        "metadata": metadata,
+        "spec": spec,
+    }
+
+
+async def create_checkpoint(kube: Kube, rset: RolloutSet, create: Create) -> bool:
+    """Create it; False when it exists already (a repeat after a crash or a second event)."""
+    namespace = rset.metadata.namespace or "default"
+    try:
+        await kube.custom.create_namespaced_custom_object(
+            GROUP, VERSION, namespace, ROLLOUT_CHECKPOINT_PLURAL, checkpoint_manifest(rset, create)
+        )
+    except ApiException as error:
+        if error.status == 409:
+            return False
+        raise
+    logger.info("set %s: created checkpoint %s (%s)", rset.metadata.name, create.name, create.why)
+    return True
+
+
+async def delete_checkpoint(kube: Kube, namespace: str, name: str) -> bool:
+    try:
+        await kube.custom.delete_namespaced_custom_object(
+            GROUP, VERSION, namespace, ROLLOUT_CHECKPOINT_PLURAL, name
+        )
+    except ApiException as error:
+        if error.status == 404:
+            return False
+        raise
+    return True
+
+
+async def annotate_set(kube: Kube, namespace: str, name: str, key: str, value: str) -> str | None:
+    """Set one annotation of the set; returns the set's new resourceVersion."""
+    body = {"metadata": {"annotations": {key: value}}}
+    merge: dict[str, Any] = {"_content_type": MERGE_PATCH}
+    patched = await kube.custom.patch_namespaced_custom_object(
+        GROUP, VERSION, namespace, ROLLOUT_SET_PLURAL, name, body, **merge
+    )
+    version = ((patched or {}).get("metadata") or {}).get("resourceVersion")
+    return version if isinstance(version, str) else None
+
+
+def _live(pod: Mapping[str, Any]) -> bool:
+    meta = pod.get("metadata") or {}
+    phase = (pod.get("status") or {}).get("phase")
+    return meta.get("deletionTimestamp") is None and phase not in ("Failed", "Succeeded")
+
+
+# --- one pass -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PassOutcome:
+    wake_at: datetime | None = None
+    """Look again at this time even without events (a deadline start, an interval tick)."""
+    again: bool = False
+    """A status write lost a race: look again at once."""
+    plan: PolicyPlan | None = None
+
+
+class PolicyPass:
+    """One look at one set: decide with `policy.plan`, then act (see the module docstring)."""
+
+    def __init__(
+        self,
+        kube: Kube,
+        *,
+        locator: StorageLocator | None = None,
+        clock: Clock = _utcnow,
+        on_note: NoteSink | None = None,
+        wake_set: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self._kube = kube
+        self._locator = locator or StorageLocator.from_env()
+        self._clock = clock
+        self._on_note = on_note
+        self._wake_set = wake_set
+
+    async def _note(self, rset: RolloutSet, note: Note) -> None:
+        log = logger.warning if note.warning else logger.info
+        log("set %s: %s: %s", rset.metadata.name, note.reason, note.message)
+        if self._on_note is not None:
+            await self._on_note(rset, note)
+
+    async def run(self, namespace: str, name: str) -> PassOutcome:
+        raw = await self._kube.get_set(namespace, name)
+        if raw is None or (raw.get("metadata") or {}).get("deletionTimestamp"):
+            return PassOutcome()
+        try:
+            rset = RolloutSet.model_validate(raw)
+        except ValidationError:
+            return PassOutcome()  # the reconciler reports an invalid spec (InvalidSpec)
+        pods = await self._kube.list_pods(namespace, set_selector(name))
+        checkpoints = checkpoint_views(await list_checkpoints(self._kube, namespace, name))
+        live = sum(1 for p in pods if _live(p))
+        view = SetView.from_set(rset, live_pods=live)
+        decided = plan(view, checkpoints, self._clock())
+
+        for create in decided.creates:
+            await create_checkpoint(self._kube, rset, create)
+        if decided.settle is not None:
+            version = await annotate_set(
+                self._kube,
+                namespace,
+                name,
+                ANNOTATION_DEADLINE_OUTCOME,
+                decided.settle.to_annotation(),
+            )
+            # The status below was decided knowing this annotation: write it on top of it.
+            rset.metadata.resource_version = version or rset.metadata.resource_version
+        try:
+            await self._write_status(rset, decided, live_pods=live)
+        except Conflict:
+            return PassOutcome(again=True, plan=decided)
+        if decided.suspend is SuspendAction.RELEASE:
+            await self._release(rset, pods)
+        elif decided.suspend is SuspendAction.RESUME and self._wake_set is not None:
+            self._wake_set(namespace, name)
+        for doomed in decided.delete:
+            if await delete_checkpoint(self._kube, namespace, doomed):
+                logger.info("set %s: retention deletes checkpoint %s", name, doomed)
+        for failed in decided.remove_records:
+            await self._remove_records(rset, failed)
+        for note in decided.notes:
+            await self._note(rset, note)
+        return PassOutcome(wake_at=decided.wake_at, plan=decided)
+
+    async def _write_status(self, rset: RolloutSet, decided: PolicyPlan, *, live_pods: int) -> None:
+        """Conditions, reserve, trainer step and a resume's recovery: one patch, only if
+        something changed (an unchanged status is never written, so passes do not wake each
+        other through their own events).
+
+        A resume is a recovery to attempt + 1 (fresh pods restore the latest checkpoint), unless
+        the set never ran pods or runs some already: then clearing Suspended is all it takes and
+        the reconciler creates (or keeps) the attempt's pods."""
+        status = rset.status
+        changes: dict[str, Any] = {}
+        if status.save_reserve_seconds != decided.reserve:
+            changes["saveReserveSeconds"] = decided.reserve
+        if decided.last_trainer_step is not None:
+            changes["lastTrainerStep"] = decided.last_trainer_step
+        updates = [
+            ConditionUpdate.of(c.type, c.status, c.reason, c.message) for c in decided.conditions
+        ]
+        resume = decided.suspend is SuspendAction.RESUME
+        if resume and status.created_attempt is not None and live_pods == 0:
+            attempt = status.attempt or 1
+            message = (
+                f"resumed after suspend: attempt {attempt + 1} restores the latest Ready "
+                "checkpoint into fresh pods"
+            )
+            changes["recovery"] = dump(
+                RecoveryStatus(
+                    phase=RecoveryPhase.STOPPING_ATTEMPT,
+                    from_attempt=attempt,
+                    target_attempt=attempt + 1,
+                    started_at=self._clock().replace(microsecond=0),
+                    reason=RESUMED_REASON,
+                    message=message,
+                )
+            )
+            updates += [
+                ConditionUpdate.of(
+                    SetConditionType.RECOVERING.value, True, RESUMED_REASON, message
+                ),
+                ConditionUpdate.of(SetConditionType.READY.value, False, RESUMED_REASON, message),
+                ConditionUpdate.of(
+                    SetConditionType.PROGRESSING.value, True, RESUMED_REASON, message
+                ),
+            ]
+        merged = merge_conditions(
+            status.conditions, updates, observed_generation=rset.metadata.generation
+        )
+        if updates and not same_conditions(_comparable(merged), _comparable(status.conditions)):
+            changes["conditions"] = [
+                c.model_dump(mode="json", by_alias=True, exclude_none=True) for c in merged
+            ]
+        if not changes:
+            return
+        await self._kube.patch_set_status(
+            rset.metadata.namespace or "default",
+            rset.metadata.name,
+            changes,
+            resource_version=rset.metadata.resource_version,
+        )
+
+    async def _release(self, rset: RolloutSet, pods: Sequence[Mapping[str, Any]]) -> None:
+        """Delete every participant pod of the set, with the pods' own grace periods (the
+        Suspended condition is already True, so their deletion is not taken for an eviction
+        nor for a loss)."""
+        namespace = rset.metadata.namespace or "default"
+        deleted = []
+        for pod in pods:
+            meta = pod.get("metadata") or {}
+            if meta.get("deletionTimestamp") is None and await self._kube.delete_pod(
+                namespace, meta["name"]
+            ):
+                deleted.append(meta["name"])
+        if deleted:
+            logger.info("set %s suspended: deleted pods %s", rset.metadata.name, deleted)
+
+    async def _remove_records(self, rset: RolloutSet, checkpoint: str) -> None:
+        namespace = rset.metadata.namespace or "default"
+        root = self._locator.root(namespace, rset.spec.storage)
+        if root is None:
+            return  # reported when the object is deleted (retention or by hand)
+        try:
+            if remove_records(root, rset.metadata.name, checkpoint):
+                logger.info(
+                    "set %s: removed the records of failed checkpoint %s",
+                    rset.metadata.name,
+                    checkpoint,
+                )
+        except StorageError as error:
+            await self._note(
+                rset, Note("RecordsNotRemoved", f"failed checkpoint {checkpoint}: {error}", True)
+            )
+
+
+def _comparable(conditions: Sequence[Any]) -> list[Any]:
+    """Conditions without observedGeneration, so a spec change alone does not rewrite them."""
+    return [c.model_copy(update={"observed_generation": None}) for c in conditions]
+
+
+# --- eviction -----------------------------------------------------------------------------------
+
+
+async def start_eviction_checkpoint(
+    kube: Kube, pod: Mapping[str, Any], *, clock: Clock = _utcnow
+) -> str | None:
+    """An Eviction checkpoint for a participant pod that is being deleted, when the set's
+    policy asks for one; returns its name when this call created it."""
+    meta = pod.get("metadata") or {}
+    set_name = (meta.get("labels") or {}).get(LABEL_SET)
+    terminating = TerminatingPod.from_pod(pod, LABEL_ATTEMPT)
+    if not set_name or terminating is None or terminating.deletion <= clock():
+        return None
+    namespace = meta.get("namespace") or "default"
+    raw = await kube.get_set(namespace, set_name)
+    if raw is None:
+        return None
+    try:
+        rset = RolloutSet.model_validate(raw)
+    except ValidationError:
+        return None
+    create = eviction_decision(SetView.from_set(rset, live_pods=1), terminating)
+    if create is None:
+        return None
+    return create.name if await create_checkpoint(kube, rset, create) else None
+
+
+async def eviction_holds(kube: Kube, rset: RolloutSet, *, clock: Clock = _utcnow) -> frozenset[str]:
+    """The terminating participant pods whose loss a recovery must not act on yet (their
+    eviction checkpoint runs or is about to; see `policy.eviction_holds`)."""
+    namespace = rset.metadata.namespace or "default"
+    pods = await kube.list_pods(namespace, set_selector(rset.metadata.name))
+    terminating = [
+        t for t in (TerminatingPod.from_pod(p, LABEL_ATTEMPT) for p in pods) if t is not None
+    ]
+    if not terminating or rset.status.attempt is None:
+        return frozenset()
+    name = eviction_checkpoint_name(rset.metadata.name, rset.status.attempt)
+    checkpoints: list[CheckpointView] = []
+    try:
+        raw = await kube.custom.get_namespaced_custom_object(
+            GROUP, VERSION, namespace, ROLLOUT_CHECKPOINT_PLURAL, name
+        )
+        checkpoints = checkpoint_views([raw])
+    except ApiException as error:
+        if error.status != 404:
+            raise
+    view = SetView.from_set(rset, live_pods=len(pods))
+    return _eviction_holds(view, terminating, checkpoints, clock())
+
+
+# --- finalizers ---------------------------------------------------------------------------------
+
+
+class CheckpointBusy(Exception):
+    """The checkpoint cannot go yet (a recovery is restoring it); try again shortly."""
+
+
+async def checkpoint_deleted(
+    kube: Kube,
+    ckpt: Mapping[str, Any],
+    *,
+    locator: StorageLocator | None = None,
+    on_note: NoteSink | None = None,
+) -> str:
+    """The RolloutCheckpoint finalizer: repoint the set's `latestCheckpoint` if it named this
+    one, then remove its records. Returns what was done, for the log."""
+    locator = locator or StorageLocator.from_env()
+    meta = ckpt.get("metadata") or {}
+    name = str(meta.get("name"))
+    namespace = meta.get("namespace") or "default"
+    set_name = (ckpt.get("spec") or {}).get("rolloutSet")
+    raw = await kube.get_set(namespace, set_name) if isinstance(set_name, str) else None
+    if raw is None:
+        return f"set {set_name} is gone; its deletion removed the records"
+    rset = RolloutSet.model_validate(raw)
+    recovery = rset.status.recovery
+    if (
+        recovery is not None
+        and recovery.checkpoint == name
+        and recovery.phase
+        in (RecoveryPhase.STARTING_PODS, RecoveryPhase.RESTORING, RecoveryPhase.STOPPING_ATTEMPT)
+    ):
+        raise CheckpointBusy(f"recovery of set {rset.metadata.name} restores {name}")
+    if rset.status.latest_checkpoint == name:
+        await _repoint_latest(kube, rset, name)
+    root = locator.root(namespace, rset.spec.storage)
+    if root is None:
+        message = (
+            f"records of checkpoint {name} were not removed: the operator cannot reach "
+            f"{locator.describe(namespace, rset.spec.storage)}; delete "
+            f"<volume>/{rset.metadata.name}/{name} by hand"
+        )
+        if on_note is not None:
+            await on_note(rset, Note("RecordsNotRemoved", message, warning=True))
+        return message
+    removed = remove_records(root, rset.metadata.name, name)
+    return f"records of {name} {'removed' if removed else 'were absent'}"
+
+
+async def _repoint_latest(kube: Kube, rset: RolloutSet, deleting: str) -> None:
+    namespace = rset.metadata.namespace or "default"
+    for _ in range(10):
+        others = checkpoint_views(await list_checkpoints(kube, namespace, rset.metadata.name))
+        newest = latest_after_delete(others, deleting)
+        patch: dict[str, Any] = {
+            "latestCheckpoint": newest.name if newest else None,
+            "latestCheckpointTime": (
+                (newest.completed or newest.created).strftime("%Y-%m-%dT%H:%M:%SZ")
+                if newest
+                else None
+            ),
+        }
+        try:
+            await kube.patch_set_status(
+                namespace,
+                rset.metadata.name,
+                patch,
+                resource_version=rset.metadata.resource_version,
+            )
+            return
+        except Conflict:
+            raw = await kube.get_set(namespace, rset.metadata.name)
+            if raw is None:
+                return
+            rset = RolloutSet.model_validate(raw)
+            if rset.status.latest_checkpoint != deleting:
+                return
+    raise CheckpointBusy(f"could not repoint latestCheckpoint of {rset.metadata.name}")
+
+
+async def set_deleted(
+    kube: Kube, rset_raw: Mapping[str, Any], *, locator: StorageLocator | None = None
+) -> str:
+    """The RolloutSet finalizer: delete the set's checkpoints (each one's own finalizer removes
+    its records while the set can still be read), and once they are gone sweep the set's folder
+    (records of failed or unfinished checkpoints). Raises `CheckpointBusy` while any remain."""
+    locator = locator or StorageLocator.from_env()
+    rset = RolloutSet.model_validate(rset_raw)
+    namespace = rset.metadata.namespace or "default"
+    remaining = await list_checkpoints(kube, namespace, rset.metadata.name)
+    for ckpt in remaining:
+        if not (ckpt.get("metadata") or {}).get("deletionTimestamp"):
+            await delete_checkpoint(kube, namespace, ckpt["metadata"]["name"])
+    if remaining:
+        raise CheckpointBusy(f"{len(remaining)} checkpoint(s) of the set are being deleted")
+    root = locator.root(namespace, rset.spec.storage)
+    if root is None:
+        return "storage not reachable from the operator; records (if any) stay"
+    try:
+        removed = remove_set_records(root, rset.metadata.name)
+    except OSError as error:
+        return f"could not remove {root / rset.metadata.name}: {error}"
+    return f"records folder {'removed' if removed else 'was absent'}"
