@@ -47,6 +47,7 @@ from .api import (
     RolloutCheckpointStatus,
     RolloutSet,
     SetConditionType,
+    Trigger,
     dump,
 )
 from .conditions import find_condition, set_condition, utcnow
@@ -279,7 +280,7 @@ class CheckpointFlow:
             if deadline is None:
                 timeout = rset.spec.checkpoint_policy.prepare_timeout_seconds
                 deadline = self._clock() + timeout + rset.spec.recovery.restore_timeout_seconds
-            wait_reason = await self._why_wait(rset, me)
+            wait_reason = await self._why_wait(rset, me, ckpt.spec.trigger)
             if wait_reason is None:
                 try:
                     if rset.status.active_checkpoint != me:
@@ -306,8 +307,14 @@ class CheckpointFlow:
                 )
             await anyio.sleep(self._settings.queue_poll_seconds)
 
-    async def _why_wait(self, rset: RolloutSet, me: str) -> str | None:
-        """None when the checkpoint may start now; else why it waits (for the Queued message)."""
+    async def _why_wait(
+        self, rset: RolloutSet, me: str, trigger: Trigger = Trigger.MANUAL
+    ) -> str | None:
+        """None when the checkpoint may start now; else why it waits (for the Queued message).
+
+        An Eviction checkpoint runs while its pod terminates: that pod is unready (the set is
+        not Ready) but its control plane answers until the grace period ends, and the recovery
+        holds off until this checkpoint finished (`policyops.eviction_holds`)."""
         status = rset.status
         active = status.active_checkpoint
         if active and active != me:
@@ -319,6 +326,10 @@ class CheckpointFlow:
         suspended = find_condition(status.conditions, SetConditionType.SUSPENDED.value)
         if suspended is not None and suspended.status is ConditionStatus.TRUE:
             return f"set {rset.metadata.name} is Suspended"
+        if trigger is Trigger.EVICTION:
+            if not status.participants or not all(p.address for p in status.participants):
+                return f"participants of set {rset.metadata.name} have no address"
+            return None
         ready = find_condition(status.conditions, SetConditionType.READY.value)
         if ready is None or ready.status is not ConditionStatus.TRUE:
             return f"set {rset.metadata.name} is not Ready"
