@@ -39,8 +39,9 @@ from .api import (
     SetConditionType,
     TargetLevel,
 )
-from .conditions import ConditionUpdate, find_condition, merge_conditions, utcnow
+from .conditions import ConditionUpdate, find_condition, is_true, merge_conditions, utcnow
 from .kube import Conflict, Kube
+from .policyops import eviction_holds
 from .resources import set_selector
 from .setops import delete_attempt_pods, observe_pods, read_control_token, reconcile_pods
 from .setplan import PodView, attempt_instances
@@ -79,15 +80,25 @@ class Loss:
 
 
 def detect_loss(
-    rset: RolloutSet, pods: list[PodView], nodes_of: dict[str, str], lost_nodes: set[str]
+    rset: RolloutSet,
+    pods: list[PodView],
+    nodes_of: dict[str, str],
+    lost_nodes: set[str],
+    held: frozenset[str] = frozenset(),
 ) -> Loss | None:
     """Whether the current attempt lost a participant. Only an attempt whose pods were all
-    created counts (a pod that fails while the attempt starts is the reconciler's Degraded)."""
+    created counts (a pod that fails while the attempt starts is the reconciler's Degraded).
+
+    `held`: terminating pods that are not lost yet (their eviction checkpoint runs inside
+    their grace period, see `policyops.eviction_holds`). A Suspended set has released its
+    pods on purpose; resuming it is the policy's recovery, not a loss."""
     status = rset.status
     attempt = status.attempt
     if attempt is None or status.created_attempt is None or status.created_attempt < attempt:
         return None
     if rset.spec.suspend or status.recovery is not None:
+        return None
+    if is_true(status.conditions, SetConditionType.SUSPENDED.value):
         return None
     existing = {(p.role, p.index): p for p in pods if p.attempt == attempt}
     for role, index in attempt_instances(rset, attempt, pods):
@@ -97,7 +108,7 @@ def detect_loss(
             return Loss(Reason.POD_DELETED, f"participant {label}: its pod is gone")
         if pod.finished:
             return Loss(Reason.POD_FAILED, f"participant {label} ({pod.name}): {pod.problem}")
-        if pod.terminating:
+        if pod.terminating and pod.name not in held:
             return Loss(Reason.POD_DELETED, f"participant {label} ({pod.name}) is being deleted")
         node = nodes_of.get(pod.name)
         if node is not None and node in lost_nodes:
@@ -533,7 +544,9 @@ async def recover_if_needed(
     flow = RecoveryFlow(kube, on_transition=on_transition)
     if rset.status.recovery is None:
         pods, nodes_of, lost_nodes = await observe(kube, rset)
-        loss = detect_loss(rset, pods, nodes_of, lost_nodes)
+        terminating = any(p.terminating for p in pods)
+        held = await eviction_holds(kube, rset) if terminating else frozenset()
+        loss = detect_loss(rset, pods, nodes_of, lost_nodes, held)
         if loss is None:
             return False
         logger.warning("set %s lost a participant: %s", name, loss.message)
