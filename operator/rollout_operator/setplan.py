@@ -28,7 +28,7 @@ from .api import (
     RolloutSet,
     SetConditionType,
 )
-from .conditions import ConditionUpdate
+from .conditions import ConditionUpdate, is_true
 from .resources import (
     PEERS,
     control_port,
@@ -353,8 +353,11 @@ def set_conditions(
         SetConditionType.DEGRADED.value,
     )
     attempt = plan.attempt
-    if rset.spec.suspend and not plan.existing:
-        message = "spec.suspend is true: no participant pods run"
+    # Suspended=True without spec.suspend: afterDeadline Suspend released the pods (policy).
+    suspended = rset.spec.suspend or is_true(rset.status.conditions, SetConditionType.SUSPENDED)
+    if suspended and not plan.existing:
+        why = "spec.suspend is true" if rset.spec.suspend else "suspended after mustSaveBy"
+        message = f"{why}: no participant pods run"
         return SetHealth(
             [
                 ConditionUpdate.of(ready_t, False, Reason.SUSPENDED, message),
