@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,9 @@ from rollout_operator.demo import (
     OperatorProcess,
     Resources,
     apply_crds,
+    checkpoint_records,
     condition,
+    create_namespace,
     example_checkpoint,
     example_set,
     is_true,
@@ -40,6 +44,8 @@ from rollout_operator.demo import (
     participants_by_role,
     phase_is,
 )
+from rollout_servers.client import EpisodeFailed, EpisodeResult, EpisodeSpec
+from rollout_servers.storage import read_manifest
 
 from devcluster.cluster import Cluster
 from devcluster.kube import open_api
@@ -47,8 +53,12 @@ from devcluster.kube import open_api
 __all__ = [
     "Debug",
     "OperatorProcess",
+    "RecoveredRun",
     "Resources",
+    "check_manifests",
+    "check_recovered_run",
     "condition",
+    "create_namespace_for_test",
     "example_checkpoint",
     "example_set",
     "freeze",
@@ -59,6 +69,7 @@ __all__ = [
     "phase_is",
     "pod_pids",
     "resources",
+    "running_operator",
     "stats",
     "storage_dir",
     "thaw",
@@ -111,6 +122,13 @@ def running_operator(
             for namespace in namespaces:
                 release_finalizers(cluster, namespace)
             print(f"--- operator log ({log}) ---\n{process.tail(80)}")
+
+
+def create_namespace_for_test(cluster: Cluster, stem: str) -> str:
+    """A fresh namespace on a cluster the test owns (deleted with that cluster)."""
+    name = f"e2e-{stem}-{secrets.token_hex(3)}"
+    create_namespace(cluster, name)
+    return name
 
 
 @pytest.fixture
@@ -200,3 +218,131 @@ def thaw(pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGCONT)
+
+
+# --- what a recovery must preserve ----------------------------------------------------------
+
+ENV_STAGES = ("seed", "invoke_agent", "verify", "return")
+
+
+def check_manifests(ckpt: dict[str, Any], storage: Path) -> None:
+    """Every participant's manifest is on storage and says what the checkpoint's status says."""
+    listed = ckpt["status"]["participants"]
+    assert sorted(p["instance"] for p in listed) == [
+        "agent-0",
+        "environment-0",
+        "model-0",
+        "resources-0",
+    ]
+    for entry in listed:
+        manifest = read_manifest((storage / entry["manifest"]).parent)
+        assert manifest.checkpoint_id == ckpt["metadata"]["name"]
+        assert manifest.records_sha256 == entry["recordsSha256"]
+        assert manifest.record_count == entry["recordCount"]
+        assert manifest.bytes == entry["bytes"]
+
+
+def completed(reply: dict[str, Any], rollout_id: str, attempt: int) -> dict[str, int]:
+    """Completions per step name of one rollout under one attempt, from a server's /stats."""
+    steps = ((reply.get("rollouts") or {}).get(rollout_id) or {}).get(str(attempt)) or {}
+    return {name: int(events.get("completed", 0)) for name, events in steps.items()}
+
+
+def done_before_checkpoint(agent_record: Any) -> set[str]:
+    """Agent steps that had completed when the checkpoint recorded this session (a session
+    at `tool` of turn t has its model call of turn t behind it)."""
+    step = agent_record.data["step"]
+    turn = int(agent_record.data["state"]["turn"])
+    names = {f"model@{t}" for t in range(turn)} | {f"tool@{t}" for t in range(turn)}
+    if step == "tool":
+        names.add(f"model@{turn}")
+    if step == "done":
+        names |= {f"model@{turn}", f"tool@{turn}"}
+    return names
+
+
+@dataclass
+class RecoveredRun:
+    """A run of episodes across one recovery, plus an uninterrupted run of the same tasks."""
+
+    specs: Sequence[EpisodeSpec]
+    outcomes: Sequence[EpisodeResult | EpisodeFailed]
+    reference_specs: Sequence[EpisodeSpec]
+    reference: Sequence[EpisodeResult | EpisodeFailed]
+    storage: Path
+    checkpoint: dict[str, Any]
+    """The Ready RolloutCheckpoint the recovery restored."""
+    stats: dict[str, dict[str, Any]]
+    """/stats?detail=true of the new attempt's environment, agent and model, by role."""
+    attempt: int = 2
+    """The attempt the set runs after the recovery (the checkpoint's attempt is the lost one)."""
+
+
+def check_recovered_run(run: RecoveredRun) -> dict[str, EpisodeResult]:
+    """The invariants of DESIGN 8 after a recovery, checked from the client's results, the
+    new attempt's server-side counters and the checkpoint's records on storage:
+
+    - every episode finished exactly once, with the answer, reward and turns of the
+      uninterrupted run of the same task;
+    - no episode completed twice: one that finished under the lost attempt did not run again
+      under the new one, and each one that ran again completed there once;
+    - no step completed before the checkpoint ran again (environment stages and agent turns);
+    - a generation cut by the checkpoint continued from its prefix: the new attempt generated
+      exactly the tokens the uninterrupted generation has beyond it.
+    """
+    failures = [o for o in run.outcomes if isinstance(o, EpisodeFailed)]
+    assert not failures, failures
+    results = {o.rollout_id: o for o in run.outcomes if isinstance(o, EpisodeResult)}
+    assert len(results) == len(run.specs)
+    refs = [r for r in run.reference if isinstance(r, EpisodeResult)]
+    assert len(refs) == len(run.reference_specs) == len(run.specs)
+    ref_of = {
+        spec.rollout_id: ref_spec.rollout_id
+        for spec, ref_spec in zip(run.specs, run.reference_specs, strict=True)
+    }
+    for spec, ref in zip(run.specs, refs, strict=True):
+        got = results[spec.rollout_id]
+        assert (got.answer, got.reward, got.steps) == (ref.answer, ref.reward, ref.steps), (
+            spec.rollout_id
+        )
+    lost = int(run.checkpoint["status"]["attempt"])
+    assert {r.attempt for r in results.values()} <= {lost, run.attempt}
+
+    env_stats, agent_stats = run.stats["environment"], run.stats["agent"]
+    for rid, result in results.items():
+        runs = completed(env_stats, rid, run.attempt).get("run", 0)
+        assert runs == (1 if result.attempt == run.attempt else 0), (rid, result.attempt, runs)
+
+    name = run.checkpoint["metadata"]["name"]
+    set_name = run.checkpoint["spec"]["rolloutSet"]
+    records = checkpoint_records(run.storage, set_name, name)
+    env_records = {r.rollout_id: r for r in records["environment-0"]}
+    agent_records = {r.rollout_id: r for r in records["agent-0"]}
+    assert len(env_records) == run.checkpoint["status"]["episodes"]
+    continued = [rid for rid, r in results.items() if r.continued_from == lost]
+    assert continued, (
+        "no episode continued from the checkpoint: "
+        + ", ".join(f"{r.rollout_id}@{r.attempt}<-{r.continued_from}" for r in results.values())
+        + f"; checkpoint scope {sorted(env_records)}"
+    )
+    assert set(continued) <= set(env_records)
+    for rid in continued:
+        stage = env_records[rid].data["step"]
+        before = ENV_STAGES[: ENV_STAGES.index(stage)]
+        env_now = completed(env_stats, rid, run.attempt)
+        assert not [s for s in before if env_now.get(s)], (rid, stage, env_now)
+        if rid in agent_records:
+            agent_now = {n for n, c in completed(agent_stats, rid, run.attempt).items() if c}
+            redone = done_before_checkpoint(agent_records[rid]) & agent_now
+            assert not redone, (rid, agent_records[rid].data["step"], redone)
+
+    tokens = run.stats["model"]["tokens"][str(run.attempt)]["by_request"]
+    for record in records["model-0"]:
+        if record.kind != "generation" or record.data["step"] != "generate":
+            continue
+        rid = record.rollout_id
+        key = f"{rid}/{record.key}"
+        if results[rid].attempt == run.attempt and key in tokens:
+            prefix = int(record.data["state"]["tokens"])
+            assert tokens[key] == tokens[f"{ref_of[rid]}/{record.key}"] - prefix, key
+    return results

@@ -24,7 +24,10 @@ import yaml
 from operator_fixtures import (
     Debug,
     OperatorProcess,
+    RecoveredRun,
     Resources,
+    check_manifests,
+    check_recovered_run,
     condition,
     example_checkpoint,
     example_set,
@@ -39,7 +42,6 @@ from operator_fixtures import (
 from rollout_operator.demo import checkpoint_records
 from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
 from rollout_servers.discovery import rollout_set_topology
-from rollout_servers.storage import read_manifest
 
 from devcluster.cluster import Cluster
 
@@ -48,7 +50,6 @@ __all__ = ["operator", "resources", "storage_dir"]
 EPISODES = 24
 SEED = 11
 HELD_AT_TOKEN = 2
-ENV_STAGES = ("seed", "invoke_agent", "verify", "return")
 
 
 def write_examples(folder: Path, storage: Path) -> None:
@@ -59,40 +60,6 @@ def write_examples(folder: Path, storage: Path) -> None:
     (folder / "rolloutcheckpoint.yaml").write_text(
         yaml.safe_dump(example_checkpoint("math-rl-manual-1"))
     )
-
-
-def check_manifests(ckpt: dict[str, Any], storage: Path) -> None:
-    """Every participant's manifest is on storage and says what the status says."""
-    listed = ckpt["status"]["participants"]
-    assert sorted(p["instance"] for p in listed) == [
-        "agent-0",
-        "environment-0",
-        "model-0",
-        "resources-0",
-    ]
-    for entry in listed:
-        manifest = read_manifest((storage / entry["manifest"]).parent)
-        assert manifest.checkpoint_id == ckpt["metadata"]["name"]
-        assert manifest.records_sha256 == entry["recordsSha256"]
-        assert manifest.record_count == entry["recordCount"]
-        assert manifest.bytes == entry["bytes"]
-
-
-def completed(reply: dict[str, Any], rollout_id: str, attempt: int) -> dict[str, int]:
-    steps = ((reply.get("rollouts") or {}).get(rollout_id) or {}).get(str(attempt)) or {}
-    return {name: int(events.get("completed", 0)) for name, events in steps.items()}
-
-
-def done_before_checkpoint(agent_record: Any) -> set[str]:
-    """Agent steps that had completed when the checkpoint recorded this session."""
-    step = agent_record.data["step"]
-    turn = int(agent_record.data["state"]["turn"])
-    names = {f"model@{t}" for t in range(turn)} | {f"tool@{t}" for t in range(turn)}
-    if step == "tool":
-        names.add(f"model@{turn}")
-    if step == "done":
-        names |= {f"model@{turn}", f"tool@{turn}"}
-    return names
 
 
 async def test_examples_checkpoint_then_model_pod_killed_mid_generation(
@@ -183,13 +150,13 @@ async def test_examples_checkpoint_then_model_pod_killed_mid_generation(
             )
 
         # The same tasks, uninterrupted, on the recovered set: the reference.
-        reference = await RolloutClient(topology, concurrency=EPISODES).run_all(
-            episode_specs(EPISODES, SEED, prefix="ref")
-        )
+        reference_specs = episode_specs(EPISODES, SEED, prefix="ref")
+        reference = await RolloutClient(topology, concurrency=EPISODES).run_all(reference_specs)
         a2 = participants_by_role(recovered)
-        env_stats = await stats(http, a2["environment"][0]["address"])
-        agent_stats = await stats(http, a2["agent"][0]["address"])
-        model_stats = await stats(http, a2["model"][0]["address"])
+        new_stats = {
+            role: await stats(http, a2[role][0]["address"])
+            for role in ("environment", "agent", "model")
+        }
 
     # --- the recovery, as the API shows it
     during = seen_recovering[0]
@@ -205,70 +172,31 @@ async def test_examples_checkpoint_then_model_pod_killed_mid_generation(
         "math-rl-resources-0-a2",
     ]
 
-    # --- every episode finished once, with the reward of the uninterrupted run
-    failures = [o for o in outcomes if isinstance(o, EpisodeFailed)]
-    assert not failures, failures
-    results = {o.rollout_id: o for o in outcomes if isinstance(o, EpisodeResult)}
-    assert len(results) == EPISODES
-    refs = [r for r in reference if isinstance(r, EpisodeResult)]
-    assert len(refs) == EPISODES
-    for spec, ref in zip(specs, refs, strict=True):
-        got = results[spec.rollout_id]
-        assert (got.answer, got.reward, got.steps) == (ref.answer, ref.reward, ref.steps), (
-            spec.rollout_id
+    # --- every episode finished once, with the reward of the uninterrupted run; none
+    # completed twice; nothing completed before the checkpoint ran again
+    results = check_recovered_run(
+        RecoveredRun(
+            specs=specs,
+            outcomes=outcomes,
+            reference_specs=reference_specs,
+            reference=reference,
+            storage=storage_dir,
+            checkpoint=ckpt,
+            stats=new_stats,
         )
+    )
+    # The held episode was cut at the checkpoint and was mid-generation at the kill: it
+    # continued from its two recorded tokens.
     assert results[held].attempt == 2
     assert results[held].continued_from == 1
-
-    # --- no episode completed twice: what finished under attempt 1 did not run again
-    for rid, result in results.items():
-        runs = completed(env_stats, rid, 2).get("run", 0)
-        if result.attempt == 2:
-            assert runs == 1, rid
-        else:
-            assert runs == 0, rid
-
-    # --- nothing completed before the checkpoint ran again under attempt 2
-    records = checkpoint_records(storage_dir, "math-rl", name)
-    env_records = {r.rollout_id: r for r in records["environment-0"]}
-    agent_records = {r.rollout_id: r for r in records["agent-0"]}
-    scope = set(env_records)
-    assert held in scope
-    assert len(scope) == status["episodes"]
-    continued = [rid for rid, r in results.items() if r.continued_from == 1]
-    print(
-        f"scope {len(scope)}, continued {len(continued)}, finished under attempt 1 "
-        f"{sum(r.attempt == 1 for r in results.values())}, cuts {len(records['model-0'])}"
-    )
-    assert continued, "no episode continued from the checkpoint"
-    assert set(continued) <= scope
-    for rid in continued:
-        stage = env_records[rid].data["step"]
-        before = ENV_STAGES[: ENV_STAGES.index(stage)]
-        env_a2 = completed(env_stats, rid, 2)
-        assert not [s for s in before if env_a2.get(s)], (rid, stage, env_a2)
-        if rid in agent_records:
-            agent_a2 = completed(agent_stats, rid, 2)
-            redone = done_before_checkpoint(agent_records[rid]) & {
-                n for n, c in agent_a2.items() if c
-            }
-            assert not redone, (rid, agent_records[rid].data["step"], redone)
-
-    # The generation cut at the checkpoint continued from its prefix: only the rest was made.
-    tokens_a2 = model_stats["tokens"]["2"]["by_request"]
-    cuts = {
-        f"{r.rollout_id}/{r.key}": int(r.data["state"]["tokens"])
-        for r in records["model-0"]
-        if r.kind == "generation" and r.data["step"] == "generate"
+    cut = {
+        f"{r.rollout_id}/{r.key}": r.data["state"]["tokens"]
+        for r in checkpoint_records(storage_dir, "math-rl", name)["model-0"]
+        if r.kind == "generation"
     }
-    assert cuts[f"{held}/0"] == HELD_AT_TOKEN
-    ref_held = f"{specs[0].rollout_id.replace('r', 'ref', 1)}/0"
-    assert tokens_a2[f"{held}/0"] == tokens_a2[ref_held] - HELD_AT_TOKEN
-    for key, prefix in cuts.items():
-        rid, _, turn = key.partition("/")
-        if results[rid].attempt == 2 and key in tokens_a2:
-            ref_key = f"ref{rid[1:]}/{turn}"
-            assert tokens_a2[key] == tokens_a2[ref_key] - prefix, key
+    assert cut[f"{held}/0"] == HELD_AT_TOKEN
+    tokens = new_stats["model"]["tokens"]["2"]["by_request"]
+    assert tokens[f"{held}/0"] == tokens[f"{reference_specs[0].rollout_id}/0"] - HELD_AT_TOKEN
 
     # --- the other set never started; it is Degraded with the scheduler's reason
     stuck = await resources.wait_set(
