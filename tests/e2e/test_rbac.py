@@ -1,0 +1,722 @@
+"""The chart's RBAC is exactly enough, proven on a real API server (devcluster).
+
+The chart's ServiceAccount and RBAC are rendered with the real helm and applied; a token for the
+ServiceAccount is minted with the TokenRequest API (`kubectl create token`); the operator runs as
+a process whose kubeconfig holds only that token (no client certificate), so every call it makes
+is authorized by the chart's rules and nothing else.
+
+- With the default values (cluster mode, `--all-namespaces` as the chart's Deployment runs it),
+  the operator runs the examples' story: a set of the four reference servers Ready, a checkpoint
+  while episodes run, the model pod killed, recovery under attempt 2 from that checkpoint, every
+  episode finished; `/metrics` then shows the checkpoint, restore and attempt metrics with values,
+  and the transitions are Kubernetes Events.
+- With any single verb of any rule removed, some operation fails with 403: the API server's
+  denial ("cannot <verb> resource ...") shows up in the operator's log or in the status of the
+  object it was working on. Cases run in namespaced mode (a Role in the case's namespace plus the
+  small ClusterRole), whose grants are the cluster mode's plus Kopf's namespace watch
+  (tests/unit/test_chart.py proves that parity), so every verb of both modes is covered. To stay
+  cheap on two cores each case runs a short probe (a one-pod set, a checkpoint of a missing set,
+  a killed pod) in its own namespace, several cases at once.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+import yaml
+from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
+from rollout_servers.discovery import rollout_set_topology
+
+from devcluster.cluster import Cluster
+from devcluster.paths import find_binaries
+from devcluster.testing import namespace_name, wait_for_sync
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "rollout-operator"
+CRDS = ROOT / "crds"
+EXAMPLES = ROOT / "examples"
+KUBE_VERSION = "1.37.2"
+GROUP = "checkpoint.rollout.dev"
+CASE_TIMEOUT = 60.0
+CONCURRENT_CASES = 4
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+# --- the chart's RBAC, rendered and applied ------------------------------------------------------
+
+
+def render_rbac(release: str, namespace: str, values: dict[str, str]) -> list[dict[str, Any]]:
+    """The chart's ServiceAccount and RBAC objects, as `helm install -n <namespace>` would."""
+    helm = find_binaries(("helm",))["helm"]
+    argv = [str(helm), "template", release, str(CHART), "--namespace", namespace]
+    argv += ["--kube-version", KUBE_VERSION]
+    for key, value in values.items():
+        argv += ["--set", f"{key}={value}"]
+    argv += ["--show-only", "templates/serviceaccount.yaml", "--show-only", "templates/rbac.yaml"]
+    env = {**os.environ, "HELM_CACHE_HOME": "/nonexistent", "HELM_CONFIG_HOME": "/nonexistent"}
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, env=env).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+@dataclass(frozen=True)
+class Grant:
+    """One verb on one resource, and which probe step first needs it."""
+
+    group: str
+    resource: str
+    verb: str
+    step: str
+    """start: Kopf's watches; set: a RolloutSet; checkpoint: a RolloutCheckpoint; kill: a pod
+    lost (recovery)."""
+
+    @property
+    def id(self) -> str:
+        return f"{self.verb}-{self.resource.replace('/', '-')}"
+
+    @property
+    def denial(self) -> str:
+        """What the API server says when it refuses this verb (quotes unescaped)."""
+        return f'cannot {self.verb} resource "{self.resource}" in API group "{self.group}"'
+
+
+def _g(group: str, resource: str, steps: dict[str, str]) -> list[Grant]:
+    return [Grant(group, resource, verb, step) for verb, step in steps.items()]
+
+
+GRANTS = [
+    *_g(GROUP, "rolloutsets", {"get": "set", "list": "start", "watch": "start", "patch": "set"}),
+    *_g(GROUP, "rolloutsets/status", {"patch": "set"}),
+    *_g(
+        GROUP,
+        "rolloutcheckpoints",
+        {"get": "checkpoint", "list": "start", "watch": "start", "patch": "checkpoint"},
+    ),
+    *_g(GROUP, "rolloutcheckpoints/status", {"patch": "checkpoint"}),
+    *_g("", "pods", {"list": "start", "watch": "start", "create": "set", "delete": "kill"}),
+    *_g("", "services", {"create": "set"}),
+    *_g("", "secrets", {"get": "set", "create": "set"}),
+    *_g("", "events", {"create": "set"}),
+    *_g("", "nodes", {"get": "kill", "list": "start", "watch": "start"}),
+    *_g("apiextensions.k8s.io", "customresourcedefinitions", {"list": "start", "watch": "start"}),
+    *_g("", "namespaces", {"list": "start", "watch": "start"}),
+]
+"""Every verb the namespaced-mode chart grants (test_the_cases_are_the_charts_grants checks)."""
+
+
+def namespaced_values(namespace: str) -> dict[str, str]:
+    return {"watch.mode": "namespaced", "watch.namespaces": "{" + namespace + "}"}
+
+
+def granted(docs: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    return {
+        (group, resource, verb)
+        for doc in docs
+        if doc["kind"] in ("Role", "ClusterRole")
+        for rule in doc["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def without(docs: list[dict[str, Any]], grant: Grant) -> list[dict[str, Any]]:
+    """The same objects with one verb taken out of the rule that grants it."""
+    removed = 0
+    for doc in docs:
+        if doc["kind"] not in ("Role", "ClusterRole"):
+            continue
+        rules = []
+        for rule in doc["rules"]:
+            if grant.group in rule["apiGroups"] and grant.resource in rule["resources"]:
+                assert rule["apiGroups"] == [grant.group]
+                assert rule["resources"] == [grant.resource]
+                if grant.verb in rule["verbs"]:
+                    removed += 1
+                    rule = {**rule, "verbs": [v for v in rule["verbs"] if v != grant.verb]}
+            if rule["verbs"]:
+                rules.append(rule)
+        doc["rules"] = rules
+    assert removed == 1, f"{grant} is granted {removed} times"
+    return docs
+
+
+def service_account(docs: list[dict[str, Any]]) -> tuple[str, str]:
+    (account,) = [d for d in docs if d["kind"] == "ServiceAccount"]
+    return account["metadata"]["namespace"], account["metadata"]["name"]
+
+
+def apply_rbac(cluster: Cluster, docs: list[dict[str, Any]], probe: Grant) -> None:
+    """Apply, then wait until the authorizer's cache grants `probe` (RBAC is eventually
+    consistent: an operator started earlier would see 403s that the rules do not cause)."""
+    cluster.kubectl(
+        "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs})
+    )
+    namespace, name = service_account(docs)
+    resource = probe.resource.split("/")[0] + (f".{probe.group}" if probe.group else "")
+    argv = ["auth", "can-i", probe.verb, resource, f"--as=system:serviceaccount:{namespace}:{name}"]
+    if "/" in probe.resource:
+        argv.append(f"--subresource={probe.resource.split('/')[1]}")
+    if probe.resource not in ("nodes", "namespaces", "customresourcedefinitions"):
+        argv += ["-n", namespace]
+    wait_for_sync(
+        lambda: cluster.kubectl(*argv, check=False).stdout.strip() == "yes",
+        15,
+        f"RBAC to grant {probe.verb} {probe.resource} to {name}",
+        interval=0.1,
+    )
+
+
+def delete_rbac(cluster: Cluster, docs: list[dict[str, Any]]) -> None:
+    for doc in docs:
+        if doc["kind"] in ("ClusterRole", "ClusterRoleBinding"):
+            cluster.kubectl(
+                "delete", doc["kind"], doc["metadata"]["name"], "--wait=false", check=False
+            )
+
+
+def token_kubeconfig(cluster: Cluster, docs: list[dict[str, Any]], path: Path) -> Path:
+    """A kubeconfig that authenticates with a fresh ServiceAccount token and nothing else."""
+    namespace, name = service_account(docs)
+    # kubectl create token calls the TokenRequest API (serviceaccounts/token create).
+    token = cluster.kubectl(
+        "create", "token", name, "-n", namespace, "--duration=3600s"
+    ).stdout.strip()
+    payload = token.split(".")[1]
+    claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    assert claims["sub"] == f"system:serviceaccount:{namespace}:{name}"
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": "devcluster",
+                "cluster": {"server": cluster.server, "certificate-authority": str(cluster.ca)},
+            }
+        ],
+        "users": [{"name": name, "user": {"token": token}}],
+        "contexts": [
+            {
+                "name": "sa",
+                "context": {"cluster": "devcluster", "user": name, "namespace": namespace},
+            }
+        ],
+        "current-context": "sa",
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+# --- the operator as a process under that token --------------------------------------------------
+
+
+class Operator:
+    """`rollout-operator run` with the token kubeconfig, logging to a file."""
+
+    def __init__(self, kubeconfig: Path, log: Path, scope: list[str]) -> None:
+        self.kubeconfig = kubeconfig
+        self.log = log
+        self.scope = scope
+        self.liveness = f"http://127.0.0.1:{free_port()}/healthz"
+        self.metrics_port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        argv = [sys.executable, "-m", "rollout_operator.cli", "run", *self.scope]
+        argv += ["--liveness", self.liveness, "--metrics-port", str(self.metrics_port)]
+        argv += ["--standalone"]
+        # Only the token kubeconfig: no admin credentials may leak in through the environment.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBE")}
+        env["KUBECONFIG"] = str(self.kubeconfig)
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(
+                argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def stop(self, *, graceful: bool = True) -> None:
+        """SIGTERM (Kopf stops its daemons, up to their cancellation timeouts), or SIGKILL
+        when nothing it would finish matters (the probes)."""
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        with suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM if graceful else signal.SIGKILL)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            with suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+
+    def rbac_denials(self, subject: str) -> list[str]:
+        """Log lines with an RBAC denial of `subject` (other 403s, e.g. a namespace being
+        terminated, are not about RBAC)."""
+        marker = f'User "{subject}" cannot'
+        return [line for line in self.text().replace("\\", "").splitlines() if marker in line]
+
+
+@contextmanager
+def operator_process(
+    kubeconfig: Path, log: Path, scope: list[str], *, graceful: bool = True
+) -> Iterator[Operator]:
+    running = Operator(kubeconfig, log, scope)
+    running.start()
+    try:
+        yield running
+    finally:
+        running.stop(graceful=graceful)
+
+
+def release_finalizers(cluster: Cluster, namespace: str) -> None:
+    """After the operator stopped: drop its finalizers so the namespace can go."""
+    for kind in ("rckpt", "rset"):
+        names = cluster.kubectl("get", kind, "-n", namespace, "-o", "name", check=False).stdout
+        for name in names.split():
+            cluster.kubectl(
+                "patch",
+                name,
+                "-n",
+                namespace,
+                "--type=merge",
+                "-p",
+                '{"metadata":{"finalizers":null}}',
+                check=False,
+            )
+
+
+def create_namespace(cluster: Cluster, name: str) -> None:
+    cluster.kubectl("create", "namespace", name)
+    wait_for_sync(
+        lambda: (
+            cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode
+            == 0
+        ),
+        30,
+        f"the default ServiceAccount in {name}",
+        interval=0.2,
+    )
+
+
+def delete_namespace(cluster: Cluster, name: str) -> None:
+    cluster.kubectl(
+        "delete",
+        "pods",
+        "--all",
+        "-n",
+        name,
+        "--force",
+        "--grace-period=0",
+        "--wait=false",
+        check=False,
+    )
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def crds(cluster: Cluster) -> None:
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRDS))
+    cluster.kubectl(
+        "wait",
+        "--for=condition=Established",
+        "--timeout=30s",
+        f"crd/rolloutsets.{GROUP}",
+        f"crd/rolloutcheckpoints.{GROUP}",
+    )
+
+
+def apply(cluster: Cluster, namespace: str, obj: dict[str, Any]) -> None:
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj))
+
+
+def get_json(cluster: Cluster, *args: str) -> dict[str, Any]:
+    result = cluster.kubectl("get", *args, "-o", "json", check=False)
+    if result.returncode != 0:
+        return {}
+    loaded: dict[str, Any] = json.loads(result.stdout)
+    return loaded
+
+
+def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    for item in (obj.get("status") or {}).get("conditions") or []:
+        if item.get("type") == type_:
+            return dict(item)
+    return {}
+
+
+# --- the cases match the chart -------------------------------------------------------------------
+
+
+def test_the_cases_are_the_charts_grants() -> None:
+    """Every verb the chart grants has a removal case below, and nothing else does."""
+    docs = render_rbac("rel", "ns", namespaced_values("ns"))
+    assert granted(docs) == {(g.group, g.resource, g.verb) for g in GRANTS}
+    cluster_mode = granted(render_rbac("rel", "ns", {}))
+    assert cluster_mode == granted(docs) - {("", "namespaces", "list"), ("", "namespaces", "watch")}
+
+
+# --- the story under the chart's ServiceAccount ---------------------------------------------------
+
+
+def example_set(storage: Path) -> dict[str, Any]:
+    """examples/rolloutset.yaml with its storage moved to this test's folder."""
+    obj: dict[str, Any] = yaml.safe_load((EXAMPLES / "rolloutset.yaml").read_text())
+    obj["spec"]["storage"] = {
+        "path": str(storage),
+        "volume": {"hostPath": {"path": str(storage), "type": "DirectoryOrCreate"}},
+    }
+    for participant in obj["spec"]["participants"]:
+        if participant["role"] == "model":
+            container = participant["template"]["spec"]["containers"][0]
+            container["args"] = [*container["args"], "--debug-hooks"]
+    return obj
+
+
+def checkpoint(name: str, set_name: str) -> dict[str, Any]:
+    obj: dict[str, Any] = yaml.safe_load((EXAMPLES / "rolloutcheckpoint.yaml").read_text())
+    obj["metadata"]["name"] = name
+    obj["spec"]["rolloutSet"] = set_name
+    return obj
+
+
+def samples(text: str) -> dict[str, float]:
+    """`name{labels} value` lines of a Prometheus exposition, keyed by name{labels}."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, number = line.rpartition(" ")
+            out[key] = float(number)
+    return out
+
+
+def sample(found: dict[str, float], name: str, **labels: str) -> float | None:
+    for key, number in found.items():
+        metric, _, rest = key.partition("{")
+        if metric != name:
+            continue
+        if all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            return number
+    return None
+
+
+async def hold_at_token(http: httpx.AsyncClient, model: str, rollout_id: str) -> None:
+    """Arm the model's `token` pause point (`--debug-hooks`) for one episode: it stays
+    mid-generation, so the checkpoint provably captures a live episode."""
+    body = {"point": "token", "rollout_id": rollout_id, "index": 2}
+    reply = await http.post(model + "/debug/arm", json=body)
+    assert reply.status_code == 200, reply.text
+
+
+async def wait_held(http: httpx.AsyncClient, model: str, rollout_id: str) -> None:
+    body = {"point": "token", "rollout_id": rollout_id, "paused": True, "count": 1, "timeout_s": 30}
+    reply = await http.post(model + "/debug/wait", json=body, timeout=40)
+    assert reply.status_code == 200, reply.text
+
+
+async def wait_obj(
+    cluster: Cluster, kind: str, name: str, namespace: str, what: str, check: Any, limit_s: float
+) -> dict[str, Any]:
+    deadline = time.monotonic() + limit_s
+    last: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        last = get_json(cluster, kind, name, "-n", namespace)
+        if last and check(last):
+            return last
+        await anyio.sleep(0.3)
+    raise AssertionError(
+        f"{kind}/{name} not {what} within {limit_s}s; status: {last.get('status')}"
+    )
+
+
+async def test_checkpoint_and_recovery_under_the_charts_service_account(
+    cluster: Cluster, crds: None, namespace: str, tmp_path: Path
+) -> None:
+    docs = render_rbac("rbac-e2e", namespace, {})
+    sa_namespace, sa_name = service_account(docs)
+    subject = f"system:serviceaccount:{sa_namespace}:{sa_name}"
+    storage = tmp_path / "checkpoints"
+    storage.mkdir()
+    try:
+        apply_rbac(cluster, docs, GRANTS[0])
+        kubeconfig = token_kubeconfig(cluster, docs, tmp_path / "sa.kubeconfig")
+        assert "client-certificate" not in kubeconfig.read_text()
+        with operator_process(kubeconfig, tmp_path / "operator.log", ["--all-namespaces"]) as op:
+            try:
+                await story(cluster, namespace, storage, op, subject)
+            finally:
+                cluster.kubectl(
+                    "delete", "rckpt,rset", "--all", "-n", namespace, "--timeout=60s", check=False
+                )
+                print(f"--- operator log ---\n{op.text()[-6000:]}")
+    finally:
+        release_finalizers(cluster, namespace)
+        delete_rbac(cluster, docs)
+
+
+async def story(
+    cluster: Cluster, namespace: str, storage: Path, op: Operator, subject: str
+) -> None:
+    apply(cluster, namespace, example_set(storage))
+    ready = await wait_obj(
+        cluster,
+        "rset",
+        "math-rl",
+        namespace,
+        "Ready",
+        lambda o: condition(o, "Ready").get("status") == "True",
+        120,
+    )
+    model = next(p for p in ready["status"]["participants"] if p["role"] == "model")
+    specs = episode_specs(8, 5)
+    held = specs[0].rollout_id
+
+    outcomes: list[EpisodeResult | EpisodeFailed] = []
+    async with (
+        httpx.AsyncClient(timeout=10) as http,
+        rollout_set_topology("math-rl", namespace, kubeconfig=cluster.kubeconfig) as topology,
+    ):
+        await hold_at_token(http, model["address"], held)
+        rollout_client = RolloutClient(
+            topology, concurrency=8, restore_timeout_s=120, run_timeout_s=180
+        )
+        async with anyio.create_task_group() as group:
+
+            async def run() -> None:
+                outcomes.extend(await rollout_client.run_all(specs))
+
+            group.start_soon(run)
+            await wait_held(http, model["address"], held)
+
+            apply(cluster, namespace, checkpoint("sa-1", "math-rl"))
+            ckpt = await wait_obj(
+                cluster,
+                "rckpt",
+                "sa-1",
+                namespace,
+                "Ready or Failed",
+                lambda o: (o.get("status") or {}).get("phase") in ("Ready", "Failed"),
+                90,
+            )
+            assert condition(ckpt, "Ready").get("status") == "True", ckpt["status"]
+            assert ckpt["status"]["episodes"] >= 1
+
+            assert await cluster.admin.kill_pod_async(namespace, model["pod"])
+            recovered = await wait_obj(
+                cluster,
+                "rset",
+                "math-rl",
+                namespace,
+                "Ready under attempt 2",
+                lambda o: (
+                    o["status"].get("attempt") == 2
+                    and condition(o, "Ready").get("status") == "True"
+                ),
+                120,
+            )
+            assert condition(recovered, "Recovering")["reason"] == "Restored"
+    failures = [o for o in outcomes if isinstance(o, EpisodeFailed)]
+    assert not failures, failures
+    assert len(outcomes) == 8
+    (held_result,) = [o for o in outcomes if o.rollout_id == held]
+    assert isinstance(held_result, EpisodeResult)
+    assert (held_result.attempt, held_result.continued_from) == (2, 1)
+
+    # /metrics has values for what just happened. The handlers record a transition right after
+    # writing it, so poll until the last of them is there.
+    by_set = {"namespace": namespace, "set": "math-rl"}
+    ready_ckpt = {**by_set, "trigger": "Manual", "outcome": "Ready"}
+    expected: list[tuple[str, dict[str, str], Any]] = [
+        ("rollout_checkpoint_duration_seconds_count", ready_ckpt, 1),
+        ("rollout_checkpoint_pause_seconds_count", ready_ckpt, 1),
+        ("rollout_checkpoint_episodes_continued_total", by_set, ckpt["status"]["episodes"]),
+        ("rollout_checkpoint_episodes_restarted_total", by_set, ckpt["status"]["restarts"]),
+        ("rollout_restores_total", {**by_set, "outcome": "Restored"}, 1),
+        ("rollout_set_attempt", by_set, 2),
+    ]
+    url = f"http://127.0.0.1:{op.metrics_port}/metrics"
+    found: dict[str, float] = {}
+    async with httpx.AsyncClient(timeout=5) as http:
+        deadline = time.monotonic() + 20
+        while True:
+            found = samples((await http.get(url)).text)
+            missing = [
+                (name, labels, want)
+                for name, labels, want in expected
+                if sample(found, name, **labels) != want
+            ]
+            if not missing:
+                break
+            assert time.monotonic() < deadline, f"metrics not there: {missing}"
+            await anyio.sleep(0.3)
+    assert (sample(found, "rollout_checkpoint_duration_seconds_sum", **ready_ckpt) or 0) > 0
+    assert (sample(found, "rollout_checkpoint_bytes_total", **by_set) or 0) > 0
+
+    # Events on the transitions, posted under the ServiceAccount.
+    wanted = {
+        ("RolloutCheckpoint", "Published"),
+        ("RolloutCheckpoint", "Completed"),
+        ("RolloutSet", "AllParticipantsReady"),
+        ("RolloutSet", "PodFailed"),
+        ("RolloutSet", "StartingPods"),
+        ("RolloutSet", "Restored"),
+    }
+    reasons: set[tuple[str, str]] = set()
+    deadline = time.monotonic() + 20
+    while not wanted <= reasons:
+        assert time.monotonic() < deadline, f"Events missing: {sorted(wanted - reasons)}"
+        events = get_json(cluster, "events", "-n", namespace).get("items") or []
+        reasons = {(e["involvedObject"]["kind"], e["reason"]) for e in events}
+        await anyio.sleep(0.3)
+
+    # Exactly enough: the story needed no permission the chart does not grant.
+    assert op.rbac_denials(subject) == []
+
+
+# --- one verb removed at a time ------------------------------------------------------------------
+
+
+PROBE_SCRIPT = "import time; time.sleep(600)"
+
+
+def probe_set(storage: Path) -> dict[str, Any]:
+    """One pod that just runs: enough for the set, its pods, Services, Secret and a recovery."""
+    container = {
+        "name": "probe",
+        "image": "unused.invalid/probe",
+        "command": [sys.executable, "-c", PROBE_SCRIPT],
+        "ports": [{"name": "control", "containerPort": 8000}],
+    }
+    return {
+        "apiVersion": f"{GROUP}/v1alpha1",
+        "kind": "RolloutSet",
+        "metadata": {"name": "probe"},
+        "spec": {
+            "participants": [
+                {"role": "model", "replicas": 1, "template": {"spec": {"containers": [container]}}}
+            ],
+            "storage": {
+                "path": str(storage),
+                "volume": {"hostPath": {"path": str(storage), "type": "DirectoryOrCreate"}},
+            },
+        },
+    }
+
+
+@dataclass
+class Outcome:
+    grant: Grant
+    seen: bool
+    detail: str
+
+
+def found_denial(cluster: Cluster, namespace: str, op: Operator, grant: Grant) -> bool:
+    if grant.denial in op.text().replace("\\", ""):
+        return True
+    objects = cluster.kubectl(
+        "get", "rset,rckpt", "-n", namespace, "-o", "json", check=False
+    ).stdout
+    return grant.denial in objects.replace("\\", "")
+
+
+def run_case(cluster: Cluster, grant: Grant, folder: Path) -> Outcome:
+    """Start the operator with `grant` taken away and drive the probe until the denial shows.
+
+    Synchronous (it runs in a worker thread): every step is a kubectl call or a short poll.
+    """
+    namespace = namespace_name(f"rbac-{grant.id}")
+    folder.mkdir()
+    storage = folder / "checkpoints"
+    storage.mkdir()
+    create_namespace(cluster, namespace)
+    # A release of its own: the ClusterRole and its binding are cluster-wide, cases run at once.
+    release = f"rbac-{secrets.token_hex(4)}"
+    docs = without(render_rbac(release, namespace, namespaced_values(namespace)), grant)
+    try:
+        other = next(g for g in GRANTS if g != grant)
+        apply_rbac(cluster, docs, other)
+        kubeconfig = token_kubeconfig(cluster, docs, folder / "sa.kubeconfig")
+        scope = ["--namespace", namespace]
+        with operator_process(kubeconfig, folder / "operator.log", scope, graceful=False) as op:
+            if grant.step != "start":
+                apply(cluster, namespace, probe_set(storage))
+                apply(cluster, namespace, checkpoint("orphan", "absent"))
+            killed = False
+            deadline = time.monotonic() + CASE_TIMEOUT
+            while not found_denial(cluster, namespace, op, grant):
+                if time.monotonic() > deadline:
+                    return Outcome(grant, False, op.text()[-3000:])
+                if grant.step == "kill" and not killed:
+                    killed = kill_probe_when_running(cluster, namespace)
+                time.sleep(0.3)  # a poll interval under CASE_TIMEOUT, not a synchronisation
+            return Outcome(grant, True, "")
+    finally:
+        release_finalizers(cluster, namespace)
+        delete_rbac(cluster, docs)
+        delete_namespace(cluster, namespace)
+
+
+def kill_probe_when_running(cluster: Cluster, namespace: str) -> bool:
+    """Kill the probe's pod once the set counts its attempt as created (so it is a loss)."""
+    rset = get_json(cluster, "rset", "probe", "-n", namespace)
+    if (rset.get("status") or {}).get("createdAttempt") != 1:
+        return False
+    pod = get_json(cluster, "pod", "probe-model-0-a1", "-n", namespace)
+    if (pod.get("status") or {}).get("phase") != "Running":
+        return False
+    return bool(cluster.kill_pod(namespace, "probe-model-0-a1"))
+
+
+STEPS = ["start", "set", "checkpoint", "kill"]
+
+
+@pytest.mark.parametrize("step", STEPS)
+async def test_each_verb_removed_fails_with_403(
+    cluster: Cluster, crds: None, step: str, tmp_path: Path
+) -> None:
+    """One operator per removed verb, each in its own namespace, a few at a time."""
+    cases = [g for g in GRANTS if g.step == step]
+    outcomes: list[Outcome] = []
+    limiter = anyio.CapacityLimiter(CONCURRENT_CASES)
+
+    async def one(grant: Grant) -> None:
+        outcome = await anyio.to_thread.run_sync(
+            run_case, cluster, grant, tmp_path / grant.id, limiter=limiter
+        )
+        outcomes.append(outcome)
+
+    async with anyio.create_task_group() as group:
+        for grant in cases:
+            group.start_soon(one, grant)
+    missing = [o for o in outcomes if not o.seen]
+    assert not missing, "no 403 seen without: " + "\n\n".join(
+        f"{o.grant.verb} {o.grant.resource}; operator log tail:\n{o.detail}" for o in missing
+    )
+    assert len(outcomes) == len(cases)
