@@ -88,8 +88,9 @@ class Grant:
     resource: str
     verb: str
     step: str
-    """start: Kopf's watches; set: a RolloutSet; checkpoint: a RolloutCheckpoint; kill: a pod
-    lost (recovery)."""
+    """start: Kopf's watches; set: a RolloutSet (with a trainer step: the policy creates a
+    checkpoint); checkpoint: a RolloutCheckpoint; kill: a pod lost (recovery); delete: the set
+    deleted (its finalizer deletes its checkpoints)."""
 
     @property
     def id(self) -> str:
@@ -111,7 +112,14 @@ GRANTS = [
     *_g(
         GROUP,
         "rolloutcheckpoints",
-        {"get": "checkpoint", "list": "start", "watch": "start", "patch": "checkpoint"},
+        {
+            "get": "checkpoint",
+            "list": "start",
+            "watch": "start",
+            "create": "set",
+            "patch": "checkpoint",
+            "delete": "delete",
+        },
     ),
     *_g(GROUP, "rolloutcheckpoints/status", {"patch": "checkpoint"}),
     *_g("", "pods", {"list": "start", "watch": "start", "create": "set", "delete": "kill"}),
@@ -607,7 +615,8 @@ PROBE_SCRIPT = "import time; time.sleep(600)"
 
 
 def probe_set(storage: Path) -> dict[str, Any]:
-    """One pod that just runs: enough for the set, its pods, Services, Secret and a recovery."""
+    """One pod that just runs: enough for the set, its pods, Services, Secret, a recovery, and a
+    policy checkpoint."""
     container = {
         "name": "probe",
         "image": "unused.invalid/probe",
@@ -617,7 +626,8 @@ def probe_set(storage: Path) -> dict[str, Any]:
     return {
         "apiVersion": f"{GROUP}/v1alpha1",
         "kind": "RolloutSet",
-        "metadata": {"name": "probe"},
+        # A trainer step: the checkpoint policy creates a RolloutCheckpoint for it.
+        "metadata": {"name": "probe", "annotations": {f"{GROUP}/trainer-step": "1"}},
         "spec": {
             "participants": [
                 {"role": "model", "replicas": 1, "template": {"spec": {"containers": [container]}}}
@@ -635,15 +645,21 @@ class Outcome:
     grant: Grant
     seen: bool
     detail: str
+    seconds: float = 0.0
+    """From the operator's start to the denial (or the deadline)."""
 
 
-def found_denial(cluster: Cluster, namespace: str, op: Operator, grant: Grant) -> bool:
+def found_denial(
+    cluster: Cluster, namespace: str, op: Operator, grant: Grant, *, objects: bool
+) -> bool:
+    """The denial in the operator's log or, with `objects`, in the status of the set or the
+    checkpoint (refusals the operator reports there, e.g. of a pod or a Service)."""
     if grant.denial in op.text().replace("\\", ""):
         return True
-    objects = cluster.kubectl(
-        "get", "rset,rckpt", "-n", namespace, "-o", "json", check=False
-    ).stdout
-    return grant.denial in objects.replace("\\", "")
+    if not objects:
+        return False
+    found = cluster.kubectl("get", "rset,rckpt", "-n", namespace, "-o", "json", check=False)
+    return grant.denial in found.stdout.replace("\\", "")
 
 
 def run_case(cluster: Cluster, grant: Grant, folder: Path) -> Outcome:
@@ -668,15 +684,21 @@ def run_case(cluster: Cluster, grant: Grant, folder: Path) -> Outcome:
             if grant.step != "start":
                 apply(cluster, namespace, probe_set(storage))
                 apply(cluster, namespace, checkpoint("orphan", "absent"))
-            killed = False
-            deadline = time.monotonic() + CASE_TIMEOUT
-            while not found_denial(cluster, namespace, op, grant):
+            acted = False
+            started = time.monotonic()
+            deadline = started + CASE_TIMEOUT
+            polls = 0
+            # The log every 0.3 s; kubectl (a process each time) only every 1.5 s.
+            while not found_denial(cluster, namespace, op, grant, objects=polls % 5 == 4):
                 if time.monotonic() > deadline:
-                    return Outcome(grant, False, op.text()[-3000:])
-                if grant.step == "kill" and not killed:
-                    killed = kill_probe_when_running(cluster, namespace)
+                    return Outcome(grant, False, op.text()[-3000:], CASE_TIMEOUT)
+                if polls % 5 == 0 and grant.step == "kill" and not acted:
+                    acted = kill_probe_when_running(cluster, namespace)
+                if polls % 5 == 0 and grant.step == "delete" and not acted:
+                    acted = delete_probe_with_a_checkpoint(cluster, namespace)
+                polls += 1
                 time.sleep(0.3)  # a poll interval under CASE_TIMEOUT, not a synchronisation
-            return Outcome(grant, True, "")
+            return Outcome(grant, True, "", time.monotonic() - started)
     finally:
         release_finalizers(cluster, namespace)
         delete_rbac(cluster, docs)
@@ -694,7 +716,16 @@ def kill_probe_when_running(cluster: Cluster, namespace: str) -> bool:
     return bool(cluster.kill_pod(namespace, "probe-model-0-a1"))
 
 
-STEPS = ["start", "set", "checkpoint", "kill"]
+def delete_probe_with_a_checkpoint(cluster: Cluster, namespace: str) -> bool:
+    """Delete the probe set once the policy created its trainer-step checkpoint."""
+    listed = get_json(cluster, "rckpt", "-n", namespace).get("items") or []
+    if not [c for c in listed if c["spec"]["rolloutSet"] == "probe"]:
+        return False
+    cluster.kubectl("delete", "rset", "probe", "-n", namespace, "--wait=false")
+    return True
+
+
+STEPS = ["start", "set", "checkpoint", "kill", "delete"]
 
 
 @pytest.mark.parametrize("step", STEPS)
@@ -715,6 +746,8 @@ async def test_each_verb_removed_fails_with_403(
     async with anyio.create_task_group() as group:
         for grant in cases:
             group.start_soon(one, grant)
+    for o in sorted(outcomes, key=lambda o: -o.seconds):
+        print(f"{o.grant.verb} {o.grant.resource}: 403 after {o.seconds:.1f}s")
     missing = [o for o in outcomes if not o.seen]
     assert not missing, "no 403 seen without: " + "\n\n".join(
         f"{o.grant.verb} {o.grant.resource}; operator log tail:\n{o.detail}" for o in missing

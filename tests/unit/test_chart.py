@@ -145,6 +145,25 @@ def test_the_operator_runs_non_root_on_a_read_only_root_filesystem() -> None:
     assert context["runAsNonRoot"] is True
 
 
+def test_checkpoint_claims_are_mounted_where_the_operator_removes_records() -> None:
+    docs = render({"storage.claims": "{ckpt-a,ckpt-b}"})
+    main = container(docs)
+    assert {
+        "name": "ROLLOUT_OPERATOR_STORAGE_DIR",
+        "value": "/var/lib/rollout-operator/storage",
+    } in (main["env"])
+    mounts = {m["name"]: m["mountPath"] for m in main["volumeMounts"]}
+    assert mounts["storage-0"] == "/var/lib/rollout-operator/storage/ops/ckpt-a"
+    assert mounts["storage-1"] == "/var/lib/rollout-operator/storage/ops/ckpt-b"
+    volumes = only(docs, "Deployment")["spec"]["template"]["spec"]["volumes"]
+    claims = {
+        v["name"]: v["persistentVolumeClaim"]["claimName"]
+        for v in volumes
+        if "persistentVolumeClaim" in v
+    }
+    assert claims == {"storage-0": "ckpt-a", "storage-1": "ckpt-b"}
+
+
 def test_cluster_mode_binds_one_cluster_role_to_the_service_account() -> None:
     docs = render()
     account = only(docs, "ServiceAccount")["metadata"]

@@ -63,7 +63,8 @@ checkpointing.py, recovery.py, handlers/) and with Kopf.
 */}}
 {{- define "rollout-operator.namespacedRules" -}}
 # Kopf: list and watch the sets; patch adds and removes its finalizer and keeps handler progress
-# in annotations. The operator: get re-reads a set before every reconcile pass.
+# in annotations (the policy also records a settled deadline there). The operator: get re-reads
+# a set before every reconcile pass.
 - apiGroups: [checkpoint.rollout.dev]
   resources: [rolloutsets]
   verbs: [get, list, watch, patch]
@@ -73,10 +74,12 @@ checkpointing.py, recovery.py, handlers/) and with Kopf.
   resources: [rolloutsets/status]
   verbs: [patch]
 # Kopf: list, watch and finalizer patches, as for sets (one daemon per checkpoint). The flow:
-# get reads the checkpoint and, in recovery, the latest Ready one.
+# get reads the checkpoint and, in recovery, the latest Ready one. The checkpoint policy creates
+# checkpoints (trainer steps, intervals, the deadline, evictions) and deletes them (retention,
+# and the set's finalizer removes its checkpoints first).
 - apiGroups: [checkpoint.rollout.dev]
   resources: [rolloutcheckpoints]
-  verbs: [get, list, watch, patch]
+  verbs: [get, list, watch, create, patch, delete]
 # The checkpoint flow persists its phase and conditions, and publishes, in status.
 - apiGroups: [checkpoint.rollout.dev]
   resources: [rolloutcheckpoints/status]
@@ -88,8 +91,9 @@ checkpointing.py, recovery.py, handlers/) and with Kopf.
   resources: [rolloutsets/finalizers]
   verbs: [update]
 {{- end }}
-# Participant pods: list and watch (Kopf's pod events wake the set), create the pods of an
-# attempt, delete the pods of a lost attempt in recovery. Never update: pods are replaced.
+# Participant pods: list and watch (Kopf's pod events wake the set; a terminating pod starts an
+# eviction checkpoint), create the pods of an attempt, delete the pods of a lost attempt in
+# recovery and of a suspended set. Never update: pods are replaced.
 - apiGroups: [""]
   resources: [pods]
   verbs: [list, watch, create, delete]
