@@ -659,14 +659,16 @@ def deadline_decision(
             f"the deadline checkpoint {own} failed ({mine.failure or 'no reason given'}); "
             f"nothing was saved for mustSaveBy {when}. Fix the cause shown on {own}",
         )
-    if view.suspended or view.live_pods == 0 or view.deleting:
+    if view.suspended or view.deleting:
+        # A set that is still starting is not this case: its deadline checkpoint waits in the
+        # checkpoint queue until the set is Ready (bounded by the flow's own deadline).
         return _settled(
             must,
             Reason.NOTHING_TO_SAVE,
             None,
             False,
-            f"mustSaveBy {when}: no participant pods run (the set is suspended or has no "
-            "pods), so there is nothing a deadline checkpoint could capture",
+            f"mustSaveBy {when}: the set is suspended (no participant pods run), so there is "
+            "nothing a deadline checkpoint could capture",
         )
     late = "" if now < must else f" ({(now - must).total_seconds():.0f}s late)"
     return DeadlineDecision(

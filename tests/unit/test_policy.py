@@ -355,8 +355,15 @@ def test_a_moved_deadline_is_decided_afresh() -> None:
     assert decision.wake_at == at(1993)
 
 
-def test_nothing_to_save_when_no_pods_run_or_at_sibling_level() -> None:
-    idle = deadline_decision(deadline_view(live_pods=0), [], 7, at(995))
+def test_a_starting_set_gets_its_deadline_checkpoint_queued() -> None:
+    starting = deadline_view(live_pods=0, ready_since=None)
+    decision = deadline_decision(starting, [], 7, at(995))
+    assert decision.create is not None
+
+
+def test_nothing_to_save_when_suspended_or_at_sibling_level() -> None:
+    suspended = deadline_view(live_pods=0, suspended=(True, Reason.SUSPENDED))
+    idle = deadline_decision(suspended, [], 7, at(995))
     assert idle.settle is not None
     assert idle.settle.outcome == Reason.NOTHING_TO_SAVE
     sibling = deadline_view(recovery={"targetLevel": "sibling"})
