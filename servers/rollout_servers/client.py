@@ -52,6 +52,10 @@ _RESTORE_CODES = frozenset(
 )
 
 
+_FIRST_BACKOFF_S = 0.2
+_MAX_BACKOFF_S = 5.0
+
+
 # --- the topology seam ------------------------------------------------------------------------
 
 
@@ -209,9 +213,18 @@ class RolloutClient:
         return index
 
     async def run_episode(self, spec: EpisodeSpec, http: httpx.AsyncClient) -> EpisodeResult:
-        """Run one episode to its end, re-issuing it under each new attempt after a restore."""
+        """Run one episode to its end, re-issuing it under each new attempt after a restore.
+
+        A refusal that means "these servers are gone or replaced" waits for a newer attempt. A
+        transport error (the server may be dead, or the network only hiccuped) waits for a newer
+        attempt too, but also re-issues under the same attempt after a backoff: a live server
+        attaches the call to the running episode (or returns its result), so that is safe.
+        Either way the wait ends with a clear failure at the restore deadline.
+        """
         with anyio.fail_after(self.run_timeout_s):
             snapshot = await self.topology.current()
+            failing_since: float | None = None
+            backoff = _FIRST_BACKOFF_S
             while True:
                 index = self.assign(spec.rollout_id, len(snapshot.environments))
                 if index >= len(snapshot.environments):
@@ -220,15 +233,19 @@ class RolloutClient:
                         f"assigned environment {index} is gone ({len(snapshot.environments)} left)",
                     )
                 url = snapshot.environments[index].rstrip("/") + "/run"
+                issued = snapshot.attempt
                 body = {
                     "rollout_id": spec.rollout_id,
                     "attempt": snapshot.attempt,
                     "task": spec.task.wire(),
                 }
+                retry_same: float | None = None
                 try:
                     reply = await http.post(url, json=body, timeout=None)
                 except httpx.TransportError as error:
-                    why = f"{type(error).__name__} from {url}"
+                    why = f"{type(error).__name__} from {url}: {error}"
+                    retry_same = backoff
+                    backoff = min(backoff * 2, _MAX_BACKOFF_S)
                 else:
                     if reply.status_code == 200:
                         return self._result(spec, reply)
@@ -239,29 +256,44 @@ class RolloutClient:
                 log.info(
                     "%s: /run under attempt %d failed (%s)", spec.rollout_id, snapshot.attempt, why
                 )
-                snapshot = await self._newer(snapshot.attempt, spec.rollout_id, why)
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
+                remaining = failing_since + self.restore_timeout_s - now
+                snapshot = await self._newer(snapshot, spec.rollout_id, why, remaining, retry_same)
+                if snapshot.attempt > issued:
+                    failing_since, backoff = None, _FIRST_BACKOFF_S
                 self.progress.reissued += 1
 
-    async def _newer(self, attempt: int, rollout_id: str, why: str) -> TopologySnapshot:
-        """Wait (with the restore deadline) for an attempt newer than `attempt`."""
-        try:
-            with anyio.fail_after(self.restore_timeout_s):
-                if isinstance(self.topology, WatchableTopology):
-                    snapshot = await self.topology.wait_newer(attempt)
-                else:
-                    while True:  # a source without change notification: poll it
-                        snapshot = await self.topology.current()
-                        if snapshot.attempt > attempt:
-                            break
-                        await anyio.sleep(self.poll_interval_s)
-        except TimeoutError:
-            raise EpisodeFailed(
-                rollout_id,
-                f"its servers failed ({why}) and the attempt did not advance past {attempt} "
-                f"within {self.restore_timeout_s}s",
-            ) from None
-        self.progress.attempt = max(self.progress.attempt, snapshot.attempt)
-        return snapshot
+    async def _newer(
+        self,
+        current: TopologySnapshot,
+        rollout_id: str,
+        why: str,
+        remaining_s: float,
+        retry_same_after_s: float | None,
+    ) -> TopologySnapshot:
+        """Wait for an attempt newer than `current`'s, until the restore deadline; with
+        `retry_same_after_s`, return `current` again after that long (a retry)."""
+        attempt = current.attempt
+        limit = remaining_s if retry_same_after_s is None else min(remaining_s, retry_same_after_s)
+        with anyio.move_on_after(max(0.0, limit)):
+            if isinstance(self.topology, WatchableTopology):
+                snapshot = await self.topology.wait_newer(attempt)
+            else:
+                while True:  # a source without change notification: poll it
+                    snapshot = await self.topology.current()
+                    if snapshot.attempt > attempt:
+                        break
+                    await anyio.sleep(self.poll_interval_s)
+            self.progress.attempt = max(self.progress.attempt, snapshot.attempt)
+            return snapshot
+        if retry_same_after_s is not None and remaining_s > retry_same_after_s:
+            return await self.topology.current()
+        raise EpisodeFailed(
+            rollout_id,
+            f"its servers failed ({why}) and the attempt did not advance past {attempt} "
+            f"within {self.restore_timeout_s}s",
+        )
 
     def _result(self, spec: EpisodeSpec, reply: httpx.Response) -> EpisodeResult:
         data = reply.json()

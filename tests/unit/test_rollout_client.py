@@ -113,6 +113,22 @@ async def test_restore_codes_wait_for_a_newer_attempt(code: ErrorCode, status: i
     assert calls == [0, 1]
 
 
+async def test_a_transport_error_with_no_restore_retries_the_same_attempt() -> None:
+    attempts: list[int] = []
+
+    def flaky(request: httpx.Request) -> httpx.Response:
+        attempts.append(json.loads(request.content)["attempt"])
+        if len(attempts) == 1:
+            raise httpx.ConnectError("connection reset", request=request)
+        return ok(request)
+
+    client = RolloutClient(StaticTopology(["http://env-0"], attempt=3), restore_timeout_s=30)
+    async with fake(flaky) as http:
+        result = await client.run_episode(EpisodeSpec("r-1", TASK), http)
+    assert attempts == [3, 3]
+    assert result.attempt == 3
+
+
 async def test_refusals_no_restore_fixes_fail_at_once() -> None:
     client = RolloutClient(StaticTopology(["http://env-0"]))
     async with fake(lambda _: error(ErrorCode.TASK_MISMATCH, 409)) as http:
