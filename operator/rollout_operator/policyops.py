@@ -82,6 +82,11 @@ STORAGE_DIR_ENV: Final = "ROLLOUT_OPERATOR_STORAGE_DIR"
 DEFAULT_STORAGE_DIR: Final = "/var/lib/rollout-operator/storage"
 ANNOTATION_WHY: Final = f"{GROUP}/why"
 """On a RolloutCheckpoint the policy created: what caused it, for `kubectl describe`."""
+RELEASE_GRACE_SECONDS: Final = 1
+"""Grace period of the pods a suspend releases. Their state is in the suspend checkpoint (or
+the deadline's), which the resume restores; work they did after it would be redone anyway, and
+a queueing system that suspends a set wants its GPUs now (the recovery stops a lost attempt the
+same way)."""
 RESUMED_REASON: Final = "Resumed"
 """The recovery reason of a resume from suspend (it is not a loss)."""
 
@@ -381,15 +386,14 @@ class PolicyPass:
         )
 
     async def _release(self, rset: RolloutSet, pods: Sequence[Mapping[str, Any]]) -> None:
-        """Delete every participant pod of the set, with the pods' own grace periods (the
-        Suspended condition is already True, so their deletion is not taken for an eviction
-        nor for a loss)."""
+        """Delete every participant pod of the set (the Suspended condition is already True,
+        so their deletion is taken neither for an eviction nor for a loss)."""
         namespace = rset.metadata.namespace or "default"
         deleted = []
         for pod in pods:
             meta = pod.get("metadata") or {}
             if meta.get("deletionTimestamp") is None and await self._kube.delete_pod(
-                namespace, meta["name"]
+                namespace, meta["name"], grace_seconds=RELEASE_GRACE_SECONDS
             ):
                 deleted.append(meta["name"])
         if deleted:
