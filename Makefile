@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 BIN_LINK := .bin/devcluster
 PYTEST_ARGS ?=
 
-.PHONY: help venv cluster-binaries lint test test-unit test-protocol test-e2e demo cluster cluster-down crds bench clean
+.PHONY: help venv cluster-binaries lint test test-unit test-protocol test-e2e demo cluster cluster-down crds bench clean kind-e2e kind-e2e-down
 
 help:
 	@echo "make demo              run the demo on a local devcluster (add DEMO_ARGS=--keep to leave it up)"
@@ -37,7 +37,7 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-test-unit: venv
+test-unit: venv cluster-binaries
 	$(VENV)/bin/pytest -m unit $(PYTEST_ARGS)
 
 test-protocol: venv
@@ -60,9 +60,35 @@ cluster-down: venv
 
 crds: venv
 	$(PY) -m rollout_operator.crdgen
+	$(PY) -m rollout_operator.crdgen --dir charts/rollout-operator/crds
 
 bench: venv cluster-binaries
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) .bin .mypy_cache .ruff_cache .pytest_cache
+
+# --- a real cluster with Docker and kind (not run in CI; see docs/operations.md) -----------------
+KIND ?= kind
+KIND_CLUSTER ?= rollout-e2e
+KCTL := $(BIN_LINK)/kubectl --context kind-$(KIND_CLUSTER)
+
+kind-e2e: venv cluster-binaries
+	docker build -t rollout-checkpoint-operator:dev .
+	$(KIND) create cluster --name $(KIND_CLUSTER) --wait 120s
+	$(KIND) load docker-image rollout-checkpoint-operator:dev --name $(KIND_CLUSTER)
+	docker exec $(KIND_CLUSTER)-control-plane mkdir -p -m 1777 /tmp/rollout-checkpoints
+	$(BIN_LINK)/helm install rollout-operator charts/rollout-operator -n rollout-system --create-namespace \
+	  --kube-context kind-$(KIND_CLUSTER) --set image.tag=dev --set image.pullPolicy=Never --wait --timeout 180s
+	$(PY) -c 'import sys, yaml; d = yaml.safe_load(open("examples/rolloutset.yaml")); [p["template"]["spec"]["containers"][0].pop("resources", None) for p in d["spec"]["participants"]]; yaml.safe_dump(d, sys.stdout)' | $(KCTL) apply -f -
+	$(KCTL) wait --for=condition=Ready rolloutset/math-rl --timeout=180s
+	$(KCTL) apply -f examples/rolloutcheckpoint.yaml
+	$(KCTL) wait --for=condition=Ready rolloutcheckpoint/math-rl-manual-1 --timeout=120s
+	$(KCTL) delete pod math-rl-model-0-a1 --wait=false
+	$(KCTL) wait --for=jsonpath='{.status.attempt}'=2 rolloutset/math-rl --timeout=180s
+	$(KCTL) wait --for=condition=Ready rolloutset/math-rl --timeout=180s
+	$(KCTL) get rset,rckpt,events
+	$(KIND) delete cluster --name $(KIND_CLUSTER)
+
+kind-e2e-down:
+	$(KIND) delete cluster --name $(KIND_CLUSTER)
