@@ -21,13 +21,17 @@ from pydantic import ValidationError
 
 from .settings import RunOptions
 
+_ROUTINE: frozenset[str] = frozenset(
+    {"Handler 'pod-event' succeeded.", "Handler 'observe' succeeded."}
+)
+
 
 class _QuietPodEvents(logging.Filter):
-    """Drop Kopf's "Handler 'pod-event' succeeded." line: it fires on every status change of
-    every participant pod and would drown the lines that matter. Failures still log."""
+    """Drop Kopf's success lines of the event handlers that fire on every change of every
+    participant pod and set; they would drown the lines that matter. Failures still log."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() != "Handler 'pod-event' succeeded."
+        return record.getMessage() not in _ROUTINE
 
 
 def _parser() -> argparse.ArgumentParser:
