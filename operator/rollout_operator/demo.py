@@ -287,6 +287,7 @@ class Resources:
         what: str,
         predicate: Callable[[dict[str, Any]], bool],
         timeout: float,  # noqa: ASYNC109 - a poll budget
+        interval: float = 0.1,
     ) -> dict[str, Any]:
         async def check() -> dict[str, Any] | None:
             obj = await self.checkpoint(name)
@@ -296,7 +297,7 @@ class Resources:
             check,
             timeout,
             f"RolloutCheckpoint {name} {what}",
-            interval=0.1,
+            interval=interval,
             ignore=(k8s.ApiException,),
         )
 
@@ -402,20 +403,23 @@ class StatsTracker:
             if participant.get("address"):
                 self.addresses[participant["pod"]] = (participant["role"], participant["address"])
 
-    async def poll_once(self) -> None:
-        async def one(pod: str, address: str) -> None:
-            try:
-                reply = await self.http.get(
-                    address + "/stats", params={"detail": "true"}, timeout=1.0
-                )
-            except httpx.HTTPError:
-                return
-            if reply.status_code == 200:
-                self.last[pod] = reply.json()
+    async def poll_pod(self, pod: str) -> dict[str, Any] | None:
+        """Read one pod's counters now (and keep them); None when it does not answer."""
+        _, address = self.addresses[pod]
+        try:
+            reply = await self.http.get(address + "/stats", params={"detail": "true"}, timeout=1.0)
+        except httpx.HTTPError:
+            return None
+        if reply.status_code != 200:
+            return None
+        body: dict[str, Any] = reply.json()
+        self.last[pod] = body
+        return body
 
+    async def poll_once(self) -> None:
         async with anyio.create_task_group() as group:
-            for pod, (_, address) in list(self.addresses.items()):
-                group.start_soon(one, pod, address)
+            for pod in list(self.addresses):
+                group.start_soon(self.poll_pod, pod)
 
     async def run(self, resources: Resources, stop: anyio.Event) -> None:
         while not stop.is_set():
@@ -478,6 +482,8 @@ class Redone:
     tokens: int = 0
     """Model tokens generated again: generated before the loss and not kept by the restored
     checkpoint (its cut prefixes and held responses), for requests generated again after it."""
+    by_step: dict[str, int] = field(default_factory=dict)
+    """Steps redone by kind (`model`, `tool`, `seed`, `invoke_agent`, `verify`)."""
 
 
 def completed_steps(stats: Sequence[Mapping[str, Any]], rollout_id: str) -> dict[str, int]:
@@ -502,20 +508,35 @@ def tokens_by_attempt(stats: Sequence[Mapping[str, Any]]) -> dict[int, dict[str,
     return out
 
 
+def started_under(tracker: StatsTracker, attempt: int) -> set[str]:
+    """Rollouts whose /run started on an environment under `attempt`."""
+    return {
+        rid
+        for reply in tracker.by_role("environment")
+        for rid, by_attempt in (reply.get("rollouts") or {}).items()
+        if ((by_attempt.get(str(attempt)) or {}).get("run") or {}).get("started")
+    }
+
+
 def measure_redone(
     tracker: StatsTracker,
     results: Sequence[EpisodeResult],
     first_attempt: int,
     kept_prefixes: Mapping[str, int],
 ) -> Redone:
-    """Steps and tokens redone by the episodes that ran again after the loss of `first_attempt`
-    (those whose result came from a later attempt)."""
-    rerun = [r for r in results if r.attempt > first_attempt]
+    """Steps and tokens redone by the episodes that ran again after the loss of `first_attempt`:
+    those that had started under it and finished under a later attempt. (Episodes the client
+    had not started yet when the pod died redo nothing.)"""
     workers = tracker.by_role("environment") + tracker.by_role("agent")
+    started = started_under(tracker, first_attempt)
+    rerun = [r for r in results if r.attempt > first_attempt and r.rollout_id in started]
     redone = Redone(rerun=len(rerun))
     for result in rerun:
-        counts = completed_steps(workers, result.rollout_id)
-        redone.steps += sum(max(0, n - 1) for n in counts.values())
+        for name, count in completed_steps(workers, result.rollout_id).items():
+            if count > 1:
+                redone.steps += count - 1
+                kind = name.split("@", 1)[0]
+                redone.by_step[kind] = redone.by_step.get(kind, 0) + count - 1
     tokens = tokens_by_attempt(tracker.by_role("model"))
     before = tokens.get(first_attempt, {})
     after: dict[str, int] = defaultdict(int)
@@ -539,6 +560,9 @@ class Scenario:
     workdir: Path
     episodes: int = 48
     seed: int = 7
+    concurrency: int = 16
+    """Episodes in flight at once (a trainer's rollout batch); the rest queue, so there is
+    unfinished work whenever the pod is killed."""
     target_level: str = "turn"
     """`turn`: restore the checkpoint (continue from boundaries); `sibling`: fresh pods only,
     every unfinished episode runs again from its first step (a plain pod restart)."""
@@ -547,6 +571,16 @@ class Scenario:
     checkpoint_at_done: float = 0.25
     """Take the checkpoint once this share of the episodes finished."""
     timeout_s: float = 240.0
+    kill_at: str = "resumed"
+    """When the pod dies: `resumed` (the checkpoint finished and the episodes run again; the
+    demo) or `published` (as soon as the checkpoint is Ready=True, i.e. restorable, which is
+    before its participants resume: a loss right after the last checkpoint; the benchmark)."""
+    kill_delay_s: float = 0.0
+    """How long after the checkpoint is Ready the pod is killed: the work of that time is lost
+    even with turn-level recovery (it was never checkpointed)."""
+    delete_after: bool = False
+    """Delete the RolloutSet and its checkpoints while the operator still runs (it holds
+    finalizers on them), so the caller can delete the namespace afterwards."""
 
 
 @dataclass
@@ -566,9 +600,25 @@ class ScenarioReport:
     def continued(self) -> list[EpisodeResult]:
         return [r for r in self.results if r.continued]
 
+    started_before_loss: set[str] = field(default_factory=set)
+
     @property
     def restarted(self) -> list[EpisodeResult]:
-        return [r for r in self.results if r.attempt > 1 and not r.continued]
+        """Started before the loss, not in the checkpoint: run again from the first step."""
+        return [
+            r
+            for r in self.results
+            if r.attempt > 1 and not r.continued and r.rollout_id in self.started_before_loss
+        ]
+
+    @property
+    def started_after_loss(self) -> list[EpisodeResult]:
+        """Still queued in the client when the pod died: nothing of theirs was lost."""
+        return [
+            r
+            for r in self.results
+            if r.attempt > 1 and r.rollout_id not in self.started_before_loss
+        ]
 
     @property
     def finished_before_loss(self) -> list[EpisodeResult]:
@@ -606,6 +656,11 @@ async def run_scenario(cluster: Cluster, scenario: Scenario, say: Say = _quiet) 
         say(f"operator log tail:\n{operator.tail(30)}")
         raise
     finally:
+        if scenario.delete_after:
+            for kind in ("rckpt", "rset"):
+                cluster.kubectl(
+                    "delete", kind, "--all", "-n", namespace, "--timeout=60s", check=False
+                )
         operator.stop()
 
 
@@ -632,7 +687,7 @@ async def _drive(
         ) as topology:
             rollout_client = RolloutClient(
                 topology,
-                concurrency=scenario.episodes,
+                concurrency=scenario.concurrency,
                 restore_timeout_s=scenario.timeout_s,
                 run_timeout_s=scenario.timeout_s,
             )
@@ -647,8 +702,9 @@ async def _drive(
                 group.start_soon(run_client)
                 group.start_soon(tracker.run, resources, stop)
                 say(
-                    f"client: {scenario.episodes} episodes (seed {scenario.seed}) against "
-                    f"rolloutset/{SET_NAME} via the Kubernetes API"
+                    f"client: {scenario.episodes} episodes (seed {scenario.seed}, "
+                    f"{scenario.concurrency} at a time) against rolloutset/{SET_NAME}, "
+                    "followed through the Kubernetes API"
                 )
                 with anyio.fail_after(scenario.timeout_s):
                     want = max(1, int(scenario.episodes * scenario.checkpoint_at_done))
@@ -659,18 +715,22 @@ async def _drive(
                     await wait_for(
                         progressed, scenario.timeout_s, f"{want} episodes to finish", interval=0.05
                     )
-                    checkpoint = await _take_checkpoint(cluster, resources, say, rollout_client)
-                    model = participants_by_role(await resources.rollout_set())[scenario.kill_role][
-                        0
-                    ]
+                    model = participants_by_role(ready)[scenario.kill_role][0]
+                    checkpoint = await _take_checkpoint(
+                        cluster, resources, say, rollout_client, scenario.kill_at
+                    )
+                    timeline.mark("checkpoint_ready", time.monotonic())
+                    if scenario.kill_delay_s > 0:
+                        await anyio.sleep(scenario.kill_delay_s)
 
                     async def generating() -> int:
-                        return await _live_generations(http, model["address"])
+                        # The same read is the model's last counters before it dies.
+                        reply = await tracker.poll_pod(model["pod"])
+                        return int(reply.get("live", 0)) if reply else 0
 
                     in_flight = await wait_for(
                         generating, 30, f"the {scenario.kill_role} to be generating", interval=0.02
                     )
-                    await tracker.poll_once()
                     timeline.mark("killed", time.monotonic())
                     pids = await cluster.admin.kill_pod_async(namespace, model["pod"])
                     say(
@@ -693,6 +753,11 @@ async def _drive(
         final_set = await resources.rollout_set()
     results = [o for o in outcomes if isinstance(o, EpisodeResult)]
     failed = [o for o in outcomes if isinstance(o, EpisodeFailed)]
+    # What the measurements are computed from, for anyone who wants to look closer.
+    with (scenario.workdir / "results.jsonl").open("w", encoding="utf-8") as out:
+        for result in results:
+            out.write(result.model_dump_json() + "\n")
+    (scenario.workdir / "stats.json").write_text(json.dumps(tracker.last, indent=1))
     records = (
         checkpoint_records(storage_dir, SET_NAME, checkpoint["metadata"]["name"])
         if scenario.target_level == "turn"
@@ -710,6 +775,7 @@ async def _drive(
         redone=redone,
         wall_seconds=wall,
         final_set=final_set,
+        started_before_loss=started_under(tracker, 1),
     )
 
 
@@ -723,13 +789,29 @@ def _recovery_line(timeline: Timeline, rollout_client: RolloutClient) -> str:
     )
 
 
+def _published(obj: dict[str, Any]) -> bool:
+    return is_true(obj, "Ready") or phase_is("Failed")(obj)
+
+
 async def _take_checkpoint(
-    cluster: Cluster, resources: Resources, say: Say, rollout_client: RolloutClient
+    cluster: Cluster,
+    resources: Resources,
+    say: Say,
+    rollout_client: RolloutClient,
+    kill_at: str,
 ) -> dict[str, Any]:
     name = "math-rl-manual-1"
     kubectl_apply(cluster, resources.namespace, example_checkpoint(name))
     say(f"applied examples/rolloutcheckpoint.yaml ({rollout_client.progress.done} episodes done)")
-    done = await resources.wait_checkpoint(name, "Ready or Failed", phase_is("Ready", "Failed"), 90)
+    if kill_at == "published":
+        done = await resources.wait_checkpoint(name, "published", _published, 90, interval=0.02)
+        if is_true(done, "Ready"):
+            episodes = done["status"].get("episodes")
+            say(f"checkpoint {name} published (Ready=True): {episodes} episodes committed")
+            return done
+    done = await resources.wait_checkpoint(
+        name, "Ready or Failed", phase_is("Ready", "Failed"), 90, interval=0.02
+    )
     status = done["status"]
     if status.get("phase") != "Ready":
         failed = condition(done, "Failed") or {}
@@ -758,13 +840,16 @@ def summary(report: ScenarioReport) -> list[str]:
         f"  finished before the loss (attempt 1):     {len(report.finished_before_loss)}",
         f"  continued from the checkpoint (attempt 2): {len(report.continued)}",
         f"  restarted from scratch (attempt 2):        {len(report.restarted)}",
+        f"  not started before the loss (attempt 2):   {len(report.started_after_loss)}",
         f"checkpoint {report.checkpoint['metadata']['name']}: "
         f"{report.checkpoint['status'].get('episodes')} episodes in its scope",
-        f"work redone by the {report.redone.rerun} episodes re-issued after the loss: "
+        f"work redone by the {report.redone.rerun} episodes unfinished at the loss: "
         f"{report.redone.steps} steps, {report.redone.tokens} model tokens "
         f"({report.redone.tokens * report.scenario.token_latency_ms / 1000:.1f} model-busy "
         "seconds)",
-        f"killed {report.killed_pod} with {report.in_flight_at_kill} generation(s) in flight",
+        f"killed {report.killed_pod} with {report.in_flight_at_kill} generation(s) in flight, "
+        f"{report.timeline.since('killed', 'checkpoint_ready') or 0:.2f}s after the checkpoint "
+        "was Ready",
         "recovery timeline (seconds after the kill):",
     ]
     for key, label in RECOVERY_STEPS:
