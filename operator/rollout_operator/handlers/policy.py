@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from datetime import UTC, datetime
 from typing import Any, Final, cast
 
 import kopf
@@ -28,7 +29,6 @@ from ..api import (
     VERSION,
     RolloutSet,
 )
-from ..conditions import utcnow
 from ..kube import sleep_until
 from ..policy import Note
 from ..policyops import (
@@ -45,6 +45,7 @@ from .runtime import kube_of
 RESYNC_SECONDS: Final = 30.0
 """Even without events each set's policy is looked at this often (a missed event heals)."""
 MAX_BACKOFF_SECONDS: Final = 30.0
+WAKE_SLACK_SECONDS: Final = 0.02
 NOTES_REMEMBERED: Final = 64
 
 _wakeups: dict[tuple[str, str], asyncio.Event] = {}
@@ -118,10 +119,11 @@ async def policy_loop(
             if outcome.again:
                 event.set()
             elif outcome.wake_at is not None:
-                remaining = (outcome.wake_at - utcnow()).total_seconds()
+                # Exactly at the time asked for (a deadline start is a matter of tenths of a
+                # second); a wake a hair early just makes the pass ask for the time again.
+                remaining = (outcome.wake_at - datetime.now(UTC)).total_seconds()
                 if remaining < RESYNC_SECONDS:
-                    # utcnow() is whole seconds: wake a little late rather than before the time.
-                    await sleep_until(loop.time() + max(remaining, 0.0) + 1.0, event)
+                    await sleep_until(loop.time() + max(remaining, 0.0) + WAKE_SLACK_SECONDS, event)
                     event.set()
     finally:
         if _wakeups.get(key) is event:
