@@ -35,7 +35,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
@@ -110,6 +110,13 @@ def _wait_ready(role: Role, process: subprocess.Popen[bytes], deadline: float) -
         ):
             if time.monotonic() >= deadline or process.poll() is not None:
                 raise RuntimeError(f"{role.value} server did not start; see its log")
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
 
 
 def rss_bytes(pid: int) -> int:
@@ -193,7 +200,15 @@ async def bench(episodes: int, repeats: int, root: Path) -> None:
                     point, _ = holds[role]
                     wait = {"point": point, "paused": True, "count": len(members), "timeout_s": 120}
                     reply = await http.post(urls[role] + "/debug/wait", json=wait, timeout=130)
-                    reply.raise_for_status()
+                    if reply.status_code != 200:
+                        logs = "\n".join(
+                            f"--- {r.value}.log\n" + _tail(root / f"{r.value}.log") for r in ROLES
+                        )
+                        raise SystemExit(
+                            f"episodes did not reach their hold points: {reply.text}\n"
+                            f"{len(FAILED_RUNS)} /run calls ended early, first: "
+                            f"{FAILED_RUNS[:3]}\n{logs}"
+                        )
                 live_after = time.perf_counter() - started
 
                 # the coordinator is its own client (its own process, in a real deployment): the
@@ -273,9 +288,17 @@ async def bench(episodes: int, repeats: int, root: Path) -> None:
     print(json.dumps({"pause_s": pause, "baseline_s": baseline, "ratio": pause / baseline}))
 
 
+FAILED_RUNS: list[str] = []
+"""/run calls that ended before the bench stopped them (they should all be held)."""
+
+
 async def _run_until_stopped(http: httpx.AsyncClient, url: str, body: dict[str, object]) -> None:
-    with suppress(httpx.HTTPError):
-        await http.post(url + "/run", json=body, timeout=None)
+    try:
+        reply = await http.post(url + "/run", json=body, timeout=None)
+    except httpx.HTTPError as error:
+        FAILED_RUNS.append(f"{body['rollout_id']}: {type(error).__name__}: {error}")
+    else:
+        FAILED_RUNS.append(f"{body['rollout_id']}: HTTP {reply.status_code} {reply.text[:200]}")
 
 
 def main() -> None:

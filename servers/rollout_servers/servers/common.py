@@ -362,6 +362,11 @@ class ShardedClients:
 
 
 PEER_SHARDS = 16
+_PEER_RETRIES = 3
+_PEER_RETRY_DELAY_S = 0.05
+SERVER_KEEP_ALIVE_S = 30
+"""Servers keep idle connections this long; clients (httpx: 5 s) let them go well before, so a
+client never sends on a connection the server is closing."""
 
 
 # --- the server base --------------------------------------------------------------------------
@@ -457,20 +462,27 @@ class RolloutServer:
     ) -> dict[str, Any]:
         """POST JSON to a peer; its error body (or its absence) becomes a `PeerError`.
 
-        `key` picks the connection pool (default: the body's rollout id).
+        `key` picks the connection pool (default: the body's rollout id). Every peer call is
+        idempotent by key (a session's seed, a tool call's index, a model request's key, ...),
+        so a transport error (a kept-alive connection the peer closed at the same moment, a
+        reset under load) is retried a few times before it counts as the peer being gone.
         """
         if url is None:
             raise ProtocolError(ErrorCode.INTERNAL, f"no peer URL configured for {path}")
         timeout = self.options.call_timeout_s if timeout_s is None else timeout_s
-        try:
-            shard = key if key is not None else str(body.get("rollout_id", path))
-            reply = await self.http(shard).post(
-                url.rstrip("/") + path, json=dict(body), timeout=timeout, headers=headers
-            )
-        except httpx.HTTPError as error:
-            raise PeerError(
-                ErrorCode.UNREACHABLE, f"{url}{path}: {type(error).__name__}: {error}"
-            ) from error
+        shard = key if key is not None else str(body.get("rollout_id", path))
+        for retry in range(_PEER_RETRIES + 1):
+            try:
+                reply = await self.http(shard).post(
+                    url.rstrip("/") + path, json=dict(body), timeout=timeout, headers=headers
+                )
+                break
+            except httpx.TransportError as error:
+                if retry == _PEER_RETRIES or isinstance(error, httpx.TimeoutException):
+                    raise PeerError(
+                        ErrorCode.UNREACHABLE, f"{url}{path}: {type(error).__name__}: {error}"
+                    ) from error
+                await anyio.sleep(_PEER_RETRY_DELAY_S * (retry + 1))
         if reply.status_code >= 400:
             raise peer_error(url + path, reply)
         data = reply.json()
@@ -640,6 +652,7 @@ def serve(
         log_level=log_level,
         access_log=False,
         timeout_graceful_shutdown=graceful_seconds,
+        timeout_keep_alive=SERVER_KEEP_ALIVE_S,
         lifespan="on",
     )
 

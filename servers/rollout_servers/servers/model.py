@@ -67,6 +67,7 @@ from ..protocol import (
 from ..tasks import stable_fraction, task_by_question
 from .common import (
     PEER_SHARDS,
+    Outcome,
     RolloutServer,
     ServerOptions,
     ShardedClients,
@@ -410,6 +411,7 @@ class ModelServer(RolloutServer):
     record_kind = "generation"
 
     def __init__(self, options: ServerOptions, **kwargs: Any) -> None:
+        self._running: dict[tuple[str, str], Outcome[Done]] = {}
         self.delivered: OrderedDict[str, Delivered] = OrderedDict()
         """The last response delivered to each rollout (most recent last, bounded)."""
         self.tokens: dict[int, dict[str, int]] = {}
@@ -627,6 +629,23 @@ class ModelServer(RolloutServer):
             return Done(kept.data.text, kept.data.finish_reason, kept.data.tokens)
         if kept is not None and kept.key != key:
             del self.delivered[rid]  # the caller moved on: the older response is no longer needed
+        live = self.runtime.find(rid, key)
+        running = self._running.get((rid, key))
+        if (
+            live is not None
+            and running is not None
+            and (live.attempt, live.digest)
+            == (
+                attempt,
+                digest,
+            )
+        ):
+            # the same request again while it generates (its caller retried after a dropped
+            # connection): share the generation rather than refuse or repeat it
+            self.stats.bump(attempt, "requests_attached")
+            done = await running.wait()
+            await _offer(send, Piece(done.text))
+            return done
         try:
             ep = self.runtime.begin(
                 rid,
@@ -644,6 +663,26 @@ class ModelServer(RolloutServer):
             self.stats.bump(
                 attempt, "held_restored" if ep.boundary.step == "deliver" else "cuts_continued"
             )
+        outcome: Outcome[Done] = Outcome()
+        self._running[(rid, key)] = outcome
+        try:
+            done = await self._generate_episode(ep, gen, send)
+        except Exception as error:
+            outcome.fail(error)
+            raise
+        except BaseException:
+            outcome.fail(ProtocolError(ErrorCode.INTERNAL, f"generation {rid}/{key} stopped"))
+            raise
+        finally:
+            if self._running.get((rid, key)) is outcome:
+                del self._running[(rid, key)]
+        outcome.set(done)
+        return done
+
+    async def _generate_episode(
+        self, ep: Episode, gen: GenRequest, send: MemoryObjectSendStream[Item]
+    ) -> Done:
+        rid, key, attempt, digest = ep.rollout_id, ep.key, ep.attempt, gen.digest
         try:
             with self.runtime.driving(ep), self.runtime.guard(ep):
                 prefix = str(ep.boundary.state.get("text", ""))
