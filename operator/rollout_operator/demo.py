@@ -652,7 +652,7 @@ async def run_scenario(cluster: Cluster, scenario: Scenario, say: Say = _quiet) 
         kubectl_apply(cluster, namespace, manifest)
         say(f"applied examples/rolloutset.yaml (recovery.targetLevel {scenario.target_level})")
         return await _drive(cluster, scenario, operator, storage_dir, say)
-    except BaseException:
+    except Exception:
         say(f"operator log tail:\n{operator.tail(30)}")
         raise
     finally:
@@ -739,14 +739,7 @@ async def _drive(
                         f"{rollout_client.progress.done}/{scenario.episodes} episodes done"
                     )
                     group.start_soon(observe_recovery, resources, timeline, 1, stop)
-                    last = ""
-                    while not client_done.is_set():
-                        line = _recovery_line(timeline, rollout_client)
-                        if line != last:
-                            say(line)
-                            last = line
-                        with anyio.move_on_after(0.2):
-                            await client_done.wait()
+                    await _report_progress(timeline, rollout_client, client_done, say)
                 wall = time.monotonic() - client_started
                 await tracker.poll_once()
                 stop.set()
@@ -779,14 +772,32 @@ async def _drive(
     )
 
 
-def _recovery_line(timeline: Timeline, rollout_client: RolloutClient) -> str:
-    seen = [label for key, label in RECOVERY_STEPS[1:] if key in timeline.events]
-    where = seen[-1] if seen else "waiting for the operator to notice"
-    progress = rollout_client.progress
-    return (
-        f"recovery: {where}; episodes {progress.done}/{progress.total} done, "
-        f"{progress.reissued} re-issued"
-    )
+async def _report_progress(
+    timeline: Timeline, rollout_client: RolloutClient, done: anyio.Event, say: Say
+) -> None:
+    """Until the client finished: each recovery step once, as the observer sees it, and the
+    episode count at most once a second (when it changed)."""
+    shown: set[str] = set()
+    last = ""
+    next_line = 0.0
+    while not done.is_set():
+        for key, label in RECOVERY_STEPS[1:]:
+            at = timeline.since(key)
+            if at is not None and key not in shown:
+                shown.add(key)
+                say(f"recovery: {label}, {at:.2f}s after the kill")
+        if time.monotonic() >= next_line:
+            progress = rollout_client.progress
+            line = (
+                f"episodes: {progress.done}/{progress.total} done, "
+                f"{progress.reissued} re-issued to a new attempt"
+            )
+            if line != last:
+                say(line)
+                last = line
+            next_line = time.monotonic() + 1.0
+        with anyio.move_on_after(0.1):
+            await done.wait()
 
 
 def _published(obj: dict[str, Any]) -> bool:
@@ -897,7 +908,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--dir", type=Path, help="devcluster directory (default: a new temporary one)"
     )
-    parser.add_argument("--episodes", type=int, default=48)
+    parser.add_argument("--episodes", type=int, default=64)
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args(argv)
 
