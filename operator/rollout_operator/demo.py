@@ -478,7 +478,9 @@ class Redone:
     """Episodes whose /run was re-issued under the new attempt."""
     steps: int = 0
     """Completed environment stages and agent steps (model and tool calls) that had completed
-    before, in an earlier attempt: each step name of an episode counts once in a clean run."""
+    before, in an earlier attempt: each step name of an episode counts once in a clean run. A
+    model call answered again from the checkpoint's record (a response held or delivered while
+    the checkpoint was open) generates nothing and is not counted."""
     tokens: int = 0
     """Model tokens generated again: generated before the loss and not kept by the restored
     checkpoint (its cut prefixes and held responses), for requests generated again after it."""
@@ -486,11 +488,17 @@ class Redone:
     """Steps redone by kind (`model`, `tool`, `seed`, `invoke_agent`, `verify`)."""
 
 
-def completed_steps(stats: Sequence[Mapping[str, Any]], rollout_id: str) -> dict[str, int]:
-    """Completions per step name of one rollout, summed over pods and attempts."""
+def completed_steps(
+    stats: Sequence[Mapping[str, Any]], rollout_id: str, after: int | None = None
+) -> dict[str, int]:
+    """Completions per step name of one rollout, summed over pods and attempts (only the
+    attempts later than `after`, when given)."""
     counts: dict[str, int] = defaultdict(int)
     for reply in stats:
-        for steps in ((reply.get("rollouts") or {}).get(rollout_id) or {}).values():
+        by_attempt = (reply.get("rollouts") or {}).get(rollout_id) or {}
+        for attempt, steps in by_attempt.items():
+            if after is not None and int(attempt) <= after:
+                continue
             for name, events in steps.items():
                 if name in ("run", "close", "cleanup"):
                     continue
@@ -531,12 +539,6 @@ def measure_redone(
     started = started_under(tracker, first_attempt)
     rerun = [r for r in results if r.attempt > first_attempt and r.rollout_id in started]
     redone = Redone(rerun=len(rerun))
-    for result in rerun:
-        for name, count in completed_steps(workers, result.rollout_id).items():
-            if count > 1:
-                redone.steps += count - 1
-                kind = name.split("@", 1)[0]
-                redone.by_step[kind] = redone.by_step.get(kind, 0) + count - 1
     tokens = tokens_by_attempt(tracker.by_role("model"))
     before = tokens.get(first_attempt, {})
     after: dict[str, int] = defaultdict(int)
@@ -544,6 +546,18 @@ def measure_redone(
         if attempt > first_attempt:
             for key, count in by_key.items():
                 after[key] += count
+    for result in rerun:
+        rid = result.rollout_id
+        later = completed_steps(workers, rid, after=first_attempt)
+        for name, count in completed_steps(workers, rid).items():
+            kind, _, turn = name.partition("@")
+            if kind == "model" and after.get(f"{rid}/{turn}", 0) == 0:
+                # Served again from the checkpoint's record (a held or delivered response):
+                # the agent's step ran again, the model generated nothing.
+                count -= later.get(name, 0)
+            if count > 1:
+                redone.steps += count - 1
+                redone.by_step[kind] = redone.by_step.get(kind, 0) + count - 1
     rerun_ids = {r.rollout_id for r in rerun}
     for key, count in before.items():
         if key.partition("/")[0] in rerun_ids and after.get(key, 0) > 0:

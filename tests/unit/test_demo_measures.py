@@ -73,6 +73,25 @@ def test_only_repeated_step_names_and_unkept_tokens_count() -> None:
     assert redone.tokens == 10 - 4  # cont/0 was not generated again; fresh never ran before
 
 
+def test_a_model_call_answered_from_the_checkpoints_record_is_not_redone() -> None:
+    # The response of model@1 was held by the checkpoint; after the loss the agent asked
+    # again and the model answered from its record without generating a token.
+    agent_a1 = {"rollouts": {"held": steps(1, **{"model@0": 1, "tool@0": 1, "model@1": 1})}}
+    agent_a2 = {"rollouts": {"held": steps(2, **{"model@1": 1})}}
+    env_a1 = {"rollouts": {"held": steps(1, run=1, seed=1)}}
+    tracked = tracker(
+        {
+            "env-a1": ("environment", env_a1),
+            "agent-a1": ("agent", agent_a1),
+            "agent-a2": ("agent", agent_a2),
+            "model-a1": ("model", {"tokens": {"1": {"by_request": {"held/1": 8}}}}),
+            "model-a2": ("model", {"tokens": {}}),
+        }
+    )
+    redone = measure_redone(tracked, [result("held", 2, 1)], 1, {"held/1": 8})
+    assert (redone.steps, redone.tokens) == (0, 0)
+
+
 def test_generation_prefixes_keep_cuts_and_delivered_responses() -> None:
     records = {
         "model-0": [
