@@ -5,12 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-import pytest
 from rollout_operator.demo import StatsTracker, generation_prefixes, measure_redone, started_under
 from rollout_servers.client import EpisodeResult
 from rollout_servers.protocol import Record
-
-pytestmark = pytest.mark.unit
 
 
 def steps(attempt: int, **completed: int) -> dict[str, Any]:

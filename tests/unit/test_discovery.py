@@ -11,8 +11,6 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from rollout_servers.client import TopologySnapshot
 from rollout_servers.discovery import RolloutSetTopology, TopologyUnavailable, servable_snapshot
 
-pytestmark = pytest.mark.unit
-
 
 def rollout_set(
     attempt: int | None = 1,
