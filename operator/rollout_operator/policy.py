@@ -594,7 +594,8 @@ def deadline_decision(
             f"mustSaveBy {when}: no checkpoint with recovery.targetLevel sibling (unfinished "
             "episodes restart after a resume)",
         )
-    if now < start:
+    mine = next((c for c in checkpoints if c.name == own and not c.deleting), None)
+    if now < start and mine is None:
         return DeadlineDecision(
             condition=_deadline_condition(
                 False,
@@ -604,13 +605,19 @@ def deadline_decision(
             ),
             wake_at=start,
         )
-    covering = [
-        c
-        for c in checkpoints
-        if not c.failed
-        and not c.deleting
-        and (c.name == own or not c.finished or (c.completed is not None and c.completed >= start))
-    ]
+    if mine is not None and not mine.failed:
+        # Once the deadline started its own checkpoint, that one is the outcome: the start time
+        # moves with the reserve (its own duration changes it), and an earlier checkpoint must
+        # not become "covering" after the fact.
+        covering = [mine]
+    else:
+        covering = [
+            c
+            for c in checkpoints
+            if not c.failed
+            and not c.deleting
+            and (not c.finished or (c.completed is not None and c.completed >= start))
+        ]
     ready = sorted(
         (c for c in covering if c.ready),
         key=lambda c: (c.completed or c.created, c.name),
@@ -649,7 +656,6 @@ def deadline_decision(
                 f"mustSaveBy {when}",
             )
         )
-    mine = next((c for c in checkpoints if c.name == own), None)
     if mine is not None and mine.failed:
         return _settled(
             must,
@@ -750,7 +756,7 @@ def suspend_decision(view: SetView, checkpoints: Sequence[CheckpointView]) -> Su
             )
         return SuspendDecision()
     if view.suspended:
-        if view.live_pods:
+        if view.live_pods and not view.recovering:
             return SuspendDecision(SuspendAction.RELEASE)
         return SuspendDecision()
     if view.recovering:

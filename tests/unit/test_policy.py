@@ -310,6 +310,17 @@ def test_a_checkpoint_ready_before_the_start_time_does_not_cover_the_deadline() 
     assert decision.create.trigger is Trigger.DEADLINE
 
 
+def test_once_started_the_deadline_checkpoint_is_the_outcome_whatever_the_reserve_does() -> None:
+    # Its own duration can raise the reserve so far that an earlier manual checkpoint would now
+    # fall after the start time: it must not be taken for the deadline's save after the fact.
+    own = ckpt("math-deadline-20261129-121640", 993, trigger=Trigger.DEADLINE, completed=997)
+    done = CheckpointView(**{**own.__dict__, "ready": True, "phase": CheckpointPhase.READY})
+    earlier = ckpt("manual", 980, completed=988, ready=True)
+    decision = deadline_decision(deadline_view(), [earlier, done], 13, at(998))
+    assert decision.settle is not None
+    assert decision.settle.checkpoint == own.name
+
+
 def test_a_checkpoint_ready_after_must_save_by_settles_missed() -> None:
     late = ckpt("math-deadline-20261129-121640", 993, completed=1004, ready=True)
     decision = deadline_decision(deadline_view(), [late], 7, at(1005))
