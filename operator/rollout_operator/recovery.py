@@ -549,7 +549,18 @@ async def recover_if_needed(
         loss = detect_loss(rset, pods, nodes_of, lost_nodes, held)
         if loss is None:
             return False
-        logger.warning("set %s lost a participant: %s", name, loss.message)
-        await flow.start(rset, loss)
+        # Read the set again after the pods: whoever deletes pods on purpose marks the set
+        # first (a suspend writes Suspended=True, then deletes), so a deletion seen above is
+        # always explained by this read, never taken for a loss from a stale one.
+        raw = await kube.get_set(namespace, name)
+        if raw is None:
+            return False
+        rset = RolloutSet.model_validate(raw)
+        if rset.status.recovery is None:
+            loss = detect_loss(rset, pods, nodes_of, lost_nodes, held)
+            if loss is None:
+                return False
+            logger.warning("set %s lost a participant: %s", name, loss.message)
+            await flow.start(rset, loss)
     await flow.run(namespace, name)
     return True
