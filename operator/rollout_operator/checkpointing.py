@@ -109,6 +109,9 @@ class FlowSettings:
     """An abort resumes what it can reach by then; a participant it missed resumes itself when
     its lease lapses, so waiting longer for a dead pod only delays the Failed condition."""
     queue_poll_seconds: float = 1.0
+    set_appear_seconds: float = 10.0
+    """How long a checkpoint waits for a RolloutSet that does not exist (yet) before it fails
+    with SetNotFound."""
     set_watch_seconds: float = 1.0
     """How often the set is looked at during prepare and commit, to fail the checkpoint as soon
     as its participants are lost (a recovery started) instead of at the step's deadline."""
@@ -268,9 +271,15 @@ class CheckpointFlow:
         me = ckpt.metadata.name
         deadline: float | None = None
         queued_reason = ""
+        # `kubectl apply -f examples/` creates the checkpoint a moment before its set (files
+        # apply in name order): a set that is missing is waited for, briefly.
+        absent_until = self._clock() + self._settings.set_appear_seconds
         while True:
             raw = await self._kube.get_set(namespace, ckpt.spec.rollout_set)
             if raw is None:
+                if self._clock() < absent_until:
+                    await anyio.sleep(self._settings.queue_poll_seconds)
+                    continue
                 raise CheckpointFailed(
                     Reason.SET_NOT_FOUND,
                     f"RolloutSet {ckpt.spec.rollout_set!r} does not exist in namespace "
