@@ -48,7 +48,10 @@ async def test_interval_checkpoints_follow_each_other_and_never_overlap(
     kubectl_apply(
         cluster,
         namespace,
-        counter_set(SET, storage_dir, tmp_path, policy={"intervalSeconds": interval}),
+        # keepLatest above what the test looks at: retention must not delete under its reads.
+        counter_set(
+            SET, storage_dir, tmp_path, policy={"intervalSeconds": interval, "keepLatest": 10}
+        ),
     )
 
     async def three_ready() -> list[dict[str, Any]] | None:
