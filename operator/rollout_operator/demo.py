@@ -102,7 +102,8 @@ class OperatorProcess:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self.starts += 1
         with self.log.open("ab") as out:
-            out.write(f"\n===== operator start #{self.starts} =====\n".encode())
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            out.write(f"\n===== operator start #{self.starts} at {stamp} =====\n".encode())
             out.flush()
             self.process = subprocess.Popen(
                 argv,
@@ -582,7 +583,7 @@ class Scenario:
     every unfinished episode runs again from its first step (a plain pod restart)."""
     token_latency_ms: float = 20.0
     kill_role: str = "model"
-    checkpoint_at_done: float = 0.25
+    checkpoint_at_done: float = 0.15
     """Take the checkpoint once this share of the episodes finished."""
     timeout_s: float = 240.0
     kill_at: str = "resumed"
@@ -756,6 +757,17 @@ async def _drive(
                     await _report_progress(timeline, rollout_client, client_done, say)
                 wall = time.monotonic() - client_started
                 await tracker.poll_once()
+                if "resumed" not in timeline.events:
+                    # Every episode finished without the lost pod: the recovery still runs.
+                    say("all episodes finished; waiting for the recovery to end")
+                    await resources.wait_set(
+                        "Ready under a new attempt", _recovered, scenario.timeout_s
+                    )
+                    now = time.monotonic()
+                    for key, label in RECOVERY_STEPS[1:]:
+                        if key not in timeline.events:
+                            timeline.mark(key, now)
+                            say(f"recovery: {label}, {timeline.since(key):.2f}s after the kill")
                 stop.set()
         final_set = await resources.rollout_set()
     results = [o for o in outcomes if isinstance(o, EpisodeResult)]
@@ -812,6 +824,11 @@ async def _report_progress(
             next_line = time.monotonic() + 1.0
         with anyio.move_on_after(0.1):
             await done.wait()
+
+
+def _recovered(obj: dict[str, Any]) -> bool:
+    status = obj.get("status") or {}
+    return (status.get("attempt") or 1) > 1 and not status.get("recovery") and is_true(obj, "Ready")
 
 
 def _published(obj: dict[str, Any]) -> bool:
