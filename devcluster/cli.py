@@ -12,6 +12,7 @@ from devcluster import controlplane, pki
 from devcluster.admin import AgentAdmin
 from devcluster.config import DEFAULT_NODES, AgentConfig, parse_node
 from devcluster.errors import DevclusterError
+from devcluster.ipranges import free_octet
 from devcluster.paths import Layout
 from devcluster.state import read_state
 
@@ -127,7 +128,7 @@ def _agent_config(args: argparse.Namespace) -> AgentConfig:
         nodes=[parse_node(n) for n in args.node] or list(DEFAULT_NODES),
         admin_port=args.port,
         cluster_id=cluster_id,
-        pod_ip_octet=args.pod_ip_octet or 2 + int(cluster_id, 16) % 252,
+        pod_ip_octet=args.pod_ip_octet or free_octet(2 + int(cluster_id, 16) % 252),
         tls_cert=certs.serving.cert,
         tls_key=certs.serving.key,
         path_prefix=[str(Path(sys.executable).parent)],

@@ -25,6 +25,7 @@ import httpx
 from devcluster import kubeconfig, pki
 from devcluster.config import DEFAULT_NODES, AgentConfig, NodeSpec
 from devcluster.errors import DevclusterError
+from devcluster.ipranges import free_octet
 from devcluster.paths import Layout, binary_dir, find_binaries
 from devcluster.ports import ensure_free, pick_free
 from devcluster.procs import (
@@ -185,7 +186,7 @@ def up(
         dir=layout.root,
         phase="starting",
         ports=ports,
-        pod_ip_octet=2 + int(cluster_id, 16) % 252,
+        pod_ip_octet=free_octet(2 + int(cluster_id, 16) % 252),
         nodes=list(nodes),
         bin_dir=binary_dir().resolve(),
     )

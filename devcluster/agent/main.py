@@ -24,6 +24,7 @@ from devcluster.agent.podmodel import Pod
 from devcluster.agent.pods import REQUEST_TIMEOUT, ApiReader, PodWorker, Runtime
 from devcluster.agent.server import AgentHooks, HookError, PodInfo, bind, build_app, serve
 from devcluster.config import AgentConfig
+from devcluster.ipranges import hold_octet
 from devcluster.kube import open_api
 from devcluster.paths import Layout
 from devcluster.procs import has_marker, live_groups, stop_groups
@@ -44,6 +45,8 @@ class Agent:
         self.layout = Layout(config.dir)
         self.workers: dict[str, PodWorker] = {}
         self._tg: TaskGroup | None = None
+        self._range_lock: int | None = None
+        """The fd holding this agent's pod IP range (see `devcluster.ipranges`)."""
 
     def _base_env(self) -> dict[str, str]:
         path = os.pathsep.join([*self.config.path_prefix, os.environ.get("PATH", "")])
@@ -57,6 +60,7 @@ class Agent:
             folder.mkdir(parents=True, exist_ok=True)
         self._kill_stale_groups()
         self.layout.agent_pid.write_text(f"{os.getpid()}\n")
+        self._range_lock = hold_octet(self.config.pod_ip_octet)
         sock = bind(self.config.admin_port)
         port = sock.getsockname()[1]
         async with (
