@@ -254,6 +254,10 @@ class SetView:
     restoring: str | None
     live_pods: int
     deleting: bool = False
+    deadline_reason: str | None = None
+    """The reason on the DeadlineSaved condition as last written (Saving: a save is under way)."""
+    stored_reserve: int | None = None
+    """`status.saveReserveSeconds` as last written."""
 
     @classmethod
     def from_set(cls, rset: RolloutSet, *, live_pods: int) -> SetView:
@@ -291,6 +295,15 @@ class SetView:
             restoring=status.recovery.checkpoint if status.recovery is not None else None,
             live_pods=live_pods,
             deleting=rset.metadata.deletion_timestamp is not None,
+            deadline_reason=next(
+                (
+                    c.reason
+                    for c in status.conditions
+                    if c.type == SetConditionType.DEADLINE_SAVED.value
+                ),
+                None,
+            ),
+            stored_reserve=status.save_reserve_seconds,
         )
 
     @property
@@ -954,6 +967,15 @@ def plan(view: SetView, checkpoints: Sequence[CheckpointView], now: datetime) ->
     before the interval (its checkpoint resets the timer, so both never start together).
     """
     reserve = save_reserve_seconds(view.durations)
+    if (
+        view.deadline_reason == Reason.SAVING
+        and view.stored_reserve is not None
+        and not view.deadline_settled
+    ):
+        # A save for the deadline is under way: its start time stays where it was. Otherwise
+        # the saving checkpoint's own duration would grow the reserve, move the start earlier
+        # and let an older checkpoint, finished before the real start, "cover" the deadline.
+        reserve = view.stored_reserve
     creates: list[Create] = []
     conditions: list[ConditionChange] = []
     notes: list[Note] = []

@@ -355,7 +355,8 @@ def set_conditions(
     attempt = plan.attempt
     # Suspended=True without spec.suspend: afterDeadline Suspend released the pods (policy).
     suspended = rset.spec.suspend or is_true(rset.status.conditions, SetConditionType.SUSPENDED)
-    if suspended and not plan.existing:
+    # Pods on their way out count as released: the suspend deleted them, their state is saved.
+    if suspended and all(p.terminating or p.finished for p in plan.existing.values()):
         why = "spec.suspend is true" if rset.spec.suspend else "suspended after mustSaveBy"
         message = f"{why}: no participant pods run"
         return SetHealth(

@@ -321,6 +321,39 @@ def test_once_started_the_deadline_checkpoint_is_the_outcome_whatever_the_reserv
     assert decision.settle.checkpoint == own.name
 
 
+def test_an_overtaken_wait_keeps_its_start_time_when_the_saving_checkpoint_is_slow() -> None:
+    # trainer-120 was saving for the deadline (condition Saving, reserve 7 => start 993). Its
+    # own 16 s duration would raise the reserve to 22 (start 978) and let "warm", Ready at 985
+    # (before the real start), cover the deadline after the fact; the start stays at 993.
+    conditions = [
+        {
+            "type": "Ready",
+            "status": "True",
+            "reason": "AllParticipantsReady",
+            "lastTransitionTime": stamp(0),
+        },
+        {
+            "type": "DeadlineSaved",
+            "status": "False",
+            "reason": "Saving",
+            "message": "checkpoint trainer-120 must be Ready",
+            "lastTransitionTime": stamp(993),
+        },
+    ]
+    status = {"saveReserveSeconds": 7, "conditions": conditions}
+    durations = [4.0, 4.0, 4.0, 4.0, 16.0]
+    rset = deadline_view(durations=durations, status=status)
+    assert save_reserve_seconds(tuple(durations)) > 7
+    warm = ckpt("warm", 975, completed=985, ready=True)
+    trainer = ckpt(
+        "trainer-120", 980, trigger=Trigger.TRAINER_CHECKPOINT, completed=996, ready=True
+    )
+    decided = plan(rset, [warm, trainer], at(997))
+    assert decided.reserve == 7
+    assert decided.settle is not None
+    assert decided.settle.checkpoint == "trainer-120"
+
+
 def test_a_checkpoint_ready_after_must_save_by_settles_missed() -> None:
     late = ckpt("math-deadline-20261129-121640", 993, completed=1004, ready=True)
     decision = deadline_decision(deadline_view(), [late], 7, at(1005))
