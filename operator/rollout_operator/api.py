@@ -115,6 +115,11 @@ RULE_SIBLING_INTERVAL: Final = Rule(
     "rollouts for checkpoints no recovery restores (at sibling level unfinished episodes "
     "restart); unset intervalSeconds, or use targetLevel turn",
 )
+RULE_IN_PLACE_NOT_YET: Final = Rule(
+    cel="!has(self.restorePolicy) || self.restorePolicy != 'InPlace'",
+    message="recovery.restorePolicy InPlace is not implemented yet: use Recreate (the default), "
+    "which replaces every participant pod under attempt + 1 and restores all of them at once",
+)
 RULE_STORAGE_IMMUTABLE: Final = Rule(
     cel="self == oldSelf",
     message="storage is immutable: the records of earlier checkpoints live there and a restore "
@@ -409,6 +414,10 @@ class CheckpointPolicy(ApiModel):
 class RecoverySpec(ApiModel):
     """What happens when a participant pod of the current attempt is lost."""
 
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [RULE_IN_PLACE_NOT_YET.schema()]}
+    )
+
     target_level: TargetLevel = Field(
         default=TargetLevel.TURN,
         description="turn: unfinished episodes continue from their last boundary (needs "
@@ -416,8 +425,9 @@ class RecoverySpec(ApiModel):
     )
     restore_policy: RestorePolicy = Field(
         default=RestorePolicy.RECREATE,
-        description="Recreate: every participant pod is replaced; InPlace: only lost pods are "
-        "replaced and survivors retire the old attempt.",
+        description="Recreate: every participant pod is replaced under attempt + 1. InPlace "
+        "(only lost pods replaced, survivors retire the old attempt) is reserved and refused "
+        "until it is implemented.",
     )
     max_restarts: int = Field(
         default=10,
@@ -431,6 +441,12 @@ class RecoverySpec(ApiModel):
         description="How long fresh pods may take to become Ready and restore before the try "
         "counts as failed.",
     )
+
+    @model_validator(mode="after")
+    def _check_restore_policy(self) -> RecoverySpec:
+        if self.restore_policy is RestorePolicy.IN_PLACE:
+            raise ValueError(RULE_IN_PLACE_NOT_YET.message)
+        return self
 
 
 class RolloutSetSpec(ApiModel):

@@ -33,7 +33,6 @@ from .api import (
     ConditionStatus,
     RecoveryPhase,
     RecoveryStatus,
-    RestorePolicy,
     RolloutCheckpoint,
     RolloutSet,
     SetConditionType,
@@ -275,11 +274,6 @@ class RecoveryFlow:
     async def _stop_attempt(self, rset: RolloutSet) -> RolloutSet:
         recovery = rset.status.recovery
         assert recovery is not None
-        if rset.spec.recovery.restore_policy is RestorePolicy.IN_PLACE:
-            logger.warning(
-                "restorePolicy InPlace is not implemented yet; set %s recovers with Recreate",
-                rset.metadata.name,
-            )
         # Every pod older than the target attempt goes: a survivor of the lost attempt would
         # keep running episodes that the restore also continues (they would complete twice).
         for attempt in range(recovery.from_attempt, recovery.target_attempt):

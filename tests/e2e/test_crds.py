@@ -84,6 +84,8 @@ def mutated(change: str) -> dict[str, Any]:
         spec["participants"][0]["template"]["spec"]["restartPolicy"] = "Always"
     elif change == "storage path with ..":
         spec["storage"] = {"path": "/tmp/../etc", "volume": {"emptyDir": {}}}
+    elif change == "restorePolicy InPlace":
+        spec["recovery"] = {"restorePolicy": "InPlace"}
     elif change == "name too long":
         obj["metadata"]["name"] = "s" * 51
     else:
@@ -101,6 +103,7 @@ BAD_SPECS = {
     "restartPolicy Always": api.RULE_RESTART_NEVER.message,
     "storage path with ..": api.RULE_STORAGE_PATH.message,
     "name too long": api.RULE_SET_NAME.message,
+    "restorePolicy InPlace": api.RULE_IN_PLACE_NOT_YET.message,
 }
 
 

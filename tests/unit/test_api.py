@@ -95,6 +95,12 @@ def test_turn_level_that_would_never_save_is_refused() -> None:
     assert api.RULE_NEVER_SAVES.message in message
 
 
+def test_in_place_restore_policy_is_refused_until_implemented() -> None:
+    body = spec(recovery={"restorePolicy": "InPlace"})
+    assert api.RULE_IN_PLACE_NOT_YET.message in refusal(api.RolloutSetSpec, body)
+    assert api.RolloutSetSpec.model_validate(spec(recovery={"restorePolicy": "Recreate"}))
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
