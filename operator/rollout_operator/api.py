@@ -165,6 +165,19 @@ def format_time(value: datetime) -> str:
 
 
 Timestamp = Annotated[datetime, PlainSerializer(format_time, return_type=str, when_used="json")]
+
+
+def format_micro_time(value: datetime) -> str:
+    """`metav1.MicroTime`: RFC 3339 in UTC with microseconds, for times that order events
+    which can fall in the same second (two checkpoints completing together)."""
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+MicroTimestamp = Annotated[
+    datetime, PlainSerializer(format_micro_time, return_type=str, when_used="json")
+]
 RolloutIdStr = Annotated[str, StringConstraints(pattern=ROLLOUT_ID_PATTERN)]
 
 
@@ -813,7 +826,7 @@ class RolloutCheckpointStatus(StatusModel):
     deadline: Timestamp | None = Field(
         default=None, description="The prepare deadline given to the participants."
     )
-    completed_at: Timestamp | None = Field(
+    completed_at: MicroTimestamp | None = Field(
         default=None, description="When the checkpoint became Ready or Failed."
     )
     conditions: list[Condition] = Field(

@@ -233,7 +233,7 @@ class CheckpointFlow:
             "checkpoint %s failed: %s: %s", ckpt.metadata.name, failed.reason, failed.message
         )
         status = ckpt.status.model_copy(
-            update={"phase": CheckpointPhase.FAILED, "completed_at": utcnow()}
+            update={"phase": CheckpointPhase.FAILED, "completed_at": datetime.now(UTC)}
         )
         if failed.blockers is not None:
             status.blockers = [str(e) for e in failed.blockers.blockers]
@@ -408,7 +408,7 @@ class CheckpointFlow:
             set_patch = await self._drive(ckpt, rset, coordinator, started)
             published = True
             await self._release_slot(ckpt, set_patch)
-            await self._phase(ckpt, CheckpointPhase.READY, completed_at=utcnow())
+            await self._phase(ckpt, CheckpointPhase.READY, completed_at=datetime.now(UTC))
         except CheckpointFailed as failed:
             published = published or ckpt.status.phase is CheckpointPhase.RESUMING
             if coordinator is not None and not published:
@@ -417,7 +417,7 @@ class CheckpointFlow:
             if published:
                 # Ready already (records complete and published): never taken back.
                 logger.warning("checkpoint %s: %s", name, failed.message)
-                await self._phase(ckpt, CheckpointPhase.READY, completed_at=utcnow())
+                await self._phase(ckpt, CheckpointPhase.READY, completed_at=datetime.now(UTC))
             else:
                 await self._fail(ckpt, failed)
         finally:

@@ -596,6 +596,20 @@ def test_terminating_pods_are_read_from_the_wire_form() -> None:
 # --- retention ----------------------------------------------------------------------------------
 
 
+def test_retention_orders_checkpoints_completed_within_one_second() -> None:
+    # Three checkpoints Ready in the same second: completedAt keeps microseconds (MicroTime),
+    # so the oldest one goes, whatever order the API lists them in.
+    completions = {"c3": 20.5, "c2": 20.1, "c4": 20.9}
+    checkpoints = [ckpt(n, 10, completed=t, ready=True) for n, t in completions.items()]
+    assert retention(checkpoints, 2, []) == ["c2"]
+    status = api.RolloutCheckpointStatus(completed_at=at(20.5))
+    wire = api.dump(status)["completedAt"]
+    assert wire.endswith(".500000Z")
+    assert api.RolloutCheckpointStatus.model_validate({"completedAt": wire}).completed_at == at(
+        20.5
+    )
+
+
 def test_retention_keeps_the_newest_ready_and_failed_and_never_the_protected() -> None:
     checkpoints = [
         ckpt("r1", 0, completed=1, ready=True),
