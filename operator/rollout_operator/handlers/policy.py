@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import random
 from datetime import UTC, datetime
-from typing import Any, Final, cast
+from typing import Any, Final
 
 import kopf
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -39,6 +39,7 @@ from ..policyops import (
     set_deleted,
     start_eviction_checkpoint,
 )
+from .events import post_set_event
 from .rolloutset import wake
 from .runtime import kube_of
 
@@ -60,17 +61,7 @@ def wake_policy(namespace: str | None, name: object) -> None:
 
 
 async def _post(rset: RolloutSet, note: Note) -> None:
-    body = {
-        "apiVersion": rset.api_version,
-        "kind": rset.kind,
-        "metadata": {
-            "name": rset.metadata.name,
-            "namespace": rset.metadata.namespace,
-            "uid": rset.metadata.uid,
-        },
-    }
-    kind = "Warning" if note.warning else "Normal"
-    kopf.event(cast(kopf.Body, body), type=kind, reason=note.reason, message=note.message)
+    post_set_event(rset, note.reason, note.message, warning=note.warning)
 
 
 @kopf.daemon(GROUP, VERSION, ROLLOUT_SET_PLURAL, id="policy", cancellation_timeout=10.0)

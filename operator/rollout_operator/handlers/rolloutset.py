@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any, Final, cast
+from typing import Any, Final
 
 import kopf
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -24,6 +24,7 @@ from ..conditions import utcnow
 from ..kube import sleep_until
 from ..recovery import recover_if_needed
 from ..setops import reconcile_set
+from .events import post_set_event
 from .runtime import kube_of
 
 RESYNC_SECONDS: Final = 30.0
@@ -80,17 +81,7 @@ async def node_not_ready(**_: Any) -> None:
 
 async def _recovery_event(rset: RolloutSet, reason: str, message: str, warning: bool) -> None:
     metrics.observe_recovery(rset, reason)
-    body = {
-        "apiVersion": rset.api_version,
-        "kind": rset.kind,
-        "metadata": {
-            "name": rset.metadata.name,
-            "namespace": rset.metadata.namespace,
-            "uid": rset.metadata.uid,
-        },
-    }
-    kind = "Warning" if warning else "Normal"
-    kopf.event(cast(kopf.Body, body), type=kind, reason=reason, message=message)
+    post_set_event(rset, reason, message, warning=warning)
 
 
 _transitions = metrics.SetTransitions()
