@@ -46,6 +46,7 @@ from rollout_servers.discovery import rollout_set_topology
 from devcluster.cluster import Cluster
 from devcluster.paths import find_binaries
 from devcluster.testing import namespace_name, wait_for_sync
+from devcluster.waiting import WaitTimeout, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "rollout-operator"
@@ -452,16 +453,19 @@ async def wait_held(http: httpx.AsyncClient, model: str, rollout_id: str) -> Non
 async def wait_obj(
     cluster: Cluster, kind: str, name: str, namespace: str, what: str, check: Any, limit_s: float
 ) -> dict[str, Any]:
-    deadline = time.monotonic() + limit_s
     last: dict[str, Any] = {}
-    while time.monotonic() < deadline:
+
+    async def shown() -> dict[str, Any] | None:
+        nonlocal last
         last = get_json(cluster, kind, name, "-n", namespace)
-        if last and check(last):
-            return last
-        await anyio.sleep(0.3)
-    raise AssertionError(
-        f"{kind}/{name} not {what} within {limit_s}s; status: {last.get('status')}"
-    )
+        return last if last and check(last) else None
+
+    try:
+        return await wait_for(shown, limit_s, f"{kind}/{name} {what}", interval=0.3)
+    except WaitTimeout:
+        raise AssertionError(
+            f"{kind}/{name} not {what} within {limit_s}s; status: {last.get('status')}"
+        ) from None
 
 
 async def test_checkpoint_and_recovery_under_the_charts_service_account(
