@@ -8,8 +8,6 @@ wire (camelCase) form, which the pure modules (`resources`, `setplan`) work on.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -161,12 +159,3 @@ async def _create_if_absent(create: Callable[[], Awaitable[Any]]) -> bool:
             return False
         raise
     return True
-
-
-async def sleep_until(deadline: float, event: asyncio.Event) -> None:
-    """Wait until `event` is set or the loop clock reaches `deadline`, whichever is first."""
-    remaining = deadline - asyncio.get_running_loop().time()
-    if remaining <= 0 or event.is_set():
-        return
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(event.wait(), timeout=remaining)

@@ -431,6 +431,12 @@ async def test_deleting_a_set_removes_what_it_owns(
     apply(cluster, namespace, rollout_set("short-lived", tmp_path / "ckpt", {"model": 1}))
     await wait_for_set(custom, operator, "short-lived", "Ready", has_condition("Ready", "True"))
     cluster.kubectl("delete", "rset", "short-lived", "-n", namespace, "--timeout=60s")
+    # The finalizer went only after the set's daemons ended: they returned by themselves when
+    # stopped, so Kopf had nothing to cancel (it would log "cancelled. Will escalate.").
+    log = operator.log.read_text(errors="replace")
+    assert "short-lived" in log
+    assert "Will escalate" not in log, operator.tail()
+    assert "did not exit in time" not in log, operator.tail()
 
     def owned_left() -> str:
         return cluster.kubectl(

@@ -4,7 +4,8 @@
   of the set or of one of its RolloutCheckpoints) and otherwise at the time the last pass asked
   for (a deadline start, an interval tick) or every `RESYNC_SECONDS`. One loop per set means the
   policy's decisions for a set never run twice at once in this process, so two events cannot
-  both decide to create the same interval checkpoint or both release the pods.
+  both decide to create the same interval checkpoint or both release the pods. It returns by
+  itself when the set is deleted or the operator stops (`passloop`).
 - `pod_terminating`: a participant pod got a deletion timestamp: the Eviction checkpoint is
   created right from the pod event (the grace period is short; the loop may be mid-pass).
 - `checkpoint_deleted` / `set_deleted`: the finalizers that remove records (retention deletes
@@ -29,7 +30,7 @@ from ..api import (
     VERSION,
     RolloutSet,
 )
-from ..kube import sleep_until
+from ..passloop import STOP_BACKOFF_SECONDS, PassLoop, Stopped
 from ..policy import Note
 from ..policyops import (
     CheckpointBusy,
@@ -64,16 +65,30 @@ async def _post(rset: RolloutSet, note: Note) -> None:
     post_set_event(rset, note.reason, note.message, warning=note.warning)
 
 
-@kopf.daemon(GROUP, VERSION, ROLLOUT_SET_PLURAL, id="policy", cancellation_timeout=10.0)
+@kopf.daemon(
+    GROUP,
+    VERSION,
+    ROLLOUT_SET_PLURAL,
+    id="policy",
+    cancellation_backoff=STOP_BACKOFF_SECONDS,
+    cancellation_timeout=10.0,
+)
 async def policy_loop(
-    namespace: str | None, name: str, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+    namespace: str | None,
+    name: str,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    stopped: kopf.DaemonStopped,
+    **_: Any,
 ) -> None:
-    """Run the set's checkpoint policy until the set is deleted or the operator stops."""
+    """Run the set's checkpoint policy until the set is deleted or the operator stops
+    (`passloop`: it returns by itself within `STOP_BACKOFF_SECONDS`, so Kopf never has to
+    cancel it)."""
     namespace = namespace or "default"
     key = (namespace, name)
     event = _wakeups.setdefault(key, asyncio.Event())
+    waits = PassLoop(stopped, wake=event)
     event.set()
-    loop = asyncio.get_running_loop()
     posted: list[tuple[str, str]] = []
 
     async def note_once(rset: RolloutSet, note: Note) -> None:
@@ -87,23 +102,27 @@ async def policy_loop(
 
     failures = 0
     try:
-        while True:
-            await sleep_until(loop.time() + RESYNC_SECONDS, event)
+        while not waits.stopped:
+            await waits.sleep(RESYNC_SECONDS)
+            if waits.stopped:
+                break
             event.clear()
             try:
-                outcome = await PolicyPass(
-                    kube_of(memo),
-                    on_note=note_once,
-                    wake_set=wake,
-                    locator=StorageLocator.from_env(),
-                ).run(namespace, name)
+                outcome = await waits.run(
+                    PolicyPass(
+                        kube_of(memo),
+                        on_note=note_once,
+                        wake_set=wake,
+                        locator=StorageLocator.from_env(),
+                    ).run(namespace, name)
+                )
             except (ApiException, OSError, TimeoutError, kopf.TemporaryError) as error:
                 failures += 1
                 delay = min(MAX_BACKOFF_SECONDS, 2.0**failures) * (0.5 + random.random() / 2)
                 logger.warning(
                     "checkpoint policy pass failed (%s); retrying in %.1fs", error, delay
                 )
-                await asyncio.sleep(delay)
+                await waits.sleep(delay, wakeable=False)
                 event.set()
                 continue
             failures = 0
@@ -114,8 +133,10 @@ async def policy_loop(
                 # second); a wake a hair early just makes the pass ask for the time again.
                 remaining = (outcome.wake_at - datetime.now(UTC)).total_seconds()
                 if remaining < RESYNC_SECONDS:
-                    await sleep_until(loop.time() + max(remaining, 0.0) + WAKE_SLACK_SECONDS, event)
+                    await waits.sleep(max(remaining, 0.0) + WAKE_SLACK_SECONDS)
                     event.set()
+    except Stopped:
+        logger.info("policy stopped: the pass under way was cancelled (the next one redoes it)")
     finally:
         if _wakeups.get(key) is event:
             del _wakeups[key]

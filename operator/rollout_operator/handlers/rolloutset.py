@@ -6,7 +6,8 @@ resume, a pod event of the set) and otherwise at the next progress deadline or e
 the same set overlap, and a burst of pod events collapses into one pass.
 
 Other flows (recovery, checkpoints) call `wake(namespace, name)` after they change something
-the set's status should reflect.
+the set's status should reflect. When the set is deleted or the operator stops, the loop returns
+by itself (`passloop`) instead of waiting for Kopf to cancel it.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from .. import metrics
 from ..api import GROUP, LABEL_SET, ROLLOUT_SET_PLURAL, VERSION, RolloutSet
 from ..conditions import utcnow
-from ..kube import sleep_until
+from ..passloop import STOP_BACKOFF_SECONDS, PassLoop, Stopped
 from ..recovery import recover_if_needed
-from ..setops import reconcile_set
+from ..setops import ReconcileOutcome, reconcile_set
 from .events import post_set_event
 from .runtime import kube_of
 
@@ -95,31 +96,48 @@ async def observe_set(type: str | None, body: kopf.Body, **_: Any) -> None:
         kopf.event(body, type=kind, reason=change.reason, message=change.message)
 
 
-@kopf.daemon(GROUP, VERSION, ROLLOUT_SET_PLURAL, id="reconcile", cancellation_timeout=10.0)
+@kopf.daemon(
+    GROUP,
+    VERSION,
+    ROLLOUT_SET_PLURAL,
+    id="reconcile",
+    cancellation_backoff=STOP_BACKOFF_SECONDS,
+    cancellation_timeout=10.0,
+)
 async def reconcile_loop(
-    namespace: str | None, name: str, memo: Any, logger: kopf.Logger, **_: Any
+    namespace: str | None,
+    name: str,
+    memo: Any,
+    logger: kopf.Logger,
+    stopped: kopf.DaemonStopped,
+    **_: Any,
 ) -> None:
-    """Reconcile the set until it is deleted or the operator stops (then it is cancelled)."""
+    """Reconcile the set until it is deleted or the operator stops (`passloop`: it returns by
+    itself within `STOP_BACKOFF_SECONDS`, so Kopf never has to cancel it)."""
     namespace = namespace or "default"
     key = (namespace, name)
     event = _wakeups.setdefault(key, asyncio.Event())
+    waits = PassLoop(stopped, wake=event)
     event.set()
-    loop = asyncio.get_running_loop()
+
+    async def one_pass() -> ReconcileOutcome:
+        await recover_if_needed(kube_of(memo), namespace, name, on_transition=_recovery_event)
+        return await reconcile_set(kube_of(memo), namespace, name)
+
     failures = 0
     try:
-        while True:
-            await sleep_until(loop.time() + RESYNC_SECONDS, event)
+        while not waits.stopped:
+            await waits.sleep(RESYNC_SECONDS)
+            if waits.stopped:
+                break
             event.clear()
             try:
-                await recover_if_needed(
-                    kube_of(memo), namespace, name, on_transition=_recovery_event
-                )
-                outcome = await reconcile_set(kube_of(memo), namespace, name)
+                outcome = await waits.run(one_pass())
             except (ApiException, OSError, TimeoutError, kopf.TemporaryError) as error:
                 failures += 1
                 delay = min(MAX_BACKOFF_SECONDS, 2.0**failures) * (0.5 + random.random() / 2)
                 logger.warning("reconcile failed (%s); retrying in %.1fs", error, delay)
-                await asyncio.sleep(delay)
+                await waits.sleep(delay, wakeable=False)
                 event.set()
                 continue
             failures = 0
@@ -128,8 +146,10 @@ async def reconcile_loop(
             elif outcome.recheck_at is not None:
                 remaining = (outcome.recheck_at - utcnow()).total_seconds()
                 if remaining < RESYNC_SECONDS:
-                    await sleep_until(loop.time() + max(remaining, 0.0) + 0.5, event)
+                    await waits.sleep(max(remaining, 0.0) + 0.5)
                     event.set()
+    except Stopped:
+        logger.info("reconcile stopped; the pass under way was cancelled (status has its state)")
     finally:
         if _wakeups.get(key) is event:
             del _wakeups[key]
