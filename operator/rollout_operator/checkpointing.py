@@ -36,6 +36,7 @@ from rollout_servers.protocol import ErrorCode
 
 from .api import (
     GROUP,
+    LABEL_ATTEMPT,
     ROLLOUT_CHECKPOINT_PLURAL,
     VERSION,
     CheckpointConditionType,
@@ -49,9 +50,12 @@ from .api import (
     SetConditionType,
     Trigger,
     dump,
+    format_time,
 )
 from .conditions import find_condition, set_condition, utcnow
 from .kube import MERGE_PATCH, Conflict, Kube
+from .policy import PrepareDeadline, TerminatingPod, eviction_prepare_deadline
+from .resources import set_selector
 from .setops import read_control_token
 
 logger = logging.getLogger(__name__)
@@ -89,6 +93,7 @@ class Reason:
     COMMIT_FAILED: Final = "CommitFailed"
     LEASE_LAPSED: Final = "LeaseLapsed"
     INVALID: Final = "InvalidCheckpoint"
+    GRACE_PERIOD_TOO_SHORT: Final = "GracePeriodTooShort"
 
 
 class CheckpointFailed(Exception):
@@ -442,6 +447,22 @@ class CheckpointFlow:
             raise CheckpointFailed(Reason.PARTICIPANT_LOST, lost)
         return rset
 
+    async def _prepare_deadline(self, ckpt: RolloutCheckpoint, rset: RolloutSet) -> PrepareDeadline:
+        """`prepareTimeoutSeconds` from now; for an Eviction checkpoint no later than the
+        evicted pods' grace period allows (`policy.eviction_prepare_deadline`). The pods are
+        read now, not when the checkpoint was created: it may have queued, and a drain may
+        have evicted more pods since."""
+        now = datetime.fromtimestamp(self._clock(), UTC)
+        timeout = rset.spec.checkpoint_policy.prepare_timeout_seconds
+        terminating: list[TerminatingPod] = []
+        if ckpt.spec.trigger is Trigger.EVICTION:
+            namespace = ckpt.metadata.namespace or "default"
+            pods = await self._kube.list_pods(namespace, set_selector(rset.metadata.name))
+            terminating = [
+                t for t in (TerminatingPod.from_pod(p, LABEL_ATTEMPT) for p in pods) if t
+            ]
+        return eviction_prepare_deadline(now, timeout, terminating, rset.status.attempt)
+
     async def _abort(self, coordinator: Coordinator, ckpt: RolloutCheckpoint) -> None:
         with anyio.CancelScope(shield=True):
             outcome = await coordinator.resume(
@@ -509,11 +530,21 @@ class CheckpointFlow:
         # Resuming: published already (Ready=True); only the resume is left.
         if phase is not CheckpointPhase.RESUMING:
             # Prepare (also on a restart in Committing/Publishing: the replies are replayed).
+            bound = ""
             if ckpt.status.deadline is not None and phase in IN_FLIGHT:
                 deadline_ts = ckpt.status.deadline.timestamp()
             else:
-                timeout = rset.spec.checkpoint_policy.prepare_timeout_seconds
-                deadline_ts = self._clock() + timeout
+                deadline = await self._prepare_deadline(ckpt, rset)
+                deadline_ts = deadline.at.timestamp()
+                bound = deadline.why
+                if bound and deadline_ts <= self._clock():
+                    raise CheckpointFailed(
+                        Reason.GRACE_PERIOD_TOO_SHORT,
+                        f"no time left to prepare: {bound}. Give participant pods a "
+                        "terminationGracePeriodSeconds that covers a checkpoint (the set's "
+                        "recentCheckpointSeconds); the recovery restores the latest Ready "
+                        "checkpoint instead",
+                    )
                 await self._phase(
                     ckpt,
                     CheckpointPhase.PREPARING,
@@ -521,11 +552,12 @@ class CheckpointFlow:
                         CheckpointConditionType.PREPARED,
                         False,
                         Reason.PREPARING,
-                        f"parking episodes of attempt {rset.status.attempt} at boundaries",
+                        f"parking episodes of attempt {rset.status.attempt} at boundaries "
+                        f"until {format_time(deadline.at)}" + (f" ({bound})" if bound else ""),
                     ),
                     attempt=rset.status.attempt,
                     started_at=_now_ts(self._clock),
-                    deadline=datetime.fromtimestamp(deadline_ts, UTC).replace(microsecond=0),
+                    deadline=deadline.at.replace(microsecond=0),
                 )
             prepare_started = self._clock()
             # A deadline that passed while the operator was down: a prepare that completed then
@@ -543,7 +575,13 @@ class CheckpointFlow:
                     Reason.NOT_PARKED,
                     f"{prepare.blocker_count} episode(s) were not parked at the prepare deadline "
                     f"(stage {prepare.stopped_at}); first: "
-                    + ", ".join(str(e) for e in prepare.blockers[:5]),
+                    + ", ".join(str(e) for e in prepare.blockers[:5])
+                    + (
+                        f". The deadline was the eviction's: {bound}; a longer "
+                        "terminationGracePeriodSeconds gives episodes time to park"
+                        if bound
+                        else ""
+                    ),
                     blockers=prepare,
                 )
             scope = prepare.scope(ckpt.spec.episodes)

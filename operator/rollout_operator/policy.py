@@ -76,6 +76,12 @@ MIN_EVICTION_GRACE_SECONDS: Final = 3
 """A pod deleted with less grace than this gets no eviction checkpoint: it would be killed
 before the prepare got anywhere (a forced delete, or the recovery's own short-grace stop)."""
 
+EVICTION_COMMIT_MARGIN_SECONDS: Final = 2.0
+"""An eviction checkpoint's prepare must end this long before the evicted pod is killed: the
+commit (records fsynced, manifest written) still has to reach that pod. Commits of the
+reference servers take well under a second; a pod killed mid-commit fails the checkpoint with
+ParticipantLost."""
+
 _STEP_PATTERN: Final = re.compile(r"^[0-9]{1,18}$")
 
 
@@ -878,6 +884,54 @@ def eviction_decision(view: SetView, pod: TerminatingPod) -> Create | None:
         f"participant pod {pod.name} is being deleted (grace period {pod.grace_seconds}s, "
         f"killed at {format_time(pod.deletion)})",
     )
+
+
+@dataclass(frozen=True)
+class PrepareDeadline:
+    """When a checkpoint's prepare must end, and why when it is not `prepareTimeoutSeconds`."""
+
+    at: datetime
+    killed: TerminatingPod | None = None
+    """The evicted pod whose grace period set the deadline (None: the prepare timeout did)."""
+
+    @property
+    def why(self) -> str:
+        """For the checkpoint's messages; empty when the prepare timeout set the deadline."""
+        if self.killed is None:
+            return ""
+        return (
+            f"pod {self.killed.name} is killed at {format_time(self.killed.deletion)}, so the "
+            f"prepare ends {EVICTION_COMMIT_MARGIN_SECONDS:g}s before that to leave the commit "
+            "time"
+        )
+
+
+def eviction_prepare_deadline(
+    now: datetime,
+    prepare_timeout_seconds: float,
+    pods: Sequence[TerminatingPod],
+    attempt: int | None,
+) -> PrepareDeadline:
+    """The prepare deadline of an Eviction checkpoint: `prepareTimeoutSeconds` from now, or the
+    end of the first grace period among the attempt's terminating pods less
+    `EVICTION_COMMIT_MARGIN_SECONDS`, whichever is earlier.
+
+    A prepare running past the kill would only fail later and less clearly (ParticipantLost
+    instead of PrepareTimeout with its blockers), and it would keep the rest of the attempt
+    paused for nothing. Every terminating pod of the attempt counts, not only the one whose
+    event created the checkpoint: a drain evicts several, and the first kill ends the
+    checkpoint. The result can lie in the past (a checkpoint that queued too long, a pod
+    deleted with little grace); the flow then fails at once instead of preparing.
+    """
+    by_timeout = PrepareDeadline(now + timedelta(seconds=prepare_timeout_seconds))
+    evicted = [p for p in pods if p.attempt == attempt and not p.finished]
+    if attempt is None or not evicted:
+        return by_timeout
+    first = min(evicted, key=lambda p: (p.deletion, p.name))
+    by_grace = first.deletion - timedelta(seconds=EVICTION_COMMIT_MARGIN_SECONDS)
+    if by_timeout.at <= by_grace:
+        return by_timeout
+    return PrepareDeadline(by_grace, killed=first)
 
 
 def eviction_holds(

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from operator_fixtures import (
     storage_dir,
 )
 from policy_support import WAIT, patch_set, wait_condition, wait_ready, when
+from rollout_operator.policy import EVICTION_COMMIT_MARGIN_SECONDS
 from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
 from rollout_servers.discovery import rollout_set_topology
 
@@ -165,6 +166,10 @@ async def test_evicted_model_pod_is_checkpointed_inside_its_grace_period(
     assert ckpt["spec"]["trigger"] == "Eviction"
     assert ckpt["status"]["attempt"] == 1
     assert when(ckpt["status"]["completedAt"]) <= killed_at, (ckpt["status"], killed_at)
+    # The prepare was given the pod's remaining grace (less the commit's margin), not
+    # prepareTimeoutSeconds (300 s, far past the kill).
+    prepare_ends = killed_at - timedelta(seconds=EVICTION_COMMIT_MARGIN_SECONDS)
+    assert when(ckpt["status"]["deadline"]) <= prepare_ends, (ckpt["status"], killed_at)
     assert recovered["status"]["latestCheckpoint"] == ckpt["metadata"]["name"]
     assert condition(recovered, "Recovering")["reason"] == "Restored"  # type: ignore[index]
 

@@ -15,6 +15,7 @@ from rollout_operator.api import CheckpointPhase, Trigger
 from rollout_operator.policy import (
     ANNOTATION_DEADLINE_OUTCOME,
     DEFAULT_RESERVE_SECONDS,
+    EVICTION_COMMIT_MARGIN_SECONDS,
     CheckpointView,
     DeadlineRecord,
     Reason,
@@ -24,6 +25,7 @@ from rollout_operator.policy import (
     deadline_decision,
     eviction_decision,
     eviction_holds,
+    eviction_prepare_deadline,
     interval_decision,
     latest_after_delete,
     plan,
@@ -574,6 +576,50 @@ def test_recovery_holds_an_evicted_pod_until_its_checkpoint_finished_or_grace_en
     finished = [ckpt("math-evict-a3", 101, completed=105, ready=True)]
     assert eviction_holds(view(), pods, finished, at(106)) == frozenset()
     assert eviction_holds(view(), pods, [], at(120)) == frozenset()
+
+
+def test_an_eviction_prepare_ends_before_the_evicted_pod_is_killed() -> None:
+    # Pod killed at t=120 (20 s grace from t=100); the prepare starts at t=101 with 300 s of
+    # prepareTimeoutSeconds: the grace period decides, less the commit's margin.
+    deadline = eviction_prepare_deadline(at(101), 300, [terminating()], attempt=3)
+    assert deadline.at == at(120 - EVICTION_COMMIT_MARGIN_SECONDS)
+    assert deadline.killed == terminating()
+    assert "pod math-model-0-a3 is killed at 2026-11-29T12:02:00Z" in deadline.why
+    assert f"{EVICTION_COMMIT_MARGIN_SECONDS:g}s before" in deadline.why
+
+
+def test_an_eviction_prepare_keeps_a_shorter_prepare_timeout() -> None:
+    deadline = eviction_prepare_deadline(at(101), 10, [terminating()], attempt=3)
+    assert deadline.at == at(111)
+    assert deadline.killed is None
+    assert deadline.why == ""
+
+
+def test_the_first_kill_among_the_attempts_terminating_pods_decides() -> None:
+    # A drain evicts several pods; pods of another attempt or already stopped do not count.
+    pods = [
+        terminating(deletion=130, name="math-env-0-a3"),
+        terminating(deletion=115, name="math-model-0-a3"),
+        terminating(attempt=2, deletion=105, name="math-model-0-a2"),
+        TerminatingPod("math-agent-0-a3", 3, at(104), 20, finished=True),
+    ]
+    deadline = eviction_prepare_deadline(at(101), 300, pods, attempt=3)
+    assert deadline.killed is not None
+    assert deadline.killed.name == "math-model-0-a3"
+    assert deadline.at == at(115 - EVICTION_COMMIT_MARGIN_SECONDS)
+
+
+def test_an_eviction_deadline_can_be_past_already() -> None:
+    """A checkpoint that queued until its pod's grace period ran out: the deadline lies before
+    `now`, and the flow fails it (GracePeriodTooShort) instead of preparing."""
+    deadline = eviction_prepare_deadline(at(119), 300, [terminating()], attempt=3)
+    assert deadline.at < at(119)
+    assert deadline.killed is not None
+
+
+def test_without_a_terminating_pod_the_prepare_timeout_applies() -> None:
+    assert eviction_prepare_deadline(at(101), 300, [], attempt=3).at == at(401)
+    assert eviction_prepare_deadline(at(101), 300, [terminating()], attempt=None).at == at(401)
 
 
 def test_terminating_pods_are_read_from_the_wire_form() -> None:

@@ -1,0 +1,260 @@
+"""An Eviction checkpoint's prepare deadline, through the checkpoint flow: what the participants
+are given, what the checkpoint's status shows, and the failure when no grace is left.
+
+The API is an in-memory fake of the calls the flow makes; the participant is a client that
+journals each prepare's deadline and answers "not ready" (one episode not parked), so every run
+ends quickly in PrepareTimeout with the deadline the participant saw on record.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import time
+from datetime import UTC, datetime
+from typing import Any, cast
+
+import pytest
+from kubernetes_asyncio.client.exceptions import ApiException
+from rollout_operator import api
+from rollout_operator.checkpointing import CheckpointFlow, Reason
+from rollout_operator.kube import Conflict, Kube
+from rollout_operator.policy import EVICTION_COMMIT_MARGIN_SECONDS, parse_time
+from rollout_operator.resources import TOKEN_KEY, secret_name
+from rollout_servers.coordination import HttpParticipant
+from rollout_servers.protocol import (
+    EpisodeId,
+    Phase,
+    PrepareReply,
+    PrepareRequest,
+    ResumeReply,
+    ResumeRequest,
+    Role,
+)
+
+NS = "team"
+SET = "math"
+CKPT = "math-evict-a3"
+PREPARE_TIMEOUT = 300
+
+
+def whole_seconds(ts: float) -> datetime:
+    return datetime.fromtimestamp(int(ts), UTC)
+
+
+class FakeApi:
+    """The set, its pods, its token Secret and one checkpoint; status writes applied."""
+
+    def __init__(self, trigger: str, pods: list[dict[str, Any]]) -> None:
+        self.custom = self
+        self.pods = pods
+        self.set: dict[str, Any] = {
+            "apiVersion": api.API_VERSION,
+            "kind": "RolloutSet",
+            "metadata": {"name": SET, "namespace": NS, "uid": "u", "generation": 1},
+            "spec": {
+                "participants": [
+                    {
+                        "role": "model",
+                        "template": {
+                            "spec": {
+                                "containers": [
+                                    {
+                                        "name": "c",
+                                        "ports": [{"name": "control", "containerPort": 8000}],
+                                    }
+                                ]
+                            }
+                        },
+                    }
+                ],
+                "storage": {"path": "/ckpt", "volume": {"hostPath": {"path": "/ckpt"}}},
+                "checkpointPolicy": {"prepareTimeoutSeconds": PREPARE_TIMEOUT},
+            },
+            "status": {
+                "attempt": 3,
+                "participants": [
+                    {
+                        "role": "model",
+                        "index": 0,
+                        "pod": "math-model-0-a3",
+                        "ready": False,
+                        "address": "http://10.0.0.1:8000",
+                    }
+                ],
+            },
+        }
+        self.version = 1
+        self.checkpoint: dict[str, Any] = {
+            "apiVersion": api.API_VERSION,
+            "kind": "RolloutCheckpoint",
+            "metadata": {"name": CKPT, "namespace": NS, "generation": 1},
+            "spec": {"rolloutSet": SET, "trigger": trigger},
+            "status": {},
+        }
+
+    def as_kube(self) -> Kube:
+        return cast(Kube, self)
+
+    async def get_set(self, namespace: str, name: str) -> dict[str, Any] | None:
+        obj = copy.deepcopy(self.set)
+        obj["metadata"]["resourceVersion"] = str(self.version)
+        return obj
+
+    async def patch_set_status(
+        self, namespace: str, name: str, status: dict[str, Any], *, resource_version: str | None
+    ) -> dict[str, Any]:
+        if resource_version not in (None, str(self.version)):
+            raise Conflict("modified")
+        for key, value in status.items():
+            if value is None:
+                self.set["status"].pop(key, None)
+            else:
+                self.set["status"][key] = copy.deepcopy(value)
+        self.version += 1
+        return await self.get_set(namespace, name) or {}
+
+    async def get_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
+        assert name == secret_name(SET)
+        return {"data": {TOKEN_KEY: base64.b64encode(b"token").decode()}}
+
+    async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        return copy.deepcopy(self.pods)
+
+    async def get_namespaced_custom_object(
+        self, group: str, version: str, namespace: str, plural: str, name: str
+    ) -> dict[str, Any]:
+        if plural != api.ROLLOUT_CHECKPOINT_PLURAL or name != CKPT:
+            raise ApiException(status=404, reason="Not Found")
+        return copy.deepcopy(self.checkpoint)
+
+    async def patch_namespaced_custom_object_status(
+        self,
+        group: str,
+        version: str,
+        namespace: str,
+        plural: str,
+        name: str,
+        body: dict[str, Any],
+        **_: Any,
+    ) -> dict[str, Any]:
+        assert plural == api.ROLLOUT_CHECKPOINT_PLURAL
+        self.checkpoint["status"].update(copy.deepcopy(body["status"]))
+        return copy.deepcopy(self.checkpoint)
+
+    def condition(self, type_: str) -> dict[str, Any]:
+        conditions = self.checkpoint["status"]["conditions"]
+        found: dict[str, Any] = next(c for c in conditions if c["type"] == type_)
+        return found
+
+
+class NotParking:
+    """A model participant with one episode that never parks; journals prepare deadlines."""
+
+    role = Role.MODEL
+    instance = "model-0"
+
+    def __init__(self) -> None:
+        self.prepare_deadlines: list[float] = []
+        self.resumed = 0
+
+    async def prepare(self, request: PrepareRequest) -> PrepareReply:
+        self.prepare_deadlines.append(request.deadline_ts)
+        return PrepareReply(
+            checkpoint_id=request.checkpoint_id,
+            phase=Phase.PREPARING,
+            ready=False,
+            blockers=[EpisodeId(rollout_id="r1", attempt=3)],
+            blocker_count=1,
+        )
+
+    async def resume(self, request: ResumeRequest) -> ResumeReply:
+        self.resumed += 1
+        return ResumeReply(checkpoint_id=request.checkpoint_id, phase=Phase.IDLE)
+
+    async def aclose(self) -> None:
+        pass
+
+
+def evicted_pod(killed_at: datetime, grace: int = 30) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": "math-model-0-a3",
+            "namespace": NS,
+            "labels": {api.LABEL_SET: SET, api.LABEL_ATTEMPT: "3"},
+            "deletionTimestamp": api.format_time(killed_at),
+            "deletionGracePeriodSeconds": grace,
+        },
+        "status": {"phase": "Running"},
+    }
+
+
+async def run_flow(fake: FakeApi, participant: NotParking) -> None:
+    def participants(rset: api.RolloutSet, token: str) -> list[HttpParticipant]:
+        return [cast(HttpParticipant, participant)]
+
+    flow = CheckpointFlow(fake.as_kube(), participants_factory=participants)
+    phase = await flow.run(NS, CKPT)
+    assert phase is api.CheckpointPhase.FAILED
+
+
+async def test_the_evicted_pods_grace_period_bounds_the_prepare() -> None:
+    killed_at = whole_seconds(time.time() + 30)
+    fake = FakeApi("Eviction", [evicted_pod(killed_at)])
+    participant = NotParking()
+    await run_flow(fake, participant)
+
+    expected = killed_at.timestamp() - EVICTION_COMMIT_MARGIN_SECONDS
+    assert participant.prepare_deadlines == [pytest.approx(expected)]
+    status = fake.checkpoint["status"]
+    assert parse_time(status["deadline"]) == whole_seconds(expected)
+    failed = fake.condition("Failed")
+    assert failed["reason"] == Reason.NOT_PARKED
+    assert f"pod math-model-0-a3 is killed at {api.format_time(killed_at)}" in failed["message"]
+    assert "terminationGracePeriodSeconds" in failed["message"]
+    assert participant.resumed == 1  # the abort reopened admission
+
+
+async def test_a_shorter_prepare_timeout_still_applies_to_an_eviction() -> None:
+    fake = FakeApi("Eviction", [evicted_pod(whole_seconds(time.time() + 3600), grace=3600)])
+    participant = NotParking()
+    before = time.time()
+    await run_flow(fake, participant)
+
+    (deadline,) = participant.prepare_deadlines
+    assert before + PREPARE_TIMEOUT <= deadline <= time.time() + PREPARE_TIMEOUT
+    assert "is killed at" not in fake.condition("Failed")["message"]
+
+
+async def test_other_triggers_keep_the_prepare_timeout_while_a_pod_terminates() -> None:
+    fake = FakeApi("Manual", [evicted_pod(whole_seconds(time.time() + 30))])
+    fake.set["status"]["participants"][0]["ready"] = True
+    fake.set["status"]["conditions"] = [
+        {
+            "type": "Ready",
+            "status": "True",
+            "reason": "AllParticipantsReady",
+            "lastTransitionTime": api.format_time(datetime.now(UTC)),
+        }
+    ]
+    participant = NotParking()
+    before = time.time()
+    await run_flow(fake, participant)
+    (deadline,) = participant.prepare_deadlines
+    assert deadline >= before + PREPARE_TIMEOUT
+
+
+async def test_no_grace_left_fails_the_checkpoint_without_a_prepare() -> None:
+    # Killed within the commit margin: nothing could be committed before the kill.
+    killed_at = whole_seconds(time.time() + 1)
+    fake = FakeApi("Eviction", [evicted_pod(killed_at, grace=3)])
+    participant = NotParking()
+    await run_flow(fake, participant)
+
+    assert participant.prepare_deadlines == []
+    failed = fake.condition("Failed")
+    assert failed["status"] == "True"
+    assert failed["reason"] == Reason.GRACE_PERIOD_TOO_SHORT == "GracePeriodTooShort"
+    assert "math-model-0-a3" in failed["message"]
+    assert "terminationGracePeriodSeconds" in failed["message"]
+    assert "activeCheckpoint" not in fake.set["status"]  # the slot was released
