@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
+from anyio.abc import TaskGroup
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -421,6 +422,16 @@ class RetireMarks:
 # --- the control plane ----------------------------------------------------------------------
 
 
+@dataclass
+class _AheadDirectory:
+    """A checkpoint directory being created ahead of its commit (see `_create_directory_ahead`)."""
+
+    checkpoint_id: str
+    path: Path
+    """`<root>/<set>/<checkpoint_id>/<instance>`; an abort removes it and its checkpoint level."""
+    done: anyio.Event
+
+
 class ControlPlane:
     """Mount with `install(app)`; the participant's server keeps running its own routes."""
 
@@ -451,7 +462,9 @@ class ControlPlane:
         self._lock = anyio.Lock()
         self._lease_changed = anyio.Event()
         self._watchdog_scope: anyio.CancelScope | None = None
+        self._background: TaskGroup | None = None
         self._parking: tuple[str, anyio.CancelScope] | None = None
+        self._directory: _AheadDirectory | None = None
         self.router = self._build_router()
 
     # public API -------------------------------------------------------------------------------
@@ -497,12 +510,14 @@ class ControlPlane:
         """Run the lease watchdog for the duration of the block (the app lifespan uses this)."""
         async with anyio.create_task_group() as group:
             self._watchdog_scope = group.cancel_scope
+            self._background = group
             group.start_soon(self._watchdog)
             try:
                 yield self
             finally:
                 group.cancel_scope.cancel()
                 self._watchdog_scope = None
+                self._background = None
 
     async def aclose(self) -> None:
         """Stop the watchdog; an open checkpoint is left as is (its coordinator will resume it)."""
@@ -547,6 +562,8 @@ class ControlPlane:
                 restarts=list(state.restarts),
             )
             self._machine.end_prepare(reply)
+            if state.ready:
+                self._create_directory_ahead(cid)
             if not state.ready:
                 logger.info(
                     "%s: prepare %s not ready at its deadline: %d blockers",
@@ -579,6 +596,7 @@ class ControlPlane:
             scope = None if request.rollout_ids is None else frozenset(request.rollout_ids)
             records = self._in_scope(self._export(scope), scope)
             directory = _directory(root, self._settings.set_name, cid, self._settings.instance)
+            await self._directory_created(cid)
             try:
                 manifest = await anyio.to_thread.run_sync(
                     lambda: storage.write_records(
@@ -593,6 +611,14 @@ class ControlPlane:
             except storage.StorageError as error:
                 logger.error("%s: commit %s failed: %s", self._settings.instance, cid, error)
                 raise ProtocolError(ErrorCode.STORAGE_FAILED, str(error)) from error
+            except ValueError as error:
+                # a record whose data is not JSON: a bug in the participant, not in storage
+                logger.exception(
+                    "%s: commit %s: records not serialisable", self._settings.instance, cid
+                )
+                raise ProtocolError(
+                    ErrorCode.INTERNAL, f"records are not serialisable: {error}"
+                ) from error
             if scope is not None:
                 self._participant.release_outside(scope)
             reply = CommitReply(
@@ -657,8 +683,10 @@ class ControlPlane:
         if parking is not None and parking[0] == request.checkpoint_id:
             parking[1].cancel()
         async with self._lock:
+            committed = self._machine.phase is Phase.COMMITTED
             if self._machine.resume(request.checkpoint_id):
                 self._lease_changed.set()
+                self._drop_directory_ahead(committed)
                 await self._call("reopen", self._participant.reopen())
             return ResumeReply(checkpoint_id=request.checkpoint_id, phase=Phase.IDLE)
 
@@ -719,6 +747,58 @@ class ControlPlane:
                 f"{operation} needs a checkpoint root; ROLLOUT_CHECKPOINT_ROOT is not set",
             )
         return root
+
+    def _create_directory_ahead(self, checkpoint_id: str) -> None:
+        """Create this instance's checkpoint directory in the background once prepared.
+
+        Its directory fsyncs then run while the later stages park, instead of inside the
+        commit, where every episode of the set waits for them. Failures are left for the
+        commit to meet again and report.
+        """
+        root = self._settings.checkpoint_root
+        if root is None or self._background is None:
+            return
+        if self._directory is not None and self._directory.checkpoint_id == checkpoint_id:
+            return
+        try:
+            path = storage.checkpoint_dir(
+                root, self._settings.set_name, checkpoint_id, self._settings.instance
+            )
+        except storage.UnsafePath:
+            return
+        ahead = _AheadDirectory(checkpoint_id, path, anyio.Event())
+        self._directory = ahead
+
+        async def create() -> None:
+            try:
+                await anyio.to_thread.run_sync(storage.make_dirs, path)
+            except storage.StorageError as error:
+                logger.info(
+                    "%s: creating %s ahead failed: %s", self._settings.instance, path, error
+                )
+            finally:
+                ahead.done.set()
+
+        self._background.start_soon(create)
+
+    async def _directory_created(self, checkpoint_id: str) -> None:
+        ahead = self._directory
+        if ahead is not None and ahead.checkpoint_id == checkpoint_id:
+            await ahead.done.wait()
+
+    def _drop_directory_ahead(self, committed: bool) -> None:
+        """Forget the directory made ahead; remove it when the checkpoint closes uncommitted."""
+        ahead, self._directory = self._directory, None
+        if ahead is None or committed or self._background is None:
+            return
+
+        async def remove() -> None:
+            await ahead.done.wait()
+            await anyio.to_thread.run_sync(
+                lambda: storage.remove_empty_dirs(ahead.path, below=ahead.path.parent.parent)
+            )
+
+        self._background.start_soon(remove)
 
     async def _park(self, checkpoint_id: str, deadline_ts: float) -> ParkState:
         budget = max(0.0, deadline_ts - self._clock()) + _PARK_OVERRUN_SECONDS
@@ -850,6 +930,7 @@ class ControlPlane:
             abandoned = self._machine.expire(self._clock())
             if abandoned is None:
                 return
+            self._drop_directory_ahead(phase is Phase.COMMITTED)
             logger.warning(
                 "%s: lease of checkpoint %s lapsed in phase %s; resuming by ourselves "
                 "(the coordinator stopped renewing)",

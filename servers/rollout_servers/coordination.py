@@ -445,9 +445,10 @@ class Coordinator:
         prepared: list[ParticipantClient] = []
         stopped_at: Role | None = None
         current: Role | None = None
+        over = anyio.Event()
         async with anyio.create_task_group() as group:
             group.start_soon(
-                self._renew_while_preparing, checkpoint_id, deadline_ts, prepared, lost, group
+                self._renew_while_preparing, checkpoint_id, deadline_ts, prepared, lost, over, group
             )
             for role in PREPARE_ORDER:
                 stage = self._stage((role,))
@@ -469,6 +470,9 @@ class Coordinator:
                     stopped_at = role
                     break
                 prepared.extend(stage)
+            # the renew loop may already be runnable; the event stops it from renewing anyone
+            # (the last stage included) after prepare has ended
+            over.set()
             group.cancel_scope.cancel()
         if lost:
             failures.extend(lost)
@@ -492,12 +496,14 @@ class Coordinator:
         deadline_ts: float,
         prepared: list[ParticipantClient],
         lost: list[Failure],
+        over: anyio.Event,
         group: TaskGroup,
     ) -> None:
         request = RenewRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
         while True:
-            await anyio.sleep(self._renew_interval)
-            if self._clock() >= deadline_ts:
+            with anyio.move_on_after(self._renew_interval):
+                await over.wait()
+            if over.is_set() or self._clock() >= deadline_ts:
                 return
             targets = list(prepared)
             if not targets:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter
 
 API_PREFIX = "/checkpoint/v1"
 SCHEMA_VERSION = 1
@@ -338,21 +339,31 @@ class ForgetReply(StrictModel):
 # --- records --------------------------------------------------------------------------------
 
 
-class Record(StrictModel):
+@dataclass(frozen=True, slots=True)
+class Record:
     """One line of a records file: a participant's state for one episode (or one held item).
 
     `kind` is participant specific (`boundary`, `session`, `cut`, `held`, ...); `data` is the
     participant's own JSON. `attempt` is the attempt that produced the state; restore installs
     it under the restore request's attempt.
+
+    A plain dataclass rather than a model: a checkpoint builds one per live episode while every
+    episode waits, so building must cost nothing. Validation happens where records cross a
+    boundary, when they are read back from storage (`RECORDS`, strict, extra keys refused).
     """
 
-    kind: str = Field(min_length=1, max_length=64)
+    __pydantic_config__ = ConfigDict(extra="forbid", strict=True)
+
+    kind: Annotated[str, StringConstraints(min_length=1, max_length=64)]
     rollout_id: RolloutId
     attempt: Attempt
-    key: str = Field(
-        default="", max_length=256, description="Distinguishes several records of one rollout."
-    )
-    data: dict[str, Any] = Field(default_factory=dict)
+    key: Annotated[str, StringConstraints(max_length=256)] = ""
+    """Distinguishes several records of one rollout."""
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+RECORD = TypeAdapter(Record)
+"""Validates one records-file line into a `Record` and serialises one back."""
 
 
 def task_digest(task: dict[str, Any]) -> str:

@@ -24,7 +24,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from .protocol import (
     CHECKPOINT_ID_PATTERN,
     INSTANCE_PATTERN,
+    RECORD,
     CheckpointManifest,
     Manifest,
     Record,
@@ -123,8 +124,13 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _make_dirs(directory: Path) -> None:
-    """Create missing directories, fsyncing each new entry's parent so the path survives a crash."""
+def make_dirs(directory: Path) -> None:
+    """Create missing directories, fsyncing each new entry's parent so the path survives a crash.
+
+    A no-op (one stat) when `directory` exists, so a participant can create its checkpoint
+    directory ahead of the commit, while later stages still park, and the commit skips these
+    fsyncs.
+    """
     missing: list[Path] = []
     probe = directory
     while not probe.exists():
@@ -140,28 +146,39 @@ def _make_dirs(directory: Path) -> None:
         raise StorageError("cannot create checkpoint directory", directory, error) from error
 
 
-def _write_temp(directory: Path, chunks: Iterable[bytes]) -> tuple[Path, str, int]:
-    """Write chunks to a fresh temporary file and fsync it; returns (path, sha256, bytes)."""
+def remove_empty_dirs(directory: Path, *, below: Path) -> None:
+    """Remove `directory`, then each parent strictly below `below`, while they are empty.
+
+    Used when a checkpoint whose directory was created ahead of its commit is resumed without
+    one, so an aborted checkpoint leaves nothing behind. Errors (not empty, already gone) stop
+    the walk silently: another participant's files are never touched.
+    """
+    probe = directory
+    while probe != below and below in probe.parents:
+        try:
+            probe.rmdir()
+        except OSError:
+            return
+        probe = probe.parent
+
+
+def _write_temp(directory: Path, content: bytes) -> Path:
+    """Write `content` to a fresh temporary file in `directory` and fsync it."""
     temp = directory / f"{_TEMP_PREFIX}{uuid.uuid4().hex}"
-    digest = hashlib.sha256()
-    size = 0
     try:
         fd = _open_new(temp)
     except OSError as error:
         raise StorageError("cannot create", temp, error) from error
     try:
         try:
-            for chunk in chunks:
-                _write_all(fd, chunk)
-                digest.update(chunk)
-                size += len(chunk)
+            _write_all(fd, content)
             _fsync(fd)
         finally:
             os.close(fd)
     except OSError as error:
         _discard(temp)
         raise StorageError("cannot write", temp, error) from error
-    return temp, digest.hexdigest(), size
+    return temp
 
 
 def _discard(path: Path) -> None:
@@ -198,7 +215,7 @@ def _create_once(temp: Path, final: Path) -> bool:
 
 def _publish_once(directory: Path, name: str, content: bytes) -> bool:
     """Durably create `directory/name` with `content` unless it exists; True when created."""
-    temp, _, _ = _write_temp(directory, [content])
+    temp = _write_temp(directory, content)
     final = directory / name
     try:
         created = _create_once(temp, final)
@@ -213,6 +230,12 @@ def _publish_once(directory: Path, name: str, content: bytes) -> bool:
 # --- records --------------------------------------------------------------------------------
 
 
+def encode_records(records: Sequence[Record]) -> bytes:
+    """The records file's content: one JSON object per line, in the order given."""
+    dump = RECORD.dump_json
+    return b"".join([dump(record) + b"\n" for record in records])
+
+
 def write_records(
     directory: Path,
     *,
@@ -224,19 +247,19 @@ def write_records(
 ) -> Manifest:
     """Durably write one participant's records, then its manifest; returns the manifest.
 
+    Both files are written under temporary names and fsynced; then the records file gets its
+    digest name, the manifest is created (create-if-absent) and one directory fsync makes both
+    names durable before this returns. A crash before that fsync can leave a manifest whose
+    records file is missing on a filesystem that reorders directory updates; readers refuse
+    that as incomplete, and no caller has been told the commit succeeded.
+
     Retrying with the same records is a no-op that returns the same manifest; a manifest that
     already exists with different content is never replaced (`StorageError` with EEXIST).
     """
-    _make_dirs(directory)
-    lines = (record.model_dump_json().encode() + b"\n" for record in records)
-    temp, sha256, size = _write_temp(directory, lines)
+    make_dirs(directory)
+    content = encode_records(records)
+    sha256 = hashlib.sha256(content).hexdigest()
     records_file = f"records-{sha256}.jsonl"
-    try:
-        os.replace(temp, directory / records_file)
-        _fsync_dir(directory)
-    except OSError as error:
-        _discard(temp)
-        raise StorageError("cannot rename records into", directory, error) from error
     manifest = Manifest(
         role=role,
         instance=instance,
@@ -245,9 +268,28 @@ def write_records(
         records_file=records_file,
         records_sha256=sha256,
         record_count=len(records),
-        bytes=size,
+        bytes=len(content),
     )
-    if not _publish_once(directory, MANIFEST_NAME, _manifest_bytes(manifest)):
+    records_temp = _write_temp(directory, content)
+    try:
+        manifest_temp = _write_temp(directory, _manifest_bytes(manifest))
+    except StorageError:
+        _discard(records_temp)
+        raise
+    try:
+        try:
+            os.replace(records_temp, directory / records_file)
+        except OSError as error:
+            raise StorageError("cannot rename records into", directory, error) from error
+        try:
+            created = _create_once(manifest_temp, directory / MANIFEST_NAME)
+            _fsync_dir(directory)
+        except OSError as error:
+            raise StorageError("cannot create", directory / MANIFEST_NAME, error) from error
+    finally:
+        _discard(records_temp)
+        _discard(manifest_temp)
+    if not created:
         existing = _existing_manifest(directory / MANIFEST_NAME)
         if existing != manifest:
             raise StorageError(
@@ -323,7 +365,7 @@ def read_records(directory: Path, *, expect_checkpoint_id: str) -> tuple[Manifes
     records: list[Record] = []
     for number, line in enumerate(lines, start=1):
         try:
-            records.append(Record.model_validate_json(line))
+            records.append(RECORD.validate_json(line))
         except ValidationError as error:
             raise RecordsInvalid(
                 f"records file {path} line {number} is not a record: {_first_error(error)}"
@@ -347,7 +389,7 @@ def write_checkpoint_manifest(root: Path, manifest: CheckpointManifest) -> Path:
     custom resource. Re-publishing identical content is a no-op; different content is refused.
     """
     base = checkpoint_base(root, manifest.set_name, manifest.checkpoint_id)
-    _make_dirs(base)
+    make_dirs(base)
     if not _publish_once(base, CHECKPOINT_MANIFEST_NAME, _manifest_bytes(manifest)):
         existing = _existing_checkpoint_manifest(base / CHECKPOINT_MANIFEST_NAME)
         if existing != manifest:

@@ -10,8 +10,9 @@ import errno
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +38,13 @@ from rollout_servers.protocol import (
     PrepareReply,
     PrepareRequest,
     ProtocolError,
+    Record,
     RestoreReply,
     Role,
     StatusReply,
 )
+
+from devcluster.waiting import wait_for
 
 TOKEN = "control-token-for-tests"
 WAIT = 5.0
@@ -644,6 +648,63 @@ async def test_failing_storage_fails_the_commit_cleanly_and_the_participant_resu
         assert plane.phase is Phase.IDLE
     if root is not None and root.is_dir():
         assert not (root / "demo" / "ck" / "environment-0" / storage.MANIFEST_NAME).exists()
+
+
+async def _until(condition: Callable[[], bool], what: str) -> None:
+    """Wait for a filesystem state the control plane reaches in a background thread."""
+
+    async def holds() -> bool:
+        return condition()
+
+    await wait_for(holds, WAIT, what, interval=0.01)
+
+
+async def test_directory_is_made_ahead_of_the_commit_and_an_abort_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    fake = FakeParticipant(rollouts=["r1"])
+    plane = ControlPlane(fake, _settings(tmp_path))
+    directory = tmp_path / "demo" / "ck" / "environment-0"
+    async with _serve(plane) as client:
+        await _ok(client, "prepare", "ck")
+        await _until(directory.is_dir, "a ready prepare creates the checkpoint directory")
+        assert fake.export_calls == 0, "nothing is exported before the commit"
+        await _ok(client, "resume", "ck")
+        await _until(lambda: not (tmp_path / "demo" / "ck").exists(), "the abort removes it")
+        assert (tmp_path / "demo").is_dir(), "the set directory is left for later checkpoints"
+
+        await _ok(client, "prepare", "ck2")
+        await _ok(client, "commit", "ck2")
+        await _ok(client, "resume", "ck2")
+        # the resume may schedule no removal for a committed checkpoint; a later checkpoint
+        # passing through the same background group proves any removal would have run
+        await _ok(client, "prepare", "ck3")
+        await _until((tmp_path / "demo" / "ck3" / "environment-0").is_dir, "ck3 made ahead")
+        _, records = storage.read_records(
+            tmp_path / "demo" / "ck2" / "environment-0", expect_checkpoint_id="ck2"
+        )
+        assert [r.rollout_id for r in records] == ["r1"]
+
+
+async def test_records_that_are_not_json_fail_the_commit_and_the_participant_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakeParticipant(rollouts=["r1"])
+    exported = fake.export
+
+    def with_an_object(scope: frozenset[str] | None) -> list[Record]:
+        return [replace(record, data={"oops": object()}) for record in exported(scope)]
+
+    monkeypatch.setattr(fake, "export", with_an_object)
+    plane = ControlPlane(fake, _settings(tmp_path))
+    async with _serve(plane) as client:
+        await _ok(client, "prepare", "ck")
+        commit = await _post(client, "commit", checkpoint_id="ck", deadline_ts=_deadline())
+        assert "not serialisable" in _assert_error(commit, ErrorCode.INTERNAL, 500)
+        assert plane.phase is Phase.PREPARED
+        await _ok(client, "resume", "ck")
+        assert fake.admission_open
+    assert not (tmp_path / "demo" / "ck" / "environment-0" / storage.MANIFEST_NAME).exists()
 
 
 async def test_commit_scope_releases_restored_state_outside_it(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 import anyio
 import anyio.lowlevel
@@ -166,9 +167,9 @@ async def test_invalid_records_are_refused_before_install() -> None:
     good.begin("r1", 0, Boundary("a"))
     [record] = good.export(None)
     with pytest.raises(ValueError, match="kind"):
-        runtime.validate([record.model_copy(update={"kind": "other"})])
+        runtime.validate([replace(record, kind="other")])
     with pytest.raises(ValueError, match="r1"):
-        runtime.validate([record.model_copy(update={"data": {"step": "a"}})])
+        runtime.validate([replace(record, data={"step": "a"})])
     with pytest.raises(ValueError, match="duplicate"):
         runtime.validate([record, record])
 
