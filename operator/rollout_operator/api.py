@@ -611,7 +611,12 @@ class RolloutSetStatus(StatusModel):
         description="The latest attempt whose pods were all created; a pod of that attempt "
         "that disappears afterwards is lost (recovered), never silently recreated.",
     )
-    restarts: int = Field(default=0, ge=0, description="Recoveries so far.")
+    restarts: int = Field(
+        default=0,
+        ge=0,
+        description="Recoveries after a lost participant so far (a resume after suspend is "
+        "not one).",
+    )
     latest_checkpoint: str | None = Field(
         default=None, description="The newest Ready RolloutCheckpoint: what a recovery restores."
     )

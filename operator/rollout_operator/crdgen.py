@@ -115,7 +115,13 @@ ROLLOUT_SET = Kind(
             "Why the set is (not) Ready.",
             priority=1,
         ),
-        PrinterColumn("Restarts", "integer", ".status.restarts", "Recoveries so far.", priority=1),
+        PrinterColumn(
+            "Restarts",
+            "integer",
+            ".status.restarts",
+            "Recoveries after a lost participant so far.",
+            priority=1,
+        ),
         _AGE,
     ),
 )

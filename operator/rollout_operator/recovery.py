@@ -40,7 +40,7 @@ from .api import (
 )
 from .conditions import ConditionUpdate, find_condition, is_true, merge_conditions, utcnow
 from .kube import Conflict, Kube
-from .policyops import eviction_holds
+from .policyops import RESUMED_REASON, eviction_holds
 from .resources import set_selector
 from .setops import delete_attempt_pods, observe_pods, read_control_token, reconcile_pods
 from .setplan import PodView, attempt_instances
@@ -70,6 +70,17 @@ class Reason:
     RESTORE_FAILED: Final = "RestoreFailed"
     PODS_NOT_READY: Final = "ReplacementPodsNotReady"
     RESTARTS_EXHAUSTED: Final = "MaxRestartsExceeded"
+
+
+def counts_as_restart(recovery: RecoveryStatus) -> bool:
+    """Whether a finished recovery adds one to `status.restarts`.
+
+    `restarts` counts what went wrong (a participant failed, was deleted, its node was lost),
+    so people and alerts can read it as the set's instability. A resume after suspend runs as
+    a recovery too (fresh pods restore the latest checkpoint under attempt + 1), but nothing
+    was lost: it advances the attempt and says `Resumed`/`Restored` in the conditions, and
+    leaves `restarts` alone (a queueing system may suspend and resume a set many times)."""
+    return recovery.reason != RESUMED_REASON
 
 
 @dataclass(frozen=True)
@@ -442,7 +453,7 @@ class RecoveryFlow:
                 "recovery": None,
                 "attempt": recovery.target_attempt,
                 "createdAttempt": recovery.target_attempt,
-                "restarts": rset.status.restarts + 1,
+                "restarts": rset.status.restarts + (1 if counts_as_restart(recovery) else 0),
             },
             [
                 ConditionUpdate.of(SetConditionType.RECOVERING.value, False, reason, message),

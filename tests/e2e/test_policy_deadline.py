@@ -207,6 +207,7 @@ async def test_after_deadline_suspend_releases_pods_and_a_later_deadline_resumes
         name=SET,
     )
     assert not is_true(resumed, "Suspended")
+    assert resumed["status"]["restarts"] == 0  # a resume is not a restart: nothing was lost
     address = resumed["status"]["participants"][0]["address"]
     async with httpx.AsyncClient() as http:
         state = (await http.get(address + "/state", timeout=10)).json()

@@ -208,4 +208,6 @@ async def test_suspend_then_resume_continues_every_episode_in_scope(
     assert ckpt["spec"]["trigger"] == "Suspend"
     assert is_true(ckpt, "Ready")
     assert condition(resumed, "Suspended")["reason"] == "Resumed"  # type: ignore[index]
+    assert condition(resumed, "Recovering")["reason"] == "Restored"  # type: ignore[index]
+    assert resumed["status"]["restarts"] == 0  # a resume is not a restart: nothing was lost
     assert resumed["status"]["latestCheckpoint"] == ckpt["metadata"]["name"]

@@ -1,15 +1,22 @@
 """Where the policy meets the set's own loop: an evicted pod is not lost while its checkpoint
-runs, and a set suspended by its deadline is neither lost nor degraded."""
+runs, a set suspended by its deadline is neither lost nor degraded, and a resume after suspend
+is not counted as a restart."""
 
 from __future__ import annotations
 
+import copy
 from datetime import UTC, datetime
+from typing import Any, cast
 
+import pytest
 from rollout_operator import api
+from rollout_operator.kube import Conflict, Kube
+from rollout_operator.policyops import RESUMED_REASON
 from rollout_operator.recovery import Reason as RecoveryReason
-from rollout_operator.recovery import detect_loss
+from rollout_operator.recovery import RecoveryFlow, detect_loss
 from rollout_operator.setplan import PodView, Reason, plan_attempt, set_conditions
-from rollout_servers.protocol import Role
+from rollout_servers.coordination import Coordinator, HttpParticipant
+from rollout_servers.protocol import Phase, ResumeReply, ResumeRequest, Role
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 
@@ -77,3 +84,119 @@ def test_a_set_suspended_by_its_deadline_is_not_degraded() -> None:
     assert shown["Ready"][:2] == ("False", Reason.SUSPENDED)
     assert "suspended after mustSaveBy" in shown["Ready"][2]
     assert shown["Degraded"][:2] == ("False", Reason.AS_EXPECTED)
+
+
+# --- restarts -----------------------------------------------------------------------------------
+
+
+class SetApi:
+    """The one set, its status patches applied (with the resourceVersion precondition)."""
+
+    def __init__(self, obj: dict[str, Any]) -> None:
+        self.obj = obj
+        self.version = 1
+
+    async def get_set(self, namespace: str, name: str) -> dict[str, Any] | None:
+        obj = copy.deepcopy(self.obj)
+        obj["metadata"]["resourceVersion"] = str(self.version)
+        return obj
+
+    async def patch_set_status(
+        self, namespace: str, name: str, status: dict[str, Any], *, resource_version: str | None
+    ) -> dict[str, Any]:
+        if resource_version not in (None, str(self.version)):
+            raise Conflict("modified")
+        for key, value in status.items():
+            if value is None:
+                self.obj["status"].pop(key, None)
+            else:
+                self.obj["status"][key] = copy.deepcopy(value)
+        self.version += 1
+        return await self.get_set(namespace, name) or {}
+
+
+class Resumable:
+    """The restored model participant: the recovery's last step resumes it."""
+
+    role = Role.MODEL
+    instance = "model-0"
+
+    def __init__(self) -> None:
+        self.resumed: list[str] = []
+
+    async def resume(self, request: ResumeRequest) -> ResumeReply:
+        self.resumed.append(request.checkpoint_id)
+        return ResumeReply(checkpoint_id=request.checkpoint_id, phase=Phase.IDLE)
+
+    async def aclose(self) -> None:
+        pass
+
+
+class ResumingFlow(RecoveryFlow):
+    """The flow with its participants in process instead of over HTTP."""
+
+    def __init__(self, kube: Kube, participant: Resumable) -> None:
+        super().__init__(kube)
+        self.participant = participant
+
+    async def _coordinator(self, rset: api.RolloutSet) -> tuple[Coordinator, list[HttpParticipant]]:
+        clients = [cast(HttpParticipant, self.participant)]
+        return Coordinator(clients), clients
+
+
+def set_in_last_recovery_step(reason: str) -> dict[str, Any]:
+    """Attempt 2 -> 3, checkpoint restored, only the resume left; two restarts so far."""
+    obj = rollout_set().model_dump(mode="json", by_alias=True, exclude_none=True)
+    obj["status"].update(
+        {
+            "restarts": 2,
+            "recovery": {
+                "phase": "Resuming",
+                "fromAttempt": 2,
+                "targetAttempt": 3,
+                "startedAt": "2026-11-29T12:00:00Z",
+                "checkpoint": "rl-suspend-a2",
+                "reason": reason,
+                "message": "why the recovery started",
+            },
+            "participants": [
+                {
+                    "role": "model",
+                    "index": 0,
+                    "pod": "rl-model-0-a3",
+                    "ready": True,
+                    "address": "http://127.0.3.2:9000",
+                }
+            ],
+        }
+    )
+    return obj
+
+
+@pytest.mark.parametrize(
+    ("reason", "restarts"),
+    [
+        (RESUMED_REASON, 2),
+        (RecoveryReason.POD_DELETED, 3),
+        (RecoveryReason.POD_FAILED, 3),
+        (RecoveryReason.NODE_LOST, 3),
+    ],
+    ids=["resume", "pod-deleted", "pod-failed", "node-lost"],
+)
+async def test_a_resume_is_not_a_restart_but_a_loss_is(reason: str, restarts: int) -> None:
+    api_ = SetApi(set_in_last_recovery_step(reason))
+    participant = Resumable()
+    await ResumingFlow(cast(Kube, api_), participant).run("ns", "rl")
+
+    status = api_.obj["status"]
+    assert participant.resumed == ["rl-suspend-a2"]
+    assert "recovery" not in status
+    assert status["restarts"] == restarts
+    # Everything else the recovery records is the same for a resume.
+    assert status["attempt"] == 3
+    assert status["createdAttempt"] == 3
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Ready"]["status"] == "True"
+    assert conditions["Recovering"]["status"] == "False"
+    assert conditions["Recovering"]["reason"] == RecoveryReason.RESTORED
+    assert f"recovered from {reason}" in conditions["Recovering"]["message"]
