@@ -77,12 +77,27 @@ class OperatorProcess:
     Its output goes to a log file (tests print the tail when they fail). `stop` is the clean
     end (SIGTERM, then SIGKILL after a deadline); `kill` is a crash (SIGKILL to the group), for
     tests that restart the operator in the middle of a checkpoint or a recovery.
+
+    `args` are appended to `rollout-operator run` (`--all-namespaces` with no `namespaces`,
+    `--metrics-port N`, `--standalone`, ...). `environment` replaces this process's environment
+    for the child (the RBAC test leaves out every `KUBE*` variable so that no credentials but
+    its token kubeconfig reach the operator); `KUBECONFIG` is set to `kubeconfig` either way.
     """
 
-    def __init__(self, kubeconfig: Path, namespaces: Sequence[str], log: Path) -> None:
+    def __init__(
+        self,
+        kubeconfig: Path,
+        namespaces: Sequence[str],
+        log: Path,
+        *,
+        args: Sequence[str] = (),
+        environment: Mapping[str, str] | None = None,
+    ) -> None:
         self.kubeconfig = kubeconfig
         self.namespaces = list(namespaces)
         self.log = log
+        self.args = list(args)
+        self.environment = dict(environment) if environment is not None else None
         self.liveness = ""
         self.process: subprocess.Popen[bytes] | None = None
         self.starts = 0
@@ -98,7 +113,9 @@ class OperatorProcess:
         argv = [sys.executable, "-m", "rollout_operator.cli", "run", "--liveness", self.liveness]
         for namespace in self.namespaces:
             argv += ["--namespace", namespace]
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        argv += self.args
+        base = os.environ if self.environment is None else self.environment
+        env = {**base, "KUBECONFIG": str(self.kubeconfig)}
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self.starts += 1
         with self.log.open("ab") as out:

@@ -25,13 +25,12 @@ import base64
 import json
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ import anyio
 import httpx
 import pytest
 import yaml
+from rollout_operator.demo import OperatorProcess
 from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
 from rollout_servers.discovery import rollout_set_topology
 
@@ -240,69 +240,42 @@ def token_kubeconfig(cluster: Cluster, docs: list[dict[str, Any]], path: Path) -
 # --- the operator as a process under that token --------------------------------------------------
 
 
-class Operator:
-    """`rollout-operator run` with the token kubeconfig, logging to a file."""
+def log_text(op: OperatorProcess) -> str:
+    return op.log.read_text(errors="replace") if op.log.exists() else ""
 
-    def __init__(self, kubeconfig: Path, log: Path, scope: list[str]) -> None:
-        self.kubeconfig = kubeconfig
-        self.log = log
-        self.scope = scope
-        self.liveness = f"http://127.0.0.1:{free_port()}/healthz"
-        self.metrics_port = free_port()
-        self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
-        argv = [sys.executable, "-m", "rollout_operator.cli", "run", *self.scope]
-        argv += ["--liveness", self.liveness, "--metrics-port", str(self.metrics_port)]
-        argv += ["--standalone"]
-        # Only the token kubeconfig: no admin credentials may leak in through the environment.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBE")}
-        env["KUBECONFIG"] = str(self.kubeconfig)
-        with self.log.open("ab") as out:
-            self.process = subprocess.Popen(
-                argv,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def stop(self, *, graceful: bool = True) -> None:
-        """SIGTERM (Kopf stops its daemons, up to their cancellation timeouts), or SIGKILL
-        when nothing it would finish matters (the probes)."""
-        process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        with suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM if graceful else signal.SIGKILL)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            with suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
-
-    def rbac_denials(self, subject: str) -> list[str]:
-        """Log lines with an RBAC denial of `subject` (other 403s, e.g. a namespace being
-        terminated, are not about RBAC)."""
-        marker = f'User "{subject}" cannot'
-        return [line for line in self.text().replace("\\", "").splitlines() if marker in line]
+def rbac_denials(op: OperatorProcess, subject: str) -> list[str]:
+    """Log lines with an RBAC denial of `subject` (other 403s, e.g. a namespace being
+    terminated, are not about RBAC)."""
+    marker = f'User "{subject}" cannot'
+    return [line for line in log_text(op).replace("\\", "").splitlines() if marker in line]
 
 
 @contextmanager
 def operator_process(
-    kubeconfig: Path, log: Path, scope: list[str], *, graceful: bool = True
-) -> Iterator[Operator]:
-    running = Operator(kubeconfig, log, scope)
+    kubeconfig: Path,
+    log: Path,
+    namespaces: list[str],
+    *,
+    args: Sequence[str] = (),
+    graceful: bool = True,
+) -> Iterator[OperatorProcess]:
+    """`rollout-operator run --standalone` with the token kubeconfig. Stopped with SIGTERM (Kopf
+    stops its daemons, up to their cancellation timeouts), or SIGKILL when nothing it would
+    finish matters (the probes)."""
+    # Only the token kubeconfig: no admin credentials may leak in through the environment.
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("KUBE")}
+    running = OperatorProcess(
+        kubeconfig, namespaces, log, args=[*args, "--standalone"], environment=environment
+    )
     running.start()
     try:
         yield running
     finally:
-        running.stop(graceful=graceful)
+        if graceful:
+            running.stop()
+        else:
+            running.kill()
 
 
 def release_finalizers(cluster: Cluster, namespace: str) -> None:
@@ -480,21 +453,28 @@ async def test_checkpoint_and_recovery_under_the_charts_service_account(
         apply_rbac(cluster, docs, GRANTS[0])
         kubeconfig = token_kubeconfig(cluster, docs, tmp_path / "sa.kubeconfig")
         assert "client-certificate" not in kubeconfig.read_text()
-        with operator_process(kubeconfig, tmp_path / "operator.log", ["--all-namespaces"]) as op:
+        metrics_port = free_port()
+        args = ["--all-namespaces", "--metrics-port", str(metrics_port)]
+        with operator_process(kubeconfig, tmp_path / "operator.log", [], args=args) as op:
             try:
-                await story(cluster, namespace, storage, op, subject)
+                await story(cluster, namespace, storage, op, metrics_port, subject)
             finally:
                 cluster.kubectl(
                     "delete", "rckpt,rset", "--all", "-n", namespace, "--timeout=60s", check=False
                 )
-                print(f"--- operator log ---\n{op.text()[-6000:]}")
+                print(f"--- operator log ---\n{log_text(op)[-6000:]}")
     finally:
         release_finalizers(cluster, namespace)
         delete_rbac(cluster, docs)
 
 
 async def story(
-    cluster: Cluster, namespace: str, storage: Path, op: Operator, subject: str
+    cluster: Cluster,
+    namespace: str,
+    storage: Path,
+    op: OperatorProcess,
+    metrics_port: int,
+    subject: str,
 ) -> None:
     apply(cluster, namespace, example_set(storage))
     ready = await wait_obj(
@@ -573,7 +553,7 @@ async def story(
         ("rollout_restores_total", {**by_set, "outcome": "Restored"}, 1),
         ("rollout_set_attempt", by_set, 2),
     ]
-    url = f"http://127.0.0.1:{op.metrics_port}/metrics"
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
     found: dict[str, float] = {}
     async with httpx.AsyncClient(timeout=5) as http:
         deadline = time.monotonic() + 20
@@ -609,7 +589,7 @@ async def story(
         await anyio.sleep(0.3)
 
     # Exactly enough: the story needed no permission the chart does not grant.
-    assert op.rbac_denials(subject) == []
+    assert rbac_denials(op, subject) == []
 
 
 # --- one verb removed at a time ------------------------------------------------------------------
@@ -654,11 +634,11 @@ class Outcome:
 
 
 def found_denial(
-    cluster: Cluster, namespace: str, op: Operator, grant: Grant, *, objects: bool
+    cluster: Cluster, namespace: str, op: OperatorProcess, grant: Grant, *, objects: bool
 ) -> bool:
     """The denial in the operator's log or, with `objects`, in the status of the set or the
     checkpoint (refusals the operator reports there, e.g. of a pod or a Service)."""
-    if grant.denial in op.text().replace("\\", ""):
+    if grant.denial in log_text(op).replace("\\", ""):
         return True
     if not objects:
         return False
@@ -683,8 +663,8 @@ def run_case(cluster: Cluster, grant: Grant, folder: Path) -> Outcome:
         other = next(g for g in GRANTS if g != grant)
         apply_rbac(cluster, docs, other)
         kubeconfig = token_kubeconfig(cluster, docs, folder / "sa.kubeconfig")
-        scope = ["--namespace", namespace]
-        with operator_process(kubeconfig, folder / "operator.log", scope, graceful=False) as op:
+        log = folder / "operator.log"
+        with operator_process(kubeconfig, log, [namespace], graceful=False) as op:
             if grant.step != "start":
                 apply(cluster, namespace, probe_set(storage))
                 apply(cluster, namespace, checkpoint("orphan", "absent"))
@@ -695,7 +675,7 @@ def run_case(cluster: Cluster, grant: Grant, folder: Path) -> Outcome:
             # The log every 0.3 s; kubectl (a process each time) only every 1.5 s.
             while not found_denial(cluster, namespace, op, grant, objects=polls % 5 == 4):
                 if time.monotonic() > deadline:
-                    return Outcome(grant, False, op.text()[-3000:], CASE_TIMEOUT)
+                    return Outcome(grant, False, log_text(op)[-3000:], CASE_TIMEOUT)
                 if polls % 5 == 0 and grant.step == "kill" and not acted:
                     acted = kill_probe_when_running(cluster, namespace)
                 if polls % 5 == 0 and grant.step == "delete" and not acted:
