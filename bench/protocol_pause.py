@@ -1,8 +1,9 @@
 """How long a checkpoint pauses 1,000 live episodes, against what it fundamentally has to do.
 
 Four reference servers run on loopback (`rollout-server <role>`, builtin model). 1,000 episodes
-are started and held live by debug hooks, a third at each of three points: between agent turns,
-in the middle of a model generation (a cut), and inside a replay-mode verification. Then:
+are started by a trainer process of their own (one open `/run` each) and held live by debug hooks,
+a third at each of three points: between agent turns, in the middle of a model generation (a
+cut), and inside a replay-mode verification. The coordinator runs in this process. Then:
 
   pause      prepare start -> resume done, measured by the coordinator (median of several)
   baseline   writing and fsyncing the same bytes (the participants' record files, in parallel,
@@ -12,7 +13,7 @@ in the middle of a model generation (a cut), and inside a replay-mode verificati
 
 The coordinator makes nine sequential calls per checkpoint (prepare in four role stages, one
 commit fan-out, resume in four stages), so the table also shows the floor write+fsync + 9 RTT: the
-pause of a participant that did no work at all.
+pause of a participant that did no work at all, and each call's median as the coordinator saw it.
 
 and next to it the checkpoint bytes per episode against the participants' resident memory (what a
 process-level snapshot, CRIU-style, would have to write instead).
@@ -33,16 +34,37 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections import defaultdict
+from collections.abc import Awaitable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import anyio
 import httpx
 from rollout_servers.coordination import Coordinator, HttpParticipant
-from rollout_servers.protocol import Role
+from rollout_servers.protocol import (
+    CommitReply,
+    CommitRequest,
+    ForgetReply,
+    ForgetRequest,
+    PrepareReply,
+    PrepareRequest,
+    RenewReply,
+    RenewRequest,
+    RestoreReply,
+    RestoreRequest,
+    ResumeReply,
+    ResumeRequest,
+    RetireReply,
+    RetireRequest,
+    Role,
+    StatusReply,
+)
 from rollout_servers.tasks import sample_tasks
+
+_Reply = TypeVar("_Reply")
 
 TOKEN = "bench-token"
 SERVER = str(Path(sys.executable).with_name("rollout-server"))
@@ -169,53 +191,87 @@ async def round_trip(http: httpx.AsyncClient, url: str, samples: int = 50) -> fl
     return statistics.median(times)
 
 
+@contextmanager
+def trainer(environment: str, ids: list[str], failures: Path, log: Path) -> Iterator[None]:
+    """The trainer side as its own process: one open `/run` per episode until the block ends."""
+    command = [sys.executable, __file__, "--trainer", environment, "--failures", str(failures)]
+    with log.open("ab") as stderr:
+        process = subprocess.Popen(
+            [*command, *ids], stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True
+        )
+    try:
+        yield
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+async def run_trainer(environment: str, ids: list[str], failures: Path) -> None:
+    """Start every episode and keep its `/run` open; note any that ends (they should not)."""
+    tasks = [t.model_copy(update={"verify": "replay"}) for t in sample_tasks(len(ids), 1)]
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    # 1,000 open calls spread over several connection pools: one pool would cost O(n) per call
+    shards = [httpx.AsyncClient(timeout=None, limits=limits) for _ in range(16)]
+
+    async def run(http: httpx.AsyncClient, body: dict[str, object]) -> None:
+        try:
+            reply = await http.post(environment + "/run", json=body)
+            line = f"{body['rollout_id']}: HTTP {reply.status_code} {reply.text[:200]}"
+        except httpx.HTTPError as error:
+            line = f"{body['rollout_id']}: {type(error).__name__}: {error}"
+        with failures.open("a") as out:
+            out.write(line + "\n")
+
+    async with anyio.create_task_group() as runs:
+        for i, (rid, task) in enumerate(zip(ids, tasks, strict=True)):
+            body = {"rollout_id": rid, "attempt": 0, "task": task.wire()}
+            runs.start_soon(run, shards[i % len(shards)], body)
+
+
 async def bench(episodes: int, repeats: int, root: Path) -> None:
+    calls: dict[tuple[str, Role], list[float]] = defaultdict(list)
     with servers(root) as procs:
         urls = {role: url for role, (url, _) in procs.items()}
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        # the load generator spreads its 1,000 open /run calls over several connection pools:
-        # one pool would cost it O(n) per call and steal the servers' CPU
-        shards = [httpx.AsyncClient(timeout=120, limits=limits) for _ in range(16)]
-        async with shards[0] as http:
-            ids = [f"b{i:05d}" for i in range(episodes)]
-            holds = {
-                Role.AGENT: ("turn", 1),  # between agent turns
-                Role.MODEL: ("token", 3),  # mid-generation: a cut
-                Role.RESOURCES: ("verify", None),  # replay-mode verification in flight
-            }
-            groups = {role: ids[i :: len(holds)] for i, role in enumerate(holds)}
+        ids = [f"b{i:05d}" for i in range(episodes)]
+        holds = {
+            Role.AGENT: ("turn", 1),  # between agent turns
+            Role.MODEL: ("token", 3),  # mid-generation: a cut
+            Role.RESOURCES: ("verify", None),  # replay-mode verification in flight
+        }
+        groups = {role: ids[i :: len(holds)] for i, role in enumerate(holds)}
+        # The coordinator runs here, the trainer's open /run calls in a process of their own, as
+        # in a deployment: 1,000 in-flight requests in this heap would make this process's
+        # garbage collections (up to ~100 ms) part of every measured pause.
+        failures = root / "failed-runs.txt"
+        async with httpx.AsyncClient(timeout=130) as http:
             for role, members in groups.items():
                 point, index = holds[role]
                 for rid in members:
                     arm = {"point": point, "rollout_id": rid, "index": index}
                     (await http.post(urls[role] + "/debug/arm", json=arm)).raise_for_status()
-            tasks = [t.model_copy(update={"verify": "replay"}) for t in sample_tasks(episodes, 1)]
             started = time.perf_counter()
-            async with anyio.create_task_group() as runs:
-                for i, (rid, task) in enumerate(zip(ids, tasks, strict=True)):
-                    body = {"rollout_id": rid, "attempt": 0, "task": task.wire()}
-                    shard = shards[i % len(shards)]
-                    runs.start_soon(_run_until_stopped, shard, urls[Role.ENVIRONMENT], body)
+            with trainer(urls[Role.ENVIRONMENT], ids, failures, root / "trainer.log"):
                 for role, members in groups.items():
                     point, _ = holds[role]
                     wait = {"point": point, "paused": True, "count": len(members), "timeout_s": 120}
-                    reply = await http.post(urls[role] + "/debug/wait", json=wait, timeout=130)
+                    reply = await http.post(urls[role] + "/debug/wait", json=wait)
                     if reply.status_code != 200:
                         logs = "\n".join(
-                            f"--- {r.value}.log\n" + _tail(root / f"{r.value}.log") for r in ROLES
+                            f"--- {name}\n" + _tail(root / name)
+                            for name in [f"{r.value}.log" for r in ROLES] + ["trainer.log"]
                         )
+                        ended = _tail(failures, 3) if failures.exists() else "none"
                         raise SystemExit(
                             f"episodes did not reach their hold points: {reply.text}\n"
-                            f"{len(FAILED_RUNS)} /run calls ended early, first: "
-                            f"{FAILED_RUNS[:3]}\n{logs}"
+                            f"/run calls that ended early: {ended}\n{logs}"
                         )
                 live_after = time.perf_counter() - started
 
-                # the coordinator is its own client (its own process, in a real deployment): the
-                # connection pool holding the 1,000 open /run calls must not slow its calls
                 async with httpx.AsyncClient(timeout=120) as control:
                     participants = [
-                        HttpParticipant(role, urls[role], token=TOKEN, client=control)
+                        TimedParticipant(
+                            HttpParticipant(role, urls[role], token=TOKEN, client=control), calls
+                        )
                         for role in ROLES
                     ]
                     coordinator = Coordinator(participants, call_timeout=120)
@@ -233,9 +289,6 @@ async def bench(episodes: int, repeats: int, root: Path) -> None:
                     rtt = await round_trip(control, urls[Role.RESOURCES])
                 rss = {role: rss_bytes(pid) for role, (_, pid) in procs.items()}
                 cpu = {role: cpu_seconds(pid) for role, (_, pid) in procs.items()}
-                runs.cancel_scope.cancel()
-            for shard in shards[1:]:
-                await shard.aclose()
 
         last = results[-1]
         assert last.commit is not None
@@ -268,6 +321,15 @@ async def bench(episodes: int, repeats: int, root: Path) -> None:
         print(f"{label:<36}{value:>10.4f}")
     print(f"{'ratio pause / baseline':<36}{pause / baseline:>10.2f}   (target <= 2.0)")
     print(f"{'ratio pause / floor':<36}{pause / floor:>10.2f}   (9 sequential calls)\n")
+    print("median seconds per call, as the coordinator saw it (one round trip included):")
+    print(f"{'participant':<14}" + "".join(f"{op:>10}" for op in ("prepare", "commit", "resume")))
+    for role in ROLES:
+        cells = "".join(
+            f"{statistics.median(calls[(op, role)]):>10.4f}"
+            for op in ("prepare", "commit", "resume")
+        )
+        print(f"{role.value:<14}{cells}")
+    print()
     header = f"{'participant':<14}{'records':>9}{'bytes':>12}{'B/episode':>11}{'RSS MiB':>10}"
     print(header + f"{'CPU s':>8}")
     for role in ROLES:
@@ -288,24 +350,63 @@ async def bench(episodes: int, repeats: int, root: Path) -> None:
     print(json.dumps({"pause_s": pause, "baseline_s": baseline, "ratio": pause / baseline}))
 
 
-FAILED_RUNS: list[str] = []
-"""/run calls that ended before the bench stopped them (they should all be held)."""
+class TimedParticipant:
+    """A participant client that records how long each prepare, commit and resume took."""
 
+    def __init__(self, inner: HttpParticipant, calls: dict[tuple[str, Role], list[float]]) -> None:
+        self.inner = inner
+        self.calls = calls
 
-async def _run_until_stopped(http: httpx.AsyncClient, url: str, body: dict[str, object]) -> None:
-    try:
-        reply = await http.post(url + "/run", json=body, timeout=None)
-    except httpx.HTTPError as error:
-        FAILED_RUNS.append(f"{body['rollout_id']}: {type(error).__name__}: {error}")
-    else:
-        FAILED_RUNS.append(f"{body['rollout_id']}: HTTP {reply.status_code} {reply.text[:200]}")
+    @property
+    def role(self) -> Role:
+        return self.inner.role
+
+    @property
+    def instance(self) -> str:
+        return self.inner.instance
+
+    async def _timed(self, operation: str, call: Awaitable[_Reply]) -> _Reply:
+        started = time.perf_counter()
+        reply = await call
+        self.calls[(operation, self.role)].append(time.perf_counter() - started)
+        return reply
+
+    async def status(self, deadline_ts: float) -> StatusReply:
+        return await self.inner.status(deadline_ts)
+
+    async def prepare(self, request: PrepareRequest) -> PrepareReply:
+        return await self._timed("prepare", self.inner.prepare(request))
+
+    async def renew(self, request: RenewRequest) -> RenewReply:
+        return await self.inner.renew(request)
+
+    async def commit(self, request: CommitRequest) -> CommitReply:
+        return await self._timed("commit", self.inner.commit(request))
+
+    async def restore(self, request: RestoreRequest) -> RestoreReply:
+        return await self.inner.restore(request)
+
+    async def resume(self, request: ResumeRequest) -> ResumeReply:
+        return await self._timed("resume", self.inner.resume(request))
+
+    async def retire(self, request: RetireRequest) -> RetireReply:
+        return await self.inner.retire(request)
+
+    async def forget(self, request: ForgetRequest) -> ForgetReply:
+        return await self.inner.forget(request)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--episodes", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--trainer", metavar="URL", help=argparse.SUPPRESS)
+    parser.add_argument("--failures", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("ids", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.trainer is not None:
+        anyio.run(run_trainer, args.trainer, args.ids, args.failures)
+        return
     with tempfile.TemporaryDirectory(prefix="protocol-pause-") as tmp:
         anyio.run(bench, args.episodes, args.repeats, Path(tmp))
 

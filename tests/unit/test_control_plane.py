@@ -7,6 +7,7 @@ below it is the in-process fake, and storage is the real filesystem under tmp_pa
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import os
 import time
@@ -705,6 +706,64 @@ async def test_records_that_are_not_json_fail_the_commit_and_the_participant_res
         await _ok(client, "resume", "ck")
         assert fake.admission_open
     assert not (tmp_path / "demo" / "ck" / "environment-0" / storage.MANIFEST_NAME).exists()
+
+
+async def test_the_collector_is_off_only_while_prepared(tmp_path: Path) -> None:
+    assert gc.isenabled()
+    plane = ControlPlane(FakeParticipant(rollouts=["r1"]), _settings(tmp_path))
+    other = ControlPlane(
+        FakeParticipant(Role.MODEL, rollouts=["r1"]), _settings(tmp_path, role=Role.MODEL)
+    )
+    async with _serve(plane) as client, _serve(other) as other_client:
+        await _ok(client, "prepare", "ck")
+        assert not gc.isenabled(), "a prepared participant pauses the collector"
+        await _ok(other_client, "prepare", "ck")
+        await _ok(client, "commit", "ck")
+        await _ok(client, "resume", "ck")
+        assert not gc.isenabled(), "still off: another participant in this process is prepared"
+        await _ok(other_client, "resume", "ck")
+        assert gc.isenabled(), "on again once no checkpoint is open"
+
+        stuck = FakeParticipant(rollouts=["r1"])
+        stuck.stuck.add("r1")
+        blocked = ControlPlane(stuck, _settings(tmp_path, index=1))
+        async with _serve(blocked) as blocked_client:
+            body = {"checkpoint_id": "ck2", "deadline_ts": _deadline(0.2)}
+            reply = await blocked_client.post(f"{API_PREFIX}/prepare", json=body)
+            assert reply.status_code == 200, reply.text
+            assert not PrepareReply.model_validate_json(reply.content).ready
+            assert gc.isenabled(), "a participant still waiting for blockers keeps collecting"
+    assert gc.isenabled()
+
+
+async def test_a_lapsed_lease_or_a_stopped_plane_turns_the_collector_back_on(
+    tmp_path: Path,
+) -> None:
+    fake = FakeParticipant(rollouts=["r1"])
+    plane = ControlPlane(fake, _settings(tmp_path, lease_grace_seconds=0.2))
+    async with _serve(plane) as client:
+        response = await _post(client, "prepare", checkpoint_id="ck", deadline_ts=_deadline(0.5))
+        assert response.status_code == 200, response.text
+        assert not gc.isenabled()
+        with anyio.fail_after(WAIT):
+            await fake.reopened.wait()
+        assert plane.phase is Phase.IDLE
+        assert gc.isenabled(), "the watchdog's resume releases the hold"
+        await _ok(client, "prepare", "ck2")
+        assert not gc.isenabled()
+    assert gc.isenabled(), "stopping the control plane releases its hold"
+
+
+async def test_a_collector_the_application_switched_off_stays_off(tmp_path: Path) -> None:
+    gc.disable()
+    try:
+        plane = ControlPlane(FakeParticipant(rollouts=["r1"]), _settings(tmp_path))
+        async with _serve(plane) as client:
+            await _ok(client, "prepare", "ck")
+            await _ok(client, "resume", "ck")
+            assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 async def test_commit_scope_releases_restored_state_outside_it(tmp_path: Path) -> None:
