@@ -15,10 +15,10 @@ from datetime import UTC, datetime
 from typing import Any, cast
 
 import pytest
+from kube_fakes import InMemorySet
 from kubernetes_asyncio.client.exceptions import ApiException
 from rollout_operator import api
 from rollout_operator.checkpointing import CheckpointFlow, Reason
-from rollout_operator.kube import Conflict, Kube
 from rollout_operator.policy import EVICTION_COMMIT_MARGIN_SECONDS, parse_time
 from rollout_operator.resources import TOKEN_KEY, secret_name
 from rollout_servers.coordination import HttpParticipant
@@ -42,13 +42,13 @@ def whole_seconds(ts: float) -> datetime:
     return datetime.fromtimestamp(int(ts), UTC)
 
 
-class FakeApi:
+class FakeApi(InMemorySet):
     """The set, its pods, its token Secret and one checkpoint; status writes applied."""
 
     def __init__(self, trigger: str, pods: list[dict[str, Any]]) -> None:
         self.custom = self
         self.pods = pods
-        self.set: dict[str, Any] = {
+        rset: dict[str, Any] = {
             "apiVersion": api.API_VERSION,
             "kind": "RolloutSet",
             "metadata": {"name": SET, "namespace": NS, "uid": "u", "generation": 1},
@@ -84,7 +84,7 @@ class FakeApi:
                 ],
             },
         }
-        self.version = 1
+        super().__init__(rset)
         self.checkpoint: dict[str, Any] = {
             "apiVersion": api.API_VERSION,
             "kind": "RolloutCheckpoint",
@@ -92,27 +92,6 @@ class FakeApi:
             "spec": {"rolloutSet": SET, "trigger": trigger},
             "status": {},
         }
-
-    def as_kube(self) -> Kube:
-        return cast(Kube, self)
-
-    async def get_set(self, namespace: str, name: str) -> dict[str, Any] | None:
-        obj = copy.deepcopy(self.set)
-        obj["metadata"]["resourceVersion"] = str(self.version)
-        return obj
-
-    async def patch_set_status(
-        self, namespace: str, name: str, status: dict[str, Any], *, resource_version: str | None
-    ) -> dict[str, Any]:
-        if resource_version not in (None, str(self.version)):
-            raise Conflict("modified")
-        for key, value in status.items():
-            if value is None:
-                self.set["status"].pop(key, None)
-            else:
-                self.set["status"][key] = copy.deepcopy(value)
-        self.version += 1
-        return await self.get_set(namespace, name) or {}
 
     async def get_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
         assert name == secret_name(SET)

@@ -4,13 +4,13 @@ is not counted as a restart."""
 
 from __future__ import annotations
 
-import copy
 from datetime import UTC, datetime
 from typing import Any, cast
 
 import pytest
+from kube_fakes import InMemorySet
 from rollout_operator import api
-from rollout_operator.kube import Conflict, Kube
+from rollout_operator.kube import Kube
 from rollout_operator.policyops import RESUMED_REASON
 from rollout_operator.recovery import Reason as RecoveryReason
 from rollout_operator.recovery import RecoveryFlow, detect_loss
@@ -89,30 +89,8 @@ def test_a_set_suspended_by_its_deadline_is_not_degraded() -> None:
 # --- restarts -----------------------------------------------------------------------------------
 
 
-class SetApi:
+class SetApi(InMemorySet):
     """The one set, its status patches applied (with the resourceVersion precondition)."""
-
-    def __init__(self, obj: dict[str, Any]) -> None:
-        self.obj = obj
-        self.version = 1
-
-    async def get_set(self, namespace: str, name: str) -> dict[str, Any] | None:
-        obj = copy.deepcopy(self.obj)
-        obj["metadata"]["resourceVersion"] = str(self.version)
-        return obj
-
-    async def patch_set_status(
-        self, namespace: str, name: str, status: dict[str, Any], *, resource_version: str | None
-    ) -> dict[str, Any]:
-        if resource_version not in (None, str(self.version)):
-            raise Conflict("modified")
-        for key, value in status.items():
-            if value is None:
-                self.obj["status"].pop(key, None)
-            else:
-                self.obj["status"][key] = copy.deepcopy(value)
-        self.version += 1
-        return await self.get_set(namespace, name) or {}
 
 
 class Resumable:
@@ -188,7 +166,7 @@ async def test_a_resume_is_not_a_restart_but_a_loss_is(reason: str, restarts: in
     participant = Resumable()
     await ResumingFlow(cast(Kube, api_), participant).run("ns", "rl")
 
-    status = api_.obj["status"]
+    status = api_.set["status"]
     assert participant.resumed == ["rl-suspend-a2"]
     assert "recovery" not in status
     assert status["restarts"] == restarts

@@ -1,0 +1,42 @@
+"""In-memory stand-ins for the `Kube` calls the operator's flows make about one RolloutSet.
+
+They sit below the flows under test: the set is a dict, but status writes keep the API server's
+rules that the flows rely on (a stale resourceVersion is a Conflict; a null field is removed).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, cast
+
+from rollout_operator.kube import Conflict, Kube
+
+
+class InMemorySet:
+    """One RolloutSet, read with its resourceVersion and status-patched with it as precondition."""
+
+    def __init__(self, obj: dict[str, Any]) -> None:
+        self.set = obj
+        self.version = 1
+
+    def as_kube(self) -> Kube:
+        return cast(Kube, self)
+
+    async def get_set(self, namespace: str, name: str) -> dict[str, Any] | None:
+        obj = copy.deepcopy(self.set)
+        obj["metadata"]["resourceVersion"] = str(self.version)
+        return obj
+
+    async def patch_set_status(
+        self, namespace: str, name: str, status: dict[str, Any], *, resource_version: str | None
+    ) -> dict[str, Any]:
+        if resource_version not in (None, str(self.version)):
+            raise Conflict("the object has been modified")
+        current = self.set.setdefault("status", {})
+        for key, value in status.items():
+            if value is None:
+                current.pop(key, None)
+            else:
+                current[key] = copy.deepcopy(value)
+        self.version += 1
+        return await self.get_set(namespace, name) or {}
