@@ -9,10 +9,6 @@ test reads back exactly what each pod was started with.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +18,7 @@ import httpx
 import pytest
 from kubernetes_asyncio import client
 from rollout_operator import api, crdgen
+from rollout_operator.demo import OperatorProcess
 
 from devcluster.cluster import Cluster
 from devcluster.testing import WaitTimeout, wait_for, wait_for_sync
@@ -62,62 +59,12 @@ http.server.ThreadingHTTPServer((os.environ["ROLLOUT_POD_IP"], 8000), Handler).s
 TIMEOUT = 60.0
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-class OperatorProcess:
-    """`rollout-operator run --namespace NS` as a child process, logging to a file."""
-
-    def __init__(self, cluster: Cluster, namespace: str, log: Path) -> None:
-        self.cluster = cluster
-        self.namespace = namespace
-        self.log = log
-        self.liveness = f"http://127.0.0.1:{free_port()}/healthz"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        argv = [
-            sys.executable,
-            "-m",
-            "rollout_operator.cli",
-            "run",
-            "--namespace",
-            self.namespace,
-            "--liveness",
-            self.liveness,
-        ]
-        env = {**os.environ, "KUBECONFIG": str(self.cluster.kubeconfig)}
-        with self.log.open("ab") as out:
-            self.process = subprocess.Popen(
-                argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-
-    def stop(self) -> None:
-        process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-
-    def tail(self, lines: int = 40) -> str:
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-
 @pytest.fixture
 def operator(cluster: Cluster, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRDS))
     names = [f"crd/{kind.crd_name}" for kind in crdgen.KINDS]
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=30s", *names)
-    running = OperatorProcess(cluster, namespace, tmp_path / "operator.log")
+    running = OperatorProcess(cluster.kubeconfig, [namespace], tmp_path / "operator.log")
     running.start()
     try:
         yield running
@@ -213,7 +160,7 @@ async def wait_for_set(
 
     async def check() -> dict[str, Any] | None:
         obj: dict[str, Any] = await custom.get_namespaced_custom_object(
-            api.GROUP, api.VERSION, operator.namespace, api.ROLLOUT_SET_PLURAL, name
+            api.GROUP, api.VERSION, operator.namespaces[0], api.ROLLOUT_SET_PLURAL, name
         )
         return obj if predicate(obj) else None
 
