@@ -585,7 +585,9 @@ class CheckpointFlow:
                     blockers=prepare,
                 )
             scope = prepare.scope(ckpt.spec.episodes)
-            await self._phase(
+            commit_started = self._clock()
+            commit_deadline = self._clock() + settings.commit_timeout_seconds
+            committing = self._phase(
                 ckpt,
                 CheckpointPhase.COMMITTING,
                 condition=(
@@ -596,10 +598,11 @@ class CheckpointFlow:
                 ),
                 restarts=len(prepare.restarts),
             )
-            commit_started = self._clock()
-            commit_deadline = self._clock() + settings.commit_timeout_seconds
-            commit = await self._while_set_holds(
-                ckpt, lambda: coordinator.commit(checkpoint_id, commit_deadline, scope)
+            commit = await alongside(
+                committing,
+                self._while_set_holds(
+                    ckpt, lambda: coordinator.commit(checkpoint_id, commit_deadline, scope)
+                ),
             )
             commit_seconds = self._clock() - commit_started
             if not commit.ok:
@@ -689,25 +692,57 @@ class CheckpointFlow:
         await self._point_set_at(ckpt)
 
     async def _point_set_at(self, ckpt: RolloutCheckpoint) -> None:
+        """One unconditional status patch, with no read first: it runs while every episode
+        waits for the resume. Only this flow moves `latestCheckpoint` forward (one checkpoint
+        at a time per set), and retention's repoint is conditional on the resourceVersion, so
+        a retention racing with this write re-reads and finds the new checkpoint."""
         namespace = ckpt.metadata.namespace or "default"
-        for _ in range(10):
-            raw = await self._kube.get_set(namespace, ckpt.spec.rollout_set)
-            if raw is None:
-                return
-            rset = RolloutSet.model_validate(raw)
-            try:
-                await self._kube.patch_set_status(
-                    namespace,
-                    rset.metadata.name,
-                    {
-                        "latestCheckpoint": ckpt.metadata.name,
-                        "latestCheckpointTime": utcnow().strftime("%Y-%m-%dT%H:%M:%SZ"),
-                    },
-                    resource_version=rset.metadata.resource_version,
-                )
-                return
-            except Conflict:
-                continue
+        try:
+            await self._kube.patch_set_status(
+                namespace,
+                ckpt.spec.rollout_set,
+                {
+                    "latestCheckpoint": ckpt.metadata.name,
+                    "latestCheckpointTime": utcnow().strftime("%Y-%m-%dT%H:%M:%SZ"),
+                },
+                resource_version=None,
+            )
+        except ApiException as error:
+            if error.status != 404:
+                raise
+
+
+async def alongside(write: Awaitable[None], step: Awaitable[_T]) -> _T:
+    """Run a protocol step while a status write that may land in any order with it goes on.
+
+    Used for the Committing phase: every episode waits while the participants commit, and an
+    API round trip before the commit would only lengthen that. Nothing depends on the order:
+    an operator restart before the write lands finds phase Preparing and replays prepare and
+    commit, whose replies the participants cache. The step's error wins (the write is then
+    cancelled); a failed write is raised once the step is done.
+    """
+    write_failed: list[BaseException] = []
+    step_failed: list[BaseException] = []
+    results: list[_T] = []
+
+    async def persist() -> None:
+        try:
+            await write
+        except Exception as error:
+            write_failed.append(error)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(persist)
+        try:
+            results.append(await step)
+        except Exception as error:
+            step_failed.append(error)
+            group.cancel_scope.cancel()
+    if step_failed:
+        raise step_failed[0]
+    if write_failed:
+        raise write_failed[0]
+    return results[0]
 
 
 def _http_participants(rset: RolloutSet, token: str) -> list[HttpParticipant]:
