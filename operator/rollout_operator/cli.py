@@ -12,9 +12,10 @@ imported here, and production settings are applied by the startup hook
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import kopf
 from pydantic import ValidationError
@@ -118,16 +119,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Importing the package registers the handlers (including the configure hook).
     from . import handlers  # noqa: F401
 
-    kopf.run(
-        clusterwide=options.all_namespaces,
-        namespaces=list(options.namespaces),
-        standalone=options.standalone,
-        peering_name=options.peering,
-        priority=options.priority,
-        liveness_endpoint=options.liveness,
-        memo=kopf.Memo(options=options),
-    )
+    # uvloop where installed (Kopf's own CLI does the same): the checkpoint pause includes
+    # this process's share of every control call, and its handlers share the loop meanwhile.
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        kopf.run(
+            loop=runner.get_loop(),
+            clusterwide=options.all_namespaces,
+            namespaces=list(options.namespaces),
+            standalone=options.standalone,
+            peering_name=options.peering,
+            priority=options.priority,
+            liveness_endpoint=options.liveness,
+            memo=kopf.Memo(options=options),
+        )
     return 0
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
 
 
 if __name__ == "__main__":
