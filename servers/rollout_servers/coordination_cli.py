@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import json
 import os
 import re
@@ -326,7 +327,9 @@ async def _restore(
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
-    return anyio.run(functools.partial(run, arguments))
+    # uvloop where installed: the pause includes this process's share of nine control calls
+    uvloop = importlib.util.find_spec("uvloop") is not None
+    return anyio.run(functools.partial(run, arguments), backend_options={"use_uvloop": uvloop})
 
 
 if __name__ == "__main__":
