@@ -178,8 +178,8 @@ def write_and_fsync(directory: Path, sizes: list[int]) -> float:
         return time.perf_counter() - started
 
 
-async def round_trip(http: httpx.AsyncClient, url: str, samples: int = 50) -> float:
-    """Median seconds of one authenticated control-plane call (status) to a participant."""
+async def round_trips(http: httpx.AsyncClient, url: str, samples: int) -> list[float]:
+    """Seconds of authenticated control-plane calls (status) to a participant, one by one."""
     times = []
     for _ in range(samples):
         started = time.perf_counter()
@@ -188,7 +188,7 @@ async def round_trip(http: httpx.AsyncClient, url: str, samples: int = 50) -> fl
         )
         reply.raise_for_status()
         times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return times
 
 
 @contextmanager
@@ -275,8 +275,11 @@ async def bench(episodes: int, repeats: int, root: Path) -> None:
                         for role in ROLES
                     ]
                     coordinator = Coordinator(participants, call_timeout=120)
-                    pauses, results = [], []
+                    pauses, results, trips = [], [], []
                     for n in range(repeats):
+                        # round trips sampled next to every checkpoint, so the baseline sees
+                        # the same machine state as the pause it is compared with
+                        trips += await round_trips(control, urls[Role.RESOURCES], 10)
                         result = await coordinator.checkpoint(
                             f"bench-{n}", prepare_timeout=60, commit_timeout=60
                         )
@@ -286,7 +289,8 @@ async def bench(episodes: int, repeats: int, root: Path) -> None:
                             )
                         pauses.append(result.durations.pause_seconds)
                         results.append(result)
-                    rtt = await round_trip(control, urls[Role.RESOURCES])
+                    trips += await round_trips(control, urls[Role.RESOURCES], 10)
+                    rtt = statistics.median(trips)
                 rss = {role: rss_bytes(pid) for role, (_, pid) in procs.items()}
                 cpu = {role: cpu_seconds(pid) for role, (_, pid) in procs.items()}
 
@@ -399,7 +403,7 @@ class TimedParticipant:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--episodes", type=int, default=1000)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--trainer", metavar="URL", help=argparse.SUPPRESS)
     parser.add_argument("--failures", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("ids", nargs="*", help=argparse.SUPPRESS)
