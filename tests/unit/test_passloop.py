@@ -13,6 +13,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
+import anyio
+import anyio.lowlevel
 import kopf
 import pytest
 from kopf._core.intents.stoppers import DaemonStopper, DaemonStoppingReason
@@ -29,6 +31,21 @@ PROMPT_SECONDS = 1.0
 def stopper() -> tuple[DaemonStopper, kopf.DaemonStopped]:
     flag = DaemonStopper()
     return flag, cast(kopf.DaemonStopped, flag.async_waiter)
+
+
+async def started(task: asyncio.Future[Any]) -> None:
+    """Let a task just created run to its first wait: one turn of the loop, whose ready queue
+    is first in, first out (a scheduling step, not a timed wait)."""
+    await anyio.lowlevel.checkpoint()
+    assert not task.done(), "the task ended instead of waiting"
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    """Yield to other tasks until `condition` holds; fail at the deadline."""
+    with anyio.fail_after(PROMPT_SECONDS):
+        while not condition():
+            await anyio.lowlevel.checkpoint()
+    assert condition(), what
 
 
 async def returns_within(seconds: float, task: asyncio.Future[Any]) -> float:
@@ -49,14 +66,12 @@ async def test_sleep_ends_at_the_stop_and_leaves_no_waiters_behind() -> None:
     waits = PassLoop(stopped)
     before = len(asyncio.all_tasks())
     sleeping = asyncio.ensure_future(waits.sleep(3600.0))
-    await asyncio.sleep(0)
+    await started(sleeping)
     flag.set(reason=DaemonStoppingReason.RESOURCE_DELETED)
     await returns_within(PROMPT_SECONDS, sleeping)
     assert waits.stopped
     # Each sleep waits on the flag through a helper task; it must go with the sleep.
-    for _ in range(3):
-        await asyncio.sleep(0)
-    assert len(asyncio.all_tasks()) == before
+    await until(lambda: len(asyncio.all_tasks()) == before, "no waiter left behind")
 
 
 async def test_a_backoff_ignores_wakes_but_not_the_stop() -> None:
@@ -74,7 +89,7 @@ async def test_a_wake_ends_a_wakeable_sleep() -> None:
     _, stopped = stopper()
     waits = PassLoop(stopped)
     sleeping = asyncio.ensure_future(waits.sleep(3600.0))
-    await asyncio.sleep(0)
+    await started(sleeping)
     waits.wake.set()
     await returns_within(PROMPT_SECONDS, sleeping)
     assert not waits.stopped
@@ -84,18 +99,21 @@ async def test_a_pass_under_way_at_the_stop_finishes_within_the_grace() -> None:
     flag, stopped = stopper()
     waits = PassLoop(stopped, grace_seconds=5.0)
     release = asyncio.Event()
+    saw_stop = asyncio.Event()
 
     async def work() -> str:
+        await stopped.wait()  # the pass is under way when the stop comes
+        saw_stop.set()
         await release.wait()
         return "written"
 
     running = asyncio.ensure_future(waits.run(work()))
-    await asyncio.sleep(0)
+    await started(running)
     flag.set(reason=DaemonStoppingReason.RESOURCE_DELETED)
-    await asyncio.sleep(0.05)
-    assert not running.done(), "the pass was cut short although it had grace left"
+    await asyncio.wait_for(saw_stop.wait(), timeout=PROMPT_SECONDS)
     release.set()
     await returns_within(PROMPT_SECONDS, running)
+    # a pass cut short at the stop would end in `Stopped`, not with its own result
     assert running.result() == "written"
 
 
@@ -112,7 +130,7 @@ async def test_a_pass_still_running_after_the_grace_is_cancelled() -> None:
             raise
 
     running = asyncio.ensure_future(waits.run(stuck()))
-    await asyncio.sleep(0)
+    await started(running)
     flag.set(reason=DaemonStoppingReason.RESOURCE_DELETED)
     done, _ = await asyncio.wait([running], timeout=PROMPT_SECONDS)
     assert running in done
