@@ -611,7 +611,7 @@ class ControlPlane:
             if state.ready:
                 self._collector.hold()
                 self._create_directory_ahead(cid)
-            if not state.ready:
+            else:
                 logger.info(
                     "%s: prepare %s not ready at its deadline: %d blockers",
                     self._settings.instance,
@@ -732,8 +732,7 @@ class ControlPlane:
             committed = self._machine.phase is Phase.COMMITTED
             if self._machine.resume(request.checkpoint_id):
                 self._lease_changed.set()
-                self._collector.release()
-                self._drop_directory_ahead(committed)
+                self._closed(committed)
                 await self._call("reopen", self._participant.reopen())
             return ResumeReply(checkpoint_id=request.checkpoint_id, phase=Phase.IDLE)
 
@@ -838,8 +837,10 @@ class ControlPlane:
                 return ahead.path
         return _directory(root, self._settings.set_name, checkpoint_id, self._settings.instance)
 
-    def _drop_directory_ahead(self, committed: bool) -> None:
-        """Forget the directory made ahead; remove it when the checkpoint closes uncommitted."""
+    def _closed(self, committed: bool) -> None:
+        """The open checkpoint closed (resume or lease lapse): collect garbage again, and forget
+        the directory made ahead, removing it when nothing was committed into it."""
+        self._collector.release()
         ahead, self._directory = self._directory, None
         if ahead is None or committed or self._background is None:
             return
@@ -984,8 +985,7 @@ class ControlPlane:
             abandoned = self._machine.expire(self._clock())
             if abandoned is None:
                 return
-            self._collector.release()
-            self._drop_directory_ahead(phase is Phase.COMMITTED)
+            self._closed(committed=phase is Phase.COMMITTED)
             logger.warning(
                 "%s: lease of checkpoint %s lapsed in phase %s; resuming by ourselves "
                 "(the coordinator stopped renewing)",
