@@ -13,8 +13,14 @@ decides is persisted in the set's status and objects, so the next start continue
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Coroutine
+import random
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Final, Protocol, TypeVar
+
+import kopf
+from kubernetes_asyncio.client.exceptions import ApiException
 
 T = TypeVar("T")
 
@@ -24,6 +30,13 @@ for pods is cut short and continues from its persisted phase)."""
 STOP_BACKOFF_SECONDS: Final = 5.0
 """The daemons' `cancellation_backoff`: longer than the grace, so the loop has returned by
 itself before Kopf would cancel it."""
+TRANSIENT: Final[tuple[type[Exception], ...]] = (
+    ApiException,
+    OSError,
+    TimeoutError,
+    kopf.TemporaryError,
+)
+"""Failures of a pass that the loop retries after a backoff (the API server, the network)."""
 
 
 class StopFlag(Protocol):
@@ -36,6 +49,14 @@ class StopFlag(Protocol):
 
 class Stopped(Exception):
     """The loop was stopped while a pass ran, and the pass did not finish within the grace."""
+
+
+@dataclass(frozen=True)
+class Next:
+    """What a pass asks of its loop: another pass at once, or one at `at` (else the resync)."""
+
+    again: bool = False
+    at: datetime | None = None
 
 
 class PassLoop:
@@ -73,6 +94,46 @@ class PassLoop:
             for waiter in waiters:
                 waiter.cancel()
 
+    async def run_passes(
+        self,
+        one_pass: Callable[[], Coroutine[Any, Any, Next]],
+        *,
+        resync_seconds: float,
+        max_backoff_seconds: float,
+        slack_seconds: float,
+        on_failure: Callable[[Exception, float], None],
+        now: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        """Run passes until stopped: after a wake, at the time the last pass asked for (plus
+        `slack_seconds`), or every `resync_seconds`. A pass failing with one of `TRANSIENT` is
+        reported to `on_failure` with the jittered, exponential backoff that follows it.
+
+        Raises `Stopped` when a pass under way outlived the stop's grace (see `run`).
+        """
+        failures = 0
+        while not self.stopped:
+            await self.sleep(resync_seconds)
+            if self.stopped:
+                break
+            self.wake.clear()
+            try:
+                step = await self.run(one_pass())
+            except TRANSIENT as error:
+                failures += 1
+                delay = min(max_backoff_seconds, 2.0**failures) * (0.5 + random.random() / 2)
+                on_failure(error, delay)
+                await self.sleep(delay, wakeable=False)
+                self.wake.set()
+                continue
+            failures = 0
+            if step.again:
+                self.wake.set()
+            elif step.at is not None:
+                remaining = (step.at - now()).total_seconds()
+                if remaining < resync_seconds:
+                    await self.sleep(max(remaining, 0.0) + slack_seconds)
+                    self.wake.set()
+
     async def run(self, work: Coroutine[Any, Any, T]) -> T:
         """Run one pass; when stopped meanwhile, give it `grace_seconds`, then cancel it.
 
@@ -95,4 +156,12 @@ class PassLoop:
             stop.cancel()
 
 
-__all__ = ["STOP_BACKOFF_SECONDS", "STOP_GRACE_SECONDS", "PassLoop", "StopFlag", "Stopped"]
+__all__ = [
+    "STOP_BACKOFF_SECONDS",
+    "STOP_GRACE_SECONDS",
+    "TRANSIENT",
+    "Next",
+    "PassLoop",
+    "StopFlag",
+    "Stopped",
+]

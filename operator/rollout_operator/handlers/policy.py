@@ -15,8 +15,6 @@
 from __future__ import annotations
 
 import asyncio
-import random
-from datetime import UTC, datetime
 from typing import Any, Final
 
 import kopf
@@ -30,7 +28,7 @@ from ..api import (
     VERSION,
     RolloutSet,
 )
-from ..passloop import STOP_BACKOFF_SECONDS, PassLoop, Stopped
+from ..passloop import STOP_BACKOFF_SECONDS, Next, PassLoop, Stopped
 from ..policy import Note
 from ..policyops import (
     CheckpointBusy,
@@ -100,41 +98,25 @@ async def policy_loop(
         del posted[:-NOTES_REMEMBERED]
         await _post(rset, note)
 
-    failures = 0
+    async def one_pass() -> Next:
+        outcome = await PolicyPass(
+            kube_of(memo), on_note=note_once, wake_set=wake, locator=StorageLocator.from_env()
+        ).run(namespace, name)
+        return Next(again=outcome.again, at=outcome.wake_at)
+
+    def failed(error: Exception, delay: float) -> None:
+        logger.warning("checkpoint policy pass failed (%s); retrying in %.1fs", error, delay)
+
     try:
-        while not waits.stopped:
-            await waits.sleep(RESYNC_SECONDS)
-            if waits.stopped:
-                break
-            event.clear()
-            try:
-                outcome = await waits.run(
-                    PolicyPass(
-                        kube_of(memo),
-                        on_note=note_once,
-                        wake_set=wake,
-                        locator=StorageLocator.from_env(),
-                    ).run(namespace, name)
-                )
-            except (ApiException, OSError, TimeoutError, kopf.TemporaryError) as error:
-                failures += 1
-                delay = min(MAX_BACKOFF_SECONDS, 2.0**failures) * (0.5 + random.random() / 2)
-                logger.warning(
-                    "checkpoint policy pass failed (%s); retrying in %.1fs", error, delay
-                )
-                await waits.sleep(delay, wakeable=False)
-                event.set()
-                continue
-            failures = 0
-            if outcome.again:
-                event.set()
-            elif outcome.wake_at is not None:
-                # Exactly at the time asked for (a deadline start is a matter of tenths of a
-                # second); a wake a hair early just makes the pass ask for the time again.
-                remaining = (outcome.wake_at - datetime.now(UTC)).total_seconds()
-                if remaining < RESYNC_SECONDS:
-                    await waits.sleep(max(remaining, 0.0) + WAKE_SLACK_SECONDS)
-                    event.set()
+        # Exactly at the time a pass asks for (a deadline start is a matter of tenths of a
+        # second); a wake a hair early just makes the pass ask for the time again.
+        await waits.run_passes(
+            one_pass,
+            resync_seconds=RESYNC_SECONDS,
+            max_backoff_seconds=MAX_BACKOFF_SECONDS,
+            slack_seconds=WAKE_SLACK_SECONDS,
+            on_failure=failed,
+        )
     except Stopped:
         logger.info("policy stopped: the pass under way was cancelled (the next one redoes it)")
     finally:

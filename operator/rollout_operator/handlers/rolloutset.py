@@ -13,18 +13,16 @@ by itself (`passloop`) instead of waiting for Kopf to cancel it.
 from __future__ import annotations
 
 import asyncio
-import random
 from typing import Any, Final
 
 import kopf
-from kubernetes_asyncio.client.exceptions import ApiException
 
 from .. import metrics
 from ..api import GROUP, LABEL_SET, ROLLOUT_SET_PLURAL, VERSION, RolloutSet
 from ..conditions import utcnow
-from ..passloop import STOP_BACKOFF_SECONDS, PassLoop, Stopped
+from ..passloop import STOP_BACKOFF_SECONDS, Next, PassLoop, Stopped
 from ..recovery import recover_if_needed
-from ..setops import ReconcileOutcome, reconcile_set
+from ..setops import reconcile_set
 from .events import post_set_event
 from .runtime import kube_of
 
@@ -120,34 +118,23 @@ async def reconcile_loop(
     waits = PassLoop(stopped, wake=event)
     event.set()
 
-    async def one_pass() -> ReconcileOutcome:
+    async def one_pass() -> Next:
         await recover_if_needed(kube_of(memo), namespace, name, on_transition=_recovery_event)
-        return await reconcile_set(kube_of(memo), namespace, name)
+        outcome = await reconcile_set(kube_of(memo), namespace, name)
+        return Next(again=outcome.conflict, at=outcome.recheck_at)
 
-    failures = 0
+    def failed(error: Exception, delay: float) -> None:
+        logger.warning("reconcile failed (%s); retrying in %.1fs", error, delay)
+
     try:
-        while not waits.stopped:
-            await waits.sleep(RESYNC_SECONDS)
-            if waits.stopped:
-                break
-            event.clear()
-            try:
-                outcome = await waits.run(one_pass())
-            except (ApiException, OSError, TimeoutError, kopf.TemporaryError) as error:
-                failures += 1
-                delay = min(MAX_BACKOFF_SECONDS, 2.0**failures) * (0.5 + random.random() / 2)
-                logger.warning("reconcile failed (%s); retrying in %.1fs", error, delay)
-                await waits.sleep(delay, wakeable=False)
-                event.set()
-                continue
-            failures = 0
-            if outcome.conflict:
-                event.set()
-            elif outcome.recheck_at is not None:
-                remaining = (outcome.recheck_at - utcnow()).total_seconds()
-                if remaining < RESYNC_SECONDS:
-                    await waits.sleep(max(remaining, 0.0) + 0.5)
-                    event.set()
+        await waits.run_passes(
+            one_pass,
+            resync_seconds=RESYNC_SECONDS,
+            max_backoff_seconds=MAX_BACKOFF_SECONDS,
+            slack_seconds=0.5,
+            on_failure=failed,
+            now=utcnow,
+        )
     except Stopped:
         logger.info("reconcile stopped; the pass under way was cancelled (status has its state)")
     finally:
