@@ -39,6 +39,7 @@ import anyio
 import httpx
 import pytest
 import yaml
+from operator_fixtures import release_finalizers
 from rollout_operator.demo import OperatorProcess
 from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
 from rollout_servers.discovery import rollout_set_topology
@@ -276,23 +277,6 @@ def operator_process(
             running.stop()
         else:
             running.kill()
-
-
-def release_finalizers(cluster: Cluster, namespace: str) -> None:
-    """After the operator stopped: drop its finalizers so the namespace can go."""
-    for kind in ("rckpt", "rset"):
-        names = cluster.kubectl("get", kind, "-n", namespace, "-o", "name", check=False).stdout
-        for name in names.split():
-            cluster.kubectl(
-                "patch",
-                name,
-                "-n",
-                namespace,
-                "--type=merge",
-                "-p",
-                '{"metadata":{"finalizers":null}}',
-                check=False,
-            )
 
 
 def create_namespace(cluster: Cluster, name: str) -> None:
