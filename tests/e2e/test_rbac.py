@@ -539,19 +539,23 @@ async def story(
     ]
     url = f"http://127.0.0.1:{metrics_port}/metrics"
     found: dict[str, float] = {}
+    missing: list[Any] = []
     async with httpx.AsyncClient(timeout=5) as http:
-        deadline = time.monotonic() + 20
-        while True:
+
+        async def all_exposed() -> bool:
+            nonlocal found, missing
             found = samples((await http.get(url)).text)
             missing = [
                 (name, labels, want)
                 for name, labels, want in expected
                 if sample(found, name, **labels) != want
             ]
-            if not missing:
-                break
-            assert time.monotonic() < deadline, f"metrics not there: {missing}"
-            await anyio.sleep(0.3)
+            return not missing
+
+        try:
+            await wait_for(all_exposed, 20, "the metrics", interval=0.3)
+        except WaitTimeout:
+            raise AssertionError(f"metrics not there: {missing}") from None
     assert (sample(found, "rollout_checkpoint_duration_seconds_sum", **ready_ckpt) or 0) > 0
     assert (sample(found, "rollout_checkpoint_bytes_total", **by_set) or 0) > 0
 
@@ -565,12 +569,17 @@ async def story(
         ("RolloutSet", "Restored"),
     }
     reasons: set[tuple[str, str]] = set()
-    deadline = time.monotonic() + 20
-    while not wanted <= reasons:
-        assert time.monotonic() < deadline, f"Events missing: {sorted(wanted - reasons)}"
+
+    async def all_posted() -> bool:
+        nonlocal reasons
         events = get_json(cluster, "events", "-n", namespace).get("items") or []
         reasons = {(e["involvedObject"]["kind"], e["reason"]) for e in events}
-        await anyio.sleep(0.3)
+        return wanted <= reasons
+
+    try:
+        await wait_for(all_posted, 20, "the Events", interval=0.3)
+    except WaitTimeout:
+        raise AssertionError(f"Events missing: {sorted(wanted - reasons)}") from None
 
     # Exactly enough: the story needed no permission the chart does not grant.
     assert rbac_denials(op, subject) == []
