@@ -20,7 +20,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY operator ./operator
 COPY servers ./servers
-COPY devcluster ./devcluster
+COPY protocol ./protocol
 # pip compiles the bytecode here, so the runtime never needs to write any.
 RUN python -m venv /opt/rollout \
  && /opt/rollout/bin/pip install --no-cache-dir . \

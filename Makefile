@@ -23,6 +23,8 @@ $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
+	@# devcluster/ and harness/ are not in the wheel; the checkout's venv finds them through this .pth
+	@echo "$(CURDIR)" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/rollout-checkout.pth"
 	@touch $@
 
 venv: $(VENV)/.installed
@@ -50,7 +52,7 @@ test: venv cluster-binaries lint
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 demo: venv cluster-binaries
-	$(PY) -m rollout_operator.demo $(DEMO_ARGS)
+	$(PY) -m harness.demo $(DEMO_ARGS)
 
 cluster: venv cluster-binaries
 	$(PY) -m devcluster up --dir .devcluster

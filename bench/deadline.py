@@ -37,7 +37,6 @@ from typing import Any
 import anyio
 from kubernetes_asyncio import client as k8s
 from rollout_operator import api
-from rollout_operator.demo import OperatorProcess, apply_crds, create_namespace, kubectl_apply
 from rollout_operator.policy import (
     ANNOTATION_DEADLINE_OUTCOME,
     DEFAULT_RESERVE_SECONDS,
@@ -47,6 +46,7 @@ from rollout_operator.policy import (
 
 from devcluster.cluster import Cluster
 from devcluster.kube import open_api
+from harness.demo import OperatorProcess, apply_crds, create_namespace, kubectl_apply
 
 REPO = Path(__file__).resolve().parents[1]
 PARTICIPANT = REPO / "tests" / "e2e" / "policy_participant.py"

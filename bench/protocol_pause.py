@@ -43,12 +43,13 @@ from typing import TypeVar
 
 import anyio
 import httpx
-from rollout_servers.coordination import Coordinator, HttpParticipant
-from rollout_servers.protocol import (
+from rollout_protocol import (
     CommitReply,
     CommitRequest,
+    Coordinator,
     ForgetReply,
     ForgetRequest,
+    HttpParticipantClient,
     PrepareReply,
     PrepareRequest,
     RenewReply,
@@ -270,7 +271,8 @@ async def bench(episodes: int, repeats: int, root: Path) -> None:
                 async with httpx.AsyncClient(timeout=120) as control:
                     participants = [
                         TimedParticipant(
-                            HttpParticipant(role, urls[role], token=TOKEN, client=control), calls
+                            HttpParticipantClient(role, urls[role], token=TOKEN, client=control),
+                            calls,
                         )
                         for role in ROLES
                     ]
@@ -357,7 +359,9 @@ async def bench(episodes: int, repeats: int, root: Path) -> None:
 class TimedParticipant:
     """A participant client that records how long each prepare, commit and resume took."""
 
-    def __init__(self, inner: HttpParticipant, calls: dict[tuple[str, Role], list[float]]) -> None:
+    def __init__(
+        self, inner: HttpParticipantClient, calls: dict[tuple[str, Role], list[float]]
+    ) -> None:
         self.inner = inner
         self.calls = calls
 

@@ -13,7 +13,7 @@ Prints a table (no assertions): steps redone, model tokens generated again and t
 seconds they cost, wall time until every episode finished, and the ratio a/b; then the
 recovery timeline of both runs. The target is steps redone (a) at most 5% of (b)'s.
 
-How "redone" is counted (see `rollout_operator.demo.measure_redone`): every episode step has a
+How "redone" is counted (see `harness.demo.measure_redone`): every episode step has a
 unique name (`seed`, `invoke_agent`, `verify` on the environment, `model@<turn>` and
 `tool@<turn>` on the agent), so each completion of a name beyond the first is a step done
 again. Tokens generated again are the tokens a request had generated before the loss that the
@@ -33,15 +33,15 @@ import time
 from pathlib import Path
 
 import anyio
-from rollout_operator.demo import (
+
+from devcluster.cluster import Cluster
+from harness.demo import (
     RECOVERY_STEPS,
     Scenario,
     ScenarioReport,
     apply_crds,
     run_scenario,
 )
-
-from devcluster.cluster import Cluster
 
 
 def _ratio(a: float, b: float) -> str:

@@ -28,7 +28,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic.alias_generators import to_camel
-from rollout_servers.protocol import ROLLOUT_ID_PATTERN, Role
+from rollout_protocol import ROLLOUT_ID_PATTERN, Role
 
 GROUP: Final = "checkpoint.rollout.dev"
 VERSION: Final = "v1alpha1"

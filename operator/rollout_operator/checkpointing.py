@@ -25,14 +25,14 @@ from typing import Any, Final, TypeVar
 
 import anyio
 from kubernetes_asyncio.client.exceptions import ApiException
-from rollout_servers.coordination import (
+from rollout_protocol import (
     CommitOutcome,
     Coordinator,
+    ErrorCode,
     Failure,
-    HttpParticipant,
+    HttpParticipantClient,
     PrepareOutcome,
 )
-from rollout_servers.protocol import ErrorCode
 
 from .api import (
     GROUP,
@@ -170,7 +170,8 @@ class CheckpointFlow:
         settings: FlowSettings | None = None,
         clock: Callable[[], float] = time.time,
         on_transition: Callable[[RolloutCheckpoint, str, str], Awaitable[None]] | None = None,
-        participants_factory: Callable[[RolloutSet, str], list[HttpParticipant]] | None = None,
+        participants_factory: Callable[[RolloutSet, str], list[HttpParticipantClient]]
+        | None = None,
     ) -> None:
         self._kube = kube
         self._settings = settings or FlowSettings()
@@ -394,7 +395,7 @@ class CheckpointFlow:
         if in_flight and ckpt.status.started_at is not None:
             started = min(started, ckpt.status.started_at.timestamp())
         coordinator: Coordinator | None = None
-        participants: list[HttpParticipant] = []
+        participants: list[HttpParticipantClient] = []
         published = False
         try:
             rset = await (self._held_slot(ckpt) if in_flight else self._take_slot(ckpt))
@@ -745,10 +746,10 @@ async def alongside(write: Awaitable[None], step: Awaitable[_T]) -> _T:
     return results[0]
 
 
-def _http_participants(rset: RolloutSet, token: str) -> list[HttpParticipant]:
+def _http_participants(rset: RolloutSet, token: str) -> list[HttpParticipantClient]:
     """The coordinator's view of the set: one HTTP client per participant pod of the attempt."""
     return [
-        HttpParticipant(p.role, p.address, index=p.index, token=token)
+        HttpParticipantClient(p.role, p.address, index=p.index, token=token)
         for p in rset.status.participants
         if p.address
     ]

@@ -38,8 +38,7 @@ from typing import Any, Final
 
 from kubernetes_asyncio.client.exceptions import ApiException
 from pydantic import ValidationError
-from rollout_servers.protocol import CHECKPOINT_ID_PATTERN
-from rollout_servers.storage import StorageError, checkpoint_base, remove_checkpoint
+from rollout_protocol import CHECKPOINT_ID_PATTERN, StorageError, checkpoint_base, remove_checkpoint
 
 from .api import (
     API_VERSION,

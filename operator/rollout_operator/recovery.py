@@ -24,7 +24,7 @@ from typing import Any, Final
 
 import anyio
 from kubernetes_asyncio.client.exceptions import ApiException
-from rollout_servers.coordination import Coordinator, HttpParticipant
+from rollout_protocol import Coordinator, HttpParticipantClient
 
 from .api import (
     GROUP,
@@ -377,13 +377,15 @@ class RecoveryFlow:
             return None
         return name
 
-    async def _coordinator(self, rset: RolloutSet) -> tuple[Coordinator, list[HttpParticipant]]:
+    async def _coordinator(
+        self, rset: RolloutSet
+    ) -> tuple[Coordinator, list[HttpParticipantClient]]:
         namespace = rset.metadata.namespace or "default"
         token = await read_control_token(self._kube, namespace, rset.metadata.name)
         if token is None:
             raise RecoveryFailed("TokenMissing", "the set's control-token Secret is missing")
         participants = [
-            HttpParticipant(p.role, p.address, index=p.index, token=token)
+            HttpParticipantClient(p.role, p.address, index=p.index, token=token)
             for p in rset.status.participants
             if p.address
         ]

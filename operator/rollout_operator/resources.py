@@ -20,7 +20,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any, Final
 
-from rollout_servers.protocol import Role
+from rollout_protocol import Role
 
 from .api import (
     ANNOTATION_SPEC_HASH,

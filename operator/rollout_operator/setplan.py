@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Final
 
-from rollout_servers.protocol import Role
+from rollout_protocol import Role
 
 from .api import (
     ANNOTATION_SPEC_HASH,

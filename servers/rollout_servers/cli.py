@@ -19,8 +19,8 @@ import resource
 import sys
 from collections.abc import Sequence
 
-from .control import ControlConfigError
-from .protocol import Role
+from rollout_protocol import ControlConfigError, Role
+
 from .servers.common import RolloutServer, ServerOptions, serve
 
 

@@ -7,9 +7,9 @@ client waits for the attempt to advance (with a deadline) and re-issues `/run` u
 attempt; the restored environment continues the episode from its last recorded boundary. A
 training loop thus survives pod loss without code of its own.
 
-Where the attempt and the environment URLs come from is a seam, `Topology`: a static one for
-plain processes, a JSON file one (written by whoever restores, e.g. a Slurm script), a mutable
-in-process one (tests, embedding), and, in the operator's package, one that watches the
+Where the attempt and the environment URLs come from is a seam, `Topology` (module `topology`):
+a static one for plain processes, a JSON file one (written by whoever restores, e.g. a Slurm
+script), a mutable in-process one (tests, embedding), and `discovery`'s, which watches the
 RolloutSet's `status.attempt`. An implementation that can *wait* for a newer attempt (a watch)
 also implements `wait_newer`; otherwise the client polls `current()`.
 
@@ -29,14 +29,21 @@ import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, NamedTuple, Protocol, runtime_checkable
+from typing import IO
 
 import anyio
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict
+from rollout_protocol import ErrorBody, ErrorCode
 
-from .protocol import ErrorBody, ErrorCode
 from .tasks import Task, sample_tasks
+from .topology import (
+    FileTopology,
+    StaticTopology,
+    Topology,
+    TopologySnapshot,
+    WatchableTopology,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,86 +61,6 @@ _RESTORE_CODES = frozenset(
 
 _FIRST_BACKOFF_S = 0.2
 _MAX_BACKOFF_S = 5.0
-
-
-# --- the topology seam ------------------------------------------------------------------------
-
-
-class TopologySnapshot(NamedTuple):
-    attempt: int
-    environments: tuple[str, ...]
-
-
-@runtime_checkable
-class Topology(Protocol):
-    """Where the environments are and which attempt they run."""
-
-    async def current(self) -> TopologySnapshot: ...
-
-
-@runtime_checkable
-class WatchableTopology(Topology, Protocol):
-    async def wait_newer(self, attempt: int) -> TopologySnapshot:
-        """Return once the attempt is greater than `attempt` (the caller applies a deadline)."""
-        ...
-
-
-@dataclass
-class StaticTopology:
-    """Fixed URLs and attempt: plain processes where nothing is ever restored."""
-
-    environments: Sequence[str]
-    attempt: int = 0
-
-    async def current(self) -> TopologySnapshot:
-        return TopologySnapshot(self.attempt, tuple(self.environments))
-
-
-class MutableTopology:
-    """Set by whoever restores the servers in the same process (tests, embedding code)."""
-
-    def __init__(self, environments: Sequence[str], attempt: int = 0) -> None:
-        self._snapshot = TopologySnapshot(attempt, tuple(environments))
-        self._changed = anyio.Event()
-
-    def set(self, attempt: int, environments: Sequence[str] | None = None) -> None:
-        urls = self._snapshot.environments if environments is None else tuple(environments)
-        self._snapshot = TopologySnapshot(attempt, urls)
-        self._changed.set()
-        self._changed = anyio.Event()
-
-    async def current(self) -> TopologySnapshot:
-        return self._snapshot
-
-    async def wait_newer(self, attempt: int) -> TopologySnapshot:
-        while self._snapshot.attempt <= attempt:
-            await self._changed.wait()
-        return self._snapshot
-
-
-class TopologyFile(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    attempt: int = Field(ge=0)
-    environments: list[str] = Field(min_length=1)
-
-
-@dataclass
-class FileTopology:
-    """`{"attempt": N, "environments": [...]}` in a file, re-read on every look.
-
-    Writers should replace the file atomically (write a temporary file, then rename).
-    """
-
-    path: Path
-
-    async def current(self) -> TopologySnapshot:
-        text = await anyio.Path(self.path).read_text()
-        try:
-            data = TopologyFile.model_validate_json(text)
-        except ValidationError as error:
-            raise ValueError(f"{self.path}: {error}") from error
-        return TopologySnapshot(data.attempt, tuple(data.environments))
 
 
 # --- results ----------------------------------------------------------------------------------

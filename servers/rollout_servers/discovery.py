@@ -33,7 +33,7 @@ import anyio
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from .client import TopologySnapshot
+from .topology import TopologySnapshot
 
 GROUP: Final = "checkpoint.rollout.dev"
 VERSION: Final = "v1alpha1"

@@ -30,7 +30,12 @@ from typing import Any
 
 import httpx
 import pytest
-from rollout_operator.demo import (
+from rollout_protocol import read_manifest
+from rollout_servers.client import EpisodeFailed, EpisodeResult, EpisodeSpec
+
+from devcluster.cluster import Cluster
+from devcluster.kube import open_api
+from harness.demo import (
     OperatorProcess,
     Resources,
     apply_crds,
@@ -44,11 +49,6 @@ from rollout_operator.demo import (
     participants_by_role,
     phase_is,
 )
-from rollout_servers.client import EpisodeFailed, EpisodeResult, EpisodeSpec
-from rollout_servers.storage import read_manifest
-
-from devcluster.cluster import Cluster
-from devcluster.kube import open_api
 
 __all__ = [
     "Debug",

@@ -28,9 +28,16 @@ from typing import Any
 import anyio
 import uvicorn
 from fastapi import FastAPI
-from rollout_servers.control import ControlPlane, ControlSettings
-from rollout_servers.participant import EpisodeCounts, ParkState, Participant
-from rollout_servers.protocol import EpisodeId, Record, Role
+from rollout_protocol import (
+    ControlPlane,
+    ControlSettings,
+    EpisodeCounts,
+    EpisodeId,
+    ParkState,
+    Participant,
+    Record,
+    Role,
+)
 
 TICK_SECONDS = 0.05
 

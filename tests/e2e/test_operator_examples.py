@@ -39,11 +39,11 @@ from operator_fixtures import (
     stats,
     storage_dir,
 )
-from rollout_operator.demo import checkpoint_records
 from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
 from rollout_servers.discovery import rollout_set_topology
 
 from devcluster.cluster import Cluster
+from harness.demo import checkpoint_records
 
 __all__ = ["operator", "resources", "storage_dir"]
 

@@ -45,9 +45,9 @@ from operator_fixtures import (
     storage_dir,
     thaw,
 )
+from rollout_protocol import read_manifest
 from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
 from rollout_servers.discovery import RolloutSetTopology, rollout_set_topology
-from rollout_servers.storage import read_manifest
 
 from devcluster.cluster import Cluster
 from devcluster.testing import wait_for

@@ -38,7 +38,7 @@ from policy_support import (
     when,
 )
 from rollout_operator.policy import ANNOTATION_DEADLINE_OUTCOME, save_reserve_seconds
-from rollout_servers.storage import read_records
+from rollout_protocol import read_records
 
 from devcluster.cluster import Cluster
 

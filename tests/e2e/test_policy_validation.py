@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 from rollout_operator import api
-from rollout_operator.demo import apply_crds
 
 from devcluster.cluster import Cluster
+from harness.demo import apply_crds
 
 
 def policy_set(policy: dict[str, Any], recovery: dict[str, Any] | None = None) -> dict[str, Any]:

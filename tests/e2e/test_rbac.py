@@ -40,7 +40,6 @@ import httpx
 import pytest
 import yaml
 from operator_fixtures import release_finalizers
-from rollout_operator.demo import OperatorProcess
 from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
 from rollout_servers.discovery import rollout_set_topology
 
@@ -48,6 +47,7 @@ from devcluster.cluster import Cluster
 from devcluster.paths import find_binaries
 from devcluster.testing import namespace_name, wait_for_sync
 from devcluster.waiting import WaitTimeout, wait_for
+from harness.demo import OperatorProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "rollout-operator"

@@ -18,10 +18,10 @@ import httpx
 import pytest
 from kubernetes_asyncio import client
 from rollout_operator import api, crdgen
-from rollout_operator.demo import OperatorProcess
 
 from devcluster.cluster import Cluster
 from devcluster.testing import WaitTimeout, wait_for, wait_for_sync
+from harness.demo import OperatorProcess
 
 CRDS = Path(__file__).resolve().parents[2] / "crds"
 

@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from rollout_servers.coordination import Coordinator, HttpParticipant
-from rollout_servers.protocol import API_PREFIX, Role
+from rollout_protocol import API_PREFIX, Coordinator, HttpParticipantClient, Role
 from rollout_servers.tasks import Task, shipped_tasks
 
 TOKEN = "protocol-test-token"
@@ -134,8 +133,10 @@ class Cluster:
             _close(process)
         self.processes.clear()
 
-    def participants(self, http: httpx.AsyncClient) -> list[HttpParticipant]:
-        return [HttpParticipant(role, self.url(role), token=TOKEN, client=http) for role in Role]
+    def participants(self, http: httpx.AsyncClient) -> list[HttpParticipantClient]:
+        return [
+            HttpParticipantClient(role, self.url(role), token=TOKEN, client=http) for role in Role
+        ]
 
     def coordinator(self, http: httpx.AsyncClient, **kwargs: Any) -> Coordinator:
         return Coordinator(self.participants(http), **kwargs)

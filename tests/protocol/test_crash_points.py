@@ -35,8 +35,9 @@ from protocol_support import (
     started_steps,
     two_step_task,
 )
-from rollout_servers.client import EpisodeResult, EpisodeSpec, MutableTopology, RolloutClient
-from rollout_servers.protocol import Role
+from rollout_protocol import Role
+from rollout_servers.client import EpisodeResult, EpisodeSpec, RolloutClient
+from rollout_servers.topology import MutableTopology
 
 MID_GEN_TOKENS = 4
 

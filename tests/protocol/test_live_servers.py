@@ -31,16 +31,17 @@ from protocol_support import (
     stats,
     two_step_task,
 )
-from rollout_servers import storage
-from rollout_servers.coordination import Coordinator, HttpParticipant
-from rollout_servers.protocol import (
+from rollout_protocol import (
     API_PREFIX,
+    Coordinator,
     EpisodeId,
     ErrorCode,
+    HttpParticipantClient,
     PrepareRequest,
     RetireRequest,
     Role,
 )
+from rollout_protocol import _storage as storage
 
 
 def debug(http: httpx.AsyncClient, cluster: Cluster, role: Role) -> Debug:
@@ -58,7 +59,7 @@ async def test_retire_cancels_before_cleanup_and_never_interrupts_it(
         env, agent = debug(http, cluster, Role.ENVIRONMENT), debug(http, cluster, Role.AGENT)
         await agent.arm("turn", early, index=1)
         await env.arm("cleanup", late)
-        environment = HttpParticipant(
+        environment = HttpParticipantClient(
             Role.ENVIRONMENT, cluster.url(Role.ENVIRONMENT), token=TOKEN, client=http
         )
         replies: dict[str, httpx.Response] = {}
@@ -168,7 +169,7 @@ async def test_open_checkpoint_holds_finished_work_until_resume(shared_cluster: 
             results[rid] = await run_ok(http, cluster, rid, 0, tasks[rid])
 
         coordinator = cluster.coordinator(http)
-        environment = HttpParticipant(
+        environment = HttpParticipantClient(
             Role.ENVIRONMENT, cluster.url(Role.ENVIRONMENT), token=TOKEN, client=http
         )
         async with anyio.create_task_group() as group:
@@ -290,7 +291,7 @@ async def test_model_front_streams_relays_and_cuts(shared_cluster: Cluster, tmp_
             hooks = Debug(http, relay.url)
             await hooks.arm("token", "relay-cut", index=3)
             coordinator = Coordinator(
-                [HttpParticipant(Role.MODEL, relay.url, token=TOKEN, client=http)]
+                [HttpParticipantClient(Role.MODEL, relay.url, token=TOKEN, client=http)]
             )
             texts: list[str] = []
 

@@ -26,7 +26,7 @@ from protocol_support import (
     started_steps,
     two_step_task,
 )
-from rollout_servers.protocol import ErrorCode, Role
+from rollout_protocol import ErrorCode, Role
 
 
 async def test_second_crash_continues_and_scope_releases(make_cluster: Any) -> None:

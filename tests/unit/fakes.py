@@ -11,8 +11,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import anyio
-from rollout_servers.participant import EpisodeCounts, ParkState, Participant
-from rollout_servers.protocol import EpisodeId, Record, Role
+from rollout_protocol import EpisodeCounts, EpisodeId, ParkState, Participant, Record, Role
 
 
 class FakeParticipant(Participant):

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 from rollout_operator import api
-from rollout_servers.protocol import Role
+from rollout_protocol import Role
 
 
 def container(port_name: str = "control") -> dict[str, Any]:

@@ -109,7 +109,7 @@ def test_the_build_context_leaves_out_environments_binaries_and_tests() -> None:
     ]
     assert lines[0] == "*", "an allow-list: new folders stay out unless named"
     allowed = {line[1:].rstrip("/") for line in lines if line.startswith("!")}
-    assert allowed == {"pyproject.toml", "README.md", "operator", "servers", "devcluster"}
+    assert allowed == {"pyproject.toml", "README.md", "operator", "servers", "protocol"}
     copied = {
         part.rstrip("/").removeprefix("./")
         for keyword, rest in stages()[0]

@@ -21,9 +21,9 @@ from rollout_operator import api
 from rollout_operator.checkpointing import CheckpointFlow, Reason
 from rollout_operator.policy import EVICTION_COMMIT_MARGIN_SECONDS, parse_time
 from rollout_operator.resources import TOKEN_KEY, secret_name
-from rollout_servers.coordination import HttpParticipant
-from rollout_servers.protocol import (
+from rollout_protocol import (
     EpisodeId,
+    HttpParticipantClient,
     Phase,
     PrepareReply,
     PrepareRequest,
@@ -169,8 +169,8 @@ def evicted_pod(killed_at: datetime, grace: int = 30) -> dict[str, Any]:
 
 
 async def run_flow(fake: FakeApi, participant: NotParking) -> None:
-    def participants(rset: api.RolloutSet, token: str) -> list[HttpParticipant]:
-        return [cast(HttpParticipant, participant)]
+    def participants(rset: api.RolloutSet, token: str) -> list[HttpParticipantClient]:
+        return [cast(HttpParticipantClient, participant)]
 
     flow = CheckpointFlow(fake.as_kube(), participants_factory=participants)
     phase = await flow.run(NS, CKPT)

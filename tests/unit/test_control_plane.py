@@ -23,16 +23,12 @@ import pytest
 from fakes import FakeParticipant
 from fastapi import FastAPI
 from pydantic import BaseModel
-from rollout_servers import storage
-from rollout_servers.control import (
+from rollout_protocol import (
+    API_PREFIX,
+    CommitReply,
     ControlConfigError,
     ControlPlane,
     ControlSettings,
-    PhaseMachine,
-)
-from rollout_servers.protocol import (
-    API_PREFIX,
-    CommitReply,
     ErrorBody,
     ErrorCode,
     Phase,
@@ -44,6 +40,8 @@ from rollout_servers.protocol import (
     Role,
     StatusReply,
 )
+from rollout_protocol import _storage as storage
+from rollout_protocol._control import PhaseMachine
 
 from devcluster.waiting import wait_for
 

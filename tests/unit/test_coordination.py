@@ -1,6 +1,6 @@
 """The coordinator against real control planes: order, scope, publish, restore, failures.
 
-Most tests reach the control planes through `HttpParticipant` over httpx's ASGI transport (the
+Most tests reach the control planes through `HttpParticipantClient` over httpx's ASGI transport (the
 real apps, in process); the loopback tests run real uvicorn servers on 127.0.0.1, and the CLI
 test runs `rollout-coordinate` as a separate process against them.
 """
@@ -26,21 +26,19 @@ import pytest
 import uvicorn
 from fakes import FakeParticipant
 from fastapi import FastAPI
-from rollout_servers import coordination_cli, storage
-from rollout_servers.control import ControlPlane, ControlSettings
-from rollout_servers.coordination import (
-    Coordinator,
-    HttpParticipant,
-    ParticipantClient,
-    ParticipantError,
-)
-from rollout_servers.protocol import (
+from rollout_protocol import (
     PREPARE_ORDER,
     CommitReply,
     CommitRequest,
+    ControlPlane,
+    ControlSettings,
+    Coordinator,
     ErrorCode,
     ForgetReply,
     ForgetRequest,
+    HttpParticipantClient,
+    ParticipantClient,
+    ParticipantError,
     Phase,
     PrepareReply,
     PrepareRequest,
@@ -55,6 +53,8 @@ from rollout_servers.protocol import (
     Role,
     StatusReply,
 )
+from rollout_protocol import _cli as coordination_cli
+from rollout_protocol import _storage as storage
 
 TOKEN = "coordination-test-token"
 WAIT = 10.0
@@ -184,7 +184,9 @@ async def _in_process(members: dict[Role, Member]) -> AsyncIterator[Cluster]:
             await stack.enter_async_context(member.plane.running())
             client = httpx.AsyncClient(transport=httpx.ASGITransport(app=member.app))
             await stack.enter_async_context(client)
-            inner = HttpParticipant(role, f"http://{role.value}-0", token=TOKEN, client=client)
+            inner = HttpParticipantClient(
+                role, f"http://{role.value}-0", token=TOKEN, client=client
+            )
             member.spy = Spy(inner, cluster.journal)
         yield cluster
 
@@ -470,8 +472,13 @@ async def _served(members: dict[Role, Member]) -> AsyncIterator[dict[Role, str]]
         sock.close()
 
 
-def _http_participants(urls: dict[Role, str], client: httpx.AsyncClient) -> list[HttpParticipant]:
-    return [HttpParticipant(role, urls[role], token=TOKEN, client=client) for role in PREPARE_ORDER]
+def _http_participants(
+    urls: dict[Role, str], client: httpx.AsyncClient
+) -> list[HttpParticipantClient]:
+    return [
+        HttpParticipantClient(role, urls[role], token=TOKEN, client=client)
+        for role in PREPARE_ORDER
+    ]
 
 
 async def test_checkpoint_crash_and_restore_over_loopback_http(tmp_path: Path) -> None:
@@ -511,19 +518,25 @@ def _free_port() -> int:
 async def test_http_participant_maps_errors_and_gives_up_at_the_deadline(tmp_path: Path) -> None:
     members = _members(tmp_path, rollouts={})
     async with _served({Role.ENVIRONMENT: members[Role.ENVIRONMENT]}) as urls:
-        async with HttpParticipant(Role.ENVIRONMENT, urls[Role.ENVIRONMENT], token="wrong") as bad:
+        async with HttpParticipantClient(
+            Role.ENVIRONMENT, urls[Role.ENVIRONMENT], token="wrong"
+        ) as bad:
             with pytest.raises(ParticipantError) as refused:
                 await bad.status(time.time() + 5)
             assert refused.value.code is ErrorCode.UNAUTHORIZED
             assert refused.value.status_code == 401
             assert refused.value.instance == "environment-0"
-        async with HttpParticipant(Role.ENVIRONMENT, urls[Role.ENVIRONMENT], token=TOKEN) as ok:
+        async with HttpParticipantClient(
+            Role.ENVIRONMENT, urls[Role.ENVIRONMENT], token=TOKEN
+        ) as ok:
             with pytest.raises(ParticipantError) as unknown:
                 await ok.commit(CommitRequest(checkpoint_id="x", deadline_ts=time.time() + 5))
             assert unknown.value.code is ErrorCode.UNKNOWN_CHECKPOINT
 
     nobody = f"http://127.0.0.1:{_free_port()}"
-    async with HttpParticipant(Role.MODEL, nobody, token=TOKEN, reply_margin_seconds=0.1) as gone:
+    async with HttpParticipantClient(
+        Role.MODEL, nobody, token=TOKEN, reply_margin_seconds=0.1
+    ) as gone:
         with anyio.fail_after(WAIT), pytest.raises(ParticipantError) as unreachable:
             await gone.status(time.time() + 0.3)
     assert unreachable.value.code is ErrorCode.UNREACHABLE
@@ -544,7 +557,7 @@ async def test_cli_checkpoint_in_a_separate_process_then_restore(tmp_path: Path)
     env = {**os.environ, "ROLLOUT_CONTROL_TOKEN": TOKEN}
     with anyio.fail_after(WAIT * 3):
         async with _served(_members(tmp_path)) as urls:
-            command = [sys.executable, "-m", "rollout_servers.coordination_cli", "checkpoint"]
+            command = [sys.executable, "-m", "rollout_protocol._cli", "checkpoint"]
             command += [*_participant_args(urls), "--dir", str(tmp_path), "--checkpoint-id", "c1"]
             done = await anyio.run_process(command, env=env, check=False)
         assert done.returncode == 0, done.stderr.decode()

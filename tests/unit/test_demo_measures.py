@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-from rollout_operator.demo import StatsTracker, generation_prefixes, measure_redone, started_under
+from rollout_protocol import Record
 from rollout_servers.client import EpisodeResult
-from rollout_servers.protocol import Record
+
+from harness.demo import StatsTracker, generation_prefixes, measure_redone, started_under
 
 
 def steps(attempt: int, **completed: int) -> dict[str, Any]:

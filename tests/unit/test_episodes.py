@@ -13,18 +13,19 @@ from dataclasses import replace
 import anyio
 import anyio.lowlevel
 import pytest
-from rollout_servers.episodes import (
+from rollout_protocol import (
     AttemptRetired,
     Boundary,
     EpisodeCancelled,
+    EpisodeId,
     EpisodeRuntime,
     EpisodeTimeout,
+    Role,
     RuntimeParticipant,
     StaleAttempt,
     StepMode,
     TaskMismatch,
 )
-from rollout_servers.protocol import EpisodeId, Role
 
 FAR = 60.0
 

@@ -15,8 +15,14 @@ from rollout_operator.policyops import RESUMED_REASON
 from rollout_operator.recovery import Reason as RecoveryReason
 from rollout_operator.recovery import RecoveryFlow, detect_loss
 from rollout_operator.setplan import PodView, Reason, plan_attempt, set_conditions
-from rollout_servers.coordination import Coordinator, HttpParticipant
-from rollout_servers.protocol import Phase, ResumeReply, ResumeRequest, Role
+from rollout_protocol import (
+    Coordinator,
+    HttpParticipantClient,
+    Phase,
+    ResumeReply,
+    ResumeRequest,
+    Role,
+)
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 
@@ -117,8 +123,10 @@ class ResumingFlow(RecoveryFlow):
         super().__init__(kube)
         self.participant = participant
 
-    async def _coordinator(self, rset: api.RolloutSet) -> tuple[Coordinator, list[HttpParticipant]]:
-        clients = [cast(HttpParticipant, self.participant)]
+    async def _coordinator(
+        self, rset: api.RolloutSet
+    ) -> tuple[Coordinator, list[HttpParticipantClient]]:
+        clients = [cast(HttpParticipantClient, self.participant)]
         return Coordinator(clients), clients
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from rollout_operator import api, resources
-from rollout_servers.protocol import Role
+from rollout_protocol import Role
 
 
 def template(port: int = 8000, **spec_extra: Any) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from rollout_operator.setplan import (
     plan_attempt,
     set_conditions,
 )
-from rollout_servers.protocol import Role
+from rollout_protocol import Role
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 

@@ -13,17 +13,15 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from rollout_protocol import ErrorBody, ErrorCode, ErrorDetail
 from rollout_servers.client import (
     EpisodeFailed,
     EpisodeResult,
     EpisodeSpec,
-    FileTopology,
-    MutableTopology,
     RolloutClient,
-    StaticTopology,
 )
-from rollout_servers.protocol import ErrorBody, ErrorCode, ErrorDetail
 from rollout_servers.tasks import shipped_tasks
+from rollout_servers.topology import FileTopology, MutableTopology, StaticTopology
 
 TASK = shipped_tasks()[0]
 

@@ -9,14 +9,14 @@ import os
 from pathlib import Path
 
 import pytest
-from rollout_servers import storage
-from rollout_servers.protocol import (
+from rollout_protocol import (
     CheckpointManifest,
     Manifest,
     PublishedParticipant,
     Record,
     Role,
 )
+from rollout_protocol import _storage as storage
 
 
 def _records(count: int = 3) -> list[Record]:

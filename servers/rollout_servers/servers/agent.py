@@ -24,9 +24,19 @@ from typing import Any, Literal
 
 from fastapi import FastAPI
 from pydantic import Field
+from rollout_protocol import (
+    Boundary,
+    Episode,
+    EpisodeCancelled,
+    EpisodeError,
+    ErrorCode,
+    ProtocolError,
+    Role,
+    RolloutId,
+    StepMode,
+    task_digest,
+)
 
-from ..episodes import Boundary, Episode, EpisodeCancelled, EpisodeError, StepMode
-from ..protocol import ErrorCode, ProtocolError, Role, RolloutId, task_digest
 from ..tasks import Task
 from .common import Outcome, RolloutServer, WireModel, episode_error
 from .model import ATTEMPT_HEADER, REQUEST_HEADER

@@ -31,21 +31,24 @@ import uvicorn
 from fastapi import FastAPI, Query
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
-
-from ..control import ControlPlane, ControlSettings
-from ..episodes import (
+from rollout_protocol import (
     AttemptRetired,
+    ControlPlane,
+    ControlSettings,
     Episode,
     EpisodeCancelled,
     EpisodeError,
     EpisodeExists,
     EpisodeRuntime,
     EpisodeTimeout,
+    ErrorBody,
+    ErrorCode,
+    ProtocolError,
+    Role,
     RuntimeParticipant,
     StaleAttempt,
     TaskMismatch,
 )
-from ..protocol import ErrorBody, ErrorCode, ProtocolError, Role
 
 log = logging.getLogger(__name__)
 

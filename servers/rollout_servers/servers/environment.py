@@ -30,9 +30,18 @@ from typing import Any
 
 from fastapi import FastAPI
 from pydantic import Field
+from rollout_protocol import (
+    Boundary,
+    Episode,
+    EpisodeError,
+    ErrorCode,
+    ProtocolError,
+    Role,
+    RolloutId,
+    StepMode,
+    task_digest,
+)
 
-from ..episodes import Boundary, Episode, EpisodeError, StepMode
-from ..protocol import ErrorCode, ProtocolError, Role, RolloutId, task_digest
 from ..tasks import Task
 from .common import Outcome, RolloutServer, WireModel, episode_error
 

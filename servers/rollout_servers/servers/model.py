@@ -44,26 +44,24 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from ..episodes import (
+from rollout_protocol import (
+    ROLLOUT_ID_PATTERN,
     Boundary,
     Episode,
     EpisodeCancelled,
+    EpisodeCounts,
     EpisodeError,
-    RuntimeParticipant,
-    StepMode,
-    TaskMismatch,
-)
-from ..participant import EpisodeCounts
-from ..protocol import (
-    ROLLOUT_ID_PATTERN,
     EpisodeId,
     ErrorCode,
     ProtocolError,
     Record,
     Role,
+    RuntimeParticipant,
+    StepMode,
+    TaskMismatch,
     task_digest,
 )
+
 from ..tasks import stable_fraction, task_by_question
 from .common import (
     PEER_SHARDS,

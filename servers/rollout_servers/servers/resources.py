@@ -18,9 +18,18 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
 from pydantic import Field
+from rollout_protocol import (
+    Boundary,
+    Episode,
+    EpisodeError,
+    ErrorCode,
+    ProtocolError,
+    Role,
+    RolloutId,
+    StepMode,
+    task_digest,
+)
 
-from ..episodes import Boundary, Episode, EpisodeError, StepMode
-from ..protocol import ErrorCode, ProtocolError, Role, RolloutId, task_digest
 from ..tasks import CalculatorError, Task, calculate
 from .common import RolloutServer, WireModel, episode_error
 

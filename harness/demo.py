@@ -1,6 +1,6 @@
 """`make demo`: the whole product on a local devcluster, with a pod killed mid-generation.
 
-    python -m rollout_operator.demo [--keep] [--dir DIR] [--episodes N] [--seed S]
+    python -m harness.demo [--keep] [--dir DIR] [--episodes N] [--seed S]
 
 Steps (each printed as it happens): a devcluster comes up (etcd, kube-apiserver, scheduler,
 controller-manager and a node agent with a GPU node and a CPU node), the CRDs are applied, the
@@ -39,7 +39,8 @@ import anyio
 import httpx
 import yaml
 from kubernetes_asyncio import client as k8s
-from rollout_servers import storage
+from rollout_operator.api import GROUP, ROLLOUT_CHECKPOINT_PLURAL, ROLLOUT_SET_PLURAL, VERSION
+from rollout_protocol import _storage as storage
 from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
 from rollout_servers.discovery import rollout_set_topology
 
@@ -47,9 +48,7 @@ from devcluster.cluster import Cluster
 from devcluster.kube import open_api
 from devcluster.waiting import wait_for, wait_for_sync
 
-from .api import GROUP, ROLLOUT_CHECKPOINT_PLURAL, ROLLOUT_SET_PLURAL, VERSION
-
-REPO: Final = Path(__file__).resolve().parents[2]
+REPO: Final = Path(__file__).resolve().parents[1]
 EXAMPLES: Final = REPO / "examples"
 CRDS: Final = REPO / "crds"
 SET_NAME: Final = "math-rl"
@@ -948,7 +947,7 @@ def _say(message: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m rollout_operator.demo", description=__doc__.split("\n\n")[0]
+        prog="python -m harness.demo", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument(
         "--keep", action="store_true", help="leave the cluster and operator running"

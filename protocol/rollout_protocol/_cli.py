@@ -24,9 +24,10 @@ from typing import Any, TextIO
 import anyio
 import httpx
 
-from . import storage
-from .coordination import Coordinator, HttpParticipant, StatusOutcome
-from .protocol import CHECKPOINT_ID_PATTERN, Role, StatusReply
+from . import _storage as storage
+from ._client import HttpParticipantClient
+from ._coordinator import Coordinator, StatusOutcome
+from ._wire import CHECKPOINT_ID_PATTERN, Role, StatusReply
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -162,7 +163,7 @@ async def run(
         return EXIT_USAGE
     async with httpx.AsyncClient() as client:
         participants = [
-            HttpParticipant(spec.role, spec.url, index=spec.index, token=token, client=client)
+            HttpParticipantClient(spec.role, spec.url, index=spec.index, token=token, client=client)
             for spec in specs
         ]
         coordinator = Coordinator(participants, on_progress=console.progress)

@@ -58,6 +58,8 @@ RETIRE_ORDER: tuple[tuple[Role, ...], ...] = (
 
 
 class Phase(StrEnum):
+    """Where a participant is in the checkpoint protocol (DESIGN §4)."""
+
     IDLE = "idle"
     PREPARING = "preparing"
     PREPARED = "prepared"
@@ -112,6 +114,8 @@ class StrictModel(BaseModel):
 
 
 class ErrorDetail(StrictModel):
+    """The code and a human-readable detail of a refused call."""
+
     code: ErrorCode
     detail: str
 
@@ -166,14 +170,16 @@ class ControlRequest(StrictModel):
 
 
 class PrepareRequest(ControlRequest):
-    pass
+    """Close admission and park in-flight work at boundaries by `deadline_ts`."""
 
 
 class RenewRequest(ControlRequest):
-    pass
+    """Extend the lease of the open checkpoint without changing its phase."""
 
 
 class CommitRequest(ControlRequest):
+    """Write the records of the scope (`episode_ids`; all when absent), then the manifest."""
+
     rollout_ids: list[RolloutId] | None = Field(
         default=None,
         description="The commit scope. None commits every parked episode; restored state of "
@@ -182,6 +188,8 @@ class CommitRequest(ControlRequest):
 
 
 class RestoreRequest(ControlRequest):
+    """Verify a published checkpoint's records and install them under `attempt`."""
+
     attempt: Attempt = Field(description="The attempt the records are installed under (N + 1).")
     source_instance: str | None = Field(
         default=None,
@@ -194,7 +202,7 @@ class RestoreRequest(ControlRequest):
 
 
 class ResumeRequest(ControlRequest):
-    pass
+    """Reopen admission; aborts the checkpoint when it was not committed."""
 
 
 class RetireRequest(StrictModel):
@@ -213,6 +221,8 @@ class RetireRequest(StrictModel):
 
 
 class ForgetRequest(StrictModel):
+    """Drop the retire marks of these finished rollouts."""
+
     operation_id: CheckpointId
     deadline_ts: DeadlineTs
     rollout_ids: list[RolloutId]
@@ -222,6 +232,8 @@ class ForgetRequest(StrictModel):
 
 
 class StatusReply(StrictModel):
+    """A participant's phase, attempt, lease and episode counts."""
+
     role: Role
     instance: str
     set_name: str | None = Field(
@@ -238,6 +250,8 @@ class StatusReply(StrictModel):
 
 
 class PrepareReply(StrictModel):
+    """Whether every episode parked; the blockers (first 100) and the episodes that will restart."""
+
     checkpoint_id: CheckpointId
     phase: Phase
     ready: bool
@@ -270,6 +284,8 @@ class Manifest(StrictModel):
 
 
 class RenewReply(StrictModel):
+    """The lease's new expiry."""
+
     checkpoint_id: CheckpointId
     phase: Phase
     lease_expires_ts: float
@@ -307,6 +323,8 @@ class CheckpointManifest(StrictModel):
 
 
 class CommitReply(StrictModel):
+    """What a participant wrote: its manifest, the records' digest, count and size."""
+
     checkpoint_id: CheckpointId
     phase: Phase
     manifest: Manifest
@@ -314,6 +332,8 @@ class CommitReply(StrictModel):
 
 
 class RestoreReply(StrictModel):
+    """How many episodes were installed under the new attempt."""
+
     checkpoint_id: CheckpointId
     phase: Phase
     attempt: Attempt
@@ -322,16 +342,22 @@ class RestoreReply(StrictModel):
 
 
 class ResumeReply(StrictModel):
+    """The phase the participant left (resume is also the abort of any earlier phase)."""
+
     checkpoint_id: CheckpointId
     phase: Phase
 
 
 class RetireReply(StrictModel):
+    """How many episodes of the retired attempt were stopped."""
+
     operation_id: CheckpointId
     retired: list[EpisodeId]
 
 
 class ForgetReply(StrictModel):
+    """How many retire marks were dropped."""
+
     operation_id: CheckpointId
     forgotten: int
 

@@ -5,8 +5,8 @@ all-or-nothing restore, in the orders of DESIGN §4. The steps are separate meth
 operator persists its state between them (to survive its own restart); `checkpoint()` composes
 them for callers without an operator (the CLI, Slurm jobs, tests).
 
-Participants are reached through the small `ParticipantClient` protocol; `HttpParticipant` is
-the real one. Every step returns an outcome model (pydantic, so it can be stored as JSON) that
+Participants are reached through the small `ParticipantClient` protocol; `HttpParticipantClient`
+is the real one. Every step returns an outcome model (pydantic, so it can be stored as JSON) that
 names each participant's failure instead of raising half way: a coordinator that stops in the
 middle would leave work parked until the leases lapse.
 """
@@ -18,40 +18,32 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import anyio
 import anyio.to_thread
-import httpx
 from anyio.abc import TaskGroup
-from pydantic import BaseModel, Field
+from pydantic import Field
 
-from . import storage
-from .protocol import (
-    API_PREFIX,
+from . import _storage as storage
+from ._client import ParticipantClient, ParticipantError
+from ._wire import (
     MAX_BLOCKERS_REPORTED,
     PREPARE_ORDER,
     RESUME_ORDER,
     RETIRE_ORDER,
     CheckpointManifest,
-    CommitReply,
     CommitRequest,
     EpisodeId,
-    ErrorBody,
     ErrorCode,
-    ForgetReply,
     ForgetRequest,
     Manifest,
     PrepareReply,
     PrepareRequest,
     PublishedParticipant,
-    RenewReply,
     RenewRequest,
-    RestoreReply,
     RestoreRequest,
-    ResumeReply,
     ResumeRequest,
-    RetireReply,
     RetireRequest,
     Role,
     StatusReply,
@@ -60,195 +52,15 @@ from .protocol import (
 
 logger = logging.getLogger(__name__)
 
-_Reply = TypeVar("_Reply", bound=BaseModel)
 _T = TypeVar("_T")
-
-
-class ParticipantError(Exception):
-    """A participant refused a call (its `ErrorBody`) or could not be reached (`unreachable`)."""
-
-    def __init__(
-        self, code: ErrorCode, detail: str, instance: str, status_code: int | None = None
-    ) -> None:
-        super().__init__(f"{instance}: {code.value}: {detail}")
-        self.code = code
-        self.detail = detail
-        self.instance = instance
-        self.status_code = status_code
-
-
-class ParticipantClient(Protocol):
-    """How the coordinator reaches one participant; every call is idempotent on retry."""
-
-    @property
-    def role(self) -> Role: ...
-
-    @property
-    def instance(self) -> str: ...
-
-    async def status(self, deadline_ts: float) -> StatusReply: ...
-
-    async def prepare(self, request: PrepareRequest) -> PrepareReply: ...
-
-    async def renew(self, request: RenewRequest) -> RenewReply: ...
-
-    async def commit(self, request: CommitRequest) -> CommitReply: ...
-
-    async def restore(self, request: RestoreRequest) -> RestoreReply: ...
-
-    async def resume(self, request: ResumeRequest) -> ResumeReply: ...
-
-    async def retire(self, request: RetireRequest) -> RetireReply: ...
-
-    async def forget(self, request: ForgetRequest) -> ForgetReply: ...
-
-
-# --- the HTTP client ------------------------------------------------------------------------
-
-
-class HttpParticipant:
-    """A participant's control plane over HTTP.
-
-    Each call's timeout comes from its `deadline_ts` (plus a margin for the reply to travel),
-    so a prepare that parks until its deadline is not cut off early. Transport failures are
-    retried with backoff until the deadline: every control call is idempotent (replayed
-    replies, operation ids), so a retry after a lost reply is safe.
-    """
-
-    def __init__(
-        self,
-        role: Role,
-        base_url: str,
-        *,
-        index: int = 0,
-        token: str | None = None,
-        client: httpx.AsyncClient | None = None,
-        clock: Callable[[], float] = time.time,
-        reply_margin_seconds: float = 5.0,
-    ) -> None:
-        self._role = Role(role)
-        self._instance = f"{self._role.value}-{index}"
-        self._base_url = base_url.rstrip("/")
-        self._headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
-        self._owns_client = client is None
-        self._client = client if client is not None else httpx.AsyncClient()
-        self._clock = clock
-        self._margin = reply_margin_seconds
-
-    @property
-    def role(self) -> Role:
-        return self._role
-
-    @property
-    def instance(self) -> str:
-        return self._instance
-
-    @property
-    def base_url(self) -> str:
-        return self._base_url
-
-    async def aclose(self) -> None:
-        if self._owns_client:
-            await self._client.aclose()
-
-    async def __aenter__(self) -> HttpParticipant:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    async def status(self, deadline_ts: float) -> StatusReply:
-        return await self._call("GET", "status", None, StatusReply, deadline_ts)
-
-    async def prepare(self, request: PrepareRequest) -> PrepareReply:
-        return await self._call("POST", "prepare", request, PrepareReply, request.deadline_ts)
-
-    async def renew(self, request: RenewRequest) -> RenewReply:
-        return await self._call("POST", "renew", request, RenewReply, request.deadline_ts)
-
-    async def commit(self, request: CommitRequest) -> CommitReply:
-        return await self._call("POST", "commit", request, CommitReply, request.deadline_ts)
-
-    async def restore(self, request: RestoreRequest) -> RestoreReply:
-        return await self._call("POST", "restore", request, RestoreReply, request.deadline_ts)
-
-    async def resume(self, request: ResumeRequest) -> ResumeReply:
-        return await self._call("POST", "resume", request, ResumeReply, request.deadline_ts)
-
-    async def retire(self, request: RetireRequest) -> RetireReply:
-        return await self._call("POST", "retire", request, RetireReply, request.deadline_ts)
-
-    async def forget(self, request: ForgetRequest) -> ForgetReply:
-        return await self._call("POST", "forget", request, ForgetReply, request.deadline_ts)
-
-    async def _call(
-        self,
-        method: str,
-        route: str,
-        request: BaseModel | None,
-        reply_model: type[_Reply],
-        deadline_ts: float,
-    ) -> _Reply:
-        url = f"{self._base_url}{API_PREFIX}/{route}"
-        content = None if request is None else request.model_dump_json().encode()
-        headers = dict(self._headers)
-        if content is not None:
-            headers["Content-Type"] = "application/json"
-        give_up = deadline_ts + self._margin
-        backoff = 0.05
-        while True:
-            remaining = give_up - self._clock()
-            try:
-                with anyio.fail_after(max(remaining, 0.1)):
-                    response = await self._client.request(
-                        method,
-                        url,
-                        content=content,
-                        headers=headers,
-                        timeout=httpx.Timeout(max(remaining, 0.1)),
-                    )
-            except (httpx.TransportError, TimeoutError) as error:
-                left = deadline_ts - self._clock()
-                if isinstance(error, TimeoutError | httpx.TimeoutException) or left <= 0:
-                    raise ParticipantError(
-                        ErrorCode.UNREACHABLE,
-                        f"{method} {url} failed by its deadline: {type(error).__name__}: {error}",
-                        self._instance,
-                    ) from error
-                await anyio.sleep(min(backoff, left))
-                backoff = min(backoff * 2, 1.0)
-                continue
-            return self._decode(response, reply_model)
-
-    def _decode(self, response: httpx.Response, reply_model: type[_Reply]) -> _Reply:
-        if response.is_success:
-            try:
-                return reply_model.model_validate_json(response.content)
-            except ValueError as error:
-                raise ParticipantError(
-                    ErrorCode.INTERNAL,
-                    f"unexpected {reply_model.__name__} from {response.url}: {error}",
-                    self._instance,
-                    response.status_code,
-                ) from error
-        try:
-            body = ErrorBody.model_validate_json(response.content)
-        except ValueError:
-            raise ParticipantError(
-                ErrorCode.INTERNAL,
-                f"HTTP {response.status_code} from {response.url}: {response.text[:300]}",
-                self._instance,
-                response.status_code,
-            ) from None
-        raise ParticipantError(
-            body.error.code, body.error.detail, self._instance, response.status_code
-        )
 
 
 # --- outcomes -------------------------------------------------------------------------------
 
 
 class Failure(StrictModel):
+    """One participant's refusal or absence, as stored in outcomes and reported to users."""
+
     instance: str
     code: ErrorCode
     detail: str
@@ -262,6 +74,8 @@ class Failure(StrictModel):
 
 
 class PrepareOutcome(StrictModel):
+    """Whether every stage parked in time; blockers and restarts of those that did not."""
+
     checkpoint_id: str
     ready: bool
     prepared: list[str] = Field(description="Instances whose prepare was ready.")
@@ -282,6 +96,8 @@ class PrepareOutcome(StrictModel):
 
 
 class CommitOutcome(StrictModel):
+    """Every participant's commit reply, or its failure, for one checkpoint."""
+
     checkpoint_id: str
     ok: bool
     scope: list[str] | None
@@ -298,12 +114,16 @@ class CommitOutcome(StrictModel):
 
 
 class ResumeOutcome(StrictModel):
+    """Which participants reopened admission, and which could not be reached."""
+
     checkpoint_id: str
     resumed: list[str] = Field(default_factory=list)
     failures: list[Failure] = Field(default_factory=list)
 
 
 class RetireOutcome(StrictModel):
+    """Which participants stopped the retired attempt's work, and which failed to."""
+
     operation_id: str
     attempt: int
     retired: list[EpisodeId] = Field(default_factory=list)
@@ -311,12 +131,16 @@ class RetireOutcome(StrictModel):
 
 
 class ForgetOutcome(StrictModel):
+    """How many retire marks each participant dropped, or why it could not."""
+
     operation_id: str
     forgotten: int = 0
     failures: list[Failure] = Field(default_factory=list)
 
 
 class RestoreOutcome(StrictModel):
+    """Whether every participant installed the records under the new attempt (all or nothing)."""
+
     checkpoint_id: str
     attempt: int
     ok: bool
@@ -332,11 +156,15 @@ class RestoreOutcome(StrictModel):
 
 
 class StatusOutcome(StrictModel):
+    """Every participant's `/status` reply, or its failure."""
+
     statuses: list[StatusReply] = Field(default_factory=list)
     failures: list[Failure] = Field(default_factory=list)
 
 
 class CheckpointDurations(StrictModel):
+    """How long each stage of one checkpoint took, and how long episodes were paused."""
+
     prepare_seconds: float = 0.0
     commit_seconds: float = 0.0
     pause_seconds: float = Field(default=0.0, description="First prepare to resume done.")
@@ -344,6 +172,8 @@ class CheckpointDurations(StrictModel):
 
 
 class CheckpointResult(StrictModel):
+    """The outcome of a whole `Coordinator.checkpoint()`: published or failed, with counts."""
+
     checkpoint_id: str
     ok: bool
     reason: str = Field(

@@ -52,8 +52,8 @@ from typing import Any
 import anyio
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .participant import EpisodeCounts, ParkState, Participant
-from .protocol import EpisodeId, Record, Role
+from ._participant import EpisodeCounts, ParkState, Participant
+from ._wire import EpisodeId, Record, Role
 
 log = logging.getLogger(__name__)
 

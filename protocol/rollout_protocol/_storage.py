@@ -29,7 +29,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from .protocol import (
+from ._wire import (
     CHECKPOINT_ID_PATTERN,
     INSTANCE_PATTERN,
     RECORD,

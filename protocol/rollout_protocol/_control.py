@@ -33,9 +33,21 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
-from . import storage
-from .participant import ParkState, Participant
-from .protocol import (
+from . import _storage as storage
+from ._participant import ParkState, Participant
+from ._routes import (
+    COMMIT,
+    FORGET,
+    PREPARE,
+    RENEW,
+    RESTORE,
+    RESUME,
+    RETIRE,
+    ROUTES,
+    STATUS,
+    Route,
+)
+from ._wire import (
     API_PREFIX,
     CHECKPOINT_ID_PATTERN,
     MAX_BLOCKERS_REPORTED,
@@ -998,57 +1010,49 @@ class ControlPlane:
             except Exception:
                 logger.exception("%s: reopen after lease lapse failed", self._settings.instance)
 
+    def _handlers(self) -> dict[str, Callable[[Any], Awaitable[BaseModel]]]:
+        """The operation behind each route of `ROUTES`, by route name."""
+
+        async def status(_: None) -> StatusReply:
+            return self.status()
+
+        return {
+            STATUS.name: status,
+            PREPARE.name: self.prepare,
+            RENEW.name: self.renew,
+            COMMIT.name: self.commit,
+            RESTORE.name: self.restore,
+            RESUME.name: self.resume,
+            RETIRE.name: self.retire,
+            FORGET.name: self.forget,
+        }
+
     def _build_router(self) -> APIRouter:
+        """One endpoint per route of the table; bodies are parsed strictly after the token."""
         router = APIRouter(prefix=API_PREFIX)
-        plane = self
-
-        def authorized(request: Request) -> None:
-            plane._authorize(request.headers.get("authorization"))
-
-        async def status(request: Request) -> Response:
-            authorized(request)
-            return _reply(plane.status())
-
-        async def prepare(request: Request) -> Response:
-            authorized(request)
-            return _reply(await plane.prepare(await _body(request, PrepareRequest)))
-
-        async def renew(request: Request) -> Response:
-            authorized(request)
-            return _reply(await plane.renew(await _body(request, RenewRequest)))
-
-        async def commit(request: Request) -> Response:
-            authorized(request)
-            return _reply(await plane.commit(await _body(request, CommitRequest)))
-
-        async def restore(request: Request) -> Response:
-            authorized(request)
-            return _reply(await plane.restore(await _body(request, RestoreRequest)))
-
-        async def resume(request: Request) -> Response:
-            authorized(request)
-            return _reply(await plane.resume(await _body(request, ResumeRequest)))
-
-        async def retire(request: Request) -> Response:
-            authorized(request)
-            return _reply(await plane.retire(await _body(request, RetireRequest)))
-
-        async def forget(request: Request) -> Response:
-            authorized(request)
-            return _reply(await plane.forget(await _body(request, ForgetRequest)))
-
-        router.add_api_route("/status", status, methods=["GET"], response_model=StatusReply)
-        for path, endpoint, model in (
-            ("/prepare", prepare, PrepareReply),
-            ("/renew", renew, RenewReply),
-            ("/commit", commit, CommitReply),
-            ("/restore", restore, RestoreReply),
-            ("/resume", resume, ResumeReply),
-            ("/retire", retire, RetireReply),
-            ("/forget", forget, ForgetReply),
-        ):
-            router.add_api_route(path, endpoint, methods=["POST"], response_model=model)
+        handlers = self._handlers()
+        for route in ROUTES:
+            router.add_api_route(
+                route.path,
+                self._endpoint(route, handlers[route.name]),
+                methods=[route.method],
+                response_model=route.reply,
+                responses=route.error_statuses(),
+                summary=route.summary,
+                name=route.name,
+                openapi_extra=_request_body_schema(route),
+            )
         return router
+
+    def _endpoint(
+        self, route: Route[Any, Any], handler: Callable[[Any], Awaitable[BaseModel]]
+    ) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            self._authorize(request.headers.get("authorization"))
+            body = None if route.request is None else await _body(request, route.request)
+            return _reply(await handler(body))
+
+        return endpoint
 
     def _authorize(self, header: str | None) -> None:
         expected = self._settings.token
@@ -1096,6 +1100,37 @@ def describe_validation(error: ValidationError | RequestValidationError) -> str:
         location = [str(part) for part in problem.get("loc", ()) if part != "body"]
         parts.append(f"{'.'.join(location) or 'body'}: {problem.get('msg', 'invalid')}")
     return "; ".join(parts) or "invalid request"
+
+
+def _request_body_schema(route: Route[Any, Any]) -> dict[str, Any] | None:
+    """The OpenAPI request body of a route (its endpoint reads the body itself, strictly)."""
+    if route.request is None:
+        return None
+    schema = _inline_refs(route.request.model_json_schema())
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": schema}},
+        }
+    }
+
+
+def _inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
+    """A model's JSON schema with its `$defs` substituted, so it stands alone in OpenAPI."""
+    definitions = schema.pop("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return resolve(definitions[ref.removeprefix("#/$defs/")])
+            return {key: resolve(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [resolve(item) for item in node]
+        return node
+
+    resolved: dict[str, Any] = resolve(schema)
+    return resolved
 
 
 def _reply(model: BaseModel) -> Response:

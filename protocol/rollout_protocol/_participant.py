@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .protocol import EpisodeId, Record, Role
+from ._wire import EpisodeId, Record, Role
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,171 @@
+"""The route table of the control plane: one declaration per operation.
+
+Both sides of the HTTP hop are built from this table: the control plane's router
+(`ControlPlane.router`) mounts one endpoint per `Route`, and `HttpParticipantClient` sends each
+call through the `Route` it names. A route's request model, reply model and error codes are
+therefore written once, and an editor's "go to definition" on `PREPARE` leads from the client's
+call to the server's handler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel
+
+from ._wire import (
+    API_PREFIX,
+    HTTP_STATUS,
+    CommitReply,
+    CommitRequest,
+    ErrorBody,
+    ErrorCode,
+    ForgetReply,
+    ForgetRequest,
+    PrepareReply,
+    PrepareRequest,
+    RenewReply,
+    RenewRequest,
+    RestoreReply,
+    RestoreRequest,
+    ResumeReply,
+    ResumeRequest,
+    RetireReply,
+    RetireRequest,
+    StatusReply,
+)
+
+RequestT = TypeVar("RequestT", bound=BaseModel | None)
+ReplyT = TypeVar("ReplyT", bound=BaseModel)
+
+_EVERY_CALL = frozenset({ErrorCode.UNAUTHORIZED, ErrorCode.INTERNAL})
+"""Codes any route may answer: a missing or wrong token, a participant's own failure."""
+_EVERY_BODY = _EVERY_CALL | {ErrorCode.INVALID_REQUEST, ErrorCode.DEADLINE_PASSED}
+"""Codes any route with a body may answer: a body that fails validation, a passed deadline."""
+
+
+@dataclass(frozen=True)
+class Route(Generic[RequestT, ReplyT]):
+    """One control operation: its HTTP method and path, its bodies, and the errors it answers."""
+
+    name: str
+    method: Literal["GET", "POST"]
+    request: type[RequestT] | None
+    reply: type[ReplyT]
+    errors: frozenset[ErrorCode]
+    summary: str
+
+    @property
+    def path(self) -> str:
+        """The path below `API_PREFIX` (the router adds the prefix)."""
+        return f"/{self.name}"
+
+    @property
+    def url_path(self) -> str:
+        """The full path a client requests."""
+        return f"{API_PREFIX}{self.path}"
+
+    def error_statuses(self) -> dict[int | str, dict[str, Any]]:
+        """OpenAPI `responses` entries for every error this route may answer."""
+        statuses: dict[int, list[str]] = {}
+        for code in sorted(self.errors):
+            statuses.setdefault(HTTP_STATUS[code], []).append(code.value)
+        return {
+            status: {"model": ErrorBody, "description": "error codes: " + ", ".join(codes)}
+            for status, codes in sorted(statuses.items())
+        }
+
+
+STATUS: Route[None, StatusReply] = Route(
+    "status",
+    "GET",
+    None,
+    StatusReply,
+    _EVERY_CALL,
+    "Phase, attempt, lease expiry and episode counts; answers during a prepare.",
+)
+PREPARE: Route[PrepareRequest, PrepareReply] = Route(
+    "prepare",
+    "POST",
+    PrepareRequest,
+    PrepareReply,
+    _EVERY_BODY
+    | {ErrorCode.STALE_CHECKPOINT, ErrorCode.CONFLICTING_CHECKPOINT, ErrorCode.WRONG_PHASE},
+    "Close admission and park in-flight work at boundaries until ready or the deadline.",
+)
+RENEW: Route[RenewRequest, RenewReply] = Route(
+    "renew",
+    "POST",
+    RenewRequest,
+    RenewReply,
+    _EVERY_BODY | {ErrorCode.UNKNOWN_CHECKPOINT, ErrorCode.STALE_CHECKPOINT, ErrorCode.WRONG_PHASE},
+    "Extend the lease of the open checkpoint only.",
+)
+COMMIT: Route[CommitRequest, CommitReply] = Route(
+    "commit",
+    "POST",
+    CommitRequest,
+    CommitReply,
+    _EVERY_BODY
+    | {
+        ErrorCode.UNKNOWN_CHECKPOINT,
+        ErrorCode.STALE_CHECKPOINT,
+        ErrorCode.CONFLICTING_CHECKPOINT,
+        ErrorCode.WRONG_PHASE,
+        ErrorCode.STORAGE_FAILED,
+    },
+    "Write the records of the scope, then the manifest.",
+)
+RESTORE: Route[RestoreRequest, RestoreReply] = Route(
+    "restore",
+    "POST",
+    RestoreRequest,
+    RestoreReply,
+    _EVERY_BODY
+    | {
+        ErrorCode.STALE_CHECKPOINT,
+        ErrorCode.CONFLICTING_CHECKPOINT,
+        ErrorCode.WRONG_PHASE,
+        ErrorCode.STORAGE_FAILED,
+        ErrorCode.RECORDS_INVALID,
+        ErrorCode.ATTEMPT_MISMATCH,
+    },
+    "From idle: verify the published records and install them under their next attempt.",
+)
+RESUME: Route[ResumeRequest, ResumeReply] = Route(
+    "resume",
+    "POST",
+    ResumeRequest,
+    ResumeReply,
+    _EVERY_BODY | {ErrorCode.CONFLICTING_CHECKPOINT},
+    "Reopen admission; also the abort of any earlier phase.",
+)
+RETIRE: Route[RetireRequest, RetireReply] = Route(
+    "retire",
+    "POST",
+    RetireRequest,
+    RetireReply,
+    _EVERY_BODY | {ErrorCode.WRONG_PHASE, ErrorCode.CONFLICTING_CHECKPOINT},
+    "Stop an attempt's work for the given episodes and refuse that attempt afterwards.",
+)
+FORGET: Route[ForgetRequest, ForgetReply] = Route(
+    "forget",
+    "POST",
+    ForgetRequest,
+    ForgetReply,
+    _EVERY_BODY | {ErrorCode.CONFLICTING_CHECKPOINT},
+    "Drop the retire marks of finished rollouts.",
+)
+
+ROUTES: tuple[Route[Any, Any], ...] = (
+    STATUS,
+    PREPARE,
+    RENEW,
+    COMMIT,
+    RESTORE,
+    RESUME,
+    RETIRE,
+    FORGET,
+)
+"""Every control operation, in the order of DESIGN §4's table."""

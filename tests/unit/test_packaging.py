@@ -1,0 +1,55 @@
+"""What ships: the wheel holds the contract, the operator and the reference servers, nothing else;
+the contract imports neither of the other two (nor Kopf, nor the test harness)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_wheel_ships_the_contract_the_operator_and_the_servers_only(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", str(ROOT), "-w", tmp_path],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (wheel,) = tmp_path.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
+    assert top == {"rollout_protocol", "rollout_operator", "rollout_servers"}
+    assert not [name for name in names if "/demo.py" in name or "devcluster" in name]
+    assert "rollout_servers/data/tasks.jsonl" in names or any(
+        name.startswith("rollout_servers/data/") for name in names
+    ), "the task set ships with the servers"
+
+
+def test_importing_the_contract_imports_no_server_operator_or_kopf() -> None:
+    probe = "import json, sys, rollout_protocol; print(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=60
+    )
+    loaded = set(json.loads(done.stdout))
+    forbidden = {"rollout_servers", "rollout_operator", "kopf", "kubernetes_asyncio", "uvicorn"}
+    forbidden |= {"devcluster", "harness"}
+    assert not {name.split(".")[0] for name in loaded} & forbidden
+
+
+def test_the_contracts_public_names_are_documented_and_typed() -> None:
+    import rollout_protocol
+
+    for name in rollout_protocol.__all__:
+        value = getattr(rollout_protocol, name)
+        if isinstance(value, type) or callable(value):
+            assert (value.__doc__ or "").strip(), f"{name} has no docstring"
+    private = [n for n in dir(rollout_protocol) if not n.startswith("_")]
+    assert sorted(private) == sorted(rollout_protocol.__all__), "every public name is in __all__"
