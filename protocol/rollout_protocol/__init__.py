@@ -34,6 +34,7 @@ from ._coordinator import (
     RetireOutcome,
     StatusOutcome,
 )
+from ._counters import StepCounters
 from ._episodes import (
     AttemptRetired,
     Boundary,
@@ -181,6 +182,7 @@ __all__ = [
     "StaleAttempt",
     "StatusOutcome",
     "StatusReply",
+    "StepCounters",
     "StepMode",
     "StorageError",
     "TaskMismatch",

@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 import zlib
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -47,6 +47,7 @@ from rollout_protocol import (
     Role,
     RuntimeParticipant,
     StaleAttempt,
+    StepCounters,
     TaskMismatch,
 )
 
@@ -109,57 +110,6 @@ class PeerError(ProtocolError):
 
 
 # --- counters ---------------------------------------------------------------------------------
-
-
-class StepStats:
-    """Server-side counters of steps per attempt (and per rollout), plus free-form counters.
-
-    Step names may carry a suffix after `@` (`model@2` = the model call of turn 2): totals count
-    the base name, per-rollout counts keep the full name, so a test can check exactly which
-    turn ran again.
-    """
-
-    def __init__(self, role: Role, *, keep_rollouts: int = 50_000) -> None:
-        self.role = role
-        self._totals: dict[int, dict[str, dict[str, int]]] = defaultdict(
-            lambda: defaultdict(lambda: defaultdict(int))
-        )
-        self._rollouts: OrderedDict[str, dict[int, dict[str, dict[str, int]]]] = OrderedDict()
-        self._keep = keep_rollouts
-        self.counters: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-
-    def observe(self, episode: Episode, name: str, event: str) -> None:
-        """The runtime's step observer."""
-        self.count(episode.attempt, episode.rollout_id, name, event)
-
-    def count(self, attempt: int, rollout_id: str | None, name: str, event: str) -> None:
-        self._totals[attempt][name.split("@", 1)[0]][event] += 1
-        if rollout_id is None:
-            return
-        per = self._rollouts.get(rollout_id)
-        if per is None:
-            per = self._rollouts[rollout_id] = {}
-            while len(self._rollouts) > self._keep:
-                self._rollouts.popitem(last=False)
-        per.setdefault(attempt, {}).setdefault(name, {}).setdefault(event, 0)
-        per[attempt][name][event] += 1
-
-    def bump(self, attempt: int, counter: str, amount: int = 1) -> None:
-        self.counters[attempt][counter] += amount
-
-    def snapshot(self, rollout_ids: list[str] | None, detail: bool) -> dict[str, Any]:
-        rollouts = (
-            self._rollouts
-            if detail
-            else {rid: self._rollouts[rid] for rid in rollout_ids or () if rid in self._rollouts}
-        )
-        return {
-            "steps": {str(a): {k: dict(v) for k, v in s.items()} for a, s in self._totals.items()},
-            "counters": {str(a): dict(c) for a, c in self.counters.items()},
-            "rollouts": {
-                rid: {str(a): steps for a, steps in per.items()} for rid, per in rollouts.items()
-            },
-        }
 
 
 # --- debug hooks ------------------------------------------------------------------------------
@@ -383,7 +333,7 @@ class RolloutServer:
 
     def __init__(self, options: ServerOptions, *, environ: Mapping[str, str] | None = None) -> None:
         self.options = options
-        self.stats = StepStats(self.role)
+        self.stats = StepCounters(self.role)
         self.hooks = Hooks(options.debug_hooks)
         self.runtime = EpisodeRuntime(
             self.record_kind,
