@@ -97,6 +97,8 @@ class ControlConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ControlSettings:
+    """How one participant's control plane is configured (`from_env` reads the pod's variables)."""
+
     role: Role
     index: int = 0
     set_name: str = "local"

@@ -33,6 +33,8 @@ class ParkState:
 
 @dataclass(frozen=True)
 class EpisodeCounts:
+    """Live, parked and restored episodes of a participant, as `/status` reports them."""
+
     live: int = 0
     parked: int = 0
     restored: int = 0
