@@ -711,6 +711,8 @@ class ControlPlane:
                     f"attempt {request.attempt} was retired here; restore under a newer attempt",
                 )
             records = await self._verified_records(request)
+            if request.peers is not None:
+                self._rewire(request.peers)
             self._extend_lease(request.deadline_ts)
             await self._call("close_admission", self._participant.close_admission())
             try:
@@ -732,6 +734,21 @@ class ControlPlane:
             )
             self._machine.end_restore(request.attempt, reply)
             return reply
+
+    def _rewire(self, peers: Mapping[Role, str]) -> None:
+        """Point the participant at new peers before anything is installed (InPlace recovery)."""
+        try:
+            self._participant.rewire(peers)
+        except NotImplementedError as error:
+            raise ProtocolError(
+                ErrorCode.UNSUPPORTED,
+                f"{self._settings.instance} cannot re-wire its peers ({error}); replace it instead",
+            ) from None
+        logger.info(
+            "%s: peers re-wired: %s",
+            self._settings.instance,
+            ", ".join(f"{role.value}={url}" for role, url in sorted(peers.items())),
+        )
 
     async def resume(self, request: ResumeRequest) -> ResumeReply:
         """Resume (and abort) is accepted even past its deadline: it only ever frees work.

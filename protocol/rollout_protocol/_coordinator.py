@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -42,6 +42,7 @@ from ._wire import (
     PrepareRequest,
     PublishedParticipant,
     RenewRequest,
+    RestoreReply,
     RestoreRequest,
     ResumeRequest,
     RetireRequest,
@@ -416,8 +417,13 @@ class Coordinator:
         attempt: int,
         deadline_ts: float,
         scope: Collection[str] | None = None,
+        *,
+        peers: Mapping[str, Mapping[Role, str]] | None = None,
     ) -> RestoreOutcome:
         """Restore everywhere at once, all or nothing.
+
+        `peers` (by instance) re-wires the participants it names to new peer URLs (an InPlace
+        recovery keeps them while it replaces a peer they call).
 
         On any failure the attempt is retired everywhere (so nothing restored under it can
         run) and everyone is resumed; the caller retries under a newer attempt. On success the
@@ -430,8 +436,16 @@ class Coordinator:
             attempt=attempt,
             rollout_ids=rollout_ids,
         )
+        rewired = peers or {}
+
+        def restore(participant: ParticipantClient) -> Awaitable[RestoreReply]:
+            wiring = rewired.get(participant.instance)
+            if wiring is None:
+                return participant.restore(request)
+            return participant.restore(request.model_copy(update={"peers": dict(wiring)}))
+
         self._progress(f"restore {checkpoint_id} under attempt {attempt}")
-        results = await self._fan_out(self._participants, lambda p: p.restore(request))
+        results = await self._fan_out(self._participants, restore)
         restored: dict[str, int] = {}
         episodes: dict[EpisodeId, None] = {}
         failures: list[Failure] = []

@@ -774,10 +774,12 @@ class RuntimeParticipant(Participant):
         runtime: EpisodeRuntime,
         *,
         on_event: Callable[[str, str | None], None] | None = None,
+        on_rewire: Callable[[Mapping[Role, str]], None] | None = None,
     ) -> None:
         self.role = role
         self.runtime = runtime
         self._on_event = on_event
+        self._on_rewire = on_rewire
 
     def _event(self, name: str, rollout_id: str | None = None) -> None:
         """Tell observers (the servers' debug hooks) how far a control call got."""
@@ -827,3 +829,10 @@ class RuntimeParticipant(Participant):
 
     def counts(self) -> EpisodeCounts:
         return self.runtime.counts()
+
+    def rewire(self, peers: Mapping[Role, str]) -> None:
+        """Hand the new peer URLs to the server (`on_rewire`); refuse without one."""
+        if self._on_rewire is None:
+            super().rewire(peers)
+            return
+        self._on_rewire(peers)

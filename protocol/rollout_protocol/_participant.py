@@ -9,7 +9,7 @@ and the protocol can be tested against an in-process fake participant.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ._wire import EpisodeId, Record, Role
@@ -84,3 +84,12 @@ class Participant(ABC):
     @abstractmethod
     def counts(self) -> EpisodeCounts:
         """Live, parked and restored episode counts for `/status`."""
+
+    def rewire(self, peers: Mapping[Role, str]) -> None:
+        """Call these peers (base URLs by role) from now on; roles not named keep their URL.
+
+        Optional: a restore that names peers (an InPlace recovery replaced a pod this one
+        calls) reaches here before any record is installed. The default refuses, and the
+        operator then replaces this participant too (Recreate).
+        """
+        raise NotImplementedError(f"{self.role} participant cannot re-wire its peers")

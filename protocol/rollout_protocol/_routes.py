@@ -130,6 +130,8 @@ RESTORE: Route[RestoreRequest, RestoreReply] = Route(
         ErrorCode.STORAGE_FAILED,
         ErrorCode.RECORDS_INVALID,
         ErrorCode.ATTEMPT_MISMATCH,
+        ErrorCode.ATTEMPT_RETIRED,
+        ErrorCode.UNSUPPORTED,
     },
     "From idle: verify the published records and install them under their next attempt.",
 )

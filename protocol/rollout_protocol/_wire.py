@@ -31,6 +31,8 @@ CheckpointId = Annotated[str, StringConstraints(pattern=CHECKPOINT_ID_PATTERN)]
 RolloutId = Annotated[str, StringConstraints(pattern=ROLLOUT_ID_PATTERN)]
 Attempt = Annotated[int, Field(ge=0)]
 DeadlineTs = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+PeerUrl = Annotated[str, StringConstraints(pattern=r"^https?://[^\s/?#]+/?$", max_length=512)]
+"""A peer's base URL: scheme and host[:port] only (`http://10.0.3.7:8000`)."""
 """Absolute unix seconds; finite, so a lease computed from it always ends."""
 
 
@@ -84,6 +86,8 @@ class ErrorCode(StrEnum):
     TASK_MISMATCH = "task_mismatch"
     ADMISSION_CLOSED = "admission_closed"
     NOT_FOUND = "not_found"
+    UNSUPPORTED = "unsupported"
+    """The participant does not implement an optional capability the call needs (re-wiring)."""
     INTERNAL = "internal"
     UNREACHABLE = "unreachable"
     """Client side only: a participant or peer did not answer (connection refused, timeout)."""
@@ -104,6 +108,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.TASK_MISMATCH: 409,
     ErrorCode.ADMISSION_CLOSED: 503,
     ErrorCode.NOT_FOUND: 404,
+    ErrorCode.UNSUPPORTED: 501,
     ErrorCode.INTERNAL: 500,
     ErrorCode.UNREACHABLE: 502,
 }
@@ -198,6 +203,12 @@ class RestoreRequest(ControlRequest):
     )
     rollout_ids: list[RolloutId] | None = Field(
         default=None, description="Restore only these rollouts; None restores every record."
+    )
+    peers: dict[Role, PeerUrl] | None = Field(
+        default=None,
+        description="The peers this participant calls from the restored attempt on, by role. "
+        "An InPlace recovery sends it to a kept participant whose peer was replaced; None keeps "
+        "the current wiring. A participant that cannot re-wire answers `unsupported`.",
     )
 
 

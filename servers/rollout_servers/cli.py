@@ -70,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.25,
         help="builtin backend: share of (seed, task) pairs answered off by one",
     )
+    parser.add_argument(
+        "--load-seconds",
+        type=float,
+        default=0.0,
+        help="stay unready this long after start, as loading model weights would "
+        "(simulates a model pod's start cost for benches and demos)",
+    )
     parser.add_argument("--log-level", default="info")
     return parser
 
@@ -105,6 +112,7 @@ def make_server(args: argparse.Namespace) -> RolloutServer:
         model_name=args.model_name,
         token_latency_ms=args.token_latency_ms,
         mistake_rate=args.mistake_rate,
+        load_seconds=args.load_seconds,
     )
     classes: dict[Role, type[RolloutServer]] = {
         Role.ENVIRONMENT: EnvironmentServer,

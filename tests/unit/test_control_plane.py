@@ -11,7 +11,7 @@ import gc
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -836,3 +836,47 @@ async def test_resume_interrupts_a_prepare_that_is_still_parking(tmp_path: Path)
         )
         assert fake.admission_open
         assert plane.phase is Phase.IDLE
+
+
+class RewiringParticipant(FakeParticipant):
+    """A fake that accepts new peer URLs on restore (a kept survivor of an InPlace recovery)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.peers: dict[Role, str] = {Role.AGENT: "http://old-agent:8000"}
+
+    def rewire(self, peers: Mapping[Role, str]) -> None:
+        self.peers.update(peers)
+
+
+async def test_restore_with_peers_rewires_before_installing(tmp_path: Path) -> None:
+    async with _serve(ControlPlane(FakeParticipant(rollouts=["r1"]), _settings(tmp_path))) as c:
+        await _checkpoint(c, "ck")
+
+    kept = RewiringParticipant()
+    async with _serve(ControlPlane(kept, _settings(tmp_path))) as client:
+        reply = await _restore(client, peers={"agent": "http://10.0.0.9:8000"})
+        assert reply.status_code == 200, reply.text
+        assert kept.peers == {Role.AGENT: "http://10.0.0.9:8000"}
+        assert kept.install_attempt == 1
+
+
+async def test_restore_with_peers_is_unsupported_without_rewire_and_installs_nothing(
+    tmp_path: Path,
+) -> None:
+    async with _serve(ControlPlane(FakeParticipant(rollouts=["r1"]), _settings(tmp_path))) as c:
+        await _checkpoint(c, "ck")
+
+    plain = FakeParticipant()
+    plane = ControlPlane(plain, _settings(tmp_path))
+    async with _serve(plane) as client:
+        refused = await _restore(client, peers={"agent": "http://10.0.0.9:8000"})
+        detail = _assert_error(refused, ErrorCode.UNSUPPORTED, 501)
+        assert "re-wire" in detail
+        assert plain.install_calls == 0
+        assert plane.phase is Phase.IDLE
+        assert plane.attempt == 0
+        bad = await _restore(client, peers={"agent": "ftp://x"})
+        _assert_error(bad, ErrorCode.INVALID_REQUEST, 422)
+        ok = await _restore(client)
+        assert ok.status_code == 200, ok.text

@@ -191,7 +191,7 @@ class AgentServer(RolloutServer):
             turn = int(state["turn"])
             await self.hooks.point("model", ep.rollout_id, turn)
             reply = await self.call_peer(
-                self.options.model_url,
+                self.peer_url(Role.MODEL),
                 "/v1/chat/completions",
                 {
                     "model": self.options.model_name,
@@ -237,7 +237,7 @@ class AgentServer(RolloutServer):
             turn = int(state["turn"])
             await self.hooks.point("tool", ep.rollout_id, turn)
             reply = await self.call_peer(
-                self.options.resources_url,
+                self.peer_url(Role.RESOURCES),
                 "/sessions/tool",
                 {
                     "rollout_id": ep.rollout_id,

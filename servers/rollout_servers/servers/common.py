@@ -86,6 +86,8 @@ class ServerOptions:
     model_name: str = "builtin"
     token_latency_ms: float = 0.0
     mistake_rate: float = 0.25
+    load_seconds: float = 0.0
+    """Stay unready this long after start (a simulated weight load)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -333,6 +335,16 @@ class RolloutServer:
 
     def __init__(self, options: ServerOptions, *, environ: Mapping[str, str] | None = None) -> None:
         self.options = options
+        self.peers: dict[Role, str] = {
+            role: url
+            for role, url in (
+                (Role.AGENT, options.agent_url),
+                (Role.MODEL, options.model_url),
+                (Role.RESOURCES, options.resources_url),
+            )
+            if url is not None
+        }
+        """The base URL of each peer role this server calls; a restore may re-wire them."""
         self.stats = StepCounters(self.role)
         self.hooks = Hooks(options.debug_hooks)
         self.runtime = EpisodeRuntime(
@@ -349,6 +361,8 @@ class RolloutServer:
         )
         self.plane = ControlPlane(self.participant, self.settings)
         self.draining = False
+        self.loaded = anyio.Event()
+        """Set once the (simulated) start cost is paid: `/healthz` answers 503 until then."""
         self._tasks: anyio.abc.TaskGroup | None = None
         self._peers: ShardedClients | None = None
 
@@ -360,7 +374,9 @@ class RolloutServer:
     # --- to override --------------------------------------------------------------------------
 
     def make_participant(self) -> RuntimeParticipant:
-        return RuntimeParticipant(self.role, self.runtime, on_event=self.hooks.notify)
+        return RuntimeParticipant(
+            self.role, self.runtime, on_event=self.hooks.notify, on_rewire=self.rewire
+        )
 
     def add_routes(self, app: FastAPI) -> None:
         """Add the role's own routes."""
@@ -376,6 +392,18 @@ class RolloutServer:
     @property
     def attempt(self) -> int:
         return self.plane.attempt
+
+    def peer_url(self, role: Role) -> str | None:
+        """Where this server reaches `role` (None: it was given no such peer)."""
+        return self.peers.get(role)
+
+    def rewire(self, peers: Mapping[Role, str]) -> None:
+        """Call new peers from now on (an InPlace recovery replaced a pod this one calls).
+
+        Runs inside a restore, after the retire of the old attempt: no call to the old peer
+        is in flight any more, and the next one goes to the new URL.
+        """
+        self.peers.update(peers)
 
     def http(self, key: str) -> httpx.AsyncClient:
         """The HTTP client for calls about `key` (a rollout, a request key)."""
@@ -451,9 +479,15 @@ class RolloutServer:
 
         @app.get("/healthz")
         async def healthz() -> Response:
-            ready = server._tasks is not None and not server.draining
+            ready = server._tasks is not None and not server.draining and server.loaded.is_set()
+            if server.draining:
+                state = "draining"
+            elif server._tasks is not None and not server.loaded.is_set():
+                state = "loading"
+            else:
+                state = "ok" if ready else "starting"
             body = {
-                "status": "ok" if ready else ("draining" if server.draining else "starting"),
+                "status": state,
                 "role": server.role.value,
                 "instance": server.settings.instance,
                 "attempt": server.attempt,
@@ -484,6 +518,13 @@ class RolloutServer:
         self.plane.install(app)
         return app
 
+    async def _load(self) -> None:
+        """Pay the configured start cost, then turn ready (a real engine loads weights here)."""
+        if self.options.load_seconds > 0:
+            log.info("%s: loading for %.1fs", self.role.value, self.options.load_seconds)
+            await anyio.sleep(self.options.load_seconds)
+        self.loaded.set()
+
     def _add_debug_routes(self, app: FastAPI) -> None:
         hooks = self.hooks
 
@@ -510,6 +551,7 @@ class RolloutServer:
         try:
             async with anyio.create_task_group() as tasks:
                 self._tasks = tasks
+                tasks.start_soon(self._load)
                 try:
                     yield
                 finally:

@@ -165,7 +165,7 @@ class EnvironmentServer(RolloutServer):
             async def seed() -> Boundary:
                 await self.hooks.point("seed", rid)
                 reply = await self.call_peer(
-                    self.options.resources_url, "/sessions/seed", body | {"task": task.wire()}
+                    self.peer_url(Role.RESOURCES), "/sessions/seed", body | {"task": task.wire()}
                 )
                 return Boundary("invoke_agent", {"verify": str(reply["verify"])})
 
@@ -175,7 +175,7 @@ class EnvironmentServer(RolloutServer):
             async def invoke() -> Boundary:
                 await self.hooks.point("invoke", rid)
                 reply = await self.call_peer(
-                    self.options.agent_url, "/sessions/run", body | {"task": task.wire()}
+                    self.peer_url(Role.AGENT), "/sessions/run", body | {"task": task.wire()}
                 )
                 return Boundary(
                     "verify", state | {"answer": reply["answer"], "turns": int(reply["turns"])}
@@ -187,7 +187,7 @@ class EnvironmentServer(RolloutServer):
             async def verify() -> Boundary:
                 await self.hooks.point("verify", rid)
                 reply = await self.call_peer(
-                    self.options.resources_url,
+                    self.peer_url(Role.RESOURCES),
                     "/sessions/verify",
                     body | {"answer": state["answer"]},
                 )
@@ -209,7 +209,7 @@ class EnvironmentServer(RolloutServer):
         body = {"rollout_id": ep.rollout_id, "attempt": ep.attempt}
         async with self.runtime.cleanup(ep):
             await self.hooks.point("cleanup", ep.rollout_id)
-            for url in (self.options.agent_url, self.options.resources_url):
+            for url in (self.peer_url(Role.AGENT), self.peer_url(Role.RESOURCES)):
                 try:
                     await self.call_peer(
                         url, "/sessions/close", body, timeout_s=self.options.cleanup_timeout_s

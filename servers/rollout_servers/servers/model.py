@@ -8,7 +8,9 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions` (plain JSON or `stre
   `RESULT:` is in the prompt), with a seeded mistake rate so rewards vary, one whitespace-led
   word per token with a configurable per-token latency. Because the whole completion is a pure
   function of the request, a generation cut after k tokens and continued yields exactly the
-  tokens of an uncut one.
+  tokens of an uncut one. It also takes vLLM's `continue_final_message` in chat requests (going
+  on with its own output in the final assistant message), so it can stand in for vLLM as the
+  upstream of an `openai` relay (docs/servers.md, "Your inference server as a sidecar").
 * `openai`: relays to an upstream OpenAI-compatible server (vLLM, SGLang) over streaming; a cut
   closes the upstream stream and the continuation asks upstream to go on from the prefix
   (completions: prompt + prefix; chat: the prefix as a final assistant message with vLLM's
@@ -125,6 +127,17 @@ class DeliveredData(BaseModel):
 
 
 @dataclass(frozen=True)
+class Continuation:
+    """A chat request with `continue_final_message` (vLLM's name): the model goes on with the
+    final assistant message instead of starting a new one."""
+
+    prompt_text: str
+    """The prompt without the final message."""
+    prefix: str
+    """The final message's content, which the output continues."""
+
+
+@dataclass(frozen=True)
 class GenRequest:
     """One generation request, normalised across the two OpenAI routes."""
 
@@ -134,6 +147,7 @@ class GenRequest:
     max_tokens: int
     seed: int
     stream: bool
+    continuation: Continuation | None = None
 
     @property
     def digest(self) -> str:
@@ -255,9 +269,24 @@ class BuiltinBackend:
     async def stream(
         self, request: GenRequest, prefix: str, produced: int
     ) -> AsyncGenerator[Piece, None]:
-        tokens, reason = builtin_completion(
-            request.prompt_text, request.seed, request.max_tokens, self.mistake_rate
-        )
+        prompt, max_tokens = request.prompt_text, request.max_tokens
+        cont = request.continuation
+        if cont is not None:
+            # Like an LLM server with continue_final_message: when the final message is this
+            # engine's own output so far, go on with the same completion (so a relay in front,
+            # which continues a cut generation this way, gets the tokens of an uncut one);
+            # `max_tokens` counts only the new tokens.
+            own = _TOKEN.findall(cont.prefix)
+            whole, _ = builtin_completion(
+                cont.prompt_text, request.seed, len(own) + max_tokens, self.mistake_rate
+            )
+            if "".join(own) == cont.prefix and whole[: len(own)] == own:
+                prompt, max_tokens, produced = (
+                    cont.prompt_text,
+                    len(own) + max_tokens,
+                    produced + len(own),
+                )
+        tokens, reason = builtin_completion(prompt, request.seed, max_tokens, self.mistake_rate)
         if produced >= len(tokens):
             yield Piece("", reason)
             return
@@ -338,7 +367,9 @@ class ModelParticipant(RuntimeParticipant):
     """Generations (cut prefixes, held responses) plus the last delivered response per rollout."""
 
     def __init__(self, server: ModelServer) -> None:
-        super().__init__(Role.MODEL, server.runtime, on_event=server.hooks.notify)
+        super().__init__(
+            Role.MODEL, server.runtime, on_event=server.hooks.notify, on_rewire=server.rewire
+        )
         self.server = server
 
     def export(self, scope: frozenset[str] | None) -> list[Record]:
@@ -471,10 +502,11 @@ class ModelServer(RolloutServer):
             gen = GenRequest(
                 kind="chat",
                 body=body.model_dump(exclude_none=True),
-                prompt_text="\n".join(f"{m.role}: {m.content}" for m in body.messages),
+                prompt_text=_chat_prompt(body.messages),
                 max_tokens=body.max_completion_tokens or body.max_tokens or 256,
                 seed=body.seed or 0,
                 stream=body.stream,
+                continuation=_continuation(body),
             )
             return await server.respond(gen, _identity(request, server.attempt))
 
@@ -758,6 +790,20 @@ class ModelServer(RolloutServer):
     def _count_token(self, attempt: int, request_key: str) -> None:
         by = self.tokens.setdefault(attempt, {})
         by[request_key] = by.get(request_key, 0) + 1
+
+
+def _chat_prompt(messages: Sequence[ChatMessage]) -> str:
+    return "\n".join(f"{m.role}: {m.content}" for m in messages)
+
+
+def _continuation(body: ChatBody) -> Continuation | None:
+    """`continue_final_message: true` (an extra field, as vLLM takes it) with a final
+    assistant message."""
+    final = body.messages[-1]
+    extra = body.model_extra or {}
+    if extra.get("continue_final_message") is not True or final.role != "assistant":
+        return None
+    return Continuation(prompt_text=_chat_prompt(body.messages[:-1]), prefix=final.content)
 
 
 async def _offer(send: MemoryObjectSendStream[Item], item: Item) -> None:
