@@ -21,13 +21,16 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.to_thread
 import httpx
 from rollout_protocol import API_PREFIX, Coordinator, HttpParticipantClient, Role
+from rollout_protocol.conformance import Target
 from rollout_servers.tasks import Task, shipped_tasks
 
 TOKEN = "protocol-test-token"
@@ -56,6 +59,8 @@ class Cluster:
     processes: dict[Role, subprocess.Popen[bytes]] = field(default_factory=dict)
     pids: dict[int, dict[Role, int]] = field(default_factory=dict)
     """Process ids per attempt, so a test can show that a restart made fresh processes."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Extra environment for every process (e.g. a short `ROLLOUT_LEASE_GRACE_SECONDS`)."""
 
     @property
     def checkpoint_root(self) -> Path:
@@ -89,7 +94,7 @@ class Cluster:
         if self.processes:
             raise RuntimeError("stop or kill the running processes first")
         self.attempt = attempt
-        env = server_env(self.checkpoint_root, attempt)
+        env = {**server_env(self.checkpoint_root, attempt), **self.env}
         logs = self.root / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         for role in Role:
@@ -379,3 +384,40 @@ def model_calls(model_stats: dict[str, Any], rollout_id: str) -> dict[str, int]:
 
 def deadline(seconds: float) -> float:
     return time.time() + seconds
+
+
+class ReferenceDriver:
+    """The conformance kit's `EpisodeDriver` over a `Cluster` of the four reference servers.
+
+    Under the cluster's first attempt an episode is held by the agent's `turn` hook before its
+    second turn (its first model call and tool call completed, the session parked between
+    turns); the kit then checkpoints, crashes (`Cluster.kill`) and restarts the cluster, and the
+    episode's `/run` under the next attempt continues it to its end.
+    """
+
+    def __init__(self, cluster: Cluster, http: httpx.AsyncClient) -> None:
+        self.cluster = cluster
+        self.http = http
+        self.held_attempt = cluster.attempt
+        self.agent = Debug(http, cluster.url(Role.AGENT))
+
+    def task(self, rollout_id: str) -> Task:
+        return two_step_task(sum(rollout_id.encode()))
+
+    def participants(self) -> list[Target]:
+        return [Target(self.cluster.url(role), role, TOKEN, client=self.http) for role in Role]
+
+    async def run_episode(self, rollout_id: str, attempt: int) -> None:
+        if attempt == self.held_attempt:
+            await self.agent.arm("turn", rollout_id, index=1)
+        await run_ok(self.http, self.cluster, rollout_id, attempt, self.task(rollout_id))
+
+    async def wait_mid_episode(self, rollout_ids: Sequence[str], deadline_ts: float) -> None:
+        for rollout_id in rollout_ids:
+            await self.agent.paused("turn", rollout_id, limit_s=max(1.0, deadline_ts - time.time()))
+
+    async def crash(self) -> None:
+        await anyio.to_thread.run_sync(self.cluster.kill)
+
+    async def restart(self, attempt: int) -> None:
+        await anyio.to_thread.run_sync(self.cluster.start, attempt)

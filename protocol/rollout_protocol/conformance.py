@@ -1,0 +1,1313 @@
+"""The conformance kit: checks the protocol rules every checkpoint participant must keep.
+
+A server author runs it from their own tests against a running participant (a base URL and the
+control token) or against their ASGI app in process. Each check is named by a rule id (`RULES`);
+a broken rule raises `ConformanceError` (an `AssertionError`, so pytest shows it as a failure)
+whose message names the rule, what was expected and what was observed.
+
+Entry points (all async; run them under anyio, e.g. `@pytest.mark.anyio`):
+
+* `check_participant(target, checkpoint_root=..., lease_grace_seconds=...)` runs every
+  single-participant check in order: `auth.every-route`, `bodies.strict`, `phases.replay` and
+  `phases.resume-idle`, `ids.stale`, `ids.conflicting`, `restore.all-or-nothing` (on the records
+  the phases check committed) and `lease.auto-resume`. Each check is also a function of its own
+  (`check_auth`, `check_strict_bodies`, `check_phases`, `check_stale_ids`,
+  `check_conflicting_ids`, `check_lease_auto_resume`, `check_restore_all_or_nothing`).
+  The participant must be idle, have a checkpoint root (`ROLLOUT_CHECKPOINT_ROOT`, the same
+  directory as `checkpoint_root` here) and be dedicated to the kit: the phases check restores
+  into it, which moves it to the next attempt.
+* `check_crash_restore(driver, checkpoint_root=..., rollout_ids=...)` is `steps.no-rerun` (with
+  `restore.all-or-nothing` on the real records of running episodes): start episodes, checkpoint
+  them mid-way through the `Coordinator`, crash every participant, restart them under
+  `attempt + 1`, refuse damaged copies of the checkpoint, restore it, finish the episodes, and
+  compare the step counters each participant serves at `GET /stats?rollout_id=...` (the shape of
+  `StepCounters.snapshot`). The `EpisodeDriver` protocol is what you implement: how to run an
+  episode, hold it mid-way, crash and restart your processes.
+* `serve_app(app, role=..., token=...)` serves an ASGI app in process (its lifespan runs, so the
+  lease watchdog does) and yields a `ServedApp` whose `target` the checks take; `start_app` does
+  the same inside a task group you own, for drivers that crash and restart apps.
+
+From a server author's pytest:
+
+    from rollout_protocol import Role
+    from rollout_protocol.conformance import Target, check_participant, serve_app
+
+    @pytest.mark.anyio
+    async def test_conformance(tmp_path):
+        settings = ControlSettings(Role.ENVIRONMENT, checkpoint_root=tmp_path, token="t",
+                                   lease_grace_seconds=0.5)
+        async with serve_app(build_my_app(settings), role=Role.ENVIRONMENT, token="t") as served:
+            await check_participant(served.target, checkpoint_root=tmp_path,
+                                    lease_grace_seconds=0.5)
+
+or, against a process: `Target("http://127.0.0.1:8080", Role.ENVIRONMENT, token="t")`. Start
+the participant with a short `ROLLOUT_LEASE_GRACE_SECONDS` (one second) and pass the same value
+as `lease_grace_seconds`: the lease check waits for the lapse (polling `/status` with a deadline).
+
+This module imports nothing beyond the contract's own dependencies (no pytest), and
+`import rollout_protocol` does not import it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import anyio
+import anyio.to_thread
+import httpx
+from anyio.abc import TaskGroup, TaskStatus
+from pydantic import BaseModel, TypeAdapter, ValidationError
+from starlette.types import ASGIApp, Message
+
+from . import _storage as storage
+from ._client import HttpParticipantClient, ParticipantError
+from ._coordinator import CommitOutcome, Coordinator
+from ._routes import ROUTES, Route
+from ._wire import (
+    CommitRequest,
+    ErrorBody,
+    ErrorCode,
+    Manifest,
+    Phase,
+    PrepareReply,
+    PrepareRequest,
+    RenewRequest,
+    RestoreRequest,
+    ResumeRequest,
+    Role,
+    StatusReply,
+)
+
+__all__ = [
+    "AUTH",
+    "BODIES",
+    "CONFLICTING",
+    "LEASE",
+    "PHASES_REPLAY",
+    "PHASES_RESUME",
+    "RESTORE",
+    "RULES",
+    "STALE",
+    "STEPS",
+    "ConformanceError",
+    "EpisodeDriver",
+    "ServedApp",
+    "Target",
+    "check_auth",
+    "check_conflicting_ids",
+    "check_crash_restore",
+    "check_lease_auto_resume",
+    "check_participant",
+    "check_phases",
+    "check_restore_all_or_nothing",
+    "check_stale_ids",
+    "check_strict_bodies",
+    "serve_app",
+    "start_app",
+]
+
+# --- rules ------------------------------------------------------------------------------------
+
+PHASES_REPLAY = "phases.replay"
+PHASES_RESUME = "phases.resume-idle"
+STALE = "ids.stale"
+CONFLICTING = "ids.conflicting"
+LEASE = "lease.auto-resume"
+AUTH = "auth.every-route"
+BODIES = "bodies.strict"
+RESTORE = "restore.all-or-nothing"
+STEPS = "steps.no-rerun"
+
+RULES: Mapping[str, str] = {
+    PHASES_REPLAY: "prepare -> prepared -> commit -> committed; a retried prepare, commit or "
+    "restore of the same checkpoint id answers the first reply again",
+    PHASES_RESUME: "resume returns to idle from every phase and closes the checkpoint",
+    STALE: "a resumed (or lapsed, or aborted before its prepare) checkpoint id is refused with "
+    "stale_checkpoint; so is a restore of (id, attempt) already restored and resumed",
+    CONFLICTING: "while one checkpoint is open, another id is refused with "
+    "conflicting_checkpoint and the open one is left as it was",
+    LEASE: "after a prepare and no further calls the participant resumes by itself once "
+    "deadline_ts + lease grace has passed, not before, and the id is stale afterwards",
+    AUTH: "every route of ROUTES answers 401 (code unauthorized) without the token or with a "
+    "wrong one, before its body is read or validated",
+    BODIES: "request bodies are strict: an unknown field, a wrong type or a string for a number "
+    "is a 422 (code invalid_request) whose detail names the field",
+    RESTORE: "a restore from damaged records (a flipped byte, a wrong record count) is refused "
+    "with records_invalid, installs nothing, and leaves the participant idle and usable",
+    STEPS: "across a checkpoint, a crash and a restore under attempt + 1, no step completed "
+    "before the checkpoint starts again, and every episode finishes",
+}
+"""Every rule id the kit checks, with the rule in one sentence."""
+
+
+class ConformanceError(AssertionError):
+    """A participant broke a protocol rule: `rule` (a key of `RULES`), what was `expected`,
+    and what was `observed`."""
+
+    def __init__(self, rule: str, expected: str, observed: str) -> None:
+        super().__init__(f"[{rule}] {expected}; observed: {observed}")
+        self.rule = rule
+        self.expected = expected
+        self.observed = observed
+
+
+# --- targets ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """One participant the kit talks to: its base URL, role, control token and counter path.
+
+    `client` (optional) is the `httpx.AsyncClient` to use, e.g. one over an ASGI transport; the
+    kit never closes a client it was given.
+    """
+
+    base_url: str
+    role: Role
+    token: str
+    index: int = 0
+    client: httpx.AsyncClient | None = None
+    stats_path: str = "/stats"
+
+    @property
+    def name(self) -> str:
+        return f"{Role(self.role).value}-{self.index}"
+
+
+@dataclass
+class _Conn:
+    """A target with an open HTTP client and the contract's client over it."""
+
+    target: Target
+    http: httpx.AsyncClient
+    participant: HttpParticipantClient
+    call_timeout_s: float
+
+    def deadline(self, seconds: float | None = None) -> float:
+        return time.time() + (self.call_timeout_s if seconds is None else seconds)
+
+    def url(self, path: str) -> str:
+        return self.target.base_url.rstrip("/") + path
+
+    async def status(self, rule: str) -> StatusReply:
+        return await _ok(rule, "GET /status", self.participant.status(self.deadline()))
+
+
+@asynccontextmanager
+async def _connect(targets: Sequence[Target], call_timeout_s: float) -> AsyncIterator[list[_Conn]]:
+    async with AsyncExitStack() as stack:
+        conns: list[_Conn] = []
+        for target in targets:
+            http = target.client
+            if http is None:
+                http = await stack.enter_async_context(httpx.AsyncClient())
+            participant = HttpParticipantClient(
+                target.role, target.base_url, index=target.index, token=target.token, client=http
+            )
+            conns.append(_Conn(target, http, participant, call_timeout_s))
+        yield conns
+
+
+_T = TypeVar("_T")
+
+
+async def _ok(rule: str, what: str, call: Awaitable[_T]) -> _T:
+    try:
+        return await call
+    except ParticipantError as error:
+        raise ConformanceError(
+            rule,
+            f"{what} must succeed",
+            f"{error.code.value} (HTTP {error.status_code}): {error.detail}",
+        ) from error
+
+
+async def _refused(rule: str, what: str, call: Awaitable[BaseModel], code: ErrorCode) -> None:
+    try:
+        reply = await call
+    except ParticipantError as error:
+        if error.code is not code:
+            raise ConformanceError(
+                rule,
+                f"{what} must be refused with {code.value}",
+                f"{error.code.value} (HTTP {error.status_code}): {error.detail}",
+            ) from error
+        return
+    raise ConformanceError(
+        rule, f"{what} must be refused with {code.value}", f"success: {reply.model_dump_json()}"
+    )
+
+
+def _expect(rule: str, condition: bool, expected: str, observed: object) -> None:
+    if not condition:
+        raise ConformanceError(rule, expected, str(observed))
+
+
+def _new_id(label: str) -> str:
+    return f"kit-{label}-{uuid.uuid4().hex[:10]}"
+
+
+async def _expect_idle(conn: _Conn, rule: str, when: str) -> StatusReply:
+    status = await conn.status(rule)
+    _expect(
+        rule,
+        status.phase is Phase.IDLE and status.checkpoint_id is None,
+        f"{conn.target.name} must be idle with no open checkpoint {when}",
+        f"phase {status.phase.value}, checkpoint {status.checkpoint_id!r}",
+    )
+    return status
+
+
+async def _resume(conn: _Conn, rule: str, checkpoint_id: str) -> None:
+    reply = await _ok(
+        rule,
+        f"resume of {checkpoint_id}",
+        conn.participant.resume(
+            ResumeRequest(checkpoint_id=checkpoint_id, deadline_ts=conn.deadline())
+        ),
+    )
+    _expect(
+        rule,
+        reply.phase is Phase.IDLE,
+        f"resume of {checkpoint_id} must answer phase idle",
+        reply.phase.value,
+    )
+
+
+async def _prepared(conn: _Conn, rule: str, checkpoint_id: str, deadline_ts: float) -> PrepareReply:
+    reply = await _ok(
+        rule,
+        f"prepare of {checkpoint_id}",
+        conn.participant.prepare(
+            PrepareRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
+        ),
+    )
+    _expect(
+        rule,
+        reply.ready and reply.phase is Phase.PREPARED,
+        f"prepare of {checkpoint_id} on an idle participant must be ready (phase prepared)",
+        f"ready={reply.ready}, phase {reply.phase.value}, {reply.blocker_count} blockers",
+    )
+    return reply
+
+
+# --- auth and bodies --------------------------------------------------------------------------
+
+_PAST_DEADLINE = 1.0
+"""A valid `deadline_ts` that has passed: a body that gets through is refused without effect."""
+
+_EXAMPLE_VALUES: Mapping[str, Any] = {
+    "deadline_ts": _PAST_DEADLINE,
+    "attempt": 0,
+    "rollout_ids": ["kit-rollout"],
+}
+_ID_FIELDS = ("checkpoint_id", "operation_id")
+_UNKNOWN_FIELD = "kit_unknown_field"
+
+
+def _example_body(route: Route[Any, Any], ident: str) -> dict[str, Any]:
+    """A well-formed request body for `route` whose deadline has passed."""
+    model = route.request
+    assert model is not None
+    body: dict[str, Any] = {}
+    for name, info in model.model_fields.items():
+        if name in _ID_FIELDS:
+            body[name] = ident
+        elif name in _EXAMPLE_VALUES:
+            body[name] = _EXAMPLE_VALUES[name]
+        elif info.is_required():
+            raise RuntimeError(f"the kit has no example value for {model.__name__}.{name}")
+    model.model_validate(body, strict=True)
+    return body
+
+
+def _describe(response: httpx.Response) -> str:
+    return f"HTTP {response.status_code} {response.text[:300]}"
+
+
+def _error_body(response: httpx.Response) -> ErrorBody | None:
+    try:
+        return ErrorBody.model_validate_json(response.content)
+    except ValidationError:
+        return None
+
+
+async def _expect_refusal(
+    conn: _Conn,
+    rule: str,
+    route: Route[Any, Any],
+    what: str,
+    *,
+    headers: Mapping[str, str],
+    content: bytes | None,
+    status: int,
+    code: ErrorCode,
+    naming: str | None = None,
+) -> None:
+    """Send a raw request through `route`; it must be refused with `status` and `code`."""
+    if content is not None:
+        headers = {**headers, "Content-Type": "application/json"}
+    response = await conn.http.request(
+        route.method,
+        conn.url(route.url_path),
+        headers=headers,
+        content=content,
+        timeout=conn.call_timeout_s,
+    )
+    error = _error_body(response)
+    named = "" if naming is None else f" naming {naming!r}"
+    _expect(
+        rule,
+        response.status_code == status
+        and error is not None
+        and error.error.code is code
+        and (naming is None or naming in error.error.detail),
+        f"{route.method} {route.url_path} {what} must answer {status} {code.value}{named}",
+        _describe(response),
+    )
+
+
+async def check_auth(target: Target, *, call_timeout_s: float = 10.0) -> None:
+    """`auth.every-route`: every route of `ROUTES` refuses a missing or wrong token with 401.
+
+    Without a token the body is not even JSON, with a wrong token it is well-formed (with a
+    passed deadline, so a route that lets it through does nothing): both must be 401 with code
+    `unauthorized`, proving the token is checked before the body is read or validated.
+    """
+    async with _connect([target], call_timeout_s) as (conn,):
+        await conn.status(AUTH)  # the right token works: the base URL and token are right
+        wrong = {"Authorization": f"Bearer wrong-{target.token}"}
+        for route in ROUTES:
+            has_body = route.request is not None
+            well_formed = (
+                json.dumps(_example_body(route, _new_id("auth"))).encode() if has_body else None
+            )
+            for what, headers, content in (
+                (
+                    "without a token (before reading its body)",
+                    {},
+                    b"{not json" if has_body else None,
+                ),
+                ("with a wrong token", wrong, well_formed),
+            ):
+                await _expect_refusal(
+                    conn,
+                    AUTH,
+                    route,
+                    what,
+                    headers=headers,
+                    content=content,
+                    status=401,
+                    code=ErrorCode.UNAUTHORIZED,
+                )
+
+
+async def check_strict_bodies(target: Target, *, call_timeout_s: float = 10.0) -> None:
+    """`bodies.strict`: every route with a body refuses an unknown field, a wrong type and a
+    string for a number with 422 `invalid_request`, naming the field."""
+    async with _connect([target], call_timeout_s) as (conn,):
+        headers = {"Authorization": f"Bearer {target.token}"}
+        for route in ROUTES:
+            if route.request is None:
+                continue
+            body = _example_body(route, _new_id("body"))
+            id_field = next(name for name in _ID_FIELDS if name in body)
+            cases = [
+                ("an unknown field", _UNKNOWN_FIELD, {**body, _UNKNOWN_FIELD: 1}),
+                ("a number for a string", id_field, {**body, id_field: 12345}),
+                ("a string for a number", "deadline_ts", {**body, "deadline_ts": "1.0"}),
+            ]
+            for what, name, bad in cases:
+                await _expect_refusal(
+                    conn,
+                    BODIES,
+                    route,
+                    f"with {what} ({name})",
+                    headers=headers,
+                    content=json.dumps(bad).encode(),
+                    status=422,
+                    code=ErrorCode.INVALID_REQUEST,
+                    naming=name,
+                )
+
+
+# --- phases and ids ---------------------------------------------------------------------------
+
+
+async def check_phases(target: Target, *, call_timeout_s: float = 10.0) -> tuple[str, int]:
+    """`phases.replay`, `phases.resume-idle` (and the restore half of `ids.stale`).
+
+    prepare -> prepared, a retried prepare is replayed; renew keeps the phase; commit ->
+    committed, a retried commit and a late prepare are replayed; resume -> idle. Then the
+    committed checkpoint is restored under the next attempt (replayed on retry), resumed, and a
+    restore of the same (id, attempt) is stale. Returns (checkpoint id, attempt it captured).
+    """
+    async with _connect([target], call_timeout_s) as (conn,):
+        p = conn.participant
+        before = await _expect_idle(conn, PHASES_REPLAY, "before the check")
+        cid = _new_id("phases")
+        first = await _prepared(conn, PHASES_REPLAY, cid, conn.deadline())
+        await _phase_is(conn, PHASES_REPLAY, Phase.PREPARED, cid, "after a ready prepare")
+        await _replayed(
+            f"a retried prepare of {cid}",
+            p.prepare(PrepareRequest(checkpoint_id=cid, deadline_ts=conn.deadline())),
+            first,
+        )
+        renewed = await _ok(
+            PHASES_REPLAY,
+            f"renew of {cid}",
+            p.renew(RenewRequest(checkpoint_id=cid, deadline_ts=conn.deadline())),
+        )
+        _expect(
+            PHASES_REPLAY,
+            renewed.phase is Phase.PREPARED,
+            f"renew of {cid} must keep phase prepared",
+            renewed.phase.value,
+        )
+        commit = CommitRequest(checkpoint_id=cid, deadline_ts=conn.deadline())
+        committed = await _ok(PHASES_REPLAY, f"commit of {cid}", p.commit(commit))
+        _expect(
+            PHASES_REPLAY,
+            committed.phase is Phase.COMMITTED,
+            f"commit of {cid} must answer phase committed",
+            committed.phase.value,
+        )
+        await _phase_is(conn, PHASES_REPLAY, Phase.COMMITTED, cid, "after a commit")
+        await _replayed(
+            f"a retried commit of {cid}",
+            p.commit(CommitRequest(checkpoint_id=cid, deadline_ts=conn.deadline())),
+            committed,
+        )
+        await _replayed(
+            f"a late retried prepare of {cid} (after its commit)",
+            p.prepare(PrepareRequest(checkpoint_id=cid, deadline_ts=conn.deadline())),
+            first,
+        )
+        await _resume(conn, PHASES_RESUME, cid)
+        await _expect_idle(conn, PHASES_RESUME, f"after the resume of committed {cid}")
+
+        attempt = max(before.attempt, committed.manifest.attempt) + 1
+        restore = RestoreRequest(checkpoint_id=cid, attempt=attempt, deadline_ts=conn.deadline())
+        restored = await _ok(
+            PHASES_REPLAY, f"restore of {cid} under attempt {attempt}", p.restore(restore)
+        )
+        _expect(
+            PHASES_REPLAY,
+            restored.phase is Phase.RESTORED
+            and restored.record_count == committed.manifest.record_count,
+            f"restore of {cid} must answer phase restored with the "
+            f"{committed.manifest.record_count} committed records",
+            f"phase {restored.phase.value}, {restored.record_count} records",
+        )
+        await _phase_is(conn, PHASES_REPLAY, Phase.RESTORED, cid, "after a restore")
+        await _replayed(
+            f"a retried restore of {cid}",
+            p.restore(
+                RestoreRequest(checkpoint_id=cid, attempt=attempt, deadline_ts=conn.deadline())
+            ),
+            restored,
+        )
+        await _resume(conn, PHASES_RESUME, cid)
+        await _expect_idle(conn, PHASES_RESUME, f"after the resume of restored {cid}")
+        await _refused(
+            STALE,
+            f"a restore of {cid} under attempt {attempt} after it was restored and resumed",
+            p.restore(
+                RestoreRequest(checkpoint_id=cid, attempt=attempt, deadline_ts=conn.deadline())
+            ),
+            ErrorCode.STALE_CHECKPOINT,
+        )
+        return cid, committed.manifest.attempt
+
+
+async def _phase_is(conn: _Conn, rule: str, phase: Phase, cid: str, when: str) -> None:
+    status = await conn.status(rule)
+    _expect(
+        rule,
+        status.phase is phase and status.checkpoint_id == cid,
+        f"/status must show phase {phase.value} of {cid} {when}",
+        f"phase {status.phase.value}, checkpoint {status.checkpoint_id!r}",
+    )
+
+
+async def _replayed(what: str, call: Awaitable[BaseModel], first: BaseModel) -> None:
+    again = await _ok(PHASES_REPLAY, what, call)
+    _expect(
+        PHASES_REPLAY,
+        first == again,
+        f"{what} must replay the first reply {first.model_dump_json()}",
+        again.model_dump_json(),
+    )
+
+
+_Call = Callable[[], Awaitable[BaseModel]]
+
+
+def _calls_with(
+    conn: _Conn, checkpoint_id: str, names: Sequence[str], *, attempt: int = 0
+) -> list[tuple[str, _Call]]:
+    """Control calls naming `checkpoint_id` (made when called, each with a fresh deadline)."""
+    p = conn.participant
+    every: dict[str, _Call] = {
+        "prepare": lambda: p.prepare(
+            PrepareRequest(checkpoint_id=checkpoint_id, deadline_ts=conn.deadline())
+        ),
+        "renew": lambda: p.renew(
+            RenewRequest(checkpoint_id=checkpoint_id, deadline_ts=conn.deadline())
+        ),
+        "commit": lambda: p.commit(
+            CommitRequest(checkpoint_id=checkpoint_id, deadline_ts=conn.deadline())
+        ),
+        "resume": lambda: p.resume(
+            ResumeRequest(checkpoint_id=checkpoint_id, deadline_ts=conn.deadline())
+        ),
+        "restore": lambda: p.restore(
+            RestoreRequest(
+                checkpoint_id=checkpoint_id, attempt=attempt, deadline_ts=conn.deadline()
+            )
+        ),
+    }
+    return [(name, every[name]) for name in names]
+
+
+async def check_stale_ids(target: Target, *, call_timeout_s: float = 10.0) -> None:
+    """`ids.stale`: after a resume, prepare, renew and commit of that id are stale; a resume of
+    an id never prepared (an abort that overtook its prepare) makes a later prepare stale."""
+    async with _connect([target], call_timeout_s) as (conn,):
+        p = conn.participant
+        await _expect_idle(conn, STALE, "before the check")
+        cid = _new_id("stale")
+        await _prepared(conn, STALE, cid, conn.deadline())
+        await _resume(conn, PHASES_RESUME, cid)
+        calls = _calls_with(conn, cid, ("prepare", "renew", "commit"))
+        for name, call in calls:
+            await _refused(STALE, f"{name} of resumed {cid}", call(), ErrorCode.STALE_CHECKPOINT)
+        await _expect_idle(conn, STALE, f"after calls with stale {cid}")
+        aborted = _new_id("aborted")
+        await _resume(conn, STALE, aborted)
+        await _refused(
+            STALE,
+            f"prepare of {aborted}, resumed before it was ever prepared",
+            p.prepare(PrepareRequest(checkpoint_id=aborted, deadline_ts=conn.deadline())),
+            ErrorCode.STALE_CHECKPOINT,
+        )
+        await _expect_idle(conn, STALE, f"after a prepare of stale {aborted}")
+
+
+async def check_conflicting_ids(target: Target, *, call_timeout_s: float = 10.0) -> None:
+    """`ids.conflicting`: while checkpoint A is open, prepare, resume and restore of B are
+    refused with conflicting_checkpoint, and A stays open."""
+    async with _connect([target], call_timeout_s) as (conn,):
+        status = await _expect_idle(conn, CONFLICTING, "before the check")
+        open_id, other = _new_id("open"), _new_id("other")
+        await _prepared(conn, CONFLICTING, open_id, conn.deadline())
+        calls = _calls_with(
+            conn, other, ("prepare", "resume", "restore"), attempt=status.attempt + 1
+        )
+        try:
+            for name, call in calls:
+                await _refused(
+                    CONFLICTING,
+                    f"{name} of {other} while {open_id} is prepared",
+                    call(),
+                    ErrorCode.CONFLICTING_CHECKPOINT,
+                )
+                await _phase_is(
+                    conn, CONFLICTING, Phase.PREPARED, open_id, f"after a {name} of {other}"
+                )
+        finally:
+            with anyio.CancelScope(shield=True):
+                await _resume(conn, PHASES_RESUME, open_id)
+        await _expect_idle(conn, PHASES_RESUME, f"after the resume of {open_id}")
+
+
+# --- lease --------------------------------------------------------------------------------------
+
+
+async def check_lease_auto_resume(
+    target: Target,
+    *,
+    lease_grace_seconds: float | None,
+    prepare_deadline_s: float = 1.0,
+    margin_s: float = 5.0,
+    longest_wait_s: float = 120.0,
+    poll_interval_s: float = 0.05,
+    call_timeout_s: float = 10.0,
+) -> None:
+    """`lease.auto-resume`: prepare with a deadline `prepare_deadline_s` ahead, then call
+    nothing but `/status` (polled every `poll_interval_s`): the participant must stay in its
+    phase until `deadline_ts + lease_grace_seconds` and be idle within `margin_s` after it.
+
+    `lease_grace_seconds` is the participant's `ROLLOUT_LEASE_GRACE_SECONDS`; with None the
+    lease expiry the participant reports is trusted (it must come within `longest_wait_s`).
+    """
+    async with _connect([target], call_timeout_s) as (conn,):
+        await _expect_idle(conn, LEASE, "before the check")
+        cid = _new_id("lease")
+        deadline_ts = time.time() + prepare_deadline_s
+        await _ok(
+            LEASE,
+            f"prepare of {cid}",
+            conn.participant.prepare(PrepareRequest(checkpoint_id=cid, deadline_ts=deadline_ts)),
+        )
+        status = await conn.status(LEASE)
+        _expect(
+            LEASE,
+            status.phase in (Phase.PREPARING, Phase.PREPARED)
+            and status.lease_expires_ts is not None,
+            f"right after the prepare of {cid}, /status must show its phase and lease expiry",
+            f"phase {status.phase.value}, lease_expires_ts {status.lease_expires_ts}",
+        )
+        assert status.lease_expires_ts is not None
+        if lease_grace_seconds is None:
+            expires = status.lease_expires_ts
+        else:
+            expires = deadline_ts + lease_grace_seconds
+            _expect(
+                LEASE,
+                math.isclose(status.lease_expires_ts, expires, abs_tol=0.5),
+                f"the lease must expire at deadline_ts + {lease_grace_seconds}s = {expires:.3f}",
+                f"lease_expires_ts {status.lease_expires_ts:.3f}",
+            )
+        _expect(
+            LEASE,
+            expires - time.time() <= longest_wait_s,
+            f"the lease must lapse within {longest_wait_s}s to be checked (run the participant "
+            "with a short ROLLOUT_LEASE_GRACE_SECONDS)",
+            f"lease_expires_ts {status.lease_expires_ts:.3f}",
+        )
+        give_up = expires + margin_s
+        early = expires - min(0.5, lease_grace_seconds or 0.5)
+        while True:
+            status = await conn.status(LEASE)
+            now = time.time()
+            if status.phase is Phase.IDLE:
+                _expect(
+                    LEASE,
+                    now >= early,
+                    f"the participant must keep {cid} open until its lease lapses at {expires:.3f}",
+                    f"idle {expires - now:.2f}s before the lapse",
+                )
+                break
+            if now >= give_up:
+                raise ConformanceError(
+                    LEASE,
+                    f"the participant must resume by itself once the lease of {cid} lapses "
+                    f"(deadline_ts + grace = {expires:.3f})",
+                    f"still {status.phase.value} {now - expires:.2f}s after the lapse",
+                )
+            await anyio.sleep(poll_interval_s)
+        await _refused(
+            LEASE,
+            f"prepare of {cid} after its lease lapsed",
+            conn.participant.prepare(
+                PrepareRequest(checkpoint_id=cid, deadline_ts=conn.deadline())
+            ),
+            ErrorCode.STALE_CHECKPOINT,
+        )
+
+
+# --- all-or-nothing restore -------------------------------------------------------------------
+
+_DAMAGES = ("flipped-byte", "wrong-count")
+
+
+def _damaged_copy(source: Path, target_dir: Path, checkpoint_id: str, damage: str) -> None:
+    """Copy one participant's records into `target_dir` for `checkpoint_id`, damaged.
+
+    flipped-byte: one byte of the last record changes (the manifest keeps the old digest);
+    wrong-count: the last record is gone (digest and size match the shorter file, the count
+    does not). Without records, both write a manifest that promises one record of an empty
+    file.
+    """
+    manifest = storage.read_manifest(source)
+    raw = (source / manifest.records_file).read_bytes()
+    lines = raw.splitlines(keepends=True)
+    count = manifest.record_count
+    if not lines:
+        content, count = b"", 1
+    elif damage == "flipped-byte":
+        last = bytearray(lines[-1])
+        last[len(last) // 2] ^= 0x01
+        content = b"".join(lines[:-1]) + bytes(last)
+    else:
+        content = b"".join(lines[:-1])
+    digest = (
+        manifest.records_sha256
+        if damage == "flipped-byte" and lines
+        else hashlib.sha256(content).hexdigest()
+    )
+    damaged = Manifest(
+        role=manifest.role,
+        instance=manifest.instance,
+        checkpoint_id=checkpoint_id,
+        attempt=manifest.attempt,
+        records_file=f"records-{digest}.jsonl",
+        records_sha256=digest,
+        record_count=count,
+        bytes=len(content),
+    )
+    storage.make_dirs(target_dir)
+    (target_dir / damaged.records_file).write_bytes(content)
+    (target_dir / storage.MANIFEST_NAME).write_bytes(damaged.model_dump_json().encode())
+
+
+async def check_restore_all_or_nothing(
+    targets: Sequence[Target],
+    *,
+    checkpoint_root: Path,
+    checkpoint_id: str,
+    attempt: int,
+    call_timeout_s: float = 10.0,
+) -> None:
+    """`restore.all-or-nothing`: from the committed checkpoint `checkpoint_id`, write damaged
+    copies (`flipped-byte`, `wrong-count`) under new ids and restore each into every target
+    under `attempt`: each restore must be refused with `records_invalid`, and the participant
+    must stay idle, on its attempt, with as many restored episodes as before.
+
+    The check is strongest with two or more records per participant: a participant that
+    installs record by record and only then verifies shows restored episodes afterwards.
+    """
+    async with _connect(targets, call_timeout_s) as conns:
+        for damage in _DAMAGES:
+            damaged_id = f"{checkpoint_id[: 127 - len(damage)]}.{damage}"
+            for conn in conns:
+                before = await _expect_idle(conn, RESTORE, f"before the {damage} restore")
+                if before.set_name is None:
+                    raise ConformanceError(
+                        RESTORE, f"/status of {conn.target.name} must name its set", "set_name null"
+                    )
+                source = storage.checkpoint_dir(
+                    checkpoint_root, before.set_name, checkpoint_id, before.instance
+                )
+                destination = storage.checkpoint_dir(
+                    checkpoint_root, before.set_name, damaged_id, before.instance
+                )
+                try:
+                    await anyio.to_thread.run_sync(
+                        _damaged_copy, source, destination, damaged_id, damage
+                    )
+                except (storage.RecordsInvalid, OSError) as error:
+                    raise ConformanceError(
+                        RESTORE,
+                        f"the committed records of {before.instance} must be readable under "
+                        f"{checkpoint_root}",
+                        str(error),
+                    ) from error
+                what = (
+                    f"restore of {damaged_id} ({damage} copy of {checkpoint_id}) into "
+                    f"{conn.target.name} under attempt {attempt}"
+                )
+                await _refused(
+                    RESTORE,
+                    what,
+                    conn.participant.restore(
+                        RestoreRequest(
+                            checkpoint_id=damaged_id, attempt=attempt, deadline_ts=conn.deadline()
+                        )
+                    ),
+                    ErrorCode.RECORDS_INVALID,
+                )
+                after = await _expect_idle(conn, RESTORE, f"after a refused {what}")
+                _expect(
+                    RESTORE,
+                    after.restored_episodes == before.restored_episodes
+                    and after.attempt == before.attempt,
+                    f"a refused {what} must install nothing",
+                    f"restored episodes {before.restored_episodes} -> {after.restored_episodes}, "
+                    f"attempt {before.attempt} -> {after.attempt}",
+                )
+
+
+# --- the whole single-participant kit ---------------------------------------------------------
+
+
+async def check_participant(
+    target: Target,
+    *,
+    checkpoint_root: Path,
+    lease_grace_seconds: float | None,
+    lease_margin_s: float = 5.0,
+    call_timeout_s: float = 10.0,
+) -> None:
+    """Every single-participant check, in an order that keeps each one's preconditions.
+
+    The participant must be idle and dedicated to the kit: the phases check restores into it
+    (moving it to the next attempt) and every check leaves stale ids behind.
+    """
+    await check_auth(target, call_timeout_s=call_timeout_s)
+    await check_strict_bodies(target, call_timeout_s=call_timeout_s)
+    cid, captured = await check_phases(target, call_timeout_s=call_timeout_s)
+    await check_stale_ids(target, call_timeout_s=call_timeout_s)
+    await check_conflicting_ids(target, call_timeout_s=call_timeout_s)
+    async with _connect([target], call_timeout_s) as (conn,):
+        attempt = max((await conn.status(RESTORE)).attempt, captured) + 1
+    await check_restore_all_or_nothing(
+        [target],
+        checkpoint_root=checkpoint_root,
+        checkpoint_id=cid,
+        attempt=attempt,
+        call_timeout_s=call_timeout_s,
+    )
+    await check_lease_auto_resume(
+        target,
+        lease_grace_seconds=lease_grace_seconds,
+        margin_s=lease_margin_s,
+        call_timeout_s=call_timeout_s,
+    )
+
+
+# --- crash + restore ----------------------------------------------------------------------------
+
+
+class EpisodeDriver(Protocol):
+    """What `check_crash_restore` needs from the environment under test (you implement it).
+
+    A driver covers a group of participants that run episodes together (an environment with
+    its agent, model and resources peers, or one participant alone). All methods run on the
+    kit's event loop.
+    """
+
+    def participants(self) -> Sequence[Target]:
+        """The group's participants as they are now (after a `restart`, the new ones)."""
+        ...
+
+    async def run_episode(self, rollout_id: str, attempt: int) -> None:
+        """Run episode `rollout_id` under `attempt` until it ends (return) or fails (raise).
+
+        Under the first attempt, episodes must stop mid-way (see `wait_mid_episode`) and stay
+        there: the kit checkpoints them and crashes the group while this call is in flight
+        (it then ignores how the call ends). Under `attempt + 1` this continues the restored
+        episode (e.g. re-issues the same `/run`) and must return once it has finished.
+        """
+        ...
+
+    async def wait_mid_episode(self, rollout_ids: Sequence[str], deadline_ts: float) -> None:
+        """Return once every episode has completed at least one step and is parked at a
+        boundary where it stays (e.g. held by a test hook between two steps); raise at
+        `deadline_ts` (unix seconds) otherwise."""
+        ...
+
+    async def crash(self) -> None:
+        """Kill every participant of the group at once, without any shutdown (SIGKILL)."""
+        ...
+
+    async def restart(self, attempt: int) -> None:
+        """Start fresh participants under `attempt` (`ROLLOUT_ATTEMPT`) with the same set name
+        and checkpoint root, and return once they answer."""
+        ...
+
+
+_Counts = dict[str, dict[str, dict[str, dict[str, int]]]]
+_COUNTS: TypeAdapter[_Counts] = TypeAdapter(_Counts)
+
+
+async def _counters(conn: _Conn, rollout_ids: Sequence[str]) -> _Counts:
+    """`{rollout: {attempt: {step: {event: n}}}}` from the participant's counter endpoint."""
+    url = conn.url(conn.target.stats_path)
+    try:
+        response = await conn.http.get(
+            url, params=[("rollout_id", rid) for rid in rollout_ids], timeout=conn.call_timeout_s
+        )
+    except httpx.HTTPError as error:
+        raise ConformanceError(
+            STEPS, f"GET {url} (the step counters) must answer", repr(error)
+        ) from error
+    try:
+        if response.status_code != 200:
+            raise ValueError(_describe(response))
+        return _COUNTS.validate_python(response.json()["rollouts"])
+    except (ValueError, KeyError, TypeError, ValidationError) as error:
+        raise ConformanceError(
+            STEPS,
+            f"GET {url} must answer 200 with {{'rollouts': {{rollout: {{attempt: {{step: "
+            "{'completed': n, ...}}}}}}} (StepCounters.snapshot)",
+            str(error)[:300],
+        ) from error
+
+
+def _completed(counts: _Counts, rollout_id: str, attempt: int) -> dict[str, int]:
+    steps = counts.get(rollout_id, {}).get(str(attempt), {})
+    return {name: events.get("completed", 0) for name, events in steps.items()}
+
+
+def _ran(counts: _Counts, rollout_id: str, attempt: int) -> set[str]:
+    steps = counts.get(rollout_id, {}).get(str(attempt), {})
+    return {
+        name
+        for name, events in steps.items()
+        if events.get("started", 0) > 0 or events.get("completed", 0) > 0
+    }
+
+
+@dataclass
+class _FirstRuns:
+    crashed: bool = False
+    failures: dict[str, str] = field(default_factory=dict)
+    finished: list[str] = field(default_factory=list)
+
+
+async def check_crash_restore(
+    driver: EpisodeDriver,
+    *,
+    checkpoint_root: Path,
+    rollout_ids: Sequence[str] = ("kit-episode-0", "kit-episode-1"),
+    timeout_s: float = 60.0,
+    call_timeout_s: float = 30.0,
+) -> None:
+    """`steps.no-rerun` across a crash (and `restore.all-or-nothing` on its real records).
+
+    1. run an episode per rollout id under the group's attempt N; wait until all are mid-way;
+    2. checkpoint them (prepare, commit with the rollout ids as scope) through the
+       `Coordinator`, read every participant's step counters, resume;
+    3. crash the group, restart it under N + 1;
+    4. restore damaged copies of the checkpoint (refused, nothing installed), then the
+       checkpoint itself, resume;
+    5. run every episode under N + 1 to its end and read the counters again.
+
+    A step completed exactly once under N at the checkpoint must not start under N + 1. Step
+    names completed more than once under N (a per-token step, say) cannot be told apart and
+    are not compared: name steps `name@index` to have them checked. At least one step must
+    have completed before the checkpoint, or the check would prove nothing.
+    """
+    rids = list(rollout_ids)
+    _expect(STEPS, len(set(rids)) == len(rids) > 0, "rollout ids must be distinct", rids)
+    runs = _FirstRuns()
+    cid = _new_id("crash")
+    async with _connect(driver.participants(), call_timeout_s) as conns:
+        attempts = {(await conn.status(STEPS)).attempt for conn in conns}
+        _expect(STEPS, len(attempts) == 1, "the group must run one attempt", sorted(attempts))
+        attempt = attempts.pop()
+
+        async def first_run(rid: str) -> None:
+            try:
+                await driver.run_episode(rid, attempt)
+            except Exception as error:
+                if not runs.crashed:
+                    runs.failures[rid] = f"{type(error).__name__}: {error}"
+            else:
+                if not runs.crashed:
+                    runs.finished.append(rid)
+
+        coordinator = Coordinator([conn.participant for conn in conns], call_timeout=call_timeout_s)
+        async with anyio.create_task_group() as episodes:
+            for rid in rids:
+                episodes.start_soon(first_run, rid)
+            try:
+                with anyio.fail_after(timeout_s):
+                    await driver.wait_mid_episode(rids, time.time() + timeout_s)
+            except Exception as error:
+                raise ConformanceError(
+                    STEPS,
+                    f"episodes {rids} must reach the middle under attempt {attempt}",
+                    f"{type(error).__name__}: {error}; episode failures: {runs.failures}",
+                ) from error
+            _expect(
+                STEPS,
+                not runs.failures and not runs.finished,
+                "episodes must stay mid-way until the crash",
+                f"failed: {runs.failures}, finished: {runs.finished}",
+            )
+            before, commit = await _checkpoint(coordinator, conns, cid, rids, call_timeout_s)
+            runs.crashed = True
+            await driver.crash()
+            episodes.cancel_scope.cancel()
+
+    await driver.restart(attempt + 1)
+    targets = list(driver.participants())
+    async with _connect(targets, call_timeout_s) as conns:
+        for conn in conns:
+            status = await conn.status(STEPS)
+            _expect(
+                STEPS,
+                status.attempt == attempt + 1 and status.phase is Phase.IDLE,
+                f"after the restart {conn.target.name} must be idle under attempt {attempt + 1}",
+                f"attempt {status.attempt}, phase {status.phase.value}",
+            )
+        await check_restore_all_or_nothing(
+            targets,
+            checkpoint_root=checkpoint_root,
+            checkpoint_id=cid,
+            attempt=attempt + 1,
+            call_timeout_s=call_timeout_s,
+        )
+        coordinator = Coordinator([conn.participant for conn in conns], call_timeout=call_timeout_s)
+        restored = await coordinator.restore(cid, attempt + 1, time.time() + call_timeout_s, rids)
+        _expect(
+            RESTORE,
+            restored.ok,
+            f"after the refused damaged copies, the intact {cid} must restore under "
+            f"attempt {attempt + 1}",
+            "; ".join(str(failure) for failure in restored.failures),
+        )
+        for instance, manifest in commit.manifests.items():
+            _expect(
+                RESTORE,
+                restored.restored.get(instance) == manifest.record_count,
+                f"{instance} must install the {manifest.record_count} records it committed",
+                restored.restored.get(instance),
+            )
+        resumed = await coordinator.resume(cid, time.time() + call_timeout_s)
+        _expect(
+            PHASES_RESUME,
+            not resumed.failures,
+            f"resume of restored {cid} must succeed everywhere",
+            "; ".join(str(failure) for failure in resumed.failures),
+        )
+        failures: dict[str, str] = {}
+
+        async def second_run(rid: str) -> None:
+            try:
+                await driver.run_episode(rid, attempt + 1)
+            except Exception as error:
+                failures[rid] = f"{type(error).__name__}: {error}"
+
+        try:
+            with anyio.fail_after(timeout_s):
+                async with anyio.create_task_group() as group:
+                    for rid in rids:
+                        group.start_soon(second_run, rid)
+        except TimeoutError:
+            failures["(all)"] = f"not finished within {timeout_s}s"
+        _expect(
+            STEPS,
+            not failures,
+            f"every restored episode must finish under attempt {attempt + 1}",
+            failures,
+        )
+        after = {conn.target.name: await _counters(conn, rids) for conn in conns}
+    _compare_counts(before, after, rids, attempt)
+
+
+async def _checkpoint(
+    coordinator: Coordinator,
+    conns: Sequence[_Conn],
+    cid: str,
+    rids: Sequence[str],
+    call_timeout_s: float,
+) -> tuple[dict[str, _Counts], CommitOutcome]:
+    """prepare, commit (scope: the rollouts), read the counters while parked, resume."""
+    try:
+        prepared = await coordinator.prepare(cid, time.time() + call_timeout_s)
+        _expect(
+            STEPS,
+            prepared.ready,
+            f"the checkpoint {cid} of the mid-way episodes must be ready",
+            f"stopped at {prepared.stopped_at}, {prepared.blocker_count} blockers, "
+            f"failures: {'; '.join(str(f) for f in prepared.failures)}",
+        )
+        scope = prepared.scope(rids)
+        _expect(
+            STEPS,
+            sorted(scope) == sorted(rids),
+            f"every episode must be captured by {cid} (none restarting)",
+            f"scope {scope}, restarts {[str(e) for e in prepared.restarts]}",
+        )
+        commit = await coordinator.commit(cid, time.time() + call_timeout_s, scope)
+        _expect(
+            STEPS,
+            commit.ok,
+            f"the commit of {cid} must succeed",
+            "; ".join(str(f) for f in commit.failures),
+        )
+        before = {conn.target.name: await _counters(conn, rids) for conn in conns}
+    finally:
+        with anyio.CancelScope(shield=True):
+            resumed = await coordinator.resume(cid, time.time() + call_timeout_s)
+    _expect(
+        PHASES_RESUME,
+        not resumed.failures,
+        f"resume of {cid} must succeed everywhere",
+        "; ".join(str(failure) for failure in resumed.failures),
+    )
+    return before, commit
+
+
+def _compare_counts(
+    before: Mapping[str, _Counts], after: Mapping[str, _Counts], rids: Sequence[str], attempt: int
+) -> None:
+    compared = 0
+    reruns: list[str] = []
+    for name, counts in before.items():
+        for rid in rids:
+            once = {step for step, n in _completed(counts, rid, attempt).items() if n == 1}
+            compared += len(once)
+            again = once & _ran(after.get(name, {}), rid, attempt + 1)
+            reruns.extend(f"{name} {rid} {step}" for step in sorted(again))
+    _expect(
+        STEPS,
+        not reruns,
+        f"no step completed under attempt {attempt} before the checkpoint may run again under "
+        f"attempt {attempt + 1}",
+        "ran again: " + ", ".join(reruns),
+    )
+    _expect(
+        STEPS,
+        compared > 0,
+        f"the counters must show steps completed under attempt {attempt} at the checkpoint "
+        "(otherwise nothing is compared: wait_mid_episode must return after a completed step)",
+        {name: counts for name, counts in before.items()},
+    )
+
+
+# --- in-process apps ------------------------------------------------------------------------
+
+
+class _CrashableTransport(httpx.ASGITransport):
+    """An ASGI transport that refuses connections once its app crashed, as a dead process."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        super().__init__(app=app)
+        self.crashed = False
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self.crashed:
+            raise httpx.ConnectError("the participant crashed", request=request)
+        return await super().handle_async_request(request)
+
+
+class ServedApp:
+    """An ASGI app served in process with its lifespan running; `target` reaches it."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        role: Role,
+        token: str,
+        index: int = 0,
+        stats_path: str = "/stats",
+        base_url: str = "http://participant",
+    ) -> None:
+        self.app = app
+        self._transport = _CrashableTransport(app)
+        self.client = httpx.AsyncClient(transport=self._transport, base_url=base_url)
+        self.target = Target(base_url, role, token, index, self.client, stats_path)
+        self._scope = anyio.CancelScope()
+        self._stop = anyio.Event()
+        self._stopped = anyio.Event()
+        self._graceful = True
+
+    async def _run(self, *, task_status: TaskStatus[None], timeout_s: float) -> None:
+        to_app, app_inbox = anyio.create_memory_object_stream[Message](4)
+        app_outbox, from_app = anyio.create_memory_object_stream[Message](4)
+        started = False
+        try:
+            with self._scope:
+                async with anyio.create_task_group() as group:
+                    scope: dict[str, Any] = {
+                        "type": "lifespan",
+                        "asgi": {"version": "3.0", "spec_version": "2.0"},
+                        "state": {},
+                    }
+
+                    async def lifespan() -> None:
+                        await self.app(scope, app_inbox.receive, app_outbox.send)
+
+                    group.start_soon(lifespan)
+                    await to_app.send({"type": "lifespan.startup"})
+                    with anyio.fail_after(timeout_s):
+                        message = await from_app.receive()
+                    if message["type"] != "lifespan.startup.complete":
+                        raise RuntimeError(f"the app did not start: {message}")
+                    started = True
+                    task_status.started()
+                    await self._stop.wait()
+                    if self._graceful:
+                        with anyio.move_on_after(timeout_s):
+                            await to_app.send({"type": "lifespan.shutdown"})
+                            await from_app.receive()
+                    group.cancel_scope.cancel()
+        finally:
+            self._stopped.set()
+            for stream in (to_app, app_inbox, app_outbox, from_app):
+                stream.close()
+            if not started:
+                self._transport.crashed = True
+
+    async def crash(self) -> None:
+        """Stop the app as a SIGKILL would: no shutdown, its tasks cancelled, calls refused."""
+        self._transport.crashed = True
+        self._graceful = False
+        self._scope.cancel()
+        await self._stopped.wait()
+        await self.client.aclose()
+
+    async def stop(self) -> None:
+        """Run the app's lifespan shutdown, then close the client."""
+        self._stop.set()
+        await self._stopped.wait()
+        self._transport.crashed = True
+        await self.client.aclose()
+
+
+async def start_app(
+    group: TaskGroup,
+    app: ASGIApp,
+    *,
+    role: Role,
+    token: str,
+    index: int = 0,
+    stats_path: str = "/stats",
+    startup_timeout_s: float = 10.0,
+) -> ServedApp:
+    """Serve `app` in a task of `group` (lifespan started before this returns).
+
+    Stop it with `ServedApp.stop()` or `ServedApp.crash()`; for drivers that crash and restart
+    apps while the kit runs.
+    """
+    served = ServedApp(app, role=role, token=token, index=index, stats_path=stats_path)
+    await group.start(_start_served, served, startup_timeout_s)
+    return served
+
+
+async def _start_served(
+    served: ServedApp, timeout_s: float, *, task_status: TaskStatus[None]
+) -> None:
+    await served._run(task_status=task_status, timeout_s=timeout_s)
+
+
+@asynccontextmanager
+async def serve_app(
+    app: ASGIApp,
+    *,
+    role: Role,
+    token: str,
+    index: int = 0,
+    stats_path: str = "/stats",
+    startup_timeout_s: float = 10.0,
+) -> AsyncIterator[ServedApp]:
+    """Serve `app` in process for the block (lifespan startup before, shutdown after).
+
+    An error raised in the block comes out as itself (a `ConformanceError` stays one), not
+    wrapped in the task group's exception group.
+    """
+    error: Exception | None = None
+    async with anyio.create_task_group() as group:
+        served = await start_app(
+            group,
+            app,
+            role=role,
+            token=token,
+            index=index,
+            stats_path=stats_path,
+            startup_timeout_s=startup_timeout_s,
+        )
+        try:
+            yield served
+        except Exception as raised:
+            error = raised
+        finally:
+            with anyio.CancelScope(shield=True):
+                await served.stop()
+    if error is not None:
+        raise error

@@ -1,0 +1,446 @@
+"""The conformance kit against deliberately broken participants: each fails with its rule named.
+
+Every participant here is a small FastAPI app built on the SDK (episode runtime, runtime
+participant, control plane, step counters) and served in process by the kit's own `start_app`.
+`Conforming` keeps every rule and passes the whole kit; each named fake below it breaks exactly
+one rule by replacing one route (a route registered before the control plane's router answers
+first) or by how it mounts the control plane, and the kit must fail on that rule.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from anyio.abc import TaskGroup
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+from rollout_protocol import (
+    API_PREFIX,
+    Boundary,
+    CommitReply,
+    CommitRequest,
+    ControlPlane,
+    ControlSettings,
+    EpisodeError,
+    EpisodeRuntime,
+    ErrorCode,
+    ForgetRequest,
+    Phase,
+    PrepareReply,
+    PrepareRequest,
+    ProtocolError,
+    Record,
+    RestoreReply,
+    RestoreRequest,
+    ResumeReply,
+    ResumeRequest,
+    Role,
+    RuntimeParticipant,
+    StepCounters,
+    StepMode,
+    checkpoint_base,
+    read_manifest,
+)
+from rollout_protocol import conformance as kit
+from rollout_protocol.conformance import ConformanceError, ServedApp, start_app
+
+TOKEN = "kit-unit-token"
+GRACE = 0.3
+"""The fakes' lease grace: the lease check waits about prepare deadline + this."""
+STEP_NAMES = ("s0", "s1", "s2")
+HOLD_BEFORE = "s1"
+"""Episodes of a held app wait at the boundary before this step (after s0 completed)."""
+WAIT = 10.0
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class RunBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    rollout_id: str
+    attempt: int
+
+
+def _strict(model: type[BaseModel], raw: bytes) -> Any:
+    try:
+        return model.model_validate_json(raw, strict=True)
+    except ValidationError as error:
+        detail = "; ".join(
+            f"{'.'.join(str(part) for part in problem['loc'])}: {problem['msg']}"
+            for problem in error.errors()
+        )
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, detail) from None
+
+
+def _authorize(request: Request) -> None:
+    if request.headers.get("authorization") != f"Bearer {TOKEN}":
+        raise ProtocolError(ErrorCode.UNAUTHORIZED, "missing or wrong token")
+
+
+class Conforming:
+    """A three-step participant on the SDK that keeps every rule.
+
+    `POST /run {rollout_id, attempt}` runs (or continues) an episode of steps s0, s1, s2; with
+    `hold` set, episodes wait at the boundary before s1 until the app is gone. `GET /stats` is
+    the counter endpoint (`StepCounters.snapshot`).
+    """
+
+    def __init__(self, settings: ControlSettings, *, hold: bool = False) -> None:
+        self.settings = settings
+        self.hold = hold
+        self.counters = StepCounters(settings.role)
+        self.runtime = EpisodeRuntime(observer=self.counters.observe)
+        self.participant = RuntimeParticipant(settings.role, self.runtime)
+        self.plane = ControlPlane(self.participant, settings)
+        self.reached: defaultdict[str, anyio.Event] = defaultdict(anyio.Event)
+        self._never = anyio.Event()
+
+    def build(self) -> FastAPI:
+        app = FastAPI()
+        self.override(app)
+        server = self
+
+        @app.post("/run")
+        async def run(body: RunBody) -> dict[str, Any]:
+            return await server.run(body.rollout_id, body.attempt)
+
+        @app.get("/stats")
+        async def stats(
+            rollout_id: list[str] = Query(default_factory=list),  # noqa: B008
+        ) -> dict[str, Any]:
+            return server.counters.snapshot(rollout_id, False)
+
+        self.mount(app)
+        return app
+
+    def override(self, app: FastAPI) -> None:
+        """Routes that replace the control plane's (none: this one conforms)."""
+
+    def mount(self, app: FastAPI) -> None:
+        self.plane.install(app)
+
+    def claim(self, rollout_id: str) -> None:
+        """Before an episode begins (a restored boundary is claimed by `begin`)."""
+
+    async def run(self, rollout_id: str, attempt: int) -> dict[str, Any]:
+        self.claim(rollout_id)
+        try:
+            episode = self.runtime.begin(rollout_id, attempt, Boundary(STEP_NAMES[0]))
+        except EpisodeError as error:
+            raise ProtocolError(ErrorCode.ATTEMPT_MISMATCH, str(error)) from error
+        try:
+            while episode.boundary.step != "done":
+                step = episode.boundary.step
+                if step == HOLD_BEFORE and self.hold:
+                    self.reached[rollout_id].set()
+                    await self._never.wait()
+                index = STEP_NAMES.index(step)
+                following = STEP_NAMES[index + 1] if index + 1 < len(STEP_NAMES) else "done"
+
+                async def one(following: str = following) -> Boundary:
+                    return Boundary(following)
+
+                await self.runtime.step(episode, step, StepMode.WAIT, one)
+        finally:
+            self.runtime.end(episode)
+        return {"rollout_id": rollout_id, "continued_from": episode.continued_from}
+
+
+Handler = Callable[[Any], Awaitable[BaseModel]]
+
+
+def _replace_route(
+    app: FastAPI,
+    name: str,
+    model: type[BaseModel],
+    handler: Handler,
+    *,
+    authorize: bool = True,
+    parse: Callable[[type[BaseModel], bytes], Any] = _strict,
+) -> None:
+    """Serve the control route `name` with `handler` ahead of the control plane's router."""
+
+    async def endpoint(request: Request) -> Response:
+        if authorize:
+            _authorize(request)
+        reply = await handler(parse(model, await request.body()))
+        return Response(reply.model_dump_json(), media_type="application/json")
+
+    app.add_api_route(f"{API_PREFIX}/{name}", endpoint, methods=["POST"])
+
+
+def _lenient(model: type[BaseModel], raw: bytes) -> Any:
+    """Parses as a careless server would: unknown keys dropped, strings coerced to numbers."""
+    data = {key: value for key, value in json.loads(raw).items() if key in model.model_fields}
+    return model.model_validate(data)
+
+
+class UnauthenticatedForget(Conforming):
+    """Breaks `auth.every-route`: its own `/forget` route never looks at the token."""
+
+    def override(self, app: FastAPI) -> None:
+        _replace_route(app, "forget", ForgetRequest, self.plane.forget, authorize=False)
+
+
+class LenientPrepareBody(Conforming):
+    """Breaks `bodies.strict`: `/prepare` ignores unknown fields and coerces strings."""
+
+    def override(self, app: FastAPI) -> None:
+        _replace_route(app, "prepare", PrepareRequest, self.plane.prepare, parse=_lenient)
+
+
+class CommitNotReplayed(Conforming):
+    """Breaks `phases.replay`: a retried commit is refused instead of answered again."""
+
+    def override(self, app: FastAPI) -> None:
+        async def commit(body: CommitRequest) -> CommitReply:
+            if self.plane.phase is Phase.COMMITTED:
+                raise ProtocolError(ErrorCode.WRONG_PHASE, "already committed")
+            return await self.plane.commit(body)
+
+        _replace_route(app, "commit", CommitRequest, commit)
+
+
+class IdleResumeSkipped(Conforming):
+    """Breaks `ids.stale`: a resume while idle is a no-op, so an abort that overtook its
+    prepare does not stop that prepare later."""
+
+    def override(self, app: FastAPI) -> None:
+        async def resume(body: ResumeRequest) -> ResumeReply:
+            if self.plane.phase is Phase.IDLE:
+                return ResumeReply(checkpoint_id=body.checkpoint_id, phase=Phase.IDLE)
+            return await self.plane.resume(body)
+
+        _replace_route(app, "resume", ResumeRequest, resume)
+
+
+class ConflictingPrepareAborts(Conforming):
+    """Breaks `ids.conflicting`: a prepare of a new id resumes the open checkpoint first."""
+
+    def override(self, app: FastAPI) -> None:
+        async def prepare(body: PrepareRequest) -> PrepareReply:
+            open_id = self.plane.checkpoint_id
+            if open_id is not None and open_id != body.checkpoint_id:
+                await self.plane.resume(
+                    ResumeRequest(checkpoint_id=open_id, deadline_ts=body.deadline_ts)
+                )
+            return await self.plane.prepare(body)
+
+        _replace_route(app, "prepare", PrepareRequest, prepare)
+
+
+class NoLeaseWatchdog(Conforming):
+    """Breaks `lease.auto-resume`: mounts the control plane's router by hand instead of with
+    `install`, so its lease watchdog never runs."""
+
+    def mount(self, app: FastAPI) -> None:
+        app.include_router(self.plane.router)
+
+        async def refused(request: Request, error: Exception) -> Response:
+            assert isinstance(error, ProtocolError)
+            return JSONResponse(error.body().model_dump(mode="json"), error.status_code)
+
+        app.add_exception_handler(ProtocolError, refused)
+
+
+_RECORD: TypeAdapter[Record] = TypeAdapter(Record)
+
+
+class PartialRestore(Conforming):
+    """Breaks `restore.all-or-nothing`: installs each record as it reads it and checks the
+    digest and count only afterwards."""
+
+    def override(self, app: FastAPI) -> None:
+        async def restore(body: RestoreRequest) -> RestoreReply:
+            root = self.settings.checkpoint_root
+            assert root is not None
+            directory = (
+                checkpoint_base(root, self.settings.set_name, body.checkpoint_id)
+                / self.settings.instance
+            )
+            manifest = read_manifest(directory)
+            raw = (directory / manifest.records_file).read_bytes()
+            installed = []
+            for line in raw.splitlines():
+                try:
+                    record = _RECORD.validate_json(line)
+                except ValidationError:
+                    continue
+                installed.extend(self.runtime.install([record], body.attempt))
+            if (
+                hashlib.sha256(raw).hexdigest() != manifest.records_sha256
+                or len(raw.splitlines()) != manifest.record_count
+            ):
+                raise ProtocolError(ErrorCode.RECORDS_INVALID, "records damaged")
+            return RestoreReply(
+                checkpoint_id=body.checkpoint_id,
+                phase=Phase.RESTORED,
+                attempt=body.attempt,
+                restored=installed,
+                record_count=len(installed),
+            )
+
+        _replace_route(app, "restore", RestoreRequest, restore)
+
+
+class RestartsFromScratch(Conforming):
+    """Breaks `steps.no-rerun`: drops the restored boundary and runs the episode from s0."""
+
+    def claim(self, rollout_id: str) -> None:
+        self.runtime.drop_restored(rollout_id)
+
+
+class InProcessDriver:
+    """The kit's `EpisodeDriver` over one in-process fake: a crash drops the app (no shutdown),
+    a restart builds a fresh one from the same settings under the new attempt."""
+
+    def __init__(self, group: TaskGroup, fake: type[Conforming], settings: ControlSettings):
+        self.group = group
+        self.fake = fake
+        self.settings = settings
+        self.server: Conforming | None = None
+        self.served: ServedApp | None = None
+
+    async def restart(self, attempt: int) -> None:
+        self.server = self.fake(replace(self.settings, attempt=attempt), hold=self.served is None)
+        self.served = await start_app(
+            self.group, self.server.build(), role=self.settings.role, token=TOKEN
+        )
+
+    def participants(self) -> list[kit.Target]:
+        assert self.served is not None
+        return [self.served.target]
+
+    async def run_episode(self, rollout_id: str, attempt: int) -> None:
+        assert self.served is not None
+        reply = await self.served.client.post(
+            "/run", json={"rollout_id": rollout_id, "attempt": attempt}
+        )
+        if reply.status_code != 200:
+            raise RuntimeError(f"/run {rollout_id}@{attempt}: {reply.text}")
+
+    async def wait_mid_episode(self, rollout_ids: Sequence[str], deadline_ts: float) -> None:
+        assert self.server is not None
+        with anyio.fail_after(max(0.0, deadline_ts - time.time())):
+            for rollout_id in rollout_ids:
+                await self.server.reached[rollout_id].wait()
+
+    async def crash(self) -> None:
+        assert self.served is not None
+        await self.served.crash()
+
+    async def close(self) -> None:
+        if self.served is not None:
+            await self.served.stop()
+
+
+def _settings(root: Path) -> ControlSettings:
+    return ControlSettings(
+        Role.ENVIRONMENT,
+        set_name="kit",
+        checkpoint_root=root,
+        token=TOKEN,
+        lease_grace_seconds=GRACE,
+    )
+
+
+@asynccontextmanager
+async def _driver(fake: type[Conforming], root: Path) -> AsyncIterator[InProcessDriver]:
+    error: Exception | None = None
+    async with anyio.create_task_group() as group:
+        driver = InProcessDriver(group, fake, _settings(root))
+        await driver.restart(0)
+        try:
+            yield driver
+        except Exception as raised:
+            error = raised  # raised below, outside the task group, as itself
+        finally:
+            with anyio.CancelScope(shield=True):
+                await driver.close()
+    if error is not None:
+        raise error
+
+
+async def _whole_kit(fake: type[Conforming], root: Path) -> None:
+    async with _driver(fake, root) as driver:
+        (target,) = driver.participants()
+        await kit.check_participant(
+            target, checkpoint_root=root, lease_grace_seconds=GRACE, lease_margin_s=2.0
+        )
+
+
+async def _crash_restore(fake: type[Conforming], root: Path) -> None:
+    async with _driver(fake, root) as driver:
+        await kit.check_crash_restore(
+            driver, checkpoint_root=root, rollout_ids=["r-0", "r-1", "r-2"], timeout_s=WAIT
+        )
+
+
+@pytest.mark.anyio
+async def test_conforming_participant_passes_the_whole_kit(tmp_path: Path) -> None:
+    with anyio.fail_after(30):
+        await _whole_kit(Conforming, tmp_path / "single")
+        await _crash_restore(Conforming, tmp_path / "crash")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("fake", "rule", "run_kit"),
+    [
+        (UnauthenticatedForget, kit.AUTH, _whole_kit),
+        (LenientPrepareBody, kit.BODIES, _whole_kit),
+        (CommitNotReplayed, kit.PHASES_REPLAY, _whole_kit),
+        (IdleResumeSkipped, kit.STALE, _whole_kit),
+        (ConflictingPrepareAborts, kit.CONFLICTING, _whole_kit),
+        (NoLeaseWatchdog, kit.LEASE, _whole_kit),
+        (PartialRestore, kit.RESTORE, _crash_restore),
+        (RestartsFromScratch, kit.STEPS, _crash_restore),
+    ],
+    ids=lambda value: value if isinstance(value, str) else value.__name__,
+)
+async def test_the_kit_fails_on_the_broken_rule(
+    tmp_path: Path,
+    fake: type[Conforming],
+    rule: str,
+    run_kit: Callable[[type[Conforming], Path], Awaitable[None]],
+) -> None:
+    """The whole kit (or the crash + restore check) stops at the one rule the fake breaks."""
+    with anyio.fail_after(30), pytest.raises(ConformanceError) as caught:
+        await run_kit(fake, tmp_path)
+    assert caught.value.rule == rule, caught.value
+    assert str(caught.value).startswith(f"[{rule}] ")
+
+
+def test_the_kit_is_separate_from_the_package_and_the_harness() -> None:
+    """`import rollout_protocol` leaves the kit out; the kit imports no pytest, servers or
+    operator."""
+    script = (
+        "import sys, rollout_protocol\n"
+        "assert 'rollout_protocol.conformance' not in sys.modules\n"
+        "import rollout_protocol.conformance\n"
+        "banned = ('pytest', 'rollout_servers', 'rollout_operator', 'kopf', 'devcluster', "
+        "'harness')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in banned))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
