@@ -48,6 +48,11 @@ LABEL_INDEX: Final = f"{GROUP}/index"
 LABEL_ATTEMPT: Final = f"{GROUP}/attempt"
 ANNOTATION_SPEC_HASH: Final = f"{GROUP}/spec-hash"
 """On every participant pod: the digest of the participants spec it was built from."""
+ANNOTATION_LATEST_CHECKPOINT: Final = f"{GROUP}/latest-checkpoint"
+"""On every participant pod: the newest Ready checkpoint that covers it."""
+ANNOTATION_LATEST_CHECKPOINT_TIME: Final = f"{GROUP}/latest-checkpoint-time"
+"""On every participant pod: when that checkpoint completed (RFC 3339). Losing the pod loses the
+work done since: schedulers and people choosing a pod to preempt can prefer the newest time."""
 ANNOTATION_TEMPLATE_HASH: Final = f"{GROUP}/template-hash"
 """On every participant pod: the digest of its role's pod template (names what changed)."""
 ANNOTATION_TRAINER_STEP: Final = f"{GROUP}/trainer-step"
@@ -64,6 +69,8 @@ MAX_CHECKPOINT_NAME_LENGTH: Final = 128
 """A RolloutCheckpoint's name is its checkpoint id on storage (`CHECKPOINT_ID_PATTERN`)."""
 MAX_CONTAINERS: Final = 32
 MAX_PORTS: Final = 64
+MAX_KEPT_PODS: Final = 1024
+"""Bound of the pod lists a recovery records in status."""
 
 DNS_LABEL_PATTERN: Final = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN_PATTERN: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
@@ -114,11 +121,6 @@ RULE_SIBLING_INTERVAL: Final = Rule(
     message="checkpointPolicy.intervalSeconds with recovery.targetLevel sibling would pause "
     "rollouts for checkpoints no recovery restores (at sibling level unfinished episodes "
     "restart); unset intervalSeconds, or use targetLevel turn",
-)
-RULE_IN_PLACE_NOT_YET: Final = Rule(
-    cel="!has(self.restorePolicy) || self.restorePolicy != 'InPlace'",
-    message="recovery.restorePolicy InPlace is not implemented yet: use Recreate (the default), "
-    "which replaces every participant pod under attempt + 1 and restores all of them at once",
 )
 RULE_STORAGE_IMMUTABLE: Final = Rule(
     cel="self == oldSelf",
@@ -427,10 +429,6 @@ class CheckpointPolicy(ApiModel):
 class RecoverySpec(ApiModel):
     """What happens when a participant pod of the current attempt is lost."""
 
-    model_config = ConfigDict(
-        json_schema_extra={"x-kubernetes-validations": [RULE_IN_PLACE_NOT_YET.schema()]}
-    )
-
     target_level: TargetLevel = Field(
         default=TargetLevel.TURN,
         description="turn: unfinished episodes continue from their last boundary (needs "
@@ -438,9 +436,10 @@ class RecoverySpec(ApiModel):
     )
     restore_policy: RestorePolicy = Field(
         default=RestorePolicy.RECREATE,
-        description="Recreate: every participant pod is replaced under attempt + 1. InPlace "
-        "(only lost pods replaced, survivors retire the old attempt) is reserved and refused "
-        "until it is implemented.",
+        description="Recreate: every participant pod is replaced under attempt + 1. InPlace: "
+        "only the lost pods are replaced; the others are kept (same process, memory and GPU), "
+        "retire the old attempt and take the restore under attempt + 1 with the fresh pods; "
+        "when that cannot be done safely the recovery falls back to Recreate and says why.",
     )
     max_restarts: int = Field(
         default=10,
@@ -454,12 +453,6 @@ class RecoverySpec(ApiModel):
         description="How long fresh pods may take to become Ready and restore before the try "
         "counts as failed.",
     )
-
-    @model_validator(mode="after")
-    def _check_restore_policy(self) -> RecoverySpec:
-        if self.restore_policy is RestorePolicy.IN_PLACE:
-            raise ValueError(RULE_IN_PLACE_NOT_YET.message)
-        return self
 
 
 class RolloutSetSpec(ApiModel):
@@ -575,6 +568,11 @@ class RecoveryPhase(StrEnum):
     BACKING_OFF = "BackingOff"
 
 
+_SECONDS_BY_PHASE: Final[dict[str, Any]] = {
+    "additionalProperties": {"type": "number", "description": "Seconds, by phase name."}
+}
+
+
 class RecoveryStatus(StatusModel):
     """A recovery in progress; kept in status so a restarted operator continues it."""
 
@@ -591,6 +589,69 @@ class RecoveryStatus(StatusModel):
     )
     reason: str | None = Field(default=None, description="Why the recovery started (CamelCase).")
     message: str | None = Field(default=None, description="What was lost, for people.")
+    restore_policy: RestorePolicy = Field(
+        default=RestorePolicy.RECREATE,
+        description="How this try replaces pods: InPlace (only the lost ones) or Recreate (all). "
+        "An InPlace recovery that cannot be done safely falls back to Recreate.",
+    )
+    kept: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_KEPT_PODS,
+        description="Pods of the lost attempt kept under the target attempt (InPlace).",
+    )
+    replaced: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_KEPT_PODS,
+        description="Participant instances (role-index) that get fresh pods.",
+    )
+    fallback: str | None = Field(
+        default=None, description="Why an InPlace recovery fell back to Recreate."
+    )
+    phase_seconds: dict[str, float] = Field(
+        default_factory=dict,
+        description="Seconds spent in each finished phase of this recovery.",
+        json_schema_extra=_SECONDS_BY_PHASE,
+    )
+    phase_started_at: Timestamp | None = Field(
+        default=None, description="When the current phase began."
+    )
+    episodes_restored: int | None = Field(
+        default=None, ge=0, description="Episodes the restore installed (continue from there)."
+    )
+
+
+class LastRecovery(StatusModel):
+    """What the last finished recovery cost: the work it kept and the work it lost."""
+
+    completed_at: Timestamp = Field(description="When the set ran again.")
+    reason: str = Field(description="Why it started (PodFailed, PodDeleted, NodeLost, ...).")
+    attempt: int = Field(ge=1, description="The attempt it brought up.")
+    restore_policy: RestorePolicy = Field(description="How pods were replaced in the end.")
+    kept: int = Field(ge=0, description="Participant pods kept (InPlace).")
+    replaced: int = Field(ge=0, description="Participant pods replaced by fresh ones.")
+    checkpoint: str | None = Field(
+        default=None, description="The checkpoint restored (unset: episodes restarted)."
+    )
+    checkpoint_age_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        description="Time from the restored checkpoint's completion to the loss: the work "
+        "done since then was lost.",
+    )
+    episodes_continued: int = Field(
+        default=0, ge=0, description="Episodes continued from their last boundary."
+    )
+    episodes_restarted: int = Field(
+        default=0,
+        ge=0,
+        description="Episodes the checkpoint could not capture (they restart from scratch).",
+    )
+    duration_seconds: float = Field(ge=0, description="From the loss to the set running again.")
+    phase_seconds: dict[str, float] = Field(
+        default_factory=dict,
+        description="Seconds spent in each recovery phase.",
+        json_schema_extra=_SECONDS_BY_PHASE,
+    )
 
 
 class RolloutSetStatus(StatusModel):
@@ -647,6 +708,9 @@ class RolloutSetStatus(StatusModel):
     )
     recovery: RecoveryStatus | None = Field(
         default=None, description="Present while a recovery runs."
+    )
+    last_recovery: LastRecovery | None = Field(
+        default=None, description="What the last finished recovery kept and lost."
     )
     conditions: list[Condition] = Field(
         default_factory=list,

@@ -35,6 +35,8 @@ from rollout_protocol import (
 )
 
 from .api import (
+    ANNOTATION_LATEST_CHECKPOINT,
+    ANNOTATION_LATEST_CHECKPOINT_TIME,
     GROUP,
     LABEL_ATTEMPT,
     ROLLOUT_CHECKPOINT_PLURAL,
@@ -53,7 +55,7 @@ from .api import (
     format_time,
 )
 from .conditions import find_condition, set_condition, utcnow
-from .kube import MERGE_PATCH, Conflict, Kube
+from .kube import MERGE_PATCH, Conflict, Kube, api_error_message
 from .policy import PrepareDeadline, TerminatingPod, eviction_prepare_deadline
 from .resources import set_selector
 from .setops import read_control_token
@@ -182,15 +184,8 @@ class CheckpointFlow:
     # --- persistence --------------------------------------------------------------------------
 
     async def _read(self, namespace: str, name: str) -> RolloutCheckpoint | None:
-        try:
-            obj = await self._kube.custom.get_namespaced_custom_object(
-                GROUP, VERSION, namespace, ROLLOUT_CHECKPOINT_PLURAL, name
-            )
-        except ApiException as error:
-            if error.status == 404:
-                return None
-            raise
-        return RolloutCheckpoint.model_validate(obj)
+        obj = await self._kube.get_checkpoint(namespace, name)
+        return None if obj is None else RolloutCheckpoint.model_validate(obj)
 
     async def _write(self, ckpt: RolloutCheckpoint, status: RolloutCheckpointStatus) -> None:
         """Persist the whole status (a merge patch of its wire form) before the next step."""
@@ -414,7 +409,9 @@ class CheckpointFlow:
             set_patch = await self._drive(ckpt, rset, coordinator, started)
             published = True
             await self._release_slot(ckpt, set_patch)
-            await self._phase(ckpt, CheckpointPhase.READY, completed_at=datetime.now(UTC))
+            completed = datetime.now(UTC)
+            await self._mark_covered_pods(ckpt, rset, completed)
+            await self._phase(ckpt, CheckpointPhase.READY, completed_at=completed)
         except CheckpointFailed as failed:
             published = published or ckpt.status.phase is CheckpointPhase.RESUMING
             if coordinator is not None and not published:
@@ -430,6 +427,29 @@ class CheckpointFlow:
             for participant in participants:
                 await participant.aclose()
         return ckpt.status.phase
+
+    async def _mark_covered_pods(
+        self, ckpt: RolloutCheckpoint, rset: RolloutSet, completed: datetime
+    ) -> None:
+        """Annotate every participant pod with this checkpoint and its time (after the resume:
+        nothing waits for it). Best effort: a pod that is gone or a refused patch is logged."""
+        namespace = ckpt.metadata.namespace or "default"
+        annotations = {
+            ANNOTATION_LATEST_CHECKPOINT: ckpt.metadata.name,
+            ANNOTATION_LATEST_CHECKPOINT_TIME: format_time(completed),
+        }
+        for participant in rset.status.participants:
+            try:
+                await self._kube.patch_pod_metadata(
+                    namespace, participant.pod, annotations=annotations
+                )
+            except ApiException as error:
+                logger.warning(
+                    "checkpoint %s: could not annotate pod %s: %s",
+                    ckpt.metadata.name,
+                    participant.pod,
+                    api_error_message(error),
+                )
 
     async def _held_slot(self, ckpt: RolloutCheckpoint) -> RolloutSet:
         """After an operator restart in a running phase: the slot is still ours (nobody takes

@@ -122,6 +122,18 @@ ROLLOUT_SET = Kind(
             "Recoveries after a lost participant so far.",
             priority=1,
         ),
+        PrinterColumn(
+            "Kept",
+            "integer",
+            ".status.lastRecovery.kept",
+            "Pods the last recovery kept (InPlace).",
+        ),
+        PrinterColumn(
+            "Replaced",
+            "integer",
+            ".status.lastRecovery.replaced",
+            "Pods the last recovery replaced.",
+        ),
         _AGE,
     ),
 )

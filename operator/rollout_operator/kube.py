@@ -17,7 +17,7 @@ from typing import Any, cast
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from .api import GROUP, ROLLOUT_SET_PLURAL, VERSION
+from .api import GROUP, ROLLOUT_CHECKPOINT_PLURAL, ROLLOUT_SET_PLURAL, VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,20 @@ class Kube:
             raise
         return cast(dict[str, Any], obj)
 
+    # --- RolloutCheckpoints -----------------------------------------------------------------------
+
+    async def get_checkpoint(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A RolloutCheckpoint in its wire form; None when it does not exist."""
+        try:
+            obj = await self.custom.get_namespaced_custom_object(
+                GROUP, VERSION, namespace, ROLLOUT_CHECKPOINT_PLURAL, name
+            )
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        return cast(dict[str, Any], obj)
+
     # --- core objects ---------------------------------------------------------------------------
 
     async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
@@ -127,6 +141,29 @@ class Kube:
             options["grace_period_seconds"] = grace_seconds
         try:
             await self.core.delete_namespaced_pod(name, namespace, **options)
+        except ApiException as error:
+            if error.status == 404:
+                return False
+            raise
+        return True
+
+    async def patch_pod_metadata(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        labels: Mapping[str, str] | None = None,
+        annotations: Mapping[str, str] | None = None,
+    ) -> bool:
+        """Merge-patch a pod's labels and annotations; False when the pod is gone."""
+        metadata: dict[str, Any] = {}
+        if labels:
+            metadata["labels"] = dict(labels)
+        if annotations:
+            metadata["annotations"] = dict(annotations)
+        body: Any = {"metadata": metadata}
+        try:
+            await self.core.patch_namespaced_pod(name, namespace, body, **_MERGE_PATCH)
         except ApiException as error:
             if error.status == 404:
                 return False

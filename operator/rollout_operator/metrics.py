@@ -22,13 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from kubernetes_asyncio.client.exceptions import ApiException
 from prometheus_client import Counter, Gauge, Histogram
 
 from .api import (
-    GROUP,
-    ROLLOUT_CHECKPOINT_PLURAL,
-    VERSION,
     CheckpointPhase,
     RolloutCheckpoint,
     RolloutSet,
@@ -42,6 +38,8 @@ PAUSE_BUCKETS: Final = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 3
 
 RESTORE_OUTCOMES: Final = frozenset({"Restored", "NoCheckpoint", "SiblingRestart", "RestoreFailed"})
 """The recovery reasons counted as restores (`recovery.Reason` values)."""
+FINISHED_RECOVERIES: Final = frozenset({"Restored", "NoCheckpoint", "SiblingRestart"})
+"""The reasons a recovery ends with (the set runs again): its costs are observed then."""
 
 CHECKPOINT_DURATION = Histogram(
     "rollout_checkpoint_duration_seconds",
@@ -74,6 +72,29 @@ RESTORES = Counter(
     "rollout_restores",
     "Recoveries after pod loss by outcome: Restored, NoCheckpoint, SiblingRestart, RestoreFailed.",
     ["namespace", "set", "outcome"],
+)
+RECOVERY_PODS = Counter(
+    "rollout_recovery_pods",
+    "Participant pods per finished recovery: kept (InPlace) or replaced by fresh ones.",
+    ["namespace", "set", "outcome"],
+)
+RECOVERY_EPISODES = Counter(
+    "rollout_recovery_episodes",
+    "Episodes per finished recovery: continued from a checkpoint, or restarted from scratch.",
+    ["namespace", "set", "outcome"],
+)
+RECOVERY_CHECKPOINT_AGE = Histogram(
+    "rollout_recovery_checkpoint_age_seconds",
+    "Time from the restored checkpoint's completion to the loss: the work done since is lost.",
+    ["namespace", "set"],
+    buckets=DURATION_BUCKETS,
+)
+RECOVERY_DURATION = Histogram(
+    "rollout_recovery_duration_seconds",
+    "Time a finished recovery spent in each phase (StoppingAttempt, StartingPods, Restoring, "
+    "Resuming, BackingOff), and in all of them (phase Total).",
+    ["namespace", "set", "phase"],
+    buckets=DURATION_BUCKETS,
 )
 ATTEMPT = Gauge(
     "rollout_set_attempt",
@@ -131,14 +152,9 @@ async def checkpoint_ended(kube: Kube, namespace: str, name: str) -> RolloutChec
     The flow persists its final status (pause and total durations are known only after the
     resume) before it returns, so this read sees what `kubectl get rckpt` shows.
     """
-    try:
-        raw = await kube.custom.get_namespaced_custom_object(
-            GROUP, VERSION, namespace, ROLLOUT_CHECKPOINT_PLURAL, name
-        )
-    except ApiException as error:
-        if error.status == 404:
-            return None
-        raise
+    raw = await kube.get_checkpoint(namespace, name)
+    if raw is None:
+        return None
     ckpt = RolloutCheckpoint.model_validate(raw)
     observe_checkpoint(ckpt)
     return ckpt
@@ -163,10 +179,23 @@ def completion_message(ckpt: RolloutCheckpoint) -> str:
 
 
 def observe_recovery(rset: RolloutSet, reason: str) -> None:
-    """A transition of the recovery flow: count finished restores; follow the attempt."""
+    """A transition of the recovery flow: count finished restores and what they kept and lost;
+    follow the attempt."""
     namespace = _namespace(rset.metadata.namespace)
     if reason in RESTORE_OUTCOMES:
         RESTORES.labels(namespace=namespace, set=rset.metadata.name, outcome=reason).inc()
+    last = rset.status.last_recovery
+    if reason in FINISHED_RECOVERIES and last is not None:
+        labels = {"namespace": namespace, "set": rset.metadata.name}
+        RECOVERY_PODS.labels(outcome="kept", **labels).inc(last.kept)
+        RECOVERY_PODS.labels(outcome="replaced", **labels).inc(last.replaced)
+        RECOVERY_EPISODES.labels(outcome="continued", **labels).inc(last.episodes_continued)
+        RECOVERY_EPISODES.labels(outcome="restarted", **labels).inc(last.episodes_restarted)
+        if last.checkpoint_age_seconds is not None:
+            RECOVERY_CHECKPOINT_AGE.labels(**labels).observe(last.checkpoint_age_seconds)
+        for phase, seconds in last.phase_seconds.items():
+            RECOVERY_DURATION.labels(phase=phase, **labels).observe(seconds)
+        RECOVERY_DURATION.labels(phase="Total", **labels).observe(last.duration_seconds)
     if rset.status.attempt is not None:
         ATTEMPT.labels(namespace=namespace, set=rset.metadata.name).set(rset.status.attempt)
 

@@ -459,15 +459,8 @@ async def eviction_holds(kube: Kube, rset: RolloutSet, *, clock: Clock = _utcnow
     if not terminating or rset.status.attempt is None:
         return frozenset()
     name = eviction_checkpoint_name(rset.metadata.name, rset.status.attempt)
-    checkpoints: list[CheckpointView] = []
-    try:
-        raw = await kube.custom.get_namespaced_custom_object(
-            GROUP, VERSION, namespace, ROLLOUT_CHECKPOINT_PLURAL, name
-        )
-        checkpoints = checkpoint_views([raw])
-    except ApiException as error:
-        if error.status != 404:
-            raise
+    raw = await kube.get_checkpoint(namespace, name)
+    checkpoints: list[CheckpointView] = [] if raw is None else checkpoint_views([raw])
     view = SetView.from_set(rset, live_pods=len(pods))
     return _eviction_holds(view, terminating, checkpoints, clock())
 

@@ -11,6 +11,13 @@ continues the recovery instead of starting a second one:
 Restore is all or nothing (the coordinator retires the target attempt everywhere when any
 participant fails), so a failed try cannot reuse its pods: the next try runs under a newer
 attempt, after a backoff, at most `recovery.maxRestarts` times.
+
+`restorePolicy: Recreate` replaces every pod in StoppingAttempt. `InPlace` (see `inplace.py`)
+replaces only the lost ones there: the kept pods retire the lost attempt and are relabelled to
+the target attempt, and the restore re-wires kept callers whose callee was replaced. When that
+cannot be done safely (nothing survived, the spec changed, a kept pod refuses to retire) the try
+falls back to Recreate, with reason `InPlaceFallback` on the Recovering condition and an Event;
+a failed InPlace try is followed by Recreate tries.
 """
 
 from __future__ import annotations
@@ -27,23 +34,24 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from rollout_protocol import Coordinator, HttpParticipantClient
 
 from .api import (
-    GROUP,
-    ROLLOUT_CHECKPOINT_PLURAL,
-    VERSION,
+    LABEL_ATTEMPT,
     ConditionStatus,
+    LastRecovery,
     RecoveryPhase,
     RecoveryStatus,
+    RestorePolicy,
     RolloutCheckpoint,
     RolloutSet,
     SetConditionType,
     TargetLevel,
 )
 from .conditions import ConditionUpdate, find_condition, is_true, merge_conditions, utcnow
+from .inplace import instance_name, plan_in_place, rewiring
 from .kube import Conflict, Kube
 from .policyops import RESUMED_REASON, eviction_holds
-from .resources import set_selector
+from .resources import control_port, participant_url, set_selector
 from .setops import delete_attempt_pods, observe_pods, read_control_token, reconcile_pods
-from .setplan import PodView, attempt_instances
+from .setplan import Instance, PodView, attempt_instances
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +78,11 @@ class Reason:
     RESTORE_FAILED: Final = "RestoreFailed"
     PODS_NOT_READY: Final = "ReplacementPodsNotReady"
     RESTARTS_EXHAUSTED: Final = "MaxRestartsExceeded"
+    IN_PLACE_FALLBACK: Final = "InPlaceFallback"
+
+
+RETIRE_SECONDS: Final = 30.0
+"""How long kept pods of an InPlace recovery may take to retire the lost attempt."""
 
 
 def counts_as_restart(recovery: RecoveryStatus) -> bool:
@@ -110,22 +123,41 @@ def detect_loss(
         return None
     if is_true(status.conditions, SetConditionType.SUSPENDED.value):
         return None
+    losses = find_losses(rset, attempt, pods, nodes_of, lost_nodes, held)
+    return next(iter(losses.values()), None)
+
+
+def find_losses(
+    rset: RolloutSet,
+    attempt: int,
+    pods: list[PodView],
+    nodes_of: dict[str, str],
+    lost_nodes: set[str],
+    held: frozenset[str] = frozenset(),
+) -> dict[Instance, Loss]:
+    """Every participant instance of `attempt` that was lost, with why (in role order)."""
     existing = {(p.role, p.index): p for p in pods if p.attempt == attempt}
+    losses: dict[Instance, Loss] = {}
     for role, index in attempt_instances(rset, attempt, pods):
         pod = existing.get((role, index))
         label = f"{role.value}-{index} of attempt {attempt}"
         if pod is None:
-            return Loss(Reason.POD_DELETED, f"participant {label}: its pod is gone")
-        if pod.finished:
-            return Loss(Reason.POD_FAILED, f"participant {label} ({pod.name}): {pod.problem}")
-        if pod.terminating and pod.name not in held:
-            return Loss(Reason.POD_DELETED, f"participant {label} ({pod.name}) is being deleted")
-        node = nodes_of.get(pod.name)
-        if node is not None and node in lost_nodes:
-            return Loss(
+            losses[(role, index)] = Loss(
+                Reason.POD_DELETED, f"participant {label}: its pod is gone"
+            )
+        elif pod.finished:
+            losses[(role, index)] = Loss(
+                Reason.POD_FAILED, f"participant {label} ({pod.name}): {pod.problem}"
+            )
+        elif pod.terminating and pod.name not in held:
+            losses[(role, index)] = Loss(
+                Reason.POD_DELETED, f"participant {label} ({pod.name}) is being deleted"
+            )
+        elif (node := nodes_of.get(pod.name)) is not None and node in lost_nodes:
+            losses[(role, index)] = Loss(
                 Reason.NODE_LOST, f"participant {label} ({pod.name}) ran on node {node}, NotReady"
             )
-    return None
+    return losses
 
 
 async def observe(kube: Kube, rset: RolloutSet) -> tuple[list[PodView], dict[str, str], set[str]]:
@@ -161,6 +193,10 @@ class RecoveryFailed(Exception):
         super().__init__(message)
         self.reason = reason
         self.message = message
+
+
+class InPlaceRefused(Exception):
+    """An InPlace recovery cannot keep its survivors safely; the try falls back to Recreate."""
 
 
 def _wire(model: Any) -> Any:
@@ -220,7 +256,15 @@ class RecoveryFlow:
     async def _set_phase(self, rset: RolloutSet, phase: RecoveryPhase, **fields: Any) -> RolloutSet:
         recovery = rset.status.recovery
         assert recovery is not None
-        updated = recovery.model_copy(update={"phase": phase, **fields})
+        now = utcnow()
+        spent = dict(recovery.phase_seconds)
+        began = recovery.phase_started_at or recovery.started_at
+        spent[recovery.phase.value] = round(
+            spent.get(recovery.phase.value, 0.0) + max(0.0, (now - began).total_seconds()), 3
+        )
+        updated = recovery.model_copy(
+            update={"phase": phase, "phase_seconds": spent, "phase_started_at": now, **fields}
+        )
         message = f"attempt {updated.from_attempt} -> {updated.target_attempt}: {phase.value}" + (
             f" (checkpoint {updated.checkpoint})" if updated.checkpoint else ""
         )
@@ -237,15 +281,24 @@ class RecoveryFlow:
     async def start(self, rset: RolloutSet, loss: Loss) -> RolloutSet:
         """Record the loss: from now on the recovery owns the set's pods and conditions."""
         attempt = rset.status.attempt or 1
+        policy = rset.spec.recovery.restore_policy
+        now = utcnow()
         recovery = RecoveryStatus(
             phase=RecoveryPhase.STOPPING_ATTEMPT,
             from_attempt=attempt,
             target_attempt=attempt + 1,
-            started_at=utcnow(),
+            started_at=now,
+            phase_started_at=now,
             reason=loss.reason,
             message=loss.message,
+            restore_policy=policy,
         )
-        message = f"{loss.message}; replacing every participant under attempt {attempt + 1}"
+        replacing = (
+            "replacing the lost participants (InPlace)"
+            if policy is RestorePolicy.IN_PLACE
+            else "replacing every participant"
+        )
+        message = f"{loss.message}; {replacing} under attempt {attempt + 1}"
         rset = await self._patch(
             rset,
             {"recovery": _wire(recovery)},
@@ -285,12 +338,106 @@ class RecoveryFlow:
     async def _stop_attempt(self, rset: RolloutSet) -> RolloutSet:
         recovery = rset.status.recovery
         assert recovery is not None
+        if recovery.restore_policy is RestorePolicy.IN_PLACE:
+            try:
+                return await self._keep_survivors(rset)
+            except InPlaceRefused as refused:
+                rset = await self._fall_back(rset, str(refused))
+                recovery = rset.status.recovery
+                assert recovery is not None
         # Every pod older than the target attempt goes: a survivor of the lost attempt would
         # keep running episodes that the restore also continues (they would complete twice).
-        for attempt in range(recovery.from_attempt, recovery.target_attempt):
+        # Pods already labelled with the target attempt go too: an InPlace try kept them
+        # (relabelled), and it failed or fell back. No pod of the target attempt was created
+        # yet: that happens in the next phase.
+        for attempt in range(recovery.from_attempt, recovery.target_attempt + 1):
             await delete_attempt_pods(self._kube, rset, attempt, grace_seconds=STOP_GRACE_SECONDS)
+        replaced = [instance_name(i) for i in attempt_instances(rset, recovery.from_attempt, [])]
         # `nextTryAt` marks when this try began: its restoreTimeoutSeconds count from here.
-        return await self._set_phase(rset, RecoveryPhase.STARTING_PODS, next_try_at=utcnow())
+        return await self._set_phase(
+            rset, RecoveryPhase.STARTING_PODS, next_try_at=utcnow(), kept=[], replaced=replaced
+        )
+
+    async def _keep_survivors(self, rset: RolloutSet) -> RolloutSet:
+        """InPlace: the kept pods retire the lost attempt and join the target; the lost go."""
+        recovery = rset.status.recovery
+        assert recovery is not None
+        source, target = recovery.from_attempt, recovery.target_attempt
+        pods, nodes_of, lost_nodes = await observe(self._kube, rset)
+        lost = find_losses(rset, source, pods, nodes_of, lost_nodes)
+        plan = plan_in_place(rset, source, target, pods, set(lost))
+        if plan.refused is not None:
+            raise InPlaceRefused(plan.refused)
+        namespace = rset.metadata.namespace or "default"
+        token = await read_control_token(self._kube, namespace, rset.metadata.name)
+        if token is None:
+            raise InPlaceRefused("the set's control-token Secret is missing")
+        clients: list[HttpParticipantClient] = []
+        for pod in plan.kept:
+            spec = rset.spec.participant(pod.role)
+            if pod.ip is None or spec is None:
+                raise InPlaceRefused(f"kept pod {pod.name} has no address")
+            url = participant_url(pod.ip, control_port(spec.template))
+            clients.append(HttpParticipantClient(pod.role, url, index=pod.index, token=token))
+        try:
+            retired = await Coordinator(clients).retire(
+                source,
+                None,
+                self._clock() + RETIRE_SECONDS,
+                operation_id=f"in-place-a{source}-a{target}",
+            )
+        finally:
+            for client in clients:
+                await client.aclose()
+        if retired.failures:
+            raise InPlaceRefused(
+                f"kept pod(s) could not retire attempt {source}: "
+                + "; ".join(str(f) for f in retired.failures[:3])
+            )
+        for pod in plan.kept:
+            if pod.attempt == target:
+                continue
+            relabelled = await self._kube.patch_pod_metadata(
+                namespace, pod.name, labels={LABEL_ATTEMPT: str(target)}
+            )
+            if not relabelled:
+                raise InPlaceRefused(f"kept pod {pod.name} is gone")
+        # Only the lost pods are still labelled with the old attempt now.
+        await delete_attempt_pods(self._kube, rset, source, grace_seconds=STOP_GRACE_SECONDS)
+        kept = [p.name for p in plan.kept]
+        replaced = [instance_name(i) for i in plan.replaced]
+        logger.info(
+            "set %s InPlace: keeping %s, replacing %s under attempt %d",
+            rset.metadata.name,
+            ", ".join(kept),
+            ", ".join(replaced),
+            target,
+        )
+        return await self._set_phase(
+            rset, RecoveryPhase.STARTING_PODS, next_try_at=utcnow(), kept=kept, replaced=replaced
+        )
+
+    async def _fall_back(self, rset: RolloutSet, why: str) -> RolloutSet:
+        """Recreate from here on, saying why on the Recovering condition and in an Event."""
+        recovery = rset.status.recovery
+        assert recovery is not None
+        message = f"InPlace recovery not possible, replacing every participant instead: {why}"
+        logger.warning("set %s: %s", rset.metadata.name, message)
+        updated = recovery.model_copy(
+            update={"restore_policy": RestorePolicy.RECREATE, "fallback": why}
+        )
+        rset = await self._patch(
+            rset,
+            {"recovery": _wire(updated)},
+            [
+                ConditionUpdate.of(
+                    SetConditionType.RECOVERING.value, True, Reason.IN_PLACE_FALLBACK, message
+                )
+            ],
+        )
+        if self._on_transition is not None:
+            await self._on_transition(rset, Reason.IN_PLACE_FALLBACK, message, True)
+        return rset
 
     def _try_deadline(self, rset: RolloutSet) -> float:
         recovery = rset.status.recovery
@@ -361,17 +508,10 @@ class RecoveryFlow:
         name = rset.status.latest_checkpoint
         if not name:
             return None
-        namespace = rset.metadata.namespace or "default"
-        try:
-            raw = await self._kube.custom.get_namespaced_custom_object(
-                GROUP, VERSION, namespace, ROLLOUT_CHECKPOINT_PLURAL, name
-            )
-        except ApiException as error:
-            if error.status == 404:
-                logger.warning("latest checkpoint %s of %s is gone", name, rset.metadata.name)
-                return None
-            raise
-        ckpt = RolloutCheckpoint.model_validate(raw)
+        ckpt = await self._read_checkpoint(rset, name)
+        if ckpt is None:
+            logger.warning("latest checkpoint %s of %s is gone", name, rset.metadata.name)
+            return None
         ready = find_condition(ckpt.status.conditions, "Ready")
         if ready is None or ready.status is not ConditionStatus.TRUE:
             return None
@@ -399,10 +539,11 @@ class RecoveryFlow:
         if recovery.checkpoint is None:
             return await self._set_phase(rset, RecoveryPhase.RESUMING)
         coordinator, clients = await self._coordinator(rset)
+        peers = rewiring(rset, rset.status.participants, set(recovery.kept))
         try:
             deadline = max(self._try_deadline(rset), self._clock() + 30.0)
             outcome = await coordinator.restore(
-                recovery.checkpoint, recovery.target_attempt, deadline
+                recovery.checkpoint, recovery.target_attempt, deadline, peers=peers
             )
         finally:
             for client in clients:
@@ -420,7 +561,9 @@ class RecoveryFlow:
             recovery.checkpoint,
             recovery.target_attempt,
         )
-        return await self._set_phase(rset, RecoveryPhase.RESUMING)
+        return await self._set_phase(
+            rset, RecoveryPhase.RESUMING, episodes_restored=len(outcome.episodes)
+        )
 
     async def _resume(self, rset: RolloutSet) -> RolloutSet | None:
         recovery = rset.status.recovery
@@ -444,15 +587,19 @@ class RecoveryFlow:
             reason, how = Reason.SIBLING_RESTART, "targetLevel sibling: episodes restart"
         else:
             reason, how = Reason.NO_CHECKPOINT, "no Ready checkpoint: episodes restart from scratch"
-        took = (utcnow() - recovery.started_at).total_seconds()
+        now = utcnow()
+        took = (now - recovery.started_at).total_seconds()
+        kept = f"; kept {len(recovery.kept)} pod(s)" if recovery.kept else ""
         message = (
             f"recovered from {recovery.reason or 'a lost participant'} in {took:.0f}s: "
-            f"attempt {recovery.target_attempt} runs; {how}"
+            f"attempt {recovery.target_attempt} runs; {how}{kept}"
         )
+        last = await self._last_recovery(rset, recovery, now)
         rset = await self._patch(
             rset,
             {
                 "recovery": None,
+                "lastRecovery": _wire(last),
                 "attempt": recovery.target_attempt,
                 "createdAttempt": recovery.target_attempt,
                 "restarts": rset.status.restarts + (1 if counts_as_restart(recovery) else 0),
@@ -466,6 +613,43 @@ class RecoveryFlow:
         if self._on_transition is not None:
             await self._on_transition(rset, reason, message, False)
         return rset
+
+    async def _last_recovery(
+        self, rset: RolloutSet, recovery: RecoveryStatus, now: datetime
+    ) -> LastRecovery:
+        """What this recovery kept and lost, for status, the printer columns and metrics."""
+        spent = dict(recovery.phase_seconds)
+        began = recovery.phase_started_at or recovery.started_at
+        spent[recovery.phase.value] = round(
+            spent.get(recovery.phase.value, 0.0) + max(0.0, (now - began).total_seconds()), 3
+        )
+        age: float | None = None
+        restarted = 0
+        if recovery.checkpoint is not None:
+            ckpt = await self._read_checkpoint(rset, recovery.checkpoint)
+            if ckpt is not None:
+                restarted = ckpt.status.restarts or 0
+                completed = ckpt.status.completed_at
+                if completed is not None:
+                    age = max(0.0, (recovery.started_at - completed).total_seconds())
+        return LastRecovery(
+            completed_at=now,
+            reason=recovery.reason or "Unknown",
+            attempt=recovery.target_attempt,
+            restore_policy=recovery.restore_policy,
+            kept=len(recovery.kept),
+            replaced=len(recovery.replaced),
+            checkpoint=recovery.checkpoint,
+            checkpoint_age_seconds=None if age is None else round(age, 3),
+            episodes_continued=recovery.episodes_restored or 0,
+            episodes_restarted=restarted,
+            duration_seconds=round(max(0.0, (now - recovery.started_at).total_seconds()), 3),
+            phase_seconds=spent,
+        )
+
+    async def _read_checkpoint(self, rset: RolloutSet, name: str) -> RolloutCheckpoint | None:
+        raw = await self._kube.get_checkpoint(rset.metadata.namespace or "default", name)
+        return None if raw is None else RolloutCheckpoint.model_validate(raw)
 
     async def _try_failed(
         self, rset: RolloutSet | None, failed: RecoveryFailed
@@ -525,11 +709,19 @@ class RecoveryFlow:
             wait = recovery.next_try_at.timestamp() - self._clock()
             if wait > 0:
                 await anyio.sleep(wait)
-        # The failed try's attempt was retired everywhere; the next try needs fresh pods.
+        # The failed try's attempt was retired everywhere (kept pods included); the next try
+        # needs fresh pods, all of them.
+        fields: dict[str, Any] = {}
+        if recovery.restore_policy is RestorePolicy.IN_PLACE:
+            fields = {
+                "restore_policy": RestorePolicy.RECREATE,
+                "fallback": f"the InPlace try failed: {recovery.message or 'see events'}",
+            }
         return await self._set_phase(
             rset,
             RecoveryPhase.STOPPING_ATTEMPT,
             target_attempt=recovery.target_attempt + 1,
+            **fields,
         )
 
 

@@ -124,7 +124,17 @@ GRANTS = [
         },
     ),
     *_g(GROUP, "rolloutcheckpoints/status", {"patch": "checkpoint"}),
-    *_g("", "pods", {"list": "start", "watch": "start", "create": "set", "delete": "kill"}),
+    *_g(
+        "",
+        "pods",
+        {
+            "list": "start",
+            "watch": "start",
+            "create": "set",
+            "delete": "kill",
+            "patch": "checkpoint",
+        },
+    ),
     *_g("", "services", {"create": "set"}),
     *_g("", "secrets", {"get": "set", "create": "set"}),
     *_g("", "events", {"create": "set"}),
@@ -588,17 +598,17 @@ async def story(
 # --- one verb removed at a time ------------------------------------------------------------------
 
 
-PROBE_SCRIPT = "import time; time.sleep(600)"
-
-
 def probe_set(storage: Path) -> dict[str, Any]:
-    """One pod that just runs: enough for the set, its pods, Services, Secret, a recovery, and a
-    policy checkpoint."""
+    """One real model server: enough for the set, its pods, Services, Secret, a recovery, and a
+    policy checkpoint that completes (and then annotates the pod)."""
     container = {
         "name": "probe",
         "image": "unused.invalid/probe",
-        "command": [sys.executable, "-c", PROBE_SCRIPT],
+        "command": [str(Path(sys.executable).parent / "rollout-server"), "model"],
+        "args": ["--host", "$(POD_IP)", "--port", "8000"],
+        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "ports": [{"name": "control", "containerPort": 8000}],
+        "readinessProbe": {"httpGet": {"path": "/healthz", "port": "control"}, "periodSeconds": 1},
     }
     return {
         "apiVersion": f"{GROUP}/v1alpha1",

@@ -7,6 +7,7 @@ rules that the flows rely on (a stale resourceVersion is a Conflict; a null fiel
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any, cast
 
 from rollout_operator.kube import Conflict, Kube
@@ -15,9 +16,11 @@ from rollout_operator.kube import Conflict, Kube
 class InMemorySet:
     """One RolloutSet, read with its resourceVersion and status-patched with it as precondition."""
 
-    def __init__(self, obj: dict[str, Any]) -> None:
+    def __init__(self, obj: dict[str, Any], checkpoints: Sequence[dict[str, Any]] = ()) -> None:
         self.set = obj
         self.version = 1
+        self.checkpoints = {c["metadata"]["name"]: c for c in checkpoints}
+        """RolloutCheckpoints the flows may read (by name); none unless a test gives some."""
 
     def as_kube(self) -> Kube:
         return cast(Kube, self)
@@ -26,6 +29,10 @@ class InMemorySet:
         obj = copy.deepcopy(self.set)
         obj["metadata"]["resourceVersion"] = str(self.version)
         return obj
+
+    async def get_checkpoint(self, namespace: str, name: str) -> dict[str, Any] | None:
+        found = self.checkpoints.get(name)
+        return None if found is None else copy.deepcopy(found)
 
     async def patch_set_status(
         self, namespace: str, name: str, status: dict[str, Any], *, resource_version: str | None

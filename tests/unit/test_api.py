@@ -95,10 +95,11 @@ def test_turn_level_that_would_never_save_is_refused() -> None:
     assert api.RULE_NEVER_SAVES.message in message
 
 
-def test_in_place_restore_policy_is_refused_until_implemented() -> None:
-    body = spec(recovery={"restorePolicy": "InPlace"})
-    assert api.RULE_IN_PLACE_NOT_YET.message in refusal(api.RolloutSetSpec, body)
-    assert api.RolloutSetSpec.model_validate(spec(recovery={"restorePolicy": "Recreate"}))
+def test_both_restore_policies_are_accepted() -> None:
+    for policy in ("InPlace", "Recreate"):
+        parsed = api.RolloutSetSpec.model_validate(spec(recovery={"restorePolicy": policy}))
+        assert parsed.recovery.restore_policy.value == policy
+    assert "restorePolicy" in refusal(api.RolloutSetSpec, spec(recovery={"restorePolicy": "Keep"}))
 
 
 @pytest.mark.parametrize(

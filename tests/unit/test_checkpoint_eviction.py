@@ -16,7 +16,6 @@ from typing import Any, cast
 
 import pytest
 from kube_fakes import InMemorySet
-from kubernetes_asyncio.client.exceptions import ApiException
 from rollout_operator import api
 from rollout_operator.checkpointing import CheckpointFlow, Reason
 from rollout_operator.policy import EVICTION_COMMIT_MARGIN_SECONDS, parse_time
@@ -100,12 +99,8 @@ class FakeApi(InMemorySet):
     async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         return copy.deepcopy(self.pods)
 
-    async def get_namespaced_custom_object(
-        self, group: str, version: str, namespace: str, plural: str, name: str
-    ) -> dict[str, Any]:
-        if plural != api.ROLLOUT_CHECKPOINT_PLURAL or name != CKPT:
-            raise ApiException(status=404, reason="Not Found")
-        return copy.deepcopy(self.checkpoint)
+    async def get_checkpoint(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.checkpoint) if name == CKPT else None
 
     async def patch_namespaced_custom_object_status(
         self,

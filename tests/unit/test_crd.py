@@ -106,7 +106,14 @@ def test_printer_columns_answer_is_it_safe_and_since_when() -> None:
         columns = load(kind)["spec"]["versions"][0]["additionalPrinterColumns"]
         return [c["name"] for c in columns if not c.get("priority")]
 
-    assert names(crdgen.ROLLOUT_SET) == ["Ready", "Attempt", "Latest-Checkpoint", "Age"]
+    assert names(crdgen.ROLLOUT_SET) == [
+        "Ready",
+        "Attempt",
+        "Latest-Checkpoint",
+        "Kept",
+        "Replaced",
+        "Age",
+    ]
     assert names(crdgen.ROLLOUT_CHECKPOINT) == [
         "Ready",
         "Set",

@@ -115,12 +115,8 @@ class FakeApi:
     ) -> dict[str, Any]:
         return {"items": [copy.deepcopy(c) for c in self.checkpoints.values()]}
 
-    async def get_namespaced_custom_object(
-        self, group: str, version: str, namespace: str, plural: str, name: str
-    ) -> dict[str, Any]:
-        if name not in self.checkpoints:
-            raise not_found()
-        return copy.deepcopy(self.checkpoints[name])
+    async def get_checkpoint(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.checkpoints[name]) if name in self.checkpoints else None
 
     async def create_namespaced_custom_object(
         self, group: str, version: str, namespace: str, plural: str, body: dict[str, Any]

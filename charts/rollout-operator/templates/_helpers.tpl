@@ -93,10 +93,12 @@ checkpointing.py, recovery.py, handlers/) and with Kopf.
 {{- end }}
 # Participant pods: list and watch (Kopf's pod events wake the set; a terminating pod starts an
 # eviction checkpoint), create the pods of an attempt, delete the pods of a lost attempt in
-# recovery and of a suspended set. Never update: pods are replaced.
+# recovery and of a suspended set, and patch their metadata: the latest-checkpoint annotations
+# after every Ready checkpoint, and the attempt label of the pods an InPlace recovery keeps.
+# Never update: a pod's spec is never changed, pods are replaced.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list, watch, create, delete]
+  verbs: [list, watch, create, delete, patch]
 # One Service per role; created once and removed with the set by owner references.
 - apiGroups: [""]
   resources: [services]
