@@ -5,15 +5,17 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 BIN_LINK := .bin/devcluster
+ENGINE_LINK := .bin/engines
 PYTEST_ARGS ?=
 
-.PHONY: help venv cluster-binaries lint test test-unit test-protocol test-e2e demo cluster cluster-down crds bench clean kind-e2e kind-e2e-down
+.PHONY: help venv cluster-binaries engine lint test test-unit test-protocol test-e2e demo cluster cluster-down crds bench clean kind-e2e kind-e2e-down
 
 help:
 	@echo "make demo              run the demo on a local devcluster (add DEMO_ARGS=--keep to leave it up)"
 	@echo "make test              lint, type-check and run every test (unit, protocol, e2e)"
 	@echo "make test-unit         only the fast tests"
 	@echo "make cluster-binaries  build the pinned control-plane binaries (cached per machine)"
+	@echo "make engine            build llama.cpp's llama-server for the engine tests (cached per machine)"
 	@echo "make cluster           start a devcluster in .devcluster/ and print the KUBECONFIG line"
 	@echo "make cluster-down      stop it"
 	@echo "make crds              regenerate crds/ from the API models"
@@ -22,7 +24,7 @@ help:
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,engine]'
 	@# devcluster/ and harness/ are not in the wheel; the checkout's venv finds them through this .pth
 	@echo "$(CURDIR)" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/rollout-checkout.pth"
 	@touch $@
@@ -34,6 +36,13 @@ cluster-binaries:
 	@bindir="$$(devcluster/build-binaries.sh | tail -n 1)" && ln -sfn "$$bindir" $(BIN_LINK) \
 	  && echo "[devcluster] binaries in $$bindir (linked as $(BIN_LINK))"
 
+# llama.cpp's server, for the engine protocol tests (tests/protocol/test_engine_continuation.py);
+# the first build takes tens of minutes on two cores, later runs find it cached.
+engine: venv
+	@mkdir -p .bin
+	@bindir="$$(engines/build-llama-server.sh $(PY) | tail -n 1)" && ln -sfn "$$bindir" $(ENGINE_LINK) \
+	  && echo "[engines] llama-server in $$bindir (linked as $(ENGINE_LINK))"
+
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -42,13 +51,13 @@ lint: venv
 test-unit: venv cluster-binaries
 	$(VENV)/bin/pytest -m unit $(PYTEST_ARGS)
 
-test-protocol: venv
+test-protocol: venv engine
 	$(VENV)/bin/pytest -m protocol $(PYTEST_ARGS)
 
 test-e2e: venv cluster-binaries
 	$(VENV)/bin/pytest -m e2e $(PYTEST_ARGS)
 
-test: venv cluster-binaries lint
+test: venv cluster-binaries engine lint
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 demo: venv cluster-binaries

@@ -33,15 +33,17 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import random
 import re
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol, TypeVar
 
 import anyio
+import httpx
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -124,6 +126,9 @@ class DeliveredData(BaseModel):
     text: str
     finish_reason: str
     tokens: int = Field(ge=0)
+    # added with token-id continuation; records written before them still validate
+    ids: list[int] | None = None
+    logprobs: list[tuple[str, float]] | None = None
 
 
 @dataclass(frozen=True)
@@ -162,10 +167,31 @@ class Identity:
     attempt: int
 
 
+TokenLogprob = tuple[str, float]
+"""One generated token's text and log-probability."""
+
+
 @dataclass(frozen=True)
 class Piece:
     text: str
     finish_reason: str | None = None
+    ids: tuple[int, ...] | None = None
+    """The engine's ids of this piece's tokens; None when the engine reports none."""
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    continued: ContinuationMode | None = None
+    """Set on the first piece after a cut: how the backend continued."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a generation stands when the backend is asked for the rest."""
+
+    text: str = ""
+    tokens: int = 0
+    ids: tuple[int, ...] | None = ()
+    """The ids of every token so far, or None when some are unknown (text-level only)."""
+    seed_key: str = ""
+    """`<rollout>/<key>` (the request digest when unkeyed): seeds derive from it."""
 
 
 @dataclass(frozen=True)
@@ -173,6 +199,7 @@ class Done:
     text: str
     finish_reason: str
     tokens: int
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -181,6 +208,9 @@ class Failed:
 
 
 Item = Piece | Done | Failed
+ContinuationMode = Literal["token_ids", "text"]
+CONTINUATION_ENV = "ROLLOUT_RELAY_CONTINUATION"
+"""`text` makes the openai backend continue from text even where the engine gives ids (tests)."""
 
 
 @dataclass
@@ -195,10 +225,8 @@ class Delivered:
 
 
 class Backend(Protocol):
-    def stream(
-        self, request: GenRequest, prefix: str, produced: int
-    ) -> AsyncGenerator[Piece, None]:
-        """The pieces after `prefix` (`produced` tokens); the last one has a finish reason."""
+    def stream(self, request: GenRequest, progress: Progress) -> AsyncGenerator[Piece, None]:
+        """The pieces after `progress` (text and tokens so far); the last has a finish reason."""
         ...
 
     async def aclose(self) -> None: ...
@@ -266,9 +294,8 @@ class BuiltinBackend:
         self.token_latency_s = token_latency_s
         self.mistake_rate = mistake_rate
 
-    async def stream(
-        self, request: GenRequest, prefix: str, produced: int
-    ) -> AsyncGenerator[Piece, None]:
+    async def stream(self, request: GenRequest, progress: Progress) -> AsyncGenerator[Piece, None]:
+        produced = progress.tokens
         prompt, max_tokens = request.prompt_text, request.max_tokens
         cont = request.continuation
         if cont is not None:
@@ -299,33 +326,64 @@ class BuiltinBackend:
 
 
 class OpenAIBackend:
-    """Relay to an upstream OpenAI-compatible server, always streamed (cuts need chunks)."""
+    """Relay to an upstream OpenAI-compatible server (cuts need chunks or single steps).
+
+    Completions continue a cut generation from token ids where the engine allows it: the
+    relay asks for each sampled token's id (`logprobs` entries with an `id`, as llama.cpp's
+    server gives them, or vLLM's `token_ids` with `return_token_ids`), records them, and sends
+    the continuation's prompt as ids (the prompt's ids from the engine's `/tokenize`, then the
+    generated ids), so nothing is re-tokenised. An engine that gives no ids gets the prefix as
+    text (`prompt + prefix`), which BPE may re-tokenise differently; the generation record and
+    `/stats` say so. A seeded sampled completion (`seed` set, temperature not 0) runs one token
+    per upstream request with a seed derived from (seed, rollout, key, position): the engine's
+    random stream then depends only on the position, so a continuation samples the same tokens.
+    Chat requests continue from text (vLLM's `continue_final_message`).
+    """
 
     def __init__(self, upstream_url: str, timeout_s: float) -> None:
         self.base = upstream_url.rstrip("/")
         self._clients = ShardedClients(PEER_SHARDS, timeout_s)
+        self.text_only = os.environ.get(CONTINUATION_ENV, "auto") == "text"
+        self._prompt_ids: OrderedDict[str, list[int] | None] = OrderedDict()
 
-    async def stream(
-        self, request: GenRequest, prefix: str, produced: int
-    ) -> AsyncGenerator[Piece, None]:
-        body = dict(request.body)
-        body["stream"] = True
-        remaining = max(1, request.max_tokens - produced)
-        if request.kind == "completion":
-            path = "/v1/completions"
-            body["prompt"] = request.body["prompt"] + prefix
-            body["max_tokens"] = remaining
+    async def stream(self, request: GenRequest, progress: Progress) -> AsyncGenerator[Piece, None]:
+        if request.kind == "chat":
+            async for piece in self._chat(request, progress):
+                yield piece
+            return
+        wanted = _wanted_logprobs(request)
+        seeded = request.body.get("seed") is not None and _temperature(request) != 0
+        continuing = progress.tokens > 0
+        prompt_ids: list[int] | None = None
+        if not self.text_only and progress.ids is not None and (continuing or seeded):
+            prompt_ids = await self._tokenize(request)
+        mode: ContinuationMode | None = None
+        if continuing:
+            mode = "token_ids" if prompt_ids is not None else "text"
+        if seeded and prompt_ids is not None and progress.ids is not None:
+            pieces = self._steps(request, progress, prompt_ids, wanted)
         else:
-            path = "/v1/chat/completions"
-            if prefix:
-                body["messages"] = [
-                    *request.body["messages"],
-                    {"role": "assistant", "content": prefix},
-                ]
-                body["continue_final_message"] = True
-                body["add_generation_prompt"] = False
-            body.pop("max_completion_tokens", None)
-            body["max_tokens"] = remaining
+            body = dict(request.body)
+            if prompt_ids is not None and progress.ids is not None:
+                body["prompt"] = [*prompt_ids, *progress.ids]
+            else:
+                body["prompt"] = request.body["prompt"] + progress.text
+            body["max_tokens"] = max(1, request.max_tokens - progress.tokens)
+            pieces = self._streamed("/v1/completions", body, request, wanted)
+        async for piece in pieces:
+            if mode is not None:
+                piece, mode = replace(piece, continued=mode), None
+            yield piece
+
+    async def _streamed(
+        self, path: str, body: dict[str, Any], request: GenRequest, wanted: int | None
+    ) -> AsyncGenerator[Piece, None]:
+        body["stream"] = True
+        if request.kind == "completion" and not self.text_only:
+            # ask for what identifies the sampled tokens: a logprob entry per token (llama.cpp
+            # puts the id in it) and vLLM's token ids; engines ignore what they do not know
+            body["logprobs"] = max(wanted or 0, 1)
+            body["return_token_ids"] = True
         client = self._clients.for_key(request.digest)
         async with client.stream("POST", self.base + path, json=body) as response:
             if response.status_code >= 400:
@@ -341,8 +399,140 @@ class OpenAIBackend:
                 if piece is not None:
                     yield piece
 
+    async def _chat(self, request: GenRequest, progress: Progress) -> AsyncGenerator[Piece, None]:
+        body = dict(request.body)
+        if progress.text:
+            body["messages"] = [
+                *request.body["messages"],
+                {"role": "assistant", "content": progress.text},
+            ]
+            body["continue_final_message"] = True
+            body["add_generation_prompt"] = False
+        body.pop("max_completion_tokens", None)
+        body["max_tokens"] = max(1, request.max_tokens - progress.tokens)
+        mode: ContinuationMode | None = "text" if progress.tokens > 0 else None
+        async for piece in self._streamed("/v1/chat/completions", body, request, None):
+            if mode is not None:
+                piece, mode = replace(piece, continued=mode), None
+            yield piece
+
+    async def _steps(
+        self, request: GenRequest, progress: Progress, prompt_ids: list[int], wanted: int | None
+    ) -> AsyncGenerator[Piece, None]:
+        """One token per request, each seeded by its position: exact across cuts."""
+        assert progress.ids is not None
+        ids = list(progress.ids)
+        position = progress.tokens
+        seed = int(request.body["seed"])
+        client = self._clients.for_key(request.digest)
+        path = self.base + "/v1/completions"
+        while True:
+            body = dict(request.body)
+            body.update(
+                prompt=[*prompt_ids, *ids],
+                max_tokens=1,
+                stream=False,
+                seed=derived_seed(seed, progress.seed_key, position),
+                logprobs=max(wanted or 0, 1),
+                return_token_ids=True,
+            )
+            response = await client.post(path, json=body)
+            if response.status_code >= 400:
+                raise peer_error(path, response)
+            choice = (response.json().get("choices") or [{}])[0]
+            text = str(choice.get("text") or "")
+            step_ids, logprobs = _choice_tokens(choice, text)
+            if step_ids is None or len(step_ids) > 1:
+                raise ProtocolError(
+                    ErrorCode.INTERNAL,
+                    f"{self.base} gave no single token id for a one-token step: {choice!r:.200}",
+                )
+            ids.extend(step_ids)
+            position += len(step_ids)
+            upstream_reason = choice.get("finish_reason")
+            done = not step_ids or upstream_reason == "stop" or position >= request.max_tokens
+            reason = (
+                ("stop" if upstream_reason == "stop" or not step_ids else "length")
+                if done
+                else None
+            )
+            yield Piece(text, reason, ids=step_ids, logprobs=logprobs)
+            if done:
+                return
+
+    async def _tokenize(self, request: GenRequest) -> list[int] | None:
+        """The prompt's ids as the engine tokenises it for a completion; None if it cannot."""
+        digest = task_digest({"prompt": request.body["prompt"], "model": request.body.get("model")})
+        if digest in self._prompt_ids:
+            return self._prompt_ids[digest]
+        prompt = request.body["prompt"]
+        body = {
+            # llama.cpp's /tokenize reads content/add_special, vLLM's prompt/add_special_tokens
+            "content": prompt,
+            "prompt": prompt,
+            "add_special": True,
+            "add_special_tokens": True,
+        }
+        if request.body.get("model") is not None:
+            body["model"] = request.body["model"]
+        ids: list[int] | None = None
+        client = self._clients.for_key(request.digest)
+        try:
+            response = await client.post(self.base + "/tokenize", json=body)
+            tokens = response.json().get("tokens") if response.status_code == 200 else None
+            if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
+                ids = [int(t) for t in tokens]
+        except (httpx.HTTPError, ValueError):
+            ids = None
+        self._prompt_ids[digest] = ids
+        while len(self._prompt_ids) > 1024:
+            self._prompt_ids.popitem(last=False)
+        return ids
+
     async def aclose(self) -> None:
         await self._clients.aclose()
+
+
+def derived_seed(seed: int, seed_key: str, position: int) -> int:
+    """The seed of the token at `position` of a generation (31 bits, as every engine takes)."""
+    digest = hashlib.sha256(f"{seed}\x00{seed_key}\x00{position}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+def _temperature(request: GenRequest) -> float | None:
+    value = request.body.get("temperature")
+    return float(value) if isinstance(value, int | float) else None
+
+
+def _wanted_logprobs(request: GenRequest) -> int | None:
+    value = request.body.get("logprobs")
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _choice_tokens(
+    choice: dict[str, Any], text: str
+) -> tuple[tuple[int, ...] | None, tuple[TokenLogprob, ...] | None]:
+    """The ids and logprobs of the tokens in one choice (chunk), as the engine reports them."""
+    ids: tuple[int, ...] | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    raw_ids = choice.get("token_ids")  # vLLM, with return_token_ids
+    if isinstance(raw_ids, list):
+        ids = tuple(int(i) for i in raw_ids)
+    raw = choice.get("logprobs")
+    if isinstance(raw, dict):
+        content = raw.get("content")  # llama.cpp: one entry per token, with its id
+        if isinstance(content, list) and content:
+            logprobs = tuple((str(e.get("token", "")), float(e["logprob"])) for e in content)
+            if ids is None and all("id" in e for e in content):
+                ids = tuple(int(e["id"]) for e in content)
+        elif isinstance(raw.get("token_logprobs"), list):  # the legacy completions format
+            logprobs = tuple(
+                (str(t), float(lp))
+                for t, lp in zip(raw.get("tokens") or [], raw["token_logprobs"], strict=False)
+            )
+    if ids is None and not text:
+        ids = ()  # an empty chunk (a final one): no token, nothing unknown
+    return ids, logprobs
 
 
 def _piece_from_chunk(chunk: dict[str, Any], kind: str) -> Piece | None:
@@ -355,9 +545,10 @@ def _piece_from_chunk(chunk: dict[str, Any], kind: str) -> Piece | None:
     else:
         text = (choice.get("delta") or {}).get("content") or ""
     reason = choice.get("finish_reason")
-    if not text and reason is None:
+    ids, logprobs = _choice_tokens(choice, text) if kind == "completion" else (None, None)
+    if not text and reason is None and not ids:
         return None
-    return Piece(text, reason)
+    return Piece(text, reason, ids=ids, logprobs=logprobs)
 
 
 # --- the participant --------------------------------------------------------------------------
@@ -560,7 +751,14 @@ class ModelServer(RolloutServer):
         text = item.text if isinstance(item, Piece) else ""
         reason = item.finish_reason if isinstance(item, Done) else None
         if gen.kind == "completion":
-            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None}
+            logprobs = item.logprobs if isinstance(item, Piece) else None
+            choice: dict[str, Any] = {
+                "index": 0,
+                "text": text,
+                "logprobs": _logprobs_json(logprobs)
+                if logprobs is not None and _wanted_logprobs(gen) is not None
+                else None,
+            }
             obj = "text_completion"
         else:
             choice = {"index": 0, "delta": {"role": "assistant", "content": text}}
@@ -581,7 +779,13 @@ class ModelServer(RolloutServer):
             "total_tokens": len(_TOKEN.findall(gen.prompt_text)) + done.tokens,
         }
         if gen.kind == "completion":
-            choice: dict[str, Any] = {"index": 0, "text": done.text, "logprobs": None}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "text": done.text,
+                "logprobs": _logprobs_json(done.logprobs)
+                if done.logprobs is not None and _wanted_logprobs(gen) is not None
+                else None,
+            }
             obj = "text_completion"
         else:
             choice = {"index": 0, "message": {"role": "assistant", "content": done.text}}
@@ -622,8 +826,9 @@ class ModelServer(RolloutServer):
     async def _generate_unkeyed(self, gen: GenRequest, send: MemoryObjectSendStream[Item]) -> Done:
         """Requests without an episode identity: paused by checkpoints, never recorded."""
         text, produced, reason = "", 0, "stop"
+        logprobs: list[TokenLogprob] | None = [] if _wanted_logprobs(gen) is not None else None
         attempt = self.attempt
-        stream = self.backend.stream(gen, "", 0)
+        stream = self.backend.stream(gen, Progress(seed_key=gen.digest))
         try:
             while True:
                 await self.runtime.wait_admission()
@@ -631,18 +836,23 @@ class ModelServer(RolloutServer):
                     piece = await stream.__anext__()
                 except StopAsyncIteration:
                     break
-                if piece.text:
+                count = _token_count(piece)
+                if count:
                     text += piece.text
-                    produced += 1
-                    self._count_token(attempt, "-")
-                    await _offer(send, Piece(piece.text))
+                    produced += count
+                    self._count_token(attempt, "-", count)
+                    if logprobs is not None:
+                        logprobs = None if piece.logprobs is None else [*logprobs, *piece.logprobs]
+                    await _offer(
+                        send, Piece(piece.text, logprobs=piece.logprobs if logprobs else None)
+                    )
                 if piece.finish_reason is not None:
                     reason = piece.finish_reason
                     break
         finally:
             await stream.aclose()
         await self.runtime.wait_admission()
-        return Done(text, reason, produced)
+        return Done(text, reason, produced, logprobs)
 
     async def _generate(
         self, gen: GenRequest, ident: Identity, send: MemoryObjectSendStream[Item]
@@ -655,8 +865,10 @@ class ModelServer(RolloutServer):
             self.stats.bump(attempt, "responses_replayed")
             kept.attempt = attempt
             kept.restored = False
-            await _offer(send, Piece(kept.data.text))
-            return Done(kept.data.text, kept.data.finish_reason, kept.data.tokens)
+            await _offer(send, Piece(kept.data.text, logprobs=_tuple(kept.data.logprobs)))
+            return Done(
+                kept.data.text, kept.data.finish_reason, kept.data.tokens, kept.data.logprobs
+            )
         if kept is not None and kept.key != key:
             del self.delivered[rid]  # the caller moved on: the older response is no longer needed
         live = self.runtime.find(rid, key)
@@ -674,13 +886,13 @@ class ModelServer(RolloutServer):
             # connection): share the generation rather than refuse or repeat it
             self.stats.bump(attempt, "requests_attached")
             done = await running.wait()
-            await _offer(send, Piece(done.text))
+            await _offer(send, Piece(done.text, logprobs=_tuple(done.logprobs)))
             return done
         try:
             ep = self.runtime.begin(
                 rid,
                 attempt,
-                Boundary("generate", {"text": "", "tokens": 0}),
+                Boundary("generate", _initial_state(gen)),
                 key=key,
                 digest=digest,
             )
@@ -717,7 +929,7 @@ class ModelServer(RolloutServer):
             with self.runtime.driving(ep), self.runtime.guard(ep):
                 prefix = str(ep.boundary.state.get("text", ""))
                 if prefix:
-                    await _offer(send, Piece(prefix))
+                    await _offer(send, Piece(prefix, logprobs=_state_logprobs(ep.boundary.state)))
                 if ep.boundary.step == "generate":
                     await self._tokens(ep, gen, send)
                 await self.hooks.point("finish", rid)
@@ -734,12 +946,14 @@ class ModelServer(RolloutServer):
                 text=str(state["text"]),
                 finish_reason=str(state["finish_reason"]),
                 tokens=int(state["tokens"]),
+                ids=_state_ids(state),
+                logprobs=list(_state_logprobs(state) or ()) or None,
             )
             self.delivered[rid] = Delivered(key=key, attempt=attempt, data=data)
             self.delivered.move_to_end(rid)
             while len(self.delivered) > _DELIVERED_KEPT:
                 self.delivered.popitem(last=False)
-            return Done(data.text, data.finish_reason, data.tokens)
+            return Done(data.text, data.finish_reason, data.tokens, data.logprobs)
         finally:
             self.runtime.end(ep)
 
@@ -752,44 +966,114 @@ class ModelServer(RolloutServer):
 
         async def next_piece() -> Boundary:
             nonlocal stream, epoch
-            state = ep.boundary.state
-            text, produced = str(state["text"]), int(state["tokens"])
+            state = dict(ep.boundary.state)
+            produced = int(state["tokens"])
             if stream is None or epoch != self.runtime.epoch:
                 if stream is not None:
                     self.stats.bump(ep.attempt, "cuts")
                     await stream.aclose()
-                stream = self.backend.stream(gen, text, produced)
+                progress = Progress(
+                    text=str(state["text"]),
+                    tokens=produced,
+                    ids=_tuple_ids(state),
+                    seed_key=f"{ep.rollout_id}/{ep.key}",
+                )
+                stream = self.backend.stream(gen, progress)
                 epoch = self.runtime.epoch
             try:
                 piece = await stream.__anext__()
             except StopAsyncIteration:
                 piece = Piece("", "stop")
-            if piece.text:
-                self._count_token(ep.attempt, f"{ep.rollout_id}/{ep.key}")
-                text, produced = text + piece.text, produced + 1
+            if piece.continued is not None:
+                # how this generation went on after its cut: said in the record and in /stats
+                state["continuation"] = piece.continued
+                self.stats.bump(ep.attempt, f"continued_{piece.continued}")
+            count = _token_count(piece)
+            if count:
+                self._count_token(ep.attempt, f"{ep.rollout_id}/{ep.key}", count)
+                state["text"] = str(state["text"]) + piece.text
+                state["tokens"] = produced + count
+                if "ids" in state:
+                    if piece.ids is None:
+                        del state["ids"]  # the engine gave no ids: text-level from here on
+                    else:
+                        state["ids"] = [*state["ids"], *piece.ids]
+                if "logprobs" in state:
+                    if piece.logprobs is None:
+                        del state["logprobs"]
+                    else:
+                        state["logprobs"] = [*state["logprobs"], *map(list, piece.logprobs)]
             if piece.finish_reason is not None:
-                return Boundary(
-                    "deliver",
-                    {"text": text, "tokens": produced, "finish_reason": piece.finish_reason},
-                )
-            return Boundary("generate", {"text": text, "tokens": produced})
+                state["finish_reason"] = piece.finish_reason
+                return Boundary("deliver", state)
+            return Boundary("generate", state)
 
         try:
             while ep.boundary.step == "generate":
-                before = str(ep.boundary.state["text"])
-                await self.hooks.point("token", ep.rollout_id, int(ep.boundary.state["tokens"]))
+                before = ep.boundary.state
+                await self.hooks.point("token", ep.rollout_id, int(before["tokens"]))
                 boundary = await self.runtime.step(ep, "token", StepMode.REPLAY, next_piece)
-                delta = str(boundary.state["text"])[len(before) :]
-                if delta:
-                    await _offer(send, Piece(delta))
+                delta = str(boundary.state["text"])[len(str(before["text"])) :]
+                logprobs = _state_logprobs(boundary.state)
+                new = logprobs[len(_state_logprobs(before) or ()) :] if logprobs else None
+                if delta or new:
+                    await _offer(send, Piece(delta, logprobs=new))
         finally:
             if stream is not None:
                 with anyio.CancelScope(shield=True):
                     await stream.aclose()
 
-    def _count_token(self, attempt: int, request_key: str) -> None:
+    def _count_token(self, attempt: int, request_key: str, count: int = 1) -> None:
         by = self.tokens.setdefault(attempt, {})
-        by[request_key] = by.get(request_key, 0) + 1
+        by[request_key] = by.get(request_key, 0) + count
+
+
+def _initial_state(gen: GenRequest) -> dict[str, Any]:
+    """A generation's first boundary. `ids` (every token's id, while the engine reports them)
+    and `logprobs` (while requested) were added to the record with token-id continuation: a
+    record without them continues from text, as before."""
+    state: dict[str, Any] = {"text": "", "tokens": 0, "ids": []}
+    if _wanted_logprobs(gen) is not None:
+        state["logprobs"] = []
+    return state
+
+
+def _state_ids(state: Mapping[str, Any]) -> list[int] | None:
+    ids = state.get("ids")
+    return [int(i) for i in ids] if isinstance(ids, list) else None
+
+
+def _tuple_ids(state: Mapping[str, Any]) -> tuple[int, ...] | None:
+    ids = _state_ids(state)
+    return None if ids is None else tuple(ids)
+
+
+def _state_logprobs(state: Mapping[str, Any]) -> tuple[TokenLogprob, ...] | None:
+    raw = state.get("logprobs")
+    if not isinstance(raw, list):
+        return None
+    return tuple((str(t), float(lp)) for t, lp in raw)
+
+
+def _tuple(logprobs: Sequence[TokenLogprob] | None) -> tuple[TokenLogprob, ...] | None:
+    return tuple(logprobs) if logprobs else None
+
+
+def _token_count(piece: Piece) -> int:
+    """Tokens in a piece: its ids where the engine gave them, else one per non-empty chunk."""
+    if piece.ids is not None:
+        return len(piece.ids)
+    return 1 if piece.text else 0
+
+
+def _logprobs_json(logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """The completions API's (legacy) logprobs object."""
+    return {
+        "tokens": [t for t, _ in logprobs],
+        "token_logprobs": [lp for _, lp in logprobs],
+        "top_logprobs": None,
+        "text_offset": None,
+    }
 
 
 def _chat_prompt(messages: Sequence[ChatMessage]) -> str:

@@ -1,0 +1,135 @@
+"""The relay in front of a real engine: tokens per second through it vs direct, and what a cut
+costs the engine in extra prompt tokens.
+
+Runs llama.cpp's llama-server (`make engine`) on the tiny generated test model, and a
+`rollout-server model --backend openai` relay in front of it, both on loopback. Prints a table;
+asserts nothing about time. Rows:
+
+* direct / relay, greedy, streamed: one upstream stream per completion (the relay asks for a
+  logprob per token to learn the ids);
+* relay, seeded sampling: one upstream request per token (the per-position seed that makes a
+  seeded generation continue exactly across a cut);
+* a cut + continuation: the continuation re-sends prompt + generated ids; the engine reports
+  how many of them it evaluated again (`timings.prompt_n`) and how many its prompt cache kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "protocol"))
+
+from engine_support import LlamaServer, engine_binary, write_model
+from protocol_support import ServerProcess
+from rollout_protocol import Role
+
+PROMPTS = ["the cat and the", "is it on the é", "an € for the", "日本 and the"]
+MAX_TOKENS = 64
+ROUNDS = 3
+
+
+async def stream_tokens(
+    http: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]
+) -> int:
+    chunks = 0
+    async with http.stream(
+        "POST", url + "/v1/completions", json=body | {"stream": True}, headers=headers
+    ) as reply:
+        assert reply.status_code == 200
+        async for line in reply.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]" and '"text":""' not in line:
+                chunks += 1
+    return chunks
+
+
+async def rate(
+    http: httpx.AsyncClient, url: str, body: dict[str, Any], keyed: str | None
+) -> tuple[int, float]:
+    tokens, start = 0, time.perf_counter()
+    for r in range(ROUNDS):
+        for p, prompt in enumerate(PROMPTS):
+            headers = {"X-Rollout-Request": f"{keyed}{r}x{p}/0"} if keyed else {}
+            reply = await http.post(
+                url + "/v1/completions",
+                json=body | {"prompt": prompt, "max_tokens": MAX_TOKENS},
+                headers=headers,
+            )
+            assert reply.status_code == 200, reply.text
+            tokens += int(reply.json()["usage"]["completion_tokens"])
+    return tokens, time.perf_counter() - start
+
+
+async def main() -> None:
+    binary = engine_binary()
+    if binary is None:
+        print("llama-server is not built: run `make engine` first")
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        write_model(root / "tiny.gguf")
+        engine = LlamaServer.start(binary, root / "tiny.gguf", root)
+        relay = ServerProcess.start(
+            root / "relay", Role.MODEL, "--backend", "openai", "--upstream-url", engine.url
+        )
+        try:
+            async with httpx.AsyncClient(timeout=120) as http:
+                greedy = {"temperature": 0}
+                rows = [
+                    ("direct, greedy", *await rate(http, engine.url, greedy, None)),
+                    ("relay, greedy, keyed", *await rate(http, relay.url, greedy, "g")),
+                    (
+                        "relay, seeded sampling, keyed",
+                        *await rate(http, relay.url, {"temperature": 0.9, "seed": 3}, "s"),
+                    ),
+                    (
+                        "direct, seeded sampling",
+                        *await rate(http, engine.url, {"temperature": 0.9, "seed": 3}, None),
+                    ),
+                ]
+                cut = await cut_cost(http, engine)
+        finally:
+            relay.stop()
+            engine.stop()
+    base = rows[0][1] / rows[0][2]
+    print(f"{'path':32} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'vs direct':>9}")
+    for name, tokens, seconds in rows:
+        print(f"{name:32} {tokens:7d} {seconds:8.2f} {tokens / seconds:9.1f} "
+              f"{tokens / seconds / base:9.2f}")  # fmt: skip
+    print()
+    print("a cut after k tokens, continued from ids (prompt cache on, as llama-server defaults):")
+    print(f"{'k':>4} {'prompt ids re-sent':>19} {'evaluated again':>16}")
+    for k, sent, evaluated in cut:
+        print(f"{k:4d} {sent:19d} {evaluated:16d}")
+
+
+async def cut_cost(http: httpx.AsyncClient, engine: LlamaServer) -> list[tuple[int, int, int]]:
+    """Re-send prompt + k generated ids (a continuation) right after the uncut run, and read how
+    many prompt tokens the engine evaluated (`timings.prompt_n`)."""
+    rows = []
+    prompt = PROMPTS[0]
+    tokens = await http.post(
+        engine.url + "/tokenize", json={"content": prompt, "add_special": True}
+    )
+    prompt_ids = [int(t) for t in tokens.json()["tokens"]]
+    for k in (8, 32):
+        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1}
+        uncut = (await http.post(engine.url + "/v1/completions", json=body)).json()
+        ids = [int(e["id"]) for e in uncut["choices"][0]["logprobs"]["content"]]
+        reply = await http.post(
+            engine.url + "/v1/completions",
+            json=body | {"prompt": prompt_ids + ids[:k], "max_tokens": MAX_TOKENS - k},
+        )
+        timings = reply.json().get("timings") or {}
+        rows.append((k, len(prompt_ids) + k, int(timings.get("prompt_n", -1))))
+    return rows
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
