@@ -86,11 +86,19 @@ class PodView:
     created: datetime | None
     problem: str | None
     """Why the pod is not (yet) running or ready, in the words of the scheduler or kubelet."""
+    container_exited: bool = False
+    """One of its containers terminated while the pod still runs (a pod of several containers,
+    e.g. an inference server beside its participant sidecar): under restartPolicy Never it
+    never comes back, and the pod stays Running as long as another container runs."""
 
     @property
     def finished(self) -> bool:
-        """A participant process that ended (either way) is gone: its episodes are lost."""
-        return self.phase in ("Failed", "Succeeded")
+        """A participant process that ended (either way) is gone: its episodes are lost. So is a
+        pod with one container gone for good, unless it is being deleted: then containers stop
+        one by one, and an eviction checkpoint may still run through the one that is left."""
+        return self.phase in ("Failed", "Succeeded") or (
+            self.container_exited and not self.terminating
+        )
 
     @property
     def live(self) -> bool:
@@ -126,7 +134,17 @@ class PodView:
             template_hash=(meta.get("annotations") or {}).get(ANNOTATION_TEMPLATE_HASH),
             created=_parse_time(meta.get("creationTimestamp")),
             problem=_pod_problem(phase, ready, status, conditions),
+            container_exited=phase == "Running" and _terminated(status) is not None,
         )
+
+
+def _terminated(status: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]] | None:
+    """The first container that terminated: its name and `state.terminated`."""
+    for cs in status.get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated")
+        if term:
+            return str(cs.get("name")), term
+    return None
 
 
 def _pod_problem(
@@ -135,14 +153,14 @@ def _pod_problem(
     def said(reason: object, message: object) -> str:
         return ": ".join(str(x) for x in (reason, message) if x)
 
+    terminated = _terminated(status)
+    if phase in ("Failed", "Succeeded", "Running") and terminated is not None:
+        name, term = terminated
+        text = said(term.get("reason"), term.get("message"))
+        return f"{phase}: container {name} exited with code " + (
+            f"{term.get('exitCode')}" + (f" ({text})" if text else "")
+        )
     if phase in ("Failed", "Succeeded"):
-        for cs in status.get("containerStatuses") or []:
-            term = (cs.get("state") or {}).get("terminated")
-            if term:
-                text = said(term.get("reason"), term.get("message"))
-                return f"{phase}: container {cs.get('name')} exited with code " + (
-                    f"{term.get('exitCode')}" + (f" ({text})" if text else "")
-                )
         return f"{phase}: " + (said(status.get("reason"), status.get("message")) or "no reason")
     scheduled = conditions.get("PodScheduled") or {}
     if scheduled.get("status") == "False":
