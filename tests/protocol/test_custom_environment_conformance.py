@@ -1,0 +1,167 @@
+"""The conformance kit (`rollout_protocol.conformance`) against the custom environment example
+(`examples/custom-environment/adventure_env.py`), run as the process a pod would run:
+`python -m adventure_env` with the example folder on `PYTHONPATH`.
+
+- `check_participant`: the single-participant rules (auth, strict bodies, phases, stale and
+  conflicting ids, all-or-nothing restore, the lease's automatic resume) on an idle server.
+- `check_crash_restore`: `steps.no-rerun` across a SIGKILL of the environment and its model
+  (the reference model server), restored under the next attempt. The driver holds each episode
+  at its second turn through the model's pause points (`--debug-hooks`), so both are provably
+  mid-way, one turn behind them, when the kit checkpoints and crashes the group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import httpx
+from protocol_support import TOKEN, Debug, ServerProcess, free_port, server_env, two_step_task
+from rollout_protocol import Role
+from rollout_protocol.conformance import Target, check_crash_restore, check_participant
+
+from devcluster.waiting import wait_for_sync
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom-environment"
+LEASE_GRACE_S = 1.0
+STOP_TIMEOUT_S = 15.0
+
+
+class Environment:
+    """`python -m adventure_env` as a process with the variables the operator gives a pod."""
+
+    def __init__(self, root: Path, model_url: str, attempt: int) -> None:
+        self.url = f"http://127.0.0.1:{free_port()}"
+        env = server_env(root / "checkpoints", attempt)
+        env.update(PYTHONPATH=str(EXAMPLE), ROLLOUT_LEASE_GRACE_SECONDS=str(LEASE_GRACE_S))
+        port = self.url.rsplit(":", 1)[1]
+        with (root / f"environment-{attempt}.log").open("ab") as log:
+            self.process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "adventure_env",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    port,
+                    "--model-url",
+                    model_url,
+                    "--drain-seconds",
+                    "1",
+                ],
+                stdout=log,
+                stderr=log,
+                env=env,
+                start_new_session=True,
+            )
+        wait_for_sync(self._ready, 30, f"the environment at {self.url} to answer /healthz")
+
+    def _ready(self) -> bool:
+        assert self.process.poll() is None, f"the environment exited ({self.process.returncode})"
+        with contextlib.suppress(httpx.TransportError):
+            return httpx.get(self.url + "/healthz", timeout=2).status_code == 200
+        return False
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=STOP_TIMEOUT_S)
+
+    def stop(self) -> int:
+        """SIGTERM (drain, then a clean exit), SIGKILL only if it did not exit in time."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+
+@contextlib.contextmanager
+def environment(root: Path, model_url: str, attempt: int = 0) -> Iterator[Environment]:
+    env = Environment(root, model_url, attempt)
+    try:
+        yield env
+    finally:
+        if env.process.poll() is None:
+            assert env.stop() == 0
+
+
+async def test_custom_environment_keeps_the_participant_rules(tmp_path: Path) -> None:
+    with environment(tmp_path, "http://127.0.0.1:9") as env:  # no episodes: no model needed
+        await check_participant(
+            Target(env.url, Role.ENVIRONMENT, TOKEN),
+            checkpoint_root=tmp_path / "checkpoints",
+            lease_grace_seconds=LEASE_GRACE_S,
+        )
+
+
+class AdventureDriver:
+    """The kit's `EpisodeDriver` for the environment and the reference model server."""
+
+    def __init__(self, root: Path, http: httpx.AsyncClient) -> None:
+        self.root, self.http = root, http
+        self.model: ServerProcess | None = None
+        self.env: Environment | None = None
+        self.first_attempt: int | None = None
+
+    def _running(self) -> tuple[Environment, ServerProcess]:
+        assert self.env is not None, "not started"
+        assert self.model is not None, "not started"
+        return self.env, self.model
+
+    def participants(self) -> Sequence[Target]:
+        env, model = self._running()
+        return [Target(env.url, Role.ENVIRONMENT, TOKEN), Target(model.url, Role.MODEL, TOKEN)]
+
+    async def run_episode(self, rollout_id: str, attempt: int) -> None:
+        env, model = self._running()
+        if attempt == self.first_attempt:  # armed before the episode can reach it
+            await Debug(self.http, model.url).arm("finish", rollout_id)
+        body = {"rollout_id": rollout_id, "attempt": attempt, "task": two_step_task(1).wire()}
+        reply = await self.http.post(env.url + "/run", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+
+    async def wait_mid_episode(self, rollout_ids: Sequence[str], deadline_ts: float) -> None:
+        """Each episode finishes turn 0 and is held at the third token of turn 1's model call."""
+        model = Debug(self.http, self._running()[1].url)
+        for rid in rollout_ids:
+            await model.paused("finish", rid)
+            await model.arm("token", rid, index=2)
+            await model.release("finish", rid)
+            await model.paused("token", rid)
+
+    async def crash(self) -> None:
+        env, model = self._running()
+        env.kill()
+        os.killpg(model.process.pid, signal.SIGKILL)
+        model.process.wait(timeout=STOP_TIMEOUT_S)
+
+    async def restart(self, attempt: int) -> None:
+        self.model = ServerProcess.start(self.root, Role.MODEL, "--debug-hooks", attempt=attempt)
+        self.env = Environment(self.root, self.model.url, attempt)
+        if self.first_attempt is None:
+            self.first_attempt = attempt
+
+    def stop(self) -> None:
+        if self.env is not None and self.env.process.poll() is None:
+            self.env.stop()
+        if self.model is not None and self.model.process.poll() is None:
+            self.model.stop()
+
+
+async def test_custom_environment_reruns_no_completed_step(tmp_path: Path) -> None:
+    async with httpx.AsyncClient() as http:
+        driver = AdventureDriver(tmp_path, http)
+        try:
+            await driver.restart(0)
+            await check_crash_restore(driver, checkpoint_root=tmp_path / "checkpoints")
+        finally:
+            driver.stop()
