@@ -205,6 +205,17 @@ def _load(path: Path) -> dict[str, Any]:
     return loaded
 
 
+def with_storage(obj: dict[str, Any], storage_dir: Path) -> dict[str, Any]:
+    """A RolloutSet manifest with its storage moved to `storage_dir`: a hostPath mounted at the
+    same path (devcluster runs pods on this machine, so the records land exactly there)."""
+    path = str(storage_dir)
+    obj["spec"]["storage"] = {
+        "path": path,
+        "volume": {"hostPath": {"path": path, "type": "DirectoryOrCreate"}},
+    }
+    return obj
+
+
 def example_set(
     storage_dir: Path,
     *,
@@ -218,13 +229,8 @@ def example_set(
     `extra_args` appends server arguments per role (e.g. `--debug-hooks`); `spec` merges
     top-level spec fields (e.g. `recovery`).
     """
-    obj = _load(EXAMPLES / "rolloutset.yaml")
+    obj = with_storage(_load(EXAMPLES / "rolloutset.yaml"), storage_dir)
     obj["metadata"]["name"] = name
-    path = str(storage_dir)
-    obj["spec"]["storage"] = {
-        "path": path,
-        "volume": {"hostPath": {"path": path, "type": "DirectoryOrCreate"}},
-    }
     for participant in obj["spec"]["participants"]:
         more = list((extra_args or {}).get(participant["role"], ()))
         if more:

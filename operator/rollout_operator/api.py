@@ -550,7 +550,15 @@ class ParticipantStatus(StatusModel):
 
     role: Role = Field(description="The participant's role.")
     index: int = Field(ge=0, description="The instance index within the role.")
-    pod: str = Field(description="The pod's name (<set>-<role>-<index>-a<attempt>).")
+    pod: str = Field(
+        description="The pod's name (<set>-<role>-<index>-a<attempt it was created under>)."
+    )
+    attempt: int | None = Field(
+        default=None,
+        ge=1,
+        description="The attempt the pod runs (its attempt label). A pod an InPlace recovery "
+        "kept runs a later attempt than its name says.",
+    )
     ready: bool = Field(description="Whether the pod is Ready (its readiness probe passes).")
     phase: str | None = Field(default=None, description="The pod's phase.")
     address: str | None = Field(

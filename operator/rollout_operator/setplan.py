@@ -277,6 +277,7 @@ def plan_attempt(rset: RolloutSet, attempt: int, pods: Sequence[PodView]) -> Att
                     role=role,
                     index=index,
                     pod=pod.name,
+                    attempt=pod.attempt,
                     ready=pod.ready and not pod.terminating,
                     phase=pod.phase,
                     address=address(pod),
@@ -285,7 +286,11 @@ def plan_attempt(rset: RolloutSet, attempt: int, pods: Sequence[PodView]) -> Att
             continue
         participants.append(
             ParticipantStatus(
-                role=role, index=index, pod=pod_name(name, role, index, attempt), ready=False
+                role=role,
+                index=index,
+                pod=pod_name(name, role, index, attempt),
+                attempt=attempt,
+                ready=False,
             )
         )
         peer_urls: dict[Role, str] = {}

@@ -76,7 +76,10 @@ def servable_snapshot(obj: Mapping[str, Any]) -> TopologySnapshot | None:
             continue
         address = participant.get("address")
         pod = str(participant.get("pod") or "")
-        if not participant.get("ready") or not address or not suffix.search(pod):
+        # The pod's attempt label; operators before InPlace recovery named only the pod.
+        runs = participant.get("attempt")
+        current = runs == attempt if isinstance(runs, int) else bool(suffix.search(pod))
+        if not participant.get("ready") or not address or not current:
             return None
         by_index[int(participant.get("index", 0))] = str(address)
     if sorted(by_index) != list(range(replicas)):

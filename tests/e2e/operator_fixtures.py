@@ -64,12 +64,16 @@ __all__ = [
     "freeze",
     "is_true",
     "kubectl_apply",
+    "merged_stats",
     "operator",
     "participants_by_role",
     "phase_is",
     "pod_pids",
+    "records_of",
     "resources",
     "running_operator",
+    "sample",
+    "samples",
     "stats",
     "storage_dir",
     "thaw",
@@ -103,10 +107,10 @@ def release_finalizers(cluster: Cluster, namespace: str) -> None:
 
 @contextlib.contextmanager
 def running_operator(
-    cluster: Cluster, namespaces: list[str], log: Path
+    cluster: Cluster, namespaces: list[str], log: Path, *, args: Sequence[str] = ()
 ) -> Iterator[OperatorProcess]:
     apply_crds(cluster)
-    process = OperatorProcess(cluster.kubeconfig, namespaces, log)
+    process = OperatorProcess(cluster.kubeconfig, namespaces, log, args=args)
     process.start()
     try:
         process.wait_live()
@@ -220,6 +224,29 @@ def thaw(pids: list[int]) -> None:
             os.killpg(pid, signal.SIGCONT)
 
 
+# --- the operator's /metrics ----------------------------------------------------------------
+
+
+def samples(text: str) -> dict[str, float]:
+    """`name{labels} value` lines of a Prometheus exposition, keyed by name{labels}."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, number = line.rpartition(" ")
+            out[key] = float(number)
+    return out
+
+
+def sample(found: dict[str, float], name: str, **labels: str) -> float | None:
+    for key, number in found.items():
+        metric, _, rest = key.partition("{")
+        if metric != name:
+            continue
+        if all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            return number
+    return None
+
+
 # --- what a recovery must preserve ----------------------------------------------------------
 
 ENV_STAGES = ("seed", "invoke_agent", "verify", "return")
@@ -259,6 +286,25 @@ def done_before_checkpoint(agent_record: Any) -> set[str]:
     if step == "done":
         names |= {f"model@{turn}", f"tool@{turn}"}
     return names
+
+
+def records_of(records: dict[str, list[Any]], role: str) -> list[Any]:
+    """The records of every instance of `role` (instances are `role-index`)."""
+    return [
+        r for instance, found in records.items() if instance.startswith(f"{role}-") for r in found
+    ]
+
+
+def merged_stats(replies: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The /stats of several instances of one role as one: a rollout sticks to one instance, so
+    the per-rollout counts and the model's per-request tokens never overlap."""
+    merged: dict[str, Any] = {"rollouts": {}, "tokens": {}}
+    for reply in replies:
+        merged["rollouts"].update(reply.get("rollouts") or {})
+        for attempt, tokens in (reply.get("tokens") or {}).items():
+            into = merged["tokens"].setdefault(attempt, {"by_request": {}})
+            into["by_request"].update(tokens.get("by_request") or {})
+    return merged
 
 
 @dataclass
@@ -316,8 +362,8 @@ def check_recovered_run(run: RecoveredRun) -> dict[str, EpisodeResult]:
     name = run.checkpoint["metadata"]["name"]
     set_name = run.checkpoint["spec"]["rolloutSet"]
     records = checkpoint_records(run.storage, set_name, name)
-    env_records = {r.rollout_id: r for r in records["environment-0"]}
-    agent_records = {r.rollout_id: r for r in records["agent-0"]}
+    env_records = {r.rollout_id: r for r in records_of(records, "environment")}
+    agent_records = {r.rollout_id: r for r in records_of(records, "agent")}
     assert len(env_records) == run.checkpoint["status"]["episodes"]
     continued = [rid for rid, r in results.items() if r.continued_from == lost]
     assert continued, (
@@ -337,7 +383,7 @@ def check_recovered_run(run: RecoveredRun) -> dict[str, EpisodeResult]:
             assert not redone, (rid, agent_records[rid].data["step"], redone)
 
     tokens = run.stats["model"]["tokens"][str(run.attempt)]["by_request"]
-    for record in records["model-0"]:
+    for record in records_of(records, "model"):
         if record.kind != "generation" or record.data["step"] != "generate":
             continue
         rid = record.rollout_id

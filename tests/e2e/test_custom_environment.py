@@ -36,7 +36,7 @@ from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, 
 from rollout_servers.discovery import rollout_set_topology
 
 from devcluster.cluster import Cluster
-from harness.demo import checkpoint_records
+from harness.demo import checkpoint_records, with_storage
 
 __all__ = ["operator", "resources", "storage_dir"]
 
@@ -52,12 +52,7 @@ def adventure_set(storage: Path) -> dict[str, Any]:
     """The example manifest as its README says to apply it on devcluster (PYTHONPATH = the
     example folder), with the storage moved to this test's folder and the model's pause
     points on."""
-    rset: dict[str, Any] = yaml.safe_load((EXAMPLE / "rolloutset.yaml").read_text())
-    path = str(storage)
-    rset["spec"]["storage"] = {
-        "path": path,
-        "volume": {"hostPath": {"path": path, "type": "DirectoryOrCreate"}},
-    }
+    rset = with_storage(yaml.safe_load((EXAMPLE / "rolloutset.yaml").read_text()), storage)
     for participant in rset["spec"]["participants"]:
         container = participant["template"]["spec"]["containers"][0]
         if participant["role"] == "model":

@@ -44,7 +44,7 @@ from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, 
 from rollout_servers.discovery import rollout_set_topology
 
 from devcluster.cluster import Cluster
-from harness.demo import checkpoint_records
+from harness.demo import checkpoint_records, with_storage
 
 __all__ = ["operator", "resources", "storage_dir"]
 
@@ -58,12 +58,7 @@ UPSTREAM_PORT = 8001
 
 def sidecar_set(storage: Path) -> dict[str, Any]:
     """The example with its storage moved to this test's folder and the sidecar's debug hooks."""
-    obj: dict[str, Any] = yaml.safe_load((EXAMPLES / "rolloutset.yaml").read_text())
-    path = str(storage)
-    obj["spec"]["storage"] = {
-        "path": path,
-        "volume": {"hostPath": {"path": path, "type": "DirectoryOrCreate"}},
-    }
+    obj = with_storage(yaml.safe_load((EXAMPLES / "rolloutset.yaml").read_text()), storage)
     (model,) = [p for p in obj["spec"]["participants"] if p["role"] == "model"]
     (sidecar,) = [c for c in model["template"]["spec"]["containers"] if c["name"] != "inference"]
     sidecar["args"] = [*sidecar["args"], "--debug-hooks"]

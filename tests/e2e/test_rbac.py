@@ -39,7 +39,7 @@ import anyio
 import httpx
 import pytest
 import yaml
-from operator_fixtures import release_finalizers
+from operator_fixtures import release_finalizers, sample, samples
 from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
 from rollout_servers.discovery import rollout_set_topology
 
@@ -47,7 +47,7 @@ from devcluster.cluster import Cluster
 from devcluster.paths import find_binaries
 from devcluster.testing import namespace_name, wait_for_sync
 from devcluster.waiting import WaitTimeout, wait_for
-from harness.demo import OperatorProcess
+from harness.demo import OperatorProcess, with_storage
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "rollout-operator"
@@ -364,11 +364,7 @@ def test_the_cases_are_the_charts_grants() -> None:
 
 def example_set(storage: Path) -> dict[str, Any]:
     """examples/rolloutset.yaml with its storage moved to this test's folder."""
-    obj: dict[str, Any] = yaml.safe_load((EXAMPLES / "rolloutset.yaml").read_text())
-    obj["spec"]["storage"] = {
-        "path": str(storage),
-        "volume": {"hostPath": {"path": str(storage), "type": "DirectoryOrCreate"}},
-    }
+    obj = with_storage(yaml.safe_load((EXAMPLES / "rolloutset.yaml").read_text()), storage)
     for participant in obj["spec"]["participants"]:
         if participant["role"] == "model":
             container = participant["template"]["spec"]["containers"][0]
@@ -381,26 +377,6 @@ def checkpoint(name: str, set_name: str) -> dict[str, Any]:
     obj["metadata"]["name"] = name
     obj["spec"]["rolloutSet"] = set_name
     return obj
-
-
-def samples(text: str) -> dict[str, float]:
-    """`name{labels} value` lines of a Prometheus exposition, keyed by name{labels}."""
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, number = line.rpartition(" ")
-            out[key] = float(number)
-    return out
-
-
-def sample(found: dict[str, float], name: str, **labels: str) -> float | None:
-    for key, number in found.items():
-        metric, _, rest = key.partition("{")
-        if metric != name:
-            continue
-        if all(f'{k}="{v}"' in rest for k, v in labels.items()):
-            return number
-    return None
 
 
 async def hold_at_token(http: httpx.AsyncClient, model: str, rollout_id: str) -> None:

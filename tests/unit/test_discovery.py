@@ -73,6 +73,16 @@ def test_a_set_in_transition_is_not_servable(obj: dict[str, Any]) -> None:
     assert servable_snapshot(obj) is None
 
 
+def test_a_kept_pod_serves_the_attempt_its_label_names_not_its_name() -> None:
+    """InPlace recovery keeps `...-environment-0-a1` under attempt 2: its status says so."""
+    obj = rollout_set(attempt=2, environments=1, pod_attempt=1)
+    assert servable_snapshot(obj) is None, "named -a1 and no attempt field: not attempt 2"
+    obj["status"]["participants"][0]["attempt"] = 2
+    assert servable_snapshot(obj) == TopologySnapshot(2, ("http://127.0.0.1:8000",))
+    obj["status"]["participants"][0]["attempt"] = 1
+    assert servable_snapshot(obj) is None
+
+
 class FakeCustomObjects:
     """Serves a scripted sequence of RolloutSet objects, one per GET, counting the GETs."""
 

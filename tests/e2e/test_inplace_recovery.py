@@ -1,0 +1,342 @@
+"""`restorePolicy: InPlace` as a user runs it: a lost pod is replaced, every other pod is kept.
+
+Each test runs the example set with InPlace recovery, takes a checkpoint while episodes run, kills
+one participant pod, and checks that
+
+- only that pod was replaced: every other pod keeps its name, UID and processes (a kept model
+  pod never restarts, so it never reloads its weights);
+- every episode finished exactly once, with the answer of an uninterrupted run, and no step
+  completed before the checkpoint ran again (`check_recovered_run`);
+- the set says what the recovery kept and replaced (`status.lastRecovery`, the printer
+  columns) and the operator's `/metrics` count it.
+
+A last test freezes a pod that should be kept: it cannot retire the lost attempt, and the
+recovery falls back to Recreate with reason `InPlaceFallback`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from operator_fixtures import (
+    Debug,
+    OperatorProcess,
+    RecoveredRun,
+    Resources,
+    check_recovered_run,
+    condition,
+    example_checkpoint,
+    example_set,
+    freeze,
+    is_true,
+    merged_stats,
+    phase_is,
+    pod_pids,
+    resources,
+    running_operator,
+    sample,
+    samples,
+    stats,
+    storage_dir,
+    thaw,
+)
+from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
+from rollout_servers.discovery import rollout_set_topology
+
+from devcluster.cluster import Cluster
+from devcluster.waiting import WaitTimeout, wait_for
+from harness.demo import free_port
+
+__all__ = ["resources", "storage_dir"]
+
+pytestmark = pytest.mark.e2e
+
+EPISODES = 16
+SEED = 23
+HELD_AT_TOKEN = 2
+SET = "math-rl"
+
+
+@dataclass
+class MetricsOperator:
+    process: OperatorProcess
+    metrics_url: str
+
+
+@pytest.fixture
+def operator(cluster: Cluster, namespace: str, tmp_path: Path) -> Iterator[MetricsOperator]:
+    port = free_port()
+    with running_operator(
+        cluster, [namespace], tmp_path / "operator.log", args=["--metrics-port", str(port)]
+    ) as process:
+        yield MetricsOperator(process, f"http://127.0.0.1:{port}/metrics")
+
+
+def in_place_set(storage: Path, replicas: dict[str, int]) -> dict[str, Any]:
+    obj = example_set(
+        storage,
+        extra_args={"model": ["--debug-hooks"]},
+        spec={"recovery": {"restorePolicy": "InPlace", "restoreTimeoutSeconds": 120}},
+    )
+    for participant in obj["spec"]["participants"]:
+        participant["replicas"] = replicas.get(participant["role"], 1)
+        # devcluster's node advertises 8 GPUs; two model replicas fit.
+    return obj
+
+
+def pods_by_instance(obj: dict[str, Any]) -> dict[str, str]:
+    return {f"{p['role']}-{p['index']}": p["pod"] for p in obj["status"]["participants"]}
+
+
+def addresses(obj: dict[str, Any], role: str) -> list[str]:
+    return [p["address"] for p in obj["status"]["participants"] if p["role"] == role]
+
+
+def uids(cluster: Cluster, namespace: str) -> dict[str, str]:
+    listed = json.loads(cluster.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)
+    return {p["metadata"]["name"]: p["metadata"]["uid"] for p in listed["items"]}
+
+
+async def wait_metrics(url: str, expected: dict[tuple[str, str], float]) -> dict[str, float]:
+    """Poll `/metrics` until every (name, outcome) sample has its value (deadline 20 s)."""
+    found: dict[str, float] = {}
+    async with httpx.AsyncClient(timeout=5) as http:
+
+        async def there() -> bool:
+            nonlocal found
+            found = samples((await http.get(url)).text)
+            return all(
+                sample(found, name, set=SET, outcome=outcome) == value
+                for (name, outcome), value in expected.items()
+            )
+
+        try:
+            await wait_for(there, 20, "the recovery metrics", interval=0.3)
+        except WaitTimeout:
+            got = {k: sample(found, k[0], set=SET, outcome=k[1]) for k in expected}
+            raise AssertionError(f"metrics {got}, expected {expected}") from None
+    return found
+
+
+@dataclass
+class Outcome:
+    before: dict[str, Any]
+    after: dict[str, Any]
+    checkpoint: dict[str, Any]
+    run: RecoveredRun
+    results: dict[str, EpisodeResult]
+    uids_before: dict[str, str]
+    uids_after: dict[str, str]
+
+
+async def checkpoint_kill_recover(
+    cluster: Cluster,
+    namespace: str,
+    resources: Resources,
+    storage: Path,
+    lose: str,
+    *,
+    replicas: dict[str, int],
+    frozen: str | None = None,
+) -> Outcome:
+    """Run episodes, checkpoint them (one held mid-generation), kill the pod of instance `lose`,
+    and wait until the set runs again under attempt 2; then run the same tasks uninterrupted.
+
+    `frozen`: an instance whose pod is stopped (SIGSTOP) at the kill: it cannot retire."""
+    cluster.kubectl(
+        "apply", "-n", namespace, "-f", "-", input=json.dumps(in_place_set(storage, replicas))
+    )
+    before = await resources.wait_set("Ready", lambda o: is_true(o, "Ready"), 120)
+    pods = pods_by_instance(before)
+    specs = episode_specs(EPISODES, SEED)
+    held = specs[0].rollout_id
+    outcomes: list[EpisodeResult | EpisodeFailed] = []
+    stopped: list[int] = []
+    async with (
+        httpx.AsyncClient() as http,
+        rollout_set_topology(SET, namespace, kubeconfig=cluster.kubeconfig) as topology,
+    ):
+        models = [Debug(http, address) for address in addresses(before, "model")]
+        for model in models:
+            await model.arm("token", held, index=HELD_AT_TOKEN)
+        client = RolloutClient(
+            topology, concurrency=EPISODES, restore_timeout_s=180, run_timeout_s=240
+        )
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def run_episodes() -> None:
+                    outcomes.extend(await client.run_all(specs))
+
+                group.start_soon(run_episodes)
+
+                async def held_somewhere() -> bool:
+                    for model in models:
+                        state = (await http.get(model.address + "/debug/state")).json()
+                        if any(a["waiting"] for a in state["armed"]):
+                            return True
+                    return False
+
+                await wait_for(held_somewhere, 60, f"episode {held} held mid-generation")
+                cluster.kubectl(
+                    "apply",
+                    "-n",
+                    namespace,
+                    "-f",
+                    "-",
+                    input=json.dumps(example_checkpoint("in-flight")),
+                )
+                ckpt = await resources.wait_checkpoint(
+                    "in-flight", "Ready or Failed", phase_is("Ready", "Failed"), 60
+                )
+                assert is_true(ckpt, "Ready"), ckpt["status"]
+                assert ckpt["status"]["episodes"] >= 1
+                # The kept pods go on generating: let the held episode continue.
+                for model in models:
+                    await model.release("token", held)
+                uids_before = uids(cluster, namespace)
+                if frozen is not None:
+                    stopped = pod_pids(cluster, namespace, pods[frozen])
+                    freeze(stopped)
+                assert await cluster.admin.kill_pod_async(namespace, pods[lose])
+                after = await resources.wait_set(
+                    "Ready under attempt 2",
+                    lambda o: o["status"].get("attempt") == 2 and is_true(o, "Ready"),
+                    180,
+                )
+        finally:
+            thaw(stopped)
+        reference_specs = episode_specs(EPISODES, SEED, prefix="ref")
+        reference = await RolloutClient(topology, concurrency=EPISODES).run_all(reference_specs)
+        by_role: dict[str, list[dict[str, Any]]] = {}
+        for participant in after["status"]["participants"]:
+            reply = await stats(http, participant["address"])
+            by_role.setdefault(participant["role"], []).append(reply)
+    run = RecoveredRun(
+        specs=specs,
+        outcomes=outcomes,
+        reference_specs=reference_specs,
+        reference=reference,
+        storage=storage,
+        checkpoint=ckpt,
+        stats={role: merged_stats(replies) for role, replies in by_role.items()},
+    )
+    return Outcome(
+        before=before,
+        after=after,
+        checkpoint=ckpt,
+        run=run,
+        results=check_recovered_run(run),
+        uids_before=uids_before,
+        uids_after=uids(cluster, namespace),
+    )
+
+
+CASES = {
+    "environment": ({}, "environment-0"),
+    "agent": ({}, "agent-0"),
+    "resources": ({}, "resources-0"),
+    "one-of-two-models": ({"model": 2, "agent": 2, "environment": 2}, "model-1"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+async def test_in_place_replaces_only_the_lost_pod(
+    cluster: Cluster,
+    namespace: str,
+    operator: MetricsOperator,
+    resources: Resources,
+    storage_dir: Path,
+    case: str,
+) -> None:
+    replicas, lose = CASES[case]
+    got = await checkpoint_kill_recover(
+        cluster, namespace, resources, storage_dir, lose, replicas=replicas
+    )
+    before, after = pods_by_instance(got.before), pods_by_instance(got.after)
+    assert set(before) == set(after)
+    for instance, pod in after.items():
+        if instance == lose:
+            assert pod == before[instance].removesuffix("-a1") + "-a2", pod
+            assert pod not in got.uids_before
+        else:
+            assert pod == before[instance], f"{instance} was replaced: {pod}"
+            assert got.uids_after[pod] == got.uids_before[pod], f"{pod} was recreated"
+
+    # What the set says about the recovery.
+    last = got.after["status"]["lastRecovery"]
+    assert last["restorePolicy"] == "InPlace"
+    assert (last["kept"], last["replaced"]) == (len(after) - 1, 1)
+    assert last["checkpoint"] == "in-flight"
+    assert last["episodesContinued"] >= 1
+    assert last["checkpointAgeSeconds"] >= 0
+    assert {"StoppingAttempt", "StartingPods", "Restoring", "Resuming"} <= set(last["phaseSeconds"])
+    recovering = condition(got.after, "Recovering")
+    assert recovering is not None
+    assert recovering["reason"] == "Restored"
+    assert "kept" in recovering["message"]
+    printed = cluster.kubectl("get", "rset", SET, "-n", namespace).stdout.splitlines()
+    header, row = printed[0].split(), printed[1].split()
+    assert row[header.index("KEPT")] == str(len(after) - 1)
+    assert row[header.index("REPLACED")] == "1"
+
+    # Every kept pod carries the time of the checkpoint that covers it.
+    for instance, pod in after.items():
+        if instance == lose:
+            continue
+        annotations = json.loads(
+            cluster.kubectl("get", "pod", pod, "-n", namespace, "-o", "json").stdout
+        )["metadata"]["annotations"]
+        assert annotations["checkpoint.rollout.dev/latest-checkpoint"] == "in-flight"
+        assert annotations["checkpoint.rollout.dev/latest-checkpoint-time"].endswith("Z")
+
+    # The operator's /metrics count it.
+    found = await wait_metrics(
+        operator.metrics_url,
+        {
+            ("rollout_recovery_pods_total", "kept"): len(after) - 1,
+            ("rollout_recovery_pods_total", "replaced"): 1,
+            ("rollout_recovery_episodes_total", "continued"): last["episodesContinued"],
+        },
+    )
+    assert sample(found, "rollout_recovery_duration_seconds_count", set=SET, phase="Total") == 1
+    assert sample(found, "rollout_recovery_checkpoint_age_seconds_count", set=SET) == 1
+
+
+async def test_a_survivor_that_cannot_retire_falls_back_to_recreate(
+    cluster: Cluster,
+    namespace: str,
+    operator: MetricsOperator,
+    resources: Resources,
+    storage_dir: Path,
+) -> None:
+    got = await checkpoint_kill_recover(
+        cluster,
+        namespace,
+        resources,
+        storage_dir,
+        "environment-0",
+        replicas={},
+        frozen="resources-0",
+    )
+    assert sorted(pods_by_instance(got.after).values()) == [
+        f"{SET}-agent-0-a2",
+        f"{SET}-environment-0-a2",
+        f"{SET}-model-0-a2",
+        f"{SET}-resources-0-a2",
+    ]
+    last = got.after["status"]["lastRecovery"]
+    assert last["restorePolicy"] == "Recreate"
+    assert (last["kept"], last["replaced"]) == (0, 4)
+    events = json.loads(cluster.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)
+    fallbacks = [e for e in events["items"] if e["reason"] == "InPlaceFallback"]
+    assert fallbacks, "no InPlaceFallback Event"
+    assert "resources-0" in fallbacks[0]["message"]
+    assert fallbacks[0]["type"] == "Warning"
