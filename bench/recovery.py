@@ -21,7 +21,14 @@ restored checkpoint did not keep (its cut prefixes and held responses), for the 
 were generated again after it. Counters come from each pod's /stats, polled every 0.2 s, so a
 dying pod's last fraction of a second may be missed (in both runs alike).
 
+A second comparison keeps warm model pods: the environment pod is SIGKILLed while the model
+takes `--load-seconds` (default 30) to load its weights, once with `restorePolicy: Recreate`
+(every pod replaced, the model loads again) and once with `InPlace` (only the environment pod
+replaced, the model pod kept). It prints the time from the kill to resumed and the model tokens
+generated again in each; the target is InPlace at least `--load-seconds` shorter.
+
     python bench/recovery.py [--episodes 48] [--seed 7] [--token-latency-ms 20]
+                             [--load-seconds 30] [--skip-policies]
 """
 
 from __future__ import annotations
@@ -121,6 +128,75 @@ def table(turn: ScenarioReport, sibling: ScenarioReport) -> list[str]:
     return lines
 
 
+def policy_table(
+    recreate: ScenarioReport, in_place: ScenarioReport, load_seconds: float
+) -> list[str]:
+    """Recreate against InPlace after the loss of a non-model pod, the model loading for
+    `load_seconds`."""
+    took = [r.timeline.since("resumed") for r in (recreate, in_place)]
+    kept = [
+        (r.final_set.get("status") or {}).get("lastRecovery") or {} for r in (recreate, in_place)
+    ]
+
+    def shown(value: float | None, fmt: str = "{:.1f}") -> str:
+        return "-" if value is None else fmt.format(value)
+
+    def row(name: str, a: str, b: str) -> str:
+        return f"| {name:<42} | {a:>10} | {b:>10} |"
+
+    lines = [
+        f"losing the {recreate.scenario.kill_role} pod with a model that loads for "
+        f"{load_seconds:g}s: {recreate.scenario.episodes} episodes, seed {recreate.scenario.seed}",
+        "",
+        row("", "Recreate", "InPlace"),
+        f"|{'-' * 44}|{'-' * 12}|{'-' * 12}|",
+        row("kill -> resumed, set Ready (s)", shown(took[0]), shown(took[1])),
+        row(
+            "pods kept / replaced",
+            f"{kept[0].get('kept', '-')} / {kept[0].get('replaced', '-')}",
+            f"{kept[1].get('kept', '-')} / {kept[1].get('replaced', '-')}",
+        ),
+        row(
+            "model tokens generated again", str(recreate.redone.tokens), str(in_place.redone.tokens)
+        ),
+        row("steps redone", str(recreate.redone.steps), str(in_place.redone.steps)),
+        row("wall time to finish (s)", shown(recreate.wall_seconds), shown(in_place.wall_seconds)),
+        row("episodes failed", str(len(recreate.failed)), str(len(in_place.failed))),
+    ]
+    if took[0] is not None and took[1] is not None:
+        saved = took[0] - took[1]
+        target = "met" if saved >= load_seconds else "NOT met"
+        lines += [
+            "",
+            f"InPlace saved {saved:.1f}s (target: at least the {load_seconds:g}s load: {target})",
+        ]
+    return lines
+
+
+async def _policies(cluster: Cluster, root: Path, args: argparse.Namespace) -> list[ScenarioReport]:
+    reports = []
+    for policy in ("Recreate", "InPlace"):
+        scenario = Scenario(
+            namespace=f"bench-{policy.lower()}",
+            workdir=root / policy.lower(),
+            episodes=args.episodes,
+            seed=args.seed,
+            token_latency_ms=args.token_latency_ms,
+            restore_policy=policy,
+            load_seconds=args.load_seconds,
+            kill_role="environment",
+            kill_at="resumed",
+            delete_after=True,
+            timeout_s=240.0 + 2 * args.load_seconds,
+        )
+        _say(
+            f"run: restorePolicy {policy}, environment pod lost, model load {args.load_seconds:g}s"
+        )
+        reports.append(await run_scenario(cluster, scenario, _say))
+        cluster.kubectl("delete", "namespace", scenario.namespace, "--wait=true", "--timeout=60s")
+    return reports
+
+
 async def _both(cluster: Cluster, root: Path, args: argparse.Namespace) -> list[ScenarioReport]:
     reports = []
     for level in ("turn", "sibling"):
@@ -166,6 +242,15 @@ def main() -> int:
         default=50.0,
         help="model time per token; episodes last a few seconds at the default",
     )
+    parser.add_argument(
+        "--load-seconds",
+        type=float,
+        default=30.0,
+        help="the model's simulated weight loading in the Recreate/InPlace comparison",
+    )
+    parser.add_argument(
+        "--skip-policies", action="store_true", help="skip the Recreate/InPlace comparison"
+    )
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     started = time.monotonic()
@@ -173,10 +258,15 @@ def main() -> int:
     try:
         apply_crds(cluster)
         turn, sibling = anyio.run(_both, cluster, root, args)
+        policies = None if args.skip_policies else anyio.run(_policies, cluster, root, args)
     finally:
         cluster.stop()
     for line in table(turn, sibling):
         print(line)
+    if policies is not None:
+        print()
+        for line in policy_table(*policies, args.load_seconds):
+            print(line)
     print(f"\n(bench took {time.monotonic() - started:.0f}s; operator logs and records in {root})")
     return 0
 

@@ -604,6 +604,10 @@ class Scenario:
     """`turn`: restore the checkpoint (continue from boundaries); `sibling`: fresh pods only,
     every unfinished episode runs again from its first step (a plain pod restart)."""
     token_latency_ms: float = 20.0
+    restore_policy: str = "Recreate"
+    """`Recreate`: every pod is replaced after the loss; `InPlace`: only the lost one."""
+    load_seconds: float = 0.0
+    """The model's simulated weight-loading time (`rollout-server model --load-seconds`)."""
     kill_role: str = "model"
     checkpoint_at_done: float = 0.15
     """Take the checkpoint once this share of the episodes finished."""
@@ -681,13 +685,24 @@ async def run_scenario(cluster: Cluster, scenario: Scenario, say: Say = _quiet) 
         operator.wait_live()
         pid = operator.process.pid if operator.process else "?"
         say(f"operator running (pid {pid}, log {operator.log})")
+        model_args = ["--token-latency-ms", f"{scenario.token_latency_ms:g}"]
+        if scenario.load_seconds:
+            model_args += ["--load-seconds", f"{scenario.load_seconds:g}"]
+        recovery = {
+            "targetLevel": scenario.target_level,
+            "restorePolicy": scenario.restore_policy,
+            "restoreTimeoutSeconds": int(120 + scenario.load_seconds),
+        }
         manifest = example_set(
-            storage_dir,
-            extra_args={"model": ["--token-latency-ms", f"{scenario.token_latency_ms:g}"]},
-            spec={"recovery": {"targetLevel": scenario.target_level}},
+            storage_dir, extra_args={"model": model_args}, spec={"recovery": recovery}
         )
         kubectl_apply(cluster, namespace, manifest)
-        say(f"applied examples/rolloutset.yaml (recovery.targetLevel {scenario.target_level})")
+        say(
+            f"applied examples/rolloutset.yaml (recovery.targetLevel {scenario.target_level}, "
+            f"restorePolicy {scenario.restore_policy}"
+            + (f", model load {scenario.load_seconds:g}s" if scenario.load_seconds else "")
+            + ")"
+        )
         return await _drive(cluster, scenario, operator, storage_dir, say)
     except Exception:
         say(f"operator log tail:\n{operator.tail(30)}")
@@ -708,7 +723,9 @@ async def _drive(
     async with open_api(cluster.kubeconfig) as api, httpx.AsyncClient() as http:
         resources = Resources(api, namespace)
         started = time.monotonic()
-        ready = await resources.wait_set("Ready", lambda o: is_true(o, "Ready"), 90)
+        ready = await resources.wait_set(
+            "Ready", lambda o: is_true(o, "Ready"), 90 + scenario.load_seconds
+        )
         say(
             f"RolloutSet {SET_NAME} Ready in {time.monotonic() - started:.1f}s: "
             + ", ".join(p["pod"] for p in ready["status"]["participants"])
