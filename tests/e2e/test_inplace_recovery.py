@@ -134,6 +134,8 @@ class Outcome:
     results: dict[str, EpisodeResult]
     uids_before: dict[str, str]
     uids_after: dict[str, str]
+    lost: str
+    """The instance whose pod was killed."""
 
 
 async def checkpoint_kill_recover(
@@ -149,7 +151,10 @@ async def checkpoint_kill_recover(
     """Run episodes, checkpoint them (one held mid-generation), kill the pod of instance `lose`,
     and wait until the set runs again under attempt 2; then run the same tasks uninterrupted.
 
-    `frozen`: an instance whose pod is stopped (SIGSTOP) at the kill: it cannot retire."""
+    `lose` is `role-index`, or `model-*`: the model instance that holds the episode, killed
+    while it still holds it (so a cut generation is provably in flight on the lost pod). A
+    kept model lets the held episode go on before the kill. `frozen`: an instance whose pod
+    is stopped (SIGSTOP) at the kill: it cannot retire."""
     cluster.kubectl(
         "apply", "-n", namespace, "-f", "-", input=json.dumps(in_place_set(storage, replicas))
     )
@@ -166,6 +171,7 @@ async def checkpoint_kill_recover(
         models = [Debug(http, address) for address in addresses(before, "model")]
         for model in models:
             await model.arm("token", held, index=HELD_AT_TOKEN)
+        holder: list[int] = []
         client = RolloutClient(
             topology, concurrency=EPISODES, restore_timeout_s=180, run_timeout_s=240
         )
@@ -178,9 +184,10 @@ async def checkpoint_kill_recover(
                 group.start_soon(run_episodes)
 
                 async def held_somewhere() -> bool:
-                    for model in models:
+                    for index, model in enumerate(models):
                         state = (await http.get(model.address + "/debug/state")).json()
                         if any(a["waiting"] for a in state["armed"]):
+                            holder.append(index)
                             return True
                     return False
 
@@ -198,9 +205,12 @@ async def checkpoint_kill_recover(
                 )
                 assert is_true(ckpt, "Ready"), ckpt["status"]
                 assert ckpt["status"]["episodes"] >= 1
-                # The kept pods go on generating: let the held episode continue.
-                for model in models:
-                    await model.release("token", held)
+                if lose == "model-*":
+                    lose = f"model-{holder[0]}"
+                else:
+                    # The model is kept: let the held episode go on generating.
+                    for model in models:
+                        await model.release("token", held)
                 uids_before = uids(cluster, namespace)
                 if frozen is not None:
                     stopped = pod_pids(cluster, namespace, pods[frozen])
@@ -236,6 +246,7 @@ async def checkpoint_kill_recover(
         results=check_recovered_run(run),
         uids_before=uids_before,
         uids_after=uids(cluster, namespace),
+        lost=lose,
     )
 
 
@@ -243,7 +254,7 @@ CASES = {
     "environment": ({}, "environment-0"),
     "agent": ({}, "agent-0"),
     "resources": ({}, "resources-0"),
-    "one-of-two-models": ({"model": 2, "agent": 2, "environment": 2}, "model-1"),
+    "one-of-two-models": ({"model": 2, "agent": 2, "environment": 2}, "model-*"),
 }
 
 
@@ -260,6 +271,7 @@ async def test_in_place_replaces_only_the_lost_pod(
     got = await checkpoint_kill_recover(
         cluster, namespace, resources, storage_dir, lose, replicas=replicas
     )
+    lose = got.lost
     before, after = pods_by_instance(got.before), pods_by_instance(got.after)
     assert set(before) == set(after)
     for instance, pod in after.items():
