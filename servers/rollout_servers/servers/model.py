@@ -396,6 +396,10 @@ class OpenAIBackend:
                 if payload == "[DONE]":
                     return
                 piece = _piece_from_chunk(json.loads(payload), request.kind)
+                if piece is not None and self.text_only and piece.ids is not None:
+                    # as for an engine that reports no ids: none are recorded, the cut
+                    # continues from text, and tokens are counted one per chunk
+                    piece = replace(piece, ids=None)
                 if piece is not None:
                     yield piece
 
