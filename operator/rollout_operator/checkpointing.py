@@ -37,10 +37,7 @@ from rollout_protocol import (
 from .api import (
     ANNOTATION_LATEST_CHECKPOINT,
     ANNOTATION_LATEST_CHECKPOINT_TIME,
-    GROUP,
     LABEL_ATTEMPT,
-    ROLLOUT_CHECKPOINT_PLURAL,
-    VERSION,
     CheckpointConditionType,
     CheckpointDurations,
     CheckpointParticipant,
@@ -55,14 +52,13 @@ from .api import (
     format_time,
 )
 from .conditions import find_condition, set_condition, utcnow
-from .kube import MERGE_PATCH, Conflict, Kube, api_error_message
+from .kube import Conflict, Kube, api_error_message
 from .policy import PrepareDeadline, TerminatingPod, eviction_prepare_deadline
 from .resources import set_selector
 from .setops import read_control_token
 
 logger = logging.getLogger(__name__)
 
-_MERGE_PATCH: Final[dict[str, Any]] = {"_content_type": MERGE_PATCH}
 
 TERMINAL: Final = frozenset({CheckpointPhase.READY, CheckpointPhase.FAILED})
 IN_FLIGHT: Final = frozenset(
@@ -194,15 +190,7 @@ class CheckpointFlow:
         for key in ("blockers", "participants"):
             body["status"].setdefault(key, [])
         namespace = ckpt.metadata.namespace or "default"
-        await self._kube.custom.patch_namespaced_custom_object_status(
-            GROUP,
-            VERSION,
-            namespace,
-            ROLLOUT_CHECKPOINT_PLURAL,
-            ckpt.metadata.name,
-            body,
-            **_MERGE_PATCH,
-        )
+        await self._kube.patch_checkpoint_status(namespace, ckpt.metadata.name, body["status"])
         ckpt.status = status
 
     async def _phase(

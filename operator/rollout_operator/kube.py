@@ -121,6 +121,16 @@ class Kube:
             raise
         return cast(dict[str, Any], obj)
 
+    async def patch_checkpoint_status(
+        self, namespace: str, name: str, status: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Merge-patch a RolloutCheckpoint's status subresource (lists in it replace)."""
+        body: dict[str, Any] = {"status": dict(status)}
+        obj = await self.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, namespace, ROLLOUT_CHECKPOINT_PLURAL, name, body, **_MERGE_PATCH
+        )
+        return cast(dict[str, Any], obj)
+
     # --- core objects ---------------------------------------------------------------------------
 
     async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:

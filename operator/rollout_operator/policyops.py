@@ -499,7 +499,7 @@ async def checkpoint_deleted(
     ):
         raise CheckpointBusy(f"recovery of set {rset.metadata.name} restores {name}")
     if rset.status.latest_checkpoint == name:
-        await _repoint_latest(kube, rset, name)
+        await repoint_latest(kube, rset, name)
     root = locator.root(namespace, rset.spec.storage)
     if root is None:
         message = (
@@ -514,7 +514,9 @@ async def checkpoint_deleted(
     return f"records of {name} {'removed' if removed else 'were absent'}"
 
 
-async def _repoint_latest(kube: Kube, rset: RolloutSet, deleting: str) -> None:
+async def repoint_latest(kube: Kube, rset: RolloutSet, deleting: str) -> None:
+    """Point the set's `latestCheckpoint` at its newest Ready checkpoint other than `deleting`
+    (none: unset), unless someone else repointed it first."""
     namespace = rset.metadata.namespace or "default"
     for _ in range(10):
         others = checkpoint_views(await list_checkpoints(kube, namespace, rset.metadata.name))

@@ -31,10 +31,12 @@ from typing import Any, Final
 
 import anyio
 from kubernetes_asyncio.client.exceptions import ApiException
-from rollout_protocol import Coordinator, HttpParticipantClient
+from rollout_protocol import Coordinator, ErrorCode, HttpParticipantClient
 
 from .api import (
     LABEL_ATTEMPT,
+    CheckpointConditionType,
+    CheckpointPhase,
     ConditionStatus,
     LastRecovery,
     RecoveryPhase,
@@ -45,10 +47,17 @@ from .api import (
     SetConditionType,
     TargetLevel,
 )
-from .conditions import ConditionUpdate, find_condition, is_true, merge_conditions, utcnow
+from .conditions import (
+    ConditionUpdate,
+    find_condition,
+    is_true,
+    merge_conditions,
+    set_condition,
+    utcnow,
+)
 from .inplace import instance_name, plan_in_place, rewiring
 from .kube import Conflict, Kube
-from .policyops import RESUMED_REASON, eviction_holds
+from .policyops import RESUMED_REASON, eviction_holds, repoint_latest
 from .resources import control_port, participant_url, set_selector
 from .setops import delete_attempt_pods, observe_pods, read_control_token, reconcile_pods
 from .setplan import Instance, PodView, attempt_instances
@@ -79,6 +88,13 @@ class Reason:
     PODS_NOT_READY: Final = "ReplacementPodsNotReady"
     RESTARTS_EXHAUSTED: Final = "MaxRestartsExceeded"
     IN_PLACE_FALLBACK: Final = "InPlaceFallback"
+    CHECKPOINT_INVALID: Final = "CheckpointInvalid"
+    """The restored checkpoint's records failed verification: the next try restores an older
+    Ready checkpoint, or starts fresh."""
+
+
+CHECKPOINT_RECORDS_INVALID: Final = "RecordsInvalid"
+"""Reason on a RolloutCheckpoint whose records failed verification at restore (Ready=False)."""
 
 
 RETIRE_SECONDS: Final = 30.0
@@ -549,6 +565,16 @@ class RecoveryFlow:
             for client in clients:
                 await client.aclose()
         if not outcome.ok:
+            invalid = [f for f in outcome.failures if f.code is ErrorCode.RECORDS_INVALID]
+            if invalid:
+                detail = "; ".join(str(f) for f in invalid[:3])
+                await self._invalidate(rset, recovery.checkpoint, detail)
+                raise RecoveryFailed(
+                    Reason.CHECKPOINT_INVALID,
+                    f"the records of checkpoint {recovery.checkpoint} failed verification "
+                    f"({detail}); it is marked Ready=False and the next try restores the "
+                    "newest older Ready checkpoint, or starts fresh",
+                )
             raise RecoveryFailed(
                 Reason.RESTORE_FAILED,
                 f"restore of {recovery.checkpoint} under attempt {recovery.target_attempt} "
@@ -614,6 +640,44 @@ class RecoveryFlow:
             await self._on_transition(rset, reason, message, False)
         return rset
 
+    async def _invalidate(self, rset: RolloutSet, name: str, detail: str) -> None:
+        """Verification failures are permanent: the checkpoint is no longer restorable.
+
+        Its Ready condition turns False (reason RecordsInvalid, phase Failed), and the set's
+        `latestCheckpoint` moves to the newest other Ready checkpoint, so no later recovery
+        tries it again and retention treats its records as garbage."""
+        namespace = rset.metadata.namespace or "default"
+        ckpt = await self._read_checkpoint(rset, name)
+        if ckpt is not None:
+            message = f"restore verification failed, not restorable: {detail}"[:1000]
+            conditions = ckpt.status.conditions
+            for type_, status in (
+                (CheckpointConditionType.READY, False),
+                (CheckpointConditionType.FAILED, True),
+            ):
+                conditions = set_condition(
+                    conditions,
+                    type_.value,
+                    status,
+                    CHECKPOINT_RECORDS_INVALID,
+                    message,
+                    observed_generation=ckpt.metadata.generation,
+                )
+            await self._kube.patch_checkpoint_status(
+                namespace,
+                name,
+                {
+                    "phase": CheckpointPhase.FAILED.value,
+                    "conditions": [_wire(c) for c in conditions],
+                },
+            )
+        fresh = await self._read(namespace, rset.metadata.name)
+        if fresh is not None and fresh.status.latest_checkpoint == name:
+            await repoint_latest(self._kube, fresh, name)
+        logger.warning(
+            "set %s: checkpoint %s is not restorable: %s", rset.metadata.name, name, detail
+        )
+
     async def _last_recovery(
         self, rset: RolloutSet, recovery: RecoveryStatus, now: datetime
     ) -> LastRecovery:
@@ -663,7 +727,10 @@ class RecoveryFlow:
         rset = fresh
         recovery = rset.status.recovery
         assert recovery is not None
-        tries = recovery.tries + 1
+        # A checkpoint whose records failed verification is not the pods' fault: the next try
+        # restores another checkpoint, and every invalid one is tried at most once.
+        counted = failed.reason != Reason.CHECKPOINT_INVALID
+        tries = recovery.tries + (1 if counted else 0)
         logger.warning(
             "set %s recovery try %d failed: %s: %s",
             rset.metadata.name,
@@ -692,7 +759,7 @@ class RecoveryFlow:
                 ],
             )
             return None
-        delay = min(MAX_BACKOFF_SECONDS, 2.0 ** min(tries, 10))
+        delay = min(MAX_BACKOFF_SECONDS, 2.0 ** min(tries, 10)) if counted else 1.0
         next_try = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=delay)
         return await self._set_phase(
             rset,

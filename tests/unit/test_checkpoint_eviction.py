@@ -102,18 +102,11 @@ class FakeApi(InMemorySet):
     async def get_checkpoint(self, namespace: str, name: str) -> dict[str, Any] | None:
         return copy.deepcopy(self.checkpoint) if name == CKPT else None
 
-    async def patch_namespaced_custom_object_status(
-        self,
-        group: str,
-        version: str,
-        namespace: str,
-        plural: str,
-        name: str,
-        body: dict[str, Any],
-        **_: Any,
+    async def patch_checkpoint_status(
+        self, namespace: str, name: str, status: dict[str, Any]
     ) -> dict[str, Any]:
-        assert plural == api.ROLLOUT_CHECKPOINT_PLURAL
-        self.checkpoint["status"].update(copy.deepcopy(body["status"]))
+        assert name == CKPT
+        self.checkpoint["status"].update(copy.deepcopy(status))
         return copy.deepcopy(self.checkpoint)
 
     def condition(self, type_: str) -> dict[str, Any]:

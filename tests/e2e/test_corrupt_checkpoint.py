@@ -1,0 +1,146 @@
+"""A corrupt checkpoint must not take the set down (issue 15, class 9).
+
+Two Ready checkpoints are taken while an episode is held mid-generation; the newer one's model
+records are then damaged on storage (one byte flipped). When the model pod is killed, the
+restore of the newer checkpoint fails verification on the fresh model pod. That failure is
+permanent for that checkpoint: it turns Ready=False (reason RecordsInvalid), the set's
+`latestCheckpoint` moves to the older one, and the next try restores the older checkpoint.
+Every episode then finishes exactly once, and the damaged checkpoint can be deleted (its
+finalizer does not hang on a recovery that still names it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+from operator_fixtures import (
+    Debug,
+    OperatorProcess,
+    Resources,
+    condition,
+    example_checkpoint,
+    example_set,
+    is_true,
+    operator,
+    participants_by_role,
+    phase_is,
+    resources,
+    storage_dir,
+)
+from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
+from rollout_servers.discovery import rollout_set_topology
+
+from devcluster.cluster import Cluster
+
+__all__ = ["operator", "resources", "storage_dir"]
+
+pytestmark = pytest.mark.e2e
+
+EPISODES = 8
+SEED = 31
+HELD_AT_TOKEN = 2
+
+
+def flip_a_byte(storage: Path, checkpoint: str, instance: str) -> Path:
+    """Damage the records file of one participant of a checkpoint, wherever the layout puts it."""
+    (records,) = [
+        path
+        for path in storage.rglob("records-*.jsonl")
+        if path.parent.name == instance and path.parent.parent.name == checkpoint
+    ]
+    data = bytearray(records.read_bytes())
+    assert data, f"{records} is empty"
+    data[len(data) // 2] ^= 0x01
+    records.write_bytes(bytes(data))
+    return records
+
+
+async def checkpoint(cluster: Cluster, namespace: str, resources: Resources, name: str) -> None:
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(example_checkpoint(name)))
+    ckpt = await resources.wait_checkpoint(name, "Ready or Failed", phase_is("Ready", "Failed"), 60)
+    assert is_true(ckpt, "Ready"), ckpt["status"]
+    assert ckpt["status"]["episodes"] >= 1
+
+
+async def test_a_corrupt_latest_checkpoint_falls_back_to_the_older_one(
+    cluster: Cluster,
+    namespace: str,
+    operator: OperatorProcess,
+    resources: Resources,
+    storage_dir: Path,
+) -> None:
+    rset = example_set(
+        storage_dir,
+        extra_args={"model": ["--debug-hooks"]},
+        spec={"recovery": {"maxRestarts": 1, "restoreTimeoutSeconds": 90}},
+    )
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(rset))
+    ready = await resources.wait_set("Ready", lambda o: is_true(o, "Ready"), 90)
+    model = participants_by_role(ready)["model"][0]
+    specs = episode_specs(EPISODES, SEED)
+    held = specs[0].rollout_id
+    outcomes: list[EpisodeResult | EpisodeFailed] = []
+    async with (
+        httpx.AsyncClient() as http,
+        rollout_set_topology("math-rl", namespace, kubeconfig=cluster.kubeconfig) as topology,
+    ):
+        debug = Debug(http, model["address"])
+        await debug.arm("token", held, index=HELD_AT_TOKEN)
+        client = RolloutClient(
+            topology, concurrency=EPISODES, restore_timeout_s=180, run_timeout_s=240
+        )
+        async with anyio.create_task_group() as group:
+
+            async def run_episodes() -> None:
+                outcomes.extend(await client.run_all(specs))
+
+            group.start_soon(run_episodes)
+            await debug.paused("token", held)
+            await checkpoint(cluster, namespace, resources, "older")
+            await checkpoint(cluster, namespace, resources, "newer")
+            flip_a_byte(storage_dir, "newer", "model-0")
+            assert await cluster.admin.kill_pod_async(namespace, model["pod"])
+            after = await resources.wait_set(
+                "Ready again, restored from the older checkpoint",
+                lambda o: (
+                    (o["status"].get("attempt") or 0) >= 2
+                    and is_true(o, "Ready")
+                    and ((o["status"].get("lastRecovery") or {}).get("checkpoint") == "older")
+                ),
+                180,
+            )
+
+    failed = [o for o in outcomes if isinstance(o, EpisodeFailed)]
+    assert not failed, failed
+    results = {o.rollout_id: o for o in outcomes if isinstance(o, EpisodeResult)}
+    assert len(results) == EPISODES
+    assert results[held].continued_from == 1, results[held]
+
+    # The damaged checkpoint is marked, and no longer what a recovery restores.
+    newer = await resources.checkpoint("newer")
+    ready = condition(newer, "Ready")
+    assert ready is not None
+    assert ready["status"] == "False"
+    assert ready["reason"] == "RecordsInvalid"
+    assert "model-0" in ready["message"]
+    assert newer["status"]["phase"] == "Failed"
+    assert after["status"]["latestCheckpoint"] == "older"
+    assert not after["status"].get("recovery"), "no recovery phase is left behind"
+    recovering = condition(after, "Recovering")
+    assert recovering is not None
+    assert recovering["reason"] == "Restored"
+    # The invalid checkpoint did not use up a try (maxRestarts 1 would have stopped at two).
+    assert after["status"]["lastRecovery"]["checkpoint"] == "older"
+    events = json.loads(cluster.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)
+    assert any(e["reason"] == "CheckpointInvalid" for e in events["items"]), [
+        e["reason"] for e in events["items"]
+    ]
+
+    # Deleting it completes: nothing holds its finalizer any more.
+    cluster.kubectl("delete", "rckpt", "newer", "-n", namespace, "--timeout=30s")
+    gone = cluster.kubectl("get", "rckpt", "newer", "-n", namespace, check=False)
+    assert gone.returncode != 0
