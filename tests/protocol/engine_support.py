@@ -30,6 +30,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 from protocol_support import free_port
@@ -113,7 +114,6 @@ def build_vocabulary() -> Vocabulary:
 
 def write_model(path: Path) -> Vocabulary:
     """Write the tiny llama model with seeded random weights to `path` (GGUF)."""
-    import gguf  # the `engine` extra; imported here so collecting tests does not need it
     import numpy as np
 
     vocab = build_vocabulary()
@@ -123,16 +123,118 @@ def write_model(path: Path) -> Vocabulary:
     def weights(*shape: int, scale: float) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
+    tensors = {"token_embd.weight": weights(n_vocab, EMBED, scale=1.0)}
+    for layer in range(LAYERS):
+        prefix = f"blk.{layer}."
+        tensors[prefix + "attn_norm.weight"] = np.ones(EMBED, dtype=np.float32)
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            tensors[prefix + name + ".weight"] = weights(EMBED, EMBED, scale=0.2)
+        tensors[prefix + "ffn_norm.weight"] = np.ones(EMBED, dtype=np.float32)
+        tensors[prefix + "ffn_gate.weight"] = weights(FFN, EMBED, scale=0.2)
+        tensors[prefix + "ffn_up.weight"] = weights(FFN, EMBED, scale=0.2)
+        tensors[prefix + "ffn_down.weight"] = weights(EMBED, FFN, scale=0.2)
+    tensors["output_norm.weight"] = np.ones(EMBED, dtype=np.float32)
+    output = weights(n_vocab, EMBED, scale=0.5)
+    output[vocab.eos] = 0.0  # end of text stays rare: generations run to max_tokens
+    tensors["output.weight"] = output
+    _write_gguf(path, "rollout-tiny-test", vocab, EMBED, tensors)
+    return vocab
+
+
+PARTIAL_CHAR = "€"
+"""The character the chain model writes as two tokens, the first ending inside it."""
+CHAIN_EMBED = 128
+CHAIN_PROMPT = "ab"
+CHAIN_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+@dataclass(frozen=True)
+class ChainModel:
+    """A model whose greedy output is a fixed chain of tokens (see `write_chain_model`)."""
+
+    vocab: Vocabulary
+    lead: int
+    """The token of `PARTIAL_CHAR`'s first two bytes: it ends inside the character."""
+    last: int
+    """The token of its last byte."""
+    whole: int
+    """The token of the whole character (what its text tokenises to)."""
+
+    def next_token(self, token: int) -> int:
+        """The token the model predicts after `token` (its logits depend on nothing else)."""
+        tokens = self.vocab.tokens
+        if token == self.lead:
+            return self.last
+        if token == self.last:
+            return tokens.index("e")
+        if tokens[token] == "d":
+            return self.lead
+        if tokens[token] in CHAIN_LETTERS:
+            letter = CHAIN_LETTERS.index(tokens[token])
+            return tokens.index(CHAIN_LETTERS[(letter + 1) % len(CHAIN_LETTERS)])
+        return tokens.index("a")
+
+
+def write_chain_model(path: Path) -> ChainModel:
+    """A bigram model with a token that ends inside a UTF-8 character, to show what llama-server
+    does with one. The vocabulary is `build_vocabulary()`'s plus two partial tokens of
+    `PARTIAL_CHAR` (its first two bytes, its last byte). The embeddings are one-hot and every
+    layer's output projection is zero, so the residual stream is the current token's embedding
+    and the logits are one column of the output matrix: greedy decoding follows
+    `ChainModel.next_token` (after `CHAIN_PROMPT`: c, d, lead, last, e, f, ...: the text
+    `cd€ef...`, the € written as two tokens). Other logits are small seeded noise."""
+    import numpy as np
+
+    base = build_vocabulary()
+    symbols = [_byte_symbols()[b] for b in PARTIAL_CHAR.encode()]
+    lead_symbol, last_symbol = "".join(symbols[:-1]), symbols[-1]
+    vocab = Vocabulary(tokens=[*base.tokens, lead_symbol, last_symbol], merges=base.merges, eos=0)
+    n_vocab = len(vocab.tokens)
+    assert n_vocab <= CHAIN_EMBED
+    chain = ChainModel(vocab, n_vocab - 2, n_vocab - 1, vocab.tokens.index(_encode(PARTIAL_CHAR)))
+    rng = np.random.default_rng(WEIGHT_SEED)
+    zeros = np.zeros
+
+    def noise(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.01).astype(np.float32)
+
+    tensors = {"token_embd.weight": np.eye(n_vocab, CHAIN_EMBED, dtype=np.float32)}
+    for layer in range(LAYERS):
+        prefix = f"blk.{layer}."
+        tensors[prefix + "attn_norm.weight"] = np.ones(CHAIN_EMBED, dtype=np.float32)
+        for name in ("attn_q", "attn_k", "attn_v"):
+            tensors[prefix + name + ".weight"] = noise(CHAIN_EMBED, CHAIN_EMBED)
+        tensors[prefix + "attn_output.weight"] = zeros((CHAIN_EMBED, CHAIN_EMBED), np.float32)
+        tensors[prefix + "ffn_norm.weight"] = np.ones(CHAIN_EMBED, dtype=np.float32)
+        tensors[prefix + "ffn_gate.weight"] = noise(FFN, CHAIN_EMBED)
+        tensors[prefix + "ffn_up.weight"] = noise(FFN, CHAIN_EMBED)
+        tensors[prefix + "ffn_down.weight"] = zeros((CHAIN_EMBED, FFN), np.float32)
+    tensors["output_norm.weight"] = np.ones(CHAIN_EMBED, dtype=np.float32)
+    output = noise(n_vocab, CHAIN_EMBED)
+    for token in range(n_vocab):
+        output[chain.next_token(token), token] = 1.0
+    output[vocab.eos] = 0.0
+    tensors["output.weight"] = output
+    _write_gguf(path, "rollout-chain-test", vocab, CHAIN_EMBED, tensors)
+    return chain
+
+
+def _write_gguf(
+    path: Path, name: str, vocab: Vocabulary, embed: int, tensors: dict[str, Any]
+) -> None:
+    import gguf  # the `engine` extra; imported here so collecting tests does not need it
+
+    n_vocab = len(vocab.tokens)
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("rollout-tiny-test")
+    writer.add_name(name)
     writer.add_context_length(CONTEXT)
-    writer.add_embedding_length(EMBED)
+    writer.add_embedding_length(embed)
     writer.add_block_count(LAYERS)
     writer.add_feed_forward_length(FFN)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(HEADS)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(EMBED // HEADS)
+    writer.add_rope_dimension_count(embed // HEADS)
     writer.add_vocab_size(n_vocab)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     writer.add_tokenizer_model("gpt2")
@@ -149,27 +251,12 @@ def write_model(path: Path) -> Vocabulary:
     writer.add_eos_token_id(vocab.eos)
     writer.add_add_bos_token(False)
     writer.add_add_eos_token(False)
-
-    writer.add_tensor("token_embd.weight", weights(n_vocab, EMBED, scale=1.0))
-    for layer in range(LAYERS):
-        prefix = f"blk.{layer}."
-        writer.add_tensor(prefix + "attn_norm.weight", np.ones(EMBED, dtype=np.float32))
-        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            writer.add_tensor(prefix + name + ".weight", weights(EMBED, EMBED, scale=0.2))
-        writer.add_tensor(prefix + "ffn_norm.weight", np.ones(EMBED, dtype=np.float32))
-        writer.add_tensor(prefix + "ffn_gate.weight", weights(FFN, EMBED, scale=0.2))
-        writer.add_tensor(prefix + "ffn_up.weight", weights(FFN, EMBED, scale=0.2))
-        writer.add_tensor(prefix + "ffn_down.weight", weights(EMBED, FFN, scale=0.2))
-    writer.add_tensor("output_norm.weight", np.ones(EMBED, dtype=np.float32))
-    output = weights(n_vocab, EMBED, scale=0.5)
-    output[vocab.eos] = 0.0  # end of text stays rare: generations run to max_tokens
-    writer.add_tensor("output.weight", output)
-
+    for tensor_name, tensor in tensors.items():
+        writer.add_tensor(tensor_name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return vocab
 
 
 def engine_binary() -> Path | None:

@@ -11,6 +11,7 @@ multi-byte character.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,7 +21,15 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from engine_support import LlamaServer, engine_binary, write_model
+from engine_support import (
+    CHAIN_PROMPT,
+    PARTIAL_CHAR,
+    ChainModel,
+    LlamaServer,
+    engine_binary,
+    write_chain_model,
+    write_model,
+)
 from protocol_support import SET_NAME, TOKEN, Debug, ServerProcess, deadline
 from rollout_protocol import (
     Coordinator,
@@ -40,20 +49,42 @@ LOGPROB_TOLERANCE = 1e-4
 """Batch and one-at-a-time evaluation of the same ids may differ in the last float bits."""
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
+def _binary() -> Path:
     binary = engine_binary()
     if binary is None:
         message = "llama-server is not built: run `make engine` (engines/build-llama-server.sh)"
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
+    return binary
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
+    binary = _binary()
     root = tmp_path_factory.mktemp("engine")
     model = root / "tiny.gguf"
     write_model(model)
     server = LlamaServer.start(binary, model, root)
     try:
         yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def chain_engine(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[LlamaServer, ChainModel]]:
+    """llama-server serving the chain model: greedy output `cd€efgh...` after `ab`, the € as
+    two tokens of which the first ends inside the character."""
+    binary = _binary()
+    root = tmp_path_factory.mktemp("chain-engine")
+    model = root / "chain.gguf"
+    chain = write_chain_model(model)
+    server = LlamaServer.start(binary, model, root)
+    try:
+        yield server, chain
     finally:
         server.stop()
 
@@ -344,3 +375,97 @@ async def test_text_fallback_diverges_where_bpe_remerges(
     assert got.text == diverged != uncut.text
     assert "ids" not in generation_record(tmp_path / "text", "text-1").data["state"]
     assert relay_stats["counters"]["0"]["continued_text"] == 1
+
+
+CHAIN_TOKENS = 8
+
+
+async def test_engine_reports_no_id_for_a_token_inside_a_character(
+    chain_engine: tuple[LlamaServer, ChainModel],
+) -> None:
+    """The engine's limit, shown: llama-server holds back a token that ends inside a UTF-8
+    character and reports neither its id nor its logprob, streamed or not; it streams the
+    character with the id of its last token only. Its `timings.predicted_n` still counts it."""
+    engine, chain = chain_engine
+    body = {"prompt": CHAIN_PROMPT, "max_tokens": CHAIN_TOKENS, "temperature": 0, "logprobs": 1}
+    expected = [4, 5, chain.lead, chain.last, 6, 7, 8, 9]  # c d <lead> <last> e f g h
+    assert [chain.vocab.tokens[i] for i in (4, 5, 6)] == ["c", "d", "e"]
+    async with httpx.AsyncClient(timeout=60) as http:
+        reply = await http.post(engine.url + "/v1/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        data = reply.json()
+        content = data["choices"][0]["logprobs"]["content"]
+        assert data["choices"][0]["text"] == f"cd{PARTIAL_CHAR}efgh"
+        assert data["usage"]["completion_tokens"] == CHAIN_TOKENS
+        assert [e["id"] for e in content] == [t for t in expected if t != chain.lead]
+
+        chunks: list[tuple[str, list[int], int]] = []
+        async with http.stream(
+            "POST",
+            engine.url + "/v1/completions",
+            json=body | {"stream": True, "timings_per_token": True},
+        ) as streamed:
+            async for line in streamed.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[len("data: ") :])
+                    choice = chunk["choices"][0]
+                    ids = [e["id"] for e in (choice["logprobs"] or {}).get("content", [])]
+                    chunks.append((choice["text"], ids, chunk["timings"]["predicted_n"]))
+    assert (PARTIAL_CHAR, [chain.last], 4) in chunks
+    assert sum(len(ids) for _, ids, _ in chunks) == CHAIN_TOKENS - 1
+    assert chunks[-1][2] == CHAIN_TOKENS
+
+
+async def test_relay_goes_text_level_after_a_token_without_id(
+    chain_engine: tuple[LlamaServer, ChainModel], tmp_path: Path
+) -> None:
+    """What the relay makes of it: it counts the held token (the engine's `predicted_n`),
+    records no ids from there on, and a cut after the character continues from text, said in
+    the record and /stats, and diverges (the text re-tokenises as the whole-character token).
+    A cut before it is still exact. There is no cut inside the character: the relay's token
+    steps are the engine's chunks (2 tokens, then 4). A seeded generation, which the relay
+    samples one token per request, fails with a clear error instead of dropping the token."""
+    engine, _ = chain_engine
+    body = {"prompt": CHAIN_PROMPT, "max_tokens": CHAIN_TOKENS, "temperature": 0}
+    root = tmp_path / "relay"
+    server = await anyio.to_thread.run_sync(lambda: relay(root, engine))
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
+            uncut = await direct(http, engine, body)
+            whole = await completion(http, server.url, body, "whole/0")
+            before = await cut_at(http, server.url, body, "before/0", 2, "chain-2")
+            after = await cut_at(http, server.url, body, "after/0", 4, "chain-4")
+            prefix = f"cd{PARTIAL_CHAR}"
+            text_rest = await direct(
+                http,
+                engine,
+                body | {"prompt": CHAIN_PROMPT + prefix, "max_tokens": CHAIN_TOKENS - 4},
+            )
+            seeded = await http.post(
+                server.url + "/v1/completions",
+                json=body | {"temperature": 0.9, "seed": 5},
+                headers={"X-Rollout-Request": "seeded/0"},
+            )
+            relay_stats = await stats(http, server.url)
+    finally:
+        await anyio.to_thread.run_sync(server.stop)
+    assert whole.text == uncut.text == f"cd{PARTIAL_CHAR}efgh"
+    assert len(whole.logprobs) == CHAIN_TOKENS - 1, "no logprob for the held token"
+    assert relay_stats["tokens"]["0"]["by_request"]["whole/0"] == CHAIN_TOKENS
+
+    assert before is not None
+    assert before.text == uncut.text
+    assert generation_record(root, "chain-2").data["state"]["ids"] == uncut.ids[:2]
+
+    assert after is not None
+    state = generation_record(root, "chain-4").data["state"]
+    assert state["text"] == prefix
+    assert state["tokens"] == 4
+    assert "ids" not in state
+    assert after.text == prefix + text_rest.text != uncut.text
+
+    counters = relay_stats["counters"]["0"]
+    assert counters["continued_token_ids"] == 1
+    assert counters["continued_text"] == 1
+    assert seeded.status_code == 500, seeded.text
+    assert "inside a UTF-8 character" in seeded.text

@@ -180,6 +180,9 @@ class Piece:
     logprobs: tuple[TokenLogprob, ...] | None = None
     continued: ContinuationMode | None = None
     """Set on the first piece after a cut: how the backend continued."""
+    count: int | None = None
+    """Tokens in this piece where the engine counts them apart from its ids (llama.cpp's
+    `timings.predicted_n`): more than `len(ids)` when the engine held a token back."""
 
 
 @dataclass(frozen=True)
@@ -384,6 +387,11 @@ class OpenAIBackend:
             # puts the id in it) and vLLM's token ids; engines ignore what they do not know
             body["logprobs"] = max(wanted or 0, 1)
             body["return_token_ids"] = True
+        if request.kind == "completion":
+            # llama.cpp: every chunk says how many tokens the engine has generated so far
+            # (`timings.predicted_n`), which shows a token it did not stream (below)
+            body["timings_per_token"] = True
+        decoded = 0
         client = self._clients.for_key(request.digest)
         async with client.stream("POST", self.base + path, json=body) as response:
             if response.status_code >= 400:
@@ -395,7 +403,19 @@ class OpenAIBackend:
                 payload = line[5:].strip()
                 if payload == "[DONE]":
                     return
-                piece = _piece_from_chunk(json.loads(payload), request.kind)
+                chunk = json.loads(payload)
+                piece = _piece_from_chunk(chunk, request.kind)
+                engine_count = _predicted(chunk) if request.kind == "completion" else None
+                if engine_count is not None and engine_count > decoded:
+                    count, decoded = engine_count - decoded, engine_count
+                    if piece is None:
+                        piece = Piece("")
+                    if piece.ids is not None and len(piece.ids) < count:
+                        # llama.cpp holds back a token that ends inside a UTF-8 character and
+                        # streams the character with the id of its last token only: the held
+                        # token's id is lost, so this generation is text-level from here on
+                        piece = replace(piece, ids=None)
+                    piece = replace(piece, count=count)
                 if piece is not None and self.text_only and piece.ids is not None:
                     # as for an engine that reports no ids: none are recorded, the cut
                     # continues from text, and tokens are counted one per chunk
@@ -443,9 +463,19 @@ class OpenAIBackend:
             response = await client.post(path, json=body)
             if response.status_code >= 400:
                 raise peer_error(path, response)
-            choice = (response.json().get("choices") or [{}])[0]
+            reply = response.json()
+            choice = (reply.get("choices") or [{}])[0]
             text = str(choice.get("text") or "")
             step_ids, logprobs = _choice_tokens(choice, text)
+            generated = (reply.get("usage") or {}).get("completion_tokens")
+            if isinstance(generated, int) and generated > len(step_ids or ()):
+                # llama.cpp reports no id (and no text) for a token that ends inside a UTF-8
+                # character: the step cannot be continued from ids, nor silently dropped
+                raise ProtocolError(
+                    ErrorCode.INTERNAL,
+                    f"{self.base} sampled a token it reports no id for (one that ends inside a "
+                    "UTF-8 character), so a seeded generation cannot go on exactly",
+                )
             if step_ids is None or len(step_ids) > 1:
                 raise ProtocolError(
                     ErrorCode.INTERNAL,
@@ -537,6 +567,13 @@ def _choice_tokens(
     if ids is None and not text:
         ids = ()  # an empty chunk (a final one): no token, nothing unknown
     return ids, logprobs
+
+
+def _predicted(chunk: dict[str, Any]) -> int | None:
+    """llama.cpp's count of the tokens generated so far (with `timings_per_token`)."""
+    timings = chunk.get("timings")
+    value = timings.get("predicted_n") if isinstance(timings, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _piece_from_chunk(chunk: dict[str, Any], kind: str) -> Piece | None:
@@ -1064,7 +1101,9 @@ def _tuple(logprobs: Sequence[TokenLogprob] | None) -> tuple[TokenLogprob, ...] 
 
 
 def _token_count(piece: Piece) -> int:
-    """Tokens in a piece: its ids where the engine gave them, else one per non-empty chunk."""
+    """Tokens in a piece: the engine's own count, else its ids, else one per non-empty chunk."""
+    if piece.count is not None:
+        return piece.count
     if piece.ids is not None:
         return len(piece.ids)
     return 1 if piece.text else 0
