@@ -18,16 +18,21 @@ The vocabulary is shaped for the continuation tests:
   (nor its id), see docs/servers.md.
 
 `LlamaServer.start` runs the engine on a free loopback port and waits, with a deadline, until
-`/health` answers 200; `stop` ends it (SIGINT, then SIGKILL at the deadline).
+`/health` answers 200; `stop` ends it (SIGINT, then SIGKILL at the deadline). Started from the
+main thread, the engine is also SIGKILLed by the kernel when the test process dies.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,7 +128,7 @@ def write_model(path: Path) -> Vocabulary:
     def weights(*shape: int, scale: float) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
-    tensors = {"token_embd.weight": weights(n_vocab, EMBED, scale=1.0)}
+    tensors: dict[str, Any] = {"token_embd.weight": weights(n_vocab, EMBED, scale=1.0)}
     for layer in range(LAYERS):
         prefix = f"blk.{layer}."
         tensors[prefix + "attn_norm.weight"] = np.ones(EMBED, dtype=np.float32)
@@ -198,7 +203,7 @@ def write_chain_model(path: Path) -> ChainModel:
     def noise(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.01).astype(np.float32)
 
-    tensors = {"token_embd.weight": np.eye(n_vocab, CHAIN_EMBED, dtype=np.float32)}
+    tensors: dict[str, Any] = {"token_embd.weight": np.eye(n_vocab, CHAIN_EMBED, dtype=np.float32)}
     for layer in range(LAYERS):
         prefix = f"blk.{layer}."
         tensors[prefix + "attn_norm.weight"] = np.ones(CHAIN_EMBED, dtype=np.float32)
@@ -259,6 +264,29 @@ def _write_gguf(
     writer.close()
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_starter() -> Callable[[], None] | None:
+    """A pre-exec hook that has Linux SIGKILL the engine when the process that started it dies,
+    so a test run killed outright leaves no engine behind. The signal follows the starting
+    *thread*, so the hook is used only from the main thread (where fixtures and the bench run);
+    elsewhere the engine relies on `stop`."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not (
+        threading.main_thread()
+    ):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork
+    parent = os.getpid()
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the starter died before the line above
+            os._exit(1)
+
+    return hook
+
+
 def engine_binary() -> Path | None:
     """The llama-server binary, or None when it was not built on this machine."""
     path = Path(os.environ.get(ENGINE_ENV, DEFAULT_ENGINE))
@@ -304,6 +332,7 @@ class LlamaServer:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                preexec_fn=_die_with_starter(),  # a prctl call only
             )
         server = cls(port, process, log)
         try:

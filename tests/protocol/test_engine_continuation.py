@@ -11,6 +11,7 @@ multi-byte character.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -279,28 +280,57 @@ async def test_greedy_cuts_continue_token_for_token(engine: LlamaServer, tmp_pat
     assert counters.get("continued_text", 0) == 0
 
 
+SEEDED_PROMPTS = [PROMPTS[0], PROMPTS[2]]
+SEEDED_CUTS = [3, 7, 12]
+
+
 async def test_seeded_sampling_continues_identically(engine: LlamaServer, tmp_path: Path) -> None:
     """temperature > 0 with a seed: the relay samples each position with a seed derived from
-    (seed, rollout, key, position), so a cut run equals an uncut run of the same request."""
-    body = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0.9, "seed": 11}
+    (seed, rollout, key, position), so a cut run equals an uncut run of the same request, for
+    two prompts at three cut points each (a fresh relay per cut: the same key in the same relay
+    would be a replay). At least one cut is a re-merging one (read from its record's ids)."""
+    bodies = [
+        {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.9, "seed": 11}
+        for prompt in SEEDED_PROMPTS
+    ]
     reference = await anyio.to_thread.run_sync(lambda: relay(tmp_path / "ref", engine))
     try:
         async with httpx.AsyncClient(timeout=60) as http:
-            uncut = await completion(http, reference.url, body, "seeded/0")
-            again = await completion(http, reference.url, body, "seeded-other/0")
+            uncut = [
+                await completion(http, reference.url, body, f"seeded{p}/0")
+                for p, body in enumerate(bodies)
+            ]
+            again = await completion(http, reference.url, bodies[0], "seeded-other/0")
     finally:
         await anyio.to_thread.run_sync(reference.stop)
-    assert again.text != uncut.text, "another rollout samples otherwise (its own seeds)"
-    server = await anyio.to_thread.run_sync(lambda: relay(tmp_path / "cut", engine))
-    try:
-        async with httpx.AsyncClient(timeout=60) as http:
-            got = await cut_at(http, server.url, body, "seeded/0", 7, "seeded-7")
-            relay_stats = await stats(http, server.url)
-    finally:
-        await anyio.to_thread.run_sync(server.stop)
-    assert got is not None
-    assert_same(got, uncut, "seeded, cut at 7")
-    assert relay_stats["counters"]["0"]["continued_token_ids"] == 1
+    assert again.text != uncut[0].text, "another rollout samples otherwise (its own seeds)"
+    greedy = {"prompt": SEEDED_PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0}
+    async with httpx.AsyncClient(timeout=60) as http:
+        assert uncut[0].text != (await direct(http, engine, greedy)).text, "it samples"
+    remerging: list[tuple[int, int]] = []
+    for p, body in enumerate(bodies):
+        for k in SEEDED_CUTS:
+            root = tmp_path / f"cut-{p}-{k}"
+            server = await anyio.to_thread.run_sync(functools.partial(relay, root, engine))
+            try:
+                async with httpx.AsyncClient(timeout=60) as http:
+                    ckpt = f"seeded-{p}-{k}"
+                    got = await cut_at(http, server.url, body, f"seeded{p}/0", k, ckpt)
+                    relay_stats = await stats(http, server.url)
+                    ids = generation_record(root, ckpt).data["state"]["ids"]
+                    prompt = str(body["prompt"])
+                    retokenised = await tokenize(
+                        http, engine, prompt + await detokenize(http, engine, ids)
+                    )
+                    if retokenised != await tokenize(http, engine, prompt) + ids:
+                        remerging.append((p, k))
+            finally:
+                await anyio.to_thread.run_sync(server.stop)
+            assert got is not None
+            assert_same(got, uncut[p], f"seeded, prompt {p}, cut at {k}")
+            assert len(ids) == k
+            assert relay_stats["counters"]["0"]["continued_token_ids"] == 1
+    assert remerging, "no seeded cut fell where BPE re-merges"
 
 
 async def test_cut_survives_a_crash_and_continues_under_the_next_attempt(
