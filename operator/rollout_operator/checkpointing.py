@@ -87,6 +87,8 @@ class Reason:
     SET_NOT_FOUND: Final = "SetNotFound"
     SET_NOT_READY: Final = "SetNotReady"
     PARTICIPANT_LOST: Final = "ParticipantLost"
+    PARTICIPANT_UNRESPONSIVE: Final = "ParticipantUnresponsive"
+    ABORTED: Final = "Aborted"
     PREPARE_FAILED: Final = "PrepareFailed"
     COMMIT_FAILED: Final = "CommitFailed"
     LEASE_LAPSED: Final = "LeaseLapsed"
@@ -142,6 +144,9 @@ def _failure_reason(failures: list[Failure]) -> str:
     codes = {failure.code for failure in failures}
     if codes & {ErrorCode.STALE_CHECKPOINT, ErrorCode.UNKNOWN_CHECKPOINT}:
         return Reason.LEASE_LAPSED
+    if ErrorCode.UNRESPONSIVE in codes and ErrorCode.UNREACHABLE not in codes:
+        # It took the connection but did not answer in time: hung or overloaded, not gone.
+        return Reason.PARTICIPANT_UNRESPONSIVE
     if ErrorCode.INTERNAL in codes or not codes <= {
         ErrorCode.STORAGE_FAILED,
         ErrorCode.WRONG_PHASE,
@@ -361,7 +366,13 @@ class CheckpointFlow:
 
     # --- the flow -------------------------------------------------------------------------------
 
-    async def run(self, namespace: str, name: str) -> CheckpointPhase | None:
+    async def run(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        abort_when_cancelled: Callable[[], bool] = lambda: True,
+    ) -> CheckpointPhase | None:
         """Run the checkpoint to Ready or Failed, continuing from its persisted phase.
 
         The terminal phase is always the last write: the Kopf daemon running this flow is
@@ -400,6 +411,28 @@ class CheckpointFlow:
             completed = datetime.now(UTC)
             await self._mark_covered_pods(ckpt, rset, completed)
             await self._phase(ckpt, CheckpointPhase.READY, completed_at=completed)
+        except anyio.get_cancelled_exc_class():
+            # Deleted, or the operator stops: participants must not stay paused until their
+            # leases lapse, and the set's slot must be free for the next checkpoint. Bounded,
+            # so a shutdown is never held by a hung participant.
+            if coordinator is not None and not published and abort_when_cancelled():
+                with (
+                    anyio.CancelScope(shield=True),
+                    anyio.move_on_after(self._settings.abort_timeout_seconds + 5.0),
+                ):
+                    logger.warning("checkpoint %s cancelled: aborting it", name)
+                    await self._abort(coordinator, ckpt)
+                    await self._release_slot(ckpt, {})
+                    # Its id is stale on every participant now: it can never be published.
+                    await self._fail(
+                        ckpt,
+                        CheckpointFailed(
+                            Reason.ABORTED,
+                            "aborted before it was published (the checkpoint was deleted, or "
+                            "the operator stopped); every participant was resumed",
+                        ),
+                    )
+            raise
         except CheckpointFailed as failed:
             published = published or ckpt.status.phase is CheckpointPhase.RESUMING
             if coordinator is not None and not published:
@@ -473,8 +506,9 @@ class CheckpointFlow:
         return eviction_prepare_deadline(now, timeout, terminating, rset.status.attempt)
 
     async def _abort(self, coordinator: Coordinator, ckpt: RolloutCheckpoint) -> None:
+        """Resume every participant at once (one hung participant does not hold the others)."""
         with anyio.CancelScope(shield=True):
-            outcome = await coordinator.resume(
+            outcome = await coordinator.abort(
                 ckpt.metadata.name, self._clock() + self._settings.abort_timeout_seconds
             )
         if outcome.failures:

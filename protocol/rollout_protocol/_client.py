@@ -186,7 +186,14 @@ class HttpParticipantClient:
                     )
             except (httpx.TransportError, TimeoutError) as error:
                 left = deadline_ts - self._clock()
-                if isinstance(error, TimeoutError | httpx.TimeoutException) or left <= 0:
+                if isinstance(error, TimeoutError | httpx.TimeoutException):
+                    raise ParticipantError(
+                        ErrorCode.UNRESPONSIVE,
+                        f"{route.method} {url} got no answer by its deadline: "
+                        f"{type(error).__name__}: {error}",
+                        self._instance,
+                    ) from error
+                if left <= 0:
                     raise ParticipantError(
                         ErrorCode.UNREACHABLE,
                         f"{route.method} {url} failed by its deadline: "

@@ -409,6 +409,25 @@ class Coordinator:
         )
         return outcome
 
+    async def abort(self, checkpoint_id: str, deadline_ts: float) -> ResumeOutcome:
+        """Resume every participant at once: the abort of a checkpoint that will not be
+        published. No order is needed (nothing was committed), and one hung participant must
+        not hold the others paused until its call times out."""
+        request = ResumeRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
+        results = await self._fan_out(self._participants, lambda p: p.resume(request))
+        _, failures = _split(self._participants, results)
+        failed = {failure.instance for failure in failures}
+        outcome = ResumeOutcome(
+            checkpoint_id=checkpoint_id,
+            resumed=[p.instance for p in self._participants if p.instance not in failed],
+            failures=failures,
+        )
+        self._progress(
+            f"aborted {checkpoint_id}: resumed {len(outcome.resumed)} participant(s), "
+            f"{len(outcome.failures)} failed"
+        )
+        return outcome
+
     # restore ----------------------------------------------------------------------------------
 
     async def restore(
@@ -621,7 +640,7 @@ class Coordinator:
 
     async def _resume_now(self, checkpoint_id: str) -> ResumeOutcome:
         with anyio.CancelScope(shield=True):
-            outcome = await self.resume(checkpoint_id, self._clock() + self._call_timeout)
+            outcome = await self.abort(checkpoint_id, self._clock() + self._call_timeout)
         return outcome
 
     def _result(

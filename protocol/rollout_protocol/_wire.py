@@ -90,7 +90,11 @@ class ErrorCode(StrEnum):
     """The participant does not implement an optional capability the call needs (re-wiring)."""
     INTERNAL = "internal"
     UNREACHABLE = "unreachable"
-    """Client side only: a participant or peer did not answer (connection refused, timeout)."""
+    """Client side only: a participant or peer could not be reached (connection refused or
+    reset until the call's deadline)."""
+    UNRESPONSIVE = "unresponsive"
+    """Client side only: a participant took the connection but did not answer by the call's
+    deadline (hung, stopped, overloaded); it may still be alive."""
 
 
 HTTP_STATUS: dict[ErrorCode, int] = {
@@ -111,6 +115,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.UNSUPPORTED: 501,
     ErrorCode.INTERNAL: 500,
     ErrorCode.UNREACHABLE: 502,
+    ErrorCode.UNRESPONSIVE: 504,
 }
 
 

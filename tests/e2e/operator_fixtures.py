@@ -35,6 +35,7 @@ from rollout_servers.client import EpisodeFailed, EpisodeResult, EpisodeSpec
 
 from devcluster.cluster import Cluster
 from devcluster.kube import open_api
+from devcluster.waiting import wait_for
 from harness.demo import (
     OperatorProcess,
     Resources,
@@ -68,6 +69,7 @@ __all__ = [
     "operator",
     "participants_by_role",
     "phase_is",
+    "phases",
     "pod_pids",
     "records_of",
     "resources",
@@ -77,6 +79,7 @@ __all__ = [
     "stats",
     "storage_dir",
     "thaw",
+    "wait_phase",
 ]
 
 
@@ -222,6 +225,28 @@ def thaw(pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGCONT)
+
+
+# --- participants' control-plane phases ---------------------------------------------------
+
+
+async def phases(http: httpx.AsyncClient, rset: dict[str, Any]) -> dict[str, str]:
+    """Each participant's control-plane phase, from its (unauthenticated) /healthz."""
+    out = {}
+    for participant in rset["status"]["participants"]:
+        reply = await http.get(participant["address"] + "/healthz", timeout=5)
+        out[f"{participant['role']}-{participant['index']}"] = reply.json()["phase"]
+    return out
+
+
+async def wait_phase(
+    http: httpx.AsyncClient, address: str, phase: str, what: str, limit_s: float = 30
+) -> None:
+    async def check() -> bool:
+        reply = await http.get(address + "/healthz", timeout=2)
+        return bool(reply.json()["phase"] == phase)
+
+    await wait_for(check, limit_s, what, interval=0.05, ignore=(httpx.HTTPError,))
 
 
 # --- the operator's /metrics ----------------------------------------------------------------

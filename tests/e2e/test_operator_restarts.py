@@ -40,10 +40,12 @@ from operator_fixtures import (
     operator,
     participants_by_role,
     phase_is,
+    phases,
     pod_pids,
     resources,
     storage_dir,
     thaw,
+    wait_phase,
 )
 from rollout_protocol import read_manifest
 from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
@@ -65,25 +67,6 @@ def restart_set(storage: Path) -> dict[str, Any]:
         if participant["role"] == "environment":
             probe["initialDelaySeconds"] = 3
     return rset
-
-
-async def phases(http: httpx.AsyncClient, rset: dict[str, Any]) -> dict[str, str]:
-    """Each participant's control-plane phase, from its (unauthenticated) /healthz."""
-    out = {}
-    for participant in rset["status"]["participants"]:
-        reply = await http.get(participant["address"] + "/healthz", timeout=5)
-        out[f"{participant['role']}-{participant['index']}"] = reply.json()["phase"]
-    return out
-
-
-async def wait_phase(
-    http: httpx.AsyncClient, address: str, phase: str, what: str, limit_s: float = 30
-) -> None:
-    async def check() -> bool:
-        reply = await http.get(address + "/healthz", timeout=2)
-        return bool(reply.json()["phase"] == phase)
-
-    await wait_for(check, limit_s, what, interval=0.05, ignore=(httpx.HTTPError,))
 
 
 def check_ready_checkpoint(ckpt: dict[str, Any], storage: Path) -> None:

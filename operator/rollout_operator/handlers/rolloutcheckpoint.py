@@ -10,12 +10,19 @@ phase. The flow makes that write its last, and `cancellation_backoff` lets it re
 instead of being cancelled mid-way (Kopf would otherwise cancel at once and log a warning for
 every checkpoint). An exception (the API server unreachable, say) restarts the daemon after
 `backoff` seconds, and the flow continues from the persisted phase.
+
+Kopf also stops the daemon when the checkpoint is deleted or the operator shuts down. Then the
+daemon cancels the flow at once (it watches `stopped`): a checkpoint that was not published yet
+is aborted (every participant resumed, the set's slot released, the checkpoint Failed with
+reason Aborted), instead of leaving the participants paused until their leases lapse. A killed
+operator (SIGKILL) aborts nothing: the next one continues from the persisted phase.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import anyio
 import kopf
 
 from .. import metrics
@@ -23,6 +30,16 @@ from ..api import GROUP, ROLLOUT_CHECKPOINT_PLURAL, VERSION, CheckpointPhase, Ro
 from ..checkpointing import TERMINAL, CheckpointFlow
 from .rolloutset import wake
 from .runtime import kube_of
+
+_ABORTING = kopf.DaemonStoppingReason.RESOURCE_DELETED | kopf.DaemonStoppingReason.OPERATOR_EXITING
+"""Why a daemon stops that aborts its checkpoint: the checkpoint was deleted, or the operator
+exits. A paused operator (another took over through peering) leaves the checkpoint to the other
+one, and the daemon's own end (the terminal phase written) needs nothing."""
+
+
+def _aborts_when(stopped: kopf.DaemonStopped) -> bool:
+    reason = stopped.reason
+    return reason is not None and bool(reason & _ABORTING)
 
 
 def _unfinished(status: kopf.Status, **_: Any) -> bool:
@@ -45,6 +62,7 @@ async def run_checkpoint(
     body: kopf.Body,
     memo: kopf.Memo,
     logger: kopf.Logger,
+    stopped: kopf.DaemonStopped,
     **_: Any,
 ) -> None:
     async def event(ckpt: RolloutCheckpoint, reason: str, message: str) -> None:
@@ -52,7 +70,23 @@ async def run_checkpoint(
         kopf.event(body, type=kind, reason=reason, message=message)
 
     flow = CheckpointFlow(kube_of(memo), on_transition=event)
-    phase = await flow.run(namespace or "default", name)
+    phase: CheckpointPhase | None = None
+
+    def _aborts() -> bool:
+        return _aborts_when(stopped)
+
+    async with anyio.create_task_group() as group:
+
+        async def cancel_when_stopped() -> None:
+            await stopped.wait()
+            if _aborts():
+                group.cancel_scope.cancel()
+
+        group.start_soon(cancel_when_stopped)
+        phase = await flow.run(namespace or "default", name, abort_when_cancelled=_aborts)
+        group.cancel_scope.cancel()
+    if _aborts():
+        return
     logger.info("checkpoint %s ended %s", name, phase)
     ended = await metrics.checkpoint_ended(kube_of(memo), namespace or "default", name)
     if ended is not None and ended.status.phase is CheckpointPhase.READY:
