@@ -8,12 +8,13 @@ BIN_LINK := .bin/devcluster
 ENGINE_LINK := .bin/engines
 PYTEST_ARGS ?=
 
-.PHONY: help venv cluster-binaries engine lint test test-unit test-protocol test-e2e demo cluster cluster-down crds bench clean kind-e2e kind-e2e-down
+.PHONY: help venv cluster-binaries engine lint test test-unit test-protocol test-e2e test-adversarial demo cluster cluster-down crds bench clean kind-e2e kind-e2e-down
 
 help:
 	@echo "make demo              run the demo on a local devcluster (add DEMO_ARGS=--keep to leave it up)"
 	@echo "make test              lint, type-check and run every test (unit, protocol, e2e)"
 	@echo "make test-unit         only the fast tests"
+	@echo "make test-adversarial  only the hostile inputs and fault timings (tests/adversarial)"
 	@echo "make cluster-binaries  build the pinned control-plane binaries (cached per machine)"
 	@echo "make engine            build llama.cpp's llama-server for the engine tests (cached per machine)"
 	@echo "make cluster           start a devcluster in .devcluster/ and print the KUBECONFIG line"
@@ -56,6 +57,10 @@ test-protocol: venv engine
 
 test-e2e: venv cluster-binaries
 	$(VENV)/bin/pytest -m e2e $(PYTEST_ARGS)
+
+# tests/adversarial is collected by plain `pytest` (make test) too; its API-server cases are e2e.
+test-adversarial: venv cluster-binaries
+	$(VENV)/bin/pytest -m adversarial $(PYTEST_ARGS)
 
 test: venv cluster-binaries engine lint
 	$(VENV)/bin/pytest $(PYTEST_ARGS)

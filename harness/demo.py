@@ -463,9 +463,20 @@ class StatsTracker:
 # --- measuring what was redone ------------------------------------------------------------------
 
 
+def checkpoint_folder(storage_root: Path, set_name: str, checkpoint: str) -> Path:
+    """A checkpoint's folder on the volume: `<namespace>/<set>/<uid>/<checkpoint>` for a set
+    the operator runs (one namespace and uid per test storage folder), `<set>/<checkpoint>`
+    for participants run without it."""
+    found = sorted(storage_root.glob(f"*/{set_name}/*/{checkpoint}"))
+    if not found:
+        return storage_root / set_name / checkpoint
+    assert len(found) == 1, f"checkpoint {checkpoint} of {set_name} in several sets: {found}"
+    return found[0]
+
+
 def checkpoint_records(storage_root: Path, set_name: str, checkpoint: str) -> dict[str, list[Any]]:
     """The records of a published checkpoint, per participant instance (verified digests)."""
-    base = storage_root / set_name / checkpoint
+    base = checkpoint_folder(storage_root, set_name, checkpoint)
     out: dict[str, list[Any]] = {}
     for directory in sorted(p for p in base.iterdir() if p.is_dir()):
         _, records = storage.read_records(directory, expect_checkpoint_id=checkpoint)

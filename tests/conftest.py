@@ -1,15 +1,34 @@
-"""Shared pytest configuration: tests are marked by the folder they live in."""
+"""Shared pytest configuration: tests are marked by the folder they live in.
+
+The devcluster fixtures live here rather than in `e2e/conftest.py` because two folders use them
+(`e2e/` and `adversarial/`) and a session fixture defined in both would start two clusters:
+
+- `cluster` (session): a devcluster started once per session in a temporary directory and
+  stopped at the end (teardown fails if any process survives), or the running devcluster whose
+  kubeconfig `ROLLOUT_E2E_KUBECONFIG` names, left running (e.g. `make cluster` then
+  `ROLLOUT_E2E_KUBECONFIG=.devcluster/kubeconfig pytest tests/e2e`). Nothing starts unless a
+  test asks for it.
+- `namespace`: a fresh namespace per test, with its `default` ServiceAccount in place (pods are
+  refused before it exists); its pods are force-deleted and the namespace deleted afterwards.
+  Set `ROLLOUT_E2E_KEEP_NAMESPACES=1` to keep them for debugging.
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from devcluster.cluster import Cluster
+from devcluster.testing import e2e_cluster, namespace_name, wait_for_sync
 
 _MARK_BY_FOLDER = {
     "unit": pytest.mark.unit,
     "protocol": pytest.mark.protocol,
     "e2e": pytest.mark.e2e,
+    "adversarial": pytest.mark.adversarial,
 }
 
 
@@ -19,3 +38,39 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         mark = _MARK_BY_FOLDER.get(folder)
         if mark is not None:
             item.add_marker(mark)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with e2e_cluster(tmp_path_factory.mktemp("e2e")) as running:
+        yield running
+
+
+@pytest.fixture
+def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    name = namespace_name(request.node.name)
+    cluster.kubectl("create", "namespace", name)
+    wait_for_sync(
+        lambda: (
+            cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode
+            == 0
+        ),
+        timeout=30,
+        what=f"the default ServiceAccount in namespace {name}",
+        interval=0.2,
+    )
+    yield name
+    if os.environ.get("ROLLOUT_E2E_KEEP_NAMESPACES"):
+        return
+    cluster.kubectl(
+        "delete",
+        "pods",
+        "--all",
+        "-n",
+        name,
+        "--force",
+        "--grace-period=0",
+        "--wait=false",
+        check=False,
+    )
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)

@@ -127,11 +127,40 @@ RULE_STORAGE_IMMUTABLE: Final = Rule(
     message="storage is immutable: the records of earlier checkpoints live there and a restore "
     "reads them from the same volume and path",
 )
-RULE_STORAGE_PATH: Final = Rule(
-    cel="!self.path.matches('(^|/)[.][.]?(/|$)') && !self.path.matches('//')",
-    message="storage.path must be a clean absolute path (no '.', '..' or empty segments): it is "
-    "the mount path in every container and the root every participant writes records under",
+STORAGE_PATH_CLEAN: Final = r"^(/[^/]+)+$"
+"""Absolute, no empty segment (no '//', no trailing slash, not '/' itself)."""
+STORAGE_PATH_DOT_SEGMENT: Final = r"(^|/)[.][.]?(/|$)"
+STORAGE_PATH_SYSTEM: Final = (
+    r"^/(proc|sys|dev|etc|bin|sbin|lib|lib32|lib64|libx32|usr|boot|run|var/run)(/|$)"
 )
+"""System directories and everything below them: a volume mounted there hides what the image
+needs (or what the kernel shows there)."""
+STORAGE_PATH_TOP_LEVEL: Final = r"^/(tmp|var|home|root|opt|srv|mnt|media)$"
+"""Top-level directories themselves (below them is fine): mounting over them hides the image's."""
+RULE_STORAGE_PATH: Final = Rule(
+    cel=f"self.path.matches('{STORAGE_PATH_CLEAN}')"
+    f" && !self.path.matches('{STORAGE_PATH_DOT_SEGMENT}')"
+    f" && !self.path.matches('{STORAGE_PATH_SYSTEM}')"
+    f" && !self.path.matches('{STORAGE_PATH_TOP_LEVEL}')",
+    message="storage.path must be a clean absolute path (no '.', '..' or empty segments, no "
+    "trailing slash) that is neither '/' nor a system directory (/proc, /sys, /dev, /etc, /bin, "
+    "/sbin, /lib*, /usr, /boot, /run and below) nor a top-level directory itself (/tmp, /var, "
+    "/home, /root, /opt, /srv, /mnt, /media): it is the mount path in every container, which "
+    "hides what the image has there, and the root every participant writes records under; use "
+    "a folder of its own such as /checkpoints",
+)
+
+
+def storage_path_refused(path: str) -> bool:
+    """The Python side of `RULE_STORAGE_PATH` (the same patterns as the CEL rule)."""
+    return (
+        re.search(STORAGE_PATH_CLEAN, path) is None
+        or re.search(STORAGE_PATH_DOT_SEGMENT, path) is not None
+        or re.search(STORAGE_PATH_SYSTEM, path) is not None
+        or re.search(STORAGE_PATH_TOP_LEVEL, path) is not None
+    )
+
+
 RULE_SET_NAME: Final = Rule(
     cel=f"size(self.metadata.name) <= {MAX_SET_NAME_LENGTH} && "
     f"self.metadata.name.matches('{DNS_LABEL_PATTERN}')",
@@ -368,7 +397,9 @@ class StorageSpec(ApiModel):
         pattern=r"^/",
         max_length=1024,
         description="The mount path in every participant container and the checkpoint root "
-        "(ROLLOUT_CHECKPOINT_ROOT). Records go to <path>/<set>/<checkpoint>/<role>-<index>/.",
+        "(ROLLOUT_CHECKPOINT_ROOT). Records go to <path>/<namespace>/<set>/<uid>/<checkpoint>/"
+        "<role>-<index>/ (ROLLOUT_SET_DIR is <namespace>/<set>/<uid>). Not / or a system "
+        "directory.",
     )
     volume: dict[str, Any] = Field(
         min_length=1,
@@ -379,7 +410,7 @@ class StorageSpec(ApiModel):
 
     @model_validator(mode="after")
     def _check_path(self) -> StorageSpec:
-        if re.search(r"(^|/)\.\.?(/|$)", self.path) or "//" in self.path:
+        if storage_path_refused(self.path):
             raise ValueError(RULE_STORAGE_PATH.message)
         return self
 

@@ -22,14 +22,20 @@ values there). A volume the operator cannot see is reported (Event `RecordsNotRe
 the folder to delete) and the object is deleted anyway: a finalizer that can never finish would
 block namespace deletion, and records without a Ready checkpoint are garbage by definition
 (DESIGN §3), never restored.
+
+**What is removed.** Volumes are shared (other sets, other namespaces, other people's files), so
+the operator removes only what it can prove its participants wrote for this very set: each set
+writes below its own directory `<volume>/<namespace>/<set>/<uid>` (`resources.set_dir`; the uid
+is the API server's), and below it only the protocol's own file names (manifests, records files,
+their temporary files) are deleted, never through a symlink (`rollout_protocol.
+remove_checkpoint_files`). Anything else found there is left in place and reported (Event
+`RecordsNotRemoved` naming it); nothing is ever removed by a path built from user input alone.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
-import shutil
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -38,7 +44,12 @@ from typing import Any, Final
 
 from kubernetes_asyncio.client.exceptions import ApiException
 from pydantic import ValidationError
-from rollout_protocol import CHECKPOINT_ID_PATTERN, StorageError, checkpoint_base, remove_checkpoint
+from rollout_protocol import (
+    Removal,
+    StorageError,
+    remove_checkpoint_files,
+    remove_set_files,
+)
 
 from .api import (
     API_VERSION,
@@ -73,7 +84,7 @@ from .policy import (
     plan,
 )
 from .policy import eviction_holds as _eviction_holds
-from .resources import owner_reference, set_selector
+from .resources import owner_reference, set_dir, set_selector
 
 logger = logging.getLogger(__name__)
 
@@ -139,22 +150,27 @@ class StorageLocator:
         return f"volume {sorted(volume)} (a kind the operator cannot mount)"
 
 
-def remove_records(root: Path, set_name: str, checkpoint: str) -> bool:
-    """Remove one checkpoint's records; False when there were none."""
-    if not checkpoint_base(root, set_name, checkpoint).exists():
-        return False
-    return remove_checkpoint(root, set_name, checkpoint)
+def remove_records(root: Path, rset: RolloutSet, checkpoint: str) -> Removal:
+    """Remove one checkpoint's records from the set's own directory (see the module docstring)."""
+    return remove_checkpoint_files(root, set_dir(rset), checkpoint)
 
 
-def remove_set_records(root: Path, set_name: str) -> bool:
-    """Remove every record of a deleted set (its checkpoints went with it)."""
-    if re.fullmatch(CHECKPOINT_ID_PATTERN, set_name) is None:
-        raise ValueError(f"not a set name: {set_name!r}")
-    folder = root / set_name
-    if not folder.is_dir():
-        return False
-    shutil.rmtree(folder)
-    return True
+def remove_set_records(root: Path, rset: RolloutSet) -> Removal:
+    """Remove every record of a deleted set (its checkpoints went with it), then its directory."""
+    return remove_set_files(root, set_dir(rset))
+
+
+def kept_message(what: str, removal: Removal, root: Path) -> str | None:
+    """Words for what a removal left in place, or None when it left nothing."""
+    if not removal.kept:
+        return None
+    shown = ", ".join(str(path.relative_to(root)) for path in removal.kept[:5])
+    more = f" and {len(removal.kept) - 5} more" if len(removal.kept) > 5 else ""
+    return (
+        f"{what}: left in place on the volume, not written by the operator's participants "
+        f"(a file someone added, a symlink or a special file): {shown}{more}; "
+        "remove them by hand if they are not needed"
+    )
 
 
 # --- API calls ----------------------------------------------------------------------------------
@@ -404,16 +420,21 @@ class PolicyPass:
         if root is None:
             return  # reported when the object is deleted (retention or by hand)
         try:
-            if remove_records(root, rset.metadata.name, checkpoint):
-                logger.info(
-                    "set %s: removed the records of failed checkpoint %s",
-                    rset.metadata.name,
-                    checkpoint,
-                )
-        except StorageError as error:
+            removal = remove_records(root, rset, checkpoint)
+        except (StorageError, ValueError) as error:
             await self._note(
                 rset, Note("RecordsNotRemoved", f"failed checkpoint {checkpoint}: {error}", True)
             )
+            return
+        if removal.found:
+            logger.info(
+                "set %s: removed the records of failed checkpoint %s",
+                rset.metadata.name,
+                checkpoint,
+            )
+        kept = kept_message(f"failed checkpoint {checkpoint}", removal, root)
+        if kept is not None:
+            await self._note(rset, Note("RecordsNotRemoved", kept, True))
 
 
 def _comparable(conditions: Sequence[Any]) -> list[Any]:
@@ -505,13 +526,25 @@ async def checkpoint_deleted(
         message = (
             f"records of checkpoint {name} were not removed: the operator cannot reach "
             f"{locator.describe(namespace, rset.spec.storage)}; delete "
-            f"<volume>/{rset.metadata.name}/{name} by hand"
+            f"<volume>/{set_dir(rset)}/{name} by hand"
         )
         if on_note is not None:
             await on_note(rset, Note("RecordsNotRemoved", message, warning=True))
         return message
-    removed = remove_records(root, rset.metadata.name, name)
-    return f"records of {name} {'removed' if removed else 'were absent'}"
+    try:
+        removal = remove_records(root, rset, name)
+    except (StorageError, ValueError) as error:
+        # Reported, not retried without end: records without a Ready checkpoint are garbage.
+        message = f"records of checkpoint {name} were not removed: {error}"
+        if on_note is not None:
+            await on_note(rset, Note("RecordsNotRemoved", message, warning=True))
+        return message
+    kept = kept_message(f"checkpoint {name}", removal, root)
+    if kept is not None and on_note is not None:
+        await on_note(rset, Note("RecordsNotRemoved", kept, warning=True))
+    return f"records of {name} {'removed' if removal.found else 'were absent'}" + (
+        f"; {kept}" if kept else ""
+    )
 
 
 async def repoint_latest(kube: Kube, rset: RolloutSet, deleting: str) -> None:
@@ -566,7 +599,9 @@ async def set_deleted(
     if root is None:
         return "storage not reachable from the operator; records (if any) stay"
     try:
-        removed = remove_set_records(root, rset.metadata.name)
-    except OSError as error:
-        return f"could not remove {root / rset.metadata.name}: {error}"
-    return f"records folder {'removed' if removed else 'was absent'}"
+        removal = remove_set_records(root, rset)
+    except (StorageError, ValueError) as error:
+        return f"could not remove the set's records under {root}: {error}"
+    kept = kept_message(f"set {rset.metadata.name}", removal, root)
+    outcome = f"records folder {set_dir(rset)} {'removed' if removal.found else 'was absent'}"
+    return outcome + (f"; {kept}" if kept else "")

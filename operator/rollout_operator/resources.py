@@ -20,7 +20,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any, Final
 
-from rollout_protocol import Role
+from rollout_protocol import Role, set_storage_dir
 
 from .api import (
     ANNOTATION_SPEC_HASH,
@@ -58,6 +58,8 @@ ENV_ROLE: Final = "ROLLOUT_ROLE"
 ENV_INDEX: Final = "ROLLOUT_INDEX"
 ENV_ATTEMPT: Final = "ROLLOUT_ATTEMPT"
 ENV_CHECKPOINT_ROOT: Final = "ROLLOUT_CHECKPOINT_ROOT"
+ENV_SET_DIR: Final = "ROLLOUT_SET_DIR"
+"""The set's own directory under the checkpoint root (`set_dir`)."""
 ENV_CONTROL_TOKEN: Final = "ROLLOUT_CONTROL_TOKEN"
 ENV_POD_IP: Final = "ROLLOUT_POD_IP"
 
@@ -67,6 +69,18 @@ def peer_env_name(role: Role) -> str:
 
 
 # --- names and labels ---------------------------------------------------------------------------
+
+
+def set_dir(rset: RolloutSet) -> str:
+    """The set's directory under the checkpoint root: `<namespace>/<set>/<uid>`.
+
+    Sets share volumes: the namespace and the uid (the API server's, never a user's choice)
+    keep two sets of the same name, or a set created again under an old name, apart, and tell
+    the operator which records on a volume are this set's and nothing else."""
+    if not rset.metadata.uid:
+        raise ValueError(f"RolloutSet {rset.metadata.name} has no uid; read it from the API")
+    namespace = rset.metadata.namespace or "default"
+    return set_storage_dir(namespace, rset.metadata.name, rset.metadata.uid)
 
 
 def pod_name(set_name: str, role: Role, index: int, attempt: int) -> str:
@@ -212,6 +226,7 @@ def _operator_env(
         {"name": ENV_INDEX, "value": str(index)},
         {"name": ENV_ATTEMPT, "value": str(attempt)},
         {"name": ENV_CHECKPOINT_ROOT, "value": rset.spec.storage.path},
+        {"name": ENV_SET_DIR, "value": set_dir(rset)},
         {
             "name": ENV_CONTROL_TOKEN,
             "valueFrom": {"secretKeyRef": {"name": secret_name(name), "key": TOKEN_KEY}},

@@ -63,6 +63,7 @@ from ._routes import (
     Route,
 )
 from ._storage import (
+    Removal,
     StorageError,
     checkpoint_base,
     published_checkpoints,
@@ -70,6 +71,9 @@ from ._storage import (
     read_manifest,
     read_records,
     remove_checkpoint,
+    remove_checkpoint_files,
+    remove_set_files,
+    set_storage_dir,
 )
 from ._wire import (
     API_PREFIX,
@@ -164,6 +168,7 @@ __all__ = [
     "ProtocolError",
     "PublishedParticipant",
     "Record",
+    "Removal",
     "RenewReply",
     "RenewRequest",
     "RestoreOutcome",
@@ -192,5 +197,8 @@ __all__ = [
     "read_manifest",
     "read_records",
     "remove_checkpoint",
+    "remove_checkpoint_files",
+    "remove_set_files",
+    "set_storage_dir",
     "task_digest",
 ]

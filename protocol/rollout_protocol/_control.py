@@ -103,6 +103,9 @@ class ControlSettings:
     index: int = 0
     set_name: str = "local"
     checkpoint_root: Path | None = None
+    set_dir: str | None = None
+    """The set's directory under the checkpoint root (`<namespace>/<set>/<uid>` from the
+    operator, see `set_storage_dir`); None: the set name, as without an operator."""
     attempt: int = 0
     token: str | None = None
     allow_unauthenticated: bool = False
@@ -119,6 +122,11 @@ class ControlSettings:
                 f"set name {self.set_name!r} must match {CHECKPOINT_ID_PATTERN} "
                 "(it names a directory under the checkpoint root)"
             )
+        if self.set_dir is not None:
+            try:
+                storage.check_set_dir(self.set_dir)
+            except storage.UnsafePath as error:
+                raise ControlConfigError(f"ROLLOUT_SET_DIR: {error}") from None
         if not (math.isfinite(self.lease_grace_seconds) and self.lease_grace_seconds > 0):
             raise ControlConfigError(
                 f"lease_grace_seconds must be a positive number, got {self.lease_grace_seconds}"
@@ -140,7 +148,10 @@ class ControlSettings:
         allow_unauthenticated: bool = False,
         environ: Mapping[str, str] | None = None,
     ) -> ControlSettings:
-        """Settings from the variables the operator puts into every participant pod."""
+        """Settings from the variables the operator puts into every participant pod.
+
+        `ROLLOUT_SET_DIR` (set by the operator) is the set's directory under the checkpoint
+        root; without it (a participant run by hand) records go under the set name."""
         env = os.environ if environ is None else environ
         root = env.get("ROLLOUT_CHECKPOINT_ROOT") or None
         grace = env.get("ROLLOUT_LEASE_GRACE_SECONDS")
@@ -149,6 +160,7 @@ class ControlSettings:
             index=index if index is not None else _int_from_env(env, "ROLLOUT_INDEX", 0),
             set_name=env.get("ROLLOUT_SET") or "local",
             checkpoint_root=Path(root) if root is not None else None,
+            set_dir=env.get("ROLLOUT_SET_DIR") or None,
             attempt=_int_from_env(env, "ROLLOUT_ATTEMPT", 0),
             token=env.get("ROLLOUT_CONTROL_TOKEN") or None,
             allow_unauthenticated=allow_unauthenticated,
@@ -158,6 +170,11 @@ class ControlSettings:
     @property
     def instance(self) -> str:
         return instance_name(self.role, self.index)
+
+    @property
+    def storage_dir(self) -> str:
+        """Where this set's checkpoints go under the checkpoint root."""
+        return self.set_dir if self.set_dir is not None else self.set_name
 
 
 def _int_from_env(env: Mapping[str, str], name: str, default: int) -> int:
@@ -486,7 +503,7 @@ class _AheadDirectory:
     checkpoint_id: str
     done: anyio.Event
     path: Path | None = None
-    """`<root>/<set>/<checkpoint_id>/<instance>` once made; an abort removes it and its
+    """`<root>/<set_dir>/<checkpoint_id>/<instance>` once made; an abort removes it and its
     checkpoint level."""
 
 
@@ -590,6 +607,7 @@ class ControlPlane:
             role=self._settings.role,
             instance=self._settings.instance,
             set_name=self._settings.set_name,
+            set_dir=self._settings.set_dir,
             attempt=self._attempt,
             phase=self._machine.phase,
             checkpoint_id=self._machine.checkpoint_id,
@@ -840,7 +858,7 @@ class ControlPlane:
             return
         ahead = _AheadDirectory(checkpoint_id, anyio.Event())
         self._directory = ahead
-        set_name, instance = self._settings.set_name, self._settings.instance
+        set_name, instance = self._settings.storage_dir, self._settings.instance
 
         def make() -> Path:
             path = storage.checkpoint_dir(root, set_name, checkpoint_id, instance)
@@ -866,7 +884,7 @@ class ControlPlane:
             await ahead.done.wait()
             if ahead.path is not None:
                 return ahead.path
-        return _directory(root, self._settings.set_name, checkpoint_id, self._settings.instance)
+        return _directory(root, self._settings.storage_dir, checkpoint_id, self._settings.instance)
 
     def _closed(self, committed: bool) -> None:
         """The open checkpoint closed (resume or lease lapse): collect garbage again, and forget
@@ -945,7 +963,7 @@ class ControlPlane:
                 ErrorCode.INVALID_REQUEST,
                 f"source_instance {source!r} is not a {self._settings.role.value} instance",
             )
-        directory = _directory(root, self._settings.set_name, request.checkpoint_id, source)
+        directory = _directory(root, self._settings.storage_dir, request.checkpoint_id, source)
         try:
             manifest, records = await anyio.to_thread.run_sync(
                 lambda: storage.read_records(directory, expect_checkpoint_id=request.checkpoint_id)

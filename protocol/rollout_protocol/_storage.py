@@ -1,16 +1,26 @@
 """Checkpoint records on shared storage, written so that a crash at any instant leaves either a
 complete, verifiable checkpoint directory or one that is visibly incomplete.
 
-Layout: `<root>/<set>/<checkpoint_id>/<role>-<index>/records-<sha256>.jsonl`, then
-`manifest.json` next to it, then (when no operator publishes) `<root>/<set>/<checkpoint_id>/
-checkpoint.json`. Every file is written under a temporary name, fsynced and only then given its
-final name; the directory is fsynced after each rename. The manifests are created with
+Layout: `<root>/<set_dir>/<checkpoint_id>/<role>-<index>/records-<sha256>.jsonl`, then
+`manifest.json` next to it, then (when no operator publishes) `<root>/<set_dir>/<checkpoint_id>/
+checkpoint.json`. `set_dir` is the set's directory under the root: the set name where a
+participant runs on its own, `<namespace>/<set>/<uid>` (`set_storage_dir`) for sets the
+operator runs, so sets of the same name in two namespaces, or a set deleted and created again,
+never share a directory on a shared volume.
+
+Every file is written under a temporary name, fsynced and only then given its final name; the
+directory is fsynced after each rename. The manifests are created with
 create-if-absent semantics (a hard link of a complete temporary file), so a reader never sees a
 half-written manifest and a retry can never replace one with different content.
 
 Reads verify everything (names, digest, byte and record counts, schema) before returning
 anything, because restore is all or nothing: a participant must be able to refuse a damaged
 checkpoint before it has installed a single record.
+
+Removal (`remove_checkpoint_files`, `remove_set_files`) deletes only what this module writes
+(manifests, records files, their temporary files, and the directories that then are empty) and
+never follows a symlink: a file someone else put on the volume is left in place and reported,
+so a cleanup can never take more than the set's own records, whatever the volume holds.
 
 The functions here block on disk I/O; the control plane runs them in a worker thread.
 """
@@ -22,9 +32,10 @@ import errno
 import hashlib
 import os
 import re
-import shutil
+import stat
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -43,6 +54,8 @@ MANIFEST_NAME = "manifest.json"
 CHECKPOINT_MANIFEST_NAME = "checkpoint.json"
 _RECORDS_NAME = re.compile(r"records-([0-9a-f]{64})\.jsonl")
 _TEMP_PREFIX = ".tmp-"
+MAX_SET_DIR_DEPTH = 3
+"""`<namespace>/<set>/<uid>`: the deepest set directory (`set_storage_dir`)."""
 
 
 class StorageError(Exception):
@@ -72,19 +85,43 @@ def _check_name(kind: str, value: str, pattern: str) -> None:
         raise UnsafePath(f"{kind} {value!r} is not a plain name matching {pattern}")
 
 
-def checkpoint_base(root: Path, set_name: str, checkpoint_id: str) -> Path:
-    """`<root>/<set>/<checkpoint_id>`: one checkpoint of one set, every instance below it."""
-    _check_name("set name", set_name, CHECKPOINT_ID_PATTERN)
+def check_set_dir(set_dir: str) -> tuple[str, ...]:
+    """The segments of a set directory: 1 to `MAX_SET_DIR_DEPTH` plain names joined by '/'."""
+    parts = tuple(set_dir.split("/"))
+    if len(parts) > MAX_SET_DIR_DEPTH:
+        raise UnsafePath(
+            f"set directory {set_dir!r} has {len(parts)} segments, at most {MAX_SET_DIR_DEPTH}"
+        )
+    for part in parts:
+        _check_name(f"set directory {set_dir!r}: segment", part, CHECKPOINT_ID_PATTERN)
+    return parts
+
+
+def set_storage_dir(namespace: str, set_name: str, uid: str) -> str:
+    """The directory of an operator-run set under the checkpoint root: `<namespace>/<set>/<uid>`.
+
+    The uid (assigned by the API server, never chosen by a user) makes it unique across
+    namespaces and across a set deleted and created again under the same name."""
+    set_dir = f"{namespace}/{set_name}/{uid}"
+    check_set_dir(set_dir)
+    return set_dir
+
+
+def checkpoint_base(root: Path, set_dir: str, checkpoint_id: str) -> Path:
+    """`<root>/<set_dir>/<checkpoint_id>`: one checkpoint of one set, every instance below it.
+
+    `set_dir` is the set name, or the set's directory (`set_storage_dir`)."""
+    parts = check_set_dir(set_dir)
     _check_name("checkpoint id", checkpoint_id, CHECKPOINT_ID_PATTERN)
-    base = Path(root) / set_name / checkpoint_id
+    base = Path(root).joinpath(*parts, checkpoint_id)
     _check_inside(Path(root), base)
     return base
 
 
-def checkpoint_dir(root: Path, set_name: str, checkpoint_id: str, instance: str) -> Path:
-    """`<root>/<set>/<checkpoint_id>/<instance>/`, refusing anything that would escape root."""
+def checkpoint_dir(root: Path, set_dir: str, checkpoint_id: str, instance: str) -> Path:
+    """`<root>/<set_dir>/<checkpoint_id>/<instance>/`, refusing anything that would escape root."""
     _check_name("instance", instance, INSTANCE_PATTERN)
-    directory = checkpoint_base(root, set_name, checkpoint_id) / instance
+    directory = checkpoint_base(root, set_dir, checkpoint_id) / instance
     _check_inside(Path(root), directory)
     return directory
 
@@ -434,8 +471,7 @@ def read_checkpoint_manifest(root: Path, set_name: str, checkpoint_id: str) -> C
 
 def published_checkpoints(root: Path, set_name: str) -> list[CheckpointManifest]:
     """Every published checkpoint of a set, oldest first; unpublished directories are skipped."""
-    _check_name("set name", set_name, CHECKPOINT_ID_PATTERN)
-    set_dir = Path(root) / set_name
+    set_dir = Path(root).joinpath(*check_set_dir(set_name))
     try:
         entries = sorted(set_dir.iterdir()) if set_dir.exists() else []
     except OSError as error:
@@ -451,22 +487,147 @@ def published_checkpoints(root: Path, set_name: str) -> list[CheckpointManifest]
     return found
 
 
-def remove_checkpoint(root: Path, set_name: str, checkpoint_id: str) -> bool:
+# --- removal: only what this module wrote ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Removal:
+    """What a removal found and what it left in place."""
+
+    found: bool
+    """The directory existed (something of it was there to remove)."""
+    kept: tuple[Path, ...] = ()
+    """Entries left in place because this module did not write them (a file someone added, a
+    symlink, a device): their directories stay too. Empty when everything went."""
+
+
+def remove_checkpoint(root: Path, set_dir: str, checkpoint_id: str) -> bool:
     """Delete a checkpoint with its records (retention); False when it did not exist.
 
-    The published manifest goes first and durably, so a crash half way leaves an unpublished
-    directory (garbage) rather than a published checkpoint with missing records.
-    """
-    base = checkpoint_base(root, set_name, checkpoint_id)
-    if not base.exists():
-        return False
+    See `remove_checkpoint_files`, which also says what it left in place."""
+    return remove_checkpoint_files(root, set_dir, checkpoint_id).found
+
+
+def remove_checkpoint_files(root: Path, set_dir: str, checkpoint_id: str) -> Removal:
+    """Delete a checkpoint's records: only the files this module writes, in real directories.
+
+    The published manifest goes first and durably, then each instance's manifest, so a crash
+    half way leaves an unpublished directory (garbage) rather than a published checkpoint with
+    missing records. No symlink is followed, on the way to the checkpoint or inside it; what
+    is not ours is kept and named in the result."""
+    parts = check_set_dir(set_dir)
+    _check_name("checkpoint id", checkpoint_id, CHECKPOINT_ID_PATTERN)
+    base, state = _walk_real_dirs(Path(root), (*parts, checkpoint_id))
+    if state is None:
+        return Removal(found=False)
+    if state is False:
+        return Removal(found=True, kept=(base,))
     try:
-        published = base / CHECKPOINT_MANIFEST_NAME
-        if published.exists():
-            published.unlink()
-            _fsync_dir(base)
-        shutil.rmtree(base)
-        _fsync_dir(base.parent)
+        kept = _remove_checkpoint_dir(base)
     except OSError as error:
         raise StorageError("cannot remove checkpoint", base, error) from error
-    return True
+    return Removal(found=True, kept=tuple(kept))
+
+
+def remove_set_files(root: Path, set_dir: str) -> Removal:
+    """Delete the records of every checkpoint of a set (it was deleted), then its directory and
+    the parents below `root` that are left empty; like `remove_checkpoint_files`, only what this
+    module writes, never through a symlink."""
+    parts = check_set_dir(set_dir)
+    directory, state = _walk_real_dirs(Path(root), parts)
+    if state is None:
+        return Removal(found=False)
+    if state is False:
+        return Removal(found=True, kept=(directory,))
+    kept: list[Path] = []
+    try:
+        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+            path = Path(entry.path)
+            if entry.is_dir(follow_symlinks=False) and _matches(CHECKPOINT_ID_PATTERN, entry.name):
+                kept += _remove_checkpoint_dir(path)
+            else:
+                kept.append(path)
+        if not kept:
+            _remove_dir(directory)
+            remove_empty_dirs(directory.parent, below=Path(root))
+    except OSError as error:
+        raise StorageError("cannot remove set directory", directory, error) from error
+    return Removal(found=True, kept=tuple(kept))
+
+
+def _matches(pattern: str, name: str) -> bool:
+    return re.fullmatch(pattern, name) is not None
+
+
+def _walk_real_dirs(root: Path, parts: Sequence[str]) -> tuple[Path, bool | None]:
+    """Follow `parts` below `root` without following symlinks: the path reached, and True when
+    all are real directories, None when one is absent, False when one is something else."""
+    path = root
+    for part in parts:
+        path = path / part
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return path, None
+        except OSError as error:
+            raise StorageError("cannot inspect", path, error) from error
+        if not stat.S_ISDIR(mode):
+            return path, False
+    return path, True
+
+
+def _is_regular(entry: os.DirEntry[str]) -> bool:
+    return entry.is_file(follow_symlinks=False) and not entry.is_symlink()
+
+
+def _remove_checkpoint_dir(base: Path) -> list[Path]:
+    """Remove one checkpoint directory's own files; what is left in place."""
+    kept: list[Path] = []
+    published = base / CHECKPOINT_MANIFEST_NAME
+    if stat.S_ISREG(_lstat_mode(published)):
+        published.unlink()
+        _fsync_dir(base)
+    for entry in sorted(os.scandir(base), key=lambda e: e.name):
+        path = Path(entry.path)
+        if entry.is_dir(follow_symlinks=False) and _matches(INSTANCE_PATTERN, entry.name):
+            kept += _remove_instance_dir(path)
+        elif _is_regular(entry) and entry.name.startswith(_TEMP_PREFIX):
+            path.unlink()
+        else:
+            kept.append(path)
+    if not kept:
+        _remove_dir(base)
+    return kept
+
+
+def _remove_instance_dir(directory: Path) -> list[Path]:
+    """Remove one participant's manifest (first), records and temporary files."""
+    kept: list[Path] = []
+    manifest = directory / MANIFEST_NAME
+    if stat.S_ISREG(_lstat_mode(manifest)):
+        manifest.unlink()
+        _fsync_dir(directory)
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        path = Path(entry.path)
+        ours = _RECORDS_NAME.fullmatch(entry.name) is not None or entry.name.startswith(
+            _TEMP_PREFIX
+        )
+        if ours and _is_regular(entry):
+            path.unlink()
+        else:
+            kept.append(path)
+    if not kept:
+        _remove_dir(directory)
+    return kept
+
+
+def _lstat_mode(path: Path) -> int:
+    try:
+        return os.lstat(path).st_mode
+    except FileNotFoundError:
+        return 0
+
+
+def _remove_dir(directory: Path) -> None:
+    directory.rmdir()
+    _fsync_dir(directory.parent)

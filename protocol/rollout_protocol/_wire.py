@@ -255,6 +255,11 @@ class StatusReply(StrictModel):
     set_name: str | None = Field(
         default=None, description="The set whose directory this participant writes under."
     )
+    set_dir: str | None = Field(
+        default=None,
+        description="That directory under the checkpoint root when it is not the set name "
+        "(`<namespace>/<set>/<uid>` for a set the operator runs).",
+    )
     attempt: Attempt
     phase: Phase
     checkpoint_id: str | None = None

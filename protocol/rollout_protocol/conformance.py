@@ -786,11 +786,12 @@ async def check_restore_all_or_nothing(
                     raise ConformanceError(
                         RESTORE, f"/status of {conn.target.name} must name its set", "set_name null"
                     )
+                set_dir = before.set_dir or before.set_name
                 source = storage.checkpoint_dir(
-                    checkpoint_root, before.set_name, checkpoint_id, before.instance
+                    checkpoint_root, set_dir, checkpoint_id, before.instance
                 )
                 destination = storage.checkpoint_dir(
-                    checkpoint_root, before.set_name, damaged_id, before.instance
+                    checkpoint_root, set_dir, damaged_id, before.instance
                 )
                 try:
                     await anyio.to_thread.run_sync(

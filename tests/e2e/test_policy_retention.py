@@ -33,9 +33,16 @@ __all__ = ["operator", "resources", "storage_dir"]
 SET = "kept"
 
 
+def set_folder(storage: Path) -> Path | None:
+    """The set's own folder on its volume, `<namespace>/<set>/<uid>` (None before it exists)."""
+    found = sorted(storage.glob(f"*/{SET}/*"))
+    assert len(found) <= 1, found
+    return found[0] if found else None
+
+
 def on_storage(storage: Path) -> set[str]:
-    folder = storage / SET
-    return {p.name for p in folder.iterdir()} if folder.is_dir() else set()
+    folder = set_folder(storage)
+    return {p.name for p in folder.iterdir()} if folder is not None else set()
 
 
 async def test_retention_keeps_latest_ready_checkpoints_and_only_their_records(
@@ -60,9 +67,11 @@ async def test_retention_keeps_latest_ready_checkpoints_and_only_their_records(
     await resources.wait_checkpoint(
         "broken", "Preparing", lambda o: (o.get("status") or {}).get("phase") == "Preparing", WAIT
     )
-    leftover = storage_dir / SET / "broken" / "environment-0"
+    folder = set_folder(storage_dir)
+    assert folder is not None, "the Ready checkpoints are in the set's folder"
+    leftover = folder / "broken" / "environment-0"
     leftover.mkdir(parents=True)
-    (leftover / "records-partial.tmp").write_text("{}\n")
+    (leftover / ".tmp-0123456789abcdef0123456789abcdef").write_text("{}\n")  # a commit's temp
     await resources.wait_checkpoint(
         "broken", "Failed", lambda o: (o.get("status") or {}).get("phase") == "Failed", WAIT
     )

@@ -195,8 +195,12 @@ def rollout_set(storage: Path, **spec: Any) -> dict[str, Any]:
     }
 
 
+SET_DIR = f"{NS}/math/uid-1"
+"""The set's directory on its volume (`resources.set_dir`)."""
+
+
 def records(root: Path, checkpoint: str) -> Path:
-    folder = root / "math" / checkpoint / "environment-0"
+    folder = root / SET_DIR / checkpoint / "environment-0"
     folder.mkdir(parents=True)
     (folder / "manifest.json").write_text("{}")
     return folder.parent
@@ -421,7 +425,7 @@ async def test_deleting_a_set_deletes_its_checkpoints_then_sweeps_its_folder(
     assert fake.checkpoints == {}
     outcome = await set_deleted(fake.as_kube(), body, locator=StorageLocator(None))
     assert "removed" in outcome
-    assert not (storage / "math").exists()
+    assert not (storage / NS).exists(), "the set's folder and its empty parents go"
 
 
 async def test_an_evicted_pod_gets_a_checkpoint_and_holds_the_recovery(storage: Path) -> None:

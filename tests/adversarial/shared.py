@@ -1,0 +1,144 @@
+"""Helpers of the adversarial tests: a participant's control plane served in process, and an
+in-memory API for the operator's finalizers."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, cast
+
+import httpx
+from fastapi import FastAPI
+from kubernetes_asyncio.client.exceptions import ApiException
+from rollout_operator import api
+from rollout_operator.kube import Kube
+from rollout_operator.resources import participant_pod
+from rollout_protocol import API_PREFIX, ControlPlane, ControlSettings, Role
+
+TOKEN = "adversarial-control-token"
+WAIT = 5.0
+"""Upper bound for anything a test waits on; reaching it is a failure, not a delay."""
+
+
+def deadline(seconds: float = 10.0) -> float:
+    return time.time() + seconds
+
+
+@asynccontextmanager
+async def serve(plane: ControlPlane) -> AsyncIterator[httpx.AsyncClient]:
+    app = FastAPI()
+    plane.install(app)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    async with (
+        plane.running(),
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://participant", headers=headers
+        ) as client,
+    ):
+        yield client
+
+
+async def post(client: httpx.AsyncClient, route: str, **body: Any) -> httpx.Response:
+    body.setdefault("deadline_ts", deadline())
+    return await client.post(f"{API_PREFIX}/{route}", json=body)
+
+
+async def checkpoint(client: httpx.AsyncClient, checkpoint_id: str) -> dict[str, Any]:
+    """Prepare, commit and resume one checkpoint; the commit reply."""
+    for route in ("prepare", "commit", "resume"):
+        response = await post(client, route, checkpoint_id=checkpoint_id)
+        assert response.status_code == 200, f"{route}: {response.text}"
+        if route == "commit":
+            committed: dict[str, Any] = response.json()
+    return committed
+
+
+def set_object(namespace: str, uid: str, root: Path, name: str = "math") -> dict[str, Any]:
+    """A RolloutSet as the API server returns it; its volume is the folder `root`."""
+    container = {"name": "c", "ports": [{"name": "control", "containerPort": 8000}]}
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": "RolloutSet",
+        "metadata": {"name": name, "namespace": namespace, "uid": uid, "generation": 1},
+        "spec": {
+            "participants": [
+                {"role": "environment", "template": {"spec": {"containers": [container]}}}
+            ],
+            "storage": {"path": "/checkpoints", "volume": {"hostPath": {"path": str(root)}}},
+        },
+        "status": {"attempt": 1, "createdAttempt": 1},
+    }
+
+
+def pod_settings(obj: dict[str, Any], root: Path, attempt: int = 1) -> ControlSettings:
+    """The control settings of a participant pod of the set, from the env the operator gives it
+    (what `ControlSettings.from_env` reads in the pod), with the volume, mounted at
+    `storage.path` in the pod, found at `root` here."""
+    rset = api.RolloutSet.model_validate(obj)
+    pod = participant_pod(rset, rset.spec.participants[0], 0, attempt, {})
+    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"] if "value" in e}
+    assert env["ROLLOUT_CHECKPOINT_ROOT"] == rset.spec.storage.path
+    env["ROLLOUT_CHECKPOINT_ROOT"] = str(root)
+    env["ROLLOUT_CONTROL_TOKEN"] = TOKEN
+    return ControlSettings.from_env(Role.ENVIRONMENT, environ=env)
+
+
+class SetApi:
+    """Just enough of `Kube` for the finalizers of one set and its RolloutCheckpoints."""
+
+    def __init__(self, obj: dict[str, Any], checkpoints: Sequence[str] = ()) -> None:
+        self.set: dict[str, Any] | None = copy.deepcopy(obj)
+        self.checkpoints = {name: self.ready_checkpoint(name) for name in checkpoints}
+        self.custom = self
+
+    def as_kube(self) -> Kube:
+        return cast(Kube, self)
+
+    def ready_checkpoint(self, name: str) -> dict[str, Any]:
+        assert self.set is not None
+        meta = self.set["metadata"]
+        return {
+            "metadata": {
+                "name": name,
+                "namespace": meta["namespace"],
+                "creationTimestamp": "2026-11-29T12:00:00Z",
+            },
+            "spec": {"rolloutSet": meta["name"], "trigger": "Manual"},
+            "status": {
+                "phase": "Ready",
+                "completedAt": "2026-11-29T12:00:01Z",
+                "conditions": [
+                    {
+                        "type": "Ready",
+                        "status": "True",
+                        "reason": "Published",
+                        "lastTransitionTime": "2026-11-29T12:00:01Z",
+                    }
+                ],
+            },
+        }
+
+    async def get_set(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.set)
+
+    async def patch_set_status(
+        self, namespace: str, name: str, status: dict[str, Any], *, resource_version: str | None
+    ) -> dict[str, Any]:
+        assert self.set is not None
+        self.set.setdefault("status", {}).update(status)
+        return copy.deepcopy(self.set)
+
+    async def list_namespaced_custom_object(
+        self, group: str, version: str, namespace: str, plural: str
+    ) -> dict[str, Any]:
+        return {"items": [copy.deepcopy(c) for c in self.checkpoints.values()]}
+
+    async def delete_namespaced_custom_object(
+        self, group: str, version: str, namespace: str, plural: str, name: str
+    ) -> dict[str, Any]:
+        if self.checkpoints.pop(name, None) is None:
+            raise ApiException(status=404, reason="Not Found")
+        return {}
