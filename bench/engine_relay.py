@@ -5,8 +5,9 @@ Runs llama.cpp's llama-server (`make engine`) on the tiny generated test model, 
 `rollout-server model --backend openai` relay in front of it, both on loopback. Prints a table;
 asserts nothing about time. Rows:
 
-* direct / relay, greedy, streamed: one upstream stream per completion (the relay asks for a
-  logprob per token to learn the ids);
+* direct / relay, greedy: one upstream stream per completion (the relay asks for a logprob per
+  token to learn the ids); "vs direct" compares each relay row with the direct row of the same
+  sampling;
 * relay, seeded sampling: one upstream request per token (the per-position seed that makes a
   seeded generation continue exactly across a cut);
 * a cut + continuation: the continuation re-sends prompt + generated ids; the engine reports
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -39,20 +41,7 @@ from rollout_protocol import Role
 PROMPTS = ["the cat and the", "is it on the é", "an € for the", "日本 and the"]
 MAX_TOKENS = 64
 ROUNDS = 3
-
-
-async def stream_tokens(
-    http: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]
-) -> int:
-    chunks = 0
-    async with http.stream(
-        "POST", url + "/v1/completions", json=body | {"stream": True}, headers=headers
-    ) as reply:
-        assert reply.status_code == 200
-        async for line in reply.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]" and '"text":""' not in line:
-                chunks += 1
-    return chunks
+REPEATS = 5
 
 
 async def rate(
@@ -86,28 +75,39 @@ async def main() -> None:
         )
         try:
             async with httpx.AsyncClient(timeout=120) as http:
-                greedy = {"temperature": 0}
-                rows = [
-                    ("direct, greedy", *await rate(http, engine.url, greedy, None)),
-                    ("relay, greedy, keyed", *await rate(http, relay.url, greedy, "g")),
-                    (
-                        "relay, seeded sampling, keyed",
-                        *await rate(http, relay.url, {"temperature": 0.9, "seed": 3}, "s"),
-                    ),
-                    (
-                        "direct, seeded sampling",
-                        *await rate(http, engine.url, {"temperature": 0.9, "seed": 3}, None),
-                    ),
+                greedy: dict[str, Any] = {"temperature": 0}
+                seeded: dict[str, Any] = {"temperature": 0.9, "seed": 3}
+                paths = [
+                    ("direct, greedy", engine.url, greedy, False),
+                    ("relay, greedy, keyed", relay.url, greedy, True),
+                    ("direct, seeded sampling", engine.url, seeded, False),
+                    ("relay, seeded sampling, keyed", relay.url, seeded, True),
                 ]
+                await rate(http, engine.url, greedy, None)  # warm-up (the engine runs --no-warmup)
+                await rate(http, relay.url, greedy, "w")
+                rates: dict[str, list[float]] = {name: [] for name, *_ in paths}
+                tokens: dict[str, int] = {}
+                for repeat in range(REPEATS):  # interleaved, so load changes hit every path
+                    for name, url, body, keyed in paths:
+                        key = f"{name[0]}{name[-1]}{repeat}-" if keyed else None
+                        n, seconds = await rate(http, url, body, key)
+                        rates[name].append(n / seconds)
+                        tokens[name] = n
                 cut = await cut_cost(http, engine)
         finally:
             relay.stop()
             engine.stop()
-    base = rows[0][1] / rows[0][2]
-    print(f"{'path':32} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'vs direct':>9}")
-    for name, tokens, seconds in rows:
-        print(f"{name:32} {tokens:7d} {seconds:8.2f} {tokens / seconds:9.1f} "
-              f"{tokens / seconds / base:9.2f}")  # fmt: skip
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    print(
+        f"{ROUNDS * len(PROMPTS)} completions of {MAX_TOKENS} tokens per run, {REPEATS} runs per"
+        " path; tokens/s: median (min-max)"
+    )
+    print(f"{'path':32} {'tokens':>7} {'tokens/s':>9} {'(min-max)':>15} {'vs direct':>9}")
+    for name, values in rates.items():
+        base = medians["direct, " + name.split(", ")[1]]
+        spread = f"{min(values):.0f}-{max(values):.0f}"
+        print(f"{name:32} {tokens[name]:7d} {medians[name]:9.1f} {spread:>15} "
+              f"{medians[name] / base:9.2f}")  # fmt: skip
     print()
     print("a cut after k tokens, continued from ids: prompt tokens the engine evaluates again")
     print(f"{'k':>4} {'prompt ids re-sent':>19} {'cache on':>9} {'cache off':>10}")
