@@ -56,6 +56,7 @@ from .kube import Conflict, Kube, api_error_message
 from .policy import PrepareDeadline, TerminatingPod, eviction_prepare_deadline
 from .resources import set_selector
 from .setops import read_control_token
+from .watching import NoLongerHolds, while_holding
 
 logger = logging.getLogger(__name__)
 
@@ -527,39 +528,22 @@ class CheckpointFlow:
         for a dead pod until the step's deadline; the set's recovery (running concurrently in
         the set's loop) says at once that this attempt is gone (DESIGN 6.6: ParticipantLost).
         """
-        lost: list[str] = []
-        results: list[_T] = []
         namespace = ckpt.metadata.namespace or "default"
 
-        async with anyio.create_task_group() as group:
+        async def lost() -> str | None:
+            try:
+                raw = await self._kube.get_set(namespace, ckpt.spec.rollout_set)
+            except (ApiException, OSError, TimeoutError) as error:
+                logger.debug("reading set %s failed: %s", ckpt.spec.rollout_set, error)
+                return None
+            if raw is None:
+                return "the RolloutSet was deleted"
+            return _set_lost(RolloutSet.model_validate(raw), ckpt.status.attempt)
 
-            async def watch() -> None:
-                while True:
-                    await anyio.sleep(self._settings.set_watch_seconds)
-                    try:
-                        raw = await self._kube.get_set(namespace, ckpt.spec.rollout_set)
-                    except (ApiException, OSError, TimeoutError) as error:
-                        logger.debug("reading set %s failed: %s", ckpt.spec.rollout_set, error)
-                        continue
-                    why = (
-                        "the RolloutSet was deleted"
-                        if raw is None
-                        else _set_lost(RolloutSet.model_validate(raw), ckpt.status.attempt)
-                    )
-                    if why is not None:
-                        lost.append(why)
-                        group.cancel_scope.cancel()
-                        return
-
-            async def work() -> None:
-                results.append(await step())
-                group.cancel_scope.cancel()
-
-            group.start_soon(watch)
-            group.start_soon(work)
-        if lost:
-            raise CheckpointFailed(Reason.PARTICIPANT_LOST, lost[0])
-        return results[0]
+        try:
+            return await while_holding(step, lost, self._settings.set_watch_seconds)
+        except NoLongerHolds as broken:
+            raise CheckpointFailed(Reason.PARTICIPANT_LOST, str(broken)) from None
 
     async def _drive(
         self, ckpt: RolloutCheckpoint, rset: RolloutSet, coordinator: Coordinator, started: float

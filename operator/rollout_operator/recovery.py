@@ -27,7 +27,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import anyio
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -61,8 +61,11 @@ from .policyops import RESUMED_REASON, eviction_holds, repoint_latest
 from .resources import control_port, participant_url, set_selector
 from .setops import delete_attempt_pods, observe_pods, read_control_token, reconcile_pods
 from .setplan import Instance, PodView, attempt_instances
+from .watching import NoLongerHolds, while_holding
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 POLL_SECONDS: Final = 0.5
 MAX_BACKOFF_SECONDS: Final = 60.0
@@ -88,6 +91,7 @@ class Reason:
     PODS_NOT_READY: Final = "ReplacementPodsNotReady"
     RESTARTS_EXHAUSTED: Final = "MaxRestartsExceeded"
     IN_PLACE_FALLBACK: Final = "InPlaceFallback"
+    REPLACEMENT_LOST: Final = "ReplacementPodLost"
     CHECKPOINT_INVALID: Final = "CheckpointInvalid"
     """The restored checkpoint's records failed verification: the next try restores an older
     Ready checkpoint, or starts fresh."""
@@ -556,10 +560,14 @@ class RecoveryFlow:
             return await self._set_phase(rset, RecoveryPhase.RESUMING)
         coordinator, clients = await self._coordinator(rset)
         peers = rewiring(rset, rset.status.participants, set(recovery.kept))
+        checkpoint = recovery.checkpoint
         try:
             deadline = max(self._try_deadline(rset), self._clock() + 30.0)
-            outcome = await coordinator.restore(
-                recovery.checkpoint, recovery.target_attempt, deadline, peers=peers
+            outcome = await self._while_pods_hold(
+                rset,
+                lambda: coordinator.restore(
+                    checkpoint, recovery.target_attempt, deadline, peers=peers
+                ),
             )
         finally:
             for client in clients:
@@ -596,8 +604,11 @@ class RecoveryFlow:
         assert recovery is not None
         if recovery.checkpoint is not None:
             coordinator, clients = await self._coordinator(rset)
+            checkpoint = recovery.checkpoint
             try:
-                resumed = await coordinator.resume(recovery.checkpoint, self._clock() + 30.0)
+                resumed = await self._while_pods_hold(
+                    rset, lambda: coordinator.resume(checkpoint, self._clock() + 30.0)
+                )
             finally:
                 for client in clients:
                     await client.aclose()
@@ -639,6 +650,30 @@ class RecoveryFlow:
         if self._on_transition is not None:
             await self._on_transition(rset, reason, message, False)
         return rset
+
+    async def _while_pods_hold(self, rset: RolloutSet, step: Callable[[], Awaitable[_T]]) -> _T:
+        """Run a restore or resume step, cancelled as soon as a pod of the target attempt is
+        lost: the next try starts at once instead of after the step's deadline (a call to a
+        dead pod retries until then)."""
+        recovery = rset.status.recovery
+        assert recovery is not None
+        target = recovery.target_attempt
+
+        async def lost() -> str | None:
+            try:
+                pods, nodes_of, lost_nodes = await observe(self._kube, rset)
+            except (ApiException, OSError, TimeoutError) as error:
+                logger.debug("observing the pods of %s failed: %s", rset.metadata.name, error)
+                return None
+            losses = find_losses(rset, target, pods, nodes_of, lost_nodes)
+            return next((loss.message for loss in losses.values()), None)
+
+        try:
+            return await while_holding(step, lost, POLL_SECONDS)
+        except NoLongerHolds as broken:
+            raise RecoveryFailed(
+                Reason.REPLACEMENT_LOST, f"{broken}; the next try starts now"
+            ) from None
 
     async def _invalidate(self, rset: RolloutSet, name: str, detail: str) -> None:
         """Verification failures are permanent: the checkpoint is no longer restorable.

@@ -59,6 +59,8 @@ _RESTORE_CODES = frozenset(
 )
 
 
+DEFAULT_RESTORE_TIMEOUT_S = 600.0
+"""How long an episode waits for a new attempt when nothing says how long a recovery takes."""
 _FIRST_BACKOFF_S = 0.2
 _MAX_BACKOFF_S = 5.0
 
@@ -117,7 +119,7 @@ class RolloutClient:
         topology: Topology,
         *,
         concurrency: int = 64,
-        restore_timeout_s: float = 600.0,
+        restore_timeout_s: float = DEFAULT_RESTORE_TIMEOUT_S,
         run_timeout_s: float = 3600.0,
         poll_interval_s: float = 1.0,
         http: httpx.AsyncClient | None = None,
@@ -215,7 +217,10 @@ class RolloutClient:
             self.progress.attempt = max(self.progress.attempt, snapshot.attempt)
             return snapshot
         if retry_same_after_s is not None and remaining_s > retry_same_after_s:
-            return await self.topology.current()
+            # `current()` waits while the set is in transition (a recovery): within the
+            # restore deadline too.
+            with anyio.move_on_after(remaining_s - retry_same_after_s):
+                return await self.topology.current()
         raise EpisodeFailed(
             rollout_id,
             f"its servers failed ({why}) and the attempt did not advance past {attempt} "
@@ -357,7 +362,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--namespace", help="the RolloutSet's namespace (default: the kubeconfig context's)"
     )
-    parser.add_argument("--restore-timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--restore-timeout",
+        type=float,
+        default=None,
+        help="how long an episode waits for its servers to be restored under a new attempt "
+        "(default with --rollout-set: the set's recovery bound, maxRestarts + 1 tries of "
+        f"restoreTimeoutSeconds plus backoffs; otherwise {DEFAULT_RESTORE_TIMEOUT_S:.0f}s)",
+    )
     parser.add_argument("--run-timeout", type=float, default=3600.0)
     parser.add_argument("--progress-interval", type=float, default=10.0, help="non-TTY lines")
     parser.add_argument("--prefix", default="r", help="rollout id prefix")
@@ -394,7 +406,15 @@ async def collect(args: argparse.Namespace) -> int:
         from .discovery import rollout_set_topology
 
         async with rollout_set_topology(args.rollout_set, args.namespace) as followed:
+            if args.restore_timeout is None:
+                # Strictly longer than the operator's worst case for this set's recovery.
+                args.restore_timeout = await followed.recovery_bound_s()
+                log.info(
+                    "waiting up to %.0fs for a recovery (the set's bound)", args.restore_timeout
+                )
             return await _collect(args, followed)
+    if args.restore_timeout is None:
+        args.restore_timeout = DEFAULT_RESTORE_TIMEOUT_S
     if args.topology_file is not None:
         topology: Topology = FileTopology(args.topology_file)
     elif args.environment:

@@ -87,6 +87,25 @@ def servable_snapshot(obj: Mapping[str, Any]) -> TopologySnapshot | None:
     return TopologySnapshot(attempt, tuple(by_index[i] for i in range(replicas)))
 
 
+RECOVERY_TRY_MARGIN_S: Final = 60.0
+"""Per recovery try, beyond restoreTimeoutSeconds: the retire, resume and status calls."""
+RECOVERY_BACKOFF_CAP_S: Final = 60.0
+"""The operator's longest backoff between recovery tries (`recovery.MAX_BACKOFF_SECONDS`)."""
+
+
+def recovery_bound_seconds(obj: Mapping[str, Any]) -> float:
+    """The longest a recovery of this RolloutSet can take before it succeeds or gives up:
+    `maxRestarts + 1` tries of `restoreTimeoutSeconds` (plus their control calls), and the
+    backoffs between them (2, 4, 8, ... seconds, at most 60). A trainer that waits longer than
+    this for a new attempt waits for nothing; `rollout-collect --rollout-set` waits exactly
+    this long by default (docs/servers.md)."""
+    recovery = (obj.get("spec") or {}).get("recovery") or {}
+    tries = int(recovery.get("maxRestarts", 10)) + 1
+    per_try = float(recovery.get("restoreTimeoutSeconds", 600)) + RECOVERY_TRY_MARGIN_S
+    backoffs = sum(min(RECOVERY_BACKOFF_CAP_S, 2.0**k) for k in range(1, tries + 1))
+    return tries * per_try + backoffs
+
+
 class RolloutSetTopology:
     """`Topology` (with `wait_newer`) of one RolloutSet, for `RolloutClient`.
 
@@ -115,6 +134,13 @@ class RolloutSetTopology:
         self._read_at: float | None = None
         self._latest: TopologySnapshot | None = None
         self._servable: TopologySnapshot | None = None
+
+    async def recovery_bound_s(self) -> float:
+        """`recovery_bound_seconds` of the set as it is now (one read)."""
+        obj = await self._custom.get_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, self.name
+        )
+        return recovery_bound_seconds(obj)
 
     @property
     def latest(self) -> TopologySnapshot | None:

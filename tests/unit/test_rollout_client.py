@@ -20,8 +20,14 @@ from rollout_servers.client import (
     EpisodeSpec,
     RolloutClient,
 )
+from rollout_servers.discovery import recovery_bound_seconds
 from rollout_servers.tasks import shipped_tasks
-from rollout_servers.topology import FileTopology, MutableTopology, StaticTopology
+from rollout_servers.topology import (
+    FileTopology,
+    MutableTopology,
+    StaticTopology,
+    TopologySnapshot,
+)
 
 TASK = shipped_tasks()[0]
 
@@ -167,3 +173,41 @@ def test_assignment_is_stable_and_spread() -> None:
     first = [client.assign(f"r{i}", 4) for i in range(400)]
     assert first == [client.assign(f"r{i}", 4) for i in range(400)]
     assert all(first.count(i) > 50 for i in range(4))
+
+
+class RecoveringTopology:
+    """A set that went into a recovery and never comes out: `current()` waits for it, as
+    `RolloutSetTopology.current()` does while the set is in transition."""
+
+    def __init__(self) -> None:
+        self.first = True
+
+    async def current(self) -> TopologySnapshot:
+        if self.first:
+            self.first = False
+            return TopologySnapshot(1, ("http://env-0",))
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+async def test_a_recovery_that_never_ends_is_bounded_by_the_restore_timeout() -> None:
+    """A transport error re-reads the topology; during a recovery that read waits, and the
+    wait counts against the restore timeout (it used to wait for as long as the set did)."""
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    client = RolloutClient(RecoveringTopology(), restore_timeout_s=0.5)
+    async with fake(refuse) as http:
+        with anyio.fail_after(10), pytest.raises(EpisodeFailed, match="did not advance past 1"):
+            await client.run_episode(EpisodeSpec("r-1", TASK), http)
+
+
+def test_the_recovery_bound_covers_every_try_and_backoff() -> None:
+    defaults = recovery_bound_seconds({"spec": {}})
+    # 11 tries of 600 s (+60 s of control calls each), backoffs 2+4+8+16+32 then 60 s x 6
+    assert defaults == 11 * 660 + (2 + 4 + 8 + 16 + 32) + 6 * 60
+    tight = recovery_bound_seconds(
+        {"spec": {"recovery": {"maxRestarts": 1, "restoreTimeoutSeconds": 30}}}
+    )
+    assert tight == 2 * 90 + 2 + 4

@@ -1,0 +1,110 @@
+"""A fault during a recovery is noticed at once (issue 15, class 8).
+
+The model pod is killed; its replacement becomes Ready and is frozen (SIGSTOP) before the
+operator restores into it, so the restore call hangs; then the frozen replacement is killed
+too. The recovery watches the pods of the attempt it restores into: it starts the next try as
+soon as the replacement is lost (reason ReplacementPodLost), instead of after
+`restoreTimeoutSeconds` (a call to a dead pod retries until its deadline).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes_asyncio import client
+from operator_fixtures import (
+    OperatorProcess,
+    Resources,
+    example_checkpoint,
+    example_set,
+    freeze,
+    is_true,
+    operator,
+    participants_by_role,
+    phase_is,
+    pod_pids,
+    resources,
+    storage_dir,
+    thaw,
+)
+
+from devcluster.cluster import Cluster
+from devcluster.waiting import wait_for
+
+__all__ = ["operator", "resources", "storage_dir"]
+
+pytestmark = pytest.mark.e2e
+
+RESTORE_TIMEOUT_S = 150
+"""A try that waited out its deadline would take this long; every wait below is far shorter."""
+
+
+def fault_set(storage: Path) -> dict[str, Any]:
+    rset = example_set(
+        storage,
+        spec={"recovery": {"restoreTimeoutSeconds": RESTORE_TIMEOUT_S, "maxRestarts": 3}},
+    )
+    for participant in rset["spec"]["participants"]:
+        probe = participant["template"]["spec"]["containers"][0]["readinessProbe"]
+        probe["failureThreshold"] = 600  # a frozen pod stays Ready: it is slow, not gone
+        if participant["role"] == "environment":
+            probe["initialDelaySeconds"] = 3  # no restore before the model is frozen
+    return rset
+
+
+async def test_a_replacement_lost_during_restoring_starts_the_next_try_at_once(
+    cluster: Cluster,
+    namespace: str,
+    operator: OperatorProcess,
+    resources: Resources,
+    storage_dir: Path,
+) -> None:
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(fault_set(storage_dir)))
+    ready = await resources.wait_set("Ready", lambda o: is_true(o, "Ready"), 90)
+    cluster.kubectl(
+        "apply", "-n", namespace, "-f", "-", input=json.dumps(example_checkpoint("base"))
+    )
+    ckpt = await resources.wait_checkpoint("base", "Ready", phase_is("Ready", "Failed"), 60)
+    assert is_true(ckpt, "Ready"), ckpt["status"]
+
+    model = participants_by_role(ready)["model"][0]
+    assert await cluster.admin.kill_pod_async(namespace, model["pod"])
+    replacement = "math-rl-model-0-a2"
+
+    async def replacement_ready() -> bool:
+        pod = await resources.core.read_namespaced_pod(replacement, namespace)
+        conditions = {c.type: c.status for c in pod.status.conditions or []}
+        return conditions.get("Ready") == "True"
+
+    await wait_for(
+        replacement_ready,
+        60,
+        f"pod {replacement} Ready",
+        interval=0.05,
+        ignore=(client.ApiException, AttributeError),
+    )
+    frozen = pod_pids(cluster, namespace, replacement)
+    freeze(frozen)
+    try:
+        await resources.wait_set(
+            "Restoring",
+            lambda o: (o["status"].get("recovery") or {}).get("phase") == "Restoring",
+            60,
+        )
+        assert await cluster.admin.kill_pod_async(namespace, replacement)
+    finally:
+        thaw(frozen)
+
+    recovered = await resources.wait_set(
+        "Ready under attempt 3",
+        lambda o: o["status"].get("attempt") == 3 and is_true(o, "Ready"),
+        RESTORE_TIMEOUT_S / 3,
+    )
+    assert recovered["status"]["lastRecovery"]["checkpoint"] == "base"
+    events = json.loads(cluster.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)
+    lost = [e for e in events["items"] if e["reason"] == "ReplacementPodLost"]
+    assert lost, sorted({e["reason"] for e in events["items"]})
+    assert replacement in lost[0]["message"]
