@@ -6,21 +6,25 @@ supplies a `Participant` (how to park, what to record, how to install and stop w
 
 Control operations are serialized by one lock: they are rare, and a strict order is what makes
 replayed replies and phase checks trustworthy. `/status` does not take the lock, so it answers
-even while a prepare waits for episodes to park.
+even while a prepare waits for episodes to park. Storage I/O under the lock is bounded by the
+request's deadline (`_storage_io`): storage that hangs (a stale network mount) fails that call
+at its deadline and frees the lock, instead of holding every later control call behind it.
 """
 
 from __future__ import annotations
 
+import errno
 import gc
 import hmac
+import json
 import logging
 import math
 import os
 import re
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -29,9 +33,12 @@ import anyio
 import anyio.to_thread
 from anyio.abc import TaskGroup
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import _storage as storage
 from ._participant import ParkState, Participant
@@ -46,6 +53,7 @@ from ._routes import (
     ROUTES,
     STATUS,
     Route,
+    error_responses,
 )
 from ._wire import (
     API_PREFIX,
@@ -53,6 +61,7 @@ from ._wire import (
     MAX_BLOCKERS_REPORTED,
     CommitReply,
     CommitRequest,
+    ErrorBody,
     ErrorCode,
     ForgetReply,
     ForgetRequest,
@@ -83,9 +92,18 @@ _REMEMBERED = 4096
 """How many stale ids and idempotent operations are remembered (oldest forgotten first)."""
 
 _PARK_OVERRUN_SECONDS = 2.0
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+"""Default largest request body a participant reads (`ROLLOUT_MAX_BODY_BYTES`), on every route."""
+MAX_DEADLINE_SECONDS = 6 * 3600.0
+"""Default horizon of `deadline_ts` (`ROLLOUT_MAX_DEADLINE_SECONDS`): a deadline further ahead
+is refused, so every lease a call opens lapses within it plus the lease grace."""
+MAX_RETIRE_MARKS = 100_000
+"""Default bound of per-rollout retire marks of the running attempt (`ROLLOUT_MAX_RETIRE_MARKS`)."""
 """How long past its deadline a participant's `park` may run before the call is failed."""
 
 _Model = TypeVar("_Model", bound=BaseModel)
+_T = TypeVar("_T")
 
 
 class ControlConfigError(ValueError):
@@ -110,6 +128,9 @@ class ControlSettings:
     token: str | None = None
     allow_unauthenticated: bool = False
     lease_grace_seconds: float = 30.0
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_deadline_seconds: float = MAX_DEADLINE_SECONDS
+    max_retire_marks: int = MAX_RETIRE_MARKS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
@@ -131,6 +152,14 @@ class ControlSettings:
             raise ControlConfigError(
                 f"lease_grace_seconds must be a positive number, got {self.lease_grace_seconds}"
             )
+        if self.max_body_bytes < 1024:
+            raise ControlConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if not (math.isfinite(self.max_deadline_seconds) and self.max_deadline_seconds > 0):
+            raise ControlConfigError(
+                f"max_deadline_seconds must be a positive number, got {self.max_deadline_seconds}"
+            )
+        if self.max_retire_marks < 1:
+            raise ControlConfigError(f"max_retire_marks must be >= 1, got {self.max_retire_marks}")
         if self.token is not None and not self.token:
             raise ControlConfigError("the control token is empty; unset it or give a real one")
         if self.token is None and not self.allow_unauthenticated:
@@ -165,6 +194,13 @@ class ControlSettings:
             token=env.get("ROLLOUT_CONTROL_TOKEN") or None,
             allow_unauthenticated=allow_unauthenticated,
             lease_grace_seconds=_float_from_env(grace, 30.0),
+            max_body_bytes=_int_from_env(env, "ROLLOUT_MAX_BODY_BYTES", MAX_BODY_BYTES),
+            max_deadline_seconds=_float_from_env(
+                env.get("ROLLOUT_MAX_DEADLINE_SECONDS"),
+                MAX_DEADLINE_SECONDS,
+                "ROLLOUT_MAX_DEADLINE_SECONDS",
+            ),
+            max_retire_marks=_int_from_env(env, "ROLLOUT_MAX_RETIRE_MARKS", MAX_RETIRE_MARKS),
         )
 
     @property
@@ -187,13 +223,15 @@ def _int_from_env(env: Mapping[str, str], name: str, default: int) -> int:
         raise ControlConfigError(f"{name}={raw!r} is not an integer") from None
 
 
-def _float_from_env(raw: str | None, default: float) -> float:
+def _float_from_env(
+    raw: str | None, default: float, name: str = "ROLLOUT_LEASE_GRACE_SECONDS"
+) -> float:
     if raw is None or raw == "":
         return default
     try:
         return float(raw)
     except ValueError:
-        raise ControlConfigError(f"ROLLOUT_LEASE_GRACE_SECONDS={raw!r} is not a number") from None
+        raise ControlConfigError(f"{name}={raw!r} is not a number") from None
 
 
 # --- the phase machine (pure: no I/O, no clock) ---------------------------------------------
@@ -420,20 +458,72 @@ def _remember(memory: OrderedDict[Any, None], key: object) -> None:
 
 
 class RetireMarks:
-    """Which (attempt, rollout) pairs must never run again here."""
+    """Which (attempt, rollout) pairs must never run again here, in bounded memory.
 
-    def __init__(self) -> None:
+    A participant only ever runs its current attempt, so every rollout of an attempt below it
+    is refused for good: once the attempt moves on (`settle`), the per-rollout marks of older
+    attempts fold into one whole-attempt mark each, and whole-attempt marks beyond the newest
+    `_WHOLE_KEPT` fold into `floor` (every attempt at or below it is retired). Per-rollout marks
+    of the running (or a later) attempt are real state: they are bounded by `limit`, and a
+    retire that would pass it is refused (`limit_exceeded`) until `forget` frees marks.
+    """
+
+    _WHOLE_KEPT = 64
+
+    def __init__(self, limit: int = MAX_RETIRE_MARKS) -> None:
+        self.limit = limit
+        self.floor = -1
         self._whole: set[int] = set()
         self._rollouts: dict[int, set[str]] = {}
 
+    def room(self, attempt: int, rollout_ids: frozenset[str] | None) -> None:
+        """Refuse a retire whose marks would not fit (before anything is marked)."""
+        if self.covers_attempt(attempt):
+            return
+        if rollout_ids is None:
+            if len(self._whole) >= self.limit:
+                raise ProtocolError(
+                    ErrorCode.LIMIT_EXCEEDED,
+                    f"{len(self._whole)} attempts are retired here already (limit {self.limit})",
+                )
+            return
+        marked = self._rollouts.get(attempt, set())
+        new = len(rollout_ids - marked)
+        if self.count() + new > self.limit:
+            raise ProtocolError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"retiring {new} more rollouts would hold {self.count() + new} retire marks "
+                f"(limit {self.limit}); forget finished rollouts first",
+            )
+
     def add(self, attempt: int, rollout_ids: frozenset[str] | None) -> None:
+        if self.covers_attempt(attempt):
+            return
         if rollout_ids is None:
             self._whole.add(attempt)
+            self._rollouts.pop(attempt, None)  # the whole-attempt mark covers them
         else:
             self._rollouts.setdefault(attempt, set()).update(rollout_ids)
 
+    def settle(self, current: int) -> None:
+        """The participant runs `current` now: fold the marks of older attempts."""
+        for attempt in [a for a in self._rollouts if a < current]:
+            del self._rollouts[attempt]
+            self._whole.add(attempt)
+        older = sorted(a for a in self._whole if a < current)
+        for attempt in older[: max(0, len(older) - self._WHOLE_KEPT)]:
+            self._whole.discard(attempt)
+            self.floor = max(self.floor, attempt)
+
+    def count(self) -> int:
+        """Per-rollout marks held (whole-attempt marks cost one integer each)."""
+        return sum(len(marked) for marked in self._rollouts.values())
+
+    def covers_attempt(self, attempt: int) -> bool:
+        return attempt <= self.floor or attempt in self._whole
+
     def covers(self, attempt: int, rollout_id: str) -> bool:
-        return attempt in self._whole or rollout_id in self._rollouts.get(attempt, ())
+        return self.covers_attempt(attempt) or rollout_id in self._rollouts.get(attempt, ())
 
     def whole_attempts(self) -> list[int]:
         return sorted(self._whole)
@@ -532,7 +622,8 @@ class ControlPlane:
         self._clock = clock
         self._attempt = settings.attempt
         self._machine = PhaseMachine()
-        self._marks = RetireMarks()
+        self._marks = RetireMarks(settings.max_retire_marks)
+        self._marks.settle(self._attempt)
         self._operations: OrderedDict[str, RetireReply | ForgetReply] = OrderedDict()
         self._lock = anyio.Lock()
         self._lease_changed = anyio.Event()
@@ -569,9 +660,13 @@ class ControlPlane:
 
         Create the app with its own lifespan (if any) before calling this; the watchdog wraps it.
         """
+        declare_error_statuses(app)
         app.include_router(self.router)
         app.add_exception_handler(ProtocolError, _protocol_error_handler)
         app.add_exception_handler(RequestValidationError, _validation_error_handler)
+        app.add_exception_handler(HTTPException, _http_error_handler)
+        app.add_exception_handler(BodyTooLarge, _protocol_error_handler)
+        app.add_middleware(BodyLimit, max_bytes=self._settings.max_body_bytes)
         inner = app.router.lifespan_context
 
         @asynccontextmanager
@@ -674,18 +769,19 @@ class ControlPlane:
             root = self._require_root("commit")
             scope = None if request.rollout_ids is None else frozenset(request.rollout_ids)
             records = self._in_scope(self._export(scope), scope)
-            directory = await self._commit_directory(root, cid)
             try:
-                manifest = await anyio.to_thread.run_sync(
-                    lambda: storage.write_records(
-                        directory,
-                        role=self._settings.role,
-                        instance=self._settings.instance,
-                        checkpoint_id=cid,
-                        attempt=self._attempt,
-                        records=records,
+                with self._storage_deadline("commit", request.deadline_ts):
+                    directory = await self._commit_directory(root, cid)
+                    manifest = await _storage_io(
+                        lambda: storage.write_records(
+                            directory,
+                            role=self._settings.role,
+                            instance=self._settings.instance,
+                            checkpoint_id=cid,
+                            attempt=self._attempt,
+                            records=records,
+                        )
                     )
-                )
             except storage.StorageError as error:
                 logger.error("%s: commit %s failed: %s", self._settings.instance, cid, error)
                 raise ProtocolError(ErrorCode.STORAGE_FAILED, str(error)) from error
@@ -723,7 +819,7 @@ class ControlPlane:
                     f"restore under attempt {request.attempt}, but this process already runs "
                     f"attempt {self._attempt}",
                 )
-            if request.attempt in self._marks.whole_attempts():
+            if self._marks.covers_attempt(request.attempt):
                 raise ProtocolError(
                     ErrorCode.ATTEMPT_RETIRED,
                     f"attempt {request.attempt} was retired here; restore under a newer attempt",
@@ -743,6 +839,7 @@ class ControlPlane:
                     ErrorCode.INTERNAL, f"install failed: {type(error).__name__}: {error}"
                 ) from error
             self._attempt = request.attempt
+            self._marks.settle(request.attempt)
             reply = RestoreReply(
                 checkpoint_id=cid,
                 phase=Phase.RESTORED,
@@ -794,6 +891,7 @@ class ControlPlane:
             self._machine.check_retire()
             _refuse_passed(request.deadline_ts, self._clock())
             scope = None if request.rollout_ids is None else frozenset(request.rollout_ids)
+            self._marks.room(request.attempt, scope)
             # Marks first: work of this attempt that arrives while we wait is refused already.
             self._marks.add(request.attempt, scope)
             try:
@@ -833,6 +931,24 @@ class ControlPlane:
     def _extend_lease(self, deadline_ts: float) -> None:
         self._machine.extend_lease(deadline_ts + self._settings.lease_grace_seconds)
         self._lease_changed.set()
+
+    @contextmanager
+    def _storage_deadline(self, operation: str, deadline_ts: float) -> Iterator[None]:
+        """Bound the storage I/O of a call holding the lock by the call's deadline: past it the
+        call fails (`storage_failed`), the lock is freed, and the worker thread is left to
+        finish on its own (its result is dropped)."""
+        try:
+            with anyio.fail_after(max(0.0, deadline_ts - self._clock())):
+                yield
+        except TimeoutError:
+            logger.error(
+                "%s: %s: storage did not answer by the deadline", self._settings.instance, operation
+            )
+            raise storage.StorageError(
+                f"{operation}: storage did not answer by the call's deadline at",
+                self._settings.checkpoint_root or Path("."),
+                OSError(errno.ETIMEDOUT, "storage I/O still running at the deadline"),
+            ) from None
 
     def _require_root(self, operation: str) -> Path:
         root = self._settings.checkpoint_root
@@ -965,9 +1081,12 @@ class ControlPlane:
             )
         directory = _directory(root, self._settings.storage_dir, request.checkpoint_id, source)
         try:
-            manifest, records = await anyio.to_thread.run_sync(
-                lambda: storage.read_records(directory, expect_checkpoint_id=request.checkpoint_id)
-            )
+            with self._storage_deadline("restore", request.deadline_ts):
+                manifest, records = await _storage_io(
+                    lambda: storage.read_records(
+                        directory, expect_checkpoint_id=request.checkpoint_id
+                    )
+                )
         except storage.RecordsInvalid as error:
             raise ProtocolError(ErrorCode.RECORDS_INVALID, str(error)) from error
         except storage.StorageError as error:
@@ -1087,9 +1206,22 @@ class ControlPlane:
         async def endpoint(request: Request) -> Response:
             self._authorize(request.headers.get("authorization"))
             body = None if route.request is None else await _body(request, route.request)
+            deadline_ts = getattr(body, "deadline_ts", None)
+            if deadline_ts is not None:
+                self._refuse_far(deadline_ts)
             return _reply(await handler(body))
 
         return endpoint
+
+    def _refuse_far(self, deadline_ts: float) -> None:
+        """A deadline beyond the horizon would open a lease that, in practice, never lapses."""
+        horizon = self._settings.max_deadline_seconds
+        if deadline_ts > self._clock() + horizon:
+            raise ProtocolError(
+                ErrorCode.INVALID_REQUEST,
+                f"deadline_ts: {deadline_ts:.6g} is more than {horizon:g}s ahead "
+                "(ROLLOUT_MAX_DEADLINE_SECONDS); send a nearer deadline and renew",
+            )
 
     def _authorize(self, header: str | None) -> None:
         expected = self._settings.token
@@ -1102,6 +1234,11 @@ class ControlPlane:
             presented.strip().encode(), expected.encode()
         ):
             raise ProtocolError(ErrorCode.UNAUTHORIZED, "wrong control token")
+
+
+async def _storage_io(call: Callable[[], _T]) -> _T:
+    """Run blocking storage I/O in a worker thread that a deadline can abandon."""
+    return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
 
 
 def _directory(root: Path, set_name: str, checkpoint_id: str, instance: str) -> Path:
@@ -1175,6 +1312,11 @@ def _reply(model: BaseModel) -> Response:
 
 
 async def _protocol_error_handler(request: Request, error: Exception) -> Response:
+    if isinstance(error, BodyTooLarge):
+        error = ProtocolError(
+            ErrorCode.PAYLOAD_TOO_LARGE,
+            f"{error.detail} (ROLLOUT_MAX_BODY_BYTES)",
+        )
     assert isinstance(error, ProtocolError)
     headers = {"WWW-Authenticate": "Bearer"} if error.code is ErrorCode.UNAUTHORIZED else None
     return Response(
@@ -1190,3 +1332,134 @@ async def _validation_error_handler(request: Request, error: Exception) -> Respo
     return await _protocol_error_handler(
         request, ProtocolError(ErrorCode.INVALID_REQUEST, describe_validation(error))
     )
+
+
+async def _http_error_handler(request: Request, error: Exception) -> Response:
+    """Starlette's own refusals: a body it cannot decode (400) is the protocol's
+    `invalid_request`, with its error body; the rest (404, 405, ...) stay as they are."""
+    assert isinstance(error, HTTPException)
+    if error.status_code == 400:
+        return await _protocol_error_handler(
+            request, ProtocolError(ErrorCode.INVALID_REQUEST, f"body: {error.detail}")
+        )
+    return await http_exception_handler(request, error)
+
+
+# --- request bodies and the published document ----------------------------------------------
+
+
+class BodyTooLarge(HTTPException):
+    """Raised while a body is read past the limit; answered as `payload_too_large` (413).
+
+    An `HTTPException` so that FastAPI's own body parsing lets it through unchanged."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is larger than {limit} bytes")
+        self.limit = limit
+
+
+class BodyLimit:
+    """ASGI middleware: no request body larger than `max_bytes` is read, on any route.
+
+    A declared `Content-Length` over the limit is refused before the app runs, without reading
+    a byte; a body sent without one (chunked) is counted as it is read and refused once it
+    passes the limit, so at most `max_bytes` plus one chunk is ever held.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_bytes
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                error = ProtocolError(
+                    ErrorCode.PAYLOAD_TOO_LARGE,
+                    f"Content-Length {int(value)} is over the limit of {limit} bytes "
+                    "(ROLLOUT_MAX_BODY_BYTES)",
+                )
+                await _send_error(send, error)
+                return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise BodyTooLarge(limit)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+async def _send_error(send: Send, error: ProtocolError) -> None:
+    body = error.body().model_dump_json().encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": error.status_code,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+SERVER_ROUTE_ERRORS = frozenset(ErrorCode)
+"""What a participant's own POST route may answer: its own refusals, and any refusal of a peer
+it calls on the caller's behalf, relayed with the peer's code (`unreachable` for a peer gone)."""
+
+
+def declare_error_statuses(app: FastAPI) -> None:
+    """Declare in the app's OpenAPI document the error statuses of its own routes.
+
+    Every route may answer `payload_too_large` (the body limit) and `internal`; routes with a
+    body or parameters `invalid_request` (422, with the protocol's error body rather than
+    FastAPI's validation body); POST routes every status of `SERVER_ROUTE_ERRORS`. Statuses a
+    route declares itself are kept. The control routes declare theirs from `ROUTES`.
+    """
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        document = build()
+        _declare_errors(document)
+        return document
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _declare_errors(document: dict[str, Any]) -> None:
+    components = document.setdefault("components", {}).setdefault("schemas", {})
+    if "ErrorBody" not in components:
+        schema = ErrorBody.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(schema.pop("$defs", {}))
+        components["ErrorBody"] = schema
+    error_body = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+    for path, operations in document.get("paths", {}).items():
+        if path.startswith(API_PREFIX):
+            continue
+        for method, operation in operations.items():
+            codes = {ErrorCode.PAYLOAD_TOO_LARGE, ErrorCode.INTERNAL}
+            if operation.get("requestBody") or operation.get("parameters"):
+                codes.add(ErrorCode.INVALID_REQUEST)
+            if method == "post":
+                codes |= SERVER_ROUTE_ERRORS
+            responses = operation.setdefault("responses", {})
+            validation = responses.get("422", {})
+            if "HTTPValidationError" in json.dumps(validation):
+                del responses["422"]  # answered with the protocol's error body instead
+            for status, entry in error_responses(codes).items():
+                responses.setdefault(
+                    str(status), {"description": entry["description"], "content": error_body}
+                )

@@ -9,6 +9,7 @@ call to the server's handler.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
@@ -39,10 +40,12 @@ from ._wire import (
 RequestT = TypeVar("RequestT", bound=BaseModel | None)
 ReplyT = TypeVar("ReplyT", bound=BaseModel)
 
-_EVERY_CALL = frozenset({ErrorCode.UNAUTHORIZED, ErrorCode.INTERNAL})
-"""Codes any route may answer: a missing or wrong token, a participant's own failure."""
+_EVERY_CALL = frozenset({ErrorCode.UNAUTHORIZED, ErrorCode.INTERNAL, ErrorCode.PAYLOAD_TOO_LARGE})
+"""Codes any route may answer: a missing or wrong token, a participant's own failure, a body
+over the size limit (refused before it is read)."""
 _EVERY_BODY = _EVERY_CALL | {ErrorCode.INVALID_REQUEST, ErrorCode.DEADLINE_PASSED}
-"""Codes any route with a body may answer: a body that fails validation, a passed deadline."""
+"""Codes any route with a body may answer: a body that fails validation (a `deadline_ts` beyond
+the participant's horizon included), a passed deadline."""
 
 
 @dataclass(frozen=True)
@@ -68,13 +71,18 @@ class Route(Generic[RequestT, ReplyT]):
 
     def error_statuses(self) -> dict[int | str, dict[str, Any]]:
         """OpenAPI `responses` entries for every error this route may answer."""
-        statuses: dict[int, list[str]] = {}
-        for code in sorted(self.errors):
-            statuses.setdefault(HTTP_STATUS[code], []).append(code.value)
-        return {
-            status: {"model": ErrorBody, "description": "error codes: " + ", ".join(codes)}
-            for status, codes in sorted(statuses.items())
-        }
+        return error_responses(self.errors)
+
+
+def error_responses(codes: Iterable[ErrorCode]) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` entries (FastAPI's form) for these error codes, one per status."""
+    statuses: dict[int, list[str]] = {}
+    for code in sorted(set(codes)):
+        statuses.setdefault(HTTP_STATUS[code], []).append(code.value)
+    return {
+        status: {"model": ErrorBody, "description": "error codes: " + ", ".join(names)}
+        for status, names in sorted(statuses.items())
+    }
 
 
 STATUS: Route[None, StatusReply] = Route(
@@ -148,7 +156,8 @@ RETIRE: Route[RetireRequest, RetireReply] = Route(
     "POST",
     RetireRequest,
     RetireReply,
-    _EVERY_BODY | {ErrorCode.WRONG_PHASE, ErrorCode.CONFLICTING_CHECKPOINT},
+    _EVERY_BODY
+    | {ErrorCode.WRONG_PHASE, ErrorCode.CONFLICTING_CHECKPOINT, ErrorCode.LIMIT_EXCEEDED},
     "Stop an attempt's work for the given episodes and refuse that attempt afterwards.",
 )
 FORGET: Route[ForgetRequest, ForgetReply] = Route(

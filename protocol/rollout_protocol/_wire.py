@@ -85,6 +85,10 @@ class ErrorCode(StrEnum):
     ATTEMPT_RETIRED = "attempt_retired"
     TASK_MISMATCH = "task_mismatch"
     ADMISSION_CLOSED = "admission_closed"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    """The request body is larger than the participant accepts (`ROLLOUT_MAX_BODY_BYTES`)."""
+    LIMIT_EXCEEDED = "limit_exceeded"
+    """A bounded table is full (retire marks): free entries first (`forget`), then retry."""
     NOT_FOUND = "not_found"
     UNSUPPORTED = "unsupported"
     """The participant does not implement an optional capability the call needs (re-wiring)."""
@@ -111,6 +115,8 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.ATTEMPT_RETIRED: 410,
     ErrorCode.TASK_MISMATCH: 409,
     ErrorCode.ADMISSION_CLOSED: 503,
+    ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.LIMIT_EXCEEDED: 429,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.UNSUPPORTED: 501,
     ErrorCode.INTERNAL: 500,

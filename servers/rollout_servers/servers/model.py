@@ -38,7 +38,7 @@ import random
 import re
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -87,6 +87,7 @@ DELIVERED_KIND = "delivered"
 _DELIVERED_KEPT = 100_000
 """Rollouts whose last response is kept; far more than a set runs live at once."""
 _KEY_MAX = 200
+_ATTEMPT_VALUE = re.compile(r"[0-9]{1,18}")
 
 
 # --- wire models ------------------------------------------------------------------------------
@@ -673,6 +674,9 @@ class ModelServer(RolloutServer):
 
     def __init__(self, options: ServerOptions, **kwargs: Any) -> None:
         self._running: dict[tuple[str, str], Outcome[Done]] = {}
+        self._audiences: dict[tuple[str, str], _Audience] = {}
+        """Who reads each keyed generation (a retried request attaches to a running one)."""
+        self._abandoned = 0
         self.delivered: OrderedDict[str, Delivered] = OrderedDict()
         """The last response delivered to each rollout (most recent last, bounded)."""
         self.tokens: dict[int, dict[str, int]] = {}
@@ -701,6 +705,7 @@ class ModelServer(RolloutServer):
                 for a, by in self.tokens.items()
             },
             "delivered_kept": len(self.delivered),
+            "abandoned": self._abandoned,
         }
 
     def add_routes(self, app: FastAPI) -> None:
@@ -715,7 +720,7 @@ class ModelServer(RolloutServer):
                 ],
             }
 
-        @app.post("/v1/completions")
+        @app.post("/v1/completions", openapi_extra=_openapi_extra(CompletionBody))
         async def completions(request: Request) -> Response:
             body = await _json_body(request, CompletionBody)
             gen = GenRequest(
@@ -728,7 +733,7 @@ class ModelServer(RolloutServer):
             )
             return await server.respond(gen, _identity(request, server.attempt))
 
-        @app.post("/v1/chat/completions")
+        @app.post("/v1/chat/completions", openapi_extra=_openapi_extra(ChatBody))
         async def chat(request: Request) -> Response:
             body = await _json_body(request, ChatBody)
             gen = GenRequest(
@@ -746,7 +751,9 @@ class ModelServer(RolloutServer):
         if ident is not None:
             self.check_attempt(ident.rollout_id, ident.attempt)
         send, receive = anyio.create_memory_object_stream[Item](max_buffer_size=1024)
-        self.spawn(self._produce, gen, ident, send)
+        gone = anyio.Event()
+        """Set when a streaming consumer went away (a plain reply's caller waits to the end)."""
+        self.spawn(self._produce, gen, ident, send, gone)
         created = int(time.time())
         rid = f"{'chatcmpl' if gen.kind == 'chat' else 'cmpl'}-{gen.digest[:24]}"
         if not gen.stream:
@@ -762,10 +769,23 @@ class ModelServer(RolloutServer):
             await receive.aclose()
             raise first.error
         return StreamingResponse(
-            self._sse(gen, first, receive, rid, created), media_type="text/event-stream"
+            self._sse(gen, first, receive, rid, created, gone), media_type="text/event-stream"
         )
 
     async def _sse(
+        self,
+        gen: GenRequest,
+        first: Item,
+        receive: MemoryObjectReceiveStream[Item],
+        rid: str,
+        created: int,
+        gone: anyio.Event,
+    ) -> AsyncIterator[str]:
+        with _setting(gone):
+            async for chunk in self._sse_chunks(gen, first, receive, rid, created):
+                yield chunk
+
+    async def _sse_chunks(
         self,
         gen: GenRequest,
         first: Item,
@@ -844,9 +864,18 @@ class ModelServer(RolloutServer):
     # --- generation ---------------------------------------------------------------------------
 
     async def _produce(
-        self, gen: GenRequest, ident: Identity | None, send: MemoryObjectSendStream[Item]
+        self,
+        gen: GenRequest,
+        ident: Identity | None,
+        send: MemoryObjectSendStream[Item],
+        gone: anyio.Event,
     ) -> None:
-        async with send:
+        key = None if ident is None else (ident.rollout_id, ident.key)
+        audience = self._audiences.setdefault(key, _Audience()) if key else _Audience()
+        audience.join()
+        async with send, anyio.create_task_group() as group:
+            group.start_soon(self._follow, gone, audience)
+            group.start_soon(self._stop_when_abandoned, audience, group.cancel_scope, ident)
             try:
                 if ident is None:
                     done = await self._generate_unkeyed(gen, send)
@@ -863,6 +892,35 @@ class ModelServer(RolloutServer):
                     send,
                     Failed(ProtocolError(ErrorCode.INTERNAL, f"{type(error).__name__}: {error}")),
                 )
+            finally:
+                audience.leave(gone)
+                if (
+                    key is not None
+                    and audience.present == 0
+                    and self._audiences.get(key) is audience
+                ):
+                    del self._audiences[key]
+                group.cancel_scope.cancel()
+
+    async def _follow(self, gone: anyio.Event, audience: _Audience) -> None:
+        await gone.wait()
+        audience.leave(gone)
+
+    async def _stop_when_abandoned(
+        self, audience: _Audience, scope: anyio.CancelScope, ident: Identity | None
+    ) -> None:
+        """Stop the generation once every consumer of its stream has gone (a relay closes its
+        upstream stream, so the engine stops too). While a checkpoint is open it is held:
+        the checkpoint may record its cut, and it is stopped once admission reopens."""
+        while True:
+            await audience.abandoned()
+            await self.runtime.wait_admission()
+            if audience.present == 0:
+                attempt = self.attempt if ident is None else ident.attempt
+                self.stats.bump(attempt, "abandoned")
+                self._abandoned += 1
+                scope.cancel()
+                return
 
     async def _generate_unkeyed(self, gen: GenRequest, send: MemoryObjectSendStream[Item]) -> Done:
         """Requests without an episode identity: paused by checkpoints, never recorded."""
@@ -1133,6 +1191,41 @@ def _continuation(body: ChatBody) -> Continuation | None:
     return Continuation(prompt_text=_chat_prompt(body.messages[:-1]), prefix=final.content)
 
 
+class _Audience:
+    """The consumers of one generation. A streaming consumer leaves when its connection goes
+    away; a plain (non-streaming) one only when the generation ends."""
+
+    def __init__(self) -> None:
+        self.present = 0
+        self._left: set[int] = set()
+        self._changed = anyio.Event()
+
+    def join(self) -> None:
+        self.present += 1
+
+    def leave(self, consumer: anyio.Event) -> None:
+        """`consumer` (its `gone` event) leaves; a second call for it is a no-op."""
+        if id(consumer) in self._left:
+            return
+        self._left.add(id(consumer))
+        self.present -= 1
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def abandoned(self) -> None:
+        while self.present > 0:
+            await self._changed.wait()
+
+
+@contextlib.contextmanager
+def _setting(event: anyio.Event) -> Iterator[None]:
+    """Set `event` however the block ends (the stream finished, failed or was cancelled)."""
+    try:
+        yield
+    finally:
+        event.set()
+
+
 async def _offer(send: MemoryObjectSendStream[Item], item: Item) -> None:
     """Send to the response stream; a caller that went away is not an error for generation."""
     with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
@@ -1152,9 +1245,41 @@ def _identity(request: Request, attempt: int) -> Identity | None:
     raw_attempt = request.headers.get(ATTEMPT_HEADER)
     if raw_attempt is None:
         return Identity(rollout_id, key, attempt)
-    if not raw_attempt.isdigit():
-        raise ProtocolError(ErrorCode.INVALID_REQUEST, f"{ATTEMPT_HEADER} must be an integer")
+    if _ATTEMPT_VALUE.fullmatch(raw_attempt) is None:
+        # ASCII digits only: `str.isdigit` also takes '²' or '٣', which `int` then refuses
+        raise ProtocolError(
+            ErrorCode.INVALID_REQUEST,
+            f"{ATTEMPT_HEADER} must be a non-negative integer of at most 18 ASCII digits",
+        )
     return Identity(rollout_id, key, int(raw_attempt))
+
+
+def _openapi_extra(body: type[BaseModel]) -> dict[str, Any]:
+    """The request body and identity headers of a generation route, for `/openapi.json` (the
+    route reads both itself: the body leniently, as OpenAI clients send extra fields)."""
+    schema = body.model_json_schema(ref_template="#/components/schemas/{model}")
+    schema.pop("$defs", None)
+    if body is ChatBody:
+        schema["properties"]["messages"]["items"] = ChatMessage.model_json_schema()
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+        "parameters": [
+            {
+                "name": REQUEST_HEADER,
+                "in": "header",
+                "required": False,
+                "description": "`<rollout_id>/<key>`: the generation is an episode step",
+                "schema": {"type": "string", "maxLength": 330},
+            },
+            {
+                "name": ATTEMPT_HEADER,
+                "in": "header",
+                "required": False,
+                "description": "The caller's attempt (ASCII digits); default: this server's",
+                "schema": {"type": "string", "pattern": "^[0-9]{1,18}$"},
+            },
+        ],
+    }
 
 
 async def _json_body(request: Request, model: type[_M]) -> _M:
