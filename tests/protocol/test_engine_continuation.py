@@ -333,37 +333,59 @@ async def test_seeded_sampling_continues_identically(engine: LlamaServer, tmp_pa
     assert remerging, "no seeded cut fell where BPE re-merges"
 
 
+@pytest.mark.parametrize("engine_lost", [False, True], ids=["relay-lost", "engine-lost-too"])
 async def test_cut_survives_a_crash_and_continues_under_the_next_attempt(
-    engine: LlamaServer, tmp_path: Path
+    engine: LlamaServer, tmp_path: Path, engine_lost: bool
 ) -> None:
-    """The relay is SIGKILLed after a checkpoint that recorded a cut; a fresh relay restored
-    under attempt 1 continues the re-issued request from the recorded ids."""
+    """The relay is SIGKILLed after a checkpoint that recorded a cut (engine_lost: the engine
+    too, as when the whole pod goes, so the continuation runs on a fresh engine with nothing
+    cached); a fresh relay restored under attempt 1 continues the re-issued request from the
+    recorded ids, and the response is the uncut one."""
     prompt = PROMPTS[1]
     body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
     root = tmp_path / "relay"
-    async with httpx.AsyncClient(timeout=60) as http:
-        uncut = await direct(http, engine, body)
-        remerge = await remerging_cuts(http, engine, prompt, uncut)
-        k = remerge[0] if remerge else 5
-        first = await anyio.to_thread.run_sync(lambda: relay(root, engine))
-        try:
-            await cut_at(http, first.url, body, "crash/0", k, "crash-1", then_kill=first)
-        finally:
-            await anyio.to_thread.run_sync(first.stop)
-        assert generation_record(root, "crash-1").data["state"]["ids"] == uncut.ids[:k]
+    model = tmp_path / "tiny.gguf"
+    if engine_lost:
+        write_model(model)  # the same bytes as the module's engine serves
+    first_engine = LlamaServer.start(_binary(), model, tmp_path / "a") if engine_lost else engine
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
+            uncut = await direct(http, first_engine, body)
+            module_engine = await direct(http, engine, body)
+            assert module_engine.ids == uncut.ids
+            assert_same(module_engine, uncut, "the same model in another engine")
+            remerge = await remerging_cuts(http, first_engine, prompt, uncut)
+            assert remerge, "the cut should fall where the prefix's text re-tokenises otherwise"
+            k = remerge[0]
+            first = await anyio.to_thread.run_sync(lambda: relay(root, first_engine))
+            try:
+                await cut_at(http, first.url, body, "crash/0", k, "crash-1", then_kill=first)
+            finally:
+                await anyio.to_thread.run_sync(first.stop)
+    finally:
+        if engine_lost:
+            first_engine.process.kill()
+            first_engine.stop()
+    assert generation_record(root, "crash-1").data["state"]["ids"] == uncut.ids[:k]
 
-        second = await anyio.to_thread.run_sync(lambda: relay(root, engine, attempt=1))
-        try:
-            coordinator = Coordinator(
-                [HttpParticipantClient(Role.MODEL, second.url, token=TOKEN, client=http)]
-            )
-            restored = await coordinator.restore("crash-1", 1, deadline(30))
-            assert restored.ok, restored.failures
-            assert not (await coordinator.resume("crash-1", deadline(30))).failures
-            got = await completion(http, second.url, body, "crash/0", attempt=1)
-            relay_stats = await stats(http, second.url)
-        finally:
-            await anyio.to_thread.run_sync(second.stop)
+    second_engine = LlamaServer.start(_binary(), model, tmp_path / "b") if engine_lost else engine
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
+            second = await anyio.to_thread.run_sync(lambda: relay(root, second_engine, attempt=1))
+            try:
+                coordinator = Coordinator(
+                    [HttpParticipantClient(Role.MODEL, second.url, token=TOKEN, client=http)]
+                )
+                restored = await coordinator.restore("crash-1", 1, deadline(30))
+                assert restored.ok, restored.failures
+                assert not (await coordinator.resume("crash-1", deadline(30))).failures
+                got = await completion(http, second.url, body, "crash/0", attempt=1)
+                relay_stats = await stats(http, second.url)
+            finally:
+                await anyio.to_thread.run_sync(second.stop)
+    finally:
+        if engine_lost:
+            second_engine.stop()
     assert_same(got, uncut, f"after the crash, cut at {k}")
     assert relay_stats["counters"]["1"]["continued_token_ids"] == 1
     assert relay_stats["tokens"]["1"]["by_request"]["crash/0"] == MAX_TOKENS - k
