@@ -587,6 +587,10 @@ class CheckpointFlow:
                     deadline=deadline.at.replace(microsecond=0),
                 )
             prepare_started = self._clock()
+            if phase in IN_FLIGHT and ckpt.status.started_at is not None:
+                # An operator restart (or an API outage) mid-checkpoint: admission closed when
+                # the first prepare began, so the pause counts from there, not from this run.
+                prepare_started = min(prepare_started, ckpt.status.started_at.timestamp())
             # A deadline that passed while the operator was down: a prepare that completed then
             # is replayed at once; one that did not gets one more second, then times out.
             prepare_deadline = max(deadline_ts, self._clock() + 1)

@@ -21,6 +21,7 @@ resumed (`/healthz` phase idle), and the episodes that were running all finish.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -144,19 +145,25 @@ async def test_operator_restarts_during_prepare_commit_and_restore(
             "-",
             input=json.dumps(example_checkpoint("during-prepare")),
         )
-        await restart_in_phase(
-            operator,
-            cluster,
-            lambda: wait_phase(http, agent, "preparing", "the agent to be preparing"),
-        )
+        paused_since: list[float] = []
+
+        async def agent_preparing() -> None:
+            await wait_phase(http, agent, "preparing", "the agent to be preparing")
+            paused_since.append(time.monotonic())
+
+        await restart_in_phase(operator, cluster, agent_preparing)
         preparing = await resources.checkpoint("during-prepare")
         assert preparing["status"]["phase"] == "Preparing"
         assert await hooks.release("tool", held) == 1
+        held_paused = time.monotonic() - paused_since[0]
         ckpt = await resources.wait_checkpoint(
             "during-prepare", "Ready or Failed", phase_is("Ready", "Failed"), 60
         )
         check_ready_checkpoint(ckpt, storage_dir)
         assert ckpt["status"]["episodes"] >= 1
+        # The reported pause covers the whole time admission was closed, across the restart
+        # (it once covered only the second operator's part).
+        assert ckpt["status"]["durations"]["pauseSeconds"] >= held_paused
         assert set((await phases(http, ready)).values()) == {"idle"}
 
         # --- during commit: the environment prepared, then stopped answering

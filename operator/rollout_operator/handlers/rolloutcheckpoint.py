@@ -28,6 +28,7 @@ import kopf
 from .. import metrics
 from ..api import GROUP, ROLLOUT_CHECKPOINT_PLURAL, VERSION, CheckpointPhase, RolloutCheckpoint
 from ..checkpointing import TERMINAL, CheckpointFlow
+from ..passloop import TRANSIENT
 from .rolloutset import wake
 from .runtime import kube_of
 
@@ -63,6 +64,7 @@ async def run_checkpoint(
     memo: kopf.Memo,
     logger: kopf.Logger,
     stopped: kopf.DaemonStopped,
+    retry: int,
     **_: Any,
 ) -> None:
     async def event(ckpt: RolloutCheckpoint, reason: str, message: str) -> None:
@@ -70,7 +72,8 @@ async def run_checkpoint(
         kopf.event(body, type=kind, reason=reason, message=message)
 
     flow = CheckpointFlow(kube_of(memo), on_transition=event)
-    phase: CheckpointPhase | None = None
+    phases: list[CheckpointPhase | None] = []
+    failures: list[Exception] = []
 
     def _aborts() -> bool:
         return _aborts_when(stopped)
@@ -82,11 +85,32 @@ async def run_checkpoint(
             if _aborts():
                 group.cancel_scope.cancel()
 
+        async def work() -> None:
+            try:
+                phases.append(
+                    await flow.run(namespace or "default", name, abort_when_cancelled=_aborts)
+                )
+            except Exception as error:  # raised below, outside the task group's wrapping
+                failures.append(error)
+            finally:
+                group.cancel_scope.cancel()
+
         group.start_soon(cancel_when_stopped)
-        phase = await flow.run(namespace or "default", name, abort_when_cancelled=_aborts)
-        group.cancel_scope.cancel()
-    if _aborts():
+        group.start_soon(work)
+    if failures:
+        if isinstance(failures[0], TRANSIENT):
+            # The API server restarting, the network: weather, not a bug. One line, then Kopf
+            # restarts the daemon after the delay and the flow continues from its phase.
+            delay = min(30.0, 2.0 ** min(retry + 1, 5))
+            error = failures[0]
+            raise kopf.TemporaryError(
+                f"checkpoint {name}: {type(error).__name__}: {error}; retrying in {delay:.0f}s",
+                delay=delay,
+            )
+        raise failures[0]
+    if _aborts() or not phases:
         return
+    phase = phases[0]
     logger.info("checkpoint %s ended %s", name, phase)
     ended = await metrics.checkpoint_ended(kube_of(memo), namespace or "default", name)
     if ended is not None and ended.status.phase is CheckpointPhase.READY:
