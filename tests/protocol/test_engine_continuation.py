@@ -333,6 +333,42 @@ async def test_seeded_sampling_continues_identically(engine: LlamaServer, tmp_pa
     assert remerging, "no seeded cut fell where BPE re-merges"
 
 
+async def test_seeded_stop_string_ends_the_generation(engine: LlamaServer, tmp_path: Path) -> None:
+    """A stop string in a seeded generation (one token per upstream request): llama-server
+    replies to the step whose token completes it with the text before it and no id; the relay
+    ends the generation there, as an uncut run without the stop string shows it should. The
+    stop strings are single characters: the engine sees one token per step, so a stop string
+    spread over several tokens is not caught (docs/servers.md)."""
+    body = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0.9, "seed": 11}
+    reference = await anyio.to_thread.run_sync(lambda: relay(tmp_path / "ref", engine))
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
+            whole = await completion(http, reference.url, body, "stop/0")
+    finally:
+        await anyio.to_thread.run_sync(reference.stop)
+    text = whole.text
+    # the first two letters met (for this model 's', inside the token ' s', then 'b', a token)
+    stops = [c for i, c in enumerate(text) if i >= 3 and c.isalpha() and c not in text[:i]]
+    assert stops, text
+    for n, stop in enumerate(stops[:2]):
+        server = await anyio.to_thread.run_sync(
+            functools.partial(relay, tmp_path / f"stop-{n}", engine)
+        )
+        try:
+            async with httpx.AsyncClient(timeout=60) as http:
+                reply = await http.post(
+                    server.url + "/v1/completions",
+                    json=body | {"stop": [stop]},
+                    headers={"X-Rollout-Request": "stop/0"},
+                )
+        finally:
+            await anyio.to_thread.run_sync(server.stop)
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        assert choice["text"] == text[: text.index(stop)], f"stop {stop!r} in {text!r}"
+        assert choice["finish_reason"] == "stop"
+
+
 @pytest.mark.parametrize("engine_lost", [False, True], ids=["relay-lost", "engine-lost-too"])
 async def test_cut_survives_a_crash_and_continues_under_the_next_attempt(
     engine: LlamaServer, tmp_path: Path, engine_lost: bool

@@ -469,7 +469,13 @@ class OpenAIBackend:
             text = str(choice.get("text") or "")
             step_ids, logprobs = _choice_tokens(choice, text)
             generated = (reply.get("usage") or {}).get("completion_tokens")
-            if isinstance(generated, int) and generated > len(step_ids or ()):
+            hidden = isinstance(generated, int) and generated > len(step_ids or ())
+            if choice.get("finish_reason") == "stop" and (hidden or step_ids is None):
+                # the token completed a stop string: llama.cpp replies with the text before
+                # it and no logprobs, so no id; the generation ends here
+                yield Piece(text, "stop", ids=None if text else ())
+                return
+            if hidden:
                 # llama.cpp reports no id (and no text) for a token that ends inside a UTF-8
                 # character: the step cannot be continued from ids, nor silently dropped
                 raise ProtocolError(
