@@ -17,6 +17,12 @@ Reads verify everything (names, digest, byte and record counts, schema) before r
 anything, because restore is all or nothing: a participant must be able to refuse a damaged
 checkpoint before it has installed a single record.
 
+The checkpoint directory is untrusted (anyone who can write the volume can put anything there),
+so reads never follow a symlink (the instance directory and the file are opened with
+`O_NOFOLLOW`), refuse anything but a regular file before reading a byte (a FIFO would block the
+reader, a device would never end), open without blocking (`O_NONBLOCK`), and read at most what
+the manifest declares (a manifest itself at most `MAX_MANIFEST_BYTES`).
+
 Removal (`remove_checkpoint_files`, `remove_set_files`) deletes only what this module writes
 (manifests, records files, their temporary files, and the directories that then are empty) and
 never follows a symlink: a file someone else put on the volume is left in place and reported,
@@ -55,6 +61,10 @@ CHECKPOINT_MANIFEST_NAME = "checkpoint.json"
 _RECORDS_NAME = re.compile(r"records-([0-9a-f]{64})\.jsonl")
 _TEMP_PREFIX = ".tmp-"
 MAX_SET_DIR_DEPTH = 3
+MAX_MANIFEST_BYTES = 64 * 1024
+"""A participant's manifest is a few hundred bytes; a larger file is not one."""
+MAX_CHECKPOINT_MANIFEST_BYTES = 16 * 1024 * 1024
+"""`checkpoint.json` lists every participant and the commit scope's rollout ids."""
 """`<namespace>/<set>/<uid>`: the deepest set directory (`set_storage_dir`)."""
 
 
@@ -341,22 +351,112 @@ def _manifest_bytes(manifest: Manifest | CheckpointManifest) -> bytes:
     return manifest.model_dump_json(indent=2).encode() + b"\n"
 
 
+# --- bounded reads of untrusted files --------------------------------------------------------
+
+_KINDS = {
+    stat.S_IFLNK: "a symlink",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFDIR: "a directory",
+}
+
+
+def _kind(mode: int) -> str:
+    return _KINDS.get(stat.S_IFMT(mode), "not a plain file")
+
+
+def _open_directory(directory: Path) -> int:
+    """Open `directory` itself without following a symlink (`FileNotFoundError` when absent)."""
+    try:
+        return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.ENOTDIR):
+            mode = _lstat_mode(directory)
+            raise RecordsInvalid(
+                f"{directory} is not a directory but {_kind(mode)}; refusing to follow it"
+            ) from error
+        raise StorageError("cannot open", directory, error) from error
+
+
+def _read_bounded(directory: Path, name: str, limit: int, *, exact: int | None = None) -> bytes:
+    """The content of the regular file `directory/name`, at most `limit` bytes.
+
+    Nothing is followed (neither `directory` nor the file may be a symlink), nothing but a
+    regular file is opened for reading, and no more than `limit + 1` bytes are ever read:
+    `RecordsInvalid` says what was found instead. With `exact`, the file must have exactly that
+    many bytes (the manifest's declared size). `FileNotFoundError` when either is absent."""
+    path = directory / name
+    dir_fd = _open_directory(directory)
+    try:
+        try:
+            mode = os.lstat(name, dir_fd=dir_fd).st_mode
+        except FileNotFoundError:
+            raise
+        except OSError as error:
+            raise StorageError("cannot inspect", path, error) from error
+        if not stat.S_ISREG(mode):
+            raise RecordsInvalid(f"{path} is not a regular file but {_kind(mode)}; not read")
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(name, flags, dir_fd=dir_fd)
+        except FileNotFoundError:
+            raise
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise RecordsInvalid(f"{path} is not a regular file but a symlink") from error
+            raise StorageError("cannot open", path, error) from error
+    finally:
+        os.close(dir_fd)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):  # replaced between the lstat and the open
+            raise RecordsInvalid(f"{path} is not a regular file but {_kind(info.st_mode)}")
+        _check_size(path, info.st_size, limit, exact)
+        chunks: list[bytes] = []
+        left = limit + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    except OSError as error:
+        raise StorageError("cannot read", path, error) from error
+    finally:
+        os.close(fd)
+    raw = b"".join(chunks)
+    _check_size(path, len(raw), limit, exact)
+    return raw
+
+
+def _check_size(path: Path, size: int, limit: int, exact: int | None) -> None:
+    if exact is not None and size != exact:
+        raise RecordsInvalid(f"records file {path} has {size} bytes, the manifest says {exact}")
+    if size > limit:
+        raise RecordsInvalid(f"{path} is larger than {limit} bytes; not read")
+
+
 def _existing_manifest(path: Path) -> Manifest | None:
     try:
-        return Manifest.model_validate_json(path.read_bytes())
-    except (OSError, ValidationError):
+        return Manifest.model_validate_json(
+            _read_bounded(path.parent, path.name, MAX_MANIFEST_BYTES)
+        )
+    except (OSError, ValidationError, RecordsInvalid, StorageError):
         return None
 
 
 def read_manifest(directory: Path) -> Manifest:
-    """The manifest in `directory`; `RecordsInvalid` when absent or malformed."""
+    """The manifest in `directory`; `RecordsInvalid` when absent, malformed, or not a regular
+    file of at most `MAX_MANIFEST_BYTES` (nothing is followed, see the module docstring)."""
     path = directory / MANIFEST_NAME
     try:
-        raw = path.read_bytes()
+        raw = _read_bounded(directory, MANIFEST_NAME, MAX_MANIFEST_BYTES)
     except FileNotFoundError as error:
         raise RecordsInvalid(f"no manifest at {path}: the commit never finished") from error
-    except OSError as error:
-        raise StorageError("cannot read", path, error) from error
     try:
         return Manifest.model_validate_json(raw)
     except ValidationError as error:
@@ -379,15 +479,9 @@ def read_records(directory: Path, *, expect_checkpoint_id: str) -> tuple[Manifes
         )
     path = directory / manifest.records_file
     try:
-        raw = path.read_bytes()
+        raw = _read_bounded(directory, manifest.records_file, manifest.bytes, exact=manifest.bytes)
     except FileNotFoundError as error:
         raise RecordsInvalid(f"records file {path} named by the manifest is missing") from error
-    except OSError as error:
-        raise StorageError("cannot read", path, error) from error
-    if len(raw) != manifest.bytes:
-        raise RecordsInvalid(
-            f"records file {path} has {len(raw)} bytes, the manifest says {manifest.bytes}"
-        )
     actual = hashlib.sha256(raw).hexdigest()
     if actual != manifest.records_sha256:
         raise RecordsInvalid(
@@ -440,8 +534,9 @@ def write_checkpoint_manifest(root: Path, manifest: CheckpointManifest) -> Path:
 
 def _existing_checkpoint_manifest(path: Path) -> CheckpointManifest | None:
     try:
-        return CheckpointManifest.model_validate_json(path.read_bytes())
-    except (OSError, ValidationError):
+        raw = _read_bounded(path.parent, path.name, MAX_CHECKPOINT_MANIFEST_BYTES)
+        return CheckpointManifest.model_validate_json(raw)
+    except (OSError, ValidationError, RecordsInvalid, StorageError):
         return None
 
 
@@ -449,14 +544,12 @@ def read_checkpoint_manifest(root: Path, set_name: str, checkpoint_id: str) -> C
     """A published checkpoint; `RecordsInvalid` when it was never published or is malformed."""
     path = checkpoint_base(root, set_name, checkpoint_id) / CHECKPOINT_MANIFEST_NAME
     try:
-        raw = path.read_bytes()
+        raw = _read_bounded(path.parent, path.name, MAX_CHECKPOINT_MANIFEST_BYTES)
     except FileNotFoundError as error:
         raise RecordsInvalid(
             f"checkpoint {checkpoint_id!r} of set {set_name!r} was never published "
             f"(no {path}); it must not be restored"
         ) from error
-    except OSError as error:
-        raise StorageError("cannot read", path, error) from error
     try:
         manifest = CheckpointManifest.model_validate_json(raw)
     except ValidationError as error:
