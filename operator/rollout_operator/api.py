@@ -55,6 +55,8 @@ ANNOTATION_LATEST_CHECKPOINT_TIME: Final = f"{GROUP}/latest-checkpoint-time"
 work done since: schedulers and people choosing a pod to preempt can prefer the newest time."""
 ANNOTATION_TEMPLATE_HASH: Final = f"{GROUP}/template-hash"
 """On every participant pod: the digest of its role's pod template (names what changed)."""
+ANNOTATION_RETRY_RECOVERY: Final = f"{GROUP}/retry-recovery"
+"""On a RolloutSet: set it to a new value to retry recovery after `RecoveryLimitReached`."""
 ANNOTATION_TRAINER_STEP: Final = f"{GROUP}/trainer-step"
 """On a RolloutSet: a trainer reports a trainer checkpoint at this step (DESIGN §3)."""
 
@@ -70,6 +72,8 @@ MAX_CHECKPOINT_NAME_LENGTH: Final = 128
 MAX_CONTAINERS: Final = 32
 MAX_PORTS: Final = 64
 MAX_KEPT_PODS: Final = 1024
+MAX_RECOVERY_STARTS: Final = 64
+"""Bound of the recovery start times a set keeps (more than any maxRestarts a window needs)."""
 """Bound of the pod lists a recovery records in status."""
 
 DNS_LABEL_PATTERN: Final = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
@@ -475,8 +479,16 @@ class RecoverySpec(ApiModel):
     max_restarts: int = Field(
         default=10,
         ge=0,
-        description="How many failed restore tries (across the set's life) before the set "
-        "stays Degraded.",
+        description="The bound on trouble: failed restore tries within one recovery, and "
+        "recoveries within windowSeconds. Past it the set stays Degraded (MaxRestartsExceeded, "
+        "RecoveryLimitReached) until the spec changes or the retry-recovery annotation does.",
+    )
+    window_seconds: int = Field(
+        default=3600,
+        ge=60,
+        description="The sliding window in which recoveries count against maxRestarts; "
+        "recoveries in it are also spaced out exponentially (5 s, 10 s, 20 s, ... at most 5 "
+        "minutes after the previous one).",
     )
     restore_timeout_seconds: int = Field(
         default=600,
@@ -659,6 +671,20 @@ class RecoveryStatus(StatusModel):
     )
 
 
+class RecoveryHold(StatusModel):
+    """Recovery stopped: the set lost participants too often (`RecoveryLimitReached`)."""
+
+    since: Timestamp = Field(description="When recovery stopped.")
+    message: str = Field(description="The last loss and the bound it crossed, for people.")
+    generation: int | None = Field(
+        default=None, description="The spec generation it stopped at; a spec change retries."
+    )
+    retry_token: str | None = Field(
+        default=None,
+        description="The retry-recovery annotation's value it stopped at; a new value retries.",
+    )
+
+
 class LastRecovery(StatusModel):
     """What the last finished recovery cost: the work it kept and the work it lost."""
 
@@ -750,6 +776,16 @@ class RolloutSetStatus(StatusModel):
     )
     last_recovery: LastRecovery | None = Field(
         default=None, description="What the last finished recovery kept and lost."
+    )
+    recovery_starts: list[Timestamp] = Field(
+        default_factory=list,
+        max_length=MAX_RECOVERY_STARTS,
+        description="When the most recent recoveries started (newest last): losses counted "
+        "against recovery.maxRestarts in a sliding window.",
+    )
+    recovery_hold: RecoveryHold | None = Field(
+        default=None,
+        description="Present while recovery is stopped after too many losses in the window.",
     )
     conditions: list[Condition] = Field(
         default_factory=list,

@@ -34,11 +34,14 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from rollout_protocol import Coordinator, ErrorCode, HttpParticipantClient
 
 from .api import (
+    ANNOTATION_RETRY_RECOVERY,
     LABEL_ATTEMPT,
+    MAX_RECOVERY_STARTS,
     CheckpointConditionType,
     CheckpointPhase,
     ConditionStatus,
     LastRecovery,
+    RecoveryHold,
     RecoveryPhase,
     RecoveryStatus,
     RestorePolicy,
@@ -46,7 +49,9 @@ from .api import (
     RolloutSet,
     SetConditionType,
     TargetLevel,
+    format_time,
 )
+from .churn import ChurnDecision, decide, kept_starts
 from .conditions import (
     ConditionUpdate,
     find_condition,
@@ -61,6 +66,7 @@ from .policyops import RESUMED_REASON, eviction_holds, repoint_latest
 from .resources import control_port, participant_url, set_selector
 from .setops import delete_attempt_pods, observe_pods, read_control_token, reconcile_pods
 from .setplan import Instance, PodView, attempt_instances
+from .setplan import Reason as SetReason
 from .watching import NoLongerHolds, while_holding
 
 logger = logging.getLogger(__name__)
@@ -92,6 +98,7 @@ class Reason:
     RESTARTS_EXHAUSTED: Final = "MaxRestartsExceeded"
     IN_PLACE_FALLBACK: Final = "InPlaceFallback"
     REPLACEMENT_LOST: Final = "ReplacementPodLost"
+    RECOVERY_LIMIT: Final = SetReason.RECOVERY_LIMIT
     CHECKPOINT_INVALID: Final = "CheckpointInvalid"
     """The restored checkpoint's records failed verification: the next try restores an older
     Ready checkpoint, or starts fresh."""
@@ -319,9 +326,15 @@ class RecoveryFlow:
             else "replacing every participant"
         )
         message = f"{loss.message}; {replacing} under attempt {attempt + 1}"
+        starts = kept_starts(
+            rset.status.recovery_starts,
+            now,
+            window_seconds=rset.spec.recovery.window_seconds,
+            bound=MAX_RECOVERY_STARTS,
+        )
         rset = await self._patch(
             rset,
-            {"recovery": _wire(recovery)},
+            {"recovery": _wire(recovery), "recoveryStarts": [format_time(t) for t in starts]},
             [
                 ConditionUpdate.of(SetConditionType.RECOVERING.value, True, loss.reason, message),
                 ConditionUpdate.of(SetConditionType.READY.value, False, loss.reason, message),
@@ -331,6 +344,53 @@ class RecoveryFlow:
         if self._on_transition is not None:
             await self._on_transition(rset, loss.reason, message, True)
         return rset
+
+    async def churn(self, rset: RolloutSet, loss: Loss) -> tuple[ChurnDecision, RolloutSet]:
+        """Whether this loss may start a recovery now (see `churn.decide`). Past the bound the
+        set is held: Degraded=True, RecoveryLimitReached, naming the loss (role, container,
+        exit code), until the spec or the retry-recovery annotation changes."""
+        token = rset.metadata.annotations.get(ANNOTATION_RETRY_RECOVERY)
+        hold = rset.status.recovery_hold
+        if hold is not None:
+            if hold.generation == rset.metadata.generation and hold.retry_token == token:
+                return ChurnDecision(recent=0, stop=hold.message), rset
+            logger.info(
+                "set %s: retrying recovery (spec or retry-recovery changed)", rset.metadata.name
+            )
+            rset = await self._patch(rset, {"recoveryHold": None, "recoveryStarts": []})
+        recovery = rset.spec.recovery
+        decision = decide(
+            rset.status.recovery_starts,
+            utcnow(),
+            max_restarts=recovery.max_restarts,
+            window_seconds=recovery.window_seconds,
+        )
+        if decision.stop is None:
+            return decision, rset
+        message = (
+            f"recovery stopped: {loss.message}; {decision.stop}. Fix the cause, then change the "
+            f"spec or run `kubectl annotate rset {rset.metadata.name} "
+            f"{ANNOTATION_RETRY_RECOVERY}=<new value> --overwrite` to retry"
+        )
+        hold = RecoveryHold(
+            since=utcnow(), message=message, generation=rset.metadata.generation, retry_token=token
+        )
+        rset = await self._patch(
+            rset,
+            {"recoveryHold": _wire(hold)},
+            [
+                ConditionUpdate.of(
+                    SetConditionType.DEGRADED.value, True, Reason.RECOVERY_LIMIT, message
+                ),
+                ConditionUpdate.of(
+                    SetConditionType.READY.value, False, Reason.RECOVERY_LIMIT, message
+                ),
+            ],
+        )
+        logger.warning("set %s: %s", rset.metadata.name, message)
+        if self._on_transition is not None:
+            await self._on_transition(rset, Reason.RECOVERY_LIMIT, message, True)
+        return decision, rset
 
     # --- the flow -------------------------------------------------------------------------------
 
@@ -827,20 +887,29 @@ class RecoveryFlow:
         )
 
 
+@dataclass(frozen=True)
+class RecoveryLook:
+    """What one look at a set did: ran a recovery, or asks to look again at `retry_at`."""
+
+    ran: bool
+    retry_at: datetime | None = None
+
+
 async def recover_if_needed(
     kube: Kube,
     namespace: str,
     name: str,
     *,
     on_transition: Callable[[RolloutSet, str, str, bool], Awaitable[None]] | None = None,
-) -> bool:
-    """One look at the set: continue a recovery, or start one when a participant was lost.
+) -> RecoveryLook:
+    """One look at the set: continue a recovery, or start one when a participant was lost
+    (unless the set lost participants too often: see `churn`).
 
-    Returns whether a recovery ran (the caller's reconcile pass then refreshes the rest).
+    Says whether a recovery ran, and when to look again when one has to wait its turn.
     """
     raw = await kube.get_set(namespace, name)
     if raw is None or (raw.get("metadata") or {}).get("deletionTimestamp"):
-        return False
+        return RecoveryLook(ran=False)
     rset = RolloutSet.model_validate(raw)
     flow = RecoveryFlow(kube, on_transition=on_transition)
     if rset.status.recovery is None:
@@ -849,19 +918,24 @@ async def recover_if_needed(
         held = await eviction_holds(kube, rset) if terminating else frozenset()
         loss = detect_loss(rset, pods, nodes_of, lost_nodes, held)
         if loss is None:
-            return False
+            return RecoveryLook(ran=False)
         # Read the set again after the pods: whoever deletes pods on purpose marks the set
         # first (a suspend writes Suspended=True, then deletes), so a deletion seen above is
         # always explained by this read, never taken for a loss from a stale one.
         raw = await kube.get_set(namespace, name)
         if raw is None:
-            return False
+            return RecoveryLook(ran=False)
         rset = RolloutSet.model_validate(raw)
         if rset.status.recovery is None:
             loss = detect_loss(rset, pods, nodes_of, lost_nodes, held)
             if loss is None:
-                return False
+                return RecoveryLook(ran=False)
+            decision, rset = await flow.churn(rset, loss)
+            if decision.stop is not None:
+                return RecoveryLook(ran=False)
+            if decision.not_before is not None:
+                return RecoveryLook(ran=False, retry_at=decision.not_before)
             logger.warning("set %s lost a participant: %s", name, loss.message)
             await flow.start(rset, loss)
     await flow.run(namespace, name)
-    return True
+    return RecoveryLook(ran=True)

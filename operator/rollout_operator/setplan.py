@@ -58,6 +58,8 @@ class Reason:
     AS_EXPECTED: Final = "AsExpected"
     ATTEMPT_READY: Final = "AttemptReady"
     DEADLINE_EXCEEDED: Final = "ProgressDeadlineExceeded"
+    RECOVERY_LIMIT: Final = "RecoveryLimitReached"
+    """Participants were lost too often: recovery stopped (`churn`)."""
 
 
 def _parse_time(value: object) -> datetime | None:
@@ -406,7 +408,10 @@ def set_conditions(
 
     # The most specific problem names the Degraded reason; Ready=False reuses it.
     problem: tuple[str, str] | None = None
-    if finished:
+    hold = rset.status.recovery_hold
+    if hold is not None:
+        problem = (Reason.RECOVERY_LIMIT, hold.message)
+    elif finished:
         problem = (
             Reason.FAILED,
             f"participant pods of attempt {attempt} ended: "

@@ -10,6 +10,7 @@ soon as the replacement is lost (reason ReplacementPodLost), instead of after
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from kubernetes_asyncio import client
 from operator_fixtures import (
     OperatorProcess,
     Resources,
+    condition,
     example_checkpoint,
     example_set,
     freeze,
@@ -108,3 +110,79 @@ async def test_a_replacement_lost_during_restoring_starts_the_next_try_at_once(
     lost = [e for e in events["items"] if e["reason"] == "ReplacementPodLost"]
     assert lost, sorted({e["reason"] for e in events["items"]})
     assert replacement in lost[0]["message"]
+
+
+def crash_looping_set(storage: Path) -> dict[str, Any]:
+    """One model server that turns Ready, then exits with code 3 a few seconds later, every
+    time: `timeout` ends it (`-s KILL` is not needed; the code names the failure)."""
+    server = [str(Path(sys.executable).parent / "rollout-server"), "model"]
+    container = {
+        "name": "model",
+        "image": "unused.invalid/model",
+        "command": ["python3", "-c", CRASH_AFTER_READY, *server],
+        "args": ["--host", "$(POD_IP)", "--port", "8000"],
+        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        "ports": [{"name": "control", "containerPort": 8000}],
+        "readinessProbe": {"httpGet": {"path": "/healthz", "port": "control"}, "periodSeconds": 1},
+    }
+    obj = example_set(storage, name="crashing")
+    obj["spec"]["participants"] = [
+        {"role": "model", "replicas": 1, "template": {"spec": {"containers": [container]}}}
+    ]
+    obj["spec"]["recovery"] = {"maxRestarts": 1, "windowSeconds": 600}
+    return obj
+
+
+CRASH_AFTER_READY = """
+import subprocess, sys, time
+server = subprocess.Popen(sys.argv[1:])
+time.sleep(4)  # the product under test: a server that dies seconds after it turned Ready
+server.kill()
+sys.exit(3)
+"""
+
+
+async def test_a_participant_that_keeps_crashing_stops_recovery_with_a_reason(
+    cluster: Cluster,
+    namespace: str,
+    operator: OperatorProcess,
+    resources: Resources,
+    storage_dir: Path,
+) -> None:
+    """maxRestarts 1: the first loss is recovered, the second too, the third stops recovery
+    (Degraded, RecoveryLimitReached, naming the container and its exit code) instead of
+    recovering without end; a new retry-recovery annotation value starts again."""
+    obj = crash_looping_set(storage_dir)
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj))
+
+    def held(o: dict[str, Any]) -> bool:
+        degraded = condition(o, "Degraded") or {}
+        return degraded.get("reason") == "RecoveryLimitReached"
+
+    stopped = await resources.wait_set("RecoveryLimitReached", held, 120, name="crashing")
+    message = (condition(stopped, "Degraded") or {})["message"]
+    assert "model-0" in message
+    assert "exited with code 3" in message
+    assert "exceed recovery.maxRestarts (1)" in message
+    assert not stopped["status"].get("recovery")
+    attempt = stopped["status"]["attempt"]
+    assert attempt == 3, "two recoveries ran (attempts 2 and 3), the third loss was held"
+    ready = condition(stopped, "Ready") or {}
+    assert ready.get("status") == "False"
+
+    cluster.kubectl(
+        "annotate",
+        "rset",
+        "crashing",
+        "-n",
+        namespace,
+        "checkpoint.rollout.dev/retry-recovery=1",
+        "--overwrite",
+    )
+    again = await resources.wait_set(
+        "a recovery under a new attempt",
+        lambda o: (o["status"].get("attempt") or 0) > attempt,
+        60,
+        name="crashing",
+    )
+    assert again["status"]["attempt"] > attempt

@@ -119,9 +119,12 @@ async def reconcile_loop(
     event.set()
 
     async def one_pass() -> Next:
-        await recover_if_needed(kube_of(memo), namespace, name, on_transition=_recovery_event)
+        look = await recover_if_needed(
+            kube_of(memo), namespace, name, on_transition=_recovery_event
+        )
         outcome = await reconcile_set(kube_of(memo), namespace, name)
-        return Next(again=outcome.conflict, at=outcome.recheck_at)
+        times = [t for t in (outcome.recheck_at, look.retry_at) if t is not None]
+        return Next(again=outcome.conflict, at=min(times) if times else None)
 
     def failed(error: Exception, delay: float) -> None:
         logger.warning("reconcile failed (%s); retrying in %.1fs", error, delay)
