@@ -28,7 +28,7 @@ replaced, the model pod kept). It prints the time from the kill to resumed and t
 generated again in each; the target is InPlace at least `--load-seconds` shorter.
 
     python bench/recovery.py [--episodes 48] [--seed 7] [--token-latency-ms 20]
-                             [--load-seconds 30] [--skip-policies]
+                             [--load-seconds 30] [--skip-policies | --only-policies]
 """
 
 from __future__ import annotations
@@ -251,18 +251,22 @@ def main() -> int:
     parser.add_argument(
         "--skip-policies", action="store_true", help="skip the Recreate/InPlace comparison"
     )
+    parser.add_argument(
+        "--only-policies", action="store_true", help="run only the Recreate/InPlace comparison"
+    )
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     started = time.monotonic()
     cluster = Cluster.start(root / "cluster")
     try:
         apply_crds(cluster)
-        turn, sibling = anyio.run(_both, cluster, root, args)
+        levels = None if args.only_policies else anyio.run(_both, cluster, root, args)
         policies = None if args.skip_policies else anyio.run(_policies, cluster, root, args)
     finally:
         cluster.stop()
-    for line in table(turn, sibling):
-        print(line)
+    if levels is not None:
+        for line in table(*levels):
+            print(line)
     if policies is not None:
         print()
         for line in policy_table(*policies, args.load_seconds):
