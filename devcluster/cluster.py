@@ -110,6 +110,15 @@ class Cluster:
             )
         return result
 
+    def restart(self, component: str, timeout: float = 60.0) -> int:
+        """Restart one control-plane process (`kube-apiserver`, ...) as an outage would;
+        returns once it serves again. See `controlplane.restart`."""
+        pid = controlplane.restart(self.dir, component, timeout)
+        fresh = read_state(self.layout.state_file)
+        if fresh is not None:
+            self.state = fresh
+        return pid
+
     def kill_pod(self, namespace: str, name: str, container: str | None = None) -> list[int]:
         return self.admin.kill_pod(namespace, name, container)
 

@@ -281,6 +281,52 @@ async def _wait_readyz(server: str, certs: pki.Pki, starter: _Starter, deadline:
             await anyio.sleep(0.2)
 
 
+def restart(root: Path, name: str, timeout: float = 60.0) -> int:
+    """Stop one control-plane process (SIGTERM, as a rolling restart would) and start it again
+    with the same command line and environment; returns the new pid once it serves again
+    (`/readyz` for kube-apiserver, running for the others). For tests of outages."""
+    layout = Layout(root.resolve())
+    state = read_state(layout.state_file)
+    if state is None:
+        raise DevclusterError(f"no devcluster state in {layout.root}")
+    record = next((p for p in state.processes if p.name == name and is_alive(p.pid)), None)
+    if record is None:
+        raise DevclusterError(f"{name} is not running in the devcluster in {layout.root}")
+    proc = Path(f"/proc/{record.pid}")
+    argv = [arg.decode() for arg in (proc / "cmdline").read_bytes().split(b"\0")[:-1]]
+    env = dict(
+        item.decode().split("=", 1)
+        for item in (proc / "environ").read_bytes().split(b"\0")
+        if b"=" in item
+    )
+    stop_groups([record.pid], grace_seconds=10.0)
+    child = spawn(argv, record.log, env, cwd=layout.root)
+    fresh = ProcessRecord(name=name, pid=child.pid, log=record.log)
+    processes = [fresh if p is record else p for p in state.processes]
+    write_state(layout.state_file, state.model_copy(update={"processes": processes}))
+    deadline = time.monotonic() + timeout
+    if name == "kube-apiserver":
+        anyio.run(_wait_serving, state.apiserver_url, layout.pki / "ca.crt", child, deadline)
+    return child.pid
+
+
+async def _wait_serving(
+    server: str, ca: Path, child: subprocess.Popen[bytes], deadline: float
+) -> None:
+    async with httpx.AsyncClient(verify=pki.ca_context(ca), timeout=2.0) as client:
+        while True:
+            if child.poll() is not None:
+                raise DevclusterError(f"kube-apiserver exited with code {child.returncode}")
+            try:
+                if (await client.get(f"{server}/readyz")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() >= deadline:
+                raise DevclusterError("kube-apiserver did not pass /readyz after its restart")
+            await anyio.sleep(0.2)
+
+
 def _etcd_args(binary: Path, layout: Layout, ports: Ports) -> list[str | Path]:
     client = f"http://127.0.0.1:{ports.etcd_client}"
     peer = f"http://127.0.0.1:{ports.etcd_peer}"

@@ -84,8 +84,8 @@ def mutated(change: str) -> dict[str, Any]:
         spec["participants"][0]["template"]["spec"]["restartPolicy"] = "Always"
     elif change == "storage path with ..":
         spec["storage"] = {"path": "/tmp/../etc", "volume": {"emptyDir": {}}}
-    elif change == "restorePolicy InPlace":
-        spec["recovery"] = {"restorePolicy": "InPlace"}
+    elif change == "unknown restorePolicy":
+        spec["recovery"] = {"restorePolicy": "Keep"}
     elif change == "name too long":
         obj["metadata"]["name"] = "s" * 51
     else:
@@ -103,7 +103,7 @@ BAD_SPECS = {
     "restartPolicy Always": api.RULE_RESTART_NEVER.message,
     "storage path with ..": api.RULE_STORAGE_PATH.message,
     "name too long": api.RULE_SET_NAME.message,
-    "restorePolicy InPlace": api.RULE_IN_PLACE_NOT_YET.message,
+    "unknown restorePolicy": 'Unsupported value: "Keep": supported values: "Recreate", "InPlace"',
 }
 
 
@@ -173,7 +173,8 @@ def test_short_names_category_and_printer_columns(crds: Cluster, namespace: str)
     }
     assert create(crds, namespace, checkpoint)[0] == 0
     sets = crds.kubectl("get", "rset", "-n", namespace).stdout.splitlines()
-    assert sets[0].split() == ["NAME", "READY", "ATTEMPT", "LATEST-CHECKPOINT", "AGE"]
+    header = ["NAME", "READY", "ATTEMPT", "LATEST-CHECKPOINT", "KEPT", "REPLACED", "AGE"]
+    assert sets[0].split() == header
     checkpoints = crds.kubectl("get", "rckpt", "-n", namespace).stdout.splitlines()
     assert checkpoints[0].split() == ["NAME", "READY", "SET", "TRIGGER", "EPISODES", "PAUSE", "AGE"]
     row = checkpoints[1].split()

@@ -1,0 +1,90 @@
+"""An API server outage is weather, not an error (issue 15, class 11).
+
+While a checkpoint waits in prepare (an episode held inside the agent's tool call), the
+kube-apiserver is restarted. The operator rides it out: no traceback in its log (connection
+errors are retried with one line each), the checkpoint becomes Ready once the episode parks,
+its reported pause covers the whole time the participants were paused, and every episode
+finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+from operator_fixtures import (
+    Debug,
+    OperatorProcess,
+    Resources,
+    example_checkpoint,
+    example_set,
+    is_true,
+    operator,
+    participants_by_role,
+    phase_is,
+    resources,
+    storage_dir,
+    wait_phase,
+)
+from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
+from rollout_servers.discovery import rollout_set_topology
+
+from devcluster.cluster import Cluster
+
+__all__ = ["operator", "resources", "storage_dir"]
+
+pytestmark = pytest.mark.e2e
+
+
+async def test_a_restarting_api_server_is_ridden_out(
+    cluster: Cluster,
+    namespace: str,
+    operator: OperatorProcess,
+    resources: Resources,
+    storage_dir: Path,
+) -> None:
+    rset = example_set(storage_dir, extra_args={"agent": ["--debug-hooks"]})
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(rset))
+    ready = await resources.wait_set("Ready", lambda o: is_true(o, "Ready"), 90)
+    agent = participants_by_role(ready)["agent"][0]
+    specs = episode_specs(4, 53)
+    held = specs[0].rollout_id
+    outcomes: list[EpisodeResult | EpisodeFailed] = []
+    async with (
+        httpx.AsyncClient() as http,
+        rollout_set_topology("math-rl", namespace, kubeconfig=cluster.kubeconfig) as topology,
+    ):
+        hooks = Debug(http, agent["address"])
+        await hooks.arm("tool", held)
+        client = RolloutClient(topology, concurrency=4, restore_timeout_s=120)
+        async with anyio.create_task_group() as group:
+
+            async def run_episodes() -> None:
+                outcomes.extend(await client.run_all(specs))
+
+            group.start_soon(run_episodes)
+            await hooks.paused("tool", held)
+            cluster.kubectl(
+                "apply", "-n", namespace, "-f", "-", input=json.dumps(example_checkpoint("calm"))
+            )
+            await wait_phase(http, agent["address"], "preparing", "the agent to be preparing")
+            paused_since = time.monotonic()
+            log_before = operator.log.read_text(errors="replace")
+
+            await anyio.to_thread.run_sync(cluster.restart, "kube-apiserver")
+            assert await hooks.release("tool", held) == 1
+            paused_for = time.monotonic() - paused_since
+            ckpt = await resources.wait_checkpoint(
+                "calm", "Ready or Failed", phase_is("Ready", "Failed"), 90
+            )
+    assert is_true(ckpt, "Ready"), ckpt["status"]
+    assert ckpt["status"]["durations"]["pauseSeconds"] >= paused_for
+    assert not [o for o in outcomes if isinstance(o, EpisodeFailed)], outcomes
+    assert len(outcomes) == len(specs)
+
+    during = operator.log.read_text(errors="replace")[len(log_before) :]
+    assert "Traceback" not in during, during[-4000:]
