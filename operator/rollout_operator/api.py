@@ -72,6 +72,16 @@ MAX_CHECKPOINT_NAME_LENGTH: Final = 128
 MAX_CONTAINERS: Final = 32
 MAX_PORTS: Final = 64
 MAX_KEPT_PODS: Final = 1024
+MAX_REPLICAS: Final = 1024
+"""The API's bound of `replicas` per role (the operator's own, lower limit is set at install:
+`--max-replicas-per-role`, the chart's `operator.maxReplicasPerRole`)."""
+MAX_INSTANCES: Final = MAX_REPLICAS * 4
+"""Bound of the per-instance lists in status (four roles of at most `MAX_REPLICAS`)."""
+MAX_SCOPE_EPISODES: Final = 10000
+"""Bound of a RolloutCheckpoint's `spec.episodes` (the commit scope)."""
+MAX_TEMPLATE_BYTES: Final = 256 * 1024
+"""The largest pod template (as JSON) the operator creates pods from; checked by the operator
+(no schema can bound an open object's size), condition Degraded, reason TemplateTooLarge."""
 MAX_RECOVERY_STARTS: Final = 64
 """Bound of the recovery start times a set keeps (more than any maxRestarts a window needs)."""
 """Bound of the pod lists a recovery records in status."""
@@ -366,8 +376,11 @@ class ParticipantSpec(ApiModel):
     replicas: int = Field(
         default=1,
         ge=1,
+        le=MAX_REPLICAS,
         description="How many instances of this role run. Each has a stable index; an "
-        "episode stays with one instance across attempts.",
+        "episode stays with one instance across attempts. At most 1024 in the API; the "
+        "operator's install sets a lower limit (default 256; condition Degraded, reason "
+        "ReplicasOverLimit).",
     )
     template: PodTemplate = Field(
         description="The pod template of every instance of this role (a PodTemplateSpec). "
@@ -769,7 +782,9 @@ class RolloutSetStatus(StatusModel):
         description="Total durations of the most recent Ready checkpoints (newest last).",
     )
     participants: list[ParticipantStatus] = Field(
-        default_factory=list, description="The participant pods and their addresses."
+        default_factory=list,
+        max_length=MAX_INSTANCES,
+        description="The participant pods and their addresses.",
     )
     recovery: RecoveryStatus | None = Field(
         default=None, description="Present while a recovery runs."
@@ -873,7 +888,9 @@ class RolloutCheckpointSpec(ApiModel):
     )
     episodes: list[RolloutIdStr] | None = Field(
         default=None,
-        description="Restrict the commit scope to these rollout ids (unset: every parked episode).",
+        max_length=MAX_SCOPE_EPISODES,
+        description="Restrict the commit scope to these rollout ids (unset: every parked "
+        "episode); at most 10000.",
         json_schema_extra={"x-kubernetes-list-type": "set"},
     )
 
@@ -961,7 +978,9 @@ class RolloutCheckpointStatus(StatusModel):
         default=None, ge=0, description="How many episodes were not parked at the deadline."
     )
     participants: list[CheckpointParticipant] = Field(
-        default_factory=list, description="Each participant's manifest and records."
+        default_factory=list,
+        max_length=MAX_INSTANCES,
+        description="Each participant's manifest and records.",
     )
     durations: CheckpointDurations | None = Field(
         default=None, description="How long the phases took."

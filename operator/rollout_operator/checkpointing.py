@@ -56,6 +56,7 @@ from .kube import Conflict, Kube, api_error_message
 from .policy import PrepareDeadline, TerminatingPod, eviction_prepare_deadline
 from .resources import set_selector
 from .setops import read_control_token
+from .statusrepair import repair_published_checkpoint
 from .watching import NoLongerHolds, while_holding
 
 logger = logging.getLogger(__name__)
@@ -386,6 +387,13 @@ class CheckpointFlow:
         if ckpt.status.phase in TERMINAL:
             return ckpt.status.phase
         in_flight = ckpt.status.phase in IN_FLIGHT
+        # A status reset by a user must never run a published checkpoint again (class 2).
+        if not in_flight and (repaired := await repair_published_checkpoint(self._kube, ckpt)):
+            status, repair = repaired
+            await self._write(ckpt, status)
+            if self._on_transition is not None:
+                await self._on_transition(ckpt, repair.reason, repair.message)
+            return ckpt.status.phase
         started = self._clock()
         if in_flight and ckpt.status.started_at is not None:
             started = min(started, ckpt.status.started_at.timestamp())

@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 import kopf
 from pydantic import ValidationError
 
-from .settings import RunOptions
+from .api import MAX_REPLICAS
+from .settings import DEFAULT_MAX_REPLICAS_PER_ROLE, RunOptions
 
 _ROUTINE: frozenset[str] = frozenset(
     {"Handler 'pod-event' succeeded.", "Handler 'observe' succeeded."}
@@ -80,6 +81,15 @@ def _parser() -> argparse.ArgumentParser:
         help="server-side timeout of watch requests (reconnects after it)",
     )
     run.add_argument("--worker-limit", type=int, metavar="N", help="at most N object workers")
+    run.add_argument(
+        "--max-replicas-per-role",
+        type=int,
+        default=DEFAULT_MAX_REPLICAS_PER_ROLE,
+        metavar="N",
+        help="refuse sets with more than N replicas of a role (condition Degraded, reason "
+        f"ReplicasOverLimit; default {DEFAULT_MAX_REPLICAS_PER_ROLE}, the API allows up to "
+        f"{MAX_REPLICAS})",
+    )
     verbosity = run.add_mutually_exclusive_group()
     verbosity.add_argument("-v", "--verbose", action="store_true", help="log more")
     verbosity.add_argument("--debug", action="store_true", help="log everything, incl. Kopf")
@@ -104,6 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             priority=args.priority,
             watch_timeout_seconds=args.watch_timeout_seconds,
             worker_limit=args.worker_limit,
+            max_replicas_per_role=args.max_replicas_per_role,
         )
     except ValidationError as error:
         print(f"rollout-operator: invalid options: {error}", file=sys.stderr)

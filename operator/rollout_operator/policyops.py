@@ -101,6 +101,9 @@ RESUMED_REASON: Final = "Resumed"
 """The recovery reason of a resume from suspend (it is not a loss)."""
 
 NoteSink = Callable[[RolloutSet, Note], Awaitable[None]]
+NOTES_LOGGED: Final = 1024
+"""How many distinct notes (by set, reason and message) are remembered as logged."""
+_logged_notes: dict[tuple[str, str, str, str], None] = {}
 Clock = Callable[[], datetime]
 
 
@@ -293,8 +296,15 @@ class PolicyPass:
         self._wake_set = wake_set
 
     async def _note(self, rset: RolloutSet, note: Note) -> None:
-        log = logger.warning if note.warning else logger.info
-        log("set %s: %s: %s", rset.metadata.name, note.reason, note.message)
+        # A pass repeats its notes until the cause goes (an invalid trainer-step annotation
+        # stays until someone fixes it): log each distinct one once.
+        key = (rset.metadata.namespace or "default", rset.metadata.name, note.reason, note.message)
+        if key not in _logged_notes:
+            _logged_notes[key] = None
+            while len(_logged_notes) > NOTES_LOGGED:
+                del _logged_notes[next(iter(_logged_notes))]
+            log = logger.warning if note.warning else logger.info
+            log("set %s: %s: %s", rset.metadata.name, note.reason, note.message)
         if self._on_note is not None:
             await self._on_note(rset, note)
 

@@ -41,6 +41,24 @@ from .api import (
 
 STORAGE_VOLUME_NAME: Final = "rollout-checkpoints"
 """The pod volume the operator adds for spec.storage; templates must not use this name."""
+
+
+def reserved_volume_notes(rset: RolloutSet) -> list[str]:
+    """A message for each role whose template has a volume (or a mount) named
+    `STORAGE_VOLUME_NAME`: the operator replaces it with the storage volume, so what the
+    template put there never reaches the pod (said in a Warning Event, not silently dropped)."""
+    notes = []
+    for participant in rset.spec.participants:
+        spec = participant.template.model_dump(by_alias=True, exclude_none=True)["spec"]
+        if any(v.get("name") == STORAGE_VOLUME_NAME for v in spec.get("volumes") or []):
+            notes.append(
+                f"the pod template of participant {participant.role.value} has a volume named "
+                f"{STORAGE_VOLUME_NAME!r}, a name the operator reserves for spec.storage: it "
+                "was replaced by the storage volume; rename the template's volume"
+            )
+    return notes
+
+
 TOKEN_KEY: Final = "token"
 """The key of the control token in the set's Secret."""
 MANAGED_BY: Final = "rollout-checkpoint-operator"

@@ -23,14 +23,23 @@ from typing import Any, Final
 
 from kubernetes_asyncio.client.exceptions import ApiException
 from pydantic import ValidationError
+from rollout_protocol import Role
 
-from .api import ParticipantStatus, RolloutSet, RolloutSetStatus, SetConditionType
+from .api import (
+    MAX_REPLICAS,
+    MAX_TEMPLATE_BYTES,
+    ParticipantStatus,
+    RolloutSet,
+    RolloutSetStatus,
+    SetConditionType,
+)
 from .conditions import ConditionUpdate, merge_conditions, utcnow
 from .kube import Conflict, Kube, api_error_message
 from .resources import (
     attempt_selector,
     control_token_secret,
     new_control_token,
+    reserved_volume_notes,
     role_service,
     secret_name,
     set_selector,
@@ -40,6 +49,8 @@ from .setplan import AttemptPlan, PodView, plan_attempt, set_conditions
 
 logger = logging.getLogger(__name__)
 
+RESERVED_VOLUME: Final = "ReservedVolumeReplaced"
+"""Event reason: a template volume used the storage volume's reserved name."""
 CLIENT_ERRORS: Final = frozenset({400, 403, 422})
 """API refusals caused by the spec (an invalid template, a quota): reported, not retried fast."""
 
@@ -169,12 +180,77 @@ async def delete_attempt_pods(
 # --- the reconcile pass -------------------------------------------------------------------------
 
 
+REFERENCE_SERVER: Final = "rollout-server"
+REFERENCE_NEEDS: Final[dict[Role, tuple[Role, ...]]] = {
+    Role.ENVIRONMENT: (Role.AGENT, Role.RESOURCES),
+    Role.AGENT: (Role.MODEL, Role.RESOURCES),
+}
+"""The roles each reference server (`rollout-server <role>`) calls: without them no episode
+can run. A custom server (examples/custom-environment) may call fewer (only the model)."""
+
+
+def _runs_reference(container: dict[str, Any], role: Role) -> bool:
+    argv = [str(a) for a in (container.get("command") or []) + (container.get("args") or [])]
+    return (
+        len(argv) >= 2 and argv[0].rsplit("/", 1)[-1] == REFERENCE_SERVER and argv[1] == role.value
+    )
+
+
+def missing_peers(rset: RolloutSet) -> SetBlocked | None:
+    """A reference server whose peers the set lacks (an environment without an agent would be
+    Ready while no episode can run); None when every reference server has its peers."""
+    roles = {p.role for p in rset.spec.participants}
+    for participant in rset.spec.participants:
+        needs = REFERENCE_NEEDS.get(participant.role, ())
+        containers = participant.template.model_dump(by_alias=True)["spec"]["containers"]
+        if not any(_runs_reference(c, participant.role) for c in containers):
+            continue
+        missing = [role.value for role in needs if role not in roles]
+        if missing:
+            return SetBlocked(
+                "MissingParticipant",
+                f"participant {participant.role.value} runs the reference server "
+                f"({REFERENCE_SERVER} {participant.role.value}), which calls "
+                f"{' and '.join(r.value for r in needs)}, but the set has no "
+                f"{' and no '.join(missing)}: no episode could run; add the missing roles (a "
+                "custom server that needs fewer peers is not checked)",
+            )
+    return None
+
+
+def spec_over_limits(rset: RolloutSet, max_replicas_per_role: int) -> SetBlocked | None:
+    """Why the operator refuses to create pods for this spec (None when it fits): more
+    replicas of a role than this install allows, or a pod template larger than
+    `MAX_TEMPLATE_BYTES` (no schema can bound the size of an open object)."""
+    for participant in rset.spec.participants:
+        role = participant.role.value
+        if participant.replicas > max_replicas_per_role:
+            return SetBlocked(
+                "ReplicasOverLimit",
+                f"participant {role} asks for {participant.replicas} replicas; this operator "
+                f"allows at most {max_replicas_per_role} per role (--max-replicas-per-role, "
+                "chart value operator.maxReplicasPerRole); no pod was created. Lower replicas "
+                "or raise the limit at install",
+            )
+        size = len(participant.template.model_dump_json(by_alias=True, exclude_none=True))
+        if size > MAX_TEMPLATE_BYTES:
+            return SetBlocked(
+                "TemplateTooLarge",
+                f"the pod template of participant {role} is {size} bytes as JSON, at most "
+                f"{MAX_TEMPLATE_BYTES}; no pod was created. Move large values into a "
+                "ConfigMap or Secret and mount it",
+            )
+    return None
+
+
 @dataclass(frozen=True)
 class ReconcileOutcome:
     recheck_at: datetime | None = None
     """Look again at this time even without events (a progress deadline)."""
     conflict: bool = False
     """The status write lost a race; reconcile again at once."""
+    warnings: tuple[tuple[str, str], ...] = ()
+    """(reason, message) of Warning Events to post once (the caller deduplicates)."""
 
 
 def _participants_wire(participants: list[ParticipantStatus]) -> list[dict[str, Any]]:
@@ -219,7 +295,12 @@ def _blocked_status(
 
 
 async def reconcile_set(
-    kube: Kube, namespace: str, name: str, *, now: datetime | None = None
+    kube: Kube,
+    namespace: str,
+    name: str,
+    *,
+    now: datetime | None = None,
+    max_replicas_per_role: int = MAX_REPLICAS,
 ) -> ReconcileOutcome:
     """One reconcile pass of a RolloutSet: token, Services, pods of the attempt, status."""
     obj = await kube.get_set(namespace, name)
@@ -239,7 +320,12 @@ async def reconcile_set(
     now = now or utcnow()
     status = rset.status
     attempt = status.attempt or 1
+    pods_created = status.created_attempt is not None and status.created_attempt >= attempt
     try:
+        if not pods_created and status.recovery is None:
+            over = spec_over_limits(rset, max_replicas_per_role) or missing_peers(rset)
+            if over is not None:
+                raise over
         await ensure_control_token(kube, rset)
         await ensure_services(kube, rset)
     except SetBlocked as blocked:
@@ -252,7 +338,6 @@ async def reconcile_set(
         shown = {"participants": _participants_wire(plan.participants)}
         return await _write_status(kube, obj, shown) or ReconcileOutcome()
 
-    pods_created = status.created_attempt is not None and status.created_attempt >= attempt
     if pods_created or rset.spec.suspend:
         outcome = PodsOutcome(plan_attempt(rset, attempt, pods))
     else:
@@ -273,4 +358,5 @@ async def reconcile_set(
     if plan.complete and not pods_created and not plan.stale:
         changes["createdAttempt"] = attempt
     written = await _write_status(kube, obj, changes)
-    return written or ReconcileOutcome(recheck_at=health.recheck_at)
+    warnings = tuple((RESERVED_VOLUME, note) for note in reserved_volume_notes(rset))
+    return written or ReconcileOutcome(recheck_at=health.recheck_at, warnings=warnings)

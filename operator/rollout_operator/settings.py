@@ -7,6 +7,10 @@ reason:
   marks they carry and another Kopf operator in the cluster never shares state with us;
 - handler progress and the diff-base in annotations only: our CRDs have structural status
   schemas, so anything Kopf wrote into status would be pruned (and it would clutter status);
+  the diff-base is compact (`CompactDiffBaseStorage`): a field whose JSON is larger than
+  `MAX_DIFFBASE_FIELD_BYTES` is kept as its digest, so an object with a large spec (a big pod
+  template) never needs more than the 256 KiB all annotations of an object may hold (issue 15,
+  class 3: every update and the deletion failed on such an object);
 - watch requests with a server-side timeout and a slightly longer client timeout, so a silently
   dead connection is noticed and re-established instead of hanging forever;
 - finite API request timeouts; events reported as `rollout-operator` with the pod name.
@@ -14,16 +18,61 @@ reason:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
-from typing import Final
+from collections.abc import Iterable
+from typing import Any, Final, cast
 
 import kopf
 from pydantic import BaseModel, ConfigDict, Field
 
-from .api import FINALIZER, GROUP
+from .api import FINALIZER, GROUP, MAX_REPLICAS
 
 DIFFBASE_KEY: Final = "last-handled-configuration"
+MAX_DIFFBASE_FIELD_BYTES: Final = 2048
+"""A field of the diff-base (a spec's top-level field, labels, annotations) larger than this as
+JSON is stored as its digest: a change still shows as a change, in a few bytes."""
+DEFAULT_MAX_REPLICAS_PER_ROLE: Final = 256
+"""The operator's default limit of `replicas` per role (the API allows up to `api.MAX_REPLICAS`;
+the chart's `operator.maxReplicasPerRole` sets it at install)."""
+
+
+def _digest(value: Any) -> dict[str, str]:
+    encoded = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    return {"sha256": hashlib.sha256(encoded.encode()).hexdigest()}
+
+
+def compact_essence(essence: dict[str, Any]) -> dict[str, Any]:
+    """The essence with every large field (two levels deep) replaced by its digest."""
+    compact: dict[str, Any] = {}
+    for key, value in essence.items():
+        if isinstance(value, dict):
+            compact[key] = {
+                inner: _digest(item)
+                if len(json.dumps(item, default=str)) > MAX_DIFFBASE_FIELD_BYTES
+                else item
+                for inner, item in value.items()
+            }
+        elif len(json.dumps(value, default=str)) > MAX_DIFFBASE_FIELD_BYTES:
+            compact[key] = _digest(value)
+        else:
+            compact[key] = value
+    return compact
+
+
+class CompactDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
+    """Kopf's annotation diff-base with large fields kept as digests (see the module docstring).
+
+    Kopf compares the stored essence with the one it builds from the object now, both built
+    here, so a changed large field differs in its digest and the change handlers still run."""
+
+    def build(
+        self, *, body: kopf.Body, extra_fields: Iterable[Any] | None = None
+    ) -> kopf.BodyEssence:
+        essence = super().build(body=body, extra_fields=extra_fields)
+        return cast(kopf.BodyEssence, compact_essence(cast(dict[str, Any], essence)))
 
 
 class RunOptions(BaseModel):
@@ -40,6 +89,7 @@ class RunOptions(BaseModel):
     watch_timeout_seconds: int = Field(default=300, ge=10)
     request_timeout_seconds: int = Field(default=60, ge=1)
     worker_limit: int | None = Field(default=None, ge=1)
+    max_replicas_per_role: int = Field(default=DEFAULT_MAX_REPLICAS_PER_ROLE, ge=1, le=MAX_REPLICAS)
 
     @property
     def standalone(self) -> bool:
@@ -50,7 +100,7 @@ def configure(settings: kopf.OperatorSettings, options: RunOptions) -> None:
     """Apply our settings to Kopf's (see the module docstring for why each one)."""
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP, v1=False)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+    settings.persistence.diffbase_storage = CompactDiffBaseStorage(
         prefix=GROUP, key=DIFFBASE_KEY, v1=False
     )
 

@@ -121,6 +121,26 @@ def test_default_values_render_a_cluster_wide_standalone_operator() -> None:
     assert main["resources"]["limits"]["memory"]
 
 
+def test_the_replicas_limit_is_set_at_install() -> None:
+    """`operator.maxReplicasPerRole` reaches the operator (issue 15, class 3); the schema keeps
+    it within the API's bound."""
+    args = container(render())["args"]
+    assert args[args.index("--max-replicas-per-role") + 1] == "256"
+    args = container(render({"operator.maxReplicasPerRole": "8"}))["args"]
+    assert args[args.index("--max-replicas-per-role") + 1] == "8"
+    result = helm(
+        "template",
+        "rel",
+        str(CHART),
+        "--kube-version",
+        KUBE_VERSION,
+        *sets({"operator.maxReplicasPerRole": "5000"}),
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "maxReplicasPerRole" in result.stderr, result.stderr
+
+
 def test_the_operator_runs_non_root_on_a_read_only_root_filesystem() -> None:
     docs = render()
     pod = only(docs, "Deployment")["spec"]["template"]["spec"]

@@ -23,8 +23,9 @@ from ..conditions import utcnow
 from ..passloop import STOP_BACKOFF_SECONDS, Next, PassLoop, Stopped
 from ..recovery import recover_if_needed
 from ..setops import reconcile_set
+from ..statusrepair import repair_set_attempt
 from .events import post_set_event
-from .runtime import kube_of
+from .runtime import kube_of, options_of
 
 RESYNC_SECONDS: Final = 30.0
 """Even without events, each set is looked at this often (a missed watch event heals)."""
@@ -118,11 +119,33 @@ async def reconcile_loop(
     waits = PassLoop(stopped, wake=event)
     event.set()
 
+    warned: set[tuple[str, str]] = set()
+    """Warning Events posted by this loop (each once while the set's loop runs)."""
+
     async def one_pass() -> Next:
-        look = await recover_if_needed(
-            kube_of(memo), namespace, name, on_transition=_recovery_event
+        kube = kube_of(memo)
+        # Status first: a recovery or a pass acting on an attempt no pod runs would start a
+        # second attempt beside the first (issue 15, class 2).
+        repaired = await repair_set_attempt(kube, namespace, name)
+        if repaired is not None:
+            raw = await kube.get_set(namespace, name)
+            if raw is not None:
+                post_set_event(
+                    RolloutSet.model_validate(raw), repaired.reason, repaired.message, warning=True
+                )
+        look = await recover_if_needed(kube, namespace, name, on_transition=_recovery_event)
+        outcome = await reconcile_set(
+            kube,
+            namespace,
+            name,
+            max_replicas_per_role=options_of(memo).max_replicas_per_role,
         )
-        outcome = await reconcile_set(kube_of(memo), namespace, name)
+        for reason, message in outcome.warnings:
+            if (reason, message) not in warned:
+                warned.add((reason, message))
+                raw = await kube.get_set(namespace, name)
+                if raw is not None:
+                    post_set_event(RolloutSet.model_validate(raw), reason, message, warning=True)
         times = [t for t in (outcome.recheck_at, look.retry_at) if t is not None]
         return Next(again=outcome.conflict, at=min(times) if times else None)
 

@@ -1,0 +1,216 @@
+"""Status is the operator's memory, and users can write it (issue 15, class 2).
+
+`kubectl patch --subresource=status` (or any client with `patch` on the status subresource) can
+write anything the schema allows. The operator never takes such a write as an instruction: where
+status contradicts what the cluster shows, the cluster wins, status is repaired, and an Event
+(reason `StatusRepaired`) says what was written back and why.
+
+- `repair_set_attempt`: a set without a recovery runs exactly one attempt, the one its live pods
+  carry in their attempt label. A `status.attempt` (or a `createdAttempt` below it) that says
+  otherwise would make the reconciler create the pods of a second attempt beside the running one,
+  or the recovery take the running pods' attempt for lost: it is written back from the pods.
+- `repair_published_checkpoint`: a RolloutCheckpoint whose phase was reset (unset, Pending or
+  Queued) but whose manifests are on storage, one for every participant instance of its set,
+  all for this checkpoint and written after the object was created, was published: it is Ready
+  again with those manifests, never prepared again (the participants would refuse the stale id,
+  the checkpoint would end Failed and retention would remove the records of a restorable
+  checkpoint). When the operator cannot see the volume, the set's `latestCheckpoint` naming it
+  is the proof instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final
+
+from pydantic import ValidationError
+from rollout_protocol import Manifest, checkpoint_base, read_manifest
+from rollout_protocol._storage import RecordsInvalid
+
+from .api import (
+    LABEL_ATTEMPT,
+    CheckpointConditionType,
+    CheckpointParticipant,
+    CheckpointPhase,
+    RolloutCheckpoint,
+    RolloutCheckpointStatus,
+    RolloutSet,
+)
+from .conditions import set_condition
+from .kube import Conflict, Kube
+from .policyops import StorageLocator
+from .resources import set_dir
+from .setops import observe_pods
+
+logger = logging.getLogger(__name__)
+
+REPAIRED: Final = "StatusRepaired"
+"""Event and condition reason: status contradicted the cluster and was written back."""
+NOT_AN_INTERFACE: Final = (
+    "status is the operator's record, not a user interface: do not write it (kubectl patch "
+    "--subresource=status); change spec, or create a RolloutCheckpoint, instead"
+)
+RESET_PHASES: Final = frozenset({None, CheckpointPhase.PENDING, CheckpointPhase.QUEUED})
+"""Phases of a checkpoint that has not started (or whose status was reset)."""
+
+
+@dataclass(frozen=True)
+class Repair:
+    """What was written back, for the Event."""
+
+    reason: str
+    message: str
+
+
+async def repair_set_attempt(kube: Kube, namespace: str, name: str) -> Repair | None:
+    """Write back the attempt the set's live pods run when status says another one.
+
+    Only while no recovery runs (a recovery moves pods between attempts on purpose). A set
+    without live pods (new, suspended, every pod lost) shows no attempt; status stands."""
+    raw = await kube.get_set(namespace, name)
+    if raw is None or (raw.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    try:
+        rset = RolloutSet.model_validate(raw)
+    except ValidationError:
+        return None  # the reconciler reports an invalid spec
+    status = rset.status
+    if status.recovery is not None:
+        return None
+    running = {pod.attempt for pod in await observe_pods(kube, namespace, name) if pod.live}
+    if not running:
+        return None
+    attempt = max(running)
+    shown = status.attempt or 1
+    patch: dict[str, Any] = {}
+    if shown != attempt:
+        patch["attempt"] = attempt
+    # An attempt above 1 was brought up by a finished recovery, which wrote createdAttempt.
+    if attempt > 1 and (status.created_attempt or 0) < attempt:
+        patch["createdAttempt"] = attempt
+    if not patch:
+        return None
+    try:
+        await kube.patch_set_status(
+            namespace, name, patch, resource_version=rset.metadata.resource_version
+        )
+    except Conflict:
+        return None  # someone wrote meanwhile; the next pass looks again
+    written = ", ".join(f"{key} {value}" for key, value in sorted(patch.items()))
+    message = (
+        f"status said attempt {status.attempt} (createdAttempt {status.created_attempt}), but "
+        f"the set's running pods carry {LABEL_ATTEMPT}={attempt}: wrote back {written} from the "
+        f"pods; {NOT_AN_INTERFACE}"
+    )
+    logger.warning("RolloutSet %s/%s: %s", namespace, name, message)
+    return Repair(REPAIRED, message)
+
+
+def _creation(raw: dict[str, Any]) -> datetime | None:
+    stamp = (raw.get("metadata") or {}).get("creationTimestamp")
+    if not isinstance(stamp, str):
+        return None
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+
+
+def published_manifests(
+    root: Path, rset: RolloutSet, checkpoint: str, created: datetime | None
+) -> dict[str, tuple[Path, Manifest]] | None:
+    """Every participant instance's manifest of `checkpoint` on the volume at `root`, or None
+    unless all are there, for this checkpoint, of one attempt, and (when `created` is known)
+    written after the object was created (records a same-named earlier object left behind
+    prove nothing about this one)."""
+    try:
+        base = checkpoint_base(root, set_dir(rset), checkpoint)
+    except ValueError:  # an unsafe path (UnsafePath) or a set without uid
+        return None
+    found: dict[str, tuple[Path, Manifest]] = {}
+    for participant in rset.spec.participants:
+        for index in range(participant.replicas):
+            instance = f"{participant.role.value}-{index}"
+            folder = base / instance
+            path = folder / "manifest.json"
+            try:
+                if folder.is_symlink() or path.is_symlink() or not path.is_file():
+                    return None
+                manifest = read_manifest(folder)
+                written = datetime.fromtimestamp(os.lstat(path).st_mtime, UTC)
+            except (RecordsInvalid, OSError):
+                return None
+            if manifest.checkpoint_id != checkpoint or manifest.instance != instance:
+                return None
+            if created is not None and written < created:
+                return None
+            found[instance] = (path, manifest)
+    if len({manifest.attempt for _, manifest in found.values()}) != 1:
+        return None
+    return found
+
+
+async def repair_published_checkpoint(
+    kube: Kube, ckpt: RolloutCheckpoint, *, locator: StorageLocator | None = None
+) -> tuple[RolloutCheckpointStatus, Repair] | None:
+    """The Ready status of a checkpoint that was published but whose status was reset, or None
+    (then the checkpoint has not run, and runs)."""
+    if ckpt.status.phase not in RESET_PHASES:
+        return None
+    namespace = ckpt.metadata.namespace or "default"
+    name = ckpt.metadata.name
+    raw_set = await kube.get_set(namespace, ckpt.spec.rollout_set)
+    raw_ckpt = await kube.get_checkpoint(namespace, name)
+    if raw_set is None or raw_ckpt is None:
+        return None
+    try:
+        rset = RolloutSet.model_validate(raw_set)
+    except ValidationError:
+        return None
+    root = (locator or StorageLocator.from_env()).root(namespace, rset.spec.storage)
+    status = ckpt.status.model_copy()
+    if root is not None:
+        manifests = published_manifests(root, rset, name, _creation(raw_ckpt))
+        if manifests is None:
+            return None
+        status.participants = [
+            CheckpointParticipant(
+                instance=instance,
+                manifest=str(path.relative_to(root)),
+                records_sha256=manifest.records_sha256,
+                record_count=manifest.record_count,
+                bytes=manifest.bytes,
+            )
+            for instance, (path, manifest) in sorted(manifests.items())
+        ]
+        status.attempt = next(iter(manifests.values()))[1].attempt
+        newest = max(os.lstat(path).st_mtime for path, _ in manifests.values())
+        status.completed_at = status.completed_at or datetime.fromtimestamp(newest, UTC)
+        proof = f"its {len(manifests)} participant manifests are on storage"
+    elif rset.status.latest_checkpoint == name:
+        proof = f"set {rset.metadata.name} names it as its latest Ready checkpoint"
+        status.completed_at = status.completed_at or rset.status.latest_checkpoint_time
+    else:
+        return None
+    message = (
+        f"status was reset (phase {ckpt.status.phase or 'unset'}) but the checkpoint was "
+        f"published: {proof}; repaired to Ready, not run again; {NOT_AN_INTERFACE}"
+    )
+    status.phase = CheckpointPhase.READY
+    status.observed_generation = ckpt.metadata.generation
+    for type_, value in (
+        (CheckpointConditionType.COMMITTED, True),
+        (CheckpointConditionType.READY, True),
+        (CheckpointConditionType.FAILED, False),
+    ):
+        status.conditions = set_condition(
+            status.conditions,
+            type_.value,
+            value,
+            REPAIRED,
+            message,
+            observed_generation=ckpt.metadata.generation,
+        )
+    logger.warning("RolloutCheckpoint %s/%s: %s", namespace, name, message)
+    return status, Repair(REPAIRED, message)
