@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ssl
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -110,10 +110,15 @@ class Cluster:
             )
         return result
 
-    def restart(self, component: str, timeout: float = 60.0) -> int:
+    def restart(
+        self,
+        component: str,
+        timeout: float = 60.0,
+        while_down: Callable[[], None] | None = None,
+    ) -> int:
         """Restart one control-plane process (`kube-apiserver`, ...) as an outage would;
         returns once it serves again. See `controlplane.restart`."""
-        pid = controlplane.restart(self.dir, component, timeout)
+        pid = controlplane.restart(self.dir, component, timeout, while_down)
         fresh = read_state(self.layout.state_file)
         if fresh is not None:
             self.state = fresh

@@ -281,10 +281,16 @@ async def _wait_readyz(server: str, certs: pki.Pki, starter: _Starter, deadline:
             await anyio.sleep(0.2)
 
 
-def restart(root: Path, name: str, timeout: float = 60.0) -> int:
+def restart(
+    root: Path,
+    name: str,
+    timeout: float = 60.0,
+    while_down: Callable[[], None] | None = None,
+) -> int:
     """Stop one control-plane process (SIGTERM, as a rolling restart would) and start it again
     with the same command line and environment; returns the new pid once it serves again
-    (`/readyz` for kube-apiserver, running for the others). For tests of outages."""
+    (`/readyz` for kube-apiserver, running for the others). `while_down` runs in between (an
+    outage as long as it takes). For tests of outages."""
     layout = Layout(root.resolve())
     state = read_state(layout.state_file)
     if state is None:
@@ -300,6 +306,8 @@ def restart(root: Path, name: str, timeout: float = 60.0) -> int:
         if b"=" in item
     )
     stop_groups([record.pid], grace_seconds=10.0)
+    if while_down is not None:
+        while_down()
     child = spawn(argv, record.log, env, cwd=layout.root)
     fresh = ProcessRecord(name=name, pid=child.pid, log=record.log)
     processes = [fresh if p is record else p for p in state.processes]

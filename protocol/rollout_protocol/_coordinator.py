@@ -623,7 +623,7 @@ class Coordinator:
                     )
                 published = str(path)
                 self._progress(f"published {path}")
-            resumed = await self._resume_now(checkpoint_id)
+            resumed = await self._resume_now(checkpoint_id, aborting=False)
             reason = "Published" if published is not None else "Committed"
             message = (
                 f"{len(commit.scope or [])} episodes in {commit.record_count} records "
@@ -638,9 +638,13 @@ class Coordinator:
                     await self.resume(checkpoint_id, self._clock() + self._call_timeout)
             raise
 
-    async def _resume_now(self, checkpoint_id: str) -> ResumeOutcome:
+    async def _resume_now(self, checkpoint_id: str, *, aborting: bool = True) -> ResumeOutcome:
+        """Resume, shielded: in RESUME_ORDER after a published checkpoint, all at once when
+        aborting one (`abort`)."""
+        deadline = self._clock() + self._call_timeout
+        step = self.abort if aborting else self.resume
         with anyio.CancelScope(shield=True):
-            outcome = await self.abort(checkpoint_id, self._clock() + self._call_timeout)
+            outcome = await step(checkpoint_id, deadline)
         return outcome
 
     def _result(

@@ -1,10 +1,11 @@
 """An API server outage is weather, not an error (issue 15, class 11).
 
 While a checkpoint waits in prepare (an episode held inside the agent's tool call), the
-kube-apiserver is restarted. The operator rides it out: no traceback in its log (connection
-errors are retried with one line each), the checkpoint becomes Ready once the episode parks,
-its reported pause covers the whole time the participants were paused, and every episode
-finishes.
+kube-apiserver is stopped; the episode is released while it is down, so the checkpoint flow
+has to persist its next phase and cannot. Once the flow has noticed, the API server starts
+again. The operator rides it out: no traceback in its log (connection errors are retried with
+one line each), the checkpoint becomes Ready, its reported pause covers the whole time the
+participants were paused, and every episode finishes.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, 
 from rollout_servers.discovery import rollout_set_topology
 
 from devcluster.cluster import Cluster
+from devcluster.waiting import wait_for_sync
 
 __all__ = ["operator", "resources", "storage_dir"]
 
@@ -75,8 +77,25 @@ async def test_a_restarting_api_server_is_ridden_out(
             paused_since = time.monotonic()
             log_before = operator.log.read_text(errors="replace")
 
-            await anyio.to_thread.run_sync(cluster.restart, "kube-apiserver")
-            assert await hooks.release("tool", held) == 1
+            def outage() -> None:
+                """The API server is down: let the episode park, and wait until the flow
+                tried to go on (its next status write failed)."""
+                with httpx.Client(timeout=10) as sync:
+                    reply = sync.post(
+                        agent["address"] + "/debug/release",
+                        json={"point": "tool", "rollout_id": held},
+                    )
+                    assert reply.json() == {"released": 1}
+
+                def noticed() -> bool:
+                    text = operator.log.read_text(errors="replace")[len(log_before) :]
+                    return "Traceback" in text or "failed temporarily" in text
+
+                wait_for_sync(noticed, 60, "the checkpoint flow to hit the outage", interval=0.2)
+
+            await anyio.to_thread.run_sync(
+                lambda: cluster.restart("kube-apiserver", while_down=outage)
+            )
             paused_for = time.monotonic() - paused_since
             ckpt = await resources.wait_checkpoint(
                 "calm", "Ready or Failed", phase_is("Ready", "Failed"), 90
