@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 import pytest
+from kubernetes_asyncio import client
 from rollout_protocol import read_manifest
 from rollout_servers.client import EpisodeFailed, EpisodeResult, EpisodeSpec
 
@@ -80,6 +81,7 @@ __all__ = [
     "storage_dir",
     "thaw",
     "wait_phase",
+    "wait_pod_ready",
 ]
 
 
@@ -247,6 +249,24 @@ async def wait_phase(
         return bool(reply.json()["phase"] == phase)
 
     await wait_for(check, limit_s, what, interval=0.05, ignore=(httpx.HTTPError,))
+
+
+async def wait_pod_ready(resources: Resources, pod: str, limit_s: float) -> None:
+    """Return as soon as the pod reports Ready (polled every 50 ms: a test may need to act on
+    it before the operator does, e.g. freeze it before a restore)."""
+
+    async def ready() -> bool:
+        found = await resources.core.read_namespaced_pod(pod, resources.namespace)
+        conditions = {c.type: c.status for c in found.status.conditions or []}
+        return conditions.get("Ready") == "True"
+
+    await wait_for(
+        ready,
+        limit_s,
+        f"pod {pod} Ready",
+        interval=0.05,
+        ignore=(client.ApiException, AttributeError),
+    )
 
 
 # --- the operator's /metrics ----------------------------------------------------------------

@@ -28,7 +28,6 @@ from typing import Any
 
 import anyio
 import httpx
-from kubernetes_asyncio import client
 from operator_fixtures import (
     Debug,
     OperatorProcess,
@@ -47,13 +46,13 @@ from operator_fixtures import (
     storage_dir,
     thaw,
     wait_phase,
+    wait_pod_ready,
 )
 from rollout_protocol import read_manifest
 from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
 from rollout_servers.discovery import RolloutSetTopology, rollout_set_topology
 
 from devcluster.cluster import Cluster
-from devcluster.testing import wait_for
 
 __all__ = ["operator", "resources", "storage_dir"]
 
@@ -208,18 +207,7 @@ async def test_operator_restarts_during_prepare_commit_and_restore(
         await cluster.admin.kill_pod_async(namespace, model["pod"])
         replacement = "math-rl-model-0-a2"
 
-        async def replacement_ready() -> bool:
-            pod = await resources.core.read_namespaced_pod(replacement, namespace)
-            conditions = {c.type: c.status for c in pod.status.conditions or []}
-            return conditions.get("Ready") == "True"
-
-        await wait_for(
-            replacement_ready,
-            60,
-            f"pod {replacement} Ready",
-            interval=0.05,
-            ignore=(client.ApiException, AttributeError),
-        )
+        await wait_pod_ready(resources, replacement, 60)
         frozen = pod_pids(cluster, namespace, replacement)
         freeze(frozen)
         try:

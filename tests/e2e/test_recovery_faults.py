@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes_asyncio import client
 from operator_fixtures import (
     OperatorProcess,
     Resources,
@@ -31,10 +30,10 @@ from operator_fixtures import (
     resources,
     storage_dir,
     thaw,
+    wait_pod_ready,
 )
 
 from devcluster.cluster import Cluster
-from devcluster.waiting import wait_for
 
 __all__ = ["operator", "resources", "storage_dir"]
 
@@ -76,18 +75,7 @@ async def test_a_replacement_lost_during_restoring_starts_the_next_try_at_once(
     assert await cluster.admin.kill_pod_async(namespace, model["pod"])
     replacement = "math-rl-model-0-a2"
 
-    async def replacement_ready() -> bool:
-        pod = await resources.core.read_namespaced_pod(replacement, namespace)
-        conditions = {c.type: c.status for c in pod.status.conditions or []}
-        return conditions.get("Ready") == "True"
-
-    await wait_for(
-        replacement_ready,
-        60,
-        f"pod {replacement} Ready",
-        interval=0.05,
-        ignore=(client.ApiException, AttributeError),
-    )
+    await wait_pod_ready(resources, replacement, 60)
     frozen = pod_pids(cluster, namespace, replacement)
     freeze(frozen)
     try:
