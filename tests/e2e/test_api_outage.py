@@ -39,7 +39,7 @@ from devcluster.waiting import wait_for_sync
 
 __all__ = ["operator", "resources", "storage_dir"]
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.adversarial]  # fault timings: issue 15
 
 
 async def test_a_restarting_api_server_is_ridden_out(

@@ -44,7 +44,7 @@ from devcluster.waiting import wait_for
 
 __all__ = ["operator", "resources", "storage_dir"]
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.adversarial]  # fault timings: issue 15
 
 LEASE_GRACE_S = 30
 """The participants' default lease grace: an abandoned prepare would pause them this long past

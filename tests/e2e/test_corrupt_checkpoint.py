@@ -38,7 +38,7 @@ from devcluster.cluster import Cluster
 
 __all__ = ["operator", "resources", "storage_dir"]
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.adversarial]  # fault timings: issue 15
 
 EPISODES = 8
 SEED = 31

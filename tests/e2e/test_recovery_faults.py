@@ -37,7 +37,7 @@ from devcluster.cluster import Cluster
 
 __all__ = ["operator", "resources", "storage_dir"]
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.adversarial]  # fault timings: issue 15
 
 RESTORE_TIMEOUT_S = 150
 """A try that waited out its deadline would take this long; every wait below is far shorter."""
