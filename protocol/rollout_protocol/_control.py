@@ -692,9 +692,12 @@ class ControlPlane:
                 self._collector.release()
 
     async def aclose(self) -> None:
-        """Stop the watchdog; an open checkpoint is left as is (its coordinator will resume it)."""
+        """Stop the watchdog; an open checkpoint is left as is (its coordinator will resume it).
+        The garbage collector is given back: it is process-wide, and this plane no longer
+        pauses anything."""
         if self._watchdog_scope is not None:
             self._watchdog_scope.cancel()
+        self._collector.release()
 
     def status(self) -> StatusReply:
         counts = self._participant.counts()

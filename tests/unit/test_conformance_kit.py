@@ -252,6 +252,9 @@ class NoLeaseWatchdog(Conforming):
 
     def mount(self, app: FastAPI) -> None:
         app.include_router(self.plane.router)
+        # No watchdog, but a clean stop: a plane left prepared would keep the process-wide
+        # garbage collector off for every later test.
+        app.router.on_shutdown.append(self.plane.aclose)
 
         async def refused(request: Request, error: Exception) -> Response:
             assert isinstance(error, ProtocolError)

@@ -7,7 +7,6 @@ uses set names of its own and reads values back through the registry, as a scrap
 from __future__ import annotations
 
 import secrets
-from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -160,7 +159,7 @@ async def test_checkpoint_ended_reads_the_final_status_and_records_it() -> None:
         name, "Ready", episodes=2, durations={"totalSeconds": 3.0, "pauseSeconds": 0.1}
     )
     custom = _Custom(ready.model_dump(mode="json", by_alias=True, exclude_none=True))
-    kube = cast(Kube, SimpleNamespace(custom=custom))
+    kube = Kube(api=cast(Any, None), core=cast(Any, None), custom=cast(Any, custom))
     ended = await metrics.checkpoint_ended(kube, NAMESPACE, ready.metadata.name)
     assert ended is not None
     assert ended.status.episodes == 2
@@ -169,7 +168,7 @@ async def test_checkpoint_ended_reads_the_final_status_and_records_it() -> None:
     ]
     labels = {"namespace": NAMESPACE, "set": name, "trigger": "Manual", "outcome": "Ready"}
     assert value("rollout_checkpoint_duration_seconds_sum", **labels) == 3.0
-    gone = cast(Kube, SimpleNamespace(custom=_Custom(None)))
+    gone = Kube(api=cast(Any, None), core=cast(Any, None), custom=cast(Any, _Custom(None)))
     assert await metrics.checkpoint_ended(gone, NAMESPACE, "deleted") is None
 
 
