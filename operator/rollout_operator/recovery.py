@@ -226,6 +226,15 @@ class InPlaceRefused(Exception):
     """An InPlace recovery cannot keep its survivors safely; the try falls back to Recreate."""
 
 
+def phase_seconds_until(recovery: RecoveryStatus, now: datetime) -> dict[str, float]:
+    """Seconds spent per phase, counting the current phase up to `now`."""
+    spent = dict(recovery.phase_seconds)
+    began = recovery.phase_started_at or recovery.started_at
+    current = recovery.phase.value
+    spent[current] = round(spent.get(current, 0.0) + max(0.0, (now - began).total_seconds()), 3)
+    return spent
+
+
 def _wire(model: Any) -> Any:
     return model.model_dump(mode="json", by_alias=True, exclude_none=True)
 
@@ -284,11 +293,7 @@ class RecoveryFlow:
         recovery = rset.status.recovery
         assert recovery is not None
         now = utcnow()
-        spent = dict(recovery.phase_seconds)
-        began = recovery.phase_started_at or recovery.started_at
-        spent[recovery.phase.value] = round(
-            spent.get(recovery.phase.value, 0.0) + max(0.0, (now - began).total_seconds()), 3
-        )
+        spent = phase_seconds_until(recovery, now)
         updated = recovery.model_copy(
             update={"phase": phase, "phase_seconds": spent, "phase_started_at": now, **fields}
         )
@@ -777,11 +782,7 @@ class RecoveryFlow:
         self, rset: RolloutSet, recovery: RecoveryStatus, now: datetime
     ) -> LastRecovery:
         """What this recovery kept and lost, for status, the printer columns and metrics."""
-        spent = dict(recovery.phase_seconds)
-        began = recovery.phase_started_at or recovery.started_at
-        spent[recovery.phase.value] = round(
-            spent.get(recovery.phase.value, 0.0) + max(0.0, (now - began).total_seconds()), 3
-        )
+        spent = phase_seconds_until(recovery, now)
         age: float | None = None
         restarted = 0
         if recovery.checkpoint is not None:
