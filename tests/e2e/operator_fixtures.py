@@ -28,11 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 from kubernetes_asyncio import client
 from rollout_protocol import read_manifest
-from rollout_servers.client import EpisodeFailed, EpisodeResult, EpisodeSpec
+from rollout_servers.client import EpisodeFailed, EpisodeResult, EpisodeSpec, RolloutClient
 
 from devcluster.cluster import Cluster
 from devcluster.kube import open_api
@@ -61,6 +62,7 @@ __all__ = [
     "check_recovered_run",
     "condition",
     "create_namespace_for_test",
+    "episodes_running",
     "example_checkpoint",
     "example_set",
     "freeze",
@@ -227,6 +229,25 @@ def thaw(pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGCONT)
+
+
+# --- episodes in the background ------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def episodes_running(
+    client: RolloutClient, specs: Sequence[EpisodeSpec]
+) -> AsyncIterator[list[EpisodeResult | EpisodeFailed]]:
+    """Run the episodes in the background while the block acts on the set; leaving the block
+    waits until every one ended. Yields the list their outcomes land in."""
+    outcomes: list[EpisodeResult | EpisodeFailed] = []
+
+    async def run() -> None:
+        outcomes.extend(await client.run_all(specs))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(run)
+        yield outcomes
 
 
 # --- participants' control-plane phases ---------------------------------------------------

@@ -21,6 +21,7 @@ from operator_fixtures import (
     Debug,
     OperatorProcess,
     Resources,
+    episodes_running,
     example_checkpoint,
     example_set,
     is_true,
@@ -31,7 +32,7 @@ from operator_fixtures import (
     storage_dir,
     wait_phase,
 )
-from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
+from rollout_servers.client import EpisodeFailed, RolloutClient, episode_specs
 from rollout_servers.discovery import rollout_set_topology
 
 from devcluster.cluster import Cluster
@@ -55,7 +56,6 @@ async def test_a_restarting_api_server_is_ridden_out(
     agent = participants_by_role(ready)["agent"][0]
     specs = episode_specs(4, 53)
     held = specs[0].rollout_id
-    outcomes: list[EpisodeResult | EpisodeFailed] = []
     async with (
         httpx.AsyncClient() as http,
         rollout_set_topology("math-rl", namespace, kubeconfig=cluster.kubeconfig) as topology,
@@ -63,12 +63,7 @@ async def test_a_restarting_api_server_is_ridden_out(
         hooks = Debug(http, agent["address"])
         await hooks.arm("tool", held)
         client = RolloutClient(topology, concurrency=4, restore_timeout_s=120)
-        async with anyio.create_task_group() as group:
-
-            async def run_episodes() -> None:
-                outcomes.extend(await client.run_all(specs))
-
-            group.start_soon(run_episodes)
+        async with episodes_running(client, specs) as outcomes:
             await hooks.paused("tool", held)
             cluster.kubectl(
                 "apply", "-n", namespace, "-f", "-", input=json.dumps(example_checkpoint("calm"))

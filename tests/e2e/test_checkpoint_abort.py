@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import anyio
 import httpx
 import pytest
 from operator_fixtures import (
@@ -22,6 +21,7 @@ from operator_fixtures import (
     OperatorProcess,
     Resources,
     condition,
+    episodes_running,
     example_checkpoint,
     example_set,
     freeze,
@@ -36,7 +36,7 @@ from operator_fixtures import (
     thaw,
     wait_phase,
 )
-from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
+from rollout_servers.client import EpisodeFailed, RolloutClient, episode_specs
 from rollout_servers.discovery import rollout_set_topology
 
 from devcluster.cluster import Cluster
@@ -79,7 +79,6 @@ async def test_deleting_a_preparing_checkpoint_resumes_every_participant(
     agent = participants_by_role(ready)["agent"][0]
     specs = episode_specs(4, 41)
     held = specs[0].rollout_id
-    outcomes: list[EpisodeResult | EpisodeFailed] = []
     async with (
         httpx.AsyncClient() as http,
         rollout_set_topology("math-rl", namespace, kubeconfig=cluster.kubeconfig) as topology,
@@ -88,12 +87,7 @@ async def test_deleting_a_preparing_checkpoint_resumes_every_participant(
         # Inside the agent's tool call an episode cannot park: prepare waits at the agent.
         await hooks.arm("tool", held)
         client = RolloutClient(topology, concurrency=4, restore_timeout_s=120)
-        async with anyio.create_task_group() as group:
-
-            async def run_episodes() -> None:
-                outcomes.extend(await client.run_all(specs))
-
-            group.start_soon(run_episodes)
+        async with episodes_running(client, specs) as outcomes:
             await hooks.paused("tool", held)
             apply(cluster, namespace, example_checkpoint("doomed"))
             await wait_phase(http, agent["address"], "preparing", "the agent to be preparing")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import anyio
 import httpx
 import pytest
 from operator_fixtures import (
@@ -22,6 +21,7 @@ from operator_fixtures import (
     OperatorProcess,
     Resources,
     condition,
+    episodes_running,
     example_checkpoint,
     example_set,
     is_true,
@@ -83,7 +83,6 @@ async def test_a_corrupt_latest_checkpoint_falls_back_to_the_older_one(
     model = participants_by_role(ready)["model"][0]
     specs = episode_specs(EPISODES, SEED)
     held = specs[0].rollout_id
-    outcomes: list[EpisodeResult | EpisodeFailed] = []
     async with (
         httpx.AsyncClient() as http,
         rollout_set_topology("math-rl", namespace, kubeconfig=cluster.kubeconfig) as topology,
@@ -93,12 +92,7 @@ async def test_a_corrupt_latest_checkpoint_falls_back_to_the_older_one(
         client = RolloutClient(
             topology, concurrency=EPISODES, restore_timeout_s=180, run_timeout_s=240
         )
-        async with anyio.create_task_group() as group:
-
-            async def run_episodes() -> None:
-                outcomes.extend(await client.run_all(specs))
-
-            group.start_soon(run_episodes)
+        async with episodes_running(client, specs) as outcomes:
             await debug.paused("token", held)
             await checkpoint(cluster, namespace, resources, "older")
             await checkpoint(cluster, namespace, resources, "newer")

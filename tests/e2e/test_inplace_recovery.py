@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import anyio
 import httpx
 import pytest
 from operator_fixtures import (
@@ -32,6 +31,7 @@ from operator_fixtures import (
     Resources,
     check_recovered_run,
     condition,
+    episodes_running,
     example_checkpoint,
     example_set,
     freeze,
@@ -47,7 +47,7 @@ from operator_fixtures import (
     storage_dir,
     thaw,
 )
-from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
+from rollout_servers.client import EpisodeResult, RolloutClient, episode_specs
 from rollout_servers.discovery import rollout_set_topology
 
 from devcluster.cluster import Cluster
@@ -162,7 +162,6 @@ async def checkpoint_kill_recover(
     pods = pods_by_instance(before)
     specs = episode_specs(EPISODES, SEED)
     held = specs[0].rollout_id
-    outcomes: list[EpisodeResult | EpisodeFailed] = []
     stopped: list[int] = []
     async with (
         httpx.AsyncClient() as http,
@@ -176,12 +175,7 @@ async def checkpoint_kill_recover(
             topology, concurrency=EPISODES, restore_timeout_s=180, run_timeout_s=240
         )
         try:
-            async with anyio.create_task_group() as group:
-
-                async def run_episodes() -> None:
-                    outcomes.extend(await client.run_all(specs))
-
-                group.start_soon(run_episodes)
+            async with episodes_running(client, specs) as outcomes:
 
                 async def held_somewhere() -> bool:
                     for index, model in enumerate(models):
