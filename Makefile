@@ -5,10 +5,14 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 BIN_LINK := .bin/devcluster
+NODE_BIN_LINK := .bin/devcluster-node
+# Debian packages the container node runs (runc, kube-proxy's iptables and conntrack, the test
+# image's busybox); `make node-binaries` installs those missing with apt-get.
+NODE_DEBS := runc iptables nftables conntrack busybox-static
 ENGINE_LINK := .bin/engines
 PYTEST_ARGS ?=
 
-.PHONY: help venv cluster-binaries engine lint test test-unit test-protocol test-e2e test-adversarial demo cluster cluster-down crds bench clean kind-e2e kind-e2e-down
+.PHONY: help venv cluster-binaries node-packages node-binaries engine lint test test-unit test-protocol test-e2e test-adversarial demo cluster cluster-down crds bench clean kind-e2e kind-e2e-down
 
 help:
 	@echo "make demo              run the demo on a local devcluster (add DEMO_ARGS=--keep to leave it up)"
@@ -16,6 +20,7 @@ help:
 	@echo "make test-unit         only the fast tests"
 	@echo "make test-adversarial  only the hostile inputs and fault timings (tests/adversarial)"
 	@echo "make cluster-binaries  build the pinned control-plane binaries (cached per machine)"
+	@echo "make node-binaries     build the container node (kubelet, kube-proxy, containerd, CNI; cached)"
 	@echo "make engine            build llama.cpp's llama-server for the engine tests (cached per machine)"
 	@echo "make cluster           start a devcluster in .devcluster/ and print the KUBECONFIG line"
 	@echo "make cluster-down      stop it"
@@ -37,6 +42,17 @@ cluster-binaries:
 	@bindir="$$(devcluster/build-binaries.sh | tail -n 1)" && ln -sfn "$$bindir" $(BIN_LINK) \
 	  && echo "[devcluster] binaries in $$bindir (linked as $(BIN_LINK))"
 
+# The container node (`python -m devcluster up --node-runtime containerd`): its Debian packages
+# when missing, then kubelet, kube-proxy, containerd and the CNI plugins from pinned Go modules.
+node-packages:
+	@missing=""; for pkg in $(NODE_DEBS); do dpkg-query -W -f='$${Status}' $$pkg 2>/dev/null | grep -q 'ok installed' || missing+=" $$pkg"; done; \
+	  if [ -n "$$missing" ]; then echo "[devcluster] installing Debian packages:$$missing"; \
+	    apt-get install -y -qq --no-install-recommends $$missing >/dev/null || { apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing; }; fi
+
+node-binaries: cluster-binaries node-packages
+	@bindir="$$(devcluster/build-node-binaries.sh | tail -n 1)" && ln -sfn "$$bindir" $(NODE_BIN_LINK) \
+	  && echo "[devcluster] node binaries in $$bindir (linked as $(NODE_BIN_LINK))"
+
 # llama.cpp's server, for the engine protocol tests (tests/protocol/test_engine_continuation.py);
 # the first build took 565 s (download, configure, 206 compile steps) on two cores shared with
 # other test runs; later runs find it cached.
@@ -56,14 +72,14 @@ test-unit: venv cluster-binaries
 test-protocol: venv engine
 	$(VENV)/bin/pytest -m protocol $(PYTEST_ARGS)
 
-test-e2e: venv cluster-binaries
+test-e2e: venv cluster-binaries node-binaries
 	$(VENV)/bin/pytest -m e2e $(PYTEST_ARGS)
 
 # tests/adversarial is collected by plain `pytest` (make test) too; its API-server cases are e2e.
 test-adversarial: venv cluster-binaries
 	$(VENV)/bin/pytest -m adversarial $(PYTEST_ARGS)
 
-test: venv cluster-binaries engine lint
+test: venv cluster-binaries node-binaries engine lint
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 demo: venv cluster-binaries
