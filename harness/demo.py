@@ -40,6 +40,7 @@ import httpx
 import yaml
 from kubernetes_asyncio import client as k8s
 from rollout_operator.api import GROUP, ROLLOUT_CHECKPOINT_PLURAL, ROLLOUT_SET_PLURAL, VERSION
+from rollout_operator.resources import secret_name, token_from_secret
 from rollout_protocol import _storage as storage
 from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
 from rollout_servers.discovery import rollout_set_topology
@@ -285,6 +286,12 @@ class Resources:
         )
         return obj
 
+    async def control_token(self, name: str = SET_NAME) -> str:
+        """The set's control token, from the Secret the operator generated for it: what a
+        caller shows for the participants' control routes and `GET /stats?detail=true`."""
+        secret = await self.core.read_namespaced_secret(secret_name(name), self.namespace)
+        return token_from_secret({"data": secret.data})
+
     async def checkpoint(self, name: str) -> dict[str, Any]:
         obj: dict[str, Any] = await self.custom.get_namespaced_custom_object(
             GROUP, VERSION, self.namespace, ROLLOUT_CHECKPOINT_PLURAL, name
@@ -414,9 +421,11 @@ class StatsTracker:
     again after it. Counts may miss what a dying pod did in its last interval.
     """
 
-    def __init__(self, http: httpx.AsyncClient, interval: float = 0.2) -> None:
+    def __init__(self, http: httpx.AsyncClient, token: str, interval: float = 0.2) -> None:
         self.http = http
         self.interval = interval
+        self.headers = {"Authorization": f"Bearer {token}"}
+        """detail=true lists rollout ids: the participants ask for the set's control token."""
         self.addresses: dict[str, tuple[str, str]] = {}
         """pod name -> (role, address)"""
         self.last: dict[str, dict[str, Any]] = {}
@@ -430,7 +439,9 @@ class StatsTracker:
         """Read one pod's counters now (and keep them); None when it does not answer."""
         _, address = self.addresses[pod]
         try:
-            reply = await self.http.get(address + "/stats", params={"detail": "true"}, timeout=1.0)
+            reply = await self.http.get(
+                address + "/stats", params={"detail": "true"}, headers=self.headers, timeout=1.0
+            )
         except httpx.HTTPError:
             return None
         if reply.status_code != 200:
@@ -745,7 +756,7 @@ async def _drive(
         outcomes: list[EpisodeResult | EpisodeFailed] = []
         timeline = Timeline()
         stop = anyio.Event()
-        tracker = StatsTracker(http)
+        tracker = StatsTracker(http, await resources.control_token())
         tracker.learn(ready)
         async with rollout_set_topology(
             SET_NAME, namespace, kubeconfig=cluster.kubeconfig

@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 import uvicorn
-from fastapi import FastAPI, Query
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from rollout_protocol import (
@@ -265,11 +265,18 @@ class AdventureEnvironment:
             body = {"status": "draining" if self.draining else "ok", "attempt": self.plane.attempt}
             return JSONResponse(body, status_code=503 if self.draining else 200)
 
-        @app.get("/stats")
+        unauthorized: dict[int | str, dict[str, Any]] = {
+            401: {"model": ErrorBody, "description": "detail=true without the control token"}
+        }
+
+        @app.get("/stats", responses=unauthorized)
         async def stats(
+            request: Request,
             rollout_id: list[str] | None = Query(default=None),  # noqa: B008
             detail: bool = False,
         ) -> dict[str, Any]:
+            if detail:  # every rollout id seen: only for holders of the control token
+                self.plane.authorize(request.headers.get("authorization"))
             return {"attempt": self.plane.attempt, **self.counters.snapshot(rollout_id, detail)}
 
         self.plane.install(app)

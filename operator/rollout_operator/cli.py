@@ -12,10 +12,13 @@ imported here, and production settings are applied by the startup hook
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
 import logging
+import re
 import sys
 from collections.abc import Callable, Sequence
+from typing import Final
 
 import kopf
 from pydantic import ValidationError
@@ -34,6 +37,51 @@ class _QuietPodEvents(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.getMessage() not in _ROUTINE
+
+
+_RETRYING: Final = re.compile(
+    r"^Request attempt (?P<attempt>\S+) failed; will retry: (?P<what>.*?) -> (?P<error>.*)$", re.S
+)
+_TOO_MANY: Final = re.compile(r"^APITooManyRequestsError\((?P<quoted>'(?:[^'\\]|\\.)*'|\"[^\"]*\")")
+
+
+class RetriedRequests(logging.Filter):
+    """Kopf's API client logs every failed try of a request it will retry at ERROR, with the
+    API server's whole Status object. A try that will be retried is weather, not an error (issue
+    15): a 429 TooManyRequests (the API server answers it while it (re)initialises the storage
+    of freshly installed CRDs, asking to retry in a second) becomes one short INFO line, any
+    other retried failure (connection refused while the API server restarts) a WARNING. The try
+    that gives up ("escalating") stays an ERROR.
+
+    Attached to the handlers of the root logger (Kopf logs through several loggers), so it
+    changes the record after the loggers' level check: a WARNING or INFO line is still subject
+    to the level the operator runs at."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.ERROR or not record.name.startswith("kopf"):
+            return True
+        retrying = _RETRYING.match(record.getMessage())
+        if retrying is None:
+            return True
+        error, what, attempt = retrying["error"], retrying["what"], retrying["attempt"]
+        too_many = _TOO_MANY.match(error)
+        if too_many is not None:
+            why = ast.literal_eval(too_many["quoted"])
+            level = logging.INFO
+            message = f"API server busy (429 TooManyRequests: {why}); try {attempt}: {what}"
+        else:
+            level = logging.WARNING
+            message = f"API request failed, retrying (try {attempt}): {what} -> {error}"
+        record.levelno, record.levelname = level, logging.getLevelName(level)
+        record.msg, record.args = message, None
+        return logging.getLogger(record.name).isEnabledFor(level)
+
+
+def quiet_retried_requests() -> None:
+    """Install `RetriedRequests` on the root logger's handlers (after `kopf.configure`)."""
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, RetriedRequests) for f in handler.filters):
+            handler.addFilter(RetriedRequests())
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -127,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if not (args.verbose or args.debug):
         logging.getLogger("kopf.objects").addFilter(_QuietPodEvents())
+    quiet_retried_requests()
     # Importing the package registers the handlers (including the configure hook).
     from . import handlers  # noqa: F401
 

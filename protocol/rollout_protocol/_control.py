@@ -655,6 +655,15 @@ class ControlPlane:
     def is_retired(self, attempt: int, rollout_id: str) -> bool:
         return self._marks.covers(attempt, rollout_id)
 
+    def authorize(self, authorization: str | None) -> None:
+        """Check an `Authorization` header against the control token (constant time); raise
+        `ProtocolError(UNAUTHORIZED)` (401 once the plane is installed) when it does not match.
+
+        For a server's own routes that reveal what only the operator may know, such as the
+        rollout ids in `GET /stats?detail=true`. Without a token (allow_unauthenticated) every
+        caller passes, as on the control routes."""
+        self._authorize(authorization)
+
     def install(self, app: FastAPI) -> None:
         """Mount the routes and error handlers, and run the lease watchdog with the app.
 

@@ -283,3 +283,35 @@ async def test_stream_disconnect_stops_generation(model: ServerProcess, keyed: b
         assert produced <= 6, stats
         again = (await client.get("/stats")).json()["tokens"]["0"]["total"]
         assert again == produced
+
+
+# --- smaller things: /stats?detail=true lists rollout ids ------------------------------------
+
+
+async def test_stats_detail_needs_the_control_token(model: ServerProcess) -> None:
+    """`detail=true` lists every rollout id the server saw: it takes the control token (it was
+    served to anyone who could reach the port). The counts without detail stay open (probes and
+    dashboards read them), and so does the filter by a rollout id the caller already knows."""
+    rollout = "secret-rollout-7"
+    async with httpx.AsyncClient(base_url=model.url, timeout=30) as client:
+        done = await client.post(
+            "/v1/completions",
+            json={"prompt": "hello", "max_tokens": 2},
+            headers={"X-Rollout-Request": f"{rollout}/k1", "X-Rollout-Attempt": "0"},
+        )
+        assert done.status_code == 200, done.text
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+            refused = await client.get("/stats", params={"detail": "true"}, headers=headers)
+            _refused(refused, ErrorCode.UNAUTHORIZED, 401)
+            assert refused.headers.get("www-authenticate") == "Bearer"
+            assert rollout not in refused.text
+        counts = await client.get("/stats")
+        assert counts.status_code == 200, counts.text
+        assert rollout not in counts.text, counts.text
+        shown = await client.get("/stats", params={"detail": "true"}, headers=AUTH)
+        assert shown.status_code == 200, shown.text
+        assert rollout in shown.json()["rollouts"], shown.json()
+        known = await client.get("/stats", params={"rollout_id": rollout})
+        assert rollout in known.json()["rollouts"]
+        document = (await client.get("/openapi.json")).json()
+        assert "401" in document["paths"]["/stats"]["get"]["responses"]

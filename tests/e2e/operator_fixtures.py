@@ -161,8 +161,15 @@ async def resources(cluster: Cluster, namespace: str) -> AsyncIterator[Resources
         yield Resources(api, namespace)
 
 
-async def stats(http: httpx.AsyncClient, address: str) -> dict[str, Any]:
-    reply = await http.get(address + "/stats", params={"detail": "true"}, timeout=10)
+async def stats(http: httpx.AsyncClient, address: str, token: str) -> dict[str, Any]:
+    """`GET /stats?detail=true` with the set's control token (`Resources.control_token`):
+    the per-rollout counters list rollout ids, which a participant shows only to its operator."""
+    reply = await http.get(
+        address + "/stats",
+        params={"detail": "true"},
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=10,
+    )
     assert reply.status_code == 200, f"{address}/stats: {reply.status_code} {reply.text}"
     body: dict[str, Any] = reply.json()
     return body

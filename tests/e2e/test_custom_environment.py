@@ -110,6 +110,7 @@ async def test_custom_environment_checkpoint_kill_recover(
         "wait", "--for=condition=Ready", f"rolloutset/{SET}", "-n", namespace, "--timeout=90s"
     )
     ready = await resources.rollout_set(SET)
+    token = await resources.control_token(SET)
     assert ready["status"]["attempt"] == 1
     a1 = participants_by_role(ready)
     specs = episode_specs(EPISODES, SEED)
@@ -134,7 +135,7 @@ async def test_custom_environment_checkpoint_kill_recover(
                 await model.arm("finish", held)  # before the episode can reach it
                 group.start_soon(run_episodes)
                 await hold_at_turn(model, held)
-                before = await stats(http, env_a1["address"])
+                before = await stats(http, env_a1["address"], token)
 
                 # A manual checkpoint while episodes run (one of them held at turn HELD_TURN).
                 name = "adventure-running"
@@ -160,8 +161,8 @@ async def test_custom_environment_checkpoint_kill_recover(
         reference_specs = episode_specs(EPISODES, SEED, prefix="ref")
         reference = await RolloutClient(topology, concurrency=EPISODES).run_all(reference_specs)
         a2 = participants_by_role(recovered)
-        env_stats = await stats(http, a2["environment"][0]["address"])
-        model_stats = await stats(http, a2["model"][0]["address"])
+        env_stats = await stats(http, a2["environment"][0]["address"], token)
+        model_stats = await stats(http, a2["model"][0]["address"], token)
 
     assert recovered["status"]["restarts"] == 1
     assert recovered["status"]["latestCheckpoint"] == name

@@ -220,8 +220,9 @@ async def checkpoint_kill_recover(
         reference_specs = episode_specs(EPISODES, SEED, prefix="ref")
         reference = await RolloutClient(topology, concurrency=EPISODES).run_all(reference_specs)
         by_role: dict[str, list[dict[str, Any]]] = {}
+        token = await resources.control_token(SET)
         for participant in after["status"]["participants"]:
-            reply = await stats(http, participant["address"])
+            reply = await stats(http, participant["address"], token)
             by_role.setdefault(participant["role"], []).append(reply)
     run = RecoveredRun(
         specs=specs,

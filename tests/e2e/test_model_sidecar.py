@@ -93,6 +93,7 @@ async def test_sidecar_model_pod_cut_killed_and_continued(
         "wait", "--for=condition=Ready", f"rolloutset/{SET}", "-n", namespace, "--timeout=90s"
     )
     ready = await resources.rollout_set(SET)
+    token = await resources.control_token(SET)
     assert ready["status"]["attempt"] == 1
     model = participants_by_role(ready)["model"][0]
     # devcluster runs both containers of the pod, each as its own process group
@@ -137,7 +138,7 @@ async def test_sidecar_model_pod_cut_killed_and_continued(
             assert ckpt["status"]["attempt"] == 1
             assert ckpt["status"]["restarts"] == 0
             # the tokens so far came from the upstream container, not from the sidecar
-            first_upstream = await stats(http, upstream_url(model["address"]))
+            first_upstream = await stats(http, upstream_url(model["address"]), token)
             assert sum(tokens_of(first_upstream, 1).values()) >= HELD_AT_TOKEN
 
             # SIGKILL the whole model pod: the sidecar and its inference server.
@@ -162,10 +163,10 @@ async def test_sidecar_model_pod_cut_killed_and_continued(
         reference = await RolloutClient(topology, concurrency=EPISODES).run_all(reference_specs)
         a2 = participants_by_role(recovered)
         new_stats = {
-            role: await stats(http, a2[role][0]["address"])
+            role: await stats(http, a2[role][0]["address"], token)
             for role in ("environment", "agent", "model")
         }
-        new_upstream = await stats(http, upstream_url(a2["model"][0]["address"]))
+        new_upstream = await stats(http, upstream_url(a2["model"][0]["address"]), token)
 
     # --- the recovery
     assert condition(seen_recovering[0], "Recovering")["reason"] == "PodFailed"  # type: ignore[index]

@@ -91,6 +91,7 @@ async def test_examples_checkpoint_then_model_pod_killed_mid_generation(
     check_manifests(first, storage_dir)
 
     ready = await resources.rollout_set()
+    token = await resources.control_token()
     assert ready["status"]["attempt"] == 1
     model = participants_by_role(ready)["model"][0]
     specs = episode_specs(EPISODES, SEED)
@@ -154,7 +155,7 @@ async def test_examples_checkpoint_then_model_pod_killed_mid_generation(
         reference = await RolloutClient(topology, concurrency=EPISODES).run_all(reference_specs)
         a2 = participants_by_role(recovered)
         new_stats = {
-            role: await stats(http, a2[role][0]["address"])
+            role: await stats(http, a2[role][0]["address"], token)
             for role in ("environment", "agent", "model")
         }
 

@@ -74,6 +74,7 @@ async def test_losing_the_gpu_node_recovers_the_set_onto_another_gpu_node(
 async def run_node_loss(cluster: Cluster, resources: Resources, storage: Path) -> None:
     namespace = resources.namespace
     ready = await resources.wait_set("Ready", lambda o: is_true(o, "Ready"), 90)
+    token = await resources.control_token()
     model = participants_by_role(ready)["model"][0]
     pod = await resources.core.read_namespaced_pod(model["pod"], namespace)
     lost_node = pod.spec.node_name
@@ -130,7 +131,7 @@ async def run_node_loss(cluster: Cluster, resources: Resources, storage: Path) -
         reference = await RolloutClient(topology, concurrency=EPISODES).run_all(reference_specs)
         now = participants_by_role(recovered)
         new_stats = {
-            role: await stats(http, now[role][0]["address"])
+            role: await stats(http, now[role][0]["address"], token)
             for role in ("environment", "agent", "model")
         }
 

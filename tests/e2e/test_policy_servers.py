@@ -115,8 +115,9 @@ async def check_continued(
     reference_specs = episode_specs(EPISODES, SEED, prefix="ref")
     reference = await RolloutClient(running.topology, concurrency=EPISODES).run_all(reference_specs)
     a2 = participants_by_role(recovered)
+    token = await resources.control_token(SET)
     new_stats = {
-        role: await stats(running.http, a2[role][0]["address"])
+        role: await stats(running.http, a2[role][0]["address"], token)
         for role in ("environment", "agent", "model")
     }
     results = check_recovered_run(

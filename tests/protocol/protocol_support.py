@@ -309,7 +309,7 @@ class Debug:
 
 
 async def stats(http: httpx.AsyncClient, cluster: Cluster, role: Role) -> dict[str, Any]:
-    reply = await http.get(cluster.url(role) + "/stats", params={"detail": "true"})
+    reply = await http.get(cluster.url(role) + "/stats", params={"detail": "true"}, headers=AUTH)
     assert reply.status_code == 200, reply.text
     data: dict[str, Any] = reply.json()
     return data

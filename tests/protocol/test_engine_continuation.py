@@ -229,7 +229,10 @@ def generation_record(root: Path, checkpoint_id: str) -> Record:
 
 
 async def stats(http: httpx.AsyncClient, url: str) -> dict[str, Any]:
-    reply = await http.get(url + "/stats")
+    """The relay's `/stats` with its per-request counts (detail=true takes the control token)."""
+    reply = await http.get(
+        url + "/stats", params={"detail": "true"}, headers={"Authorization": f"Bearer {TOKEN}"}
+    )
     assert reply.status_code == 200
     data: dict[str, Any] = reply.json()
     return data

@@ -309,7 +309,9 @@ async def test_model_front_streams_relays_and_cuts(shared_cluster: Cluster, tmp_
                 commit = await coordinator.commit("ckpt-relay", deadline(20), prepared.scope())
                 assert commit.ok, commit.failures
                 assert not (await coordinator.resume("ckpt-relay", deadline(20))).failures
-            relay_stats = (await http.get(relay.url + "/stats")).json()
+            relay_stats = (
+                await http.get(relay.url + "/stats", params={"rollout_id": "relay-cut"})
+            ).json()
     finally:
         await anyio.to_thread.run_sync(relay.stop)
     # the first three tokens came from the first upstream stream, the rest from a continuation

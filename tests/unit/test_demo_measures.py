@@ -16,7 +16,7 @@ def steps(attempt: int, **completed: int) -> dict[str, Any]:
 
 
 def tracker(pods: dict[str, tuple[str, dict[str, Any]]]) -> StatsTracker:
-    tracked = StatsTracker(httpx.AsyncClient())
+    tracked = StatsTracker(httpx.AsyncClient(), token="not-read-by-these-tests")
     for pod, (role, reply) in pods.items():
         tracked.addresses[pod] = (role, f"http://{pod}")
         tracked.last[pod] = reply

@@ -28,7 +28,7 @@ import anyio
 import anyio.abc
 import httpx
 import uvicorn
-from fastapi import FastAPI, Query
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from rollout_protocol import (
@@ -317,6 +317,13 @@ class ShardedClients:
 
 
 PEER_SHARDS = 16
+STATS_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {
+        "model": ErrorBody,
+        "description": "error codes: unauthorized (detail=true lists every rollout id; it takes "
+        "the control token, Authorization: Bearer <token>)",
+    }
+}
 _PEER_RETRIES = 3
 _PEER_RETRY_DELAY_S = 0.05
 SERVER_KEEP_ALIVE_S = 30
@@ -381,7 +388,9 @@ class RolloutServer:
     def add_routes(self, app: FastAPI) -> None:
         """Add the role's own routes."""
 
-    def extra_stats(self) -> dict[str, Any]:
+    def extra_stats(self, rollout_ids: list[str] | None, detail: bool) -> dict[str, Any]:
+        """The role's own `/stats` fields; anything per rollout only with `detail` (which takes
+        the control token) or for the rollouts named in `rollout_ids`."""
         return {}
 
     async def on_shutdown(self) -> None:
@@ -495,11 +504,16 @@ class RolloutServer:
             }
             return JSONResponse(body, status_code=200 if ready else 503)
 
-        @app.get("/stats")
+        @app.get("/stats", responses=STATS_ERRORS)
         async def stats(
             rollout_id: list[str] | None = Query(default=None),  # noqa: B008
             detail: bool = False,
+            *,
+            request: Request,
         ) -> dict[str, Any]:
+            if detail:
+                # Every rollout id this server saw: the operator's and the trainer's to know.
+                server.plane.authorize(request.headers.get("authorization"))
             counts = server.runtime.counts()
             return {
                 "role": server.role.value,
@@ -509,7 +523,7 @@ class RolloutServer:
                 "parked": counts.parked,
                 "restored": counts.restored,
                 **server.stats.snapshot(rollout_id, detail),
-                **server.extra_stats(),
+                **server.extra_stats(rollout_id, detail),
             }
 
         if self.options.debug_hooks:

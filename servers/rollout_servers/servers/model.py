@@ -704,10 +704,20 @@ class ModelServer(RolloutServer):
     async def on_shutdown(self) -> None:
         await self.backend.aclose()
 
-    def extra_stats(self) -> dict[str, Any]:
+    def extra_stats(self, rollout_ids: list[str] | None, detail: bool) -> dict[str, Any]:
+        """Token counts; per request key (`<rollout_id>/<key>`) only with `detail` (all) or for
+        the rollouts named in `rollout_ids`, as for the step counters."""
+        named = frozenset(rollout_ids or ())
+
+        def shown(key: str) -> bool:
+            return detail or key.partition("/")[0] in named
+
         return {
             "tokens": {
-                str(a): {"total": sum(by.values()), "by_request": dict(by)}
+                str(a): {
+                    "total": sum(by.values()),
+                    "by_request": {key: n for key, n in by.items() if shown(key)},
+                }
                 for a, by in self.tokens.items()
             },
             "delivered_kept": len(self.delivered),
