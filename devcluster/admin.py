@@ -47,6 +47,20 @@ class AgentAdmin:
                 f"cannot reach the node agent at {self.url} ({error}); is the cluster up?"
             ) from error
 
+    def pods(self) -> list[dict[str, object]]:
+        """The agent's pods: key, node, IP, phase, pids and whether it is served in process."""
+        try:
+            with httpx.Client(verify=ca_context(self.ca), timeout=_TIMEOUT) as http:
+                response = http.get(self.url + "/devcluster/pods")
+        except httpx.TransportError as error:
+            raise DevclusterError(
+                f"cannot reach the node agent at {self.url} ({error}); is the cluster up?"
+            ) from error
+        if response.status_code >= 400:
+            raise DevclusterError(f"node agent: {response.text}")
+        listed: list[dict[str, object]] = response.json()
+        return listed
+
     @staticmethod
     def _kill_path(namespace: str, name: str) -> str:
         return f"/devcluster/pods/{namespace}/{name}/kill"

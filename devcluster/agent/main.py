@@ -18,6 +18,7 @@ import httpx
 from anyio.abc import TaskGroup
 from kubernetes_asyncio import client
 
+from devcluster.agent.fleet import fleet_kind
 from devcluster.agent.ipam import LoopbackIpam
 from devcluster.agent.nodes import NodeKeeper
 from devcluster.agent.podmodel import Pod
@@ -272,7 +273,14 @@ class Agent:
 
     def _pods(self) -> list[PodInfo]:
         return [
-            PodInfo(pod=w.pod.key, node=w.node.name, ip=w.ip, phase=w.phase(), pids=w.pids())
+            PodInfo(
+                pod=w.pod.key,
+                node=w.node.name,
+                ip=w.ip,
+                phase=w.phase(),
+                pids=w.pids(),
+                in_process=fleet_kind(w.pod) is not None,
+            )
             for w in self.workers.values()
         ]
 

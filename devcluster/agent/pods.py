@@ -26,6 +26,7 @@ from anyio.abc import Process
 from kubernetes_asyncio import client
 
 from devcluster.agent.env import ConfigError, SpecError, command_line, container_env
+from devcluster.agent.fleet import FleetContainer, FleetHost, FleetSpecError, fleet_kind
 from devcluster.agent.ipam import LoopbackIpam
 from devcluster.agent.nodes import NodeKeeper
 from devcluster.agent.podmodel import Container, Pod
@@ -50,6 +51,15 @@ def _is_dir(path: str) -> bool:
 
 def now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def signal_group(process: Process | FleetContainer, sig: int) -> None:
+    """Signal a container: its process group, or the in-process fleet container."""
+    if isinstance(process, FleetContainer):
+        process.send_signal(sig)
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, sig)
 
 
 def exit_code(returncode: int) -> int:
@@ -97,6 +107,8 @@ class Runtime:
     base_env: Mapping[str, str]
     nodes: Mapping[str, NodeKeeper]
     http: httpx.AsyncClient
+    fleet: FleetHost = field(default_factory=FleetHost)
+    """Serves the containers of fleet pods in this process (`devcluster.agent.fleet`)."""
 
 
 @dataclass
@@ -114,7 +126,7 @@ class ContainerRun:
     last_terminated: dict[str, Any] | None = None
     ready: bool = False
     done: bool = False
-    process: Process | None = None
+    process: Process | FleetContainer | None = None
     env: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -126,7 +138,7 @@ class ContainerRun:
             self.last_terminated = self._terminated()
         self.state, self.reason, self.message, self.ready = "waiting", reason, message, False
 
-    def start(self, process: Process) -> None:
+    def start(self, process: Process | FleetContainer) -> None:
         if self.state == "terminated":
             self.last_terminated = self._terminated()
         self.process = process
@@ -232,8 +244,7 @@ class PodWorker:
         for run in [*self.init_runs, *self.runs]:
             if run.running and (container is None or run.spec.name == container):
                 assert run.process is not None
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(run.process.pid, signal.SIGKILL)
+                signal_group(run.process, signal.SIGKILL)
                 killed.append(run.process.pid)
         return killed
 
@@ -269,7 +280,12 @@ class PodWorker:
                 log.warning("marking pod %s not ready failed: %s", self.pod.key, error)
 
     def pids(self) -> list[int]:
-        return [r.process.pid for r in [*self.init_runs, *self.runs] if r.running and r.process]
+        """Process groups of running containers (fleet containers have none of their own)."""
+        return [
+            r.process.pid
+            for r in [*self.init_runs, *self.runs]
+            if r.running and r.process and not isinstance(r.process, FleetContainer)
+        ]
 
     def mark_dirty(self) -> None:
         self._dirty.set()
@@ -365,35 +381,12 @@ class PodWorker:
                 self._fail(error.reason, str(error))
                 return False
             started = anyio.current_time()
-            try:
-                with run.log_path.open("ab") as out:
-                    process = await anyio.open_process(
-                        argv,
-                        cwd=self._cwd(run),
-                        env=env,
-                        stdin=subprocess.DEVNULL,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-            except OSError as error:
-                run.terminate(128, "StartError", f"failed to start {argv[0]!r}: {error}")
+            if fleet_kind(self.pod) is not None and not init:
+                await self._run_in_process(run, env)
+                if self.failure is not None:
+                    return False
             else:
-                self._record_group(process.pid)
-                run.env = env
-                run.start(process)
-                run.ready = run.spec.readiness_probe is None
-                self.mark_dirty()
-                async with anyio.create_task_group() as tg:
-                    if run.spec.readiness_probe is not None and not init:
-                        tg.start_soon(self._probe_loop, run, process)
-                    returncode = await process.wait()
-                    tg.cancel_scope.cancel()
-                self._forget_group(process.pid)
-                # The container is the whole process group: leave no descendant behind.
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                run.terminate(returncode)
+                await self._run_process(run, argv, env, init)
             self.mark_dirty()
             success = run.code == 0
             if init:
@@ -419,6 +412,62 @@ class PodWorker:
             await anyio.sleep(backoff)
             backoff = min(backoff * 2, _BACKOFF_MAX)
 
+    async def _run_process(
+        self, run: ContainerRun, argv: list[str], env: dict[str, str], init: bool
+    ) -> None:
+        """Run the container as a process group until it exits; record how it ended."""
+        try:
+            with run.log_path.open("ab") as out:
+                process = await anyio.open_process(
+                    argv,
+                    cwd=self._cwd(run),
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        except OSError as error:
+            run.terminate(128, "StartError", f"failed to start {argv[0]!r}: {error}")
+            return
+        self._record_group(process.pid)
+        run.env = env
+        run.start(process)
+        run.ready = run.spec.readiness_probe is None
+        self.mark_dirty()
+        async with anyio.create_task_group() as tg:
+            if run.spec.readiness_probe is not None and not init:
+                tg.start_soon(self._probe_loop, run, process)
+            returncode = await process.wait()
+            tg.cancel_scope.cancel()
+        self._forget_group(process.pid)
+        # The container is the whole process group: leave no descendant behind.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        run.terminate(returncode)
+
+    async def _run_in_process(self, run: ContainerRun, env: dict[str, str]) -> None:
+        """Serve a fleet pod's container in this process (`devcluster.agent.fleet`)."""
+        assert self.ip is not None
+        try:
+            container = await self.rt.fleet.start(self.pod, run.spec, env, self.ip)
+        except FleetSpecError as error:
+            self._fail(error.reason, str(error))
+            return
+        except OSError as error:
+            run.terminate(128, "StartError", f"fleet participant could not listen: {error}")
+            return
+        run.env = env
+        run.start(container)
+        run.ready = run.spec.readiness_probe is None
+        self.mark_dirty()
+        async with anyio.create_task_group() as tg:
+            if run.spec.readiness_probe is not None:
+                tg.start_soon(self._probe_loop, run, container)
+            returncode = await container.wait()
+            tg.cancel_scope.cancel()
+        run.terminate(returncode)
+
     def _cwd(self, run: ContainerRun) -> Path:
         if run.spec.working_dir:
             return Path(run.spec.working_dir)
@@ -430,7 +479,7 @@ class PodWorker:
         pod_env = await container_env(self.pod, run.spec, self.ip, allocatable, self.rt.reader)
         env = {**self.rt.base_env, "HOSTNAME": self.pod.metadata.name, **pod_env}
         argv = command_line(run.spec, env)
-        if "/" not in argv[0]:
+        if "/" not in argv[0] and fleet_kind(self.pod) is None:
             found = shutil.which(argv[0], path=env.get("PATH", ""))
             if found is None:
                 raise SpecError(
@@ -447,7 +496,7 @@ class PodWorker:
             )
         return argv, env
 
-    async def _probe_loop(self, run: ContainerRun, process: Process) -> None:
+    async def _probe_loop(self, run: ContainerRun, process: Process | FleetContainer) -> None:
         probe = run.spec.readiness_probe
         assert probe is not None
         assert self.ip is not None
@@ -488,16 +537,14 @@ class PodWorker:
         for run in running:
             assert run.process is not None
             if run.process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(run.process.pid, signal.SIGTERM)
+                signal_group(run.process, signal.SIGTERM)
         with anyio.move_on_after(grace):
             for run in running:
                 assert run.process is not None
                 await run.process.wait()
         for run in running:
             assert run.process is not None
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(run.process.pid, signal.SIGKILL)
+            signal_group(run.process, signal.SIGKILL)
             with anyio.fail_after(10):
                 returncode = await run.process.wait()
             self._forget_group(run.process.pid)
@@ -509,8 +556,7 @@ class PodWorker:
     def _kill_all_now(self) -> None:
         for run in [*self.init_runs, *self.runs]:
             if run.process is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(run.process.pid, signal.SIGKILL)
+                signal_group(run.process, signal.SIGKILL)
                 self._forget_group(run.process.pid)
 
     async def _finish_deletion(self) -> None:
@@ -531,11 +577,12 @@ class PodWorker:
                 raise
 
     # ---- process-group bookkeeping for `down` ---------------------------------------------------
-    def _record_group(self, pgid: int) -> None:
+    def _record_group(self, pgid: int) -> None:  # process pods only: fleet ones have no group
         (self.rt.layout.pod_groups / str(pgid)).write_text(f"{self.pod.key}\n")
 
     def _forget_group(self, pgid: int) -> None:
-        (self.rt.layout.pod_groups / str(pgid)).unlink(missing_ok=True)
+        if pgid != os.getpid():  # a fleet container's "pid" is the agent's
+            (self.rt.layout.pod_groups / str(pgid)).unlink(missing_ok=True)
 
     def _cleanup_files(self) -> None:
         shutil.rmtree(self.workdir, ignore_errors=True)

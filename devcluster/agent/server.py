@@ -44,6 +44,8 @@ class PodInfo(BaseModel):
     ip: str | None
     phase: str
     pids: list[int]
+    in_process: bool = False
+    """Served in the agent's process (a fleet pod, `devcluster.agent.fleet`): no pids."""
 
 
 class AgentHooks:
