@@ -8,6 +8,8 @@ feed it with three calls, so the flows themselves stay free of metrics:
   histograms by set, trigger and outcome; bytes written, episodes continued and restarted;
 - `observe_recovery(rset, reason)` from the recovery flow's transition callback: restores by
   outcome (`Restored`, `NoCheckpoint`, `SiblingRestart`, `RestoreFailed`) and the attempt;
+  for a finished recovery what `status.lastRecovery` says it kept and lost (pods, episodes,
+  model tokens, steps, checkpoint age, seconds per phase);
 - `SetTransitions.observe(event_type, body)` for every watch event of a set: the current
   attempt (gauge), and the transitions the flows do not post an Event for themselves.
 
@@ -82,6 +84,26 @@ RECOVERY_EPISODES = Counter(
     "rollout_recovery_episodes",
     "Episodes per finished recovery: continued from a checkpoint, or restarted from scratch.",
     ["namespace", "set", "outcome"],
+)
+RECOVERY_MODEL_TOKENS = Counter(
+    "rollout_recovery_model_tokens",
+    "Model tokens per finished recovery: kept (the restored checkpoint held them for "
+    "generations in flight) or generated_again (the lost attempt generated them after the "
+    "checkpoint, as counted by the model pods that outlived the loss).",
+    ["namespace", "set", "outcome"],
+)
+RECOVERY_STEPS = Counter(
+    "rollout_recovery_steps",
+    "Episode steps per finished recovery: kept (completed in the restored records) or redone "
+    "(completed after the checkpoint by unfinished episodes, as counted by the environment "
+    "and agent pods that outlived the loss).",
+    ["namespace", "set", "outcome"],
+)
+RECOVERY_WORK_UNCOUNTED = Counter(
+    "rollout_recovery_work_uncounted_participants",
+    "Participants per finished recovery whose work after the checkpoint nobody could count "
+    "(lost pods): while it grows, generated_again and redone are lower bounds.",
+    ["namespace", "set"],
 )
 RECOVERY_CHECKPOINT_AGE = Histogram(
     "rollout_recovery_checkpoint_age_seconds",
@@ -191,6 +213,13 @@ def observe_recovery(rset: RolloutSet, reason: str) -> None:
         RECOVERY_PODS.labels(outcome="replaced", **labels).inc(last.replaced)
         RECOVERY_EPISODES.labels(outcome="continued", **labels).inc(last.episodes_continued)
         RECOVERY_EPISODES.labels(outcome="restarted", **labels).inc(last.episodes_restarted)
+        RECOVERY_MODEL_TOKENS.labels(outcome="kept", **labels).inc(last.model_tokens_kept)
+        RECOVERY_MODEL_TOKENS.labels(outcome="generated_again", **labels).inc(
+            last.model_tokens_generated_again
+        )
+        RECOVERY_STEPS.labels(outcome="kept", **labels).inc(last.steps_kept)
+        RECOVERY_STEPS.labels(outcome="redone", **labels).inc(last.steps_redone)
+        RECOVERY_WORK_UNCOUNTED.labels(**labels).inc(len(last.work_uncounted))
         if last.checkpoint_age_seconds is not None:
             RECOVERY_CHECKPOINT_AGE.labels(**labels).observe(last.checkpoint_age_seconds)
         for phase, seconds in last.phase_seconds.items():

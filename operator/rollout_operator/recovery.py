@@ -31,7 +31,7 @@ from typing import Any, Final, TypeVar
 
 import anyio
 from kubernetes_asyncio.client.exceptions import ApiException
-from rollout_protocol import Coordinator, ErrorCode, HttpParticipantClient
+from rollout_protocol import Coordinator, ErrorCode, HttpParticipantClient, RetireOutcome, Role
 
 from .api import (
     ANNOTATION_RETRY_RECOVERY,
@@ -41,6 +41,7 @@ from .api import (
     CheckpointPhase,
     ConditionStatus,
     LastRecovery,
+    LostWorkReport,
     RecoveryHold,
     RecoveryPhase,
     RecoveryStatus,
@@ -68,6 +69,7 @@ from .setops import delete_attempt_pods, observe_pods, read_control_token, recon
 from .setplan import Instance, PodView, attempt_instances
 from .setplan import Reason as SetReason
 from .watching import NoLongerHolds, while_holding
+from .workloss import lost_reports, total_work, work_loss
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +112,24 @@ CHECKPOINT_RECORDS_INVALID: Final = "RecordsInvalid"
 
 RETIRE_SECONDS: Final = 30.0
 """How long kept pods of an InPlace recovery may take to retire the lost attempt."""
+
+COUNT_RETIRE_SECONDS: Final = 5.0
+"""How long a Recreate recovery waits for the pods it is about to delete to retire the lost
+attempt, only so that they report the work it loses (`lastRecovery`); one that does not
+answer by then is deleted anyway and its work is listed as uncounted."""
+
+UNFINISHED_ROLES: Final = (Role.ENVIRONMENT, Role.AGENT)
+"""Roles whose live episodes are the unfinished ones (see `Coordinator.retire`)."""
+
+
+def unfinished_from(lost_roles: set[Role]) -> list[Role]:
+    """The roles a retire may learn the unfinished rollouts from: those that lost no pod."""
+    return [role for role in UNFINISHED_ROLES if role not in lost_roles]
+
+
+def reported_losses(retired: RetireOutcome) -> list[LostWorkReport]:
+    """The work each participant's retire said the lost attempt did after its checkpoint."""
+    return lost_reports({i: (w.since, w.counts) for i, w in retired.lost.items()})
 
 
 def counts_as_restart(recovery: RecoveryStatus) -> bool:
@@ -430,6 +450,9 @@ class RecoveryFlow:
                 rset = await self._fall_back(rset, str(refused))
                 recovery = rset.status.recovery
                 assert recovery is not None
+        fields: dict[str, Any] = {}
+        if recovery.tries == 0 and recovery.fallback is None and not recovery.lost_work:
+            fields["lost_work"] = await self._count_before_deleting(rset)
         # Every pod older than the target attempt goes: a survivor of the lost attempt would
         # keep running episodes that the restore also continues (they would complete twice).
         # Pods already labelled with the target attempt go too: an InPlace try kept them
@@ -440,8 +463,68 @@ class RecoveryFlow:
         replaced = [instance_name(i) for i in attempt_instances(rset, recovery.from_attempt, [])]
         # `nextTryAt` marks when this try began: its restoreTimeoutSeconds count from here.
         return await self._set_phase(
-            rset, RecoveryPhase.STARTING_PODS, next_try_at=utcnow(), kept=[], replaced=replaced
+            rset,
+            RecoveryPhase.STARTING_PODS,
+            next_try_at=utcnow(),
+            kept=[],
+            replaced=replaced,
+            **fields,
         )
+
+    async def _count_before_deleting(self, rset: RolloutSet) -> list[LostWorkReport]:
+        """Recreate: the pods that outlived the loss retire the lost attempt before they are
+        deleted, and say what it did after its checkpoint (work the restore has done again).
+        Best effort within `COUNT_RETIRE_SECONDS`: a pod that does not answer is deleted all
+        the same, its work uncounted."""
+        recovery = rset.status.recovery
+        assert recovery is not None
+        source = recovery.from_attempt
+        pods, nodes_of, lost_nodes = await observe(self._kube, rset)
+        losses = find_losses(rset, source, pods, nodes_of, lost_nodes)
+        survivors = [
+            p
+            for p in pods
+            if p.attempt == source
+            and (p.role, p.index) not in losses
+            and p.ip is not None
+            and not p.finished
+            and not p.terminating
+        ]
+        if not survivors:
+            return []
+        token = await read_control_token(
+            self._kube, rset.metadata.namespace or "default", rset.metadata.name
+        )
+        if token is None:
+            return []
+        clients: list[HttpParticipantClient] = []
+        for pod in survivors:
+            spec = rset.spec.participant(pod.role)
+            if spec is not None and pod.ip is not None:
+                url = participant_url(pod.ip, control_port(spec.template))
+                clients.append(HttpParticipantClient(pod.role, url, index=pod.index, token=token))
+        try:
+            retired = await Coordinator(clients).retire(
+                source,
+                None,
+                self._clock() + COUNT_RETIRE_SECONDS,
+                operation_id=f"recreate-a{source}-a{recovery.target_attempt}",
+                unfinished_from=unfinished_from({role for role, _ in losses}),
+            )
+        except (OSError, TimeoutError) as error:
+            logger.info("set %s: survivors did not report lost work: %s", rset.metadata.name, error)
+            return []
+        finally:
+            for client in clients:
+                await client.aclose()
+        if retired.failures:
+            logger.info(
+                "set %s: work of %s uncounted: %s",
+                rset.metadata.name,
+                ", ".join(f.instance for f in retired.failures),
+                "; ".join(str(f) for f in retired.failures[:3]),
+            )
+        return reported_losses(retired)
 
     async def _keep_survivors(self, rset: RolloutSet) -> RolloutSet:
         """InPlace: the kept pods retire the lost attempt and join the target; the lost go."""
@@ -470,6 +553,7 @@ class RecoveryFlow:
                 None,
                 self._clock() + RETIRE_SECONDS,
                 operation_id=f"in-place-a{source}-a{target}",
+                unfinished_from=unfinished_from({role for role, _ in plan.replaced}),
             )
         finally:
             for client in clients:
@@ -499,7 +583,12 @@ class RecoveryFlow:
             target,
         )
         return await self._set_phase(
-            rset, RecoveryPhase.STARTING_PODS, next_try_at=utcnow(), kept=kept, replaced=replaced
+            rset,
+            RecoveryPhase.STARTING_PODS,
+            next_try_at=utcnow(),
+            kept=kept,
+            replaced=replaced,
+            lost_work=reported_losses(retired),
         )
 
     async def _fall_back(self, rset: RolloutSet, why: str) -> RolloutSet:
@@ -661,7 +750,10 @@ class RecoveryFlow:
             recovery.target_attempt,
         )
         return await self._set_phase(
-            rset, RecoveryPhase.RESUMING, episodes_restored=len(outcome.episodes)
+            rset,
+            RecoveryPhase.RESUMING,
+            episodes_restored=len(outcome.episodes),
+            kept_work=total_work(outcome.kept.values()),
         )
 
     async def _resume(self, rset: RolloutSet) -> RolloutSet | None:
@@ -792,6 +884,14 @@ class RecoveryFlow:
                 completed = ckpt.status.completed_at
                 if completed is not None:
                     age = max(0.0, (recovery.started_at - completed).total_seconds())
+        loss = work_loss(
+            checkpoint=recovery.checkpoint,
+            instances=[
+                instance_name(i) for i in attempt_instances(rset, recovery.from_attempt, [])
+            ],
+            reports=recovery.lost_work,
+            kept=recovery.kept_work,
+        )
         return LastRecovery(
             completed_at=now,
             reason=recovery.reason or "Unknown",
@@ -805,6 +905,11 @@ class RecoveryFlow:
             episodes_restarted=restarted,
             duration_seconds=round(max(0.0, (now - recovery.started_at).total_seconds()), 3),
             phase_seconds=spent,
+            model_tokens_kept=loss.model_tokens_kept,
+            model_tokens_generated_again=loss.model_tokens_generated_again,
+            steps_kept=loss.steps_kept,
+            steps_redone=loss.steps_redone,
+            work_uncounted=loss.uncounted,
         )
 
     async def _read_checkpoint(self, rset: RolloutSet, name: str) -> RolloutCheckpoint | None:

@@ -28,6 +28,7 @@ from ._coordinator import (
     Coordinator,
     Failure,
     ForgetOutcome,
+    LostWork,
     PrepareOutcome,
     RestoreOutcome,
     ResumeOutcome,
@@ -36,6 +37,7 @@ from ._coordinator import (
 )
 from ._counters import StepCounters
 from ._episodes import (
+    STEPS_COUNTER,
     AttemptRetired,
     Boundary,
     Episode,
@@ -128,6 +130,7 @@ __all__ = [
     "ROLLOUT_ID_PATTERN",
     "ROUTES",
     "STATUS",
+    "STEPS_COUNTER",
     "AttemptRetired",
     "Boundary",
     "CheckpointDurations",
@@ -156,6 +159,7 @@ __all__ = [
     "ForgetReply",
     "ForgetRequest",
     "HttpParticipantClient",
+    "LostWork",
     "Manifest",
     "ParkState",
     "Participant",

@@ -23,7 +23,7 @@ import os
 import re
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -625,6 +625,8 @@ class ControlPlane:
         self._marks = RetireMarks(settings.max_retire_marks)
         self._marks.settle(self._attempt)
         self._operations: OrderedDict[str, RetireReply | ForgetReply] = OrderedDict()
+        self._work_since: str | None = None
+        """The last checkpoint this process committed or restored: lost work counts from it."""
         self._lock = anyio.Lock()
         self._lease_changed = anyio.Event()
         self._watchdog_scope: anyio.CancelScope | None = None
@@ -807,6 +809,7 @@ class ControlPlane:
                 ) from error
             if scope is not None:
                 self._participant.release_outside(scope)
+            self._checkpointed(cid, records)
             reply = CommitReply(
                 checkpoint_id=cid,
                 phase=Phase.COMMITTED,
@@ -852,12 +855,14 @@ class ControlPlane:
                 ) from error
             self._attempt = request.attempt
             self._marks.settle(request.attempt)
+            self._checkpointed(cid, records)
             reply = RestoreReply(
                 checkpoint_id=cid,
                 phase=Phase.RESTORED,
                 attempt=request.attempt,
                 restored=restored,
                 record_count=len(records),
+                kept=self._work("kept_work", lambda: self._participant.kept_work(records)),
             )
             self._machine.end_restore(request.attempt, reply)
             return reply
@@ -915,9 +920,41 @@ class ControlPlane:
                     f"retire of attempt {request.attempt} did not finish by its deadline; "
                     "retry with the same operation_id",
                 ) from None
-            reply = RetireReply(operation_id=request.operation_id, retired=retired)
+            counted = scope
+            if request.unfinished is not None:
+                unfinished = frozenset(request.unfinished)
+                counted = unfinished if counted is None else counted & unfinished
+            lost = self._work(
+                "lost_work", lambda: self._participant.lost_work(request.attempt, counted)
+            )
+            reply = RetireReply(
+                operation_id=request.operation_id,
+                retired=retired,
+                lost=lost,
+                lost_since=self._work_since if lost is not None else None,
+            )
             _remember_operation(self._operations, request.operation_id, reply)
             return reply
+
+    def _checkpointed(self, checkpoint_id: str, records: Sequence[Record]) -> None:
+        """Lost work counts from this checkpoint on (the participant's accounting never fails
+        a protocol call: an error is logged and counts nothing)."""
+        self._work_since = checkpoint_id
+        try:
+            self._participant.checkpointed(checkpoint_id, records)
+        except Exception:
+            logger.exception("%s: work accounting (checkpointed) failed", self._settings.instance)
+
+    def _work(self, what: str, count: Callable[[], dict[str, int] | None]) -> dict[str, int] | None:
+        """A participant's work counts, or None when it counts nothing or its counting failed."""
+        try:
+            counts = count()
+        except Exception:
+            logger.exception("%s: work accounting (%s) failed", self._settings.instance, what)
+            return None
+        if counts is None:
+            return None
+        return {name: max(0, int(amount)) for name, amount in counts.items()}
 
     async def forget(self, request: ForgetRequest) -> ForgetReply:
         async with self._lock:

@@ -1,9 +1,10 @@
 """The checkpoint coordinator, independent of Kubernetes.
 
 It drives the participants through prepare, commit, publish and resume, and through an
-all-or-nothing restore, in the orders of DESIGN §4. The steps are separate methods because the
-operator persists its state between them (to survive its own restart); `checkpoint()` composes
-them for callers without an operator (the CLI, Slurm jobs, tests).
+all-or-nothing restore, in the orders of DESIGN §4 (prepare and retire in stages, callers before
+callees; commit, restore and resume to everyone at once). The steps are separate methods
+because the operator persists its state between them (to survive its own restart);
+`checkpoint()` composes them for callers without an operator (the CLI, Slurm jobs, tests).
 
 Participants are reached through the small `ParticipantClient` protocol; `HttpParticipantClient`
 is the real one. Every step returns an outcome model (pydantic, so it can be stored as JSON) that
@@ -29,8 +30,8 @@ from . import _storage as storage
 from ._client import ParticipantClient, ParticipantError
 from ._wire import (
     MAX_BLOCKERS_REPORTED,
+    MAX_UNFINISHED_LISTED,
     PREPARE_ORDER,
-    RESUME_ORDER,
     RETIRE_ORDER,
     CheckpointManifest,
     CommitRequest,
@@ -45,10 +46,12 @@ from ._wire import (
     RestoreReply,
     RestoreRequest,
     ResumeRequest,
+    RetireReply,
     RetireRequest,
     Role,
     StatusReply,
     StrictModel,
+    WorkCounts,
 )
 
 logger = logging.getLogger(__name__)
@@ -122,6 +125,13 @@ class ResumeOutcome(StrictModel):
     failures: list[Failure] = Field(default_factory=list)
 
 
+class LostWork(StrictModel):
+    """What one participant's retire said it had done after a checkpoint (`RetireReply.lost`)."""
+
+    since: str | None = Field(description="The checkpoint the counts start from.")
+    counts: WorkCounts
+
+
 class RetireOutcome(StrictModel):
     """Which participants stopped the retired attempt's work, and which failed to."""
 
@@ -129,6 +139,15 @@ class RetireOutcome(StrictModel):
     attempt: int
     retired: list[EpisodeId] = Field(default_factory=list)
     failures: list[Failure] = Field(default_factory=list)
+    lost: dict[str, LostWork] = Field(
+        default_factory=dict,
+        description="By instance: the work each participant that counts work reported lost.",
+    )
+    unfinished_known: bool = Field(
+        default=False,
+        description="Whether later stages were told which rollouts are unfinished (every "
+        "participant of a role in `unfinished_from` retired).",
+    )
 
 
 class ForgetOutcome(StrictModel):
@@ -149,6 +168,10 @@ class RestoreOutcome(StrictModel):
         default_factory=dict, description="Records installed per instance."
     )
     episodes: list[EpisodeId] = Field(default_factory=list)
+    kept: dict[str, WorkCounts] = Field(
+        default_factory=dict,
+        description="By instance: the work the installed records hold (`RestoreReply.kept`).",
+    )
     failures: list[Failure] = Field(default_factory=list)
     retired: RetireOutcome | None = Field(
         default=None, description="Set when the restore failed and the attempt was retired."
@@ -390,20 +413,15 @@ class Coordinator:
     # resume -----------------------------------------------------------------------------------
 
     async def resume(self, checkpoint_id: str, deadline_ts: float) -> ResumeOutcome:
-        """Resume in RESUME_ORDER, best effort: a dead participant does not stop the others."""
-        request = ResumeRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
-        resumed: list[str] = []
-        failures: list[Failure] = []
-        for role in RESUME_ORDER:
-            stage = self._stage((role,))
-            if not stage:
-                continue
-            results = await self._fan_out(stage, lambda p: p.resume(request))
-            _, stage_failures = _split(stage, results)
-            failed = {failure.instance for failure in stage_failures}
-            resumed.extend(p.instance for p in stage if p.instance not in failed)
-            failures.extend(stage_failures)
-        outcome = ResumeOutcome(checkpoint_id=checkpoint_id, resumed=resumed, failures=failures)
+        """Resume every participant at once, best effort: a dead one does not stop the others.
+
+        No order is needed: a caller that reopens first and calls a callee that has not yet
+        reopened waits at that callee's admission gate (every step waits there) until its
+        resume arrives a moment later, and the records were written before any resume was
+        sent. One round of calls instead of one per role (four with all roles) shortens the
+        pause every live episode waits.
+        """
+        outcome = await self._resume_all(checkpoint_id, deadline_ts)
         self._progress(
             f"resumed {len(outcome.resumed)} participant(s), {len(outcome.failures)} failed"
         )
@@ -411,22 +429,24 @@ class Coordinator:
 
     async def abort(self, checkpoint_id: str, deadline_ts: float) -> ResumeOutcome:
         """Resume every participant at once: the abort of a checkpoint that will not be
-        published. No order is needed (nothing was committed), and one hung participant must
-        not hold the others paused until its call times out."""
-        request = ResumeRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
-        results = await self._fan_out(self._participants, lambda p: p.resume(request))
-        _, failures = _split(self._participants, results)
-        failed = {failure.instance for failure in failures}
-        outcome = ResumeOutcome(
-            checkpoint_id=checkpoint_id,
-            resumed=[p.instance for p in self._participants if p.instance not in failed],
-            failures=failures,
-        )
+        published (the same calls as `resume`; the progress line says it was an abort)."""
+        outcome = await self._resume_all(checkpoint_id, deadline_ts)
         self._progress(
             f"aborted {checkpoint_id}: resumed {len(outcome.resumed)} participant(s), "
             f"{len(outcome.failures)} failed"
         )
         return outcome
+
+    async def _resume_all(self, checkpoint_id: str, deadline_ts: float) -> ResumeOutcome:
+        request = ResumeRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
+        results = await self._fan_out(self._participants, lambda p: p.resume(request))
+        _, failures = _split(self._participants, results)
+        failed = {failure.instance for failure in failures}
+        return ResumeOutcome(
+            checkpoint_id=checkpoint_id,
+            resumed=[p.instance for p in self._participants if p.instance not in failed],
+            failures=failures,
+        )
 
     # restore ----------------------------------------------------------------------------------
 
@@ -466,6 +486,7 @@ class Coordinator:
         self._progress(f"restore {checkpoint_id} under attempt {attempt}")
         results = await self._fan_out(self._participants, restore)
         restored: dict[str, int] = {}
+        kept: dict[str, dict[str, int]] = {}
         episodes: dict[EpisodeId, None] = {}
         failures: list[Failure] = []
         for participant in self._participants:
@@ -475,6 +496,8 @@ class Coordinator:
             else:
                 restored[participant.instance] = result.record_count
                 episodes.update(dict.fromkeys(result.restored))
+                if result.kept is not None:
+                    kept[participant.instance] = dict(result.kept)
         if not failures:
             return RestoreOutcome(
                 checkpoint_id=checkpoint_id,
@@ -482,6 +505,7 @@ class Coordinator:
                 ok=True,
                 restored=restored,
                 episodes=list(episodes),
+                kept=kept,
             )
         self._progress(
             f"restore failed on {', '.join(f.instance for f in failures)}; "
@@ -510,8 +534,18 @@ class Coordinator:
         deadline_ts: float,
         *,
         operation_id: str | None = None,
+        unfinished_from: Collection[Role] = (),
     ) -> RetireOutcome:
-        """Retire in RETIRE_ORDER (callers before callees), best effort across stages."""
+        """Retire in RETIRE_ORDER (callers before callees), best effort across stages.
+
+        `unfinished_from`: roles whose live episodes are the unfinished ones (the environment,
+        whose episode ends when its `/run` does; the agent, whose session its environment
+        closes). Once every participant of such a role retired, the later stages are told
+        which rollouts are unfinished (`RetireRequest.unfinished`), so a callee that cannot
+        tell (the model: a generation ends long before its episode) counts no work of an
+        episode that finished as lost. Pass only roles this coordinator holds every
+        instance of.
+        """
         op = operation_id or f"retire-a{attempt}-{uuid.uuid4().hex[:12]}"
         request = RetireRequest(
             operation_id=op,
@@ -521,15 +555,38 @@ class Coordinator:
         )
         retired: list[EpisodeId] = []
         failures: list[Failure] = []
+        lost: dict[str, LostWork] = {}
+        unfinished: set[str] | None = None
         for roles in RETIRE_ORDER:
             stage = self._stage(roles)
             if not stage:
                 continue
-            results = await self._fan_out(stage, lambda p: p.retire(request))
+
+            async def retire_one(
+                participant: ParticipantClient, asked: RetireRequest = request
+            ) -> RetireReply:
+                return await participant.retire(asked)
+
+            results = await self._fan_out(stage, retire_one)
             replies, stage_failures = _split(stage, results)
             retired.extend(episode for reply in replies for episode in reply.retired)
             failures.extend(stage_failures)
-        return RetireOutcome(operation_id=op, attempt=attempt, retired=retired, failures=failures)
+            for participant in stage:
+                reply = results[participant.instance]
+                if isinstance(reply, RetireReply) and reply.lost is not None:
+                    lost[participant.instance] = LostWork(since=reply.lost_since, counts=reply.lost)
+            if unfinished is None:
+                unfinished = _unfinished(stage, results, unfinished_from)
+                if unfinished is not None and len(unfinished) <= MAX_UNFINISHED_LISTED:
+                    request = request.model_copy(update={"unfinished": sorted(unfinished)})
+        return RetireOutcome(
+            operation_id=op,
+            attempt=attempt,
+            retired=retired,
+            failures=failures,
+            lost=lost,
+            unfinished_known=request.unfinished is not None,
+        )
 
     async def forget(
         self, rollout_ids: Collection[str], deadline_ts: float, *, operation_id: str | None = None
@@ -639,8 +696,8 @@ class Coordinator:
             raise
 
     async def _resume_now(self, checkpoint_id: str, *, aborting: bool = True) -> ResumeOutcome:
-        """Resume, shielded: in RESUME_ORDER after a published checkpoint, all at once when
-        aborting one (`abort`)."""
+        """Resume everyone at once, shielded from cancellation (`abort` when the checkpoint
+        will not be published)."""
         deadline = self._clock() + self._call_timeout
         step = self.abort if aborting else self.resume
         with anyio.CancelScope(shield=True):
@@ -680,6 +737,32 @@ class Coordinator:
                 total_seconds=finished - started,
             ),
         )
+
+
+def _unfinished(
+    stage: Sequence[ParticipantClient],
+    results: Mapping[str, RetireReply | ParticipantError],
+    roles: Collection[Role],
+) -> set[str] | None:
+    """The rollouts the live episodes of a role in `roles` belong to, when every participant
+    of that role in this stage retired (a role whose episodes span the whole episode: see
+    `Coordinator.retire`); None when no such role answered in full."""
+    for role in RETIRE_ORDER_ROLES:
+        if role not in roles:
+            continue
+        of_role = [p for p in stage if p.role is role]
+        replies = [results[p.instance] for p in of_role]
+        if of_role and all(isinstance(r, RetireReply) for r in replies):
+            return {
+                episode.rollout_id
+                for reply in replies
+                if isinstance(reply, RetireReply)
+                for episode in reply.retired
+            }
+    return None
+
+
+RETIRE_ORDER_ROLES: tuple[Role, ...] = tuple(role for stage in RETIRE_ORDER for role in stage)
 
 
 def _split(

@@ -47,7 +47,7 @@ from collections.abc import (
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Final
 
 import anyio
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -760,6 +760,15 @@ def _unique(ids: Iterable[EpisodeId]) -> list[EpisodeId]:
 
 # --- the generic participant ------------------------------------------------------------------
 
+STEPS_COUNTER: Final = "steps"
+"""The work counter of completed episode steps (`RestoreReply.kept`, `RetireReply.lost`)."""
+
+
+def _record_steps(record: Record) -> int:
+    """The steps a boundary record's episode had completed (0 when the record says none)."""
+    steps = record.data.get("steps")
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else 0
+
 
 class RuntimeParticipant(Participant):
     """The checkpoint participant of a server whose state is one `EpisodeRuntime`.
@@ -775,11 +784,21 @@ class RuntimeParticipant(Participant):
         *,
         on_event: Callable[[str, str | None], None] | None = None,
         on_rewire: Callable[[Mapping[Role, str]], None] | None = None,
+        work_counter: str | None = STEPS_COUNTER,
     ) -> None:
         self.role = role
         self.runtime = runtime
         self._on_event = on_event
         self._on_rewire = on_rewire
+        self.work_counter = work_counter
+        """The counter this participant reports its episodes' completed steps as (restore's
+        `kept`, retire's `lost`); None: it reports no work of its own, as counted elsewhere
+        (a server whose steps repeat its callers' steps, like the reference resources
+        server): empty counts, so its silence is not mistaken for work nobody counted."""
+        self._checkpointed_steps: dict[tuple[str, str], int] = {}
+        """Steps each episode had completed in the last checkpoint committed or restored."""
+        self._retired_steps: dict[int, dict[tuple[str, str], int]] = {}
+        """Steps each episode live at the last retire of an attempt had completed, by attempt."""
 
     def _event(self, name: str, rollout_id: str | None = None) -> None:
         """Tell observers (the servers' debug hooks) how far a control call got."""
@@ -820,9 +839,43 @@ class RuntimeParticipant(Participant):
     async def retire(self, attempt: int, rollout_ids: frozenset[str] | None) -> list[EpisodeId]:
         for rollout_id in rollout_ids or (None,):
             self._event("retiring", rollout_id)
+        # The episodes live now are unfinished (an ended one is gone from the runtime); their
+        # progress is read once they stopped.
+        stopping = [
+            ep
+            for ep in self.runtime.live()
+            if ep.attempt == attempt and (rollout_ids is None or ep.rollout_id in rollout_ids)
+        ]
         retired = await self.runtime.retire(attempt, rollout_ids)
+        progress = self._retired_steps.setdefault(attempt, {})
+        for ep in stopping:
+            progress[(ep.rollout_id, ep.key)] = ep.steps_completed
         self._event("retired")
         return retired
+
+    def checkpointed(self, checkpoint_id: str, records: Sequence[Record]) -> None:
+        self._checkpointed_steps = {
+            (r.rollout_id, r.key): _record_steps(r) for r in records if r.kind == self.runtime.kind
+        }
+
+    def kept_work(self, records: Sequence[Record]) -> dict[str, int] | None:
+        if self.work_counter is None:
+            return {}  # its work is counted elsewhere: nothing of its own to report
+        kept = sum(_record_steps(r) for r in records if r.kind == self.runtime.kind)
+        return {self.work_counter: kept}
+
+    def lost_work(self, attempt: int, rollout_ids: frozenset[str] | None) -> dict[str, int] | None:
+        """Steps the episodes live at the retire completed after the last checkpoint (all
+        of an episode's steps when the checkpoint does not hold it: it starts over)."""
+        progress = self._retired_steps.pop(attempt, {})
+        if self.work_counter is None:
+            return {}
+        lost = sum(
+            max(0, steps - self._checkpointed_steps.get(ident, 0))
+            for ident, steps in progress.items()
+            if rollout_ids is None or ident[0] in rollout_ids
+        )
+        return {self.work_counter: lost}
 
     def forget(self, rollout_ids: frozenset[str]) -> int:
         return self.runtime.forget(rollout_ids)

@@ -85,6 +85,25 @@ class Participant(ABC):
     def counts(self) -> EpisodeCounts:
         """Live, parked and restored episode counts for `/status`."""
 
+    # --- work accounting (optional: the defaults count nothing) ------------------------------
+
+    def checkpointed(self, checkpoint_id: str, records: Sequence[Record]) -> None:
+        """A checkpoint now holds `records` of this participant: its commit wrote them, or a
+        restore installed them. Work done from here on is what a restore of it would lose
+        (`lost_work`). Called after the commit's records are on storage, and after `install`."""
+        return None
+
+    def kept_work(self, records: Sequence[Record]) -> dict[str, int] | None:
+        """The work these (installed) records hold, by counter (`model_tokens`, `steps`); None:
+        this participant does not count work."""
+        return None
+
+    def lost_work(self, attempt: int, rollout_ids: frozenset[str] | None) -> dict[str, int] | None:
+        """After `retire(attempt, ...)`: the work of `attempt` done after the last
+        `checkpointed` for rollouts still unfinished at the retire, limited to `rollout_ids`
+        (None: all), by counter; None: this participant does not count work."""
+        return None
+
     def rewire(self, peers: Mapping[Role, str]) -> None:
         """Call these peers (base URLs by role) from now on; roles not named keep their URL.
 

@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapte
 API_PREFIX = "/checkpoint/v1"
 SCHEMA_VERSION = 1
 MAX_BLOCKERS_REPORTED = 100
+MAX_UNFINISHED_LISTED = 100_000
+"""At most this many rollouts in `RetireRequest.unfinished` (a coordinator sends None beyond)."""
 
 CHECKPOINT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 """Checkpoint ids name a directory on shared storage: no slashes, no leading dot, bounded length."""
@@ -35,6 +37,12 @@ PeerUrl = Annotated[str, StringConstraints(pattern=r"^https?://[^\s/?#]+/?$", ma
 """A peer's base URL: scheme and host[:port] only (`http://10.0.3.7:8000`)."""
 """Absolute unix seconds; finite, so a lease computed from it always ends."""
 
+WorkCounter = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,63}$")]
+"""The name of a work counter: `model_tokens` (tokens a model generated) and `steps` (episode
+steps completed) are the ones the reference servers and the operator know."""
+WorkCounts = Annotated[dict[WorkCounter, Annotated[int, Field(ge=0)]], Field(max_length=16)]
+"""Amounts of work by counter (see `WorkCounter`), reported in restore and retire replies."""
+
 
 class Role(StrEnum):
     """The four participant roles, in prepare order."""
@@ -49,7 +57,9 @@ PREPARE_ORDER: tuple[Role, ...] = (Role.ENVIRONMENT, Role.MODEL, Role.AGENT, Rol
 """Callers are parked before their callees, so no callee sees new work while it parks."""
 
 RESUME_ORDER: tuple[Role, ...] = tuple(reversed(PREPARE_ORDER))
-"""Callees reopen before their callers send them work again."""
+"""Callees before callers. The coordinator no longer resumes in an order (it resumes everyone at
+once: a call that reaches a participant not yet resumed waits at its admission gate); kept for
+tools that resume one participant at a time and want the order that makes no call wait."""
 
 RETIRE_ORDER: tuple[tuple[Role, ...], ...] = (
     (Role.ENVIRONMENT,),
@@ -240,6 +250,14 @@ class RetireRequest(StrictModel):
     rollout_ids: list[RolloutId] | None = Field(
         default=None, description="None retires every episode of the attempt."
     )
+    unfinished: list[RolloutId] | None = Field(
+        default=None,
+        max_length=MAX_UNFINISHED_LISTED,
+        description="The rollouts still unfinished, as far as the caller knows (an environment "
+        "or agent that retired before this participant listed its live episodes): work of any "
+        "other rollout finished and is not counted as lost (`RetireReply.lost`). None: count "
+        "every rollout. Changes nothing about what is retired.",
+    )
 
 
 class ForgetRequest(StrictModel):
@@ -366,6 +384,12 @@ class RestoreReply(StrictModel):
     attempt: Attempt
     restored: list[EpisodeId]
     record_count: int
+    kept: WorkCounts | None = Field(
+        default=None,
+        description="The work the installed records hold, which the episodes continue from "
+        "instead of doing it again (`model_tokens` of cut and held generations, `steps` "
+        "completed). Optional: None when the participant does not count work.",
+    )
 
 
 class ResumeReply(StrictModel):
@@ -380,6 +404,18 @@ class RetireReply(StrictModel):
 
     operation_id: CheckpointId
     retired: list[EpisodeId]
+    lost: WorkCounts | None = Field(
+        default=None,
+        description="The work of the retired attempt this participant did after checkpoint "
+        "`lost_since` for rollouts still unfinished (see `RetireRequest.unfinished`): a "
+        "restore of that checkpoint has it done again. Optional: None when the participant "
+        "does not count work.",
+    )
+    lost_since: CheckpointId | None = Field(
+        default=None,
+        description="The checkpoint `lost` counts from: the last one this process committed or "
+        "restored (None: none, `lost` is all the attempt's work).",
+    )
 
 
 class ForgetReply(StrictModel):

@@ -32,6 +32,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from rollout_protocol import (
+    STEPS_COUNTER,
     AttemptRetired,
     ControlPlane,
     ControlSettings,
@@ -339,6 +340,9 @@ class RolloutServer:
 
     role: Role
     record_kind = "boundary"
+    work_counter: str | None = STEPS_COUNTER
+    """How the participant reports its episodes' steps in restore and retire replies (work
+    kept and lost); None: not at all."""
 
     def __init__(self, options: ServerOptions, *, environ: Mapping[str, str] | None = None) -> None:
         self.options = options
@@ -382,7 +386,11 @@ class RolloutServer:
 
     def make_participant(self) -> RuntimeParticipant:
         return RuntimeParticipant(
-            self.role, self.runtime, on_event=self.hooks.notify, on_rewire=self.rewire
+            self.role,
+            self.runtime,
+            on_event=self.hooks.notify,
+            on_rewire=self.rewire,
+            work_counter=self.work_counter,
         )
 
     def add_routes(self, app: FastAPI) -> None:

@@ -40,7 +40,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Final, Literal, Protocol, TypeVar
 
 import anyio
 import httpx
@@ -607,9 +607,15 @@ class ModelParticipant(RuntimeParticipant):
 
     def __init__(self, server: ModelServer) -> None:
         super().__init__(
-            Role.MODEL, server.runtime, on_event=server.hooks.notify, on_rewire=server.rewire
+            Role.MODEL,
+            server.runtime,
+            on_event=server.hooks.notify,
+            on_rewire=server.rewire,
+            work_counter=None,
         )
         self.server = server
+        self._checkpointed_tokens: dict[tuple[str, str], int] = {}
+        """Tokens of each generation the last checkpoint committed or restored holds."""
 
     def export(self, scope: frozenset[str] | None) -> list[Record]:
         records = self.runtime.export(scope)
@@ -659,6 +665,40 @@ class ModelParticipant(RuntimeParticipant):
                 del self.server.delivered[rid]
         return retired
 
+    # --- work accounting: model tokens ---------------------------------------------------------
+
+    def checkpointed(self, checkpoint_id: str, records: Sequence[Record]) -> None:
+        self._checkpointed_tokens = {
+            (r.rollout_id, r.key): _record_tokens(r) for r in records if _record_tokens(r)
+        }
+        self.server.progress.clear()
+
+    def kept_work(self, records: Sequence[Record]) -> dict[str, int] | None:
+        """Tokens of the generations the records hold (cut prefixes and held responses): what
+        the episodes continue from instead of generating again. Delivered responses are not
+        counted (their episodes' boundaries usually hold them already)."""
+        kept = sum(_record_tokens(r) for r in records if r.kind != DELIVERED_KIND)
+        return {MODEL_TOKENS_COUNTER: kept}
+
+    def lost_work(self, attempt: int, rollout_ids: frozenset[str] | None) -> dict[str, int] | None:
+        """Tokens `attempt` generated after the last checkpoint, per generation beyond what the
+        checkpoint holds of it, for `rollout_ids` (None: every rollout; this server cannot tell
+        an episode that finished from one that did not: a generation ends before its episode)."""
+        progress = self.server.progress
+        counted = [
+            (ident, tokens)
+            for ident, (generated_under, tokens) in progress.items()
+            if generated_under == attempt
+        ]
+        for ident, _ in counted:
+            del progress[ident]
+        lost = sum(
+            max(0, tokens - self._checkpointed_tokens.get(ident, 0))
+            for ident, tokens in counted
+            if rollout_ids is None or ident[0] in rollout_ids
+        )
+        return {MODEL_TOKENS_COUNTER: lost}
+
     def counts(self) -> EpisodeCounts:
         counts = super().counts()
         restored = {r.rollout_id for r in self.runtime.restored()}
@@ -686,6 +726,9 @@ class ModelServer(RolloutServer):
         self.delivered: OrderedDict[str, Delivered] = OrderedDict()
         """The last response delivered to each rollout (most recent last, bounded)."""
         self.tokens: dict[int, dict[str, int]] = {}
+        self.progress: dict[tuple[str, str], tuple[int, int]] = {}
+        """(rollout, request key) -> (attempt, tokens so far) of each generation that made
+        progress since the last checkpoint: what a retire counts as lost (`lost_work`)."""
         super().__init__(options, **kwargs)
         if options.backend == "builtin":
             self.backend: Backend = BuiltinBackend(
@@ -1106,6 +1149,7 @@ class ModelServer(RolloutServer):
             count = _token_count(piece)
             if count:
                 self._count_token(ep.attempt, f"{ep.rollout_id}/{ep.key}", count)
+                self.progress[(ep.rollout_id, ep.key)] = (ep.attempt, produced + count)
                 state["text"] = str(state["text"]) + piece.text
                 state["tokens"] = produced + count
                 if "ids" in state:
@@ -1141,6 +1185,18 @@ class ModelServer(RolloutServer):
     def _count_token(self, attempt: int, request_key: str, count: int = 1) -> None:
         by = self.tokens.setdefault(attempt, {})
         by[request_key] = by.get(request_key, 0) + count
+
+
+MODEL_TOKENS_COUNTER: Final = "model_tokens"
+"""The work counter of generated tokens (`RestoreReply.kept`, `RetireReply.lost`)."""
+
+
+def _record_tokens(record: Record) -> int:
+    """The tokens a generation record (its boundary state) or a delivered record holds."""
+    data = record.data
+    state = data.get("state")
+    tokens = state.get("tokens") if isinstance(state, Mapping) else data.get("tokens")
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 else 0
 
 
 def _initial_state(gen: GenRequest) -> dict[str, Any]:

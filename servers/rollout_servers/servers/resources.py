@@ -88,6 +88,9 @@ class CloseReply(WireModel):
 class ResourcesServer(RolloutServer):
     role = Role.RESOURCES
     record_kind = "session"
+    work_counter = None
+    """Its seeds, tool calls and verifications are steps of the environment's and the agent's
+    episodes too: counted there, not twice."""
 
     def add_routes(self, app: FastAPI) -> None:
         server = self
