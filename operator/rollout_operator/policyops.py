@@ -85,6 +85,7 @@ from .policy import (
 )
 from .policy import eviction_holds as _eviction_holds
 from .resources import owner_reference, set_dir, set_selector
+from .statusrepair import parse_creation, records_proven, repair_failed_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -317,7 +318,12 @@ class PolicyPass:
         except ValidationError:
             return PassOutcome()  # the reconciler reports an invalid spec (InvalidSpec)
         pods = await self._kube.list_pods(namespace, set_selector(name))
-        checkpoints = checkpoint_views(await list_checkpoints(self._kube, namespace, name))
+        listed = await list_checkpoints(self._kube, namespace, name)
+        # Before retention sees it: a Failed status on a checkpoint every participant
+        # committed is repaired to Ready, never acted on (issue 15, class 2).
+        if await self._repair_failed(rset, listed):
+            listed = await list_checkpoints(self._kube, namespace, name)
+        checkpoints = checkpoint_views(listed)
         live = sum(1 for p in pods if _live(p))
         view = SetView.from_set(rset, live_pods=live)
         decided = plan(view, checkpoints, self._clock())
@@ -345,8 +351,9 @@ class PolicyPass:
         for doomed in decided.delete:
             if await delete_checkpoint(self._kube, namespace, doomed):
                 logger.info("set %s: retention deletes checkpoint %s", name, doomed)
+        by_name = {(raw.get("metadata") or {}).get("name"): raw for raw in listed}
         for failed in decided.remove_records:
-            await self._remove_records(rset, failed)
+            await self._remove_records(rset, failed, by_name.get(failed))
         for note in decided.notes:
             await self._note(rset, note)
         return PassOutcome(wake_at=decided.wake_at, plan=decided)
@@ -424,11 +431,43 @@ class PolicyPass:
         if deleted:
             logger.info("set %s suspended: deleted pods %s", rset.metadata.name, deleted)
 
-    async def _remove_records(self, rset: RolloutSet, checkpoint: str) -> None:
+    async def _repair_failed(self, rset: RolloutSet, listed: Sequence[dict[str, Any]]) -> bool:
+        """Repair every Failed checkpoint that every participant committed; True if any was."""
+        repaired = False
+        for raw in listed:
+            try:
+                repair = await repair_failed_checkpoint(
+                    self._kube, rset, raw, locator=self._locator
+                )
+            except ApiException as error:
+                if error.status != 404:
+                    raise
+                continue  # deleted meanwhile
+            if repair is not None:
+                repaired = True
+                await self._note(rset, Note(repair.reason, repair.message, warning=True))
+        return repaired
+
+    async def _remove_records(
+        self, rset: RolloutSet, checkpoint: str, raw: Mapping[str, Any] | None = None
+    ) -> None:
         namespace = rset.metadata.namespace or "default"
         root = self._locator.root(namespace, rset.spec.storage)
         if root is None:
             return  # reported when the object is deleted (retention or by hand)
+        proof = records_proven(root, rset, checkpoint, parse_creation(raw or {}))
+        if proof is not None:
+            # Failed, but every participant committed it: not garbage (a status written by
+            # hand, or the verdict of a restore that failed for another reason than its records).
+            await self._note(
+                rset,
+                Note(
+                    "RecordsKept",
+                    f"failed checkpoint {checkpoint}: records kept, {proof}; delete the "
+                    "RolloutCheckpoint to remove them",
+                ),
+            )
+            return
         try:
             removal = remove_records(root, rset, checkpoint)
         except (StorageError, ValueError) as error:

@@ -16,35 +16,45 @@ status contradicts what the cluster shows, the cluster wins, status is repaired,
   the checkpoint would end Failed and retention would remove the records of a restorable
   checkpoint). When the operator cannot see the volume, the set's `latestCheckpoint` naming it
   is the proof instead.
+- `repair_failed_checkpoint`: a RolloutCheckpoint whose status says Failed although every
+  participant's manifest and records of it are on storage and verify (`completed_on_storage`:
+  digest and count, as a restore checks them) was completed: it is Ready again, and
+  `records_proven` keeps the retention pass from removing those records in any case. The
+  operator's own verdict after a restore that refused the records (reason `RecordsInvalid`) is
+  not overturned, but records that verify are still never removed while the object exists.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from pydantic import ValidationError
 from rollout_protocol import Manifest, checkpoint_base, read_manifest
-from rollout_protocol._storage import RecordsInvalid
+from rollout_protocol._storage import RecordsInvalid, StorageError, read_records
 
 from .api import (
     LABEL_ATTEMPT,
     CheckpointConditionType,
     CheckpointParticipant,
     CheckpointPhase,
+    ConditionStatus,
     RolloutCheckpoint,
     RolloutCheckpointStatus,
     RolloutSet,
 )
 from .conditions import set_condition
 from .kube import Conflict, Kube
-from .policyops import StorageLocator
 from .resources import set_dir
 from .setops import observe_pods
+
+if TYPE_CHECKING:  # policyops imports this module (its retention asks `records_proven`)
+    from .policyops import StorageLocator
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +66,9 @@ NOT_AN_INTERFACE: Final = (
 )
 RESET_PHASES: Final = frozenset({None, CheckpointPhase.PENDING, CheckpointPhase.QUEUED})
 """Phases of a checkpoint that has not started (or whose status was reset)."""
+VERDICT_AFTER_RESTORE: Final = "RecordsInvalid"
+"""The Failed reason the recovery writes when participants refused a checkpoint's records at
+restore (`recovery.CHECKPOINT_RECORDS_INVALID`): the operator's own verdict, never repaired."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +123,12 @@ async def repair_set_attempt(kube: Kube, namespace: str, name: str) -> Repair | 
     return Repair(REPAIRED, message)
 
 
-def _creation(raw: dict[str, Any]) -> datetime | None:
+def parse_creation(raw: Mapping[str, Any]) -> datetime | None:
+    """An object's creationTimestamp (None when absent): records older than it are not its."""
+    return _creation(raw)
+
+
+def _creation(raw: Mapping[str, Any]) -> datetime | None:
     stamp = (raw.get("metadata") or {}).get("creationTimestamp")
     if not isinstance(stamp, str):
         return None
@@ -151,6 +169,120 @@ def published_manifests(
     return found
 
 
+def completed_on_storage(
+    root: Path, rset: RolloutSet, checkpoint: str, created: datetime | None
+) -> dict[str, tuple[Path, Manifest]] | None:
+    """`published_manifests`, and every participant's records verify against its manifest
+    (name, digest, count and record form, read bounded by the manifest's size): the proof that
+    every participant committed this checkpoint, so it is restorable. None otherwise."""
+    manifests = published_manifests(root, rset, checkpoint, created)
+    if manifests is None:
+        return None
+    for path, _ in manifests.values():
+        try:
+            read_records(path.parent, expect_checkpoint_id=checkpoint)
+        except (RecordsInvalid, StorageError, OSError):
+            return None
+    return manifests
+
+
+def records_proven(
+    root: Path, rset: RolloutSet, checkpoint: str, created: datetime | None
+) -> str | None:
+    """Why the records of `checkpoint` must stay whatever its status says (None: no proof)."""
+    manifests = completed_on_storage(root, rset, checkpoint, created)
+    if manifests is None:
+        return None
+    return f"its {len(manifests)} participant manifests and records on storage verify"
+
+
+def _ready_again(
+    ckpt: RolloutCheckpoint,
+    manifests: dict[str, tuple[Path, Manifest]] | None,
+    root: Path | None,
+    message: str,
+) -> RolloutCheckpointStatus:
+    """The Ready status of a checkpoint proven published, with the manifests' participants."""
+    status = ckpt.status.model_copy()
+    if manifests is not None and root is not None:
+        status.participants = [
+            CheckpointParticipant(
+                instance=instance,
+                manifest=str(path.relative_to(root)),
+                records_sha256=manifest.records_sha256,
+                record_count=manifest.record_count,
+                bytes=manifest.bytes,
+            )
+            for instance, (path, manifest) in sorted(manifests.items())
+        ]
+        status.attempt = next(iter(manifests.values()))[1].attempt
+        newest = max(os.lstat(path).st_mtime for path, _ in manifests.values())
+        status.completed_at = status.completed_at or datetime.fromtimestamp(newest, UTC)
+    status.phase = CheckpointPhase.READY
+    status.observed_generation = ckpt.metadata.generation
+    for type_, value in (
+        (CheckpointConditionType.COMMITTED, True),
+        (CheckpointConditionType.READY, True),
+        (CheckpointConditionType.FAILED, False),
+    ):
+        status.conditions = set_condition(
+            status.conditions,
+            type_.value,
+            value,
+            REPAIRED,
+            message,
+            observed_generation=ckpt.metadata.generation,
+        )
+    return status
+
+
+def failed_reason(ckpt: RolloutCheckpoint) -> str | None:
+    """The reason of a checkpoint's Failed=True condition, or None when it has none."""
+    for condition in ckpt.status.conditions:
+        if (
+            condition.type == CheckpointConditionType.FAILED.value
+            and condition.status is ConditionStatus.TRUE
+        ):
+            return condition.reason
+    return None
+
+
+async def repair_failed_checkpoint(
+    kube: Kube, rset: RolloutSet, raw_ckpt: dict[str, Any], *, locator: StorageLocator
+) -> Repair | None:
+    """Write Ready back on a checkpoint whose status says Failed but whose every participant
+    committed it (`completed_on_storage`); None when there is no such proof, the operator cannot
+    see the volume, or the failure is the operator's verdict after a restore."""
+    try:
+        ckpt = RolloutCheckpoint.model_validate(raw_ckpt)
+    except ValidationError:
+        return None
+    if ckpt.metadata.deletion_timestamp is not None:
+        return None
+    failed = ckpt.status.phase is CheckpointPhase.FAILED or failed_reason(ckpt) is not None
+    if not failed or failed_reason(ckpt) == VERDICT_AFTER_RESTORE:
+        return None
+    namespace = ckpt.metadata.namespace or "default"
+    root = locator.root(namespace, rset.spec.storage)
+    if root is None:
+        return None
+    name = ckpt.metadata.name
+    manifests = completed_on_storage(root, rset, name, _creation(raw_ckpt))
+    if manifests is None:
+        return None
+    message = (
+        f"status said Failed ({failed_reason(ckpt) or 'phase Failed'}) but every participant "
+        f"committed the checkpoint: its {len(manifests)} participant manifests and records on "
+        f"storage verify; repaired to Ready, its records kept; {NOT_AN_INTERFACE}"
+    )
+    status = _ready_again(ckpt, manifests, root, message)
+    body = status.model_dump(mode="json", by_alias=True, exclude_none=True)
+    body.setdefault("blockers", [])
+    await kube.patch_checkpoint_status(namespace, name, body)
+    logger.warning("RolloutCheckpoint %s/%s: %s", namespace, name, message)
+    return Repair(REPAIRED, f"checkpoint {name}: {message}")
+
+
 async def repair_published_checkpoint(
     kube: Kube, ckpt: RolloutCheckpoint, *, locator: StorageLocator | None = None
 ) -> tuple[RolloutCheckpointStatus, Repair] | None:
@@ -168,49 +300,28 @@ async def repair_published_checkpoint(
         rset = RolloutSet.model_validate(raw_set)
     except ValidationError:
         return None
-    root = (locator or StorageLocator.from_env()).root(namespace, rset.spec.storage)
-    status = ckpt.status.model_copy()
+    if locator is None:
+        from .policyops import StorageLocator  # here: policyops imports this module
+
+        locator = StorageLocator.from_env()
+    root = locator.root(namespace, rset.spec.storage)
+    manifests: dict[str, tuple[Path, Manifest]] | None = None
+    completed_at = ckpt.status.completed_at
     if root is not None:
         manifests = published_manifests(root, rset, name, _creation(raw_ckpt))
         if manifests is None:
             return None
-        status.participants = [
-            CheckpointParticipant(
-                instance=instance,
-                manifest=str(path.relative_to(root)),
-                records_sha256=manifest.records_sha256,
-                record_count=manifest.record_count,
-                bytes=manifest.bytes,
-            )
-            for instance, (path, manifest) in sorted(manifests.items())
-        ]
-        status.attempt = next(iter(manifests.values()))[1].attempt
-        newest = max(os.lstat(path).st_mtime for path, _ in manifests.values())
-        status.completed_at = status.completed_at or datetime.fromtimestamp(newest, UTC)
         proof = f"its {len(manifests)} participant manifests are on storage"
     elif rset.status.latest_checkpoint == name:
         proof = f"set {rset.metadata.name} names it as its latest Ready checkpoint"
-        status.completed_at = status.completed_at or rset.status.latest_checkpoint_time
+        completed_at = completed_at or rset.status.latest_checkpoint_time
     else:
         return None
     message = (
         f"status was reset (phase {ckpt.status.phase or 'unset'}) but the checkpoint was "
         f"published: {proof}; repaired to Ready, not run again; {NOT_AN_INTERFACE}"
     )
-    status.phase = CheckpointPhase.READY
-    status.observed_generation = ckpt.metadata.generation
-    for type_, value in (
-        (CheckpointConditionType.COMMITTED, True),
-        (CheckpointConditionType.READY, True),
-        (CheckpointConditionType.FAILED, False),
-    ):
-        status.conditions = set_condition(
-            status.conditions,
-            type_.value,
-            value,
-            REPAIRED,
-            message,
-            observed_generation=ckpt.metadata.generation,
-        )
+    status = _ready_again(ckpt, manifests, root, message)
+    status.completed_at = status.completed_at or completed_at
     logger.warning("RolloutCheckpoint %s/%s: %s", namespace, name, message)
     return status, Repair(REPAIRED, message)

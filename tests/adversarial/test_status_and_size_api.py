@@ -147,6 +147,62 @@ async def test_a_reset_status_of_a_ready_checkpoint_is_repaired_not_run_again(
     assert _events(cluster, namespace, REPAIRED), "no Event says the status was repaired"
 
 
+async def test_a_ready_checkpoint_set_failed_by_hand_keeps_its_records(
+    cluster: Cluster,
+    namespace: str,
+    operator: OperatorProcess,
+    resources: Resources,
+    storage_dir: Path,
+) -> None:
+    """A Ready checkpoint whose status is written Failed: retention took it for garbage and
+    removed its records at once (a restorable checkpoint lost). Every participant's manifest and
+    records of it are on storage and verify, so it is repaired to Ready (reason StatusRepaired)
+    with its records, and stays the set's latest."""
+    _apply(cluster, namespace, example_set(storage_dir))
+    await resources.wait_set("Ready", lambda o: is_true(o, "Ready"), 90)
+    _apply(cluster, namespace, example_checkpoint("c1"))
+    ready = await resources.wait_checkpoint("c1", "Ready", phase_is("Ready", "Failed"), 60)
+    assert is_true(ready, "Ready"), ready["status"]
+    before = sorted((p["instance"], p["recordsSha256"]) for p in ready["status"]["participants"])
+    now = "2026-01-01T00:00:00Z"
+    _patch_status(
+        cluster,
+        namespace,
+        "rckpt",
+        "c1",
+        {
+            "phase": "Failed",
+            "conditions": [
+                {
+                    "type": t,
+                    "status": v,
+                    "reason": "ByHand",
+                    "message": "x",
+                    "lastTransitionTime": now,
+                }
+                for t, v in (("Ready", "False"), ("Failed", "True"), ("Committed", "True"))
+            ],
+        },
+    )
+
+    def repaired_ready(obj: dict[str, Any]) -> bool:
+        ready_condition = condition(obj, "Ready")
+        return ready_condition is not None and ready_condition.get("reason") == REPAIRED
+
+    after = await resources.wait_checkpoint("c1", "repaired to Ready", repaired_ready, 60)
+    assert after["status"]["phase"] == "Ready", after["status"]
+    assert not is_true(after, "Failed"), after["status"]
+    assert (
+        sorted((p["instance"], p["recordsSha256"]) for p in after["status"]["participants"])
+        == before
+    )
+    check_manifests(after, storage_dir)
+    rset = await resources.rollout_set()
+    assert rset["status"].get("latestCheckpoint") == "c1", rset["status"]
+    assert _events(cluster, namespace, REPAIRED), "no Event says the status was repaired"
+    assert "Traceback" not in operator.tail(400), operator.tail(60)
+
+
 def _large_set(storage_dir: Path) -> dict[str, Any]:
     """The example set with 150 KiB of environment in each of two templates: a spec more than
     the 256 KiB that all of an object's annotations may hold, each template within the

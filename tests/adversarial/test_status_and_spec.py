@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,11 @@ from rollout_operator import api
 from rollout_operator.resources import STORAGE_VOLUME_NAME, reserved_volume_notes
 from rollout_operator.setops import missing_peers, spec_over_limits
 from rollout_operator.settings import MAX_DIFFBASE_FIELD_BYTES, compact_essence
-from rollout_operator.statusrepair import published_manifests
+from rollout_operator.statusrepair import (
+    completed_on_storage,
+    published_manifests,
+    records_proven,
+)
 from rollout_protocol import ControlPlane
 from shared import checkpoint, pod_settings, serve, set_object
 from test_policy_ops import FakeApi, Run, rollout_set
@@ -73,6 +78,30 @@ async def test_a_checkpoint_with_a_missing_participant_manifest_is_not_published
     obj["spec"]["participants"][0]["replicas"] = 2  # environment-1 never committed
     assert published_manifests(tmp_path, _set(obj), "c1", None) is None
     assert published_manifests(tmp_path, _set(obj), "other", None) is None
+
+
+async def test_a_failed_checkpoints_records_are_proven_only_when_they_verify(
+    tmp_path: Path,
+) -> None:
+    """What keeps the records of a checkpoint whose status says Failed: every participant's
+    manifest and records, verified as a restore verifies them. Records altered on storage prove
+    nothing (a corrupt checkpoint's records are still removed as garbage)."""
+    obj = set_object("team-a", UID, tmp_path)
+    await _published(tmp_path, obj, "c1")
+    created = datetime.now(UTC) - timedelta(minutes=1)
+    assert completed_on_storage(tmp_path, _set(obj), "c1", created) is not None
+    proof = records_proven(tmp_path, _set(obj), "c1", created)
+    assert proof is not None
+    assert "1 participant manifests and records" in proof
+    found = published_manifests(tmp_path, _set(obj), "c1", created)
+    assert found is not None
+    path, manifest = found["environment-0"]
+    records = path.parent / manifest.records_file
+    stat = records.stat()
+    records.write_bytes(records.read_bytes().replace(b"r1", b"r9"))  # same size, other digest
+    os.utime(records, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert completed_on_storage(tmp_path, _set(obj), "c1", created) is None
+    assert records_proven(tmp_path, _set(obj), "c1", created) is None
 
 
 def test_kopfs_diff_base_of_a_large_spec_stays_small_and_still_shows_changes() -> None:
