@@ -4,7 +4,8 @@
 # plane (devcluster/go.mod, sharing its GOCACHE, so they mostly link already-built packages),
 # containerd, containerd-shim-runc-v2 and ctr (devcluster/go/containerd), the CNI plugins
 # bridge, host-local, loopback and portmap (devcluster/go/cni) and the sandbox's pause process
-# (devcluster/go/pause). runc, iptables, conntrack and busybox come from Debian packages that
+# (devcluster/go/pause), and kube-whoami, the test image's in-cluster client (devcluster/go/whoami).
+# runc, iptables, conntrack and busybox come from Debian packages that
 # `make node-binaries` installs when missing.
 #
 # Binaries are cached per machine under $DEVCLUSTER_CACHE (default
@@ -25,7 +26,8 @@ go_version="$(go env GOVERSION)"
 key="$(cat "$here/go.mod" "$here/go.sum" \
   "$here/go/containerd/go.mod" "$here/go/containerd/go.sum" \
   "$here/go/cni/go.mod" "$here/go/cni/go.sum" \
-  "$here/go/pause/go.mod" "$here/go/pause/main.go" "$here/build-node-binaries.sh" \
+  "$here/go/pause/go.mod" "$here/go/pause/main.go" \
+  "$here/go/whoami/go.mod" "$here/go/whoami/main.go" "$here/build-node-binaries.sh" \
   | { cat; echo "$go_version"; } | sha256sum | cut -c1-16)"
 cache_root="${DEVCLUSTER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rollout-devcluster}"
 bin="$cache_root/node-$key/bin"
@@ -69,4 +71,5 @@ for plugin in main/bridge ipam/host-local main/loopback meta/portmap; do
   build "cni/${plugin#*/}" "$here/go/cni" "github.com/containernetworking/plugins/plugins/$plugin" ""
 done
 build pause "$here/go/pause" . ""
+build kube-whoami "$here/go/whoami" . ""
 echo "$bin"

@@ -25,7 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m devcluster",
         description="A real local Kubernetes control plane plus a node agent running pods as "
-        "processes.",
+        "processes, or a real kubelet node with containerd (--node-runtime containerd).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -58,6 +58,23 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=90.0,
         help="seconds to wait for the cluster to become ready (default 90)",
+    )
+    up.add_argument(
+        "--node-runtime",
+        choices=("process", "containerd"),
+        default="process",
+        help="process: pods run as local processes by the node agent (default, fast); "
+        "containerd: one real kubelet node with containerd, runc, kube-proxy and a CNI bridge "
+        "(needs root and `make node-binaries`)",
+    )
+    up.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="ARCHIVE",
+        help="an OCI or Docker image archive to import into the container node's containerd "
+        "(repeatable; --node-runtime containerd only)",
     )
 
     down = sub.add_parser("down", help="stop every process of a cluster")
@@ -141,7 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "up":
             nodes = [parse_node(n) for n in args.node] or list(DEFAULT_NODES)
-            controlplane.up(root, nodes, args.apiserver_port, args.timeout)
+            controlplane.up(
+                root,
+                nodes,
+                args.apiserver_port,
+                args.timeout,
+                node_runtime=args.node_runtime,
+                images=args.image,
+            )
             print(f"export KUBECONFIG={Layout(root.resolve()).kubeconfig}")
         elif args.command == "down":
             controlplane.down(root)
@@ -178,6 +202,11 @@ def _status(root: Path) -> None:
     print(f"cluster {state.cluster_id} in {layout.root}: {state.phase}")
     print(f"  apiserver  {state.apiserver_url}")
     print(f"  kubeconfig {layout.kubeconfig}")
+    if state.container_node is not None:
+        node = state.container_node
+        print(f"  node       {node.name} (containerd) at {node.node_ip}, pods {node.pod_cidr}")
+        print(f"  containerd {node.containerd_socket} (namespace k8s.io)")
+        print(f"  netns      {node.netns} (nsenter --net={node.netns} ...)")
     for record in state.processes:
         mark = "running" if record.pid in alive else "stopped"
         print(f"  {record.name:<24} pid {record.pid:<8} {mark:<8} {record.log}")

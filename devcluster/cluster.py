@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import ssl
 import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
-from devcluster import controlplane
+from devcluster import containernode, controlplane
 from devcluster.admin import AgentAdmin
 from devcluster.config import DEFAULT_NODES, NodeSpec
 from devcluster.errors import DevclusterError
 from devcluster.paths import Layout
 from devcluster.pki import ca_context
 from devcluster.procs import marked_processes
-from devcluster.state import ClusterState, read_state
+from devcluster.state import ClusterState, ContainerNodeState, NodeRuntime, read_state
 
 
 class Cluster:
@@ -35,7 +36,12 @@ class Cluster:
         apiserver_port: int | None = None,
         progress: controlplane.Progress | None = None,
         timings: dict[str, float] | None = None,
+        node_runtime: NodeRuntime = "process",
+        images: Sequence[Path] = (),
     ) -> Cluster:
+        """`node_runtime="containerd"`: one real kubelet node (containerd, runc, kube-proxy, a
+        CNI bridge in its own network namespace) instead of the process node agent; `images`
+        (OCI/Docker archives) are imported into its containerd before the kubelet starts."""
         state = controlplane.up(
             root,
             nodes=nodes,
@@ -43,6 +49,8 @@ class Cluster:
             timeout=timeout,
             progress=progress or (lambda _message: None),
             timings=timings,
+            node_runtime=node_runtime,
+            images=images,
         )
         return cls(state)
 
@@ -125,7 +133,62 @@ class Cluster:
         return pid
 
     def kill_pod(self, namespace: str, name: str, container: str | None = None) -> list[int]:
-        return self.admin.kill_pod(namespace, name, container)
+        """SIGKILLs a pod's container (the first, or the named one): on the process node the
+        agent kills its processes and returns their pids; on the container node containerd's
+        shim signals the container's main process (returns [] : its pid is the shim's)."""
+        if self.state.container_node is None:
+            return self.admin.kill_pod(namespace, name, container)
+        result = self.kubectl("get", "pod", name, "-n", namespace, "-o", "json")
+        containerd_id = _container_id(result.stdout, container)
+        containernode.kill_container(self.state, containerd_id)
+        return []
+
+    # --- the container node (node_runtime="containerd") ---------------------------------------
+
+    @property
+    def node_runtime(self) -> NodeRuntime:
+        return self.state.node_runtime
+
+    @property
+    def containerd_socket(self) -> Path:
+        """The node's containerd socket (CRI and containerd API); namespace `k8s.io`."""
+        return self._container_node().containerd_socket
+
+    containerd_namespace = containernode.CONTAINERD_NAMESPACE
+
+    def ctr(
+        self, *args: str, check: bool = True, timeout: float = 120.0
+    ) -> subprocess.CompletedProcess[str]:
+        """Runs the pinned `ctr` on the node's containerd in namespace `k8s.io`."""
+        self._container_node()
+        argv = containernode.ctr_argv(self.state, *args)
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+        if check and result.returncode != 0:
+            raise DevclusterError(
+                f"ctr {' '.join(args)} failed with {result.returncode}: {result.stderr.strip()}"
+            )
+        return result
+
+    def import_image(self, archive: Path, timeout: float = 300.0) -> None:
+        """Imports an OCI or Docker image archive (e.g. `buildah push IMG oci-archive:FILE:NAME`)
+        into the node's containerd, unpacked, so pods run it with `imagePullPolicy: Never` or
+        `IfNotPresent`. Its name comes from the archive's annotations."""
+        self._container_node()
+        containernode.import_image(self.state, archive, timeout)
+
+    def node_leftovers(self) -> list[str]:
+        """What the container node still has on this machine (mounts, cgroups, veth, network
+        namespace, socket link); empty after `stop`. Always empty on the process node."""
+        return containernode.leftovers(self.layout, self.state)
+
+    def _container_node(self) -> ContainerNodeState:
+        node = self.state.container_node
+        if node is None:
+            raise DevclusterError(
+                f"the devcluster in {self.dir} runs pods as processes; start it with "
+                "node_runtime='containerd' (`up --node-runtime containerd`) for containers"
+            )
+        return node
 
     def lose_node(self, name: str) -> None:
         self.admin.lose_node(name)
@@ -143,3 +206,18 @@ class Cluster:
     def processes(self) -> list[int]:
         """Live processes carrying this cluster's marker (control plane, agent, pods)."""
         return marked_processes(self.state.cluster_id)
+
+
+def _container_id(pod_json: str, container: str | None) -> str:
+    """The running container's containerd id from a pod's JSON (its first container, or the
+    named one)."""
+    pod = json.loads(pod_json)
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    names = [c["name"] for c in pod["spec"]["containers"]]
+    wanted = container or names[0]
+    for status in statuses:
+        if status["name"] == wanted and status.get("containerID"):
+            return str(status["containerID"])
+    raise DevclusterError(
+        f"pod {pod['metadata']['name']} has no running container {wanted!r} to kill"
+    )

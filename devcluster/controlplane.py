@@ -22,7 +22,7 @@ from pathlib import Path
 import anyio
 import httpx
 
-from devcluster import kubeconfig, pki
+from devcluster import containernode, kubeconfig, pki
 from devcluster.config import DEFAULT_NODES, AgentConfig, NodeSpec
 from devcluster.errors import DevclusterError
 from devcluster.ipranges import free_octet
@@ -40,6 +40,8 @@ from devcluster.readiness import wait_cluster_ready
 from devcluster.state import (
     MARKER_ENV,
     ClusterState,
+    ContainerNodeState,
+    NodeRuntime,
     Ports,
     ProcessRecord,
     read_state,
@@ -76,8 +78,10 @@ def _check_dir(layout: Layout) -> None:
                 f"pids {alive}); stop it with `python -m devcluster down --dir {root}` "
                 "or pick another --dir"
             )
-        # Its control plane is gone, but an agent killed without `down` can leave pod processes.
+        # Its control plane is gone, but an agent killed without `down` can leave pod processes,
+        # and an interrupted container node its namespace, mounts and cgroups.
         kill_marked(state.cluster_id)
+        containernode.teardown(layout, state, lambda _message: None)
         return
     if root.exists() and any(root.iterdir()):
         raise DevclusterError(
@@ -103,6 +107,10 @@ class _Starter:
         self.state = self.state.model_copy(update={"processes": [*self.state.processes, record]})
         write_state(self.layout.state_file, self.state)
         self.progress(f"{name} started (pid {child.pid}, log {log})")
+
+    def record_node(self, node: ContainerNodeState) -> None:
+        self.state = self.state.model_copy(update={"container_node": node})
+        write_state(self.layout.state_file, self.state)
 
     def check_alive(self) -> None:
         for name, child in self.children.items():
@@ -130,15 +138,28 @@ def up(
     timeout: float = 90.0,
     progress: Progress = _stderr,
     timings: dict[str, float] | None = None,
+    node_runtime: NodeRuntime = "process",
+    images: Sequence[Path] = (),
 ) -> ClusterState:
     """Starts a cluster in `root` and returns once it can run pods; see the module docstring.
 
     `timings`, when given, receives seconds since the call for "readyz" (the API server passed
     /readyz) and "ready" (everything, nodes included), for the startup benchmark.
+
+    `node_runtime="containerd"` runs one real kubelet node (the first of `nodes`; by default
+    `gpu-0` with 8 GPUs) with containerd and kube-proxy instead of the node agent, and imports
+    `images` (OCI or Docker archives) into its containerd before the kubelet starts; see
+    containernode.py.
     """
     timings = {} if timings is None else timings
     started = time.monotonic()
     binaries = find_binaries()
+    containers = node_runtime == "containerd"
+    if containers:
+        binaries.update(containernode.find_node_binaries())
+        nodes = [nodes[0] if tuple(nodes) != DEFAULT_NODES else DEFAULT_NODES[0]]
+    elif images:
+        raise DevclusterError("images can only be imported into a container node (containerd)")
     layout = Layout(root.resolve())
     _check_dir(layout)
     if len({node.name for node in nodes}) != len(nodes):
@@ -162,24 +183,6 @@ def up(
     for folder in (layout.logs, layout.pod_logs, layout.pods, layout.pod_groups):
         folder.mkdir(parents=True, exist_ok=True)
 
-    certs = pki.generate(layout.pki)
-    server = f"https://127.0.0.1:{ports.apiserver}"
-    kubeconfig.write(layout.kubeconfig, server, certs.ca.cert, certs.admin, "admin")
-    cm_kubeconfig = layout.pki / "controller-manager.kubeconfig"
-    kubeconfig.write(
-        cm_kubeconfig,
-        server,
-        certs.ca.cert,
-        certs.controller_manager,
-        "system:kube-controller-manager",
-    )
-    scheduler_kubeconfig = layout.pki / "scheduler.kubeconfig"
-    kubeconfig.write(
-        scheduler_kubeconfig, server, certs.ca.cert, certs.scheduler, "system:kube-scheduler"
-    )
-    agent_kubeconfig = layout.pki / "agent.kubeconfig"
-    kubeconfig.write(agent_kubeconfig, server, certs.ca.cert, certs.agent, pki.AGENT_USER)
-
     cluster_id = secrets.token_hex(6)
     state = ClusterState(
         cluster_id=cluster_id,
@@ -189,34 +192,50 @@ def up(
         pod_ip_octet=free_octet(2 + int(cluster_id, 16) % 252),
         nodes=list(nodes),
         bin_dir=binary_dir().resolve(),
+        node_runtime=node_runtime,
     )
     write_state(layout.state_file, state)
     env = {**os.environ, MARKER_ENV: cluster_id}
     starter = _Starter(layout, state, progress)
     try:
+        if containers:
+            starter.record_node(
+                containernode.create(layout, cluster_id, nodes[0], starter.record_node, progress)
+            )
+        node = starter.state.container_node
+        certs = pki.generate(
+            layout.pki,
+            apiserver_ips=(node.host_ip,) if node else (),
+            node=(node.name, node.node_ip) if node else None,
+        )
+        server = starter.state.apiserver_url
+        kubeconfig.write(layout.kubeconfig, server, certs.ca.cert, certs.admin, "admin")
+        cm_kubeconfig = layout.pki / "controller-manager.kubeconfig"
+        kubeconfig.write(
+            cm_kubeconfig,
+            server,
+            certs.ca.cert,
+            certs.controller_manager,
+            "system:kube-controller-manager",
+        )
+        scheduler_kubeconfig = layout.pki / "scheduler.kubeconfig"
+        kubeconfig.write(
+            scheduler_kubeconfig, server, certs.ca.cert, certs.scheduler, "system:kube-scheduler"
+        )
+        agent_kubeconfig = layout.pki / "agent.kubeconfig"
+        kubeconfig.write(agent_kubeconfig, server, certs.ca.cert, certs.agent, pki.AGENT_USER)
         starter.start("etcd", _etcd_args(binaries["etcd"], layout, ports), env)
         starter.start(
-            "kube-apiserver", _apiserver_args(binaries["kube-apiserver"], certs, ports), env
+            "kube-apiserver",
+            _apiserver_args(
+                binaries["kube-apiserver"], certs, ports, node.host_ip if node else None
+            ),
+            env,
         )
-        venv_bin = str(Path(sys.executable).parent)
-        agent_config = AgentConfig(
-            dir=layout.root,
-            kubeconfig=agent_kubeconfig,
-            nodes=list(nodes),
-            admin_port=ports.agent,
-            cluster_id=cluster_id,
-            pod_ip_octet=state.pod_ip_octet,
-            tls_cert=certs.serving.cert,
-            tls_key=certs.serving.key,
-            path_prefix=[venv_bin],
-        )
-        layout.agent_config.write_text(agent_config.model_dump_json(indent=2))
-        agent_env = {**env, "PATH": os.pathsep.join([venv_bin, env.get("PATH", "")])}
-        starter.start(
-            "node-agent",
-            [sys.executable, "-m", "devcluster", "agent", "--config", layout.agent_config],
-            agent_env,
-        )
+        if node is None:
+            _start_agent(layout, starter, certs, agent_kubeconfig, env)
+        else:
+            _start_container_runtime(layout, starter, node, binaries, env, images)
         deadline = started + timeout
         anyio.run(_wait_readyz, server, certs, starter, deadline)
         timings["readyz"] = time.monotonic() - started
@@ -233,15 +252,19 @@ def up(
             _scheduler_args(binaries["kube-scheduler"], certs, ports, scheduler_kubeconfig),
             env,
         )
+        if node is not None:
+            _start_kubelet(layout, starter, node, nodes[0], certs, binaries, env)
         anyio.run(
             wait_cluster_ready,
             layout.kubeconfig,
-            state,
+            starter.state,
             certs.ca.cert,
             starter.check_alive,
             deadline,
             lambda message: progress(f"{message} ({time.monotonic() - started:.1f} s)"),
         )
+        if node is not None:
+            anyio.run(containernode.register_gpus, layout.kubeconfig, nodes[0], deadline)
     except BaseException:
         progress("startup failed; stopping everything it started")
         _stop(layout, starter.state, progress)
@@ -251,6 +274,73 @@ def up(
     timings["ready"] = time.monotonic() - started
     progress(f"cluster ready after {timings['ready']:.1f} s")
     return state
+
+
+def _start_agent(
+    layout: Layout,
+    starter: _Starter,
+    certs: pki.Pki,
+    agent_kubeconfig: Path,
+    env: dict[str, str],
+) -> None:
+    state = starter.state
+    venv_bin = str(Path(sys.executable).parent)
+    agent_config = AgentConfig(
+        dir=layout.root,
+        kubeconfig=agent_kubeconfig,
+        nodes=list(state.nodes),
+        admin_port=state.ports.agent,
+        cluster_id=state.cluster_id,
+        pod_ip_octet=state.pod_ip_octet,
+        tls_cert=certs.serving.cert,
+        tls_key=certs.serving.key,
+        path_prefix=[venv_bin],
+    )
+    layout.agent_config.write_text(agent_config.model_dump_json(indent=2))
+    agent_env = {**env, "PATH": os.pathsep.join([venv_bin, env.get("PATH", "")])}
+    starter.start(
+        "node-agent",
+        [sys.executable, "-m", "devcluster", "agent", "--config", layout.agent_config],
+        agent_env,
+    )
+
+
+def _start_container_runtime(
+    layout: Layout,
+    starter: _Starter,
+    node: ContainerNodeState,
+    binaries: dict[str, Path],
+    env: dict[str, str],
+    images: Sequence[Path],
+) -> None:
+    """containerd in the node namespace, then the pause and test images and `images` imported
+    (while the API server boots)."""
+    paths = containernode.write_runtime_configs(layout, node, binaries)
+    node_env = containernode.node_env(env, binaries)
+    starter.start("containerd", containernode.containerd_argv(binaries, paths, node), node_env)
+    containernode.record_netns_inode(node)
+    archives = containernode.build_images(paths, binaries)
+    containernode.wait_containerd(starter.state, time.monotonic() + 60.0, starter.check_alive)
+    for archive in [*archives, *images]:
+        containernode.import_image(starter.state, archive)
+        starter.progress(f"image {archive.name} imported into containerd")
+
+
+def _start_kubelet(
+    layout: Layout,
+    starter: _Starter,
+    node: ContainerNodeState,
+    spec: NodeSpec,
+    certs: pki.Pki,
+    binaries: dict[str, Path],
+    env: dict[str, str],
+) -> None:
+    paths = containernode.write_configs(
+        layout, node, spec, certs, starter.state.apiserver_url, binaries
+    )
+    node_env = containernode.node_env(env, binaries)
+    starter.start("kubelet", containernode.kubelet_argv(binaries, paths, node, spec), node_env)
+    starter.start("kube-proxy", containernode.kube_proxy_argv(binaries, paths, node), node_env)
 
 
 def _client_context(certs: pki.Pki) -> ssl.SSLContext:
@@ -305,6 +395,9 @@ def restart(
         for item in (proc / "environ").read_bytes().split(b"\0")
         if b"=" in item
     )
+    if state.container_node is not None and name in containernode.NODE_PROCESSES:
+        # nsenter exec'd the binary: its command line no longer says which namespace it ran in.
+        argv = [str(arg) for arg in containernode.in_netns(state.container_node, *argv)]
     stop_groups([record.pid], grace_seconds=10.0)
     if while_down is not None:
         while_down()
@@ -354,15 +447,23 @@ def _etcd_args(binary: Path, layout: Layout, ports: Ports) -> list[str | Path]:
     ]
 
 
-def _apiserver_args(binary: Path, certs: pki.Pki, ports: Ports) -> list[str | Path]:
+def _apiserver_args(
+    binary: Path, certs: pki.Pki, ports: Ports, node_host_ip: str | None = None
+) -> list[str | Path]:
+    if node_host_ip is None:
+        # The built-in `kubernetes` Endpoints may not point at loopback; nothing here needs it.
+        address = ["--bind-address=127.0.0.1", "--advertise-address=127.0.0.1"]
+        address.append("--endpoint-reconciler-type=none")
+    else:
+        # The container node's pods reach it through the `kubernetes` Service at this address,
+        # the machine's end of the node's veth (see containernode.py).
+        address = [f"--bind-address={node_host_ip}", f"--advertise-address={node_host_ip}"]
+        address.append("--endpoint-reconciler-type=lease")
     return [
         binary,
         f"--etcd-servers=http://127.0.0.1:{ports.etcd_client}",
         f"--secure-port={ports.apiserver}",
-        "--bind-address=127.0.0.1",
-        "--advertise-address=127.0.0.1",
-        # The built-in `kubernetes` Endpoints may not point at loopback; nothing here needs it.
-        "--endpoint-reconciler-type=none",
+        *address,
         f"--tls-cert-file={certs.apiserver.cert}",
         f"--tls-private-key-file={certs.apiserver.key}",
         f"--client-ca-file={certs.ca.cert}",
@@ -381,6 +482,8 @@ def _apiserver_args(binary: Path, certs: pki.Pki, ports: Ports) -> list[str | Pa
         "--allow-privileged=true",
         # `kubectl logs` goes through the apiserver to the agent's kubelet-style endpoint.
         f"--kubelet-certificate-authority={certs.ca.cert}",
+        f"--kubelet-client-certificate={certs.kubelet_client.cert}",
+        f"--kubelet-client-key={certs.kubelet_client.key}",
         "--kubelet-preferred-address-types=InternalIP",
         "--profiling=false",
         "--v=1",
@@ -475,6 +578,7 @@ def _stop(
     stragglers = kill_marked(state.cluster_id)
     if stragglers:
         progress(f"killed stragglers carrying {MARKER_ENV}={state.cluster_id}: {stragglers}")
+    containernode.teardown(layout, state, progress)
     for file in layout.pod_groups.glob("*") if layout.pod_groups.exists() else []:
         file.unlink(missing_ok=True)
     progress(f"stopped {len(records)} processes of cluster {state.cluster_id} in {layout.root}")

@@ -117,4 +117,11 @@ class Layout:
 
     # Folders `up` owns and recreates on every start; anything else in the directory is left alone.
     def owned_folders(self) -> tuple[Path, ...]:
-        return (self.pki, self.logs, self.pods, self.etcd_data, self.root / "run")
+        return (
+            self.pki,
+            self.logs,
+            self.pods,
+            self.etcd_data,
+            self.root / "run",
+            self.root / "node",
+        )

@@ -51,6 +51,22 @@ class Pki:
     agent: CertPair
     service_account_key: Path
     service_account_pub: Path
+    kubelet_client: CertPair
+    """The API server's client certificate towards kubelets (`kubectl logs/exec` on a real node)."""
+    node: NodeCerts | None = None
+    """The container node's identities; None on the process node."""
+
+
+@dataclass(frozen=True)
+class NodeCerts:
+    """A real kubelet's and kube-proxy's credentials: the kubelet authenticates as
+    `system:node:<name>` in `system:nodes` (the Node authorizer and NodeRestriction apply to it as
+    on any cluster) and serves with a certificate for its node IP; kube-proxy is
+    `system:kube-proxy` (RBAC's default `system:node-proxier` binding)."""
+
+    kubelet: CertPair
+    kubelet_serving: CertPair
+    kube_proxy: CertPair
 
 
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> None:
@@ -152,7 +168,11 @@ class _Authority:
         return self._save(stem, builder.sign(self.key, hashes.SHA256()), key)
 
 
-def generate(folder: Path) -> Pki:
+def generate(
+    folder: Path,
+    apiserver_ips: tuple[str, ...] = (),
+    node: tuple[str, str] | None = None,
+) -> Pki:
     """Writes a CA and every certificate the cluster needs into `folder`.
 
     The agent authenticates in `system:masters`: it plays the kubelet of several nodes at once,
@@ -161,6 +181,9 @@ def generate(folder: Path) -> Pki:
     in `system:masters` too, because it runs all controllers under its own identity (see
     `--use-service-account-credentials` in controlplane.py). Users and service accounts get
     nothing beyond RBAC's defaults: that is the authorization tests exercise.
+
+    `apiserver_ips` are extra addresses the API server's certificate names (the container node
+    reaches it on a veth address); `node` is the container node's (name, IP), for `NodeCerts`.
     """
     folder.mkdir(parents=True, exist_ok=True)
     ca = _Authority(folder)
@@ -180,7 +203,7 @@ def generate(folder: Path) -> Pki:
             "apiserver",
             "kube-apiserver",
             dns_names=APISERVER_DNS_NAMES,
-            ips=APISERVER_IPS,
+            ips=APISERVER_IPS + apiserver_ips,
             server=True,
         ),
         serving=ca.issue(
@@ -194,6 +217,23 @@ def generate(folder: Path) -> Pki:
         agent=ca.issue("agent", AGENT_USER, "system:masters", client=True),
         service_account_key=sa_private,
         service_account_pub=sa_public,
+        kubelet_client=ca.issue(
+            "apiserver-kubelet-client",
+            "kube-apiserver-kubelet-client",
+            "system:masters",
+            client=True,
+        ),
+        node=None if node is None else _node_certs(ca, *node),
+    )
+
+
+def _node_certs(ca: _Authority, name: str, ip: str) -> NodeCerts:
+    return NodeCerts(
+        kubelet=ca.issue("kubelet", f"system:node:{name}", "system:nodes", client=True),
+        kubelet_serving=ca.issue(
+            "kubelet-serving", f"system:node:{name}", dns_names=(name,), ips=(ip,), server=True
+        ),
+        kube_proxy=ca.issue("kube-proxy", "system:kube-proxy", client=True),
     )
 
 

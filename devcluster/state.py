@@ -38,6 +38,35 @@ class Ports(BaseModel):
     agent: int
 
 
+NodeRuntime = Literal["process", "containerd"]
+"""`process`: the node agent runs pods as local processes (the fast default). `containerd`: a real
+kubelet, containerd and kube-proxy (devcluster/containernode.py)."""
+
+
+class ContainerNodeState(BaseModel):
+    """What a container node created on this machine, recorded before each thing is created so
+    that `down` removes it also after an interrupted `up` (see containernode.teardown)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    index: int = Field(ge=1, le=254, description="the third octet of its addresses")
+    netns: Path = Field(description="the node network namespace's bind mount (a file under DIR)")
+    host_veth: str
+    host_ip: str
+    node_ip: str
+    pod_cidr: str
+    cgroup_root: str = Field(description="kubelet's cgroupRoot, created in every hierarchy")
+    run_link: Path = Field(description="short /run alias of DIR/run/node for unix socket paths")
+    created: list[str] = Field(
+        default_factory=list, description="steps begun, in order: netns, veth, cgroups, run-link"
+    )
+
+    @property
+    def containerd_socket(self) -> Path:
+        return self.run_link / "containerd.sock"
+
+
 class ClusterState(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -50,10 +79,18 @@ class ClusterState(BaseModel):
     nodes: list[NodeSpec]
     bin_dir: Path
     processes: list[ProcessRecord] = Field(default_factory=list)
+    node_runtime: NodeRuntime = "process"
+    container_node: ContainerNodeState | None = None
+
+    @property
+    def apiserver_host(self) -> str:
+        """Loopback on the process node; the veth's host address on the container node, where
+        the API server also has to be reachable from the node's network namespace."""
+        return self.container_node.host_ip if self.container_node else "127.0.0.1"
 
     @property
     def apiserver_url(self) -> str:
-        return f"https://127.0.0.1:{self.ports.apiserver}"
+        return f"https://{self.apiserver_host}:{self.ports.apiserver}"
 
     @property
     def agent_url(self) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ from kubernetes_asyncio import client
 from devcluster.cluster import Cluster
 from devcluster.errors import DevclusterError
 from devcluster.procs import is_alive
+from devcluster.state import NodeRuntime
 from devcluster.waiting import WaitTimeout, wait_for, wait_for_sync
 
 __all__ = [
@@ -37,31 +38,53 @@ __all__ = [
 ]
 
 EXISTING_KUBECONFIG_ENV = "ROLLOUT_E2E_KUBECONFIG"
+EXISTING_CONTAINER_KUBECONFIG_ENV = "ROLLOUT_E2E_CONTAINER_KUBECONFIG"
 
 
 @contextmanager
-def e2e_cluster(tmp_root: Path) -> Iterator[Cluster]:
+def e2e_cluster(
+    tmp_root: Path,
+    node_runtime: NodeRuntime = "process",
+    images: Sequence[Path] = (),
+) -> Iterator[Cluster]:
     """The cluster for a test session: a fresh one in `tmp_root`, stopped afterwards, or the
-    running devcluster whose kubeconfig `$ROLLOUT_E2E_KUBECONFIG` names (left running)."""
-    existing = os.environ.get(EXISTING_KUBECONFIG_ENV)
+    running devcluster whose kubeconfig `$ROLLOUT_E2E_KUBECONFIG` names (left running).
+
+    With `node_runtime="containerd"` it is a container node (`$ROLLOUT_E2E_CONTAINER_KUBECONFIG`
+    names a running one to borrow), `images` imported into its containerd; stopping it fails if
+    anything it created on the machine is left (process, mount, cgroup, veth, namespace)."""
+    env = (
+        EXISTING_KUBECONFIG_ENV if node_runtime == "process" else EXISTING_CONTAINER_KUBECONFIG_ENV
+    )
+    existing = os.environ.get(env)
     if existing:
         root = Path(existing).resolve().parent
         if not (root / "state.json").exists():
             raise DevclusterError(
-                f"{EXISTING_KUBECONFIG_ENV}={existing} is not the kubeconfig of a devcluster "
+                f"{env}={existing} is not the kubeconfig of a devcluster "
                 "(no state.json beside it); the e2e tests need devcluster's kill-pod and "
                 "lose-node hooks. Start one with `make cluster` and use .devcluster/kubeconfig."
             )
-        yield Cluster.attach(root)
+        attached = Cluster.attach(root)
+        if attached.node_runtime != node_runtime:
+            raise DevclusterError(f"{env}={existing} runs a {attached.node_runtime} node")
+        for archive in images:
+            attached.import_image(archive)
+        yield attached
         return
-    cluster = Cluster.start(tmp_root / "devcluster")
+    cluster = Cluster.start(
+        tmp_root / f"devcluster-{node_runtime}",
+        node_runtime=node_runtime,
+        images=images,
+        timeout=90.0 if node_runtime == "process" else 180.0,
+    )
     try:
         yield cluster
     finally:
         cluster.stop()
-        left = cluster.processes()
+        left = [f"process {pid}" for pid in cluster.processes()] + cluster.node_leftovers()
         if left:
-            raise DevclusterError(f"processes left after stopping the e2e cluster: {left}")
+            raise DevclusterError(f"left after stopping the e2e cluster: {left}")
 
 
 def namespace_name(test_name: str) -> str:

@@ -8,6 +8,10 @@ The devcluster fixtures live here rather than in `e2e/conftest.py` because two f
   kubeconfig `ROLLOUT_E2E_KUBECONFIG` names, left running (e.g. `make cluster` then
   `ROLLOUT_E2E_KUBECONFIG=.devcluster/kubeconfig pytest tests/e2e`). Nothing starts unless a
   test asks for it.
+- `container_cluster` (session): the same on a container node (real kubelet, containerd, runc,
+  kube-proxy, CNI bridge; `make node-binaries`, root), or the running one that
+  `ROLLOUT_E2E_CONTAINER_KUBECONFIG` names; its teardown also fails if a mount, cgroup, veth or
+  network namespace it created is left. Images go in with `container_cluster.import_image`.
 - `namespace`: a fresh namespace per test, with its `default` ServiceAccount in place (pods are
   refused before it exists); its pods are force-deleted and the namespace deleted afterwards.
   Set `ROLLOUT_E2E_KEEP_NAMESPACES=1` to keep them for debugging.
@@ -46,8 +50,26 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield running
 
 
+@pytest.fixture(scope="session")
+def container_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with e2e_cluster(tmp_path_factory.mktemp("e2e-containers"), node_runtime="containerd") as up:
+        yield up
+
+
 @pytest.fixture
 def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    yield from _fresh_namespace(cluster, request)
+
+
+@pytest.fixture
+def container_namespace(
+    container_cluster: Cluster, request: pytest.FixtureRequest
+) -> Iterator[str]:
+    """`namespace` on the container node's cluster."""
+    yield from _fresh_namespace(container_cluster, request)
+
+
+def _fresh_namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
     name = namespace_name(request.node.name)
     cluster.kubectl("create", "namespace", name)
     wait_for_sync(
