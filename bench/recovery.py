@@ -25,7 +25,9 @@ A second comparison keeps warm model pods: the environment pod is SIGKILLed whil
 takes `--load-seconds` (default 30) to load its weights, once with `restorePolicy: Recreate`
 (every pod replaced, the model loads again) and once with `InPlace` (only the environment pod
 replaced, the model pod kept). It prints the time from the kill to resumed and the model tokens
-generated again in each; the target is InPlace at least `--load-seconds` shorter.
+generated again in each, as measured from the servers' `/stats` (above) and as the operator
+reports them in `status.lastRecovery` (the participants' own counts: docs/operations.md, "Work
+lost in a recovery"); the target is InPlace at least `--load-seconds` shorter.
 
     python bench/recovery.py [--episodes 48] [--seed 7] [--token-latency-ms 20]
                              [--load-seconds 30] [--skip-policies | --only-policies]
@@ -157,9 +159,31 @@ def policy_table(
             f"{kept[1].get('kept', '-')} / {kept[1].get('replaced', '-')}",
         ),
         row(
-            "model tokens generated again", str(recreate.redone.tokens), str(in_place.redone.tokens)
+            "model tokens regenerated (measured)",
+            str(recreate.redone.tokens),
+            str(in_place.redone.tokens),
         ),
-        row("steps redone", str(recreate.redone.steps), str(in_place.redone.steps)),
+        row("steps redone (measured)", str(recreate.redone.steps), str(in_place.redone.steps)),
+        row(
+            "model tokens regenerated (lastRecovery)",
+            str(kept[0].get("modelTokensGeneratedAgain", "-")),
+            str(kept[1].get("modelTokensGeneratedAgain", "-")),
+        ),
+        row(
+            "model tokens kept (lastRecovery)",
+            str(kept[0].get("modelTokensKept", "-")),
+            str(kept[1].get("modelTokensKept", "-")),
+        ),
+        row(
+            "steps redone / kept (lastRecovery)",
+            f"{kept[0].get('stepsRedone', '-')} / {kept[0].get('stepsKept', '-')}",
+            f"{kept[1].get('stepsRedone', '-')} / {kept[1].get('stepsKept', '-')}",
+        ),
+        row(
+            "work uncounted (lastRecovery)",
+            ",".join(kept[0].get("workUncounted", [])) or "-",
+            ",".join(kept[1].get("workUncounted", [])) or "-",
+        ),
         row("wall time to finish (s)", shown(recreate.wall_seconds), shown(in_place.wall_seconds)),
         row("episodes failed", str(len(recreate.failed)), str(len(in_place.failed))),
     ]

@@ -8,7 +8,12 @@ one participant pod, and checks that
 - every episode finished exactly once, with the answer of an uninterrupted run, and no step
   completed before the checkpoint ran again (`check_recovered_run`);
 - the set says what the recovery kept and replaced (`status.lastRecovery`, the printer
-  columns) and the operator's `/metrics` count it.
+  columns) and the operator's `/metrics` count it;
+- the work it kept and lost (model tokens kept and generated again, steps kept and redone, the
+  lost pod named as uncounted) equals what the servers' own counters say: the tokens each
+  request generated under each attempt and the steps each episode completed under each
+  attempt (`/stats` of the kept pods), against the checkpoint's records on storage
+  (`expected_work`).
 
 A last test freezes a pod that should be kept: it cannot retire the lost attempt, and the
 recovery falls back to Recreate with reason `InPlaceFallback`.
@@ -30,7 +35,9 @@ from operator_fixtures import (
     RecoveredRun,
     Resources,
     check_recovered_run,
+    completed,
     condition,
+    done_before_checkpoint,
     episodes_running,
     example_checkpoint,
     example_set,
@@ -39,6 +46,7 @@ from operator_fixtures import (
     merged_stats,
     phase_is,
     pod_pids,
+    records_of,
     resources,
     running_operator,
     sample,
@@ -52,7 +60,7 @@ from rollout_servers.discovery import rollout_set_topology
 
 from devcluster.cluster import Cluster
 from devcluster.waiting import WaitTimeout, wait_for
-from harness.demo import free_port
+from harness.demo import checkpoint_records, free_port, generation_prefixes
 
 __all__ = ["resources", "storage_dir"]
 
@@ -136,6 +144,8 @@ class Outcome:
     uids_after: dict[str, str]
     lost: str
     """The instance whose pod was killed."""
+    stats: dict[str, dict[str, Any]]
+    """`/stats?detail=true` of each participant instance after the recovery."""
 
 
 async def checkpoint_kill_recover(
@@ -220,10 +230,12 @@ async def checkpoint_kill_recover(
         reference_specs = episode_specs(EPISODES, SEED, prefix="ref")
         reference = await RolloutClient(topology, concurrency=EPISODES).run_all(reference_specs)
         by_role: dict[str, list[dict[str, Any]]] = {}
+        by_instance: dict[str, dict[str, Any]] = {}
         token = await resources.control_token(SET)
         for participant in after["status"]["participants"]:
             reply = await stats(http, participant["address"], token)
             by_role.setdefault(participant["role"], []).append(reply)
+            by_instance[f"{participant['role']}-{participant['index']}"] = reply
     run = RecoveredRun(
         specs=specs,
         outcomes=outcomes,
@@ -242,6 +254,77 @@ async def checkpoint_kill_recover(
         uids_before=uids_before,
         uids_after=uids(cluster, namespace),
         lost=lose,
+        stats=by_instance,
+    )
+
+
+@dataclass
+class ExpectedWork:
+    model_tokens_kept: int
+    model_tokens_generated_again: int
+    steps_kept: int
+    steps_redone: int
+
+
+_NOT_STEPS = frozenset({"run", "close", "cleanup"})
+"""Names the servers count beside their episode steps (a /run, a session close, cleanup)."""
+
+
+def expected_work(got: Outcome, storage: Path) -> ExpectedWork:
+    """The work the recovery kept and lost, from the servers' own counters and the records.
+
+    Kept: the tokens of the model's generation records (cut prefixes, held responses) and the
+    steps the environment and agent records had completed. Lost: on the pods that outlived the
+    loss (a lost pod's counters are gone with it), for the episodes that were unfinished at the
+    loss (the client finished them under attempt 2):
+
+    - tokens: each request's tokens generated under attempt 1 beyond what the checkpoint kept
+      of it, for requests the checkpoint had not already seen completed (a model call the
+      agent's record has behind it);
+    - steps: each step an episode completed under attempt 1 and again under attempt 2 (a
+      step completed before the checkpoint never runs again: `check_recovered_run`).
+    """
+    records = checkpoint_records(storage, SET, got.checkpoint["metadata"]["name"])
+    model_records = [r for r in records_of(records, "model") if r.kind == "generation"]
+    workers = records_of(records, "environment") + records_of(records, "agent")
+    kept_prefix = generation_prefixes(records)
+    agent_records = {r.rollout_id: r for r in records_of(records, "agent")}
+    unfinished = {rid for rid, result in got.results.items() if result.attempt == 2}
+    # An environment closes an episode's agent session as the last thing before it returns the
+    # result: an episode whose session was closed under attempt 1 had finished there, even if
+    # the environment died before its reply reached the client (which then runs it again).
+    # Nothing that outlived the loss could tell it from one delivered: the servers count it
+    # as finished (docs/operations.md, "Work lost in a recovery").
+    for instance, reply in got.stats.items():
+        if instance.startswith("agent-") and instance != got.lost:
+            unfinished -= {rid for rid in unfinished if completed(reply, rid, 1).get("close")}
+    tokens_again = steps_redone = 0
+    for instance, reply in got.stats.items():
+        if instance == got.lost:
+            continue
+        if instance.startswith("model-"):
+            by_request = ((reply.get("tokens") or {}).get("1") or {}).get("by_request") or {}
+            for key, count in by_request.items():
+                rid, _, turn = key.partition("/")
+                agent = agent_records.get(rid)
+                if rid not in unfinished or (
+                    agent is not None and f"model@{turn}" in done_before_checkpoint(agent)
+                ):
+                    continue
+                tokens_again += max(0, int(count) - kept_prefix.get(key, 0))
+        elif instance.startswith(("environment-", "agent-")):
+            for rid in unfinished:
+                first, again = completed(reply, rid, 1), completed(reply, rid, 2)
+                steps_redone += sum(
+                    1
+                    for name in first
+                    if name not in _NOT_STEPS and first[name] and again.get(name)
+                )
+    return ExpectedWork(
+        model_tokens_kept=sum(int(r.data["state"]["tokens"]) for r in model_records),
+        model_tokens_generated_again=tokens_again,
+        steps_kept=sum(int(r.data["steps"]) for r in workers),
+        steps_redone=steps_redone,
     )
 
 
@@ -304,6 +387,22 @@ async def test_in_place_replaces_only_the_lost_pod(
         assert annotations["checkpoint.rollout.dev/latest-checkpoint"] == "in-flight"
         assert annotations["checkpoint.rollout.dev/latest-checkpoint-time"].endswith("Z")
 
+    # The work it kept and lost, as the servers' own counters and the records say.
+    work = expected_work(got, storage_dir)
+    assert work.model_tokens_kept >= HELD_AT_TOKEN, "the held generation's prefix is kept"
+    assert {
+        "modelTokensKept": last["modelTokensKept"],
+        "modelTokensGeneratedAgain": last["modelTokensGeneratedAgain"],
+        "stepsKept": last["stepsKept"],
+        "stepsRedone": last["stepsRedone"],
+    } == {
+        "modelTokensKept": work.model_tokens_kept,
+        "modelTokensGeneratedAgain": work.model_tokens_generated_again,
+        "stepsKept": work.steps_kept,
+        "stepsRedone": work.steps_redone,
+    }, f"lastRecovery {last}"
+    assert last["workUncounted"] == [lose], "only the lost pod's work is unknown"
+
     # The operator's /metrics count it.
     found = await wait_metrics(
         operator.metrics_url,
@@ -311,10 +410,17 @@ async def test_in_place_replaces_only_the_lost_pod(
             ("rollout_recovery_pods_total", "kept"): len(after) - 1,
             ("rollout_recovery_pods_total", "replaced"): 1,
             ("rollout_recovery_episodes_total", "continued"): last["episodesContinued"],
+            ("rollout_recovery_model_tokens_total", "kept"): work.model_tokens_kept,
+            ("rollout_recovery_model_tokens_total", "generated_again"): (
+                work.model_tokens_generated_again
+            ),
+            ("rollout_recovery_steps_total", "kept"): work.steps_kept,
+            ("rollout_recovery_steps_total", "redone"): work.steps_redone,
         },
     )
     assert sample(found, "rollout_recovery_duration_seconds_count", set=SET, phase="Total") == 1
     assert sample(found, "rollout_recovery_checkpoint_age_seconds_count", set=SET) == 1
+    assert sample(found, "rollout_recovery_work_uncounted_participants_total", set=SET) == 1
 
 
 async def test_a_survivor_that_cannot_retire_falls_back_to_recreate(
@@ -342,6 +448,15 @@ async def test_a_survivor_that_cannot_retire_falls_back_to_recreate(
     last = got.after["status"]["lastRecovery"]
     assert last["restorePolicy"] == "Recreate"
     assert (last["kept"], last["replaced"]) == (0, 4)
+    # The failed InPlace try already retired the survivors it could: nobody counted the work
+    # lost after the checkpoint, and the set says so rather than report zero as known.
+    assert last["workUncounted"] == [
+        "agent-0",
+        "environment-0",
+        "model-0",
+        "resources-0",
+    ]
+    assert last["modelTokensKept"] == expected_work(got, storage_dir).model_tokens_kept
     events = json.loads(cluster.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)
     fallbacks = [e for e in events["items"] if e["reason"] == "InPlaceFallback"]
     assert fallbacks, "no InPlaceFallback Event"
