@@ -17,9 +17,11 @@ why it is shaped this way:
   namespace, the API server and other pods, and nothing else (the machine does not forward).
 - a **cgroup subtree** `/devcluster-<id>` in every hierarchy, the kubelet's `cgroupRoot`
   (cgroupfs driver; this machine has cgroup v1 hierarchies and no systemd).
-- **mounts** under `DIR` only: container root filesystems (overlayfs), pod network namespaces
-  (containerd's `netns_mounts_under_state_dir`), the kubelet's secret/projected volumes.
-- a symlink `/run/devcluster-<id>` to `DIR/run/node`, because unix socket paths are limited to
+- **mounts** under `DIR` and `/run/devcluster-<id>` only: container root filesystems
+  (overlayfs), pod network namespaces (containerd's `netns_mounts_under_state_dir`), the
+  kubelet's secret/projected volumes.
+- a folder `/run/devcluster-<id>` for containerd's sockets and the kubelet's root directory
+  (its plugin and pod-resources sockets, pod volumes), because unix socket paths are limited to
   108 bytes (containerd's shim sockets to 42 for their folder) and `DIR` may be long.
 
 Each of these is written to the state file before it is made, and `teardown` removes whatever the
@@ -170,7 +172,7 @@ def plan(layout: Layout, cluster_id: str, node: NodeSpec, index: int) -> Contain
         node_ip=str(hosts[1]),
         pod_cidr=f"10.214.{index}.0/24",
         cgroup_root=f"/devcluster-{cluster_id}",
-        run_link=Path(f"/run/devcluster-{cluster_id}"),
+        run_dir=Path(f"/run/devcluster-{cluster_id}"),
     )
 
 
@@ -249,11 +251,8 @@ def create(
         if (hierarchy / "cpuset.cpus").exists():
             for name in ("cpuset.cpus", "cpuset.mems"):
                 (path / name).write_text((hierarchy / name).read_text())
-    node = _step(node, "run-link", record)
-    run_dir = layout.root / "run" / "node"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    node.run_link.unlink(missing_ok=True)
-    node.run_link.symlink_to(run_dir)
+    node = _step(node, "run-dir", record)
+    node.run_dir.mkdir(mode=0o700, exist_ok=True)
     progress(
         f"node network: namespace {node.netns}, veth {node.host_veth} {node.host_ip} <-> "
         f"{node.node_ip}, pods {node.pod_cidr}; cgroup root {node.cgroup_root}"
@@ -284,7 +283,6 @@ class NodePaths:
 
     def __init__(self, layout: Layout) -> None:
         self.root = layout.root / "node"
-        self.run = layout.root / "run" / "node"
         self.containerd = self.root / "containerd"
         self.kubelet = self.root / "kubelet"
         self.kube_proxy = self.root / "kube-proxy"
@@ -424,7 +422,7 @@ disabled_plugins = [
   address = ""
 
 [plugins.'io.containerd.shim.v1.manager']
-  socket_dir = "{node.run_link / "s"}"
+  socket_dir = "{node.run_dir / "s"}"
 
 [plugins.'io.containerd.cri.v1.images']
   snapshotter = "overlayfs"
@@ -504,7 +502,7 @@ def kubelet_argv(
         binaries["kubelet"],
         f"--config={paths.kubelet / 'config.yaml'}",
         f"--kubeconfig={paths.kubelet / 'kubeconfig'}",
-        f"--root-dir={paths.kubelet / 'root'}",
+        f"--root-dir={node.run_dir / 'kubelet'}",
         f"--cert-dir={paths.kubelet / 'pki'}",
         f"--hostname-override={node.name}",
         f"--node-ip={node.node_ip}",
@@ -676,12 +674,13 @@ def _mountinfo() -> list[_Mount]:
     return mounts
 
 
-def _owned_roots(layout: Layout) -> list[Path]:
-    return [layout.root.resolve() / "node", layout.root.resolve() / "run"]
+def _owned_roots(layout: Layout, node: ContainerNodeState | None) -> list[Path]:
+    roots = [layout.root.resolve() / "node", layout.root.resolve() / "run"]
+    return roots if node is None else [*roots, node.run_dir]
 
 
-def _mounts_under(layout: Layout) -> list[Path]:
-    roots = _owned_roots(layout)
+def _mounts_under(layout: Layout, node: ContainerNodeState | None = None) -> list[Path]:
+    roots = _owned_roots(layout, node)
     return [
         m.point for m in _mountinfo() if any(m.point == r or r in m.point.parents for r in roots)
     ]
@@ -746,7 +745,7 @@ def teardown(layout: Layout, state: ClusterState, progress: Progress) -> None:
                 os.kill(pid, signal.SIGKILL)
     # Mounts, deepest first (root filesystems, volumes, pod namespaces, the node namespace).
     for _attempt in range(5):
-        points = _mounts_under(layout)
+        points = _mounts_under(layout, node)
         if not points:
             break
         for point in sorted(points, key=lambda p: len(p.parts), reverse=True):
@@ -766,8 +765,8 @@ def teardown(layout: Layout, state: ClusterState, progress: Progress) -> None:
     # loses its link to the machine here.
     if _link_exists(node.host_veth):
         subprocess.run(["ip", "link", "del", node.host_veth], capture_output=True, check=False)
-    if node.run_link.is_symlink():
-        node.run_link.unlink()
+    if "run-dir" in node.created and node.run_dir.is_dir() and not _mounts_under(layout, node):
+        shutil.rmtree(node.run_dir)
     progress(f"container node {node.name} removed (namespace, veth, cgroups, mounts)")
 
 
@@ -798,7 +797,7 @@ def leftovers(layout: Layout, state: ClusterState) -> list[str]:
     node = state.container_node
     if node is None:
         return []
-    found = [f"mount {point}" for point in _mounts_under(layout)]
+    found = [f"mount {point}" for point in _mounts_under(layout, node)]
     found += [f"cgroup {folder}" for folder in _cgroup_dirs(node)]
     if _link_exists(node.host_veth):
         found.append(f"veth {node.host_veth}")
@@ -806,6 +805,6 @@ def leftovers(layout: Layout, state: ClusterState) -> list[str]:
     if inode is not None:
         found += [f"process {pid} in the node network namespace" for pid in _netns_holders(inode)]
         found += [f"nsfs mount {m.point}" for m in _mountinfo() if m.root == f"net:[{inode}]"]
-    if node.run_link.is_symlink() or node.run_link.exists():
-        found.append(f"link {node.run_link}")
+    if node.run_dir.exists():
+        found.append(f"folder {node.run_dir}")
     return found

@@ -57,14 +57,17 @@ class ContainerNodeState(BaseModel):
     node_ip: str
     pod_cidr: str
     cgroup_root: str = Field(description="kubelet's cgroupRoot, created in every hierarchy")
-    run_link: Path = Field(description="short /run alias of DIR/run/node for unix socket paths")
+    run_dir: Path = Field(
+        description="/run/devcluster-<id>: unix sockets and the kubelet's root, whose socket "
+        "paths must stay under 108 bytes (DIR may be long)"
+    )
     created: list[str] = Field(
-        default_factory=list, description="steps begun, in order: netns, veth, cgroups, run-link"
+        default_factory=list, description="steps begun, in order: netns, veth, cgroups, run-dir"
     )
 
     @property
     def containerd_socket(self) -> Path:
-        return self.run_link / "containerd.sock"
+        return self.run_dir / "containerd.sock"
 
 
 class ClusterState(BaseModel):
