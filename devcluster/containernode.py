@@ -54,8 +54,8 @@ from devcluster.config import GPU_RESOURCE, NodeSpec
 from devcluster.errors import DevclusterError
 from devcluster.kube import open_api
 from devcluster.paths import REPO_ROOT, Layout
-from devcluster.state import ClusterState, ContainerNodeState
-from devcluster.waiting import WaitTimeout, wait_for
+from devcluster.state import MARKER_ENV, ClusterState, ContainerNodeState
+from devcluster.waiting import WaitTimeout, wait_for, wait_for_sync
 
 CONTAINERD_NAMESPACE = "k8s.io"
 """The containerd namespace the CRI plugin (so the kubelet) uses: images for pods go there."""
@@ -570,12 +570,19 @@ def ctr_argv(state: ClusterState, *args: str) -> list[str]:
     ]
 
 
+def _ctr_env(state: ClusterState) -> dict[str, str]:
+    """ctr carries the cluster's marker, so `down` also stops one cut off by an interrupted up."""
+    return {**os.environ, MARKER_ENV: state.cluster_id}
+
+
 def import_image(state: ClusterState, archive: Path, timeout: float = 300.0) -> None:
     """Imports an OCI (or Docker) image archive into the node's containerd, unpacked for the
     overlayfs snapshotter, so pods can use it with `imagePullPolicy: Never`/`IfNotPresent`.
     The image's name comes from the archive (`io.containerd.image.name` or the ref annotation)."""
     argv = ctr_argv(state, "images", "import", "--snapshotter=overlayfs", str(archive))
-    result = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=timeout)
+    result = subprocess.run(
+        argv, capture_output=True, text=True, check=False, timeout=timeout, env=_ctr_env(state)
+    )
     if result.returncode != 0:
         raise DevclusterError(
             f"importing {archive} into the node's containerd failed ({result.returncode}): "
@@ -588,7 +595,12 @@ def wait_containerd(state: ClusterState, deadline: float, check_alive: Callable[
     while True:
         check_alive()
         result = subprocess.run(
-            ctr_argv(state, "version"), capture_output=True, text=True, check=False, timeout=10
+            ctr_argv(state, "version"),
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=10,
+            env=_ctr_env(state),
         )
         if result.returncode == 0:
             return
@@ -638,6 +650,32 @@ async def register_gpus(kubeconfig_path: Path, spec: NodeSpec, deadline: float) 
             )
         except WaitTimeout as error:
             raise DevclusterError(f"{error} (see the kubelet log)") from error
+
+
+def wait_service_proxy(node: ContainerNodeState, deadline: float) -> None:
+    """Returns once kube-proxy has programmed the `kubernetes` Service (its DNAT to the API
+    server) in the node namespace: from then on pods reach the API server through it."""
+    target = f"--to-destination {node.host_ip}:"
+
+    def programmed() -> bool:
+        result = subprocess.run(
+            [str(a) for a in in_netns(node, "iptables-save", "-t", "nat")],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=30,
+        )
+        return '"default/kubernetes:https"' in result.stdout and target in result.stdout
+
+    try:
+        wait_for_sync(
+            programmed,
+            max(0.0, deadline - time.monotonic()),
+            "kube-proxy to program the kubernetes Service",
+            interval=0.2,
+        )
+    except WaitTimeout as error:
+        raise DevclusterError(f"{error}; see the kube-proxy log") from error
 
 
 def kill_container(state: ClusterState, container_id: str, sig: str = "SIGKILL") -> None:

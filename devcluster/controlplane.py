@@ -265,6 +265,9 @@ def up(
         )
         if node is not None:
             anyio.run(containernode.register_gpus, layout.kubeconfig, nodes[0], deadline)
+            containernode.wait_service_proxy(node, deadline)
+            elapsed = time.monotonic() - started
+            progress(f"ready: GPUs advertised, kubernetes Service proxied ({elapsed:.1f} s)")
     except BaseException:
         progress("startup failed; stopping everything it started")
         _stop(layout, starter.state, progress)
