@@ -66,7 +66,7 @@ from rollout_operator.api import (
 from devcluster.cluster import Cluster
 from devcluster.config import NodeSpec
 from devcluster.kube import open_api
-from harness.demo import OperatorProcess, apply_crds, create_namespace
+from harness.demo import OperatorProcess, _sigterm_as_interrupt, apply_crds, create_namespace
 from harness.fleet import fleet_checkpoint, fleet_set
 
 NAMESPACE: Final = "fleet"
@@ -423,6 +423,13 @@ async def run(args: argparse.Namespace, cluster: Cluster, work: Path) -> Report:
     storage = work / "checkpoints"
     storage.mkdir()
     environment = {k: v for k, v in os.environ.items() if not k.startswith("KUBE")}
+    if args.operator_source is not None:
+        # Another checkout's operator (a `git worktree` of an older commit): before/after runs
+        # of the same bench.
+        root = args.operator_source.resolve()
+        environment["PYTHONPATH"] = os.pathsep.join(
+            str(root / part) for part in ("protocol", "operator", "servers", ".")
+        )
     operator = OperatorProcess(
         kubeconfig,
         [NAMESPACE],
@@ -679,7 +686,9 @@ def table(report: Report, args: argparse.Namespace) -> list[str]:
     storm_p99 = quantile(report.storm, 0.99)
     lines = [
         f"fleet: {report.sets} sets x {report.pods // report.sets} fleet pods = {report.pods} pods,"
-        f" one operator ({' '.join(args.operator_arg) or 'default flags'})",
+        f" one operator ({' '.join(args.operator_arg) or 'default flags'}"
+        + (f", from {args.operator_source}" if args.operator_source else "")
+        + ")",
         "",
         row("", "measured", "target", ""),
         f"|{'-' * 54}|{'-' * 22}|{'-' * 14}|{'-' * 8}|",
@@ -758,6 +767,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--operator-arg", action="append", default=[], help="passed to rollout-operator run"
     )
+    parser.add_argument(
+        "--operator-source",
+        type=Path,
+        metavar="DIR",
+        help="run the operator from this checkout (e.g. a worktree of an older commit)",
+    )
     parser.add_argument("--keep-log", action="store_true", help="print the operator log's tail")
     args = parser.parse_args(argv)
     args.probes = min(args.probes, args.sets)
@@ -767,7 +782,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for i in range(max(1, math.ceil(pods / PODS_PER_NODE)))
     ]
     wall = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
+    with _sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
         work = Path(tmp)
         say(f"devcluster with {len(nodes)} nodes of {PODS_PER_NODE} pods")
         with Cluster.start(work / "devcluster", nodes=nodes, timeout=180) as cluster:

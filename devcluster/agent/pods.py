@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import aiohttp
 import anyio
 import httpx
 from anyio.abc import Process
@@ -375,6 +376,14 @@ class PodWorker:
             except ConfigError as error:
                 run.wait("CreateContainerConfigError", str(error))
                 self.mark_dirty()
+                await anyio.sleep(_CONFIG_RETRY_SECONDS)
+                continue
+            except (client.ApiException, aiohttp.ClientError, TimeoutError) as error:
+                # Reading a Secret or ConfigMap failed (a busy or restarting API server): retry,
+                # as the kubelet does, instead of giving the pod up.
+                log.warning(
+                    "pod %s: reading its env sources failed (%r); retrying", self.pod.key, error
+                )
                 await anyio.sleep(_CONFIG_RETRY_SECONDS)
                 continue
             except SpecError as error:
