@@ -191,10 +191,19 @@ class Cluster:
         return node
 
     def lose_node(self, name: str) -> None:
+        self._process_node("lose_node")
         self.admin.lose_node(name)
 
     def restore_node(self, name: str) -> None:
+        self._process_node("restore_node")
         self.admin.restore_node(name)
+
+    def _process_node(self, hook: str) -> None:
+        if self.state.container_node is not None:
+            raise DevclusterError(
+                f"{hook} is a hook of the process node agent; this cluster runs a container node "
+                "(a real kubelet): stop its processes or delete its pods instead"
+            )
 
     def pod_log_path(self, namespace: str, name: str, container: str | None = None) -> Path:
         return self.layout.pod_log(namespace, name, container)

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
+import httpx
 from kubernetes_asyncio import client
 
 from devcluster.cluster import Cluster
@@ -115,6 +117,10 @@ async def test_cluster_ip_service_routes_to_a_container(
         node = container_cluster.state.container_node
         assert node is not None
         assert pod_ip.startswith(node.pod_cidr.rsplit(".", 2)[0] + ".")
+        # The machine reaches pod IPs directly (its route to the pod network via the node's veth).
+        async with httpx.AsyncClient(timeout=10) as http:
+            direct = await http.get(f"http://{pod_ip}:8080/")
+        assert direct.text.strip() == "served-by-web"
         cluster_ip = (await core.read_namespaced_service("web", namespace)).spec.cluster_ip
         # (busybox's `wget -T` segfaults; the pod's activeDeadlineSeconds bounds it instead)
         fetch = container_pod("fetch", ["wget", "-qO-", f"http://{cluster_ip}/"])
@@ -170,6 +176,39 @@ async def test_pod_reaches_the_api_server_with_its_service_account_token(
     assert user["username"] == f"system:serviceaccount:{namespace}:default"
     assert user["extra"]["authentication.kubernetes.io/pod-name"] == ["whoami"]
     assert user["extra"]["authentication.kubernetes.io/node-name"] == ["gpu-0"]
+
+
+async def test_pod_traffic_has_no_route_off_the_machine(
+    container_cluster: Cluster, container_namespace: str
+) -> None:
+    """The node namespace has no default route and nothing masquerades: a pod's connection to an
+    address beyond the machine (TEST-NET-3, never a real host) is refused as unreachable inside
+    the node namespace, while the API server's address is routed."""
+    node = container_cluster.state.container_node
+    assert node is not None
+    attempt = "nc -w 2 203.0.113.1 80 </dev/null; echo exit=$?"
+    apply(
+        container_cluster,
+        container_namespace,
+        container_pod("outbound", ["sh", "-c", attempt]),
+    )
+    async with open_api(container_cluster.kubeconfig) as api:
+        core = client.CoreV1Api(api)
+        await wait_for_pod(
+            core, container_namespace, "outbound", succeeded, "to finish", timeout=60
+        )
+    logs = container_cluster.kubectl("logs", "-n", container_namespace, "outbound").stdout
+    assert "Network is unreachable" in logs
+    assert "exit=1" in logs
+    routes = [
+        await anyio.run_process(
+            ["nsenter", f"--net={node.netns}", "ip", "-4", "route", "get", address], check=False
+        )
+        for address in ("203.0.113.1", node.host_ip)
+    ]
+    assert routes[0].returncode != 0
+    assert b"unreachable" in routes[0].stderr.lower()
+    assert routes[1].returncode == 0
 
 
 def _ours(cluster: Cluster) -> list[str]:
