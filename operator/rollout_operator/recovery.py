@@ -118,13 +118,13 @@ COUNT_RETIRE_SECONDS: Final = 5.0
 attempt, only so that they report the work it loses (`lastRecovery`); one that does not
 answer by then is deleted anyway and its work is listed as uncounted."""
 
-UNFINISHED_ROLES: Final = (Role.ENVIRONMENT, Role.AGENT)
-"""Roles whose live episodes are the unfinished ones (see `Coordinator.retire`)."""
+FINISHED_ROLES: Final = (Role.ENVIRONMENT, Role.AGENT)
+"""Roles that can tell which rollouts finished, best first (see `Coordinator.retire`)."""
 
 
-def unfinished_from(lost_roles: set[Role]) -> list[Role]:
-    """The roles a retire may learn the unfinished rollouts from: those that lost no pod."""
-    return [role for role in UNFINISHED_ROLES if role not in lost_roles]
+def finished_from(lost_roles: set[Role]) -> list[Role]:
+    """The roles a retire may learn the finished rollouts from: those that lost no pod."""
+    return [role for role in FINISHED_ROLES if role not in lost_roles]
 
 
 def reported_losses(retired: RetireOutcome) -> list[LostWorkReport]:
@@ -509,7 +509,7 @@ class RecoveryFlow:
                 None,
                 self._clock() + COUNT_RETIRE_SECONDS,
                 operation_id=f"recreate-a{source}-a{recovery.target_attempt}",
-                unfinished_from=unfinished_from({role for role, _ in losses}),
+                finished_from=finished_from({role for role, _ in losses}),
             )
         except (OSError, TimeoutError) as error:
             logger.info("set %s: survivors did not report lost work: %s", rset.metadata.name, error)
@@ -553,7 +553,7 @@ class RecoveryFlow:
                 None,
                 self._clock() + RETIRE_SECONDS,
                 operation_id=f"in-place-a{source}-a{target}",
-                unfinished_from=unfinished_from({role for role, _ in plan.replaced}),
+                finished_from=finished_from({role for role, _ in plan.replaced}),
             )
         finally:
             for client in clients:

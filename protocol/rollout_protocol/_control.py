@@ -59,6 +59,7 @@ from ._wire import (
     API_PREFIX,
     CHECKPOINT_ID_PATTERN,
     MAX_BLOCKERS_REPORTED,
+    MAX_FINISHED_LISTED,
     CommitReply,
     CommitRequest,
     ErrorBody,
@@ -911,6 +912,7 @@ class ControlPlane:
             self._marks.room(request.attempt, scope)
             # Marks first: work of this attempt that arrives while we wait is refused already.
             self._marks.add(request.attempt, scope)
+            finished = self._finished_rollouts(request.attempt)
             try:
                 with anyio.fail_after(max(0.0, request.deadline_ts - self._clock())):
                     retired = await self._participant.retire(request.attempt, scope)
@@ -920,18 +922,16 @@ class ControlPlane:
                     f"retire of attempt {request.attempt} did not finish by its deadline; "
                     "retry with the same operation_id",
                 ) from None
-            counted = scope
-            if request.unfinished is not None:
-                unfinished = frozenset(request.unfinished)
-                counted = unfinished if counted is None else counted & unfinished
+            told = None if request.finished is None else frozenset(request.finished)
             lost = self._work(
-                "lost_work", lambda: self._participant.lost_work(request.attempt, counted)
+                "lost_work", lambda: self._participant.lost_work(request.attempt, told)
             )
             reply = RetireReply(
                 operation_id=request.operation_id,
                 retired=retired,
                 lost=lost,
                 lost_since=self._work_since if lost is not None else None,
+                finished=finished,
             )
             _remember_operation(self._operations, request.operation_id, reply)
             return reply
@@ -944,6 +944,16 @@ class ControlPlane:
             self._participant.checkpointed(checkpoint_id, records)
         except Exception:
             logger.exception("%s: work accounting (checkpointed) failed", self._settings.instance)
+
+    def _finished_rollouts(self, attempt: int) -> list[str] | None:
+        try:
+            finished = self._participant.finished_rollouts(attempt)
+        except Exception:
+            logger.exception("%s: work accounting (finished) failed", self._settings.instance)
+            return None
+        if finished is None or len(finished) > MAX_FINISHED_LISTED:
+            return None
+        return sorted(set(finished))
 
     def _work(self, what: str, count: Callable[[], dict[str, int] | None]) -> dict[str, int] | None:
         """A participant's work counts, or None when it counts nothing or its counting failed."""

@@ -30,7 +30,7 @@ from . import _storage as storage
 from ._client import ParticipantClient, ParticipantError
 from ._wire import (
     MAX_BLOCKERS_REPORTED,
-    MAX_UNFINISHED_LISTED,
+    MAX_FINISHED_LISTED,
     PREPARE_ORDER,
     RETIRE_ORDER,
     CheckpointManifest,
@@ -143,10 +143,10 @@ class RetireOutcome(StrictModel):
         default_factory=dict,
         description="By instance: the work each participant that counts work reported lost.",
     )
-    unfinished_known: bool = Field(
+    finished_known: bool = Field(
         default=False,
-        description="Whether later stages were told which rollouts are unfinished (every "
-        "participant of a role in `unfinished_from` retired).",
+        description="Whether later stages were told which rollouts finished (every "
+        "participant of a role in `finished_from` retired and said).",
     )
 
 
@@ -534,17 +534,18 @@ class Coordinator:
         deadline_ts: float,
         *,
         operation_id: str | None = None,
-        unfinished_from: Collection[Role] = (),
+        finished_from: Collection[Role] = (),
     ) -> RetireOutcome:
         """Retire in RETIRE_ORDER (callers before callees), best effort across stages.
 
-        `unfinished_from`: roles whose live episodes are the unfinished ones (the environment,
-        whose episode ends when its `/run` does; the agent, whose session its environment
-        closes). Once every participant of such a role retired, the later stages are told
-        which rollouts are unfinished (`RetireRequest.unfinished`), so a callee that cannot
-        tell (the model: a generation ends long before its episode) counts no work of an
-        episode that finished as lost. Pass only roles this coordinator holds every
-        instance of.
+        Each participant that counts work reports what the attempt did after its last
+        checkpoint (`RetireReply.lost`), except for rollouts that finished. `finished_from`:
+        roles that can tell which rollouts finished (the environment: whose results it
+        returned; else the agent: whose sessions its environment closed), in order. Once every
+        participant of the first such role in this coordinator retired and said, the later
+        stages are told (`RetireRequest.finished`), so a callee that cannot tell (the model: a
+        generation ends long before its episode) counts no finished episode's work. Pass only
+        roles this coordinator holds every instance of.
         """
         op = operation_id or f"retire-a{attempt}-{uuid.uuid4().hex[:12]}"
         request = RetireRequest(
@@ -556,7 +557,7 @@ class Coordinator:
         retired: list[EpisodeId] = []
         failures: list[Failure] = []
         lost: dict[str, LostWork] = {}
-        unfinished: set[str] | None = None
+        finished: set[str] | None = None
         for roles in RETIRE_ORDER:
             stage = self._stage(roles)
             if not stage:
@@ -575,17 +576,17 @@ class Coordinator:
                 reply = results[participant.instance]
                 if isinstance(reply, RetireReply) and reply.lost is not None:
                     lost[participant.instance] = LostWork(since=reply.lost_since, counts=reply.lost)
-            if unfinished is None:
-                unfinished = _unfinished(stage, results, unfinished_from)
-                if unfinished is not None and len(unfinished) <= MAX_UNFINISHED_LISTED:
-                    request = request.model_copy(update={"unfinished": sorted(unfinished)})
+            if finished is None:
+                finished = _finished(stage, results, finished_from)
+                if finished is not None and len(finished) <= MAX_FINISHED_LISTED:
+                    request = request.model_copy(update={"finished": sorted(finished)})
         return RetireOutcome(
             operation_id=op,
             attempt=attempt,
             retired=retired,
             failures=failures,
             lost=lost,
-            unfinished_known=request.unfinished is not None,
+            finished_known=request.finished is not None,
         )
 
     async def forget(
@@ -739,26 +740,21 @@ class Coordinator:
         )
 
 
-def _unfinished(
+def _finished(
     stage: Sequence[ParticipantClient],
     results: Mapping[str, RetireReply | ParticipantError],
     roles: Collection[Role],
 ) -> set[str] | None:
-    """The rollouts the live episodes of a role in `roles` belong to, when every participant
-    of that role in this stage retired (a role whose episodes span the whole episode: see
-    `Coordinator.retire`); None when no such role answered in full."""
-    for role in RETIRE_ORDER_ROLES:
-        if role not in roles:
-            continue
+    """The rollouts that finished, as said by every participant of the first role in `roles`
+    present in this stage (see `Coordinator.retire`); None when no such role said in full."""
+    for role in [r for r in roles if r in RETIRE_ORDER_ROLES]:
         of_role = [p for p in stage if p.role is role]
+        if not of_role:
+            continue
         replies = [results[p.instance] for p in of_role]
-        if of_role and all(isinstance(r, RetireReply) for r in replies):
-            return {
-                episode.rollout_id
-                for reply in replies
-                if isinstance(reply, RetireReply)
-                for episode in reply.retired
-            }
+        said = [r.finished for r in replies if isinstance(r, RetireReply)]
+        if len(said) == len(of_role) and all(f is not None for f in said):
+            return {rid for f in said if f is not None for rid in f}
     return None
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -350,6 +351,34 @@ class EpisodeRuntime:
         """Incremented every time admission closes: lets a step tell a checkpoint happened."""
         self._retired_attempts: set[int] = set()
         self._retired: set[tuple[str, int]] = set()
+        self._progress: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()
+        """(rollout, key) -> (attempt, steps completed) of every episode that completed a step
+        since `forget_progress` (the last checkpoint): what a retire may count as lost."""
+        self._ended: OrderedDict[tuple[str, int], None] = OrderedDict()
+        """(rollout, attempt) of the episodes that ended since `forget_progress`."""
+
+    # --- progress since the last checkpoint (work accounting) ------------------------------
+
+    def progress(self, attempt: int) -> dict[tuple[str, str], int]:
+        """Steps completed by the episodes of `attempt` that made progress since the last
+        `forget_progress`, live or ended, by (rollout, key)."""
+        return {ident: steps for ident, (a, steps) in self._progress.items() if a == attempt}
+
+    def ended_since(self, attempt: int) -> set[str]:
+        """Rollouts of `attempt` whose episodes ended since the last `forget_progress`."""
+        return {rid for rid, a in self._ended if a == attempt}
+
+    def forget_progress(self) -> None:
+        """A checkpoint now holds every episode's state: progress counts from here."""
+        self._progress.clear()
+        self._ended.clear()
+
+    def _progressed(self, episode: Episode) -> None:
+        ident = (episode.rollout_id, episode.key)
+        self._progress[ident] = (episode.attempt, episode.steps_completed)
+        self._progress.move_to_end(ident)
+        while len(self._progress) > MAX_PROGRESS_KEPT:
+            self._progress.popitem(last=False)
 
     # --- admission ------------------------------------------------------------------------
 
@@ -468,6 +497,9 @@ class EpisodeRuntime:
         """The episode is over here: forget it and wake whoever waits for it (retire)."""
         if self._live.get((episode.rollout_id, episode.key)) is episode:
             del self._live[(episode.rollout_id, episode.key)]
+            self._ended[(episode.rollout_id, episode.attempt)] = None
+            while len(self._ended) > MAX_PROGRESS_KEPT:
+                self._ended.popitem(last=False)
         episode.closed = True
         episode.ended.set()
         self._notify()
@@ -534,6 +566,7 @@ class EpisodeRuntime:
                 self._leave(episode, name, mode, completed)
             episode.boundary = boundary
             episode.steps_completed += 1
+            self._progressed(episode)
             self._notify()
             return boundary
 
@@ -760,6 +793,9 @@ def _unique(ids: Iterable[EpisodeId]) -> list[EpisodeId]:
 
 # --- the generic participant ------------------------------------------------------------------
 
+MAX_PROGRESS_KEPT: Final = 200_000
+"""Episodes whose progress since the last checkpoint a runtime remembers (oldest dropped)."""
+
 STEPS_COUNTER: Final = "steps"
 """The work counter of completed episode steps (`RestoreReply.kept`, `RetireReply.lost`)."""
 
@@ -785,6 +821,7 @@ class RuntimeParticipant(Participant):
         on_event: Callable[[str, str | None], None] | None = None,
         on_rewire: Callable[[Mapping[Role, str]], None] | None = None,
         work_counter: str | None = STEPS_COUNTER,
+        is_finished: Callable[[str, int], bool] | None = None,
     ) -> None:
         self.role = role
         self.runtime = runtime
@@ -794,11 +831,17 @@ class RuntimeParticipant(Participant):
         """The counter this participant reports its episodes' completed steps as (restore's
         `kept`, retire's `lost`); None: it reports no work of its own, as counted elsewhere
         (a server whose steps repeat its callers' steps, like the reference resources
-        server): empty counts, so its silence is not mistaken for work nobody counted."""
+        server): empty counts, so its silence is not mistaken for work nobody counted.
+
+        `is_finished(rollout_id, attempt)`: whether an episode that ended had finished (its
+        result was returned); default: every episode that ended before a retire counts as
+        finished (an agent's session ends when its environment closes it)."""
         self._checkpointed_steps: dict[tuple[str, str], int] = {}
         """Steps each episode had completed in the last checkpoint committed or restored."""
-        self._retired_steps: dict[int, dict[tuple[str, str], int]] = {}
-        """Steps each episode live at the last retire of an attempt had completed, by attempt."""
+        self._finished: dict[int, set[str]] = {}
+        """By attempt: the rollouts `finished_rollouts` said finished (read before the retire
+        ends the rest)."""
+        self._is_finished = is_finished
 
     def _event(self, name: str, rollout_id: str | None = None) -> None:
         """Tell observers (the servers' debug hooks) how far a control call got."""
@@ -839,17 +882,7 @@ class RuntimeParticipant(Participant):
     async def retire(self, attempt: int, rollout_ids: frozenset[str] | None) -> list[EpisodeId]:
         for rollout_id in rollout_ids or (None,):
             self._event("retiring", rollout_id)
-        # The episodes live now are unfinished (an ended one is gone from the runtime); their
-        # progress is read once they stopped.
-        stopping = [
-            ep
-            for ep in self.runtime.live()
-            if ep.attempt == attempt and (rollout_ids is None or ep.rollout_id in rollout_ids)
-        ]
         retired = await self.runtime.retire(attempt, rollout_ids)
-        progress = self._retired_steps.setdefault(attempt, {})
-        for ep in stopping:
-            progress[(ep.rollout_id, ep.key)] = ep.steps_completed
         self._event("retired")
         return retired
 
@@ -857,6 +890,8 @@ class RuntimeParticipant(Participant):
         self._checkpointed_steps = {
             (r.rollout_id, r.key): _record_steps(r) for r in records if r.kind == self.runtime.kind
         }
+        self._finished.clear()
+        self.runtime.forget_progress()
 
     def kept_work(self, records: Sequence[Record]) -> dict[str, int] | None:
         if self.work_counter is None:
@@ -864,16 +899,25 @@ class RuntimeParticipant(Participant):
         kept = sum(_record_steps(r) for r in records if r.kind == self.runtime.kind)
         return {self.work_counter: kept}
 
-    def lost_work(self, attempt: int, rollout_ids: frozenset[str] | None) -> dict[str, int] | None:
-        """Steps the episodes live at the retire completed after the last checkpoint (all
-        of an episode's steps when the checkpoint does not hold it: it starts over)."""
-        progress = self._retired_steps.pop(attempt, {})
+    def finished_rollouts(self, attempt: int) -> list[str] | None:
+        ended = self.runtime.ended_since(attempt)
+        if self._is_finished is not None:
+            ended = {rid for rid in ended if self._is_finished(rid, attempt)}
+        self._finished[attempt] = ended
+        return sorted(ended)
+
+    def lost_work(self, attempt: int, finished: frozenset[str] | None) -> dict[str, int] | None:
+        """Steps the episodes of `attempt` completed after the last checkpoint (all of an
+        episode's steps when the checkpoint does not hold it: it starts over), except those
+        of finished rollouts."""
+        own = self._finished.pop(attempt, set())
+        done = own if finished is None else finished
         if self.work_counter is None:
             return {}
         lost = sum(
             max(0, steps - self._checkpointed_steps.get(ident, 0))
-            for ident, steps in progress.items()
-            if rollout_ids is None or ident[0] in rollout_ids
+            for ident, steps in self.runtime.progress(attempt).items()
+            if ident[0] not in done
         )
         return {self.work_counter: lost}
 

@@ -98,10 +98,16 @@ class Participant(ABC):
         this participant does not count work."""
         return None
 
-    def lost_work(self, attempt: int, rollout_ids: frozenset[str] | None) -> dict[str, int] | None:
+    def finished_rollouts(self, attempt: int) -> list[str] | None:
+        """Called at a retire of `attempt`, before `retire`: the rollouts whose episodes
+        finished under it since the last `checkpointed` (their work is not lost); None: this
+        participant cannot tell."""
+        return None
+
+    def lost_work(self, attempt: int, finished: frozenset[str] | None) -> dict[str, int] | None:
         """After `retire(attempt, ...)`: the work of `attempt` done after the last
-        `checkpointed` for rollouts still unfinished at the retire, limited to `rollout_ids`
-        (None: all), by counter; None: this participant does not count work."""
+        `checkpointed`, except for the `finished` rollouts (None: the ones this participant
+        itself saw finish), by counter; None: this participant does not count work."""
         return None
 
     def rewire(self, peers: Mapping[Role, str]) -> None:

@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapte
 API_PREFIX = "/checkpoint/v1"
 SCHEMA_VERSION = 1
 MAX_BLOCKERS_REPORTED = 100
-MAX_UNFINISHED_LISTED = 100_000
-"""At most this many rollouts in `RetireRequest.unfinished` (a coordinator sends None beyond)."""
+MAX_FINISHED_LISTED = 100_000
+"""At most this many rollouts in `RetireRequest.finished` and `RetireReply.finished`."""
 
 CHECKPOINT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 """Checkpoint ids name a directory on shared storage: no slashes, no leading dot, bounded length."""
@@ -250,13 +250,13 @@ class RetireRequest(StrictModel):
     rollout_ids: list[RolloutId] | None = Field(
         default=None, description="None retires every episode of the attempt."
     )
-    unfinished: list[RolloutId] | None = Field(
+    finished: list[RolloutId] | None = Field(
         default=None,
-        max_length=MAX_UNFINISHED_LISTED,
-        description="The rollouts still unfinished, as far as the caller knows (an environment "
-        "or agent that retired before this participant listed its live episodes): work of any "
-        "other rollout finished and is not counted as lost (`RetireReply.lost`). None: count "
-        "every rollout. Changes nothing about what is retired.",
+        max_length=MAX_FINISHED_LISTED,
+        description="Rollouts whose episodes finished under the retired attempt (an "
+        "environment that retired before this participant returned their results): their "
+        "work is not counted as lost (`RetireReply.lost`). None: the participant decides by "
+        "itself. Changes nothing about what is retired.",
     )
 
 
@@ -407,9 +407,16 @@ class RetireReply(StrictModel):
     lost: WorkCounts | None = Field(
         default=None,
         description="The work of the retired attempt this participant did after checkpoint "
-        "`lost_since` for rollouts still unfinished (see `RetireRequest.unfinished`): a "
+        "`lost_since`, except for rollouts that finished (see `RetireRequest.finished`): a "
         "restore of that checkpoint has it done again. Optional: None when the participant "
         "does not count work.",
+    )
+    finished: list[RolloutId] | None = Field(
+        default=None,
+        max_length=MAX_FINISHED_LISTED,
+        description="Rollouts this participant saw finish under the retired attempt after "
+        "`lost_since` (an environment: whose results it returned; an episode runtime: whose "
+        "episodes ended before the retire). Optional.",
     )
     lost_since: CheckpointId | None = Field(
         default=None,

@@ -3,11 +3,12 @@
 From the bottom up:
 
 - the episode runtime's participant counts the steps its restored records hold (`RestoreReply.
-  kept`) and, at a retire, the steps its live episodes completed after the last checkpoint it
-  committed or restored (`RetireReply.lost`, `lost_since`), through a real control plane;
+  kept`) and, at a retire, the steps its episodes completed after the last checkpoint it
+  committed or restored, except those of finished rollouts (`RetireReply.lost`,
+  `lost_since`, `finished`), through a real control plane;
 - the model participant does the same with generated tokens;
-- the coordinator tells later retire stages which rollouts are unfinished once a whole
-  environment (or agent) role retired, and collects what everyone reported;
+- the coordinator tells later retire stages which rollouts finished once a whole environment
+  (or agent) role retired and said, and collects what everyone reported;
 - the operator adds the reports up per recovery (`workloss.work_loss`), naming the
   participants whose work nobody could count.
 """
@@ -129,6 +130,23 @@ async def test_retire_reports_the_steps_unfinished_episodes_completed_after_the_
     assert retired.lost == {"environment-0": LostWork(since="ck-1", counts={"steps": 3 + 2})}
 
 
+async def test_an_episode_that_ended_without_finishing_is_lost_work_too(tmp_path: Path) -> None:
+    # An environment's episode that failed (a peer died) ended, but runs again.
+    runtime = EpisodeRuntime()
+    participant = RuntimeParticipant(
+        Role.ENVIRONMENT, runtime, is_finished=lambda rid, attempt: rid == "r1"
+    )
+    async with coordinated([participant], tmp_path) as coordinator:
+        r1, r2 = runtime.begin("r1", 0, Boundary("a")), runtime.begin("r2", 0, Boundary("a"))
+        await checkpoint(coordinator, tmp_path, "ck-1")
+        await steps(runtime, r1, 3)
+        await steps(runtime, r2, 2)
+        runtime.end(r1)  # returned its result
+        runtime.end(r2)  # failed
+        retired = await coordinator.retire(0, None, soon(), operation_id="loss-1")
+    assert retired.lost["environment-0"].counts == {"steps": 2}
+
+
 async def test_restore_reports_the_steps_its_records_hold_and_counts_lost_work_from_there(
     tmp_path: Path,
 ) -> None:
@@ -213,7 +231,9 @@ def test_the_model_counts_tokens_kept_and_tokens_generated_after_the_checkpoint(
             ("r4", "0"): (1, 3),  # another attempt's work: not this retire's
         }
     )
-    assert participant.lost_work(0, frozenset({"r1", "r3"})) == {"model_tokens": 6 + 7}
+    assert participant.finished_rollouts(0) is None, "a generation ends before its episode"
+    # r2 finished (its environment said so): its last turn is not generated again.
+    assert participant.lost_work(0, frozenset({"r2"})) == {"model_tokens": 6 + 7}
     assert server.progress == {("r4", "0"): (1, 3)}, "counted generations are forgotten"
     server.progress[("r2", "2")] = (0, 5)
     assert participant.lost_work(0, None) == {"model_tokens": 5}
@@ -223,57 +243,68 @@ def test_the_model_counts_tokens_kept_and_tokens_generated_after_the_checkpoint(
 
 
 class CountingFake(FakeParticipant):
-    """A fake that reports, as lost work, how many rollouts the retire asked it to count."""
+    """A fake that says which rollouts finished, and records what a retire told it."""
 
-    def __init__(self, role: Role, rollouts: list[str]) -> None:
-        super().__init__(role, rollouts=rollouts)
-        self.counted: list[frozenset[str] | None] = []
+    def __init__(self, role: Role, finished: list[str] | None) -> None:
+        super().__init__(role, rollouts=["r1", "r2", "r3"])
+        self.says_finished = finished
+        self.told: list[frozenset[str] | None] = []
 
-    def lost_work(self, attempt: int, rollout_ids: frozenset[str] | None) -> dict[str, int] | None:
-        self.counted.append(rollout_ids)
-        return {"model_tokens": 100 if rollout_ids is None else len(rollout_ids)}
+    def finished_rollouts(self, attempt: int) -> list[str] | None:
+        return self.says_finished
+
+    def lost_work(self, attempt: int, finished: frozenset[str] | None) -> dict[str, int] | None:
+        self.told.append(finished)
+        return {"model_tokens": 3 - len(finished or ())}
 
 
-def counting_members(env_rollouts: list[str]) -> dict[Role, CountingFake]:
+def counting_members(
+    environment: list[str] | None, agent: list[str] | None
+) -> dict[Role, CountingFake]:
     return {
-        Role.ENVIRONMENT: CountingFake(Role.ENVIRONMENT, env_rollouts),
-        Role.AGENT: CountingFake(Role.AGENT, ["r1", "r2", "r3"]),
-        Role.MODEL: CountingFake(Role.MODEL, ["r1", "r2", "r3", "r4"]),
-        Role.RESOURCES: CountingFake(Role.RESOURCES, ["r1"]),
+        Role.ENVIRONMENT: CountingFake(Role.ENVIRONMENT, environment),
+        Role.AGENT: CountingFake(Role.AGENT, agent),
+        Role.MODEL: CountingFake(Role.MODEL, None),
+        Role.RESOURCES: CountingFake(Role.RESOURCES, None),
     }
 
 
-async def test_later_stages_count_only_rollouts_the_environment_still_runs(tmp_path: Path) -> None:
-    members = counting_members(["r2", "r3"])  # r1 finished: its environment episode ended
+ROLES = [Role.ENVIRONMENT, Role.AGENT]
+
+
+async def test_later_stages_are_told_what_the_environment_finished(tmp_path: Path) -> None:
+    members = counting_members(["r1"], ["r1", "r2"])
     async with coordinated([members[r] for r in PREPARE_ORDER], tmp_path) as coordinator:
         retired = await coordinator.retire(
-            0, None, soon(), operation_id="loss-1", unfinished_from=[Role.ENVIRONMENT, Role.AGENT]
+            0, None, soon(), operation_id="loss-1", finished_from=ROLES
         )
-    assert retired.unfinished_known
-    assert members[Role.ENVIRONMENT].counted == [None], "the environment knows by itself"
+    assert retired.finished_known
+    assert members[Role.ENVIRONMENT].told == [None], "the environment knows by itself"
     for role in (Role.AGENT, Role.MODEL, Role.RESOURCES):
-        assert members[role].counted == [frozenset({"r2", "r3"})], role
+        assert members[role].told == [frozenset({"r1"})], role
     assert retired.lost["model-0"] == LostWork(since=None, counts={"model_tokens": 2})
 
 
-async def test_without_a_whole_role_to_ask_every_rollout_counts(tmp_path: Path) -> None:
-    members = counting_members(["r2"])
+async def test_without_roles_to_ask_nobody_is_told(tmp_path: Path) -> None:
+    members = counting_members(["r1"], ["r1"])
     async with coordinated([members[r] for r in PREPARE_ORDER], tmp_path) as coordinator:
         retired = await coordinator.retire(0, None, soon(), operation_id="loss-1")
-    assert not retired.unfinished_known
-    assert members[Role.MODEL].counted == [None]
-    assert retired.lost["model-0"].counts == {"model_tokens": 100}
+    assert not retired.finished_known
+    assert members[Role.MODEL].told == [None]
+    assert retired.lost["model-0"].counts == {"model_tokens": 3}
 
 
-async def test_the_agent_tells_when_the_environment_was_lost(tmp_path: Path) -> None:
-    members = counting_members([])
-    survivors = [members[r] for r in (Role.MODEL, Role.AGENT, Role.RESOURCES)]
-    async with coordinated(survivors, tmp_path) as coordinator:
-        retired = await coordinator.retire(
-            0, None, soon(), operation_id="loss-1", unfinished_from=[Role.AGENT]
-        )
-    assert retired.unfinished_known
-    assert members[Role.MODEL].counted == [frozenset({"r1", "r2", "r3"})]
+async def test_the_agent_tells_when_the_environment_was_lost_or_cannot(tmp_path: Path) -> None:
+    for environment_present in (False, True):
+        members = counting_members(None, ["r2"])
+        roles = PREPARE_ORDER if environment_present else [Role.MODEL, Role.AGENT, Role.RESOURCES]
+        async with coordinated([members[r] for r in roles], tmp_path) as coordinator:
+            retired = await coordinator.retire(
+                0, None, soon(), operation_id="loss-1", finished_from=ROLES
+            )
+        assert retired.finished_known
+        assert members[Role.MODEL].told == [frozenset({"r2"})]
+        assert members[Role.AGENT].told == [None]
 
 
 # --- the operator: one recovery's sums ----------------------------------------------------------

@@ -391,7 +391,13 @@ class RolloutServer:
             on_event=self.hooks.notify,
             on_rewire=self.rewire,
             work_counter=self.work_counter,
+            is_finished=self.is_finished,
         )
+
+    def is_finished(self, rollout_id: str, attempt: int) -> bool:
+        """Whether an episode that ended here had finished (its result went back); by
+        default every ended episode did (a session ends when its caller closes it)."""
+        return True
 
     def add_routes(self, app: FastAPI) -> None:
         """Add the role's own routes."""

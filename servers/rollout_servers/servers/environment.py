@@ -76,6 +76,11 @@ class EnvironmentServer(RolloutServer):
         self._running: dict[str, Outcome[RunResult]] = {}
         self._finished: OrderedDict[tuple[str, int], tuple[str, RunResult]] = OrderedDict()
 
+    def is_finished(self, rollout_id: str, attempt: int) -> bool:
+        """An episode finished when `/run` returned its result (one that failed, or was retired,
+        runs again under the next attempt)."""
+        return (rollout_id, attempt) in self._finished
+
     def add_routes(self, app: FastAPI) -> None:
         server = self
 

@@ -672,6 +672,7 @@ class ModelParticipant(RuntimeParticipant):
             (r.rollout_id, r.key): _record_tokens(r) for r in records if _record_tokens(r)
         }
         self.server.progress.clear()
+        self.runtime.forget_progress()
 
     def kept_work(self, records: Sequence[Record]) -> dict[str, int] | None:
         """Tokens of the generations the records hold (cut prefixes and held responses): what
@@ -680,10 +681,14 @@ class ModelParticipant(RuntimeParticipant):
         kept = sum(_record_tokens(r) for r in records if r.kind != DELIVERED_KIND)
         return {MODEL_TOKENS_COUNTER: kept}
 
-    def lost_work(self, attempt: int, rollout_ids: frozenset[str] | None) -> dict[str, int] | None:
+    def finished_rollouts(self, attempt: int) -> list[str] | None:
+        """A generation ends long before its episode: the model cannot tell which finished."""
+        return None
+
+    def lost_work(self, attempt: int, finished: frozenset[str] | None) -> dict[str, int] | None:
         """Tokens `attempt` generated after the last checkpoint, per generation beyond what the
-        checkpoint holds of it, for `rollout_ids` (None: every rollout; this server cannot tell
-        an episode that finished from one that did not: a generation ends before its episode)."""
+        checkpoint holds of it, except for the `finished` rollouts (None: none is known
+        finished, every rollout counts)."""
         progress = self.server.progress
         counted = [
             (ident, tokens)
@@ -695,7 +700,7 @@ class ModelParticipant(RuntimeParticipant):
         lost = sum(
             max(0, tokens - self._checkpointed_tokens.get(ident, 0))
             for ident, tokens in counted
-            if rollout_ids is None or ident[0] in rollout_ids
+            if finished is None or ident[0] not in finished
         )
         return {MODEL_TOKENS_COUNTER: lost}
 
