@@ -40,6 +40,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -81,6 +82,13 @@ NODE_PROCESSES = ("containerd", "kubelet", "kube-proxy")
 """The processes `up` starts in the node network namespace."""
 HOST_TOOLS = ("runc", "iptables", "nsenter", "unshare", "ip", "busybox")
 """From Debian (`make node-binaries` installs the missing ones)."""
+CONTAINER_LOG_LINKS = Path("/var/log/containers")
+CNI_RESULTS = Path("/var/lib/cni/results")
+DEVICE_PLUGINS = Path("/var/lib/kubelet/device-plugins")
+HOST_PATHS = (CONTAINER_LOG_LINKS, CNI_RESULTS, DEVICE_PLUGINS)
+"""Machine-wide folders the kubelet (container log links, device-plugin socket) and libcni (result
+cache) hardcode. `up` records which of them (and their parents) it creates; `down` removes this
+cluster's files in them, and the folders it created once empty."""
 LINK_NET = ipaddress.ip_network("10.213.0.0/16")
 POD_NET = ipaddress.ip_network("10.214.0.0/16")
 BRIDGE = "cni0"
@@ -253,6 +261,12 @@ def create(
                 (path / name).write_text((hierarchy / name).read_text())
     node = _step(node, "run-dir", record)
     node.run_dir.mkdir(mode=0o700, exist_ok=True)
+    missing = sorted(
+        {folder for path in HOST_PATHS for folder in (path, *path.parents) if not folder.exists()},
+        key=lambda folder: len(folder.parts),
+    )
+    node = node.model_copy(update={"created_host_dirs": missing})
+    record(node)
     progress(
         f"node network: namespace {node.netns}, veth {node.host_veth} {node.host_ip} <-> "
         f"{node.node_ip}, pods {node.pod_cidr}; cgroup root {node.cgroup_root}"
@@ -459,11 +473,17 @@ disabled_plugins = [
 """
 
 
+def cni_network_name(node: ContainerNodeState) -> str:
+    return f"devcluster-{node.cgroup_root.removeprefix('/devcluster-')}"
+
+
 def _cni_config(node: ContainerNodeState, paths: NodePaths) -> str:
     return json.dumps(
         {
             "cniVersion": "1.0.0",
-            "name": "devcluster",
+            # Per cluster: libcni caches results under /var/lib/cni/results/<name>-<sandbox>-*
+            # (not configurable through containerd); teardown removes this cluster's by name.
+            "name": cni_network_name(node),
             "plugins": [
                 {
                     "type": "bridge",
@@ -805,7 +825,46 @@ def teardown(layout: Layout, state: ClusterState, progress: Progress) -> None:
         subprocess.run(["ip", "link", "del", node.host_veth], capture_output=True, check=False)
     if "run-dir" in node.created and node.run_dir.is_dir() and not _mounts_under(layout, node):
         shutil.rmtree(node.run_dir)
+    for path in _host_files(layout, node):
+        path.unlink(missing_ok=True)
+    for folder in sorted(node.created_host_dirs, key=lambda f: len(f.parts), reverse=True):
+        with contextlib.suppress(OSError):  # not empty: another cluster's, or the machine's
+            folder.rmdir()
     progress(f"container node {node.name} removed (namespace, veth, cgroups, mounts)")
+
+
+def _host_files(layout: Layout, node: ContainerNodeState) -> list[Path]:
+    """This cluster's files in the machine-wide HOST_PATHS: container log links into DIR, libcni
+    results of its network, and the device-plugin socket when no kubelet serves it any more."""
+    root = layout.root.resolve()
+    found: list[Path] = []
+    if CONTAINER_LOG_LINKS.is_dir():
+        for link in CONTAINER_LOG_LINKS.iterdir():
+            if link.is_symlink() and Path(os.readlink(link)).is_relative_to(root):
+                found.append(link)
+    prefix = cni_network_name(node) + "-"
+    if CNI_RESULTS.is_dir():
+        for result in CNI_RESULTS.iterdir():
+            if result.name.startswith(prefix):
+                found.append(result)
+                sandbox = result.name.removeprefix(prefix).rsplit("-", 1)[0]
+                found.append(CNI_RESULTS / f"cni-loopback-{sandbox}-lo")
+    # Every kubelet on the machine binds this one path; once none serves it, it is stale.
+    socket_path = DEVICE_PLUGINS / "kubelet.sock"
+    if socket_path.exists() and not _served(socket_path):
+        found += [socket_path, DEVICE_PLUGINS / "kubelet_internal_checkpoint"]
+    return [path for path in found if path.exists() or path.is_symlink()]
+
+
+def _served(socket_path: Path) -> bool:
+    """Whether a process (another cluster's kubelet) accepts connections on the socket."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(socket_path))
+        except OSError:
+            return False
+    return True
 
 
 def _netns_inode(node: ContainerNodeState) -> int | None:
@@ -845,4 +904,5 @@ def leftovers(layout: Layout, state: ClusterState) -> list[str]:
         found += [f"nsfs mount {m.point}" for m in _mountinfo() if m.root == f"net:[{inode}]"]
     if node.run_dir.exists():
         found.append(f"folder {node.run_dir}")
+    found += [f"file {path}" for path in _host_files(layout, node)]
     return found

@@ -64,6 +64,11 @@ class ContainerNodeState(BaseModel):
     created: list[str] = Field(
         default_factory=list, description="steps begun, in order: netns, veth, cgroups, run-dir"
     )
+    created_host_dirs: list[Path] = Field(
+        default_factory=list,
+        description="machine-wide folders the kubelet and CNI hardcode (HOST_PATHS) that did not "
+        "exist before this cluster: removed by down when empty",
+    )
 
     @property
     def containerd_socket(self) -> Path:

@@ -241,6 +241,9 @@ def test_down_removes_containers_mounts_cgroups_and_network(tmp_path: Path) -> N
         assert any(item.startswith("cgroup ") and "kubepods" in item for item in before), before
         assert f"veth {node.host_veth}" in before
         assert any(item.endswith("in the node network namespace") for item in before), before
+        # ... and its files in machine-wide folders the kubelet and libcni hardcode.
+        assert any(item.startswith("file /var/log/containers/sleeper_") for item in before)
+        assert any(item.startswith("file /var/lib/cni/results/devcluster-") for item in before)
     finally:
         cluster.stop()
     assert _ours(cluster) == []
