@@ -54,9 +54,10 @@ from .api import (
 from .conditions import find_condition, set_condition, utcnow
 from .kube import Conflict, Kube, api_error_message
 from .policy import PrepareDeadline, TerminatingPod, eviction_prepare_deadline
+from .policyops import checkpoint_views, list_checkpoints
 from .resources import set_selector
 from .setops import read_control_token
-from .statusrepair import repair_published_checkpoint
+from .statusrepair import NOT_AN_INTERFACE, repair_published_checkpoint
 from .watching import NoLongerHolds, while_holding
 
 logger = logging.getLogger(__name__)
@@ -326,6 +327,9 @@ class CheckpointFlow:
             other = await self._read(rset.metadata.namespace or "default", active)
             if other is not None and other.status.phase not in TERMINAL:
                 return f"checkpoint {active} of set {rset.metadata.name} is running"
+        running = await self._running_elsewhere(rset, me)
+        if running is not None:
+            return f"checkpoint {running} of set {rset.metadata.name} is running"
         if status.recovery is not None:
             return f"set {rset.metadata.name} is Recovering"
         suspended = find_condition(status.conditions, SetConditionType.SUSPENDED.value)
@@ -341,6 +345,39 @@ class CheckpointFlow:
         if not status.participants or not all(p.ready and p.address for p in status.participants):
             return f"participants of set {rset.metadata.name} are not all Ready"
         return None
+
+    async def _running_elsewhere(self, rset: RolloutSet, me: str) -> str | None:
+        """Another checkpoint of the set that is past its start (Preparing to Resuming), whatever
+        `status.activeCheckpoint` says: the slot is status, and status can be written by hand
+        (cleared, or pointed at another name) while a checkpoint runs; a second one started
+        beside it would be refused by every participant (conflicting_checkpoint) and fail.
+        The slot is written back to the running one, with a warning (issue 15, class 2)."""
+        namespace = rset.metadata.namespace or "default"
+        listed = await list_checkpoints(self._kube, namespace, rset.metadata.name)
+        running = sorted(
+            c.name
+            for c in checkpoint_views(listed)
+            if c.name != me and c.phase in IN_FLIGHT and not c.deleting
+        )
+        if not running:
+            return None
+        holder = running[0]
+        if rset.status.active_checkpoint != holder:
+            message = (
+                f"status.activeCheckpoint said {rset.status.active_checkpoint!r} while "
+                f"checkpoint {holder} runs: wrote back {holder!r}; {NOT_AN_INTERFACE}"
+            )
+            try:
+                await self._kube.patch_set_status(
+                    namespace,
+                    rset.metadata.name,
+                    {"activeCheckpoint": holder},
+                    resource_version=rset.metadata.resource_version,
+                )
+                logger.warning("RolloutSet %s/%s: %s", namespace, rset.metadata.name, message)
+            except Conflict:
+                pass  # written meanwhile; the next look sees it
+        return holder
 
     async def _release_slot(self, ckpt: RolloutCheckpoint, extra: dict[str, Any]) -> None:
         namespace = ckpt.metadata.namespace or "default"

@@ -27,7 +27,11 @@ from .api import MAX_REPLICAS
 from .settings import DEFAULT_MAX_REPLICAS_PER_ROLE, RunOptions
 
 _ROUTINE: frozenset[str] = frozenset(
-    {"Handler 'pod-event' succeeded.", "Handler 'observe' succeeded."}
+    {
+        "Handler 'pod-event' succeeded.",
+        "Handler 'observe' succeeded.",
+        "Handler 'recovery-present' succeeded.",
+    }
 )
 
 

@@ -85,7 +85,12 @@ from .policy import (
 )
 from .policy import eviction_holds as _eviction_holds
 from .resources import owner_reference, set_dir, set_selector
-from .statusrepair import parse_creation, records_proven, repair_failed_checkpoint
+from .statusrepair import (
+    latest_repair,
+    parse_creation,
+    records_proven,
+    repair_failed_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -324,6 +329,16 @@ class PolicyPass:
         if await self._repair_failed(rset, listed):
             listed = await list_checkpoints(self._kube, namespace, name)
         checkpoints = checkpoint_views(listed)
+        repaired = latest_repair(rset, checkpoints)
+        if repaired is not None:
+            try:
+                await self._kube.patch_set_status(
+                    namespace, name, repaired.patch, resource_version=rset.metadata.resource_version
+                )
+            except Conflict:
+                return PassOutcome(again=True)
+            await self._note(rset, Note(repaired.reason, repaired.message, warning=True))
+            return PassOutcome(again=True)  # the next pass plans with the repaired status
         live = sum(1 for p in pods if _live(p))
         view = SetView.from_set(rset, live_pods=live)
         decided = plan(view, checkpoints, self._clock())

@@ -31,6 +31,7 @@ from typing import Any, Final, TypeVar
 
 import anyio
 from kubernetes_asyncio.client.exceptions import ApiException
+from pydantic import ValidationError
 from rollout_protocol import Coordinator, ErrorCode, HttpParticipantClient, RetireOutcome, Role
 
 from .api import (
@@ -39,7 +40,6 @@ from .api import (
     MAX_RECOVERY_STARTS,
     CheckpointConditionType,
     CheckpointPhase,
-    ConditionStatus,
     LastRecovery,
     LostWorkReport,
     RecoveryHold,
@@ -55,7 +55,6 @@ from .api import (
 from .churn import ChurnDecision, decide, kept_starts
 from .conditions import (
     ConditionUpdate,
-    find_condition,
     is_true,
     merge_conditions,
     set_condition,
@@ -63,11 +62,18 @@ from .conditions import (
 )
 from .inplace import instance_name, plan_in_place, rewiring
 from .kube import Conflict, Kube
-from .policyops import RESUMED_REASON, eviction_holds, repoint_latest
+from .policyops import (
+    RESUMED_REASON,
+    checkpoint_views,
+    eviction_holds,
+    list_checkpoints,
+    repoint_latest,
+)
 from .resources import control_port, participant_url, set_selector
 from .setops import delete_attempt_pods, observe_pods, read_control_token, reconcile_pods
 from .setplan import Instance, PodView, attempt_instances
 from .setplan import Reason as SetReason
+from .statusrepair import NOT_AN_INTERFACE, REPAIRED, Repair, newest_ready
 from .watching import NoLongerHolds, while_holding
 from .workloss import lost_reports, total_work, work_loss
 
@@ -676,20 +682,53 @@ class RecoveryFlow:
         return None
 
     async def _restorable_checkpoint(self, rset: RolloutSet) -> str | None:
-        """The latest checkpoint that is Ready (published); None when there is none."""
+        """The newest Ready (published) checkpoint of this set; None when there is none.
+
+        Read from the checkpoints, not from `status.latestCheckpoint`: status is user-writable,
+        and a name written there (an older checkpoint, another set's, none at all) must not
+        decide what is restored (issue 15, class 2). The two agree unless status was written."""
         if rset.spec.recovery.target_level is TargetLevel.SIBLING:
             return None
-        name = rset.status.latest_checkpoint
-        if not name:
-            return None
-        ckpt = await self._read_checkpoint(rset, name)
-        if ckpt is None:
-            logger.warning("latest checkpoint %s of %s is gone", name, rset.metadata.name)
-            return None
-        ready = find_condition(ckpt.status.conditions, "Ready")
-        if ready is None or ready.status is not ConditionStatus.TRUE:
-            return None
+        namespace = rset.metadata.namespace or "default"
+        listed = await list_checkpoints(self._kube, namespace, rset.metadata.name)
+        newest = newest_ready(checkpoint_views(listed))
+        name = newest.name if newest is not None else None
+        if name != rset.status.latest_checkpoint:
+            logger.warning(
+                "set %s: status.latestCheckpoint says %r, its newest Ready checkpoint is %r: "
+                "restoring %r",
+                rset.metadata.name,
+                rset.status.latest_checkpoint,
+                name,
+                name,
+            )
         return name
+
+    async def _still_restorable(self, rset: RolloutSet) -> RolloutSet:
+        """Check `recovery.checkpoint` against the cluster before restoring it: a Ready
+        checkpoint of this set. Anything else (written by hand: another set's checkpoint, a
+        Failed or missing one) is replaced by the newest Ready one (or a fresh start), with an
+        Event, before a restore could fail on it and mark it invalid."""
+        recovery = rset.status.recovery
+        assert recovery is not None
+        if recovery.checkpoint is None:
+            return rset
+        ckpt = await self._read_checkpoint(rset, recovery.checkpoint)
+        if ckpt is not None and is_true(ckpt.status.conditions, "Ready"):
+            return rset
+        pick = await self._restorable_checkpoint(rset)
+        why = "does not exist" if ckpt is None else "is not Ready"
+        message = (
+            f"status.recovery.checkpoint said {recovery.checkpoint!r}, but no checkpoint of set "
+            f"{rset.metadata.name} by that name {why}: restoring "
+            + (f"{pick} instead" if pick else "nothing (no Ready checkpoint: a fresh start)")
+            + f"; {NOT_AN_INTERFACE}"
+        )
+        logger.warning("set %s: %s", rset.metadata.name, message)
+        rset = await self._set_phase(rset, RecoveryPhase.RESTORING, checkpoint=pick)
+        if self._on_transition is not None:
+            await self._on_transition(rset, REPAIRED, message, True)
+        return rset
 
     async def _coordinator(
         self, rset: RolloutSet
@@ -708,6 +747,7 @@ class RecoveryFlow:
         return Coordinator(participants), participants
 
     async def _restore(self, rset: RolloutSet) -> RolloutSet:
+        rset = await self._still_restorable(rset)
         recovery = rset.status.recovery
         assert recovery is not None
         if recovery.checkpoint is None:
@@ -913,8 +953,14 @@ class RecoveryFlow:
         )
 
     async def _read_checkpoint(self, rset: RolloutSet, name: str) -> RolloutCheckpoint | None:
+        """The RolloutCheckpoint `name` of this set; None when there is none, or when the name
+        is another set's (a name read from status may have been written by hand: the flow
+        never restores, nor marks invalid, a checkpoint of another set)."""
         raw = await self._kube.get_checkpoint(rset.metadata.namespace or "default", name)
-        return None if raw is None else RolloutCheckpoint.model_validate(raw)
+        if raw is None:
+            return None
+        ckpt = RolloutCheckpoint.model_validate(raw)
+        return ckpt if ckpt.spec.rollout_set == rset.metadata.name else None
 
     async def _try_failed(
         self, rset: RolloutSet | None, failed: RecoveryFailed
@@ -991,6 +1037,65 @@ class RecoveryFlow:
             target_attempt=recovery.target_attempt + 1,
             **fields,
         )
+
+
+async def repair_false_recovery(kube: Kube, namespace: str, name: str) -> Repair | None:
+    """Remove a `status.recovery` that no lost participant explains (issue 15, class 2).
+
+    A recovery stops every pod of the running attempt and restores the latest checkpoint into
+    fresh ones: taking one written by hand (`kubectl patch --subresource=status`) for real
+    would disrupt every episode for nothing. A recovery the operator started begins in
+    StoppingAttempt from the set's current attempt because a participant of it was lost, and
+    that loss stays visible until the recovery acts: the pod is gone, finished, terminating or
+    on a NotReady node. One that has not tried yet, shows no such loss and no pod of a later
+    attempt is removed, with an Event; anything else is left to the recovery flow."""
+    raw = await kube.get_set(namespace, name)
+    if raw is None or (raw.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    try:
+        rset = RolloutSet.model_validate(raw)
+    except ValidationError:
+        return None
+    status = rset.status
+    recovery = status.recovery
+    if (
+        recovery is None
+        or recovery.phase is not RecoveryPhase.STOPPING_ATTEMPT
+        or recovery.tries
+        or recovery.reason == RESUMED_REASON
+        or rset.spec.suspend
+        or is_true(status.conditions, SetConditionType.SUSPENDED.value)
+    ):
+        return None
+    attempt = status.attempt or 1
+    if recovery.from_attempt != attempt or (status.created_attempt or 0) < attempt:
+        return None
+    pods, nodes_of, lost_nodes = await observe(kube, rset)
+    if any(pod.attempt > attempt for pod in pods):
+        return None  # the recovery acted already
+    if find_losses(rset, attempt, pods, nodes_of, lost_nodes):
+        return None
+    message = (
+        f"status.recovery said attempt {recovery.from_attempt} lost a participant "
+        f"({recovery.reason or 'no reason'}), but every participant pod of attempt {attempt} "
+        f"runs: removed it, no pod was stopped; {NOT_AN_INTERFACE}"
+    )
+    body: dict[str, Any] = {"recovery": None}
+    if is_true(status.conditions, SetConditionType.RECOVERING.value):
+        merged = merge_conditions(
+            status.conditions,
+            [ConditionUpdate.of(SetConditionType.RECOVERING.value, False, REPAIRED, message)],
+            observed_generation=rset.metadata.generation,
+        )
+        body["conditions"] = [_wire(c) for c in merged]
+    try:
+        await kube.patch_set_status(
+            namespace, name, body, resource_version=rset.metadata.resource_version
+        )
+    except Conflict:
+        return None  # written meanwhile; the next pass looks again
+    logger.warning("RolloutSet %s/%s: %s", namespace, name, message)
+    return Repair(REPAIRED, message)
 
 
 @dataclass(frozen=True)

@@ -22,14 +22,24 @@ status contradicts what the cluster shows, the cluster wins, status is repaired,
   `records_proven` keeps the retention pass from removing those records in any case. The
   operator's own verdict after a restore that refused the records (reason `RecordsInvalid`) is
   not overturned, but records that verify are still never removed while the object exists.
+- `latest_repair`: the set's `latestCheckpoint` is what a recovery restores; it must name the
+  newest Ready checkpoint of this set (or the one being published right now). A name of a
+  checkpoint that does not exist, belongs to another set, is not Ready, or is older than a
+  Ready one, or no name while a Ready checkpoint exists, is written back from the checkpoints.
+
+The recovery and checkpoint flows check the rest of what they read from status against the
+cluster themselves: `recovery.repair_false_recovery` (a `status.recovery` that no lost
+participant explains), the recovery's own checkpoint reads (only checkpoints of its own set,
+Ready, are restored or marked invalid), and the checkpoint queue (`activeCheckpoint` cleared or
+pointed elsewhere while a checkpoint of the set runs).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -50,6 +60,7 @@ from .api import (
 )
 from .conditions import set_condition
 from .kube import Conflict, Kube
+from .policy import CheckpointView
 from .resources import set_dir
 from .setops import observe_pods
 
@@ -73,10 +84,11 @@ restore (`recovery.CHECKPOINT_RECORDS_INVALID`): the operator's own verdict, nev
 
 @dataclass(frozen=True)
 class Repair:
-    """What was written back, for the Event."""
+    """What was written back, for the Event (and, where the caller writes it, the patch)."""
 
     reason: str
     message: str
+    patch: dict[str, Any] = field(default_factory=dict)
 
 
 async def repair_set_attempt(kube: Kube, namespace: str, name: str) -> Repair | None:
@@ -281,6 +293,55 @@ async def repair_failed_checkpoint(
     await kube.patch_checkpoint_status(namespace, name, body)
     logger.warning("RolloutCheckpoint %s/%s: %s", namespace, name, message)
     return Repair(REPAIRED, f"checkpoint {name}: {message}")
+
+
+PUBLISHING_PHASES: Final = frozenset({CheckpointPhase.PUBLISHING, CheckpointPhase.RESUMING})
+"""Phases in which the checkpoint flow points the set's latestCheckpoint at its checkpoint
+(Ready=True is written, the participants are resuming, the terminal phase comes last)."""
+
+
+def newest_ready(views: Sequence[CheckpointView]) -> CheckpointView | None:
+    """The newest Ready checkpoint (by completion, then creation) that is not being deleted."""
+    ready = [c for c in views if c.ready and not c.deleting]
+    return max(ready, key=lambda c: (c.completed or c.created, c.created), default=None)
+
+
+def latest_repair(rset: RolloutSet, views: Sequence[CheckpointView]) -> Repair | None:
+    """None when `status.latestCheckpoint` agrees with the set's checkpoints (`views`, the
+    checkpoints whose spec.rolloutSet is this set); else the Repair whose `patch` writes back
+    the newest Ready one."""
+    shown = rset.status.latest_checkpoint
+    by_name = {c.name: c for c in views}
+    newest = newest_ready(views)
+    expected = newest.name if newest is not None else None
+    if shown == expected:
+        return None
+    named = by_name.get(shown) if shown else None
+    if named is not None and (
+        named.deleting or named.phase in PUBLISHING_PHASES or named.phase in RESET_PHASES
+    ):
+        # The finalizer repoints it / the flow is publishing it / its daemon decides (a reset
+        # status of a published checkpoint is repaired to Ready, see repair_published_checkpoint);
+        # a recovery restores the newest Ready checkpoint meanwhile, whatever this says.
+        return None
+    if not shown:
+        why = f"it was unset while {expected} is Ready"
+    elif named is None:
+        why = f"no RolloutCheckpoint {shown} of set {rset.metadata.name} exists"
+    elif not named.ready:
+        why = f"checkpoint {shown} is not Ready (phase {named.phase or 'unset'})"
+    else:
+        why = f"checkpoint {expected} is Ready and newer than {shown}"
+    patch: dict[str, Any] = {"latestCheckpoint": expected, "latestCheckpointTime": None}
+    if newest is not None:
+        patch["latestCheckpointTime"] = (newest.completed or newest.created).strftime(
+            "%Y-%m-%dT%H:%M:%SZ"
+        )
+    message = (
+        f"status.latestCheckpoint said {shown!r}, but {why}: wrote back "
+        f"{expected!r} (a recovery restores the newest Ready checkpoint); {NOT_AN_INTERFACE}"
+    )
+    return Repair(REPAIRED, message, patch)
 
 
 async def repair_published_checkpoint(

@@ -203,6 +203,85 @@ async def test_a_ready_checkpoint_set_failed_by_hand_keeps_its_records(
     assert "Traceback" not in operator.tail(400), operator.tail(60)
 
 
+def _pod_uids(cluster: Cluster, namespace: str) -> dict[str, str]:
+    listed = cluster.kubectl("get", "pods", "-n", namespace, "-o", "json")
+    return {p["metadata"]["name"]: p["metadata"]["uid"] for p in json.loads(listed.stdout)["items"]}
+
+
+async def test_a_written_recovery_stops_no_pod(
+    cluster: Cluster,
+    namespace: str,
+    operator: OperatorProcess,
+    resources: Resources,
+    storage_dir: Path,
+) -> None:
+    """`status.recovery` written on a Ready set whose pods all run: a recovery would stop every
+    pod and restore the latest checkpoint into new ones. No participant was lost, so the
+    recovery is removed (Event StatusRepaired) and every pod keeps running under attempt 1."""
+    _apply(cluster, namespace, example_set(storage_dir))
+    await resources.wait_set("Ready", lambda o: is_true(o, "Ready"), 90)
+    pods = _pod_uids(cluster, namespace)
+    _patch_status(
+        cluster,
+        namespace,
+        "rset",
+        "math-rl",
+        {
+            "recovery": {
+                "phase": "StoppingAttempt",
+                "fromAttempt": 1,
+                "targetAttempt": 2,
+                "startedAt": "2026-01-01T00:00:00Z",
+                "reason": "PodDeleted",
+            }
+        },
+    )
+
+    async def repaired() -> bool:
+        return bool(_events(cluster, namespace, REPAIRED))
+
+    await wait_for(repaired, 30, "an Event saying status was repaired", interval=0.2)
+    obj = await resources.wait_set(
+        "no recovery", lambda o: o["status"].get("recovery") is None and is_true(o, "Ready"), 10
+    )
+    assert obj["status"]["attempt"] == 1, obj["status"]
+    assert _pod_uids(cluster, namespace) == pods, "a pod was stopped or replaced"
+    assert "Traceback" not in operator.tail(400), operator.tail(60)
+
+
+async def test_a_written_latest_checkpoint_is_repaired_to_the_newest_ready_one(
+    cluster: Cluster,
+    namespace: str,
+    operator: OperatorProcess,
+    resources: Resources,
+    storage_dir: Path,
+) -> None:
+    """`status.latestCheckpoint` (what a recovery restores) written back to an older Ready
+    checkpoint, then to a name that does not exist: each time it is written back to the newest
+    Ready checkpoint, with an Event, and both checkpoints keep their records."""
+    _apply(cluster, namespace, example_set(storage_dir))
+    await resources.wait_set("Ready", lambda o: is_true(o, "Ready"), 90)
+    for name in ("c1", "c2"):
+        _apply(cluster, namespace, example_checkpoint(name))
+        done = await resources.wait_checkpoint(name, "Ready", phase_is("Ready", "Failed"), 60)
+        assert is_true(done, "Ready"), done["status"]
+    for written in ("c1", "not-a-checkpoint"):
+        _patch_status(cluster, namespace, "rset", "math-rl", {"latestCheckpoint": written})
+
+        async def repaired(written: str = written) -> bool:
+            return any(
+                written in e.get("message", "") for e in _events(cluster, namespace, REPAIRED)
+            )
+
+        await wait_for(repaired, 30, f"an Event saying {written!r} was written back", interval=0.2)
+        await resources.wait_set(
+            "latest c2 again", lambda o: o["status"].get("latestCheckpoint") == "c2", 10
+        )
+    for name in ("c1", "c2"):
+        check_manifests(await resources.checkpoint(name), storage_dir)
+    assert "Traceback" not in operator.tail(400), operator.tail(60)
+
+
 def _large_set(storage_dir: Path) -> dict[str, Any]:
     """The example set with 150 KiB of environment in each of two templates: a spec more than
     the 256 KiB that all of an object's annotations may hold, each template within the

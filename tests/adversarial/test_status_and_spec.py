@@ -23,11 +23,13 @@ import yaml
 from fakes import FakeParticipant
 from pydantic import ValidationError
 from rollout_operator import api
+from rollout_operator.policyops import checkpoint_views
 from rollout_operator.resources import STORAGE_VOLUME_NAME, reserved_volume_notes
 from rollout_operator.setops import missing_peers, spec_over_limits
 from rollout_operator.settings import MAX_DIFFBASE_FIELD_BYTES, compact_essence
 from rollout_operator.statusrepair import (
     completed_on_storage,
+    latest_repair,
     published_manifests,
     records_proven,
 )
@@ -191,3 +193,77 @@ async def test_an_invalid_trainer_step_is_logged_once_not_on_every_pass(
     logged = [r for r in caplog.records if "step-twelve-once" in r.getMessage()]
     assert len(logged) == 1, [r.getMessage() for r in logged]
     assert len(run.notes) == 3  # the Event sink still sees each pass (it deduplicates itself)
+
+
+def _view(name: str, phase: str | None, completed: int, set_name: str = "math") -> dict[str, Any]:
+    """A RolloutCheckpoint as the API server returns it (wire form)."""
+    at = (datetime(2026, 1, 1, tzinfo=UTC) + timedelta(minutes=completed)).strftime(
+        "%Y-%m-%dT%H:%M:%SZ"
+    )
+    status: dict[str, Any] = {}
+    if phase is not None:
+        ready = "True" if phase in ("Ready", "Resuming") else "False"
+        status = {
+            "phase": phase,
+            "completedAt": at if phase == "Ready" else None,
+            "conditions": [
+                {"type": "Ready", "status": ready, "reason": "X", "lastTransitionTime": at}
+            ],
+        }
+    return {
+        "metadata": {"name": name, "namespace": "ns", "creationTimestamp": at},
+        "spec": {"rolloutSet": set_name, "trigger": "Manual"},
+        "status": status,
+    }
+
+
+def _latest_of(latest: str | None, *raw: dict[str, Any]) -> dict[str, Any] | None:
+    obj = set_object("ns", UID, Path("/checkpoints"))
+    obj["status"] = {"latestCheckpoint": latest}
+    repaired = latest_repair(_set(obj), checkpoint_views(raw))
+    return None if repaired is None else repaired.patch
+
+
+@pytest.mark.parametrize(
+    ("written", "why"),
+    [
+        ("gone", "no RolloutCheckpoint gone"),  # a name that does not exist
+        ("other-sets", "no RolloutCheckpoint other-sets"),  # one of another set
+        ("failed", "is not Ready"),
+        ("older", "is Ready and newer than older"),
+        (None, "unset while newest is Ready"),
+    ],
+)
+def test_a_written_latest_checkpoint_is_repaired_to_the_newest_ready_one(
+    written: str | None, why: str
+) -> None:
+    """`status.latestCheckpoint` is what a recovery restores: a name written by hand that
+    contradicts the set's checkpoints is written back, never restored (a checkpoint of another
+    set would have been marked invalid by the restore that failed on it)."""
+    views = [
+        _view("older", "Ready", 1),
+        _view("newest", "Ready", 5),
+        _view("failed", "Failed", 7),
+        _view("other-sets", "Ready", 9, set_name="another"),
+    ]
+    obj = set_object("ns", UID, Path("/checkpoints"))
+    obj["status"] = {"latestCheckpoint": written}
+    mine = [v for v in views if v["spec"]["rolloutSet"] == obj["metadata"]["name"]]
+    repaired = latest_repair(_set(obj), checkpoint_views(mine))
+    assert repaired is not None
+    assert repaired.reason == "StatusRepaired"
+    assert why in repaired.message, repaired.message
+    assert repaired.patch == {
+        "latestCheckpoint": "newest",
+        "latestCheckpointTime": "2026-01-01T00:05:00Z",
+    }
+
+
+def test_a_latest_checkpoint_that_agrees_or_is_being_published_is_left_alone() -> None:
+    assert _latest_of("newest", _view("older", "Ready", 1), _view("newest", "Ready", 5)) is None
+    # the flow points the set at its checkpoint while it resumes, before the phase is Ready
+    assert _latest_of("next", _view("newest", "Ready", 5), _view("next", "Resuming", 6)) is None
+    assert _latest_of(None, _view("failed", "Failed", 1)) is None
+    # a reset status: the checkpoint's own daemon repairs it to Ready (or runs it) first
+    assert _latest_of("reset", _view("newest", "Ready", 5), _view("reset", None, 6)) is None
+    assert _latest_of("gone") == {"latestCheckpoint": None, "latestCheckpointTime": None}

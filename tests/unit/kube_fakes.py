@@ -10,6 +10,7 @@ import copy
 from collections.abc import Sequence
 from typing import Any, cast
 
+from rollout_operator.api import ROLLOUT_CHECKPOINT_PLURAL
 from rollout_operator.kube import Conflict, Kube
 
 
@@ -25,6 +26,17 @@ class InMemorySet:
     def as_kube(self) -> Kube:
         return cast(Kube, self)
 
+    @property
+    def custom(self) -> InMemorySet:
+        """`Kube.custom`: the flows list the set's checkpoints through it."""
+        return self
+
+    async def list_namespaced_custom_object(
+        self, group: str, version: str, namespace: str, plural: str
+    ) -> dict[str, Any]:
+        assert plural == ROLLOUT_CHECKPOINT_PLURAL, plural
+        return {"items": [copy.deepcopy(c) for c in self.checkpoints.values()]}
+
     async def get_set(self, namespace: str, name: str) -> dict[str, Any] | None:
         obj = copy.deepcopy(self.set)
         obj["metadata"]["resourceVersion"] = str(self.version)
@@ -33,6 +45,18 @@ class InMemorySet:
     async def get_checkpoint(self, namespace: str, name: str) -> dict[str, Any] | None:
         found = self.checkpoints.get(name)
         return None if found is None else copy.deepcopy(found)
+
+    async def patch_checkpoint_status(
+        self, namespace: str, name: str, status: dict[str, Any]
+    ) -> dict[str, Any]:
+        """A merge patch of a checkpoint's status (a null field is removed)."""
+        current = self.checkpoints[name].setdefault("status", {})
+        for key, value in status.items():
+            if value is None:
+                current.pop(key, None)
+            else:
+                current[key] = copy.deepcopy(value)
+        return copy.deepcopy(self.checkpoints[name])
 
     async def patch_set_status(
         self, namespace: str, name: str, status: dict[str, Any], *, resource_version: str | None

@@ -45,7 +45,6 @@ class FakeApi(InMemorySet):
     """The set, its pods, its token Secret and one checkpoint; status writes applied."""
 
     def __init__(self, trigger: str, pods: list[dict[str, Any]]) -> None:
-        self.custom = self
         self.pods = pods
         rset: dict[str, Any] = {
             "apiVersion": api.API_VERSION,

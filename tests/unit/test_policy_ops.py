@@ -161,6 +161,17 @@ class FakeApi:
             "spec": {"rolloutSet": "math", "trigger": "Manual"},
             "status": status,
         }
+        if outcome == "Ready" and self.set is not None:
+            # As the checkpoint flow does when it publishes: the set's latestCheckpoint names
+            # the newest Ready checkpoint (the policy pass repairs any other value).
+            ready = [
+                (c["status"]["completedAt"], c["metadata"]["creationTimestamp"], n)
+                for n, c in self.checkpoints.items()
+                if c["status"].get("phase") == "Ready"
+            ]
+            completed_at, _, newest = max(ready)
+            self.set["status"]["latestCheckpoint"] = newest
+            self.set["status"]["latestCheckpointTime"] = completed_at
 
     def condition(self, type_: str) -> dict[str, Any]:
         assert self.set is not None

@@ -21,7 +21,7 @@ from .. import metrics
 from ..api import GROUP, LABEL_SET, ROLLOUT_SET_PLURAL, VERSION, RolloutSet
 from ..conditions import utcnow
 from ..passloop import STOP_BACKOFF_SECONDS, Next, PassLoop, Stopped
-from ..recovery import recover_if_needed
+from ..recovery import recover_if_needed, repair_false_recovery
 from ..setops import reconcile_set
 from ..statusrepair import repair_set_attempt
 from .events import post_set_event
@@ -50,6 +50,18 @@ async def created(namespace: str | None, name: str, logger: kopf.Logger, **_: An
 
 @kopf.on.update(GROUP, VERSION, ROLLOUT_SET_PLURAL, field="spec", id="spec-changed")
 async def spec_changed(namespace: str | None, name: str, **_: Any) -> None:
+    wake(namespace, name)
+
+
+def _has_recovery(status: kopf.Status, **_: Any) -> bool:
+    return bool(status.get("recovery"))
+
+
+@kopf.on.event(GROUP, VERSION, ROLLOUT_SET_PLURAL, when=_has_recovery, id="recovery-present")
+async def recovery_present(namespace: str | None, name: str, **_: Any) -> None:
+    """`status.recovery` is there: a pass soon, whoever wrote it. The loop is busy while it
+    runs a recovery (the wake then costs one pass after it); one written by hand is checked
+    against the pods at once (`repair_false_recovery`) instead of at the next resync."""
     wake(namespace, name)
 
 
@@ -132,6 +144,17 @@ async def reconcile_loop(
             if raw is not None:
                 post_set_event(
                     RolloutSet.model_validate(raw), repaired.reason, repaired.message, warning=True
+                )
+        # A recovery nobody lost a participant for would stop every running pod (class 2).
+        false_recovery = await repair_false_recovery(kube, namespace, name)
+        if false_recovery is not None:
+            raw = await kube.get_set(namespace, name)
+            if raw is not None:
+                post_set_event(
+                    RolloutSet.model_validate(raw),
+                    false_recovery.reason,
+                    false_recovery.message,
+                    warning=True,
                 )
         look = await recover_if_needed(kube, namespace, name, on_transition=_recovery_event)
         outcome = await reconcile_set(
