@@ -24,7 +24,7 @@ import kopf
 from pydantic import ValidationError
 
 from .api import MAX_REPLICAS
-from .settings import DEFAULT_MAX_REPLICAS_PER_ROLE, RunOptions
+from .settings import DEFAULT_MAX_REPLICAS_PER_ROLE, DEFAULT_RESYNC_SECONDS, RunOptions
 
 _ROUTINE: frozenset[str] = frozenset(
     {
@@ -134,6 +134,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--worker-limit", type=int, metavar="N", help="at most N object workers")
     run.add_argument(
+        "--resync-seconds",
+        type=int,
+        default=DEFAULT_RESYNC_SECONDS,
+        metavar="S",
+        help="each set's reconcile and policy loops look again this often without an event "
+        f"(default {DEFAULT_RESYNC_SECONDS}; events and the loops' own deadlines wake them "
+        "sooner)",
+    )
+    run.add_argument(
         "--max-replicas-per-role",
         type=int,
         default=DEFAULT_MAX_REPLICAS_PER_ROLE,
@@ -165,6 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             peering=args.peering,
             priority=args.priority,
             watch_timeout_seconds=args.watch_timeout_seconds,
+            resync_seconds=args.resync_seconds,
             worker_limit=args.worker_limit,
             max_replicas_per_role=args.max_replicas_per_role,
         )

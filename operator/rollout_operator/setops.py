@@ -17,6 +17,8 @@ pods of the recovery's target attempt).
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Final
@@ -65,6 +67,47 @@ class SetBlocked(Exception):
 
 
 # --- owned objects ------------------------------------------------------------------------------
+
+ENSURE_EVERY_SECONDS: Final = 300.0
+"""How often a pass checks again that a set's token Secret and Services exist once this process
+found them (issue 14: checking on every pass cost a GET and one refused POST per role, per set,
+per pass). A deleted one is created again within this time."""
+
+
+class OwnedObjects:
+    """Which sets' token Secret and Services this process has ensured, and when.
+
+    Keyed by the set's UID and its roles, so a new set under an old name or a new role is
+    ensured at once. Process memory only: a restarted operator ensures everything again."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._ensured: dict[tuple[str, tuple[str, ...]], float] = {}
+
+    @staticmethod
+    def _key(rset: RolloutSet) -> tuple[str, tuple[str, ...]] | None:
+        if not rset.metadata.uid:
+            return None  # not from the API server (a test's object): always ensure
+        roles = tuple(sorted(p.role.value for p in rset.spec.participants))
+        return (rset.metadata.uid, roles)
+
+    def fresh(self, rset: RolloutSet) -> bool:
+        key = self._key(rset)
+        at = self._ensured.get(key) if key is not None else None
+        return at is not None and self._clock() - at < ENSURE_EVERY_SECONDS
+
+    def mark(self, rset: RolloutSet) -> None:
+        key = self._key(rset)
+        if key is None:
+            return
+        if len(self._ensured) > 4096:  # deleted sets: drop the stale entries
+            cutoff = self._clock() - ENSURE_EVERY_SECONDS
+            self._ensured = {k: v for k, v in self._ensured.items() if v >= cutoff}
+        self._ensured[key] = self._clock()
+
+
+owned_objects = OwnedObjects()
+"""The process's record (the reconcile pass consults it)."""
 
 
 def _controlled_by(obj: dict[str, Any], rset: RolloutSet) -> bool:
@@ -326,8 +369,10 @@ async def reconcile_set(
             over = spec_over_limits(rset, max_replicas_per_role) or missing_peers(rset)
             if over is not None:
                 raise over
-        await ensure_control_token(kube, rset)
-        await ensure_services(kube, rset)
+        if not owned_objects.fresh(rset):
+            await ensure_control_token(kube, rset)
+            await ensure_services(kube, rset)
+            owned_objects.mark(rset)
     except SetBlocked as blocked:
         blocked_changes = _blocked_status(obj, generation, blocked.reason, blocked.message)
         return await _write_status(kube, obj, blocked_changes) or ReconcileOutcome()

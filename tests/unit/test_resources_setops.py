@@ -7,10 +7,12 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import pytest
-from rollout_operator import api
+from rollout_operator import api, setops
 from rollout_operator.kube import Conflict, Kube
 from rollout_operator.resources import attempt_selector
 from rollout_operator.setops import (
+    ENSURE_EVERY_SECONDS,
+    OwnedObjects,
     delete_attempt_pods,
     ensure_control_token,
     read_control_token,
@@ -19,6 +21,12 @@ from rollout_operator.setops import (
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 NS = "team"
+
+
+@pytest.fixture(autouse=True)
+def fresh_owned_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts with a process that has ensured nothing (the record is per process)."""
+    monkeypatch.setattr(setops, "owned_objects", OwnedObjects())
 
 
 class FakeKube:
@@ -322,3 +330,24 @@ async def test_spec_change_under_running_pods_is_refused(created_attempt: int | 
     assert fake.condition("Degraded")["reason"] == "SpecChangeRefused"
     assert fake.condition("Degraded")["observedGeneration"] == 2
     assert fake.set["status"]["observedGeneration"] == 2
+
+
+async def test_token_and_services_are_checked_once_per_window_not_on_every_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(setops, "owned_objects", OwnedObjects(clock=lambda: now[0]))
+    fake = FakeKube(rollout_set())
+    await reconcile_set(fake.as_kube(), NS, "rl", now=T0)
+    assert fake.secrets
+    assert fake.services
+    fake.secrets.clear()
+    fake.services.clear()
+    now[0] += ENSURE_EVERY_SECONDS - 1
+    await reconcile_set(fake.as_kube(), NS, "rl", now=T0)
+    assert fake.secrets == {}, "a pass within the window looked for the Secret again"
+    assert fake.services == {}, "a pass within the window created the Services again"
+    now[0] += 2
+    await reconcile_set(fake.as_kube(), NS, "rl", now=T0)
+    assert fake.secrets, "a deleted Secret was not created again after the window"
+    assert fake.services, "deleted Services were not created again after the window"

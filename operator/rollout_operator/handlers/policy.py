@@ -2,10 +2,10 @@
 
 - `policy_loop`: a daemon per RolloutSet that runs `PolicyPass` whenever it is woken (any event
   of the set or of one of its RolloutCheckpoints) and otherwise at the time the last pass asked
-  for (a deadline start, an interval tick) or every `RESYNC_SECONDS`. One loop per set means the
-  policy's decisions for a set never run twice at once in this process, so two events cannot
-  both decide to create the same interval checkpoint or both release the pods. It returns by
-  itself when the set is deleted or the operator stops (`passloop`).
+  for (a deadline start, an interval tick) or every `--resync-seconds` (default 300). One loop
+  per set means the policy's decisions for a set never run twice at once in this process, so
+  two events cannot both decide to create the same interval checkpoint or both release the
+  pods. It returns by itself when the set is deleted or the operator stops (`passloop`).
 - `pod_terminating`: a participant pod got a deletion timestamp: the Eviction checkpoint is
   created right from the pod event (the grace period is short; the loop may be mid-pass).
 - `checkpoint_deleted` / `set_deleted`: the finalizers that remove records (retention deletes
@@ -40,10 +40,8 @@ from ..policyops import (
 )
 from .events import post_set_event
 from .rolloutset import wake
-from .runtime import kube_of
+from .runtime import kube_of, options_of
 
-RESYNC_SECONDS: Final = 30.0
-"""Even without events each set's policy is looked at this often (a missed event heals)."""
 MAX_BACKOFF_SECONDS: Final = 30.0
 WAKE_SLACK_SECONDS: Final = 0.02
 NOTES_REMEMBERED: Final = 64
@@ -112,7 +110,8 @@ async def policy_loop(
         # second); a wake a hair early just makes the pass ask for the time again.
         await waits.run_passes(
             one_pass,
-            resync_seconds=RESYNC_SECONDS,
+            # Without events, only this often (a missed event heals): `--resync-seconds`.
+            resync_seconds=options_of(memo).resync_seconds,
             max_backoff_seconds=MAX_BACKOFF_SECONDS,
             slack_seconds=WAKE_SLACK_SECONDS,
             on_failure=failed,

@@ -2,8 +2,8 @@
 
 A Kopf daemon per RolloutSet runs `setops.reconcile_set` whenever it is woken (spec change,
 resume, a pod event of the set) and otherwise at the next progress deadline or every
-`RESYNC_SECONDS`. One loop per set means one writer per set in this process: no two passes of
-the same set overlap, and a burst of pod events collapses into one pass.
+`--resync-seconds` (default 300). One loop per set means one writer per set in this process: no
+two passes of the same set overlap, and a burst of pod events collapses into one pass.
 
 Other flows (recovery, checkpoints) call `wake(namespace, name)` after they change something
 the set's status should reflect. When the set is deleted or the operator stops, the loop returns
@@ -27,8 +27,6 @@ from ..statusrepair import repair_set_attempt
 from .events import post_set_event
 from .runtime import kube_of, options_of
 
-RESYNC_SECONDS: Final = 30.0
-"""Even without events, each set is looked at this often (a missed watch event heals)."""
 MAX_BACKOFF_SECONDS: Final = 30.0
 
 _wakeups: dict[tuple[str, str], asyncio.Event] = {}
@@ -178,7 +176,8 @@ async def reconcile_loop(
     try:
         await waits.run_passes(
             one_pass,
-            resync_seconds=RESYNC_SECONDS,
+            # Without events, only this often (a missed event heals): `--resync-seconds`.
+            resync_seconds=options_of(memo).resync_seconds,
             max_backoff_seconds=MAX_BACKOFF_SECONDS,
             slack_seconds=0.5,
             on_failure=failed,
