@@ -203,7 +203,7 @@ def _in_order(cluster: Cluster) -> list[str]:
     return [cluster.plane(role).settings.instance for role in PREPARE_ORDER]
 
 
-async def test_checkpoint_prepares_in_order_commits_the_scope_publishes_and_resumes_in_reverse(
+async def test_checkpoint_prepares_in_order_commits_the_scope_publishes_and_resumes_at_once(
     tmp_path: Path,
 ) -> None:
     members = _members(tmp_path)
@@ -221,10 +221,10 @@ async def test_checkpoint_prepares_in_order_commits_the_scope_publishes_and_resu
         assert result.ok, result.message
         assert result.reason == "Published"
         assert cluster.calls("prepare") == _in_order(cluster)
-        assert cluster.calls("resume") == _reverse(cluster)
-        assert [i for i, op in cluster.fake(Role.ENVIRONMENT).journal if op == "reopen"] == (
-            _reverse(cluster)
-        ), "participants reopen callees first"
+        assert sorted(cluster.calls("resume")) == sorted(_reverse(cluster))
+        last_commit = max(cluster.journal.index((i, "commit")) for i in _in_order(cluster))
+        first_resume = min(cluster.journal.index((i, "resume")) for i in _in_order(cluster))
+        assert last_commit < first_resume, "every commit is sent before anyone resumes"
         assert result.commit is not None
         assert result.commit.scope == ["r1", "r3"], "live episodes minus restarts"
         assert result.durations.pause_seconds >= result.durations.prepare_seconds
@@ -242,6 +242,60 @@ async def test_checkpoint_prepares_in_order_commits_the_scope_publishes_and_resu
         tmp_path / "demo" / "ck-1" / "resources-0", expect_checkpoint_id="ck-1"
     )
     assert [r.rollout_id for r in records] == ["r3"]
+
+
+class ResumeBarrier:
+    """Holds every resume call until all participants' resumes are in flight. A coordinator that
+    resumed one stage after another never sends the second stage's call while the first waits
+    here: each wait then ends at its bound (a failure, not a delay) and that resume fails."""
+
+    def __init__(self, parties: int) -> None:
+        self.parties = parties
+        self.arrived = 0
+        self.all_in_flight = anyio.Event()
+
+    async def wait(self) -> None:
+        self.arrived += 1
+        if self.arrived == self.parties:
+            self.all_in_flight.set()
+        with anyio.fail_after(WAIT / 8):
+            await self.all_in_flight.wait()
+
+
+class BarrierSpy(Spy):
+    """A journaling spy whose resume waits at a shared `ResumeBarrier` before it is sent."""
+
+    def __init__(
+        self, inner: ParticipantClient, journal: list[tuple[str, str]], barrier: ResumeBarrier
+    ) -> None:
+        super().__init__(inner, journal)
+        self.barrier = barrier
+
+    async def resume(self, request: ResumeRequest) -> ResumeReply:
+        self._log("resume")
+        await self.barrier.wait()
+        return await self.inner.resume(request)
+
+
+async def test_a_published_checkpoint_resumes_every_participant_at_once(tmp_path: Path) -> None:
+    """One round of resume calls, not one per role: the pause shrinks by three round trips."""
+    async with _in_process(_members(tmp_path)) as cluster:
+        barrier = ResumeBarrier(len(PREPARE_ORDER))
+        spies = [
+            BarrierSpy(cluster.spy(role).inner, cluster.journal, barrier) for role in PREPARE_ORDER
+        ]
+        with anyio.fail_after(WAIT):
+            result = await Coordinator(spies).checkpoint(
+                "ck-1", prepare_timeout=5, commit_timeout=5, publish_dir=tmp_path, set_name="demo"
+            )
+        assert result.ok, result.message
+        assert result.resume is not None
+        assert result.resume.failures == [], "resumes were sent one stage at a time"
+        assert barrier.all_in_flight.is_set()
+        assert sorted(result.resume.resumed) == sorted(_in_order(cluster))
+        for role in PREPARE_ORDER:
+            assert cluster.fake(role).admission_open
+            assert cluster.plane(role).phase is Phase.IDLE
 
 
 async def test_requested_scope_is_intersected_with_live_episodes(tmp_path: Path) -> None:
@@ -384,7 +438,7 @@ async def test_restore_is_all_or_nothing_retiring_the_attempt_and_resuming(tmp_p
         retire_order = cluster.calls("retire")
         assert retire_order[:2] == ["environment-0", "agent-0"]
         assert sorted(retire_order[2:]) == ["model-0", "resources-0"]
-        assert cluster.calls("resume") == _reverse(cluster)
+        assert sorted(cluster.calls("resume")) == sorted(_reverse(cluster))
         assert cluster.journal.index(("resources-0", "resume")) > cluster.journal.index(
             ("model-0", "retire")
         ), "retire happens before anything resumes"
