@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import pytest
 from operator_fixtures import (
+    ENV_STAGES,
     Debug,
     OperatorProcess,
     RecoveredRun,
@@ -146,6 +147,10 @@ class Outcome:
     """The instance whose pod was killed."""
     stats: dict[str, dict[str, Any]]
     """`/stats?detail=true` of each participant instance after the recovery."""
+    pids_before: dict[str, list[int]]
+    """The processes of every pod just before the kill, by pod name."""
+    pids_after: dict[str, list[int]]
+    """The processes of the pods of the same names after the recovery."""
 
 
 async def checkpoint_kill_recover(
@@ -209,6 +214,7 @@ async def checkpoint_kill_recover(
                 )
                 assert is_true(ckpt, "Ready"), ckpt["status"]
                 assert ckpt["status"]["episodes"] >= 1
+                pids_before = {pod: pod_pids(cluster, namespace, pod) for pod in pods.values()}
                 if lose == "model-*":
                     lose = f"model-{holder[0]}"
                 else:
@@ -225,6 +231,11 @@ async def checkpoint_kill_recover(
                     lambda o: o["status"].get("attempt") == 2 and is_true(o, "Ready"),
                     180,
                 )
+                pids_after = {
+                    pod: pod_pids(cluster, namespace, pod)
+                    for pod in pods_by_instance(after).values()
+                    if pod in pids_before
+                }
         finally:
             thaw(stopped)
         reference_specs = episode_specs(EPISODES, SEED, prefix="ref")
@@ -255,6 +266,8 @@ async def checkpoint_kill_recover(
         uids_after=uids(cluster, namespace),
         lost=lose,
         stats=by_instance,
+        pids_before=pids_before,
+        pids_after=pids_after,
     )
 
 
@@ -274,56 +287,61 @@ def expected_work(got: Outcome, storage: Path) -> ExpectedWork:
     """The work the recovery kept and lost, from the servers' own counters and the records.
 
     Kept: the tokens of the model's generation records (cut prefixes, held responses) and the
-    steps the environment and agent records had completed. Lost: on the pods that outlived the
-    loss (a lost pod's counters are gone with it), for the episodes that were unfinished at the
-    loss (the client finished them under attempt 2):
+    steps the environment and agent records had completed. Lost: the work attempt 1 did after
+    the checkpoint on the pods that outlived the loss (a lost pod's counters are gone with it),
+    for every rollout that had not finished: those the client got no attempt-1 result for,
+    or, when the environment was lost, those whose agent session was not closed under attempt
+    1 (an environment closes it as the last thing before it returns the result):
 
     - tokens: each request's tokens generated under attempt 1 beyond what the checkpoint kept
-      of it, for requests the checkpoint had not already seen completed (a model call the
-      agent's record has behind it);
-    - steps: each step an episode completed under attempt 1 and again under attempt 2 (a
-      step completed before the checkpoint never runs again: `check_recovered_run`).
+      of it, for requests the checkpoint had not seen completed (a model call the agent's
+      record has behind it);
+    - steps: the steps completed under attempt 1 that the checkpoint's record of the episode
+      does not have behind it (all of them for an episode it does not hold).
     """
     records = checkpoint_records(storage, SET, got.checkpoint["metadata"]["name"])
     model_records = [r for r in records_of(records, "model") if r.kind == "generation"]
-    workers = records_of(records, "environment") + records_of(records, "agent")
     kept_prefix = generation_prefixes(records)
     agent_records = {r.rollout_id: r for r in records_of(records, "agent")}
-    unfinished = {rid for rid, result in got.results.items() if result.attempt == 2}
-    # An environment closes an episode's agent session as the last thing before it returns the
-    # result: an episode whose session was closed under attempt 1 had finished there, even if
-    # the environment died before its reply reached the client (which then runs it again).
-    # Nothing that outlived the loss could tell it from one delivered: the servers count it
-    # as finished (docs/operations.md, "Work lost in a recovery").
-    for instance, reply in got.stats.items():
-        if instance.startswith("agent-") and instance != got.lost:
-            unfinished -= {rid for rid in unfinished if completed(reply, rid, 1).get("close")}
+    env_records = {r.rollout_id: r for r in records_of(records, "environment")}
+    kept = {i: reply for i, reply in got.stats.items() if i != got.lost}
+    if not got.lost.startswith("environment-"):
+        counted = {rid for rid, result in got.results.items() if result.attempt != 1}
+    else:
+        closed = {
+            rid
+            for instance, reply in kept.items()
+            if instance.startswith("agent-")
+            for rid in got.results
+            if completed(reply, rid, 1).get("close")
+        }
+        counted = set(got.results) - closed
+
+    def done_before(instance: str, rid: str) -> set[str]:
+        if instance.startswith("agent-"):
+            agent = agent_records.get(rid)
+            return set() if agent is None else done_before_checkpoint(agent)
+        env = env_records.get(rid)
+        return set() if env is None else set(ENV_STAGES[: ENV_STAGES.index(env.data["step"])])
+
     tokens_again = steps_redone = 0
-    for instance, reply in got.stats.items():
-        if instance == got.lost:
-            continue
+    for instance, reply in kept.items():
         if instance.startswith("model-"):
             by_request = ((reply.get("tokens") or {}).get("1") or {}).get("by_request") or {}
             for key, count in by_request.items():
                 rid, _, turn = key.partition("/")
-                agent = agent_records.get(rid)
-                if rid not in unfinished or (
-                    agent is not None and f"model@{turn}" in done_before_checkpoint(agent)
-                ):
-                    continue
-                tokens_again += max(0, int(count) - kept_prefix.get(key, 0))
+                if rid in counted and f"model@{turn}" not in done_before("agent-", rid):
+                    tokens_again += max(0, int(count) - kept_prefix.get(key, 0))
         elif instance.startswith(("environment-", "agent-")):
-            for rid in unfinished:
-                first, again = completed(reply, rid, 1), completed(reply, rid, 2)
-                steps_redone += sum(
-                    1
-                    for name in first
-                    if name not in _NOT_STEPS and first[name] and again.get(name)
-                )
+            for rid in counted:
+                after = set(completed(reply, rid, 1)) - _NOT_STEPS - done_before(instance, rid)
+                steps_redone += sum(1 for name in after if completed(reply, rid, 1)[name])
     return ExpectedWork(
         model_tokens_kept=sum(int(r.data["state"]["tokens"]) for r in model_records),
         model_tokens_generated_again=tokens_again,
-        steps_kept=sum(int(r.data["steps"]) for r in workers),
+        steps_kept=sum(
+            int(r.data["steps"]) for r in [*env_records.values(), *agent_records.values()]
+        ),
         steps_redone=steps_redone,
     )
 
@@ -359,6 +377,7 @@ async def test_in_place_replaces_only_the_lost_pod(
         else:
             assert pod == before[instance], f"{instance} was replaced: {pod}"
             assert got.uids_after[pod] == got.uids_before[pod], f"{pod} was recreated"
+            assert got.pids_after[pod] == got.pids_before[pod], f"{pod}'s process restarted"
 
     # What the set says about the recovery.
     last = got.after["status"]["lastRecovery"]
