@@ -83,6 +83,13 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show a cluster's processes and ports")
     with_dir(status)
 
+    image = sub.add_parser(
+        "import-image",
+        help="import an OCI or Docker image archive into a container node's containerd",
+    )
+    image.add_argument("archive", type=Path)
+    with_dir(image)
+
     kill = sub.add_parser("kill-pod", help="SIGKILL a pod's processes (test hook)")
     kill.add_argument("namespace")
     kill.add_argument("name")
@@ -124,6 +131,16 @@ def _admin(root: Path) -> AgentAdmin:
     if state is None:
         raise DevclusterError(f"no devcluster in {layout.root}; pass --dir or start one with `up`")
     return AgentAdmin(state.agent_url, layout.pki / "ca.crt")
+
+
+def _kill_pod(root: Path, namespace: str, name: str, container: str | None) -> list[int]:
+    """The agent's hook on the process node; containerd's `tasks kill` on the container node."""
+    state = read_state(Layout(root.resolve()).state_file)
+    if state is not None and state.container_node is not None:
+        from devcluster.cluster import Cluster
+
+        return Cluster(state).kill_pod(namespace, name, container)
+    return _admin(root).kill_pod(namespace, name, container)
 
 
 def _agent_config(args: argparse.Namespace) -> AgentConfig:
@@ -171,8 +188,13 @@ def main(argv: list[str] | None = None) -> int:
             controlplane.down(root)
         elif args.command == "status":
             _status(root)
+        elif args.command == "import-image":
+            from devcluster.cluster import Cluster
+
+            Cluster.attach(root).import_image(args.archive)
+            print(f"imported {args.archive} into the node's containerd (namespace k8s.io)")
         elif args.command == "kill-pod":
-            pids = _admin(root).kill_pod(args.namespace, args.name, args.container)
+            pids = _kill_pod(root, args.namespace, args.name, args.container)
             print(f"killed {args.namespace}/{args.name}: pids {pids}")
         elif args.command == "lose-node":
             _admin(root).lose_node(args.name)
