@@ -10,11 +10,12 @@ From the bottom up:
 - the coordinator tells later retire stages which rollouts finished once a whole environment
   (or agent) role retired and said, and collects what everyone reported;
 - the operator adds the reports up per recovery (`workloss.work_loss`), naming the
-  participants whose work nobody could count.
+  participants whose work nobody could count, and counts them in its metrics.
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -24,7 +25,9 @@ import httpx
 import pytest
 from fakes import FakeParticipant
 from fastapi import FastAPI
-from rollout_operator.api import LostWorkReport, Work
+from prometheus_client import REGISTRY
+from rollout_operator import metrics
+from rollout_operator.api import LostWorkReport, RolloutSet, Work
 from rollout_operator.workloss import lost_reports, total_work, work_loss
 from rollout_protocol import (
     PREPARE_ORDER,
@@ -372,3 +375,50 @@ def test_counters_the_operator_does_not_know_are_ignored_and_reports_are_ordered
         ("agent-0", None, 0, 0),
         ("model-0", "ck", 5, 0),
     ]
+
+
+# --- the operator's metrics ---------------------------------------------------------------------
+
+
+def test_a_finished_recovery_counts_its_work_in_the_metrics() -> None:
+    name = f"work-{secrets.token_hex(4)}"
+    template = {"spec": {"containers": [{"name": "m", "ports": [{"name": "control", "containerPort": 8000}]}]}}
+    rset = RolloutSet.model_validate(
+        {
+            "metadata": {"name": name, "namespace": "ns", "uid": "u-1"},
+            "spec": {
+                "participants": [{"role": "model", "replicas": 1, "template": template}],
+                "storage": {"path": "/ckpt", "volume": {"emptyDir": {}}},
+            },
+            "status": {
+                "attempt": 2,
+                "lastRecovery": {
+                    "completedAt": "2026-12-01T00:00:00Z",
+                    "reason": "PodFailed",
+                    "attempt": 2,
+                    "restorePolicy": "InPlace",
+                    "kept": 3,
+                    "replaced": 1,
+                    "durationSeconds": 4.0,
+                    "modelTokensKept": 40,
+                    "modelTokensGeneratedAgain": 150,
+                    "stepsKept": 90,
+                    "stepsRedone": 7,
+                    "workUncounted": ["environment-0"],
+                },
+            },
+        }
+    )
+
+    def value(metric: str, **labels: str) -> float | None:
+        return REGISTRY.get_sample_value(metric, {"namespace": "ns", "set": name, **labels})
+
+    metrics.observe_recovery(rset, "Restored")
+    tokens, steps = "rollout_recovery_model_tokens_total", "rollout_recovery_steps_total"
+    assert value(tokens, outcome="kept") == 40
+    assert value(tokens, outcome="generated_again") == 150
+    assert value(steps, outcome="kept") == 90
+    assert value(steps, outcome="redone") == 7
+    assert value("rollout_recovery_work_uncounted_participants_total") == 1
+    metrics.observe_recovery(rset, "RestoreFailed")  # a failed try adds nothing
+    assert value(tokens, outcome="generated_again") == 150
