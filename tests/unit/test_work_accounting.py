@@ -382,7 +382,8 @@ def test_counters_the_operator_does_not_know_are_ignored_and_reports_are_ordered
 
 def test_a_finished_recovery_counts_its_work_in_the_metrics() -> None:
     name = f"work-{secrets.token_hex(4)}"
-    template = {"spec": {"containers": [{"name": "m", "ports": [{"name": "control", "containerPort": 8000}]}]}}
+    port = {"name": "control", "containerPort": 8000}
+    template = {"spec": {"containers": [{"name": "m", "ports": [port]}]}}
     rset = RolloutSet.model_validate(
         {
             "metadata": {"name": name, "namespace": "ns", "uid": "u-1"},
