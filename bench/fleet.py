@@ -51,6 +51,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Final
 
+import aiohttp
 import yaml
 from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import watch
@@ -316,6 +317,11 @@ class Observer:
                     version = None
                 else:
                     await asyncio.sleep(0.5)
+            except (OSError, TimeoutError, aiohttp.ClientError) as error:
+                # A busy API server drops or times out the watch: resume (or relist) as an
+                # informer would; a dead watch here would read as sets that never turn Ready.
+                say(f"watch of {plural} broke ({error!r}); resuming")
+                await asyncio.sleep(0.5)
 
     def _seen(self, plural: str, obj: dict[str, Any]) -> None:
         now = time.monotonic()
