@@ -12,7 +12,7 @@ NODE_DEBS := runc iptables nftables conntrack busybox-static
 ENGINE_LINK := .bin/engines
 PYTEST_ARGS ?=
 
-.PHONY: help venv cluster-binaries node-packages node-binaries engine image lint test test-unit test-protocol test-e2e test-adversarial demo cluster cluster-down crds bench clean kind-e2e kind-e2e-down
+.PHONY: help venv cluster-binaries node-packages node-binaries engine image lint test test-unit test-protocol test-e2e test-adversarial demo cluster cluster-down crds bench bench-fleet clean kind-e2e kind-e2e-down
 
 help:
 	@echo "make demo              run the demo on a local devcluster (add DEMO_ARGS=--keep to leave it up)"
@@ -27,6 +27,7 @@ help:
 	@echo "make cluster-down      stop it"
 	@echo "make crds              regenerate crds/ from the API models"
 	@echo "make bench             run the benchmarks (printed tables)"
+	@echo "make bench-fleet       one operator, 100 RolloutSets of 16 fleet pods (FLEET_ARGS=...)"
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -110,6 +111,11 @@ crds: venv
 
 bench: venv cluster-binaries
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# One operator for 100 RolloutSets x 16 fleet pods (in-process participants; docs/devcluster.md);
+# FLEET_ARGS=--sets 20 for a smaller fleet. Also run by `make bench`.
+bench-fleet: venv cluster-binaries
+	$(PY) bench/fleet.py $(FLEET_ARGS)
 
 clean:
 	rm -rf $(VENV) .bin .mypy_cache .ruff_cache .pytest_cache
