@@ -28,6 +28,7 @@ from typing import Any
 
 import anyio
 import httpx
+import pytest
 from operator_fixtures import (
     Debug,
     OperatorProcess,
@@ -55,6 +56,8 @@ from rollout_servers.discovery import RolloutSetTopology, rollout_set_topology
 from devcluster.cluster import Cluster
 
 __all__ = ["operator", "resources", "storage_dir"]
+
+pytestmark = pytest.mark.adversarial  # operator loss in prepare, commit and restore: issue 15
 
 BATCH = 4
 

@@ -34,6 +34,7 @@ from operator_fixtures import (
 )
 
 from devcluster.cluster import Cluster
+from devcluster.waiting import wait_for
 
 __all__ = ["operator", "resources", "storage_dir"]
 
@@ -98,6 +99,57 @@ async def test_a_replacement_lost_during_restoring_starts_the_next_try_at_once(
     lost = [e for e in events["items"] if e["reason"] == "ReplacementPodLost"]
     assert lost, sorted({e["reason"] for e in events["items"]})
     assert replacement in lost[0]["message"]
+
+
+async def test_a_replacement_lost_while_the_pods_start_is_replaced_at_once(
+    cluster: Cluster,
+    namespace: str,
+    operator: OperatorProcess,
+    resources: Resources,
+    storage_dir: Path,
+) -> None:
+    """The sibling of the Restoring case in the phase before it: a replacement pod killed
+    while the new attempt's pods start (StartingPods; the environment's readiness probe waits
+    3 s) ends the try at once; the next try restores the same checkpoint, long before
+    `restoreTimeoutSeconds`."""
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(fault_set(storage_dir)))
+    ready = await resources.wait_set("Ready", lambda o: is_true(o, "Ready"), 90)
+    cluster.kubectl(
+        "apply", "-n", namespace, "-f", "-", input=json.dumps(example_checkpoint("base"))
+    )
+    ckpt = await resources.wait_checkpoint("base", "Ready", phase_is("Ready", "Failed"), 60)
+    assert is_true(ckpt, "Ready"), ckpt["status"]
+
+    model = participants_by_role(ready)["model"][0]
+    assert await cluster.admin.kill_pod_async(namespace, model["pod"])
+    replacement = "math-rl-environment-0-a2"
+
+    async def starting_and_running() -> bool:
+        obj = await resources.rollout_set()
+        if (obj["status"].get("recovery") or {}).get("phase") != "StartingPods":
+            return False
+        try:
+            return bool(pod_pids(cluster, namespace, replacement))
+        except AssertionError:  # not on the node yet, or no process yet
+            return False
+
+    await wait_for(starting_and_running, 60, f"{replacement} running during StartingPods")
+    phase = ((await resources.rollout_set())["status"].get("recovery") or {}).get("phase")
+    assert await cluster.admin.kill_pod_async(namespace, replacement)
+
+    recovered = await resources.wait_set(
+        "Ready under a later attempt",
+        lambda o: (
+            (o["status"].get("attempt") or 1) >= 2
+            and o["status"].get("recovery") is None
+            and is_true(o, "Ready")
+        ),
+        RESTORE_TIMEOUT_S / 3,
+    )
+    assert phase == "StartingPods", phase  # the kill landed in the phase under test
+    last = recovered["status"]["lastRecovery"]
+    assert last["checkpoint"] == "base", last
+    assert "Traceback" not in operator.tail(400), operator.tail(60)
 
 
 def crash_looping_set(storage: Path) -> dict[str, Any]:
