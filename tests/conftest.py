@@ -33,6 +33,7 @@ _MARK_BY_FOLDER = {
     "protocol": pytest.mark.protocol,
     "e2e": pytest.mark.e2e,
     "adversarial": pytest.mark.adversarial,
+    "containers": pytest.mark.containers,
 }
 
 
