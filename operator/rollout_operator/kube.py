@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Final, cast
 
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -24,6 +27,36 @@ logger = logging.getLogger(__name__)
 MERGE_PATCH = "application/merge-patch+json"
 _MERGE_PATCH: dict[str, Any] = {"_content_type": MERGE_PATCH}
 """The generated client would pick JSON Patch for a dict body; status writes are merge patches."""
+
+
+_pass_reads: ContextVar[dict[tuple[str, ...], tuple[float, bytes]] | None] = ContextVar(
+    "kube_pass_reads", default=None
+)
+SNAPSHOT_MAX_AGE_SECONDS: Final = 0.4
+"""A read older than this is made again: below every poll interval of the flows a pass may run
+(the recovery polls its pods every 0.5 s), so a wait inside a pass never sees a frozen world."""
+
+
+@contextmanager
+def pass_snapshot() -> Iterator[None]:
+    """Within the block, a set and a pod list read again are served from the first read until
+    this process writes anything (issue 14: one reconcile pass read its set and listed its pods
+    three times, in the status repair, the recovery check and the reconcile).
+
+    A stored read is used for `SNAPSHOT_MAX_AGE_SECONDS` at most: no staler than the pass
+    already is between its steps, and whatever changes meanwhile also wakes the set's loop for
+    another pass. Each read parses the stored body again, so callers may change what they get."""
+    token = _pass_reads.set({})
+    try:
+        yield
+    finally:
+        _pass_reads.reset(token)
+
+
+def _forget_reads() -> None:
+    reads = _pass_reads.get()
+    if reads:
+        reads.clear()
 
 
 class Conflict(Exception):
@@ -65,19 +98,38 @@ class Kube:
         await self.api.close()
 
     @staticmethod
-    async def _raw(request: Awaitable[Any]) -> dict[str, Any]:
-        """The JSON body of a request made with `_preload_content=False` (the generated client
-        checks no status then: an error status is raised here as it would be there)."""
+    async def _body(request: Awaitable[Any]) -> bytes:
+        """The body of a request made with `_preload_content=False` (the generated client checks
+        no status then: an error status is raised here as it would be there)."""
         response = await request
         try:
-            body = await response.read()
+            body: bytes = await response.read()
             if not 200 <= response.status <= 299:
                 error = ApiException(status=response.status, reason=response.reason)
-                error.body = body.decode(errors="replace")
+                error.body = body
                 raise error
-            return cast(dict[str, Any], json.loads(body))
+            return body
         finally:
             response.release()
+
+    @classmethod
+    async def _raw(cls, request: Awaitable[Any]) -> dict[str, Any]:
+        return cast(dict[str, Any], json.loads(await cls._body(request)))
+
+    @classmethod
+    async def _read(
+        cls, key: tuple[str, ...], request: Callable[[], Awaitable[Any]]
+    ) -> dict[str, Any]:
+        """A read, served from the pass snapshot when one is open and holds it."""
+        reads = _pass_reads.get()
+        stored = reads.get(key) if reads is not None else None
+        if stored is not None and time.monotonic() - stored[0] <= SNAPSHOT_MAX_AGE_SECONDS:
+            body = stored[1]
+        else:
+            body = await cls._body(request())
+            if reads is not None:
+                reads[key] = (time.monotonic(), body)
+        return cast(dict[str, Any], json.loads(body))
 
     def to_dict(self, obj: Any) -> dict[str, Any]:
         """A typed client object in its wire form (camelCase keys, strings for times)."""
@@ -87,14 +139,16 @@ class Kube:
 
     async def get_set(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            obj = await self.custom.get_namespaced_custom_object(
-                GROUP, VERSION, namespace, ROLLOUT_SET_PLURAL, name
+            return await self._read(
+                ("set", namespace, name),
+                lambda: self.custom.get_namespaced_custom_object(
+                    GROUP, VERSION, namespace, ROLLOUT_SET_PLURAL, name, _preload_content=False
+                ),
             )
         except ApiException as error:
             if error.status == 404:
                 return None
             raise
-        return cast(dict[str, Any], obj)
 
     async def patch_set_status(
         self,
@@ -109,6 +163,7 @@ class Kube:
         The precondition makes concurrent writers (this reconciler, the recovery and checkpoint
         flows) safe: a lost race is a `Conflict`, never a silently overwritten condition.
         """
+        _forget_reads()
         body: dict[str, Any] = {"status": dict(status)}
         if resource_version is not None:
             body["metadata"] = {"resourceVersion": resource_version}
@@ -140,6 +195,7 @@ class Kube:
         self, namespace: str, name: str, status: Mapping[str, Any]
     ) -> dict[str, Any]:
         """Merge-patch a RolloutCheckpoint's status subresource (lists in it replace)."""
+        _forget_reads()
         body: dict[str, Any] = {"status": dict(status)}
         obj = await self.custom.patch_namespaced_custom_object_status(
             GROUP, VERSION, namespace, ROLLOUT_CHECKPOINT_PLURAL, name, body, **_MERGE_PATCH
@@ -154,10 +210,11 @@ class Kube:
         Not through the generated `V1Pod` models: deserializing every pod into them (dates parsed
         with dateutil) and serializing them back to dicts was half of the operator's CPU with
         100 sets (issue 14, py-spy)."""
-        listing = await self._raw(
-            self.core.list_namespaced_pod(
+        listing = await self._read(
+            ("pods", namespace, label_selector),
+            lambda: self.core.list_namespaced_pod(
                 namespace, label_selector=label_selector, _preload_content=False
-            )
+            ),
         )
         return cast(list[dict[str, Any]], listing.get("items") or [])
 
@@ -170,6 +227,7 @@ class Kube:
         self, namespace: str, name: str, *, grace_seconds: int | None = None
     ) -> bool:
         """Delete a pod; False when it is gone already."""
+        _forget_reads()
         options: dict[str, Any] = {}
         if grace_seconds is not None:
             options["grace_period_seconds"] = grace_seconds
@@ -190,6 +248,7 @@ class Kube:
         annotations: Mapping[str, str] | None = None,
     ) -> bool:
         """Merge-patch a pod's labels and annotations; False when the pod is gone."""
+        _forget_reads()
         metadata: dict[str, Any] = {}
         if labels:
             metadata["labels"] = dict(labels)
@@ -224,6 +283,7 @@ class Kube:
 
 
 async def _create_if_absent(create: Callable[[], Awaitable[Any]]) -> bool:
+    _forget_reads()
     try:
         await create()
     except ApiException as error:

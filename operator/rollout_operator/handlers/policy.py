@@ -28,6 +28,7 @@ from ..api import (
     VERSION,
     RolloutSet,
 )
+from ..kube import pass_snapshot
 from ..passloop import STOP_BACKOFF_SECONDS, Next, PassLoop, Stopped
 from ..policy import Note
 from ..policyops import (
@@ -97,9 +98,10 @@ async def policy_loop(
         await _post(rset, note)
 
     async def one_pass() -> Next:
-        outcome = await PolicyPass(
-            kube_of(memo), on_note=note_once, wake_set=wake, locator=StorageLocator.from_env()
-        ).run(namespace, name)
+        with pass_snapshot():  # the set and its pods read once between our own writes
+            outcome = await PolicyPass(
+                kube_of(memo), on_note=note_once, wake_set=wake, locator=StorageLocator.from_env()
+            ).run(namespace, name)
         return Next(again=outcome.again, at=outcome.wake_at)
 
     def failed(error: Exception, delay: float) -> None:

@@ -20,6 +20,7 @@ import kopf
 from .. import metrics
 from ..api import GROUP, LABEL_SET, ROLLOUT_SET_PLURAL, VERSION, RolloutSet
 from ..conditions import utcnow
+from ..kube import pass_snapshot
 from ..passloop import STOP_BACKOFF_SECONDS, Next, PassLoop, Stopped
 from ..recovery import recover_if_needed, repair_false_recovery
 from ..setops import reconcile_set
@@ -133,6 +134,11 @@ async def reconcile_loop(
     """Warning Events posted by this loop (each once while the set's loop runs)."""
 
     async def one_pass() -> Next:
+        # The pass's steps read the set and its pods once between our own writes (kube.py).
+        with pass_snapshot():
+            return await pass_steps()
+
+    async def pass_steps() -> Next:
         kube = kube_of(memo)
         # Status first: a recovery or a pass acting on an attempt no pod runs would start a
         # second attempt beside the first (issue 15, class 2).
