@@ -24,7 +24,12 @@ import kopf
 from pydantic import ValidationError
 
 from .api import MAX_REPLICAS
-from .settings import DEFAULT_MAX_REPLICAS_PER_ROLE, DEFAULT_RESYNC_SECONDS, RunOptions
+from .settings import (
+    DEFAULT_API_CONCURRENCY,
+    DEFAULT_MAX_REPLICAS_PER_ROLE,
+    DEFAULT_RESYNC_SECONDS,
+    RunOptions,
+)
 
 _ROUTINE: frozenset[str] = frozenset(
     {
@@ -134,6 +139,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--worker-limit", type=int, metavar="N", help="at most N object workers")
     run.add_argument(
+        "--api-concurrency",
+        type=int,
+        default=DEFAULT_API_CONCURRENCY,
+        metavar="N",
+        help=f"at most N of the operator's own API requests at once (default "
+        f"{DEFAULT_API_CONCURRENCY}; more wait in the operator instead of in the API server)",
+    )
+    run.add_argument(
         "--resync-seconds",
         type=int,
         default=DEFAULT_RESYNC_SECONDS,
@@ -175,6 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             priority=args.priority,
             watch_timeout_seconds=args.watch_timeout_seconds,
             resync_seconds=args.resync_seconds,
+            api_concurrency=args.api_concurrency,
             worker_limit=args.worker_limit,
             max_replicas_per_role=args.max_replicas_per_role,
         )

@@ -39,6 +39,9 @@ DEFAULT_RESYNC_SECONDS: Final = 300
 of a set, its pods and its checkpoints wakes them, and a pass that waits for a time (a progress
 deadline, an interval tick) asks for that time; the resync only heals a missed event. It was
 30 s: at 100 sets that alone was 0.15 API requests per second per set at idle (issue 14)."""
+DEFAULT_API_CONCURRENCY: Final = 32
+"""At most this many of the operator's own API requests at once (`--api-concurrency`; Kopf's
+watches and its annotation patches are not counted)."""
 DEFAULT_MAX_REPLICAS_PER_ROLE: Final = 256
 """The operator's default limit of `replicas` per role (the API allows up to `api.MAX_REPLICAS`;
 the chart's `operator.maxReplicasPerRole` sets it at install)."""
@@ -93,6 +96,7 @@ class RunOptions(BaseModel):
     priority: int = 0
     watch_timeout_seconds: int = Field(default=300, ge=10)
     resync_seconds: int = Field(default=DEFAULT_RESYNC_SECONDS, ge=5)
+    api_concurrency: int = Field(default=DEFAULT_API_CONCURRENCY, ge=1)
     request_timeout_seconds: int = Field(default=60, ge=1)
     worker_limit: int | None = Field(default=None, ge=1)
     max_replicas_per_role: int = Field(default=DEFAULT_MAX_REPLICAS_PER_ROLE, ge=1, le=MAX_REPLICAS)

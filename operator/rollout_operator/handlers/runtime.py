@@ -39,7 +39,7 @@ def kube_of(memo: kopf.Memo) -> Kube:
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     options = options_of(memo)
     configure(settings, options)
-    memo[MEMO_KUBE] = await Kube.connect()
+    memo[MEMO_KUBE] = await Kube.connect(max_concurrent_requests=options.api_concurrency)
     if options.metrics_port is not None:
         start_http_server(options.metrics_port)
         logger.info("metrics on :%d/metrics", options.metrics_port)
