@@ -38,6 +38,10 @@ from devcluster.paths import Layout
 log = logging.getLogger("devcluster.agent.pods")
 
 REQUEST_TIMEOUT = 15
+API_SLOTS = 32
+"""Pod workers' API requests open at once. Starting 1,600 fleet pods, hundreds of status writes
+queued in the client's pool timed out there (the pool wait counts against the request timeout)
+and were retried, adding to the load they were waiting on."""
 HOST_IP = "127.0.0.1"
 _GONE = (404, 409, 422)  # deleted, or replaced by a pod with the same name and a new UID
 _BACKOFF_START = 1.0
@@ -78,8 +82,11 @@ class ApiReader:
 
     CACHE_SECONDS: Final = 10.0
 
-    def __init__(self, core: Any) -> None:
+    def __init__(self, core: Any, slots: int = API_SLOTS) -> None:
         self._core = core
+        self.slots = anyio.Semaphore(slots)
+        """Open API requests of pod workers (status writes, these lookups): the rest wait here,
+        not in the client's pool, where waiting counts against `REQUEST_TIMEOUT`."""
         self._found: dict[tuple[str, str, str], tuple[float, dict[str, str]]] = {}
         self._pending: dict[tuple[str, str, str], anyio.Event] = {}
 
@@ -109,9 +116,10 @@ class ApiReader:
     async def config_map(self, namespace: str, name: str) -> dict[str, str] | None:
         async def read() -> dict[str, str] | None:
             try:
-                found = await self._core.read_namespaced_config_map(
-                    name, namespace, _request_timeout=REQUEST_TIMEOUT
-                )
+                async with self.slots:
+                    found = await self._core.read_namespaced_config_map(
+                        name, namespace, _request_timeout=REQUEST_TIMEOUT
+                    )
             except client.ApiException as error:
                 if error.status == 404:
                     return None
@@ -123,9 +131,10 @@ class ApiReader:
     async def secret(self, namespace: str, name: str) -> dict[str, str] | None:
         async def read() -> dict[str, str] | None:
             try:
-                found = await self._core.read_namespaced_secret(
-                    name, namespace, _request_timeout=REQUEST_TIMEOUT
-                )
+                async with self.slots:
+                    found = await self._core.read_namespaced_secret(
+                        name, namespace, _request_timeout=REQUEST_TIMEOUT
+                    )
             except client.ApiException as error:
                 if error.status == 404:
                     return None
@@ -737,9 +746,13 @@ class PodWorker:
             return
         meta = self.pod.metadata
         try:
-            await self.rt.core.patch_namespaced_pod_status(
-                meta.name, meta.namespace, self._patch(status), _request_timeout=REQUEST_TIMEOUT
-            )
+            async with self.rt.reader.slots:
+                await self.rt.core.patch_namespaced_pod_status(
+                    meta.name,
+                    meta.namespace,
+                    self._patch(status),
+                    _request_timeout=REQUEST_TIMEOUT,
+                )
         except client.ApiException as error:
             if error.status in _GONE:
                 return
