@@ -1,0 +1,198 @@
+"""Episodes per second with interval checkpoints against none: what checkpointing costs a run.
+
+Four reference servers run on loopback (`rollout-server <role>`; the builtin model generates a
+token every `--token-latency-ms`, 20 ms by default: 50 tokens/s per sequence, a decode speed
+of the order a GPU serves per sequence under load, so episodes wait on the model as real ones
+do). The trainer is the real `RolloutClient` in this process, running the same seeded episodes
+(`episode_specs(--episodes, --seed)`) at `--concurrency` in every run. Runs alternate
+without / with / with / without (`--pairs` times; the ABBA order cancels a machine that drifts
+linearly); during a "with" run a `Coordinator` in this process takes a checkpoint every
+`--interval` seconds and publishes it to disk, as `rollout-coordinate checkpoint` would.
+
+  throughput   episodes / wall seconds of the run (the same episodes in every run)
+  ratio        with / without, summed over the runs of each kind; target >= 0.99
+
+A production interval is 60 s or more; the bench scales it down (20 s by default) so that a run
+holds several checkpoints and the whole bench stays under a few minutes. The cost per
+checkpoint does not scale with the interval, so the printed ratio is a pessimistic estimate of
+the 60 s one; the table also shows that one (the loss scaled by interval / 60).
+
+Every run's rewards must match (same seed, same work); a checkpoint that fails or a reward sum
+that differs ends the bench with a message. Prints a table; asserts nothing about speed.
+Run: `.venv/bin/python bench/throughput.py [--interval S] [--pairs N] [--episodes N]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import httpx
+from protocol_pause import TOKEN, servers
+from rollout_protocol import Coordinator, HttpParticipantClient, Role
+from rollout_servers.client import EpisodeFailed, EpisodeSpec, RolloutClient, episode_specs
+from rollout_servers.topology import StaticTopology
+
+PRODUCTION_INTERVAL_S = 60.0
+
+
+@dataclass
+class Run:
+    """One pass over the seeded episodes, with or without interval checkpoints."""
+
+    checkpoints: bool
+    seconds: float = 0.0
+    episodes: int = 0
+    reward_sum: float = 0.0
+    pauses: list[float] = field(default_factory=list)
+
+    @property
+    def per_second(self) -> float:
+        return self.episodes / self.seconds
+
+
+async def one_run(
+    n: int,
+    with_checkpoints: bool,
+    args: argparse.Namespace,
+    urls: dict[Role, str],
+    checkpoint_root: Path,
+    control: httpx.AsyncClient,
+) -> Run:
+    """Run the seeded episodes once; with checkpoints, take one every `args.interval` seconds."""
+    run = Run(checkpoints=with_checkpoints)
+    specs = [
+        EpisodeSpec(rollout_id=f"t{n}-{spec.rollout_id}", task=spec.task)
+        for spec in episode_specs(args.episodes, args.seed)
+    ]
+    client = RolloutClient(
+        StaticTopology([urls[Role.ENVIRONMENT]]), concurrency=args.concurrency, run_timeout_s=600
+    )
+    coordinator = Coordinator(
+        [HttpParticipantClient(role, urls[role], token=TOKEN, client=control) for role in Role],
+        call_timeout=60,
+    )
+    finished = anyio.Event()
+
+    async def checkpoints() -> None:
+        taken = 0
+        while True:
+            with anyio.move_on_after(args.interval):
+                await finished.wait()
+            if finished.is_set():
+                return
+            result = await coordinator.checkpoint(
+                f"run{n}-{taken}",
+                prepare_timeout=30,
+                commit_timeout=30,
+                publish_dir=checkpoint_root,
+                set_name="throughput",
+            )
+            if not result.ok:
+                raise SystemExit(f"checkpoint failed: {result.reason}: {result.message}")
+            run.pauses.append(result.durations.pause_seconds)
+            taken += 1
+
+    started = time.perf_counter()
+    async with anyio.create_task_group() as group:
+        if with_checkpoints:
+            group.start_soon(checkpoints)
+        results = await client.run_all(specs)
+        run.seconds = time.perf_counter() - started
+        finished.set()
+    failed = [r for r in results if isinstance(r, EpisodeFailed)]
+    if failed:
+        raise SystemExit(f"{len(failed)} episodes failed, first: {failed[0]}")
+    run.episodes = len(results)
+    run.reward_sum = sum(r.reward for r in results if not isinstance(r, EpisodeFailed))
+    return run
+
+
+async def bench(args: argparse.Namespace, root: Path) -> None:
+    extra = {Role.MODEL: ["--token-latency-ms", str(args.token_latency_ms)]}
+    order = [False, True, True, False] * args.pairs
+    runs: list[Run] = []
+    with servers(root, extra) as procs:
+        urls = {role: url for role, (url, _) in procs.items()}
+        async with httpx.AsyncClient(timeout=60) as control:
+            for n, with_checkpoints in enumerate(order):
+                run = await one_run(n, with_checkpoints, args, urls, root / "checkpoints", control)
+                runs.append(run)
+                kind = "with" if with_checkpoints else "without"
+                print(
+                    f"run {n} {kind:<8} {run.seconds:7.1f} s  {run.per_second:6.2f} episodes/s  "
+                    f"{len(run.pauses)} checkpoints",
+                    file=sys.stderr,
+                )
+    rewards = {round(run.reward_sum, 6) for run in runs}
+    if len(rewards) != 1:
+        raise SystemExit(f"runs of the same seeded episodes differ in rewards: {sorted(rewards)}")
+    report(args, runs)
+
+
+def report(args: argparse.Namespace, runs: list[Run]) -> None:
+    without = [run for run in runs if not run.checkpoints]
+    with_ = [run for run in runs if run.checkpoints]
+
+    def rate(group: list[Run]) -> float:
+        return sum(run.episodes for run in group) / sum(run.seconds for run in group)
+
+    ratio = rate(with_) / rate(without)
+    pauses = [pause for run in with_ for pause in run.pauses]
+    per_run_ratio = [w.per_second / o.per_second for w, o in zip(with_, without, strict=True)]
+    at_production = 1 - (1 - ratio) * args.interval / PRODUCTION_INTERVAL_S
+    print(
+        f"\n{args.episodes} seeded episodes per run at concurrency {args.concurrency}, "
+        f"model {args.token_latency_ms:g} ms/token, {len(runs)} runs (ABBA), checkpoint every "
+        f"{args.interval:g} s in the runs with\n"
+    )
+    print(f"{'':<40}{'value':>12}")
+    rows = [
+        ("episodes/s without checkpoints", f"{rate(without):.3f}"),
+        ("episodes/s with checkpoints", f"{rate(with_):.3f}"),
+        ("checkpoints taken", f"{len(pauses)}"),
+        ("pause per checkpoint, median s", f"{statistics.median(pauses):.4f}" if pauses else "-"),
+        ("paused share of the runs with", f"{sum(pauses) / sum(r.seconds for r in with_):.4f}"),
+        ("ratio with / without", f"{ratio:.4f}"),
+        ("  per ABBA pair (with / without)", " ".join(f"{r:.3f}" for r in per_run_ratio)),
+        (f"ratio scaled to a {PRODUCTION_INTERVAL_S:g} s interval", f"{at_production:.4f}"),
+    ]
+    for label, value in rows:
+        print(f"{label:<40}{value:>12}")
+    print(f"(target: with / without >= 0.99; {'met' if ratio >= 0.99 else 'missed'})\n")
+    print(
+        json.dumps(
+            {
+                "without_per_s": rate(without),
+                "with_per_s": rate(with_),
+                "ratio": ratio,
+                "ratio_at_60s": at_production,
+                "checkpoints": len(pauses),
+                "pause_median_s": statistics.median(pauses) if pauses else None,
+            }
+        )
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--interval", type=float, default=20.0, help="seconds between checkpoints")
+    parser.add_argument("--pairs", type=int, default=1, help="ABBA blocks (4 runs each)")
+    parser.add_argument("--episodes", type=int, default=400, help="episodes per run")
+    parser.add_argument("--concurrency", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=14)
+    parser.add_argument("--token-latency-ms", type=float, default=20.0)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="throughput-") as tmp:
+        anyio.run(bench, args, Path(tmp))
+
+
+if __name__ == "__main__":
+    main()
