@@ -1,0 +1,257 @@
+"""The example RolloutSet as containers of the image, driven by the Helm-installed operator.
+
+On the container node (real kubelet, containerd, runc) the operator runs as the chart installs it
+and the four reference servers run as containers of the same image, checkpoint storage on a
+hostPath that outlives every pod. The story a user runs: the set becomes Ready, a trainer's
+`rollout-collect --rollout-set` runs episodes, a manual checkpoint is taken while they run, the
+model container's process is SIGKILLed inside the container (containerd's shim delivers it, as a
+crash or the OOM killer would), the kubelet reports the container dead, the operator recovers the
+set under attempt 2 from that checkpoint, and the collector finishes every episode exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from container_support import (
+    RELEASE,
+    condition,
+    describe_pods,
+    get_json,
+    helm,
+    helm_install_operator,
+)
+
+from devcluster.cluster import Cluster
+from devcluster.image import ProjectImage
+from devcluster.waiting import wait_for_sync
+from harness.demo import example_checkpoint, example_set, kubectl_apply
+
+pytestmark = pytest.mark.timeout(1200)
+
+SET = "math-rl"
+EPISODES = 48
+CONCURRENCY = 8
+
+
+@pytest.fixture
+def storage() -> Iterator[Path]:
+    """The hostPath the participants write records to: world-writable with the sticky bit (the
+    servers run as the image's user 10001), outside pytest's root-only temporary folder."""
+    folder = Path(tempfile.mkdtemp(prefix="rollout-containers-", dir="/tmp"))
+    folder.chmod(0o1777)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def operator_release(
+    container_cluster: Cluster, container_namespace: str, image_on_node: ProjectImage
+) -> Iterator[str]:
+    result = helm_install_operator(container_cluster, container_namespace, image_on_node)
+    assert result.returncode == 0, (
+        f"{result.stderr}\n{describe_pods(container_cluster, container_namespace)}"
+    )
+    try:
+        yield container_namespace
+    finally:
+        # The set goes first (its finalizers need the operator), then the release.
+        container_cluster.kubectl(
+            "delete",
+            "rolloutset",
+            "--all",
+            "-n",
+            container_namespace,
+            "--timeout=120s",
+            check=False,
+        )
+        helm(container_cluster, "uninstall", RELEASE, "--namespace", container_namespace)
+
+
+def rollout_set(cluster: Cluster, namespace: str) -> dict[str, Any]:
+    return get_json(cluster, "rolloutset", SET, "-n", namespace)
+
+
+def set_is_ready(cluster: Cluster, namespace: str, attempt: int) -> bool:
+    obj = rollout_set(cluster, namespace)
+    return (obj.get("status") or {}).get("attempt") == attempt and condition(obj, "Ready").get(
+        "status"
+    ) == "True"
+
+
+def results(out: Path) -> list[dict[str, Any]]:
+    if not out.exists():
+        return []
+    return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+
+
+def test_the_example_set_runs_as_containers_and_recovers_a_killed_model_and_an_eviction(
+    container_cluster: Cluster,
+    operator_release: str,
+    image_on_node: ProjectImage,
+    storage: Path,
+    tmp_path: Path,
+) -> None:
+    namespace = operator_release
+    cluster = container_cluster
+    kubectl_apply(cluster, namespace, example_set(storage))
+    try:
+        wait_for_sync(
+            lambda: set_is_ready(cluster, namespace, 1), 300, "the RolloutSet Ready at attempt 1"
+        )
+    except Exception:
+        print(describe_pods(cluster, namespace))
+        raise
+
+    # Four containers of the image built here, one per role, run by containerd.
+    pods = get_json(cluster, "pods", "-n", namespace, "-l", f"checkpoint.rollout.dev/set={SET}")
+    roles = {}
+    for pod in pods["items"]:
+        [status] = pod["status"]["containerStatuses"]
+        assert status["ready"] is True
+        assert status["containerID"].startswith("containerd://")
+        assert status["image"].endswith(image_on_node.short_name), status["image"]
+        roles[pod["metadata"]["labels"]["checkpoint.rollout.dev/role"]] = pod["metadata"]["name"]
+    assert sorted(roles) == ["agent", "environment", "model", "resources"]
+
+    # A trainer follows the set through the API server and runs episodes.
+    out = tmp_path / "episodes.jsonl"
+    collect = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "rollout-collect"),
+            "--rollout-set",
+            SET,
+            "--namespace",
+            namespace,
+            "--tasks",
+            str(EPISODES),
+            "--concurrency",
+            str(CONCURRENCY),
+            "--seed",
+            "7",
+            "--out",
+            str(out),
+            "--progress-interval",
+            "2",
+        ],
+        env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for_sync(lambda: len(results(out)) >= 1, 180, "the first finished episode")
+
+        # A manual checkpoint while episodes run.
+        kubectl_apply(cluster, namespace, example_checkpoint("math-rl-manual-1"))
+        wait_for_sync(
+            lambda: (
+                condition(
+                    get_json(cluster, "rolloutcheckpoint", "math-rl-manual-1", "-n", namespace),
+                    "Ready",
+                ).get("status")
+                == "True"
+            ),
+            180,
+            "the manual RolloutCheckpoint Ready",
+        )
+        ckpt = get_json(cluster, "rolloutcheckpoint", "math-rl-manual-1", "-n", namespace)
+        finished_before_kill = len(results(out))
+        assert finished_before_kill < EPISODES, "every episode finished before the kill"
+
+        # SIGKILL inside the model container; the kubelet reports it, the operator recovers.
+        cluster.kill_pod(namespace, roles["model"])
+        wait_for_sync(
+            lambda: set_is_ready(cluster, namespace, 2), 300, "the RolloutSet Ready at attempt 2"
+        )
+        recovered = rollout_set(cluster, namespace)
+        assert recovered["status"]["latestCheckpoint"] == "math-rl-manual-1"
+
+        output, _ = collect.communicate(timeout=600)
+        assert collect.returncode == 0, output[-4000:]
+    finally:
+        if collect.poll() is None:
+            collect.kill()
+            collect.wait()
+
+    done = results(out)
+    ids = [item["rollout_id"] for item in done]
+    assert len(ids) == EPISODES, output[-2000:]
+    assert len(set(ids)) == EPISODES, "an episode finished twice"
+    # Episodes in flight at the kill went on under attempt 2, some from the checkpoint.
+    assert {item["attempt"] for item in done} >= {2}, done
+    if (ckpt["status"].get("episodes") or 0) > 0:
+        assert any(item["continued"] for item in done), done
+    # The pods of attempt 1 are gone.
+    left = get_json(
+        cluster,
+        "pods",
+        "-n",
+        namespace,
+        "-l",
+        f"checkpoint.rollout.dev/set={SET},checkpoint.rollout.dev/attempt=1",
+    )["items"]
+    assert left == [], [pod["metadata"]["name"] for pod in left]
+
+    evict_and_recover(cluster, namespace, roles["agent"].replace("-a1", "-a2"))
+
+
+def evict_and_recover(cluster: Cluster, namespace: str, pod: str) -> None:
+    """An eviction through the Eviction API: the kubelet delivers SIGTERM (the server turns
+    unready, its control plane stays up), the eviction checkpoint completes before the pod's
+    grace period ends, and the set recovers under attempt 3 from it."""
+    eviction = {
+        "apiVersion": "policy/v1",
+        "kind": "Eviction",
+        "metadata": {"name": pod, "namespace": namespace},
+    }
+    cluster.kubectl(
+        "create",
+        "--raw",
+        f"/api/v1/namespaces/{namespace}/pods/{pod}/eviction",
+        "-f",
+        "-",
+        input=json.dumps(eviction),
+    )
+    terminating = get_json(cluster, "pod", pod, "-n", namespace)
+    killed_at = terminating["metadata"]["deletionTimestamp"]
+    assert terminating["metadata"]["deletionGracePeriodSeconds"] >= 3
+
+    def unready_after_sigterm() -> bool:
+        found = cluster.kubectl("get", "pod", pod, "-n", namespace, "-o", "json", check=False)
+        if found.returncode != 0:
+            return True  # gone: the kubelet stopped it (after SIGTERM, within the grace period)
+        return condition(json.loads(found.stdout), "Ready").get("status") == "False"
+
+    wait_for_sync(unready_after_sigterm, 60, f"pod {pod} to turn unready after SIGTERM")
+
+    name = f"{SET}-evict-a2"
+    wait_for_sync(
+        lambda: (
+            condition(get_json(cluster, "rolloutcheckpoint", name, "-n", namespace), "Ready").get(
+                "status"
+            )
+            == "True"
+        ),
+        120,
+        f"the eviction checkpoint {name} Ready",
+    )
+    ckpt = get_json(cluster, "rolloutcheckpoint", name, "-n", namespace)
+    assert ckpt["spec"]["trigger"] == "Eviction"
+    ready_at = condition(ckpt, "Ready")["lastTransitionTime"]
+    # RFC 3339 UTC timestamps of one format compare as strings.
+    assert ready_at <= killed_at, (ready_at, killed_at)
+
+    wait_for_sync(lambda: set_is_ready(cluster, namespace, 3), 300, "the set Ready at attempt 3")
+    assert rollout_set(cluster, namespace)["status"]["latestCheckpoint"] == name
