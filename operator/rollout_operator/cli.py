@@ -35,7 +35,7 @@ _ROUTINE: frozenset[str] = frozenset(
     {
         "Handler 'pod-event' succeeded.",
         "Handler 'observe' succeeded.",
-        "Handler 'recovery-present' succeeded.",
+        "Handler 'status-check' succeeded.",
     }
 )
 

@@ -52,15 +52,21 @@ async def spec_changed(namespace: str | None, name: str, **_: Any) -> None:
     wake(namespace, name)
 
 
-def _has_recovery(status: kopf.Status, **_: Any) -> bool:
-    return bool(status.get("recovery"))
+def _status_to_check(status: kopf.Status, **_: Any) -> bool:
+    """Status a pass must look at soon: a recovery, or an attempt other than the last one whose
+    pods were all created (a recovery under way, or a value written by hand)."""
+    if status.get("recovery"):
+        return True
+    attempt, created = status.get("attempt"), status.get("createdAttempt")
+    return attempt is not None and created is not None and attempt != created
 
 
-@kopf.on.event(GROUP, VERSION, ROLLOUT_SET_PLURAL, when=_has_recovery, id="recovery-present")
-async def recovery_present(namespace: str | None, name: str, **_: Any) -> None:
-    """`status.recovery` is there: a pass soon, whoever wrote it. The loop is busy while it
-    runs a recovery (the wake then costs one pass after it); one written by hand is checked
-    against the pods at once (`repair_false_recovery`) instead of at the next resync."""
+@kopf.on.event(GROUP, VERSION, ROLLOUT_SET_PLURAL, when=_status_to_check, id="status-check")
+async def status_check(namespace: str | None, name: str, **_: Any) -> None:
+    """A pass soon, whoever wrote the status. The loop is busy while it runs a recovery (the
+    wake then costs one pass after it); a recovery or attempt written by hand is checked
+    against the pods at once (`repair_false_recovery`, `repair_set_attempt`) instead of at
+    the next resync."""
     wake(namespace, name)
 
 
