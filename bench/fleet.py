@@ -417,9 +417,8 @@ class Report:
     peak_rss: float = 0.0
 
 
-async def run(args: argparse.Namespace, cluster: Cluster, work: Path) -> Report:
+async def run(args: argparse.Namespace, cluster: Cluster, work: Path, report: Report) -> Report:
     names = [f"set-{i:03d}" for i in range(args.sets)]
-    report = Report(sets=args.sets, pods=args.sets * 4 * args.replicas)
     create_namespace(cluster, NAMESPACE)
     apply_crds(cluster)
     docs = accounting_objects()
@@ -444,6 +443,7 @@ async def run(args: argparse.Namespace, cluster: Cluster, work: Path) -> Report:
         environment=environment,
     )
     operator.start()
+    meter: Meter | None = None
     try:
         operator.wait_live(60)
         assert operator.process is not None
@@ -460,8 +460,9 @@ async def run(args: argparse.Namespace, cluster: Cluster, work: Path) -> Report:
             finally:
                 for task in follows:
                     task.cancel()
-        report.peak_rss = meter.peak_rss
     finally:
+        if meter is not None:
+            report.peak_rss = meter.peak_rss
         operator.stop()
         if args.keep_log:
             print(operator.tail(60), file=sys.stderr)
@@ -548,6 +549,10 @@ async def _phases(
         await asyncio.sleep(0.2)
     report.reconcile, report.missed["reconcile"] = await gather_times(seen, started, 60)
     report.windows["reconcile"] = meter.stop("reconcile", begun)
+    say(
+        f"reconcile: p50 {quantile(report.reconcile, 0.5):.2f}s "
+        f"p99 {quantile(report.reconcile, 0.99):.2f}s"
+    )
 
     # 4. storm: every set checkpoints within the same few seconds
     say(f"storm: a checkpoint on each of {len(names)} sets at once")
@@ -567,6 +572,10 @@ async def _phases(
     report.storm, report.missed["storm"] = await gather_times(seen, started, 240)
     progress.cancel()
     report.windows["storm"] = meter.stop("storm", begun)
+    say(
+        f"storm: {len(report.storm)}/{len(names)} Ready, p50 {quantile(report.storm, 0.5):.2f}s "
+        f"p99 {quantile(report.storm, 0.99):.2f}s"
+    )
 
     # 5. steady: interval checkpoints everywhere, kills, suspends, trainer annotations
     say(f"steady: intervalSeconds {args.interval_seconds} on every set for {args.steady_seconds}s")
@@ -798,8 +807,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     with _sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
         work = Path(tmp)
         say(f"devcluster with {len(nodes)} nodes of {PODS_PER_NODE} pods")
-        with Cluster.start(work / "devcluster", nodes=nodes, timeout=180) as cluster:
-            report = asyncio.run(run(args, cluster, work))
+        report = Report(sets=args.sets, pods=pods)
+        try:
+            with Cluster.start(work / "devcluster", nodes=nodes, timeout=180) as cluster:
+                asyncio.run(run(args, cluster, work, report))
+        except KeyboardInterrupt:
+            print("interrupted: the table has the phases that finished", file=sys.stderr)
     print("\n".join(table(report, args)))
     print(f"\nbench wall time {time.monotonic() - wall:.0f} s")
     return 0
