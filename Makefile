@@ -12,7 +12,7 @@ NODE_DEBS := runc iptables nftables conntrack busybox-static
 ENGINE_LINK := .bin/engines
 PYTEST_ARGS ?=
 
-.PHONY: help venv cluster-binaries node-packages node-binaries engine image lint test test-unit test-protocol test-e2e test-adversarial demo cluster cluster-down crds bench bench-fleet clean kind-e2e kind-e2e-down
+.PHONY: help venv cluster-binaries node-packages node-binaries engine image lint test test-unit test-protocol test-e2e test-adversarial demo demo-containers cluster cluster-down crds bench bench-fleet clean kind-e2e kind-e2e-down
 
 help:
 	@echo "make demo              run the demo on a local devcluster (add DEMO_ARGS=--keep to leave it up)"
@@ -22,6 +22,7 @@ help:
 	@echo "make cluster-binaries  build the pinned control-plane binaries (cached per machine)"
 	@echo "make node-binaries     build the container node (kubelet, kube-proxy, containerd, CNI; cached)"
 	@echo "make engine            build llama.cpp's llama-server for the engine tests (cached per machine)"
+	@echo "make demo-containers   the demo on a container node: servers in containers, operator by Helm"
 	@echo "make image             build the project's image from the Dockerfile with buildah (cached per inputs)"
 	@echo "make cluster           start a devcluster in .devcluster/ and print the KUBECONFIG line"
 	@echo "make cluster-down      stop it"
@@ -98,6 +99,11 @@ test: venv cluster-binaries node-binaries engine image lint
 
 demo: venv cluster-binaries
 	$(PY) -m harness.demo $(DEMO_ARGS)
+
+# The same scenario on the container node: the servers as containers of the project's image, the
+# operator installed by Helm as a pod of it (first run: make node-binaries and make image build).
+demo-containers: venv cluster-binaries node-binaries image
+	$(PY) -m harness.demo --node-runtime containerd $(DEMO_ARGS)
 
 cluster: venv cluster-binaries
 	$(PY) -m devcluster up --dir .devcluster

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import anyio
+import anyio.to_thread
 import httpx
 import yaml
 from kubernetes_asyncio import client as k8s
@@ -46,8 +47,10 @@ from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, 
 from rollout_servers.discovery import rollout_set_topology
 
 from devcluster.cluster import Cluster
+from devcluster.image import ProjectImage, build_project_image
 from devcluster.kube import open_api
 from devcluster.waiting import wait_for, wait_for_sync
+from harness import helm
 
 REPO: Final = Path(__file__).resolve().parents[1]
 EXAMPLES: Final = REPO / "examples"
@@ -644,6 +647,10 @@ class Scenario:
     delete_after: bool = False
     """Delete the RolloutSet and its checkpoints while the operator still runs (it holds
     finalizers on them), so the caller can delete the namespace afterwards."""
+    operator_image: ProjectImage | None = None
+    """On a container node: the operator runs as the chart installs it, a pod of this image
+    (`helm install`, `harness.helm`), and the servers as containers of it. None: the operator
+    runs as a process (`OperatorProcess`) on the process node."""
 
 
 @dataclass
@@ -701,45 +708,88 @@ async def run_scenario(cluster: Cluster, scenario: Scenario, say: Say = _quiet) 
     storage_dir.mkdir(parents=True, exist_ok=True)
     namespace = scenario.namespace
     create_namespace(cluster, namespace)
+    if scenario.operator_image is not None:
+        return await _run_with_helm_operator(cluster, scenario, scenario.operator_image, say)
     operator = OperatorProcess(cluster.kubeconfig, [namespace], workdir / "operator.log")
     operator.start()
     try:
         operator.wait_live()
         pid = operator.process.pid if operator.process else "?"
         say(f"operator running (pid {pid}, log {operator.log})")
-        model_args = ["--token-latency-ms", f"{scenario.token_latency_ms:g}"]
-        if scenario.load_seconds:
-            model_args += ["--load-seconds", f"{scenario.load_seconds:g}"]
-        recovery = {
-            "targetLevel": scenario.target_level,
-            "restorePolicy": scenario.restore_policy,
-            "restoreTimeoutSeconds": int(120 + scenario.load_seconds),
-        }
-        manifest = example_set(
-            storage_dir, extra_args={"model": model_args}, spec={"recovery": recovery}
-        )
-        kubectl_apply(cluster, namespace, manifest)
-        say(
-            f"applied examples/rolloutset.yaml (recovery.targetLevel {scenario.target_level}, "
-            f"restorePolicy {scenario.restore_policy}"
-            + (f", model load {scenario.load_seconds:g}s" if scenario.load_seconds else "")
-            + ")"
-        )
-        return await _drive(cluster, scenario, operator, storage_dir, say)
+        _apply_example_set(cluster, scenario, storage_dir, say)
+        return await _drive(cluster, scenario, storage_dir, say)
     except Exception:
         say(f"operator log tail:\n{operator.tail(30)}")
         raise
     finally:
-        if scenario.delete_after:
-            for kind in ("rckpt", "rset"):
-                cluster.kubectl(
-                    "delete", kind, "--all", "-n", namespace, "--timeout=60s", check=False
-                )
+        _delete_after(cluster, scenario)
         operator.stop()
 
 
+async def _run_with_helm_operator(
+    cluster: Cluster, scenario: Scenario, image: ProjectImage, say: Say
+) -> ScenarioReport:
+    """`run_scenario` on a container node: the operator installed by Helm as a pod of `image`
+    (uninstalled at the end), the servers as containers of it. They run as the image's user
+    10001, so the hostPath storage is world-writable (sticky) and its parents up to the
+    scenario's folder are traversable."""
+    namespace = scenario.namespace
+    storage_dir = scenario.workdir / "checkpoints"
+    storage_dir.chmod(0o1777)
+    for folder in (scenario.workdir, scenario.workdir.parent):
+        folder.chmod(folder.stat().st_mode | 0o755)
+    started = time.monotonic()
+    await anyio.to_thread.run_sync(helm.install_operator, cluster, namespace, image)
+    say(
+        f"operator installed by Helm in {time.monotonic() - started:.1f}s: "
+        f"deployment/{helm.FULLNAME} in {namespace}, image {image.short_name} "
+        f"({image.digest[:19]}...), pullPolicy Never"
+    )
+    try:
+        _apply_example_set(cluster, scenario, storage_dir, say)
+        return await _drive(cluster, scenario, storage_dir, say)
+    except Exception:
+        logs = cluster.kubectl(
+            "logs", f"deployment/{helm.FULLNAME}", "-n", namespace, "--tail=30", check=False
+        )
+        say(f"operator log tail:\n{logs.stdout}")
+        raise
+    finally:
+        _delete_after(cluster, scenario)
+        await anyio.to_thread.run_sync(helm.uninstall_operator, cluster, namespace)
+
+
+def _apply_example_set(cluster: Cluster, scenario: Scenario, storage_dir: Path, say: Say) -> None:
+    model_args = ["--token-latency-ms", f"{scenario.token_latency_ms:g}"]
+    if scenario.load_seconds:
+        model_args += ["--load-seconds", f"{scenario.load_seconds:g}"]
+    recovery = {
+        "targetLevel": scenario.target_level,
+        "restorePolicy": scenario.restore_policy,
+        "restoreTimeoutSeconds": int(120 + scenario.load_seconds),
+    }
+    manifest = example_set(
+        storage_dir, extra_args={"model": model_args}, spec={"recovery": recovery}
+    )
+    kubectl_apply(cluster, scenario.namespace, manifest)
+    say(
+        f"applied examples/rolloutset.yaml (recovery.targetLevel {scenario.target_level}, "
+        f"restorePolicy {scenario.restore_policy}"
+        + (f", model load {scenario.load_seconds:g}s" if scenario.load_seconds else "")
+        + ")"
+    )
+
+
+def _delete_after(cluster: Cluster, scenario: Scenario) -> None:
+    if scenario.delete_after:
+        for kind in ("rckpt", "rset"):
+            cluster.kubectl(
+                "delete", kind, "--all", "-n", scenario.namespace, "--timeout=60s", check=False
+            )
+
+
 async def _drive(
-    cluster: Cluster, scenario: Scenario, operator: OperatorProcess, storage_dir: Path, say: Say
+    cluster: Cluster, scenario: Scenario, storage_dir: Path, say: Say
 ) -> ScenarioReport:
     namespace = scenario.namespace
     async with open_api(cluster.kubeconfig) as api, httpx.AsyncClient() as http:
@@ -808,9 +858,15 @@ async def _drive(
                         generating, 30, f"the {scenario.kill_role} to be generating", interval=0.02
                     )
                     timeline.mark("killed", time.monotonic())
-                    pids = await cluster.admin.kill_pod_async(namespace, model["pod"])
+                    if cluster.node_runtime == "process":
+                        pids = await cluster.admin.kill_pod_async(namespace, model["pod"])
+                        killed = f"pid {', '.join(map(str, pids))}"
+                    else:
+                        # Inside the container: containerd's shim delivers it to the server.
+                        await anyio.to_thread.run_sync(cluster.kill_pod, namespace, model["pod"])
+                        killed = "its container's process, through containerd"
                     say(
-                        f"SIGKILL {model['pod']} (pid {', '.join(map(str, pids))}) with "
+                        f"SIGKILL {model['pod']} ({killed}) with "
                         f"{in_flight} generation(s) in flight; "
                         f"{rollout_client.progress.done}/{scenario.episodes} episodes done"
                     )
@@ -1002,6 +1058,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--episodes", type=int, default=64)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--node-runtime",
+        choices=["process", "containerd"],
+        default="process",
+        help="containerd: a real kubelet runs the servers as containers of the project's image "
+        "and the operator is installed by Helm (`make demo-containers`)",
+    )
     args = parser.parse_args(argv)
 
     root = args.dir or Path(tempfile.mkdtemp(prefix="rollout-demo-"))
@@ -1009,16 +1072,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     scenario = Scenario(
         namespace="demo", workdir=root / "demo", episodes=args.episodes, seed=args.seed
     )
+    containers = args.node_runtime == "containerd"
     keep = False
     code = 1
     with _sigterm_as_interrupt():
         try:
             started = time.monotonic()
-            _say(
-                f"starting devcluster in {root / 'cluster'} (etcd, kube-apiserver, scheduler, "
-                "controller-manager, node agent: gpu-0 with 8 GPUs, cpu-0)"
-            )
-            cluster = Cluster.start(root / "cluster", progress=None)
+            if containers:
+                _say("building the image from the Dockerfile (image/build.sh; cached by inputs)")
+                build = build_project_image()
+                image = build.image
+                _say(
+                    f"image {image.name} {image.digest[:19]}... "
+                    + ("(cached)" if build.was_cached else f"built in {image.build_seconds}s")
+                )
+                scenario.operator_image = image
+                started = time.monotonic()
+                _say(
+                    f"starting devcluster in {root / 'cluster'} with a container node (etcd, "
+                    "kube-apiserver, scheduler, controller-manager; kubelet, containerd, runc, "
+                    "kube-proxy, CNI bridge: gpu-0 with 8 GPUs), the image imported"
+                )
+                cluster = Cluster.start(
+                    root / "cluster",
+                    progress=None,
+                    node_runtime="containerd",
+                    images=[image.archive],
+                    timeout=180.0,
+                )
+            else:
+                _say(
+                    f"starting devcluster in {root / 'cluster'} (etcd, kube-apiserver, scheduler, "
+                    "controller-manager, node agent: gpu-0 with 8 GPUs, cpu-0)"
+                )
+                cluster = Cluster.start(root / "cluster", progress=None)
             _say(f"devcluster up in {time.monotonic() - started:.1f}s; applying crds/")
             apply_crds(cluster)
             report = anyio.run(run_scenario, cluster, scenario, _say)
@@ -1034,16 +1121,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             code = 1
         finally:
             if cluster is not None and keep:
-                _restart_operator_for_keep(cluster, scenario)
+                if not containers:
+                    _restart_operator_for_keep(cluster, scenario)
                 print(f"\nleft running; stop with: python -m devcluster down --dir {cluster.dir}")
                 print(f"export KUBECONFIG={cluster.kubeconfig}")
                 print(f"kubectl get rset,rckpt,pods -n {scenario.namespace}")
             elif cluster is not None:
                 _say("stopping the cluster (every pod, the operator, the control plane)")
                 cluster.stop()
-                left = cluster.processes()
+                left = [f"process {pid}" for pid in cluster.processes()]
+                left += cluster.node_leftovers()
                 if left:
-                    _say(f"WARNING: processes left: {left}")
+                    _say(f"WARNING: left on this machine: {left}")
     return code
 
 
