@@ -72,9 +72,9 @@ SEQUENTIAL_CALLS = 6
 """prepare (one per role stage: 4) + commit (one fan-out) + resume (one fan-out)."""
 STAGED_RESUME_CALLS = 4
 """Resume stage by stage (resources, agent, model, environment), as before it fanned out."""
-HOLD_SECONDS_PER_EPISODE = 0.06
-"""Budget for starting episodes and reaching their hold points (on top of a minute): starting
-10,000 episodes through four servers took about 4 minutes on a loaded two-core machine."""
+HOLD_SECONDS_PER_EPISODE = 0.15
+"""Budget for starting episodes and reaching their hold points (on top of a minute): 1,000 took
+96 s on a two-core machine other work kept at load 15; 10,000 scale about linearly."""
 SERVER = str(Path(sys.executable).with_name("rollout-server"))
 ROLES = (Role.ENVIRONMENT, Role.AGENT, Role.MODEL, Role.RESOURCES)
 
@@ -255,11 +255,23 @@ async def bench(episodes: int, repeats: int, root: Path) -> None:
         # garbage collections (up to ~100 ms) part of every measured pause.
         failures = root / "failed-runs.txt"
         async with httpx.AsyncClient(timeout=130) as http:
-            for role, members in groups.items():
-                point, index = holds[role]
-                for rid in members:
-                    arm = {"point": point, "rollout_id": rid, "index": index}
-                    (await http.post(urls[role] + "/debug/arm", json=arm)).raise_for_status()
+            # armed 32 calls at a time: 10,000 one by one took minutes on a loaded machine
+            limiter = anyio.CapacityLimiter(32)
+
+            async def arm(url: str, body: dict[str, object]) -> None:
+                async with limiter:
+                    (await http.post(url + "/debug/arm", json=body)).raise_for_status()
+
+            async with anyio.create_task_group() as arming:
+                for role, members in groups.items():
+                    point, index = holds[role]
+                    for rid in members:
+                        body: dict[str, object] = {
+                            "point": point,
+                            "rollout_id": rid,
+                            "index": index,
+                        }
+                        arming.start_soon(arm, urls[role], body)
             started = time.perf_counter()
             with trainer(urls[Role.ENVIRONMENT], ids, failures, root / "trainer.log"):
                 budget = time.monotonic() + 60 + HOLD_SECONDS_PER_EPISODE * episodes
