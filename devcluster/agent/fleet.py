@@ -32,6 +32,8 @@ import socket
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any, Final
 
+import anyio.to_thread
+
 from devcluster.agent.podmodel import Container, Pod
 
 log = logging.getLogger("devcluster.agent.fleet")
@@ -41,6 +43,8 @@ FLEET_ANNOTATION: Final = "devcluster.rollout.dev/fleet"
 PARTICIPANT: Final = "participant"
 """The one fleet kind: the real control plane over a participant with no episodes."""
 CONTROL_PORT_NAME: Final = "control"
+FLEET_THREADS: Final = 256
+"""Worker threads for the fleet participants' storage I/O (see `FleetHost._stack`)."""
 
 ASGIApp = Callable[
     [MutableMapping[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],
@@ -126,6 +130,11 @@ class FleetHost:
 
     def _stack(self) -> tuple[Any, Any]:
         if self._config is None:
+            # Every participant's storage I/O (records, fsyncs, directories) runs in this
+            # process's worker threads; anyio's default of 40 made prepares of one set wait
+            # behind the commits of others until their deadlines passed (a 30-set storm).
+            limiter = anyio.to_thread.current_default_thread_limiter()
+            limiter.total_tokens = max(limiter.total_tokens, FLEET_THREADS)
             from uvicorn.config import Config
             from uvicorn.server import ServerState
 
