@@ -660,6 +660,9 @@ class RecoveryFlow:
             fresh = await self._read(rset.metadata.namespace or "default", rset.metadata.name)
             if fresh is None:
                 raise RecoveryFailed("SetDeleted", "the RolloutSet was deleted")
+            if fresh.status.recovery is None:
+                # Removed by hand: the next pass starts it again (restart_unfinished_recovery).
+                raise RecoveryFailed("RecoveryRemoved", "status.recovery was removed")
             rset = fresh
         participants = [_wire(p) for p in plan.participants]
         rset = await self._patch(rset, {"participants": participants})

@@ -9,6 +9,9 @@ status contradicts what the cluster shows, the cluster wins, status is repaired,
   carry in their attempt label. A `status.attempt` (or a `createdAttempt` below it) that says
   otherwise would make the reconciler create the pods of a second attempt beside the running one,
   or the recovery take the running pods' attempt for lost: it is written back from the pods.
+  Pods of an attempt above the last one the set finished bringing up (`createdAttempt`,
+  `lastRecovery.attempt`) are not adopted: a recovery created them and its `status.recovery`
+  was removed before it restored them; the recovery starts again (`restart_unfinished_recovery`).
 - `repair_published_checkpoint`: a RolloutCheckpoint whose phase was reset (unset, Pending or
   Queued) but whose manifests are on storage, one for every participant instance of its set,
   all for this checkpoint and written after the object was created, was published: it is Ready
@@ -54,11 +57,15 @@ from .api import (
     CheckpointParticipant,
     CheckpointPhase,
     ConditionStatus,
+    RecoveryPhase,
+    RecoveryStatus,
+    RestorePolicy,
     RolloutCheckpoint,
     RolloutCheckpointStatus,
     RolloutSet,
+    SetConditionType,
 )
-from .conditions import set_condition
+from .conditions import set_condition, utcnow
 from .kube import Conflict, Kube
 from .policy import CheckpointView
 from .resources import set_dir
@@ -71,6 +78,10 @@ logger = logging.getLogger(__name__)
 
 REPAIRED: Final = "StatusRepaired"
 """Event and condition reason: status contradicted the cluster and was written back."""
+RECOVERY_RESTARTED: Final = "RecoveryRestarted"
+"""Condition and recovery reason: a recovery whose `status.recovery` was removed while it ran
+starts again (its pods of the new attempt were never restored, see
+`restart_unfinished_recovery`)."""
 NOT_AN_INTERFACE: Final = (
     "status is the operator's record, not a user interface: do not write it (kubectl patch "
     "--subresource=status); change spec, or create a RolloutCheckpoint, instead"
@@ -110,6 +121,8 @@ async def repair_set_attempt(kube: Kube, namespace: str, name: str) -> Repair | 
     if not running:
         return None
     attempt = max(running)
+    if attempt > finished_attempt(rset):
+        return await restart_unfinished_recovery(kube, rset, attempt)
     shown = status.attempt or 1
     patch: dict[str, Any] = {}
     if shown != attempt:
@@ -131,6 +144,80 @@ async def repair_set_attempt(kube: Kube, namespace: str, name: str) -> Repair | 
         f"the set's running pods carry {LABEL_ATTEMPT}={attempt}: wrote back {written} from the "
         f"pods; {NOT_AN_INTERFACE}"
     )
+    logger.warning("RolloutSet %s/%s: %s", namespace, name, message)
+    return Repair(REPAIRED, message)
+
+
+def finished_attempt(rset: RolloutSet) -> int:
+    """The newest attempt the set is known to have brought up completely: the reconciler
+    writes `createdAttempt` once every pod of the running attempt was created, a recovery
+    writes it (and `lastRecovery.attempt`) only when it finished (restored, resumed). Pods of
+    a later attempt were created by a recovery that did not finish."""
+    status = rset.status
+    last = status.last_recovery.attempt if status.last_recovery is not None else 1
+    return max(status.created_attempt or 1, last)
+
+
+async def restart_unfinished_recovery(kube: Kube, rset: RolloutSet, running: int) -> Repair | None:
+    """Start the recovery again when its `status.recovery` was removed while it ran.
+
+    Pods of attempt `running` exist above the last attempt the set finished bringing up:
+    a recovery created them and had not restored (or not resumed) them when its record went.
+    Adopting them would run a set whose episodes were never restored from the checkpoint
+    (they are lost); the records of the lost attempt are still on storage. The recovery
+    starts over from StoppingAttempt under a fresh target attempt (`running + 1`): every pod
+    of the attempts in between is stopped, fresh pods restore the newest Ready checkpoint,
+    as after a failed try. Recreate, whatever the spec says: which pods an InPlace try kept
+    is not known any more."""
+    namespace = rset.metadata.namespace or "default"
+    name = rset.metadata.name
+    status = rset.status
+    now = utcnow()
+    from_attempt = min(status.attempt or 1, running)
+    message = (
+        f"pods of attempt {running} run, but no recovery is recorded and the set finished "
+        f"bringing up attempt {finished_attempt(rset)} only (status.recovery was removed while "
+        f"a recovery ran): their episodes were never restored, so they are not adopted; the "
+        f"recovery starts again under attempt {running + 1}; {NOT_AN_INTERFACE}"
+    )
+    recovery = RecoveryStatus(
+        phase=RecoveryPhase.STOPPING_ATTEMPT,
+        from_attempt=from_attempt,
+        target_attempt=running + 1,
+        started_at=now,
+        phase_started_at=now,
+        reason=RECOVERY_RESTARTED,
+        message=message,
+        restore_policy=RestorePolicy.RECREATE,
+    )
+    patch: dict[str, Any] = {
+        "recovery": recovery.model_dump(mode="json", by_alias=True, exclude_none=True)
+    }
+    conditions = set_condition(
+        list(status.conditions),
+        SetConditionType.RECOVERING.value,
+        ConditionStatus.TRUE,
+        RECOVERY_RESTARTED,
+        message,
+        observed_generation=rset.metadata.generation,
+    )
+    conditions = set_condition(
+        conditions,
+        SetConditionType.READY.value,
+        ConditionStatus.FALSE,
+        RECOVERY_RESTARTED,
+        message,
+        observed_generation=rset.metadata.generation,
+    )
+    patch["conditions"] = [
+        c.model_dump(mode="json", by_alias=True, exclude_none=True) for c in conditions
+    ]
+    try:
+        await kube.patch_set_status(
+            namespace, name, patch, resource_version=rset.metadata.resource_version
+        )
+    except Conflict:
+        return None  # someone wrote meanwhile; the next pass looks again
     logger.warning("RolloutSet %s/%s: %s", namespace, name, message)
     return Repair(REPAIRED, message)
 

@@ -1,0 +1,135 @@
+"""Class 2 of issue 15 in the middle of a recovery: `status.recovery` removed by hand
+(`kubectl patch --subresource=status`) while the recovery runs.
+
+The pods of the new attempt exist then, but their episodes were never restored from the
+checkpoint. The status repair that writes back the attempt the running pods carry must not
+adopt them (a set Ready with every restored episode lost); the recovery starts again from
+StoppingAttempt under a fresh attempt. A set that finished its recovery (`createdAttempt`,
+`lastRecovery.attempt`) still has an attempt written by hand repaired from its pods.
+
+`repair_set_attempt` runs for real; the API below it is `kube_fakes.InMemorySet` (status
+writes keep the resourceVersion precondition) with the set's pods added. The same fault on a
+real API server, with the operator killed in Restoring, is in test_recovery_phase_faults.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kube_fakes import InMemorySet
+from rollout_operator import api
+from rollout_operator.statusrepair import RECOVERY_RESTARTED, REPAIRED, repair_set_attempt
+
+NS = "team"
+SET = "math"
+ROLES = ("environment", "agent", "model", "resources")
+
+
+class SetWithPods(InMemorySet):
+    """`InMemorySet` with the set's pods, all Running and Ready (a fake of the API server's
+    pod list, the layer below the repair)."""
+
+    def __init__(self, obj: dict[str, Any], pod_attempt: int) -> None:
+        super().__init__(obj)
+        self.pods = [running_pod(role, pod_attempt) for role in ROLES]
+
+    async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        return [p for p in self.pods if p["metadata"]["namespace"] == namespace]
+
+
+def running_pod(role: str, attempt: int) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": f"{SET}-{role}-0-a{attempt}",
+            "namespace": NS,
+            "labels": {
+                api.LABEL_SET: SET,
+                api.LABEL_ROLE: role,
+                api.LABEL_INDEX: "0",
+                api.LABEL_ATTEMPT: str(attempt),
+            },
+        },
+        "status": {
+            "phase": "Running",
+            "podIP": "127.0.0.1",
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
+
+
+def rollout_set(status: dict[str, Any]) -> dict[str, Any]:
+    container = {"name": "c", "ports": [{"name": "control", "containerPort": 9000}]}
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": "RolloutSet",
+        "metadata": {"name": SET, "namespace": NS, "uid": "u", "generation": 1},
+        "spec": {
+            "participants": [
+                {"role": role, "template": {"spec": {"containers": [container]}}}
+                for role in ROLES
+            ],
+            "storage": {"path": "/ckpt", "volume": {"emptyDir": {}}},
+        },
+        "status": status,
+    }
+
+
+LAST_RECOVERY = {
+    "completedAt": "2026-11-29T12:00:00Z",
+    "reason": "PodDeleted",
+    "attempt": 2,
+    "restorePolicy": "Recreate",
+    "kept": 0,
+    "replaced": 4,
+    "durationSeconds": 20.0,
+}
+
+
+async def test_pods_of_an_unfinished_recovery_are_not_adopted_when_its_record_is_removed() -> None:
+    """Attempt 1 lost a pod; the recovery created the pods of attempt 2 and was restoring into
+    them when `status.recovery` was removed. Old code wrote `attempt: 2, createdAttempt: 2`
+    from those pods: the set went Ready without a restore."""
+    fake = SetWithPods(rollout_set({"attempt": 1, "createdAttempt": 1}), pod_attempt=2)
+    repaired = await repair_set_attempt(fake.as_kube(), NS, SET)
+
+    status = fake.set["status"]
+    assert status["attempt"] == 1, status
+    assert status["createdAttempt"] == 1, status
+    recovery = status.get("recovery")
+    assert recovery is not None, status
+    assert recovery["phase"] == "StoppingAttempt"
+    assert recovery["targetAttempt"] == 3  # a fresh attempt: no pod name of attempt 2 reused
+    assert recovery["fromAttempt"] == 1
+    assert recovery["restorePolicy"] == "Recreate"
+    assert recovery["reason"] == RECOVERY_RESTARTED
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Ready"]["status"] == "False"
+    assert conditions["Recovering"]["status"] == "True"
+    assert conditions["Recovering"]["reason"] == RECOVERY_RESTARTED
+    assert repaired is not None and repaired.reason == REPAIRED
+    assert "never restored" in repaired.message and "attempt 3" in repaired.message
+
+
+async def test_a_finished_recoverys_attempt_written_back_by_hand_is_still_repaired() -> None:
+    """The recovery to attempt 2 finished (lastRecovery says so); `attempt` and `createdAttempt`
+    were then written back to 1 by hand: the pods are adopted, no recovery starts."""
+    status = {"attempt": 1, "createdAttempt": 1, "lastRecovery": LAST_RECOVERY}
+    fake = SetWithPods(rollout_set(status), pod_attempt=2)
+    repaired = await repair_set_attempt(fake.as_kube(), NS, SET)
+
+    written = fake.set["status"]
+    assert written["attempt"] == 2 and written["createdAttempt"] == 2, written
+    assert "recovery" not in written
+    assert repaired is not None and repaired.reason == REPAIRED
+
+
+async def test_an_attempt_written_above_the_running_pods_is_written_back() -> None:
+    """The sibling the repair was built for: pods run attempt 2 (brought up completely), status
+    says 3; written back to 2, no recovery."""
+    fake = SetWithPods(rollout_set({"attempt": 3, "createdAttempt": 2}), pod_attempt=2)
+    repaired = await repair_set_attempt(fake.as_kube(), NS, SET)
+
+    written = fake.set["status"]
+    assert written["attempt"] == 2, written
+    assert "recovery" not in written
+    assert repaired is not None
