@@ -66,7 +66,7 @@ engine: venv
 
 # The project's image, built from the Dockerfile by buildah on a Debian base made by mmdebstrap
 # (no registry base image can be pulled here); cached in ~/.cache/rollout-images/<inputs digest>/.
-# Cold (base + image) it took 119 s on two shared cores, cached under a second; see image/build.sh.
+# Cold (base + image) it took 107-119 s on two shared cores, cached 1.7 s; see image/build.sh.
 image:
 	@command -v buildah >/dev/null && command -v mmdebstrap >/dev/null || { \
 	  echo "[image] installing buildah and mmdebstrap (Debian packages)"; \
