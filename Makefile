@@ -68,10 +68,11 @@ engine: venv
 # (no registry base image can be pulled here); cached in ~/.cache/rollout-images/<inputs digest>/.
 # Cold (base + image) it took 107-119 s on two shared cores, cached 1.7 s; see image/build.sh.
 image:
-	@command -v buildah >/dev/null && command -v mmdebstrap >/dev/null || { \
-	  echo "[image] installing buildah and mmdebstrap (Debian packages)"; \
+	@# runc: tests/containers runs a container of the image with buildah (oci isolation)
+	@command -v buildah >/dev/null && command -v mmdebstrap >/dev/null && command -v runc >/dev/null || { \
+	  echo "[image] installing buildah, mmdebstrap and runc (Debian packages)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-	    buildah mmdebstrap >/dev/null; }
+	    buildah mmdebstrap runc >/dev/null; }
 	@mkdir -p .bin
 	@dir="$$(image/build.sh | tail -n 1)" && ln -sfn "$$dir" .bin/image \
 	  && echo "[image] archive in $$dir (linked as .bin/image)"
