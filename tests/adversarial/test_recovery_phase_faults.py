@@ -1,0 +1,447 @@
+"""Faults in every phase of a recovery (issue 15, fault timings): a participant pod lost, the
+operator SIGKILLed and restarted, or `status.recovery` removed by hand, while a recovery runs.
+
+Each case: the example set Ready under attempt 1, a Ready checkpoint `base`, four episodes
+running through the set (the trainer client, one of them held inside the agent's tool call so
+that it is in flight when the model pod is killed); then the model pod of attempt 1 is killed
+and the fault lands in the phase under test. Each phase is held open by a participant that
+cannot answer (SIGSTOP of its processes; frozen pods stay Ready through a high failure
+threshold), never by a sleep:
+
+- StoppingAttempt: a survivor (the agent of attempt 1) is frozen before the loss, so the
+  survivors' retire (the lost-work count, up to 5 s) waits on it;
+- StartingPods: the environment of the new attempt is frozen while it starts (its readiness
+  probe waits 3 s first), so it never turns Ready;
+- Restoring: the model of the new attempt is frozen once Ready, so its restore call hangs;
+- Resuming: as Restoring, then the environment of the new attempt, which answered its restore,
+  is frozen and the model thawed: the operator moves to Resuming and its resume call hangs;
+- BackingOff: a try fails first (the frozen replacement model is killed in Restoring), and the
+  operator process is frozen while it waits out its back-off (so the phase cannot pass).
+
+After each fault the invariants are checked: the set is Ready with no recovery left, under an
+attempt whose pods are the only ones; every participant idle; `base` still Ready with its
+manifests on storage and named by `lastRecovery`; every episode finished exactly once; no
+traceback in the operator's log. The operator fixture then deletes everything it started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+_E2E = str(Path(__file__).resolve().parents[1] / "e2e")
+if _E2E not in sys.path:
+    sys.path.append(_E2E)
+
+from operator_fixtures import (  # noqa: E402
+    Debug,
+    OperatorProcess,
+    Resources,
+    check_manifests,
+    condition,
+    example_checkpoint,
+    example_set,
+    freeze,
+    is_true,
+    operator,
+    participants_by_role,
+    phase_is,
+    phases,
+    pod_pids,
+    resources,
+    storage_dir,
+    thaw,
+    wait_phase,
+    wait_pod_ready,
+)
+from rollout_operator import api  # noqa: E402
+from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs  # noqa: E402
+from rollout_servers.discovery import rollout_set_topology  # noqa: E402
+
+from devcluster.cluster import Cluster  # noqa: E402
+from devcluster.waiting import wait_for  # noqa: E402
+
+__all__ = ["operator", "resources", "storage_dir"]
+
+pytestmark = [pytest.mark.e2e, pytest.mark.adversarial]
+
+RESTORE_TIMEOUT_S = 150
+"""A try that waited out its deadline would take this long; every wait below is far shorter."""
+WAIT_S = 60
+BATCH = 4
+
+
+def fault_set(storage: Path) -> dict[str, Any]:
+    rset = example_set(
+        storage,
+        extra_args={"agent": ["--debug-hooks"]},
+        spec={"recovery": {"restoreTimeoutSeconds": RESTORE_TIMEOUT_S, "maxRestarts": 4}},
+    )
+    for participant in rset["spec"]["participants"]:
+        probe = participant["template"]["spec"]["containers"][0]["readinessProbe"]
+        probe["failureThreshold"] = 600  # a frozen pod stays Ready: it is slow, not gone
+        if participant["role"] == "environment":
+            probe["initialDelaySeconds"] = 3  # no restore before a test froze what it needs
+    return rset
+
+
+def recovery_phase(obj: dict[str, Any]) -> str | None:
+    phase = (obj["status"].get("recovery") or {}).get("phase")
+    return str(phase) if phase is not None else None
+
+
+@dataclass
+class Scene:
+    """One test's set, operator and clients, with the steps the cases share."""
+
+    cluster: Cluster
+    namespace: str
+    operator: OperatorProcess
+    resources: Resources
+    storage: Path
+    http: httpx.AsyncClient
+
+    async def in_phase(self, phase: str) -> dict[str, Any]:
+        obj: dict[str, Any] = await self.resources.wait_set(
+            phase, lambda o: recovery_phase(o) == phase, WAIT_S
+        )
+        return obj
+
+    async def phase_now(self) -> str | None:
+        return recovery_phase(await self.resources.rollout_set())
+
+    def pids(self, pod: str) -> list[int]:
+        return pod_pids(self.cluster, self.namespace, pod)
+
+    async def running_pids(self, pod: str) -> list[int]:
+        """The pod's processes as soon as it has any (it may not be on the node yet)."""
+
+        async def found() -> list[int] | None:
+            try:
+                return self.pids(pod)
+            except AssertionError:
+                return None
+
+        pids: list[int] = await wait_for(found, WAIT_S, f"{pod} running", interval=0.05)
+        return pids
+
+    async def kill(self, pod: str) -> None:
+        assert await self.cluster.admin.kill_pod_async(self.namespace, pod), pod
+
+    async def restart_operator(self) -> None:
+        await anyio.to_thread.run_sync(self.operator.kill)
+        await anyio.to_thread.run_sync(self.operator.start)
+
+    async def participant_address(self, pod: str) -> str:
+        obj = await self.resources.rollout_set()
+        for entry in obj["status"]["participants"]:
+            if entry["pod"] == pod:
+                return str(entry["address"])
+        raise AssertionError(f"{pod} is not a participant in status: {obj['status']}")
+
+    async def hold_resuming(self) -> list[int]:
+        """Hold the recovery in Resuming: returns the frozen environment's pids (thaw them).
+
+        The model of attempt 2 is frozen once Ready (its restore hangs); the environment of
+        attempt 2 answers its restore, then is frozen, and the model is thawed: every restore
+        has answered, so the operator writes Resuming and calls resume, which hangs on the
+        environment."""
+        model = "math-rl-model-0-a2"
+        environment = "math-rl-environment-0-a2"
+        await wait_pod_ready(self.resources, model, WAIT_S)
+        frozen_model = self.pids(model)
+        freeze(frozen_model)
+        try:
+            await self.in_phase("Restoring")
+            address = await self.participant_address(environment)
+            await wait_phase(self.http, address, "restored", f"{environment} restored")
+            frozen_environment = self.pids(environment)
+            freeze(frozen_environment)
+        finally:
+            thaw(frozen_model)
+        await self.in_phase("Resuming")
+        return frozen_environment
+
+
+@asynccontextmanager
+async def scene(
+    cluster: Cluster,
+    namespace: str,
+    operator: OperatorProcess,
+    resources: Resources,
+    storage: Path,
+) -> AsyncIterator[tuple[Scene, dict[str, Any]]]:
+    """The set Ready, `base` Ready, and a batch of episodes running (one held in the agent's
+    tool call) while the block runs; the block kills the model and lands a fault. On leaving,
+    the batch is awaited and its outcomes checked."""
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(fault_set(storage)))
+    ready = await resources.wait_set("Ready", lambda o: is_true(o, "Ready"), 90)
+    cluster.kubectl(
+        "apply", "-n", namespace, "-f", "-", input=json.dumps(example_checkpoint("base"))
+    )
+    ckpt = await resources.wait_checkpoint("base", "Ready", phase_is("Ready", "Failed"), WAIT_S)
+    assert is_true(ckpt, "Ready"), ckpt["status"]
+
+    specs = episode_specs(BATCH, 31, prefix="fault")
+    outcomes: list[EpisodeResult | EpisodeFailed] = []
+    agent = participants_by_role(ready)["agent"][0]["address"]
+    async with (
+        httpx.AsyncClient() as http,
+        rollout_set_topology("math-rl", namespace, kubeconfig=cluster.kubeconfig) as topology,
+    ):
+        client = RolloutClient(
+            topology, concurrency=BATCH, restore_timeout_s=RESTORE_TIMEOUT_S, run_timeout_s=240
+        )
+        hooks = Debug(http, agent)
+        held = specs[0].rollout_id
+        await hooks.arm("tool", held)
+
+        async def run() -> None:
+            outcomes.extend(await client.run_all(specs))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(run)
+            await hooks.paused("tool", held)  # in flight in attempt 1 when the model is lost
+            yield Scene(cluster, namespace, operator, resources, storage, http), ready
+    failed = [o for o in outcomes if isinstance(o, EpisodeFailed)]
+    assert not failed, failed
+    finished = [o.rollout_id for o in outcomes if isinstance(o, EpisodeResult)]
+    assert sorted(finished) == sorted(s.rollout_id for s in specs), "each finished exactly once"
+
+
+async def check_recovered(scene: Scene, attempt_at_least: int) -> dict[str, Any]:
+    """The invariants after the fault; returns the recovered set."""
+    recovered: dict[str, Any] = await scene.resources.wait_set(
+        f"Ready under attempt >= {attempt_at_least}, no recovery",
+        lambda o: (
+            (o["status"].get("attempt") or 1) >= attempt_at_least
+            and o["status"].get("recovery") is None
+            and is_true(o, "Ready")
+        ),
+        RESTORE_TIMEOUT_S / 2,
+    )
+    status = recovered["status"]
+    attempt = status["attempt"]
+    assert status["createdAttempt"] == attempt
+    last = status["lastRecovery"]
+    assert last["checkpoint"] == "base", last
+    assert last["attempt"] == attempt, last
+    recovering = condition(recovered, "Recovering") or {}
+    assert recovering.get("reason") == "Restored", recovering
+    assert not is_true(recovered, "Degraded"), condition(recovered, "Degraded")
+
+    async def only_the_attempt_runs() -> bool:
+        listed = await scene.resources.core.list_namespaced_pod(scene.namespace)
+        labels = [p.metadata.labels.get(api.LABEL_ATTEMPT) for p in listed.items]
+        return labels == [str(attempt)] * len(labels) and len(labels) == 4
+
+    await wait_for(only_the_attempt_runs, WAIT_S, f"only the pods of attempt {attempt}")
+    assert set((await phases(scene.http, recovered)).values()) == {"idle"}
+
+    ckpt = await scene.resources.checkpoint("base")
+    assert is_true(ckpt, "Ready"), ckpt["status"]
+    check_manifests(ckpt, scene.storage)
+    return recovered
+
+
+def check_operator_log(operator: OperatorProcess) -> None:
+    log = operator.tail(100_000)
+    assert "Traceback" not in log, log[-6000:]
+
+
+# --- pod loss in StoppingAttempt, Resuming and BackingOff -------------------------------------
+
+
+async def lose_survivor_while_stopping(scene: Scene, ready: dict[str, Any]) -> str:
+    survivor = participants_by_role(ready)["agent"][0]["pod"]
+    frozen = scene.pids(survivor)
+    freeze(frozen)
+    try:
+        await scene.kill(participants_by_role(ready)["model"][0]["pod"])
+        await scene.in_phase("StoppingAttempt")
+        phase = await scene.phase_now()
+        await scene.kill(survivor)
+    finally:
+        thaw(frozen)
+    return str(phase)
+
+
+async def lose_new_pod_while_resuming(scene: Scene, ready: dict[str, Any]) -> str:
+    await scene.kill(participants_by_role(ready)["model"][0]["pod"])
+    frozen = await scene.hold_resuming()
+    try:
+        phase = await scene.phase_now()
+        await scene.kill("math-rl-environment-0-a2")
+    finally:
+        thaw(frozen)
+    return str(phase)
+
+
+async def lose_new_pod_while_backing_off(scene: Scene, ready: dict[str, Any]) -> str:
+    await scene.kill(participants_by_role(ready)["model"][0]["pod"])
+    replacement = "math-rl-model-0-a2"
+    await wait_pod_ready(scene.resources, replacement, WAIT_S)
+    frozen = scene.pids(replacement)
+    freeze(frozen)
+    try:
+        await scene.in_phase("Restoring")
+        await scene.kill(replacement)  # the try fails: BackingOff
+    finally:
+        thaw(frozen)
+    await scene.in_phase("BackingOff")
+    process = scene.operator.process
+    assert process is not None
+    os.killpg(process.pid, signal.SIGSTOP)  # the back-off cannot pass while the pod is lost
+    try:
+        phase = await scene.phase_now()
+        await scene.kill("math-rl-environment-0-a2")
+    finally:
+        os.killpg(process.pid, signal.SIGCONT)
+    return str(phase)
+
+
+POD_LOSSES: dict[str, tuple[Callable[[Scene, dict[str, Any]], Awaitable[str]], int]] = {
+    "StoppingAttempt": (lose_survivor_while_stopping, 2),
+    "Resuming": (lose_new_pod_while_resuming, 3),
+    "BackingOff": (lose_new_pod_while_backing_off, 3),
+}
+"""Phase -> (the fault, the least attempt the set recovers under)."""
+
+
+@pytest.mark.parametrize("phase", list(POD_LOSSES))
+async def test_a_pod_lost_in_a_recovery_phase_is_recovered_without_loss(
+    phase: str,
+    cluster: Cluster,
+    namespace: str,
+    operator: OperatorProcess,
+    resources: Resources,
+    storage_dir: Path,
+) -> None:
+    fault, attempt = POD_LOSSES[phase]
+    async with scene(cluster, namespace, operator, resources, storage_dir) as (here, ready):
+        landed = await fault(here, ready)
+        assert landed == phase, f"the fault landed in {landed}, not {phase}"
+        await check_recovered(here, attempt)
+    check_operator_log(operator)
+
+
+# --- operator SIGKILL in StartingPods, Restoring and Resuming --------------------------------
+
+
+async def restart_while_starting(scene: Scene, ready: dict[str, Any]) -> str:
+    await scene.kill(participants_by_role(ready)["model"][0]["pod"])
+    frozen = await scene.running_pids("math-rl-environment-0-a2")
+    freeze(frozen)  # its readiness probe waits 3 s: frozen, it never turns Ready
+    try:
+        await scene.in_phase("StartingPods")
+        phase = await scene.phase_now()
+        await scene.restart_operator()
+    finally:
+        thaw(frozen)
+    return str(phase)
+
+
+async def restart_while_restoring(scene: Scene, ready: dict[str, Any]) -> str:
+    await scene.kill(participants_by_role(ready)["model"][0]["pod"])
+    replacement = "math-rl-model-0-a2"
+    await wait_pod_ready(scene.resources, replacement, WAIT_S)
+    frozen = scene.pids(replacement)
+    freeze(frozen)
+    try:
+        await scene.in_phase("Restoring")
+        phase = await scene.phase_now()
+        await scene.restart_operator()
+    finally:
+        thaw(frozen)
+    return str(phase)
+
+
+async def restart_while_resuming(scene: Scene, ready: dict[str, Any]) -> str:
+    await scene.kill(participants_by_role(ready)["model"][0]["pod"])
+    frozen = await scene.hold_resuming()
+    try:
+        phase = await scene.phase_now()
+        await scene.restart_operator()
+    finally:
+        thaw(frozen)
+    return str(phase)
+
+
+OPERATOR_LOSSES: dict[str, Callable[[Scene, dict[str, Any]], Awaitable[str]]] = {
+    "StartingPods": restart_while_starting,
+    "Restoring": restart_while_restoring,
+    "Resuming": restart_while_resuming,
+}
+
+
+@pytest.mark.parametrize("phase", list(OPERATOR_LOSSES))
+async def test_the_operator_killed_in_a_recovery_phase_continues_it(
+    phase: str,
+    cluster: Cluster,
+    namespace: str,
+    operator: OperatorProcess,
+    resources: Resources,
+    storage_dir: Path,
+) -> None:
+    async with scene(cluster, namespace, operator, resources, storage_dir) as (here, ready):
+        landed = await OPERATOR_LOSSES[phase](here, ready)
+        assert landed == phase, f"the operator was killed in {landed}, not {phase}"
+        await check_recovered(here, 2)
+    assert operator.starts == 2
+    check_operator_log(operator)
+
+
+# --- status.recovery removed by hand in the middle of a recovery -----------------------------
+
+
+async def test_a_recovery_removed_from_status_while_it_restores_is_not_adopted_unrestored(
+    cluster: Cluster,
+    namespace: str,
+    operator: OperatorProcess,
+    resources: Resources,
+    storage_dir: Path,
+) -> None:
+    """The operator is killed in Restoring, `status.recovery` is removed by hand, the operator
+    starts again: the pods of attempt 2 never restored `base`, so they must not be adopted (the
+    set Ready under attempt 2 with every restored episode lost); the recovery starts again
+    (reason RecoveryRestarted) and restores `base` under attempt 3."""
+    async with scene(cluster, namespace, operator, resources, storage_dir) as (here, ready):
+        await here.kill(participants_by_role(ready)["model"][0]["pod"])
+        replacement = "math-rl-model-0-a2"
+        await wait_pod_ready(resources, replacement, WAIT_S)
+        frozen = here.pids(replacement)
+        freeze(frozen)
+        try:
+            await here.in_phase("Restoring")
+            await anyio.to_thread.run_sync(operator.kill)
+            cluster.kubectl(
+                "patch",
+                "rset",
+                "math-rl",
+                "-n",
+                namespace,
+                "--subresource=status",
+                "--type=merge",
+                "-p",
+                json.dumps({"status": {"recovery": None}}),
+            )
+            await anyio.to_thread.run_sync(operator.start)
+        finally:
+            thaw(frozen)
+        recovered = await check_recovered(here, 2)
+        assert recovered["status"]["attempt"] == 3, recovered["status"]
+    events = json.loads(cluster.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)
+    restarted = [e for e in events["items"] if e["reason"] == "StatusRepaired"]
+    assert any("never restored" in e["message"] for e in restarted), restarted
+    check_operator_log(operator)
