@@ -405,7 +405,13 @@ async def _wait_held(
         left = budget - time.monotonic()
         timeout_s = max(1.0, min(120.0, left))
         wait = {"point": point, "paused": True, "count": count, "timeout_s": timeout_s}
-        reply = await http.post(url + "/debug/wait", json=wait, timeout=timeout_s + 60)
+        try:
+            reply = await http.post(url + "/debug/wait", json=wait, timeout=timeout_s + 60)
+        except httpx.TimeoutException:
+            # a server too busy starting episodes to answer its own long poll: ask again
+            if budget - time.monotonic() <= 0:
+                raise
+            continue
         if reply.status_code != 408 or left <= 120:
             return reply
 
