@@ -183,13 +183,19 @@ class OperatorProcess:
 
 def apply_crds(cluster: Cluster) -> None:
     cluster.kubectl("apply", "-f", str(CRDS))
-    cluster.kubectl(
-        "wait",
-        "--for=condition=Established",
-        "--timeout=60s",
-        f"crd/{ROLLOUT_SET_PLURAL}.{GROUP}",
-        f"crd/{ROLLOUT_CHECKPOINT_PLURAL}.{GROUP}",
-    )
+    names = [f"crd/{ROLLOUT_SET_PLURAL}.{GROUP}", f"crd/{ROLLOUT_CHECKPOINT_PLURAL}.{GROUP}"]
+    established = '{.status.conditions[?(@.type=="Established")].status}'
+
+    # Not `kubectl wait --for=condition=Established`: on a freshly created CRD whose status has
+    # no conditions yet it fails at once ("conditions accessor error") instead of waiting.
+    def both_established() -> bool:
+        return all(
+            cluster.kubectl("get", name, "-o", f"jsonpath={established}", check=False).stdout
+            == "True"
+            for name in names
+        )
+
+    wait_for_sync(both_established, 60, "the CRDs to be Established", interval=0.2)
 
 
 def create_namespace(cluster: Cluster, name: str) -> None:
