@@ -153,8 +153,9 @@ async def test_a_replacement_lost_while_the_pods_start_is_replaced_at_once(
 
 
 def crash_looping_set(storage: Path) -> dict[str, Any]:
-    """One model server that turns Ready, then exits with code 3 a few seconds later, every
-    time: `timeout` ends it (`-s KILL` is not needed; the code names the failure)."""
+    """One model server that turns Ready, then exits with code 3 four seconds after its first
+    ready answer, every time (counted from Ready, not from the start, so a slow start on a busy
+    machine does not turn the crash into a failure before Ready)."""
     server = [str(Path(sys.executable).parent / "rollout-server"), "model"]
     container = {
         "name": "model",
@@ -174,8 +175,17 @@ def crash_looping_set(storage: Path) -> dict[str, Any]:
 
 
 CRASH_AFTER_READY = """
-import subprocess, sys, time
+import os, subprocess, sys, time, urllib.request
 server = subprocess.Popen(sys.argv[1:])
+url = "http://" + os.environ["POD_IP"] + ":8000/healthz"
+deadline = time.monotonic() + 120
+while time.monotonic() < deadline and server.poll() is None:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as reply:
+            if reply.status == 200:
+                break
+    except OSError:
+        time.sleep(0.1)  # poll interval while the server starts
 time.sleep(4)  # the product under test: a server that dies seconds after it turned Ready
 server.kill()
 sys.exit(3)

@@ -18,7 +18,14 @@ from typing import Any, Final
 import kopf
 
 from .. import metrics
-from ..api import GROUP, LABEL_SET, ROLLOUT_SET_PLURAL, VERSION, RolloutSet
+from ..api import (
+    ANNOTATION_RETRY_RECOVERY,
+    GROUP,
+    LABEL_SET,
+    ROLLOUT_SET_PLURAL,
+    VERSION,
+    RolloutSet,
+)
 from ..conditions import utcnow
 from ..kube import pass_snapshot
 from ..passloop import STOP_BACKOFF_SECONDS, Next, PassLoop, Stopped
@@ -49,6 +56,22 @@ async def created(namespace: str | None, name: str, logger: kopf.Logger, **_: An
 
 @kopf.on.update(GROUP, VERSION, ROLLOUT_SET_PLURAL, field="spec", id="spec-changed")
 async def spec_changed(namespace: str | None, name: str, **_: Any) -> None:
+    wake(namespace, name)
+
+
+def _retry_requested(annotations: kopf.Annotations, status: kopf.Status, **_: Any) -> bool:
+    """A held recovery whose retry-recovery annotation no longer has the value it stopped at.
+    (Kopf leaves annotations under the operator's own prefix out of its diffs, since its
+    progress storage writes there, so an on.update handler never sees this one change.)"""
+    hold = status.get("recoveryHold")
+    if not hold:
+        return False
+    return bool(annotations.get(ANNOTATION_RETRY_RECOVERY) != hold.get("retryToken"))
+
+
+@kopf.on.event(GROUP, VERSION, ROLLOUT_SET_PLURAL, when=_retry_requested, id="retry-recovery")
+async def retry_recovery(namespace: str | None, name: str, **_: Any) -> None:
+    """A user asked to retry a recovery the churn bound held: a pass now, not at the resync."""
     wake(namespace, name)
 
 
