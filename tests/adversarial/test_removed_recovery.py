@@ -106,8 +106,10 @@ async def test_pods_of_an_unfinished_recovery_are_not_adopted_when_its_record_is
     assert conditions["Ready"]["status"] == "False"
     assert conditions["Recovering"]["status"] == "True"
     assert conditions["Recovering"]["reason"] == RECOVERY_RESTARTED
-    assert repaired is not None and repaired.reason == REPAIRED
-    assert "never restored" in repaired.message and "attempt 3" in repaired.message
+    assert repaired is not None
+    assert repaired.reason == REPAIRED
+    assert "never restored" in repaired.message
+    assert "attempt 3" in repaired.message
 
 
 async def test_a_finished_recoverys_attempt_written_back_by_hand_is_still_repaired() -> None:
@@ -118,9 +120,11 @@ async def test_a_finished_recoverys_attempt_written_back_by_hand_is_still_repair
     repaired = await repair_set_attempt(fake.as_kube(), NS, SET)
 
     written = fake.set["status"]
-    assert written["attempt"] == 2 and written["createdAttempt"] == 2, written
+    assert written["attempt"] == 2, written
+    assert written["createdAttempt"] == 2, written
     assert "recovery" not in written
-    assert repaired is not None and repaired.reason == REPAIRED
+    assert repaired is not None
+    assert repaired.reason == REPAIRED
 
 
 async def test_an_attempt_written_above_the_running_pods_is_written_back() -> None:
