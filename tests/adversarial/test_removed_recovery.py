@@ -65,8 +65,7 @@ def rollout_set(status: dict[str, Any]) -> dict[str, Any]:
         "metadata": {"name": SET, "namespace": NS, "uid": "u", "generation": 1},
         "spec": {
             "participants": [
-                {"role": role, "template": {"spec": {"containers": [container]}}}
-                for role in ROLES
+                {"role": role, "template": {"spec": {"containers": [container]}}} for role in ROLES
             ],
             "storage": {"path": "/ckpt", "volume": {"emptyDir": {}}},
         },
