@@ -112,6 +112,11 @@ class Scene:
     resources: Resources
     storage: Path
     http: httpx.AsyncClient
+    hooks: Debug
+    """The pause points of the agent of attempt 1."""
+    held: str
+    """The episode held in the agent's tool call (a checkpoint cannot prepare until it is
+    released)."""
 
     async def in_phase(self, phase: str) -> dict[str, Any]:
         obj: dict[str, Any] = await self.resources.wait_set(
@@ -214,7 +219,8 @@ async def scene(
         async with anyio.create_task_group() as group:
             group.start_soon(run)
             await hooks.paused("tool", held)  # in flight in attempt 1 when the model is lost
-            yield Scene(cluster, namespace, operator, resources, storage, http), ready
+            here = Scene(cluster, namespace, operator, resources, storage, http, hooks, held)
+            yield here, ready
     failed = [o for o in outcomes if isinstance(o, EpisodeFailed)]
     assert not failed, failed
     finished = [o.rollout_id for o in outcomes if isinstance(o, EpisodeResult)]
@@ -431,4 +437,71 @@ async def test_a_recovery_removed_from_status_while_it_restores_is_not_adopted_u
     events = json.loads(cluster.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)
     restarted = [e for e in events["items"] if e["reason"] == "StatusRepaired"]
     assert any("never restored" in e["message"] for e in restarted), restarted
+    check_operator_log(operator)
+
+
+# --- operator SIGKILL after a checkpoint was published ----------------------------------------
+
+
+async def test_the_operator_killed_while_a_published_checkpoint_resumes_finishes_it(
+    cluster: Cluster,
+    namespace: str,
+    operator: OperatorProcess,
+    resources: Resources,
+    storage_dir: Path,
+) -> None:
+    """The checkpoint side of the same fault timings. Publishing is one status write (phase
+    Committing -> Resuming with Ready=True, reason Published: `Publishing` is never a phase of
+    its own), so the phase after it is held: the checkpoint waits in prepare on the episode
+    held in the agent's tool call; the model (prepared) is frozen, the episode released, the
+    environment answers its commit and is frozen, the model thawed: every commit answered, the
+    checkpoint is published and its resume hangs on the environment. The operator is killed
+    there; the fresh one finishes the resume: the checkpoint Ready with its manifests, never
+    Failed, every participant idle, no recovery."""
+    async with scene(cluster, namespace, operator, resources, storage_dir) as (here, ready):
+        roles = participants_by_role(ready)
+        agent, model, environment = (roles[r][0] for r in ("agent", "model", "environment"))
+        cluster.kubectl(
+            "apply", "-n", namespace, "-f", "-", input=json.dumps(example_checkpoint("published"))
+        )
+        await wait_phase(here.http, agent["address"], "preparing", "the agent preparing")
+        await wait_phase(here.http, model["address"], "prepared", "the model prepared")
+        frozen_model = here.pids(model["pod"])
+        freeze(frozen_model)
+        frozen_environment: list[int] = []
+        try:
+            assert await here.hooks.release("tool", here.held) == 1
+            await wait_phase(
+                here.http, environment["address"], "committed", "the environment committed"
+            )
+            frozen_environment = here.pids(environment["pod"])
+            freeze(frozen_environment)
+            thaw(frozen_model)
+            resuming = await resources.wait_checkpoint(
+                "published", "Resuming", phase_is("Resuming", "Ready", "Failed"), WAIT_S
+            )
+            assert resuming["status"]["phase"] == "Resuming", resuming["status"]
+            assert is_true(resuming, "Ready"), resuming["status"]
+            await here.restart_operator()
+        finally:
+            thaw(frozen_model)
+            thaw(frozen_environment)
+        ckpt = await resources.wait_checkpoint(
+            "published", "Ready", phase_is("Ready", "Failed"), WAIT_S
+        )
+        assert ckpt["status"]["phase"] == "Ready", ckpt["status"]
+        check_manifests(ckpt, storage_dir)
+
+        async def all_idle() -> bool:
+            return set((await phases(here.http, ready)).values()) == {"idle"}
+
+        await wait_for(all_idle, WAIT_S, "every participant idle")
+        rset = await resources.rollout_set()
+        assert rset["status"]["attempt"] == 1
+        assert rset["status"].get("recovery") is None
+        assert rset["status"]["latestCheckpoint"] == "published"
+        assert is_true(rset, "Ready")
+        base = await resources.checkpoint("base")
+        assert is_true(base, "Ready"), base["status"]
+    assert operator.starts == 2
     check_operator_log(operator)
