@@ -23,6 +23,9 @@ After each fault the invariants are checked: the set is Ready with no recovery l
 attempt whose pods are the only ones; every participant idle; `base` still Ready with its
 manifests on storage and named by `lastRecovery`; every episode finished exactly once; no
 traceback in the operator's log. The operator fixture then deletes everything it started.
+
+The last case is the checkpoint's sibling: the operator killed after a checkpoint was
+published, while its resume hangs (Publishing is one status write, not a phase to hold).
 """
 
 from __future__ import annotations
