@@ -116,7 +116,7 @@ crds: venv
 	$(PY) -m rollout_operator.crdgen
 	$(PY) -m rollout_operator.crdgen --dir charts/rollout-operator/crds
 
-bench: venv cluster-binaries
+bench: venv cluster-binaries node-binaries image
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 # One operator for 100 RolloutSets x 16 fleet pods (in-process participants; docs/devcluster.md);
