@@ -11,7 +11,8 @@ they run, the model pod is SIGKILLed while it generates, the operator recovers t
 attempt 2 from the checkpoint, and the client finishes every episode. The summary says how many
 episodes continued from the checkpoint and how many restarted, how much work was redone, and
 when each recovery step happened. Everything is stopped at the end (also on failure and Ctrl-C);
-`--keep` leaves the cluster and the operator running and prints the `export KUBECONFIG=` line.
+`--keep` leaves the cluster and the operator running (with `--node-runtime containerd` the Helm
+release stays installed) and prints the `export KUBECONFIG=` line.
 
 The building blocks (`OperatorProcess`, `run_scenario`, the measurements) are shared with the
 end-to-end tests and `bench/recovery.py`, so what the demo shows is what they check.
@@ -657,6 +658,9 @@ class Scenario:
     """On a container node: the operator runs as the chart installs it, a pod of this image
     (`helm install`, `harness.helm`), and the servers as containers of it. None: the operator
     runs as a process (`OperatorProcess`) on the process node."""
+    keep_release: bool = False
+    """With `operator_image`: leave the Helm release installed at the end (`--keep`), so the
+    operator pod goes on running the kept set; otherwise it is uninstalled."""
 
 
 @dataclass
@@ -736,9 +740,9 @@ async def _run_with_helm_operator(
     cluster: Cluster, scenario: Scenario, image: ProjectImage, say: Say
 ) -> ScenarioReport:
     """`run_scenario` on a container node: the operator installed by Helm as a pod of `image`
-    (uninstalled at the end), the servers as containers of it. They run as the image's user
-    10001, so the hostPath storage is world-writable (sticky) and its parents up to the
-    scenario's folder are traversable."""
+    (uninstalled at the end unless `scenario.keep_release`), the servers as containers of it.
+    They run as the image's user 10001, so the hostPath storage is world-writable (sticky) and
+    its parents up to the scenario's folder are traversable."""
     namespace = scenario.namespace
     storage_dir = scenario.workdir / "checkpoints"
     storage_dir.chmod(0o1777)
@@ -762,7 +766,8 @@ async def _run_with_helm_operator(
         raise
     finally:
         _delete_after(cluster, scenario)
-        await anyio.to_thread.run_sync(helm.uninstall_operator, cluster, namespace)
+        if not scenario.keep_release:
+            await anyio.to_thread.run_sync(helm.uninstall_operator, cluster, namespace)
 
 
 def _apply_example_set(cluster: Cluster, scenario: Scenario, storage_dir: Path, say: Say) -> None:
@@ -1093,6 +1098,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     + ("(cached)" if build.was_cached else f"built in {image.build_seconds}s")
                 )
                 scenario.operator_image = image
+                scenario.keep_release = args.keep
                 started = time.monotonic()
                 _say(
                     f"starting devcluster in {root / 'cluster'} with a container node (etcd, "
@@ -1127,7 +1133,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             code = 1
         finally:
             if cluster is not None and keep:
-                if not containers:
+                if containers:
+                    print(
+                        f"operator left installed by Helm: release {helm.RELEASE}, "
+                        f"deployment/{helm.FULLNAME} in namespace {scenario.namespace}"
+                    )
+                else:
                     _restart_operator_for_keep(cluster, scenario)
                 print(f"\nleft running; stop with: python -m devcluster down --dir {cluster.dir}")
                 print(f"export KUBECONFIG={cluster.kubeconfig}")
