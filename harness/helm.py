@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
-from typing import Final
+from typing import Final, Protocol
 
 from devcluster.cluster import Cluster
 from devcluster.errors import DevclusterError
@@ -23,7 +23,19 @@ RELEASE: Final = "rel"
 FULLNAME: Final = f"{RELEASE}-rollout-operator"
 
 
-def helm(cluster: Cluster, *args: str, timeout: float = 420) -> subprocess.CompletedProcess[str]:
+class HelmTarget(Protocol):
+    """A cluster helm runs against: a devcluster `Cluster` or a `harness.providers` provider."""
+
+    @property
+    def dir(self) -> Path:
+        """A folder of the cluster's own, for helm's caches."""
+        ...
+
+    @property
+    def kubeconfig(self) -> Path: ...
+
+
+def helm(cluster: HelmTarget, *args: str, timeout: float = 420) -> subprocess.CompletedProcess[str]:
     """The pinned helm on the cluster's kubeconfig, its caches under the cluster's folder."""
     binary = find_binaries(("helm",))["helm"]
     env = {
@@ -39,7 +51,7 @@ def helm(cluster: Cluster, *args: str, timeout: float = 420) -> subprocess.Compl
 
 
 def helm_install_operator(
-    cluster: Cluster, namespace: str, image: ProjectImage, *values: str
+    cluster: HelmTarget, namespace: str, image: ProjectImage, *values: str
 ) -> subprocess.CompletedProcess[str]:
     """`helm install rel charts/rollout-operator` with the image built here, waiting for Ready."""
     tag = image.short_name.rsplit(":", 1)[1]

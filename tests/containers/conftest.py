@@ -5,19 +5,35 @@
   the session sees one state of a checkout others may be editing. Cached by a digest of the
   inputs: only the first session on a machine with these inputs pays for the build. A missing
   buildah fails with the command that installs it (`make image`).
-- `image_on_node` (session): that image imported into the container node's containerd.
-- `container_cluster` and `container_namespace`: in `tests/conftest.py` (a real kubelet with
-  containerd; `make node-binaries`).
+- `container_provider` (session): the cluster the suite runs against, a
+  `harness.providers.ContainerClusterProvider`: devcluster's container node (`container_cluster`
+  from `tests/conftest.py`, a real kubelet with containerd; `make node-binaries`) by default, or
+  an existing kind cluster with `ROLLOUT_E2E_PROVIDER=kind` and `KIND_CLUSTER` (`make kind-e2e`).
+  Its teardown fails if a container of a test namespace is left on the node.
+- `image_on_node` (session): the project's image on the provider's node (devcluster: the buildah
+  build above, imported; kind: `docker build` and `kind load image-archive`).
+- `provider_namespace`: a fresh namespace per test on the provider's cluster.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from devcluster.cluster import Cluster
 from devcluster.image import BuildResult, ProjectImage, build_project_image, snapshot_build_inputs
+from devcluster.testing import namespace_name, wait_for_sync
+from harness.providers import (
+    ContainerClusterProvider,
+    DevclusterProvider,
+    kind_provider_from_environment,
+    provider_name_from_environment,
+)
+
+TEST_NAMESPACE_PREFIX = "e2e-"
 
 
 @pytest.fixture(scope="session")
@@ -37,10 +53,61 @@ def project_image_build(image_inputs: Path) -> BuildResult:
 
 
 @pytest.fixture(scope="session")
-def image_on_node(container_cluster: Cluster, project_image_build: BuildResult) -> ProjectImage:
-    """The project's image, imported into the container node's containerd (namespace k8s.io)."""
-    image = project_image_build.image
-    container_cluster.import_image(image.archive)
-    listed = container_cluster.ctr("images", "ls", "-q").stdout.split()
-    assert image.name in listed, listed
-    return image
+def container_provider(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ContainerClusterProvider]:
+    provider: ContainerClusterProvider
+    if provider_name_from_environment() == "kind":
+        provider = kind_provider_from_environment(tmp_path_factory.mktemp("kind"))
+    else:
+        cluster: Cluster = request.getfixturevalue("container_cluster")
+        provider = DevclusterProvider(cluster)
+    yield provider
+    # The namespaces go without waiting; their containers must be gone from the node soon after.
+    wait_for_sync(
+        lambda: not provider.leftovers(TEST_NAMESPACE_PREFIX),
+        timeout=180,
+        what=f"no container of a test namespace left on the {provider.name} node",
+        interval=1.0,
+    )
+
+
+@pytest.fixture
+def provider_namespace(
+    container_provider: ContainerClusterProvider, request: pytest.FixtureRequest
+) -> Iterator[str]:
+    """`namespace` of `tests/conftest.py` on the provider's cluster: created with its `default`
+    ServiceAccount in place, its pods force-deleted and itself deleted afterwards (kept with
+    `ROLLOUT_E2E_KEEP_NAMESPACES=1`)."""
+    kubectl = container_provider.kubectl
+    name = namespace_name(request.node.name)
+    kubectl("create", "namespace", name)
+    wait_for_sync(
+        lambda: (
+            kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0
+        ),
+        timeout=30,
+        what=f"the default ServiceAccount in namespace {name}",
+        interval=0.2,
+    )
+    yield name
+    if os.environ.get("ROLLOUT_E2E_KEEP_NAMESPACES"):
+        return
+    kubectl(
+        "delete",
+        "pods",
+        "--all",
+        "-n",
+        name,
+        "--force",
+        "--grace-period=0",
+        "--wait=false",
+        check=False,
+    )
+    kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="session")
+def image_on_node(container_provider: ContainerClusterProvider, image_inputs: Path) -> ProjectImage:
+    """The project's image on the provider's node (containerd namespace k8s.io)."""
+    return container_provider.load_project_image(image_inputs)

@@ -1,4 +1,4 @@
-"""Helpers of the container-node suite: helm on the devcluster, JSON reads, the node containers.
+"""Helpers of the container suite: helm on the provider's cluster, JSON reads, node containers.
 
 The operator is installed as a user installs it (`harness.helm`: `helm install
 charts/rollout-operator`, the image built here, `image.pullPolicy=Never`); these helpers keep the
@@ -10,27 +10,28 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from devcluster.cluster import Cluster
 from harness.helm import CHART, FULLNAME, RELEASE, helm, helm_install_operator
+from harness.providers import ContainerClusterProvider
 
 __all__ = ["CHART", "FULLNAME", "RELEASE", "helm", "helm_install_operator"]
 
 
-def describe_pods(cluster: Cluster, namespace: str) -> str:
+def kubectl_apply(cluster: ContainerClusterProvider, namespace: str, obj: dict[str, Any]) -> None:
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj))
+
+
+def describe_pods(cluster: ContainerClusterProvider, namespace: str) -> str:
     return cluster.kubectl("describe", "pods", "-n", namespace, check=False).stdout[-6000:]
 
 
-def get_json(cluster: Cluster, *args: str) -> dict[str, Any]:
+def get_json(cluster: ContainerClusterProvider, *args: str) -> dict[str, Any]:
     result: dict[str, Any] = json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
     return result
 
 
-def node_containers(cluster: Cluster, namespace: str) -> list[str]:
+def node_containers(cluster: ContainerClusterProvider, namespace: str) -> list[str]:
     """Containers (sandboxes included) the node's containerd holds for pods of `namespace`."""
-    result = cluster.ctr(
-        "containers", "ls", "-q", f"labels.io.kubernetes.pod.namespace=={namespace}"
-    )
-    return result.stdout.split()
+    return cluster.node_containers(namespace)
 
 
 def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:

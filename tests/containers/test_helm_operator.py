@@ -23,35 +23,38 @@ from container_support import (
     node_containers,
 )
 
-from devcluster.cluster import Cluster
-from devcluster.containernode import TEST_IMAGE
 from devcluster.image import ProjectImage
 from devcluster.waiting import wait_for_sync
+from harness.providers import ContainerClusterProvider
 
 pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture
 def installed_operator(
-    container_cluster: Cluster, container_namespace: str, image_on_node: ProjectImage
+    container_provider: ContainerClusterProvider,
+    provider_namespace: str,
+    image_on_node: ProjectImage,
 ) -> Iterator[str]:
     """`helm install` of the chart with the image built here; uninstalled afterwards."""
-    result = helm_install_operator(container_cluster, container_namespace, image_on_node)
+    result = helm_install_operator(container_provider, provider_namespace, image_on_node)
     assert result.returncode == 0, (
-        f"{result.stderr}\n{describe_pods(container_cluster, container_namespace)}"
+        f"{result.stderr}\n{describe_pods(container_provider, provider_namespace)}"
     )
     try:
-        yield container_namespace
+        yield provider_namespace
     finally:
-        helm(container_cluster, "uninstall", RELEASE, "--namespace", container_namespace)
+        helm(container_provider, "uninstall", RELEASE, "--namespace", provider_namespace)
 
 
 def test_helm_install_runs_the_operator_pod_from_the_image_under_the_charts_service_account(
-    container_cluster: Cluster, installed_operator: str, image_on_node: ProjectImage
+    container_provider: ContainerClusterProvider,
+    installed_operator: str,
+    image_on_node: ProjectImage,
 ) -> None:
     namespace = installed_operator
     [pod] = get_json(
-        container_cluster, "pods", "-n", namespace, "-l", "app.kubernetes.io/name=rollout-operator"
+        container_provider, "pods", "-n", namespace, "-l", "app.kubernetes.io/name=rollout-operator"
     )["items"]
     spec, status = pod["spec"], pod["status"]
     assert spec["serviceAccountName"] == FULLNAME
@@ -82,7 +85,7 @@ def test_helm_install_runs_the_operator_pod_from_the_image_under_the_charts_serv
     pod_name = pod["metadata"]["name"]
 
     def liveness_succeeded() -> bool:
-        metrics = container_cluster.kubectl(
+        metrics = container_provider.kubectl(
             "get", "--raw", f"/api/v1/nodes/{node}/proxy/metrics/probes", check=False
         ).stdout
         return any(
@@ -96,7 +99,7 @@ def test_helm_install_runs_the_operator_pod_from_the_image_under_the_charts_serv
 
     wait_for_sync(liveness_succeeded, 90, "the kubelet's first successful liveness probe")
     events = get_json(
-        container_cluster,
+        container_provider,
         "events",
         "-n",
         namespace,
@@ -105,44 +108,49 @@ def test_helm_install_runs_the_operator_pod_from_the_image_under_the_charts_serv
     )["items"]
     assert not [e for e in events if e["reason"] in {"Unhealthy", "BackOff", "Killing"}], events
 
-    # The metrics Service answers inside the cluster (kube-proxy's ClusterIP to the pod).
-    service = get_json(container_cluster, "service", f"{FULLNAME}-metrics", "-n", namespace)
+    # The metrics Service answers inside the cluster (kube-proxy's ClusterIP to the pod), to a
+    # client pod of the same image (present on every provider's node).
+    service = get_json(container_provider, "service", f"{FULLNAME}-metrics", "-n", namespace)
     cluster_ip = service["spec"]["clusterIP"]
-    container_cluster.kubectl(
+    container_provider.kubectl(
         "run",
         "metrics-client",
         "-n",
         namespace,
         "--image",
-        TEST_IMAGE,
+        image_on_node.short_name,
         "--image-pull-policy=Never",
         "--restart=Never",
         "--command",
         "--",
-        "wget",
-        "-qO-",
+        "python",
+        "-c",
+        "import sys, urllib.request; "
+        "sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=30).read().decode())",
         f"http://{cluster_ip}:9090/metrics",
     )
 
     def client_done() -> bool:
-        phase = get_json(container_cluster, "pod", "metrics-client", "-n", namespace)["status"]
+        phase = get_json(container_provider, "pod", "metrics-client", "-n", namespace)["status"]
         return phase.get("phase") in {"Succeeded", "Failed"}
 
     wait_for_sync(client_done, 120, "the metrics client pod to finish")
-    scraped = container_cluster.kubectl("logs", "metrics-client", "-n", namespace).stdout
+    scraped = container_provider.kubectl("logs", "metrics-client", "-n", namespace).stdout
     assert "rollout_checkpoint_duration_seconds" in scraped, scraped[-2000:]
-    container_cluster.kubectl("delete", "pod", "metrics-client", "-n", namespace, "--wait=true")
+    container_provider.kubectl("delete", "pod", "metrics-client", "-n", namespace, "--wait=true")
 
 
 def test_helm_uninstall_removes_the_operator_and_its_containers(
-    container_cluster: Cluster, container_namespace: str, image_on_node: ProjectImage
+    container_provider: ContainerClusterProvider,
+    provider_namespace: str,
+    image_on_node: ProjectImage,
 ) -> None:
-    namespace = container_namespace
-    installed = helm_install_operator(container_cluster, namespace, image_on_node)
+    namespace = provider_namespace
+    installed = helm_install_operator(container_provider, namespace, image_on_node)
     assert installed.returncode == 0, installed.stderr
-    assert node_containers(container_cluster, namespace)
+    assert node_containers(container_provider, namespace)
     removed = helm(
-        container_cluster,
+        container_provider,
         "uninstall",
         RELEASE,
         "--namespace",
@@ -154,7 +162,7 @@ def test_helm_uninstall_removes_the_operator_and_its_containers(
     assert removed.returncode == 0, removed.stderr
 
     def gone() -> bool:
-        left = container_cluster.kubectl(
+        left = container_provider.kubectl(
             "get",
             "deployment,pods,serviceaccount,service",
             "-n",
@@ -164,7 +172,7 @@ def test_helm_uninstall_removes_the_operator_and_its_containers(
             "-o",
             "name",
         ).stdout.split()
-        roles = container_cluster.kubectl(
+        roles = container_provider.kubectl(
             "get",
             "clusterrole,clusterrolebinding",
             "-o",
@@ -172,6 +180,6 @@ def test_helm_uninstall_removes_the_operator_and_its_containers(
             "-l",
             "app.kubernetes.io/instance=" + RELEASE,
         ).stdout.split()
-        return not left and not roles and not node_containers(container_cluster, namespace)
+        return not left and not roles and not node_containers(container_provider, namespace)
 
     wait_for_sync(gone, 120, "helm uninstall to remove the operator, its RBAC and containers")

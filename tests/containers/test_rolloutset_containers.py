@@ -29,12 +29,13 @@ from container_support import (
     get_json,
     helm,
     helm_install_operator,
+    kubectl_apply,
 )
 
-from devcluster.cluster import Cluster
 from devcluster.image import ProjectImage
 from devcluster.waiting import wait_for_sync
-from harness.demo import example_checkpoint, example_set, kubectl_apply
+from harness.demo import example_checkpoint, example_set
+from harness.providers import ContainerClusterProvider
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -44,11 +45,12 @@ CONCURRENCY = 8
 
 
 @pytest.fixture
-def storage() -> Iterator[Path]:
+def storage(container_provider: ContainerClusterProvider) -> Iterator[Path]:
     """The hostPath the participants write records to: world-writable with the sticky bit (the
-    servers run as the image's user 10001), outside pytest's root-only temporary folder."""
+    servers run as the image's user 10001), outside pytest's root-only temporary folder; made on
+    the node by the provider (on kind the node is a container, the folder is inside it)."""
     folder = Path(tempfile.mkdtemp(prefix="rollout-containers-", dir="/tmp"))
-    folder.chmod(0o1777)
+    container_provider.make_writable_folder(folder)
     try:
         yield folder
     finally:
@@ -57,33 +59,35 @@ def storage() -> Iterator[Path]:
 
 @pytest.fixture
 def operator_release(
-    container_cluster: Cluster, container_namespace: str, image_on_node: ProjectImage
+    container_provider: ContainerClusterProvider,
+    provider_namespace: str,
+    image_on_node: ProjectImage,
 ) -> Iterator[str]:
-    result = helm_install_operator(container_cluster, container_namespace, image_on_node)
+    result = helm_install_operator(container_provider, provider_namespace, image_on_node)
     assert result.returncode == 0, (
-        f"{result.stderr}\n{describe_pods(container_cluster, container_namespace)}"
+        f"{result.stderr}\n{describe_pods(container_provider, provider_namespace)}"
     )
     try:
-        yield container_namespace
+        yield provider_namespace
     finally:
         # The set goes first (its finalizers need the operator), then the release.
-        container_cluster.kubectl(
+        container_provider.kubectl(
             "delete",
             "rolloutset",
             "--all",
             "-n",
-            container_namespace,
+            provider_namespace,
             "--timeout=120s",
             check=False,
         )
-        helm(container_cluster, "uninstall", RELEASE, "--namespace", container_namespace)
+        helm(container_provider, "uninstall", RELEASE, "--namespace", provider_namespace)
 
 
-def rollout_set(cluster: Cluster, namespace: str) -> dict[str, Any]:
+def rollout_set(cluster: ContainerClusterProvider, namespace: str) -> dict[str, Any]:
     return get_json(cluster, "rolloutset", SET, "-n", namespace)
 
 
-def set_is_ready(cluster: Cluster, namespace: str, attempt: int) -> bool:
+def set_is_ready(cluster: ContainerClusterProvider, namespace: str, attempt: int) -> bool:
     obj = rollout_set(cluster, namespace)
     return (obj.get("status") or {}).get("attempt") == attempt and condition(obj, "Ready").get(
         "status"
@@ -97,14 +101,14 @@ def results(out: Path) -> list[dict[str, Any]]:
 
 
 def test_the_example_set_runs_as_containers_and_recovers_a_killed_model_and_an_eviction(
-    container_cluster: Cluster,
+    container_provider: ContainerClusterProvider,
     operator_release: str,
     image_on_node: ProjectImage,
     storage: Path,
     tmp_path: Path,
 ) -> None:
     namespace = operator_release
-    cluster = container_cluster
+    cluster = container_provider
     kubectl_apply(cluster, namespace, example_set(storage))
     try:
         wait_for_sync(
@@ -171,7 +175,7 @@ def test_the_example_set_runs_as_containers_and_recovers_a_killed_model_and_an_e
         assert finished_before_kill < EPISODES, "every episode finished before the kill"
 
         # SIGKILL inside the model container; the kubelet reports it, the operator recovers.
-        cluster.kill_pod(namespace, roles["model"])
+        cluster.kill_container(namespace, roles["model"])
         wait_for_sync(
             lambda: set_is_ready(cluster, namespace, 2), 300, "the RolloutSet Ready at attempt 2"
         )
@@ -207,7 +211,7 @@ def test_the_example_set_runs_as_containers_and_recovers_a_killed_model_and_an_e
     evict_and_recover(cluster, namespace, roles["agent"].replace("-a1", "-a2"))
 
 
-def evict_and_recover(cluster: Cluster, namespace: str, pod: str) -> None:
+def evict_and_recover(cluster: ContainerClusterProvider, namespace: str, pod: str) -> None:
     """An eviction through the Eviction API: the kubelet delivers SIGTERM (the server turns
     unready, its control plane stays up), the eviction checkpoint completes before the pod's
     grace period ends, and the set recovers under attempt 3 from it."""
