@@ -1,5 +1,6 @@
-"""How long a checkpoint pauses N live episodes (1,000; 10,000 with `--episodes 10000`),
-against what it fundamentally has to do.
+"""How long a checkpoint pauses N live episodes (`--episodes`, 1,000 by default), against what
+it fundamentally has to do. (10,000 did not complete on the two-core development machine: see
+docs/operations.md, Sizing.)
 
 Four reference servers run on loopback (`rollout-server <role>`, builtin model). The episodes
 are started by a trainer process of their own (one open `/run` each) and held live by debug hooks,
