@@ -1027,18 +1027,17 @@ class RecoveryFlow:
             if wait > 0:
                 await anyio.sleep(wait)
         # The failed try's attempt was retired everywhere (kept pods included); the next try
-        # needs fresh pods, all of them.
-        fields: dict[str, Any] = {}
+        # needs fresh pods, all of them. A failed InPlace try (a kept pod lost or refusing
+        # during the restore) falls back like a refused plan does: reason InPlaceFallback on
+        # the Recovering condition and an Event, so the user learns why the kept pods went.
         if recovery.restore_policy is RestorePolicy.IN_PLACE:
-            fields = {
-                "restore_policy": RestorePolicy.RECREATE,
-                "fallback": f"the InPlace try failed: {recovery.message or 'see events'}",
-            }
+            rset = await self._fall_back(
+                rset, f"the InPlace try failed: {recovery.message or 'see events'}"
+            )
+            recovery = rset.status.recovery
+            assert recovery is not None
         return await self._set_phase(
-            rset,
-            RecoveryPhase.STOPPING_ATTEMPT,
-            target_attempt=recovery.target_attempt + 1,
-            **fields,
+            rset, RecoveryPhase.STOPPING_ATTEMPT, target_attempt=recovery.target_attempt + 1
         )
 
 

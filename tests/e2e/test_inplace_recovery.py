@@ -55,6 +55,7 @@ from operator_fixtures import (
     stats,
     storage_dir,
     thaw,
+    wait_pod_ready,
 )
 from rollout_servers.client import EpisodeResult, RolloutClient, episode_specs
 from rollout_servers.discovery import rollout_set_topology
@@ -481,3 +482,142 @@ async def test_a_survivor_that_cannot_retire_falls_back_to_recreate(
     assert fallbacks, "no InPlaceFallback Event"
     assert "resources-0" in fallbacks[0]["message"]
     assert fallbacks[0]["type"] == "Warning"
+
+
+@pytest.mark.adversarial
+async def test_a_second_loss_during_an_in_place_restore_ends_in_one_attempt(
+    cluster: Cluster,
+    namespace: str,
+    operator: MetricsOperator,
+    resources: Resources,
+    storage_dir: Path,
+) -> None:
+    """Issue 13, build item 3: a kept pod lost while the InPlace restore runs.
+
+    The environment pod is killed; its replacement is frozen (SIGSTOP) once Ready, so the
+    InPlace restore into attempt 2 hangs in Restoring with the model kept. Then the kept model
+    is killed too. The try ends at once (ReplacementPodLost), the next try falls back to
+    Recreate (reason InPlaceFallback: the failed try retired attempt 2 on every kept pod, so
+    none can be kept), and the set ends Ready under attempt 3 alone: no pod of attempt 1 or
+    2 left, every episode finished exactly once from the base checkpoint."""
+    cluster.kubectl(
+        "apply", "-n", namespace, "-f", "-", input=json.dumps(in_place_set(storage_dir, {}))
+    )
+    before = await resources.wait_set("Ready", lambda o: is_true(o, "Ready"), 120)
+    pods = pods_by_instance(before)
+    specs = episode_specs(EPISODES, SEED)
+    held = specs[0].rollout_id
+    replacement = f"{SET}-environment-0-a2"
+    frozen: list[int] = []
+    async with (
+        httpx.AsyncClient() as http,
+        rollout_set_topology(SET, namespace, kubeconfig=cluster.kubeconfig) as topology,
+    ):
+        (model,) = [Debug(http, address) for address in addresses(before, "model")]
+        await model.arm("token", held, index=HELD_AT_TOKEN)
+        client = RolloutClient(
+            topology, concurrency=EPISODES, restore_timeout_s=180, run_timeout_s=240
+        )
+        try:
+            async with episodes_running(client, specs) as outcomes:
+                await model.paused("token", held, limit_s=60)
+                cluster.kubectl(
+                    "apply",
+                    "-n",
+                    namespace,
+                    "-f",
+                    "-",
+                    input=json.dumps(example_checkpoint("base")),
+                )
+                ckpt = await resources.wait_checkpoint(
+                    "base", "Ready or Failed", phase_is("Ready", "Failed"), 60
+                )
+                assert is_true(ckpt, "Ready"), ckpt["status"]
+                assert ckpt["status"]["episodes"] >= 1
+                await model.release("token", held)
+                uids_before = uids(cluster, namespace)
+
+                assert await cluster.admin.kill_pod_async(namespace, pods["environment-0"])
+                await wait_pod_ready(resources, replacement, 90)
+                frozen = pod_pids(cluster, namespace, replacement)
+                freeze(frozen)
+                restoring = await resources.wait_set(
+                    "Restoring into attempt 2",
+                    lambda o: (o["status"].get("recovery") or {}).get("phase") == "Restoring",
+                    60,
+                )
+                recovery = restoring["status"]["recovery"]
+                assert recovery["restorePolicy"] == "InPlace", recovery
+                assert recovery["targetAttempt"] == 2, recovery
+                assert pods["model-0"] in recovery["kept"], recovery
+                assert await cluster.admin.kill_pod_async(namespace, pods["model-0"])
+                thaw(frozen)
+                after = await resources.wait_set(
+                    "Ready with no recovery",
+                    lambda o: o["status"].get("recovery") is None and is_true(o, "Ready"),
+                    180,
+                )
+        finally:
+            thaw(frozen)
+        reference_specs = episode_specs(EPISODES, SEED, prefix="ref")
+        reference = await RolloutClient(topology, concurrency=EPISODES).run_all(reference_specs)
+        by_role: dict[str, list[dict[str, Any]]] = {}
+        token = await resources.control_token(SET)
+        for participant in after["status"]["participants"]:
+            reply = await stats(http, participant["address"], token)
+            by_role.setdefault(participant["role"], []).append(reply)
+
+    # One attempt: the set, its last recovery, its participants and its pods agree.
+    status = after["status"]
+    last = status["lastRecovery"]
+    assert (status["attempt"], status["createdAttempt"], last["attempt"]) == (3, 3, 3), last
+    assert {p["attempt"] for p in status["participants"]} == {3}, status["participants"]
+    listed = json.loads(
+        cluster.kubectl(
+            "get", "pods", "-n", namespace, "-l", f"checkpoint.rollout.dev/set={SET}", "-o", "json"
+        ).stdout
+    )["items"]
+    labels = {p["metadata"]["name"]: p["metadata"]["labels"] for p in listed}
+    assert {name: label["checkpoint.rollout.dev/attempt"] for name, label in labels.items()} == {
+        f"{SET}-{instance}-a3": "3" for instance in pods
+    }
+    assert not set(uids(cluster, namespace).values()) & set(uids_before.values())
+
+    # It restored the base checkpoint, which stays Ready; Recreate, and why.
+    assert last["checkpoint"] == "base", last
+    assert last["restorePolicy"] == "Recreate", last
+    assert (last["kept"], last["replaced"]) == (0, len(pods)), last
+    base = await resources.wait_checkpoint("base", "Ready", phase_is("Ready", "Failed"), 10)
+    assert is_true(base, "Ready"), base["status"]
+    recovering = condition(after, "Recovering")
+    assert recovering is not None
+    assert (recovering["status"], recovering["reason"]) == ("False", "Restored"), recovering
+    events = json.loads(cluster.kubectl("get", "events", "-n", namespace, "-o", "json").stdout)
+    by_reason: dict[str, list[dict[str, Any]]] = {}
+    for event in events["items"]:
+        by_reason.setdefault(event["reason"], []).append(event)
+    lost = by_reason.get("ReplacementPodLost", [])
+    assert [e["message"] for e in lost if "model-0 of attempt 2" in e["message"]], sorted(by_reason)
+    fallbacks = [e for e in by_reason.get("InPlaceFallback", []) if e["type"] == "Warning"]
+    assert [
+        e["message"]
+        for e in fallbacks
+        if "the InPlace try failed: ReplacementPodLost" in e["message"]
+        and "model-0 of attempt 2" in e["message"]
+    ], [e["message"] for e in fallbacks]
+
+    # Every episode finished exactly once, none under the abandoned attempt 2.
+    results = check_recovered_run(
+        RecoveredRun(
+            specs=specs,
+            outcomes=outcomes,
+            reference_specs=reference_specs,
+            reference=reference,
+            storage=storage_dir,
+            checkpoint=ckpt,
+            stats={role: merged_stats(replies) for role, replies in by_role.items()},
+            attempt=3,
+        )
+    )
+    assert {r.attempt for r in results.values()} <= {1, 3}
+    assert "Traceback" not in operator.process.log.read_text(), operator.process.tail(60)
