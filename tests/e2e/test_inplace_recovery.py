@@ -16,7 +16,9 @@ one participant pod, and checks that
   (`expected_work`).
 
 A last test freezes a pod that should be kept: it cannot retire the lost attempt, and the
-recovery falls back to Recreate with reason `InPlaceFallback`.
+recovery falls back to Recreate with reason `InPlaceFallback`. Another loses a kept pod while the
+InPlace restore runs (a second loss): the set ends Ready under one later attempt, every pod
+replaced, with the same fallback reason.
 """
 
 from __future__ import annotations
