@@ -124,11 +124,12 @@ class Kube:
 
     @classmethod
     async def _read(
-        cls, key: tuple[str, ...], request: Callable[[], Awaitable[Any]]
+        cls, key: tuple[str, ...], request: Callable[[], Awaitable[Any]], *, fresh: bool = False
     ) -> dict[str, Any]:
-        """A read, served from the pass snapshot when one is open and holds it."""
+        """A read, served from the pass snapshot when one is open and holds it (unless `fresh`:
+        then always from the API server, and the snapshot keeps the newer read)."""
         reads = _pass_reads.get()
-        stored = reads.get(key) if reads is not None else None
+        stored = reads.get(key) if reads is not None and not fresh else None
         if stored is not None and time.monotonic() - stored[0] <= SNAPSHOT_MAX_AGE_SECONDS:
             body = stored[1]
         else:
@@ -143,13 +144,18 @@ class Kube:
 
     # --- RolloutSets ----------------------------------------------------------------------------
 
-    async def get_set(self, namespace: str, name: str) -> dict[str, Any] | None:
+    async def get_set(
+        self, namespace: str, name: str, *, fresh: bool = False
+    ) -> dict[str, Any] | None:
+        """The set as the API server has it; `fresh` skips the pass snapshot (a read that must
+        be newer than one made before, e.g. to explain a pod deletion seen since)."""
         try:
             return await self._read(
                 ("set", namespace, name),
                 lambda: self.custom.get_namespaced_custom_object(
                     GROUP, VERSION, namespace, ROLLOUT_SET_PLURAL, name, _preload_content=False
                 ),
+                fresh=fresh,
             )
         except ApiException as error:
             if error.status == 404:

@@ -1134,8 +1134,9 @@ async def recover_if_needed(
             return RecoveryLook(ran=False)
         # Read the set again after the pods: whoever deletes pods on purpose marks the set
         # first (a suspend writes Suspended=True, then deletes), so a deletion seen above is
-        # always explained by this read, never taken for a loss from a stale one.
-        raw = await kube.get_set(namespace, name)
+        # always explained by this read, never taken for a loss from a stale one (so it
+        # must not come from the pass snapshot, which may hold the read from before the pods).
+        raw = await kube.get_set(namespace, name, fresh=True)
         if raw is None:
             return RecoveryLook(ran=False)
         rset = RolloutSet.model_validate(raw)

@@ -121,7 +121,9 @@ class SetApi:
             },
         }
 
-    async def get_set(self, namespace: str, name: str) -> dict[str, Any] | None:
+    async def get_set(
+        self, namespace: str, name: str, *, fresh: bool = False
+    ) -> dict[str, Any] | None:
         return copy.deepcopy(self.set)
 
     async def patch_set_status(

@@ -37,7 +37,9 @@ class InMemorySet:
         assert plural == ROLLOUT_CHECKPOINT_PLURAL, plural
         return {"items": [copy.deepcopy(c) for c in self.checkpoints.values()]}
 
-    async def get_set(self, namespace: str, name: str) -> dict[str, Any] | None:
+    async def get_set(
+        self, namespace: str, name: str, *, fresh: bool = False
+    ) -> dict[str, Any] | None:
         obj = copy.deepcopy(self.set)
         obj["metadata"]["resourceVersion"] = str(self.version)
         return obj

@@ -107,3 +107,20 @@ async def test_an_error_status_raises_and_a_missing_set_reads_as_none() -> None:
     with pytest.raises(ApiException) as raised:
         await Kube._raw(api.get_namespaced_custom_object(_preload_content=False))
     assert raised.value.status == 404
+
+
+async def test_a_fresh_read_skips_the_snapshot_and_refreshes_it() -> None:
+    """The recovery re-reads the set after listing its pods, to learn whether a deletion it saw
+    was a suspend's; a stored read from before the pods would take the suspend for a loss."""
+    api = CountingApi()
+    kube = fake_kube(api)
+    with pass_snapshot():
+        before = await kube.get_set("ns", "rl")
+        fresh = await kube.get_set("ns", "rl", fresh=True)
+        assert api.reads == 2
+        assert before is not None
+        assert fresh is not None
+        assert fresh["metadata"]["resourceVersion"] == "2"
+        again = await kube.get_set("ns", "rl")
+        assert api.reads == 2, "the fresh read is the one the snapshot keeps"
+        assert again == fresh

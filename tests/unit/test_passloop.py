@@ -161,7 +161,9 @@ class DeletingSets(Kube):
         self.reads = 0
         self.read = asyncio.Event()
 
-    async def get_set(self, namespace: str, name: str) -> dict[str, Any] | None:
+    async def get_set(
+        self, namespace: str, name: str, *, fresh: bool = False
+    ) -> dict[str, Any] | None:
         self.reads += 1
         self.read.set()
         return {"metadata": {"name": name, "deletionTimestamp": "2026-11-29T12:00:00Z"}}

@@ -52,7 +52,9 @@ class FakeApi:
 
     # --- the set ----------------------------------------------------------------------------
 
-    async def get_set(self, namespace: str, name: str) -> dict[str, Any] | None:
+    async def get_set(
+        self, namespace: str, name: str, *, fresh: bool = False
+    ) -> dict[str, Any] | None:
         if self.set is None:
             return None
         obj = copy.deepcopy(self.set)

@@ -46,7 +46,9 @@ class FakeKube:
     def as_kube(self) -> Kube:
         return cast(Kube, self)
 
-    async def get_set(self, namespace: str, name: str) -> dict[str, Any] | None:
+    async def get_set(
+        self, namespace: str, name: str, *, fresh: bool = False
+    ) -> dict[str, Any] | None:
         if self.set is None:
             return None
         obj = copy.deepcopy(self.set)
