@@ -912,7 +912,6 @@ class ControlPlane:
             self._marks.room(request.attempt, scope)
             # Marks first: work of this attempt that arrives while we wait is refused already.
             self._marks.add(request.attempt, scope)
-            finished = self._finished_rollouts(request.attempt)
             try:
                 with anyio.fail_after(max(0.0, request.deadline_ts - self._clock())):
                     retired = await self._participant.retire(request.attempt, scope)
@@ -922,6 +921,9 @@ class ControlPlane:
                     f"retire of attempt {request.attempt} did not finish by its deadline; "
                     "retry with the same operation_id",
                 ) from None
+            # After the retire: an episode in its final cleanup finishes while the retire waits
+            # for it (its result reaches the trainer, whose work is not lost).
+            finished = self._finished_rollouts(request.attempt)
             told = None if request.finished is None else frozenset(request.finished)
             lost = self._work(
                 "lost_work", lambda: self._participant.lost_work(request.attempt, told)

@@ -356,6 +356,8 @@ class EpisodeRuntime:
         since `forget_progress` (the last checkpoint): what a retire may count as lost."""
         self._ended: OrderedDict[tuple[str, int], None] = OrderedDict()
         """(rollout, attempt) of the episodes that ended since `forget_progress`."""
+        self._cancelled: set[tuple[str, int]] = set()
+        """(rollout, attempt) of the episodes a retire cancelled: they ended without finishing."""
 
     # --- progress since the last checkpoint (work accounting) ------------------------------
 
@@ -365,13 +367,16 @@ class EpisodeRuntime:
         return {ident: steps for ident, (a, steps) in self._progress.items() if a == attempt}
 
     def ended_since(self, attempt: int) -> set[str]:
-        """Rollouts of `attempt` whose episodes ended since the last `forget_progress`."""
-        return {rid for rid, a in self._ended if a == attempt}
+        """Rollouts of `attempt` whose episodes ended since the last `forget_progress`, except
+        those a retire cancelled (an episode in its final cleanup is not cancelled: it ends
+        on its own while the retire waits, and counts as ended)."""
+        return {rid for rid, a in self._ended if a == attempt and (rid, a) not in self._cancelled}
 
     def forget_progress(self) -> None:
         """A checkpoint now holds every episode's state: progress counts from here."""
         self._progress.clear()
         self._ended.clear()
+        self._cancelled.clear()
 
     def _progressed(self, episode: Episode) -> None:
         ident = (episode.rollout_id, episode.key)
@@ -727,6 +732,7 @@ class EpisodeRuntime:
         ]
         for episode in targets:
             if not episode.cleanup_started:
+                self._cancelled.add((episode.rollout_id, episode.attempt))
                 episode.cancel()
         for episode in targets:
             while not episode.ended.is_set():
@@ -839,8 +845,8 @@ class RuntimeParticipant(Participant):
         self._checkpointed_steps: dict[tuple[str, str], int] = {}
         """Steps each episode had completed in the last checkpoint committed or restored."""
         self._finished: dict[int, set[str]] = {}
-        """By attempt: the rollouts `finished_rollouts` said finished (read before the retire
-        ends the rest)."""
+        """By attempt: the rollouts `finished_rollouts` said finished (read after the retire:
+        episodes in their final cleanup finish while it waits; those it cancelled did not)."""
         self._is_finished = is_finished
 
     def _event(self, name: str, rollout_id: str | None = None) -> None:

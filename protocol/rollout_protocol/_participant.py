@@ -99,9 +99,9 @@ class Participant(ABC):
         return None
 
     def finished_rollouts(self, attempt: int) -> list[str] | None:
-        """Called at a retire of `attempt`, before `retire`: the rollouts whose episodes
-        finished under it since the last `checkpointed` (their work is not lost); None: this
-        participant cannot tell."""
+        """Called at a retire of `attempt`, after `retire`: the rollouts whose episodes
+        finished under it since the last `checkpointed` (their work is not lost), not those the
+        retire stopped; None: this participant cannot tell."""
         return None
 
     def lost_work(self, attempt: int, finished: frozenset[str] | None) -> dict[str, int] | None:

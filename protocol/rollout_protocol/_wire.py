@@ -416,7 +416,8 @@ class RetireReply(StrictModel):
         max_length=MAX_FINISHED_LISTED,
         description="Rollouts this participant saw finish under the retired attempt after "
         "`lost_since` (an environment: whose results it returned; an episode runtime: whose "
-        "episodes ended before the retire). Optional.",
+        "episodes ended, those in final cleanup included, but none the retire stopped). "
+        "Optional.",
     )
     lost_since: CheckpointId | None = Field(
         default=None,
