@@ -224,6 +224,7 @@ def test_the_model_counts_tokens_kept_and_tokens_generated_after_the_checkpoint(
     # episode's boundary already.
     assert participant.kept_work(records) == {"model_tokens": 4}
     server.progress[("r0", "0")] = (0, 50)  # before the checkpoint: forgotten by it
+    server.progress[("r2", "1")] = (0, 9)  # delivered before the checkpoint: forgotten
     participant.checkpointed("ck-1", records)
     assert server.progress == {}
     server.progress.update(
@@ -240,6 +241,19 @@ def test_the_model_counts_tokens_kept_and_tokens_generated_after_the_checkpoint(
     assert server.progress == {("r4", "0"): (1, 3)}, "counted generations are forgotten"
     server.progress[("r2", "2")] = (0, 5)
     assert participant.lost_work(0, None) == {"model_tokens": 5}
+
+
+def test_a_token_held_across_the_checkpoint_stays_counted_after_it() -> None:
+    """A token step running when the checkpoint closed admission is held, not cut: its record
+    holds the boundary before the token, the token was counted before the commit, and it is
+    lost work if the pod is lost before the generation's next token (which would count it)."""
+    server = ModelServer(ServerOptions(role=Role.MODEL, allow_unauthenticated=True), environ={})
+    participant = server.participant
+    server.progress[("r1", "0")] = (0, 5)  # its 5th token was held at the checkpoint
+    server.progress[("r2", "0")] = (0, 3)  # at its boundary: nothing beyond the record
+    participant.checkpointed("ck-1", [generation("r1", "0", 4), generation("r2", "0", 3)])
+    assert server.progress == {("r1", "0"): (0, 5)}
+    assert participant.lost_work(0, None) == {"model_tokens": 1}
 
 
 # --- the coordinator: who is unfinished ---------------------------------------------------------

@@ -668,10 +668,24 @@ class ModelParticipant(RuntimeParticipant):
     # --- work accounting: model tokens ---------------------------------------------------------
 
     def checkpointed(self, checkpoint_id: str, records: Sequence[Record]) -> None:
+        """Progress counts from these records, except a generation's token that was being
+        generated when the checkpoint closed admission: the step is held, not cut (its record
+        holds the boundary before it), and that token is counted already, before the commit.
+        Its progress stays, so a loss before the generation's next token still counts it."""
         self._checkpointed_tokens = {
             (r.rollout_id, r.key): _record_tokens(r) for r in records if _record_tokens(r)
         }
-        self.server.progress.clear()
+        held_back = {
+            (r.rollout_id, r.key): _record_tokens(r) for r in records if r.kind != DELIVERED_KIND
+        }
+        progress = self.server.progress
+        beyond = {
+            ident: (attempt, tokens)
+            for ident, (attempt, tokens) in progress.items()
+            if ident in held_back and tokens > held_back[ident]
+        }
+        progress.clear()
+        progress.update(beyond)
         self.runtime.forget_progress()
 
     def kept_work(self, records: Sequence[Record]) -> dict[str, int] | None:
