@@ -2,7 +2,12 @@
 it fundamentally has to do. (10,000 did not complete on the two-core development machine: see
 docs/operations.md, Sizing.)
 
-Four reference servers run on loopback (`rollout-server <role>`, builtin model). The episodes
+Four reference servers run on loopback (`rollout-server <role>`, builtin model), or `--replicas
+R` of each, wired in lanes (environment i calls agent i and resources i; agent i calls model i
+and resources i) with the episodes spread over the lanes: a held episode keeps an open connection
+from the trainer to its environment and on to its agent, so one environment holds two sockets
+per episode and 10,000 episodes in one lane would need more than the 20,000 open files a process
+may have here (the default is one replica per 4,000 episodes). The episodes
 are started by a trainer process of their own (one open `/run` each) and held live by debug hooks,
 a third at each of three points: between agent turns, in the middle of a model generation (a
 cut), and inside a replay-mode verification. The coordinator runs in this process. Then:
@@ -38,7 +43,7 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -78,6 +83,10 @@ HOLD_SECONDS_PER_EPISODE = 0.15
 96 s on a two-core machine other work kept at load 15; 10,000 scale about linearly."""
 SERVER = str(Path(sys.executable).with_name("rollout-server"))
 ROLES = (Role.ENVIRONMENT, Role.AGENT, Role.MODEL, Role.RESOURCES)
+EPISODES_PER_REPLICA = 4000
+"""The default replicas per role: a lane's environment holds two sockets per held episode."""
+Server = tuple[Role, int]
+"""A server process: its role and its index among that role's replicas."""
 
 
 def free_port() -> int:
@@ -89,18 +98,21 @@ def free_port() -> int:
 
 @contextmanager
 def servers(
-    root: Path, extra: Mapping[Role, Sequence[str]] | None = None
-) -> Iterator[dict[Role, tuple[str, int]]]:
-    """The four servers as processes (with `extra` arguments per role); yields role -> (url,
-    pid); stops them on exit."""
-    ports = {role: free_port() for role in ROLES}
-    url = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
-    peers = {
-        Role.ENVIRONMENT: ["--agent-url", url[Role.AGENT], "--resources-url", url[Role.RESOURCES]],
-        Role.AGENT: ["--model-url", url[Role.MODEL], "--resources-url", url[Role.RESOURCES]],
-        Role.MODEL: [],
-        Role.RESOURCES: [],
-    }
+    root: Path, extra: Mapping[Role, Sequence[str]] | None = None, replicas: int = 1
+) -> Iterator[dict[Server, tuple[str, int]]]:
+    """The servers as processes, `replicas` of each role wired in lanes (with `extra`
+    arguments per role); yields (role, index) -> (url, pid); stops them on exit."""
+    lanes = range(replicas)
+    url = {(role, i): f"http://127.0.0.1:{free_port()}" for role in ROLES for i in lanes}
+
+    def peers(role: Role, i: int) -> list[str]:
+        resources = ["--resources-url", url[(Role.RESOURCES, i)]]
+        if role is Role.ENVIRONMENT:
+            return ["--agent-url", url[(Role.AGENT, i)], *resources]
+        if role is Role.AGENT:
+            return ["--model-url", url[(Role.MODEL, i)], *resources]
+        return []
+
     env = dict(os.environ)
     env.update(
         ROLLOUT_SET="bench",
@@ -109,19 +121,24 @@ def servers(
         ROLLOUT_CONTROL_TOKEN=TOKEN,
         ROLLOUT_LEASE_GRACE_SECONDS="120",
     )
-    processes: dict[Role, subprocess.Popen[bytes]] = {}
+    processes: dict[Server, subprocess.Popen[bytes]] = {}
     try:
-        for role in ROLES:
-            command = [SERVER, role.value, "--port", str(ports[role]), "--debug-hooks"]
-            command += ["--log-level", "warning", *peers[role], *(extra or {}).get(role, ())]
-            with (root / f"{role.value}.log").open("ab") as log:
-                processes[role] = subprocess.Popen(
-                    command, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True
+        for (role, i), address in url.items():
+            port = address.rsplit(":", 1)[1]
+            command = [SERVER, role.value, "--port", port, "--debug-hooks"]
+            command += ["--log-level", "warning", *peers(role, i), *(extra or {}).get(role, ())]
+            with (root / f"{role.value}-{i}.log").open("ab") as log:
+                processes[(role, i)] = subprocess.Popen(
+                    command,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    env={**env, "ROLLOUT_INDEX": str(i)},
+                    start_new_session=True,
                 )
-        deadline = time.monotonic() + 60
-        for role, process in processes.items():
+        deadline = time.monotonic() + 60 + 5 * len(url)
+        for (role, _), process in processes.items():
             _wait_ready(role, process, deadline)
-        yield {role: (url[role], processes[role].pid) for role in ROLES}
+        yield {server: (url[server], process.pid) for server, process in processes.items()}
     finally:
         for process in processes.values():
             os.killpg(process.pid, signal.SIGINT)
@@ -190,15 +207,20 @@ def write_and_fsync(directory: Path, sizes: list[int]) -> float:
         return time.perf_counter() - started
 
 
-async def round_trips(http: httpx.AsyncClient, url: str, samples: int) -> list[float]:
-    """Seconds of authenticated control-plane calls (status) to a participant, one by one."""
+async def round_trips(http: httpx.AsyncClient, urls: Sequence[str], samples: int) -> list[float]:
+    """Seconds of authenticated control-plane calls (status) to every participant in `urls` at
+    once (a fan-out, as the commit and the resume make), `samples` times one after another."""
+
+    async def status(url: str) -> None:
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        (await http.get(url + "/checkpoint/v1/status", headers=headers)).raise_for_status()
+
     times = []
     for _ in range(samples):
         started = time.perf_counter()
-        reply = await http.get(
-            url + "/checkpoint/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}
-        )
-        reply.raise_for_status()
+        async with anyio.create_task_group() as fan_out:
+            for url in urls:
+                fan_out.start_soon(status, url)
         times.append(time.perf_counter() - started)
     return times
 
@@ -240,17 +262,23 @@ async def run_trainer(environment: str, ids: list[str], failures: Path) -> None:
             runs.start_soon(run, shards[i % len(shards)], body)
 
 
-async def bench(episodes: int, repeats: int, root: Path) -> None:
+async def bench(episodes: int, repeats: int, replicas: int, root: Path) -> None:
     calls: dict[tuple[str, Role], list[float]] = defaultdict(list)
-    with servers(root) as procs:
-        urls = {role: url for role, (url, _) in procs.items()}
+    with servers(root, replicas=replicas) as procs:
+        urls = {server: url for server, (url, _) in procs.items()}
         ids = [f"b{i:05d}" for i in range(episodes)]
+        lanes = {lane: ids[lane::replicas] for lane in range(replicas)}
         holds = {
             Role.AGENT: ("turn", 1),  # between agent turns
             Role.MODEL: ("token", 3),  # mid-generation: a cut
             Role.RESOURCES: ("verify", None),  # replay-mode verification in flight
         }
-        groups = {role: ids[i :: len(holds)] for i, role in enumerate(holds)}
+        # (server, its episodes held there): a third of each lane's episodes per hold point
+        groups = {
+            (role, lane): members[i :: len(holds)]
+            for lane, members in lanes.items()
+            for i, role in enumerate(holds)
+        }
         # The coordinator runs here, the trainer's open /run calls in a process of their own, as
         # in a deployment: 1,000 in-flight requests in this heap would make this process's
         # garbage collections (up to ~100 ms) part of every measured pause.
@@ -264,7 +292,7 @@ async def bench(episodes: int, repeats: int, root: Path) -> None:
                     (await http.post(url + "/debug/arm", json=body)).raise_for_status()
 
             async with anyio.create_task_group() as arming:
-                for role, members in groups.items():
+                for (role, lane), members in groups.items():
                     point, index = holds[role]
                     for rid in members:
                         body: dict[str, object] = {
@@ -272,18 +300,21 @@ async def bench(episodes: int, repeats: int, root: Path) -> None:
                             "rollout_id": rid,
                             "index": index,
                         }
-                        arming.start_soon(arm, urls[role], body)
+                        arming.start_soon(arm, urls[(role, lane)], body)
             started = time.perf_counter()
-            with trainer(urls[Role.ENVIRONMENT], ids, failures, root / "trainer.log"):
+            with ExitStack() as trainers:
+                for lane, members in lanes.items():
+                    environment = urls[(Role.ENVIRONMENT, lane)]
+                    log = root / f"trainer-{lane}.log"
+                    trainers.enter_context(trainer(environment, members, failures, log))
                 budget = time.monotonic() + 60 + HOLD_SECONDS_PER_EPISODE * episodes
-                for role, members in groups.items():
+                for (role, lane), members in groups.items():
                     point, _ = holds[role]
-                    reply = await _wait_held(http, urls[role], point, len(members), budget)
+                    reply = await _wait_held(http, urls[(role, lane)], point, len(members), budget)
                     if reply.status_code != 200:
-                        logs = "\n".join(
-                            f"--- {name}\n" + _tail(root / name)
-                            for name in [f"{r.value}.log" for r in ROLES] + ["trainer.log"]
-                        )
+                        names = [f"{r.value}-{i}.log" for r, i in procs]
+                        names += [f"trainer-{lane}.log" for lane in lanes]
+                        logs = "\n".join(f"--- {name}\n" + _tail(root / name) for name in names)
                         ended = _tail(failures, 3) if failures.exists() else "none"
                         raise SystemExit(
                             f"episodes did not reach their hold points: {reply.text}\n"
@@ -294,17 +325,21 @@ async def bench(episodes: int, repeats: int, root: Path) -> None:
                 async with httpx.AsyncClient(timeout=120) as control:
                     participants = [
                         TimedParticipant(
-                            HttpParticipantClient(role, urls[role], token=TOKEN, client=control),
+                            HttpParticipantClient(
+                                role, url, index=index, token=TOKEN, client=control
+                            ),
                             calls,
                         )
-                        for role in ROLES
+                        for (role, index), url in urls.items()
                     ]
                     coordinator = Coordinator(participants, call_timeout=120)
-                    pauses, results, trips = [], [], []
+                    pauses, results, trips, fan_outs = [], [], [], []
+                    everyone = list(urls.values())
                     for n in range(repeats):
                         # round trips sampled next to every checkpoint, so the baseline sees
                         # the same machine state as the pause it is compared with
-                        trips += await round_trips(control, urls[Role.RESOURCES], 10)
+                        trips += await round_trips(control, [urls[(Role.RESOURCES, 0)]], 10)
+                        fan_outs += await round_trips(control, everyone, 10)
                         result = await coordinator.checkpoint(
                             f"bench-{n}", prepare_timeout=60, commit_timeout=60
                         )
@@ -314,24 +349,32 @@ async def bench(episodes: int, repeats: int, root: Path) -> None:
                             )
                         pauses.append(result.durations.pause_seconds)
                         results.append(result)
-                    trips += await round_trips(control, urls[Role.RESOURCES], 10)
+                    trips += await round_trips(control, [urls[(Role.RESOURCES, 0)]], 10)
+                    fan_outs += await round_trips(control, everyone, 10)
                     rtt = statistics.median(trips)
-                rss = {role: rss_bytes(pid) for role, (_, pid) in procs.items()}
-                cpu = {role: cpu_seconds(pid) for role, (_, pid) in procs.items()}
+                    rtt_all = statistics.median(fan_outs)
+                rss = {server: rss_bytes(pid) for server, (_, pid) in procs.items()}
+                cpu = {server: cpu_seconds(pid) for server, (_, pid) in procs.items()}
 
         last = results[-1]
         assert last.commit is not None
-        manifests = {m.role: m for m in last.commit.manifests.values()}
-        sizes = [manifests[role].bytes for role in ROLES]
+        manifests = {m.instance: m for m in last.commit.manifests.values()}
+        sizes = [m.bytes for m in manifests.values()]
         scratch = root / "checkpoints"
         writes = sorted(write_and_fsync(scratch, sizes) for _ in range(repeats))
         write_s = statistics.median(writes)
         baseline = write_s + 4 * rtt
         floor = write_s + SEQUENTIAL_CALLS * rtt
+        # the commit and the resume reach every participant at once; with more processes than
+        # cores a fan-out costs more than one participant's round trip
+        floor_fan_out = write_s + (SEQUENTIAL_CALLS - 2) * rtt + 2 * rtt_all
         pause = statistics.median(pauses)
 
     total = sum(sizes)
-    print(f"\n{episodes} live episodes on 4 participants (loopback), {repeats} checkpoints")
+    print(
+        f"\n{episodes} live episodes on {len(manifests)} participants ({replicas} per role, "
+        f"loopback), {repeats} checkpoints"
+    )
     print(f"(episodes reached their hold points {live_after:.1f}s after starting)\n")
     prepare = statistics.median(r.durations.prepare_seconds for r in results)
     commit = statistics.median(r.durations.commit_seconds for r in results)
@@ -345,6 +388,8 @@ async def bench(episodes: int, repeats: int, root: Path) -> None:
         ("one control round trip", rtt),
         ("baseline: write+fsync + 4 RTT", baseline),
         (f"floor: write+fsync + {SEQUENTIAL_CALLS} RTT", floor),
+        (f"one fan-out to all {len(manifests)}", rtt_all),
+        ("floor, commit+resume as fan-outs", floor_fan_out),
         ("saved by resuming at once (3 RTT)", saved),
     ]
     print(f"{'':<36}{'seconds':>10}")
@@ -353,8 +398,9 @@ async def bench(episodes: int, repeats: int, root: Path) -> None:
     print(f"{'ratio pause / baseline':<36}{pause / baseline:>10.2f}")
     print(
         f"{'ratio pause / floor':<36}{pause / floor:>10.2f}   "
-        f"(target <= 2.0; {SEQUENTIAL_CALLS} sequential calls)\n"
+        f"(target <= 2.0; {SEQUENTIAL_CALLS} sequential calls)"
     )
+    print(f"{'ratio pause / floor with fan-outs':<36}{pause / floor_fan_out:>10.2f}\n")
     print("median seconds per call, as the coordinator saw it (one round trip included):")
     print(f"{'participant':<14}" + "".join(f"{op:>10}" for op in ("prepare", "commit", "resume")))
     for role in ROLES:
@@ -366,11 +412,12 @@ async def bench(episodes: int, repeats: int, root: Path) -> None:
     print()
     header = f"{'participant':<14}{'records':>9}{'bytes':>12}{'B/episode':>11}{'RSS MiB':>10}"
     print(header + f"{'CPU s':>8}")
-    for role in ROLES:
-        m = manifests[role]
+    for (role, index), server_rss in rss.items():
+        m = manifests[f"{role.value}-{index}"]
         print(
-            f"{role.value:<14}{m.record_count:>9}{m.bytes:>12}{m.bytes / episodes:>11.0f}"
-            f"{rss[role] / 2**20:>10.1f}{cpu[role]:>8.1f}"
+            f"{m.instance:<14}{m.record_count:>9}{m.bytes:>12}"
+            f"{m.bytes / m.record_count if m.record_count else 0:>11.0f}"
+            f"{server_rss / 2**20:>10.1f}{cpu[(role, index)]:>8.1f}"
         )
     rss_total = sum(rss.values())
     print(
@@ -383,11 +430,14 @@ async def bench(episodes: int, repeats: int, root: Path) -> None:
     )
     summary = {
         "episodes": episodes,
+        "replicas": replicas,
         "pause_s": pause,
         "prepare_s": prepare,
         "commit_s": commit,
         "write_fsync_s": write_s,
         "rtt_s": rtt,
+        "fan_out_rtt_s": rtt_all,
+        "ratio_floor_fan_out": pause / floor_fan_out,
         "floor_s": floor,
         "ratio_floor": pause / floor,
         "baseline_s": baseline,
@@ -469,6 +519,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--episodes", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        help=f"servers per role (default: one per {EPISODES_PER_REPLICA:,} episodes)",
+    )
     parser.add_argument("--trainer", metavar="URL", help=argparse.SUPPRESS)
     parser.add_argument("--failures", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("ids", nargs="*", help=argparse.SUPPRESS)
@@ -477,7 +532,8 @@ def main() -> None:
         anyio.run(run_trainer, args.trainer, args.ids, args.failures)
         return
     with tempfile.TemporaryDirectory(prefix="protocol-pause-") as tmp:
-        anyio.run(bench, args.episodes, args.repeats, Path(tmp))
+        replicas = args.replicas or max(1, -(-args.episodes // EPISODES_PER_REPLICA))
+        anyio.run(bench, args.episodes, args.repeats, replicas, Path(tmp))
 
 
 if __name__ == "__main__":

@@ -124,7 +124,7 @@ async def bench(args: argparse.Namespace, root: Path) -> None:
     order = [False, True, True, False] * args.pairs
     runs: list[Run] = []
     with servers(root, extra) as procs:
-        urls = {role: url for role, (url, _) in procs.items()}
+        urls = {role: url for (role, _), (url, _) in procs.items()}
         async with httpx.AsyncClient(timeout=60) as control:
             for n, with_checkpoints in enumerate(order):
                 run = await one_run(n, with_checkpoints, args, urls, root / "checkpoints", control)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final, TypeVar
@@ -503,26 +503,19 @@ class RecoveryFlow:
         )
         if token is None:
             return []
-        clients: list[HttpParticipantClient] = []
-        for pod in survivors:
-            spec = rset.spec.participant(pod.role)
-            if spec is not None and pod.ip is not None:
-                url = participant_url(pod.ip, control_port(spec.template))
-                clients.append(HttpParticipantClient(pod.role, url, index=pod.index, token=token))
+        reachable = [p for p in survivors if rset.spec.participant(p.role) is not None]
         try:
-            retired = await Coordinator(clients).retire(
-                source,
-                None,
-                self._clock() + COUNT_RETIRE_SECONDS,
+            retired = await self._retire_source(
+                rset,
+                reachable,
+                token,
+                seconds=COUNT_RETIRE_SECONDS,
                 operation_id=f"recreate-a{source}-a{recovery.target_attempt}",
-                finished_from=finished_from({role for role, _ in losses}),
+                lost_roles={role for role, _ in losses},
             )
         except (OSError, TimeoutError) as error:
             logger.info("set %s: survivors did not report lost work: %s", rset.metadata.name, error)
             return []
-        finally:
-            for client in clients:
-                await client.aclose()
         if retired.failures:
             logger.info(
                 "set %s: work of %s uncounted: %s",
@@ -546,24 +539,17 @@ class RecoveryFlow:
         token = await read_control_token(self._kube, namespace, rset.metadata.name)
         if token is None:
             raise InPlaceRefused("the set's control-token Secret is missing")
-        clients: list[HttpParticipantClient] = []
         for pod in plan.kept:
-            spec = rset.spec.participant(pod.role)
-            if pod.ip is None or spec is None:
+            if pod.ip is None or rset.spec.participant(pod.role) is None:
                 raise InPlaceRefused(f"kept pod {pod.name} has no address")
-            url = participant_url(pod.ip, control_port(spec.template))
-            clients.append(HttpParticipantClient(pod.role, url, index=pod.index, token=token))
-        try:
-            retired = await Coordinator(clients).retire(
-                source,
-                None,
-                self._clock() + RETIRE_SECONDS,
-                operation_id=f"in-place-a{source}-a{target}",
-                finished_from=finished_from({role for role, _ in plan.replaced}),
-            )
-        finally:
-            for client in clients:
-                await client.aclose()
+        retired = await self._retire_source(
+            rset,
+            plan.kept,
+            token,
+            seconds=RETIRE_SECONDS,
+            operation_id=f"in-place-a{source}-a{target}",
+            lost_roles={role for role, _ in plan.replaced},
+        )
         if retired.failures:
             raise InPlaceRefused(
                 f"kept pod(s) could not retire attempt {source}: "
@@ -596,6 +582,40 @@ class RecoveryFlow:
             replaced=replaced,
             lost_work=reported_losses(retired),
         )
+
+    async def _retire_source(
+        self,
+        rset: RolloutSet,
+        pods: Sequence[PodView],
+        token: str,
+        *,
+        seconds: float,
+        operation_id: str,
+        lost_roles: set[Role],
+    ) -> RetireOutcome:
+        """The `pods` (each with an address and a participant spec) retire the recovery's source
+        attempt within `seconds`, and say what it did after its checkpoint (both policies: the
+        survivors Recreate deletes, the pods InPlace keeps)."""
+        recovery = rset.status.recovery
+        assert recovery is not None
+        clients: list[HttpParticipantClient] = []
+        for pod in pods:
+            spec = rset.spec.participant(pod.role)
+            assert pod.ip is not None
+            assert spec is not None
+            url = participant_url(pod.ip, control_port(spec.template))
+            clients.append(HttpParticipantClient(pod.role, url, index=pod.index, token=token))
+        try:
+            return await Coordinator(clients).retire(
+                recovery.from_attempt,
+                None,
+                self._clock() + seconds,
+                operation_id=operation_id,
+                finished_from=finished_from(lost_roles),
+            )
+        finally:
+            for client in clients:
+                await client.aclose()
 
     async def _fall_back(self, rset: RolloutSet, why: str) -> RolloutSet:
         """Recreate from here on, saying why on the Recovering condition and in an Event."""
