@@ -44,7 +44,7 @@ import os
 import sys
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -388,6 +388,14 @@ async def gather_times(
     return times, missed
 
 
+def _failure(obj: dict[str, Any]) -> tuple[str, str]:
+    """The reason and message of a checkpoint's Failed condition."""
+    for item in (obj.get("status") or {}).get("conditions") or []:
+        if item.get("type") == "Failed":
+            return str(item.get("reason", "")), str(item.get("message", ""))
+    return "", ""
+
+
 def quantile(values: Sequence[float], q: float) -> float:
     if not values:
         return math.nan
@@ -407,6 +415,8 @@ class Report:
     reconcile: list[float] = field(default_factory=list)
     pod_reaction: list[float] = field(default_factory=list)
     storm: list[float] = field(default_factory=list)
+    storm_failed: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """Storm checkpoints that ended Failed: name -> (reason, message)."""
     storm_spread: float = 0.0
     interval: list[float] = field(default_factory=list)
     recovery: list[float] = field(default_factory=list)
@@ -560,22 +570,37 @@ async def _phases(
     started, seen = {}, {}
     t0 = time.monotonic()
 
+    is_ready, is_failed = condition_is("Ready"), condition_is("Failed")
+
     async def checkpoint(name: str) -> None:
         ckpt = f"{name}-storm"
-        seen[ckpt] = observer.when(ROLLOUT_CHECKPOINT_PLURAL, ckpt, condition_is("Ready"))
+        # waits for either end: a Failed checkpoint is a result (counted against the target)
+        seen[ckpt] = observer.when(
+            ROLLOUT_CHECKPOINT_PLURAL, ckpt, lambda obj: is_ready(obj) or is_failed(obj)
+        )
         started[ckpt] = time.monotonic()
         await _create(custom, ROLLOUT_CHECKPOINT_PLURAL, fleet_checkpoint(ckpt, name))
 
     await _bounded(16, [checkpoint(n) for n in names])
     report.storm_spread = time.monotonic() - t0
-    progress = asyncio.create_task(_progress("storm: checkpoints Ready", seen, meter))
-    report.storm, report.missed["storm"] = await gather_times(seen, started, 240)
+    progress = asyncio.create_task(_progress("storm: checkpoints Ready or Failed", seen, meter))
+    _, report.missed["storm"] = await gather_times(seen, started, 240)
     progress.cancel()
     report.windows["storm"] = meter.stop("storm", begun)
+    ends = {
+        n: observer.objects[(ROLLOUT_CHECKPOINT_PLURAL, n)] for n, f in seen.items() if f.done()
+    }
+    report.storm = [seen[n].result() - started[n] for n, obj in ends.items() if is_ready(obj)]
+    report.storm_failed = {
+        n: _failure(obj) for n, obj in ends.items() if is_failed(obj) and not is_ready(obj)
+    }
     say(
-        f"storm: {len(report.storm)}/{len(names)} Ready, p50 {quantile(report.storm, 0.5):.2f}s "
-        f"p99 {quantile(report.storm, 0.99):.2f}s"
+        f"storm: {len(report.storm)}/{len(names)} Ready, {len(report.storm_failed)} Failed, "
+        f"p50 {quantile(report.storm, 0.5):.2f}s p99 {quantile(report.storm, 0.99):.2f}s"
     )
+    for reason, count in Counter(r for r, _ in report.storm_failed.values()).most_common():
+        example = next(m for r, m in report.storm_failed.values() if r == reason)
+        say(f"storm: {count} Failed {reason}, e.g. {example[:240]}")
 
     # 5. steady: interval checkpoints everywhere, kills, suspends, trainer annotations
     say(f"steady: intervalSeconds {args.interval_seconds} on every set for {args.steady_seconds}s")
@@ -699,7 +724,12 @@ def table(report: Report, args: argparse.Namespace) -> list[str]:
     idle = report.windows.get("idle")
     idle_per_set = idle.rate() / report.sets if idle is not None else math.nan
     reconcile_p99 = quantile(report.reconcile, 0.99)
-    storm_p99 = quantile(report.storm, 0.99)
+    # a Failed or unfinished storm checkpoint counts as missing the target
+    storm_p99 = (
+        quantile(report.storm, 0.99)
+        if not report.storm_failed and not report.missed.get("storm")
+        else math.inf
+    )
     lines = [
         f"fleet: {report.sets} sets x {report.pods // report.sets} fleet pods = {report.pods} pods,"
         f" one operator ({' '.join(args.operator_arg) or 'default flags'}"
@@ -724,7 +754,8 @@ def table(report: Report, args: argparse.Namespace) -> list[str]:
         row("reconcile: pod SIGKILL -> Recovering=True p50/p99", pq(report.pod_reaction)),
         row(
             f"checkpoint storm ({report.sets} in {report.storm_spread:.1f} s): created->Ready",
-            pq(report.storm),
+            pq(report.storm)
+            + (f", {len(report.storm_failed)} Failed" if report.storm_failed else ""),
             f"p99 < {TARGET_CHECKPOINT_P99:g} s",
             verdict(storm_p99 < TARGET_CHECKPOINT_P99),
         ),

@@ -38,6 +38,8 @@ ROLLOUT_SET_KIND: Final = "RolloutSet"
 ROLLOUT_SET_PLURAL: Final = "rolloutsets"
 ROLLOUT_CHECKPOINT_KIND: Final = "RolloutCheckpoint"
 ROLLOUT_CHECKPOINT_PLURAL: Final = "rolloutcheckpoints"
+CHECKPOINT_SET_FIELD: Final = "rolloutSet"
+"""The checkpoint's spec field naming its set: a selectable field (a list filters on it)."""
 
 FINALIZER: Final = f"{GROUP}/finalizer"
 """Our own finalizer name, so Kopf never adds its generic `kopf.zalando.org` marker."""

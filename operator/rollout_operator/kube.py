@@ -20,7 +20,7 @@ from typing import Any, Final, cast
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from .api import GROUP, ROLLOUT_CHECKPOINT_PLURAL, ROLLOUT_SET_PLURAL, VERSION
+from .api import CHECKPOINT_SET_FIELD, GROUP, ROLLOUT_CHECKPOINT_PLURAL, ROLLOUT_SET_PLURAL, VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +82,15 @@ class Kube:
     api: client.ApiClient
     core: client.CoreV1Api
     custom: client.CustomObjectsApi
+    field_selectors: bool = True
+    """Whether the API server filters checkpoints by set (False once it refused to)."""
 
     @classmethod
-    async def connect(cls, *, max_concurrent_requests: int = 100) -> Kube:
-        """In-cluster service account first, then the kubeconfig (as Kopf's login does).
+    async def connect(
+        cls, *, max_concurrent_requests: int = 100, kubeconfig: str | None = None
+    ) -> Kube:
+        """In-cluster service account first, then the kubeconfig (as Kopf's login does):
+        `kubeconfig`, else $KUBECONFIG or ~/.kube/config.
 
         At most `max_concurrent_requests` requests are open at once; more wait in the client
         (`--api-concurrency`): with a hundred sets passing at once, an unbounded operator had 50
@@ -96,7 +101,9 @@ class Kube:
         try:
             config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
         except config.ConfigException:
-            await config.load_kube_config(client_configuration=configuration)
+            await config.load_kube_config(
+                config_file=kubeconfig, client_configuration=configuration
+            )
         api = client.ApiClient(configuration)
         return cls(api=api, core=client.CoreV1Api(api), custom=client.CustomObjectsApi(api))
 
@@ -190,6 +197,47 @@ class Kube:
         return cast(dict[str, Any], obj)
 
     # --- RolloutCheckpoints -----------------------------------------------------------------------
+
+    async def list_checkpoints(self, namespace: str, set_name: str) -> list[dict[str, Any]]:
+        """Every RolloutCheckpoint whose `spec.rolloutSet` is `set_name` (people create them
+        unlabelled, so a label selector would miss some), in wire form, parsed once.
+
+        The API server filters them by the CRD's selectable field (Kubernetes 1.31+): listing
+        the namespace and filtering here parsed every set's checkpoints on every policy pass, a
+        fifth of the operator's CPU with 100 sets in a checkpoint storm (py-spy). An API server
+        that refuses the field selector (older, or without the CRD applied by this version) is
+        asked for the whole namespace from then on, and this process filters."""
+        field = f"spec.{CHECKPOINT_SET_FIELD}"
+        if self.field_selectors:
+            try:
+                listing = await self._raw(
+                    self.custom.list_namespaced_custom_object(
+                        GROUP,
+                        VERSION,
+                        namespace,
+                        ROLLOUT_CHECKPOINT_PLURAL,
+                        field_selector=f"{field}={set_name}",
+                        _preload_content=False,
+                    )
+                )
+                return cast(list[dict[str, Any]], listing.get("items") or [])
+            except ApiException as error:
+                if error.status != 400:
+                    raise
+                self.field_selectors = False
+                logger.info(
+                    "the API server does not filter RolloutCheckpoints by %s (%s): listing the "
+                    "namespace and filtering in the operator instead",
+                    field,
+                    api_error_message(error),
+                )
+        listing = await self._raw(
+            self.custom.list_namespaced_custom_object(
+                GROUP, VERSION, namespace, ROLLOUT_CHECKPOINT_PLURAL, _preload_content=False
+            )
+        )
+        items = cast(list[dict[str, Any]], listing.get("items") or [])
+        return [c for c in items if (c.get("spec") or {}).get(CHECKPOINT_SET_FIELD) == set_name]
 
     async def get_checkpoint(self, namespace: str, name: str) -> dict[str, Any] | None:
         """A RolloutCheckpoint in its wire form; None when it does not exist."""

@@ -187,11 +187,7 @@ def kept_message(what: str, removal: Removal, root: Path) -> str | None:
 
 async def list_checkpoints(kube: Kube, namespace: str, set_name: str) -> list[dict[str, Any]]:
     """Every RolloutCheckpoint of the set (by `spec.rolloutSet`: people create them unlabelled)."""
-    listed = await kube.custom.list_namespaced_custom_object(
-        GROUP, VERSION, namespace, ROLLOUT_CHECKPOINT_PLURAL
-    )
-    items: list[dict[str, Any]] = listed.get("items") or []
-    return [c for c in items if (c.get("spec") or {}).get("rolloutSet") == set_name]
+    return await kube.list_checkpoints(namespace, set_name)
 
 
 def checkpoint_views(raw: Iterable[Mapping[str, Any]]) -> list[CheckpointView]:

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 from rollout_operator import api, crdgen
+from rollout_operator.kube import Kube
 
 from devcluster.cluster import Cluster
 
@@ -217,6 +218,36 @@ def test_checkpoint_rules(crds: Cluster, namespace: str) -> None:
     )
     assert result.returncode != 0
     assert api.RULE_CHECKPOINT_SPEC_IMMUTABLE.message in result.stderr
+
+
+async def test_a_sets_checkpoints_are_listed_by_the_api_server(
+    crds: Cluster, namespace: str
+) -> None:
+    """`spec.rolloutSet` is a selectable field: the operator's list of one set's checkpoints
+    (every policy pass) is filtered by the API server, unlabelled ones included."""
+
+    def checkpoint(name: str, set_name: str) -> dict[str, Any]:
+        return {
+            "apiVersion": api.API_VERSION,
+            "kind": "RolloutCheckpoint",
+            "metadata": {"name": name},
+            "spec": {"rolloutSet": set_name},
+        }
+
+    for name, set_name in [("a-1", "set-a"), ("a-2", "set-a"), ("b-1", "set-b")]:
+        assert create(crds, namespace, checkpoint(name, set_name))[0] == 0
+    kube = await Kube.connect(kubeconfig=str(crds.kubeconfig))
+    try:
+        listed = await kube.list_checkpoints(namespace, "set-a")
+        assert sorted(c["metadata"]["name"] for c in listed) == ["a-1", "a-2"]
+        assert kube.field_selectors, "the API server filtered them (no fallback)"
+        assert await kube.list_checkpoints(namespace, "set-c") == []
+    finally:
+        await kube.close()
+    shown = crds.kubectl(
+        "get", "rckpt", "-n", namespace, "--field-selector=spec.rolloutSet=set-b", "-o", "name"
+    ).stdout.split()
+    assert shown == ["rolloutcheckpoint.checkpoint.rollout.dev/b-1"]
 
 
 def test_kubectl_explain_reads_well(crds: Cluster) -> None:

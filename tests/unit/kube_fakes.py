@@ -10,7 +10,6 @@ import copy
 from collections.abc import Sequence
 from typing import Any, cast
 
-from rollout_operator.api import ROLLOUT_CHECKPOINT_PLURAL
 from rollout_operator.kube import Conflict, Kube
 
 
@@ -31,11 +30,13 @@ class InMemorySet:
         """`Kube.custom`: the flows list the set's checkpoints through it."""
         return self
 
-    async def list_namespaced_custom_object(
-        self, group: str, version: str, namespace: str, plural: str
-    ) -> dict[str, Any]:
-        assert plural == ROLLOUT_CHECKPOINT_PLURAL, plural
-        return {"items": [copy.deepcopy(c) for c in self.checkpoints.values()]}
+    async def list_checkpoints(self, namespace: str, set_name: str) -> list[dict[str, Any]]:
+        """`Kube.list_checkpoints`: the set's checkpoints, by `spec.rolloutSet`."""
+        return [
+            copy.deepcopy(c)
+            for c in self.checkpoints.values()
+            if (c.get("spec") or {}).get("rolloutSet") == set_name
+        ]
 
     async def get_set(
         self, namespace: str, name: str, *, fresh: bool = False

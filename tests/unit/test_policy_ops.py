@@ -112,10 +112,13 @@ class FakeApi:
 
     # --- checkpoints --------------------------------------------------------------------------
 
-    async def list_namespaced_custom_object(
-        self, group: str, version: str, namespace: str, plural: str
-    ) -> dict[str, Any]:
-        return {"items": [copy.deepcopy(c) for c in self.checkpoints.values()]}
+    async def list_checkpoints(self, namespace: str, set_name: str) -> list[dict[str, Any]]:
+        """`Kube.list_checkpoints`: the set's checkpoints, by `spec.rolloutSet`."""
+        return [
+            copy.deepcopy(c)
+            for c in self.checkpoints.values()
+            if (c.get("spec") or {}).get("rolloutSet") == set_name
+        ]
 
     async def get_checkpoint(self, namespace: str, name: str) -> dict[str, Any] | None:
         return copy.deepcopy(self.checkpoints[name]) if name in self.checkpoints else None
