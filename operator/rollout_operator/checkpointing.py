@@ -125,6 +125,10 @@ class FlowSettings:
     as its participants are lost (a recovery started) instead of at the step's deadline."""
 
 
+_UNQUEUED_TRIGGERS: Final = frozenset({Trigger.EVICTION, Trigger.DEADLINE})
+"""Checkpoints with a hard deadline of their own: never queued behind the operator's limit."""
+
+
 def _now_ts(clock: Callable[[], float]) -> datetime:
     return datetime.fromtimestamp(clock(), UTC).replace(microsecond=0)
 
@@ -178,12 +182,16 @@ class CheckpointFlow:
         on_transition: Callable[[RolloutCheckpoint, str, str], Awaitable[None]] | None = None,
         participants_factory: Callable[[RolloutSet, str], list[HttpParticipantClient]]
         | None = None,
+        slots: anyio.Semaphore | None = None,
     ) -> None:
+        """`slots`: the operator's checkpoints that may run at once, shared by every flow
+        (`--max-concurrent-checkpoints`); None: no limit."""
         self._kube = kube
         self._settings = settings or FlowSettings()
         self._clock = clock
         self._on_transition = on_transition
         self._participants_factory = participants_factory or _http_participants
+        self._slots = slots
 
     # --- persistence --------------------------------------------------------------------------
 
@@ -437,7 +445,9 @@ class CheckpointFlow:
         coordinator: Coordinator | None = None
         participants: list[HttpParticipantClient] = []
         published = False
+        holds_operator_slot = False
         try:
+            holds_operator_slot = await self._take_operator_slot(ckpt, in_flight)
             rset = await (self._held_slot(ckpt) if in_flight else self._take_slot(ckpt))
             token = await read_control_token(self._kube, namespace, rset.metadata.name)
             if token is None:
@@ -491,9 +501,42 @@ class CheckpointFlow:
             else:
                 await self._fail(ckpt, failed)
         finally:
+            if holds_operator_slot:
+                assert self._slots is not None
+                self._slots.release()
             for participant in participants:
                 await participant.aclose()
         return ckpt.status.phase
+
+    async def _take_operator_slot(self, ckpt: RolloutCheckpoint, in_flight: bool) -> bool:
+        """Wait, Queued, for one of the operator's checkpoint slots; True once one is held.
+
+        Not for a checkpoint already running (an operator restart found it prepared: its
+        participants are paused now) nor for one with a hard deadline (an evicted pod's grace
+        period, a must-save-by time): those run at once, beside the limit."""
+        slots = self._slots
+        if slots is None or in_flight or ckpt.spec.trigger in _UNQUEUED_TRIGGERS:
+            return False
+        try:
+            slots.acquire_nowait()
+            return True
+        except anyio.WouldBlock:
+            pass
+        limit = slots.max_value
+        await self._phase(
+            ckpt,
+            CheckpointPhase.QUEUED,
+            condition=(
+                CheckpointConditionType.READY,
+                False,
+                Reason.QUEUED,
+                f"waiting for one of the operator's {limit} checkpoint slots "
+                "(--max-concurrent-checkpoints, chart value operator.maxConcurrentCheckpoints): "
+                "every one is running a checkpoint of some set",
+            ),
+        )
+        await slots.acquire()
+        return True
 
     async def _mark_covered_pods(
         self, ckpt: RolloutCheckpoint, rset: RolloutSet, completed: datetime

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from .api import MAX_REPLICAS
 from .settings import (
     DEFAULT_API_CONCURRENCY,
+    DEFAULT_MAX_CONCURRENT_CHECKPOINTS,
     DEFAULT_MAX_REPLICAS_PER_ROLE,
     DEFAULT_RESYNC_SECONDS,
     RunOptions,
@@ -156,6 +157,15 @@ def _parser() -> argparse.ArgumentParser:
         "sooner)",
     )
     run.add_argument(
+        "--max-concurrent-checkpoints",
+        type=int,
+        default=DEFAULT_MAX_CONCURRENT_CHECKPOINTS,
+        metavar="N",
+        help="at most N checkpoints run at once across every set; the others wait in phase "
+        f"Queued (default {DEFAULT_MAX_CONCURRENT_CHECKPOINTS}; Eviction and Deadline "
+        "checkpoints never wait)",
+    )
+    run.add_argument(
         "--max-replicas-per-role",
         type=int,
         default=DEFAULT_MAX_REPLICAS_PER_ROLE,
@@ -191,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             api_concurrency=args.api_concurrency,
             worker_limit=args.worker_limit,
             max_replicas_per_role=args.max_replicas_per_role,
+            max_concurrent_checkpoints=args.max_concurrent_checkpoints,
         )
     except ValidationError as error:
         print(f"rollout-operator: invalid options: {error}", file=sys.stderr)

@@ -42,6 +42,13 @@ deadline, an interval tick) asks for that time; the resync only heals a missed e
 DEFAULT_API_CONCURRENCY: Final = 32
 """At most this many of the operator's own API requests at once (`--api-concurrency`; Kopf's
 watches and its annotation patches are not counted)."""
+DEFAULT_MAX_CONCURRENT_CHECKPOINTS: Final = 16
+"""At most this many checkpoints prepare, commit and resume at once across every set
+(`--max-concurrent-checkpoints`); the others wait in phase Queued, and their prepare timeout
+starts when they run. Eviction and Deadline checkpoints (a pod's grace period, a must-save-by
+time) never wait for this. A hundred sets checkpointing at once on one operator made every
+checkpoint slow (the operator's one event loop and the API server shared between them) and
+most failed their prepare deadline (issue 14, bench/fleet.py)."""
 DEFAULT_MAX_REPLICAS_PER_ROLE: Final = 256
 """The operator's default limit of `replicas` per role (the API allows up to `api.MAX_REPLICAS`;
 the chart's `operator.maxReplicasPerRole` sets it at install)."""
@@ -100,6 +107,7 @@ class RunOptions(BaseModel):
     request_timeout_seconds: int = Field(default=60, ge=1)
     worker_limit: int | None = Field(default=None, ge=1)
     max_replicas_per_role: int = Field(default=DEFAULT_MAX_REPLICAS_PER_ROLE, ge=1, le=MAX_REPLICAS)
+    max_concurrent_checkpoints: int = Field(default=DEFAULT_MAX_CONCURRENT_CHECKPOINTS, ge=1)
 
     @property
     def standalone(self) -> bool:

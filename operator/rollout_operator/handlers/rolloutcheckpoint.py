@@ -30,7 +30,7 @@ from ..api import GROUP, ROLLOUT_CHECKPOINT_PLURAL, VERSION, CheckpointPhase, Ro
 from ..checkpointing import TERMINAL, CheckpointFlow
 from ..passloop import TRANSIENT
 from .rolloutset import wake
-from .runtime import kube_of
+from .runtime import checkpoint_slots_of, kube_of
 
 _ABORTING = kopf.DaemonStoppingReason.RESOURCE_DELETED | kopf.DaemonStoppingReason.OPERATOR_EXITING
 """Why a daemon stops that aborts its checkpoint: the checkpoint was deleted, or the operator
@@ -71,7 +71,7 @@ async def run_checkpoint(
         kind = "Warning" if ckpt.status.phase is CheckpointPhase.FAILED else "Normal"
         kopf.event(body, type=kind, reason=reason, message=message)
 
-    flow = CheckpointFlow(kube_of(memo), on_transition=event)
+    flow = CheckpointFlow(kube_of(memo), on_transition=event, slots=checkpoint_slots_of(memo))
     phases: list[CheckpointPhase | None] = []
     failures: list[Exception] = []
 

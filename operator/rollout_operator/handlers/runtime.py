@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any, cast
 
+import anyio
 import kopf
 from prometheus_client import start_http_server
 
@@ -19,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 MEMO_OPTIONS = "options"
 MEMO_KUBE = "kube"
+MEMO_CHECKPOINT_SLOTS = "checkpoint_slots"
 
 
 def options_of(memo: kopf.Memo) -> RunOptions:
@@ -35,11 +37,19 @@ def kube_of(memo: kopf.Memo) -> Kube:
     return kube
 
 
+def checkpoint_slots_of(memo: kopf.Memo) -> anyio.Semaphore | None:
+    """The operator-wide checkpoint slots (`--max-concurrent-checkpoints`), made by `start`."""
+    slots = memo.get(MEMO_CHECKPOINT_SLOTS)
+    return slots if isinstance(slots, anyio.Semaphore) else None
+
+
 @kopf.on.startup(id="configure")
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     options = options_of(memo)
     configure(settings, options)
     memo[MEMO_KUBE] = await Kube.connect(max_concurrent_requests=options.api_concurrency)
+    slots = options.max_concurrent_checkpoints
+    memo[MEMO_CHECKPOINT_SLOTS] = anyio.Semaphore(slots, max_value=slots)
     if options.metrics_port is not None:
         start_http_server(options.metrics_port)
         logger.info("metrics on :%d/metrics", options.metrics_port)

@@ -1,0 +1,106 @@
+"""The operator's checkpoint slots (`--max-concurrent-checkpoints`), through the checkpoint flow.
+
+A checkpoint that finds every slot taken waits in phase Queued, saying why, and prepares only
+once a slot is free, with its whole prepare timeout from then; it gives its slot back however
+it ends. An Eviction checkpoint (the pod's grace period runs) never waits for a slot.
+
+The API and the participant are the in-memory fakes of test_checkpoint_eviction.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import cast
+
+import anyio
+import pytest
+from rollout_operator import api
+from rollout_operator.checkpointing import CheckpointFlow
+from rollout_protocol import HttpParticipantClient
+from test_checkpoint_eviction import (
+    CKPT,
+    NS,
+    PREPARE_TIMEOUT,
+    FakeApi,
+    NotParking,
+    evicted_pod,
+    whole_seconds,
+)
+
+from devcluster.waiting import wait_for
+
+
+def ready_set(trigger: str) -> FakeApi:
+    fake = FakeApi(trigger, [])
+    fake.set["status"]["participants"][0]["ready"] = True
+    fake.set["status"]["conditions"] = [
+        {
+            "type": "Ready",
+            "status": "True",
+            "reason": "AllParticipantsReady",
+            "lastTransitionTime": api.format_time(datetime.now(UTC)),
+        }
+    ]
+    return fake
+
+
+def flow_over(fake: FakeApi, participant: NotParking, slots: anyio.Semaphore) -> CheckpointFlow:
+    def participants(rset: api.RolloutSet, token: str) -> list[HttpParticipantClient]:
+        return [cast(HttpParticipantClient, participant)]
+
+    return CheckpointFlow(fake.as_kube(), participants_factory=participants, slots=slots)
+
+
+async def test_a_checkpoint_waits_queued_for_a_slot_and_its_prepare_timeout_starts_then() -> None:
+    fake = ready_set("Manual")
+    participant = NotParking()
+    slots = anyio.Semaphore(1, max_value=1)
+    await slots.acquire()  # another set's checkpoint holds the only slot
+    phases: list[api.CheckpointPhase | None] = []
+
+    async def run() -> None:
+        phases.append(await flow_over(fake, participant, slots).run(NS, CKPT))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(run)
+
+        async def queued() -> bool:
+            return bool(fake.checkpoint["status"].get("phase") == "Queued")
+
+        await wait_for(queued, timeout=10, what="the checkpoint to queue for a slot")
+        ready = fake.condition("Ready")
+        assert ready["reason"] == "Queued"
+        assert "one of the operator's 1 checkpoint slots" in ready["message"]
+        assert "--max-concurrent-checkpoints" in ready["message"]
+        assert participant.prepare_deadlines == [], "no prepare without a slot"
+        released_at = time.time()
+        slots.release()
+    assert phases == [api.CheckpointPhase.FAILED]  # NotParking: the prepare timed out
+    (deadline,) = participant.prepare_deadlines
+    assert deadline >= released_at + PREPARE_TIMEOUT
+    assert slots.value == 1, "the slot was given back"
+
+
+async def test_an_eviction_checkpoint_never_waits_for_a_slot() -> None:
+    fake = FakeApi("Eviction", [evicted_pod(whole_seconds(time.time() + 30))])
+    participant = NotParking()
+    slots = anyio.Semaphore(1, max_value=1)
+    await slots.acquire()
+    with anyio.fail_after(30):
+        phase = await flow_over(fake, participant, slots).run(NS, CKPT)
+    assert phase is api.CheckpointPhase.FAILED
+    assert len(participant.prepare_deadlines) == 1, "it prepared while every slot was taken"
+    assert slots.value == 0, "it took no slot, so it gave none back"
+
+
+@pytest.mark.parametrize("trigger", ["Manual", "Interval"])
+async def test_a_free_slot_is_taken_without_queueing(trigger: str) -> None:
+    fake = ready_set(trigger)
+    participant = NotParking()
+    slots = anyio.Semaphore(2, max_value=2)
+    with anyio.fail_after(30):
+        await flow_over(fake, participant, slots).run(NS, CKPT)
+    assert len(participant.prepare_deadlines) == 1
+    assert all(c["reason"] != "Queued" for c in fake.checkpoint["status"]["conditions"])
+    assert slots.value == 2
