@@ -227,38 +227,92 @@ def usage(pid: int) -> Usage:
     return Usage(cpu, rss)
 
 
+COMPONENTS: Final = {
+    "agent": "devcluster agent",
+    "apiserver": "kube-apiserver",
+    "etcd": "/etcd ",
+}
+"""Where the rest of the machine's CPU goes: the node agent (every fleet participant is in
+it), the API server and etcd, found by their command lines under the bench's work folder."""
+
+
+def component_pids(work: Path) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if str(work) not in command:
+            continue
+        for name, marker in COMPONENTS.items():
+            if marker in command and name not in found:
+                found[name] = int(proc.name)
+    return found
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine spent not idle (all cores), from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 @dataclass
 class Window:
-    """Requests by verb, CPU and peak RSS of the operator over a stretch of time."""
+    """Requests by verb, CPU and peak RSS of the operator over a stretch of time, and the CPU
+    of the other components and of the whole machine."""
 
     name: str
     seconds: float
     requests: dict[str, float]
     cpu_seconds: float
     rss_mb: float
+    component_cpu: dict[str, float] = field(default_factory=dict)
+    machine_cpu: float = 0.0
 
     def rate(self, verb: str | None = None) -> float:
         total = sum(self.requests.values()) if verb is None else self.requests.get(verb, 0.0)
         return total / self.seconds if self.seconds > 0 else 0.0
 
 
+Begun = tuple[float, dict[str, float], Usage, dict[str, float], float]
+
+
 class Meter:
-    def __init__(self, cluster: Cluster, pid: int) -> None:
+    def __init__(self, cluster: Cluster, pid: int, work: Path) -> None:
         self.cluster = cluster
         self.pid = pid
         self.peak_rss = 0.0
+        self.components = component_pids(work)
 
     def sample_rss(self) -> float:
         rss = usage(self.pid).rss_mb
         self.peak_rss = max(self.peak_rss, rss)
         return rss
 
-    def start(self) -> tuple[float, dict[str, float], Usage]:
-        return time.monotonic(), operator_requests(self.cluster), usage(self.pid)
+    def _components(self) -> dict[str, float]:
+        return {name: usage(pid).cpu_seconds for name, pid in self.components.items()}
 
-    def stop(self, name: str, begun: tuple[float, dict[str, float], Usage]) -> Window:
-        t0, r0, u0 = begun
-        r1, u1 = operator_requests(self.cluster), usage(self.pid)
+    def start(self) -> Begun:
+        return (
+            time.monotonic(),
+            operator_requests(self.cluster),
+            usage(self.pid),
+            self._components(),
+            machine_busy_seconds(),
+        )
+
+    def stop(self, name: str, begun: Begun) -> Window:
+        t0, r0, u0, c0, m0 = begun
+        r1, u1, c1, m1 = (
+            operator_requests(self.cluster),
+            usage(self.pid),
+            self._components(),
+            machine_busy_seconds(),
+        )
         self.peak_rss = max(self.peak_rss, u1.rss_mb)
         return Window(
             name,
@@ -266,6 +320,8 @@ class Meter:
             {verb: r1[verb] - r0[verb] for verb in VERBS},
             u1.cpu_seconds - u0.cpu_seconds,
             u1.rss_mb,
+            {k: c1[k] - c0[k] for k in c1 if k in c0},
+            m1 - m0,
         )
 
 
@@ -462,7 +518,7 @@ async def run(args: argparse.Namespace, cluster: Cluster, work: Path, report: Re
     try:
         operator.wait_live(60)
         assert operator.process is not None
-        meter = Meter(cluster, operator.process.pid)
+        meter = Meter(cluster, operator.process.pid, work)
         async with open_api(cluster.kubeconfig) as api:
             custom = k8s.CustomObjectsApi(api)
             observer = Observer(custom)
@@ -810,6 +866,22 @@ def table(report: Report, args: argparse.Namespace) -> list[str]:
             f"{window.rate():>7.2f} | "
             + " | ".join(f"{window.rate(v):>6.2f}" for v in VERBS)
             + " |"
+        )
+    cores = os.cpu_count() or 1
+    lines += [
+        "",
+        f"CPU seconds per wall second by component (the machine has {cores} cores; machine = "
+        "everything not idle, /proc/stat):",
+        f"| {'phase':<10} | {'operator':>8} | "
+        + " | ".join(f"{name:>9}" for name in COMPONENTS)
+        + f" | {'machine':>7} |",
+    ]
+    for window in report.windows.values():
+        per = window.seconds or 1.0
+        lines.append(
+            f"| {window.name:<10} | {window.cpu_seconds / per:>8.2f} | "
+            + " | ".join(f"{window.component_cpu.get(n, math.nan) / per:>9.2f}" for n in COMPONENTS)
+            + f" | {window.machine_cpu / per:>7.2f} |"
         )
     missed = {k: v for k, v in report.missed.items() if v}
     if missed:
