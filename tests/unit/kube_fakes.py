@@ -7,10 +7,27 @@ rules that the flows rely on (a stale resourceVersion is a Conflict; a null fiel
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Sequence
 from typing import Any, cast
 
 from rollout_operator.kube import Conflict, Kube
+
+
+class RawResponse:
+    """What the generated client returns with `_preload_content=False`: a status and a body
+    the caller reads (and checks the status of) itself."""
+
+    def __init__(self, status: int, body: Any) -> None:
+        self.status = status
+        self.reason = "OK" if status == 200 else "Error"
+        self._body = json.dumps(body).encode()
+
+    async def read(self) -> bytes:
+        return self._body
+
+    def release(self) -> None:
+        return None
 
 
 class InMemorySet:

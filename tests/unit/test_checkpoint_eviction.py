@@ -113,6 +113,18 @@ class FakeApi(InMemorySet):
         found: dict[str, Any] = next(c for c in conditions if c["type"] == type_)
         return found
 
+    def mark_ready(self) -> None:
+        """The set and its participant Ready, as the reconciler writes them."""
+        self.set["status"]["participants"][0]["ready"] = True
+        self.set["status"]["conditions"] = [
+            {
+                "type": "Ready",
+                "status": "True",
+                "reason": "AllParticipantsReady",
+                "lastTransitionTime": api.format_time(datetime.now(UTC)),
+            }
+        ]
+
 
 class NotParking:
     """A model participant with one episode that never parks; journals prepare deadlines."""
@@ -194,15 +206,7 @@ async def test_a_shorter_prepare_timeout_still_applies_to_an_eviction() -> None:
 
 async def test_other_triggers_keep_the_prepare_timeout_while_a_pod_terminates() -> None:
     fake = FakeApi("Manual", [evicted_pod(whole_seconds(time.time() + 30))])
-    fake.set["status"]["participants"][0]["ready"] = True
-    fake.set["status"]["conditions"] = [
-        {
-            "type": "Ready",
-            "status": "True",
-            "reason": "AllParticipantsReady",
-            "lastTransitionTime": api.format_time(datetime.now(UTC)),
-        }
-    ]
+    fake.mark_ready()
     participant = NotParking()
     before = time.time()
     await run_flow(fake, participant)

@@ -10,7 +10,6 @@ The API and the participant are the in-memory fakes of test_checkpoint_eviction.
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime
 from typing import cast
 
 import anyio
@@ -33,15 +32,7 @@ from devcluster.waiting import wait_for
 
 def ready_set(trigger: str) -> FakeApi:
     fake = FakeApi(trigger, [])
-    fake.set["status"]["participants"][0]["ready"] = True
-    fake.set["status"]["conditions"] = [
-        {
-            "type": "Ready",
-            "status": "True",
-            "reason": "AllParticipantsReady",
-            "lastTransitionTime": api.format_time(datetime.now(UTC)),
-        }
-    ]
+    fake.mark_ready()
     return fake
 
 

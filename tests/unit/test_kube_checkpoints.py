@@ -7,10 +7,10 @@ selectors (HTTP 400). The real API server's answer is in tests/e2e/test_crds.py.
 
 from __future__ import annotations
 
-import json
 from typing import Any, cast
 
 import pytest
+from kube_fakes import RawResponse
 from rollout_operator.kube import Kube
 
 pytestmark = pytest.mark.unit
@@ -20,19 +20,6 @@ CHECKPOINTS = [
     {"metadata": {"name": "b-1"}, "spec": {"rolloutSet": "set-b"}},
     {"metadata": {"name": "a-2"}, "spec": {"rolloutSet": "set-a"}},
 ]
-
-
-class RawResponse:
-    def __init__(self, status: int, body: Any) -> None:
-        self.status = status
-        self.reason = "OK" if status == 200 else "Bad Request"
-        self._body = json.dumps(body).encode()
-
-    async def read(self) -> bytes:
-        return self._body
-
-    def release(self) -> None:
-        return None
 
 
 class CheckpointsApi:

@@ -7,28 +7,15 @@ checks).
 
 from __future__ import annotations
 
-import json
 from typing import Any, cast
 
 import pytest
+from kube_fakes import RawResponse
 from kubernetes_asyncio.client.exceptions import ApiException
 from rollout_operator import kube as kube_module
 from rollout_operator.kube import Kube, pass_snapshot
 
 pytestmark = pytest.mark.unit
-
-
-class RawResponse:
-    def __init__(self, status: int, body: Any) -> None:
-        self.status = status
-        self.reason = "OK" if status == 200 else "Not Found"
-        self._body = json.dumps(body).encode()
-
-    async def read(self) -> bytes:
-        return self._body
-
-    def release(self) -> None:
-        return None
 
 
 class CountingApi:
