@@ -53,6 +53,7 @@ from operator_fixtures import (  # noqa: E402
     OperatorProcess,
     Resources,
     check_manifests,
+    checkpoint_ready,
     condition,
     example_checkpoint,
     example_set,
@@ -196,11 +197,7 @@ async def scene(
     the batch is awaited and its outcomes checked."""
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(fault_set(storage)))
     ready = await resources.wait_set("Ready", lambda o: is_true(o, "Ready"), 90)
-    cluster.kubectl(
-        "apply", "-n", namespace, "-f", "-", input=json.dumps(example_checkpoint("base"))
-    )
-    ckpt = await resources.wait_checkpoint("base", "Ready", phase_is("Ready", "Failed"), WAIT_S)
-    assert is_true(ckpt, "Ready"), ckpt["status"]
+    await checkpoint_ready(cluster, resources, "base", WAIT_S)
 
     specs = episode_specs(BATCH, 31, prefix="fault")
     outcomes: list[EpisodeResult | EpisodeFailed] = []

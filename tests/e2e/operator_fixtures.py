@@ -60,6 +60,7 @@ __all__ = [
     "Resources",
     "check_manifests",
     "check_recovered_run",
+    "checkpoint_ready",
     "condition",
     "create_namespace_for_test",
     "episodes_running",
@@ -277,6 +278,19 @@ async def wait_phase(
         return bool(reply.json()["phase"] == phase)
 
     await wait_for(check, limit_s, what, interval=0.05, ignore=(httpx.HTTPError,))
+
+
+async def checkpoint_ready(
+    cluster: Cluster, resources: Resources, name: str, limit_s: float = 60
+) -> dict[str, Any]:
+    """Create the example RolloutCheckpoint `name` as a user would (`kubectl apply`), wait until
+    it ends, and return it; it must have ended Ready."""
+    kubectl_apply(cluster, resources.namespace, example_checkpoint(name))
+    ckpt = await resources.wait_checkpoint(
+        name, "Ready or Failed", phase_is("Ready", "Failed"), limit_s
+    )
+    assert is_true(ckpt, "Ready"), ckpt["status"]
+    return ckpt
 
 
 async def wait_pod_ready(resources: Resources, pod: str, limit_s: float) -> None:

@@ -20,14 +20,13 @@ from operator_fixtures import (
     Debug,
     OperatorProcess,
     Resources,
+    checkpoint_ready,
     condition,
     episodes_running,
-    example_checkpoint,
     example_set,
     is_true,
     operator,
     participants_by_role,
-    phase_is,
     resources,
     storage_dir,
 )
@@ -60,9 +59,7 @@ def flip_a_byte(storage: Path, checkpoint: str, instance: str) -> Path:
 
 
 async def checkpoint(cluster: Cluster, namespace: str, resources: Resources, name: str) -> None:
-    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(example_checkpoint(name)))
-    ckpt = await resources.wait_checkpoint(name, "Ready or Failed", phase_is("Ready", "Failed"), 60)
-    assert is_true(ckpt, "Ready"), ckpt["status"]
+    ckpt = await checkpoint_ready(cluster, resources, name)
     assert ckpt["status"]["episodes"] >= 1
 
 

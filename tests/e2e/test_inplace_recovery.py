@@ -38,11 +38,11 @@ from operator_fixtures import (
     RecoveredRun,
     Resources,
     check_recovered_run,
+    checkpoint_ready,
     completed,
     condition,
     done_before_checkpoint,
     episodes_running,
-    example_checkpoint,
     example_set,
     freeze,
     is_true,
@@ -204,18 +204,7 @@ async def checkpoint_kill_recover(
                     return False
 
                 await wait_for(held_somewhere, 60, f"episode {held} held mid-generation")
-                cluster.kubectl(
-                    "apply",
-                    "-n",
-                    namespace,
-                    "-f",
-                    "-",
-                    input=json.dumps(example_checkpoint("in-flight")),
-                )
-                ckpt = await resources.wait_checkpoint(
-                    "in-flight", "Ready or Failed", phase_is("Ready", "Failed"), 60
-                )
-                assert is_true(ckpt, "Ready"), ckpt["status"]
+                ckpt = await checkpoint_ready(cluster, resources, "in-flight")
                 assert ckpt["status"]["episodes"] >= 1
                 pids_before = {pod: pod_pids(cluster, namespace, pod) for pod in pods.values()}
                 if lose == "model-*":
@@ -523,18 +512,7 @@ async def test_a_second_loss_during_an_in_place_restore_ends_in_one_attempt(
         try:
             async with episodes_running(client, specs) as outcomes:
                 await model.paused("token", held, limit_s=60)
-                cluster.kubectl(
-                    "apply",
-                    "-n",
-                    namespace,
-                    "-f",
-                    "-",
-                    input=json.dumps(example_checkpoint("base")),
-                )
-                ckpt = await resources.wait_checkpoint(
-                    "base", "Ready or Failed", phase_is("Ready", "Failed"), 60
-                )
-                assert is_true(ckpt, "Ready"), ckpt["status"]
+                ckpt = await checkpoint_ready(cluster, resources, "base")
                 assert ckpt["status"]["episodes"] >= 1
                 await model.release("token", held)
                 uids_before = uids(cluster, namespace)

@@ -18,14 +18,13 @@ import pytest
 from operator_fixtures import (
     OperatorProcess,
     Resources,
+    checkpoint_ready,
     condition,
-    example_checkpoint,
     example_set,
     freeze,
     is_true,
     operator,
     participants_by_role,
-    phase_is,
     pod_pids,
     resources,
     storage_dir,
@@ -66,11 +65,7 @@ async def test_a_replacement_lost_during_restoring_starts_the_next_try_at_once(
 ) -> None:
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(fault_set(storage_dir)))
     ready = await resources.wait_set("Ready", lambda o: is_true(o, "Ready"), 90)
-    cluster.kubectl(
-        "apply", "-n", namespace, "-f", "-", input=json.dumps(example_checkpoint("base"))
-    )
-    ckpt = await resources.wait_checkpoint("base", "Ready", phase_is("Ready", "Failed"), 60)
-    assert is_true(ckpt, "Ready"), ckpt["status"]
+    await checkpoint_ready(cluster, resources, "base")
 
     model = participants_by_role(ready)["model"][0]
     assert await cluster.admin.kill_pod_async(namespace, model["pod"])
@@ -114,11 +109,7 @@ async def test_a_replacement_lost_while_the_pods_start_is_replaced_at_once(
     `restoreTimeoutSeconds`."""
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(fault_set(storage_dir)))
     ready = await resources.wait_set("Ready", lambda o: is_true(o, "Ready"), 90)
-    cluster.kubectl(
-        "apply", "-n", namespace, "-f", "-", input=json.dumps(example_checkpoint("base"))
-    )
-    ckpt = await resources.wait_checkpoint("base", "Ready", phase_is("Ready", "Failed"), 60)
-    assert is_true(ckpt, "Ready"), ckpt["status"]
+    await checkpoint_ready(cluster, resources, "base")
 
     model = participants_by_role(ready)["model"][0]
     assert await cluster.admin.kill_pod_async(namespace, model["pod"])
