@@ -54,7 +54,7 @@ from .api import (
 from .conditions import find_condition, set_condition, utcnow
 from .kube import Conflict, Kube, api_error_message
 from .policy import PrepareDeadline, TerminatingPod, eviction_prepare_deadline
-from .policyops import checkpoint_views, list_checkpoints
+from .policyops import checkpoint_views
 from .resources import set_selector
 from .setops import read_control_token
 from .statusrepair import NOT_AN_INTERFACE, repair_published_checkpoint
@@ -361,7 +361,7 @@ class CheckpointFlow:
         beside it would be refused by every participant (conflicting_checkpoint) and fail.
         The slot is written back to the running one, with a warning (issue 15, class 2)."""
         namespace = rset.metadata.namespace or "default"
-        listed = await list_checkpoints(self._kube, namespace, rset.metadata.name)
+        listed = await self._kube.list_checkpoints(namespace, rset.metadata.name)
         running = sorted(
             c.name
             for c in checkpoint_views(listed)

@@ -185,11 +185,6 @@ def kept_message(what: str, removal: Removal, root: Path) -> str | None:
 # --- API calls ----------------------------------------------------------------------------------
 
 
-async def list_checkpoints(kube: Kube, namespace: str, set_name: str) -> list[dict[str, Any]]:
-    """Every RolloutCheckpoint of the set (by `spec.rolloutSet`: people create them unlabelled)."""
-    return await kube.list_checkpoints(namespace, set_name)
-
-
 def checkpoint_views(raw: Iterable[Mapping[str, Any]]) -> list[CheckpointView]:
     views: list[CheckpointView] = []
     for obj in raw:
@@ -319,11 +314,11 @@ class PolicyPass:
         except ValidationError:
             return PassOutcome()  # the reconciler reports an invalid spec (InvalidSpec)
         pods = await self._kube.list_pods(namespace, set_selector(name))
-        listed = await list_checkpoints(self._kube, namespace, name)
+        listed = await self._kube.list_checkpoints(namespace, name)
         # Before retention sees it: a Failed status on a checkpoint every participant
         # committed is repaired to Ready, never acted on (issue 15, class 2).
         if await self._repair_failed(rset, listed):
-            listed = await list_checkpoints(self._kube, namespace, name)
+            listed = await self._kube.list_checkpoints(namespace, name)
         checkpoints = checkpoint_views(listed)
         repaired = latest_repair(rset, checkpoints)
         if repaired is not None:
@@ -612,7 +607,7 @@ async def repoint_latest(kube: Kube, rset: RolloutSet, deleting: str) -> None:
     (none: unset), unless someone else repointed it first."""
     namespace = rset.metadata.namespace or "default"
     for _ in range(10):
-        others = checkpoint_views(await list_checkpoints(kube, namespace, rset.metadata.name))
+        others = checkpoint_views(await kube.list_checkpoints(namespace, rset.metadata.name))
         newest = latest_after_delete(others, deleting)
         patch: dict[str, Any] = {
             "latestCheckpoint": newest.name if newest else None,
@@ -649,7 +644,7 @@ async def set_deleted(
     locator = locator or StorageLocator.from_env()
     rset = RolloutSet.model_validate(rset_raw)
     namespace = rset.metadata.namespace or "default"
-    remaining = await list_checkpoints(kube, namespace, rset.metadata.name)
+    remaining = await kube.list_checkpoints(namespace, rset.metadata.name)
     for ckpt in remaining:
         if not (ckpt.get("metadata") or {}).get("deletionTimestamp"):
             await delete_checkpoint(kube, namespace, ckpt["metadata"]["name"])

@@ -66,7 +66,6 @@ from .policyops import (
     RESUMED_REASON,
     checkpoint_views,
     eviction_holds,
-    list_checkpoints,
     repoint_latest,
 )
 from .resources import control_port, participant_url, set_selector
@@ -713,7 +712,7 @@ class RecoveryFlow:
         if rset.spec.recovery.target_level is TargetLevel.SIBLING:
             return None
         namespace = rset.metadata.namespace or "default"
-        listed = await list_checkpoints(self._kube, namespace, rset.metadata.name)
+        listed = await self._kube.list_checkpoints(namespace, rset.metadata.name)
         newest = newest_ready(checkpoint_views(listed))
         name = newest.name if newest is not None else None
         if name != rset.status.latest_checkpoint:
