@@ -977,6 +977,19 @@ class CheckpointPhase(StrEnum):
     FAILED = "Failed"
 
 
+CHECKPOINT_RUNNING: Final = frozenset(
+    {
+        CheckpointPhase.PREPARING,
+        CheckpointPhase.COMMITTING,
+        CheckpointPhase.PUBLISHING,
+        CheckpointPhase.RESUMING,
+    }
+)
+"""Phases of a checkpoint that holds its set's slot and has closed the participants' admission;
+a restarted operator continues them."""
+CHECKPOINT_FINISHED: Final = frozenset({CheckpointPhase.READY, CheckpointPhase.FAILED})
+
+
 class CheckpointConditionType(StrEnum):
     PREPARED = "Prepared"
     COMMITTED = "Committed"

@@ -2,10 +2,15 @@
 
 The protocol itself is `rollout_servers.coordination.Coordinator`; this module adds what only an
 operator has: the phase persisted in `status.phase` before every step, so a restarted operator
-continues where the last one stopped; one checkpoint per set at a time (the set's
-`status.activeCheckpoint`, taken with a resourceVersion precondition); and publication as one
-status patch (`Ready=True` with every participant's manifest), after which the set's
-`latestCheckpoint` points at it.
+continues where the last one stopped; one checkpoint per set at a time (the set's Lease,
+`leases.CheckpointLeases`); and publication as one status patch (`Ready=True` with every
+participant's manifest). The flow writes only its own checkpoint's status: the set's pass
+derives `latestCheckpoint`, the recent durations and the pods' latest-checkpoint annotations
+from the checkpoints once this one is Ready (DESIGN 6.0, one writer per field).
+
+What the flow reads (its checkpoint, the set, the set's pods) comes from the watches
+(`cache.ClusterCache`), and a step waits on the set's events, not on polls: the critical path
+costs the Lease's take and release, the status writes and their Events.
 
 Why continuing is safe: prepare, commit and restore replies are cached per checkpoint id by the
 participants and replayed on retry, so repeating the step an operator died in returns what it
@@ -35,8 +40,8 @@ from rollout_protocol import (
 )
 
 from .api import (
-    ANNOTATION_LATEST_CHECKPOINT,
-    ANNOTATION_LATEST_CHECKPOINT_TIME,
+    CHECKPOINT_FINISHED,
+    CHECKPOINT_RUNNING,
     LABEL_ATTEMPT,
     CheckpointConditionType,
     CheckpointDurations,
@@ -51,31 +56,22 @@ from .api import (
     dump,
     format_time,
 )
-from .conditions import find_condition, set_condition, utcnow
-from .kube import Conflict, Kube, api_error_message
+from .conditions import find_condition, set_condition
+from .kube import Kube
+from .leases import CheckpointLeases
 from .policy import PrepareDeadline, TerminatingPod, eviction_prepare_deadline
-from .policyops import checkpoint_views
 from .resources import set_selector
 from .setops import read_control_token
-from .statusrepair import NOT_AN_INTERFACE, repair_published_checkpoint
+from .statusrepair import repair_published_checkpoint
 from .watching import NoLongerHolds, while_holding
 
 logger = logging.getLogger(__name__)
 
 
-TERMINAL: Final = frozenset({CheckpointPhase.READY, CheckpointPhase.FAILED})
-IN_FLIGHT: Final = frozenset(
-    {
-        CheckpointPhase.PREPARING,
-        CheckpointPhase.COMMITTING,
-        CheckpointPhase.PUBLISHING,
-        CheckpointPhase.RESUMING,
-    }
-)
+TERMINAL: Final = CHECKPOINT_FINISHED
+IN_FLIGHT: Final = CHECKPOINT_RUNNING
 """Phases entered while holding the set's slot; a restarted operator continues them."""
 _T = TypeVar("_T")
-RECENT_DURATIONS: Final = 20
-"""How many recent checkpoint durations the set keeps (the deadline reserve is built on them)."""
 
 
 class Reason:
@@ -121,8 +117,11 @@ class FlowSettings:
     """How long a checkpoint waits for a RolloutSet that does not exist (yet) before it fails
     with SetNotFound."""
     set_watch_seconds: float = 1.0
-    """How often the set is looked at during prepare and commit, to fail the checkpoint as soon
-    as its participants are lost (a recovery started) instead of at the step's deadline."""
+    """The longest a prepare or commit goes without looking at the set (it looks at every event
+    of the set too), to fail the checkpoint as soon as its participants are lost (a recovery
+    started) instead of at the step's deadline."""
+    lease_margin_seconds: int = 60
+    """Added to the longest a checkpoint's steps may take to make the Lease's duration."""
 
 
 _UNQUEUED_TRIGGERS: Final = frozenset({Trigger.EVICTION, Trigger.DEADLINE})
@@ -183,15 +182,18 @@ class CheckpointFlow:
         participants_factory: Callable[[RolloutSet, str], list[HttpParticipantClient]]
         | None = None,
         slots: anyio.Semaphore | None = None,
+        leases: CheckpointLeases | None = None,
     ) -> None:
         """`slots`: the operator's checkpoints that may run at once, shared by every flow
-        (`--max-concurrent-checkpoints`); None: no limit."""
+        (`--max-concurrent-checkpoints`); None: no limit. `leases`: the per-set slots, shared
+        by the process's flows (they remember the Leases they wrote)."""
         self._kube = kube
         self._settings = settings or FlowSettings()
         self._clock = clock
         self._on_transition = on_transition
         self._participants_factory = participants_factory or _http_participants
         self._slots = slots
+        self._leases = leases or CheckpointLeases(kube, clock=clock)
 
     # --- persistence --------------------------------------------------------------------------
 
@@ -267,11 +269,11 @@ class CheckpointFlow:
     # --- the per-set slot ----------------------------------------------------------------------
 
     async def _take_slot(self, ckpt: RolloutCheckpoint) -> RolloutSet:
-        """Wait until this checkpoint holds the set's `activeCheckpoint` and the set is Ready.
+        """Wait until the set is Ready and this checkpoint holds the set's Lease.
 
-        The slot lives in the set's status, so it survives an operator restart; a holder that
-        is gone or finished is taken over. Waiting is bounded by the set's prepare timeout.
-        """
+        The Lease survives an operator restart; a holder that is gone or finished is taken
+        over (`leases`). Waiting is bounded by the set's prepare and restore timeouts; it wakes
+        on the set's events (a recovery ending, a checkpoint finishing)."""
         namespace = ckpt.metadata.namespace or "default"
         me = ckpt.metadata.name
         deadline: float | None = None
@@ -294,19 +296,12 @@ class CheckpointFlow:
             if deadline is None:
                 timeout = rset.spec.checkpoint_policy.prepare_timeout_seconds
                 deadline = self._clock() + timeout + rset.spec.recovery.restore_timeout_seconds
-            wait_reason = await self._why_wait(rset, me, ckpt.spec.trigger)
+            wait_reason = self._why_wait(rset, ckpt.spec.trigger)
             if wait_reason is None:
-                try:
-                    if rset.status.active_checkpoint != me:
-                        await self._kube.patch_set_status(
-                            namespace,
-                            rset.metadata.name,
-                            {"activeCheckpoint": me},
-                            resource_version=rset.metadata.resource_version,
-                        )
+                holder = await self._leases.take(rset, me, self._lease_seconds(rset))
+                if holder is None:
                     return rset
-                except Conflict:
-                    continue
+                wait_reason = f"checkpoint {holder} of set {rset.metadata.name} is running"
             if wait_reason != queued_reason:
                 queued_reason = wait_reason
                 await self._phase(
@@ -319,25 +314,27 @@ class CheckpointFlow:
                     Reason.SET_NOT_READY,
                     f"gave up waiting to start: {wait_reason}",
                 )
-            await anyio.sleep(self._settings.queue_poll_seconds)
+            await self._kube.cache.wait_for_change(
+                namespace, ckpt.spec.rollout_set, self._settings.queue_poll_seconds
+            )
 
-    async def _why_wait(
-        self, rset: RolloutSet, me: str, trigger: Trigger = Trigger.MANUAL
-    ) -> str | None:
+    def _lease_seconds(self, rset: RolloutSet) -> int:
+        """The Lease's duration: the longest this checkpoint's steps may take, and a margin."""
+        settings = self._settings
+        return int(
+            rset.spec.checkpoint_policy.prepare_timeout_seconds
+            + settings.commit_timeout_seconds
+            + settings.resume_timeout_seconds
+            + settings.lease_margin_seconds
+        )
+
+    def _why_wait(self, rset: RolloutSet, trigger: Trigger = Trigger.MANUAL) -> str | None:
         """None when the checkpoint may start now; else why it waits (for the Queued message).
 
         An Eviction checkpoint runs while its pod terminates: that pod is unready (the set is
         not Ready) but its control plane answers until the grace period ends, and the recovery
         holds off until this checkpoint finished (`policyops.eviction_holds`)."""
         status = rset.status
-        active = status.active_checkpoint
-        if active and active != me:
-            other = await self._read(rset.metadata.namespace or "default", active)
-            if other is not None and other.status.phase not in TERMINAL:
-                return f"checkpoint {active} of set {rset.metadata.name} is running"
-        running = await self._running_elsewhere(rset, me)
-        if running is not None:
-            return f"checkpoint {running} of set {rset.metadata.name} is running"
         if status.recovery is not None:
             return f"set {rset.metadata.name} is Recovering"
         suspended = find_condition(status.conditions, SetConditionType.SUSPENDED.value)
@@ -354,62 +351,9 @@ class CheckpointFlow:
             return f"participants of set {rset.metadata.name} are not all Ready"
         return None
 
-    async def _running_elsewhere(self, rset: RolloutSet, me: str) -> str | None:
-        """Another checkpoint of the set that is past its start (Preparing to Resuming), whatever
-        `status.activeCheckpoint` says: the slot is status, and status can be written by hand
-        (cleared, or pointed at another name) while a checkpoint runs; a second one started
-        beside it would be refused by every participant (conflicting_checkpoint) and fail.
-        The slot is written back to the running one, with a warning (issue 15, class 2)."""
-        namespace = rset.metadata.namespace or "default"
-        listed = await self._kube.list_checkpoints(namespace, rset.metadata.name)
-        running = sorted(
-            c.name
-            for c in checkpoint_views(listed)
-            if c.name != me and c.phase in IN_FLIGHT and not c.deleting
-        )
-        if not running:
-            return None
-        holder = running[0]
-        if rset.status.active_checkpoint != holder:
-            message = (
-                f"status.activeCheckpoint said {rset.status.active_checkpoint!r} while "
-                f"checkpoint {holder} runs: wrote back {holder!r}; {NOT_AN_INTERFACE}"
-            )
-            try:
-                await self._kube.patch_set_status(
-                    namespace,
-                    rset.metadata.name,
-                    {"activeCheckpoint": holder},
-                    resource_version=rset.metadata.resource_version,
-                )
-                logger.warning("RolloutSet %s/%s: %s", namespace, rset.metadata.name, message)
-            except Conflict:
-                pass  # written meanwhile; the next look sees it
-        return holder
-
-    async def _release_slot(self, ckpt: RolloutCheckpoint, extra: dict[str, Any]) -> None:
+    async def _release_slot(self, ckpt: RolloutCheckpoint) -> None:
         namespace = ckpt.metadata.namespace or "default"
-        for _ in range(10):
-            raw = await self._kube.get_set(namespace, ckpt.spec.rollout_set)
-            if raw is None:
-                return
-            rset = RolloutSet.model_validate(raw)
-            patch = dict(extra)
-            if rset.status.active_checkpoint == ckpt.metadata.name:
-                patch["activeCheckpoint"] = None
-            if not patch:
-                return
-            try:
-                await self._kube.patch_set_status(
-                    namespace,
-                    rset.metadata.name,
-                    patch,
-                    resource_version=rset.metadata.resource_version,
-                )
-                return
-            except Conflict:
-                continue
-        logger.warning("could not release the slot of set %s", ckpt.spec.rollout_set)
+        await self._leases.release(namespace, ckpt.spec.rollout_set, ckpt.metadata.name)
 
     # --- the flow -------------------------------------------------------------------------------
 
@@ -423,8 +367,8 @@ class CheckpointFlow:
         """Run the checkpoint to Ready or Failed, continuing from its persisted phase.
 
         The terminal phase is always the last write: the Kopf daemon running this flow is
-        cancelled as soon as it sees a terminal phase, so the slot release (and the durations
-        the set keeps) must already be done by then.
+        cancelled as soon as it sees a terminal phase, so the slot release must already be done
+        by then.
         """
         ckpt = await self._read(namespace, name)
         if ckpt is None:
@@ -461,12 +405,10 @@ class CheckpointFlow:
                     Reason.SET_NOT_READY, f"set {rset.metadata.name} shows no participant address"
                 )
             coordinator = Coordinator(participants)
-            set_patch = await self._drive(ckpt, rset, coordinator, started)
+            await self._drive(ckpt, rset, coordinator, started)
             published = True
-            await self._release_slot(ckpt, set_patch)
-            completed = datetime.now(UTC)
-            await self._mark_covered_pods(ckpt, rset, completed)
-            await self._phase(ckpt, CheckpointPhase.READY, completed_at=completed)
+            await self._release_slot(ckpt)
+            await self._phase(ckpt, CheckpointPhase.READY, completed_at=datetime.now(UTC))
         except anyio.get_cancelled_exc_class():
             # Deleted, or the operator stops: participants must not stay paused until their
             # leases lapse, and the set's slot must be free for the next checkpoint. Bounded,
@@ -478,7 +420,7 @@ class CheckpointFlow:
                 ):
                     logger.warning("checkpoint %s cancelled: aborting it", name)
                     await self._abort(coordinator, ckpt)
-                    await self._release_slot(ckpt, {})
+                    await self._release_slot(ckpt)
                     # Its id is stale on every participant now: it can never be published.
                     await self._fail(
                         ckpt,
@@ -493,7 +435,7 @@ class CheckpointFlow:
             published = published or ckpt.status.phase is CheckpointPhase.RESUMING
             if coordinator is not None and not published:
                 await self._abort(coordinator, ckpt)
-            await self._release_slot(ckpt, {})
+            await self._release_slot(ckpt)
             if published:
                 # Ready already (records complete and published): never taken back.
                 logger.warning("checkpoint %s: %s", name, failed.message)
@@ -537,29 +479,6 @@ class CheckpointFlow:
         )
         await slots.acquire()
         return True
-
-    async def _mark_covered_pods(
-        self, ckpt: RolloutCheckpoint, rset: RolloutSet, completed: datetime
-    ) -> None:
-        """Annotate every participant pod with this checkpoint and its time (after the resume:
-        nothing waits for it). Best effort: a pod that is gone or a refused patch is logged."""
-        namespace = ckpt.metadata.namespace or "default"
-        annotations = {
-            ANNOTATION_LATEST_CHECKPOINT: ckpt.metadata.name,
-            ANNOTATION_LATEST_CHECKPOINT_TIME: format_time(completed),
-        }
-        for participant in rset.status.participants:
-            try:
-                await self._kube.patch_pod_metadata(
-                    namespace, participant.pod, annotations=annotations
-                )
-            except ApiException as error:
-                logger.warning(
-                    "checkpoint %s: could not annotate pod %s: %s",
-                    ckpt.metadata.name,
-                    participant.pod,
-                    api_error_message(error),
-                )
 
     async def _held_slot(self, ckpt: RolloutCheckpoint) -> RolloutSet:
         """After an operator restart in a running phase: the slot is still ours (nobody takes
@@ -615,6 +534,7 @@ class CheckpointFlow:
         A participant pod lost during prepare or commit would otherwise keep the step waiting
         for a dead pod until the step's deadline; the set's recovery (running concurrently in
         the set's loop) says at once that this attempt is gone (DESIGN 6.6: ParticipantLost).
+        The set is looked at on each of its events (from the watch: no request).
         """
         namespace = ckpt.metadata.namespace or "default"
 
@@ -628,16 +548,21 @@ class CheckpointFlow:
                 return "the RolloutSet was deleted"
             return _set_lost(RolloutSet.model_validate(raw), ckpt.status.attempt)
 
+        async def next_look() -> None:
+            await self._kube.cache.wait_for_change(
+                namespace, ckpt.spec.rollout_set, self._settings.set_watch_seconds
+            )
+
         try:
-            return await while_holding(step, lost, self._settings.set_watch_seconds)
+            return await while_holding(step, lost, next_look)
         except NoLongerHolds as broken:
             raise CheckpointFailed(Reason.PARTICIPANT_LOST, str(broken)) from None
 
     async def _drive(
         self, ckpt: RolloutCheckpoint, rset: RolloutSet, coordinator: Coordinator, started: float
-    ) -> dict[str, Any]:
+    ) -> None:
         """The steps, each entered with its phase persisted first; ends with the participants
-        resumed and the checkpoint published (phase Resuming). Returns the set's patch."""
+        resumed and the checkpoint published (phase Resuming)."""
         checkpoint_id = ckpt.metadata.name
         phase = ckpt.status.phase
         settings = self._settings
@@ -751,8 +676,6 @@ class CheckpointFlow:
                 )
             }
         )
-        recent = list(rset.status.recent_checkpoint_seconds)[-(RECENT_DURATIONS - 1) :]
-        return {"recentCheckpointSeconds": [*recent, round(total, 3)]}
 
     async def _publish(
         self,
@@ -808,27 +731,6 @@ class CheckpointFlow:
         await self._write(ckpt, status)
         if self._on_transition is not None:
             await self._on_transition(ckpt, Reason.PUBLISHED, message)
-        await self._point_set_at(ckpt)
-
-    async def _point_set_at(self, ckpt: RolloutCheckpoint) -> None:
-        """One unconditional status patch, with no read first: it runs while every episode
-        waits for the resume. Only this flow moves `latestCheckpoint` forward (one checkpoint
-        at a time per set), and retention's repoint is conditional on the resourceVersion, so
-        a retention racing with this write re-reads and finds the new checkpoint."""
-        namespace = ckpt.metadata.namespace or "default"
-        try:
-            await self._kube.patch_set_status(
-                namespace,
-                ckpt.spec.rollout_set,
-                {
-                    "latestCheckpoint": ckpt.metadata.name,
-                    "latestCheckpointTime": utcnow().strftime("%Y-%m-%dT%H:%M:%SZ"),
-                },
-                resource_version=None,
-            )
-        except ApiException as error:
-            if error.status != 404:
-                raise
 
 
 async def alongside(write: Awaitable[None], step: Awaitable[_T]) -> _T:

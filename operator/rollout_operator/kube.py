@@ -1,62 +1,44 @@
 """The operator's Kubernetes client (kubernetes_asyncio) and the few calls it needs.
 
 Kopf watches and patches the objects it handles itself; this client is for everything else:
-creating pods, Services and the token Secret, listing pods, and writing a RolloutSet's status
-from handlers of other objects (pod events). Objects cross this boundary as plain dicts in the
-wire (camelCase) form, which the pure modules (`resources`, `setplan`) work on.
+creating pods, Services and the token Secret, the per-set checkpoint Lease, and writing status.
+Objects cross this boundary as plain dicts in the wire (camelCase) form, which the pure modules
+(`resources`, `setplan`) work on.
+
+Reads are served from the watches (`cache.ClusterCache`, once the Kopf handlers attached it):
+sets, checkpoints, the set's pods and nodes cost no request. A read with `fresh=True` goes to
+the API server; only a destructive decision makes one (see `Kube.get_set`). Every object a write
+returns goes into the cache, so the operator reads its own writes before the watch reports them;
+a write refused for a stale resourceVersion reads the object again first, so the retry that
+follows sees the version that won.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
-from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass
-from typing import Any, Final, cast
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from .api import CHECKPOINT_SET_FIELD, GROUP, ROLLOUT_CHECKPOINT_PLURAL, ROLLOUT_SET_PLURAL, VERSION
+from .api import (
+    CHECKPOINT_SET_FIELD,
+    GROUP,
+    LABEL_SET,
+    ROLLOUT_CHECKPOINT_PLURAL,
+    ROLLOUT_SET_PLURAL,
+    VERSION,
+)
+from .cache import CHECKPOINTS, PODS, SETS, ClusterCache
 
 logger = logging.getLogger(__name__)
 
 MERGE_PATCH = "application/merge-patch+json"
 _MERGE_PATCH: dict[str, Any] = {"_content_type": MERGE_PATCH}
 """The generated client would pick JSON Patch for a dict body; status writes are merge patches."""
-
-
-_pass_reads: ContextVar[dict[tuple[str, ...], tuple[float, bytes]] | None] = ContextVar(
-    "kube_pass_reads", default=None
-)
-SNAPSHOT_MAX_AGE_SECONDS: Final = 0.4
-"""A read older than this is made again: below every poll interval of the flows a pass may run
-(the recovery polls its pods every 0.5 s), so a wait inside a pass never sees a frozen world."""
-
-
-@contextmanager
-def pass_snapshot() -> Iterator[None]:
-    """Within the block, a set and a pod list read again are served from the first read until
-    this process writes anything (issue 14: one reconcile pass read its set and listed its pods
-    three times, in the status repair, the recovery check and the reconcile).
-
-    A stored read is used for `SNAPSHOT_MAX_AGE_SECONDS` at most: no staler than the pass
-    already is between its steps, and whatever changes meanwhile also wakes the set's loop for
-    another pass. Each read parses the stored body again, so callers may change what they get."""
-    token = _pass_reads.set({})
-    try:
-        yield
-    finally:
-        _pass_reads.reset(token)
-
-
-def _forget_reads() -> None:
-    reads = _pass_reads.get()
-    if reads:
-        reads.clear()
 
 
 class Conflict(Exception):
@@ -82,8 +64,14 @@ class Kube:
     api: client.ApiClient
     core: client.CoreV1Api
     custom: client.CustomObjectsApi
+    coordination: client.CoordinationV1Api | None = None
     field_selectors: bool = True
     """Whether the API server filters checkpoints by set (False once it refused to)."""
+    cache: ClusterCache = field(default_factory=ClusterCache)
+    """The watches' view; reads go to the API server until the handlers attach Kopf's indexes."""
+    _secrets: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    """Secrets read or created by this process (the control tokens: never replaced while they
+    exist, so a checkpoint reads its set's token from here, not from the API server)."""
 
     @classmethod
     async def connect(
@@ -105,7 +93,12 @@ class Kube:
                 config_file=kubeconfig, client_configuration=configuration
             )
         api = client.ApiClient(configuration)
-        return cls(api=api, core=client.CoreV1Api(api), custom=client.CustomObjectsApi(api))
+        return cls(
+            api=api,
+            core=client.CoreV1Api(api),
+            custom=client.CustomObjectsApi(api),
+            coordination=client.CoordinationV1Api(api),
+        )
 
     async def close(self) -> None:
         await self.api.close()
@@ -129,22 +122,6 @@ class Kube:
     async def _raw(cls, request: Awaitable[Any]) -> dict[str, Any]:
         return cast(dict[str, Any], json.loads(await cls._body(request)))
 
-    @classmethod
-    async def _read(
-        cls, key: tuple[str, ...], request: Callable[[], Awaitable[Any]], *, fresh: bool = False
-    ) -> dict[str, Any]:
-        """A read, served from the pass snapshot when one is open and holds it (unless `fresh`:
-        then always from the API server, and the snapshot keeps the newer read)."""
-        reads = _pass_reads.get()
-        stored = reads.get(key) if reads is not None and not fresh else None
-        if stored is not None and time.monotonic() - stored[0] <= SNAPSHOT_MAX_AGE_SECONDS:
-            body = stored[1]
-        else:
-            body = await cls._body(request())
-            if reads is not None:
-                reads[key] = (time.monotonic(), body)
-        return cast(dict[str, Any], json.loads(body))
-
     def to_dict(self, obj: Any) -> dict[str, Any]:
         """A typed client object in its wire form (camelCase keys, strings for times)."""
         return cast(dict[str, Any], self.api.sanitize_for_serialization(obj))
@@ -154,20 +131,25 @@ class Kube:
     async def get_set(
         self, namespace: str, name: str, *, fresh: bool = False
     ) -> dict[str, Any] | None:
-        """The set as the API server has it; `fresh` skips the pass snapshot (a read that must
-        be newer than one made before, e.g. to explain a pod deletion seen since)."""
+        """The set as the watch last saw it (or as this process last wrote it).
+
+        `fresh=True` asks the API server instead. Only decisions that cannot be taken back
+        read that way: whether a pod deletion was the set's own suspend or a loss (a recovery
+        would stop every participant), and the re-read after a refused write (`Conflict`)."""
+        if not fresh and self.cache.ready:
+            return self.cache.get_set(namespace, name)
         try:
-            return await self._read(
-                ("set", namespace, name),
-                lambda: self.custom.get_namespaced_custom_object(
+            obj = await self._raw(
+                self.custom.get_namespaced_custom_object(
                     GROUP, VERSION, namespace, ROLLOUT_SET_PLURAL, name, _preload_content=False
-                ),
-                fresh=fresh,
+                )
             )
         except ApiException as error:
             if error.status == 404:
                 return None
             raise
+        self.cache.saw(SETS, obj)
+        return obj
 
     async def patch_set_status(
         self,
@@ -179,35 +161,46 @@ class Kube:
     ) -> dict[str, Any]:
         """Merge-patch the status subresource; with `resource_version`, only if unchanged since.
 
-        The precondition makes concurrent writers (this reconciler, the recovery and checkpoint
-        flows) safe: a lost race is a `Conflict`, never a silently overwritten condition.
+        The precondition makes concurrent writers (this reconciler, the recovery and the
+        policy) safe: a lost race is a `Conflict`, never a silently overwritten condition.
         """
-        _forget_reads()
         body: dict[str, Any] = {"status": dict(status)}
         if resource_version is not None:
             body["metadata"] = {"resourceVersion": resource_version}
         try:
-            obj = await self.custom.patch_namespaced_custom_object_status(
-                GROUP, VERSION, namespace, ROLLOUT_SET_PLURAL, name, body, **_MERGE_PATCH
+            obj = await self._raw(
+                self.custom.patch_namespaced_custom_object_status(
+                    GROUP,
+                    VERSION,
+                    namespace,
+                    ROLLOUT_SET_PLURAL,
+                    name,
+                    body,
+                    _preload_content=False,
+                    **_MERGE_PATCH,
+                )
             )
         except ApiException as error:
             if error.status == 409:
+                await self.get_set(namespace, name, fresh=True)
                 raise Conflict(api_error_message(error)) from error
             raise
-        return cast(dict[str, Any], obj)
+        self.cache.saw(SETS, obj, set_name=name)
+        return obj
 
     # --- RolloutCheckpoints -----------------------------------------------------------------------
 
     async def list_checkpoints(self, namespace: str, set_name: str) -> list[dict[str, Any]]:
         """Every RolloutCheckpoint whose `spec.rolloutSet` is `set_name` (people create them
-        unlabelled, so a label selector would miss some), in wire form, parsed once.
+        unlabelled, so a label selector would miss some), in wire form.
 
-        The API server filters them by the CRD's selectable field (Kubernetes 1.31+): listing
-        the namespace and filtering here parsed every set's checkpoints on every policy pass, a
-        fifth of the operator's CPU with 100 sets in a checkpoint storm (py-spy). An API server
-        that refuses the field selector (older, or without the CRD applied by this version) is
-        asked for the whole namespace from then on, and this process filters."""
-        field = f"spec.{CHECKPOINT_SET_FIELD}"
+        From the watch's index when attached. Without it, the API server filters them by the
+        CRD's selectable field (Kubernetes 1.31+); one that refuses the field selector (older,
+        or without the CRD applied by this version) is asked for the whole namespace from then
+        on, and this process filters."""
+        if self.cache.ready:
+            return self.cache.list_checkpoints(namespace, set_name)
+        field_name = f"spec.{CHECKPOINT_SET_FIELD}"
         if self.field_selectors:
             try:
                 listing = await self._raw(
@@ -216,7 +209,7 @@ class Kube:
                         VERSION,
                         namespace,
                         ROLLOUT_CHECKPOINT_PLURAL,
-                        field_selector=f"{field}={set_name}",
+                        field_selector=f"{field_name}={set_name}",
                         _preload_content=False,
                     )
                 )
@@ -228,7 +221,7 @@ class Kube:
                 logger.info(
                     "the API server does not filter RolloutCheckpoints by %s (%s): listing the "
                     "namespace and filtering in the operator instead",
-                    field,
+                    field_name,
                     api_error_message(error),
                 )
         listing = await self._raw(
@@ -239,60 +232,93 @@ class Kube:
         items = cast(list[dict[str, Any]], listing.get("items") or [])
         return [c for c in items if (c.get("spec") or {}).get(CHECKPOINT_SET_FIELD) == set_name]
 
-    async def get_checkpoint(self, namespace: str, name: str) -> dict[str, Any] | None:
+    async def get_checkpoint(
+        self, namespace: str, name: str, *, fresh: bool = False
+    ) -> dict[str, Any] | None:
         """A RolloutCheckpoint in its wire form; None when it does not exist."""
+        if not fresh and self.cache.ready:
+            return self.cache.get_checkpoint(namespace, name)
         try:
-            obj = await self.custom.get_namespaced_custom_object(
-                GROUP, VERSION, namespace, ROLLOUT_CHECKPOINT_PLURAL, name
+            obj = await self._raw(
+                self.custom.get_namespaced_custom_object(
+                    GROUP,
+                    VERSION,
+                    namespace,
+                    ROLLOUT_CHECKPOINT_PLURAL,
+                    name,
+                    _preload_content=False,
+                )
             )
         except ApiException as error:
             if error.status == 404:
                 return None
             raise
-        return cast(dict[str, Any], obj)
+        self.cache.saw(CHECKPOINTS, obj)
+        return obj
 
     async def patch_checkpoint_status(
         self, namespace: str, name: str, status: Mapping[str, Any]
     ) -> dict[str, Any]:
         """Merge-patch a RolloutCheckpoint's status subresource (lists in it replace)."""
-        _forget_reads()
         body: dict[str, Any] = {"status": dict(status)}
-        obj = await self.custom.patch_namespaced_custom_object_status(
-            GROUP, VERSION, namespace, ROLLOUT_CHECKPOINT_PLURAL, name, body, **_MERGE_PATCH
+        obj = await self._raw(
+            self.custom.patch_namespaced_custom_object_status(
+                GROUP,
+                VERSION,
+                namespace,
+                ROLLOUT_CHECKPOINT_PLURAL,
+                name,
+                body,
+                _preload_content=False,
+                **_MERGE_PATCH,
+            )
         )
-        return cast(dict[str, Any], obj)
+        set_name = (obj.get("spec") or {}).get(CHECKPOINT_SET_FIELD)
+        self.cache.saw(CHECKPOINTS, obj, set_name=set_name if isinstance(set_name, str) else None)
+        return obj
 
     # --- core objects ---------------------------------------------------------------------------
 
     async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
-        """The pods as the API server sent them (wire dicts, parsed once).
+        """The pods whose labels match `label_selector` (`key=value,...`), as wire dicts.
 
-        Not through the generated `V1Pod` models: deserializing every pod into them (dates parsed
-        with dateutil) and serializing them back to dicts was half of the operator's CPU with
-        100 sets (issue 14, py-spy)."""
-        listing = await self._read(
-            ("pods", namespace, label_selector),
-            lambda: self.core.list_namespaced_pod(
+        A selector that names a set is answered from the watch's index of the set's pods.
+        Not through the generated `V1Pod` models otherwise: deserializing every pod into them
+        (dates parsed with dateutil) was half of the operator's CPU with 100 sets (issue 14)."""
+        labels = _equality_selector(label_selector)
+        set_name = labels.get(LABEL_SET) if labels is not None else None
+        if labels is not None and set_name is not None and self.cache.ready:
+            return self.cache.list_pods(namespace, set_name, labels)
+        listing = await self._raw(
+            self.core.list_namespaced_pod(
                 namespace, label_selector=label_selector, _preload_content=False
-            ),
+            )
         )
         return cast(list[dict[str, Any]], listing.get("items") or [])
 
     async def create_pod(self, namespace: str, manifest: Mapping[str, Any]) -> bool:
         """Create a pod; False when one with that name exists already (idempotent retries)."""
         body: Any = manifest
-        return await _create_if_absent(lambda: self.core.create_namespaced_pod(namespace, body))
+        created = await _create_if_absent(
+            lambda: self._raw(
+                self.core.create_namespaced_pod(namespace, body, _preload_content=False)
+            )
+        )
+        if created is not None:
+            self.cache.saw(PODS, created, set_name=_set_label(created))
+        return created is not None
 
     async def delete_pod(
         self, namespace: str, name: str, *, grace_seconds: int | None = None
     ) -> bool:
         """Delete a pod; False when it is gone already."""
-        _forget_reads()
         options: dict[str, Any] = {}
         if grace_seconds is not None:
             options["grace_period_seconds"] = grace_seconds
         try:
-            await self.core.delete_namespaced_pod(name, namespace, **options)
+            await self.core.delete_namespaced_pod(
+                name, namespace, _preload_content=False, **options
+            )
         except ApiException as error:
             if error.status == 404:
                 return False
@@ -308,7 +334,6 @@ class Kube:
         annotations: Mapping[str, str] | None = None,
     ) -> bool:
         """Merge-patch a pod's labels and annotations; False when the pod is gone."""
-        _forget_reads()
         metadata: dict[str, Any] = {}
         if labels:
             metadata["labels"] = dict(labels)
@@ -316,38 +341,137 @@ class Kube:
             metadata["annotations"] = dict(annotations)
         body: Any = {"metadata": metadata}
         try:
-            await self.core.patch_namespaced_pod(name, namespace, body, **_MERGE_PATCH)
+            obj = await self._raw(
+                self.core.patch_namespaced_pod(
+                    name, namespace, body, _preload_content=False, **_MERGE_PATCH
+                )
+            )
         except ApiException as error:
             if error.status == 404:
                 return False
             raise
+        self.cache.saw(PODS, obj, set_name=_set_label(obj))
         return True
+
+    async def get_node(self, name: str) -> dict[str, Any] | None:
+        """A node (wire form); None when it does not exist (or the watch has not seen it)."""
+        if self.cache.ready:
+            return self.cache.get_node(name)
+        try:
+            return await self._raw(self.core.read_node(name, _preload_content=False))
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
 
     async def create_service(self, namespace: str, manifest: Mapping[str, Any]) -> bool:
         body: Any = manifest
-        return await _create_if_absent(lambda: self.core.create_namespaced_service(namespace, body))
+        created = await _create_if_absent(
+            lambda: self._raw(
+                self.core.create_namespaced_service(namespace, body, _preload_content=False)
+            )
+        )
+        return created is not None
 
-    async def get_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
+    async def get_secret(
+        self, namespace: str, name: str, *, remembered: bool = False
+    ) -> dict[str, Any] | None:
+        """A Secret; with `remembered`, the one this process last read or created if any."""
+        if remembered and (namespace, name) in self._secrets:
+            return self._secrets[(namespace, name)]
+        try:
+            secret = await self._raw(
+                self.core.read_namespaced_secret(name, namespace, _preload_content=False)
+            )
+        except ApiException as error:
+            if error.status == 404:
+                self._secrets.pop((namespace, name), None)
+                return None
+            raise
+        self._secrets[(namespace, name)] = secret
+        return secret
+
+    async def create_secret(self, namespace: str, manifest: Mapping[str, Any]) -> bool:
+        body: Any = manifest
+        created = await _create_if_absent(
+            lambda: self._raw(
+                self.core.create_namespaced_secret(namespace, body, _preload_content=False)
+            )
+        )
+        if created is not None:
+            self._secrets[(namespace, str(manifest["metadata"]["name"]))] = created
+        return created is not None
+
+    # --- Leases -----------------------------------------------------------------------------------
+
+    def _leases(self) -> client.CoordinationV1Api:
+        if self.coordination is None:
+            self.coordination = client.CoordinationV1Api(self.api)
+        return self.coordination
+
+    async def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
             return await self._raw(
-                self.core.read_namespaced_secret(name, namespace, _preload_content=False)
+                self._leases().read_namespaced_lease(name, namespace, _preload_content=False)
             )
         except ApiException as error:
             if error.status == 404:
                 return None
             raise
 
-    async def create_secret(self, namespace: str, manifest: Mapping[str, Any]) -> bool:
+    async def create_lease(
+        self, namespace: str, manifest: Mapping[str, Any]
+    ) -> dict[str, Any] | None:
+        """Create a Lease; None when one of that name exists already."""
         body: Any = manifest
-        return await _create_if_absent(lambda: self.core.create_namespaced_secret(namespace, body))
+        return await _create_if_absent(
+            lambda: self._raw(
+                self._leases().create_namespaced_lease(namespace, body, _preload_content=False)
+            )
+        )
+
+    async def replace_lease(self, namespace: str, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """Replace a Lease; its `metadata.resourceVersion` is the precondition (a `Conflict`
+        when it changed since; `LookupError` when it is gone)."""
+        body: Any = manifest
+        name = str(manifest["metadata"]["name"])
+        try:
+            return await self._raw(
+                self._leases().replace_namespaced_lease(
+                    name, namespace, body, _preload_content=False
+                )
+            )
+        except ApiException as error:
+            if error.status == 409:
+                raise Conflict(api_error_message(error)) from error
+            if error.status == 404:
+                raise LookupError(f"lease {namespace}/{name} is gone") from error
+            raise
 
 
-async def _create_if_absent(create: Callable[[], Awaitable[Any]]) -> bool:
-    _forget_reads()
+def _set_label(obj: Mapping[str, Any]) -> str | None:
+    value = ((obj.get("metadata") or {}).get("labels") or {}).get(LABEL_SET)
+    return value if isinstance(value, str) else None
+
+
+def _equality_selector(selector: str) -> dict[str, str] | None:
+    """`a=b,c=d` as a dict; None for any other selector syntax."""
+    labels: dict[str, str] = {}
+    for term in selector.split(","):
+        key, sep, value = term.partition("=")
+        if not sep or not key or "!" in key or value.startswith("="):
+            return None
+        labels[key.strip()] = value.strip()
+    return labels
+
+
+async def _create_if_absent(
+    create: Callable[[], Awaitable[dict[str, Any]]],
+) -> dict[str, Any] | None:
+    """The created object; None when one of that name exists (HTTP 409)."""
     try:
-        await create()
+        return await create()
     except ApiException as error:
         if error.status == 409:
-            return False
+            return None
         raise
-    return True

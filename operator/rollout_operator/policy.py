@@ -23,6 +23,7 @@ Three rules shape every decision:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import statistics
@@ -31,6 +32,8 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any, Final
+
+from pydantic import ValidationError
 
 from .api import (
     ANNOTATION_TRAINER_STEP,
@@ -47,6 +50,8 @@ from .api import (
     Trigger,
     format_time,
 )
+
+logger = logging.getLogger(__name__)
 
 ANNOTATION_DEADLINE_OUTCOME: Final = f"{GROUP}/deadline-outcome"
 """On a RolloutSet: the settled outcome of the current `mustSaveBy` (JSON, see `DeadlineRecord`).
@@ -140,6 +145,8 @@ class CheckpointView:
     failure: str = ""
     """The Failed condition's reason and message, for the messages that name this checkpoint."""
     deleting: bool = False
+    total_seconds: float | None = None
+    """Creation of the first phase to Ready (`status.durations.totalSeconds`)."""
 
     @property
     def finished(self) -> bool:
@@ -180,7 +187,23 @@ class CheckpointView:
                 else ""
             ),
             deleting=meta.get("deletionTimestamp") is not None,
+            total_seconds=(
+                ckpt.status.durations.total_seconds if ckpt.status.durations is not None else None
+            ),
         )
+
+
+def checkpoint_views(raw: Iterable[Mapping[str, Any]]) -> list[CheckpointView]:
+    """The views of the RolloutCheckpoints given in wire form; an unreadable one is left out
+    (and logged)."""
+    views: list[CheckpointView] = []
+    for obj in raw:
+        try:
+            views.append(CheckpointView.from_object(obj))
+        except ValidationError as error:
+            name = (obj.get("metadata") or {}).get("name")
+            logger.warning("RolloutCheckpoint %s is unreadable, ignored: %s", name, error)
+    return views
 
 
 @dataclass(frozen=True)

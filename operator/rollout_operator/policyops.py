@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -78,15 +78,14 @@ from .policy import (
     SetView,
     SuspendAction,
     TerminatingPod,
+    checkpoint_views,
     eviction_checkpoint_name,
     eviction_decision,
-    latest_after_delete,
     plan,
 )
 from .policy import eviction_holds as _eviction_holds
 from .resources import owner_reference, set_dir, set_selector
 from .statusrepair import (
-    latest_repair,
     parse_creation,
     records_proven,
     repair_failed_checkpoint,
@@ -183,17 +182,6 @@ def kept_message(what: str, removal: Removal, root: Path) -> str | None:
 
 
 # --- API calls ----------------------------------------------------------------------------------
-
-
-def checkpoint_views(raw: Iterable[Mapping[str, Any]]) -> list[CheckpointView]:
-    views: list[CheckpointView] = []
-    for obj in raw:
-        try:
-            views.append(CheckpointView.from_object(obj))
-        except ValidationError as error:
-            name = (obj.get("metadata") or {}).get("name")
-            logger.warning("RolloutCheckpoint %s is unreadable, ignored: %s", name, error)
-    return views
 
 
 def checkpoint_manifest(rset: RolloutSet, create: Create) -> dict[str, Any]:
@@ -320,16 +308,6 @@ class PolicyPass:
         if await self._repair_failed(rset, listed):
             listed = await self._kube.list_checkpoints(namespace, name)
         checkpoints = checkpoint_views(listed)
-        repaired = latest_repair(rset, checkpoints)
-        if repaired is not None:
-            try:
-                await self._kube.patch_set_status(
-                    namespace, name, repaired.patch, resource_version=rset.metadata.resource_version
-                )
-            except Conflict:
-                return PassOutcome(again=True)
-            await self._note(rset, Note(repaired.reason, repaired.message, warning=True))
-            return PassOutcome(again=True)  # the next pass plans with the repaired status
         live = sum(1 for p in pods if _live(p))
         view = SetView.from_set(rset, live_pods=live)
         decided = plan(view, checkpoints, self._clock())
@@ -555,8 +533,10 @@ async def checkpoint_deleted(
     locator: StorageLocator | None = None,
     on_note: NoteSink | None = None,
 ) -> str:
-    """The RolloutCheckpoint finalizer: repoint the set's `latestCheckpoint` if it named this
-    one, then remove its records. Returns what was done, for the log."""
+    """The RolloutCheckpoint finalizer: remove its records. Returns what was done, for the log.
+
+    A set whose `latestCheckpoint` names it is repointed by the set's pass (a deleting
+    checkpoint is never the latest, and no recovery restores it: `setstatus.newest_ready`)."""
     locator = locator or StorageLocator.from_env()
     meta = ckpt.get("metadata") or {}
     name = str(meta.get("name"))
@@ -574,8 +554,6 @@ async def checkpoint_deleted(
         in (RecoveryPhase.STARTING_PODS, RecoveryPhase.RESTORING, RecoveryPhase.STOPPING_ATTEMPT)
     ):
         raise CheckpointBusy(f"recovery of set {rset.metadata.name} restores {name}")
-    if rset.status.latest_checkpoint == name:
-        await repoint_latest(kube, rset, name)
     root = locator.root(namespace, rset.spec.storage)
     if root is None:
         message = (
@@ -600,39 +578,6 @@ async def checkpoint_deleted(
     return f"records of {name} {'removed' if removal.found else 'were absent'}" + (
         f"; {kept}" if kept else ""
     )
-
-
-async def repoint_latest(kube: Kube, rset: RolloutSet, deleting: str) -> None:
-    """Point the set's `latestCheckpoint` at its newest Ready checkpoint other than `deleting`
-    (none: unset), unless someone else repointed it first."""
-    namespace = rset.metadata.namespace or "default"
-    for _ in range(10):
-        others = checkpoint_views(await kube.list_checkpoints(namespace, rset.metadata.name))
-        newest = latest_after_delete(others, deleting)
-        patch: dict[str, Any] = {
-            "latestCheckpoint": newest.name if newest else None,
-            "latestCheckpointTime": (
-                (newest.completed or newest.created).strftime("%Y-%m-%dT%H:%M:%SZ")
-                if newest
-                else None
-            ),
-        }
-        try:
-            await kube.patch_set_status(
-                namespace,
-                rset.metadata.name,
-                patch,
-                resource_version=rset.metadata.resource_version,
-            )
-            return
-        except Conflict:
-            raw = await kube.get_set(namespace, rset.metadata.name)
-            if raw is None:
-                return
-            rset = RolloutSet.model_validate(raw)
-            if rset.status.latest_checkpoint != deleting:
-                return
-    raise CheckpointBusy(f"could not repoint latestCheckpoint of {rset.metadata.name}")
 
 
 async def set_deleted(

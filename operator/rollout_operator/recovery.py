@@ -62,17 +62,13 @@ from .conditions import (
 )
 from .inplace import instance_name, plan_in_place, rewiring
 from .kube import Conflict, Kube
-from .policyops import (
-    RESUMED_REASON,
-    checkpoint_views,
-    eviction_holds,
-    repoint_latest,
-)
+from .policy import checkpoint_views
+from .policyops import RESUMED_REASON, eviction_holds
 from .resources import control_port, participant_url, set_selector
 from .setops import delete_attempt_pods, observe_pods, read_control_token, reconcile_pods
 from .setplan import Instance, PodView, attempt_instances
 from .setplan import Reason as SetReason
-from .statusrepair import NOT_AN_INTERFACE, REPAIRED, Repair, newest_ready
+from .setstatus import NOT_AN_INTERFACE, REPAIRED, Repair, newest_ready
 from .watching import NoLongerHolds, while_holding
 from .workloss import lost_reports, total_work, work_loss
 
@@ -224,13 +220,10 @@ async def observe(kube: Kube, rset: RolloutSet) -> tuple[list[PodView], dict[str
     }
     lost: set[str] = set()
     for node_name in set(nodes_of.values()):
-        try:
-            node = kube.to_dict(await kube.core.read_node(node_name))
-        except ApiException as error:
-            if error.status == 404:
-                lost.add(node_name)
-                continue
-            raise
+        node = await kube.get_node(node_name)
+        if node is None:
+            lost.add(node_name)
+            continue
         ready = next(
             (c for c in (node.get("status") or {}).get("conditions") or [] if c["type"] == "Ready"),
             None,
@@ -675,7 +668,10 @@ class RecoveryFlow:
                     f"pods of attempt {target} not Ready within restoreTimeoutSeconds "
                     f"({rset.spec.recovery.restore_timeout_seconds}): {', '.join(waiting[:5])}",
                 )
-            await anyio.sleep(POLL_SECONDS)
+            # The pods' events end the wait (the cache's view of them costs no request).
+            await self._kube.cache.wait_for_change(
+                rset.metadata.namespace or "default", rset.metadata.name, POLL_SECONDS
+            )
             fresh = await self._read(rset.metadata.namespace or "default", rset.metadata.name)
             if fresh is None:
                 raise RecoveryFailed("SetDeleted", "the RolloutSet was deleted")
@@ -887,8 +883,13 @@ class RecoveryFlow:
             losses = find_losses(rset, target, pods, nodes_of, lost_nodes)
             return next((loss.message for loss in losses.values()), None)
 
+        async def next_look() -> None:
+            await self._kube.cache.wait_for_change(
+                rset.metadata.namespace or "default", rset.metadata.name, POLL_SECONDS
+            )
+
         try:
-            return await while_holding(step, lost, POLL_SECONDS)
+            return await while_holding(step, lost, next_look)
         except NoLongerHolds as broken:
             raise RecoveryFailed(
                 Reason.REPLACEMENT_LOST, f"{broken}; the next try starts now"
@@ -897,9 +898,9 @@ class RecoveryFlow:
     async def _invalidate(self, rset: RolloutSet, name: str, detail: str) -> None:
         """Verification failures are permanent: the checkpoint is no longer restorable.
 
-        Its Ready condition turns False (reason RecordsInvalid, phase Failed), and the set's
-        `latestCheckpoint` moves to the newest other Ready checkpoint, so no later recovery
-        tries it again and retention treats its records as garbage."""
+        Its Ready condition turns False (reason RecordsInvalid, phase Failed), so no later
+        recovery tries it again, retention treats its records as garbage, and the set's pass
+        moves `latestCheckpoint` to the newest other Ready checkpoint."""
         namespace = rset.metadata.namespace or "default"
         ckpt = await self._read_checkpoint(rset, name)
         if ckpt is not None:
@@ -925,9 +926,6 @@ class RecoveryFlow:
                     "conditions": [_wire(c) for c in conditions],
                 },
             )
-        fresh = await self._read(namespace, rset.metadata.name)
-        if fresh is not None and fresh.status.latest_checkpoint == name:
-            await repoint_latest(self._kube, fresh, name)
         logger.warning(
             "set %s: checkpoint %s is not restorable: %s", rset.metadata.name, name, detail
         )

@@ -7,7 +7,9 @@ Plain async functions over `Kube` (no Kopf), so the recovery and checkpoint flow
 - `reconcile_pods(kube, rset, attempt)`: create the pods of an attempt that can be created now
   (peers known); call it again on every pod event until the plan is complete;
 - `delete_attempt_pods(kube, rset, attempt)`: remove an attempt's pods (Recreate recovery);
-- `reconcile_set`: one pass of the RolloutSet reconciler (what the Kopf daemon runs).
+- `reconcile_set`: one pass of the RolloutSet reconciler (what the Kopf daemon runs). It also
+  derives the set's checkpoint fields from its checkpoints (`setstatus`) and, once a checkpoint
+  is Ready, writes the latest-checkpoint hints on the pods it covers (`mark_covered_pods`).
 
 While `status.recovery` is set the recovery flow owns pod creation and the Ready, Progressing
 and Degraded conditions; `reconcile_set` then only refreshes `status.participants` (with the
@@ -16,6 +18,7 @@ pods of the recovery's target attempt).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -28,6 +31,8 @@ from pydantic import ValidationError
 from rollout_protocol import Role
 
 from .api import (
+    ANNOTATION_LATEST_CHECKPOINT,
+    ANNOTATION_LATEST_CHECKPOINT_TIME,
     MAX_REPLICAS,
     MAX_TEMPLATE_BYTES,
     ParticipantStatus,
@@ -37,6 +42,7 @@ from .api import (
 )
 from .conditions import ConditionUpdate, merge_conditions, utcnow
 from .kube import Conflict, Kube, api_error_message
+from .policy import checkpoint_views, parse_time
 from .resources import (
     attempt_selector,
     control_token_secret,
@@ -48,6 +54,7 @@ from .resources import (
     token_from_secret,
 )
 from .setplan import AttemptPlan, PodView, plan_attempt, set_conditions
+from .setstatus import Repair, checkpoint_fields
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +116,16 @@ class OwnedObjects:
 owned_objects = OwnedObjects()
 """The process's record (the reconcile pass consults it)."""
 
+_latest_written: dict[tuple[str, str], str | None] = {}
+"""The `latestCheckpoint` each set's pass last wrote (or found right) in this process: a shown
+value that differs was written by someone else (`setstatus.checkpoint_fields`)."""
+
+
+def latest_written_elsewhere(namespace: str, name: str, shown: object) -> bool:
+    """Whether the set's `latestCheckpoint` is not what its pass last wrote here."""
+    key = (namespace, name)
+    return key in _latest_written and _latest_written[key] != shown
+
 
 def _controlled_by(obj: dict[str, Any], rset: RolloutSet) -> bool:
     refs = (obj.get("metadata") or {}).get("ownerReferences") or []
@@ -138,8 +155,9 @@ async def ensure_control_token(kube: Kube, rset: RolloutSet) -> str:
 
 
 async def read_control_token(kube: Kube, namespace: str, set_name: str) -> str | None:
-    """The bearer token for the participants' control planes (None before it exists)."""
-    secret = await kube.get_secret(namespace, secret_name(set_name))
+    """The bearer token for the participants' control planes (None before it exists); the one
+    this process already read, when it did (a token is never replaced while its Secret exists)."""
+    secret = await kube.get_secret(namespace, secret_name(set_name), remembered=True)
     return None if secret is None else token_from_secret(secret)
 
 
@@ -337,6 +355,52 @@ def _blocked_status(
     }
 
 
+async def _checkpoint_changes(
+    kube: Kube, rset: RolloutSet
+) -> tuple[dict[str, Any], Repair | None, list[dict[str, Any]]]:
+    """The set's checkpoint fields (`setstatus`), the Repair to report, and the checkpoints."""
+    namespace = rset.metadata.namespace or "default"
+    listed = await kube.list_checkpoints(namespace, rset.metadata.name)
+    key = (namespace, rset.metadata.name)
+    fields, repair = checkpoint_fields(rset, checkpoint_views(listed), _latest_written.get(key))
+    return fields, repair, listed
+
+
+async def mark_covered_pods(
+    kube: Kube, rset: RolloutSet, latest: str | None, checkpoints: list[dict[str, Any]]
+) -> None:
+    """Annotate the pods the set's latest checkpoint covers (those that were running when it
+    started) with its name and completion time, where they do not say so already: one patch
+    per pod per checkpoint, after it is Ready, off its critical path. Best effort: a pod that
+    is gone or a refused patch is logged."""
+    if latest is None:
+        return
+    ckpt = next((c for c in checkpoints if c["metadata"]["name"] == latest), None)
+    status = (ckpt or {}).get("status") or {}
+    started, completed = parse_time(status.get("startedAt")), status.get("completedAt")
+    if started is None or not isinstance(completed, str):
+        return
+    namespace = rset.metadata.namespace or "default"
+    hints = {ANNOTATION_LATEST_CHECKPOINT: latest, ANNOTATION_LATEST_CHECKPOINT_TIME: completed}
+    for pod in await kube.list_pods(namespace, set_selector(rset.metadata.name)):
+        meta = pod.get("metadata") or {}
+        created = parse_time(meta.get("creationTimestamp"))
+        if meta.get("deletionTimestamp") or created is None or created > started:
+            continue
+        annotations = meta.get("annotations") or {}
+        if all(annotations.get(k) == v for k, v in hints.items()):
+            continue
+        try:
+            await kube.patch_pod_metadata(namespace, meta["name"], annotations=hints)
+        except ApiException as error:
+            logger.warning(
+                "set %s: could not annotate pod %s: %s",
+                rset.metadata.name,
+                meta["name"],
+                api_error_message(error),
+            )
+
+
 async def reconcile_set(
     kube: Kube,
     namespace: str,
@@ -377,11 +441,27 @@ async def reconcile_set(
         blocked_changes = _blocked_status(obj, generation, blocked.reason, blocked.message)
         return await _write_status(kube, obj, blocked_changes) or ReconcileOutcome()
 
+    async def write(changes: dict[str, Any], outcome: ReconcileOutcome) -> ReconcileOutcome:
+        """Write the pass's status with the checkpoint fields; then the pods' hints."""
+        fields, repair, listed = await _checkpoint_changes(kube, rset)
+        changes.update(fields)
+        conflict = await _write_status(kube, obj, changes)
+        if conflict is not None:
+            return conflict
+        latest = fields.get("latestCheckpoint", status.latest_checkpoint)
+        _latest_written[(namespace, name)] = latest
+        await mark_covered_pods(kube, rset, latest, listed)
+        if repair is not None:
+            logger.warning("RolloutSet %s/%s: %s", namespace, name, repair.message)
+            warnings = (*outcome.warnings, (repair.reason, repair.message))
+            return dataclasses.replace(outcome, warnings=warnings)
+        return outcome
+
     pods = await observe_pods(kube, namespace, name)
     if status.recovery is not None:
         plan = plan_attempt(rset, status.recovery.target_attempt, pods)
         shown = {"participants": _participants_wire(plan.participants)}
-        return await _write_status(kube, obj, shown) or ReconcileOutcome()
+        return await write(shown, ReconcileOutcome())
 
     if pods_created or rset.spec.suspend:
         outcome = PodsOutcome(plan_attempt(rset, attempt, pods))
@@ -402,6 +482,5 @@ async def reconcile_set(
     }
     if plan.complete and not pods_created and not plan.stale:
         changes["createdAttempt"] = attempt
-    written = await _write_status(kube, obj, changes)
     warnings = tuple((RESERVED_VOLUME, note) for note in reserved_volume_notes(rset))
-    return written or ReconcileOutcome(recheck_at=health.recheck_at, warnings=warnings)
+    return await write(changes, ReconcileOutcome(recheck_at=health.recheck_at, warnings=warnings))

@@ -41,8 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -67,39 +66,22 @@ from .api import (
 )
 from .conditions import set_condition, utcnow
 from .kube import Conflict, Kube
-from .policy import CheckpointView
 from .resources import set_dir
 from .setops import observe_pods
+from .setstatus import NOT_AN_INTERFACE, REPAIRED, RESET_PHASES, Repair
 
 if TYPE_CHECKING:  # policyops imports this module (its retention asks `records_proven`)
     from .policyops import StorageLocator
 
 logger = logging.getLogger(__name__)
 
-REPAIRED: Final = "StatusRepaired"
-"""Event and condition reason: status contradicted the cluster and was written back."""
 RECOVERY_RESTARTED: Final = "RecoveryRestarted"
 """Condition and recovery reason: a recovery whose `status.recovery` was removed while it ran
 starts again (its pods of the new attempt were never restored, see
 `restart_unfinished_recovery`)."""
-NOT_AN_INTERFACE: Final = (
-    "status is the operator's record, not a user interface: do not write it (kubectl patch "
-    "--subresource=status); change spec, or create a RolloutCheckpoint, instead"
-)
-RESET_PHASES: Final = frozenset({None, CheckpointPhase.PENDING, CheckpointPhase.QUEUED})
-"""Phases of a checkpoint that has not started (or whose status was reset)."""
 VERDICT_AFTER_RESTORE: Final = "RecordsInvalid"
 """The Failed reason the recovery writes when participants refused a checkpoint's records at
 restore (`recovery.CHECKPOINT_RECORDS_INVALID`): the operator's own verdict, never repaired."""
-
-
-@dataclass(frozen=True)
-class Repair:
-    """What was written back, for the Event (and, where the caller writes it, the patch)."""
-
-    reason: str
-    message: str
-    patch: dict[str, Any] = field(default_factory=dict)
 
 
 async def repair_set_attempt(kube: Kube, namespace: str, name: str) -> Repair | None:
@@ -380,55 +362,6 @@ async def repair_failed_checkpoint(
     await kube.patch_checkpoint_status(namespace, name, body)
     logger.warning("RolloutCheckpoint %s/%s: %s", namespace, name, message)
     return Repair(REPAIRED, f"checkpoint {name}: {message}")
-
-
-PUBLISHING_PHASES: Final = frozenset({CheckpointPhase.PUBLISHING, CheckpointPhase.RESUMING})
-"""Phases in which the checkpoint flow points the set's latestCheckpoint at its checkpoint
-(Ready=True is written, the participants are resuming, the terminal phase comes last)."""
-
-
-def newest_ready(views: Sequence[CheckpointView]) -> CheckpointView | None:
-    """The newest Ready checkpoint (by completion, then creation) that is not being deleted."""
-    ready = [c for c in views if c.ready and not c.deleting]
-    return max(ready, key=lambda c: (c.completed or c.created, c.created), default=None)
-
-
-def latest_repair(rset: RolloutSet, views: Sequence[CheckpointView]) -> Repair | None:
-    """None when `status.latestCheckpoint` agrees with the set's checkpoints (`views`, the
-    checkpoints whose spec.rolloutSet is this set); else the Repair whose `patch` writes back
-    the newest Ready one."""
-    shown = rset.status.latest_checkpoint
-    by_name = {c.name: c for c in views}
-    newest = newest_ready(views)
-    expected = newest.name if newest is not None else None
-    if shown == expected:
-        return None
-    named = by_name.get(shown) if shown else None
-    if named is not None and (
-        named.deleting or named.phase in PUBLISHING_PHASES or named.phase in RESET_PHASES
-    ):
-        # The finalizer repoints it / the flow is publishing it / its daemon decides (a reset
-        # status of a published checkpoint is repaired to Ready, see repair_published_checkpoint);
-        # a recovery restores the newest Ready checkpoint meanwhile, whatever this says.
-        return None
-    if not shown:
-        why = f"it was unset while {expected} is Ready"
-    elif named is None:
-        why = f"no RolloutCheckpoint {shown} of set {rset.metadata.name} exists"
-    elif not named.ready:
-        why = f"checkpoint {shown} is not Ready (phase {named.phase or 'unset'})"
-    else:
-        why = f"checkpoint {expected} is Ready and newer than {shown}"
-    patch: dict[str, Any] = {"latestCheckpoint": expected, "latestCheckpointTime": None}
-    if newest is not None:
-        patch["latestCheckpointTime"] = (newest.completed or newest.created).strftime(
-            "%Y-%m-%dT%H:%M:%SZ"
-        )
-    message = (
-        f"status.latestCheckpoint said {shown!r}, but {why}: wrote back "
-        f"{expected!r} (a recovery restores the newest Ready checkpoint); {NOT_AN_INTERFACE}"
-    )
-    return Repair(REPAIRED, message, patch)
 
 
 async def repair_published_checkpoint(

@@ -2,8 +2,9 @@
 
 A checkpoint's prepare or commit, and a recovery's restore, call participants with deadlines
 of minutes; a participant pod lost meanwhile would keep the step waiting for a dead pod until
-that deadline. `while_holding` runs the step beside a watch that looks every `interval`
-seconds, and cancels the step as soon as the watch says why it cannot succeed any more.
+that deadline. `while_holding` runs the step beside a watch that looks again whenever `pause`
+returns (an event of the set, or a timer), and cancels the step as soon as the watch says why
+it cannot succeed any more.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ class NoLongerHolds(Exception):
 async def while_holding(
     step: Callable[[], Awaitable[_T]],
     broken: Callable[[], Awaitable[str | None]],
-    interval: float,
+    pause: Callable[[], Awaitable[None]],
 ) -> _T:
     """The step's result, or `NoLongerHolds` with the first reason `broken` gave (the step is
-    cancelled then). `broken` runs only between sleeps, never before the step starts."""
+    cancelled then). `broken` runs only after a `pause`, never before the step starts."""
     why: list[str] = []
     results: list[_T] = []
 
@@ -34,7 +35,7 @@ async def while_holding(
 
         async def watch() -> None:
             while True:
-                await anyio.sleep(interval)
+                await pause()
                 reason = await broken()
                 if reason is not None:
                     why.append(reason)

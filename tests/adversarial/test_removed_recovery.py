@@ -18,7 +18,8 @@ from typing import Any
 
 from kube_fakes import InMemorySet
 from rollout_operator import api
-from rollout_operator.statusrepair import RECOVERY_RESTARTED, REPAIRED, repair_set_attempt
+from rollout_operator.setstatus import REPAIRED
+from rollout_operator.statusrepair import RECOVERY_RESTARTED, repair_set_attempt
 
 NS = "team"
 SET = "math"

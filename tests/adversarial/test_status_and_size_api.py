@@ -142,8 +142,8 @@ async def test_a_reset_status_of_a_ready_checkpoint_is_repaired_not_run_again(
         == before
     )
     check_manifests(after, storage_dir)
-    rset = await resources.rollout_set()
-    assert rset["status"].get("latestCheckpoint") == "c1", rset["status"]
+    # latestCheckpoint follows a checkpoint's Ready within a pass of the set (its one writer).
+    await resources.wait_set("latest c1", lambda o: o["status"].get("latestCheckpoint") == "c1", 10)
     assert _events(cluster, namespace, REPAIRED), "no Event says the status was repaired"
 
 
@@ -197,8 +197,8 @@ async def test_a_ready_checkpoint_set_failed_by_hand_keeps_its_records(
         == before
     )
     check_manifests(after, storage_dir)
-    rset = await resources.rollout_set()
-    assert rset["status"].get("latestCheckpoint") == "c1", rset["status"]
+    # latestCheckpoint follows a checkpoint's Ready within a pass of the set (its one writer).
+    await resources.wait_set("latest c1", lambda o: o["status"].get("latestCheckpoint") == "c1", 10)
     assert _events(cluster, namespace, REPAIRED), "no Event says the status was repaired"
     assert "Traceback" not in operator.tail(400), operator.tail(60)
 

@@ -23,13 +23,13 @@ import yaml
 from fakes import FakeParticipant
 from pydantic import ValidationError
 from rollout_operator import api
-from rollout_operator.policyops import checkpoint_views
+from rollout_operator.policy import checkpoint_views
 from rollout_operator.resources import STORAGE_VOLUME_NAME, reserved_volume_notes
 from rollout_operator.setops import missing_peers, spec_over_limits
+from rollout_operator.setstatus import latest_repair
 from rollout_operator.settings import MAX_DIFFBASE_FIELD_BYTES, compact_essence
 from rollout_operator.statusrepair import (
     completed_on_storage,
-    latest_repair,
     published_manifests,
     records_proven,
 )

@@ -17,6 +17,7 @@ from kube_fakes import InMemorySet
 from rollout_operator import api
 from rollout_operator.checkpointing import CheckpointFlow
 from rollout_operator.kube import Kube
+from rollout_operator.leases import CheckpointLeases, holder_of, lease_name
 from rollout_operator.recovery import RecoveryFlow
 
 NS = "team"
@@ -136,8 +137,9 @@ async def test_a_recovery_restores_the_newest_ready_checkpoint_not_a_written_lat
 
 async def test_a_cleared_active_checkpoint_does_not_start_a_second_checkpoint() -> None:
     """`status.activeCheckpoint` cleared while checkpoint `running` prepares: another checkpoint
-    of the set waits for it (the participants would refuse a second one as conflicting), and
-    the slot is written back to the running checkpoint."""
+    of the set waits for it (the participants would refuse a second one as conflicting). The slot
+    is the set's Lease, which status does not hold: `activeCheckpoint` is only shown (the set's
+    pass derives it from the checkpoints)."""
     ready_set = _set(
         {
             "conditions": [
@@ -149,14 +151,19 @@ async def test_a_cleared_active_checkpoint_does_not_start_a_second_checkpoint() 
         }
     )
     api_ = InMemorySet(
-        ready_set, [_checkpoint("running", "Preparing"), _checkpoint("next", "Pending")]
+        ready_set, [_checkpoint("running", "Pending"), _checkpoint("next", "Pending")]
     )
+    leases = CheckpointLeases(cast(Kube, api_))
+    rset = api.RolloutSet.model_validate(await api_.get_set(NS, SET))
+    assert await leases.take(rset, "running", 600) is None
+    api_.checkpoints["running"]["status"]["phase"] = "Preparing"
+    api_.set["status"].pop("activeCheckpoint", None)
+    rset = api.RolloutSet.model_validate(await api_.get_set(NS, SET))
     flow = CheckpointFlow(cast(Kube, api_))
-    rset = api.RolloutSet.model_validate(await api_.get_set(NS, SET))
-    why = await flow._why_wait(rset, "next")
-    assert why == f"checkpoint running of set {SET} is running"
-    assert api_.set["status"]["activeCheckpoint"] == "running"
-    # with nothing running, the same set lets `next` start
+    assert flow._why_wait(rset) is None, "the set itself lets a checkpoint start"
+    assert await CheckpointLeases(cast(Kube, api_)).take(rset, "next", 600) == "running"
+    assert holder_of(api_.leases[lease_name(SET)]) == "running"
+    # with nothing running, `next` takes the slot over (one compare-and-swap)
     api_.checkpoints["running"]["status"]["phase"] = "Ready"
-    rset = api.RolloutSet.model_validate(await api_.get_set(NS, SET))
-    assert await flow._why_wait(rset, "next") is None
+    assert await CheckpointLeases(cast(Kube, api_)).take(rset, "next", 600) is None
+    assert holder_of(api_.leases[lease_name(SET)]) == "next"

@@ -101,6 +101,8 @@ async def test_a_corrupt_latest_checkpoint_falls_back_to_the_older_one(
                     (o["status"].get("attempt") or 0) >= 2
                     and is_true(o, "Ready")
                     and ((o["status"].get("lastRecovery") or {}).get("checkpoint") == "older")
+                    # the set's pass moves latestCheckpoint off the invalid one
+                    and o["status"].get("latestCheckpoint") == "older"
                 ),
                 180,
             )

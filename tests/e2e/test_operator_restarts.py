@@ -201,9 +201,15 @@ async def test_operator_restarts_during_prepare_commit_and_restore(
         )
         check_ready_checkpoint(ckpt, storage_dir)
         assert set((await phases(http, ready)).values()) == {"idle"}
-        set_now = await resources.rollout_set()
-        assert set_now["status"]["latestCheckpoint"] == "during-commit"
-        assert not set_now["status"].get("activeCheckpoint")
+        # latestCheckpoint follows the checkpoint's Ready within a pass of the set.
+        await resources.wait_set(
+            "latest during-commit, none active",
+            lambda o: (
+                o["status"].get("latestCheckpoint") == "during-commit"
+                and not o["status"].get("activeCheckpoint")
+            ),
+            10,
+        )
 
         # --- during restore: the replacement model is frozen once Ready
         model = roles["model"][0]

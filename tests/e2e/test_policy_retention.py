@@ -88,10 +88,14 @@ async def test_retention_keeps_latest_ready_checkpoints_and_only_their_records(
             assert (storage_dir / participant["manifest"]).is_file()
     failed = await resources.checkpoint("broken")
     assert failed["status"]["phase"] == "Failed"  # kept to show why; its records are gone
-    assert (await resources.rollout_set(SET))["status"]["latestCheckpoint"] == "c4"
+    # latestCheckpoint follows a checkpoint's Ready within a pass of the set (its one writer).
+    await resources.wait_set(
+        "latest c4", lambda o: o["status"].get("latestCheckpoint") == "c4", 10, SET
+    )
 
     # A person deletes the latest checkpoint: its records go, the set points at the previous.
     cluster.kubectl("delete", "rckpt", "c4", "-n", namespace, "--timeout=60s")
     assert on_storage(storage_dir) == {"c3"}
-    rset = await resources.rollout_set(SET)
-    assert rset["status"]["latestCheckpoint"] == "c3"
+    await resources.wait_set(
+        "latest c3", lambda o: o["status"].get("latestCheckpoint") == "c3", 10, SET
+    )

@@ -109,13 +109,12 @@ def _g(group: str, resource: str, steps: dict[str, str]) -> list[Grant]:
 
 
 GRANTS = [
-    *_g(GROUP, "rolloutsets", {"get": "set", "list": "start", "watch": "start", "patch": "set"}),
+    *_g(GROUP, "rolloutsets", {"get": "kill", "list": "start", "watch": "start", "patch": "set"}),
     *_g(GROUP, "rolloutsets/status", {"patch": "set"}),
     *_g(
         GROUP,
         "rolloutcheckpoints",
         {
-            "get": "checkpoint",
             "list": "start",
             "watch": "start",
             "create": "set",
@@ -138,7 +137,12 @@ GRANTS = [
     *_g("", "services", {"create": "set"}),
     *_g("", "secrets", {"get": "set", "create": "set"}),
     *_g("", "events", {"create": "set"}),
-    *_g("", "nodes", {"get": "kill", "list": "start", "watch": "start"}),
+    *_g("", "nodes", {"list": "start", "watch": "start"}),
+    *_g(
+        "coordination.k8s.io",
+        "leases",
+        {"get": "checkpoint", "create": "checkpoint", "update": "checkpoint"},
+    ),
     *_g("apiextensions.k8s.io", "customresourcedefinitions", {"list": "start", "watch": "start"}),
     *_g("", "namespaces", {"list": "start", "watch": "start"}),
 ]

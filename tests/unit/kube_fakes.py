@@ -11,6 +11,7 @@ import json
 from collections.abc import Sequence
 from typing import Any, cast
 
+from rollout_operator.cache import ClusterCache
 from rollout_operator.kube import Conflict, Kube
 
 
@@ -38,6 +39,13 @@ class InMemorySet:
         self.version = 1
         self.checkpoints = {c["metadata"]["name"]: c for c in checkpoints}
         """RolloutCheckpoints the flows may read (by name); none unless a test gives some."""
+        self.leases: dict[str, dict[str, Any]] = {}
+        """Leases by name; a replace keeps the API server's resourceVersion precondition."""
+        self.lease_version = 0
+        self.lease_calls: list[str] = []
+        """The Lease requests made, by verb (get, create, update)."""
+        self.cache = ClusterCache()
+        """`Kube.cache`, never attached to indexes here: the flows only wait on it."""
 
     def as_kube(self) -> Kube:
         return cast(Kube, self)
@@ -91,3 +99,32 @@ class InMemorySet:
                 current[key] = copy.deepcopy(value)
         self.version += 1
         return await self.get_set(namespace, name) or {}
+
+    async def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self.lease_calls.append("get")
+        found = self.leases.get(name)
+        return None if found is None else copy.deepcopy(found)
+
+    async def create_lease(self, namespace: str, manifest: dict[str, Any]) -> dict[str, Any] | None:
+        self.lease_calls.append("create")
+        name = manifest["metadata"]["name"]
+        if name in self.leases:
+            return None
+        return self._store_lease(manifest)
+
+    async def replace_lease(self, namespace: str, manifest: dict[str, Any]) -> dict[str, Any]:
+        self.lease_calls.append("update")
+        name = manifest["metadata"]["name"]
+        current = self.leases.get(name)
+        if current is None:
+            raise LookupError(f"lease {name} is gone")
+        if manifest["metadata"].get("resourceVersion") != current["metadata"]["resourceVersion"]:
+            raise Conflict("the object has been modified")
+        return self._store_lease(manifest)
+
+    def _store_lease(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        self.lease_version += 1
+        stored = copy.deepcopy(manifest)
+        stored["metadata"]["resourceVersion"] = str(self.lease_version)
+        self.leases[stored["metadata"]["name"]] = stored
+        return copy.deepcopy(stored)

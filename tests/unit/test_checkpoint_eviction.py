@@ -18,6 +18,7 @@ import pytest
 from kube_fakes import InMemorySet
 from rollout_operator import api
 from rollout_operator.checkpointing import CheckpointFlow, Reason
+from rollout_operator.leases import holder_of, lease_name
 from rollout_operator.policy import EVICTION_COMMIT_MARGIN_SECONDS, parse_time
 from rollout_operator.resources import TOKEN_KEY, secret_name
 from rollout_protocol import (
@@ -91,7 +92,9 @@ class FakeApi(InMemorySet):
             "status": {},
         }
 
-    async def get_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
+    async def get_secret(
+        self, namespace: str, name: str, *, remembered: bool = False
+    ) -> dict[str, Any] | None:
         assert name == secret_name(SET)
         return {"data": {TOKEN_KEY: base64.b64encode(b"token").decode()}}
 
@@ -227,4 +230,5 @@ async def test_no_grace_left_fails_the_checkpoint_without_a_prepare() -> None:
     assert failed["reason"] == Reason.GRACE_PERIOD_TOO_SHORT == "GracePeriodTooShort"
     assert "math-model-0-a3" in failed["message"]
     assert "terminationGracePeriodSeconds" in failed["message"]
-    assert "activeCheckpoint" not in fake.set["status"]  # the slot was released
+    lease = fake.leases[lease_name(SET)]  # the set's slot was taken...
+    assert holder_of(lease) is None  # ...and released

@@ -10,6 +10,7 @@ import secrets
 from typing import Any, cast
 
 import pytest
+from kube_fakes import RawResponse
 from kubernetes_asyncio.client.exceptions import ApiException
 from prometheus_client import REGISTRY, generate_latest
 from rollout_operator import metrics
@@ -146,11 +147,11 @@ class _Custom:
         self.obj = obj
         self.calls: list[tuple[Any, ...]] = []
 
-    async def get_namespaced_custom_object(self, *args: Any) -> dict[str, Any]:
+    async def get_namespaced_custom_object(self, *args: Any, **_: Any) -> RawResponse:
         self.calls.append(args)
         if self.obj is None:
             raise ApiException(status=404, reason="Not Found")
-        return self.obj
+        return RawResponse(200, self.obj)
 
 
 async def test_checkpoint_ended_reads_the_final_status_and_records_it() -> None:

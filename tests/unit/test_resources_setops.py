@@ -101,8 +101,13 @@ class FakeKube:
         self.services.setdefault(manifest["metadata"]["name"], copy.deepcopy(manifest))
         return created
 
-    async def get_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
+    async def get_secret(
+        self, namespace: str, name: str, *, remembered: bool = False
+    ) -> dict[str, Any] | None:
         return copy.deepcopy(self.secrets.get(name))
+
+    async def list_checkpoints(self, namespace: str, set_name: str) -> list[dict[str, Any]]:
+        return []  # the set's checkpoint fields are tested with InMemorySet (test_set_status)
 
     async def create_secret(self, namespace: str, manifest: dict[str, Any]) -> bool:
         if manifest["metadata"]["name"] in self.secrets:

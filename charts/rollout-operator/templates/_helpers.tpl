@@ -62,9 +62,10 @@ the operator then hits a 403. Keep both in step with the code (kube.py, setops.p
 checkpointing.py, recovery.py, handlers/) and with Kopf.
 */}}
 {{- define "rollout-operator.namespacedRules" -}}
-# Kopf: list and watch the sets; patch adds and removes its finalizer and keeps handler progress
-# in annotations (the policy also records a settled deadline there). The operator: get re-reads
-# a set before every reconcile pass.
+# Kopf: list and watch the sets (the operator reads them from that watch); patch adds and removes
+# its finalizer and keeps handler progress in annotations (the policy also records a settled
+# deadline there). The operator: get reads a set past the watch before a destructive decision
+# (is a deleted pod lost, or did a suspend delete it?) and after a write refused as stale.
 - apiGroups: [checkpoint.rollout.dev]
   resources: [rolloutsets]
   verbs: [get, list, watch, patch]
@@ -73,17 +74,23 @@ checkpointing.py, recovery.py, handlers/) and with Kopf.
 - apiGroups: [checkpoint.rollout.dev]
   resources: [rolloutsets/status]
   verbs: [patch]
-# Kopf: list, watch and finalizer patches, as for sets (one daemon per checkpoint). The flow:
-# get reads the checkpoint and, in recovery, the latest Ready one. The checkpoint policy creates
-# checkpoints (trainer steps, intervals, the deadline, evictions) and deletes them (retention,
-# and the set's finalizer removes its checkpoints first).
+# Kopf: list, watch and finalizer patches, as for sets (one daemon per checkpoint; the flows read
+# checkpoints from that watch). The checkpoint policy creates checkpoints (trainer steps,
+# intervals, the deadline, evictions) and deletes them (retention, and the set's finalizer removes
+# its checkpoints first).
 - apiGroups: [checkpoint.rollout.dev]
   resources: [rolloutcheckpoints]
-  verbs: [get, list, watch, create, patch, delete]
+  verbs: [list, watch, create, patch, delete]
 # The checkpoint flow persists its phase and conditions, and publishes, in status.
 - apiGroups: [checkpoint.rollout.dev]
   resources: [rolloutcheckpoints/status]
   verbs: [patch]
+# One checkpoint at a time per set: the Lease <set>-checkpoint names the running one. The flow
+# creates it, replaces it (compare-and-swap on its resourceVersion) to take and release the slot,
+# and reads it when a replace was refused or after an operator restart.
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  verbs: [get, create, update]
 {{- if .Values.rbac.ownerReferencesPermissionEnforcement }}
 # OwnerReferencesPermissionEnforcement: setting blockOwnerDeletion on the owner references of
 # pods, Services and Secrets needs update on the owning set's finalizers.
@@ -94,7 +101,7 @@ checkpointing.py, recovery.py, handlers/) and with Kopf.
 # Participant pods: list and watch (Kopf's pod events wake the set; a terminating pod starts an
 # eviction checkpoint), create the pods of an attempt, delete the pods of a lost attempt in
 # recovery and of a suspended set, and patch their metadata: the latest-checkpoint annotations
-# after every Ready checkpoint, and the attempt label of the pods an InPlace recovery keeps.
+# after every Ready checkpoint (the set's pass), and the attempt label of the pods an InPlace recovery keeps.
 # Never update: a pod's spec is never changed, pods are replaced.
 - apiGroups: [""]
   resources: [pods]
@@ -120,11 +127,11 @@ checkpointing.py, recovery.py, handlers/) and with Kopf.
 {{- end -}}
 
 {{- define "rollout-operator.clusterRules" -}}
-# Nodes are cluster-scoped: a participant on a NotReady node is lost (recovery reads its node),
-# and Kopf watches nodes so that a node going NotReady wakes every set at once.
+# Nodes are cluster-scoped: a participant on a NotReady node is lost (recovery reads its node from
+# Kopf's watch of nodes, which also wakes every set at once when a node goes NotReady).
 - apiGroups: [""]
   resources: [nodes]
-  verbs: [get, list, watch]
+  verbs: [list, watch]
 # Kopf watches CRDs so that CRDs applied while it runs (an upgrade) are served without a restart.
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]

@@ -28,7 +28,6 @@ from ..api import (
     VERSION,
     RolloutSet,
 )
-from ..kube import pass_snapshot
 from ..passloop import STOP_BACKOFF_SECONDS, Next, PassLoop, Stopped
 from ..policy import Note
 from ..policyops import (
@@ -76,7 +75,7 @@ async def policy_loop(
     memo: kopf.Memo,
     logger: kopf.Logger,
     stopped: kopf.DaemonStopped,
-    **_: Any,
+    **kwargs: Any,
 ) -> None:
     """Run the set's checkpoint policy until the set is deleted or the operator stops
     (`passloop`: it returns by itself within `STOP_BACKOFF_SECONDS`, so Kopf never has to
@@ -98,10 +97,12 @@ async def policy_loop(
         await _post(rset, note)
 
     async def one_pass() -> Next:
-        with pass_snapshot():  # the set and its pods read once between our own writes
-            outcome = await PolicyPass(
-                kube_of(memo), on_note=note_once, wake_set=wake, locator=StorageLocator.from_env()
-            ).run(namespace, name)
+        outcome = await PolicyPass(
+            kube_of(memo, kwargs),
+            on_note=note_once,
+            wake_set=wake,
+            locator=StorageLocator.from_env(),
+        ).run(namespace, name)
         return Next(again=outcome.again, at=outcome.wake_at)
 
     def failed(error: Exception, delay: float) -> None:
@@ -150,14 +151,16 @@ def _terminating(meta: kopf.Meta, **_: Any) -> bool:
     when=_terminating,
     id="eviction",
 )
-async def pod_terminating(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+async def pod_terminating(
+    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any
+) -> None:
     """An evicted, drained or preempted participant pod: checkpoint inside its grace period.
 
     Event handlers are not retried by Kopf; a failed create is retried by the next event of the
     terminating pod (its status changes as it stops), and the recovery holds off until the
     grace period ends either way (`policyops.eviction_holds`)."""
     try:
-        created = await start_eviction_checkpoint(kube_of(memo), body)
+        created = await start_eviction_checkpoint(kube_of(memo, kwargs), body)
     except (ApiException, OSError, TimeoutError) as error:
         logger.warning("eviction checkpoint for pod %s not created: %s", body.meta.name, error)
         return
@@ -173,7 +176,7 @@ async def pod_terminating(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger,
 
 @kopf.on.delete(GROUP, VERSION, ROLLOUT_CHECKPOINT_PLURAL, id="remove-records")
 async def remove_checkpoint_records(
-    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any
 ) -> None:
     """The finalizer of a RolloutCheckpoint: its records go with it (DESIGN §6.5)."""
 
@@ -182,7 +185,7 @@ async def remove_checkpoint_records(
 
     try:
         outcome = await checkpoint_deleted(
-            kube_of(memo), body, locator=StorageLocator.from_env(), on_note=note
+            kube_of(memo, kwargs), body, locator=StorageLocator.from_env(), on_note=note
         )
     except CheckpointBusy as busy:
         raise kopf.TemporaryError(str(busy), delay=5) from busy
@@ -192,12 +195,12 @@ async def remove_checkpoint_records(
 
 @kopf.on.delete(GROUP, VERSION, ROLLOUT_SET_PLURAL, id="remove-checkpoints", timeout=300)
 async def remove_set_checkpoints(
-    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any
 ) -> None:
     """The finalizer of a RolloutSet: its checkpoints (and their records) go first. Bounded:
     after `timeout` Kopf gives up on this handler and the set goes anyway."""
     try:
-        outcome = await set_deleted(kube_of(memo), body, locator=StorageLocator.from_env())
+        outcome = await set_deleted(kube_of(memo, kwargs), body, locator=StorageLocator.from_env())
     except CheckpointBusy as busy:
         raise kopf.TemporaryError(str(busy), delay=2) from busy
     logger.info("RolloutSet %s deleted: %s", body.meta.name, outcome)

@@ -30,7 +30,7 @@ from ..api import GROUP, ROLLOUT_CHECKPOINT_PLURAL, VERSION, CheckpointPhase, Ro
 from ..checkpointing import TERMINAL, CheckpointFlow
 from ..passloop import TRANSIENT
 from .rolloutset import wake
-from .runtime import checkpoint_slots_of, kube_of
+from .runtime import checkpoint_slots_of, kube_of, leases_of
 
 _ABORTING = kopf.DaemonStoppingReason.RESOURCE_DELETED | kopf.DaemonStoppingReason.OPERATOR_EXITING
 """Why a daemon stops that aborts its checkpoint: the checkpoint was deleted, or the operator
@@ -65,13 +65,16 @@ async def run_checkpoint(
     logger: kopf.Logger,
     stopped: kopf.DaemonStopped,
     retry: int,
-    **_: Any,
+    **kwargs: Any,
 ) -> None:
     async def event(ckpt: RolloutCheckpoint, reason: str, message: str) -> None:
         kind = "Warning" if ckpt.status.phase is CheckpointPhase.FAILED else "Normal"
         kopf.event(body, type=kind, reason=reason, message=message)
 
-    flow = CheckpointFlow(kube_of(memo), on_transition=event, slots=checkpoint_slots_of(memo))
+    kube = kube_of(memo, kwargs)
+    flow = CheckpointFlow(
+        kube, on_transition=event, slots=checkpoint_slots_of(memo), leases=leases_of(memo)
+    )
     phases: list[CheckpointPhase | None] = []
     failures: list[Exception] = []
 
@@ -112,7 +115,7 @@ async def run_checkpoint(
         return
     phase = phases[0]
     logger.info("checkpoint %s ended %s", name, phase)
-    ended = await metrics.checkpoint_ended(kube_of(memo), namespace or "default", name)
+    ended = await metrics.checkpoint_ended(kube, namespace or "default", name)
     if ended is not None and ended.status.phase is CheckpointPhase.READY:
         kopf.event(
             body, type="Normal", reason="Completed", message=metrics.completion_message(ended)

@@ -20,17 +20,19 @@ import kopf
 from .. import metrics
 from ..api import (
     ANNOTATION_RETRY_RECOVERY,
+    CHECKPOINT_SET_FIELD,
     GROUP,
     LABEL_SET,
+    ROLLOUT_CHECKPOINT_PLURAL,
     ROLLOUT_SET_PLURAL,
     VERSION,
+    CheckpointPhase,
     RolloutSet,
 )
 from ..conditions import utcnow
-from ..kube import pass_snapshot
 from ..passloop import STOP_BACKOFF_SECONDS, Next, PassLoop, Stopped
 from ..recovery import recover_if_needed, repair_false_recovery
-from ..setops import reconcile_set
+from ..setops import latest_written_elsewhere, reconcile_set
 from ..statusrepair import repair_set_attempt
 from .events import post_set_event
 from .runtime import kube_of, options_of
@@ -93,6 +95,40 @@ async def status_check(namespace: str | None, name: str, **_: Any) -> None:
     wake(namespace, name)
 
 
+def _latest_written_elsewhere(
+    namespace: str | None, name: str, status: kopf.Status, **_: Any
+) -> bool:
+    return latest_written_elsewhere(namespace or "default", name, status.get("latestCheckpoint"))
+
+
+@kopf.on.event(GROUP, VERSION, ROLLOUT_SET_PLURAL, when=_latest_written_elsewhere, id="latest")
+async def latest_checkpoint_written(namespace: str | None, name: str, **_: Any) -> None:
+    """`status.latestCheckpoint` is not what the set's pass wrote: the pass writes it back."""
+    wake(namespace, name)
+
+
+_SET_FIELDS_CHANGE: Final = frozenset(
+    {None, CheckpointPhase.PREPARING, CheckpointPhase.READY, CheckpointPhase.FAILED}
+)
+"""Checkpoint phases after which the set's checkpoint fields may change (`setstatus`)."""
+
+
+def _changes_set_fields(status: kopf.Status, meta: kopf.Meta, **_: Any) -> bool:
+    phase = status.get("phase")
+    return phase in _SET_FIELDS_CHANGE or meta.get("deletionTimestamp") is not None
+
+
+@kopf.on.event(
+    GROUP, VERSION, ROLLOUT_CHECKPOINT_PLURAL, when=_changes_set_fields, id="checkpoint-event"
+)
+async def checkpoint_event(namespace: str | None, spec: kopf.Spec, **_: Any) -> None:
+    """A checkpoint started, finished or is going: the set's pass derives `activeCheckpoint`,
+    `latestCheckpoint` and the durations from its checkpoints, and writes the pods' hints."""
+    set_name = spec.get(CHECKPOINT_SET_FIELD)
+    if isinstance(set_name, str):
+        wake(namespace, set_name)
+
+
 @kopf.on.resume(GROUP, VERSION, ROLLOUT_SET_PLURAL, id="resumed")
 async def resumed(namespace: str | None, name: str, **_: Any) -> None:
     """After an operator restart: everything is re-read from the API, nothing from memory."""
@@ -149,7 +185,7 @@ async def reconcile_loop(
     memo: Any,
     logger: kopf.Logger,
     stopped: kopf.DaemonStopped,
-    **_: Any,
+    **kwargs: Any,
 ) -> None:
     """Reconcile the set until it is deleted or the operator stops (`passloop`: it returns by
     itself within `STOP_BACKOFF_SECONDS`, so Kopf never has to cancel it)."""
@@ -163,12 +199,7 @@ async def reconcile_loop(
     """Warning Events posted by this loop (each once while the set's loop runs)."""
 
     async def one_pass() -> Next:
-        # The pass's steps read the set and its pods once between our own writes (kube.py).
-        with pass_snapshot():
-            return await pass_steps()
-
-    async def pass_steps() -> Next:
-        kube = kube_of(memo)
+        kube = kube_of(memo, kwargs)
         # Status first: a recovery or a pass acting on an attempt no pod runs would start a
         # second attempt beside the first (issue 15, class 2).
         repaired = await repair_set_attempt(kube, namespace, name)

@@ -7,6 +7,7 @@ every watch and handler already sees our finalizer, annotation prefix and timeou
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any, cast
 
 import anyio
@@ -14,6 +15,7 @@ import kopf
 from prometheus_client import start_http_server
 
 from ..kube import Kube
+from ..leases import CheckpointLeases
 from ..settings import RunOptions, configure
 
 logger = logging.getLogger(__name__)
@@ -21,6 +23,7 @@ logger = logging.getLogger(__name__)
 MEMO_OPTIONS = "options"
 MEMO_KUBE = "kube"
 MEMO_CHECKPOINT_SLOTS = "checkpoint_slots"
+MEMO_LEASES = "checkpoint_leases"
 
 
 def options_of(memo: kopf.Memo) -> RunOptions:
@@ -29,12 +32,24 @@ def options_of(memo: kopf.Memo) -> RunOptions:
     return options if isinstance(options, RunOptions) else RunOptions()
 
 
-def kube_of(memo: kopf.Memo) -> Kube:
-    """The process's Kubernetes client, created by `start`."""
+def kube_of(memo: kopf.Memo, handler_kwargs: Mapping[str, Any] | None = None) -> Kube:
+    """The process's Kubernetes client, created by `start`.
+
+    Handlers pass their keyword arguments: Kopf hands its indexes (`handlers/indexes.py`) to
+    every resource handler that way, and the first to pass them makes the client read from the
+    watches from then on (`cache.ClusterCache`)."""
     kube = memo.get(MEMO_KUBE)
     if not isinstance(kube, Kube):
         raise kopf.TemporaryError("the Kubernetes client is not ready yet", delay=1)
+    if handler_kwargs is not None:
+        kube.cache.attach(handler_kwargs)
     return kube
+
+
+def leases_of(memo: kopf.Memo) -> CheckpointLeases | None:
+    """The per-set checkpoint Leases of this process, made by `start`."""
+    leases = memo.get(MEMO_LEASES)
+    return leases if isinstance(leases, CheckpointLeases) else None
 
 
 def checkpoint_slots_of(memo: kopf.Memo) -> anyio.Semaphore | None:
@@ -47,7 +62,8 @@ def checkpoint_slots_of(memo: kopf.Memo) -> anyio.Semaphore | None:
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     options = options_of(memo)
     configure(settings, options)
-    memo[MEMO_KUBE] = await Kube.connect(max_concurrent_requests=options.api_concurrency)
+    memo[MEMO_KUBE] = kube = await Kube.connect(max_concurrent_requests=options.api_concurrency)
+    memo[MEMO_LEASES] = CheckpointLeases(kube)
     slots = options.max_concurrent_checkpoints
     memo[MEMO_CHECKPOINT_SLOTS] = anyio.Semaphore(slots, max_value=slots)
     if options.metrics_port is not None:

@@ -1,0 +1,196 @@
+"""One checkpoint at a time per set (DESIGN 6.6): a `coordination.k8s.io/v1` Lease per set.
+
+The Lease `<set>-checkpoint` in the set's namespace (owned by the set, so it goes with it) names
+the checkpoint that holds the set's slot in `spec.holderIdentity`; `kubectl get lease` shows it.
+It is taken and released by compare-and-swap: a replace with the resourceVersion last seen, so
+two takers never both win (the loser's replace is refused and it reads the Lease again).
+
+The holder keeps the slot while its checkpoint runs, across operator restarts (the successor
+continues the checkpoint from its persisted phase and finds its name in the Lease). A holder is
+taken over when its checkpoint is gone, being deleted or finished; and when the Lease lapsed
+(`renewTime + leaseDurationSeconds`, the longest a checkpoint's steps may take) while its
+checkpoint never started preparing (an operator that died between the take and the first phase
+write). A Lease that names a running checkpoint is never taken over: its participants would
+refuse a second checkpoint (`conflicting_checkpoint`).
+
+The last Lease this process wrote is remembered per set, so a take or a release is one request
+(the replace) while nobody else wrote it; the Lease is read only when that replace is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from .api import CHECKPOINT_FINISHED, CHECKPOINT_RUNNING, RolloutCheckpoint, RolloutSet
+from .kube import Conflict, Kube
+from .resources import owner_reference
+
+logger = logging.getLogger(__name__)
+
+LEASE_SUFFIX: Final = "-checkpoint"
+MAX_TRIES: Final = 5
+"""Compare-and-swap rounds before a take reports the slot busy (each round lost a race to a
+writer that changed the Lease; the caller tries again at its next look)."""
+
+
+def lease_name(set_name: str) -> str:
+    """The set's Lease (a set name is a DNS label of at most 50 characters, so this fits)."""
+    return f"{set_name}{LEASE_SUFFIX}"
+
+
+def _micro_time(at: float) -> str:
+    """`metav1.MicroTime`, as a Lease's times are written."""
+    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _parse_micro_time(value: object) -> float | None:
+    if not isinstance(value, str):
+        return None
+    for layout in ("%Y-%m-%dT%H:%M:%S.%fZ", "%Y-%m-%dT%H:%M:%SZ"):
+        try:
+            return datetime.strptime(value, layout).replace(tzinfo=UTC).timestamp()
+        except ValueError:
+            continue
+    return None
+
+
+def holder_of(lease: Mapping[str, Any] | None) -> str | None:
+    holder = ((lease or {}).get("spec") or {}).get("holderIdentity")
+    return holder if isinstance(holder, str) and holder else None
+
+
+def lapsed(lease: Mapping[str, Any], now: float) -> bool:
+    """Whether the holder's time ran out (a Lease without times has lapsed)."""
+    spec = lease.get("spec") or {}
+    renewed = _parse_micro_time(spec.get("renewTime") or spec.get("acquireTime"))
+    duration = spec.get("leaseDurationSeconds")
+    if renewed is None or not isinstance(duration, int):
+        return True
+    return renewed + duration < now
+
+
+def holds_slot(holder: RolloutCheckpoint | None, lease: Mapping[str, Any], now: float) -> bool:
+    """Whether the Lease's holder keeps the slot (see the module doc)."""
+    if holder is None or holder.metadata.deletion_timestamp is not None:
+        return False
+    if holder.status.phase in CHECKPOINT_FINISHED:
+        return False
+    return holder.status.phase in CHECKPOINT_RUNNING or not lapsed(lease, now)
+
+
+class CheckpointLeases:
+    """Takes and releases the per-set Leases for the checkpoint flows of this process."""
+
+    def __init__(self, kube: Kube, *, clock: Callable[[], float] = time.time) -> None:
+        self._kube = kube
+        self._clock = clock
+        self._known: dict[tuple[str, str], dict[str, Any]] = {}
+        """The Lease as this process last wrote or read it, per (namespace, set)."""
+
+    def _manifest(
+        self,
+        key: tuple[str, str],
+        holder: str | None,
+        duration_seconds: int,
+        base: Mapping[str, Any],
+        owner: RolloutSet | None = None,
+    ) -> dict[str, Any]:
+        now = _micro_time(self._clock())
+        spec = dict(base.get("spec") or {})
+        if holder is not None:
+            transitions = int(spec.get("leaseTransitions") or 0)
+            if spec.get("holderIdentity") not in (None, holder):
+                transitions += 1
+            spec.update(
+                holderIdentity=holder,
+                leaseDurationSeconds=duration_seconds,
+                acquireTime=now,
+                renewTime=now,
+                leaseTransitions=transitions,
+            )
+        else:
+            spec.pop("holderIdentity", None)
+        metadata = dict(base.get("metadata") or {})
+        metadata.setdefault("name", lease_name(key[1]))
+        metadata.setdefault("namespace", key[0])
+        if "ownerReferences" not in metadata and owner is not None and owner.metadata.uid:
+            metadata["ownerReferences"] = [owner_reference(owner)]
+        return {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": metadata,
+            "spec": spec,
+        }
+
+    async def _read(self, key: tuple[str, str]) -> dict[str, Any] | None:
+        lease = await self._kube.get_lease(key[0], lease_name(key[1]))
+        if lease is None:
+            self._known.pop(key, None)
+        else:
+            self._known[key] = lease
+        return lease
+
+    async def take(self, rset: RolloutSet, checkpoint: str, duration_seconds: int) -> str | None:
+        """Hold the set's slot for `checkpoint`: None once held, else the checkpoint that
+        holds it."""
+        namespace = rset.metadata.namespace or "default"
+        key = (namespace, rset.metadata.name)
+        lease = self._known.get(key) or await self._read(key)
+        for _ in range(MAX_TRIES):
+            if lease is None:
+                created = await self._kube.create_lease(
+                    namespace, self._manifest(key, checkpoint, duration_seconds, {}, rset)
+                )
+                if created is not None:
+                    self._known[key] = created
+                    return None
+                lease = await self._read(key)
+                continue
+            holder = holder_of(lease)
+            if holder == checkpoint:
+                return None
+            if holder is not None and await self._holds(namespace, holder, lease):
+                return holder
+            try:
+                self._known[key] = await self._kube.replace_lease(
+                    namespace, self._manifest(key, checkpoint, duration_seconds, lease, rset)
+                )
+                if holder is not None:
+                    logger.info(
+                        "set %s: checkpoint %s takes the slot over from %s (it is not running)",
+                        rset.metadata.name,
+                        checkpoint,
+                        holder,
+                    )
+                return None
+            except (Conflict, LookupError):
+                lease = await self._read(key)
+        return holder_of(lease) or "another writer of the Lease"
+
+    async def _holds(self, namespace: str, holder: str, lease: Mapping[str, Any]) -> bool:
+        raw = await self._kube.get_checkpoint(namespace, holder)
+        ckpt = None if raw is None else RolloutCheckpoint.model_validate(raw)
+        return holds_slot(ckpt, lease, self._clock())
+
+    async def release(self, namespace: str, set_name: str, checkpoint: str) -> None:
+        """Give the set's slot back if `checkpoint` holds it (a no-op otherwise)."""
+        key = (namespace, set_name)
+        lease = self._known.get(key) or await self._read(key)
+        for _ in range(MAX_TRIES):
+            if lease is None or holder_of(lease) != checkpoint:
+                return
+            try:
+                self._known[key] = await self._kube.replace_lease(
+                    namespace, self._manifest(key, None, 0, lease)
+                )
+                return
+            except (Conflict, LookupError):
+                lease = await self._read(key)
+        logger.warning("could not release the checkpoint Lease of set %s", set_name)
+
+
+__all__ = ["CheckpointLeases", "holder_of", "holds_slot", "lapsed", "lease_name"]
