@@ -316,8 +316,8 @@ class Kube:
         if grace_seconds is not None:
             options["grace_period_seconds"] = grace_seconds
         try:
-            await self.core.delete_namespaced_pod(
-                name, namespace, _preload_content=False, **options
+            await self._body(
+                self.core.delete_namespaced_pod(name, namespace, _preload_content=False, **options)
             )
         except ApiException as error:
             if error.status == 404:
