@@ -356,8 +356,11 @@ def _median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
-def _num(value: float, digits: int = 0) -> str:
-    return "-" if math.isnan(value) else f"{value:.{digits}f}"
+def _num(value: float, digits: int | None) -> str:
+    """`digits` None: a count (a median of an even number of checkpoints may end in .5)."""
+    if math.isnan(value):
+        return "-"
+    return f"{value:g}" if digits is None else f"{value:.{digits}f}"
 
 
 def _count(key: Key) -> Callable[[Counter[Key]], float]:
@@ -382,19 +385,13 @@ def table(all_series: Sequence[Series], checkpoints: int) -> list[str]:
     for series in columns:
         for m in series.ready:
             keys |= {k for k, v in (m.to_ready + m.after_ready).items() if v}
-    width = max(14, *(len(s.column) for s in columns)) if columns else 14
-
-    def row(label: str, cells: Sequence[str], target: str = "") -> str:
-        return (
-            f"| {label:<40} | " + " | ".join(f"{c:>{width}}" for c in cells) + f" | {target:<18} |"
-        )
 
     def cell(series: Series, count: Callable[[Counter[Key]], float]) -> str:
         ready = series.ready
         if not ready:
             return "-"
         to = _median([count(m.to_ready) for m in ready])
-        return f"{_num(to)} + {_num(_median([count(m.after_ready) for m in ready]))}"
+        return f"{_num(to, None)} + {_num(_median([count(m.after_ready) for m in ready]), None)}"
 
     def totals(series: Series) -> str:
         ready = series.ready
@@ -402,7 +399,7 @@ def table(all_series: Sequence[Series], checkpoints: int) -> list[str]:
             return "-"
         to = [_total(m.to_ready) for m in ready]
         after = [_total(m.after_ready) for m in ready]
-        return f"{_num(_median(to))} + {_num(_median(after))} (max {max(to)})"
+        return f"{_num(_median(to), None)} + {_num(_median(after), None)} (max {max(to)})"
 
     def cpu(series: Series) -> str:
         ready = series.ready
@@ -417,6 +414,37 @@ def table(all_series: Sequence[Series], checkpoints: int) -> list[str]:
         times = [m.seconds for m in series.ready]
         return f"{_num(_median(times), 2)} / {_num(max(times, default=math.nan), 2)}"
 
+    body: list[tuple[str, list[str], str] | None] = []  # None: a rule
+    for key in sorted(keys, key=_order):
+        verb, resource = key
+        label = f"{verb} {resource}" + (" (pod hints)" if key == HINTS else "")
+        body.append((label, [cell(s, _count(key)) for s in columns], ""))
+    body += [
+        None,
+        (
+            "total without pod hints, watches (max)",
+            [totals(s) for s in columns],
+            f"<= {TARGET_REQUESTS} to Ready",
+        ),
+        ("pod hints (patch pods)", [cell(s, _count(HINTS)) for s in columns], "<= 1 per pod"),
+        ("LIST (any resource)", [cell(s, _lists) for s in columns], "0 to Ready"),
+        (
+            "operator CPU s: to Ready / with after",
+            [cpu(s) for s in columns],
+            f"<= {TARGET_CPU_16} (16 pods)",
+        ),
+        ("created -> Ready s (median / max)", [seconds(s) for s in columns], ""),
+        ("checkpoints Ready", [f"{len(s.ready)}/{len(s.checkpoints)}" for s in columns], ""),
+    ]
+    width = max(
+        [len(s.column) for s in columns] + [len(c) for r in body if r for c in r[1]], default=8
+    )
+
+    def row(label: str, cells: Sequence[str], target: str = "") -> str:
+        return (
+            f"| {label:<40} | " + " | ".join(f"{c:>{width}}" for c in cells) + f" | {target:<18} |"
+        )
+
     rule = f"|{'-' * 42}|" + "|".join("-" * (width + 2) for _ in columns) + f"|{'-' * 20}|"
     lines = [
         f"requests per checkpoint: 'to Ready + after Ready', median of {checkpoints} checkpoints "
@@ -424,27 +452,7 @@ def table(all_series: Sequence[Series], checkpoints: int) -> list[str]:
         "",
         row("verb resource", [s.column for s in columns], "target"),
         rule,
-    ]
-    for key in sorted(keys, key=_order):
-        verb, resource = key
-        label = f"{verb} {resource}" + (" (pod hints)" if key == HINTS else "")
-        lines.append(row(label, [cell(s, _count(key)) for s in columns]))
-    lines += [
-        rule,
-        row(
-            "total without pod hints, watches (max)",
-            [totals(s) for s in columns],
-            f"<= {TARGET_REQUESTS} to Ready",
-        ),
-        row("pod hints (patch pods)", [cell(s, _count(HINTS)) for s in columns], "<= 1 per pod"),
-        row("LIST (any resource)", [cell(s, _lists) for s in columns], "0 to Ready"),
-        row(
-            "operator CPU s: to Ready / with after",
-            [cpu(s) for s in columns],
-            f"<= {TARGET_CPU_16} (16 pods)",
-        ),
-        row("created -> Ready s (median / max)", [seconds(s) for s in columns]),
-        row("checkpoints Ready", [f"{len(s.ready)}/{len(s.checkpoints)}" for s in columns]),
+        *(rule if r is None else row(*r) for r in body),
     ]
     notes: list[str] = []
     for series in columns:
