@@ -127,7 +127,7 @@ bench-fleet: venv cluster-binaries
 
 # The operator's API requests per checkpoint by verb and resource, and its CPU, for a 4-pod and
 # a 16-pod set; REQUESTS_ARGS=--baseline-ref HEAD~1 adds a column for that commit's operator.
-# About 2 minutes (4 with a baseline). Also run by `make bench`.
+# About 1 minute on two cores (2.5 with a baseline). Also run by `make bench`.
 bench-requests: venv cluster-binaries
 	$(PY) bench/checkpoint_requests.py $(REQUESTS_ARGS)
 

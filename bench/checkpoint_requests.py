@@ -8,7 +8,9 @@ fleet pod) and a 16-pod set (4 roles x 4), `--checkpoints` checkpoints each (med
   window is the checkpoint's.
 - **after Ready**: what the checkpoint causes after it is Ready (the set pass writing
   `latestCheckpoint`, pod hints), until the operator's counters stop moving for
-  `QUIET_S` seconds (with a deadline).
+  `QUIET_S` seconds (with a deadline). The cut between the two is read right after the
+  bench's watch sees Ready, so requests the operator sends in those milliseconds land before
+  it: the split varies by a few requests between checkpoints, the sum much less.
 - **pod hints**: `patch pods` (the `latest-checkpoint` pod annotations), counted apart from
   the total, as the issue's target does. Watches are left out of the total too: Kopf re-opens
   each of its watches every `--watch-timeout-seconds` whatever the checkpoint does (they keep
@@ -338,6 +340,13 @@ def _git(*args: str) -> str:
     ).stdout.strip()
 
 
+def _describe_checkout() -> str:
+    """This checkout, its commit, and whether the operator's code or CRDs differ from it."""
+    head = _git("rev-parse", "--short=10", "HEAD")
+    changed = _git("status", "--porcelain", "--", "operator", "protocol", "servers", "crds")
+    return f"{REPO} at {head}" + (" with uncommitted changes" if changed else "")
+
+
 def _crds_differ(a: Path, b: Path) -> bool:
     compared = filecmp.dircmp(a, b)
     return bool(compared.left_only or compared.right_only or compared.diff_files)
@@ -525,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 variants.append(Variant("base", baseline, f"{args.baseline_ref} ({commit[:10]})"))
                 if _crds_differ(baseline / "crds", REPO / "crds"):
                     say("the baseline's CRDs differ from this checkout's: its own are applied")
-            variants.append(Variant("current" if baseline else "", REPO, f"{REPO}"))
+            variants.append(Variant("current" if baseline else "", REPO, _describe_checkout()))
             for variant in variants:
                 folder = work / (variant.label or "current")
                 folder.mkdir()
