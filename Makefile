@@ -12,7 +12,7 @@ NODE_DEBS := runc iptables nftables conntrack busybox-static
 ENGINE_LINK := .bin/engines
 PYTEST_ARGS ?=
 
-.PHONY: help venv cluster-binaries node-packages node-binaries engine image lint test test-unit test-protocol test-e2e test-adversarial demo demo-containers cluster cluster-down crds bench bench-fleet clean kind-e2e kind-e2e-down
+.PHONY: help venv cluster-binaries node-packages node-binaries engine image lint test test-unit test-protocol test-e2e test-adversarial demo demo-containers cluster cluster-down crds bench bench-fleet bench-requests clean kind-e2e kind-e2e-down
 
 help:
 	@echo "make demo              run the demo on a local devcluster (add DEMO_ARGS=--keep to leave it up)"
@@ -29,6 +29,7 @@ help:
 	@echo "make crds              regenerate crds/ from the API models"
 	@echo "make bench             run the benchmarks (printed tables)"
 	@echo "make bench-fleet       one operator, 100 RolloutSets of 16 fleet pods (FLEET_ARGS=...)"
+	@echo "make bench-requests    API requests and operator CPU per checkpoint (REQUESTS_ARGS=--baseline-ref REF)"
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -123,6 +124,12 @@ bench: venv cluster-binaries node-binaries image
 # FLEET_ARGS=--sets 20 for a smaller fleet. Also run by `make bench`.
 bench-fleet: venv cluster-binaries
 	$(PY) bench/fleet.py $(FLEET_ARGS)
+
+# The operator's API requests per checkpoint by verb and resource, and its CPU, for a 4-pod and
+# a 16-pod set; REQUESTS_ARGS=--baseline-ref HEAD~1 adds a column for that commit's operator.
+# About 1 minute on two cores (2.5 with a baseline). Also run by `make bench`.
+bench-requests: venv cluster-binaries
+	$(PY) bench/checkpoint_requests.py $(REQUESTS_ARGS)
 
 clean:
 	rm -rf $(VENV) .bin .mypy_cache .ruff_cache .pytest_cache

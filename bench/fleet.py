@@ -20,9 +20,10 @@ Phases, one devcluster, one operator process:
    TrainerCheckpoint Ready).
 
 The operator's requests are counted by the API server itself: the operator runs as its own
-ServiceAccount, and one FlowSchema per verb routes exactly that ServiceAccount's requests of
-that verb to a priority level of its own (with ample seats, so nothing is throttled); the API
-server's `apiserver_flowcontrol_dispatched_requests_total{flow_schema=...}` is then the
+ServiceAccount, and one FlowSchema per (verb, resource) routes exactly that ServiceAccount's
+requests to a priority level of its own (with ample seats, so nothing is throttled; see
+`harness.apiaccounting`); the API server's
+`apiserver_flowcontrol_dispatched_requests_total{flow_schema=...}`, summed by verb, is then the
 operator's request count by verb. (`apiserver_request_total` has verb and resource labels but
 no client label; API Priority and Fairness is how a cluster accounts requests per client.)
 Latencies are measured by the bench's own watch on the custom resources (admin identity, not
@@ -37,8 +38,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import json
 import math
 import os
 import sys
@@ -52,10 +51,8 @@ from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
-import yaml
 from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import watch
-from prometheus_client.parser import text_string_to_metric_families
 from rollout_operator.api import (
     ANNOTATION_TRAINER_STEP,
     GROUP,
@@ -67,12 +64,14 @@ from rollout_operator.api import (
 from devcluster.cluster import Cluster
 from devcluster.config import NodeSpec
 from devcluster.kube import open_api
+from harness.apiaccounting import Accounting, Usage, by_verb, usage
 from harness.demo import OperatorProcess, _sigterm_as_interrupt, apply_crds, create_namespace
 from harness.fleet import fleet_checkpoint, fleet_set
 
 NAMESPACE: Final = "fleet"
 OPERATOR_SA: Final = "rollout-operator"
 VERBS: Final = ("get", "list", "watch", "create", "update", "patch", "delete")
+"""The verbs with a column of their own in the table (the total counts every verb)."""
 PRIORITY_LEVEL: Final = "fleet-operator"
 PODS_PER_NODE: Final = 500
 MERGE_PATCH: Final[dict[str, Any]] = {"_content_type": "application/merge-patch+json"}
@@ -94,137 +93,17 @@ def say(message: str) -> None:
 
 # --- the operator's identity and its per-verb accounting ------------------------------------------
 
-
-def accounting_objects() -> list[dict[str, Any]]:
-    """The operator's ServiceAccount (cluster-admin: this bench is not about RBAC), a priority
-    level with ample seats, and one FlowSchema per verb matching only that ServiceAccount."""
-    subject = {
-        "kind": "ServiceAccount",
-        "serviceAccount": {"name": OPERATOR_SA, "namespace": NAMESPACE},
-    }
-    docs: list[dict[str, Any]] = [
-        {
-            "apiVersion": "v1",
-            "kind": "ServiceAccount",
-            "metadata": {"name": OPERATOR_SA, "namespace": NAMESPACE},
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRoleBinding",
-            "metadata": {"name": "fleet-operator-admin"},
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "ClusterRole",
-                "name": "cluster-admin",
-            },
-            "subjects": [{"kind": "ServiceAccount", "name": OPERATOR_SA, "namespace": NAMESPACE}],
-        },
-        {
-            "apiVersion": "flowcontrol.apiserver.k8s.io/v1",
-            "kind": "PriorityLevelConfiguration",
-            "metadata": {"name": PRIORITY_LEVEL},
-            "spec": {
-                "type": "Limited",
-                "limited": {
-                    "nominalConcurrencyShares": 200,
-                    "lendablePercent": 0,
-                    "limitResponse": {
-                        "type": "Queue",
-                        "queuing": {"queues": 64, "handSize": 6, "queueLengthLimit": 500},
-                    },
-                },
-            },
-        },
-    ]
-    for rank, verb in enumerate(VERBS):
-        rule = {
-            "verbs": [verb],
-            "apiGroups": ["*"],
-            "resources": ["*"],
-            "namespaces": ["*"],
-            "clusterScope": True,
-        }
-        docs.append(
-            {
-                "apiVersion": "flowcontrol.apiserver.k8s.io/v1",
-                "kind": "FlowSchema",
-                "metadata": {"name": f"fleet-operator-{verb}"},
-                "spec": {
-                    "priorityLevelConfiguration": {"name": PRIORITY_LEVEL},
-                    "matchingPrecedence": 10 + rank,
-                    "distinguisherMethod": {"type": "ByUser"},
-                    "rules": [
-                        {
-                            "subjects": [subject],
-                            "resourceRules": [rule],
-                            "nonResourceRules": [
-                                {"verbs": [verb], "nonResourceURLs": ["*"]},
-                            ],
-                        }
-                    ],
-                },
-            }
-        )
-    return docs
-
-
-def token_kubeconfig(cluster: Cluster, path: Path) -> Path:
-    token = cluster.kubectl(
-        "create", "token", OPERATOR_SA, "-n", NAMESPACE, "--duration=7200s"
-    ).stdout.strip()
-    payload = token.split(".")[1]
-    claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
-    if claims["sub"] != f"system:serviceaccount:{NAMESPACE}:{OPERATOR_SA}":
-        raise RuntimeError(f"unexpected token subject {claims['sub']}")
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [
-            {
-                "name": "devcluster",
-                "cluster": {"server": cluster.server, "certificate-authority": str(cluster.ca)},
-            }
-        ],
-        "users": [{"name": OPERATOR_SA, "user": {"token": token}}],
-        "contexts": [{"name": "sa", "context": {"cluster": "devcluster", "user": OPERATOR_SA}}],
-        "current-context": "sa",
-    }
-    path.write_text(yaml.safe_dump(config))
-    return path
+ACCOUNTING: Final = Accounting(NAMESPACE, OPERATOR_SA, PRIORITY_LEVEL)
+"""The operator's ServiceAccount and one FlowSchema per (verb, resource) matching only it
+(`harness.apiaccounting`); this bench sums them by verb."""
 
 
 def operator_requests(cluster: Cluster) -> dict[str, float]:
     """The operator's requests so far by verb, from the API server's APF counters."""
-    text = cluster.kubectl("get", "--raw", "/metrics").stdout
-    counts: dict[str, float] = dict.fromkeys(VERBS, 0.0)
-    for family in text_string_to_metric_families(text):
-        if family.name != "apiserver_flowcontrol_dispatched_requests":
-            continue
-        for sample in family.samples:
-            schema = sample.labels.get("flow_schema", "")
-            if sample.name.endswith("_total") and schema.startswith("fleet-operator-"):
-                counts[schema.removeprefix("fleet-operator-")] += sample.value
-    return counts
+    return by_verb(ACCOUNTING.read(cluster))
 
 
 # --- the operator process's CPU and memory -------------------------------------------------------
-
-
-@dataclass
-class Usage:
-    cpu_seconds: float
-    rss_mb: float
-
-
-def usage(pid: int) -> Usage:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    cpu = (int(fields[11]) + int(fields[12])) / ticks
-    rss = 0.0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            rss = int(line.split()[1]) / 1024
-    return Usage(cpu, rss)
 
 
 COMPONENTS: Final = {
@@ -317,7 +196,7 @@ class Meter:
         return Window(
             name,
             time.monotonic() - t0,
-            {verb: r1[verb] - r0[verb] for verb in VERBS},
+            {verb: r1.get(verb, 0.0) - r0.get(verb, 0.0) for verb in r1.keys() | r0.keys()},
             u1.cpu_seconds - u0.cpu_seconds,
             u1.rss_mb,
             {k: c1[k] - c0[k] for k in c1 if k in c0},
@@ -492,10 +371,8 @@ async def run(args: argparse.Namespace, cluster: Cluster, work: Path, report: Re
     names = [f"set-{i:03d}" for i in range(args.sets)]
     create_namespace(cluster, NAMESPACE)
     apply_crds(cluster)
-    docs = accounting_objects()
-    (work / "accounting.yaml").write_text(yaml.safe_dump_all(docs))
-    cluster.kubectl("apply", "-f", str(work / "accounting.yaml"))
-    kubeconfig = token_kubeconfig(cluster, work / "operator.kubeconfig")
+    ACCOUNTING.install(cluster, work)
+    kubeconfig = ACCOUNTING.token_kubeconfig(cluster, work / "operator.kubeconfig")
     storage = work / "checkpoints"
     storage.mkdir()
     environment = {k: v for k, v in os.environ.items() if not k.startswith("KUBE")}

@@ -182,8 +182,10 @@ class OperatorProcess:
 # --- manifests ------------------------------------------------------------------------------
 
 
-def apply_crds(cluster: Cluster) -> None:
-    cluster.kubectl("apply", "-f", str(CRDS))
+def apply_crds(cluster: Cluster, crds: Path = CRDS) -> None:
+    """Applies the CRDs in `crds` (this checkout's by default; a bench comparing with another
+    commit passes that commit's) and waits until both are Established."""
+    cluster.kubectl("apply", "-f", str(crds))
     names = [f"crd/{ROLLOUT_SET_PLURAL}.{GROUP}", f"crd/{ROLLOUT_CHECKPOINT_PLURAL}.{GROUP}"]
     established = '{.status.conditions[?(@.type=="Established")].status}'
 
