@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import UTC
 from typing import Any, Final
 
 from .api import CHECKPOINT_RUNNING, CheckpointPhase, RolloutSet, format_time
@@ -127,5 +128,10 @@ def checkpoint_fields(
         fields["recentCheckpointSeconds"] = recent
         completed = new[-1].completed
         assert completed is not None
-        fields["latestCheckpointTime"] = format_time(completed)
+        # As precise as completedAt: the mark must not fall behind what it counted.
+        fields["latestCheckpointTime"] = (
+            completed.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+            if completed.microsecond
+            else format_time(completed)
+        )
     return fields, repair

@@ -134,3 +134,15 @@ def test_a_checkpoint_being_published_is_left_alone() -> None:
     fields, repair = checkpoint_fields(shown, views, "c1")
     assert "latestCheckpoint" not in fields
     assert repair is None
+
+
+def test_a_completion_with_fractional_seconds_is_counted_once() -> None:
+    """The flow writes completedAt with microseconds: the mark keeps them, so the next pass
+    finds nothing new (a whole-second mark counted the same checkpoint on every pass)."""
+    done = checkpoint("c1", "Ready", 0, total=3.0)
+    done["status"]["completedAt"] = "2026-12-01T00:01:00.250000Z"
+    fields, _ = checkpoint_fields(rollout_set(), checkpoint_views([done]), None)
+    assert fields["recentCheckpointSeconds"] == [3.0]
+    again = rollout_set(**{k: v for k, v in fields.items() if k != "activeCheckpoint"})
+    fields, _ = checkpoint_fields(again, checkpoint_views([done]), "c1")
+    assert fields == {"activeCheckpoint": None}
