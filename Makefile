@@ -82,6 +82,7 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 test-unit: venv cluster-binaries
 	$(VENV)/bin/pytest -m unit $(PYTEST_ARGS)
@@ -114,8 +115,8 @@ cluster-down: venv
 	$(PY) -m devcluster down --dir .devcluster
 
 crds: venv
-	$(PY) -m rollout_operator.crdgen
-	$(PY) -m rollout_operator.crdgen --dir charts/rollout-operator/crds
+	$(PY) -m rollout_operator.model.crdgen
+	$(PY) -m rollout_operator.model.crdgen --dir charts/rollout-operator/crds
 
 bench: venv cluster-binaries node-binaries image
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

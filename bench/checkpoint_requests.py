@@ -57,7 +57,7 @@ import aiohttp
 import httpx
 from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import watch
-from rollout_operator.api import GROUP, ROLLOUT_CHECKPOINT_PLURAL, ROLLOUT_SET_PLURAL, VERSION
+from rollout_operator.model.api import GROUP, ROLLOUT_CHECKPOINT_PLURAL, ROLLOUT_SET_PLURAL, VERSION
 
 from devcluster.cluster import Cluster
 from devcluster.config import NodeSpec

@@ -36,13 +36,13 @@ from typing import Any
 
 import anyio
 from kubernetes_asyncio import client as k8s
-from rollout_operator import api
-from rollout_operator.policy import (
+from rollout_operator.decide.policy import (
     ANNOTATION_DEADLINE_OUTCOME,
     DEFAULT_RESERVE_SECONDS,
     deadline_checkpoint_name,
     save_reserve_seconds,
 )
+from rollout_operator.model import api
 
 from devcluster.cluster import Cluster
 from devcluster.kube import open_api

@@ -53,7 +53,7 @@ from typing import Any, Final
 import aiohttp
 from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import watch
-from rollout_operator.api import (
+from rollout_operator.model.api import (
     ANNOTATION_TRAINER_STEP,
     GROUP,
     ROLLOUT_CHECKPOINT_PLURAL,

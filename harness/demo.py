@@ -41,8 +41,8 @@ import anyio.to_thread
 import httpx
 import yaml
 from kubernetes_asyncio import client as k8s
-from rollout_operator.api import GROUP, ROLLOUT_CHECKPOINT_PLURAL, ROLLOUT_SET_PLURAL, VERSION
-from rollout_operator.resources import secret_name, token_from_secret
+from rollout_operator.decide.resources import secret_name, token_from_secret
+from rollout_operator.model.api import GROUP, ROLLOUT_CHECKPOINT_PLURAL, ROLLOUT_SET_PLURAL, VERSION
 from rollout_protocol import _storage as storage
 from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
 from rollout_servers.discovery import rollout_set_topology

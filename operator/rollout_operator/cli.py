@@ -6,7 +6,7 @@
 
 It wraps `kopf.run` so a deployment needs no knowledge of Kopf's own CLI: the handlers are
 imported here, and production settings are applied by the startup hook
-(`handlers.runtime.start`, see `rollout_operator.settings`).
+(`handlers.runtime.start`, see `rollout_operator.model.settings`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Final
 import kopf
 from pydantic import ValidationError
 
-from .api import MAX_REPLICAS
-from .settings import (
+from .model.api import MAX_REPLICAS
+from .model.settings import (
     DEFAULT_API_CONCURRENCY,
     DEFAULT_MAX_CONCURRENT_CHECKPOINTS,
     DEFAULT_MAX_REPLICAS_PER_ROLE,

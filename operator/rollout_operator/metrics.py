@@ -26,12 +26,8 @@ from typing import Any, Final
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from .api import (
-    CheckpointPhase,
-    RolloutCheckpoint,
-    RolloutSet,
-)
-from .kube import Kube
+from .cluster.kube import Kube
+from .model.api import CheckpointPhase, RolloutCheckpoint, RolloutSet
 
 DURATION_BUCKETS: Final = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 """Seconds: a checkpoint takes from well under a second to a long prepare deadline."""

@@ -65,6 +65,7 @@ from ._routes import (
     Route,
 )
 from ._storage import (
+    RecordsInvalid,
     Removal,
     StorageError,
     checkpoint_base,
@@ -172,6 +173,7 @@ __all__ = [
     "ProtocolError",
     "PublishedParticipant",
     "Record",
+    "RecordsInvalid",
     "Removal",
     "RenewReply",
     "RenewRequest",

@@ -13,9 +13,9 @@ from typing import Any, cast
 import httpx
 from fastapi import FastAPI
 from kubernetes_asyncio.client.exceptions import ApiException
-from rollout_operator import api
-from rollout_operator.kube import Kube
-from rollout_operator.resources import participant_pod
+from rollout_operator.cluster.kube import Kube
+from rollout_operator.decide.resources import participant_pod
+from rollout_operator.model import api
 from rollout_protocol import API_PREFIX, ControlPlane, ControlSettings, Role
 
 TOKEN = "adversarial-control-token"

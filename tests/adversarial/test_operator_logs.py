@@ -82,7 +82,7 @@ def test_a_retried_connection_failure_is_a_warning(operator_log: io.StringIO) ->
 def test_a_request_that_gives_up_is_still_an_error(operator_log: io.StringIO) -> None:
     error = APITooManyRequestsError(STATUS, status=429, headers={})
     _kopf_retry_line(logging.getLogger("kopf._cogs.clients.watching"), error, last=True)
-    other = logging.getLogger("rollout_operator.recovery")
+    other = logging.getLogger("rollout_operator.flows.recovery")
     other.error("Request attempt #1/9 failed; will retry: not Kopf's line")
     lines = operator_log.getvalue().splitlines()
     assert len(lines) == 2, lines

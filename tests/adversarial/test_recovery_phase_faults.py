@@ -70,7 +70,7 @@ from operator_fixtures import (  # noqa: E402
     wait_phase,
     wait_pod_ready,
 )
-from rollout_operator import api  # noqa: E402
+from rollout_operator.model import api  # noqa: E402
 from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs  # noqa: E402
 from rollout_servers.discovery import rollout_set_topology  # noqa: E402
 

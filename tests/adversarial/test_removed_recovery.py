@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 from kube_fakes import InMemorySet
-from rollout_operator import api
-from rollout_operator.setstatus import REPAIRED
-from rollout_operator.statusrepair import RECOVERY_RESTARTED, repair_set_attempt
+from rollout_operator.decide.setstatus import REPAIRED
+from rollout_operator.flows.repairs import RECOVERY_RESTARTED, repair_set_attempt
+from rollout_operator.model import api
 
 NS = "team"
 SET = "math"

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 from fakes import FakeParticipant
 from pydantic import ValidationError
-from rollout_operator import api
-from rollout_operator.policyops import StorageLocator, checkpoint_deleted, set_deleted
+from rollout_operator.cluster.storage import StorageLocator
+from rollout_operator.flows.policypass import checkpoint_deleted, set_deleted
+from rollout_operator.model import api
 from rollout_protocol import ControlPlane
 from shared import SetApi, checkpoint, pod_settings, post, serve, set_object
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from rollout_operator import api
+from rollout_operator.model import api
 from shared import set_object
 from test_shared_storage import BAD_PATHS
 

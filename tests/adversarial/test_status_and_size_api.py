@@ -37,7 +37,7 @@ from operator_fixtures import (  # noqa: E402
     running_operator,
     storage_dir,
 )
-from rollout_operator import api  # noqa: E402
+from rollout_operator.model import api  # noqa: E402
 
 from devcluster.cluster import Cluster  # noqa: E402
 from devcluster.waiting import wait_for  # noqa: E402

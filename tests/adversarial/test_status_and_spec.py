@@ -22,17 +22,13 @@ import pytest
 import yaml
 from fakes import FakeParticipant
 from pydantic import ValidationError
-from rollout_operator import api
-from rollout_operator.policy import checkpoint_views
-from rollout_operator.resources import STORAGE_VOLUME_NAME, reserved_volume_notes
-from rollout_operator.setops import missing_peers, spec_over_limits
-from rollout_operator.setstatus import latest_repair
-from rollout_operator.settings import MAX_DIFFBASE_FIELD_BYTES, compact_essence
-from rollout_operator.statusrepair import (
-    completed_on_storage,
-    published_manifests,
-    records_proven,
-)
+from rollout_operator.decide.policy import checkpoint_views
+from rollout_operator.decide.resources import STORAGE_VOLUME_NAME, reserved_volume_notes
+from rollout_operator.decide.setstatus import latest_repair
+from rollout_operator.flows.repairs import completed_on_storage, published_manifests, records_proven
+from rollout_operator.flows.setpass import missing_peers, spec_over_limits
+from rollout_operator.model import api
+from rollout_operator.model.settings import MAX_DIFFBASE_FIELD_BYTES, compact_essence
 from rollout_protocol import ControlPlane
 from shared import checkpoint, pod_settings, serve, set_object
 from test_policy_ops import FakeApi, Run, rollout_set
@@ -187,7 +183,7 @@ async def test_an_invalid_trainer_step_is_logged_once_not_on_every_pass(
     body = rollout_set(tmp_path)
     body["metadata"]["annotations"] = {api.ANNOTATION_TRAINER_STEP: "step-twelve-once"}
     run = Run(FakeApi(body), tmp_path)
-    with caplog.at_level(logging.INFO, logger="rollout_operator.policyops"):
+    with caplog.at_level(logging.INFO, logger="rollout_operator.flows.policypass"):
         for _ in range(3):
             await run()
     logged = [r for r in caplog.records if "step-twelve-once" in r.getMessage()]

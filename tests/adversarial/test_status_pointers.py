@@ -14,11 +14,11 @@ import copy
 from typing import Any, cast
 
 from kube_fakes import InMemorySet
-from rollout_operator import api
-from rollout_operator.checkpointing import CheckpointFlow
-from rollout_operator.kube import Kube
-from rollout_operator.leases import CheckpointLeases, holder_of, lease_name
-from rollout_operator.recovery import RecoveryFlow
+from rollout_operator.cluster.kube import Kube
+from rollout_operator.cluster.leases import CheckpointLeases, holder_of, lease_name
+from rollout_operator.flows.checkpoint import CheckpointFlow
+from rollout_operator.flows.recovery import RecoveryFlow
+from rollout_operator.model import api
 
 NS = "team"
 SET = "math"

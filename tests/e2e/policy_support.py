@@ -17,7 +17,7 @@ from typing import Any
 
 from kubernetes_asyncio import client as k8s
 from operator_fixtures import Resources, condition
-from rollout_operator import api
+from rollout_operator.model import api
 
 from devcluster.waiting import wait_for
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
-from rollout_operator import api, crdgen
-from rollout_operator.kube import Kube
+from rollout_operator.cluster.kube import Kube
+from rollout_operator.model import api, crdgen
 
 from devcluster.cluster import Cluster
 

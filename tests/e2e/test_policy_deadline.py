@@ -37,7 +37,7 @@ from policy_support import (
     wait_ready,
     when,
 )
-from rollout_operator.policy import ANNOTATION_DEADLINE_OUTCOME, save_reserve_seconds
+from rollout_operator.decide.policy import ANNOTATION_DEADLINE_OUTCOME, save_reserve_seconds
 from rollout_protocol import read_records
 
 from devcluster.cluster import Cluster

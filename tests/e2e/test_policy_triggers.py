@@ -26,7 +26,7 @@ from policy_support import (
     wait_ready,
     when,
 )
-from rollout_operator import api
+from rollout_operator.model import api
 
 from devcluster.cluster import Cluster
 from devcluster.waiting import wait_for

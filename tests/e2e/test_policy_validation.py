@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from pydantic import BaseModel, ValidationError
-from rollout_operator import api
+from rollout_operator.model import api
 
 from devcluster.cluster import Cluster
 from harness.demo import apply_crds

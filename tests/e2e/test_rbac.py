@@ -141,7 +141,7 @@ GRANTS = [
     *_g(
         "coordination.k8s.io",
         "leases",
-        {"get": "checkpoint", "create": "checkpoint", "update": "checkpoint"},
+        {"get": "checkpoint", "create": "checkpoint", "patch": "checkpoint"},
     ),
     *_g("apiextensions.k8s.io", "customresourcedefinitions", {"list": "start", "watch": "start"}),
     *_g("", "namespaces", {"list": "start", "watch": "start"}),

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 from kubernetes_asyncio import client
-from rollout_operator import api, crdgen
+from rollout_operator.model import api, crdgen
 
 from devcluster.cluster import Cluster
 from devcluster.testing import WaitTimeout, wait_for, wait_for_sync

@@ -11,8 +11,8 @@ import json
 from collections.abc import Sequence
 from typing import Any, cast
 
-from rollout_operator.cache import ClusterCache
-from rollout_operator.kube import Conflict, Kube
+from rollout_operator.cluster.cache import ClusterCache
+from rollout_operator.cluster.kube import Conflict, Kube
 
 
 class RawResponse:
@@ -40,10 +40,10 @@ class InMemorySet:
         self.checkpoints = {c["metadata"]["name"]: c for c in checkpoints}
         """RolloutCheckpoints the flows may read (by name); none unless a test gives some."""
         self.leases: dict[str, dict[str, Any]] = {}
-        """Leases by name; a replace keeps the API server's resourceVersion precondition."""
+        """Leases by name; a patch keeps the API server's resourceVersion precondition."""
         self.lease_version = 0
         self.lease_calls: list[str] = []
-        """The Lease requests made, by verb (get, create, update)."""
+        """The Lease requests made, by verb (get, create, patch)."""
         self.cache = ClusterCache()
         """`Kube.cache`, never attached to indexes here: the flows only wait on it."""
 
@@ -112,15 +112,23 @@ class InMemorySet:
             return None
         return self._store_lease(manifest)
 
-    async def replace_lease(self, namespace: str, manifest: dict[str, Any]) -> dict[str, Any]:
-        self.lease_calls.append("update")
-        name = manifest["metadata"]["name"]
+    async def patch_lease(
+        self, namespace: str, name: str, spec: dict[str, Any], resource_version: str
+    ) -> dict[str, Any]:
+        """A merge patch of the Lease's spec with the resourceVersion precondition."""
+        self.lease_calls.append("patch")
         current = self.leases.get(name)
         if current is None:
             raise LookupError(f"lease {name} is gone")
-        if manifest["metadata"].get("resourceVersion") != current["metadata"]["resourceVersion"]:
+        if resource_version != current["metadata"]["resourceVersion"]:
             raise Conflict("the object has been modified")
-        return self._store_lease(manifest)
+        merged = copy.deepcopy(current)
+        for key, value in spec.items():
+            if value is None:
+                merged["spec"].pop(key, None)
+            else:
+                merged["spec"][key] = copy.deepcopy(value)
+        return self._store_lease(merged)
 
     def _store_lease(self, manifest: dict[str, Any]) -> dict[str, Any]:
         self.lease_version += 1

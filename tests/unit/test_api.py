@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
-from rollout_operator import api
+from rollout_operator.model import api
 from rollout_protocol import Role
 
 

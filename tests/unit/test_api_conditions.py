@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from rollout_operator.api import Condition, ConditionStatus
-from rollout_operator.conditions import (
+from rollout_operator.model.api import Condition, ConditionStatus
+from rollout_operator.model.conditions import (
     ConditionUpdate,
     find_condition,
     is_true,

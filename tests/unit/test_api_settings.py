@@ -7,7 +7,7 @@ from typing import Any
 import kopf
 import pytest
 from rollout_operator import cli
-from rollout_operator.settings import RunOptions, configure
+from rollout_operator.model.settings import RunOptions, configure
 
 
 def test_configure_keeps_kopf_state_in_our_annotations_and_finalizer() -> None:

@@ -436,7 +436,7 @@ def test_every_value_in_values_yaml_is_described_by_the_schema() -> None:
 
 
 def test_chart_crds_are_identical_to_the_generated_ones() -> None:
-    """Sync with `python -m rollout_operator.crdgen --dir charts/rollout-operator/crds`."""
+    """Sync with `python -m rollout_operator.model.crdgen --dir charts/rollout-operator/crds`."""
     generated = {p.name: p.read_bytes() for p in (ROOT / "crds").glob("*.yaml")}
     in_chart = {p.name: p.read_bytes() for p in (CHART / "crds").iterdir()}
     assert generated, "crds/ is empty"
@@ -444,7 +444,7 @@ def test_chart_crds_are_identical_to_the_generated_ones() -> None:
     for name, content in generated.items():
         assert in_chart[name] == content, (
             f"charts/rollout-operator/crds/{name} differs from crds/{name}; run "
-            "`python -m rollout_operator.crdgen --dir charts/rollout-operator/crds`"
+            "`python -m rollout_operator.model.crdgen --dir charts/rollout-operator/crds`"
         )
 
 

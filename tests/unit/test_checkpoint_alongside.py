@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
-from rollout_operator.checkpointing import CheckpointFailed, alongside
+from rollout_operator.flows.checkpoint import CheckpointFailed, alongside
 
 
 async def test_the_write_and_the_step_overlap_and_the_step_result_is_returned() -> None:

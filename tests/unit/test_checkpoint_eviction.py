@@ -16,11 +16,11 @@ from typing import Any, cast
 
 import pytest
 from kube_fakes import InMemorySet
-from rollout_operator import api
-from rollout_operator.checkpointing import CheckpointFlow, Reason
-from rollout_operator.leases import holder_of, lease_name
-from rollout_operator.policy import EVICTION_COMMIT_MARGIN_SECONDS, parse_time
-from rollout_operator.resources import TOKEN_KEY, secret_name
+from rollout_operator.cluster.leases import holder_of, lease_name
+from rollout_operator.decide.policy import EVICTION_COMMIT_MARGIN_SECONDS, parse_time
+from rollout_operator.decide.resources import TOKEN_KEY, secret_name
+from rollout_operator.flows.checkpoint import CheckpointFlow, Reason
+from rollout_operator.model import api
 from rollout_protocol import (
     EpisodeId,
     HttpParticipantClient,

@@ -14,8 +14,8 @@ from typing import cast
 
 import anyio
 import pytest
-from rollout_operator import api
-from rollout_operator.checkpointing import CheckpointFlow
+from rollout_operator.flows.checkpoint import CheckpointFlow
+from rollout_operator.model import api
 from rollout_protocol import HttpParticipantClient
 from test_checkpoint_eviction import (
     CKPT,

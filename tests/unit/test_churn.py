@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from rollout_operator.churn import decide, kept_starts, spacing
+from rollout_operator.decide.churn import decide, kept_starts, spacing
 
 pytestmark = pytest.mark.unit
 

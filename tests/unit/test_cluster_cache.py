@@ -9,8 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
-from rollout_operator.api import LABEL_ATTEMPT, LABEL_SET
-from rollout_operator.cache import (
+from rollout_operator.cluster.cache import (
     CHECKPOINTS,
     CREATED_POD_SECONDS,
     INDEXES,
@@ -24,6 +23,7 @@ from rollout_operator.cache import (
     pods_key,
     set_key,
 )
+from rollout_operator.model.api import LABEL_ATTEMPT, LABEL_SET
 
 NS = "team"
 

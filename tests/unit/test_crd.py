@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import yaml
-from rollout_operator import api, crdgen
+from rollout_operator.model import api, crdgen
 
 CRDS = Path(__file__).resolve().parents[2] / "crds"
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from rollout_operator import api
-from rollout_operator.inplace import instance_name, plan_in_place, rewiring
-from rollout_operator.resources import PEERS, peer_index
-from rollout_operator.setplan import PodView, desired_instances, plan_attempt
+from rollout_operator.decide.inplace import instance_name, plan_in_place, rewiring
+from rollout_operator.decide.resources import PEERS, peer_index
+from rollout_operator.decide.setplan import PodView, desired_instances, plan_attempt
+from rollout_operator.model import api
 from rollout_protocol import Role
 from test_resources_setplan import make_set, running, start_all, views
 

@@ -11,7 +11,7 @@ from typing import Any, cast
 
 import pytest
 from kube_fakes import RawResponse
-from rollout_operator.kube import Kube
+from rollout_operator.cluster.kube import Kube
 
 pytestmark = pytest.mark.unit
 
@@ -66,7 +66,7 @@ async def test_an_api_server_that_refuses_the_selector_is_asked_for_everything_f
 ) -> None:
     api = CheckpointsApi(selectors=False)
     kube = kube_over(api)
-    with caplog.at_level("INFO", logger="rollout_operator.kube"):
+    with caplog.at_level("INFO", logger="rollout_operator.cluster.kube"):
         assert names(await kube.list_checkpoints("ns", "set-a")) == ["a-1", "a-2"]
         assert names(await kube.list_checkpoints("ns", "set-b")) == ["b-1"]
     assert api.asked == ["spec.rolloutSet=set-a", None, None], "refused once, then not asked"

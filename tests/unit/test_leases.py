@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 from kube_fakes import InMemorySet
-from rollout_operator import api
-from rollout_operator.leases import CheckpointLeases, holder_of, lapsed, lease_name
+from rollout_operator.cluster.leases import CheckpointLeases, holder_of, lapsed, lease_name
+from rollout_operator.model import api
 
 NS = "team"
 SET = "math"
@@ -72,7 +72,7 @@ async def test_release_and_the_next_take_are_one_request_each(fake: InMemorySet)
     assert holder_of(fake.leases[lease_name(SET)]) is None
     assert await leases.take(rset(fake), "b", 600) is None
     assert holder_of(fake.leases[lease_name(SET)]) == "b"
-    assert fake.lease_calls == ["update", "update"]
+    assert fake.lease_calls == ["patch", "patch"]
     assert fake.leases[lease_name(SET)]["spec"]["leaseTransitions"] == 0
 
 
@@ -125,7 +125,7 @@ async def test_a_lost_race_reads_the_lease_again_and_never_steals(fake: InMemory
     fake.checkpoints["a"]["status"]["phase"] = "Preparing"
     fake.lease_calls.clear()
     assert await second.take(rset(fake), "b", 600) == "a"
-    assert fake.lease_calls == ["update", "get"]
+    assert fake.lease_calls == ["patch", "get"]
     assert holder_of(fake.leases[lease_name(SET)]) == "a"
 
 

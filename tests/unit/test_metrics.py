@@ -14,8 +14,8 @@ from kube_fakes import RawResponse
 from kubernetes_asyncio.client.exceptions import ApiException
 from prometheus_client import REGISTRY, generate_latest
 from rollout_operator import metrics
-from rollout_operator.api import RolloutCheckpoint, RolloutSet
-from rollout_operator.kube import Kube
+from rollout_operator.cluster.kube import Kube
+from rollout_operator.model.api import RolloutCheckpoint, RolloutSet
 
 NAMESPACE = "team-a"
 SHA = "ab" * 32

@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from rollout_operator import api
-from rollout_operator.recovery import Reason as RecoveryReason
-from rollout_operator.recovery import detect_loss
-from rollout_operator.resources import control_port, participant_pod
-from rollout_operator.setplan import PodView
+from rollout_operator.decide.resources import control_port, participant_pod
+from rollout_operator.decide.setplan import PodView
+from rollout_operator.flows.recovery import Reason as RecoveryReason
+from rollout_operator.flows.recovery import detect_loss
+from rollout_operator.model import api
 from rollout_protocol import Role
 from rollout_servers.servers.model import (
     BuiltinBackend,

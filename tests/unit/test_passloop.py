@@ -18,11 +18,11 @@ import anyio.lowlevel
 import kopf
 import pytest
 from kopf._core.intents.stoppers import DaemonStopper, DaemonStoppingReason
+from rollout_operator.cluster.kube import Kube
+from rollout_operator.flows.passloop import STOP_BACKOFF_SECONDS, PassLoop, Stopped
 from rollout_operator.handlers import policy as policy_handlers
 from rollout_operator.handlers import rolloutset as set_handlers
 from rollout_operator.handlers.runtime import MEMO_KUBE
-from rollout_operator.kube import Kube
-from rollout_operator.passloop import STOP_BACKOFF_SECONDS, PassLoop, Stopped
 
 PROMPT_SECONDS = 1.0
 """A stop is honoured well inside this (the loop waits on the flag itself, it does not poll)."""

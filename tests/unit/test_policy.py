@@ -10,9 +10,7 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
-from rollout_operator import api, crdgen
-from rollout_operator.api import CheckpointPhase, Trigger
-from rollout_operator.policy import (
+from rollout_operator.decide.policy import (
     ANNOTATION_DEADLINE_OUTCOME,
     DEFAULT_RESERVE_SECONDS,
     EVICTION_COMMIT_MARGIN_SECONDS,
@@ -34,6 +32,8 @@ from rollout_operator.policy import (
     suspend_decision,
     trainer_step_decision,
 )
+from rollout_operator.model import api, crdgen
+from rollout_operator.model.api import CheckpointPhase, Trigger
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 

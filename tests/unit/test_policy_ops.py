@@ -10,18 +10,18 @@ from typing import Any, cast
 
 import pytest
 from kubernetes_asyncio.client.exceptions import ApiException
-from rollout_operator import api
-from rollout_operator.kube import Conflict, Kube
-from rollout_operator.policy import ANNOTATION_DEADLINE_OUTCOME, Note, Reason
-from rollout_operator.policyops import (
+from rollout_operator.cluster.kube import Conflict, Kube
+from rollout_operator.cluster.objects import eviction_holds
+from rollout_operator.cluster.storage import StorageLocator
+from rollout_operator.decide.policy import ANNOTATION_DEADLINE_OUTCOME, Note, Reason
+from rollout_operator.flows.policypass import (
     CheckpointBusy,
     PolicyPass,
-    StorageLocator,
     checkpoint_deleted,
-    eviction_holds,
     set_deleted,
     start_eviction_checkpoint,
 )
+from rollout_operator.model import api
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 NS = "team"

@@ -9,12 +9,12 @@ from typing import Any, cast
 
 import pytest
 from kube_fakes import InMemorySet
-from rollout_operator import api
-from rollout_operator.kube import Kube
-from rollout_operator.policyops import RESUMED_REASON
-from rollout_operator.recovery import Reason as RecoveryReason
-from rollout_operator.recovery import RecoveryFlow, detect_loss
-from rollout_operator.setplan import PodView, Reason, plan_attempt, set_conditions
+from rollout_operator.cluster.kube import Kube
+from rollout_operator.decide.policy import RESUMED_REASON
+from rollout_operator.decide.setplan import PodView, Reason, plan_attempt, set_conditions
+from rollout_operator.flows.recovery import Reason as RecoveryReason
+from rollout_operator.flows.recovery import RecoveryFlow, detect_loss
+from rollout_operator.model import api
 from rollout_protocol import (
     Coordinator,
     HttpParticipantClient,

@@ -6,7 +6,8 @@ import base64
 from typing import Any
 
 import pytest
-from rollout_operator import api, resources
+from rollout_operator.decide import resources
+from rollout_operator.model import api
 from rollout_protocol import Role
 
 

@@ -7,17 +7,18 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import pytest
-from rollout_operator import api, setops
-from rollout_operator.kube import Conflict, Kube
-from rollout_operator.resources import attempt_selector
-from rollout_operator.setops import (
+from rollout_operator.cluster.kube import Conflict, Kube
+from rollout_operator.cluster.objects import (
     ENSURE_EVERY_SECONDS,
     OwnedObjects,
     delete_attempt_pods,
     ensure_control_token,
     read_control_token,
-    reconcile_set,
 )
+from rollout_operator.decide.resources import attempt_selector
+from rollout_operator.flows import setpass
+from rollout_operator.flows.setpass import reconcile_set
+from rollout_operator.model import api
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 NS = "team"
@@ -26,7 +27,7 @@ NS = "team"
 @pytest.fixture(autouse=True)
 def fresh_owned_objects(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test starts with a process that has ensured nothing (the record is per process)."""
-    monkeypatch.setattr(setops, "owned_objects", OwnedObjects())
+    monkeypatch.setattr(setpass, "owned_objects", OwnedObjects())
 
 
 class FakeKube:
@@ -343,7 +344,7 @@ async def test_token_and_services_are_checked_once_per_window_not_on_every_pass(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     now = [1000.0]
-    monkeypatch.setattr(setops, "owned_objects", OwnedObjects(clock=lambda: now[0]))
+    monkeypatch.setattr(setpass, "owned_objects", OwnedObjects(clock=lambda: now[0]))
     fake = FakeKube(rollout_set())
     await reconcile_set(fake.as_kube(), NS, "rl", now=T0)
     assert fake.secrets

@@ -5,9 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from rollout_operator import api
-from rollout_operator.conditions import ConditionUpdate
-from rollout_operator.setplan import (
+from rollout_operator.decide.setplan import (
     PodView,
     Reason,
     attempt_instances,
@@ -15,6 +13,8 @@ from rollout_operator.setplan import (
     plan_attempt,
     set_conditions,
 )
+from rollout_operator.model import api
+from rollout_operator.model.conditions import ConditionUpdate
 from rollout_protocol import Role
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)

@@ -10,9 +10,9 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from rollout_operator import api
-from rollout_operator.policy import checkpoint_views
-from rollout_operator.setstatus import RECENT_DURATIONS, REPAIRED, checkpoint_fields
+from rollout_operator.decide.policy import checkpoint_views
+from rollout_operator.decide.setstatus import RECENT_DURATIONS, REPAIRED, checkpoint_fields
+from rollout_operator.model import api
 
 T0 = datetime(2026, 12, 1, tzinfo=UTC)
 

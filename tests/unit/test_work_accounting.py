@@ -27,8 +27,8 @@ from fakes import FakeParticipant
 from fastapi import FastAPI
 from prometheus_client import REGISTRY
 from rollout_operator import metrics
-from rollout_operator.api import LostWorkReport, RolloutSet, Work
-from rollout_operator.workloss import lost_reports, total_work, work_loss
+from rollout_operator.decide.workloss import lost_reports, total_work, work_loss
+from rollout_operator.model.api import LostWorkReport, RolloutSet, Work
 from rollout_protocol import (
     PREPARE_ORDER,
     Boundary,

@@ -86,11 +86,11 @@ checkpointing.py, recovery.py, handlers/) and with Kopf.
   resources: [rolloutcheckpoints/status]
   verbs: [patch]
 # One checkpoint at a time per set: the Lease <set>-checkpoint names the running one. The flow
-# creates it, replaces it (compare-and-swap on its resourceVersion) to take and release the slot,
-# and reads it when a replace was refused or after an operator restart.
+# creates it, patches it with a resourceVersion precondition (compare-and-swap) to take and
+# release the slot, and reads it when a patch was refused or after an operator restart.
 - apiGroups: [coordination.k8s.io]
   resources: [leases]
-  verbs: [get, create, update]
+  verbs: [get, create, patch]
 {{- if .Values.rbac.ownerReferencesPermissionEnforcement }}
 # OwnerReferencesPermissionEnforcement: setting blockOwnerDeletion on the owner references of
 # pods, Services and Secrets needs update on the owning set's finalizers.

@@ -4,6 +4,6 @@ Handlers stay thin: they read the event, call the plain modules (`setops`, `setp
 write status. Add a module here and import it below to register its handlers.
 """
 
-from . import indexes, policy, rolloutcheckpoint, rolloutset, runtime
+from ..handlers import indexes, policy, rolloutcheckpoint, rolloutset, runtime
 
 __all__ = ["indexes", "policy", "rolloutcheckpoint", "rolloutset", "runtime"]

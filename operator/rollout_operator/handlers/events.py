@@ -10,7 +10,7 @@ from typing import cast
 
 import kopf
 
-from ..api import RolloutSet
+from ..model.api import RolloutSet
 
 
 def post_set_event(rset: RolloutSet, reason: str, message: str, *, warning: bool) -> None:

@@ -13,15 +13,7 @@ from typing import Any
 
 import kopf
 
-from ..api import (
-    CHECKPOINT_SET_FIELD,
-    GROUP,
-    LABEL_SET,
-    ROLLOUT_CHECKPOINT_PLURAL,
-    ROLLOUT_SET_PLURAL,
-    VERSION,
-)
-from ..cache import (
+from ..cluster.cache import (
     CHECKPOINTS,
     NODES,
     PODS,
@@ -32,7 +24,15 @@ from ..cache import (
     pods_key,
     set_key,
 )
-from ..kube import Kube
+from ..cluster.kube import Kube
+from ..model.api import (
+    CHECKPOINT_SET_FIELD,
+    GROUP,
+    LABEL_SET,
+    ROLLOUT_CHECKPOINT_PLURAL,
+    ROLLOUT_SET_PLURAL,
+    VERSION,
+)
 from .runtime import MEMO_KUBE
 
 

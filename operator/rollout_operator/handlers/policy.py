@@ -20,23 +20,23 @@ from typing import Any, Final
 import kopf
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from ..api import (
+from ..cluster.storage import StorageLocator
+from ..decide.policy import Note
+from ..flows.passloop import STOP_BACKOFF_SECONDS, Next, PassLoop, Stopped
+from ..flows.policypass import (
+    CheckpointBusy,
+    PolicyPass,
+    checkpoint_deleted,
+    set_deleted,
+    start_eviction_checkpoint,
+)
+from ..model.api import (
     GROUP,
     LABEL_SET,
     ROLLOUT_CHECKPOINT_PLURAL,
     ROLLOUT_SET_PLURAL,
     VERSION,
     RolloutSet,
-)
-from ..passloop import STOP_BACKOFF_SECONDS, Next, PassLoop, Stopped
-from ..policy import Note
-from ..policyops import (
-    CheckpointBusy,
-    PolicyPass,
-    StorageLocator,
-    checkpoint_deleted,
-    set_deleted,
-    start_eviction_checkpoint,
 )
 from .events import post_set_event
 from .rolloutset import wake

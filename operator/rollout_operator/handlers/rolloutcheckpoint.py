@@ -26,9 +26,15 @@ import anyio
 import kopf
 
 from .. import metrics
-from ..api import GROUP, ROLLOUT_CHECKPOINT_PLURAL, VERSION, CheckpointPhase, RolloutCheckpoint
-from ..checkpointing import TERMINAL, CheckpointFlow
-from ..passloop import TRANSIENT
+from ..flows.checkpoint import TERMINAL, CheckpointFlow
+from ..flows.passloop import TRANSIENT
+from ..model.api import (
+    GROUP,
+    ROLLOUT_CHECKPOINT_PLURAL,
+    VERSION,
+    CheckpointPhase,
+    RolloutCheckpoint,
+)
 from .rolloutset import wake
 from .runtime import checkpoint_slots_of, kube_of, leases_of
 

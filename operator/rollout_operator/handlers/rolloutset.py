@@ -13,12 +13,17 @@ by itself (`passloop`) instead of waiting for Kopf to cancel it.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any, Final
 
 import kopf
 
 from .. import metrics
-from ..api import (
+from ..flows.passloop import STOP_BACKOFF_SECONDS, Next, PassLoop, Stopped
+from ..flows.recovery import recover_if_needed, repair_false_recovery
+from ..flows.repairs import repair_set_attempt
+from ..flows.setpass import latest_written_elsewhere, reconcile_set
+from ..model.api import (
     ANNOTATION_RETRY_RECOVERY,
     CHECKPOINT_SET_FIELD,
     GROUP,
@@ -29,11 +34,7 @@ from ..api import (
     CheckpointPhase,
     RolloutSet,
 )
-from ..conditions import utcnow
-from ..passloop import STOP_BACKOFF_SECONDS, Next, PassLoop, Stopped
-from ..recovery import recover_if_needed, repair_false_recovery
-from ..setops import latest_written_elsewhere, reconcile_set
-from ..statusrepair import repair_set_attempt
+from ..model.conditions import utcnow
 from .events import post_set_event
 from .runtime import kube_of, options_of
 
@@ -135,11 +136,46 @@ async def resumed(namespace: str | None, name: str, **_: Any) -> None:
     wake(namespace, name)
 
 
+_pods_seen: dict[tuple[str, str], str] = {}
+"""Per pod, what the set's pass last could see of it (`_what_the_pass_sees`)."""
+
+
+def _what_the_pass_sees(body: kopf.Body) -> str:
+    """A pod's labels, deletion, node and status: what the set's pass and its recovery decide
+    on. Not its annotations (the pass's own latest-checkpoint hints) nor its resourceVersion."""
+    meta = body.get("metadata") or {}
+    seen = {
+        "labels": meta.get("labels"),
+        "deletionTimestamp": meta.get("deletionTimestamp"),
+        "nodeName": (body.get("spec") or {}).get("nodeName"),
+        "status": body.get("status"),
+    }
+    return json.dumps(seen, sort_keys=True)
+
+
 @kopf.on.event("", "v1", "pods", labels={LABEL_SET: kopf.PRESENT}, id="pod-event")
-async def pod_event(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
+async def pod_event(
+    type: str | None,
+    namespace: str | None,
+    name: str,
+    labels: kopf.Labels,
+    body: kopf.Body,
+    **_: Any,
+) -> None:
+    """A pass of the pod's set, unless only what the pass ignores changed (the set's pass
+    annotating its pods after a checkpoint would otherwise wake it once per pod)."""
     set_name = labels.get(LABEL_SET)
-    if set_name:
-        wake(namespace, set_name)
+    if not set_name:
+        return
+    key = (namespace or "default", name)
+    if type == "DELETED":
+        _pods_seen.pop(key, None)
+    else:
+        seen = _what_the_pass_sees(body)
+        if _pods_seen.get(key) == seen:
+            return
+        _pods_seen[key] = seen
+    wake(namespace, set_name)
 
 
 def _node_not_ready(status: kopf.Status, **_: Any) -> bool:

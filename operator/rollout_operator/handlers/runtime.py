@@ -14,9 +14,9 @@ import anyio
 import kopf
 from prometheus_client import start_http_server
 
-from ..kube import Kube
-from ..leases import CheckpointLeases
-from ..settings import RunOptions, configure
+from ..cluster.kube import Kube
+from ..cluster.leases import CheckpointLeases
+from ..model.settings import RunOptions, configure
 
 logger = logging.getLogger(__name__)
 

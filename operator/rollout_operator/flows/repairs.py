@@ -44,13 +44,24 @@ import os
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from pydantic import ValidationError
-from rollout_protocol import Manifest, checkpoint_base, read_manifest
-from rollout_protocol._storage import RecordsInvalid, StorageError, read_records
+from rollout_protocol import (
+    Manifest,
+    RecordsInvalid,
+    StorageError,
+    checkpoint_base,
+    read_manifest,
+    read_records,
+)
 
-from .api import (
+from ..cluster.kube import Conflict, Kube
+from ..cluster.objects import observe_pods
+from ..cluster.storage import StorageLocator
+from ..decide.resources import set_dir
+from ..decide.setstatus import NOT_AN_INTERFACE, REPAIRED, RESET_PHASES, Repair
+from ..model.api import (
     LABEL_ATTEMPT,
     CheckpointConditionType,
     CheckpointParticipant,
@@ -64,14 +75,7 @@ from .api import (
     RolloutSet,
     SetConditionType,
 )
-from .conditions import set_condition, utcnow
-from .kube import Conflict, Kube
-from .resources import set_dir
-from .setops import observe_pods
-from .setstatus import NOT_AN_INTERFACE, REPAIRED, RESET_PHASES, Repair
-
-if TYPE_CHECKING:  # policyops imports this module (its retention asks `records_proven`)
-    from .policyops import StorageLocator
+from ..model.conditions import set_condition, utcnow
 
 logger = logging.getLogger(__name__)
 
@@ -382,8 +386,6 @@ async def repair_published_checkpoint(
     except ValidationError:
         return None
     if locator is None:
-        from .policyops import StorageLocator  # here: policyops imports this module
-
         locator = StorageLocator.from_env()
     root = locator.root(namespace, rset.spec.storage)
     manifests: dict[str, tuple[Path, Manifest]] | None = None

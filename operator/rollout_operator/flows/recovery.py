@@ -34,7 +34,23 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from pydantic import ValidationError
 from rollout_protocol import Coordinator, ErrorCode, HttpParticipantClient, RetireOutcome, Role
 
-from .api import (
+from ..cluster.kube import Conflict, Kube
+from ..cluster.objects import (
+    delete_attempt_pods,
+    eviction_holds,
+    observe_pods,
+    read_control_token,
+    reconcile_pods,
+)
+from ..decide.churn import ChurnDecision, decide, kept_starts
+from ..decide.inplace import instance_name, plan_in_place, rewiring
+from ..decide.policy import RESUMED_REASON, checkpoint_views
+from ..decide.resources import control_port, participant_url, set_selector
+from ..decide.setplan import Instance, PodView, attempt_instances
+from ..decide.setplan import Reason as SetReason
+from ..decide.setstatus import NOT_AN_INTERFACE, REPAIRED, Repair, newest_ready
+from ..decide.workloss import lost_reports, total_work, work_loss
+from ..model.api import (
     ANNOTATION_RETRY_RECOVERY,
     LABEL_ATTEMPT,
     MAX_RECOVERY_STARTS,
@@ -52,25 +68,8 @@ from .api import (
     TargetLevel,
     format_time,
 )
-from .churn import ChurnDecision, decide, kept_starts
-from .conditions import (
-    ConditionUpdate,
-    is_true,
-    merge_conditions,
-    set_condition,
-    utcnow,
-)
-from .inplace import instance_name, plan_in_place, rewiring
-from .kube import Conflict, Kube
-from .policy import checkpoint_views
-from .policyops import RESUMED_REASON, eviction_holds
-from .resources import control_port, participant_url, set_selector
-from .setops import delete_attempt_pods, observe_pods, read_control_token, reconcile_pods
-from .setplan import Instance, PodView, attempt_instances
-from .setplan import Reason as SetReason
-from .setstatus import NOT_AN_INTERFACE, REPAIRED, Repair, newest_ready
+from ..model.conditions import ConditionUpdate, is_true, merge_conditions, set_condition, utcnow
 from .watching import NoLongerHolds, while_holding
-from .workloss import lost_reports, total_work, work_loss
 
 logger = logging.getLogger(__name__)
 

@@ -39,7 +39,12 @@ from rollout_protocol import (
     PrepareOutcome,
 )
 
-from .api import (
+from ..cluster.kube import Kube
+from ..cluster.leases import CheckpointLeases
+from ..cluster.objects import read_control_token
+from ..decide.policy import PrepareDeadline, TerminatingPod, eviction_prepare_deadline
+from ..decide.resources import set_selector
+from ..model.api import (
     CHECKPOINT_FINISHED,
     CHECKPOINT_RUNNING,
     LABEL_ATTEMPT,
@@ -56,13 +61,8 @@ from .api import (
     dump,
     format_time,
 )
-from .conditions import find_condition, set_condition
-from .kube import Kube
-from .leases import CheckpointLeases
-from .policy import PrepareDeadline, TerminatingPod, eviction_prepare_deadline
-from .resources import set_selector
-from .setops import read_control_token
-from .statusrepair import repair_published_checkpoint
+from ..model.conditions import find_condition, set_condition
+from .repairs import repair_published_checkpoint
 from .watching import NoLongerHolds, while_holding
 
 logger = logging.getLogger(__name__)

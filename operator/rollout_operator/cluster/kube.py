@@ -24,7 +24,7 @@ from typing import Any, cast
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from .api import (
+from ..model.api import (
     CHECKPOINT_SET_FIELD,
     GROUP,
     LABEL_SET,
@@ -430,15 +430,16 @@ class Kube:
             )
         )
 
-    async def replace_lease(self, namespace: str, manifest: Mapping[str, Any]) -> dict[str, Any]:
-        """Replace a Lease; its `metadata.resourceVersion` is the precondition (a `Conflict`
-        when it changed since; `LookupError` when it is gone)."""
-        body: Any = manifest
-        name = str(manifest["metadata"]["name"])
+    async def patch_lease(
+        self, namespace: str, name: str, spec: Mapping[str, Any], resource_version: str
+    ) -> dict[str, Any]:
+        """Merge-patch a Lease's spec if its resourceVersion is still `resource_version` (a
+        `Conflict` when it changed since; `LookupError` when it is gone)."""
+        body: Any = {"metadata": {"resourceVersion": resource_version}, "spec": dict(spec)}
         try:
             return await self._raw(
-                self._leases().replace_namespaced_lease(
-                    name, namespace, body, _preload_content=False
+                self._leases().patch_namespaced_lease(
+                    name, namespace, body, _preload_content=False, **_MERGE_PATCH
                 )
             )
         except ApiException as error:

@@ -16,7 +16,7 @@ from typing import Any, Final
 
 from rollout_protocol import Role
 
-from .api import (
+from ..model.api import (
     ANNOTATION_SPEC_HASH,
     ANNOTATION_TEMPLATE_HASH,
     LABEL_ATTEMPT,
@@ -28,7 +28,7 @@ from .api import (
     RolloutSet,
     SetConditionType,
 )
-from .conditions import ConditionUpdate, is_true
+from ..model.conditions import ConditionUpdate, is_true
 from .resources import (
     PEERS,
     control_port,

@@ -2,8 +2,9 @@
 
 The Lease `<set>-checkpoint` in the set's namespace (owned by the set, so it goes with it) names
 the checkpoint that holds the set's slot in `spec.holderIdentity`; `kubectl get lease` shows it.
-It is taken and released by compare-and-swap: a replace with the resourceVersion last seen, so
-two takers never both win (the loser's replace is refused and it reads the Lease again).
+It is taken and released by compare-and-swap: a patch with the resourceVersion last seen as its
+precondition, so two takers never both win (the loser's patch is refused and it reads the Lease
+again).
 
 The holder keeps the slot while its checkpoint runs, across operator restarts (the successor
 continues the checkpoint from its persisted phase and finds its name in the Lease). A holder is
@@ -14,7 +15,7 @@ write). A Lease that names a running checkpoint is never taken over: its partici
 refuse a second checkpoint (`conflicting_checkpoint`).
 
 The last Lease this process wrote is remembered per set, so a take or a release is one request
-(the replace) while nobody else wrote it; the Lease is read only when that replace is refused.
+(the patch) while nobody else wrote it; the Lease is read only when that patch is refused.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, Final
 
-from .api import CHECKPOINT_FINISHED, CHECKPOINT_RUNNING, RolloutCheckpoint, RolloutSet
+from ..decide.resources import owner_reference
+from ..model.api import CHECKPOINT_FINISHED, CHECKPOINT_RUNNING, RolloutCheckpoint, RolloutSet
 from .kube import Conflict, Kube
-from .resources import owner_reference
 
 logger = logging.getLogger(__name__)
 
@@ -91,40 +92,44 @@ class CheckpointLeases:
         self._known: dict[tuple[str, str], dict[str, Any]] = {}
         """The Lease as this process last wrote or read it, per (namespace, set)."""
 
-    def _manifest(
-        self,
-        key: tuple[str, str],
-        holder: str | None,
-        duration_seconds: int,
-        base: Mapping[str, Any],
-        owner: RolloutSet | None = None,
+    def _holder_spec(
+        self, holder: str | None, duration_seconds: int, base: Mapping[str, Any]
     ) -> dict[str, Any]:
+        """The Lease's `spec` fields that name `holder` (None: no holder) from now on."""
+        if holder is None:
+            return {"holderIdentity": None}
         now = _micro_time(self._clock())
-        spec = dict(base.get("spec") or {})
-        if holder is not None:
-            transitions = int(spec.get("leaseTransitions") or 0)
-            if spec.get("holderIdentity") not in (None, holder):
-                transitions += 1
-            spec.update(
-                holderIdentity=holder,
-                leaseDurationSeconds=duration_seconds,
-                acquireTime=now,
-                renewTime=now,
-                leaseTransitions=transitions,
-            )
-        else:
-            spec.pop("holderIdentity", None)
-        metadata = dict(base.get("metadata") or {})
-        metadata.setdefault("name", lease_name(key[1]))
-        metadata.setdefault("namespace", key[0])
-        if "ownerReferences" not in metadata and owner is not None and owner.metadata.uid:
+        spec = base.get("spec") or {}
+        transitions = int(spec.get("leaseTransitions") or 0)
+        if spec.get("holderIdentity") not in (None, holder):
+            transitions += 1
+        return {
+            "holderIdentity": holder,
+            "leaseDurationSeconds": duration_seconds,
+            "acquireTime": now,
+            "renewTime": now,
+            "leaseTransitions": transitions,
+        }
+
+    def _new_lease(
+        self, key: tuple[str, str], holder: str, duration_seconds: int, owner: RolloutSet
+    ) -> dict[str, Any]:
+        metadata: dict[str, Any] = {"name": lease_name(key[1]), "namespace": key[0]}
+        if owner.metadata.uid:
             metadata["ownerReferences"] = [owner_reference(owner)]
         return {
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",
             "metadata": metadata,
-            "spec": spec,
+            "spec": self._holder_spec(holder, duration_seconds, {}),
         }
+
+    async def _swap(
+        self, key: tuple[str, str], lease: Mapping[str, Any], spec: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Patch the Lease's spec if it is still the version `lease` shows (else `Conflict`)."""
+        version = str((lease.get("metadata") or {}).get("resourceVersion") or "")
+        return await self._kube.patch_lease(key[0], lease_name(key[1]), spec, version)
 
     async def _read(self, key: tuple[str, str]) -> dict[str, Any] | None:
         lease = await self._kube.get_lease(key[0], lease_name(key[1]))
@@ -143,7 +148,7 @@ class CheckpointLeases:
         for _ in range(MAX_TRIES):
             if lease is None:
                 created = await self._kube.create_lease(
-                    namespace, self._manifest(key, checkpoint, duration_seconds, {}, rset)
+                    namespace, self._new_lease(key, checkpoint, duration_seconds, rset)
                 )
                 if created is not None:
                     self._known[key] = created
@@ -156,8 +161,8 @@ class CheckpointLeases:
             if holder is not None and await self._holds(namespace, holder, lease):
                 return holder
             try:
-                self._known[key] = await self._kube.replace_lease(
-                    namespace, self._manifest(key, checkpoint, duration_seconds, lease, rset)
+                self._known[key] = await self._swap(
+                    key, lease, self._holder_spec(checkpoint, duration_seconds, lease)
                 )
                 if holder is not None:
                     logger.info(
@@ -184,9 +189,7 @@ class CheckpointLeases:
             if lease is None or holder_of(lease) != checkpoint:
                 return
             try:
-                self._known[key] = await self._kube.replace_lease(
-                    namespace, self._manifest(key, None, 0, lease)
-                )
+                self._known[key] = await self._swap(key, lease, self._holder_spec(None, 0, lease))
                 return
             except (Conflict, LookupError):
                 lease = await self._read(key)

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from .api import LostWorkReport, Work
+from ..model.api import LostWorkReport, Work
 
 MODEL_TOKENS: Final = "model_tokens"
 """The protocol's counter of generated tokens (the reference model server reports it)."""

@@ -8,7 +8,6 @@
   `lastTrainerStep`, a resume's recovery) in one patch with a resourceVersion precondition, and
   only then pods are deleted (a suspend's release) and old checkpoints removed.
 - `start_eviction_checkpoint(pod)`: a participant pod got a deletion timestamp.
-- `eviction_holds(kube, rset)`: which terminating pods the recovery must not act on yet.
 - `checkpoint_deleted` / `set_deleted`: what the finalizers do: remove records, repoint
   `latestCheckpoint`.
 
@@ -35,7 +34,6 @@ remove_checkpoint_files`). Anything else found there is left in place and report
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -51,7 +49,23 @@ from rollout_protocol import (
     remove_set_files,
 )
 
-from .api import (
+from ..cluster.kube import MERGE_PATCH, Conflict, Kube
+from ..cluster.storage import StorageLocator
+from ..decide.policy import (
+    ANNOTATION_DEADLINE_OUTCOME,
+    RESUMED_REASON,
+    Create,
+    Note,
+    PolicyPlan,
+    SetView,
+    SuspendAction,
+    TerminatingPod,
+    checkpoint_views,
+    eviction_decision,
+    plan,
+)
+from ..decide.resources import owner_reference, set_dir, set_selector
+from ..model.api import (
     API_VERSION,
     GROUP,
     LABEL_ATTEMPT,
@@ -64,37 +78,13 @@ from .api import (
     RecoveryStatus,
     RolloutSet,
     SetConditionType,
-    StorageSpec,
     dump,
 )
-from .conditions import ConditionUpdate, merge_conditions, same_conditions
-from .kube import MERGE_PATCH, Conflict, Kube
-from .policy import (
-    ANNOTATION_DEADLINE_OUTCOME,
-    CheckpointView,
-    Create,
-    Note,
-    PolicyPlan,
-    SetView,
-    SuspendAction,
-    TerminatingPod,
-    checkpoint_views,
-    eviction_checkpoint_name,
-    eviction_decision,
-    plan,
-)
-from .policy import eviction_holds as _eviction_holds
-from .resources import owner_reference, set_dir, set_selector
-from .statusrepair import (
-    parse_creation,
-    records_proven,
-    repair_failed_checkpoint,
-)
+from ..model.conditions import ConditionUpdate, merge_conditions, same_conditions
+from .repairs import parse_creation, records_proven, repair_failed_checkpoint
 
 logger = logging.getLogger(__name__)
 
-STORAGE_DIR_ENV: Final = "ROLLOUT_OPERATOR_STORAGE_DIR"
-DEFAULT_STORAGE_DIR: Final = "/var/lib/rollout-operator/storage"
 ANNOTATION_WHY: Final = f"{GROUP}/why"
 """On a RolloutCheckpoint the policy created: what caused it, for `kubectl describe`."""
 RELEASE_GRACE_SECONDS: Final = 1
@@ -102,8 +92,6 @@ RELEASE_GRACE_SECONDS: Final = 1
 the deadline's), which the resume restores; work they did after it would be redone anyway, and
 a queueing system that suspends a set wants its GPUs now (the recovery stops a lost attempt the
 same way)."""
-RESUMED_REASON: Final = "Resumed"
-"""The recovery reason of a resume from suspend (it is not a loss)."""
 
 NoteSink = Callable[[RolloutSet, Note], Awaitable[None]]
 NOTES_LOGGED: Final = 1024
@@ -114,48 +102,6 @@ Clock = Callable[[], datetime]
 
 def _utcnow() -> datetime:
     return datetime.now(UTC)
-
-
-# --- storage ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StorageLocator:
-    """Where this operator process sees a set's checkpoint volume (see the module docstring)."""
-
-    claims_dir: Path | None = None
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> StorageLocator:
-        env = os.environ if environ is None else environ
-        return cls(Path(env.get(STORAGE_DIR_ENV) or DEFAULT_STORAGE_DIR))
-
-    def root(self, namespace: str, storage: StorageSpec) -> Path | None:
-        """The folder that is the volume's root here, or None when this process cannot see it."""
-        volume = storage.volume
-        claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
-        if isinstance(claim, str) and claim and self.claims_dir is not None:
-            mounted = self.claims_dir / namespace / claim
-            return mounted if mounted.is_dir() else None
-        host = (volume.get("hostPath") or {}).get("path")
-        if isinstance(host, str) and host:
-            path = Path(host)
-            return path if path.is_dir() else None
-        return None
-
-    def describe(self, namespace: str, storage: StorageSpec) -> str:
-        """Where the records are, in words, for a message asking a person to remove them."""
-        volume = storage.volume
-        claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
-        if claim:
-            return (
-                f"claim {namespace}/{claim} (mount it into the operator at "
-                f"{self.claims_dir or DEFAULT_STORAGE_DIR}/{namespace}/{claim})"
-            )
-        host = (volume.get("hostPath") or {}).get("path")
-        if host:
-            return f"hostPath {host} (not visible to the operator on its node)"
-        return f"volume {sorted(volume)} (a kind the operator cannot mount)"
 
 
 def remove_records(root: Path, rset: RolloutSet, checkpoint: str) -> Removal:
@@ -500,23 +446,6 @@ async def start_eviction_checkpoint(
     if create is None:
         return None
     return create.name if await create_checkpoint(kube, rset, create) else None
-
-
-async def eviction_holds(kube: Kube, rset: RolloutSet, *, clock: Clock = _utcnow) -> frozenset[str]:
-    """The terminating participant pods whose loss a recovery must not act on yet (their
-    eviction checkpoint runs or is about to; see `policy.eviction_holds`)."""
-    namespace = rset.metadata.namespace or "default"
-    pods = await kube.list_pods(namespace, set_selector(rset.metadata.name))
-    terminating = [
-        t for t in (TerminatingPod.from_pod(p, LABEL_ATTEMPT) for p in pods) if t is not None
-    ]
-    if not terminating or rset.status.attempt is None:
-        return frozenset()
-    name = eviction_checkpoint_name(rset.metadata.name, rset.status.attempt)
-    raw = await kube.get_checkpoint(namespace, name)
-    checkpoints: list[CheckpointView] = [] if raw is None else checkpoint_views([raw])
-    view = SetView.from_set(rset, live_pods=len(pods))
-    return _eviction_holds(view, terminating, checkpoints, clock())
 
 
 # --- finalizers ---------------------------------------------------------------------------------

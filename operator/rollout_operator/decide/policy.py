@@ -35,7 +35,7 @@ from typing import Any, Final
 
 from pydantic import ValidationError
 
-from .api import (
+from ..model.api import (
     ANNOTATION_TRAINER_STEP,
     GROUP,
     AfterDeadline,
@@ -53,6 +53,8 @@ from .api import (
 
 logger = logging.getLogger(__name__)
 
+RESUMED_REASON: Final = "Resumed"
+"""The recovery reason of a resume from suspend (it is not a loss)."""
 ANNOTATION_DEADLINE_OUTCOME: Final = f"{GROUP}/deadline-outcome"
 """On a RolloutSet: the settled outcome of the current `mustSaveBy` (JSON, see `DeadlineRecord`).
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from rollout_protocol import Role
 
-from .api import ParticipantStatus, RolloutSet
+from ..model.api import ParticipantStatus, RolloutSet
 from .resources import PEERS, peer_index
 from .setplan import Instance, PodView, attempt_instances, stale_pods
 

@@ -22,7 +22,7 @@ from typing import Any, Final
 
 from rollout_protocol import Role, set_storage_dir
 
-from .api import (
+from ..model.api import (
     ANNOTATION_SPEC_HASH,
     ANNOTATION_TEMPLATE_HASH,
     API_VERSION,

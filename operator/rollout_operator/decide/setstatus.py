@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from datetime import UTC
 from typing import Any, Final
 
-from .api import CHECKPOINT_RUNNING, CheckpointPhase, RolloutSet, format_time
+from ..model.api import CHECKPOINT_RUNNING, CheckpointPhase, RolloutSet, format_time
 from .policy import CheckpointView
 
 REPAIRED: Final = "StatusRepaired"

@@ -1,0 +1,236 @@
+"""Operations on the objects a RolloutSet owns: the control token, Services and pods.
+
+Plain async functions over `Kube` (no Kopf), shared by the set's pass, the recovery and the
+checkpoint flow:
+
+- `ensure_control_token` / `read_control_token`: the per-set token Secret;
+- `ensure_services`: one Service per role;
+- `observe_pods`: the set's pods as `PodView`s;
+- `reconcile_pods(kube, rset, attempt)`: create the pods of an attempt that can be created now
+  (peers known); call it again on every pod event until the plan is complete;
+- `delete_attempt_pods(kube, rset, attempt)`: remove an attempt's pods (Recreate recovery);
+- `eviction_holds(kube, rset)`: which terminating pods the recovery must not act on yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from ..decide.policy import (
+    CheckpointView,
+    SetView,
+    TerminatingPod,
+    checkpoint_views,
+    eviction_checkpoint_name,
+)
+from ..decide.policy import eviction_holds as _eviction_holds
+from ..decide.resources import (
+    attempt_selector,
+    control_token_secret,
+    new_control_token,
+    role_service,
+    secret_name,
+    set_selector,
+    token_from_secret,
+)
+from ..decide.setplan import AttemptPlan, PodView, plan_attempt
+from ..model.api import LABEL_ATTEMPT, RolloutSet
+from .kube import Kube, api_error_message
+
+logger = logging.getLogger(__name__)
+
+CLIENT_ERRORS: Final = frozenset({400, 403, 422})
+"""API refusals caused by the spec (an invalid template, a quota): reported, not retried fast."""
+
+
+class SetBlocked(Exception):
+    """The set cannot be reconciled until a person acts; becomes Degraded with this reason."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+# --- owned objects ------------------------------------------------------------------------------
+
+ENSURE_EVERY_SECONDS: Final = 300.0
+"""How often a pass checks again that a set's token Secret and Services exist once this process
+found them (issue 14: checking on every pass cost a GET and one refused POST per role, per set,
+per pass). A deleted one is created again within this time."""
+
+
+class OwnedObjects:
+    """Which sets' token Secret and Services this process has ensured, and when.
+
+    Keyed by the set's UID and its roles, so a new set under an old name or a new role is
+    ensured at once. Process memory only: a restarted operator ensures everything again."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._ensured: dict[tuple[str, tuple[str, ...]], float] = {}
+
+    @staticmethod
+    def _key(rset: RolloutSet) -> tuple[str, tuple[str, ...]] | None:
+        if not rset.metadata.uid:
+            return None  # not from the API server (a test's object): always ensure
+        roles = tuple(sorted(p.role.value for p in rset.spec.participants))
+        return (rset.metadata.uid, roles)
+
+    def fresh(self, rset: RolloutSet) -> bool:
+        key = self._key(rset)
+        at = self._ensured.get(key) if key is not None else None
+        return at is not None and self._clock() - at < ENSURE_EVERY_SECONDS
+
+    def mark(self, rset: RolloutSet) -> None:
+        key = self._key(rset)
+        if key is None:
+            return
+        if len(self._ensured) > 4096:  # deleted sets: drop the stale entries
+            cutoff = self._clock() - ENSURE_EVERY_SECONDS
+            self._ensured = {k: v for k, v in self._ensured.items() if v >= cutoff}
+        self._ensured[key] = self._clock()
+
+
+owned_objects = OwnedObjects()
+"""The process's record (the reconcile pass consults it)."""
+
+
+def _controlled_by(obj: dict[str, Any], rset: RolloutSet) -> bool:
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return any(r.get("uid") == rset.metadata.uid and r.get("controller") for r in refs)
+
+
+async def ensure_control_token(kube: Kube, rset: RolloutSet) -> str:
+    """The set's control token, creating its Secret once. Never replaced while it exists:
+    running participants hold the token they were started with."""
+    namespace = rset.metadata.namespace or "default"
+    name = secret_name(rset.metadata.name)
+    secret = await kube.get_secret(namespace, name)
+    if secret is None:
+        manifest = control_token_secret(rset, new_control_token())
+        if await kube.create_secret(namespace, manifest):
+            return token_from_secret(manifest)
+        secret = await kube.get_secret(namespace, name)  # created concurrently
+        if secret is None:
+            raise RuntimeError(f"secret {name} vanished right after a create conflict")
+    if not _controlled_by(secret, rset):
+        raise SetBlocked(
+            "TokenSecretConflict",
+            f"secret {name} exists but does not belong to this RolloutSet; the operator will "
+            "not hand a token it did not generate to participants. Delete or rename it.",
+        )
+    return token_from_secret(secret)
+
+
+async def read_control_token(kube: Kube, namespace: str, set_name: str) -> str | None:
+    """The bearer token for the participants' control planes (None before it exists); the one
+    this process already read, when it did (a token is never replaced while its Secret exists)."""
+    secret = await kube.get_secret(namespace, secret_name(set_name), remembered=True)
+    return None if secret is None else token_from_secret(secret)
+
+
+async def ensure_services(kube: Kube, rset: RolloutSet) -> None:
+    namespace = rset.metadata.namespace or "default"
+    for participant in rset.spec.participants:
+        try:
+            await kube.create_service(namespace, role_service(rset, participant))
+        except ApiException as error:
+            if error.status in CLIENT_ERRORS:
+                raise SetBlocked("ServiceCreationFailed", api_error_message(error)) from error
+            raise
+
+
+# --- pods ---------------------------------------------------------------------------------------
+
+
+async def observe_pods(kube: Kube, namespace: str, set_name: str) -> list[PodView]:
+    """Every pod of the set (all attempts) that carries our labels."""
+    pods = await kube.list_pods(namespace, set_selector(set_name))
+    return [view for view in (PodView.from_pod(p) for p in pods) if view is not None]
+
+
+@dataclass(frozen=True)
+class PodsOutcome:
+    plan: AttemptPlan
+    """The plan after this pass's creations (re-observed when anything was created)."""
+    created: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    """The API server's refusals, by pod: usually an invalid template."""
+
+
+async def reconcile_pods(
+    kube: Kube, rset: RolloutSet, attempt: int, pods: list[PodView] | None = None
+) -> PodsOutcome:
+    """Create the pods of `attempt` whose peers are known; report what exists and waits.
+
+    Idempotent: pods that exist (in any state) are left alone, so call it on every pod event
+    until `outcome.plan.complete`. A spec changed under running pods creates nothing.
+    """
+    namespace = rset.metadata.namespace or "default"
+    name = rset.metadata.name
+    if pods is None:
+        pods = await observe_pods(kube, namespace, name)
+    plan = plan_attempt(rset, attempt, pods)
+    if plan.stale or not plan.to_create:
+        return PodsOutcome(plan)
+    created: list[str] = []
+    errors: list[str] = []
+    for manifest in plan.to_create:
+        pod = manifest["metadata"]["name"]
+        try:
+            if await kube.create_pod(namespace, manifest):
+                created.append(pod)
+        except ApiException as error:
+            if error.status not in CLIENT_ERRORS:
+                raise
+            errors.append(f"{pod}: {api_error_message(error)}")
+    if created:
+        logger.info("RolloutSet %s/%s: created pods %s", namespace, name, ", ".join(created))
+    plan = plan_attempt(rset, attempt, await observe_pods(kube, namespace, name))
+    return PodsOutcome(plan, created, errors)
+
+
+async def delete_attempt_pods(
+    kube: Kube, rset: RolloutSet, attempt: int, *, grace_seconds: int | None = None
+) -> list[str]:
+    """Delete every pod of `attempt`; returns the names a delete was sent for."""
+    namespace = rset.metadata.namespace or "default"
+    pods = await kube.list_pods(namespace, attempt_selector(rset.metadata.name, attempt))
+    deleted: list[str] = []
+    for pod in pods:
+        name = pod["metadata"]["name"]
+        if pod["metadata"].get("deletionTimestamp"):
+            continue
+        if await kube.delete_pod(namespace, name, grace_seconds=grace_seconds):
+            deleted.append(name)
+    return deleted
+
+
+# --- the reconcile pass -------------------------------------------------------------------------
+
+
+async def eviction_holds(
+    kube: Kube, rset: RolloutSet, *, clock: Callable[[], datetime] = lambda: datetime.now(UTC)
+) -> frozenset[str]:
+    """The terminating participant pods whose loss a recovery must not act on yet (their
+    eviction checkpoint runs or is about to; see `policy.eviction_holds`)."""
+    namespace = rset.metadata.namespace or "default"
+    pods = await kube.list_pods(namespace, set_selector(rset.metadata.name))
+    terminating = [
+        t for t in (TerminatingPod.from_pod(p, LABEL_ATTEMPT) for p in pods) if t is not None
+    ]
+    if not terminating or rset.status.attempt is None:
+        return frozenset()
+    name = eviction_checkpoint_name(rset.metadata.name, rset.status.attempt)
+    raw = await kube.get_checkpoint(namespace, name)
+    checkpoints: list[CheckpointView] = [] if raw is None else checkpoint_views([raw])
+    view = SetView.from_set(rset, live_pods=len(pods))
+    return _eviction_holds(view, terminating, checkpoints, clock())

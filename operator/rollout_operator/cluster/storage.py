@@ -1,0 +1,61 @@
+"""Where this operator process sees a set's checkpoint volume (`StorageLocator`).
+
+Records live on the set's storage volume, which every participant pod mounts; the operator
+removes them itself (retention, finalizers), so it must see the volume: a `hostPath` volume at
+its own path (devcluster runs the operator on the node, so it sees the same folder the pods
+write), a `persistentVolumeClaim` at `$ROLLOUT_OPERATOR_STORAGE_DIR/<namespace>/<claimName>`
+(the chart mounts each claim named in its values there). See `flows.policypass` for what is
+removed and how.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from ..model.api import StorageSpec
+
+STORAGE_DIR_ENV: Final = "ROLLOUT_OPERATOR_STORAGE_DIR"
+DEFAULT_STORAGE_DIR: Final = "/var/lib/rollout-operator/storage"
+
+
+@dataclass(frozen=True)
+class StorageLocator:
+    """Where this operator process sees a set's checkpoint volume (see the module docstring)."""
+
+    claims_dir: Path | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> StorageLocator:
+        env = os.environ if environ is None else environ
+        return cls(Path(env.get(STORAGE_DIR_ENV) or DEFAULT_STORAGE_DIR))
+
+    def root(self, namespace: str, storage: StorageSpec) -> Path | None:
+        """The folder that is the volume's root here, or None when this process cannot see it."""
+        volume = storage.volume
+        claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
+        if isinstance(claim, str) and claim and self.claims_dir is not None:
+            mounted = self.claims_dir / namespace / claim
+            return mounted if mounted.is_dir() else None
+        host = (volume.get("hostPath") or {}).get("path")
+        if isinstance(host, str) and host:
+            path = Path(host)
+            return path if path.is_dir() else None
+        return None
+
+    def describe(self, namespace: str, storage: StorageSpec) -> str:
+        """Where the records are, in words, for a message asking a person to remove them."""
+        volume = storage.volume
+        claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
+        if claim:
+            return (
+                f"claim {namespace}/{claim} (mount it into the operator at "
+                f"{self.claims_dir or DEFAULT_STORAGE_DIR}/{namespace}/{claim})"
+            )
+        host = (volume.get("hostPath") or {}).get("path")
+        if host:
+            return f"hostPath {host} (not visible to the operator on its node)"
+        return f"volume {sorted(volume)} (a kind the operator cannot mount)"
