@@ -78,6 +78,9 @@ def test_reads_come_from_the_indexes() -> None:
     # every read parses anew: what a caller changes is its own copy
     found["status"]["attempt"] = 9
     assert cache.get_set(NS, "math") == obj("math", 5, status={"attempt": 2})
+    # pods are parsed once per version and shared (the operator only reads them)
+    again = cache.list_pods(NS, "math", {LABEL_SET: "math", LABEL_ATTEMPT: "2"})
+    assert again[0] is attempt_2[0]
 
 
 def test_a_write_is_read_back_until_the_watch_delivers_it() -> None:
