@@ -5,9 +5,11 @@ restart: Kopf starts daemons again for every object that still exists, and
 `CheckpointFlow.run` continues from the phase persisted in status, or returns at once for a
 checkpoint that is already Ready or Failed.
 
-Kopf stops the daemon when its `when` filter turns false, i.e. when the flow writes the terminal
-phase. The flow makes that write its last, and `cancellation_backoff` lets it return by itself
-instead of being cancelled mid-way (Kopf would otherwise cancel at once and log a warning for
+Kopf stops the daemon when its `when` filter turns false, i.e. when the watch delivers the
+terminal phase. The flow makes that write its last; the daemon then waits for that stop and never
+returns by itself before it (`_until_stopped`: Kopf never starts again a daemon that returned on
+its own, so a later reset of the status would go unseen), and `cancellation_backoff` lets it
+return instead of being cancelled (Kopf would otherwise cancel at once and log a warning for
 every checkpoint). An exception (the API server unreachable, say) restarts the daemon after
 `backoff` seconds, and the flow continues from the persisted phase.
 
@@ -26,6 +28,7 @@ import anyio
 import kopf
 
 from .. import metrics
+from ..cluster.kube import Kube
 from ..flows.checkpoint import TERMINAL, CheckpointFlow
 from ..flows.passloop import TRANSIENT
 from ..model.api import (
@@ -129,3 +132,34 @@ async def run_checkpoint(
     rollout_set = body.get("spec", {}).get("rolloutSet")
     if isinstance(rollout_set, str):
         wake(namespace, rollout_set)
+        await _until_stopped(kube, stopped, namespace or "default", name, rollout_set)
+
+
+FINISHED_LOOK_SECONDS = 1.0
+"""How often a finished flow's daemon looks at its checkpoint while it waits to be stopped."""
+
+
+async def _until_stopped(
+    kube: Kube, stopped: kopf.DaemonStopped, namespace: str, name: str, set_name: str
+) -> None:
+    """Return once Kopf stops the daemon (the watch delivered the terminal phase: the `when`
+    filter no longer matches), never before.
+
+    A daemon that returns by itself is never started again for its object (Kopf remembers it
+    as finished), so a status reset afterwards (a published checkpoint's phase written back to
+    Pending by hand) would never reach `repair_published_checkpoint`. If the status turns
+    unfinished again before the stop, the daemon restarts at once and the flow looks again."""
+    while not stopped.is_set():
+        await kube.cache.wait_for_change(namespace, set_name, FINISHED_LOOK_SECONDS)
+        if stopped.is_set():
+            return
+        raw = await kube.get_checkpoint(namespace, name)
+        if raw is None:
+            return  # deleted: Kopf stops the daemon with it
+        phase = (raw.get("status") or {}).get("phase")
+        if phase not in {p.value for p in TERMINAL}:
+            raise kopf.TemporaryError(
+                f"checkpoint {name}: status says {phase or 'no phase'} after the flow ended; "
+                "looking again",
+                delay=0.5,
+            )
