@@ -156,8 +156,9 @@ def detect_loss(
     lost_nodes: set[str],
     held: frozenset[str] = frozenset(),
 ) -> Loss | None:
-    """Whether the current attempt lost a participant. Only an attempt whose pods were all
-    created counts (a pod that fails while the attempt starts is the reconciler's Degraded).
+    """Whether the current attempt lost a participant. Only an attempt that came up counts
+    (`createdAttempt`: its pods were all created and Ready together; a pod that fails while the
+    attempt starts is the reconciler's Degraded).
 
     `held`: terminating pods that are not lost yet (their eviction checkpoint runs inside
     their grace period, see `policyops.eviction_holds`). A Suspended set has released its

@@ -136,7 +136,7 @@ async def repair_set_attempt(kube: Kube, namespace: str, name: str) -> Repair | 
 
 def finished_attempt(rset: RolloutSet) -> int:
     """The newest attempt the set is known to have brought up completely: the reconciler
-    writes `createdAttempt` once every pod of the running attempt was created, a recovery
+    writes `createdAttempt` once every pod of the running attempt was created and Ready, a recovery
     writes it (and `lastRecovery.attempt`) only when it finished (restored, resumed). Pods of
     a later attempt were created by a recovery that did not finish."""
     status = rset.status

@@ -311,7 +311,12 @@ async def reconcile_set(
         "participants": _participants_wire(plan.participants),
         "conditions": [c.model_dump(mode="json", by_alias=True) for c in conditions],
     }
-    if plan.complete and not pods_created and not plan.stale:
+    # The attempt is up once every pod was created and was Ready together: a pod that fails
+    # before that is the set's Degraded (nothing ran, nothing to recover), never a loss. (With
+    # "every pod created" alone, a peer that got its IP and failed a moment later raced the
+    # creation of the pods that wait for its address, and a crashing first attempt was taken
+    # for lost participants and recovered over and over.)
+    if plan.all_ready and not pods_created and not plan.stale:
         changes["createdAttempt"] = attempt
     warnings = tuple((RESERVED_VOLUME, note) for note in reserved_volume_notes(rset))
     return await write(changes, ReconcileOutcome(recheck_at=health.recheck_at, warnings=warnings))

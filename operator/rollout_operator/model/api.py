@@ -812,8 +812,9 @@ class RolloutSetStatus(StatusModel):
     created_attempt: int | None = Field(
         default=None,
         ge=1,
-        description="The latest attempt whose pods were all created; a pod of that attempt "
-        "that disappears afterwards is lost (recovered), never silently recreated.",
+        description="The latest attempt whose pods were all created and Ready together; a pod "
+        "of that attempt that fails or disappears afterwards is lost (recovered), never silently "
+        "recreated.",
     )
     restarts: int = Field(
         default=0,
