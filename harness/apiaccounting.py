@@ -79,6 +79,42 @@ def resource_label(group: str, resource: str) -> str:
     return f"{plural}.{group}" + (f"/{sub}" if sub else "")
 
 
+def service_account_kubeconfig(
+    cluster: Cluster, namespace: str, name: str, path: Path, *, duration_seconds: int = 3600
+) -> Path:
+    """A kubeconfig that authenticates with a fresh token of the ServiceAccount and nothing
+    else (`kubectl create token`: the TokenRequest API), so every request it makes is
+    authorized by that ServiceAccount's RBAC alone."""
+    token = cluster.kubectl(
+        "create", "token", name, "-n", namespace, f"--duration={duration_seconds}s"
+    ).stdout.strip()
+    payload = token.split(".")[1]
+    claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    subject = f"system:serviceaccount:{namespace}:{name}"
+    if claims["sub"] != subject:
+        raise RuntimeError(f"unexpected token subject {claims['sub']}, wanted {subject}")
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": "devcluster",
+                "cluster": {"server": cluster.server, "certificate-authority": str(cluster.ca)},
+            }
+        ],
+        "users": [{"name": name, "user": {"token": token}}],
+        "contexts": [
+            {
+                "name": "sa",
+                "context": {"cluster": "devcluster", "user": name, "namespace": namespace},
+            }
+        ],
+        "current-context": "sa",
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 @dataclass(frozen=True)
 class Schema:
     """One FlowSchema: its name, rank, and the (verb, resource label) it counts."""
@@ -227,30 +263,9 @@ class Accounting:
 
     def token_kubeconfig(self, cluster: Cluster, path: Path) -> Path:
         """A kubeconfig that authenticates as the ServiceAccount (a two-hour token)."""
-        token = cluster.kubectl(
-            "create", "token", self.service_account, "-n", self.namespace, "--duration=7200s"
-        ).stdout.strip()
-        payload = token.split(".")[1]
-        claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
-        if claims["sub"] != self.subject:
-            raise RuntimeError(f"unexpected token subject {claims['sub']}")
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [
-                {
-                    "name": "devcluster",
-                    "cluster": {"server": cluster.server, "certificate-authority": str(cluster.ca)},
-                }
-            ],
-            "users": [{"name": self.service_account, "user": {"token": token}}],
-            "contexts": [
-                {"name": "sa", "context": {"cluster": "devcluster", "user": self.service_account}}
-            ],
-            "current-context": "sa",
-        }
-        path.write_text(yaml.safe_dump(config))
-        return path
+        return service_account_kubeconfig(
+            cluster, self.namespace, self.service_account, path, duration_seconds=7200
+        )
 
     def counts(self, metrics_text: str) -> Counter[tuple[str, str]]:
         """The client's requests so far by (verb, resource) from the API server's `/metrics`."""

@@ -21,7 +21,6 @@ is authorized by the chart's rules and nothing else.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import secrets
@@ -47,6 +46,7 @@ from devcluster.cluster import Cluster
 from devcluster.paths import find_binaries
 from devcluster.testing import namespace_name, wait_for_sync
 from devcluster.waiting import WaitTimeout, wait_for
+from harness.apiaccounting import service_account_kubeconfig
 from harness.demo import OperatorProcess, with_storage
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -223,33 +223,7 @@ def delete_rbac(cluster: Cluster, docs: list[dict[str, Any]]) -> None:
 def token_kubeconfig(cluster: Cluster, docs: list[dict[str, Any]], path: Path) -> Path:
     """A kubeconfig that authenticates with a fresh ServiceAccount token and nothing else."""
     namespace, name = service_account(docs)
-    # kubectl create token calls the TokenRequest API (serviceaccounts/token create).
-    token = cluster.kubectl(
-        "create", "token", name, "-n", namespace, "--duration=3600s"
-    ).stdout.strip()
-    payload = token.split(".")[1]
-    claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
-    assert claims["sub"] == f"system:serviceaccount:{namespace}:{name}"
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [
-            {
-                "name": "devcluster",
-                "cluster": {"server": cluster.server, "certificate-authority": str(cluster.ca)},
-            }
-        ],
-        "users": [{"name": name, "user": {"token": token}}],
-        "contexts": [
-            {
-                "name": "sa",
-                "context": {"cluster": "devcluster", "user": name, "namespace": namespace},
-            }
-        ],
-        "current-context": "sa",
-    }
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return service_account_kubeconfig(cluster, namespace, name, path)
 
 
 # --- the operator as a process under that token --------------------------------------------------
