@@ -144,3 +144,14 @@ async def test_a_change_of_the_set_ends_a_wait_for_it() -> None:
         cache.changed(NS, "math")
         with anyio.fail_after(5):
             await ended.wait()
+
+
+def test_managed_fields_are_not_kept() -> None:
+    """The API server's field bookkeeping is never read by the operator and is most of a pod."""
+    indexes = Indexes()
+    found = pod("p-0", 5, 1)
+    found["metadata"]["managedFields"] = [{"manager": "kubelet", "fieldsV1": {"f:status": {}}}]
+    indexes.put(PODS, pods_key(NS, "math"), found)
+    (shown,) = indexes.cache([0.0]).list_pods(NS, "math", {LABEL_SET: "math"})
+    assert "managedFields" not in shown["metadata"]
+    assert shown["metadata"]["labels"] == found["metadata"]["labels"]

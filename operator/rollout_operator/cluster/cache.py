@@ -53,11 +53,16 @@ class Seen:
 
     @classmethod
     def of(cls, obj: Mapping[str, Any]) -> Seen:
+        """The object without `metadata.managedFields` (the API server's field ownership
+        bookkeeping, often the largest part of a pod, which the operator never reads)."""
         meta = obj.get("metadata") or {}
+        kept = dict(obj)
+        if "managedFields" in meta:
+            kept["metadata"] = {k: v for k, v in meta.items() if k != "managedFields"}
         return cls(
             uid=str(meta.get("uid") or ""),
             resource_version=_version(meta.get("resourceVersion")),
-            body=json.dumps(dict(obj), separators=(",", ":")).encode(),
+            body=json.dumps(kept, separators=(",", ":")).encode(),
         )
 
     def parse(self) -> dict[str, Any]:
