@@ -57,7 +57,6 @@ from operator_fixtures import (
     stats,
     storage_dir,
     thaw,
-    wait_pod_ready,
 )
 from rollout_servers.client import EpisodeResult, RolloutClient, episode_specs
 from rollout_servers.discovery import rollout_set_topology
@@ -485,12 +484,14 @@ async def test_a_second_loss_during_an_in_place_restore_ends_in_one_attempt(
 ) -> None:
     """Issue 13, build item 3: a kept pod lost while the InPlace restore runs.
 
-    The environment pod is killed; its replacement is frozen (SIGSTOP) once Ready, so the
-    InPlace restore into attempt 2 hangs in Restoring with the model kept. Then the kept model
-    is killed too. The try ends at once (ReplacementPodLost), the next try falls back to
-    Recreate (reason InPlaceFallback: the failed try retired attempt 2 on every kept pod, so
-    none can be kept), and the set ends Ready under attempt 3 alone: no pod of attempt 1 or
-    2 left, every episode finished exactly once from the base checkpoint."""
+    The environment pod is killed; the kept model holds the InPlace restore into attempt 2 at
+    its `install` pause point (`--debug-hooks`), so the recovery is in Restoring with the model
+    kept, whatever the timing (a replacement frozen once Ready raced a restore that now takes
+    milliseconds). Then the kept model is killed too. The try ends at once
+    (ReplacementPodLost), the next try falls back to Recreate (reason InPlaceFallback: the
+    failed try retired attempt 2 on every kept pod, so none can be kept), and the set ends Ready
+    under attempt 3 alone: no pod of attempt 1 or 2 left, every episode finished exactly once
+    from the base checkpoint."""
     cluster.kubectl(
         "apply", "-n", namespace, "-f", "-", input=json.dumps(in_place_set(storage_dir, {}))
     )
@@ -498,8 +499,6 @@ async def test_a_second_loss_during_an_in_place_restore_ends_in_one_attempt(
     pods = pods_by_instance(before)
     specs = episode_specs(EPISODES, SEED)
     held = specs[0].rollout_id
-    replacement = f"{SET}-environment-0-a2"
-    frozen: list[int] = []
     async with (
         httpx.AsyncClient() as http,
         rollout_set_topology(SET, namespace, kubeconfig=cluster.kubeconfig) as topology,
@@ -509,36 +508,31 @@ async def test_a_second_loss_during_an_in_place_restore_ends_in_one_attempt(
         client = RolloutClient(
             topology, concurrency=EPISODES, restore_timeout_s=180, run_timeout_s=240
         )
-        try:
-            async with episodes_running(client, specs) as outcomes:
-                await model.paused("token", held, limit_s=60)
-                ckpt = await checkpoint_ready(cluster, resources, "base")
-                assert ckpt["status"]["episodes"] >= 1
-                await model.release("token", held)
-                uids_before = uids(cluster, namespace)
+        async with episodes_running(client, specs) as outcomes:
+            await model.paused("token", held, limit_s=60)
+            ckpt = await checkpoint_ready(cluster, resources, "base")
+            assert ckpt["status"]["episodes"] >= 1
+            await model.release("token", held)
+            uids_before = uids(cluster, namespace)
 
-                assert await cluster.admin.kill_pod_async(namespace, pods["environment-0"])
-                await wait_pod_ready(resources, replacement, 90)
-                frozen = pod_pids(cluster, namespace, replacement)
-                freeze(frozen)
-                restoring = await resources.wait_set(
-                    "Restoring into attempt 2",
-                    lambda o: (o["status"].get("recovery") or {}).get("phase") == "Restoring",
-                    60,
-                )
-                recovery = restoring["status"]["recovery"]
-                assert recovery["restorePolicy"] == "InPlace", recovery
-                assert recovery["targetAttempt"] == 2, recovery
-                assert pods["model-0"] in recovery["kept"], recovery
-                assert await cluster.admin.kill_pod_async(namespace, pods["model-0"])
-                thaw(frozen)
-                after = await resources.wait_set(
-                    "Ready with no recovery",
-                    lambda o: o["status"].get("recovery") is None and is_true(o, "Ready"),
-                    180,
-                )
-        finally:
-            thaw(frozen)
+            await model.arm("install")
+            assert await cluster.admin.kill_pod_async(namespace, pods["environment-0"])
+            await model.paused("install", limit_s=90)
+            restoring = await resources.wait_set(
+                "Restoring into attempt 2",
+                lambda o: (o["status"].get("recovery") or {}).get("phase") == "Restoring",
+                60,
+            )
+            recovery = restoring["status"]["recovery"]
+            assert recovery["restorePolicy"] == "InPlace", recovery
+            assert recovery["targetAttempt"] == 2, recovery
+            assert pods["model-0"] in recovery["kept"], recovery
+            assert await cluster.admin.kill_pod_async(namespace, pods["model-0"])
+            after = await resources.wait_set(
+                "Ready with no recovery",
+                lambda o: o["status"].get("recovery") is None and is_true(o, "Ready"),
+                180,
+            )
         reference_specs = episode_specs(EPISODES, SEED, prefix="ref")
         reference = await RolloutClient(topology, concurrency=EPISODES).run_all(reference_specs)
         by_role: dict[str, list[dict[str, Any]]] = {}

@@ -647,6 +647,8 @@ class ModelParticipant(RuntimeParticipant):
                 raise ValueError(f"delivered record {i} ({record.rollout_id}): {error}") from error
 
     async def install(self, records: Sequence[Record], attempt: int) -> list[EpisodeId]:
+        # A test can hold a restore here (`--debug-hooks`): a recovery in phase Restoring.
+        await self.server.hooks.point("install")
         installed = await super().install([r for r in records if r.kind != DELIVERED_KIND], attempt)
         for record in records:
             if record.kind == DELIVERED_KIND:
