@@ -136,9 +136,16 @@ async def check_continued(
 
 
 async def wait_attempt_2(resources: Resources) -> dict[str, Any]:
+    """Ready under attempt 2, with `latestCheckpoint` shown: the set's pass writes it from the
+    checkpoints right after the recovery that runs in the same loop (the recovery itself reads
+    the checkpoints, not this field)."""
     return await resources.wait_set(
-        "Ready under attempt 2",
-        lambda o: o["status"].get("attempt") == 2 and is_true(o, "Ready"),
+        "Ready under attempt 2, latest checkpoint shown",
+        lambda o: (
+            o["status"].get("attempt") == 2
+            and is_true(o, "Ready")
+            and bool(o["status"].get("latestCheckpoint"))
+        ),
         90,
     )
 
