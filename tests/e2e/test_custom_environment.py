@@ -152,7 +152,12 @@ async def test_custom_environment_checkpoint_kill_recover(
                 assert await cluster.admin.kill_pod_async(namespace, env_a1["pod"])
                 recovered = await resources.wait_set(
                     "Ready under attempt 2",
-                    lambda o: o["status"].get("attempt") == 2 and is_true(o, "Ready"),
+                    # latestCheckpoint: written by the set's pass right after the recovery
+                    lambda o: (
+                        o["status"].get("attempt") == 2
+                        and is_true(o, "Ready")
+                        and bool(o["status"].get("latestCheckpoint"))
+                    ),
                     90,
                     SET,
                 )

@@ -153,7 +153,12 @@ async def test_sidecar_model_pod_cut_killed_and_continued(
             await resources.wait_set("Recovering", recovering, 30, name=SET)
             recovered = await resources.wait_set(
                 "Ready under attempt 2",
-                lambda o: o["status"].get("attempt") == 2 and is_true(o, "Ready"),
+                # latestCheckpoint: written by the set's pass right after the recovery
+                lambda o: (
+                    o["status"].get("attempt") == 2
+                    and is_true(o, "Ready")
+                    and bool(o["status"].get("latestCheckpoint"))
+                ),
                 90,
                 name=SET,
             )

@@ -146,7 +146,12 @@ async def test_examples_checkpoint_then_model_pod_killed_mid_generation(
             await resources.wait_set("Recovering", recovering, 30)
             recovered = await resources.wait_set(
                 "Ready under attempt 2",
-                lambda o: o["status"].get("attempt") == 2 and is_true(o, "Ready"),
+                # latestCheckpoint: written by the set's pass right after the recovery
+                lambda o: (
+                    o["status"].get("attempt") == 2
+                    and is_true(o, "Ready")
+                    and bool(o["status"].get("latestCheckpoint"))
+                ),
                 90,
             )
 

@@ -122,7 +122,12 @@ async def run_node_loss(cluster: Cluster, resources: Resources, storage: Path) -
             await resources.wait_set("Recovering", recovering, 60)
             recovered = await resources.wait_set(
                 "Ready under a new attempt",
-                lambda o: (o["status"].get("attempt") or 1) > 1 and is_true(o, "Ready"),
+                # latestCheckpoint: written by the set's pass right after the recovery
+                lambda o: (
+                    (o["status"].get("attempt") or 1) > 1
+                    and is_true(o, "Ready")
+                    and bool(o["status"].get("latestCheckpoint"))
+                ),
                 120,
             )
 
