@@ -111,7 +111,6 @@ def pods_key(namespace: str, set_name: str) -> tuple[str, str]:
 @dataclass
 class _Written:
     seen: Seen
-    kind: str
     set_key: tuple[str, str] | None
     at: float
 
@@ -246,7 +245,6 @@ class ClusterCache:
             return
         self._written[(kind, namespace, name)] = _Written(
             seen=Seen.of(obj),
-            kind=kind,
             set_key=(namespace, set_name) if set_name is not None else None,
             at=self._clock(),
         )
