@@ -87,11 +87,19 @@ def rollout_set(cluster: ContainerClusterProvider, namespace: str) -> dict[str, 
     return get_json(cluster, "rolloutset", SET, "-n", namespace)
 
 
-def set_is_ready(cluster: ContainerClusterProvider, namespace: str, attempt: int) -> bool:
+def set_is_ready(
+    cluster: ContainerClusterProvider, namespace: str, attempt: int, latest: str | None = None
+) -> bool:
+    """The set Ready at `attempt` (and, when given, pointing at the `latest` checkpoint).
+
+    The set's pass writes latestCheckpoint right after the recovery that runs in the same
+    loop, so a reader that wants both waits for both.
+    """
     obj = rollout_set(cluster, namespace)
-    return (obj.get("status") or {}).get("attempt") == attempt and condition(obj, "Ready").get(
-        "status"
-    ) == "True"
+    status = obj.get("status") or {}
+    if latest is not None and status.get("latestCheckpoint") != latest:
+        return False
+    return status.get("attempt") == attempt and condition(obj, "Ready").get("status") == "True"
 
 
 def results(out: Path) -> list[dict[str, Any]]:
@@ -177,10 +185,10 @@ def test_the_example_set_runs_as_containers_and_recovers_a_killed_model_and_an_e
         # SIGKILL inside the model container; the kubelet reports it, the operator recovers.
         cluster.kill_container(namespace, roles["model"])
         wait_for_sync(
-            lambda: set_is_ready(cluster, namespace, 2), 300, "the RolloutSet Ready at attempt 2"
+            lambda: set_is_ready(cluster, namespace, 2, latest="math-rl-manual-1"),
+            300,
+            "the RolloutSet Ready at attempt 2 on math-rl-manual-1",
         )
-        recovered = rollout_set(cluster, namespace)
-        assert recovered["status"]["latestCheckpoint"] == "math-rl-manual-1"
 
         output, _ = collect.communicate(timeout=600)
         assert collect.returncode == 0, output[-4000:]
@@ -257,5 +265,8 @@ def evict_and_recover(cluster: ContainerClusterProvider, namespace: str, pod: st
     # RFC 3339 UTC timestamps of one format compare as strings.
     assert ready_at <= killed_at, (ready_at, killed_at)
 
-    wait_for_sync(lambda: set_is_ready(cluster, namespace, 3), 300, "the set Ready at attempt 3")
-    assert rollout_set(cluster, namespace)["status"]["latestCheckpoint"] == name
+    wait_for_sync(
+        lambda: set_is_ready(cluster, namespace, 3, latest=name),
+        300,
+        f"the set Ready at attempt 3 on {name}",
+    )
