@@ -114,7 +114,7 @@ class OperatorProcess:
         if self.running:
             raise RuntimeError("the operator is running already")
         self.liveness = f"http://127.0.0.1:{free_port()}/healthz"
-        argv = [sys.executable, "-m", "rollout_operator.cli", "run", "--liveness", self.liveness]
+        argv = [sys.executable, "-m", "rollout_operator", "run", "--liveness", self.liveness]
         for namespace in self.namespaces:
             argv += ["--namespace", namespace]
         argv += self.args

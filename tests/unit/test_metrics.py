@@ -7,15 +7,13 @@ uses set names of its own and reads values back through the registry, as a scrap
 from __future__ import annotations
 
 import secrets
-from typing import Any, cast
+from typing import Any
 
 import pytest
-from kube_fakes import RawResponse
-from kubernetes_asyncio.client.exceptions import ApiException
 from prometheus_client import REGISTRY, generate_latest
 from rollout_operator import metrics
-from rollout_operator.cluster.kube import Kube
 from rollout_operator.model.api import RolloutCheckpoint, RolloutSet
+from testsupport.fakecluster import FakeCluster
 
 NAMESPACE = "team-a"
 SHA = "ab" * 32
@@ -142,35 +140,23 @@ def test_the_completion_message_says_what_it_holds_and_costs() -> None:
     )
 
 
-class _Custom:
-    def __init__(self, obj: dict[str, Any] | None) -> None:
-        self.obj = obj
-        self.calls: list[tuple[Any, ...]] = []
-
-    async def get_namespaced_custom_object(self, *args: Any, **_: Any) -> RawResponse:
-        self.calls.append(args)
-        if self.obj is None:
-            raise ApiException(status=404, reason="Not Found")
-        return RawResponse(200, self.obj)
-
-
 async def test_checkpoint_ended_reads_the_final_status_and_records_it() -> None:
     name = unique("set")
     ready = checkpoint(
         name, "Ready", episodes=2, durations={"totalSeconds": 3.0, "pauseSeconds": 0.1}
     )
-    custom = _Custom(ready.model_dump(mode="json", by_alias=True, exclude_none=True))
-    kube = Kube(api=cast(Any, None), core=cast(Any, None), custom=cast(Any, custom))
+    cluster = FakeCluster()
+    cluster.put(ready.model_dump(mode="json", by_alias=True, exclude_none=True))
+    kube = cluster.kube(watching=False)
     ended = await metrics.checkpoint_ended(kube, NAMESPACE, ready.metadata.name)
     assert ended is not None
     assert ended.status.episodes == 2
-    assert custom.calls == [
-        ("checkpoint.rollout.dev", "v1alpha1", NAMESPACE, "rolloutcheckpoints", ready.metadata.name)
+    assert [(r.verb, r.plural, r.name) for r in cluster.requests] == [
+        ("get", "rolloutcheckpoints", ready.metadata.name)
     ]
     labels = {"namespace": NAMESPACE, "set": name, "trigger": "Manual", "outcome": "Ready"}
     assert value("rollout_checkpoint_duration_seconds_sum", **labels) == 3.0
-    gone = Kube(api=cast(Any, None), core=cast(Any, None), custom=cast(Any, _Custom(None)))
-    assert await metrics.checkpoint_ended(gone, NAMESPACE, "deleted") is None
+    assert await metrics.checkpoint_ended(kube, NAMESPACE, "deleted") is None
 
 
 # --- recovery and attempts ----------------------------------------------------------------------

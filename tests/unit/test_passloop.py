@@ -23,6 +23,7 @@ from rollout_operator.flows.passloop import STOP_BACKOFF_SECONDS, PassLoop, Stop
 from rollout_operator.handlers import policy as policy_handlers
 from rollout_operator.handlers import rolloutset as set_handlers
 from rollout_operator.handlers.runtime import MEMO_KUBE
+from testsupport.fakecluster import FakeCluster
 
 PROMPT_SECONDS = 1.0
 """A stop is honoured well inside this (the loop waits on the flag itself, it does not poll)."""
@@ -157,7 +158,7 @@ class DeletingSets(Kube):
     """Every read finds the set being deleted: each pass is a no-op, as right after a delete."""
 
     def __init__(self) -> None:
-        super().__init__(api=cast(Any, None), core=cast(Any, None), custom=cast(Any, None))
+        super().__init__(http=FakeCluster())
         self.reads = 0
         self.read = asyncio.Event()
 

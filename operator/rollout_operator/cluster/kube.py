@@ -1,4 +1,4 @@
-"""The operator's Kubernetes client (kubernetes_asyncio) and the few calls it needs.
+"""The operator's Kubernetes client and the few calls it needs (on `rest.ApiClient`).
 
 Kopf watches and patches the objects it handles itself; this client is for everything else:
 creating pods, Services and the token Secret, the per-set checkpoint Lease, and writing status.
@@ -15,14 +15,12 @@ follows sees the version that won.
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from kubernetes_asyncio import client, config
-from kubernetes_asyncio.client.exceptions import ApiException
+import kopf
 
 from ..model.api import (
     CHECKPOINT_SET_FIELD,
@@ -33,38 +31,55 @@ from ..model.api import (
     VERSION,
 )
 from .cache import CHECKPOINTS, PODS, SETS, ClusterCache
+from .rest import MERGE_PATCH, ApiClient, ApiError, Transport, api_path, credentials
+
+__all__ = ["ApiError", "Conflict", "Kube", "api_error_message"]
 
 logger = logging.getLogger(__name__)
-
-MERGE_PATCH = "application/merge-patch+json"
-_MERGE_PATCH: dict[str, Any] = {"_content_type": MERGE_PATCH}
-"""The generated client would pick JSON Patch for a dict body; status writes are merge patches."""
 
 
 class Conflict(Exception):
     """The object changed between our read and our write (HTTP 409); read again and retry."""
 
 
-def api_error_message(error: ApiException) -> str:
+def api_error_message(error: ApiError) -> str:
     """The API server's own message (a `Status` body), e.g. why a pod was refused."""
-    try:
-        body = json.loads(error.body or "")
-        message = body.get("message")
-        if isinstance(message, str) and message:
-            return message
-    except (TypeError, ValueError):
-        pass
-    return f"HTTP {error.status}: {error.reason}"
+    return error.message
+
+
+def _sets(namespace: str, name: str | None = None, subresource: str | None = None) -> str:
+    return api_path(
+        ROLLOUT_SET_PLURAL,
+        group=GROUP,
+        version=VERSION,
+        namespace=namespace,
+        name=name,
+        subresource=subresource,
+    )
+
+
+def _checkpoints(namespace: str, name: str | None = None, subresource: str | None = None) -> str:
+    return api_path(
+        ROLLOUT_CHECKPOINT_PLURAL,
+        group=GROUP,
+        version=VERSION,
+        namespace=namespace,
+        name=name,
+        subresource=subresource,
+    )
+
+
+def _leases(namespace: str, name: str | None = None) -> str:
+    return api_path(
+        "leases", group="coordination.k8s.io", version="v1", namespace=namespace, name=name
+    )
 
 
 @dataclass
 class Kube:
     """One API client for the process; created in the startup hook, closed at cleanup."""
 
-    api: client.ApiClient
-    core: client.CoreV1Api
-    custom: client.CustomObjectsApi
-    coordination: client.CoordinationV1Api | None = None
+    http: Transport
     field_selectors: bool = True
     """Whether the API server filters checkpoints by set (False once it refused to)."""
     cache: ClusterCache = field(default_factory=ClusterCache)
@@ -74,57 +89,34 @@ class Kube:
     exist, so a checkpoint reads its set's token from here, not from the API server)."""
 
     @classmethod
-    async def connect(
-        cls, *, max_concurrent_requests: int = 100, kubeconfig: str | None = None
+    def connect(
+        cls, settings: kopf.OperatorSettings, *, max_concurrent_requests: int = 100
     ) -> Kube:
-        """In-cluster service account first, then the kubeconfig (as Kopf's login does):
-        `kubeconfig`, else $KUBECONFIG or ~/.kube/config.
+        """The client with the operator's credentials (`rest.credentials`, as Kopf logs in).
 
         At most `max_concurrent_requests` requests are open at once; more wait in the client
         (`--api-concurrency`): with a hundred sets passing at once, an unbounded operator had 50
         requests executing in the API server at the same time, and every client of a busy
         server waits longer for it."""
-        configuration = client.Configuration()
-        configuration.connection_pool_maxsize = max_concurrent_requests
-        try:
-            config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-        except config.ConfigException:
-            await config.load_kube_config(
-                config_file=kubeconfig, client_configuration=configuration
-            )
-        api = client.ApiClient(configuration)
         return cls(
-            api=api,
-            core=client.CoreV1Api(api),
-            custom=client.CustomObjectsApi(api),
-            coordination=client.CoordinationV1Api(api),
+            http=ApiClient(lambda: credentials(settings), max_concurrent=max_concurrent_requests)
         )
 
     async def close(self) -> None:
-        await self.api.close()
+        if isinstance(self.http, ApiClient):
+            await self.http.close()
 
-    @staticmethod
-    async def _body(request: Awaitable[Any]) -> bytes:
-        """The body of a request made with `_preload_content=False` (the generated client checks
-        no status then: an error status is raised here as it would be there)."""
-        response = await request
+    async def _get(self, path: str) -> dict[str, Any] | None:
+        """The object at `path`; None when it does not exist."""
         try:
-            body: bytes = await response.read()
-            if not 200 <= response.status <= 299:
-                error = ApiException(status=response.status, reason=response.reason)
-                error.body = body
-                raise error
-            return body
-        finally:
-            response.release()
+            return await self.http.request("GET", path)
+        except ApiError as error:
+            if error.status == 404:
+                return None
+            raise
 
-    @classmethod
-    async def _raw(cls, request: Awaitable[Any]) -> dict[str, Any]:
-        return cast(dict[str, Any], json.loads(await cls._body(request)))
-
-    def to_dict(self, obj: Any) -> dict[str, Any]:
-        """A typed client object in its wire form (camelCase keys, strings for times)."""
-        return cast(dict[str, Any], self.api.sanitize_for_serialization(obj))
+    async def _merge(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        return await self.http.request("PATCH", path, body=body, content_type=MERGE_PATCH)
 
     # --- RolloutSets ----------------------------------------------------------------------------
 
@@ -138,17 +130,9 @@ class Kube:
         would stop every participant), and the re-read after a refused write (`Conflict`)."""
         if not fresh and self.cache.ready:
             return self.cache.get_set(namespace, name)
-        try:
-            obj = await self._raw(
-                self.custom.get_namespaced_custom_object(
-                    GROUP, VERSION, namespace, ROLLOUT_SET_PLURAL, name, _preload_content=False
-                )
-            )
-        except ApiException as error:
-            if error.status == 404:
-                return None
-            raise
-        self.cache.saw(SETS, obj)
+        obj = await self._get(_sets(namespace, name))
+        if obj is not None:
+            self.cache.saw(SETS, obj)
         return obj
 
     async def patch_set_status(
@@ -168,25 +152,21 @@ class Kube:
         if resource_version is not None:
             body["metadata"] = {"resourceVersion": resource_version}
         try:
-            obj = await self._raw(
-                self.custom.patch_namespaced_custom_object_status(
-                    GROUP,
-                    VERSION,
-                    namespace,
-                    ROLLOUT_SET_PLURAL,
-                    name,
-                    body,
-                    _preload_content=False,
-                    **_MERGE_PATCH,
-                )
-            )
-        except ApiException as error:
+            obj = await self._merge(_sets(namespace, name, "status"), body)
+        except ApiError as error:
             if error.status == 409:
                 await self.get_set(namespace, name, fresh=True)
-                raise Conflict(api_error_message(error)) from error
+                raise Conflict(error.message) from error
             raise
         self.cache.saw(SETS, obj, set_name=name)
         return obj
+
+    async def annotate_set(self, namespace: str, name: str, key: str, value: str) -> str | None:
+        """Set one annotation of the set; returns the set's new resourceVersion."""
+        obj = await self._merge(_sets(namespace, name), {"metadata": {"annotations": {key: value}}})
+        self.cache.saw(SETS, obj, set_name=name)
+        version = (obj.get("metadata") or {}).get("resourceVersion")
+        return version if isinstance(version, str) else None
 
     # --- RolloutCheckpoints -----------------------------------------------------------------------
 
@@ -203,18 +183,13 @@ class Kube:
         field_name = f"spec.{CHECKPOINT_SET_FIELD}"
         if self.field_selectors:
             try:
-                listing = await self._raw(
-                    self.custom.list_namespaced_custom_object(
-                        GROUP,
-                        VERSION,
-                        namespace,
-                        ROLLOUT_CHECKPOINT_PLURAL,
-                        field_selector=f"{field_name}={set_name}",
-                        _preload_content=False,
-                    )
+                listing = await self.http.request(
+                    "GET",
+                    _checkpoints(namespace),
+                    query={"fieldSelector": f"{field_name}={set_name}"},
                 )
                 return cast(list[dict[str, Any]], listing.get("items") or [])
-            except ApiException as error:
+            except ApiError as error:
                 if error.status != 400:
                     raise
                 self.field_selectors = False
@@ -222,13 +197,9 @@ class Kube:
                     "the API server does not filter RolloutCheckpoints by %s (%s): listing the "
                     "namespace and filtering in the operator instead",
                     field_name,
-                    api_error_message(error),
+                    error.message,
                 )
-        listing = await self._raw(
-            self.custom.list_namespaced_custom_object(
-                GROUP, VERSION, namespace, ROLLOUT_CHECKPOINT_PLURAL, _preload_content=False
-            )
-        )
+        listing = await self.http.request("GET", _checkpoints(namespace))
         items = cast(list[dict[str, Any]], listing.get("items") or [])
         return [c for c in items if (c.get("spec") or {}).get(CHECKPOINT_SET_FIELD) == set_name]
 
@@ -238,43 +209,28 @@ class Kube:
         """A RolloutCheckpoint in its wire form; None when it does not exist."""
         if not fresh and self.cache.ready:
             return self.cache.get_checkpoint(namespace, name)
-        try:
-            obj = await self._raw(
-                self.custom.get_namespaced_custom_object(
-                    GROUP,
-                    VERSION,
-                    namespace,
-                    ROLLOUT_CHECKPOINT_PLURAL,
-                    name,
-                    _preload_content=False,
-                )
-            )
-        except ApiException as error:
-            if error.status == 404:
-                return None
-            raise
-        self.cache.saw(CHECKPOINTS, obj)
+        obj = await self._get(_checkpoints(namespace, name))
+        if obj is not None:
+            self.cache.saw(CHECKPOINTS, obj)
         return obj
+
+    async def create_checkpoint(self, namespace: str, manifest: Mapping[str, Any]) -> bool:
+        """Create a RolloutCheckpoint; False when one of that name exists already."""
+        created = await self._create_if_absent(_checkpoints(namespace), manifest)
+        if created is not None:
+            self.cache.saw(CHECKPOINTS, created, set_name=_checkpoint_set(created))
+        return created is not None
+
+    async def delete_checkpoint(self, namespace: str, name: str) -> bool:
+        """Delete a RolloutCheckpoint; False when it is gone already."""
+        return await self._delete(_checkpoints(namespace, name))
 
     async def patch_checkpoint_status(
         self, namespace: str, name: str, status: Mapping[str, Any]
     ) -> dict[str, Any]:
         """Merge-patch a RolloutCheckpoint's status subresource (lists in it replace)."""
-        body: dict[str, Any] = {"status": dict(status)}
-        obj = await self._raw(
-            self.custom.patch_namespaced_custom_object_status(
-                GROUP,
-                VERSION,
-                namespace,
-                ROLLOUT_CHECKPOINT_PLURAL,
-                name,
-                body,
-                _preload_content=False,
-                **_MERGE_PATCH,
-            )
-        )
-        set_name = (obj.get("spec") or {}).get(CHECKPOINT_SET_FIELD)
-        self.cache.saw(CHECKPOINTS, obj, set_name=set_name if isinstance(set_name, str) else None)
+        obj = await self._merge(_checkpoints(namespace, name, "status"), {"status": dict(status)})
+        self.cache.saw(CHECKPOINTS, obj, set_name=_checkpoint_set(obj))
         return obj
 
     # --- core objects ---------------------------------------------------------------------------
@@ -283,28 +239,19 @@ class Kube:
         """The pods whose labels match `label_selector` (`key=value,...`), as wire dicts.
 
         A selector that names a set is answered from the watch's index of the set's pods, with
-        objects shared by every reader (read them, never change them).
-        Not through the generated `V1Pod` models otherwise: deserializing every pod into them
-        (dates parsed with dateutil) was half of the operator's CPU with 100 sets (issue 14)."""
+        objects shared by every reader (read them, never change them)."""
         labels = _equality_selector(label_selector)
         set_name = labels.get(LABEL_SET) if labels is not None else None
         if labels is not None and set_name is not None and self.cache.ready:
             return self.cache.list_pods(namespace, set_name, labels)
-        listing = await self._raw(
-            self.core.list_namespaced_pod(
-                namespace, label_selector=label_selector, _preload_content=False
-            )
+        listing = await self.http.request(
+            "GET", api_path("pods", namespace=namespace), query={"labelSelector": label_selector}
         )
         return cast(list[dict[str, Any]], listing.get("items") or [])
 
     async def create_pod(self, namespace: str, manifest: Mapping[str, Any]) -> bool:
         """Create a pod; False when one with that name exists already (idempotent retries)."""
-        body: Any = manifest
-        created = await _create_if_absent(
-            lambda: self._raw(
-                self.core.create_namespaced_pod(namespace, body, _preload_content=False)
-            )
-        )
+        created = await self._create_if_absent(api_path("pods", namespace=namespace), manifest)
         if created is not None:
             self.cache.saw(PODS, created, set_name=_set_label(created))
         return created is not None
@@ -313,18 +260,8 @@ class Kube:
         self, namespace: str, name: str, *, grace_seconds: int | None = None
     ) -> bool:
         """Delete a pod; False when it is gone already."""
-        options: dict[str, Any] = {}
-        if grace_seconds is not None:
-            options["grace_period_seconds"] = grace_seconds
-        try:
-            await self._body(
-                self.core.delete_namespaced_pod(name, namespace, _preload_content=False, **options)
-            )
-        except ApiException as error:
-            if error.status == 404:
-                return False
-            raise
-        return True
+        query = None if grace_seconds is None else {"gracePeriodSeconds": str(grace_seconds)}
+        return await self._delete(api_path("pods", namespace=namespace, name=name), query)
 
     async def patch_pod_metadata(
         self,
@@ -340,14 +277,11 @@ class Kube:
             metadata["labels"] = dict(labels)
         if annotations:
             metadata["annotations"] = dict(annotations)
-        body: Any = {"metadata": metadata}
         try:
-            obj = await self._raw(
-                self.core.patch_namespaced_pod(
-                    name, namespace, body, _preload_content=False, **_MERGE_PATCH
-                )
+            obj = await self._merge(
+                api_path("pods", namespace=namespace, name=name), {"metadata": metadata}
             )
-        except ApiException as error:
+        except ApiError as error:
             if error.status == 404:
                 return False
             raise
@@ -358,21 +292,11 @@ class Kube:
         """A node (wire form); None when it does not exist (or the watch has not seen it)."""
         if self.cache.ready:
             return self.cache.get_node(name)
-        try:
-            return await self._raw(self.core.read_node(name, _preload_content=False))
-        except ApiException as error:
-            if error.status == 404:
-                return None
-            raise
+        return await self._get(api_path("nodes", name=name))
 
     async def create_service(self, namespace: str, manifest: Mapping[str, Any]) -> bool:
-        body: Any = manifest
-        created = await _create_if_absent(
-            lambda: self._raw(
-                self.core.create_namespaced_service(namespace, body, _preload_content=False)
-            )
-        )
-        return created is not None
+        path = api_path("services", namespace=namespace)
+        return await self._create_if_absent(path, manifest) is not None
 
     async def get_secret(
         self, namespace: str, name: str, *, remembered: bool = False
@@ -380,79 +304,76 @@ class Kube:
         """A Secret; with `remembered`, the one this process last read or created if any."""
         if remembered and (namespace, name) in self._secrets:
             return self._secrets[(namespace, name)]
-        try:
-            secret = await self._raw(
-                self.core.read_namespaced_secret(name, namespace, _preload_content=False)
-            )
-        except ApiException as error:
-            if error.status == 404:
-                self._secrets.pop((namespace, name), None)
-                return None
-            raise
-        self._secrets[(namespace, name)] = secret
+        secret = await self._get(api_path("secrets", namespace=namespace, name=name))
+        if secret is None:
+            self._secrets.pop((namespace, name), None)
+        else:
+            self._secrets[(namespace, name)] = secret
         return secret
 
     async def create_secret(self, namespace: str, manifest: Mapping[str, Any]) -> bool:
-        body: Any = manifest
-        created = await _create_if_absent(
-            lambda: self._raw(
-                self.core.create_namespaced_secret(namespace, body, _preload_content=False)
-            )
-        )
+        created = await self._create_if_absent(api_path("secrets", namespace=namespace), manifest)
         if created is not None:
             self._secrets[(namespace, str(manifest["metadata"]["name"]))] = created
         return created is not None
 
     # --- Leases -----------------------------------------------------------------------------------
 
-    def _leases(self) -> client.CoordinationV1Api:
-        if self.coordination is None:
-            self.coordination = client.CoordinationV1Api(self.api)
-        return self.coordination
-
     async def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            return await self._raw(
-                self._leases().read_namespaced_lease(name, namespace, _preload_content=False)
-            )
-        except ApiException as error:
-            if error.status == 404:
-                return None
-            raise
+        return await self._get(_leases(namespace, name))
 
     async def create_lease(
         self, namespace: str, manifest: Mapping[str, Any]
     ) -> dict[str, Any] | None:
         """Create a Lease; None when one of that name exists already."""
-        body: Any = manifest
-        return await _create_if_absent(
-            lambda: self._raw(
-                self._leases().create_namespaced_lease(namespace, body, _preload_content=False)
-            )
-        )
+        return await self._create_if_absent(_leases(namespace), manifest)
 
     async def patch_lease(
         self, namespace: str, name: str, spec: Mapping[str, Any], resource_version: str
     ) -> dict[str, Any]:
         """Merge-patch a Lease's spec if its resourceVersion is still `resource_version` (a
         `Conflict` when it changed since; `LookupError` when it is gone)."""
-        body: Any = {"metadata": {"resourceVersion": resource_version}, "spec": dict(spec)}
+        body = {"metadata": {"resourceVersion": resource_version}, "spec": dict(spec)}
         try:
-            return await self._raw(
-                self._leases().patch_namespaced_lease(
-                    name, namespace, body, _preload_content=False, **_MERGE_PATCH
-                )
-            )
-        except ApiException as error:
+            return await self._merge(_leases(namespace, name), body)
+        except ApiError as error:
             if error.status == 409:
-                raise Conflict(api_error_message(error)) from error
+                raise Conflict(error.message) from error
             if error.status == 404:
                 raise LookupError(f"lease {namespace}/{name} is gone") from error
             raise
 
+    # --- the verbs, once ------------------------------------------------------------------------
+
+    async def _create_if_absent(
+        self, path: str, manifest: Mapping[str, Any]
+    ) -> dict[str, Any] | None:
+        """The created object; None when one of that name exists (HTTP 409)."""
+        try:
+            return await self.http.request("POST", path, body=manifest)
+        except ApiError as error:
+            if error.status == 409:
+                return None
+            raise
+
+    async def _delete(self, path: str, query: Mapping[str, str] | None = None) -> bool:
+        """Delete the object at `path`; False when it is gone already."""
+        try:
+            await self.http.request("DELETE", path, query=query)
+        except ApiError as error:
+            if error.status == 404:
+                return False
+            raise
+        return True
+
 
 def _set_label(obj: Mapping[str, Any]) -> str | None:
     value = ((obj.get("metadata") or {}).get("labels") or {}).get(LABEL_SET)
+    return value if isinstance(value, str) else None
+
+
+def _checkpoint_set(obj: Mapping[str, Any]) -> str | None:
+    value = (obj.get("spec") or {}).get(CHECKPOINT_SET_FIELD)
     return value if isinstance(value, str) else None
 
 
@@ -465,15 +386,3 @@ def _equality_selector(selector: str) -> dict[str, str] | None:
             return None
         labels[key.strip()] = value.strip()
     return labels
-
-
-async def _create_if_absent(
-    create: Callable[[], Awaitable[dict[str, Any]]],
-) -> dict[str, Any] | None:
-    """The created object; None when one of that name exists (HTTP 409)."""
-    try:
-        return await create()
-    except ApiException as error:
-        if error.status == 409:
-            return None
-        raise

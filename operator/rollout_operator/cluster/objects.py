@@ -21,8 +21,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final
 
-from kubernetes_asyncio.client.exceptions import ApiException
-
 from ..decide.policy import (
     CheckpointView,
     SetView,
@@ -42,7 +40,7 @@ from ..decide.resources import (
 )
 from ..decide.setplan import AttemptPlan, PodView, plan_attempt
 from ..model.api import LABEL_ATTEMPT, RolloutSet
-from .kube import Kube, api_error_message
+from .kube import ApiError, Kube
 
 logger = logging.getLogger(__name__)
 
@@ -142,9 +140,9 @@ async def ensure_services(kube: Kube, rset: RolloutSet) -> None:
     for participant in rset.spec.participants:
         try:
             await kube.create_service(namespace, role_service(rset, participant))
-        except ApiException as error:
+        except ApiError as error:
             if error.status in CLIENT_ERRORS:
-                raise SetBlocked("ServiceCreationFailed", api_error_message(error)) from error
+                raise SetBlocked("ServiceCreationFailed", error.message) from error
             raise
 
 
@@ -188,10 +186,10 @@ async def reconcile_pods(
         try:
             if await kube.create_pod(namespace, manifest):
                 created.append(pod)
-        except ApiException as error:
+        except ApiError as error:
             if error.status not in CLIENT_ERRORS:
                 raise
-            errors.append(f"{pod}: {api_error_message(error)}")
+            errors.append(f"{pod}: {error.message}")
     if created:
         logger.info("RolloutSet %s/%s: created pods %s", namespace, name, ", ".join(created))
     plan = plan_attempt(rset, attempt, await observe_pods(kube, namespace, name))

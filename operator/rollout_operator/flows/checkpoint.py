@@ -29,7 +29,6 @@ from datetime import UTC, datetime
 from typing import Any, Final, TypeVar
 
 import anyio
-from kubernetes_asyncio.client.exceptions import ApiException
 from rollout_protocol import (
     CommitOutcome,
     Coordinator,
@@ -39,7 +38,7 @@ from rollout_protocol import (
     PrepareOutcome,
 )
 
-from ..cluster.kube import Kube
+from ..cluster.kube import ApiError, Kube
 from ..cluster.leases import CheckpointLeases
 from ..cluster.objects import read_control_token
 from ..decide.policy import PrepareDeadline, TerminatingPod, eviction_prepare_deadline
@@ -541,7 +540,7 @@ class CheckpointFlow:
         async def lost() -> str | None:
             try:
                 raw = await self._kube.get_set(namespace, ckpt.spec.rollout_set)
-            except (ApiException, OSError, TimeoutError) as error:
+            except (ApiError, OSError, TimeoutError) as error:
                 logger.debug("reading set %s failed: %s", ckpt.spec.rollout_set, error)
                 return None
             if raw is None:

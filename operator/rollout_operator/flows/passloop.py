@@ -20,7 +20,8 @@ from datetime import UTC, datetime
 from typing import Any, Final, Protocol, TypeVar
 
 import kopf
-from kubernetes_asyncio.client.exceptions import ApiException
+
+from ..cluster.kube import ApiError
 
 T = TypeVar("T")
 
@@ -31,7 +32,7 @@ STOP_BACKOFF_SECONDS: Final = 5.0
 """The daemons' `cancellation_backoff`: longer than the grace, so the loop has returned by
 itself before Kopf would cancel it."""
 TRANSIENT: Final[tuple[type[Exception], ...]] = (
-    ApiException,
+    ApiError,
     OSError,
     TimeoutError,
     kopf.TemporaryError,

@@ -40,7 +40,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
 
-from kubernetes_asyncio.client.exceptions import ApiException
 from pydantic import ValidationError
 from rollout_protocol import (
     Removal,
@@ -49,7 +48,7 @@ from rollout_protocol import (
     remove_set_files,
 )
 
-from ..cluster.kube import MERGE_PATCH, Conflict, Kube
+from ..cluster.kube import ApiError, Conflict, Kube
 from ..cluster.storage import StorageLocator
 from ..decide.policy import (
     ANNOTATION_DEADLINE_OUTCOME,
@@ -71,9 +70,6 @@ from ..model.api import (
     LABEL_ATTEMPT,
     LABEL_SET,
     ROLLOUT_CHECKPOINT_KIND,
-    ROLLOUT_CHECKPOINT_PLURAL,
-    ROLLOUT_SET_PLURAL,
-    VERSION,
     RecoveryPhase,
     RecoveryStatus,
     RolloutSet,
@@ -155,39 +151,10 @@ def checkpoint_manifest(rset: RolloutSet, create: Create) -> dict[str, Any]:
 async def create_checkpoint(kube: Kube, rset: RolloutSet, create: Create) -> bool:
     """Create it; False when it exists already (a repeat after a crash or a second event)."""
     namespace = rset.metadata.namespace or "default"
-    try:
-        await kube.custom.create_namespaced_custom_object(
-            GROUP, VERSION, namespace, ROLLOUT_CHECKPOINT_PLURAL, checkpoint_manifest(rset, create)
-        )
-    except ApiException as error:
-        if error.status == 409:
-            return False
-        raise
+    if not await kube.create_checkpoint(namespace, checkpoint_manifest(rset, create)):
+        return False
     logger.info("set %s: created checkpoint %s (%s)", rset.metadata.name, create.name, create.why)
     return True
-
-
-async def delete_checkpoint(kube: Kube, namespace: str, name: str) -> bool:
-    try:
-        await kube.custom.delete_namespaced_custom_object(
-            GROUP, VERSION, namespace, ROLLOUT_CHECKPOINT_PLURAL, name
-        )
-    except ApiException as error:
-        if error.status == 404:
-            return False
-        raise
-    return True
-
-
-async def annotate_set(kube: Kube, namespace: str, name: str, key: str, value: str) -> str | None:
-    """Set one annotation of the set; returns the set's new resourceVersion."""
-    body = {"metadata": {"annotations": {key: value}}}
-    merge: dict[str, Any] = {"_content_type": MERGE_PATCH}
-    patched = await kube.custom.patch_namespaced_custom_object(
-        GROUP, VERSION, namespace, ROLLOUT_SET_PLURAL, name, body, **merge
-    )
-    version = ((patched or {}).get("metadata") or {}).get("resourceVersion")
-    return version if isinstance(version, str) else None
 
 
 def _live(pod: Mapping[str, Any]) -> bool:
@@ -261,12 +228,8 @@ class PolicyPass:
         for create in decided.creates:
             await create_checkpoint(self._kube, rset, create)
         if decided.settle is not None:
-            version = await annotate_set(
-                self._kube,
-                namespace,
-                name,
-                ANNOTATION_DEADLINE_OUTCOME,
-                decided.settle.to_annotation(),
+            version = await self._kube.annotate_set(
+                namespace, name, ANNOTATION_DEADLINE_OUTCOME, decided.settle.to_annotation()
             )
             # The status below was decided knowing this annotation: write it on top of it.
             rset.metadata.resource_version = version or rset.metadata.resource_version
@@ -279,7 +242,7 @@ class PolicyPass:
         elif decided.suspend is SuspendAction.RESUME and self._wake_set is not None:
             self._wake_set(namespace, name)
         for doomed in decided.delete:
-            if await delete_checkpoint(self._kube, namespace, doomed):
+            if await self._kube.delete_checkpoint(namespace, doomed):
                 logger.info("set %s: retention deletes checkpoint %s", name, doomed)
         by_name = {(raw.get("metadata") or {}).get("name"): raw for raw in listed}
         for failed in decided.remove_records:
@@ -369,7 +332,7 @@ class PolicyPass:
                 repair = await repair_failed_checkpoint(
                     self._kube, rset, raw, locator=self._locator
                 )
-            except ApiException as error:
+            except ApiError as error:
                 if error.status != 404:
                     raise
                 continue  # deleted meanwhile
@@ -521,7 +484,7 @@ async def set_deleted(
     remaining = await kube.list_checkpoints(namespace, rset.metadata.name)
     for ckpt in remaining:
         if not (ckpt.get("metadata") or {}).get("deletionTimestamp"):
-            await delete_checkpoint(kube, namespace, ckpt["metadata"]["name"])
+            await kube.delete_checkpoint(namespace, ckpt["metadata"]["name"])
     if remaining:
         raise CheckpointBusy(f"{len(remaining)} checkpoint(s) of the set are being deleted")
     root = locator.root(namespace, rset.spec.storage)

@@ -30,11 +30,10 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Final, TypeVar
 
 import anyio
-from kubernetes_asyncio.client.exceptions import ApiException
 from pydantic import ValidationError
 from rollout_protocol import Coordinator, ErrorCode, HttpParticipantClient, RetireOutcome, Role
 
-from ..cluster.kube import Conflict, Kube
+from ..cluster.kube import ApiError, Conflict, Kube
 from ..cluster.objects import (
     delete_attempt_pods,
     eviction_holds,
@@ -877,7 +876,7 @@ class RecoveryFlow:
         async def lost() -> str | None:
             try:
                 pods, nodes_of, lost_nodes = await observe(self._kube, rset)
-            except (ApiException, OSError, TimeoutError) as error:
+            except (ApiError, OSError, TimeoutError) as error:
                 logger.debug("observing the pods of %s failed: %s", rset.metadata.name, error)
                 return None
             losses = find_losses(rset, target, pods, nodes_of, lost_nodes)

@@ -24,11 +24,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Final
 
-from kubernetes_asyncio.client.exceptions import ApiException
 from pydantic import ValidationError
 from rollout_protocol import Role
 
-from ..cluster.kube import Conflict, Kube, api_error_message
+from ..cluster.kube import ApiError, Conflict, Kube
 from ..cluster.objects import (
     PodsOutcome,
     SetBlocked,
@@ -223,12 +222,12 @@ async def mark_covered_pods(
             continue
         try:
             await kube.patch_pod_metadata(namespace, meta["name"], annotations=hints)
-        except ApiException as error:
+        except ApiError as error:
             logger.warning(
                 "set %s: could not annotate pod %s: %s",
                 rset.metadata.name,
                 meta["name"],
-                api_error_message(error),
+                error.message,
             )
 
 

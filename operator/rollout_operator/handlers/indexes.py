@@ -13,71 +13,39 @@ from typing import Any
 
 import kopf
 
-from ..cluster.cache import (
-    CHECKPOINTS,
-    NODES,
-    PODS,
-    SETS,
-    Seen,
-    checkpoint_key,
-    checkpoints_of_set_key,
-    pods_key,
-    set_key,
-)
+from ..cluster.cache import CHECKPOINTS, NODES, PODS, SETS, Seen, index_entries
 from ..cluster.kube import Kube
-from ..model.api import (
-    CHECKPOINT_SET_FIELD,
-    GROUP,
-    LABEL_SET,
-    ROLLOUT_CHECKPOINT_PLURAL,
-    ROLLOUT_SET_PLURAL,
-    VERSION,
-)
+from ..model.api import GROUP, LABEL_SET, ROLLOUT_CHECKPOINT_PLURAL, ROLLOUT_SET_PLURAL, VERSION
 from .runtime import MEMO_KUBE
 
 
-def _changed(memo: kopf.Memo, namespace: str, set_name: str) -> None:
+def _entries(kind: str, body: kopf.Body, memo: kopf.Memo) -> dict[Any, Seen]:
+    entries, set_name = index_entries(kind, body)
     kube = memo.get(MEMO_KUBE)
-    if isinstance(kube, Kube):  # none before startup made it: nobody waits yet
+    if set_name is not None and isinstance(kube, Kube):  # none before startup: nobody waits
+        namespace = str(body.get("metadata", {}).get("namespace") or "default")
         kube.cache.changed(namespace, set_name)
+    return entries
 
 
 @kopf.index(GROUP, VERSION, ROLLOUT_SET_PLURAL, id=SETS)
-async def rollout_sets(
-    namespace: str | None, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any
-) -> dict[tuple[str, str], Seen]:
-    namespace = namespace or "default"
-    _changed(memo, namespace, name)
-    return {set_key(namespace, name): Seen.of(body)}
+async def rollout_sets(body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[Any, Seen]:
+    return _entries(SETS, body, memo)
 
 
 @kopf.index(GROUP, VERSION, ROLLOUT_CHECKPOINT_PLURAL, id=CHECKPOINTS)
-async def rollout_checkpoints(
-    namespace: str | None, name: str, spec: kopf.Spec, body: kopf.Body, memo: kopf.Memo, **_: Any
-) -> dict[tuple[str, str, str], Seen]:
-    namespace = namespace or "default"
-    seen = Seen.of(body)
-    keys = {checkpoint_key(namespace, name): seen}
-    set_name = spec.get(CHECKPOINT_SET_FIELD)
-    if isinstance(set_name, str):
-        keys[checkpoints_of_set_key(namespace, set_name)] = seen
-        _changed(memo, namespace, set_name)
-    return keys
+async def rollout_checkpoints(body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[Any, Seen]:
+    return _entries(CHECKPOINTS, body, memo)
 
 
 @kopf.index("", "v1", "pods", labels={LABEL_SET: kopf.PRESENT}, id=PODS)
-async def set_pods(
-    namespace: str | None, labels: kopf.Labels, body: kopf.Body, memo: kopf.Memo, **_: Any
-) -> dict[tuple[str, str], Seen]:
-    namespace = namespace or "default"
-    set_name = str(labels.get(LABEL_SET))
-    _changed(memo, namespace, set_name)
-    return {pods_key(namespace, set_name): Seen.of(body)}
+async def set_pods(body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[Any, Seen]:
+    return _entries(PODS, body, memo)
 
 
 @kopf.index("", "v1", "nodes", id=NODES)
-async def nodes(name: str, body: kopf.Body, **_: Any) -> dict[str, Seen]:
-    return {name: Seen.of(body)}
+async def nodes(body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[Any, Seen]:
+    return _entries(NODES, body, memo)
 
 
 __all__ = ["nodes", "rollout_checkpoints", "rollout_sets", "set_pods"]

@@ -18,8 +18,8 @@ import asyncio
 from typing import Any, Final
 
 import kopf
-from kubernetes_asyncio.client.exceptions import ApiException
 
+from ..cluster.kube import ApiError
 from ..cluster.storage import StorageLocator
 from ..decide.policy import Note
 from ..flows.passloop import STOP_BACKOFF_SECONDS, Next, PassLoop, Stopped
@@ -161,7 +161,7 @@ async def pod_terminating(
     grace period ends either way (`policyops.eviction_holds`)."""
     try:
         created = await start_eviction_checkpoint(kube_of(memo, kwargs), body)
-    except (ApiException, OSError, TimeoutError) as error:
+    except (ApiError, OSError, TimeoutError) as error:
         logger.warning("eviction checkpoint for pod %s not created: %s", body.meta.name, error)
         return
     if created is not None:

@@ -16,6 +16,7 @@ from prometheus_client import start_http_server
 
 from ..cluster.kube import Kube
 from ..cluster.leases import CheckpointLeases
+from ..cluster.rest import credentials
 from ..model.settings import RunOptions, configure
 
 logger = logging.getLogger(__name__)
@@ -62,13 +63,21 @@ def checkpoint_slots_of(memo: kopf.Memo) -> anyio.Semaphore | None:
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     options = options_of(memo)
     configure(settings, options)
-    memo[MEMO_KUBE] = kube = await Kube.connect(max_concurrent_requests=options.api_concurrency)
+    memo[MEMO_KUBE] = kube = Kube.connect(settings, max_concurrent_requests=options.api_concurrency)
     memo[MEMO_LEASES] = CheckpointLeases(kube)
     slots = options.max_concurrent_checkpoints
     memo[MEMO_CHECKPOINT_SLOTS] = anyio.Semaphore(slots, max_value=slots)
     if options.metrics_port is not None:
         start_http_server(options.metrics_port)
         logger.info("metrics on :%d/metrics", options.metrics_port)
+
+
+@kopf.on.login(id="credentials")
+def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+    """Kopf's watches log in as our own client does (`rest.credentials`): the service account
+    with the API server's address from the pod's environment (Kopf's built-in login would use
+    `kubernetes.default.svc`, which needs cluster DNS), else the kubeconfig."""
+    return credentials(settings)
 
 
 @kopf.on.cleanup(id="close-client")
