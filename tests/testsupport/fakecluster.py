@@ -207,7 +207,7 @@ class FakeCluster:
         found = self.objects.get((plural, namespace, name))
         return copy.deepcopy(found) if found is not None else None
 
-    def list(self, plural: str, namespace: str | None = None) -> list[dict[str, Any]]:
+    def list_objects(self, plural: str, namespace: str | None = None) -> list[dict[str, Any]]:
         return [
             copy.deepcopy(obj)
             for (kind, ns, _), obj in sorted(self.objects.items(), key=lambda item: item[0][2])
