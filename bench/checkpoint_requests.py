@@ -321,6 +321,10 @@ def _measure_variant(variant: Variant, work: Path, args: argparse.Namespace) -> 
             work / "operator.log",
             args=["--standalone"],
             environment=environment,
+            # older commits have no package entry point (it keeps kubernetes_asyncio out)
+            module="rollout_operator"
+            if (variant.root / "operator" / "rollout_operator" / "__main__.py").exists()
+            else "rollout_operator.cli",
         )
         operator.start()
         try:

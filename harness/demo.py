@@ -86,6 +86,8 @@ class OperatorProcess:
     `--metrics-port N`, `--standalone`, ...). `environment` replaces this process's environment
     for the child (the RBAC test leaves out every `KUBE*` variable so that no credentials but
     its token kubeconfig reach the operator); `KUBECONFIG` is set to `kubeconfig` either way.
+    `module` is what `python -m` runs: the package's entry point, or `rollout_operator.cli`
+    for a commit from before it had one (a bench's baseline).
     """
 
     def __init__(
@@ -96,8 +98,10 @@ class OperatorProcess:
         *,
         args: Sequence[str] = (),
         environment: Mapping[str, str] | None = None,
+        module: str = "rollout_operator",
     ) -> None:
         self.kubeconfig = kubeconfig
+        self.module = module
         self.namespaces = list(namespaces)
         self.log = log
         self.args = list(args)
@@ -114,7 +118,7 @@ class OperatorProcess:
         if self.running:
             raise RuntimeError("the operator is running already")
         self.liveness = f"http://127.0.0.1:{free_port()}/healthz"
-        argv = [sys.executable, "-m", "rollout_operator", "run", "--liveness", self.liveness]
+        argv = [sys.executable, "-m", self.module, "run", "--liveness", self.liveness]
         for namespace in self.namespaces:
             argv += ["--namespace", namespace]
         argv += self.args

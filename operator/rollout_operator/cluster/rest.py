@@ -207,9 +207,7 @@ class ApiClient:
                 method, url, params=query, data=data, headers=headers
             ) as response:
                 return response.status, response.reason or "", await response.read()
-        except aiohttp.ClientError as error:
-            if isinstance(error, OSError):
-                raise
+        except aiohttp.ClientError as error:  # refused, reset, disconnected: all transient
             raise ConnectionError(f"{method} {path}: {error}") from error
         except TimeoutError as error:
             raise TimeoutError(
