@@ -1,22 +1,21 @@
-"""Helpers of the adversarial tests: a participant's control plane served in process, and an
-in-memory API for the operator's finalizers."""
+"""Helpers of the adversarial tests: a participant's control plane served in process, and a set
+with its checkpoints on the unit tests' fake API server (`testsupport.fakecluster`) for the
+operator's finalizers."""
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import httpx
 from fastapi import FastAPI
-from kubernetes_asyncio.client.exceptions import ApiException
-from rollout_operator.cluster.kube import Kube
 from rollout_operator.decide.resources import participant_pod
 from rollout_operator.model import api
 from rollout_protocol import API_PREFIX, ControlPlane, ControlSettings, Role
+from testsupport.fakecluster import FakeCluster
 
 TOKEN = "adversarial-control-token"
 WAIT = 5.0
@@ -86,64 +85,38 @@ def pod_settings(obj: dict[str, Any], root: Path, attempt: int = 1) -> ControlSe
     return ControlSettings.from_env(Role.ENVIRONMENT, environ=env)
 
 
-class SetApi:
-    """Just enough of `Kube` for the finalizers of one set and its RolloutCheckpoints."""
+def set_cluster(obj: dict[str, Any], checkpoints: Sequence[str] = ()) -> FakeCluster:
+    """An API server holding the set and a Ready RolloutCheckpoint of it per name in
+    `checkpoints`, for the operator's finalizers (run through `cluster.kube()`)."""
+    cluster = FakeCluster()
+    cluster.put(obj)
+    for name in checkpoints:
+        cluster.put(ready_checkpoint(obj, name))
+    return cluster
 
-    def __init__(self, obj: dict[str, Any], checkpoints: Sequence[str] = ()) -> None:
-        self.set: dict[str, Any] | None = copy.deepcopy(obj)
-        self.checkpoints = {name: self.ready_checkpoint(name) for name in checkpoints}
-        self.custom = self
 
-    def as_kube(self) -> Kube:
-        return cast(Kube, self)
-
-    def ready_checkpoint(self, name: str) -> dict[str, Any]:
-        assert self.set is not None
-        meta = self.set["metadata"]
-        return {
-            "metadata": {
-                "name": name,
-                "namespace": meta["namespace"],
-                "creationTimestamp": "2026-11-29T12:00:00Z",
-            },
-            "spec": {"rolloutSet": meta["name"], "trigger": "Manual"},
-            "status": {
-                "phase": "Ready",
-                "completedAt": "2026-11-29T12:00:01Z",
-                "conditions": [
-                    {
-                        "type": "Ready",
-                        "status": "True",
-                        "reason": "Published",
-                        "lastTransitionTime": "2026-11-29T12:00:01Z",
-                    }
-                ],
-            },
-        }
-
-    async def get_set(
-        self, namespace: str, name: str, *, fresh: bool = False
-    ) -> dict[str, Any] | None:
-        return copy.deepcopy(self.set)
-
-    async def patch_set_status(
-        self, namespace: str, name: str, status: dict[str, Any], *, resource_version: str | None
-    ) -> dict[str, Any]:
-        assert self.set is not None
-        self.set.setdefault("status", {}).update(status)
-        return copy.deepcopy(self.set)
-
-    async def list_checkpoints(self, namespace: str, set_name: str) -> list[dict[str, Any]]:
-        """`Kube.list_checkpoints`: the set's checkpoints, by `spec.rolloutSet`."""
-        return [
-            copy.deepcopy(c)
-            for c in self.checkpoints.values()
-            if (c.get("spec") or {}).get("rolloutSet") == set_name
-        ]
-
-    async def delete_namespaced_custom_object(
-        self, group: str, version: str, namespace: str, plural: str, name: str
-    ) -> dict[str, Any]:
-        if self.checkpoints.pop(name, None) is None:
-            raise ApiException(status=404, reason="Not Found")
-        return {}
+def ready_checkpoint(obj: dict[str, Any], name: str) -> dict[str, Any]:
+    """A Ready RolloutCheckpoint of the set `obj`."""
+    meta = obj["metadata"]
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": "RolloutCheckpoint",
+        "metadata": {
+            "name": name,
+            "namespace": meta["namespace"],
+            "creationTimestamp": "2026-11-29T12:00:00Z",
+        },
+        "spec": {"rolloutSet": meta["name"], "trigger": "Manual"},
+        "status": {
+            "phase": "Ready",
+            "completedAt": "2026-11-29T12:00:01Z",
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True",
+                    "reason": "Published",
+                    "lastTransitionTime": "2026-11-29T12:00:01Z",
+                }
+            ],
+        },
+    }

@@ -7,8 +7,9 @@ adopt them (a set Ready with every restored episode lost); the recovery starts a
 StoppingAttempt under a fresh attempt. A set that finished its recovery (`createdAttempt`,
 `lastRecovery.attempt`) still has an attempt written by hand repaired from its pods.
 
-`repair_set_attempt` runs for real; the API below it is `kube_fakes.InMemorySet` (status
-writes keep the resourceVersion precondition) with the set's pods added. The same fault on a
+`repair_set_attempt` and the `Kube` client run for real; the API server below them is the unit
+tests' `testsupport.fakecluster.FakeCluster` (status writes keep the resourceVersion
+precondition) holding the set and its pods. The same fault on a
 real API server, with the operator killed in Restoring, is in test_recovery_phase_faults.py.
 """
 
@@ -16,30 +17,38 @@ from __future__ import annotations
 
 from typing import Any
 
-from kube_fakes import InMemorySet
 from rollout_operator.decide.setstatus import REPAIRED
 from rollout_operator.flows.repairs import RECOVERY_RESTARTED, repair_set_attempt
 from rollout_operator.model import api
+from rollout_operator.model.api import ROLLOUT_SET_PLURAL
+from testsupport.fakecluster import FakeCluster
 
 NS = "team"
 SET = "math"
 ROLES = ("environment", "agent", "model", "resources")
 
 
-class SetWithPods(InMemorySet):
-    """`InMemorySet` with the set's pods, all Running and Ready (a fake of the API server's
-    pod list, the layer below the repair)."""
+def set_with_pods(obj: dict[str, Any], pod_attempt: int) -> FakeCluster:
+    """An API server holding the set and its pods of `pod_attempt`, all Running and Ready."""
+    cluster = FakeCluster()
+    cluster.put(obj)
+    for role in ROLES:
+        cluster.put(running_pod(role, pod_attempt))
+    return cluster
 
-    def __init__(self, obj: dict[str, Any], pod_attempt: int) -> None:
-        super().__init__(obj)
-        self.pods = [running_pod(role, pod_attempt) for role in ROLES]
 
-    async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
-        return [p for p in self.pods if p["metadata"]["namespace"] == namespace]
+def set_status(cluster: FakeCluster) -> dict[str, Any]:
+    """The set's status as stored in the API server."""
+    obj = cluster.get(ROLLOUT_SET_PLURAL, NS, SET)
+    assert obj is not None, "the set is gone"
+    status: dict[str, Any] = obj["status"]
+    return status
 
 
 def running_pod(role: str, attempt: int) -> dict[str, Any]:
     return {
+        "apiVersion": "v1",
+        "kind": "Pod",
         "metadata": {
             "name": f"{SET}-{role}-0-a{attempt}",
             "namespace": NS,
@@ -89,10 +98,10 @@ async def test_pods_of_an_unfinished_recovery_are_not_adopted_when_its_record_is
     """Attempt 1 lost a pod; the recovery created the pods of attempt 2 and was restoring into
     them when `status.recovery` was removed. Old code wrote `attempt: 2, createdAttempt: 2`
     from those pods: the set went Ready without a restore."""
-    fake = SetWithPods(rollout_set({"attempt": 1, "createdAttempt": 1}), pod_attempt=2)
-    repaired = await repair_set_attempt(fake.as_kube(), NS, SET)
+    cluster = set_with_pods(rollout_set({"attempt": 1, "createdAttempt": 1}), pod_attempt=2)
+    repaired = await repair_set_attempt(cluster.kube(), NS, SET)
 
-    status = fake.set["status"]
+    status = set_status(cluster)
     assert status["attempt"] == 1, status
     assert status["createdAttempt"] == 1, status
     recovery = status.get("recovery")
@@ -116,10 +125,10 @@ async def test_a_finished_recoverys_attempt_written_back_by_hand_is_still_repair
     """The recovery to attempt 2 finished (lastRecovery says so); `attempt` and `createdAttempt`
     were then written back to 1 by hand: the pods are adopted, no recovery starts."""
     status = {"attempt": 1, "createdAttempt": 1, "lastRecovery": LAST_RECOVERY}
-    fake = SetWithPods(rollout_set(status), pod_attempt=2)
-    repaired = await repair_set_attempt(fake.as_kube(), NS, SET)
+    cluster = set_with_pods(rollout_set(status), pod_attempt=2)
+    repaired = await repair_set_attempt(cluster.kube(), NS, SET)
 
-    written = fake.set["status"]
+    written = set_status(cluster)
     assert written["attempt"] == 2, written
     assert written["createdAttempt"] == 2, written
     assert "recovery" not in written
@@ -130,10 +139,10 @@ async def test_a_finished_recoverys_attempt_written_back_by_hand_is_still_repair
 async def test_an_attempt_written_above_the_running_pods_is_written_back() -> None:
     """The sibling the repair was built for: pods run attempt 2 (brought up completely), status
     says 3; written back to 2, no recovery."""
-    fake = SetWithPods(rollout_set({"attempt": 3, "createdAttempt": 2}), pod_attempt=2)
-    repaired = await repair_set_attempt(fake.as_kube(), NS, SET)
+    cluster = set_with_pods(rollout_set({"attempt": 3, "createdAttempt": 2}), pod_attempt=2)
+    repaired = await repair_set_attempt(cluster.kube(), NS, SET)
 
-    written = fake.set["status"]
+    written = set_status(cluster)
     assert written["attempt"] == 2, written
     assert "recovery" not in written
     assert repaired is not None

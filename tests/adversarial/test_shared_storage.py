@@ -16,8 +16,9 @@ from pydantic import ValidationError
 from rollout_operator.cluster.storage import StorageLocator
 from rollout_operator.flows.policypass import checkpoint_deleted, set_deleted
 from rollout_operator.model import api
+from rollout_operator.model.api import ROLLOUT_CHECKPOINT_PLURAL
 from rollout_protocol import ControlPlane
-from shared import SetApi, checkpoint, pod_settings, post, serve, set_object
+from shared import checkpoint, pod_settings, post, serve, set_cluster, set_object
 
 LOCATOR = StorageLocator(None)
 """The operator sees a hostPath volume at its own path (as on devcluster)."""
@@ -45,8 +46,10 @@ async def test_same_set_name_in_two_namespaces_keeps_each_sets_records(tmp_path:
         async with serve(plane) as client:
             await checkpoint(client, "c1")
 
-    fake_b = SetApi(team_b, ["c1"])
-    await checkpoint_deleted(fake_b.as_kube(), fake_b.checkpoints["c1"], locator=LOCATOR)
+    cluster_b = set_cluster(team_b, ["c1"])
+    c1 = cluster_b.get(ROLLOUT_CHECKPOINT_PLURAL, "team-b", "c1")
+    assert c1 is not None
+    await checkpoint_deleted(cluster_b.kube(), c1, locator=LOCATOR)
 
     assert await _restored(team_a, root, "c1") == ["a1", "a2"]
 
@@ -63,7 +66,7 @@ async def test_deleting_a_set_that_never_ran_keeps_what_others_put_on_the_volume
     (theirs / "datasets" / "train.jsonl").write_text("{}\n")
     obj = set_object("team-a", "0b9e1f7c-aaaa-4c1e-9d55-000000000001", root)
 
-    outcome = await set_deleted(SetApi(obj).as_kube(), obj, locator=LOCATOR)
+    outcome = await set_deleted(set_cluster(obj).kube(), obj, locator=LOCATOR)
 
     assert (theirs / "notes.txt").read_text() == "not the operator's\n", outcome
     assert (theirs / "datasets" / "train.jsonl").is_file(), outcome
@@ -85,7 +88,7 @@ async def test_deleting_a_set_keeps_files_that_are_not_its_records(tmp_path: Pat
     (instance_dir / "added-by-a-person.txt").write_text("mine\n")
     (instance_dir.parent / "link-out").symlink_to(elsewhere)
 
-    await set_deleted(SetApi(obj).as_kube(), obj, locator=LOCATOR)
+    await set_deleted(set_cluster(obj).kube(), obj, locator=LOCATOR)
 
     assert (instance_dir / "added-by-a-person.txt").read_text() == "mine\n"
     assert not (instance_dir / "manifest.json").exists(), "its own records go"
@@ -109,9 +112,13 @@ async def test_a_symlinked_set_folder_does_not_lead_cleanup_into_another_set(
     set_b.parent.mkdir(parents=True)
     set_b.symlink_to(set_a)
 
-    fake_b = SetApi(team_b, ["c1"])
-    await checkpoint_deleted(fake_b.as_kube(), fake_b.checkpoints.pop("c1"), locator=LOCATOR)
-    await set_deleted(fake_b.as_kube(), team_b, locator=LOCATOR)
+    cluster_b = set_cluster(team_b, ["c1"])
+    kube_b = cluster_b.kube()
+    c1 = cluster_b.get(ROLLOUT_CHECKPOINT_PLURAL, "team-b", "c1")
+    assert c1 is not None
+    await checkpoint_deleted(kube_b, c1, locator=LOCATOR)
+    cluster_b.remove(ROLLOUT_CHECKPOINT_PLURAL, "team-b", "c1")  # its finalizer is done
+    await set_deleted(kube_b, team_b, locator=LOCATOR)
 
     assert await _restored(team_a, root, "c1") == ["a1"]
 

@@ -3,22 +3,23 @@ set's status (`recovery.checkpoint`, `latestCheckpoint`, `activeCheckpoint`) is 
 the checkpoints before it is acted on, since anyone with `patch` on the status subresource can
 write it.
 
-The flows run for real; the API below them is `kube_fakes.InMemorySet` (status writes keep the
-resourceVersion precondition) holding the set and its checkpoints, and those of another set in
-the same namespace. The e2e cases of the same class are in test_status_and_size_api.py.
+The flows and the `Kube` client run for real; the API server below them is the unit tests'
+`testsupport.fakecluster.FakeCluster` (status writes keep the resourceVersion precondition)
+holding the set and its checkpoints, and those of another set in the same namespace. The e2e
+cases of the same class are in test_status_and_size_api.py.
 """
 
 from __future__ import annotations
 
-import copy
-from typing import Any, cast
+from collections.abc import Sequence
+from typing import Any
 
-from kube_fakes import InMemorySet
-from rollout_operator.cluster.kube import Kube
 from rollout_operator.cluster.leases import CheckpointLeases, holder_of, lease_name
 from rollout_operator.flows.checkpoint import CheckpointFlow
 from rollout_operator.flows.recovery import RecoveryFlow
 from rollout_operator.model import api
+from rollout_operator.model.api import ROLLOUT_CHECKPOINT_PLURAL, ROLLOUT_SET_PLURAL
+from testsupport.fakecluster import FakeCluster
 
 NS = "team"
 SET = "math"
@@ -58,6 +59,27 @@ def _checkpoint(name: str, phase: str, *, of: str = SET, minute: int = 0) -> dic
     }
 
 
+def holding(obj: dict[str, Any], checkpoints: Sequence[dict[str, Any]]) -> FakeCluster:
+    """An API server holding the set and these checkpoints."""
+    cluster = FakeCluster()
+    for each in (obj, *checkpoints):
+        cluster.put(each)
+    return cluster
+
+
+def stored(cluster: FakeCluster, plural: str, name: str) -> dict[str, Any]:
+    found = cluster.get(plural, NS, name)
+    assert found is not None, f"{plural} {name} is gone"
+    return found
+
+
+def set_phase(cluster: FakeCluster, checkpoint: str, phase: str) -> None:
+    """The checkpoint's own flow writes its phase."""
+    cluster.update(
+        ROLLOUT_CHECKPOINT_PLURAL, NS, checkpoint, lambda c: c["status"].update(phase=phase)
+    )
+
+
 class Events:
     def __init__(self) -> None:
         self.posted: list[tuple[str, str]] = []
@@ -86,7 +108,7 @@ async def test_a_recovery_never_restores_another_sets_checkpoint_written_into_it
     would fail (its records are not under this set's folder) and mark the other set's
     checkpoint invalid. The recovery restores its own newest Ready checkpoint instead."""
     theirs = _checkpoint("theirs", "Ready", of="other", minute=9)
-    api_ = InMemorySet(
+    cluster = holding(
         _recovering("theirs"),
         [
             _checkpoint("mine-old", "Ready", minute=1),
@@ -94,13 +116,14 @@ async def test_a_recovery_never_restores_another_sets_checkpoint_written_into_it
             theirs,
         ],
     )
+    kube = cluster.kube()
     events = Events()
-    flow = RecoveryFlow(cast(Kube, api_), on_transition=events)
-    rset = api.RolloutSet.model_validate(await api_.get_set(NS, SET))
+    flow = RecoveryFlow(kube, on_transition=events)
+    rset = api.RolloutSet.model_validate(await kube.get_set(NS, SET))
     repaired = await flow._still_restorable(rset)
     assert repaired.status.recovery is not None
     assert repaired.status.recovery.checkpoint == "mine"
-    assert api_.set["status"]["recovery"]["checkpoint"] == "mine"
+    assert stored(cluster, ROLLOUT_SET_PLURAL, SET)["status"]["recovery"]["checkpoint"] == "mine"
     assert [reason for reason, _ in events.posted] == ["StatusRepaired"]
     assert "'theirs'" in events.posted[0][1]
 
@@ -109,19 +132,20 @@ async def test_a_restore_failure_never_marks_another_sets_checkpoint_invalid() -
     """The class-9 verdict (Ready=False, RecordsInvalid) is written only on a checkpoint of
     the recovering set, whatever name status held."""
     theirs = _checkpoint("theirs", "Ready", of="other")
-    api_ = InMemorySet(_recovering("theirs"), [theirs])
-    before = copy.deepcopy(theirs)
-    flow = RecoveryFlow(cast(Kube, api_))
-    rset = api.RolloutSet.model_validate(await api_.get_set(NS, SET))
+    cluster = holding(_recovering("theirs"), [theirs])
+    before = stored(cluster, ROLLOUT_CHECKPOINT_PLURAL, "theirs")
+    kube = cluster.kube()
+    flow = RecoveryFlow(kube)
+    rset = api.RolloutSet.model_validate(await kube.get_set(NS, SET))
     await flow._invalidate(rset, "theirs", "sha256 mismatch")
-    assert api_.checkpoints["theirs"] == before
+    assert stored(cluster, ROLLOUT_CHECKPOINT_PLURAL, "theirs") == before
 
 
 async def test_a_recovery_restores_the_newest_ready_checkpoint_not_a_written_latest() -> None:
     """`status.latestCheckpoint` written back to an older checkpoint (or to none) does not
     decide what a recovery restores: its newest Ready checkpoint does."""
     for written in ("mine-old", None, "theirs"):
-        api_ = InMemorySet(
+        cluster = holding(
             _set({"latestCheckpoint": written}),
             [
                 _checkpoint("mine-old", "Ready", minute=1),
@@ -130,8 +154,9 @@ async def test_a_recovery_restores_the_newest_ready_checkpoint_not_a_written_lat
                 _checkpoint("theirs", "Ready", of="other", minute=9),
             ],
         )
-        flow = RecoveryFlow(cast(Kube, api_))
-        rset = api.RolloutSet.model_validate(await api_.get_set(NS, SET))
+        kube = cluster.kube()
+        flow = RecoveryFlow(kube)
+        rset = api.RolloutSet.model_validate(await kube.get_set(NS, SET))
         assert await flow._restorable_checkpoint(rset) == "mine", written
 
 
@@ -150,20 +175,22 @@ async def test_a_cleared_active_checkpoint_does_not_start_a_second_checkpoint() 
             ],
         }
     )
-    api_ = InMemorySet(
+    cluster = holding(
         ready_set, [_checkpoint("running", "Pending"), _checkpoint("next", "Pending")]
     )
-    leases = CheckpointLeases(cast(Kube, api_))
-    rset = api.RolloutSet.model_validate(await api_.get_set(NS, SET))
+    kube = cluster.kube()
+    leases = CheckpointLeases(kube)
+    rset = api.RolloutSet.model_validate(await kube.get_set(NS, SET))
     assert await leases.take(rset, "running", 600) is None
-    api_.checkpoints["running"]["status"]["phase"] = "Preparing"
-    api_.set["status"].pop("activeCheckpoint", None)
-    rset = api.RolloutSet.model_validate(await api_.get_set(NS, SET))
-    flow = CheckpointFlow(cast(Kube, api_))
+    set_phase(cluster, "running", "Preparing")
+    # a user clears `activeCheckpoint` (`kubectl patch --subresource=status`)
+    cluster.update(ROLLOUT_SET_PLURAL, NS, SET, lambda s: s["status"].pop("activeCheckpoint", None))
+    rset = api.RolloutSet.model_validate(await kube.get_set(NS, SET))
+    flow = CheckpointFlow(kube)
     assert flow._why_wait(rset) is None, "the set itself lets a checkpoint start"
-    assert await CheckpointLeases(cast(Kube, api_)).take(rset, "next", 600) == "running"
-    assert holder_of(api_.leases[lease_name(SET)]) == "running"
+    assert await CheckpointLeases(kube).take(rset, "next", 600) == "running"
+    assert holder_of(stored(cluster, "leases", lease_name(SET))) == "running"
     # with nothing running, `next` takes the slot over (one compare-and-swap)
-    api_.checkpoints["running"]["status"]["phase"] = "Ready"
-    assert await CheckpointLeases(cast(Kube, api_)).take(rset, "next", 600) is None
-    assert holder_of(api_.leases[lease_name(SET)]) == "next"
+    set_phase(cluster, "running", "Ready")
+    assert await CheckpointLeases(kube).take(rset, "next", 600) is None
+    assert holder_of(stored(cluster, "leases", lease_name(SET))) == "next"

@@ -1,26 +1,26 @@
 """An Eviction checkpoint's prepare deadline, through the checkpoint flow: what the participants
 are given, what the checkpoint's status shows, and the failure when no grace is left.
 
-The API is an in-memory fake of the calls the flow makes; the participant is a client that
-journals each prepare's deadline and answers "not ready" (one episode not parked), so every run
-ends quickly in PrepareTimeout with the deadline the participant saw on record.
+The flow and the `Kube` client run for real over the unit tests' fake API server
+(`testsupport.fakecluster`); the participant is a client that journals each prepare's deadline
+and answers "not ready" (one episode not parked), so every run ends quickly in PrepareTimeout
+with the deadline the participant saw on record.
 """
 
 from __future__ import annotations
 
 import base64
-import copy
 import time
 from datetime import UTC, datetime
 from typing import Any, cast
 
 import pytest
-from kube_fakes import InMemorySet
 from rollout_operator.cluster.leases import holder_of, lease_name
 from rollout_operator.decide.policy import EVICTION_COMMIT_MARGIN_SECONDS, parse_time
 from rollout_operator.decide.resources import TOKEN_KEY, secret_name
 from rollout_operator.flows.checkpoint import CheckpointFlow, Reason
 from rollout_operator.model import api
+from rollout_operator.model.api import ROLLOUT_CHECKPOINT_PLURAL, ROLLOUT_SET_PLURAL
 from rollout_protocol import (
     EpisodeId,
     HttpParticipantClient,
@@ -31,6 +31,7 @@ from rollout_protocol import (
     ResumeRequest,
     Role,
 )
+from testsupport.fakecluster import FakeCluster
 
 NS = "team"
 SET = "math"
@@ -42,12 +43,11 @@ def whole_seconds(ts: float) -> datetime:
     return datetime.fromtimestamp(int(ts), UTC)
 
 
-class FakeApi(InMemorySet):
-    """The set, its pods, its token Secret and one checkpoint; status writes applied."""
-
-    def __init__(self, trigger: str, pods: list[dict[str, Any]]) -> None:
-        self.pods = pods
-        rset: dict[str, Any] = {
+def set_cluster(trigger: str, pods: list[dict[str, Any]]) -> FakeCluster:
+    """An API server holding the set, its pods, its token Secret and one checkpoint."""
+    cluster = FakeCluster()
+    cluster.put(
+        {
             "apiVersion": api.API_VERSION,
             "kind": "RolloutSet",
             "metadata": {"name": SET, "namespace": NS, "uid": "u", "generation": 1},
@@ -83,43 +83,48 @@ class FakeApi(InMemorySet):
                 ],
             },
         }
-        super().__init__(rset)
-        self.checkpoint: dict[str, Any] = {
+    )
+    cluster.put(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": secret_name(SET), "namespace": NS},
+            "data": {TOKEN_KEY: base64.b64encode(b"token").decode()},
+        }
+    )
+    for pod in pods:
+        cluster.put(pod)
+    cluster.put(
+        {
             "apiVersion": api.API_VERSION,
             "kind": "RolloutCheckpoint",
             "metadata": {"name": CKPT, "namespace": NS, "generation": 1},
             "spec": {"rolloutSet": SET, "trigger": trigger},
             "status": {},
         }
+    )
+    return cluster
 
-    async def get_secret(
-        self, namespace: str, name: str, *, remembered: bool = False
-    ) -> dict[str, Any] | None:
-        assert name == secret_name(SET)
-        return {"data": {TOKEN_KEY: base64.b64encode(b"token").decode()}}
 
-    async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
-        return copy.deepcopy(self.pods)
+def checkpoint_status(cluster: FakeCluster) -> dict[str, Any]:
+    ckpt = cluster.get(ROLLOUT_CHECKPOINT_PLURAL, NS, CKPT)
+    assert ckpt is not None, f"checkpoint {CKPT} is gone"
+    status: dict[str, Any] = ckpt.get("status") or {}
+    return status
 
-    async def get_checkpoint(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return copy.deepcopy(self.checkpoint) if name == CKPT else None
 
-    async def patch_checkpoint_status(
-        self, namespace: str, name: str, status: dict[str, Any]
-    ) -> dict[str, Any]:
-        assert name == CKPT
-        self.checkpoint["status"].update(copy.deepcopy(status))
-        return copy.deepcopy(self.checkpoint)
+def condition(cluster: FakeCluster, type_: str) -> dict[str, Any]:
+    conditions = checkpoint_status(cluster)["conditions"]
+    found: dict[str, Any] = next(c for c in conditions if c["type"] == type_)
+    return found
 
-    def condition(self, type_: str) -> dict[str, Any]:
-        conditions = self.checkpoint["status"]["conditions"]
-        found: dict[str, Any] = next(c for c in conditions if c["type"] == type_)
-        return found
 
-    def mark_ready(self) -> None:
-        """The set and its participant Ready, as the reconciler writes them."""
-        self.set["status"]["participants"][0]["ready"] = True
-        self.set["status"]["conditions"] = [
+def mark_ready(cluster: FakeCluster) -> None:
+    """The set and its participant Ready, as the reconciler writes them."""
+
+    def ready(obj: dict[str, Any]) -> None:
+        obj["status"]["participants"][0]["ready"] = True
+        obj["status"]["conditions"] = [
             {
                 "type": "Ready",
                 "status": "True",
@@ -127,6 +132,19 @@ class FakeApi(InMemorySet):
                 "lastTransitionTime": api.format_time(datetime.now(UTC)),
             }
         ]
+
+    cluster.update(ROLLOUT_SET_PLURAL, NS, SET, ready)
+
+
+def kept_to_its_own(cluster: FakeCluster) -> None:
+    """The flow read only the set's token Secret and wrote only its own checkpoint's status."""
+    assert {r.name for r in cluster.requests if r.plural == "secrets"} <= {secret_name(SET)}
+    written = {
+        r.name
+        for r in cluster.requests
+        if r.plural == ROLLOUT_CHECKPOINT_PLURAL and r.verb != "get"
+    }
+    assert written <= {CKPT}
 
 
 class NotParking:
@@ -159,6 +177,8 @@ class NotParking:
 
 def evicted_pod(killed_at: datetime, grace: int = 30) -> dict[str, Any]:
     return {
+        "apiVersion": "v1",
+        "kind": "Pod",
         "metadata": {
             "name": "math-model-0-a3",
             "namespace": NS,
@@ -170,26 +190,27 @@ def evicted_pod(killed_at: datetime, grace: int = 30) -> dict[str, Any]:
     }
 
 
-async def run_flow(fake: FakeApi, participant: NotParking) -> None:
+async def run_flow(cluster: FakeCluster, participant: NotParking) -> None:
     def participants(rset: api.RolloutSet, token: str) -> list[HttpParticipantClient]:
         return [cast(HttpParticipantClient, participant)]
 
-    flow = CheckpointFlow(fake.as_kube(), participants_factory=participants)
+    flow = CheckpointFlow(cluster.kube(), participants_factory=participants)
     phase = await flow.run(NS, CKPT)
     assert phase is api.CheckpointPhase.FAILED
+    kept_to_its_own(cluster)
 
 
 async def test_the_evicted_pods_grace_period_bounds_the_prepare() -> None:
     killed_at = whole_seconds(time.time() + 30)
-    fake = FakeApi("Eviction", [evicted_pod(killed_at)])
+    cluster = set_cluster("Eviction", [evicted_pod(killed_at)])
     participant = NotParking()
-    await run_flow(fake, participant)
+    await run_flow(cluster, participant)
 
     expected = killed_at.timestamp() - EVICTION_COMMIT_MARGIN_SECONDS
     assert participant.prepare_deadlines == [pytest.approx(expected)]
-    status = fake.checkpoint["status"]
+    status = checkpoint_status(cluster)
     assert parse_time(status["deadline"]) == whole_seconds(expected)
-    failed = fake.condition("Failed")
+    failed = condition(cluster, "Failed")
     assert failed["reason"] == Reason.NOT_PARKED
     assert f"pod math-model-0-a3 is killed at {api.format_time(killed_at)}" in failed["message"]
     assert "terminationGracePeriodSeconds" in failed["message"]
@@ -197,22 +218,22 @@ async def test_the_evicted_pods_grace_period_bounds_the_prepare() -> None:
 
 
 async def test_a_shorter_prepare_timeout_still_applies_to_an_eviction() -> None:
-    fake = FakeApi("Eviction", [evicted_pod(whole_seconds(time.time() + 3600), grace=3600)])
+    cluster = set_cluster("Eviction", [evicted_pod(whole_seconds(time.time() + 3600), grace=3600)])
     participant = NotParking()
     before = time.time()
-    await run_flow(fake, participant)
+    await run_flow(cluster, participant)
 
     (deadline,) = participant.prepare_deadlines
     assert before + PREPARE_TIMEOUT <= deadline <= time.time() + PREPARE_TIMEOUT
-    assert "is killed at" not in fake.condition("Failed")["message"]
+    assert "is killed at" not in condition(cluster, "Failed")["message"]
 
 
 async def test_other_triggers_keep_the_prepare_timeout_while_a_pod_terminates() -> None:
-    fake = FakeApi("Manual", [evicted_pod(whole_seconds(time.time() + 30))])
-    fake.mark_ready()
+    cluster = set_cluster("Manual", [evicted_pod(whole_seconds(time.time() + 30))])
+    mark_ready(cluster)
     participant = NotParking()
     before = time.time()
-    await run_flow(fake, participant)
+    await run_flow(cluster, participant)
     (deadline,) = participant.prepare_deadlines
     assert deadline >= before + PREPARE_TIMEOUT
 
@@ -220,15 +241,16 @@ async def test_other_triggers_keep_the_prepare_timeout_while_a_pod_terminates() 
 async def test_no_grace_left_fails_the_checkpoint_without_a_prepare() -> None:
     # Killed within the commit margin: nothing could be committed before the kill.
     killed_at = whole_seconds(time.time() + 1)
-    fake = FakeApi("Eviction", [evicted_pod(killed_at, grace=3)])
+    cluster = set_cluster("Eviction", [evicted_pod(killed_at, grace=3)])
     participant = NotParking()
-    await run_flow(fake, participant)
+    await run_flow(cluster, participant)
 
     assert participant.prepare_deadlines == []
-    failed = fake.condition("Failed")
+    failed = condition(cluster, "Failed")
     assert failed["status"] == "True"
     assert failed["reason"] == Reason.GRACE_PERIOD_TOO_SHORT == "GracePeriodTooShort"
     assert "math-model-0-a3" in failed["message"]
     assert "terminationGracePeriodSeconds" in failed["message"]
-    lease = fake.leases[lease_name(SET)]  # the set's slot was taken...
+    lease = cluster.get("leases", NS, lease_name(SET))  # the set's slot was taken...
+    assert lease is not None
     assert holder_of(lease) is None  # ...and released

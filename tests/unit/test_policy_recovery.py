@@ -8,13 +8,13 @@ from datetime import UTC, datetime
 from typing import Any, cast
 
 import pytest
-from kube_fakes import InMemorySet
 from rollout_operator.cluster.kube import Kube
 from rollout_operator.decide.policy import RESUMED_REASON
 from rollout_operator.decide.setplan import PodView, Reason, plan_attempt, set_conditions
 from rollout_operator.flows.recovery import Reason as RecoveryReason
 from rollout_operator.flows.recovery import RecoveryFlow, detect_loss
 from rollout_operator.model import api
+from rollout_operator.model.api import ROLLOUT_SET_PLURAL
 from rollout_protocol import (
     Coordinator,
     HttpParticipantClient,
@@ -23,6 +23,7 @@ from rollout_protocol import (
     ResumeRequest,
     Role,
 )
+from testsupport.fakecluster import FakeCluster
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 
@@ -93,10 +94,6 @@ def test_a_set_suspended_by_its_deadline_is_not_degraded() -> None:
 
 
 # --- restarts -----------------------------------------------------------------------------------
-
-
-class SetApi(InMemorySet):
-    """The one set, its status patches applied (with the resourceVersion precondition)."""
 
 
 class Resumable:
@@ -170,11 +167,14 @@ def set_in_last_recovery_step(reason: str) -> dict[str, Any]:
     ids=["resume", "pod-deleted", "pod-failed", "node-lost"],
 )
 async def test_a_resume_is_not_a_restart_but_a_loss_is(reason: str, restarts: int) -> None:
-    api_ = SetApi(set_in_last_recovery_step(reason))
+    cluster = FakeCluster()  # the one set; status patches keep the resourceVersion precondition
+    cluster.put(set_in_last_recovery_step(reason))
     participant = Resumable()
-    await ResumingFlow(cast(Kube, api_), participant).run("ns", "rl")
+    await ResumingFlow(cluster.kube(), participant).run("ns", "rl")
 
-    status = api_.set["status"]
+    written = cluster.get(ROLLOUT_SET_PLURAL, "ns", "rl")
+    assert written is not None
+    status = written["status"]
     assert participant.resumed == ["rl-suspend-a2"]
     assert "recovery" not in status
     assert status["restarts"] == restarts
