@@ -5,8 +5,9 @@ client (`Kube`) sends every request through, so a unit test runs the operator's 
 its real cache and its real flows, and fakes only the API server below them. What it keeps of
 the API server's behaviour is what the operator relies on:
 
-- objects by kind, namespace and name, with a `uid`, a `creationTimestamp` and a
-  `resourceVersion` from one counter that every write advances;
+- objects by kind, namespace and name, with a `uid`, a `creationTimestamp` (from `clock`, the
+  API server's own clock: a test that runs the flows at a fixed time gives the cluster the
+  same one) and a `resourceVersion` from one counter that every write advances;
 - create (409 when the name is taken), get and delete (404 when absent), list with equality
   label selectors and field selectors (`spec.rolloutSet=NAME`, `metadata.name=NAME`; with
   `field_selectors=False` it refuses them with 400, as API servers before 1.31 did);
@@ -111,6 +112,8 @@ class FakeCluster:
     """The API server and its watches, in memory (see the module doc)."""
 
     field_selectors: bool = True
+    clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
+    """The API server's clock: what `creationTimestamp` says of an object created or put."""
     requests: list[Request] = field(default_factory=list)
     objects: dict[tuple[str, str | None, str], dict[str, Any]] = field(default_factory=dict)
     """(plural, namespace, name) -> the stored object (change it only through `update`)."""
@@ -185,7 +188,7 @@ class FakeCluster:
         old = self.objects.get(key)
         stored_meta = stored.setdefault("metadata", {})
         stored_meta.setdefault("uid", (old or {}).get("metadata", {}).get("uid") or _uid())
-        stored_meta.setdefault("creationTimestamp", _now())
+        stored_meta.setdefault("creationTimestamp", self._now())
         if namespace is not None:
             stored_meta["namespace"] = namespace
         return self._store(key, stored)
@@ -215,6 +218,9 @@ class FakeCluster:
         ]
 
     # --- the API server ---------------------------------------------------------------------------
+
+    def _now(self) -> str:
+        return self.clock().astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
     def _serve(self, request: Request) -> dict[str, Any]:
         plural, namespace, name = request.plural, request.namespace, request.name
@@ -264,7 +270,7 @@ class FakeCluster:
         key = (plural, namespace, str(name))
         if key in self.objects:
             raise _error(409, f'{plural} "{name}" already exists')
-        meta.update(uid=_uid(), creationTimestamp=_now())
+        meta.update(uid=_uid(), creationTimestamp=self._now())
         if namespace is not None:
             meta["namespace"] = namespace
         if plural in WITH_STATUS:
@@ -380,10 +386,6 @@ def _error(status: int, message: str) -> ApiError:
 
 def _uid() -> str:
     return str(uuid.uuid4())
-
-
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 __all__ = ["FakeCluster", "FakeIndex", "Request"]
