@@ -63,14 +63,9 @@ from devcluster.cluster import Cluster
 from devcluster.config import NodeSpec
 from devcluster.kube import open_api
 from harness.apiaccounting import OTHER, VERBS, Accounting, admin_http, difference, usage
-from harness.demo import (
-    OperatorProcess,
-    _sigterm_as_interrupt,
-    apply_crds,
-    create_namespace,
-    is_true,
-)
 from harness.fleet import fleet_checkpoint, fleet_set
+from harness.objects import apply_crds, create_namespace, is_true
+from harness.operatorprocess import OperatorProcess, sigterm_as_interrupt
 
 REPO: Final = Path(__file__).resolve().parents[1]
 NAMESPACE: Final = "bench"
@@ -526,7 +521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     wall = time.monotonic()
     all_series: list[Series] = []
-    with _sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="bench-ckpt-req-") as tmp:
+    with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="bench-ckpt-req-") as tmp:
         work = Path(tmp)
         variants: list[Variant] = []
         baseline: Path | None = None

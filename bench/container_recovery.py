@@ -28,7 +28,9 @@ import anyio
 
 from devcluster.cluster import Cluster
 from devcluster.image import ProjectImage, build_project_image
-from harness.demo import RECOVERY_STEPS, Scenario, ScenarioReport, apply_crds, run_scenario
+from harness.demo import Scenario, ScenarioReport, run_scenario
+from harness.measures import RECOVERY_STEPS
+from harness.objects import apply_crds
 
 
 def _say(message: str) -> None:

@@ -46,7 +46,8 @@ from rollout_operator.model import api
 
 from devcluster.cluster import Cluster
 from devcluster.kube import open_api
-from harness.demo import OperatorProcess, apply_crds, create_namespace, kubectl_apply
+from harness.objects import apply_crds, create_namespace, kubectl_apply
+from harness.operatorprocess import OperatorProcess
 
 REPO = Path(__file__).resolve().parents[1]
 PARTICIPANT = REPO / "tests" / "e2e" / "policy_participant.py"

@@ -65,8 +65,9 @@ from devcluster.cluster import Cluster
 from devcluster.config import NodeSpec
 from devcluster.kube import open_api
 from harness.apiaccounting import Accounting, Usage, by_verb, usage
-from harness.demo import OperatorProcess, _sigterm_as_interrupt, apply_crds, create_namespace
 from harness.fleet import fleet_checkpoint, fleet_set
+from harness.objects import apply_crds, create_namespace
+from harness.operatorprocess import OperatorProcess, sigterm_as_interrupt
 
 NAMESPACE: Final = "fleet"
 OPERATOR_SA: Final = "rollout-operator"
@@ -798,7 +799,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for i in range(max(1, math.ceil(pods / PODS_PER_NODE)))
     ]
     wall = time.monotonic()
-    with _sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
+    with sigterm_as_interrupt(), tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
         work = Path(tmp)
         say(f"devcluster with {len(nodes)} nodes of {PODS_PER_NODE} pods")
         report = Report(sets=args.sets, pods=pods)

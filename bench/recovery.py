@@ -13,7 +13,7 @@ Prints a table (no assertions): steps redone, model tokens generated again and t
 seconds they cost, wall time until every episode finished, and the ratio a/b; then the
 recovery timeline of both runs. The target is steps redone (a) at most 5% of (b)'s.
 
-How "redone" is counted (see `harness.demo.measure_redone`): every episode step has a
+How "redone" is counted (see `harness.measures.measure_redone`): every episode step has a
 unique name (`seed`, `invoke_agent`, `verify` on the environment, `model@<turn>` and
 `tool@<turn>` on the agent), so each completion of a name beyond the first is a step done
 again. Tokens generated again are the tokens a request had generated before the loss that the
@@ -44,13 +44,9 @@ from pathlib import Path
 import anyio
 
 from devcluster.cluster import Cluster
-from harness.demo import (
-    RECOVERY_STEPS,
-    Scenario,
-    ScenarioReport,
-    apply_crds,
-    run_scenario,
-)
+from harness.demo import Scenario, ScenarioReport, run_scenario
+from harness.measures import RECOVERY_STEPS
+from harness.objects import apply_crds
 
 
 def _ratio(a: float, b: float) -> str:

@@ -12,7 +12,7 @@ from shared import set_object
 from test_shared_storage import BAD_PATHS
 
 from devcluster.cluster import Cluster
-from harness.demo import apply_crds
+from harness.objects import apply_crds
 
 pytestmark = pytest.mark.e2e
 

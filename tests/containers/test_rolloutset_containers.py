@@ -34,7 +34,7 @@ from container_support import (
 
 from devcluster.image import ProjectImage
 from devcluster.waiting import wait_for_sync
-from harness.demo import example_checkpoint, example_set
+from harness.objects import example_checkpoint, example_set
 from harness.providers import ContainerClusterProvider
 
 pytestmark = pytest.mark.timeout(1200)

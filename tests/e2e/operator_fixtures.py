@@ -38,11 +38,10 @@ from rollout_servers.client import EpisodeFailed, EpisodeResult, EpisodeSpec, Ro
 from devcluster.cluster import Cluster
 from devcluster.kube import open_api
 from devcluster.waiting import wait_for
-from harness.demo import (
-    OperatorProcess,
+from harness.measures import checkpoint_records
+from harness.objects import (
     Resources,
     apply_crds,
-    checkpoint_records,
     condition,
     create_namespace,
     example_checkpoint,
@@ -52,6 +51,7 @@ from harness.demo import (
     participants_by_role,
     phase_is,
 )
+from harness.operatorprocess import OperatorProcess
 
 __all__ = [
     "Debug",

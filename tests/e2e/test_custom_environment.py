@@ -36,7 +36,8 @@ from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, 
 from rollout_servers.discovery import rollout_set_topology
 
 from devcluster.cluster import Cluster
-from harness.demo import checkpoint_records, with_storage
+from harness.measures import checkpoint_records
+from harness.objects import with_storage
 
 __all__ = ["operator", "resources", "storage_dir"]
 

@@ -63,7 +63,8 @@ from rollout_servers.discovery import rollout_set_topology
 
 from devcluster.cluster import Cluster
 from devcluster.waiting import WaitTimeout, wait_for
-from harness.demo import checkpoint_records, free_port, generation_prefixes
+from harness.measures import checkpoint_records, generation_prefixes
+from harness.operatorprocess import free_port
 
 __all__ = ["resources", "storage_dir"]
 

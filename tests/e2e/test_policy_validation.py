@@ -11,7 +11,7 @@ from pydantic import BaseModel, ValidationError
 from rollout_operator.model import api
 
 from devcluster.cluster import Cluster
-from harness.demo import apply_crds
+from harness.objects import apply_crds
 
 
 def policy_set(policy: dict[str, Any], recovery: dict[str, Any] | None = None) -> dict[str, Any]:

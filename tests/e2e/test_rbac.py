@@ -47,7 +47,8 @@ from devcluster.paths import find_binaries
 from devcluster.testing import namespace_name, wait_for_sync
 from devcluster.waiting import WaitTimeout, wait_for
 from harness.apiaccounting import service_account_kubeconfig
-from harness.demo import OperatorProcess, with_storage
+from harness.objects import with_storage
+from harness.operatorprocess import OperatorProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "rollout-operator"

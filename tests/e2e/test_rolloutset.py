@@ -21,7 +21,7 @@ from rollout_operator.model import api, crdgen
 
 from devcluster.cluster import Cluster
 from devcluster.testing import WaitTimeout, wait_for, wait_for_sync
-from harness.demo import OperatorProcess
+from harness.operatorprocess import OperatorProcess
 
 CRDS = Path(__file__).resolve().parents[2] / "crds"
 

@@ -8,7 +8,7 @@ import httpx
 from rollout_protocol import Record
 from rollout_servers.client import EpisodeResult
 
-from harness.demo import StatsTracker, generation_prefixes, measure_redone, started_under
+from harness.measures import StatsTracker, generation_prefixes, measure_redone, started_under
 
 
 def steps(attempt: int, **completed: int) -> dict[str, Any]:
