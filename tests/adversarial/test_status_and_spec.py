@@ -31,7 +31,7 @@ from rollout_operator.model import api
 from rollout_operator.model.settings import MAX_DIFFBASE_FIELD_BYTES, compact_essence
 from rollout_protocol import ControlPlane
 from shared import checkpoint, pod_settings, serve, set_object
-from test_policy_ops import FakeApi, Run, rollout_set
+from test_policy_ops import Run, rollout_set, seeded
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 UID = "0b9e1f7c-aaaa-4c1e-9d55-000000000001"
@@ -182,7 +182,7 @@ async def test_an_invalid_trainer_step_is_logged_once_not_on_every_pass(
 ) -> None:
     body = rollout_set(tmp_path)
     body["metadata"]["annotations"] = {api.ANNOTATION_TRAINER_STEP: "step-twelve-once"}
-    run = Run(FakeApi(body), tmp_path)
+    run = Run(seeded(body), tmp_path)
     with caplog.at_level(logging.INFO, logger="rollout_operator.flows.policypass"):
         for _ in range(3):
             await run()
