@@ -32,11 +32,13 @@ from typing import Any
 
 import httpx
 
+# The engine helpers of the protocol tests, and the test support package they import.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "protocol"))
 
 from engine_support import LlamaServer, engine_binary, write_model
-from protocol_support import ServerProcess
 from rollout_protocol import Role
+from testsupport.server_processes import ServerProcess
 
 PROMPTS = ["the cat and the", "is it on the é", "an € for the", "日本 and the"]
 MAX_TOKENS = 64

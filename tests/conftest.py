@@ -15,6 +15,12 @@ The devcluster fixtures live here rather than in `e2e/conftest.py` because two f
 - `namespace`: a fresh namespace per test, with its `default` ServiceAccount in place (pods are
   refused before it exists); its pods are force-deleted and the namespace deleted afterwards.
   Set `ROLLOUT_E2E_KEEP_NAMESPACES=1` to keep them for debugging.
+
+Fixtures that more than one folder uses and that are not about the cluster itself are plugins in
+the `testsupport` package, registered here by `pytest_plugins` (pytest reads it only in this,
+the root conftest): `testsupport.operator_fixtures` (`operator`, `storage_dir`, `resources`, for
+`e2e/` and `adversarial/`). Shared helpers that are not fixtures are imported from `testsupport`
+modules; no test module imports another.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import pytest
 
 from devcluster.cluster import Cluster
 from devcluster.testing import e2e_cluster, namespace_name, wait_for_sync
+
+pytest_plugins = ["testsupport.operator_fixtures"]
 
 _MARK_BY_FOLDER = {
     "unit": pytest.mark.unit,

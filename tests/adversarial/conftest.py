@@ -8,15 +8,7 @@ an API server use the session `cluster` of `tests/conftest.py`; the others run w
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-# The in-process fake participant of the unit tests (`fakes`) serves here too.
-_UNIT = str(Path(__file__).resolve().parents[1] / "unit")
-if _UNIT not in sys.path:
-    sys.path.append(_UNIT)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
-"""Helpers of the adversarial tests: a participant's control plane served in process, and a set
+"""Helpers of the adversarial tests: a participant's control plane served in process, a set
 with its checkpoints on the unit tests' fake API server (`testsupport.fakecluster`) for the
-operator's finalizers."""
+operator's finalizers, and the storage paths that must be refused (`BAD_PATHS`)."""
 
 from __future__ import annotations
 
@@ -120,3 +120,22 @@ def ready_checkpoint(obj: dict[str, Any], name: str) -> dict[str, Any]:
             ],
         },
     }
+
+
+BAD_PATHS = {
+    "the root": "/",
+    "a trailing slash": "/checkpoints/",
+    "proc": "/proc",
+    "below sys": "/sys/fs/ckpt",
+    "dev": "/dev",
+    "etc": "/etc/rollout",
+    "usr": "/usr",
+    "below usr": "/usr/lib/ckpt",
+    "bin": "/bin",
+    "boot": "/boot",
+    "run": "/run/ckpt",
+    "var itself": "/var",
+    "tmp itself": "/tmp",
+}
+"""Storage paths that cannot be right, by case: refused by the models (test_shared_storage) and
+by the CRD's CEL rule (test_shared_storage_api)."""

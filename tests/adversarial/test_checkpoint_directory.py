@@ -23,10 +23,10 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from fakes import FakeParticipant
 from rollout_protocol import ControlPlane, ControlSettings, ErrorCode, Role
 from rollout_protocol import _storage as storage
 from shared import TOKEN, WAIT, checkpoint, deadline, post, serve
+from testsupport.participants import FakeParticipant
 
 SET = "demo"
 CKPT = "ck"

@@ -9,7 +9,6 @@ In-process cases use the control plane and servers through ASGI; the others run 
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -18,7 +17,6 @@ from typing import Any
 
 import httpx
 import pytest
-from fakes import FakeParticipant
 from fastapi import FastAPI
 from pydantic import BaseModel
 from rollout_protocol import (
@@ -31,14 +29,10 @@ from rollout_protocol import (
 )
 from rollout_servers.servers.common import ServerOptions
 from rollout_servers.servers.model import ModelServer
+from testsupport.participants import FakeParticipant
+from testsupport.server_processes import TOKEN, ServerProcess, server_env
 
 from devcluster.waiting import wait_for
-
-_PROTOCOL = str(Path(__file__).resolve().parents[1] / "protocol")
-if _PROTOCOL not in sys.path:
-    sys.path.append(_PROTOCOL)
-
-from protocol_support import TOKEN, ServerProcess, server_env  # noqa: E402
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 BIG = 50 * 1024 * 1024

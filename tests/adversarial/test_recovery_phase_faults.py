@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -43,12 +42,10 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-
-_E2E = str(Path(__file__).resolve().parents[1] / "e2e")
-if _E2E not in sys.path:
-    sys.path.append(_E2E)
-
-from operator_fixtures import (  # noqa: E402
+from rollout_operator.model import api
+from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
+from rollout_servers.discovery import rollout_set_topology
+from testsupport.operator_fixtures import (
     Debug,
     OperatorProcess,
     Resources,
@@ -59,25 +56,17 @@ from operator_fixtures import (  # noqa: E402
     example_set,
     freeze,
     is_true,
-    operator,
     participants_by_role,
     phase_is,
     phases,
     pod_pids,
-    resources,
-    storage_dir,
     thaw,
     wait_phase,
     wait_pod_ready,
 )
-from rollout_operator.model import api  # noqa: E402
-from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs  # noqa: E402
-from rollout_servers.discovery import rollout_set_topology  # noqa: E402
 
-from devcluster.cluster import Cluster  # noqa: E402
-from devcluster.waiting import wait_for  # noqa: E402
-
-__all__ = ["operator", "resources", "storage_dir"]
+from devcluster.cluster import Cluster
+from devcluster.waiting import wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.adversarial]
 

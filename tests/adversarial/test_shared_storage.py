@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fakes import FakeParticipant
 from pydantic import ValidationError
 from rollout_operator.cluster.storage import StorageLocator
 from rollout_operator.flows.policypass import checkpoint_deleted, set_deleted
 from rollout_operator.model import api
 from rollout_operator.model.api import ROLLOUT_CHECKPOINT_PLURAL
 from rollout_protocol import ControlPlane
-from shared import checkpoint, pod_settings, post, serve, set_cluster, set_object
+from shared import BAD_PATHS, checkpoint, pod_settings, post, serve, set_cluster, set_object
+from testsupport.participants import FakeParticipant
 
 LOCATOR = StorageLocator(None)
 """The operator sees a hostPath volume at its own path (as on devcluster)."""
@@ -121,23 +121,6 @@ async def test_a_symlinked_set_folder_does_not_lead_cleanup_into_another_set(
     await set_deleted(kube_b, team_b, locator=LOCATOR)
 
     assert await _restored(team_a, root, "c1") == ["a1"]
-
-
-BAD_PATHS = {
-    "the root": "/",
-    "a trailing slash": "/checkpoints/",
-    "proc": "/proc",
-    "below sys": "/sys/fs/ckpt",
-    "dev": "/dev",
-    "etc": "/etc/rollout",
-    "usr": "/usr",
-    "below usr": "/usr/lib/ckpt",
-    "bin": "/bin",
-    "boot": "/boot",
-    "run": "/run/ckpt",
-    "var itself": "/var",
-    "tmp itself": "/tmp",
-}
 
 
 @pytest.mark.parametrize("path", list(BAD_PATHS.values()), ids=list(BAD_PATHS))

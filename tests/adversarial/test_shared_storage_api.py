@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 from rollout_operator.model import api
-from shared import set_object
-from test_shared_storage import BAD_PATHS
+from shared import BAD_PATHS, set_object
 
 from devcluster.cluster import Cluster
 from harness.objects import apply_crds

@@ -13,17 +13,12 @@ replicas limit gets a clear condition and no pods.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-_E2E = str(Path(__file__).resolve().parents[1] / "e2e")
-if _E2E not in sys.path:
-    sys.path.append(_E2E)
-
-from operator_fixtures import (  # noqa: E402
+from rollout_operator.model import api
+from testsupport.operator_fixtures import (
     OperatorProcess,
     Resources,
     check_manifests,
@@ -31,18 +26,12 @@ from operator_fixtures import (  # noqa: E402
     example_checkpoint,
     example_set,
     is_true,
-    operator,
     phase_is,
-    resources,
     running_operator,
-    storage_dir,
 )
-from rollout_operator.model import api  # noqa: E402
 
-from devcluster.cluster import Cluster  # noqa: E402
-from devcluster.waiting import wait_for  # noqa: E402
-
-__all__ = ["operator", "resources", "storage_dir"]
+from devcluster.cluster import Cluster
+from devcluster.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 

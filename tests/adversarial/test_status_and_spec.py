@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 import yaml
-from fakes import FakeParticipant
 from pydantic import ValidationError
 from rollout_operator.decide.policy import checkpoint_views
 from rollout_operator.decide.resources import STORAGE_VOLUME_NAME, reserved_volume_notes
@@ -31,7 +30,8 @@ from rollout_operator.model import api
 from rollout_operator.model.settings import MAX_DIFFBASE_FIELD_BYTES, compact_essence
 from rollout_protocol import ControlPlane
 from shared import checkpoint, pod_settings, serve, set_object
-from test_policy_ops import Run, rollout_set, seeded
+from testsupport.participants import FakeParticipant
+from testsupport.policy import Run, rollout_set, seeded
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 UID = "0b9e1f7c-aaaa-4c1e-9d55-000000000001"

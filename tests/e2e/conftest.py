@@ -3,6 +3,11 @@
 - `cluster` (session) and `namespace`: in `tests/conftest.py`, shared with `tests/adversarial/`
   (one devcluster per session whichever folders run).
 - `kube`: a kubernetes_asyncio `ApiClient` for the cluster, closed after the test.
+- `crds` (module): the project's CRDs applied and Established, for the RBAC tests
+  (test_rbac.py, test_sharding.py; their helpers are in `rbac_support`). A module that defines
+  its own `crds` (test_policy_validation.py) uses that one instead.
+- `operator`, `storage_dir`, `resources`: in `testsupport.operator_fixtures`, a plugin that
+  `tests/conftest.py` registers (shared with `tests/adversarial/`).
 
 Waiting helpers (`wait_for`, `wait_for_pod`, ...) live in `devcluster.testing`.
 """
@@ -14,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rbac_support import CRDS, GROUP
 
 from devcluster.cluster import Cluster
 from devcluster.kube import open_api
@@ -36,3 +42,15 @@ def shared_dir(tmp_path: Path) -> Path:
     folder = tmp_path / "shared"
     folder.mkdir()
     return folder
+
+
+@pytest.fixture(scope="module")
+def crds(cluster: Cluster) -> None:
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRDS))
+    cluster.kubectl(
+        "wait",
+        "--for=condition=Established",
+        "--timeout=30s",
+        f"crd/rolloutsets.{GROUP}",
+        f"crd/rolloutcheckpoints.{GROUP}",
+    )

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from kubernetes_asyncio import client as k8s
-from operator_fixtures import Resources, condition
 from rollout_operator.model import api
+from testsupport.operator_fixtures import Resources, condition
 
 from devcluster.waiting import wait_for
 

@@ -17,7 +17,9 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
-from operator_fixtures import (
+from rollout_servers.client import EpisodeFailed, RolloutClient, episode_specs
+from rollout_servers.discovery import rollout_set_topology
+from testsupport.operator_fixtures import (
     Debug,
     OperatorProcess,
     Resources,
@@ -25,20 +27,13 @@ from operator_fixtures import (
     example_checkpoint,
     example_set,
     is_true,
-    operator,
     participants_by_role,
     phase_is,
-    resources,
-    storage_dir,
     wait_phase,
 )
-from rollout_servers.client import EpisodeFailed, RolloutClient, episode_specs
-from rollout_servers.discovery import rollout_set_topology
 
 from devcluster.cluster import Cluster
 from devcluster.waiting import wait_for_sync
-
-__all__ = ["operator", "resources", "storage_dir"]
 
 pytestmark = [pytest.mark.e2e, pytest.mark.adversarial]  # fault timings: issue 15
 

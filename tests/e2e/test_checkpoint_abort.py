@@ -16,7 +16,9 @@ from typing import Any
 
 import httpx
 import pytest
-from operator_fixtures import (
+from rollout_servers.client import EpisodeFailed, RolloutClient, episode_specs
+from rollout_servers.discovery import rollout_set_topology
+from testsupport.operator_fixtures import (
     Debug,
     OperatorProcess,
     Resources,
@@ -26,23 +28,16 @@ from operator_fixtures import (
     example_set,
     freeze,
     is_true,
-    operator,
     participants_by_role,
     phase_is,
     phases,
     pod_pids,
-    resources,
-    storage_dir,
     thaw,
     wait_phase,
 )
-from rollout_servers.client import EpisodeFailed, RolloutClient, episode_specs
-from rollout_servers.discovery import rollout_set_topology
 
 from devcluster.cluster import Cluster
 from devcluster.waiting import wait_for
-
-__all__ = ["operator", "resources", "storage_dir"]
 
 pytestmark = [pytest.mark.e2e, pytest.mark.adversarial]  # fault timings: issue 15
 

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from operator_fixtures import (
+from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
+from rollout_servers.discovery import rollout_set_topology
+from testsupport.operator_fixtures import (
     Debug,
     OperatorProcess,
     Resources,
@@ -25,17 +27,10 @@ from operator_fixtures import (
     episodes_running,
     example_set,
     is_true,
-    operator,
     participants_by_role,
-    resources,
-    storage_dir,
 )
-from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
-from rollout_servers.discovery import rollout_set_topology
 
 from devcluster.cluster import Cluster
-
-__all__ = ["operator", "resources", "storage_dir"]
 
 pytestmark = [pytest.mark.e2e, pytest.mark.adversarial]  # fault timings: issue 15
 

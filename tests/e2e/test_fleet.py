@@ -21,22 +21,17 @@ from typing import Any
 
 import httpx
 import pytest
-from operator_fixtures import (
+from rollout_protocol import API_PREFIX, checkpoint_base, read_manifest, set_storage_dir
+from testsupport.operator_fixtures import (
     OperatorProcess,
     Resources,
     is_true,
     kubectl_apply,
-    operator,
-    resources,
-    storage_dir,
 )
-from rollout_protocol import API_PREFIX, checkpoint_base, read_manifest, set_storage_dir
 
 from devcluster.cluster import Cluster
 from devcluster.testing import terminated_state, wait_for
 from harness.fleet import ROLES, fleet_checkpoint, fleet_set
-
-__all__ = ["operator", "resources", "storage_dir"]
 
 pytestmark = pytest.mark.e2e
 

@@ -31,7 +31,9 @@ from typing import Any
 
 import httpx
 import pytest
-from operator_fixtures import (
+from rollout_servers.client import EpisodeResult, RolloutClient, episode_specs
+from rollout_servers.discovery import rollout_set_topology
+from testsupport.operator_fixtures import (
     ENV_STAGES,
     Debug,
     OperatorProcess,
@@ -50,23 +52,17 @@ from operator_fixtures import (
     phase_is,
     pod_pids,
     records_of,
-    resources,
     running_operator,
     sample,
     samples,
     stats,
-    storage_dir,
     thaw,
 )
-from rollout_servers.client import EpisodeResult, RolloutClient, episode_specs
-from rollout_servers.discovery import rollout_set_topology
 
 from devcluster.cluster import Cluster
 from devcluster.waiting import WaitTimeout, wait_for
 from harness.measures import checkpoint_records, generation_prefixes
 from harness.operatorprocess import free_port
-
-__all__ = ["resources", "storage_dir"]
 
 pytestmark = pytest.mark.e2e
 

@@ -23,7 +23,9 @@ from typing import Any
 import anyio
 import httpx
 import yaml
-from operator_fixtures import (
+from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
+from rollout_servers.discovery import rollout_set_topology
+from testsupport.operator_fixtures import (
     Debug,
     OperatorProcess,
     RecoveredRun,
@@ -31,22 +33,15 @@ from operator_fixtures import (
     check_recovered_run,
     example_checkpoint,
     is_true,
-    operator,
     participants_by_role,
     phase_is,
     pod_pids,
-    resources,
     stats,
-    storage_dir,
 )
-from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
-from rollout_servers.discovery import rollout_set_topology
 
 from devcluster.cluster import Cluster
 from harness.measures import checkpoint_records
 from harness.objects import with_storage
-
-__all__ = ["operator", "resources", "storage_dir"]
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "model-sidecar"
 SET = "math-rl"

@@ -21,7 +21,9 @@ from typing import Any
 import anyio
 import httpx
 import yaml
-from operator_fixtures import (
+from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
+from rollout_servers.discovery import rollout_set_topology
+from testsupport.operator_fixtures import (
     Debug,
     OperatorProcess,
     RecoveredRun,
@@ -32,20 +34,13 @@ from operator_fixtures import (
     example_checkpoint,
     example_set,
     is_true,
-    operator,
     participants_by_role,
     phase_is,
-    resources,
     stats,
-    storage_dir,
 )
-from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
-from rollout_servers.discovery import rollout_set_topology
 
 from devcluster.cluster import Cluster
 from harness.measures import checkpoint_records
-
-__all__ = ["operator", "resources", "storage_dir"]
 
 EPISODES = 24
 SEED = 11

@@ -16,7 +16,9 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from operator_fixtures import (
+from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
+from rollout_servers.discovery import rollout_set_topology
+from testsupport.operator_fixtures import (
     Debug,
     RecoveredRun,
     Resources,
@@ -33,8 +35,6 @@ from operator_fixtures import (
     running_operator,
     stats,
 )
-from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
-from rollout_servers.discovery import rollout_set_topology
 
 from devcluster.cluster import Cluster
 from devcluster.config import NodeSpec

@@ -29,7 +29,10 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from operator_fixtures import (
+from rollout_protocol import read_manifest
+from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
+from rollout_servers.discovery import RolloutSetTopology, rollout_set_topology
+from testsupport.operator_fixtures import (
     Debug,
     OperatorProcess,
     Resources,
@@ -38,24 +41,16 @@ from operator_fixtures import (
     example_set,
     freeze,
     is_true,
-    operator,
     participants_by_role,
     phase_is,
     phases,
     pod_pids,
-    resources,
-    storage_dir,
     thaw,
     wait_phase,
     wait_pod_ready,
 )
-from rollout_protocol import read_manifest
-from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
-from rollout_servers.discovery import RolloutSetTopology, rollout_set_topology
 
 from devcluster.cluster import Cluster
-
-__all__ = ["operator", "resources", "storage_dir"]
 
 pytestmark = pytest.mark.adversarial  # operator loss in prepare, commit and restore: issue 15
 

@@ -16,15 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from operator_fixtures import (
-    OperatorProcess,
-    Resources,
-    is_true,
-    kubectl_apply,
-    operator,
-    resources,
-    storage_dir,
-)
 from policy_support import (
     WAIT,
     checkpoints_of,
@@ -39,10 +30,14 @@ from policy_support import (
 )
 from rollout_operator.decide.policy import ANNOTATION_DEADLINE_OUTCOME, save_reserve_seconds
 from rollout_protocol import read_records
+from testsupport.operator_fixtures import (
+    OperatorProcess,
+    Resources,
+    is_true,
+    kubectl_apply,
+)
 
 from devcluster.cluster import Cluster
-
-__all__ = ["operator", "resources", "storage_dir"]
 
 SET = "walltime"
 

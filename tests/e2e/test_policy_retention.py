@@ -7,15 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from operator_fixtures import (
-    OperatorProcess,
-    Resources,
-    is_true,
-    kubectl_apply,
-    operator,
-    resources,
-    storage_dir,
-)
 from policy_support import (
     WAIT,
     checkpoints_of,
@@ -24,11 +15,15 @@ from policy_support import (
     manual_checkpoint,
     wait_ready,
 )
+from testsupport.operator_fixtures import (
+    OperatorProcess,
+    Resources,
+    is_true,
+    kubectl_apply,
+)
 
 from devcluster.cluster import Cluster
 from devcluster.waiting import wait_for
-
-__all__ = ["operator", "resources", "storage_dir"]
 
 SET = "kept"
 

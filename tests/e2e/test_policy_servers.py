@@ -18,7 +18,11 @@ from typing import Any
 
 import anyio
 import httpx
-from operator_fixtures import (
+from policy_support import WAIT, patch_set, wait_condition, wait_ready, when
+from rollout_operator.decide.policy import EVICTION_COMMIT_MARGIN_SECONDS
+from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
+from rollout_servers.discovery import rollout_set_topology
+from testsupport.operator_fixtures import (
     Debug,
     OperatorProcess,
     RecoveredRun,
@@ -28,21 +32,12 @@ from operator_fixtures import (
     example_set,
     is_true,
     kubectl_apply,
-    operator,
     participants_by_role,
-    resources,
     stats,
-    storage_dir,
 )
-from policy_support import WAIT, patch_set, wait_condition, wait_ready, when
-from rollout_operator.decide.policy import EVICTION_COMMIT_MARGIN_SECONDS
-from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
-from rollout_servers.discovery import rollout_set_topology
 
 from devcluster.cluster import Cluster
 from devcluster.waiting import wait_for
-
-__all__ = ["operator", "resources", "storage_dir"]
 
 SET = "math-rl"
 EPISODES = 16

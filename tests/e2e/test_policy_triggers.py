@@ -7,15 +7,6 @@ import itertools
 from pathlib import Path
 from typing import Any
 
-from operator_fixtures import (
-    OperatorProcess,
-    Resources,
-    is_true,
-    kubectl_apply,
-    operator,
-    resources,
-    storage_dir,
-)
 from policy_support import (
     checkpoints_of,
     counter_set,
@@ -27,11 +18,15 @@ from policy_support import (
     when,
 )
 from rollout_operator.model import api
+from testsupport.operator_fixtures import (
+    OperatorProcess,
+    Resources,
+    is_true,
+    kubectl_apply,
+)
 
 from devcluster.cluster import Cluster
 from devcluster.waiting import wait_for
-
-__all__ = ["operator", "resources", "storage_dir"]
 
 SET = "counters"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from operator_fixtures import (
+from testsupport.operator_fixtures import (
     OperatorProcess,
     Resources,
     checkpoint_ready,
@@ -23,19 +23,14 @@ from operator_fixtures import (
     example_set,
     freeze,
     is_true,
-    operator,
     participants_by_role,
     pod_pids,
-    resources,
-    storage_dir,
     thaw,
     wait_pod_ready,
 )
 
 from devcluster.cluster import Cluster
 from devcluster.waiting import wait_for
-
-__all__ = ["operator", "resources", "storage_dir"]
 
 pytestmark = [pytest.mark.e2e, pytest.mark.adversarial]  # fault timings: issue 15
 

@@ -18,12 +18,11 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-from test_rbac import (
+from rbac_support import (
     GRANTS,
     apply,
     apply_rbac,
     condition,
-    crds,
     create_namespace,
     delete_namespace,
     delete_rbac,
@@ -41,8 +40,6 @@ from test_rbac import (
 
 from devcluster.cluster import Cluster
 from devcluster.testing import namespace_name
-
-__all__ = ["crds"]  # the module fixture that applies the CRDs
 
 WAIT_S = 90.0
 

@@ -1,4 +1,5 @@
-"""Fixtures for protocol tests: clusters of real server processes (see `protocol_support`)."""
+"""Fixtures for protocol tests: clusters of real server processes (see
+`testsupport.server_processes`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from protocol_support import Cluster
+from testsupport.server_processes import Cluster
 
 
 @pytest.fixture

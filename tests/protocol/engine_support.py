@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from protocol_support import free_port
+from testsupport.server_processes import free_port
 
 ENGINE_ENV = "ROLLOUT_LLAMA_SERVER"
 """Path of the llama-server binary (the Makefile's `engine` target links .bin/engines/)."""

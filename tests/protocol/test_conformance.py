@@ -13,9 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
-from protocol_support import TOKEN, Cluster, ReferenceDriver
 from rollout_protocol import Role
 from rollout_protocol.conformance import Target, check_crash_restore, check_participant
+from testsupport.server_processes import TOKEN, Cluster, ReferenceDriver
 
 GRACE = 1.0
 SHORT_LEASE = {"ROLLOUT_LEASE_GRACE_SECONDS": str(GRACE)}

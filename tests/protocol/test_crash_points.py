@@ -23,7 +23,10 @@ from typing import Any
 
 import anyio
 import httpx
-from protocol_support import (
+from rollout_protocol import Role
+from rollout_servers.client import EpisodeResult, EpisodeSpec, RolloutClient
+from rollout_servers.topology import MutableTopology
+from testsupport.server_processes import (
     Cluster,
     Debug,
     all_stats,
@@ -35,9 +38,6 @@ from protocol_support import (
     started_steps,
     two_step_task,
 )
-from rollout_protocol import Role
-from rollout_servers.client import EpisodeResult, EpisodeSpec, RolloutClient
-from rollout_servers.topology import MutableTopology
 
 MID_GEN_TOKENS = 4
 

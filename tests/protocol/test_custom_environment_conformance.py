@@ -21,9 +21,16 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
-from protocol_support import TOKEN, Debug, ServerProcess, free_port, server_env, two_step_task
 from rollout_protocol import Role
 from rollout_protocol.conformance import Target, check_crash_restore, check_participant
+from testsupport.server_processes import (
+    TOKEN,
+    Debug,
+    ServerProcess,
+    free_port,
+    server_env,
+    two_step_task,
+)
 
 from devcluster.waiting import wait_for_sync
 

@@ -31,7 +31,6 @@ from engine_support import (
     write_chain_model,
     write_model,
 )
-from protocol_support import SET_NAME, TOKEN, Debug, ServerProcess, deadline
 from rollout_protocol import (
     Coordinator,
     EpisodeId,
@@ -41,6 +40,7 @@ from rollout_protocol import (
     checkpoint_base,
     read_records,
 )
+from testsupport.server_processes import SET_NAME, TOKEN, Debug, ServerProcess, deadline
 
 pytestmark = pytest.mark.protocol
 

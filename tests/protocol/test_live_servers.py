@@ -16,7 +16,18 @@ from typing import Any
 
 import anyio
 import httpx
-from protocol_support import (
+from rollout_protocol import (
+    API_PREFIX,
+    Coordinator,
+    EpisodeId,
+    ErrorCode,
+    HttpParticipantClient,
+    PrepareRequest,
+    RetireRequest,
+    Role,
+)
+from rollout_protocol import _storage as storage
+from testsupport.server_processes import (
     AUTH,
     SERVER,
     TOKEN,
@@ -31,17 +42,6 @@ from protocol_support import (
     stats,
     two_step_task,
 )
-from rollout_protocol import (
-    API_PREFIX,
-    Coordinator,
-    EpisodeId,
-    ErrorCode,
-    HttpParticipantClient,
-    PrepareRequest,
-    RetireRequest,
-    Role,
-)
-from rollout_protocol import _storage as storage
 
 
 def debug(http: httpx.AsyncClient, cluster: Cluster, role: Role) -> Debug:

@@ -27,10 +27,10 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from protocol_support import TOKEN, Cluster, free_port, server_env
 from rollout_protocol import Role
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import status_code_conformance
+from testsupport.server_processes import TOKEN, Cluster, free_port, server_env
 
 from devcluster.waiting import wait_for_sync
 

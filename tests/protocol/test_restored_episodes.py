@@ -13,7 +13,8 @@ from typing import Any
 
 import anyio
 import httpx
-from protocol_support import (
+from rollout_protocol import ErrorCode, Role
+from testsupport.server_processes import (
     Cluster,
     Debug,
     all_stats,
@@ -26,7 +27,6 @@ from protocol_support import (
     started_steps,
     two_step_task,
 )
-from rollout_protocol import ErrorCode, Role
 
 
 async def test_second_crash_continues_and_scope_releases(make_cluster: Any) -> None:

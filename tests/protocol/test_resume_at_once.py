@@ -15,7 +15,8 @@ from typing import Any
 
 import anyio
 import httpx
-from protocol_support import (
+from rollout_protocol import HttpParticipantClient, ResumeRequest, Role
+from testsupport.server_processes import (
     TOKEN,
     Cluster,
     Debug,
@@ -26,7 +27,6 @@ from protocol_support import (
     stats,
     two_step_task,
 )
-from rollout_protocol import HttpParticipantClient, ResumeRequest, Role
 
 from devcluster.waiting import wait_for
 

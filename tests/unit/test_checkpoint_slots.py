@@ -4,8 +4,8 @@ A checkpoint that finds every slot taken waits in phase Queued, saying why, and 
 once a slot is free, with its whole prepare timeout from then; it gives its slot back however
 it ends. An Eviction checkpoint (the pod's grace period runs) never waits for a slot.
 
-The API server (`testsupport.fakecluster`, below the real `Kube`) and the participant are
-those of test_checkpoint_eviction.
+The API server (`testsupport.fakecluster`, below the real `Kube`), the set and the participant
+are those of test_checkpoint_eviction (`testsupport.checkpointflow`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from rollout_operator.flows.checkpoint import CheckpointFlow
 from rollout_operator.model import api
 from rollout_protocol import HttpParticipantClient
-from test_checkpoint_eviction import (
+from testsupport.checkpointflow import (
     CKPT,
     NS,
     PREPARE_TIMEOUT,

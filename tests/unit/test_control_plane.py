@@ -20,7 +20,6 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from fakes import FakeParticipant
 from fastapi import FastAPI
 from pydantic import BaseModel
 from rollout_protocol import (
@@ -42,6 +41,7 @@ from rollout_protocol import (
 )
 from rollout_protocol import _storage as storage
 from rollout_protocol._control import PhaseMachine
+from testsupport.participants import FakeParticipant
 
 from devcluster.waiting import wait_for
 

@@ -24,7 +24,6 @@ import anyio
 import httpx
 import pytest
 import uvicorn
-from fakes import FakeParticipant
 from fastapi import FastAPI
 from rollout_protocol import (
     PREPARE_ORDER,
@@ -55,6 +54,7 @@ from rollout_protocol import (
 )
 from rollout_protocol import _cli as coordination_cli
 from rollout_protocol import _storage as storage
+from testsupport.participants import FakeParticipant
 
 TOKEN = "coordination-test-token"
 WAIT = 10.0

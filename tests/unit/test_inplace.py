@@ -14,7 +14,7 @@ from rollout_operator.decide.resources import PEERS, peer_index
 from rollout_operator.decide.setplan import PodView, desired_instances, plan_attempt
 from rollout_operator.model import api
 from rollout_protocol import Role
-from test_resources_setplan import make_set, running, start_all, views
+from testsupport.setplan import make_set, running, start_all, views
 
 pytestmark = pytest.mark.unit
 

@@ -4,7 +4,7 @@ which order (the order is what makes a crash harmless)."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -14,20 +14,13 @@ from rollout_operator.cluster.storage import StorageLocator
 from rollout_operator.decide.policy import ANNOTATION_DEADLINE_OUTCOME, Note, Reason
 from rollout_operator.flows.policypass import (
     CheckpointBusy,
-    PolicyPass,
     checkpoint_deleted,
     set_deleted,
     start_eviction_checkpoint,
 )
 from rollout_operator.model import api
 from testsupport.fakecluster import FakeCluster
-
-T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
-NS = "team"
-
-
-def stamp(seconds: float) -> str:
-    return api.format_time(T0 + timedelta(seconds=seconds))
+from testsupport.policy import NS, T0, Run, rollout_set, seeded, stamp
 
 
 class Sent:
@@ -143,42 +136,6 @@ def condition(cluster: FakeCluster, type_: str) -> dict[str, Any]:
     return next(c for c in stored_set(cluster)["status"]["conditions"] if c["type"] == type_)
 
 
-def seeded(rset: dict[str, Any]) -> FakeCluster:
-    """An API server holding the set, whose clock stands at T0 (when what the operator creates
-    was created)."""
-    cluster = FakeCluster(clock=lambda: T0)
-    cluster.put(rset)
-    return cluster
-
-
-def rollout_set(storage: Path, **spec: Any) -> dict[str, Any]:
-    container = {"name": "c", "ports": [{"name": "control", "containerPort": 8000}]}
-    return {
-        "apiVersion": api.API_VERSION,
-        "kind": "RolloutSet",
-        "metadata": {"name": "math", "namespace": NS, "uid": "uid-1", "generation": 1},
-        "spec": {
-            "participants": [
-                {"role": "environment", "template": {"spec": {"containers": [container]}}}
-            ],
-            "storage": {"path": str(storage), "volume": {"hostPath": {"path": str(storage)}}},
-            **spec,
-        },
-        "status": {
-            "attempt": 3,
-            "createdAttempt": 3,
-            "conditions": [
-                {
-                    "type": "Ready",
-                    "status": "True",
-                    "reason": "AllParticipantsReady",
-                    "lastTransitionTime": stamp(0),
-                }
-            ],
-        },
-    }
-
-
 SET_DIR = f"{NS}/math/uid-1"
 """The set's directory on its volume (`resources.set_dir`)."""
 
@@ -188,30 +145,6 @@ def records(root: Path, checkpoint: str) -> Path:
     folder.mkdir(parents=True)
     (folder / "manifest.json").write_text("{}")
     return folder.parent
-
-
-class Run:
-    """A `PolicyPass` at a fixed time on the real client, with its notes and set wakes
-    collected."""
-
-    def __init__(self, cluster: FakeCluster, storage: Path) -> None:
-        self.kube = cluster.kube()
-        self.now = T0 + timedelta(seconds=100)
-        self.notes: list[Note] = []
-        self.woken: list[tuple[str, str]] = []
-        self.storage = storage
-
-    async def __call__(self) -> Any:
-        async def note(_rset: api.RolloutSet, found: Note) -> None:
-            self.notes.append(found)
-
-        return await PolicyPass(
-            self.kube,
-            clock=lambda: self.now,
-            on_note=note,
-            wake_set=lambda ns, name: self.woken.append((ns, name)),
-            locator=StorageLocator(None),
-        ).run(NS, "math")
 
 
 @pytest.fixture

@@ -16,64 +16,13 @@ from rollout_operator.decide.setplan import (
 from rollout_operator.model import api
 from rollout_operator.model.conditions import ConditionUpdate
 from rollout_protocol import Role
+from testsupport.setplan import make_set, running, start_all, views
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 
 
-def make_set(
-    replicas: dict[str, int] | None = None, deadline: int = 60, suspend: bool = False
-) -> api.RolloutSet:
-    replicas = replicas or {"model": 1, "resources": 1, "agent": 1, "environment": 2}
-    container = {"name": "c", "ports": [{"name": "control", "containerPort": 9000}]}
-    return api.RolloutSet.model_validate(
-        {
-            "metadata": {"name": "rl", "namespace": "ns", "uid": "u", "generation": 2},
-            "spec": {
-                "participants": [
-                    {"role": r, "replicas": n, "template": {"spec": {"containers": [container]}}}
-                    for r, n in replicas.items()
-                ],
-                "storage": {"path": "/ckpt", "volume": {"emptyDir": {}}},
-                "progressDeadlineSeconds": deadline,
-                "suspend": suspend,
-            },
-        }
-    )
-
-
-def running(manifest: dict[str, Any], ip: str, ready: bool = True) -> dict[str, Any]:
-    """A pod as the API returns it after the node started it."""
-    pod = dict(manifest)
-    pod["metadata"] = {**manifest["metadata"], "creationTimestamp": "2026-11-29T12:00:00Z"}
-    pod["status"] = {
-        "phase": "Running",
-        "podIP": ip,
-        "conditions": [
-            {"type": "PodScheduled", "status": "True"},
-            {"type": "Ready", "status": "True" if ready else "False"},
-        ],
-    }
-    return pod
-
-
-def views(*pods: dict[str, Any]) -> list[PodView]:
-    out = [PodView.from_pod(p) for p in pods]
-    assert all(v is not None for v in out)
-    return [v for v in out if v is not None]
-
-
 def env(manifest: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e["value"] for e in manifest["spec"]["containers"][0]["env"] if "value" in e}
-
-
-def start_all(rset: api.RolloutSet, attempt: int = 1) -> list[PodView]:
-    """Drive the plan as the reconciler does: create what can be created, start it, repeat."""
-    pods: list[dict[str, Any]] = []
-    for _ in range(4):
-        plan = plan_attempt(rset, attempt, views(*pods))
-        for manifest in plan.to_create:
-            pods.append(running(manifest, f"127.0.1.{len(pods) + 1}"))
-    return views(*pods)
 
 
 def test_callees_are_created_first_and_callers_wait_for_their_addresses() -> None:

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fakes import FakeParticipant
 from fastapi import FastAPI
 from prometheus_client import REGISTRY
 from rollout_operator import metrics
@@ -47,6 +46,7 @@ from rollout_protocol import (
 )
 from rollout_servers.servers.common import ServerOptions
 from rollout_servers.servers.model import ModelServer
+from testsupport.participants import FakeParticipant
 
 pytestmark = pytest.mark.unit
 

@@ -1,6 +1,8 @@
 """Fixtures and helpers for end-to-end tests of the operator with the reference servers.
 
-Import the fixtures into a test module (`from operator_fixtures import operator, ...`):
+The fixtures are a pytest plugin, registered for every folder by `pytest_plugins` in
+`tests/conftest.py` (a test just names them); the helpers are imported from here
+(`from testsupport.operator_fixtures import ...`):
 
 - `operator`: the CRDs applied and `rollout-operator run --namespace <ns>` running as a process
   (KUBECONFIG of the test cluster), its log in the test's tmp dir and its tail printed when the
