@@ -135,6 +135,22 @@ class OperatorProcess:
         self._signal(signal.SIGKILL)  # anything it left in its group
         self.process = None
 
+    def terminate(self, timeout: float = 20.0) -> int | None:
+        """SIGTERM, as a pod deletion or `helm upgrade` stops the operator: its exit status,
+        or None when it had not exited within `timeout` and was killed."""
+        if self.process is None:
+            return None
+        process = self.process
+        if process.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.stop(timeout=0.1)
+                return None
+        self.stop()
+        return process.returncode
+
     def tail(self, lines: int = 60) -> str:
         text = self.log.read_text(errors="replace") if self.log.exists() else "(no log)"
         return "\n".join(text.splitlines()[-lines:])

@@ -1,5 +1,8 @@
-"""The operator is SIGKILLed during prepare, during commit and during a restore, and a fresh
-operator process continues from what the custom resources' status recorded.
+"""The operator is stopped during prepare and during commit (SIGTERM, as a pod deletion or
+`helm upgrade` stops it) and SIGKILLed during a restore, and a fresh operator process continues
+from what the custom resources' status recorded. A stopped operator hands its checkpoints over
+instead of aborting them (issue 27): each is still in its phase, not Failed, when the next one
+starts.
 
 The three restarts share one RolloutSet, in order, because each needs what the previous left:
 the restore restores the checkpoint whose commit survived a restart. Each phase is held
@@ -100,11 +103,20 @@ class Batch:
 
 
 async def restart_in_phase(
-    operator: OperatorProcess, cluster: Cluster, in_phase: Callable[[], Awaitable[Any]]
+    operator: OperatorProcess,
+    cluster: Cluster,
+    in_phase: Callable[[], Awaitable[Any]],
+    *,
+    graceful: bool = False,
 ) -> None:
-    """Wait until the operator is in the phase, then SIGKILL it and start a fresh one."""
+    """Wait until the operator is in the phase, then stop it (SIGTERM when `graceful`, and it
+    must exit by itself; else SIGKILL) and start a fresh one."""
     await in_phase()
-    await anyio.to_thread.run_sync(operator.kill)
+    if graceful:
+        exited = await anyio.to_thread.run_sync(operator.terminate)
+        assert exited is not None, "the operator did not exit on SIGTERM: " + operator.tail()
+    else:
+        await anyio.to_thread.run_sync(operator.kill)
     await anyio.to_thread.run_sync(operator.start)
 
 
@@ -148,9 +160,9 @@ async def test_operator_restarts_during_prepare_commit_and_restore(
             await wait_phase(http, agent, "preparing", "the agent to be preparing")
             paused_since.append(time.monotonic())
 
-        await restart_in_phase(operator, cluster, agent_preparing)
+        await restart_in_phase(operator, cluster, agent_preparing, graceful=True)
         preparing = await resources.checkpoint("during-prepare")
-        assert preparing["status"]["phase"] == "Preparing"
+        assert preparing["status"]["phase"] == "Preparing", "stopping is not aborting"
         assert await hooks.release("tool", held) == 1
         held_paused = time.monotonic() - paused_since[0]
         ckpt = await resources.wait_checkpoint(
@@ -188,7 +200,10 @@ async def test_operator_restarts_during_prepare_commit_and_restore(
                 lambda: resources.wait_checkpoint(
                     "during-commit", "Committing", phase_is("Committing"), 30
                 ),
+                graceful=True,
             )
+            committing = await resources.checkpoint("during-commit")
+            assert committing["status"]["phase"] == "Committing", "stopping is not aborting"
         finally:
             thaw(frozen)
         ckpt = await resources.wait_checkpoint(

@@ -409,9 +409,10 @@ class CheckpointFlow:
             await self._release_slot(ckpt)
             await self._phase(ckpt, CheckpointPhase.READY, completed_at=datetime.now(UTC))
         except anyio.get_cancelled_exc_class():
-            # Deleted, or the operator stops: participants must not stay paused until their
-            # leases lapse, and the set's slot must be free for the next checkpoint. Bounded,
-            # so a shutdown is never held by a hung participant.
+            # Deleted: participants must not stay paused until their leases lapse, and the
+            # set's slot must be free for the next checkpoint. Bounded, so a hung participant
+            # never holds the deletion. (An operator that stops hands the checkpoint over
+            # instead: cancelled without aborting, see handlers/rolloutcheckpoint.py.)
             if coordinator is not None and not published and abort_when_cancelled():
                 with (
                     anyio.CancelScope(shield=True),
@@ -425,8 +426,8 @@ class CheckpointFlow:
                         ckpt,
                         CheckpointFailed(
                             Reason.ABORTED,
-                            "aborted before it was published (the checkpoint was deleted, or "
-                            "the operator stopped); every participant was resumed",
+                            "aborted before it was published (the checkpoint was deleted); "
+                            "every participant was resumed",
                         ),
                     )
             raise

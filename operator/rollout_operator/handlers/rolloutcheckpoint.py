@@ -13,16 +13,24 @@ return instead of being cancelled (Kopf would otherwise cancel at once and log a
 every checkpoint). An exception (the API server unreachable, say) restarts the daemon after
 `backoff` seconds, and the flow continues from the persisted phase.
 
-Kopf also stops the daemon when the checkpoint is deleted or the operator shuts down. Then the
-daemon cancels the flow at once (it watches `stopped`): a checkpoint that was not published yet
-is aborted (every participant resumed, the set's slot released, the checkpoint Failed with
-reason Aborted), instead of leaving the participants paused until their leases lapse. A killed
-operator (SIGKILL) aborts nothing: the next one continues from the persisted phase.
+Kopf also stops the daemon when the checkpoint is deleted or the operator shuts down, and the
+two are handled differently:
+
+- **Deleted**: the daemon cancels the flow at once; a checkpoint that was not published yet is
+  aborted (every participant resumed, the set's slot released, the checkpoint Failed with
+  reason Aborted), so the participants are not left paused until their leases lapse.
+- **The operator stops** (SIGTERM: its pod deleted, `helm upgrade`, a drain): stopping is not
+  aborting. The flow gets `HANDOVER_SECONDS` to finish (a commit, publish and resume take well
+  under a second); one still running then is cancelled *without* aborting, exactly as if the
+  operator had been killed: its phase is in status, the participants stay prepared under
+  their leases, and the next operator continues it from there (DESIGN 6.0, docs/install.md
+  "Upgrade"). Aborting would throw away a checkpoint that was about to be Ready and make the
+  participants restart their parked work, to save only the successor's start-up time.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import kopf
@@ -41,15 +49,22 @@ from ..model.api import (
 from .rolloutset import wake
 from .runtime import checkpoint_slots_of, kube_of, leases_of
 
-_ABORTING = kopf.DaemonStoppingReason.RESOURCE_DELETED | kopf.DaemonStoppingReason.OPERATOR_EXITING
-"""Why a daemon stops that aborts its checkpoint: the checkpoint was deleted, or the operator
-exits. A paused operator (another took over through peering) leaves the checkpoint to the other
-one, and the daemon's own end (the terminal phase written) needs nothing."""
+HANDOVER_SECONDS: Final = 4.0
+"""How long a flow may still run after the operator was told to stop, before it is left to the
+next operator (below the daemon's `cancellation_backoff`, after which Kopf cancels it anyway)."""
 
 
 def _aborts_when(stopped: kopf.DaemonStopped) -> bool:
+    """Only a deleted checkpoint is aborted. An exiting operator hands its checkpoints over, a
+    paused one (another took over through peering) leaves them to the other, and the daemon's
+    own end (the terminal phase written) needs nothing."""
     reason = stopped.reason
-    return reason is not None and bool(reason & _ABORTING)
+    return reason is not None and bool(reason & kopf.DaemonStoppingReason.RESOURCE_DELETED)
+
+
+def _hands_over_when(stopped: kopf.DaemonStopped) -> bool:
+    reason = stopped.reason
+    return reason is not None and bool(reason & kopf.DaemonStoppingReason.OPERATOR_EXITING)
 
 
 def _unfinished(status: kopf.Status, **_: Any) -> bool:
@@ -96,6 +111,12 @@ async def run_checkpoint(
             await stopped.wait()
             if _aborts():
                 group.cancel_scope.cancel()
+            elif _hands_over_when(stopped):
+                await anyio.sleep(HANDOVER_SECONDS)  # the flow's own end cancels this first
+                logger.info(
+                    "checkpoint %s: the operator stops; left in its phase for the next one", name
+                )
+                group.cancel_scope.cancel()
 
         async def work() -> None:
             try:
@@ -121,7 +142,7 @@ async def run_checkpoint(
             )
         raise failures[0]
     if _aborts() or not phases:
-        return
+        return  # deleted, or handed over (the daemon was cancelled before the flow ended)
     phase = phases[0]
     logger.info("checkpoint %s ended %s", name, phase)
     ended = await metrics.checkpoint_ended(kube, namespace or "default", name)
