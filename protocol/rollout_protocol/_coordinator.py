@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Final, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -57,6 +57,9 @@ from ._wire import (
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+_MISSED: Final = frozenset({ErrorCode.UNRESPONSIVE, ErrorCode.UNREACHABLE})
+"""Failures that mean a call's deadline passed without an answer."""
 
 
 # --- outcomes -------------------------------------------------------------------------------
@@ -226,6 +229,7 @@ class Coordinator:
         clock: Callable[[], float] = time.time,
         renew_interval: float = 2.0,
         call_timeout: float = 30.0,
+        missed_call_seconds: float = 2.0,
         on_progress: Callable[[str], None] | None = None,
     ) -> None:
         if not participants:
@@ -238,6 +242,12 @@ class Coordinator:
         self._clock = clock
         self._renew_interval = renew_interval
         self._call_timeout = call_timeout
+        self._missed_call_seconds = missed_call_seconds
+        self._missed: set[str] = set()
+        """Participants that did not answer by a call's deadline (hung, frozen, gone): every
+        later call of this coordinator waits for them `missed_call_seconds` at most, so an
+        abort or a cleanup after a failed restore never waits a whole call timeout again on
+        the participant that caused it."""
         self._on_progress = on_progress
 
     @property
@@ -261,20 +271,39 @@ class Coordinator:
         results: dict[str, _T | ParticipantError] = {}
 
         async def one(participant: ParticipantClient) -> None:
+            instance = participant.instance
             try:
-                results[participant.instance] = await call(participant)
+                results[instance] = await self._call_bounded(participant, call)
             except ParticipantError as error:
-                results[participant.instance] = error
+                results[instance] = error
+                if error.code in _MISSED:
+                    self._missed.add(instance)
             except Exception as error:
-                logger.exception("call to %s failed unexpectedly", participant.instance)
-                results[participant.instance] = ParticipantError(
-                    ErrorCode.INTERNAL, f"{type(error).__name__}: {error}", participant.instance
+                logger.exception("call to %s failed unexpectedly", instance)
+                results[instance] = ParticipantError(
+                    ErrorCode.INTERNAL, f"{type(error).__name__}: {error}", instance
                 )
 
         async with anyio.create_task_group() as group:
             for participant in participants:
                 group.start_soon(one, participant)
         return results
+
+    async def _call_bounded(
+        self, participant: ParticipantClient, call: Callable[[ParticipantClient], Awaitable[_T]]
+    ) -> _T:
+        """The call; for a participant that already missed a deadline here, cut at
+        `missed_call_seconds`."""
+        if participant.instance not in self._missed:
+            return await call(participant)
+        with anyio.move_on_after(self._missed_call_seconds):
+            return await call(participant)
+        raise ParticipantError(
+            ErrorCode.UNRESPONSIVE,
+            f"no answer within {self._missed_call_seconds:g}s (it already missed a deadline of "
+            "this checkpoint or recovery, so it is not waited for in full again)",
+            participant.instance,
+        )
 
     # status -----------------------------------------------------------------------------------
 
