@@ -243,6 +243,10 @@ class Transition:
 _CONDITION_ORDER: Final = ("Degraded", "Ready", "Suspended", "Progressing")
 """The condition whose reason names an Event when several change in one status update."""
 _WARNING_PHASES: Final = frozenset({"BackingOff"})
+_POSTED_BY_THE_RECOVERY: Final = frozenset({"RecoveryLimitReached"})
+"""Condition reasons whose Event the recovery flow posts itself, with the loss named: a hold
+writes Degraded and Ready once and the set's pass writes them again with its own message, and
+each of those updates was one more identical Warning."""
 
 
 def _conditions(status: Mapping[str, Any]) -> dict[str, tuple[str, str, str]]:
@@ -265,7 +269,8 @@ class SetTransitions:
     Event, so that every transition is visible in `kubectl describe` exactly once:
 
     - outside a recovery, the reconciler's condition changes (Ready, Degraded, Suspended,
-      Progressing), one Event per status update, named by the most telling changed condition;
+      Progressing), one Event per status update, named by the most telling changed condition
+      (except a recovery hold, `RecoveryLimitReached`, which the recovery posts once itself);
     - inside a recovery, each new phase (StoppingAttempt, StartingPods, Restoring, ...).
       The start and the end of a recovery are posted by the recovery flow itself.
 
@@ -302,6 +307,8 @@ def _transitions(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Transit
         if not changed:
             return []
         primary = after[changed[0]]
+        if primary[1] in _POSTED_BY_THE_RECOVERY:
+            return []
         summary = ", ".join(f"{t}={after[t][0]}" for t in changed)
         degraded = after.get("Degraded", ("", "", ""))[0] == "True"
         lost_ready = "Ready" in changed and after["Ready"][0] != "True"

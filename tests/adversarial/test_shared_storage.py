@@ -7,12 +7,14 @@ storage paths that cannot be right are refused before any pod mounts them.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 from rollout_operator.cluster.storage import StorageLocator
+from rollout_operator.decide.policy import Note
 from rollout_operator.flows.policypass import checkpoint_deleted, set_deleted
 from rollout_operator.model import api
 from rollout_operator.model.api import ROLLOUT_CHECKPOINT_PLURAL
@@ -54,6 +56,13 @@ async def test_same_set_name_in_two_namespaces_keeps_each_sets_records(tmp_path:
     assert await _restored(team_a, root, "c1") == ["a1", "a2"]
 
 
+def collect(notes: list[Note]) -> Callable[[api.RolloutSet, Note], Awaitable[None]]:
+    async def note(_rset: api.RolloutSet, found: Note) -> None:
+        notes.append(found)
+
+    return note
+
+
 async def test_deleting_a_set_that_never_ran_keeps_what_others_put_on_the_volume(
     tmp_path: Path,
 ) -> None:
@@ -66,10 +75,15 @@ async def test_deleting_a_set_that_never_ran_keeps_what_others_put_on_the_volume
     (theirs / "datasets" / "train.jsonl").write_text("{}\n")
     obj = set_object("team-a", "0b9e1f7c-aaaa-4c1e-9d55-000000000001", root)
 
-    outcome = await set_deleted(set_cluster(obj).kube(), obj, locator=LOCATOR)
+    notes: list[Note] = []
+    outcome = await set_deleted(
+        set_cluster(obj).kube(), obj, locator=LOCATOR, on_note=collect(notes)
+    )
 
     assert (theirs / "notes.txt").read_text() == "not the operator's\n", outcome
     assert (theirs / "datasets" / "train.jsonl").is_file(), outcome
+    assert notes == [], "not the set's folder: nothing of the set was left behind"
+    assert "was absent" in outcome, outcome
 
 
 async def test_deleting_a_set_keeps_files_that_are_not_its_records(tmp_path: Path) -> None:
@@ -88,9 +102,15 @@ async def test_deleting_a_set_keeps_files_that_are_not_its_records(tmp_path: Pat
     (instance_dir / "added-by-a-person.txt").write_text("mine\n")
     (instance_dir.parent / "link-out").symlink_to(elsewhere)
 
-    await set_deleted(set_cluster(obj).kube(), obj, locator=LOCATOR)
+    notes: list[Note] = []
+    outcome = await set_deleted(
+        set_cluster(obj).kube(), obj, locator=LOCATOR, on_note=collect(notes)
+    )
 
     assert (instance_dir / "added-by-a-person.txt").read_text() == "mine\n"
+    assert [n.reason for n in notes] == ["RecordsNotRemoved"], "one Warning naming what stays"
+    assert "added-by-a-person.txt" in notes[0].message
+    assert "kept" in outcome, outcome
     assert not (instance_dir / "manifest.json").exists(), "its own records go"
     assert (elsewhere / "precious.bin").read_text() == "keep me\n"
 

@@ -228,6 +228,28 @@ def test_reconciler_condition_changes_become_one_event_per_update() -> None:
     assert third.message.startswith("Degraded=True, Ready=False: ")
 
 
+def test_a_recovery_hold_is_posted_by_the_recovery_only() -> None:
+    """The hold writes Degraded and Ready, then the set's pass writes them again with its own
+    message: neither update is one more Warning (the recovery posts the hold once)."""
+    name = unique("set")
+    watch = metrics.SetTransitions()
+    watch.observe("ADDED", body(name, attempt=3, conditions=[condition("Ready", "True", "A")]))
+    held = "recovery stopped: model-0 of attempt 3: OOMKilled; 11 recoveries in 3600s"
+    hold = [
+        condition("Ready", "False", "RecoveryLimitReached", held),
+        condition("Degraded", "True", "RecoveryLimitReached", held),
+    ]
+    assert watch.observe("MODIFIED", body(name, attempt=3, conditions=hold)) == []
+    again = [
+        condition("Ready", "False", "RecoveryLimitReached", held + " (set pass)"),
+        condition("Degraded", "True", "RecoveryLimitReached", held + " (set pass)"),
+    ]
+    assert watch.observe("MODIFIED", body(name, attempt=3, conditions=again)) == []
+    retried = [condition("Ready", "True", "AllParticipantsReady", "all Ready")]
+    (back,) = watch.observe("MODIFIED", body(name, attempt=4, conditions=retried))
+    assert back.reason == "AllParticipantsReady", "other transitions still post"
+
+
 def test_recovery_phases_get_events_but_its_start_and_end_do_not() -> None:
     """The recovery flow posts the start and the end itself (with the loss and the outcome)."""
     name = unique("set")

@@ -473,11 +473,19 @@ async def checkpoint_deleted(
 
 
 async def set_deleted(
-    kube: Kube, rset_raw: Mapping[str, Any], *, locator: StorageLocator | None = None
+    kube: Kube,
+    rset_raw: Mapping[str, Any],
+    *,
+    locator: StorageLocator | None = None,
+    on_note: Callable[[RolloutSet, Note], Awaitable[None]] | None = None,
 ) -> str:
     """The RolloutSet finalizer: delete the set's checkpoints (each one's own finalizer removes
     its records while the set can still be read), and once they are gone sweep the set's folder
-    (records of failed or unfinished checkpoints). Raises `CheckpointBusy` while any remain."""
+    (records of failed or unfinished checkpoints). Raises `CheckpointBusy` while any remain.
+
+    Whatever stays on the volume (files the participants did not write, a volume the operator
+    cannot reach, a removal that failed) is a `RecordsNotRemoved` Warning naming it, and the
+    returned outcome says so: nothing is reported removed that is still there."""
     locator = locator or StorageLocator.from_env()
     rset = RolloutSet.model_validate(rset_raw)
     namespace = rset.metadata.namespace or "default"
@@ -487,13 +495,24 @@ async def set_deleted(
             await kube.delete_checkpoint(namespace, ckpt["metadata"]["name"])
     if remaining:
         raise CheckpointBusy(f"{len(remaining)} checkpoint(s) of the set are being deleted")
+
+    async def not_removed(message: str) -> str:
+        if on_note is not None:
+            await on_note(rset, Note("RecordsNotRemoved", message, warning=True))
+        return message
+
     root = locator.root(namespace, rset.spec.storage)
     if root is None:
-        return "storage not reachable from the operator; records (if any) stay"
+        return await not_removed(
+            f"records of set {rset.metadata.name} were not removed: the operator cannot reach "
+            f"{locator.describe(namespace, rset.spec.storage)}; delete "
+            f"<volume>/{set_dir(rset)} by hand"
+        )
     try:
         removal = remove_set_records(root, rset)
     except (StorageError, ValueError) as error:
-        return f"could not remove the set's records under {root}: {error}"
+        return await not_removed(f"records of set {rset.metadata.name} were not removed: {error}")
     kept = kept_message(f"set {rset.metadata.name}", removal, root)
-    outcome = f"records folder {set_dir(rset)} {'removed' if removal.found else 'was absent'}"
-    return outcome + (f"; {kept}" if kept else "")
+    if kept is not None:
+        return await not_removed(f"records folder {set_dir(rset)} kept: {kept}")
+    return f"records folder {set_dir(rset)} {'removed' if removal.found else 'was absent'}"

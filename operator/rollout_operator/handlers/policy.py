@@ -199,8 +199,14 @@ async def remove_set_checkpoints(
 ) -> None:
     """The finalizer of a RolloutSet: its checkpoints (and their records) go first. Bounded:
     after `timeout` Kopf gives up on this handler and the set goes anyway."""
+
+    async def note(rset: RolloutSet, found: Note) -> None:
+        await _post(rset, found)
+
     try:
-        outcome = await set_deleted(kube_of(memo, kwargs), body, locator=StorageLocator.from_env())
+        outcome = await set_deleted(
+            kube_of(memo, kwargs), body, locator=StorageLocator.from_env(), on_note=note
+        )
     except CheckpointBusy as busy:
         raise kopf.TemporaryError(str(busy), delay=2) from busy
     logger.info("RolloutSet %s deleted: %s", body.meta.name, outcome)
