@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 from rollout_operator.cluster.objects import eviction_holds
 from rollout_operator.cluster.storage import StorageLocator
-from rollout_operator.decide.policy import ANNOTATION_DEADLINE_OUTCOME, Note, Reason
+from rollout_operator.decide.policy import ANNOTATION_DEADLINE_OUTCOME, Note, Reason, resume_due
 from rollout_operator.flows.policypass import (
     CheckpointBusy,
     checkpoint_deleted,
     set_deleted,
     start_eviction_checkpoint,
 )
+from rollout_operator.flows.recovery import RecoveryFlow, start_resume
 from rollout_operator.model import api
 from testsupport.fakecluster import FakeCluster
 from testsupport.policy import NS, T0, Run, rollout_set, seeded, stamp
@@ -202,7 +203,11 @@ async def test_suspend_marks_suspended_before_it_deletes_the_pods(storage: Path)
     assert "math-suspend-a3 holds the state" in suspended["message"]
 
 
-async def test_resume_starts_a_recovery_to_the_next_attempt(storage: Path) -> None:
+async def test_resume_clears_suspended_and_the_sets_loop_starts_the_recovery(
+    storage: Path,
+) -> None:
+    """The policy writes only its own condition and wakes the set's loop; the recovery (the
+    one writer of `status.recovery`) starts the resume's recovery to the next attempt."""
     body = rollout_set(storage)
     body["status"]["conditions"].append(
         {
@@ -212,16 +217,72 @@ async def test_resume_starts_a_recovery_to_the_next_attempt(storage: Path) -> No
             "lastTransitionTime": stamp(0),
         }
     )
+    body["status"]["recoveryStarts"] = [stamp(-50)]
     cluster = seeded(body)
     run = Run(cluster, storage)
     await run()
-    recovery = stored_set(cluster)["status"]["recovery"]
+    resumed = stored_set(cluster)["status"]
+    assert "recovery" not in resumed, "the policy does not write the recovery"
+    assert condition(cluster, "Suspended")["status"] == "False"
+    assert condition(cluster, "Suspended")["reason"] == "Resumed"
+    assert run.woken == [(NS, "math")]
+
+    kube = cluster.kube()
+    rset = api.RolloutSet.model_validate(stored_set(cluster))
+    assert await start_resume(kube, RecoveryFlow(kube), rset, live_pods=0)
+    status = stored_set(cluster)["status"]
+    recovery = status["recovery"]
     assert (recovery["fromAttempt"], recovery["targetAttempt"]) == (3, 4)
     assert recovery["phase"] == "StoppingAttempt"
     assert recovery["reason"] == "Resumed"
-    assert condition(cluster, "Suspended")["status"] == "False"
+    assert recovery["restorePolicy"] == "Recreate"
     assert condition(cluster, "Recovering")["status"] == "True"
-    assert run.woken == [(NS, "math")]
+    assert condition(cluster, "Recovering")["reason"] == "Resumed"
+    assert status["recoveryStarts"] == [stamp(-50)], "a resume is not a loss: not counted"
+    rset = api.RolloutSet.model_validate(stored_set(cluster))
+    assert not await start_resume(kube, RecoveryFlow(kube), rset, live_pods=0), "once"
+
+
+def test_a_resume_is_due_once_and_only_without_running_pods(storage: Path) -> None:
+    body = rollout_set(storage)
+    resumed_at = stamp(10)
+    body["status"]["conditions"].append(
+        {
+            "type": "Suspended",
+            "status": "False",
+            "reason": "Resumed",
+            "lastTransitionTime": resumed_at,
+        }
+    )
+    rset = api.RolloutSet.model_validate(body)
+    assert resume_due(rset, live_pods=0)
+    assert not resume_due(rset, live_pods=1), "pods still run: the set keeps them"
+    never_ran = api.RolloutSet.model_validate(
+        {**body, "status": {**body["status"], "createdAttempt": None}}
+    )
+    assert not resume_due(never_ran, live_pods=0), "a set that never ran just starts"
+    suspended_again = api.RolloutSet.model_validate(
+        {**body, "spec": {**body["spec"], "suspend": True}}
+    )
+    assert not resume_due(suspended_again, live_pods=0)
+    last = {
+        "completedAt": stamp(20),
+        "reason": "Resumed",
+        "attempt": 4,
+        "restorePolicy": "Recreate",
+        "kept": 0,
+        "replaced": 1,
+        "durationSeconds": 5.0,
+    }
+    done = api.RolloutSet.model_validate(
+        {**body, "status": {**body["status"], "lastRecovery": last}}
+    )
+    assert not resume_due(done, live_pods=0), "a recovery ended after the resume: it ran"
+    last_before = {**last, "completedAt": stamp(5), "reason": "PodFailed"}
+    before = api.RolloutSet.model_validate(
+        {**body, "status": {**body["status"], "lastRecovery": last_before}}
+    )
+    assert resume_due(before, live_pods=0), "the last recovery ended before the suspend"
 
 
 async def test_a_settled_deadline_is_recorded_before_the_pods_are_released(

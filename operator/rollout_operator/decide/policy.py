@@ -745,7 +745,8 @@ class SuspendAction(StrEnum):
     RELEASE = "Release"
     """Mark Suspended=True, then delete every participant pod of the set."""
     RESUME = "Resume"
-    """Suspended=False; a recovery to attempt + 1 restores the latest checkpoint."""
+    """Suspended=False; the set's loop then starts a recovery to attempt + 1 that restores the
+    latest checkpoint (`resume_due`)."""
 
 
 @dataclass(frozen=True)
@@ -753,6 +754,34 @@ class SuspendDecision:
     action: SuspendAction = SuspendAction.NONE
     condition: ConditionChange | None = None
     create: Create | None = None
+
+
+def resume_due(rset: RolloutSet, live_pods: int) -> bool:
+    """Whether the set's loop should start the recovery of a resume now: the policy cleared
+    Suspended (reason `Resumed`) of a set whose attempt had come up, none of its pods runs,
+    and no recovery started or ended since the resume (the recovery owns `status.recovery`;
+    the policy only says Suspended=False).
+
+    A resume is a recovery to attempt + 1 that restores the latest Ready checkpoint into fresh
+    pods, with reason `Resumed`: not a loss, so it counts in neither `restarts` nor the churn
+    window. A set that never ran pods, or still runs some, needs none: the set's pass creates
+    or keeps the attempt's pods."""
+    status = rset.status
+    if rset.spec.suspend or status.recovery is not None or live_pods:
+        return False
+    if status.created_attempt is None or status.created_attempt < (status.attempt or 1):
+        return False
+    suspended = next(
+        (c for c in status.conditions if c.type == SetConditionType.SUSPENDED.value), None
+    )
+    if (
+        suspended is None
+        or suspended.status is not ConditionStatus.FALSE
+        or suspended.reason != Reason.RESUMED
+    ):
+        return False
+    last = status.last_recovery
+    return last is None or last.completed_at <= suspended.last_transition_time
 
 
 def _suspended_condition(status: bool, reason: str, message: str) -> ConditionChange:

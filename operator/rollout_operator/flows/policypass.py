@@ -52,7 +52,6 @@ from ..cluster.kube import ApiError, Conflict, Kube
 from ..cluster.storage import StorageLocator
 from ..decide.policy import (
     ANNOTATION_DEADLINE_OUTCOME,
-    RESUMED_REASON,
     Create,
     Note,
     PolicyPlan,
@@ -71,10 +70,7 @@ from ..model.api import (
     LABEL_SET,
     ROLLOUT_CHECKPOINT_KIND,
     RecoveryPhase,
-    RecoveryStatus,
     RolloutSet,
-    SetConditionType,
-    dump,
 )
 from ..model.conditions import ConditionUpdate, merge_conditions, same_conditions
 from .repairs import parse_creation, records_proven, repair_failed_checkpoint
@@ -234,7 +230,7 @@ class PolicyPass:
             # The status below was decided knowing this annotation: write it on top of it.
             rset.metadata.resource_version = version or rset.metadata.resource_version
         try:
-            await self._write_status(rset, decided, live_pods=live)
+            await self._write_status(rset, decided)
         except Conflict:
             return PassOutcome(again=True, plan=decided)
         if decided.suspend is SuspendAction.RELEASE:
@@ -251,14 +247,14 @@ class PolicyPass:
             await self._note(rset, note)
         return PassOutcome(wake_at=decided.wake_at, plan=decided)
 
-    async def _write_status(self, rset: RolloutSet, decided: PolicyPlan, *, live_pods: int) -> None:
-        """Conditions, reserve, trainer step and a resume's recovery: one patch, only if
-        something changed (an unchanged status is never written, so passes do not wake each
+    async def _write_status(self, rset: RolloutSet, decided: PolicyPlan) -> None:
+        """Its conditions (Suspended, DeadlineSaved), reserve and trainer step: one patch, only
+        if something changed (an unchanged status is never written, so passes do not wake each
         other through their own events).
 
-        A resume is a recovery to attempt + 1 (fresh pods restore the latest checkpoint), unless
-        the set never ran pods or runs some already: then clearing Suspended is all it takes and
-        the reconciler creates (or keeps) the attempt's pods."""
+        A resume only clears Suspended (reason `Resumed`) and wakes the set's loop, which starts
+        the resume's recovery itself (`policy.resume_due`): the recovery is the one writer of
+        `status.recovery` and of the conditions it drives."""
         status = rset.status
         changes: dict[str, Any] = {}
         if status.save_reserve_seconds != decided.reserve:
@@ -268,32 +264,6 @@ class PolicyPass:
         updates = [
             ConditionUpdate.of(c.type, c.status, c.reason, c.message) for c in decided.conditions
         ]
-        resume = decided.suspend is SuspendAction.RESUME
-        if resume and status.created_attempt is not None and live_pods == 0:
-            attempt = status.attempt or 1
-            message = (
-                f"resumed after suspend: attempt {attempt + 1} restores the latest Ready "
-                "checkpoint into fresh pods"
-            )
-            changes["recovery"] = dump(
-                RecoveryStatus(
-                    phase=RecoveryPhase.STOPPING_ATTEMPT,
-                    from_attempt=attempt,
-                    target_attempt=attempt + 1,
-                    started_at=self._clock().replace(microsecond=0),
-                    reason=RESUMED_REASON,
-                    message=message,
-                )
-            )
-            updates += [
-                ConditionUpdate.of(
-                    SetConditionType.RECOVERING.value, True, RESUMED_REASON, message
-                ),
-                ConditionUpdate.of(SetConditionType.READY.value, False, RESUMED_REASON, message),
-                ConditionUpdate.of(
-                    SetConditionType.PROGRESSING.value, True, RESUMED_REASON, message
-                ),
-            ]
         merged = merge_conditions(
             status.conditions, updates, observed_generation=rset.metadata.generation
         )

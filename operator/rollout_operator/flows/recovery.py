@@ -43,7 +43,7 @@ from ..cluster.objects import (
 )
 from ..decide.churn import ChurnDecision, decide, kept_starts
 from ..decide.inplace import instance_name, plan_in_place, rewiring
-from ..decide.policy import RESUMED_REASON, checkpoint_views
+from ..decide.policy import RESUMED_REASON, checkpoint_views, resume_due
 from ..decide.resources import control_port, participant_url, set_selector
 from ..decide.setplan import Instance, PodView, attempt_instances
 from ..decide.setplan import Reason as SetReason
@@ -328,9 +328,14 @@ class RecoveryFlow:
     # --- start --------------------------------------------------------------------------------
 
     async def start(self, rset: RolloutSet, loss: Loss) -> RolloutSet:
-        """Record the loss: from now on the recovery owns the set's pods and conditions."""
+        """Record the loss: from now on the recovery owns the set's pods and conditions.
+
+        A resume after suspend (`Loss` with reason `Resumed`, see `policy.resume_due`) starts
+        the same way, but no pod is left to keep (Recreate) and it is not counted against
+        `maxRestarts` (a queueing system may suspend and resume a set many times)."""
         attempt = rset.status.attempt or 1
-        policy = rset.spec.recovery.restore_policy
+        resume = loss.reason == RESUMED_REASON
+        policy = RestorePolicy.RECREATE if resume else rset.spec.recovery.restore_policy
         now = utcnow()
         recovery = RecoveryStatus(
             phase=RecoveryPhase.STOPPING_ATTEMPT,
@@ -347,16 +352,21 @@ class RecoveryFlow:
             if policy is RestorePolicy.IN_PLACE
             else "replacing every participant"
         )
-        message = f"{loss.message}; {replacing} under attempt {attempt + 1}"
-        starts = kept_starts(
-            rset.status.recovery_starts,
-            now,
-            window_seconds=rset.spec.recovery.window_seconds,
-            bound=MAX_RECOVERY_STARTS,
+        message = (
+            loss.message if resume else f"{loss.message}; {replacing} under attempt {attempt + 1}"
         )
+        changes: dict[str, Any] = {"recovery": _wire(recovery)}
+        if not resume:
+            starts = kept_starts(
+                rset.status.recovery_starts,
+                now,
+                window_seconds=rset.spec.recovery.window_seconds,
+                bound=MAX_RECOVERY_STARTS,
+            )
+            changes["recoveryStarts"] = [format_time(t) for t in starts]
         rset = await self._patch(
             rset,
-            {"recovery": _wire(recovery), "recoveryStarts": [format_time(t) for t in starts]},
+            changes,
             [
                 ConditionUpdate.of(SetConditionType.RECOVERING.value, True, loss.reason, message),
                 ConditionUpdate.of(SetConditionType.READY.value, False, loss.reason, message),
@@ -364,7 +374,7 @@ class RecoveryFlow:
             ],
         )
         if self._on_transition is not None:
-            await self._on_transition(rset, loss.reason, message, True)
+            await self._on_transition(rset, loss.reason, message, not resume)
         return rset
 
     async def churn(self, rset: RolloutSet, loss: Loss) -> tuple[ChurnDecision, RolloutSet]:
@@ -1116,6 +1126,29 @@ async def repair_false_recovery(kube: Kube, namespace: str, name: str) -> Repair
     return Repair(REPAIRED, message)
 
 
+async def start_resume(kube: Kube, flow: RecoveryFlow, rset: RolloutSet, live_pods: int) -> bool:
+    """Start the recovery of a resume when one is due (`policy.resume_due`: the policy cleared
+    Suspended and none of the set's pods runs); whether it started."""
+    if not resume_due(rset, live_pods):
+        return False
+    # Read again before a new attempt's pods are created: a suspend written meanwhile wins.
+    namespace, name = rset.metadata.namespace or "default", rset.metadata.name
+    raw = await kube.get_set(namespace, name, fresh=True)
+    if raw is None:
+        return False
+    rset = RolloutSet.model_validate(raw)
+    if not resume_due(rset, live_pods):
+        return False
+    attempt = rset.status.attempt or 1
+    message = (
+        f"resumed after suspend: attempt {attempt + 1} restores the latest Ready checkpoint "
+        "into fresh pods"
+    )
+    logger.info("set %s: %s", name, message)
+    await flow.start(rset, Loss(RESUMED_REASON, message))
+    return True
+
+
 @dataclass(frozen=True)
 class RecoveryLook:
     """What one look at a set did: ran a recovery, or asks to look again at `retry_at`."""
@@ -1143,6 +1176,10 @@ async def recover_if_needed(
     flow = RecoveryFlow(kube, on_transition=on_transition)
     if rset.status.recovery is None:
         pods, nodes_of, lost_nodes = await observe(kube, rset)
+        live = sum(1 for p in pods if not (p.terminating or p.finished))
+        if await start_resume(kube, flow, rset, live):
+            await flow.run(namespace, name)
+            return RecoveryLook(ran=True)
         terminating = any(p.terminating for p in pods)
         held = await eviction_holds(kube, rset) if terminating else frozenset()
         loss = detect_loss(rset, pods, nodes_of, lost_nodes, held)
