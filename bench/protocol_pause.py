@@ -47,6 +47,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TypeVar
 
+import aiohttp
 import anyio
 import httpx
 from rollout_protocol import (
@@ -207,13 +208,18 @@ def write_and_fsync(directory: Path, sizes: list[int]) -> float:
         return time.perf_counter() - started
 
 
-async def round_trips(http: httpx.AsyncClient, urls: Sequence[str], samples: int) -> list[float]:
+async def round_trips(
+    session: aiohttp.ClientSession, urls: Sequence[str], samples: int
+) -> list[float]:
     """Seconds of authenticated control-plane calls (status) to every participant in `urls` at
-    once (a fan-out, as the commit and the resume make), `samples` times one after another."""
+    once (a fan-out, as the commit and the resume make), `samples` times one after another;
+    through the session the coordinator's participant clients use (aiohttp, as theirs)."""
 
     async def status(url: str) -> None:
         headers = {"Authorization": f"Bearer {TOKEN}"}
-        (await http.get(url + "/checkpoint/v1/status", headers=headers)).raise_for_status()
+        async with session.get(url + "/checkpoint/v1/status", headers=headers) as reply:
+            reply.raise_for_status()
+            await reply.read()
 
     times = []
     for _ in range(samples):
@@ -322,7 +328,10 @@ async def bench(episodes: int, repeats: int, replicas: int, root: Path) -> None:
                         )
                 live_after = time.perf_counter() - started
 
-                async with httpx.AsyncClient(timeout=120) as control:
+                # no connection limit: every participant's prepare parks on its connection
+                unlimited = aiohttp.TCPConnector(limit=0)
+                timeout = aiohttp.ClientTimeout(total=120)
+                async with aiohttp.ClientSession(connector=unlimited, timeout=timeout) as control:
                     participants = [
                         TimedParticipant(
                             HttpParticipantClient(

@@ -33,8 +33,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import anyio
-import httpx
 from protocol_pause import TOKEN, servers
 from rollout_protocol import Coordinator, HttpParticipantClient, Role
 from rollout_servers.client import EpisodeFailed, EpisodeSpec, RolloutClient, episode_specs
@@ -69,7 +69,7 @@ async def one_run(
     args: argparse.Namespace,
     urls: dict[Role, str],
     checkpoint_root: Path,
-    control: httpx.AsyncClient,
+    control: aiohttp.ClientSession,
 ) -> Run:
     """Run the seeded episodes once; with checkpoints, take one every `args.interval` seconds."""
     run = Run(checkpoints=with_checkpoints)
@@ -128,7 +128,7 @@ async def bench(args: argparse.Namespace, root: Path) -> None:
     runs: list[Run] = []
     with servers(root, extra) as procs:
         urls = {role: url for (role, _), (url, _) in procs.items()}
-        async with httpx.AsyncClient(timeout=60) as control:
+        async with aiohttp.ClientSession() as control:
             for n, with_checkpoints in enumerate(order):
                 run = await one_run(n, with_checkpoints, args, urls, root / "checkpoints", control)
                 runs.append(run)

@@ -15,8 +15,10 @@ A coordinator (an operator, a Slurm job, `rollout-coordinate`) drives participan
 `Coordinator` and `HttpParticipantClient`; `storage` functions read and write the published
 records.
 
-This package depends on pydantic, httpx, anyio and FastAPI/Starlette only. It never imports the
-operator or the reference servers; everything not listed in `__all__` is private.
+This package depends on pydantic, aiohttp (`HttpParticipantClient`), httpx (the conformance kit's
+own requests), anyio and FastAPI/Starlette only; the conformance kit also serves in-process apps
+with uvicorn. It never imports the operator or the reference servers; everything not listed in
+`__all__` is private.
 """
 
 from ._client import HttpParticipantClient, ParticipantClient, ParticipantError

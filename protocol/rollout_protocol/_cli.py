@@ -22,10 +22,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import anyio
-import httpx
 
 from . import _storage as storage
-from ._client import HttpParticipantClient
+from ._client import HttpParticipantClient, _default_session
 from ._coordinator import Coordinator, StatusOutcome
 from ._wire import CHECKPOINT_ID_PATTERN, Role, StatusReply
 
@@ -161,7 +160,9 @@ async def run(
     except UsageError as error:
         console.progress(f"error: {error}")
         return EXIT_USAGE
-    async with httpx.AsyncClient() as client:
+    # one session for every participant: no connection limit, as each client's own (a parked
+    # prepare holds its connection)
+    async with _default_session() as client:
         participants = [
             HttpParticipantClient(spec.role, spec.url, index=spec.index, token=token, client=client)
             for spec in specs

@@ -5,7 +5,8 @@ control token) or against their ASGI app in process. Each check is named by a ru
 a broken rule raises `ConformanceError` (an `AssertionError`, so pytest shows it as a failure)
 whose message names the rule, what was expected and what was observed.
 
-Entry points (all async; run them under anyio, e.g. `@pytest.mark.anyio`):
+Entry points (all async; run them on asyncio, e.g. `@pytest.mark.anyio` with the asyncio backend:
+the participant client is aiohttp's):
 
 * `check_participant(target, checkpoint_root=..., lease_grace_seconds=...)` runs every
   single-participant check in order: `auth.every-route`, `bodies.strict`, `phases.replay` and
@@ -24,8 +25,9 @@ Entry points (all async; run them under anyio, e.g. `@pytest.mark.anyio`):
   `StepCounters.snapshot`). The `EpisodeDriver` protocol is what you implement: how to run an
   episode, hold it mid-way, crash and restart your processes.
 * `serve_app(app, role=..., token=...)` serves an ASGI app in process (its lifespan runs, so the
-  lease watchdog does) and yields a `ServedApp` whose `target` the checks take; `start_app` does
-  the same inside a task group you own, for drivers that crash and restart apps.
+  lease watchdog does) on a loopback port and yields a `ServedApp` whose `target` the checks
+  take; `start_app` does the same inside a task group you own, for drivers that crash and
+  restart apps.
 
 From a server author's pytest:
 
@@ -44,8 +46,8 @@ or, against a process: `Target("http://127.0.0.1:8080", Role.ENVIRONMENT, token=
 the participant with a short `ROLLOUT_LEASE_GRACE_SECONDS` (one second) and pass the same value
 as `lease_grace_seconds`: the lease check waits for the lapse (polling `/status` with a deadline).
 
-This module imports nothing beyond the contract's own dependencies (no pytest), and
-`import rollout_protocol` does not import it.
+This module imports nothing beyond the contract's own dependencies and uvicorn (which serves
+in-process apps; no pytest), and `import rollout_protocol` does not import it.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -61,15 +64,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+import aiohttp
 import anyio
 import anyio.to_thread
 import httpx
+import uvicorn
 from anyio.abc import TaskGroup, TaskStatus
 from pydantic import BaseModel, TypeAdapter, ValidationError
-from starlette.types import ASGIApp, Message
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import _storage as storage
-from ._client import HttpParticipantClient, ParticipantError
+from ._client import HttpParticipantClient, ParticipantError, _default_session
 from ._coordinator import CommitOutcome, Coordinator
 from ._routes import ROUTES, Route
 from ._wire import (
@@ -167,8 +172,10 @@ class ConformanceError(AssertionError):
 class Target:
     """One participant the kit talks to: its base URL, role, control token and counter path.
 
-    `client` (optional) is the `httpx.AsyncClient` to use, e.g. one over an ASGI transport; the
-    kit never closes a client it was given.
+    `client` (optional) is the `httpx.AsyncClient` the kit sends its own raw requests with
+    (refusals, counters); `session` (optional) the `aiohttp.ClientSession` its
+    `HttpParticipantClient` sends the protocol's calls with. The kit makes what it is not given,
+    and never closes a client or session it was given.
     """
 
     base_url: str
@@ -177,6 +184,7 @@ class Target:
     index: int = 0
     client: httpx.AsyncClient | None = None
     stats_path: str = "/stats"
+    session: aiohttp.ClientSession | None = None
 
     @property
     def name(self) -> str:
@@ -185,7 +193,7 @@ class Target:
 
 @dataclass
 class _Conn:
-    """A target with an open HTTP client and the contract's client over it."""
+    """A target with an open HTTP client for raw requests and the contract's client."""
 
     target: Target
     http: httpx.AsyncClient
@@ -206,12 +214,22 @@ class _Conn:
 async def _connect(targets: Sequence[Target], call_timeout_s: float) -> AsyncIterator[list[_Conn]]:
     async with AsyncExitStack() as stack:
         conns: list[_Conn] = []
+        shared: aiohttp.ClientSession | None = None  # for every target without a session
         for target in targets:
             http = target.client
             if http is None:
                 http = await stack.enter_async_context(httpx.AsyncClient())
+            session = target.session
+            if session is None:
+                if shared is None:
+                    shared = await stack.enter_async_context(_default_session())
+                session = shared
             participant = HttpParticipantClient(
-                target.role, target.base_url, index=target.index, token=target.token, client=http
+                target.role,
+                target.base_url,
+                index=target.index,
+                token=target.token,
+                client=session,
             )
             conns.append(_Conn(target, http, participant, call_timeout_s))
         yield conns
@@ -1163,21 +1181,72 @@ def _compare_counts(
 # --- in-process apps ------------------------------------------------------------------------
 
 
-class _CrashableTransport(httpx.ASGITransport):
-    """An ASGI transport that refuses connections once its app crashed, as a dead process."""
+class _Loopback:
+    """HTTP for an in-process app: uvicorn's protocol on a loopback port, in this event loop.
+
+    Every client reaches the app as it would a process (the kit's httpx client and the aiohttp
+    session of its participant client alike). `close` drops it as a killed process would: the
+    port refuses connections, open connections are dropped, and requests in flight are cancelled
+    without an answer. The app's lifespan is not run here (`ServedApp` runs it).
+    """
 
     def __init__(self, app: ASGIApp) -> None:
-        super().__init__(app=app)
-        self.crashed = False
+        self._app = app
+        # IPPROTO_TCP named: asyncio sets TCP_NODELAY on accepted connections only then (with
+        # the default protocol 0 every reply on a kept-alive connection waits ~40 ms for an ACK)
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        self._socket.bind(("127.0.0.1", 0))
+        self._socket.listen(128)
+        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
+        # idle connections are kept longer than any client keeps them (httpx 5 s), so a client
+        # never sends on a connection this side is closing; `close` ends them all anyway
+        config = uvicorn.Config(
+            self._serve,
+            interface="asgi3",
+            lifespan="off",
+            log_config=None,
+            proxy_headers=False,
+            timeout_keep_alive=60,
+        )
+        self._server = uvicorn.Server(config)
+        self._requests: set[anyio.CancelScope] = set()
+        self._closed = False
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if self.crashed:
-            raise httpx.ConnectError("the participant crashed", request=request)
-        return await super().handle_async_request(request)
+    async def start(self) -> None:
+        config = self._server.config
+        config.load()
+        self._server.lifespan = config.lifespan_class(config)  # "off": nothing runs
+        await self._server.startup(sockets=[self._socket])
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # a request cancelled by `close` ends here, quietly: its connection is gone already
+        with anyio.CancelScope() as request:
+            if self._closed:
+                return
+            self._requests.add(request)
+            try:
+                await self._app(scope, receive, send)
+            finally:
+                self._requests.discard(request)
+
+    def close(self) -> None:
+        """Stop at once (idempotent): refuse connections, drop open ones, cancel requests."""
+        self._closed = True
+        for server in getattr(self._server, "servers", []):
+            server.close()
+        self._socket.close()
+        for connection in list(self._server.server_state.connections):
+            connection.transport.abort()  # before the cancellations: no answer goes out
+        for request in list(self._requests):
+            request.cancel()
 
 
 class ServedApp:
-    """An ASGI app served in process with its lifespan running; `target` reaches it."""
+    """An ASGI app served in process with its lifespan running; `target` reaches it.
+
+    The app answers HTTP on a loopback port (127.0.0.1, a port the system picks) in this event
+    loop; `client` is an httpx client with that base URL (the target's `client`).
+    """
 
     def __init__(
         self,
@@ -1187,12 +1256,11 @@ class ServedApp:
         token: str,
         index: int = 0,
         stats_path: str = "/stats",
-        base_url: str = "http://participant",
     ) -> None:
         self.app = app
-        self._transport = _CrashableTransport(app)
-        self.client = httpx.AsyncClient(transport=self._transport, base_url=base_url)
-        self.target = Target(base_url, role, token, index, self.client, stats_path)
+        self._http = _Loopback(app)
+        self.client = httpx.AsyncClient(base_url=self._http.url)
+        self.target = Target(self._http.url, role, token, index, self.client, stats_path)
         self._scope = anyio.CancelScope()
         self._stop = anyio.Event()
         self._stopped = anyio.Event()
@@ -1201,7 +1269,6 @@ class ServedApp:
     async def _run(self, *, task_status: TaskStatus[None], timeout_s: float) -> None:
         to_app, app_inbox = anyio.create_memory_object_stream[Message](4)
         app_outbox, from_app = anyio.create_memory_object_stream[Message](4)
-        started = False
         try:
             with self._scope:
                 async with anyio.create_task_group() as group:
@@ -1220,34 +1287,35 @@ class ServedApp:
                         message = await from_app.receive()
                     if message["type"] != "lifespan.startup.complete":
                         raise RuntimeError(f"the app did not start: {message}")
-                    started = True
+                    await self._http.start()
                     task_status.started()
                     await self._stop.wait()
+                    self._http.close()
                     if self._graceful:
                         with anyio.move_on_after(timeout_s):
                             await to_app.send({"type": "lifespan.shutdown"})
                             await from_app.receive()
                     group.cancel_scope.cancel()
         finally:
+            self._http.close()
             self._stopped.set()
             for stream in (to_app, app_inbox, app_outbox, from_app):
                 stream.close()
-            if not started:
-                self._transport.crashed = True
 
     async def crash(self) -> None:
-        """Stop the app as a SIGKILL would: no shutdown, its tasks cancelled, calls refused."""
-        self._transport.crashed = True
+        """Stop the app as a SIGKILL would: no shutdown, its tasks and requests cancelled,
+        connections dropped, calls refused."""
+        self._http.close()
         self._graceful = False
         self._scope.cancel()
         await self._stopped.wait()
         await self.client.aclose()
 
     async def stop(self) -> None:
-        """Run the app's lifespan shutdown, then close the client."""
+        """Stop serving HTTP (requests still in flight are cancelled), run the app's lifespan
+        shutdown, then close the client."""
         self._stop.set()
         await self._stopped.wait()
-        self._transport.crashed = True
         await self.client.aclose()
 
 

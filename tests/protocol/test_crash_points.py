@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import aiohttp
 import anyio
 import httpx
 from rollout_protocol import Role
@@ -54,7 +55,7 @@ async def test_checkpoint_at_every_point_survives_a_crash(make_cluster: Any) -> 
         "verify-wait": two_step_task(5, verify="wait"),
         "cleanup": two_step_task(6),
     }
-    async with httpx.AsyncClient(timeout=60) as http:
+    async with httpx.AsyncClient(timeout=60) as http, aiohttp.ClientSession() as session:
         env, agent, model, resources = (
             Debug(http, cluster.url(role))
             for role in (Role.ENVIRONMENT, Role.AGENT, Role.MODEL, Role.RESOURCES)
@@ -98,7 +99,7 @@ async def test_checkpoint_at_every_point_survives_a_crash(make_cluster: Any) -> 
             await resources.paused("verify", "verify-wait")
             await env.paused("cleanup", "cleanup")
 
-            coordinator = cluster.coordinator(http)
+            coordinator = cluster.coordinator(session)
             prepared: list[Any] = []
 
             async def prepare() -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import anyio
 import httpx
 import pytest
@@ -190,28 +191,29 @@ async def cut_at(
     rollout_id = key.partition("/")[0]
     hooks = Debug(http, url)
     await hooks.arm("token", rollout_id, index=k)
-    coordinator = Coordinator([HttpParticipantClient(Role.MODEL, url, token=TOKEN, client=http)])
     results: list[Generation] = []
+    async with HttpParticipantClient(Role.MODEL, url, token=TOKEN) as participant:
+        coordinator = Coordinator([participant])
 
-    async def generate() -> None:
-        try:
-            results.append(await completion(http, url, body, key))
-        except httpx.TransportError:
-            assert then_kill is not None
+        async def generate() -> None:
+            try:
+                results.append(await completion(http, url, body, key))
+            except httpx.TransportError:
+                assert then_kill is not None
 
-    async with anyio.create_task_group() as group:
-        group.start_soon(generate)
-        await hooks.paused("token", rollout_id)
-        prepared = await coordinator.prepare(checkpoint_id, deadline(30))
-        assert prepared.episodes == [EpisodeId(rollout_id=rollout_id, attempt=0)]
-        await hooks.release("token", rollout_id)
-        commit = await coordinator.commit(checkpoint_id, deadline(30), prepared.scope())
-        assert commit.ok, commit.failures
-        if then_kill is not None:
-            then_kill.process.kill()
-            await anyio.to_thread.run_sync(then_kill.stop)
-            return None
-        assert not (await coordinator.resume(checkpoint_id, deadline(30))).failures
+        async with anyio.create_task_group() as group:
+            group.start_soon(generate)
+            await hooks.paused("token", rollout_id)
+            prepared = await coordinator.prepare(checkpoint_id, deadline(30))
+            assert prepared.episodes == [EpisodeId(rollout_id=rollout_id, attempt=0)]
+            await hooks.release("token", rollout_id)
+            commit = await coordinator.commit(checkpoint_id, deadline(30), prepared.scope())
+            assert commit.ok, commit.failures
+            if then_kill is not None:
+                then_kill.process.kill()
+                await anyio.to_thread.run_sync(then_kill.stop)
+                return None
+            assert not (await coordinator.resume(checkpoint_id, deadline(30))).failures
     return results[0]
 
 
@@ -409,11 +411,11 @@ async def test_cut_survives_a_crash_and_continues_under_the_next_attempt(
 
     second_engine = LlamaServer.start(_binary(), model, tmp_path / "b") if engine_lost else engine
     try:
-        async with httpx.AsyncClient(timeout=60) as http:
+        async with httpx.AsyncClient(timeout=60) as http, aiohttp.ClientSession() as session:
             second = await anyio.to_thread.run_sync(lambda: relay(root, second_engine, attempt=1))
             try:
                 coordinator = Coordinator(
-                    [HttpParticipantClient(Role.MODEL, second.url, token=TOKEN, client=http)]
+                    [HttpParticipantClient(Role.MODEL, second.url, token=TOKEN, client=session)]
                 )
                 restored = await coordinator.restore("crash-1", 1, deadline(30))
                 assert restored.ok, restored.failures

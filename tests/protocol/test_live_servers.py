@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import anyio
 import httpx
 from rollout_protocol import (
@@ -54,13 +55,13 @@ async def test_retire_cancels_before_cleanup_and_never_interrupts_it(
     cluster = shared_cluster
     early, late = "retire-early", "retire-late"
     task = two_step_task(9)
-    async with httpx.AsyncClient(timeout=60) as http:
+    async with httpx.AsyncClient(timeout=60) as http, aiohttp.ClientSession() as session:
         reference = await run_ok(http, cluster, "ref-retire", 0, task)
         env, agent = debug(http, cluster, Role.ENVIRONMENT), debug(http, cluster, Role.AGENT)
         await agent.arm("turn", early, index=1)
         await env.arm("cleanup", late)
         environment = HttpParticipantClient(
-            Role.ENVIRONMENT, cluster.url(Role.ENVIRONMENT), token=TOKEN, client=http
+            Role.ENVIRONMENT, cluster.url(Role.ENVIRONMENT), token=TOKEN, client=session
         )
         replies: dict[str, httpx.Response] = {}
         retired: dict[str, Any] = {}
@@ -117,7 +118,7 @@ async def test_stuck_wait_step_blocks_prepare_and_resume_reopens(shared_cluster:
     cluster = shared_cluster
     stuck = "stuck-verify"
     task = two_step_task(10, verify="wait")
-    async with httpx.AsyncClient(timeout=60) as http:
+    async with httpx.AsyncClient(timeout=60) as http, aiohttp.ClientSession() as session:
         reference = await run_ok(http, cluster, "ref-stuck", 0, task)
         resources = debug(http, cluster, Role.RESOURCES)
         await resources.arm("verify", stuck)
@@ -129,7 +130,7 @@ async def test_stuck_wait_step_blocks_prepare_and_resume_reopens(shared_cluster:
         async with anyio.create_task_group() as group:
             group.start_soon(episode)
             await resources.paused("verify", stuck)
-            coordinator = cluster.coordinator(http)
+            coordinator = cluster.coordinator(session)
             outcome = await coordinator.checkpoint(
                 "ckpt-stuck", prepare_timeout=1.0, commit_timeout=10
             )
@@ -154,7 +155,7 @@ async def test_open_checkpoint_holds_finished_work_until_resume(shared_cluster: 
     cluster = shared_cluster
     response, verdict = "hold-response", "hold-verdict"
     tasks = {response: two_step_task(11), verdict: two_step_task(12, verify="replay")}
-    async with httpx.AsyncClient(timeout=60) as http:
+    async with httpx.AsyncClient(timeout=60) as http, aiohttp.ClientSession() as session:
         reference = {
             rid: await run_ok(http, cluster, f"ref-{rid}", 0, t) for rid, t in tasks.items()
         }
@@ -168,9 +169,9 @@ async def test_open_checkpoint_holds_finished_work_until_resume(shared_cluster: 
         async def episode(rid: str) -> None:
             results[rid] = await run_ok(http, cluster, rid, 0, tasks[rid])
 
-        coordinator = cluster.coordinator(http)
+        coordinator = cluster.coordinator(session)
         environment = HttpParticipantClient(
-            Role.ENVIRONMENT, cluster.url(Role.ENVIRONMENT), token=TOKEN, client=http
+            Role.ENVIRONMENT, cluster.url(Role.ENVIRONMENT), token=TOKEN, client=session
         )
         async with anyio.create_task_group() as group:
             for rid in tasks:
@@ -268,7 +269,7 @@ async def test_model_front_streams_relays_and_cuts(shared_cluster: Cluster, tmp_
         )
     )
     try:
-        async with httpx.AsyncClient(timeout=30) as http:
+        async with httpx.AsyncClient(timeout=30) as http, aiohttp.ClientSession() as session:
             plain = await _chat(http, upstream, body)
             assert "CALC:" in plain
             assert await _chat(http, upstream, body, stream=True) == plain
@@ -291,7 +292,7 @@ async def test_model_front_streams_relays_and_cuts(shared_cluster: Cluster, tmp_
             hooks = Debug(http, relay.url)
             await hooks.arm("token", "relay-cut", index=3)
             coordinator = Coordinator(
-                [HttpParticipantClient(Role.MODEL, relay.url, token=TOKEN, client=http)]
+                [HttpParticipantClient(Role.MODEL, relay.url, token=TOKEN, client=session)]
             )
             texts: list[str] = []
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import aiohttp
 import anyio
 import httpx
 from rollout_protocol import ErrorCode, Role
@@ -34,7 +35,7 @@ async def test_second_crash_continues_and_scope_releases(make_cluster: Any) -> N
     cluster.start(0)
     kept, dropped = "kept", "dropped"
     tasks = {kept: two_step_task(7), dropped: two_step_task(8)}
-    async with httpx.AsyncClient(timeout=60) as http:
+    async with httpx.AsyncClient(timeout=60) as http, aiohttp.ClientSession() as session:
         reference = {
             rid: await run_ok(http, cluster, f"ref-{rid}", 0, t) for rid, t in tasks.items()
         }
@@ -47,7 +48,7 @@ async def test_second_crash_continues_and_scope_releases(make_cluster: Any) -> N
                 group.start_soon(run_until_crash, http, cluster, rid, 0, task)
             for rid in tasks:
                 await agent.paused("turn", rid)
-            coordinator = cluster.coordinator(http)
+            coordinator = cluster.coordinator(session)
             first = await coordinator.checkpoint("ckpt-a", prepare_timeout=20, commit_timeout=20)
             assert first.ok, first.message
             before = await all_stats(http, cluster)

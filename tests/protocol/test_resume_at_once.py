@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import aiohttp
 import anyio
 import httpx
 from rollout_protocol import HttpParticipantClient, ResumeRequest, Role
@@ -40,17 +41,17 @@ async def test_a_caller_resumed_before_its_callees_waits_at_their_gates(
     await anyio.to_thread.run_sync(cluster.start, 0)
     parked, fresh = "gate-parked", "gate-fresh"
     tasks = {parked: two_step_task(21), fresh: two_step_task(22)}
-    async with httpx.AsyncClient(timeout=60) as http:
+    async with httpx.AsyncClient(timeout=60) as http, aiohttp.ClientSession() as session:
         reference = {
             rid: await run_ok(http, cluster, f"ref-{rid}", 0, task) for rid, task in tasks.items()
         }
         agent = Debug(http, cluster.url(Role.AGENT))
         await agent.arm("turn", parked, index=1)
         clients = {
-            role: HttpParticipantClient(role, cluster.url(role), token=TOKEN, client=http)
+            role: HttpParticipantClient(role, cluster.url(role), token=TOKEN, client=session)
             for role in Role
         }
-        coordinator = cluster.coordinator(http)
+        coordinator = cluster.coordinator(session)
         results: dict[str, dict[str, Any]] = {}
 
         async def episode(rid: str) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import anyio
 import anyio.to_thread
 import httpx
@@ -138,13 +139,14 @@ class Cluster:
             _close(process)
         self.processes.clear()
 
-    def participants(self, http: httpx.AsyncClient) -> list[HttpParticipantClient]:
+    def participants(self, session: aiohttp.ClientSession) -> list[HttpParticipantClient]:
         return [
-            HttpParticipantClient(role, self.url(role), token=TOKEN, client=http) for role in Role
+            HttpParticipantClient(role, self.url(role), token=TOKEN, client=session)
+            for role in Role
         ]
 
-    def coordinator(self, http: httpx.AsyncClient, **kwargs: Any) -> Coordinator:
-        return Coordinator(self.participants(http), **kwargs)
+    def coordinator(self, session: aiohttp.ClientSession, **kwargs: Any) -> Coordinator:
+        return Coordinator(self.participants(session), **kwargs)
 
 
 def server_env(checkpoint_root: Path, attempt: int) -> dict[str, str]:

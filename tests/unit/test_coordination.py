@@ -1,8 +1,9 @@
 """The coordinator against real control planes: order, scope, publish, restore, failures.
 
-Most tests reach the control planes through `HttpParticipantClient` over httpx's ASGI transport (the
-real apps, in process); the loopback tests run real uvicorn servers on 127.0.0.1, and the CLI
-test runs `rollout-coordinate` as a separate process against them.
+Most tests reach the control planes through `HttpParticipantClient` (aiohttp) over the conformance
+kit's `serve_app` (the real apps, in process, each on its own loopback port); the loopback tests
+run real uvicorn servers on 127.0.0.1, and the CLI test runs `rollout-coordinate` as a separate
+process against them.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import anyio
-import httpx
+import anyio.abc
 import pytest
 import uvicorn
 from fastapi import FastAPI
@@ -54,6 +56,7 @@ from rollout_protocol import (
 )
 from rollout_protocol import _cli as coordination_cli
 from rollout_protocol import _storage as storage
+from rollout_protocol.conformance import serve_app
 from testsupport.participants import FakeParticipant
 
 TOKEN = "coordination-test-token"
@@ -177,16 +180,14 @@ def _members(
 
 @asynccontextmanager
 async def _in_process(members: dict[Role, Member]) -> AsyncIterator[Cluster]:
-    """Every member's app behind its own ASGI transport, wrapped in a journaling spy."""
+    """Every member's app served in process on its own loopback port (lifespan on, so the
+    watchdog runs), reached through one session and wrapped in a journaling spy."""
     cluster = Cluster(members)
     async with AsyncExitStack() as stack:
+        client = await stack.enter_async_context(aiohttp.ClientSession())
         for role, member in members.items():
-            await stack.enter_async_context(member.plane.running())
-            client = httpx.AsyncClient(transport=httpx.ASGITransport(app=member.app))
-            await stack.enter_async_context(client)
-            inner = HttpParticipantClient(
-                role, f"http://{role.value}-0", token=TOKEN, client=client
-            )
+            served = await stack.enter_async_context(serve_app(member.app, role=role, token=TOKEN))
+            inner = HttpParticipantClient(role, served.target.base_url, token=TOKEN, client=client)
             member.spy = Spy(inner, cluster.journal)
         yield cluster
 
@@ -528,7 +529,7 @@ async def _served(members: dict[Role, Member]) -> AsyncIterator[dict[Role, str]]
 
 
 def _http_participants(
-    urls: dict[Role, str], client: httpx.AsyncClient
+    urls: dict[Role, str], client: aiohttp.ClientSession
 ) -> list[HttpParticipantClient]:
     return [
         HttpParticipantClient(role, urls[role], token=TOKEN, client=client)
@@ -539,14 +540,14 @@ def _http_participants(
 async def test_checkpoint_crash_and_restore_over_loopback_http(tmp_path: Path) -> None:
     first = _members(tmp_path)
     with anyio.fail_after(WAIT):
-        async with _served(first) as urls, httpx.AsyncClient() as client:
+        async with _served(first) as urls, aiohttp.ClientSession() as client:
             result = await Coordinator(_http_participants(urls, client)).checkpoint(
                 "ck-1", prepare_timeout=5, commit_timeout=5, publish_dir=tmp_path, set_name="demo"
             )
             assert result.ok, result.message
 
         second = _members(tmp_path, attempt=1, rollouts={})
-        async with _served(second) as urls, httpx.AsyncClient() as client:
+        async with _served(second) as urls, aiohttp.ClientSession() as client:
             coordinator = Coordinator(_http_participants(urls, client))
             outcome = await coordinator.restore("ck-1", 1, time.time() + 5)
             assert outcome.ok, outcome.failures
@@ -595,7 +596,39 @@ async def test_http_participant_maps_errors_and_gives_up_at_the_deadline(tmp_pat
         with anyio.fail_after(WAIT), pytest.raises(ParticipantError) as unreachable:
             await gone.status(time.time() + 0.3)
     assert unreachable.value.code is ErrorCode.UNREACHABLE
-    assert "ConnectError" in unreachable.value.detail
+    assert "ClientConnectorError" in unreachable.value.detail  # aiohttp's refused connection
+
+
+async def test_http_participant_without_an_answer_is_unresponsive_at_its_deadline() -> None:
+    """A participant that takes the call and never answers: the call ends at its deadline plus
+    the reply margin (not before, not rounded up), unresponsive, and is not sent again."""
+    connections = 0
+
+    async def never_answer(stream: anyio.abc.SocketStream) -> None:
+        nonlocal connections
+        connections += 1
+        async with stream:
+            with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+                while True:
+                    await stream.receive()
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    async with listener, anyio.create_task_group() as group:
+        group.start_soon(listener.serve, never_answer)
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        async with HttpParticipantClient(
+            Role.MODEL, f"http://127.0.0.1:{port}", token=TOKEN, reply_margin_seconds=0.2
+        ) as silent:
+            request = PrepareRequest(checkpoint_id="x", deadline_ts=time.time() + 0.3)
+            started = time.monotonic()
+            with anyio.fail_after(WAIT), pytest.raises(ParticipantError) as unresponsive:
+                await silent.prepare(request)
+            took = time.monotonic() - started
+        group.cancel_scope.cancel()
+    assert unresponsive.value.code is ErrorCode.UNRESPONSIVE
+    assert "got no answer by its deadline" in unresponsive.value.detail
+    assert 0.45 <= took < 1.5, took
+    assert connections == 1, "a call that got no answer in time is not retried"
 
 
 # --- the CLI --------------------------------------------------------------------------------

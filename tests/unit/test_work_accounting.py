@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
-import httpx
+import aiohttp
 import pytest
 from fastapi import FastAPI
 from prometheus_client import REGISTRY
@@ -44,6 +44,7 @@ from rollout_protocol import (
     RuntimeParticipant,
     StepMode,
 )
+from rollout_protocol.conformance import serve_app
 from rollout_servers.servers.common import ServerOptions
 from rollout_servers.servers.model import ModelServer
 from testsupport.participants import FakeParticipant
@@ -61,8 +62,10 @@ def soon() -> float:
 async def coordinated(
     participants: Sequence[Participant], root: Path, *, attempt: int = 0
 ) -> AsyncIterator[Coordinator]:
-    """A coordinator over real control planes of `participants` (in-process ASGI)."""
+    """A coordinator over real control planes of `participants` (served in process, each on a
+    loopback port, by the conformance kit's `serve_app`)."""
     async with AsyncExitStack() as stack:
+        session = await stack.enter_async_context(aiohttp.ClientSession())
         clients = []
         for participant in participants:
             settings = ControlSettings(
@@ -75,13 +78,12 @@ async def coordinated(
             plane = ControlPlane(participant, settings)
             app = FastAPI()
             plane.install(app)
-            await stack.enter_async_context(plane.running())
-            http = await stack.enter_async_context(
-                httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
+            served = await stack.enter_async_context(
+                serve_app(app, role=participant.role, token=TOKEN)
             )
             clients.append(
                 HttpParticipantClient(
-                    participant.role, f"http://{participant.role.value}-0", token=TOKEN, client=http
+                    participant.role, served.target.base_url, token=TOKEN, client=session
                 )
             )
         yield Coordinator(clients)
