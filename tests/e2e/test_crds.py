@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import kopf
 import pytest
 from pydantic import ValidationError
 from rollout_operator.cluster.kube import Kube
@@ -221,7 +222,7 @@ def test_checkpoint_rules(crds: Cluster, namespace: str) -> None:
 
 
 async def test_a_sets_checkpoints_are_listed_by_the_api_server(
-    crds: Cluster, namespace: str
+    crds: Cluster, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`spec.rolloutSet` is a selectable field: the operator's list of one set's checkpoints
     (every policy pass) is filtered by the API server, unlabelled ones included."""
@@ -236,7 +237,8 @@ async def test_a_sets_checkpoints_are_listed_by_the_api_server(
 
     for name, set_name in [("a-1", "set-a"), ("a-2", "set-a"), ("b-1", "set-b")]:
         assert create(crds, namespace, checkpoint(name, set_name))[0] == 0
-    kube = await Kube.connect(kubeconfig=str(crds.kubeconfig))
+    monkeypatch.setenv("KUBECONFIG", str(crds.kubeconfig))  # how the operator's client logs in
+    kube = Kube.connect(kopf.OperatorSettings())
     try:
         listed = await kube.list_checkpoints(namespace, "set-a")
         assert sorted(c["metadata"]["name"] for c in listed) == ["a-1", "a-2"]
