@@ -13,19 +13,26 @@
 - `image_on_node` (session): the project's image on the provider's node (devcluster: the buildah
   build above, imported; kind: `docker build` and `kind load image-archive`).
 - `provider_namespace`: a fresh namespace per test on the provider's cluster.
+- `storage`: a hostPath folder for a set's records, writable by the image's user.
+- `operator_release`: the operator installed by Helm into `provider_namespace` (watching it);
+  the test's sets are deleted before the release is uninstalled.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from container_support import describe_pods, helm, helm_install_operator
 
 from devcluster.cluster import Cluster
 from devcluster.image import BuildResult, ProjectImage, build_project_image, snapshot_build_inputs
 from devcluster.testing import namespace_name, wait_for_sync
+from harness.helm import RELEASE
 from harness.providers import (
     ContainerClusterProvider,
     DevclusterProvider,
@@ -111,3 +118,42 @@ def provider_namespace(
 def image_on_node(container_provider: ContainerClusterProvider, image_inputs: Path) -> ProjectImage:
     """The project's image on the provider's node (containerd namespace k8s.io)."""
     return container_provider.load_project_image(image_inputs)
+
+
+@pytest.fixture
+def storage(container_provider: ContainerClusterProvider) -> Iterator[Path]:
+    """The hostPath the participants write records to: world-writable with the sticky bit (the
+    servers run as the image's user 10001), outside pytest's root-only temporary folder; made on
+    the node by the provider (on kind the node is a container, the folder is inside it)."""
+    folder = Path(tempfile.mkdtemp(prefix="rollout-containers-", dir="/tmp"))
+    container_provider.make_writable_folder(folder)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def operator_release(
+    container_provider: ContainerClusterProvider,
+    provider_namespace: str,
+    image_on_node: ProjectImage,
+) -> Iterator[str]:
+    result = helm_install_operator(container_provider, provider_namespace, image_on_node)
+    assert result.returncode == 0, (
+        f"{result.stderr}\n{describe_pods(container_provider, provider_namespace)}"
+    )
+    try:
+        yield provider_namespace
+    finally:
+        # The set goes first (its finalizers need the operator), then the release.
+        container_provider.kubectl(
+            "delete",
+            "rolloutset",
+            "--all",
+            "-n",
+            provider_namespace,
+            "--timeout=120s",
+            check=False,
+        )
+        helm(container_provider, "uninstall", RELEASE, "--namespace", provider_namespace)

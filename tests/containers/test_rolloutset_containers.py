@@ -13,22 +13,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from container_support import (
-    RELEASE,
     condition,
     describe_pods,
     get_json,
-    helm,
-    helm_install_operator,
     kubectl_apply,
 )
 
@@ -42,45 +36,6 @@ pytestmark = pytest.mark.timeout(1200)
 SET = "math-rl"
 EPISODES = 48
 CONCURRENCY = 8
-
-
-@pytest.fixture
-def storage(container_provider: ContainerClusterProvider) -> Iterator[Path]:
-    """The hostPath the participants write records to: world-writable with the sticky bit (the
-    servers run as the image's user 10001), outside pytest's root-only temporary folder; made on
-    the node by the provider (on kind the node is a container, the folder is inside it)."""
-    folder = Path(tempfile.mkdtemp(prefix="rollout-containers-", dir="/tmp"))
-    container_provider.make_writable_folder(folder)
-    try:
-        yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-@pytest.fixture
-def operator_release(
-    container_provider: ContainerClusterProvider,
-    provider_namespace: str,
-    image_on_node: ProjectImage,
-) -> Iterator[str]:
-    result = helm_install_operator(container_provider, provider_namespace, image_on_node)
-    assert result.returncode == 0, (
-        f"{result.stderr}\n{describe_pods(container_provider, provider_namespace)}"
-    )
-    try:
-        yield provider_namespace
-    finally:
-        # The set goes first (its finalizers need the operator), then the release.
-        container_provider.kubectl(
-            "delete",
-            "rolloutset",
-            "--all",
-            "-n",
-            provider_namespace,
-            "--timeout=120s",
-            check=False,
-        )
-        helm(container_provider, "uninstall", RELEASE, "--namespace", provider_namespace)
 
 
 def rollout_set(cluster: ContainerClusterProvider, namespace: str) -> dict[str, Any]:

@@ -1,0 +1,125 @@
+"""`helm upgrade` while a checkpoint prepares: the new operator pod finishes it (issue 27).
+
+The operator runs as the chart installs it (one replica, the `Recreate` strategy) and the four
+reference servers as containers of the image. A checkpoint is held in Preparing by an episode
+parked inside the agent's tool call (the agent's `tool` debug pause point, so it cannot park);
+then `helm upgrade` changes the pod template, the kubelet sends the old operator pod SIGTERM,
+and a new pod starts. Stopping is not aborting: the checkpoint is still Preparing when the new
+pod runs, and once the tool call is let go it ends Ready under the new pod, every participant
+resumed and every episode finished.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from container_support import CHART, RELEASE, condition, get_json, helm, kubectl_apply
+from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
+from rollout_servers.discovery import rollout_set_topology
+from testsupport.operator_fixtures import Debug, participants_by_role, phases, wait_phase
+
+from devcluster.waiting import wait_for_sync
+from harness.objects import example_checkpoint, example_set
+from harness.providers import ContainerClusterProvider
+
+pytestmark = pytest.mark.timeout(900)
+
+SET = "math-rl"
+CHECKPOINT = "during-upgrade"
+EPISODES = 4
+
+
+def operator_pods(cluster: ContainerClusterProvider, namespace: str) -> list[dict[str, Any]]:
+    listed = get_json(
+        cluster, "pods", "-n", namespace, "-l", "app.kubernetes.io/name=rollout-operator"
+    )
+    return list(listed["items"])
+
+
+def checkpoint_phase(cluster: ContainerClusterProvider, namespace: str) -> str | None:
+    ckpt = get_json(cluster, "rolloutcheckpoint", CHECKPOINT, "-n", namespace)
+    phase = (ckpt.get("status") or {}).get("phase")
+    return phase if isinstance(phase, str) else None
+
+
+async def test_helm_upgrade_while_a_checkpoint_prepares_hands_it_to_the_new_operator_pod(
+    container_provider: ContainerClusterProvider,
+    operator_release: str,
+    storage: Path,
+) -> None:
+    namespace, cluster = operator_release, container_provider
+    kubectl_apply(cluster, namespace, example_set(storage, extra_args={"agent": ["--debug-hooks"]}))
+
+    def ready() -> bool:
+        obj = get_json(cluster, "rolloutset", SET, "-n", namespace)
+        return condition(obj, "Ready").get("status") == "True"
+
+    await anyio.to_thread.run_sync(lambda: wait_for_sync(ready, 300, "the set Ready"))
+    rset = get_json(cluster, "rolloutset", SET, "-n", namespace)
+    agent = participants_by_role(rset)["agent"][0]["address"]
+    [before] = operator_pods(cluster, namespace)
+    outcomes: list[EpisodeResult | EpisodeFailed] = []
+
+    async with (
+        httpx.AsyncClient() as http,
+        rollout_set_topology(SET, namespace, kubeconfig=cluster.kubeconfig) as topology,
+        anyio.create_task_group() as group,
+    ):
+        hooks = Debug(http, agent)
+        specs = episode_specs(EPISODES, 31, prefix="handover")
+        held = specs[0].rollout_id
+        await hooks.arm("tool", held)
+        client = RolloutClient(
+            topology, concurrency=EPISODES, restore_timeout_s=120, run_timeout_s=300
+        )
+
+        async def run() -> None:
+            outcomes.extend(await client.run_all(specs))
+
+        group.start_soon(run)
+        await hooks.paused("tool", held)
+        kubectl_apply(cluster, namespace, example_checkpoint(CHECKPOINT))
+        await wait_phase(http, agent, "preparing", "the agent to be preparing")
+
+        # A new pod template: the Deployment (Recreate) stops the old pod, then starts one.
+        upgraded = await anyio.to_thread.run_sync(
+            lambda: helm(
+                cluster,
+                "upgrade",
+                RELEASE,
+                str(CHART),
+                "--namespace",
+                namespace,
+                "--reuse-values",
+                "--set",
+                "podAnnotations.rollout-test/upgrade=handover",
+                "--wait",
+                "--timeout",
+                "300s",
+            )
+        )
+        assert upgraded.returncode == 0, upgraded.stderr
+        pods = operator_pods(cluster, namespace)
+        assert [p["metadata"]["name"] for p in pods] != [before["metadata"]["name"]], pods
+        assert checkpoint_phase(cluster, namespace) == "Preparing", "stopping is not aborting"
+
+        assert await hooks.release("tool", held) == 1
+        await anyio.to_thread.run_sync(
+            lambda: wait_for_sync(
+                lambda: checkpoint_phase(cluster, namespace) in ("Ready", "Failed"),
+                120,
+                f"{CHECKPOINT} Ready or Failed under the new operator pod",
+            )
+        )
+        ckpt = get_json(cluster, "rolloutcheckpoint", CHECKPOINT, "-n", namespace)
+        assert condition(ckpt, "Ready").get("status") == "True", ckpt["status"]
+        assert (ckpt["status"].get("episodes") or 0) >= 1, ckpt["status"]
+        assert set((await phases(http, rset)).values()) == {"idle"}
+
+    failed = [o for o in outcomes if isinstance(o, EpisodeFailed)]
+    assert not failed, failed
+    assert len(outcomes) == EPISODES
