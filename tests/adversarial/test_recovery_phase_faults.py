@@ -86,7 +86,12 @@ def fault_set(storage: Path) -> dict[str, Any]:
         probe = participant["template"]["spec"]["containers"][0]["readinessProbe"]
         probe["failureThreshold"] = 600  # a frozen pod stays Ready: it is slow, not gone
         if participant["role"] == "environment":
-            probe["initialDelaySeconds"] = 3  # no restore before a test froze what it needs
+            # No restore before a test froze what it needs: the restore starts the moment every
+            # pod of the attempt is Ready, and the tests freeze the model right after it turns
+            # Ready. 3 s lost that race once in a loaded full run (the model took about as long
+            # to turn Ready, and the operator restores within milliseconds since it reads its
+            # state from watches).
+            probe["initialDelaySeconds"] = 6
     return rset
 
 
