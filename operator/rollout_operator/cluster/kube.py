@@ -33,18 +33,13 @@ from ..model.api import (
 from .cache import CHECKPOINTS, PODS, SETS, ClusterCache
 from .rest import MERGE_PATCH, ApiClient, ApiError, Transport, api_path, credentials
 
-__all__ = ["ApiError", "Conflict", "Kube", "api_error_message"]
+__all__ = ["ApiError", "Conflict", "Kube"]
 
 logger = logging.getLogger(__name__)
 
 
 class Conflict(Exception):
     """The object changed between our read and our write (HTTP 409); read again and retry."""
-
-
-def api_error_message(error: ApiError) -> str:
-    """The API server's own message (a `Status` body), e.g. why a pod was refused."""
-    return error.message
 
 
 def _sets(namespace: str, name: str | None = None, subresource: str | None = None) -> str:
