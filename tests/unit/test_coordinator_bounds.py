@@ -75,7 +75,8 @@ class Frozen:
 
     async def _hang(self, operation: str, deadline_ts: float) -> None:
         self.calls.append(operation)
-        await anyio.sleep(max(deadline_ts - time.time(), 0.0))
+        with anyio.move_on_after(max(deadline_ts - time.time(), 0.0)):
+            await anyio.Event().wait()  # never set: no answer comes
         raise ParticipantError(
             ErrorCode.UNRESPONSIVE, f"{operation}: no answer by its deadline", self.instance
         )
