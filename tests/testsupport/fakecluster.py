@@ -309,24 +309,20 @@ class FakeCluster:
     def _forget(self, key: tuple[str, str | None, str]) -> None:
         obj = self.objects.pop(key, None)
         if obj is not None:
-            self._watched(key, None, was=obj)
+            self._watched(key, obj, removed=True)
 
     def _watched(
-        self,
-        key: tuple[str, str | None, str],
-        obj: dict[str, Any] | None,
-        *,
-        was: dict[str, Any] | None = None,
+        self, key: tuple[str, str | None, str], obj: dict[str, Any], *, removed: bool = False
     ) -> None:
         """What the operator's watch would do with this change: re-index and wake."""
         index = INDEX_OF.get(key[0])
         if index is None:
             return
-        entries, set_name = index_entries(INDEX_OF[key[0]], obj if obj is not None else was or {})
-        self.indexes[index].set((key[1], key[2]), entries if obj is not None else {})
-        if set_name is not None:
+        entries, owner = index_entries(index, obj)
+        self.indexes[index].set((key[1], key[2]), {} if removed else entries)
+        if owner is not None:
             for cache in self._caches:
-                cache.changed(key[1] or "default", set_name)
+                cache.changed(*owner)
 
 
 def _parse(

@@ -110,27 +110,30 @@ def pods_key(namespace: str, set_name: str) -> tuple[str, str]:
     return (namespace, set_name)
 
 
-def index_entries(kind: str, obj: Mapping[str, Any]) -> tuple[dict[Any, Seen], str | None]:
-    """What one object contributes to the index of `kind`, and the set it belongs to (whose
-    waiters its change wakes). One definition for the Kopf indexes (`handlers/indexes.py`) and
-    the unit tests' fake cluster, which feeds a `ClusterCache` as the watches would."""
+def index_entries(
+    kind: str, obj: Mapping[str, Any]
+) -> tuple[dict[Any, Seen], tuple[str, str] | None]:
+    """What one object contributes to the index of `kind`, and the (namespace, name) of the set
+    it belongs to (whose waiters its change wakes). One definition for the Kopf indexes
+    (`handlers/indexes.py`) and the unit tests' fake cluster, which feeds a `ClusterCache` as
+    the watches would."""
     meta = obj.get("metadata") or {}
     namespace, name = str(meta.get("namespace") or "default"), str(meta.get("name") or "")
     seen = Seen.of(obj)
     if kind == SETS:
-        return {set_key(namespace, name): seen}, name
+        return {set_key(namespace, name): seen}, (namespace, name)
     if kind == CHECKPOINTS:
         entries: dict[Any, Seen] = {checkpoint_key(namespace, name): seen}
         set_name = (obj.get("spec") or {}).get(CHECKPOINT_SET_FIELD)
         if not isinstance(set_name, str):
             return entries, None
         entries[checkpoints_of_set_key(namespace, set_name)] = seen
-        return entries, set_name
+        return entries, (namespace, set_name)
     if kind == PODS:
         set_name = (meta.get("labels") or {}).get(LABEL_SET)
         if not isinstance(set_name, str):
             return {}, None
-        return {pods_key(namespace, set_name): seen}, set_name
+        return {pods_key(namespace, set_name): seen}, (namespace, set_name)
     if kind == NODES:
         return {name: seen}, None
     raise ValueError(f"no index of {kind!r}")

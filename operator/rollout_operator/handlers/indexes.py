@@ -20,11 +20,10 @@ from .runtime import MEMO_KUBE
 
 
 def _entries(kind: str, body: kopf.Body, memo: kopf.Memo) -> dict[Any, Seen]:
-    entries, set_name = index_entries(kind, body)
+    entries, owner = index_entries(kind, body)
     kube = memo.get(MEMO_KUBE)
-    if set_name is not None and isinstance(kube, Kube):  # none before startup: nobody waits
-        namespace = str(body.get("metadata", {}).get("namespace") or "default")
-        kube.cache.changed(namespace, set_name)
+    if owner is not None and isinstance(kube, Kube):  # none before startup: nobody waits
+        kube.cache.changed(*owner)
     return entries
 
 
