@@ -151,10 +151,6 @@ class ApiClient:
         self._info = login()
         self._session: aiohttp.ClientSession | None = None
 
-    @property
-    def server(self) -> str:
-        return self._info.server
-
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             info = self._info

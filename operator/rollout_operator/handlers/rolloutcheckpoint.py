@@ -54,17 +54,15 @@ HANDOVER_SECONDS: Final = 4.0
 next operator (below the daemon's `cancellation_backoff`, after which Kopf cancels it anyway)."""
 
 
-def _aborts_when(stopped: kopf.DaemonStopped) -> bool:
-    """Only a deleted checkpoint is aborted. An exiting operator hands its checkpoints over, a
-    paused one (another took over through peering) leaves them to the other, and the daemon's
-    own end (the terminal phase written) needs nothing."""
-    reason = stopped.reason
-    return reason is not None and bool(reason & kopf.DaemonStoppingReason.RESOURCE_DELETED)
+_ABORTS: Final = kopf.DaemonStoppingReason.RESOURCE_DELETED
+"""Only a deleted checkpoint is aborted. An exiting operator hands its checkpoints over
+(`_HANDS_OVER`), a paused one (another took over through peering) leaves them to the other, and
+the daemon's own end (the terminal phase written) needs nothing."""
+_HANDS_OVER: Final = kopf.DaemonStoppingReason.OPERATOR_EXITING
 
 
-def _hands_over_when(stopped: kopf.DaemonStopped) -> bool:
-    reason = stopped.reason
-    return reason is not None and bool(reason & kopf.DaemonStoppingReason.OPERATOR_EXITING)
+def _stopped_because(stopped: kopf.DaemonStopped, why: kopf.DaemonStoppingReason) -> bool:
+    return stopped.reason is not None and bool(stopped.reason & why)
 
 
 def _unfinished(status: kopf.Status, **_: Any) -> bool:
@@ -103,7 +101,7 @@ async def run_checkpoint(
     failures: list[Exception] = []
 
     def _aborts() -> bool:
-        return _aborts_when(stopped)
+        return _stopped_because(stopped, _ABORTS)
 
     async with anyio.create_task_group() as group:
 
@@ -111,7 +109,7 @@ async def run_checkpoint(
             await stopped.wait()
             if _aborts():
                 group.cancel_scope.cancel()
-            elif _hands_over_when(stopped):
+            elif _stopped_because(stopped, _HANDS_OVER):
                 await anyio.sleep(HANDOVER_SECONDS)  # the flow's own end cancels this first
                 logger.info(
                     "checkpoint %s: the operator stops; left in its phase for the next one", name
