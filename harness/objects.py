@@ -13,10 +13,11 @@ examples through these; they live here rather than in the `make demo` script tha
 from __future__ import annotations
 
 import json
+import subprocess
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import yaml
 from kubernetes_asyncio import client as k8s
@@ -54,7 +55,15 @@ def apply_crds(cluster: Cluster, crds: Path = CRDS) -> None:
     wait_for_sync(both_established, 60, "the CRDs to be Established", interval=0.2)
 
 
-def create_namespace(cluster: Cluster, name: str) -> None:
+class KubectlTarget(Protocol):
+    """A devcluster `Cluster` or a `harness.providers` provider: what has their `kubectl`."""
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60.0
+    ) -> subprocess.CompletedProcess[str]: ...
+
+
+def create_namespace(cluster: KubectlTarget, name: str) -> None:
     """A namespace whose default ServiceAccount exists (pods are refused before it does)."""
     cluster.kubectl("create", "namespace", name)
     wait_for_sync(
@@ -63,6 +72,22 @@ def create_namespace(cluster: Cluster, name: str) -> None:
         f"the default ServiceAccount of namespace {name}",
         interval=0.2,
     )
+
+
+def delete_namespace(cluster: KubectlTarget, name: str) -> None:
+    """Force-delete the namespace's pods, then the namespace, without waiting for either."""
+    cluster.kubectl(
+        "delete",
+        "pods",
+        "--all",
+        "-n",
+        name,
+        "--force",
+        "--grace-period=0",
+        "--wait=false",
+        check=False,
+    )
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
 def _load(path: Path) -> dict[str, Any]:

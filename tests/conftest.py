@@ -32,7 +32,8 @@ from pathlib import Path
 import pytest
 
 from devcluster.cluster import Cluster
-from devcluster.testing import e2e_cluster, namespace_name, wait_for_sync
+from devcluster.testing import e2e_cluster, namespace_name
+from harness.objects import create_namespace, delete_namespace
 
 pytest_plugins = ["testsupport.operator_fixtures"]
 
@@ -80,28 +81,7 @@ def container_namespace(
 
 def _fresh_namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
     name = namespace_name(request.node.name)
-    cluster.kubectl("create", "namespace", name)
-    wait_for_sync(
-        lambda: (
-            cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode
-            == 0
-        ),
-        timeout=30,
-        what=f"the default ServiceAccount in namespace {name}",
-        interval=0.2,
-    )
+    create_namespace(cluster, name)
     yield name
-    if os.environ.get("ROLLOUT_E2E_KEEP_NAMESPACES"):
-        return
-    cluster.kubectl(
-        "delete",
-        "pods",
-        "--all",
-        "-n",
-        name,
-        "--force",
-        "--grace-period=0",
-        "--wait=false",
-        check=False,
-    )
-    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    if not os.environ.get("ROLLOUT_E2E_KEEP_NAMESPACES"):
+        delete_namespace(cluster, name)

@@ -33,6 +33,7 @@ from devcluster.cluster import Cluster
 from devcluster.image import BuildResult, ProjectImage, build_project_image, snapshot_build_inputs
 from devcluster.testing import namespace_name, wait_for_sync
 from harness.helm import RELEASE
+from harness.objects import create_namespace, delete_namespace
 from harness.providers import (
     ContainerClusterProvider,
     DevclusterProvider,
@@ -86,32 +87,11 @@ def provider_namespace(
     """`namespace` of `tests/conftest.py` on the provider's cluster: created with its `default`
     ServiceAccount in place, its pods force-deleted and itself deleted afterwards (kept with
     `ROLLOUT_E2E_KEEP_NAMESPACES=1`)."""
-    kubectl = container_provider.kubectl
     name = namespace_name(request.node.name)
-    kubectl("create", "namespace", name)
-    wait_for_sync(
-        lambda: (
-            kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode == 0
-        ),
-        timeout=30,
-        what=f"the default ServiceAccount in namespace {name}",
-        interval=0.2,
-    )
+    create_namespace(container_provider, name)
     yield name
-    if os.environ.get("ROLLOUT_E2E_KEEP_NAMESPACES"):
-        return
-    kubectl(
-        "delete",
-        "pods",
-        "--all",
-        "-n",
-        name,
-        "--force",
-        "--grace-period=0",
-        "--wait=false",
-        check=False,
-    )
-    kubectl("delete", "namespace", name, "--wait=false", check=False)
+    if not os.environ.get("ROLLOUT_E2E_KEEP_NAMESPACES"):
+        delete_namespace(container_provider, name)
 
 
 @pytest.fixture(scope="session")

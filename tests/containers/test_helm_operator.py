@@ -10,13 +10,10 @@ containers on the node included.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from container_support import (
     FULLNAME,
     RELEASE,
-    describe_pods,
     get_json,
     helm,
     helm_install_operator,
@@ -30,29 +27,12 @@ from harness.providers import ContainerClusterProvider
 pytestmark = pytest.mark.timeout(900)
 
 
-@pytest.fixture
-def installed_operator(
-    container_provider: ContainerClusterProvider,
-    provider_namespace: str,
-    image_on_node: ProjectImage,
-) -> Iterator[str]:
-    """`helm install` of the chart with the image built here; uninstalled afterwards."""
-    result = helm_install_operator(container_provider, provider_namespace, image_on_node)
-    assert result.returncode == 0, (
-        f"{result.stderr}\n{describe_pods(container_provider, provider_namespace)}"
-    )
-    try:
-        yield provider_namespace
-    finally:
-        helm(container_provider, "uninstall", RELEASE, "--namespace", provider_namespace)
-
-
 def test_helm_install_runs_the_operator_pod_from_the_image_under_the_charts_service_account(
     container_provider: ContainerClusterProvider,
-    installed_operator: str,
+    operator_release: str,
     image_on_node: ProjectImage,
 ) -> None:
-    namespace = installed_operator
+    namespace = operator_release
     [pod] = get_json(
         container_provider, "pods", "-n", namespace, "-l", "app.kubernetes.io/name=rollout-operator"
     )["items"]

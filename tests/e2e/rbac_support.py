@@ -204,34 +204,6 @@ def operator_process(
 # --- namespaces and objects, through kubectl -----------------------------------------------------
 
 
-def create_namespace(cluster: Cluster, name: str) -> None:
-    cluster.kubectl("create", "namespace", name)
-    wait_for_sync(
-        lambda: (
-            cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode
-            == 0
-        ),
-        30,
-        f"the default ServiceAccount in {name}",
-        interval=0.2,
-    )
-
-
-def delete_namespace(cluster: Cluster, name: str) -> None:
-    cluster.kubectl(
-        "delete",
-        "pods",
-        "--all",
-        "-n",
-        name,
-        "--force",
-        "--grace-period=0",
-        "--wait=false",
-        check=False,
-    )
-    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
-
-
 def apply(cluster: Cluster, namespace: str, obj: dict[str, Any]) -> None:
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj))
 

@@ -39,8 +39,6 @@ from rbac_support import (
     apply,
     apply_rbac,
     condition,
-    create_namespace,
-    delete_namespace,
     delete_rbac,
     get_json,
     log_text,
@@ -60,7 +58,7 @@ from testsupport.operator_fixtures import release_finalizers, sample, samples
 from devcluster.cluster import Cluster
 from devcluster.testing import namespace_name
 from devcluster.waiting import WaitTimeout, wait_for
-from harness.objects import with_storage
+from harness.objects import create_namespace, delete_namespace, with_storage
 from harness.operatorprocess import OperatorProcess
 
 EXAMPLES = ROOT / "examples"

@@ -23,8 +23,6 @@ from rbac_support import (
     apply,
     apply_rbac,
     condition,
-    create_namespace,
-    delete_namespace,
     delete_rbac,
     get_json,
     log_text,
@@ -40,6 +38,7 @@ from rbac_support import (
 
 from devcluster.cluster import Cluster
 from devcluster.testing import namespace_name
+from harness.objects import create_namespace, delete_namespace
 
 WAIT_S = 90.0
 
