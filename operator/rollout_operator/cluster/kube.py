@@ -244,11 +244,6 @@ class Kube:
         )
         return cast(list[dict[str, Any]], listing.get("items") or [])
 
-    async def get_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
-        """One pod read from the API (not the watch: used for pods no set index holds, such as
-        a records cleanup pod); None when it does not exist."""
-        return await self._get(api_path("pods", namespace=namespace, name=name))
-
     async def create_pod(self, namespace: str, manifest: Mapping[str, Any]) -> bool:
         """Create a pod; False when one with that name exists already (idempotent retries)."""
         created = await self._create_if_absent(api_path("pods", namespace=namespace), manifest)

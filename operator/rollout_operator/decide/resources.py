@@ -376,6 +376,8 @@ def cleanup_pod(
                 "securityContext": {
                     "allowPrivilegeEscalation": False,
                     "capabilities": {"drop": ["ALL"]},
+                    "readOnlyRootFilesystem": True,
+                    "seccompProfile": {"type": "RuntimeDefault"},
                 },
             }
         ],

@@ -52,6 +52,7 @@ from ..cluster.objects import read_control_token
 from ..cluster.storage import CLEANUP_IMAGE_ENV, StorageLocator
 from ..decide.resources import (
     CLEANUP_DEADLINE_SECONDS,
+    LABEL_RECORDS_OF,
     cleanup_pod,
     control_port,
     participant_url,
@@ -178,7 +179,10 @@ class RecordsRemover:
         namespace = rset.metadata.namespace or "default"
         manifest = cleanup_pod(rset, scope, image)
         name = manifest["metadata"]["name"]
-        pod = await self._kube.get_pod(namespace, name)
+        # Listed by its label, not read by name: the `list` the chart grants for pods already
+        # covers it (no `get` on pods needed).
+        listed = await self._kube.list_pods(namespace, f"{LABEL_RECORDS_OF}={rset.metadata.name}")
+        pod = next((p for p in listed if (p.get("metadata") or {}).get("name") == name), None)
         if pod is None:
             await self._kube.create_pod(namespace, manifest)
             logger.info("set %s: cleanup pod %s removes the %s", rset.metadata.name, name, what)
