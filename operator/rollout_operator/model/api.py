@@ -48,6 +48,8 @@ LABEL_SET: Final = f"{GROUP}/set"
 LABEL_ROLE: Final = f"{GROUP}/role"
 LABEL_INDEX: Final = f"{GROUP}/index"
 LABEL_ATTEMPT: Final = f"{GROUP}/attempt"
+ANNOTATION_ADOPTED: Final = f"{GROUP}/adopted-as"
+"""On a standby pod a recovery adopted: the instance (`role-index`) it took."""
 LABEL_STANDBY: Final = f"{GROUP}/standby"
 """On a standby pod (value "true"): a Ready spare of its role that belongs to no attempt
 (`kubectl get pods -l checkpoint.rollout.dev/standby=true`). A recovery that adopts it replaces
