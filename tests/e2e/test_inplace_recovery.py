@@ -88,11 +88,16 @@ def operator(cluster: Cluster, namespace: str, tmp_path: Path) -> Iterator[Metri
         yield MetricsOperator(process, f"http://127.0.0.1:{port}/metrics")
 
 
-def in_place_set(storage: Path, replicas: dict[str, int]) -> dict[str, Any]:
+def in_place_set(
+    storage: Path, replicas: dict[str, int], spec: dict[str, Any] | None = None
+) -> dict[str, Any]:
     obj = example_set(
         storage,
         extra_args={"model": ["--debug-hooks"]},
-        spec={"recovery": {"restorePolicy": "InPlace", "restoreTimeoutSeconds": 120}},
+        spec={
+            "recovery": {"restorePolicy": "InPlace", "restoreTimeoutSeconds": 120},
+            **(spec or {}),
+        },
     )
     for participant in obj["spec"]["participants"]:
         participant["replicas"] = replicas.get(participant["role"], 1)
@@ -162,6 +167,7 @@ async def checkpoint_kill_recover(
     *,
     replicas: dict[str, int],
     frozen: str | None = None,
+    spec: dict[str, Any] | None = None,
 ) -> Outcome:
     """Run episodes, checkpoint them (one held mid-generation), kill the pod of instance `lose`,
     and wait until the set runs again under attempt 2; then run the same tasks uninterrupted.
@@ -169,11 +175,16 @@ async def checkpoint_kill_recover(
     `lose` is `role-index`, or `model-*`: the model instance that holds the episode, killed
     while it still holds it (so a cut generation is provably in flight on the lost pod). A
     kept model lets the held episode go on before the kill. `frozen`: an instance whose pod
-    is stopped (SIGSTOP) at the kill: it cannot retire."""
-    cluster.kubectl(
-        "apply", "-n", namespace, "-f", "-", input=json.dumps(in_place_set(storage, replicas))
-    )
-    before = await resources.wait_set("Ready", lambda o: is_true(o, "Ready"), 120)
+    is stopped (SIGSTOP) at the kill: it cannot retire. `spec` merges into the set's spec; with
+    `standby` in it the kill waits until every standby is Ready."""
+    obj = in_place_set(storage, replicas, spec)
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj))
+
+    def ready(o: dict[str, Any]) -> bool:
+        standby = (o.get("status") or {}).get("standby") or {}
+        return is_true(o, "Ready") and standby.get("ready") == standby.get("desired")
+
+    before = await resources.wait_set("Ready (and its standbys)", ready, 120)
     pods = pods_by_instance(before)
     specs = episode_specs(EPISODES, SEED)
     held = specs[0].rollout_id
@@ -662,3 +673,66 @@ async def test_a_kept_pod_frozen_during_an_in_place_restore_ends_the_try_within_
 
 def _seconds(stamp: str) -> float:
     return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+STANDBY_CASES = {
+    # InPlace: the kept pods stay, the lost model's instance is taken by the model standby,
+    # which restores the cut generation and continues it.
+    "model, InPlace": ({"model": 1}, "InPlace", "model-*"),
+    # Recreate: every pod goes; the agent standby takes agent-0, fresh pods the rest.
+    "agent, Recreate": ({"agent": 1}, "Recreate", "agent-0"),
+}
+
+
+@pytest.mark.parametrize("case", list(STANDBY_CASES))
+async def test_a_standby_is_adopted_for_the_lost_instance(
+    cluster: Cluster,
+    namespace: str,
+    operator: MetricsOperator,
+    resources: Resources,
+    storage_dir: Path,
+    case: str,
+) -> None:
+    """Issue 22: a Ready standby of the lost role takes the lost instance (its UID is the
+    standby's), restores the instance's records with its identity and peers, every episode
+    finishes exactly once (`check_recovered_run`), and a replacement standby starts."""
+    standby, policy, lose = STANDBY_CASES[case]
+    spec = {
+        "standby": standby,
+        "recovery": {"restorePolicy": policy, "restoreTimeoutSeconds": 120},
+    }
+    got = await checkpoint_kill_recover(
+        cluster, namespace, resources, storage_dir, lose, replicas={}, spec=spec
+    )
+    [spare] = got.before["status"]["standby"]["pods"]
+    after = pods_by_instance(got.after)
+    assert after[got.lost] == spare, (got.lost, after)
+    assert got.uids_after[spare] == got.uids_before[spare], "adopted, not recreated"
+    last = got.after["status"]["lastRecovery"]
+    assert last["adopted"] == [f"{got.lost}={spare}"], last
+    assert last["restorePolicy"] == policy
+    assert last["checkpoint"] == "in-flight"
+    labels = json.loads(cluster.kubectl("get", "pod", spare, "-n", namespace, "-o", "json").stdout)[
+        "metadata"
+    ]["labels"]
+    assert labels["checkpoint.rollout.dev/attempt"] == "2"
+    assert "checkpoint.rollout.dev/standby" not in labels
+
+    # A replacement standby, made under attempt 2, Ready; the adoption is counted.
+    replaced = await resources.wait_set(
+        "a replacement standby Ready",
+        lambda o: (
+            (o["status"].get("standby") or {}).get("ready") == 1
+            and spare not in o["status"]["standby"]["pods"]
+        ),
+        120,
+    )
+    [fresh] = replaced["status"]["standby"]["pods"]
+    assert fresh.endswith("-a2"), fresh
+    async with httpx.AsyncClient(timeout=5) as http:
+
+        async def counted() -> bool:
+            found = samples((await http.get(operator.metrics_url)).text)
+            return sample(found, "rollout_standby_pods_total", set=SET, event="adopted") == 1.0
+
+        await wait_for(counted, 20, "the adoption counted in rollout_standby_pods_total")

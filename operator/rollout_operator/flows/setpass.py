@@ -353,7 +353,8 @@ async def reconcile_set(
     # for lost participants and recovered over and over.)
     if plan.all_ready and not pods_created and not plan.stale:
         changes["createdAttempt"] = attempt
-    standby = await keep_standbys(kube, rset, attempt, plan if pods_created else None)
+    up = pods_created or "createdAttempt" in changes
+    standby = await keep_standbys(kube, rset, attempt, plan if up else None)
     changes["standby"] = None if standby is None else standby.model_dump(mode="json", by_alias=True)
     warnings = tuple((RESERVED_VOLUME, note) for note in reserved_volume_notes(rset))
     return await write(changes, ReconcileOutcome(recheck_at=health.recheck_at, warnings=warnings))
