@@ -736,3 +736,83 @@ async def test_a_standby_is_adopted_for_the_lost_instance(
             return sample(found, "rollout_standby_pods_total", set=SET, event="adopted") == 1.0
 
         await wait_for(counted, 20, "the adoption counted in rollout_standby_pods_total")
+
+
+def standby_ready(o: dict[str, Any]) -> bool:
+    standby = (o.get("status") or {}).get("standby") or {}
+    return is_true(o, "Ready") and standby.get("ready") == standby.get("desired") == 1
+
+
+async def test_an_idle_standby_lost_is_replaced_without_a_recovery(
+    cluster: Cluster,
+    namespace: str,
+    operator: MetricsOperator,
+    resources: Resources,
+    storage_dir: Path,
+) -> None:
+    obj = in_place_set(storage_dir, {}, {"standby": {"environment": 1}})
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj))
+    before = await resources.wait_set("Ready with its standby", standby_ready, 120)
+    [spare] = before["status"]["standby"]["pods"]
+    assert await cluster.admin.kill_pod_async(namespace, spare)
+    after = await resources.wait_set(
+        "a new standby Ready",
+        lambda o: standby_ready(o) and spare not in o["status"]["standby"]["pods"],
+        120,
+    )
+    assert after["status"]["attempt"] == 1, "a standby's loss is no participant's loss"
+    assert after["status"].get("recovery") is None
+    assert after["status"].get("restarts", 0) == 0
+    assert pods_by_instance(after) == pods_by_instance(before)
+    listed = json.loads(cluster.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)
+    assert spare not in {p["metadata"]["name"] for p in listed["items"]}, "the dead one went"
+
+
+@pytest.mark.adversarial
+async def test_a_standby_lost_during_its_adoption_ends_in_one_attempt(
+    cluster: Cluster,
+    namespace: str,
+    operator: MetricsOperator,
+    resources: Resources,
+    storage_dir: Path,
+) -> None:
+    """Issue 22: the model pod is killed, the model standby is adopted and held inside its
+    restore (`install` pause point), then killed too. The try fails, the next one runs under
+    attempt 3 with fresh pods (no standby is left: replacements start once the set runs), and
+    the set ends Ready under attempt 3 alone."""
+    obj = in_place_set(storage_dir, {}, {"standby": {"model": 1}})
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj))
+    before = await resources.wait_set("Ready with its standby", standby_ready, 120)
+    pods = pods_by_instance(before)
+    [spare] = before["status"]["standby"]["pods"]
+    pod = json.loads(cluster.kubectl("get", "pod", spare, "-n", namespace, "-o", "json").stdout)
+    async with httpx.AsyncClient() as http:
+        standby = Debug(http, f"http://{pod['status']['podIP']}:8000")
+        await checkpoint_ready(cluster, resources, "base")
+        await standby.arm("install")
+        assert await cluster.admin.kill_pod_async(namespace, pods["model-0"])
+        await standby.paused("install", limit_s=90)
+        adopting = await resources.wait_set(
+            "the standby adopted",
+            lambda o: bool((o["status"].get("recovery") or {}).get("adopted")),
+            30,
+        )
+        assert adopting["status"]["recovery"]["adopted"] == [f"model-0={spare}"]
+        assert await cluster.admin.kill_pod_async(namespace, spare)
+        after = await resources.wait_set(
+            "Ready with no recovery",
+            lambda o: o["status"].get("recovery") is None and is_true(o, "Ready"),
+            180,
+        )
+    assert after["status"]["attempt"] == 3, after["status"]
+    assert {p["attempt"] for p in after["status"]["participants"]} == {3}
+    assert spare not in pods_by_instance(after).values()
+    assert after["status"]["lastRecovery"]["adopted"] == []
+    listed = json.loads(cluster.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)
+    left = {
+        p["metadata"]["name"]
+        for p in listed["items"]
+        if (p["metadata"].get("labels") or {}).get("checkpoint.rollout.dev/attempt") in ("1", "2")
+        and not p["metadata"].get("deletionTimestamp")
+    }
+    assert left == set(), f"pods of attempt 1 or 2 left: {left}"
