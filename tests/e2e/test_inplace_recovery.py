@@ -681,6 +681,8 @@ STANDBY_CASES = {
     "model, InPlace": ({"model": 1}, "InPlace", "model-*"),
     # Recreate: every pod goes; the agent standby takes agent-0, fresh pods the rest.
     "agent, Recreate": ({"agent": 1}, "Recreate", "agent-0"),
+    "environment, InPlace": ({"environment": 1}, "InPlace", "environment-0"),
+    "resources, Recreate": ({"resources": 1}, "Recreate", "resources-0"),
 }
 
 

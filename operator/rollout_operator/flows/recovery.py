@@ -678,7 +678,7 @@ class RecoveryFlow:
                 namespace,
                 standby.name,
                 labels={LABEL_ATTEMPT: str(target), LABEL_INDEX: str(index), LABEL_STANDBY: None},
-                annotations={ANNOTATION_ADOPTED: instance_name(instance)},
+                annotations={ANNOTATION_ADOPTED: f"{instance_name(instance)}@{target}"},
             )
             if relabelled:
                 logger.info(
@@ -689,11 +689,16 @@ class RecoveryFlow:
                     target,
                 )
         raw = await self._kube.list_pods(namespace, set_selector(rset.metadata.name))
+        # Adopted by this recovery (the annotation names the attempt): a pod adopted by an
+        # earlier one and kept since is an ordinary participant now.
         adopted = sorted(
-            f"{annotations[ANNOTATION_ADOPTED]}={meta['name']}"
+            f"{instance}={meta['name']}"
             for meta in (p.get("metadata") or {} for p in raw)
-            for annotations in [meta.get("annotations") or {}]
-            if ANNOTATION_ADOPTED in annotations
+            for instance, _, when in [
+                str((meta.get("annotations") or {}).get(ANNOTATION_ADOPTED, "")).partition("@")
+            ]
+            if instance
+            and when == str(target)
             and (meta.get("labels") or {}).get(LABEL_ATTEMPT) == str(target)
         )
         if adopted == recovery.adopted:

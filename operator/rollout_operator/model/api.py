@@ -49,7 +49,8 @@ LABEL_ROLE: Final = f"{GROUP}/role"
 LABEL_INDEX: Final = f"{GROUP}/index"
 LABEL_ATTEMPT: Final = f"{GROUP}/attempt"
 ANNOTATION_ADOPTED: Final = f"{GROUP}/adopted-as"
-"""On a standby pod a recovery adopted: the instance (`role-index`) it took."""
+"""On a standby pod a recovery adopted: the instance it took and the attempt it took it under
+(`role-index@attempt`)."""
 LABEL_STANDBY: Final = f"{GROUP}/standby"
 """On a standby pod (value "true"): a Ready spare of its role that belongs to no attempt
 (`kubectl get pods -l checkpoint.rollout.dev/standby=true`). A recovery that adopts it replaces
