@@ -16,7 +16,6 @@ import math
 import ssl
 import time
 from collections.abc import Callable
-from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
 
 import anyio
@@ -118,7 +117,8 @@ once; this is only the wait for the event loop to confirm it)."""
 @functools.cache
 def _transport_errors() -> tuple[type[BaseException], ...]:
     """What a retry may cure. Not `aiohttp.InvalidURL`: a bad base URL never gets better."""
-    aiohttp = _aiohttp()
+    import aiohttp
+
     return (
         aiohttp.ClientConnectionError,  # refused, reset, disconnected, TLS, socket timeouts
         aiohttp.ClientPayloadError,  # a reply body cut short or badly encoded
@@ -127,16 +127,10 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     )
 
 
-def _aiohttp() -> ModuleType:
-    """aiohttp, imported on first use: only callers of a control plane need it."""
-    try:
-        import aiohttp
-    except ImportError as error:  # pragma: no cover - depends on the installation
-        raise ImportError(
-            "HttpParticipantClient (and the conformance kit) need aiohttp: "
-            "pip install 'rollout-protocol[client]' (or '[kit]')"
-        ) from error
-    return aiohttp
+_NO_AIOHTTP = (
+    "HttpParticipantClient (and the conformance kit) need aiohttp: "
+    "pip install 'rollout-protocol[client]' (or '[kit]')"
+)
 
 
 def _default_session() -> aiohttp.ClientSession:
@@ -152,7 +146,10 @@ def _default_session() -> aiohttp.ClientSession:
     per call): control calls go straight to a participant's address, whatever `HTTP_PROXY` and
     its kin say (httpx, the client before, honoured them).
     """
-    aiohttp = _aiohttp()
+    try:  # imported on first use: only callers of a control plane need it
+        import aiohttp
+    except ImportError as error:  # pragma: no cover - depends on the installation
+        raise ImportError(_NO_AIOHTTP) from error
     connector = aiohttp.TCPConnector(
         ssl=_tls_context(), limit=0, limit_per_host=0, keepalive_timeout=_KEEPALIVE_S
     )
@@ -278,7 +275,8 @@ class HttpParticipantClient:
         headers = self._headers if content is None else self._json_headers
         give_up = deadline_ts + self._margin
         backoff = 0.05
-        aiohttp = _aiohttp()
+        import aiohttp  # installed: the session above is aiohttp's
+
         while True:
             # aiohttp's total timeout bounds the whole call (connect, send, the reply and its
             # body), to the moment: no rounding up to whole seconds (its default beyond 5 s)
