@@ -17,21 +17,26 @@ the participant client is aiohttp's):
   The participant must be idle, have a checkpoint root (`ROLLOUT_CHECKPOINT_ROOT`, the same
   directory as `checkpoint_root` here) and be dedicated to the kit: the phases check restores
   into it, which moves it to the next attempt.
-* `check_crash_restore(driver, checkpoint_root=..., rollout_ids=...)` is `steps.no-rerun` (with
-  `restore.all-or-nothing` on the real records of running episodes): start episodes, checkpoint
-  them mid-way through the `Coordinator`, crash every participant, restart them under
-  `attempt + 1`, refuse damaged copies of the checkpoint, restore it, finish the episodes, and
-  compare the step counters each participant serves at `GET /stats?rollout_id=...` (the shape of
-  `StepCounters.snapshot`). The `EpisodeDriver` protocol is what you implement: how to run an
-  episode, hold it mid-way, crash and restart your processes.
+* `check_crash_restore(driver, checkpoint_root=..., rollout_ids=...)` checks what keeps episodes
+  exactly once across a crash: `steps.no-rerun` and `steps.indexed` (with
+  `restore.all-or-nothing` on the real records of running episodes), the `/run` duties
+  (`run.attempt-mismatch`, `run.retired`, `run.repeat-live`, `run.repeat-finished`),
+  `model.headers` and `state.in-boundary`: start episodes, checkpoint them mid-way through the
+  `Coordinator`, crash every participant, restart them under `attempt + 1`, refuse damaged
+  copies of the checkpoint, restore it, finish the episodes, compare the step counters each
+  participant serves at `GET /stats?rollout_id=...` (the shape of `StepCounters.snapshot`) and
+  the results with uninterrupted runs of the same tasks. The `EpisodeDriver` protocol is what
+  you implement: how to run an episode (raising `RunRefused` for a refused `/run`), hold it
+  mid-way, crash and restart your processes.
 * `serve_app(app, role=..., token=...)` serves an ASGI app in process (its lifespan runs, so the
   lease watchdog does) on a loopback port and yields a `ServedApp` whose `target` the checks
   take; `start_app` does the same inside a task group you own, for drivers that crash and
   restart apps.
 
-From a server author's pytest:
+From a server author's pytest (docs/sdk.md has a complete one, with a driver):
 
-    from rollout_protocol import Role
+    import pytest
+    from rollout_protocol import ControlSettings, Role
     from rollout_protocol.conformance import Target, check_participant, serve_app
 
     @pytest.mark.anyio
@@ -46,8 +51,10 @@ or, against a process: `Target("http://127.0.0.1:8080", Role.ENVIRONMENT, token=
 the participant with a short `ROLLOUT_LEASE_GRACE_SECONDS` (one second) and pass the same value
 as `lease_grace_seconds`: the lease check waits for the lapse (polling `/status` with a deadline).
 
-This module imports nothing beyond the contract's own dependencies and uvicorn (which serves
-in-process apps; no pytest), and `import rollout_protocol` does not import it.
+Every failure is a `ConformanceError` naming the rule, who is at fault (the participant unless
+it says the driver) and, where the kit knows, what to change. This module imports nothing beyond
+the contract's own dependencies, uvicorn (which serves in-process apps) and aiohttp (the
+coordinator's client): the `kit` extra; no pytest. `import rollout_protocol` does not import it.
 """
 
 from __future__ import annotations
