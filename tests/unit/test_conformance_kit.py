@@ -114,6 +114,8 @@ class Conforming:
         self.plane = ControlPlane(self.participant, settings)
         self.reached: defaultdict[str, anyio.Event] = defaultdict(anyio.Event)
         self.finished: dict[tuple[str, int], dict[str, Any]] = {}
+        self.model: Callable[[str, int], Awaitable[None]] | None = None
+        """Set by `ModelDriver`: the call to the group's model participant (first step only)."""
         self._never = anyio.Event()
 
     def build(self) -> FastAPI:
@@ -173,6 +175,8 @@ class Conforming:
                 following = STEP_NAMES[index + 1] if index + 1 < len(STEP_NAMES) else "done"
 
                 async def one(following: str = following, step: str = step) -> Boundary:
+                    if self.model is not None and step == STEP_NAMES[0]:
+                        await self.model(self.model_key(rollout_id), attempt)
                     self.on_step(rollout_id, step)
                     done = [*episode.boundary.state.get("steps", []), step]
                     return Boundary(following, {"steps": done})
@@ -190,6 +194,10 @@ class Conforming:
 
     def on_step(self, rollout_id: str, step: str) -> None:
         """A step ran (nothing to keep: its effect is in the boundary)."""
+
+    def model_key(self, rollout_id: str) -> str:
+        """The rollout a model call names (what X-Rollout-Request carries): the episode's."""
+        return rollout_id
 
     def result(self, episode: Episode) -> dict[str, Any]:
         """The episode's result: what its boundary says (nothing kept beside it)."""
@@ -408,6 +416,14 @@ class UnindexedSteps(Conforming):
         return "turn"
 
 
+class UnnamedModelCalls(Conforming):
+    """Breaks `model.headers`: its model calls do not name their episode (as a call without
+    X-Rollout-Request), so the model records them under no rollout of the group."""
+
+    def model_key(self, rollout_id: str) -> str:
+        return "unnamed"
+
+
 class NoObserver(Conforming):
     """Breaks `steps.no-rerun` by omission: its runtime has no `observer=`, so its counters
     stay empty; the kit must blame the participant, not the driver."""
@@ -462,6 +478,44 @@ class InProcessDriver:
             await self.served.stop()
 
 
+class ModelDriver(InProcessDriver):
+    """The fake environment and a model participant beside it (a `Conforming` of role model,
+    never held), which the environment calls in its first step: `/run` of the rollout it names
+    stands for a model call with X-Rollout-Request. Both crash and restart together."""
+
+    def __init__(self, group: TaskGroup, fake: type[Conforming], settings: ControlSettings):
+        super().__init__(group, fake, settings)
+        self.model: ServedApp | None = None
+
+    async def restart(self, attempt: int) -> None:
+        model = Conforming(replace(self.settings, role=Role.MODEL, attempt=attempt))
+        self.model = await start_app(self.group, model.build(), role=Role.MODEL, token=TOKEN)
+        await super().restart(attempt)
+        assert self.server is not None
+        self.server.model = self.call_model
+
+    async def call_model(self, rollout_id: str, attempt: int) -> None:
+        assert self.model is not None
+        reply = await self.model.client.post(
+            "/run", json={"rollout_id": rollout_id, "attempt": attempt}
+        )
+        kit.RunRefused.reply(reply)
+
+    def participants(self) -> list[kit.Target]:
+        assert self.model is not None
+        return [*super().participants(), self.model.target]
+
+    async def crash(self) -> None:
+        assert self.model is not None
+        await super().crash()
+        await self.model.crash()
+
+    async def close(self) -> None:
+        await super().close()
+        if self.model is not None:
+            await self.model.stop()
+
+
 def _settings(root: Path) -> ControlSettings:
     return ControlSettings(
         Role.ENVIRONMENT,
@@ -473,10 +527,12 @@ def _settings(root: Path) -> ControlSettings:
 
 
 @asynccontextmanager
-async def _driver(fake: type[Conforming], root: Path) -> AsyncIterator[InProcessDriver]:
+async def _driver(
+    fake: type[Conforming], root: Path, driver_type: type[InProcessDriver] = InProcessDriver
+) -> AsyncIterator[InProcessDriver]:
     error: Exception | None = None
     async with anyio.create_task_group() as group:
-        driver = InProcessDriver(group, fake, _settings(root))
+        driver = driver_type(group, fake, _settings(root))
         await driver.restart(0)
         try:
             yield driver
@@ -504,11 +560,19 @@ async def _crash_restore(fake: type[Conforming], root: Path) -> None:
         )
 
 
+async def _crash_restore_with_model(fake: type[Conforming], root: Path) -> None:
+    async with _driver(fake, root, ModelDriver) as driver:
+        await kit.check_crash_restore(
+            driver, checkpoint_root=root, rollout_ids=["r-0", "r-1"], timeout_s=WAIT
+        )
+
+
 @pytest.mark.anyio
 async def test_conforming_participant_passes_the_whole_kit(tmp_path: Path) -> None:
     with anyio.fail_after(30):
         await _whole_kit(Conforming, tmp_path / "single")
         await _crash_restore(Conforming, tmp_path / "crash")
+        await _crash_restore_with_model(Conforming, tmp_path / "with-model")
 
 
 @pytest.mark.anyio
@@ -529,6 +593,7 @@ async def test_conforming_participant_passes_the_whole_kit(tmp_path: Path) -> No
         (RepeatRunsAgain, kit.RUN_FINISHED, _crash_restore),
         (StateOutsideBoundary, kit.STATE, _crash_restore),
         (UnindexedSteps, kit.STEPS_INDEXED, _crash_restore),
+        (UnnamedModelCalls, kit.MODEL_HEADERS, _crash_restore_with_model),
     ],
     ids=lambda value: value if isinstance(value, str) else value.__name__,
 )
