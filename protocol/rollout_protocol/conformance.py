@@ -1309,6 +1309,13 @@ async def check_crash_restore(
         results = await _run_all(driver, rids, attempt + 1, timeout_s, "restored episode")
         after = {conn.target.name: await _counters(conn, rids) for conn in conns}
         _compare_counts(before, after, rids, attempt)
+        started = {name: _ran(counts, rids[0], attempt + 2) for name, counts in after.items()}
+        _expect(
+            RUN_ATTEMPT,
+            not any(started.values()),
+            f"the refused /run {rids[0]}@{attempt + 2} must start nothing",
+            f"steps counted under attempt {attempt + 2}: {started}",
+        )
 
         again = await _run_all(driver, rids[:1], attempt + 1, timeout_s, "repeated /run")
         _expect(
