@@ -132,15 +132,21 @@ class Cluster:
             self.state = fresh
         return pid
 
-    def kill_pod(self, namespace: str, name: str, container: str | None = None) -> list[int]:
+    def kill_pod(
+        self, namespace: str, name: str, container: str | None = None, *, sig: str = "SIGKILL"
+    ) -> list[int]:
         """SIGKILLs a pod's container (the first, or the named one): on the process node the
         agent kills its processes and returns their pids; on the container node containerd's
-        shim signals the container's main process (returns [] : its pid is the shim's)."""
+        shim signals the container's main process (returns [] : its pid is the shim's). On the
+        container node `sig` may be another signal (SIGSTOP freezes the container's main
+        process, SIGCONT thaws it)."""
         if self.state.container_node is None:
+            if sig != "SIGKILL":
+                raise DevclusterError(f"the process node only kills pods ({sig} asked)")
             return self.admin.kill_pod(namespace, name, container)
         result = self.kubectl("get", "pod", name, "-n", namespace, "-o", "json")
         containerd_id = _container_id(result.stdout, container)
-        containernode.kill_container(self.state, containerd_id)
+        containernode.kill_container(self.state, containerd_id, sig)
         return []
 
     # --- the container node (node_runtime="containerd") ---------------------------------------

@@ -68,9 +68,12 @@ class ContainerClusterProvider(Protocol):
         so pods run it with `imagePullPolicy: Never`."""
         ...
 
-    def kill_container(self, namespace: str, pod: str, container: str | None = None) -> None:
+    def kill_container(
+        self, namespace: str, pod: str, container: str | None = None, *, sig: str = "SIGKILL"
+    ) -> None:
         """SIGKILLs the main process of a pod's container (the first, or the named one) inside
-        the node, through containerd, as a crash or the OOM killer would."""
+        the node, through containerd, as a crash or the OOM killer would; `sig` sends another
+        signal the same way (SIGSTOP freezes the process, its sockets open; SIGCONT thaws it)."""
         ...
 
     def make_writable_folder(self, path: Path) -> None:
@@ -154,8 +157,10 @@ class DevclusterProvider:
             raise DevclusterError(f"{image.name} not in the node's images after import: {listed}")
         return image
 
-    def kill_container(self, namespace: str, pod: str, container: str | None = None) -> None:
-        self.cluster.kill_pod(namespace, pod, container)
+    def kill_container(
+        self, namespace: str, pod: str, container: str | None = None, *, sig: str = "SIGKILL"
+    ) -> None:
+        self.cluster.kill_pod(namespace, pod, container, sig=sig)
 
     def make_writable_folder(self, path: Path) -> None:
         # The node is this machine: its hostPath is the folder itself.
@@ -264,11 +269,13 @@ class KindProvider:
             build_seconds=seconds,
         )
 
-    def kill_container(self, namespace: str, pod: str, container: str | None = None) -> None:
+    def kill_container(
+        self, namespace: str, pod: str, container: str | None = None, *, sig: str = "SIGKILL"
+    ) -> None:
         found = self.kubectl("get", "pod", pod, "-n", namespace, "-o", "json")
         container_id = container_id_of(json.loads(found.stdout), container)
         self._node_exec(
-            "ctr", "-n", CONTAINERD_NAMESPACE, "tasks", "kill", "--signal", "SIGKILL", container_id
+            "ctr", "-n", CONTAINERD_NAMESPACE, "tasks", "kill", "--signal", sig, container_id
         )
 
     def make_writable_folder(self, path: Path) -> None:

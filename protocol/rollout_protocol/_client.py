@@ -24,6 +24,7 @@ from ._routes import (
     COMMIT,
     FORGET,
     PREPARE,
+    REMOVE,
     RENEW,
     RESTORE,
     RESUME,
@@ -42,6 +43,8 @@ from ._wire import (
     ForgetRequest,
     PrepareReply,
     PrepareRequest,
+    RemoveReply,
+    RemoveRequest,
     RenewReply,
     RenewRequest,
     RestoreReply,
@@ -256,6 +259,11 @@ class HttpParticipantClient:
 
     async def forget(self, request: ForgetRequest) -> ForgetReply:
         return await self.call(FORGET, request, request.deadline_ts)
+
+    async def remove(self, request: RemoveRequest) -> RemoveReply:
+        """Remove checkpoints' records through this participant (the operator's retention; not
+        part of `ParticipantClient`, which is what a coordinator needs)."""
+        return await self.call(REMOVE, request, request.deadline_ts)
 
     def _session_now(self) -> aiohttp.ClientSession:
         session = self._session

@@ -46,6 +46,7 @@ from ._routes import (
     COMMIT,
     FORGET,
     PREPARE,
+    REMOVE,
     RENEW,
     RESTORE,
     RESUME,
@@ -71,6 +72,8 @@ from ._wire import (
     PrepareRequest,
     ProtocolError,
     Record,
+    RemoveReply,
+    RemoveRequest,
     RenewReply,
     RenewRequest,
     RestoreReply,
@@ -987,6 +990,47 @@ class ControlPlane:
             _remember_operation(self._operations, request.operation_id, reply)
             return reply
 
+    async def remove(self, request: RemoveRequest) -> RemoveReply:
+        """Remove checkpoints' records from this participant's own set directory (the operator's
+        retention and finalizers, where the operator cannot mount the volume itself).
+
+        Never the open checkpoint (or, for `whole_set`, while one is open): that would take
+        records a commit is writing or a recovery may restore. The check is made under the lock;
+        the removal itself runs outside it, in a worker thread bounded by the call's deadline,
+        so a slow volume never holds up a prepare."""
+        _refuse_passed(request.deadline_ts, self._clock())
+        root = self._require_root("remove")
+        async with self._lock:
+            open_id = self._machine.checkpoint_id if self._machine.phase is not Phase.IDLE else None
+            if open_id is not None and (request.whole_set or open_id in request.checkpoint_ids):
+                raise ProtocolError(
+                    ErrorCode.CONFLICTING_CHECKPOINT,
+                    f"checkpoint {open_id} is open ({self._machine.phase.value}); its records "
+                    "cannot be removed until it closes",
+                )
+        set_dir = self._settings.storage_dir
+
+        def remove_all() -> RemoveReply:
+            return storage.remove_records(
+                root, set_dir, request.checkpoint_ids, whole_set=request.whole_set
+            )
+
+        try:
+            with self._storage_deadline("remove", request.deadline_ts):
+                reply = await _storage_io(remove_all)
+        except storage.StorageError as error:
+            raise ProtocolError(ErrorCode.STORAGE_FAILED, str(error)) from error
+        except storage.UnsafePath as error:
+            raise ProtocolError(ErrorCode.INVALID_REQUEST, str(error)) from error
+        logger.info(
+            "%s: removed records of %s (absent: %s, kept: %d)",
+            self._settings.instance,
+            reply.removed or "nothing",
+            reply.absent or "none",
+            reply.kept_count,
+        )
+        return reply
+
     # internals --------------------------------------------------------------------------------
 
     def _extend_lease(self, deadline_ts: float) -> None:
@@ -1242,6 +1286,7 @@ class ControlPlane:
             RESUME.name: self.resume,
             RETIRE.name: self.retire,
             FORGET.name: self.forget,
+            REMOVE.name: self.remove,
         }
 
     def _build_router(self) -> APIRouter:

@@ -26,6 +26,8 @@ from ._wire import (
     ForgetRequest,
     PrepareReply,
     PrepareRequest,
+    RemoveReply,
+    RemoveRequest,
     RenewReply,
     RenewRequest,
     RestoreReply,
@@ -169,6 +171,16 @@ FORGET: Route[ForgetRequest, ForgetReply] = Route(
     "Drop the retire marks of finished rollouts.",
 )
 
+REMOVE: Route[RemoveRequest, RemoveReply] = Route(
+    "remove",
+    "POST",
+    RemoveRequest,
+    RemoveReply,
+    _EVERY_BODY | {ErrorCode.CONFLICTING_CHECKPOINT, ErrorCode.STORAGE_FAILED},
+    "Remove named checkpoints' records (or the whole set's) from this participant's set "
+    "directory; only the protocol's own files.",
+)
+
 ROUTES: tuple[Route[Any, Any], ...] = (
     STATUS,
     PREPARE,
@@ -178,5 +190,7 @@ ROUTES: tuple[Route[Any, Any], ...] = (
     RESUME,
     RETIRE,
     FORGET,
+    REMOVE,
 )
-"""Every control operation, in the order of DESIGN §4's table."""
+"""Every control operation, in the order of DESIGN §4's table (`remove` last: it is the
+operator's, for retention, and touches no episode)."""

@@ -23,7 +23,8 @@ so reads never follow a symlink (the instance directory and the file are opened 
 reader, a device would never end), open without blocking (`O_NONBLOCK`), and read at most what
 the manifest declares (a manifest itself at most `MAX_MANIFEST_BYTES`).
 
-Removal (`remove_checkpoint_files`, `remove_set_files`) deletes only what this module writes
+Removal (`remove_checkpoint_files`, `remove_set_files`, and `remove_records` which answers for
+both) deletes only what this module writes
 (manifests, records files, their temporary files, and the directories that then are empty) and
 never follows a symlink: a file someone else put on the volume is left in place and reported,
 so a cleanup can never take more than the set's own records, whatever the volume holds.
@@ -49,10 +50,12 @@ from pydantic import ValidationError
 from ._wire import (
     CHECKPOINT_ID_PATTERN,
     INSTANCE_PATTERN,
+    MAX_KEPT_LISTED,
     RECORD,
     CheckpointManifest,
     Manifest,
     Record,
+    RemoveReply,
     Role,
 )
 
@@ -646,6 +649,29 @@ def remove_set_files(root: Path, set_dir: str) -> Removal:
     except OSError as error:
         raise StorageError("cannot remove set directory", directory, error) from error
     return Removal(found=True, kept=tuple(kept))
+
+
+def remove_records(
+    root: Path, set_dir: str, checkpoint_ids: Sequence[str], *, whole_set: bool = False
+) -> RemoveReply:
+    """Remove these checkpoints of a set (or, `whole_set`, all of them and the set's directory)
+    and say what was removed, absent and left in place: the `remove` control operation and the
+    `rollout-records remove` command (a cleanup pod) both answer with this."""
+    if whole_set:
+        removal = remove_set_files(root, set_dir)
+        outcomes = [(set_dir, removal)]
+    else:
+        outcomes = [
+            (cid, remove_checkpoint_files(root, set_dir, cid))
+            for cid in dict.fromkeys(checkpoint_ids)
+        ]
+    kept = [str(path.relative_to(root)) for _, r in outcomes for path in r.kept]
+    return RemoveReply(
+        removed=[what for what, removal in outcomes if removal.found],
+        absent=[what for what, removal in outcomes if not removal.found],
+        kept=kept[:MAX_KEPT_LISTED],
+        kept_count=len(kept),
+    )
 
 
 def _matches(pattern: str, name: str) -> bool:

@@ -13,12 +13,23 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    TypeAdapter,
+    model_validator,
+)
 
 API_PREFIX = "/checkpoint/v1"
 SCHEMA_VERSION = 1
 MAX_BLOCKERS_REPORTED = 100
 MAX_FINISHED_LISTED = 100_000
+MAX_REMOVED_CHECKPOINTS = 64
+"""At most this many checkpoints in one `remove` call (retention removes one or two at a time)."""
+MAX_KEPT_LISTED = 20
+"""A `remove` reply names at most this many entries it left in place (and counts them all)."""
 """At most this many rollouts in `RetireRequest.finished` and `RetireReply.finished`."""
 
 CHECKPOINT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -268,6 +279,33 @@ class ForgetRequest(StrictModel):
     rollout_ids: list[RolloutId]
 
 
+class RemoveRequest(StrictModel):
+    """Remove checkpoints' records from this participant's own set directory.
+
+    Only the protocol's own files below the participant's set directory are removed, never
+    through a symlink (see `remove_checkpoint_files`); the request names checkpoints, never a
+    path, so a caller can never reach another set's records. Idempotent: an absent checkpoint
+    is reported absent."""
+
+    deadline_ts: DeadlineTs
+    checkpoint_ids: list[CheckpointId] = Field(
+        default_factory=list,
+        max_length=MAX_REMOVED_CHECKPOINTS,
+        description="The checkpoints whose records go.",
+    )
+    whole_set: bool = Field(
+        default=False,
+        description="Remove every checkpoint of the set and then the set's directory (the set "
+        "was deleted). Refused with `checkpoint_ids`, and while a checkpoint is open.",
+    )
+
+    @model_validator(mode="after")
+    def _one_scope(self) -> RemoveRequest:
+        if self.whole_set == bool(self.checkpoint_ids):
+            raise ValueError("name checkpoint_ids or set whole_set, exactly one of the two")
+        return self
+
+
 # --- replies --------------------------------------------------------------------------------
 
 
@@ -431,6 +469,21 @@ class ForgetReply(StrictModel):
 
     operation_id: CheckpointId
     forgotten: int
+
+
+class RemoveReply(StrictModel):
+    """What a `remove` found: checkpoints removed, absent, and entries it left in place."""
+
+    removed: list[str] = Field(default_factory=list)
+    absent: list[str] = Field(default_factory=list)
+    kept: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_KEPT_LISTED,
+        description="Entries left in place (not written by the protocol: a file someone added, "
+        "a symlink, a special file), relative to the checkpoint root; the first "
+        f"{MAX_KEPT_LISTED}.",
+    )
+    kept_count: int = 0
 
 
 # --- records --------------------------------------------------------------------------------

@@ -435,6 +435,8 @@ def _example_body(route: Route[Any, Any], ident: str) -> dict[str, Any]:
     for name, info in model.model_fields.items():
         if name in _ID_FIELDS:
             body[name] = ident
+        elif name == "checkpoint_ids":
+            body[name] = [ident]
         elif name in _EXAMPLE_VALUES:
             body[name] = _EXAMPLE_VALUES[name]
         elif info.is_required():
@@ -533,7 +535,7 @@ async def check_strict_bodies(target: Target, *, call_timeout_s: float = 10.0) -
             if route.request is None:
                 continue
             body = _example_body(route, _new_id("body"))
-            id_field = next(name for name in _ID_FIELDS if name in body)
+            id_field = next(name for name in (*_ID_FIELDS, "checkpoint_ids") if name in body)
             cases = [
                 ("an unknown field", _UNKNOWN_FIELD, {**body, _UNKNOWN_FIELD: 1}),
                 ("a number for a string", id_field, {**body, id_field: 12345}),

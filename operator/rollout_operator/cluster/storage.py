@@ -1,11 +1,12 @@
-"""Where this operator process sees a set's checkpoint volume (`StorageLocator`).
+"""How this operator process reaches a set's checkpoint volume (`StorageLocator`).
 
-Records live on the set's storage volume, which every participant pod mounts; the operator
-removes them itself (retention, finalizers), so it must see the volume: a `hostPath` volume at
-its own path (devcluster runs the operator on the node, so it sees the same folder the pods
-write), a `persistentVolumeClaim` at `$ROLLOUT_OPERATOR_STORAGE_DIR/<namespace>/<claimName>`
-(the chart mounts each claim named in its values there). See `flows.policypass` for what is
-removed and how.
+Records live on the set's storage volume, which every participant pod mounts. The operator
+removes them (retention, finalizers; see `flows.records`) itself where it sees the volume: a
+`hostPath` volume at its own path (devcluster runs the operator on the node, so it sees the
+same folder the pods write), a `persistentVolumeClaim` at
+`$ROLLOUT_OPERATOR_STORAGE_DIR/<namespace>/<claimName>` (the chart's `storage.claims`). Anywhere
+else it asks the set's participants, or starts a cleanup pod of `$ROLLOUT_CLEANUP_IMAGE` (the
+chart sets the operator's own image) that mounts the volume.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..model.api import StorageSpec
 
 STORAGE_DIR_ENV: Final = "ROLLOUT_OPERATOR_STORAGE_DIR"
 DEFAULT_STORAGE_DIR: Final = "/var/lib/rollout-operator/storage"
+CLEANUP_IMAGE_ENV: Final = "ROLLOUT_CLEANUP_IMAGE"
 
 
 @dataclass(frozen=True)
@@ -27,11 +29,16 @@ class StorageLocator:
     """Where this operator process sees a set's checkpoint volume (see the module docstring)."""
 
     claims_dir: Path | None = None
+    cleanup_image: str | None = None
+    """The image a records cleanup pod runs (it has `rollout-records`); None: no cleanup pods."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> StorageLocator:
         env = os.environ if environ is None else environ
-        return cls(Path(env.get(STORAGE_DIR_ENV) or DEFAULT_STORAGE_DIR))
+        return cls(
+            Path(env.get(STORAGE_DIR_ENV) or DEFAULT_STORAGE_DIR),
+            cleanup_image=env.get(CLEANUP_IMAGE_ENV) or None,
+        )
 
     def root(self, namespace: str, storage: StorageSpec) -> Path | None:
         """The folder that is the volume's root here, or None when this process cannot see it."""

@@ -27,6 +27,7 @@ from ..model.api import (
     ANNOTATION_TEMPLATE_HASH,
     API_VERSION,
     CONTROL_PORT_NAME,
+    GROUP,
     LABEL_ATTEMPT,
     LABEL_INDEX,
     LABEL_ROLE,
@@ -306,6 +307,91 @@ def participant_pod(
     spec.setdefault("hostname", f"{role.value}-{index}")
     spec.setdefault("subdomain", service_name(set_name, role))
     spec.setdefault("automountServiceAccountToken", False)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+
+
+# --- the records cleanup pod --------------------------------------------------------------------
+
+LABEL_RECORDS_OF: Final = f"{GROUP}/records-of"
+"""On a cleanup pod: the set whose records it removes. Not `LABEL_SET`: a cleanup pod is no
+participant, and nothing that selects a set's pods (its loops, recovery, the trainer) sees it."""
+CLEANUP_MOUNT: Final = "/records"
+CLEANUP_DEADLINE_SECONDS: Final = 120
+"""`activeDeadlineSeconds` of a cleanup pod once running; the operator also gives up on one that
+has not finished this long after its creation (never scheduled, image not pulled)."""
+_POD_SCHEDULING: Final = ("nodeSelector", "affinity", "tolerations", "imagePullSecrets")
+
+
+def cleanup_pod_name(rset: RolloutSet, checkpoints: tuple[str, ...] | None) -> str:
+    """Deterministic per (set uid, what is removed): a retry finds the pod it made before."""
+    what = "*" if checkpoints is None else ",".join(sorted(checkpoints))
+    digest = hashlib.sha256(f"{rset.metadata.uid}/{what}".encode()).hexdigest()[:10]
+    return f"{rset.metadata.name[:40]}-records-{digest}"
+
+
+def cleanup_pod(
+    rset: RolloutSet, checkpoints: tuple[str, ...] | None, image: str
+) -> dict[str, Any]:
+    """A short-lived pod that mounts the set's volume and removes records with `rollout-records`
+    (the same code as a participant's `remove`), for when no participant of the set runs.
+
+    It runs as the set's participants do (the first template's pod `securityContext`, so it may
+    delete what they wrote) and where they may run (their node selector, affinity, tolerations
+    and pull secrets): a hostPath volume is reached only on the node the pod lands on. Not owned
+    by the set (a set deleted in the foreground would take it before it ran); the operator
+    deletes it once it has read its result from the termination message and exit code."""
+    first = dump(rset.spec.participants[0].template).get("spec") or {}
+    command = [
+        "rollout-records",
+        "remove",
+        "--root",
+        CLEANUP_MOUNT,
+        "--set-dir",
+        set_dir(rset),
+        "--termination-log",
+        "/dev/termination-log",
+    ]
+    if checkpoints is None:
+        command.append("--whole-set")
+    else:
+        for checkpoint in checkpoints:
+            command += ["--checkpoint", checkpoint]
+    spec: dict[str, Any] = {key: first[key] for key in _POD_SCHEDULING if key in first}
+    if "securityContext" in first:
+        spec["securityContext"] = first["securityContext"]
+    spec.update(
+        restartPolicy="Never",
+        activeDeadlineSeconds=CLEANUP_DEADLINE_SECONDS,
+        automountServiceAccountToken=False,
+        enableServiceLinks=False,
+        terminationGracePeriodSeconds=5,
+        containers=[
+            {
+                "name": "remove-records",
+                "image": image,
+                "command": command,
+                "volumeMounts": [{"name": STORAGE_VOLUME_NAME, "mountPath": CLEANUP_MOUNT}],
+                "terminationMessagePolicy": "File",
+                "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "capabilities": {"drop": ["ALL"]},
+                    "readOnlyRootFilesystem": True,
+                    "seccompProfile": {"type": "RuntimeDefault"},
+                },
+            }
+        ],
+        volumes=[{"name": STORAGE_VOLUME_NAME, **rset.spec.storage.volume}],
+    )
+    metadata: dict[str, Any] = {
+        "name": cleanup_pod_name(rset, checkpoints),
+        "labels": {
+            LABEL_RECORDS_OF: rset.metadata.name,
+            "app.kubernetes.io/managed-by": MANAGED_BY,
+        },
+    }
+    if rset.metadata.namespace:
+        metadata["namespace"] = rset.metadata.namespace
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
 
 

@@ -12,15 +12,16 @@
   `latestCheckpoint`.
 
 **Where records are removed.** Records live on the set's storage volume, which every
-participant pod mounts; the operator removes them itself, so retention also works while a set is
-suspended (no pods) and after it is deleted. `StorageLocator` says where the operator process
-sees a set's volume: a `hostPath` volume at its own path (devcluster runs the operator on the
-node, so it sees the same folder the pods write), a `persistentVolumeClaim` at
-`$ROLLOUT_OPERATOR_STORAGE_DIR/<namespace>/<claimName>` (the chart mounts each claim named in its
-values there). A volume the operator cannot see is reported (Event `RecordsNotRemoved` naming
-the folder to delete) and the object is deleted anyway: a finalizer that can never finish would
-block namespace deletion, and records without a Ready checkpoint are garbage by definition
-(DESIGN §3), never restored.
+participant pod mounts. The finalizers remove them through `flows.records.RecordsRemover`:
+here where this process sees the volume (`StorageLocator`), else through the set's participants
+(the `remove` control call), else through a short-lived cleanup pod that mounts the volume, so
+retention bounds the volume in every namespace and on every node, while a set runs, is
+suspended, and after it is deleted. What cannot be removed is reported (Event
+`RecordsNotRemoved` naming the folder to delete) and the object is deleted anyway: a finalizer
+that can never finish would block namespace deletion, and records without a Ready checkpoint are
+garbage by definition (DESIGN §3), never restored. The records of a Failed checkpoint that
+retention keeps are removed at once only where the operator sees the volume (it must first
+prove that not every participant committed them), otherwise when the object goes.
 
 **What is removed.** Volumes are shared (other sets, other namespaces, other people's files), so
 the operator removes only what it can prove its participants wrote for this very set: each set
@@ -45,7 +46,6 @@ from rollout_protocol import (
     Removal,
     StorageError,
     remove_checkpoint_files,
-    remove_set_files,
 )
 
 from ..cluster.kube import ApiError, Conflict, Kube
@@ -73,6 +73,7 @@ from ..model.api import (
     RolloutSet,
 )
 from ..model.conditions import ConditionUpdate, merge_conditions, same_conditions
+from .records import RecordsRemover, RemovalPending
 from .repairs import parse_creation, records_proven, repair_failed_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -99,11 +100,6 @@ def _utcnow() -> datetime:
 def remove_records(root: Path, rset: RolloutSet, checkpoint: str) -> Removal:
     """Remove one checkpoint's records from the set's own directory (see the module docstring)."""
     return remove_checkpoint_files(root, set_dir(rset), checkpoint)
-
-
-def remove_set_records(root: Path, rset: RolloutSet) -> Removal:
-    """Remove every record of a deleted set (its checkpoints went with it), then its directory."""
-    return remove_set_files(root, set_dir(rset))
 
 
 def kept_message(what: str, removal: Removal, root: Path) -> str | None:
@@ -397,9 +393,10 @@ async def checkpoint_deleted(
 ) -> str:
     """The RolloutCheckpoint finalizer: remove its records. Returns what was done, for the log.
 
-    A set whose `latestCheckpoint` names it is repointed by the set's pass (a deleting
-    checkpoint is never the latest, and no recovery restores it: `setstatus.newest_ready`)."""
-    locator = locator or StorageLocator.from_env()
+    Raises `CheckpointBusy` while a recovery restores it, and while its removal is under way
+    (`RemovalPending`: a cleanup pod runs, or a participant still has it open). A set whose
+    `latestCheckpoint` names it is repointed by the set's pass (a deleting checkpoint is never
+    the latest, and no recovery restores it: `setstatus.newest_ready`)."""
     meta = ckpt.get("metadata") or {}
     name = str(meta.get("name"))
     namespace = meta.get("namespace") or "default"
@@ -416,30 +413,7 @@ async def checkpoint_deleted(
         in (RecoveryPhase.STARTING_PODS, RecoveryPhase.RESTORING, RecoveryPhase.STOPPING_ATTEMPT)
     ):
         raise CheckpointBusy(f"recovery of set {rset.metadata.name} restores {name}")
-    root = locator.root(namespace, rset.spec.storage)
-    if root is None:
-        message = (
-            f"records of checkpoint {name} were not removed: the operator cannot reach "
-            f"{locator.describe(namespace, rset.spec.storage)}; delete "
-            f"<volume>/{set_dir(rset)}/{name} by hand"
-        )
-        if on_note is not None:
-            await on_note(rset, Note("RecordsNotRemoved", message, warning=True))
-        return message
-    try:
-        removal = remove_records(root, rset, name)
-    except (StorageError, ValueError) as error:
-        # Reported, not retried without end: records without a Ready checkpoint are garbage.
-        message = f"records of checkpoint {name} were not removed: {error}"
-        if on_note is not None:
-            await on_note(rset, Note("RecordsNotRemoved", message, warning=True))
-        return message
-    kept = kept_message(f"checkpoint {name}", removal, root)
-    if kept is not None and on_note is not None:
-        await on_note(rset, Note("RecordsNotRemoved", kept, warning=True))
-    return f"records of {name} {'removed' if removal.found else 'were absent'}" + (
-        f"; {kept}" if kept else ""
-    )
+    return await _removed(kube, rset, [name], locator, on_note)
 
 
 async def set_deleted(
@@ -453,10 +427,9 @@ async def set_deleted(
     its records while the set can still be read), and once they are gone sweep the set's folder
     (records of failed or unfinished checkpoints). Raises `CheckpointBusy` while any remain.
 
-    Whatever stays on the volume (files the participants did not write, a volume the operator
-    cannot reach, a removal that failed) is a `RecordsNotRemoved` Warning naming it, and the
-    returned outcome says so: nothing is reported removed that is still there."""
-    locator = locator or StorageLocator.from_env()
+    Whatever stays on the volume (files the participants did not write, a volume nothing can
+    reach, a removal that failed) is a `RecordsNotRemoved` Warning naming it, and the returned
+    outcome says so: nothing is reported removed that is still there."""
     rset = RolloutSet.model_validate(rset_raw)
     namespace = rset.metadata.namespace or "default"
     remaining = await kube.list_checkpoints(namespace, rset.metadata.name)
@@ -465,24 +438,21 @@ async def set_deleted(
             await kube.delete_checkpoint(namespace, ckpt["metadata"]["name"])
     if remaining:
         raise CheckpointBusy(f"{len(remaining)} checkpoint(s) of the set are being deleted")
+    return await _removed(kube, rset, None, locator, on_note)
 
-    async def not_removed(message: str) -> str:
-        if on_note is not None:
-            await on_note(rset, Note("RecordsNotRemoved", message, warning=True))
-        return message
 
-    root = locator.root(namespace, rset.spec.storage)
-    if root is None:
-        return await not_removed(
-            f"records of set {rset.metadata.name} were not removed: the operator cannot reach "
-            f"{locator.describe(namespace, rset.spec.storage)}; delete "
-            f"<volume>/{set_dir(rset)} by hand"
-        )
+async def _removed(
+    kube: Kube,
+    rset: RolloutSet,
+    checkpoints: Sequence[str] | None,
+    locator: StorageLocator | None,
+    on_note: NoteSink | None,
+) -> str:
+    """Remove records through `RecordsRemover`; a Warning for whatever stays."""
     try:
-        removal = remove_set_records(root, rset)
-    except (StorageError, ValueError) as error:
-        return await not_removed(f"records of set {rset.metadata.name} were not removed: {error}")
-    kept = kept_message(f"set {rset.metadata.name}", removal, root)
-    if kept is not None:
-        return await not_removed(f"records folder {set_dir(rset)} kept: {kept}")
-    return f"records folder {set_dir(rset)} {'removed' if removal.found else 'was absent'}"
+        removal = await RecordsRemover(kube, locator).remove(rset, checkpoints)
+    except RemovalPending as pending:
+        raise CheckpointBusy(str(pending)) from pending
+    if removal.not_removed is not None and on_note is not None:
+        await on_note(rset, Note("RecordsNotRemoved", removal.not_removed, warning=True))
+    return removal.outcome
