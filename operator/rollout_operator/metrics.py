@@ -115,6 +115,13 @@ RECOVERY_DURATION = Histogram(
     ["namespace", "set", "phase"],
     buckets=DURATION_BUCKETS,
 )
+STANDBY_PODS = Counter(
+    "rollout_standby_pods",
+    "Standby pods by event: started (a new one: the first, or a replacement after an adoption, "
+    "an idle standby's loss or a template change) and adopted (taken by a recovery for a lost "
+    "instance).",
+    ["namespace", "set", "event"],
+)
 ATTEMPT = Gauge(
     "rollout_set_attempt",
     "The attempt the set's participants run under (raised by one on every recovery).",
@@ -217,6 +224,7 @@ def observe_recovery(rset: RolloutSet, reason: str) -> None:
         RECOVERY_STEPS.labels(outcome="kept", **labels).inc(last.steps_kept)
         RECOVERY_STEPS.labels(outcome="redone", **labels).inc(last.steps_redone)
         RECOVERY_WORK_UNCOUNTED.labels(**labels).inc(len(last.work_uncounted))
+        STANDBY_PODS.labels(event="adopted", **labels).inc(len(last.adopted))
         if last.checkpoint_age_seconds is not None:
             RECOVERY_CHECKPOINT_AGE.labels(**labels).observe(last.checkpoint_age_seconds)
         for phase, seconds in last.phase_seconds.items():
@@ -224,6 +232,10 @@ def observe_recovery(rset: RolloutSet, reason: str) -> None:
         RECOVERY_DURATION.labels(phase="Total", **labels).observe(last.duration_seconds)
     if rset.status.attempt is not None:
         ATTEMPT.labels(namespace=namespace, set=rset.metadata.name).set(rset.status.attempt)
+
+
+def standby_started(name: str, namespace: str | None) -> None:
+    STANDBY_PODS.labels(namespace=_namespace(namespace), set=name, event="started").inc()
 
 
 def forget_set(namespace: str | None, name: str) -> None:

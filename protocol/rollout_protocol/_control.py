@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -129,6 +129,9 @@ class ControlSettings:
     """The set's directory under the checkpoint root (`<namespace>/<set>/<uid>` from the
     operator, see `set_storage_dir`); None: the set name, as without an operator."""
     attempt: int = 0
+    standby: bool = False
+    """A standby (`ROLLOUT_STANDBY=1`): a warm spare in no attempt that a recovery adopts for a
+    lost instance; the adopting restore gives it the instance's index (`RestoreRequest.index`)."""
     token: str | None = None
     allow_unauthenticated: bool = False
     lease_grace_seconds: float = 30.0
@@ -195,6 +198,7 @@ class ControlSettings:
             checkpoint_root=Path(root) if root is not None else None,
             set_dir=env.get("ROLLOUT_SET_DIR") or None,
             attempt=_int_from_env(env, "ROLLOUT_ATTEMPT", 0),
+            standby=env.get("ROLLOUT_STANDBY", "") in ("1", "true"),
             token=env.get("ROLLOUT_CONTROL_TOKEN") or None,
             allow_unauthenticated=allow_unauthenticated,
             lease_grace_seconds=_float_from_env(grace, 30.0),
@@ -721,6 +725,7 @@ class ControlPlane:
             instance=self._settings.instance,
             set_name=self._settings.set_name,
             set_dir=self._settings.set_dir,
+            standby=self._settings.standby,
             attempt=self._attempt,
             phase=self._machine.phase,
             checkpoint_id=self._machine.checkpoint_id,
@@ -843,6 +848,7 @@ class ControlPlane:
                     ErrorCode.ATTEMPT_RETIRED,
                     f"attempt {request.attempt} was retired here; restore under a newer attempt",
                 )
+            self._take_identity(request.index)
             records = await self._verified_records(request)
             if request.peers is not None:
                 self._rewire(request.peers)
@@ -870,6 +876,20 @@ class ControlPlane:
             )
             self._machine.end_restore(request.attempt, reply)
             return reply
+
+    def _take_identity(self, index: int | None) -> None:
+        """A standby becomes the instance a recovery adopts it for; anyone else keeps its own."""
+        if index is None or (index == self._settings.index and not self._settings.standby):
+            return
+        if not self._settings.standby:
+            raise ProtocolError(
+                ErrorCode.INVALID_REQUEST,
+                f"{self._settings.instance} is not a standby: it cannot become "
+                f"{instance_name(self._settings.role, index)}",
+            )
+        was = self._settings.instance
+        self._settings = replace(self._settings, index=index, standby=False)
+        logger.info("%s: standby adopted as %s", was, self._settings.instance)
 
     def _rewire(self, peers: Mapping[Role, str]) -> None:
         """Point the participant at new peers before anything is installed (InPlace recovery)."""

@@ -487,11 +487,14 @@ class Coordinator:
         scope: Collection[str] | None = None,
         *,
         peers: Mapping[str, Mapping[Role, str]] | None = None,
+        adopted: Collection[str] = (),
     ) -> RestoreOutcome:
         """Restore everywhere at once, all or nothing.
 
         `peers` (by instance) re-wires the participants it names to new peer URLs (an InPlace
-        recovery keeps them while it replaces a peer they call).
+        recovery keeps them while it replaces a peer they call). `adopted` names the instances
+        served by adopted standby participants: their restore carries the instance's index
+        (`RestoreRequest.index`), so they take its identity and restore its records.
 
         On any failure the attempt is retired everywhere (so nothing restored under it can
         run) and everyone is resumed; the caller retries under a newer attempt. On success the
@@ -505,12 +508,16 @@ class Coordinator:
             rollout_ids=rollout_ids,
         )
         rewired = peers or {}
+        adopting = frozenset(adopted)
 
         def restore(participant: ParticipantClient) -> Awaitable[RestoreReply]:
+            update: dict[str, object] = {}
             wiring = rewired.get(participant.instance)
-            if wiring is None:
-                return participant.restore(request)
-            return participant.restore(request.model_copy(update={"peers": dict(wiring)}))
+            if wiring is not None:
+                update["peers"] = dict(wiring)
+            if participant.instance in adopting:
+                update["index"] = int(participant.instance.rsplit("-", 1)[1])
+            return participant.restore(request.model_copy(update=update) if update else request)
 
         self._progress(f"restore {checkpoint_id} under attempt {attempt}")
         results = await self._fan_out(self._participants, restore)

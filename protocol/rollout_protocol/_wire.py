@@ -242,6 +242,14 @@ class RestoreRequest(ControlRequest):
         "An InPlace recovery sends it to a kept participant whose peer was replaced; None keeps "
         "the current wiring. A participant that cannot re-wire answers `unsupported`.",
     )
+    index: int | None = Field(
+        default=None,
+        ge=0,
+        description="The instance index this participant is from the restored attempt on: a "
+        "recovery that adopts a standby participant (started with ROLLOUT_STANDBY=1) gives it "
+        "the lost instance's identity, whose records it then restores. A participant that is "
+        "not a standby refuses an index other than its own (`invalid_request`).",
+    )
 
 
 class ResumeRequest(ControlRequest):
@@ -321,6 +329,11 @@ class StatusReply(StrictModel):
         default=None,
         description="That directory under the checkpoint root when it is not the set name "
         "(`<namespace>/<set>/<uid>` for a set the operator runs).",
+    )
+    standby: bool = Field(
+        default=False,
+        description="A standby participant: no instance of the set yet; a restore with an "
+        "`index` adopts it.",
     )
     attempt: Attempt
     phase: Phase

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -592,3 +593,72 @@ async def test_a_second_loss_during_an_in_place_restore_ends_in_one_attempt(
     )
     assert {r.attempt for r in results.values()} <= {1, 3}
     assert "Traceback" not in operator.process.log.read_text(), operator.process.tail(60)
+
+
+FROZEN_RESTORE_TIMEOUT_S = 40
+"""Above the restore step's 30 s floor plus the pods' start, so the try's own deadline binds."""
+TRY_MARGIN_S = 5 + 2 * 2
+"""docs/api.md: a call gives up 5 s after its deadline, then the retire and the resume of the
+participant that missed it wait at most 2 s each."""
+
+
+@pytest.mark.adversarial
+async def test_a_kept_pod_frozen_during_an_in_place_restore_ends_the_try_within_its_bound(
+    cluster: Cluster,
+    namespace: str,
+    operator: MetricsOperator,
+    resources: Resources,
+    storage_dir: Path,
+) -> None:
+    """Issue 27, item 3: every deadline of a recovery try is end to end.
+
+    The environment pod is killed; the kept model is caught inside the InPlace restore (its
+    `install` pause point) and then frozen (SIGSTOP), so the restore call hangs, and the retire
+    and resume that clean up after the failed try meet the same frozen pod. The try must end
+    within `restoreTimeoutSeconds` plus the margin docs/api.md states, measured on the set's own
+    status (the recovery's start and the failed try's back-off time); once thawed, the next try
+    (a Recreate fallback) brings the set back Ready."""
+    obj = in_place_set(storage_dir, {})
+    obj["spec"]["recovery"]["restoreTimeoutSeconds"] = FROZEN_RESTORE_TIMEOUT_S
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj))
+    before = await resources.wait_set("Ready", lambda o: is_true(o, "Ready"), 120)
+    pods = pods_by_instance(before)
+    frozen: list[int] = []
+    async with httpx.AsyncClient() as http:
+        (model,) = [Debug(http, address) for address in addresses(before, "model")]
+        await checkpoint_ready(cluster, resources, "base")
+        await model.arm("install")
+        assert await cluster.admin.kill_pod_async(namespace, pods["environment-0"])
+        try:
+            await model.paused("install", limit_s=90)
+            frozen = pod_pids(cluster, namespace, pods["model-0"])
+            freeze(frozen)
+            failed = await resources.wait_set(
+                "the try failed (backing off)",
+                lambda o: ((o["status"].get("recovery") or {}).get("tries") or 0) >= 1,
+                FROZEN_RESTORE_TIMEOUT_S + 60,
+            )
+        finally:
+            thaw(frozen)
+        recovery = failed["status"]["recovery"]
+        started = _seconds(recovery["startedAt"])
+        # The failed try's back-off: `next_try_at` is its end rounded down to the second plus
+        # 2 s (the first try's delay), so the try ended at most `next_try_at - 2`.
+        ended_at_most = _seconds(recovery["nextTryAt"]) - 2
+        # `startedAt` is rounded down to the second too: one more second of slack.
+        assert ended_at_most - started <= FROZEN_RESTORE_TIMEOUT_S + TRY_MARGIN_S + 1, recovery
+        assert ended_at_most - started >= FROZEN_RESTORE_TIMEOUT_S - 1, (
+            "the try waited for its deadline (the frozen restore), not for something else",
+            recovery,
+        )
+        await model.release("install")
+        after = await resources.wait_set(
+            "Ready with no recovery",
+            lambda o: o["status"].get("recovery") is None and is_true(o, "Ready"),
+            180,
+        )
+    assert after["status"]["attempt"] >= 3, "the failed try's attempt is never adopted"
+
+
+def _seconds(stamp: str) -> float:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()

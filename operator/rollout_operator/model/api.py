@@ -48,6 +48,14 @@ LABEL_SET: Final = f"{GROUP}/set"
 LABEL_ROLE: Final = f"{GROUP}/role"
 LABEL_INDEX: Final = f"{GROUP}/index"
 LABEL_ATTEMPT: Final = f"{GROUP}/attempt"
+ANNOTATION_ADOPTED: Final = f"{GROUP}/adopted-as"
+"""On a standby pod a recovery adopted: the instance (`role-index`) it took."""
+LABEL_STANDBY: Final = f"{GROUP}/standby"
+"""On a standby pod (value "true"): a Ready spare of its role that belongs to no attempt
+(`kubectl get pods -l checkpoint.rollout.dev/standby=true`). A recovery that adopts it replaces
+this label with the attempt and index labels."""
+MAX_STANDBY: Final = 16
+"""Bound of `spec.standby` per role."""
 ANNOTATION_SPEC_HASH: Final = f"{GROUP}/spec-hash"
 """On every participant pod: the digest of the participants spec it was built from."""
 ANNOTATION_LATEST_CHECKPOINT: Final = f"{GROUP}/latest-checkpoint"
@@ -131,6 +139,17 @@ RULE_NEVER_SAVES: Final = Rule(
     "is false and neither intervalSeconds nor mustSaveBy is set, so no checkpoint would capture "
     "unfinished turns (eviction checkpoints alone do not cover crashes or node loss); set one "
     "of them, or use targetLevel sibling",
+)
+RULE_STANDBY_ROLES: Final = Rule(
+    cel="!has(self.standby) || ["
+    + ", ".join(
+        f"!has(self.standby.{r}) || self.standby.{r} == 0 || "
+        f"self.participants.exists(p, p.role == '{r}')"
+        for r in ("environment", "model", "agent", "resources")
+    )
+    + "].all(ok, ok)",
+    message="standby names a role the set has no participants of: a standby pod is a spare of "
+    "one of the set's roles, made from that role's template",
 )
 RULE_SIBLING_INTERVAL: Final = Rule(
     cel="!(self.recovery.targetLevel == 'sibling' && has(self.checkpointPolicy.intervalSeconds))",
@@ -513,6 +532,24 @@ class RecoverySpec(ApiModel):
     )
 
 
+class StandbySpec(ApiModel):
+    """How many standby pods to keep per role (none by default)."""
+
+    environment: int = Field(
+        default=0, ge=0, le=MAX_STANDBY, description="Standby environment pods."
+    )
+    model: int = Field(default=0, ge=0, le=MAX_STANDBY, description="Standby model pods.")
+    agent: int = Field(default=0, ge=0, le=MAX_STANDBY, description="Standby agent pods.")
+    resources: int = Field(default=0, ge=0, le=MAX_STANDBY, description="Standby resources pods.")
+
+    def count(self, role: Role) -> int:
+        return int(getattr(self, role.value))
+
+    def wanted(self) -> list[tuple[Role, int]]:
+        """(role, count) for every role with standby pods, in the protocol's role order."""
+        return [(role, self.count(role)) for role in ROLE_ORDER if self.count(role) > 0]
+
+
 class RolloutSetSpec(ApiModel):
     """Desired state of a RolloutSet: the participants and how they are protected."""
 
@@ -521,6 +558,7 @@ class RolloutSetSpec(ApiModel):
             "x-kubernetes-validations": [
                 RULE_NEVER_SAVES.schema(),
                 RULE_SIBLING_INTERVAL.schema(),
+                RULE_STANDBY_ROLES.schema(),
             ]
         }
     )
@@ -568,6 +606,15 @@ class RolloutSetSpec(ApiModel):
         description="How long the pods of an attempt may take to become Ready before the set "
         "is Degraded with reason PodsNotStarting (as Deployment.spec.progressDeadlineSeconds).",
     )
+    standby: StandbySpec = Field(
+        default_factory=lambda: StandbySpec(),
+        json_schema_extra={"default": {}},
+        description="Warm spare pods per role (for example {environment: 1, model: 1}; none by "
+        "default): Ready pods of the set made from the role's current template, model loaded, "
+        "in no attempt (label checkpoint.rollout.dev/standby=true). A recovery adopts one for "
+        "a lost instance instead of waiting for a fresh pod to start, and a replacement starts "
+        "right after. A standby holds what its template requests (a model standby its GPUs).",
+    )
 
     @model_validator(mode="after")
     def _check_rules(self) -> RolloutSetSpec:
@@ -585,6 +632,8 @@ class RolloutSetSpec(ApiModel):
         sibling = self.recovery.target_level is TargetLevel.SIBLING
         if sibling and policy.interval_seconds is not None:
             raise ValueError(RULE_SIBLING_INTERVAL.message)
+        if any(self.participant(role) is None for role, _ in self.standby.wanted()):
+            raise ValueError(RULE_STANDBY_ROLES.message)
         return self
 
     def participant(self, role: Role) -> ParticipantSpec | None:
@@ -692,6 +741,12 @@ class RecoveryStatus(StatusModel):
         max_length=MAX_KEPT_PODS,
         description="Participant instances (role-index) that get fresh pods.",
     )
+    adopted: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_KEPT_PODS,
+        description="Standby pods this try adopts for lost instances, as role-index=pod: they "
+        "take the instance's identity and peers in the restore call.",
+    )
     fallback: str | None = Field(
         default=None, description="Why an InPlace recovery fell back to Recreate."
     )
@@ -742,6 +797,11 @@ class LastRecovery(StatusModel):
     replaced: int = Field(ge=0, description="Participant pods replaced by fresh ones.")
     checkpoint: str | None = Field(
         default=None, description="The checkpoint restored (unset: episodes restarted)."
+    )
+    adopted: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_KEPT_PODS,
+        description="Instances taken from standby pods (role-index=pod) instead of fresh pods.",
     )
     checkpoint_age_seconds: float | None = Field(
         default=None,
@@ -801,6 +861,19 @@ class LastRecovery(StatusModel):
     )
 
 
+class StandbyStatus(ApiModel):
+    """The standby pods: how many are Ready of how many the spec asks for."""
+
+    desired: int = Field(ge=0, description="Standby pods spec.standby asks for, all roles.")
+    ready: int = Field(ge=0, description="Standby pods Ready, made from the current templates.")
+    shown: str = Field(description="ready/desired, for kubectl get.")
+    pods: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_STANDBY * 4,
+        description="The standby pods that exist (Ready or starting).",
+    )
+
+
 class RolloutSetStatus(StatusModel):
     """Observed state of a RolloutSet."""
 
@@ -855,6 +928,9 @@ class RolloutSetStatus(StatusModel):
         default_factory=list,
         max_length=MAX_INSTANCES,
         description="The participant pods and their addresses.",
+    )
+    standby: StandbyStatus | None = Field(
+        default=None, description="The standby pods (present when spec.standby asks for any)."
     )
     recovery: RecoveryStatus | None = Field(
         default=None, description="Present while a recovery runs."

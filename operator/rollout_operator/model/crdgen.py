@@ -126,6 +126,12 @@ ROLLOUT_SET = Kind(
             priority=1,
         ),
         PrinterColumn(
+            "Standby",
+            "string",
+            ".status.standby.shown",
+            "Standby pods Ready / asked for (spec.standby).",
+        ),
+        PrinterColumn(
             "Kept",
             "integer",
             ".status.lastRecovery.kept",
