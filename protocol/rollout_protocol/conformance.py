@@ -1148,11 +1148,11 @@ async def check_crash_restore(
     """`steps.no-rerun` across a crash, with the `/run` duties that keep episodes exactly once.
 
     1. run an episode per rollout id under the group's attempt N; wait until all are mid-way;
-       repeat the first one's `/run` (`run.repeat-live`: it must stay attached for
-       `repeat_window_s`, neither refused nor answered);
+       repeat the first one's `/run`;
     2. checkpoint them (prepare, commit with the rollout ids as scope) through the
        `Coordinator`, read every participant's step counters (`model.headers`: a model in the
-       group must have counted the episodes' calls), resume;
+       group must have counted the episodes' calls), resume; the repeated `/run` must still be
+       attached, neither refused nor answered, `repeat_window_s` later (`run.repeat-live`);
     3. crash the group, restart it under N + 1;
     4. restore damaged copies of the checkpoint (refused, nothing installed:
        `restore.all-or-nothing`), then the checkpoint itself, resume;
@@ -1236,7 +1236,11 @@ async def check_crash_restore(
                     "episodes must stay mid-way until the crash",
                     f"failed: {runs.failures}, finished: {runs.finished}",
                 )
+                # The repeated /run goes out before the checkpoint, whose round trips to the
+                # same servers give it time to be refused (a window that grows with their load).
                 episodes.start_soon(repeated_run, rids[0])
+                before, commit = await _checkpoint(coordinator, conns, cid, rids, call_timeout_s)
+                _check_model_counts(conns, before, rids, attempt)
                 with anyio.move_on_after(repeat_window_s):
                     await repeat.done.wait()
                 if repeat.outcome is not None:
@@ -1251,8 +1255,6 @@ async def check_crash_restore(
                         else "when runtime.find(rollout_id) is live under this attempt (and task), "
                         "await episode.ended.wait() and answer the result it finished with",
                     )
-                before, commit = await _checkpoint(coordinator, conns, cid, rids, call_timeout_s)
-                _check_model_counts(conns, before, rids, attempt)
                 runs.crashed = True
                 await driver.crash()
             except ConformanceError as error:
