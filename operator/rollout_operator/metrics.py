@@ -78,7 +78,8 @@ RECOVERY_PODS = Counter(
 )
 RECOVERY_EPISODES = Counter(
     "rollout_recovery_episodes",
-    "Episodes per finished recovery: continued from a checkpoint, or restarted from scratch.",
+    "Episodes per finished recovery: restored from a checkpoint (installed at their last "
+    "boundary), or restarted from scratch.",
     ["namespace", "set", "outcome"],
 )
 RECOVERY_MODEL_TOKENS = Counter(
@@ -214,7 +215,7 @@ def observe_recovery(rset: RolloutSet, reason: str) -> None:
         labels = {"namespace": namespace, "set": rset.metadata.name}
         RECOVERY_PODS.labels(outcome="kept", **labels).inc(last.kept)
         RECOVERY_PODS.labels(outcome="replaced", **labels).inc(last.replaced)
-        RECOVERY_EPISODES.labels(outcome="continued", **labels).inc(last.episodes_continued)
+        RECOVERY_EPISODES.labels(outcome="restored", **labels).inc(last.episodes_restored)
         RECOVERY_EPISODES.labels(outcome="restarted", **labels).inc(last.episodes_restarted)
         RECOVERY_MODEL_TOKENS.labels(outcome="kept", **labels).inc(last.model_tokens_kept)
         RECOVERY_MODEL_TOKENS.labels(outcome="generated_again", **labels).inc(

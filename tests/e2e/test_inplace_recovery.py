@@ -384,7 +384,7 @@ async def test_in_place_replaces_only_the_lost_pod(
     assert last["restorePolicy"] == "InPlace"
     assert (last["kept"], last["replaced"]) == (len(after) - 1, 1)
     assert last["checkpoint"] == "in-flight"
-    assert last["episodesContinued"] >= 1
+    assert last["episodesRestored"] >= 1
     assert last["checkpointAgeSeconds"] >= 0
     assert {"StoppingAttempt", "StartingPods", "Restoring", "Resuming"} <= set(last["phaseSeconds"])
     recovering = condition(got.after, "Recovering")
@@ -428,7 +428,7 @@ async def test_in_place_replaces_only_the_lost_pod(
         {
             ("rollout_recovery_pods_total", "kept"): len(after) - 1,
             ("rollout_recovery_pods_total", "replaced"): 1,
-            ("rollout_recovery_episodes_total", "continued"): last["episodesContinued"],
+            ("rollout_recovery_episodes_total", "restored"): last["episodesRestored"],
             ("rollout_recovery_model_tokens_total", "kept"): work.model_tokens_kept,
             ("rollout_recovery_model_tokens_total", "generated_again"): (
                 work.model_tokens_generated_again

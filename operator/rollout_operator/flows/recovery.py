@@ -1038,7 +1038,7 @@ class RecoveryFlow:
             adopted=recovery.adopted,
             checkpoint=recovery.checkpoint,
             checkpoint_age_seconds=None if age is None else round(age, 3),
-            episodes_continued=recovery.episodes_restored or 0,
+            episodes_restored=recovery.episodes_restored or 0,
             episodes_restarted=restarted,
             duration_seconds=round(max(0.0, (now - recovery.started_at).total_seconds()), 3),
             phase_seconds=spent,

@@ -810,8 +810,12 @@ class LastRecovery(StatusModel):
         description="Time from the restored checkpoint's completion to the loss: the work "
         "done since then was lost.",
     )
-    episodes_continued: int = Field(
-        default=0, ge=0, description="Episodes continued from their last boundary."
+    episodes_restored: int = Field(
+        default=0,
+        ge=0,
+        description="Episodes the restored checkpoint installed at their last boundary (each "
+        "continues from it if the trainer re-issues it; one that had finished before the loss "
+        "is not run again).",
     )
     episodes_restarted: int = Field(
         default=0,
