@@ -67,10 +67,12 @@ from ._routes import (
     Route,
 )
 from ._storage import (
+    EncodedRecord,
     RecordsInvalid,
     Removal,
     StorageError,
     checkpoint_base,
+    encode_record,
     published_checkpoints,
     read_checkpoint_manifest,
     read_manifest,
@@ -146,6 +148,7 @@ __all__ = [
     "ControlPlane",
     "ControlSettings",
     "Coordinator",
+    "EncodedRecord",
     "Episode",
     "EpisodeCancelled",
     "EpisodeCounts",
@@ -200,6 +203,7 @@ __all__ = [
     "StorageError",
     "TaskMismatch",
     "checkpoint_base",
+    "encode_record",
     "published_checkpoints",
     "read_checkpoint_manifest",
     "read_manifest",

@@ -37,6 +37,7 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticSerializationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -783,7 +784,7 @@ class ControlPlane:
                 return cached
             root = self._require_root("commit")
             scope = None if request.rollout_ids is None else frozenset(request.rollout_ids)
-            records = self._in_scope(self._export(scope), scope)
+            encoded = self._in_scope(self._export(scope), scope)
             try:
                 with self._storage_deadline("commit", request.deadline_ts):
                     directory = await self._commit_directory(root, cid)
@@ -794,23 +795,15 @@ class ControlPlane:
                             instance=self._settings.instance,
                             checkpoint_id=cid,
                             attempt=self._attempt,
-                            records=records,
+                            encoded=encoded,
                         )
                     )
             except storage.StorageError as error:
                 logger.error("%s: commit %s failed: %s", self._settings.instance, cid, error)
                 raise ProtocolError(ErrorCode.STORAGE_FAILED, str(error)) from error
-            except ValueError as error:
-                # a record whose data is not JSON: a bug in the participant, not in storage
-                logger.exception(
-                    "%s: commit %s: records not serialisable", self._settings.instance, cid
-                )
-                raise ProtocolError(
-                    ErrorCode.INTERNAL, f"records are not serialisable: {error}"
-                ) from error
             if scope is not None:
                 self._participant.release_outside(scope)
-            self._checkpointed(cid, records)
+            self._checkpointed(cid, [item.record for item in encoded])
             reply = CommitReply(
                 checkpoint_id=cid,
                 phase=Phase.COMMITTED,
@@ -1110,19 +1103,28 @@ class ControlPlane:
             )
         return state
 
-    def _export(self, scope: frozenset[str] | None) -> list[Record]:
+    def _export(self, scope: frozenset[str] | None) -> list[storage.EncodedRecord]:
+        """The participant's records with their lines, encoded ahead where it encodes ahead."""
         try:
-            return list(self._participant.export(scope))
+            return list(self._participant.export_encoded(scope))
+        except PydanticSerializationError as error:
+            # a record whose data is not JSON: a bug in the participant, not in storage
+            logger.exception("%s: records not serialisable", self._settings.instance)
+            raise ProtocolError(
+                ErrorCode.INTERNAL, f"records are not serialisable: {error}"
+            ) from error
         except Exception as error:
             logger.exception("%s: export failed", self._settings.instance)
             raise ProtocolError(
                 ErrorCode.INTERNAL, f"export failed: {type(error).__name__}: {error}"
             ) from error
 
-    def _in_scope(self, records: list[Record], scope: frozenset[str] | None) -> list[Record]:
+    def _in_scope(
+        self, records: list[storage.EncodedRecord], scope: frozenset[str] | None
+    ) -> list[storage.EncodedRecord]:
         if scope is None:
             return records
-        kept = [record for record in records if record.rollout_id in scope]
+        kept = [item for item in records if item.record.rollout_id in scope]
         if len(kept) != len(records):
             logger.warning(
                 "%s: export returned %d records outside the commit scope; not written",

@@ -22,6 +22,15 @@ Restored boundaries are installed under the next attempt and wait to be claimed 
 first call; until then a checkpoint exports them again (a second crash still continues them) and
 a commit whose scope leaves them out releases them.
 
+Records are encoded ahead: when an episode reaches a boundary (it begins, a step completes, a
+restore installs it, `advance`), its record is built and encoded at once (`EncodedRecord`), so a
+checkpoint's export only collects bytes that exist and its commit only writes them; an episode
+whose boundary has not moved is never encoded again. A record therefore says what was true at
+its boundary: `active_seconds` is the active time when the boundary was reached (a restore
+reruns whatever ran after it, so that time is charged again there, not twice). Boundaries are
+values: a server records a new `Boundary` rather than changing a recorded one's state in place
+(which the encoded record would not see).
+
 Retire cancels an episode only before its final cleanup starts and then waits until it has
 ended; the cleanup itself runs shielded, so a retire reply means the episode's sessions are
 closed.
@@ -54,6 +63,7 @@ import anyio
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ._participant import EpisodeCounts, ParkState, Participant
+from ._storage import EncodedRecord, encode_record
 from ._wire import EpisodeId, Record, Role
 
 log = logging.getLogger(__name__)
@@ -185,22 +195,32 @@ class Restored:
     digest: str | None
     steps: int
     active_seconds: float
+    encoded: EncodedRecord | None = None
+    """Its record, encoded when it was installed (`EpisodeRuntime.install`)."""
 
     @property
     def id(self) -> EpisodeId:
         return EpisodeId(rollout_id=self.rollout_id, attempt=self.attempt)
 
     def record(self, kind: str) -> Record:
-        return _record(
-            kind,
-            self.rollout_id,
-            self.attempt,
-            self.key,
-            self.boundary,
-            self.digest,
-            self.steps,
-            self.active_seconds,
-        )
+        return self.encode(kind).record
+
+    def encode(self, kind: str) -> EncodedRecord:
+        """Its encoded record (made once: nothing of a restored boundary changes)."""
+        if self.encoded is None or self.encoded.record.kind != kind:
+            self.encoded = encode_record(
+                _record(
+                    kind,
+                    self.rollout_id,
+                    self.attempt,
+                    self.key,
+                    self.boundary,
+                    self.digest,
+                    self.steps,
+                    self.active_seconds,
+                )
+            )
+        return self.encoded
 
 
 # --- the episode ------------------------------------------------------------------------------
@@ -252,6 +272,8 @@ class Episode:
         self._id = EpisodeId(rollout_id=rollout_id, attempt=attempt)
         self._drivers = 0
         """Tasks driving this episode; a retire waits for them rather than ending it itself."""
+        self._encoded: EncodedRecord | None = None
+        """The record of its current boundary, encoded when the boundary was reached."""
 
     @property
     def id(self) -> EpisodeId:
@@ -281,15 +303,29 @@ class Episode:
         return budget - self.active_seconds()
 
     def record(self, kind: str) -> Record:
-        return _record(
-            kind,
-            self.rollout_id,
-            self.attempt,
-            self.key,
-            self.boundary,
-            self.digest,
-            self.steps_completed,
-            self.active_seconds(),
+        """The record of its current boundary (as encoded when the boundary was reached)."""
+        return self.encode(kind).record
+
+    def encode(self, kind: str) -> EncodedRecord:
+        """The encoded record of its current boundary: made by `reached`, or made now."""
+        if self._encoded is None or self._encoded.record.kind != kind:
+            self.reached(kind)
+            assert self._encoded is not None
+        return self._encoded
+
+    def reached(self, kind: str) -> None:
+        """Its boundary moved (or it began): encode the record now, outside any checkpoint."""
+        self._encoded = encode_record(
+            _record(
+                kind,
+                self.rollout_id,
+                self.attempt,
+                self.key,
+                self.boundary,
+                self.digest,
+                self.steps_completed,
+                self.active_seconds(),
+            )
         )
 
     def cancel(self) -> None:
@@ -487,6 +523,7 @@ class EpisodeRuntime:
                 log.warning("dropping restored %s superseded by attempt %d", restored.id, attempt)
                 del self._restored[(rollout_id, key)]
             episode = Episode(self, rollout_id, attempt, key, first, digest)
+        episode.reached(self.kind)
         self._live[(rollout_id, key)] = episode
         if not self._admission_open:
             episode._park_started(self.clock())
@@ -496,6 +533,7 @@ class EpisodeRuntime:
     def advance(self, episode: Episode, boundary: Boundary) -> None:
         """Record a boundary outside a step (e.g. after final cleanup)."""
         episode.boundary = boundary
+        episode.reached(self.kind)
         self._notify()
 
     def end(self, episode: Episode) -> None:
@@ -571,6 +609,7 @@ class EpisodeRuntime:
                 self._leave(episode, name, mode, completed)
             episode.boundary = boundary
             episode.steps_completed += 1
+            episode.reached(self.kind)
             self._progressed(episode)
             self._notify()
             return boundary
@@ -657,17 +696,23 @@ class EpisodeRuntime:
 
     def export(self, scope: frozenset[str] | None) -> list[Record]:
         """Boundaries of parked episodes and unclaimed restored ones, limited to `scope`."""
-        records = [
-            ep.record(self.kind)
+        return [encoded.record for encoded in self.export_encoded(scope)]
+
+    def export_encoded(self, scope: frozenset[str] | None) -> list[EncodedRecord]:
+        """`export`, encoded: the records as they were encoded when each boundary was reached
+        (a checkpoint collects them; nothing is built or serialised here)."""
+        kind = self.kind
+        encoded = [
+            ep.encode(kind)
             for ep in self._live.values()
             if ep.parked and (scope is None or ep.rollout_id in scope)
         ]
-        records.extend(
-            r.record(self.kind)
+        encoded.extend(
+            r.encode(kind)
             for r in self._restored.values()
             if scope is None or r.rollout_id in scope
         )
-        return records
+        return encoded
 
     def release_outside(self, scope: frozenset[str]) -> list[EpisodeId]:
         """Drop restored boundaries the commit scope does not continue."""
@@ -709,6 +754,7 @@ class EpisodeRuntime:
                 steps=data.steps,
                 active_seconds=data.active_seconds,
             )
+            restored.encode(self.kind)
             self._restored[(record.rollout_id, record.key)] = restored
             installed.append(restored.id)
         self._notify()
@@ -866,6 +912,9 @@ class RuntimeParticipant(Participant):
 
     def export(self, scope: frozenset[str] | None) -> list[Record]:
         return self.runtime.export(scope)
+
+    def export_encoded(self, scope: frozenset[str] | None) -> list[EncodedRecord]:
+        return self.runtime.export_encoded(scope)
 
     def release_outside(self, scope: frozenset[str]) -> None:
         self.runtime.release_outside(scope)

@@ -315,9 +315,13 @@ class PrepareReply(StrictModel):
 
 
 class Manifest(StrictModel):
-    """Written last, next to the records file; its presence means the records are complete."""
+    """Written last, next to the records file; its presence means the records are complete.
 
-    schema_version: Literal[1] = 1
+    `schema_version` is the records format: 2 names the records file by the sha256 of its
+    lines' sha256 digests (records encoded ahead, see `storage.records_digest`); 1, written
+    before encode-ahead, by the sha256 of the whole file. Both are read."""
+
+    schema_version: Literal[1, 2] = 2
     role: Role
     instance: str
     checkpoint_id: CheckpointId

@@ -39,7 +39,7 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal, Protocol, TypeVar
 
 import anyio
@@ -51,6 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rollout_protocol import (
     ROLLOUT_ID_PATTERN,
     Boundary,
+    EncodedRecord,
     Episode,
     EpisodeCancelled,
     EpisodeCounts,
@@ -63,6 +64,7 @@ from rollout_protocol import (
     RuntimeParticipant,
     StepMode,
     TaskMismatch,
+    encode_record,
     task_digest,
 )
 
@@ -223,6 +225,21 @@ class Delivered:
     attempt: int
     data: DeliveredData
     restored: bool = False
+    encoded: EncodedRecord | None = field(default=None, compare=False, repr=False)
+    """Its record, encoded when it was delivered (a checkpoint only writes it)."""
+
+    def encode(self, rollout_id: str) -> EncodedRecord:
+        if self.encoded is None:
+            self.encoded = encode_record(
+                Record(
+                    kind=DELIVERED_KIND,
+                    rollout_id=rollout_id,
+                    attempt=self.attempt,
+                    key=self.key,
+                    data=self.data.model_dump(),
+                )
+            )
+        return self.encoded
 
 
 # --- backends ---------------------------------------------------------------------------------
@@ -618,19 +635,16 @@ class ModelParticipant(RuntimeParticipant):
         """Tokens of each generation the last checkpoint committed or restored holds."""
 
     def export(self, scope: frozenset[str] | None) -> list[Record]:
-        records = self.runtime.export(scope)
-        records.extend(
-            Record(
-                kind=DELIVERED_KIND,
-                rollout_id=rid,
-                attempt=d.attempt,
-                key=d.key,
-                data=d.data.model_dump(),
-            )
+        return [encoded.record for encoded in self.export_encoded(scope)]
+
+    def export_encoded(self, scope: frozenset[str] | None) -> list[EncodedRecord]:
+        encoded = self.runtime.export_encoded(scope)
+        encoded.extend(
+            d.encode(rid)
             for rid, d in self.server.delivered.items()
             if scope is None or rid in scope
         )
-        return records
+        return encoded
 
     def release_outside(self, scope: frozenset[str]) -> None:
         self.runtime.release_outside(scope)
@@ -652,12 +666,14 @@ class ModelParticipant(RuntimeParticipant):
         installed = await super().install([r for r in records if r.kind != DELIVERED_KIND], attempt)
         for record in records:
             if record.kind == DELIVERED_KIND:
-                self.server.delivered[record.rollout_id] = Delivered(
+                delivered = Delivered(
                     key=record.key,
                     attempt=attempt,
                     data=DeliveredData.model_validate(record.data),
                     restored=True,
                 )
+                delivered.encode(record.rollout_id)
+                self.server.delivered[record.rollout_id] = delivered
         return installed
 
     async def retire(self, attempt: int, rollout_ids: frozenset[str] | None) -> list[EpisodeId]:
@@ -1128,7 +1144,8 @@ class ModelServer(RolloutServer):
                 ids=_state_ids(state),
                 logprobs=list(_state_logprobs(state) or ()) or None,
             )
-            self.delivered[rid] = Delivered(key=key, attempt=attempt, data=data)
+            self.delivered[rid] = delivered = Delivered(key=key, attempt=attempt, data=data)
+            delivered.encode(rid)
             self.delivered.move_to_end(rid)
             while len(self.delivered) > _DELIVERED_KEPT:
                 self.delivered.popitem(last=False)
