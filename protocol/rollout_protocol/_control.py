@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import hashlib
 import hmac
 import json
 import logging
@@ -63,6 +64,7 @@ from ._wire import (
     MAX_FINISHED_LISTED,
     CommitReply,
     CommitRequest,
+    EpisodeId,
     ErrorBody,
     ErrorCode,
     ForgetReply,
@@ -741,11 +743,14 @@ class ControlPlane:
             if self._machine.begin_prepare(cid):
                 await self._call("close_admission", self._participant.close_admission())
             state = await self._park(cid, request.deadline_ts)
+            listed = frozenset(request.rollout_ids or ())
             reply = PrepareReply(
                 checkpoint_id=cid,
                 phase=Phase.PREPARED if state.ready else Phase.PREPARING,
                 ready=state.ready,
-                episodes=list(state.parked),
+                episodes=[e for e in state.parked if e.rollout_id in listed] if listed else [],
+                episode_count=len(state.parked),
+                episodes_sha256=_episodes_digest(state.parked),
                 blockers=list(state.blockers[:MAX_BLOCKERS_REPORTED]),
                 blocker_count=len(state.blockers),
                 restarts=list(state.restarts),
@@ -784,7 +789,13 @@ class ControlPlane:
                 return cached
             root = self._require_root("commit")
             scope = None if request.rollout_ids is None else frozenset(request.rollout_ids)
+            excluded = frozenset(request.excluded_rollout_ids or ())
             encoded = self._in_scope(self._export(scope), scope)
+            if excluded:
+                encoded = [item for item in encoded if item.record.rollout_id not in excluded]
+                if scope is None:
+                    # released like state outside an explicit scope: the rollouts left in
+                    scope = frozenset(item.record.rollout_id for item in encoded)
             try:
                 with self._storage_deadline("commit", request.deadline_ts):
                     directory = await self._commit_directory(root, cid)
@@ -1302,6 +1313,12 @@ class ControlPlane:
 async def _storage_io(call: Callable[[], _T]) -> _T:
     """Run blocking storage I/O in a worker thread that a deadline can abandon."""
     return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
+
+
+def _episodes_digest(episodes: Sequence[EpisodeId]) -> str:
+    """`PrepareReply.episodes_sha256`: the episodes as `rollout_id@attempt` lines, in order."""
+    lines = "\n".join([f"{e.rollout_id}@{e.attempt}" for e in episodes])
+    return hashlib.sha256(lines.encode()).hexdigest()
 
 
 def _directory(root: Path, set_name: str, checkpoint_id: str, instance: str) -> Path:
