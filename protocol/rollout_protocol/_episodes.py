@@ -307,15 +307,21 @@ class Episode:
         return self.encode(kind).record
 
     def encode(self, kind: str) -> EncodedRecord:
-        """The encoded record of its current boundary: made by `reached`, or made now."""
-        if self._encoded is None or self._encoded.record.kind != kind:
+        """The encoded record of its current boundary: made by `reached` (for the runtime's
+        kind), or made now."""
+        if kind != self.runtime.kind:
+            return self._encode(kind)
+        if self._encoded is None:
             self.reached(kind)
             assert self._encoded is not None
         return self._encoded
 
     def reached(self, kind: str) -> None:
         """Its boundary moved (or it began): encode the record now, outside any checkpoint."""
-        self._encoded = encode_record(
+        self._encoded = self._encode(kind)
+
+    def _encode(self, kind: str) -> EncodedRecord:
+        return encode_record(
             _record(
                 kind,
                 self.rollout_id,
@@ -436,8 +442,9 @@ class EpisodeRuntime:
         self.epoch += 1
         now = self.clock()
         for episode in self._live.values():
-            if episode.parked:
-                episode._park_started(now)
+            # `parked` and `_park_started` inline: this loop is inside every checkpoint's pause
+            if not episode._wait_steps and not episode._cleaning and episode._parked_since is None:
+                episode._parked_since = now
         self._notify()
 
     def reopen(self) -> None:
@@ -447,7 +454,15 @@ class EpisodeRuntime:
         self._admission_open = True
         now = self.clock()
         for episode in self._live.values():
-            episode._park_ended(now)
+            # `_park_ended` inline for the episodes without running timers: inside the pause
+            since = episode._parked_since
+            if since is None:
+                continue
+            if episode._timers:
+                episode._park_ended(now)
+            else:
+                episode._parked_total += now - since
+                episode._parked_since = None
         self._opened.set()
         self._notify()
 
@@ -684,13 +699,17 @@ class EpisodeRuntime:
         """
         while True:
             changed = self._changed
-            blockers = _unique(ep.id for ep in self._live.values() if not ep.parked)
+            # one pass, `parked` inline, ids unique by (rollout, attempt) as `_unique` makes
+            # them: this runs inside every checkpoint's pause, over every live episode
+            parked: dict[tuple[str, int], EpisodeId] = {}
+            blockers: dict[tuple[str, int], EpisodeId] = {}
+            for ep in self._live.values():
+                into = blockers if ep._wait_steps or ep._cleaning else parked
+                into.setdefault((ep.rollout_id, ep.attempt), ep._id)
             if not blockers or time.time() >= deadline_ts:
-                parked = _unique(
-                    [ep.id for ep in self._live.values() if ep.parked]
-                    + [r.id for r in self._restored.values()]
-                )
-                return ParkState(parked=parked, blockers=blockers)
+                for r in self._restored.values():
+                    parked.setdefault((r.rollout_id, r.attempt), r.id)
+                return ParkState(parked=list(parked.values()), blockers=list(blockers.values()))
             with anyio.move_on_after(max(0.0, deadline_ts - time.time())):
                 await changed.wait()
 
@@ -702,10 +721,11 @@ class EpisodeRuntime:
         """`export`, encoded: the records as they were encoded when each boundary was reached
         (a checkpoint collects them; nothing is built or serialised here)."""
         kind = self.kind
+        # `parked` inline, and the record as `reached` encoded it: this runs inside the pause
         encoded = [
-            ep.encode(kind)
+            ep._encoded or ep.encode(kind)
             for ep in self._live.values()
-            if ep.parked and (scope is None or ep.rollout_id in scope)
+            if not ep._wait_steps and not ep._cleaning and (scope is None or ep.rollout_id in scope)
         ]
         encoded.extend(
             r.encode(kind)
@@ -888,8 +908,11 @@ class RuntimeParticipant(Participant):
         `is_finished(rollout_id, attempt)`: whether an episode that ended had finished (its
         result was returned); default: every episode that ended before a retire counts as
         finished (an agent's session ends when its environment closes it)."""
-        self._checkpointed_steps: dict[tuple[str, str], int] = {}
-        """Steps each episode had completed in the last checkpoint committed or restored."""
+        self._checkpointed_records: Sequence[Record] = ()
+        """The records of the last checkpoint committed or restored (kept as they are: the
+        steps they hold are only counted when a retire asks, not inside the pause)."""
+        self._checkpointed_steps: dict[tuple[str, str], int] | None = {}
+        """Steps each episode had completed in that checkpoint (None: not counted yet)."""
         self._finished: dict[int, set[str]] = {}
         """By attempt: the rollouts `finished_rollouts` said finished (read after the retire:
         episodes in their final cleanup finish while it waits; those it cancelled did not)."""
@@ -942,11 +965,21 @@ class RuntimeParticipant(Participant):
         return retired
 
     def checkpointed(self, checkpoint_id: str, records: Sequence[Record]) -> None:
-        self._checkpointed_steps = {
-            (r.rollout_id, r.key): _record_steps(r) for r in records if r.kind == self.runtime.kind
-        }
+        self._checkpointed_records = records
+        self._checkpointed_steps = None
         self._finished.clear()
         self.runtime.forget_progress()
+
+    def _steps_checkpointed(self) -> dict[tuple[str, str], int]:
+        if self._checkpointed_steps is None:
+            kind = self.runtime.kind
+            self._checkpointed_steps = {
+                (r.rollout_id, r.key): _record_steps(r)
+                for r in self._checkpointed_records
+                if r.kind == kind
+            }
+            self._checkpointed_records = ()
+        return self._checkpointed_steps
 
     def kept_work(self, records: Sequence[Record]) -> dict[str, int] | None:
         if self.work_counter is None:
@@ -969,8 +1002,9 @@ class RuntimeParticipant(Participant):
         done = own if finished is None else finished
         if self.work_counter is None:
             return {}
+        checkpointed = self._steps_checkpointed()
         lost = sum(
-            max(0, steps - self._checkpointed_steps.get(ident, 0))
+            max(0, steps - checkpointed.get(ident, 0))
             for ident, steps in self.runtime.progress(attempt).items()
             if ident[0] not in done
         )
