@@ -375,7 +375,7 @@ class Coordinator:
                     continue
                 current = role
                 self._progress(f"prepare {role.value}: {len(stage)} participant(s)")
-                results = await self._fan_out(stage, lambda p: p.prepare(request))
+                results = await self._fan_out(stage, lambda p: _prepare(p, request))
                 stage_ready = True
                 for participant in stage:
                     result = results[participant.instance]
@@ -852,6 +852,22 @@ def _split(
         else:
             replies.append(result)
     return replies, failures
+
+
+async def _prepare(participant: ParticipantClient, request: PrepareRequest) -> PrepareReply:
+    """One participant's prepare; one that predates `PrepareRequest.rollout_ids` (it refuses the
+    field as unknown, before doing anything) is asked again without it, and lists every
+    parked episode as participants did then."""
+    try:
+        return await participant.prepare(request)
+    except ParticipantError as error:
+        if (
+            request.rollout_ids is None
+            or error.code is not ErrorCode.INVALID_REQUEST
+            or "rollout_ids" not in error.detail
+        ):
+            raise
+    return await participant.prepare(request.model_copy(update={"rollout_ids": None}))
 
 
 def _prepare_outcome(

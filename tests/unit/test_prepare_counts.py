@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import cast
 
 import httpx
 from fastapi import FastAPI
@@ -18,7 +19,14 @@ from rollout_protocol import (
     API_PREFIX,
     ControlPlane,
     ControlSettings,
+    Coordinator,
+    EpisodeId,
+    ErrorCode,
+    ParticipantClient,
+    ParticipantError,
+    Phase,
     PrepareReply,
+    PrepareRequest,
     Role,
 )
 from rollout_protocol import _storage as storage
@@ -117,3 +125,40 @@ async def test_an_excluded_rollout_is_neither_written_nor_kept_when_restored(
     )
     assert [r.rollout_id for r in records] == ["r1", "r3"]
     assert fake.released == {"r2"}
+
+
+class ListingOnlyParticipant:
+    """A participant from before `PrepareRequest.rollout_ids`: it refuses the field (as request
+    models refuse unknown fields) and lists every parked episode."""
+
+    role = Role.ENVIRONMENT
+    instance = "environment-0"
+
+    def __init__(self) -> None:
+        self.requests: list[PrepareRequest] = []
+
+    async def prepare(self, request: PrepareRequest) -> PrepareReply:
+        self.requests.append(request)
+        if request.rollout_ids is not None:
+            raise ParticipantError(
+                ErrorCode.INVALID_REQUEST,
+                "rollout_ids: Extra inputs are not permitted",
+                self.instance,
+                422,
+            )
+        return PrepareReply(
+            checkpoint_id=request.checkpoint_id,
+            phase=Phase.PREPARED,
+            ready=True,
+            episodes=[EpisodeId(rollout_id=r, attempt=0) for r in ("a", "b", "c")],
+        )
+
+
+async def test_a_participant_before_counts_is_asked_again_without_the_scope() -> None:
+    old = ListingOnlyParticipant()
+    coordinator = Coordinator([cast(ParticipantClient, old)])
+    outcome = await coordinator.prepare("ck", time.time() + 10, scope=["b", "z"])
+    assert outcome.ready, outcome.failures
+    assert [r.rollout_ids for r in old.requests] == [["b", "z"], None]
+    assert outcome.scope(["b", "z"]) == ["b"], "intersected with what it listed"
+    assert outcome.episode_count == 3
