@@ -631,7 +631,10 @@ class ModelParticipant(RuntimeParticipant):
             work_counter=None,
         )
         self.server = server
-        self._checkpointed_tokens: dict[tuple[str, str], int] = {}
+        self._checkpointed_records: Sequence[Record] = ()
+        """The records of the last checkpoint committed or restored; their tokens are only
+        counted when a retire asks (`_tokens_checkpointed`), not inside the commit's pause."""
+        self._checkpointed_tokens: dict[tuple[str, str], int] | None = {}
         """Tokens of each generation the last checkpoint committed or restored holds."""
 
     def export(self, scope: frozenset[str] | None) -> list[Record]:
@@ -690,21 +693,33 @@ class ModelParticipant(RuntimeParticipant):
         generated when the checkpoint closed admission: the step is held, not cut (its record
         holds the boundary before it), and that token is counted already, before the commit.
         Its progress stays, so a loss before the generation's next token still counts it."""
-        self._checkpointed_tokens = {
-            (r.rollout_id, r.key): _record_tokens(r) for r in records if _record_tokens(r)
-        }
-        held_back = {
-            (r.rollout_id, r.key): _record_tokens(r) for r in records if r.kind != DELIVERED_KIND
-        }
+        self._checkpointed_records = records
+        self._checkpointed_tokens = None
         progress = self.server.progress
-        beyond = {
-            ident: (attempt, tokens)
-            for ident, (attempt, tokens) in progress.items()
-            if ident in held_back and tokens > held_back[ident]
-        }
-        progress.clear()
-        progress.update(beyond)
+        if progress:
+            held_back = {
+                (r.rollout_id, r.key): _record_tokens(r)
+                for r in records
+                if r.kind != DELIVERED_KIND
+            }
+            beyond = {
+                ident: (attempt, tokens)
+                for ident, (attempt, tokens) in progress.items()
+                if ident in held_back and tokens > held_back[ident]
+            }
+            progress.clear()
+            progress.update(beyond)
         self.runtime.forget_progress()
+
+    def _tokens_checkpointed(self) -> dict[tuple[str, str], int]:
+        if self._checkpointed_tokens is None:
+            self._checkpointed_tokens = {
+                (r.rollout_id, r.key): tokens
+                for r in self._checkpointed_records
+                if (tokens := _record_tokens(r))
+            }
+            self._checkpointed_records = ()
+        return self._checkpointed_tokens
 
     def kept_work(self, records: Sequence[Record]) -> dict[str, int] | None:
         """Tokens of the generations the records hold (cut prefixes and held responses): what
@@ -729,8 +744,9 @@ class ModelParticipant(RuntimeParticipant):
         ]
         for ident, _ in counted:
             del progress[ident]
+        checkpointed = self._tokens_checkpointed()
         lost = sum(
-            max(0, tokens - self._checkpointed_tokens.get(ident, 0))
+            max(0, tokens - checkpointed.get(ident, 0))
             for ident, tokens in counted
             if finished is None or ident[0] not in finished
         )
