@@ -176,28 +176,28 @@ async def bench(args: argparse.Namespace, root: Path) -> None:
 def unchanged_records(set_dir: Path) -> None:
     """Per participant, the records (and bytes) of each published checkpoint whose line is the
     same as in the run's checkpoint before it: what segment reuse would not write again."""
-    published = sorted(
-        (manifest.published_ts, manifest.checkpoint_id)
-        for manifest in storage.published_checkpoints(set_dir.parent, set_dir.name)
-    )
+    root = set_dir.parent
     previous: dict[str, set[bytes]] = {}
     totals = {"records": 0, "bytes": 0, "same_records": 0, "same_bytes": 0}
     last_run = None
-    for _, checkpoint_id in published:
-        run = checkpoint_id.split("-")[0]
+    # oldest first; the participants' records are where their manifest paths say (their set
+    # directory is the servers' ROLLOUT_SET, not the set name the checkpoint is published under)
+    for published in storage.published_checkpoints(root, set_dir.name):
+        run = published.checkpoint_id.split("-")[0]
         if run != last_run:
             previous, last_run = {}, run
-        for instance_dir in sorted(p for p in (set_dir / checkpoint_id).iterdir() if p.is_dir()):
+        for participant in published.participants:
+            instance_dir = (root / participant.manifest_path).parent
             manifest = storage.read_manifest(instance_dir)
             lines = (instance_dir / manifest.records_file).read_bytes().splitlines()
-            before = previous.get(instance_dir.name)
+            before = previous.get(participant.instance)
             if before is not None:
                 same = [line for line in lines if line in before]
                 totals["records"] += len(lines)
                 totals["bytes"] += sum(map(len, lines))
                 totals["same_records"] += len(same)
                 totals["same_bytes"] += sum(map(len, same))
-            previous[instance_dir.name] = set(lines)
+            previous[participant.instance] = set(lines)
     if not totals["records"]:
         print("records unchanged between checkpoints: no consecutive checkpoints to compare\n")
         return
