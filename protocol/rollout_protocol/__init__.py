@@ -70,10 +70,12 @@ from ._routes import (
     Route,
 )
 from ._storage import (
+    EncodedRecord,
     RecordsInvalid,
     Removal,
     StorageError,
     checkpoint_base,
+    encode_record,
     published_checkpoints,
     read_checkpoint_manifest,
     read_manifest,
@@ -155,6 +157,7 @@ __all__ = [
     "ControlPlane",
     "ControlSettings",
     "Coordinator",
+    "EncodedRecord",
     "Episode",
     "EpisodeCancelled",
     "EpisodeCounts",
@@ -211,6 +214,7 @@ __all__ = [
     "StorageError",
     "TaskMismatch",
     "checkpoint_base",
+    "encode_record",
     "published_checkpoints",
     "read_checkpoint_manifest",
     "read_manifest",

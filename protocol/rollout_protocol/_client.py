@@ -279,7 +279,10 @@ class HttpParticipantClient:
         """Send `request` through `route`, retrying transport failures until `deadline_ts`."""
         session = self._session_now()
         url = f"{self._base_url}{route.url_path}"
-        content = None if request is None else request.model_dump_json().encode()
+        # None is every request field's default: leaving it out means the same, and keeps a
+        # field added later (`PrepareRequest.rollout_ids`) out of the way of a participant
+        # that predates it (request models refuse unknown fields)
+        content = None if request is None else request.model_dump_json(exclude_none=True).encode()
         headers = self._headers if content is None else self._json_headers
         give_up = deadline_ts + self._margin
         backoff = 0.05

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import hashlib
 import hmac
 import json
 import logging
@@ -37,6 +38,7 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticSerializationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -63,6 +65,7 @@ from ._wire import (
     MAX_FINISHED_LISTED,
     CommitReply,
     CommitRequest,
+    EpisodeId,
     ErrorBody,
     ErrorCode,
     ForgetReply,
@@ -748,11 +751,14 @@ class ControlPlane:
             if self._machine.begin_prepare(cid):
                 await self._call("close_admission", self._participant.close_admission())
             state = await self._park(cid, request.deadline_ts)
+            listed = frozenset(request.rollout_ids or ())
             reply = PrepareReply(
                 checkpoint_id=cid,
                 phase=Phase.PREPARED if state.ready else Phase.PREPARING,
                 ready=state.ready,
-                episodes=list(state.parked),
+                episodes=[e for e in state.parked if e.rollout_id in listed] if listed else [],
+                episode_count=len(state.parked),
+                episodes_sha256=_episodes_digest(state.parked),
                 blockers=list(state.blockers[:MAX_BLOCKERS_REPORTED]),
                 blocker_count=len(state.blockers),
                 restarts=list(state.restarts),
@@ -791,7 +797,13 @@ class ControlPlane:
                 return cached
             root = self._require_root("commit")
             scope = None if request.rollout_ids is None else frozenset(request.rollout_ids)
-            records = self._in_scope(self._export(scope), scope)
+            excluded = frozenset(request.excluded_rollout_ids or ())
+            encoded = self._in_scope(self._export(scope), scope)
+            if excluded:
+                encoded = [item for item in encoded if item.record.rollout_id not in excluded]
+                if scope is None:
+                    # released like state outside an explicit scope: the rollouts left in
+                    scope = frozenset(item.record.rollout_id for item in encoded)
             try:
                 with self._storage_deadline("commit", request.deadline_ts):
                     directory = await self._commit_directory(root, cid)
@@ -802,23 +814,15 @@ class ControlPlane:
                             instance=self._settings.instance,
                             checkpoint_id=cid,
                             attempt=self._attempt,
-                            records=records,
+                            encoded=encoded,
                         )
                     )
             except storage.StorageError as error:
                 logger.error("%s: commit %s failed: %s", self._settings.instance, cid, error)
                 raise ProtocolError(ErrorCode.STORAGE_FAILED, str(error)) from error
-            except ValueError as error:
-                # a record whose data is not JSON: a bug in the participant, not in storage
-                logger.exception(
-                    "%s: commit %s: records not serialisable", self._settings.instance, cid
-                )
-                raise ProtocolError(
-                    ErrorCode.INTERNAL, f"records are not serialisable: {error}"
-                ) from error
             if scope is not None:
                 self._participant.release_outside(scope)
-            self._checkpointed(cid, records)
+            self._checkpointed(cid, [item.record for item in encoded])
             reply = CommitReply(
                 checkpoint_id=cid,
                 phase=Phase.COMMITTED,
@@ -1174,19 +1178,28 @@ class ControlPlane:
             )
         return state
 
-    def _export(self, scope: frozenset[str] | None) -> list[Record]:
+    def _export(self, scope: frozenset[str] | None) -> list[storage.EncodedRecord]:
+        """The participant's records with their lines, encoded ahead where it encodes ahead."""
         try:
-            return list(self._participant.export(scope))
+            return list(self._participant.export_encoded(scope))
+        except PydanticSerializationError as error:
+            # a record whose data is not JSON: a bug in the participant, not in storage
+            logger.exception("%s: records not serialisable", self._settings.instance)
+            raise ProtocolError(
+                ErrorCode.INTERNAL, f"records are not serialisable: {error}"
+            ) from error
         except Exception as error:
             logger.exception("%s: export failed", self._settings.instance)
             raise ProtocolError(
                 ErrorCode.INTERNAL, f"export failed: {type(error).__name__}: {error}"
             ) from error
 
-    def _in_scope(self, records: list[Record], scope: frozenset[str] | None) -> list[Record]:
+    def _in_scope(
+        self, records: list[storage.EncodedRecord], scope: frozenset[str] | None
+    ) -> list[storage.EncodedRecord]:
         if scope is None:
             return records
-        kept = [record for record in records if record.rollout_id in scope]
+        kept = [item for item in records if item.record.rollout_id in scope]
         if len(kept) != len(records):
             logger.warning(
                 "%s: export returned %d records outside the commit scope; not written",
@@ -1365,6 +1378,12 @@ class ControlPlane:
 async def _storage_io(call: Callable[[], _T]) -> _T:
     """Run blocking storage I/O in a worker thread that a deadline can abandon."""
     return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
+
+
+def _episodes_digest(episodes: Sequence[EpisodeId]) -> str:
+    """`PrepareReply.episodes_sha256`: the episodes as `rollout_id@attempt` lines, in order."""
+    lines = "\n".join([f"{e.rollout_id}@{e.attempt}" for e in episodes])
+    return hashlib.sha256(lines.encode()).hexdigest()
 
 
 def _directory(root: Path, set_name: str, checkpoint_id: str, instance: str) -> Path:

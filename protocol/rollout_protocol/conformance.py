@@ -859,7 +859,7 @@ def _damaged_copy(source: Path, target_dir: Path, checkpoint_id: str, damage: st
     digest = (
         manifest.records_sha256
         if damage == "flipped-byte" and lines
-        else hashlib.sha256(content).hexdigest()
+        else storage.records_digest(hashlib.sha256(line).digest() for line in content.splitlines())
     )
     damaged = Manifest(
         role=manifest.role,
@@ -1434,7 +1434,7 @@ async def _checkpoint(
 ) -> tuple[dict[str, _Counts], CommitOutcome]:
     """prepare, commit (scope: the rollouts), read the counters while parked, resume."""
     try:
-        prepared = await coordinator.prepare(cid, time.time() + call_timeout_s)
+        prepared = await coordinator.prepare(cid, time.time() + call_timeout_s, scope=rids)
         _expect(
             STEPS,
             prepared.ready,
@@ -1445,7 +1445,7 @@ async def _checkpoint(
         scope = prepared.scope(rids)
         _expect(
             STEPS,
-            sorted(scope) == sorted(rids),
+            scope is not None and sorted(scope) == sorted(rids),
             f"every episode must be captured by {cid} (none restarting)",
             f"scope {scope}, restarts {[str(e) for e in prepared.restarts]}",
         )

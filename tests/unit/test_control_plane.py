@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import hashlib
 import logging
 import os
 import time
@@ -291,7 +292,9 @@ async def test_prepare_commit_resume_writes_records_and_replays_replies(tmp_path
         prepared = PrepareReply.model_validate_json(first.content)
         assert prepared.ready
         assert prepared.phase is Phase.PREPARED
-        assert [e.rollout_id for e in prepared.episodes] == ["r1", "r2", "r3"]
+        assert prepared.episodes == [], "counts and a digest, no list unless asked"
+        assert prepared.episode_count == 3
+        assert prepared.episodes_sha256 == hashlib.sha256(b"r1@0\nr2@0\nr3@0").hexdigest()
         assert not fake.admission_open
         status = await _status(client)
         assert status.phase is Phase.PREPARED
