@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from fastapi import FastAPI
 from rollout_operator.decide.resources import participant_pod
 from rollout_operator.model import api
 from rollout_protocol import API_PREFIX, ControlPlane, ControlSettings, Role
+from testsupport.controlplane import served
 from testsupport.fakecluster import FakeCluster
 
 TOKEN = "adversarial-control-token"
@@ -28,15 +28,7 @@ def deadline(seconds: float = 10.0) -> float:
 
 @asynccontextmanager
 async def serve(plane: ControlPlane) -> AsyncIterator[httpx.AsyncClient]:
-    app = FastAPI()
-    plane.install(app)
-    headers = {"Authorization": f"Bearer {TOKEN}"}
-    async with (
-        plane.running(),
-        httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://participant", headers=headers
-        ) as client,
-    ):
+    async with served(plane, TOKEN) as client:
         yield client
 
 

@@ -21,6 +21,9 @@ resumed and every episode finished.
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -60,44 +63,98 @@ def checkpoint_phase(
     return phase if isinstance(phase, str) else None
 
 
-async def test_helm_upgrade_while_a_checkpoint_prepares_hands_it_to_the_new_operator_pod(
-    container_provider: ContainerClusterProvider,
-    operator_release: str,
-    storage: Path,
-) -> None:
-    namespace, cluster = operator_release, container_provider
+async def wait(check: Any, limit_s: float, what: str) -> None:
+    await anyio.to_thread.run_sync(lambda: wait_for_sync(check, limit_s, what))
+
+
+async def ready_set(
+    cluster: ContainerClusterProvider, namespace: str, storage: Path
+) -> dict[str, Any]:
+    """The example set, its agent with debug hooks, Ready; returns it."""
     kubectl_apply(cluster, namespace, example_set(storage, extra_args={"agent": ["--debug-hooks"]}))
 
     def ready() -> bool:
         obj = get_json(cluster, "rolloutset", SET, "-n", namespace)
         return condition(obj, "Ready").get("status") == "True"
 
-    await anyio.to_thread.run_sync(lambda: wait_for_sync(ready, 300, "the set Ready"))
-    rset = get_json(cluster, "rolloutset", SET, "-n", namespace)
-    agent = participants_by_role(rset)["agent"][0]["address"]
-    [before] = operator_pods(cluster, namespace)
-    outcomes: list[EpisodeResult | EpisodeFailed] = []
+    await wait(ready, 300, "the set Ready")
+    return get_json(cluster, "rolloutset", SET, "-n", namespace)
 
+
+def replaced(cluster: ContainerClusterProvider, namespace: str, before: dict[str, Any]) -> bool:
+    """A new operator pod (not `before`) is Ready."""
+    return any(
+        p["metadata"]["name"] != before["metadata"]["name"]
+        and condition(p, "Ready").get("status") == "True"
+        for p in operator_pods(cluster, namespace)
+    )
+
+
+@dataclass
+class Held:
+    """Episodes running, the first held inside the agent's calculator call."""
+
+    hooks: Debug
+    http: httpx.AsyncClient
+    rollout_id: str
+    outcomes: list[EpisodeResult | EpisodeFailed] = field(default_factory=list)
+
+    def check(self) -> None:
+        failed = [o for o in self.outcomes if isinstance(o, EpisodeFailed)]
+        assert not failed, failed
+        assert len(self.outcomes) == EPISODES
+
+
+@asynccontextmanager
+async def held_episodes(
+    cluster: ContainerClusterProvider, namespace: str, rset: dict[str, Any], seed: int, prefix: str
+) -> AsyncIterator[Held]:
+    """Run EPISODES episodes through the set, the first held at the agent's `tool` pause point
+    (so a checkpoint cannot park it); leaving the block waits for every episode."""
+    agent = participants_by_role(rset)["agent"][0]["address"]
     async with (
         httpx.AsyncClient() as http,
         rollout_set_topology(SET, namespace, kubeconfig=cluster.kubeconfig) as topology,
         anyio.create_task_group() as group,
     ):
-        hooks = Debug(http, agent)
-        specs = episode_specs(EPISODES, 31, prefix="handover")
-        held = specs[0].rollout_id
-        await hooks.arm("tool", held)
+        specs = episode_specs(EPISODES, seed, prefix=prefix)
+        held = Held(Debug(http, agent), http, specs[0].rollout_id)
+        await held.hooks.arm("tool", held.rollout_id)
         client = RolloutClient(
-            topology, concurrency=EPISODES, restore_timeout_s=120, run_timeout_s=300
+            topology, concurrency=EPISODES, restore_timeout_s=180, run_timeout_s=300
         )
 
         async def run() -> None:
-            outcomes.extend(await client.run_all(specs))
+            held.outcomes.extend(await client.run_all(specs))
 
         group.start_soon(run)
-        await hooks.paused("tool", held)
+        await held.hooks.paused("tool", held.rollout_id)
+        yield held
+
+
+def evict(cluster: ContainerClusterProvider, namespace: str, pod: str) -> None:
+    """Evict a pod through the Eviction API, as `kubectl drain` does."""
+    eviction = {
+        "apiVersion": "policy/v1",
+        "kind": "Eviction",
+        "metadata": {"name": pod, "namespace": namespace},
+    }
+    path = f"/api/v1/namespaces/{namespace}/pods/{pod}/eviction"
+    cluster.kubectl("create", "--raw", path, "-f", "-", input=json.dumps(eviction))
+
+
+async def test_helm_upgrade_while_a_checkpoint_prepares_hands_it_to_the_new_operator_pod(
+    container_provider: ContainerClusterProvider,
+    operator_release: str,
+    storage: Path,
+) -> None:
+    namespace, cluster = operator_release, container_provider
+    rset = await ready_set(cluster, namespace, storage)
+    agent = participants_by_role(rset)["agent"][0]["address"]
+    [before] = operator_pods(cluster, namespace)
+    async with held_episodes(cluster, namespace, rset, 31, "handover") as held:
         kubectl_apply(cluster, namespace, example_checkpoint(CHECKPOINT))
-        await wait_phase(http, agent, "preparing", "the agent to be preparing")
+        await wait_phase(held.http, agent, "preparing", "the agent to be preparing")
 
         # A new pod template: the Deployment (Recreate) stops the old pod, then starts one.
         upgraded = await anyio.to_thread.run_sync(
@@ -117,26 +174,20 @@ async def test_helm_upgrade_while_a_checkpoint_prepares_hands_it_to_the_new_oper
             )
         )
         assert upgraded.returncode == 0, upgraded.stderr
-        pods = operator_pods(cluster, namespace)
-        assert [p["metadata"]["name"] for p in pods] != [before["metadata"]["name"]], pods
+        assert replaced(cluster, namespace, before)
         assert checkpoint_phase(cluster, namespace) == "Preparing", "stopping is not aborting"
 
-        assert await hooks.release("tool", held) == 1
-        await anyio.to_thread.run_sync(
-            lambda: wait_for_sync(
-                lambda: checkpoint_phase(cluster, namespace) in ("Ready", "Failed"),
-                120,
-                f"{CHECKPOINT} Ready or Failed under the new operator pod",
-            )
+        assert await held.hooks.release("tool", held.rollout_id) == 1
+        await wait(
+            lambda: checkpoint_phase(cluster, namespace) in ("Ready", "Failed"),
+            120,
+            f"{CHECKPOINT} Ready or Failed under the new operator pod",
         )
         ckpt = get_json(cluster, "rolloutcheckpoint", CHECKPOINT, "-n", namespace)
         assert condition(ckpt, "Ready").get("status") == "True", ckpt["status"]
         assert (ckpt["status"].get("episodes") or 0) >= 1, ckpt["status"]
-        assert set((await phases(http, rset)).values()) == {"idle"}
-
-    failed = [o for o in outcomes if isinstance(o, EpisodeFailed)]
-    assert not failed, failed
-    assert len(outcomes) == EPISODES
+        assert set((await phases(held.http, rset)).values()) == {"idle"}
+    held.check()
 
 
 async def test_operator_pod_deleted_while_a_checkpoint_commits_hands_it_to_the_new_pod(
@@ -145,96 +196,42 @@ async def test_operator_pod_deleted_while_a_checkpoint_commits_hands_it_to_the_n
     storage: Path,
 ) -> None:
     namespace, cluster = operator_release, container_provider
-    kubectl_apply(cluster, namespace, example_set(storage, extra_args={"agent": ["--debug-hooks"]}))
-
-    def ready() -> bool:
-        obj = get_json(cluster, "rolloutset", SET, "-n", namespace)
-        return condition(obj, "Ready").get("status") == "True"
-
-    await anyio.to_thread.run_sync(lambda: wait_for_sync(ready, 300, "the set Ready"))
-    rset = get_json(cluster, "rolloutset", SET, "-n", namespace)
+    rset = await ready_set(cluster, namespace, storage)
     by_role = participants_by_role(rset)
     agent, environment = by_role["agent"][0]["address"], by_role["environment"][0]["pod"]
     [before] = operator_pods(cluster, namespace)
-    outcomes: list[EpisodeResult | EpisodeFailed] = []
-
-    def new_operator_ready() -> bool:
-        pods = operator_pods(cluster, namespace)
-        return any(
-            p["metadata"]["name"] != before["metadata"]["name"]
-            and condition(p, "Ready").get("status") == "True"
-            for p in pods
-        )
-
-    async with (
-        httpx.AsyncClient() as http,
-        rollout_set_topology(SET, namespace, kubeconfig=cluster.kubeconfig) as topology,
-        anyio.create_task_group() as group,
-    ):
-        hooks = Debug(http, agent)
-        specs = episode_specs(EPISODES, 37, prefix="committing")
-        held = specs[0].rollout_id
-        await hooks.arm("tool", held)
-        client = RolloutClient(
-            topology, concurrency=EPISODES, restore_timeout_s=120, run_timeout_s=300
-        )
-
-        async def run() -> None:
-            outcomes.extend(await client.run_all(specs))
-
-        group.start_soon(run)
-        await hooks.paused("tool", held)
+    async with held_episodes(cluster, namespace, rset, 37, "committing") as held:
         kubectl_apply(cluster, namespace, example_checkpoint(COMMITTING))
         # The environment prepares first (DESIGN §4's order) and has answered once the agent,
         # later in the order, is preparing; frozen now, it cannot answer the commit.
-        await wait_phase(http, agent, "preparing", "the agent to be preparing")
+        await wait_phase(held.http, agent, "preparing", "the agent to be preparing")
         cluster.kill_container(namespace, environment, sig="SIGSTOP")
         try:
-            assert await hooks.release("tool", held) == 1
-            await anyio.to_thread.run_sync(
-                lambda: wait_for_sync(
-                    lambda: checkpoint_phase(cluster, namespace, COMMITTING) == "Committing",
-                    60,
-                    f"{COMMITTING} Committing (the frozen environment holds its commit)",
-                )
+            assert await held.hooks.release("tool", held.rollout_id) == 1
+            await wait(
+                lambda: checkpoint_phase(cluster, namespace, COMMITTING) == "Committing",
+                60,
+                f"{COMMITTING} Committing (the frozen environment holds its commit)",
             )
             cluster.kubectl(
                 "delete", "pod", before["metadata"]["name"], "-n", namespace, "--wait=false"
             )
-            await anyio.to_thread.run_sync(
-                lambda: wait_for_sync(new_operator_ready, 180, "a new operator pod Ready")
-            )
+            await wait(lambda: replaced(cluster, namespace, before), 180, "a new operator pod")
             assert checkpoint_phase(cluster, namespace, COMMITTING) == "Committing", (
                 "stopping is not aborting"
             )
         finally:
             cluster.kill_container(namespace, environment, sig="SIGCONT")
-        await anyio.to_thread.run_sync(
-            lambda: wait_for_sync(
-                lambda: checkpoint_phase(cluster, namespace, COMMITTING) in ("Ready", "Failed"),
-                120,
-                f"{COMMITTING} Ready or Failed under the new operator pod",
-            )
+        await wait(
+            lambda: checkpoint_phase(cluster, namespace, COMMITTING) in ("Ready", "Failed"),
+            120,
+            f"{COMMITTING} Ready or Failed under the new operator pod",
         )
         ckpt = get_json(cluster, "rolloutcheckpoint", COMMITTING, "-n", namespace)
         assert condition(ckpt, "Ready").get("status") == "True", ckpt["status"]
         rset = get_json(cluster, "rolloutset", SET, "-n", namespace)
-        assert set((await phases(http, rset)).values()) == {"idle"}
-
-    failed = [o for o in outcomes if isinstance(o, EpisodeFailed)]
-    assert not failed, failed
-    assert len(outcomes) == EPISODES
-
-
-def evict(cluster: ContainerClusterProvider, namespace: str, pod: str) -> None:
-    """Evict a pod through the Eviction API, as `kubectl drain` does."""
-    eviction = {
-        "apiVersion": "policy/v1",
-        "kind": "Eviction",
-        "metadata": {"name": pod, "namespace": namespace},
-    }
-    path = f"/api/v1/namespaces/{namespace}/pods/{pod}/eviction"
-    cluster.kubectl("create", "--raw", path, "-f", "-", input=json.dumps(eviction))
+        assert set((await phases(held.http, rset)).values()) == {"idle"}
+    held.check()
 
 
 async def test_operator_evicted_while_an_eviction_checkpoint_prepares_finishes_it_in_the_grace(
@@ -243,83 +240,38 @@ async def test_operator_evicted_while_an_eviction_checkpoint_prepares_finishes_i
     storage: Path,
 ) -> None:
     namespace, cluster = operator_release, container_provider
-    kubectl_apply(cluster, namespace, example_set(storage, extra_args={"agent": ["--debug-hooks"]}))
-
-    def rset() -> dict[str, Any]:
-        return get_json(cluster, "rolloutset", SET, "-n", namespace)
-
-    await anyio.to_thread.run_sync(
-        lambda: wait_for_sync(
-            lambda: condition(rset(), "Ready").get("status") == "True", 300, "the set Ready"
-        )
-    )
-    by_role = participants_by_role(rset())
-    agent, environment = by_role["agent"][0]["address"], by_role["environment"][0]["pod"]
+    rset = await ready_set(cluster, namespace, storage)
+    environment = participants_by_role(rset)["environment"][0]["pod"]
     [before] = operator_pods(cluster, namespace)
-    outcomes: list[EpisodeResult | EpisodeFailed] = []
 
-    def eviction_checkpoint() -> dict[str, Any] | None:
+    def eviction_checkpoint() -> dict[str, Any]:
         listed = get_json(cluster, "rolloutcheckpoints", "-n", namespace)["items"]
         found = [c for c in listed if c["spec"].get("trigger") == "Eviction"]
-        return found[0] if found else None
+        return found[0] if found else {}
 
-    def new_operator_ready() -> bool:
-        return any(
-            p["metadata"]["name"] != before["metadata"]["name"]
-            and condition(p, "Ready").get("status") == "True"
-            for p in operator_pods(cluster, namespace)
-        )
+    def eviction_phase() -> str | None:
+        phase = (eviction_checkpoint().get("status") or {}).get("phase")
+        return phase if isinstance(phase, str) else None
 
-    async with (
-        httpx.AsyncClient() as http,
-        rollout_set_topology(SET, namespace, kubeconfig=cluster.kubeconfig) as topology,
-        anyio.create_task_group() as group,
-    ):
-        hooks = Debug(http, agent)
-        specs = episode_specs(EPISODES, 41, prefix="evicted")
-        held = specs[0].rollout_id
-        await hooks.arm("tool", held)
-        client = RolloutClient(
-            topology, concurrency=EPISODES, restore_timeout_s=180, run_timeout_s=300
-        )
-
-        async def run() -> None:
-            outcomes.extend(await client.run_all(specs))
-
-        group.start_soon(run)
-        await hooks.paused("tool", held)
+    async with held_episodes(cluster, namespace, rset, 41, "evicted") as held:
         evict(cluster, namespace, environment)
-        await anyio.to_thread.run_sync(
-            lambda: wait_for_sync(
-                lambda: (
-                    ((eviction_checkpoint() or {}).get("status") or {}).get("phase") == "Preparing"
-                ),
-                60,
-                "the eviction checkpoint Preparing (the held tool call keeps the agent busy)",
-            )
+        await wait(
+            lambda: eviction_phase() == "Preparing",
+            60,
+            "the eviction checkpoint Preparing (the held tool call keeps the agent busy)",
         )
         terminating = get_json(cluster, "pod", environment, "-n", namespace)
         grace_ends = terminating["metadata"]["deletionTimestamp"]
         evict(cluster, namespace, before["metadata"]["name"])
-        await anyio.to_thread.run_sync(
-            lambda: wait_for_sync(new_operator_ready, 60, "a new operator pod Ready")
+        await wait(lambda: replaced(cluster, namespace, before), 60, "a new operator pod Ready")
+        assert eviction_phase() == "Preparing", "stopping is not aborting"
+        assert await held.hooks.release("tool", held.rollout_id) == 1
+        await wait(
+            lambda: eviction_phase() in ("Ready", "Failed"),
+            60,
+            "the eviction checkpoint Ready or Failed under the new operator pod",
         )
         ckpt = eviction_checkpoint()
-        assert ckpt is not None
-        assert ckpt["status"]["phase"] == "Preparing", "stopping is not aborting"
-        assert await hooks.release("tool", held) == 1
-        await anyio.to_thread.run_sync(
-            lambda: wait_for_sync(
-                lambda: (
-                    ((eviction_checkpoint() or {}).get("status") or {}).get("phase")
-                    in ("Ready", "Failed")
-                ),
-                60,
-                "the eviction checkpoint Ready or Failed under the new operator pod",
-            )
-        )
-        ckpt = eviction_checkpoint()
-        assert ckpt is not None
         assert condition(ckpt, "Ready").get("status") == "True", ckpt["status"]
         completed = datetime.fromisoformat(ckpt["status"]["completedAt"].replace("Z", "+00:00"))
         assert completed < datetime.fromisoformat(grace_ends.replace("Z", "+00:00")), (
@@ -330,18 +282,12 @@ async def test_operator_evicted_while_an_eviction_checkpoint_prepares_finishes_i
         name = ckpt["metadata"]["name"]
 
         def recovered() -> bool:
-            status = rset().get("status") or {}
-            last = status.get("lastRecovery") or {}
+            obj = get_json(cluster, "rolloutset", SET, "-n", namespace)
+            last = (obj.get("status") or {}).get("lastRecovery") or {}
             return (
-                last.get("checkpoint") == name
-                and condition(rset(), "Ready").get("status") == "True"
+                last.get("checkpoint") == name and condition(obj, "Ready").get("status") == "True"
             )
 
-        await anyio.to_thread.run_sync(
-            lambda: wait_for_sync(recovered, 180, f"the set recovered from {name}")
-        )
-        assert rset()["status"]["attempt"] == 2
-
-    failed = [o for o in outcomes if isinstance(o, EpisodeFailed)]
-    assert not failed, failed
-    assert len(outcomes) == EPISODES
+        await wait(recovered, 180, f"the set recovered from {name}")
+        assert get_json(cluster, "rolloutset", SET, "-n", namespace)["status"]["attempt"] == 2
+    held.check()

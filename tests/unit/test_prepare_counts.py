@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import cast
 
 import httpx
-from fastapi import FastAPI
 from rollout_protocol import (
     API_PREFIX,
     ControlPlane,
@@ -31,6 +30,7 @@ from rollout_protocol import (
 )
 from rollout_protocol import _storage as storage
 from rollout_protocol._coordinator import PrepareOutcome, _prepare_outcome
+from testsupport.controlplane import served
 from testsupport.participants import FakeParticipant
 
 TOKEN = "prepare-counts-token"
@@ -42,15 +42,7 @@ async def _serve(fake: FakeParticipant, root: Path) -> AsyncIterator[httpx.Async
         role=Role.ENVIRONMENT, set_name="demo", checkpoint_root=root, token=TOKEN
     )
     plane = ControlPlane(fake, settings)
-    app = FastAPI()
-    plane.install(app)
-    headers = {"Authorization": f"Bearer {TOKEN}"}
-    async with (
-        plane.running(),
-        httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://p", headers=headers
-        ) as client,
-    ):
+    async with served(plane, TOKEN) as client:
         yield client
 
 

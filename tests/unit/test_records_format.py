@@ -14,7 +14,6 @@ import dataclasses
 import hashlib
 import json
 import shutil
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,9 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
 from rollout_protocol import (
-    API_PREFIX,
     Boundary,
     CommitReply,
     ControlPlane,
@@ -38,6 +35,7 @@ from rollout_protocol import (
     StepMode,
 )
 from rollout_protocol import _storage as storage
+from testsupport.controlplane import call, served
 
 TOKEN = "records-format-token"
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "records_v1" / "checkpoints"
@@ -56,21 +54,12 @@ async def _serve(runtime: EpisodeRuntime, root: Path) -> AsyncIterator[httpx.Asy
         role=Role.ENVIRONMENT, set_name="demo", checkpoint_root=root, token=TOKEN
     )
     plane = ControlPlane(RuntimeParticipant(Role.ENVIRONMENT, runtime), settings)
-    app = FastAPI()
-    plane.install(app)
-    headers = {"Authorization": f"Bearer {TOKEN}"}
-    async with (
-        plane.running(),
-        httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://p", headers=headers
-        ) as client,
-    ):
+    async with served(plane, TOKEN) as client:
         yield client
 
 
 async def _call(client: httpx.AsyncClient, route: str, **body: Any) -> httpx.Response:
-    body.setdefault("deadline_ts", time.time() + 10.0)
-    return await client.post(f"{API_PREFIX}/{route}", json=body)
+    return await call(client, route, **body)
 
 
 async def _checkpoint(client: httpx.AsyncClient, checkpoint_id: str) -> CommitReply:

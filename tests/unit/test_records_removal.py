@@ -41,7 +41,6 @@ from rollout_operator.flows.records import (
 )
 from rollout_operator.model import api
 from rollout_protocol import (
-    API_PREFIX,
     ControlPlane,
     ControlSettings,
     ErrorBody,
@@ -52,6 +51,7 @@ from rollout_protocol import (
 from rollout_protocol._records_cli import EXIT_KEPT
 from rollout_protocol._records_cli import main as records_main
 from rollout_protocol.conformance import serve_app
+from testsupport.controlplane import call, served
 from testsupport.fakecluster import FakeCluster
 from testsupport.participants import FakeParticipant
 from testsupport.policy import NS, T0, rollout_set, seeded
@@ -77,20 +77,12 @@ def _plane(root: Path, rollouts: list[str] | None = None) -> ControlPlane:
 
 @asynccontextmanager
 async def _served(plane: ControlPlane) -> AsyncIterator[httpx.AsyncClient]:
-    app = FastAPI()
-    plane.install(app)
-    headers = {"Authorization": f"Bearer {TOKEN}"}
-    async with (
-        plane.running(),
-        httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://p", headers=headers
-        ) as client,
-    ):
+    async with served(plane, TOKEN) as client:
         yield client
 
 
 async def _call(client: httpx.AsyncClient, route: str, **body: Any) -> httpx.Response:
-    return await client.post(f"{API_PREFIX}/{route}", json=body)
+    return await call(client, route, **body)
 
 
 async def _checkpoint(client: httpx.AsyncClient, cid: str) -> None:
