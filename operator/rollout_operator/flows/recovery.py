@@ -668,10 +668,17 @@ class RecoveryFlow:
             return rset
         namespace = rset.metadata.namespace or "default"
         raw = await self._kube.list_pods(namespace, set_selector(rset.metadata.name))
-        views = [v for v in (PodView.from_pod(p) for p in raw) if v is not None]
+        views, nodes_of, lost_nodes = await observe(self._kube, rset)
         present = {(p.role, p.index) for p in views if p.attempt == target}
         missing = [i for i in attempt_instances(rset, target, views) if i not in present]
-        picks = adoptions(rset, missing, standby_views(raw, rset.metadata.name))
+        # A standby on a node that is not Ready still shows Ready until the node controller
+        # marks its pods: never adopt it (its restore would hang, the try fail).
+        standbys = [
+            s
+            for s in standby_views(raw, rset.metadata.name)
+            if nodes_of.get(s.name) not in lost_nodes
+        ]
+        picks = adoptions(rset, missing, standbys)
         for instance, standby in picks.items():
             index = instance[1]
             relabelled = await self._kube.patch_pod_metadata(
