@@ -127,3 +127,58 @@ def test_a_killed_model_container_resumes_in_the_adopted_model_standby(
         "the idle standby replaced",
     )
     assert rset()["status"]["attempt"] == 2, "an idle standby's loss is no recovery"
+
+
+def test_after_a_template_change_no_stale_standby_is_adopted(
+    container_provider: ContainerClusterProvider,
+    operator_release: str,
+    storage: Path,
+) -> None:
+    """The model template changes while the set runs: the standby made from the old template
+    is deleted at once (the running pods stay, the change is refused for them until they are
+    replaced), and when the model container is then SIGKILLed the recovery adopts nothing:
+    every pod, the model's included, is made from the new template."""
+    namespace, cluster = operator_release, container_provider
+    spec = {"standby": {"model": 1}}
+    kubectl_apply(cluster, namespace, example_set(storage, spec=spec))
+
+    def rset() -> dict[str, Any]:
+        return get_json(cluster, "rolloutset", SET, "-n", namespace)
+
+    def standby_ready() -> bool:
+        obj = rset()
+        standby = (obj.get("status") or {}).get("standby") or {}
+        return condition(obj, "Ready").get("status") == "True" and standby.get("ready") == 1
+
+    wait_for_sync(standby_ready, 300, "the set Ready with its model standby")
+    [stale] = rset()["status"]["standby"]["pods"]
+    changed = example_set(storage, spec=spec)
+    model = next(p for p in changed["spec"]["participants"] if p["role"] == "model")
+    container = model["template"]["spec"]["containers"][0]
+    container["env"] = [*container.get("env", []), {"name": "TEMPLATE", "value": "new"}]
+    kubectl_apply(cluster, namespace, changed)
+
+    def stale_gone() -> bool:
+        pods = get_json(cluster, "pods", "-n", namespace)["items"]
+        return stale not in {p["metadata"]["name"] for p in pods}
+
+    wait_for_sync(stale_gone, 120, f"the stale standby {stale} deleted")
+    [model_pod] = [p["pod"] for p in rset()["status"]["participants"] if p["role"] == "model"]
+    cluster.kill_container(namespace, model_pod)
+
+    def recovered() -> bool:
+        obj = rset()
+        status = obj.get("status") or {}
+        return (
+            status.get("attempt") == 2
+            and not status.get("recovery")
+            and condition(obj, "Ready").get("status") == "True"
+        )
+
+    wait_for_sync(recovered, 300, "Ready under attempt 2")
+    after = rset()
+    assert after["status"]["lastRecovery"]["adopted"] == [], after["status"]["lastRecovery"]
+    [model_after] = [p["pod"] for p in after["status"]["participants"] if p["role"] == "model"]
+    pod = get_json(cluster, "pod", model_after, "-n", namespace)
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0].get("env", [])}
+    assert env.get("TEMPLATE") == "new", "the model pod is made from the new template"
