@@ -601,6 +601,10 @@ class SetConditionType(StrEnum):
     SUSPENDED = "Suspended"
     DEGRADED = "Degraded"
     DEADLINE_SAVED = "DeadlineSaved"
+    QUOTA_PENDING = "QuotaPending"
+    """A Kueue-queued set waits for admission (decide/queue.py)."""
+    PREEMPTED = "Preempted"
+    """Kueue evicted the set's Workload (decide/queue.py)."""
 
 
 class ParticipantStatus(StatusModel):
