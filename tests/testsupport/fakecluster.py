@@ -38,7 +38,7 @@ from rollout_operator.cluster.kube import Kube
 from rollout_operator.cluster.rest import JSON, MERGE_PATCH, ApiError
 from rollout_operator.model.api import GROUP, ROLLOUT_CHECKPOINT_PLURAL, ROLLOUT_SET_PLURAL
 
-WITH_STATUS = frozenset({ROLLOUT_SET_PLURAL, ROLLOUT_CHECKPOINT_PLURAL, "pods"})
+WITH_STATUS = frozenset({ROLLOUT_SET_PLURAL, ROLLOUT_CHECKPOINT_PLURAL, "pods", "workloads"})
 """Kinds whose status is a subresource (written only through `/status`)."""
 
 INDEX_OF = {
@@ -57,7 +57,12 @@ KINDS = {
     "secrets": ("Secret", "v1"),
     "nodes": ("Node", "v1"),
     "leases": ("Lease", "coordination.k8s.io/v1"),
+    "workloads": ("Workload", "kueue.x-k8s.io/v1beta2"),
+    "resourceflavors": ("ResourceFlavor", "kueue.x-k8s.io/v1beta2"),
+    "workloadpriorityclasses": ("WorkloadPriorityClass", "kueue.x-k8s.io/v1beta2"),
 }
+CLUSTER_SCOPED = frozenset({"nodes", "resourceflavors", "workloadpriorityclasses"})
+"""Kinds without a namespace."""
 
 
 @dataclass(frozen=True)
@@ -182,7 +187,7 @@ class FakeCluster:
         kubelet would together."""
         plural = _plural_of(obj)
         meta = obj.get("metadata") or {}
-        namespace = None if plural == "nodes" else str(meta.get("namespace") or "default")
+        namespace = None if plural in CLUSTER_SCOPED else str(meta.get("namespace") or "default")
         key = (plural, namespace, str(meta["name"]))
         stored = copy.deepcopy(dict(obj))
         old = self.objects.get(key)
