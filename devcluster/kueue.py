@@ -11,8 +11,9 @@ machine by a digest of the pin; `.bin/kueue` links to that folder (`$DEVCLUSTER_
 - keeps Kueue's internal certificate management on (the controller's metrics server needs it) but
   hands it a CA and a serving certificate of our own in the Secret it reads: the certificate names
   both the Service Kueue expects (`kueue-webhook-service.kueue-system.svc`, which is what the
-  rotator checks) and 127.0.0.1 (what the API server dials), so the rotator keeps them, writes them
-  into the webhook server's folder and injects the same CA into the webhook configurations;
+  rotator checks) and 127.0.0.1 (what the API server dials), so the rotator keeps them and
+  injects the same CA into the webhook configurations; the files are written into the webhook
+  server's folder as a Secret volume would hold them;
 - runs the controller with the admin kubeconfig, its health probe and webhook server on loopback,
   metrics and the visibility API server off, leader election off, and
   `integrations.externalFrameworks` set (RolloutSet by default), recorded in the cluster's state
@@ -339,6 +340,12 @@ def start(
     taken: set[int] = set()
     webhook_port, health_port = pick_free(taken), pick_free(taken)
     certs = _certificates()
+    # What a pod would find where its Secret volume is mounted: the rotator only checks that the
+    # files are there (it never writes them), and the webhook server serves them.
+    for file, data in (("tls.crt", certs.cert_pem), ("tls.key", certs.key_pem)):
+        path = cert_dir / file
+        path.write_bytes(data)
+        path.chmod(0o600)
     secret = {
         "apiVersion": "v1",
         "kind": "Secret",

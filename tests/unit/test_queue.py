@@ -166,15 +166,19 @@ def test_a_missing_priority_class_creates_nothing_and_says_so(storage: Path) -> 
     assert plan.create is None
     status, reason, message = conditions(plan)["QuotaPending"]
     assert (status, reason) == (True, queue.Reason.PRIORITY_CLASS_NOT_FOUND)
-    assert "nope" in message and plan.notes[0].warning
+    assert "nope" in message
+    assert plan.notes[0].warning
 
 
 def test_pending_shows_kueues_own_message(storage: Path) -> None:
     why = "couldn't assign flavors to pod set model: insufficient unused quota for nvidia.com/gpu"
     plan = decide(queued_set(storage), workload(("QuotaReserved", "False", "Pending", why)))
-    assert plan.suspend is True and plan.create is None and plan.release is None
+    assert plan.suspend is True
+    assert plan.create is None
+    assert plan.release is None
     status, reason, message = conditions(plan)["QuotaPending"]
-    assert (status, reason) == (True, "Pending") and why in message
+    assert (status, reason) == (True, "Pending")
+    assert why in message
 
 
 def test_admission_starts_the_set_with_the_flavors_placement(storage: Path) -> None:
@@ -185,7 +189,8 @@ def test_admission_starts_the_set_with_the_flavors_placement(storage: Path) -> N
     assert plan.placement is not None
     status, reason, message = conditions(plan)["QuotaPending"]
     assert (status, reason) == (False, queue.Reason.ADMITTED)
-    assert "gpus" in message and "model: default/h100" in message
+    assert "gpus" in message
+    assert "model: default/h100" in message
     # The pods the set's pass creates then carry the flavors' selector and tolerations.
     body["metadata"]["annotations"] = {queue.ANNOTATION_PLACEMENT: plan.placement}
     rset = as_set(body)
@@ -215,13 +220,15 @@ def test_preemption_suspends_first_and_names_the_preemptor(storage: Path) -> Non
     assert plan.release is None, "the quota goes only once the pods are gone"
     status, reason, message = conditions(plan)["Preempted"]
     assert (status, reason) == (True, "Preempted")
-    assert "UID: u-2, JobUID: j-2" in message and "suspend checkpoint" in message
+    assert "UID: u-2, JobUID: j-2" in message
+    assert "suspend checkpoint" in message
 
 
 def test_pods_still_there_hold_the_quota(storage: Path) -> None:
     body = suspended(queued_set(storage), "spec.suspend is true; checkpoint math-suspend-a3 ...")
     plan = decide(body, workload(*ADMITTED, EVICTED, admission=ADMISSION), pods_left=1)
-    assert plan.release is None and plan.suspend is None
+    assert plan.release is None
+    assert plan.suspend is None
 
 
 def test_released_pods_hand_the_quota_back_as_kueue_expects(storage: Path) -> None:
@@ -241,7 +248,8 @@ def test_released_pods_hand_the_quota_back_as_kueue_expects(storage: Path) -> No
     assert by_type["Evicted"]["status"] == "True", "Kueue's own condition is left as it was"
     assert plan.release["metadata"]["resourceVersion"] == "7"
     message = conditions(plan)["Preempted"][2]
-    assert "math-suspend-a3 holds the state" in message and "quota handed back" in message
+    assert "math-suspend-a3 holds the state" in message
+    assert "quota handed back" in message
     assert plan.notes == (Note("QuotaReleased", message, warning=False),)
 
 
@@ -254,7 +262,8 @@ def test_a_failed_suspend_checkpoint_still_releases_the_quota_and_says_so(storag
     plan = decide(body, workload(*ADMITTED, EVICTED, admission=ADMISSION))
     assert plan.release is not None
     message = conditions(plan)["Preempted"][2]
-    assert "failed (PrepareTimeout)" in message and "quota handed back" in message
+    assert "failed (PrepareTimeout)" in message
+    assert "quota handed back" in message
     assert plan.notes[0].warning
 
 
@@ -282,7 +291,7 @@ def test_without_the_label_the_set_is_not_held(storage: Path) -> None:
     assert queue.queue_holds(as_set(queued_set(storage)))
 
 
-# --- the pass, against the fake API server ---------------------------------------------------------
+# --- the pass, against the fake API server -----------------------------------------------------
 
 
 def add_pod(cluster: FakeCluster, name: str) -> None:
@@ -361,7 +370,8 @@ async def test_preemption_end_to_end_on_the_fake_api_server(storage: Path) -> No
 
     await both()
     created = cluster.get("workloads", NS, name)
-    assert created is not None and created["spec"]["priority"] == 10
+    assert created is not None
+    assert created["spec"]["priority"] == 10
     assert stored()["spec"]["suspend"] is True
     assert condition("QuotaPending")["status"] == "True"
 

@@ -38,6 +38,7 @@ from datetime import datetime
 from typing import Any, Final
 
 from ..model.api import (
+    LABEL_KUEUE_QUEUE,
     LABEL_SET,
     ConditionStatus,
     RolloutSet,
@@ -48,7 +49,7 @@ from ..model.api import (
 from .policy import ConditionChange, Note
 from .resources import ANNOTATION_KUEUE_PLACEMENT, owner_reference
 
-LABEL_QUEUE: Final = "kueue.x-k8s.io/queue-name"
+LABEL_QUEUE: Final = LABEL_KUEUE_QUEUE
 """The LocalQueue a set is submitted to (Kueue's own label)."""
 LABEL_PRIORITY_CLASS: Final = "kueue.x-k8s.io/priority-class"
 """The WorkloadPriorityClass of the set's Workload (Kueue's own label)."""

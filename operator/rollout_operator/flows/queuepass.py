@@ -67,11 +67,17 @@ class QueuePass:
     """One look at one queued set (see the module docstring)."""
 
     def __init__(
-        self, kube: Kube, *, clock: Clock = _utcnow, on_note: NoteSink | None = None
+        self,
+        kube: Kube,
+        *,
+        clock: Clock = _utcnow,
+        on_note: NoteSink | None = None,
+        wake_set: Callable[[str, str], None] | None = None,
     ) -> None:
         self._kube = kube
         self._clock = clock
         self._on_note = on_note
+        self._wake_set = wake_set
 
     async def run(self, namespace: str, name: str) -> QueueOutcome:
         raw = await self._kube.get_set(namespace, name)
@@ -140,6 +146,10 @@ class QueuePass:
                 name,
                 "held: spec.suspend true" if plan.suspend else "admitted: spec.suspend false",
             )
+            # The set's own pass creates the pods: wake it (a hold and a release that follow
+            # each other quickly may leave no spec change for Kopf to report).
+            if self._wake_set is not None:
+                self._wake_set(namespace, name)
         await self._write_conditions(rset, plan, version)
         if plan.release is not None:
             workload = workload_name(rset)

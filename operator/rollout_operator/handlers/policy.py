@@ -104,7 +104,7 @@ async def policy_loop(
         kube = kube_of(memo, kwargs)
         # A Kueue-queued set first: its admission or eviction becomes spec.suspend, which the
         # policy pass below acts on in the same pass (a set without the label is untouched).
-        queued = await QueuePass(kube, on_note=note_once).run(namespace, name)
+        queued = await QueuePass(kube, on_note=note_once, wake_set=wake).run(namespace, name)
         outcome = await PolicyPass(
             kube,
             on_note=note_once,
