@@ -265,7 +265,7 @@ async def test_a_failed_suspend_checkpoint_still_releases_the_quota_and_says_so(
 
     def released(obj: dict[str, Any]) -> bool:
         found = condition(obj, "Preempted")
-        return found is not None and "quota handed back" in found.get("message", "")
+        return found is not None and "quota handed back to Kueue" in found.get("message", "")
 
     stopped = await resources.wait_set("quota handed back", released, WAIT, name="stuck")
     message = condition(stopped, "Preempted")["message"]  # type: ignore[index]
