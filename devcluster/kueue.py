@@ -301,6 +301,24 @@ def _apply(cluster: Cluster, objects: list[dict[str, Any]], timeout: float) -> N
     )
 
 
+def apply_crds(cluster: Cluster, timeout: float = 60.0) -> None:
+    """Only Kueue's CRDs (no controller, no webhooks): enough for the operator to watch, create
+    and patch Workloads, as the RBAC tests need (tests/e2e/conftest.py `crds`)."""
+    folder = find_kueue()
+    docs = [
+        yaml.safe_load(path.read_text(encoding="utf-8"))
+        for path in sorted((folder / "crds").glob("*.yaml"))
+    ]
+    _apply(cluster, docs, timeout)
+    cluster.kubectl(
+        "wait",
+        "--for=condition=Established",
+        f"--timeout={int(timeout)}s",
+        *[f"crd/{doc['metadata']['name']}" for doc in docs],
+        timeout=timeout + 5,
+    )
+
+
 def _ready(health_port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{health_port}/readyz", timeout=2) as reply:

@@ -66,7 +66,8 @@ class Grant:
     step: str
     """start: Kopf's watches; set: a RolloutSet (with a trainer step: the policy creates a
     checkpoint); checkpoint: a RolloutCheckpoint; kill: a pod lost (recovery); delete: the set
-    deleted (its finalizer deletes its checkpoints)."""
+    deleted (its finalizer deletes its checkpoints); queue: a set labelled for a Kueue queue,
+    its Workload admitted and then evicted by the test playing Kueue."""
 
     @property
     def id(self) -> str:
