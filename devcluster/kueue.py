@@ -310,13 +310,17 @@ def apply_crds(cluster: Cluster, timeout: float = 60.0) -> None:
         for path in sorted((folder / "crds").glob("*.yaml"))
     ]
     _apply(cluster, docs, timeout)
-    cluster.kubectl(
-        "wait",
-        "--for=condition=Established",
-        f"--timeout={int(timeout)}s",
-        *[f"crd/{doc['metadata']['name']}" for doc in docs],
-        timeout=timeout + 5,
+    names = [f"crd/{doc['metadata']['name']}" for doc in docs]
+    established = (
+        '{range .items[*]}{.status.conditions[?(@.type=="Established")].status}{"\\n"}{end}'
     )
+
+    # Polled, not `kubectl wait`: on a CRD whose status has no conditions yet that fails at once.
+    def all_established() -> bool:
+        shown = cluster.kubectl("get", *names, "-o", f"jsonpath={established}", check=False)
+        return shown.returncode == 0 and shown.stdout.split() == ["True"] * len(names)
+
+    wait_for_sync(all_established, timeout, "Kueue's CRDs Established", interval=0.2)
 
 
 def _ready(health_port: int) -> bool:
