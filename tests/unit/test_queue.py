@@ -12,7 +12,7 @@ import pytest
 from rollout_operator.decide import queue
 from rollout_operator.decide.policy import Note, Reason
 from rollout_operator.decide.resources import participant_pod
-from rollout_operator.flows.queuepass import QueuePass
+from rollout_operator.flows.queuepass import QueuePass, WorkloadNotCreated
 from rollout_operator.model import api
 from testsupport.fakecluster import FakeCluster
 from testsupport.policy import NS, T0, Run, rollout_set, seeded, stamp
@@ -428,3 +428,15 @@ async def test_preemption_end_to_end_on_the_fake_api_server(storage: Path) -> No
         "False",
         Reason.RESUMED,
     )
+
+
+async def test_without_kueue_installed_the_set_says_so_and_creates_no_pods(storage: Path) -> None:
+    cluster = seeded(queued_set(storage))
+    cluster.refuse("create", "workloads", status=404, message="the server could not find it")
+    with pytest.raises(WorkloadNotCreated):
+        await QueuePass(cluster.kube(), clock=lambda: T0).run(NS, "math")
+    stored = cluster.get(api.ROLLOUT_SET_PLURAL, NS, "math") or {}
+    pending = next(c for c in stored["status"]["conditions"] if c["type"] == "QuotaPending")
+    assert (pending["status"], pending["reason"]) == ("True", "KueueNotInstalled")
+    assert "install Kueue" in pending["message"]
+    assert queue.queue_holds(as_set(stored))

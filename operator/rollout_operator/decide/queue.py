@@ -59,6 +59,8 @@ messages name the preemptor by it)."""
 ANNOTATION_PLACEMENT: Final = ANNOTATION_KUEUE_PLACEMENT
 """On an admitted set: per role, the node selector and tolerations of the flavors Kueue
 assigned (JSON), applied to every pod the operator creates for it (`resources._place`)."""
+EXTERNAL_FRAMEWORK: Final = "RolloutSet.v1alpha1.checkpoint.rollout.dev"
+"""What Kueue's `integrations.externalFrameworks` must list for RolloutSets."""
 KUEUE_GROUP: Final = "kueue.x-k8s.io"
 KUEUE_VERSION: Final = "v1beta2"
 WORKLOAD_API_VERSION: Final = f"{KUEUE_GROUP}/{KUEUE_VERSION}"

@@ -27,11 +27,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ..cluster.kube import Conflict, Kube
-from ..decide.policy import Note
+from ..cluster.kube import ApiError, Conflict, Kube
+from ..decide.policy import ConditionChange, Note
 from ..decide.queue import (
     ANNOTATION_PLACEMENT,
+    EXTERNAL_FRAMEWORK,
     LABEL_PRIORITY_CLASS,
+    LABEL_QUEUE,
+    WORKLOAD_API_VERSION,
     Flavor,
     QueuePlan,
     QueueSetView,
@@ -43,7 +46,7 @@ from ..decide.queue import (
     workload_name,
 )
 from ..decide.resources import set_selector
-from ..model.api import RolloutSet
+from ..model.api import RolloutSet, SetConditionType
 from ..model.conditions import ConditionUpdate, merge_conditions, same_conditions
 
 logger = logging.getLogger(__name__)
@@ -127,13 +130,22 @@ class QueuePass:
 
     async def _act(self, rset: RolloutSet, plan: QueuePlan) -> None:
         namespace, name = rset.metadata.namespace or "default", rset.metadata.name
-        if plan.create is not None and await self._kube.create_workload(namespace, plan.create):
-            logger.info(
-                "set %s: created Workload %s in LocalQueue %s",
-                name,
-                plan.create["metadata"]["name"],
-                queue_of(rset),
-            )
+        if plan.create is not None:
+            try:
+                created = await self._kube.create_workload(namespace, plan.create)
+            except ApiError as error:
+                # The set stays held (`queue.queue_holds`); say why and what to do.
+                await self._write_conditions(
+                    rset, not_created(error), rset.metadata.resource_version
+                )
+                raise WorkloadNotCreated(str(error)) from error
+            if created:
+                logger.info(
+                    "set %s: created Workload %s in LocalQueue %s",
+                    name,
+                    plan.create["metadata"]["name"],
+                    queue_of(rset),
+                )
         version = rset.metadata.resource_version
         if plan.suspend is not None:
             body: dict[str, Any] = {"spec": {"suspend": plan.suspend}}
@@ -181,6 +193,31 @@ class QueuePass:
             },
             resource_version=version,
         )
+
+
+class WorkloadNotCreated(Exception):
+    """The API server refused the set's Workload (the set's condition says why); the loop
+    retries with its backoff."""
+
+
+def not_created(error: ApiError) -> QueuePlan:
+    """The `QuotaPending` condition of a set whose Workload the API server refused."""
+    if error.status == 404:
+        message = (
+            f"the Workload API ({WORKLOAD_API_VERSION}) is not served: install Kueue (with "
+            f"{EXTERNAL_FRAMEWORK} in integrations.externalFrameworks) or remove the label "
+            f"{LABEL_QUEUE}; the set creates no pods until then"
+        )
+        reason = "KueueNotInstalled"
+    else:
+        message = (
+            f"the API server refused the set's Workload ({error}); the set creates no pods "
+            "until it exists (the operator retries)"
+        )
+        reason = "WorkloadNotCreated"
+    return QueuePlan(
+        conditions=(ConditionChange(SetConditionType.QUOTA_PENDING.value, True, reason, message),)
+    )
 
 
 def _comparable(conditions: Sequence[Any]) -> list[Any]:
