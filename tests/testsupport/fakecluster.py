@@ -33,7 +33,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from rollout_operator.cluster.cache import INDEXES, ClusterCache, Seen, index_entries
+from rollout_operator.cluster.cache import (
+    INDEXES,
+    OPTIONAL_INDEXES,
+    ClusterCache,
+    Seen,
+    index_entries,
+)
 from rollout_operator.cluster.kube import Kube
 from rollout_operator.cluster.rest import JSON, MERGE_PATCH, ApiError
 from rollout_operator.model.api import GROUP, ROLLOUT_CHECKPOINT_PLURAL, ROLLOUT_SET_PLURAL
@@ -46,6 +52,7 @@ INDEX_OF = {
     ROLLOUT_CHECKPOINT_PLURAL: "rollout_checkpoints",
     "pods": "set_pods",
     "nodes": "nodes",
+    "workloads": "set_workloads",
 }
 """Which of the operator's indexes (`cache.INDEXES`) watches each kind."""
 
@@ -123,7 +130,7 @@ class FakeCluster:
     objects: dict[tuple[str, str | None, str], dict[str, Any]] = field(default_factory=dict)
     """(plural, namespace, name) -> the stored object (change it only through `update`)."""
     indexes: dict[str, FakeIndex] = field(
-        default_factory=lambda: {name: FakeIndex() for name in INDEXES}
+        default_factory=lambda: {name: FakeIndex() for name in (*INDEXES, *OPTIONAL_INDEXES)}
     )
     _versions: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     _refusals: list[_Refusal] = field(default_factory=list)

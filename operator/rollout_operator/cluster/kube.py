@@ -38,6 +38,7 @@ from ..model.api import (
     VERSION,
 )
 from .cache import CHECKPOINTS, PODS, SETS, ClusterCache
+from .cache import WORKLOADS as CACHED_WORKLOADS
 from .rest import MERGE_PATCH, ApiClient, ApiError, Transport, api_path, credentials
 
 __all__ = ["ApiError", "Conflict", "Kube"]
@@ -206,13 +207,19 @@ class Kube:
 
     # --- Kueue (a queued set's Workload; DESIGN 6.7) --------------------------------------------
 
-    async def get_workload(self, namespace: str, name: str) -> dict[str, Any] | None:
-        """The Workload, read from the API server (one read per pass of a queued set)."""
+    async def get_workload(self, namespace: str, set_name: str, name: str) -> dict[str, Any] | None:
+        """The set's Workload `name`, from the watch of Workloads (`cache.WORKLOADS`), or from
+        the API server where that watch is not running."""
+        if self.cache.watches_workloads:
+            return self.cache.get_workload(namespace, set_name, name)
         return await self._get(_kueue(WORKLOADS, namespace, name))
 
     async def create_workload(self, namespace: str, manifest: Mapping[str, Any]) -> bool:
         """Create it; False when one of that name exists already."""
-        return await self._create_if_absent(_kueue(WORKLOADS, namespace), manifest) is not None
+        created = await self._create_if_absent(_kueue(WORKLOADS, namespace), manifest)
+        if created is not None:
+            self.cache.saw(CACHED_WORKLOADS, created, set_name=_set_label(created))
+        return created is not None
 
     async def patch_workload_status(
         self, namespace: str, name: str, body: Mapping[str, Any]
@@ -220,11 +227,13 @@ class Kube:
         """Merge-patch the Workload's status (its `metadata.resourceVersion`, when the body
         names one, is the precondition: `Conflict` when Kueue wrote it meanwhile)."""
         try:
-            return await self._merge(_kueue(WORKLOADS, namespace, name, "status"), body)
+            obj = await self._merge(_kueue(WORKLOADS, namespace, name, "status"), body)
         except ApiError as error:
             if error.status == 409:
                 raise Conflict(error.message) from error
             raise
+        self.cache.saw(CACHED_WORKLOADS, obj, set_name=_set_label(obj))
+        return obj
 
     async def get_resource_flavor(self, name: str) -> dict[str, Any] | None:
         return await self._get(_kueue(RESOURCE_FLAVORS, None, name))

@@ -1,10 +1,11 @@
 """A Kueue-queued RolloutSet, carried out against the API (`decide.queue` decides).
 
 `QueuePass.run(namespace, name)`: one look at a set labelled `kueue.x-k8s.io/queue-name` (a set
-without the label returns at once, untouched). It reads the set and its pods from the watches,
-its Workload from the API server (and, for a Workload still to create, the WorkloadPriorityClass
+without the label returns at once, untouched). It reads the set, its pods and its Workload from
+the watches (and, from the API server, for a Workload still to create, the WorkloadPriorityClass
 the set names; for an admitted one, its ResourceFlavors), lets `queue.decide` decide, and acts in
-an order that a crash between two steps leaves for the next pass to finish:
+an order that a crash between two steps leaves for the next pass to finish (the Workload is
+read from the operator's watch of Workloads, `cache.WORKLOADS`, like the set and its pods):
 
 1. the Workload is created (a deterministic name: a repeat gets "exists");
 2. `spec.suspend` (with the admitted placement) is patched on the set with a resourceVersion
@@ -94,7 +95,7 @@ class QueuePass:
             return QueueOutcome()
         pods = await self._kube.list_pods(namespace, set_selector(name))
         view = QueueSetView.from_set(rset, pods_left=pods_left(pods))
-        found = await self._kube.get_workload(namespace, workload_name(rset))
+        found = await self._kube.get_workload(namespace, name, workload_name(rset))
         workload = WorkloadView.from_object(found) if found is not None else None
         manifest: dict[str, Any] | None = None
         missing: str | None = None
