@@ -121,7 +121,7 @@ GRANTS = [
     *_g(
         "kueue.x-k8s.io",
         "workloads",
-        {"get": "queue", "list": "start", "watch": "start", "create": "queue"},
+        {"list": "start", "watch": "start", "create": "queue"},
     ),
     *_g("kueue.x-k8s.io", "workloads/status", {"patch": "queue"}),
     *_g("kueue.x-k8s.io", "workloadpriorityclasses", {"get": "queue"}),

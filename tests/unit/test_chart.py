@@ -257,7 +257,6 @@ def test_kueue_workloads_are_created_and_released_never_changed_or_deleted() -> 
             if group == "kueue.x-k8s.io"
         }
         assert kueue == {
-            ("workloads", "get"),
             ("workloads", "list"),
             ("workloads", "watch"),
             ("workloads", "create"),

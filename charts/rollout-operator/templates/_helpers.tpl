@@ -119,12 +119,13 @@ checkpointing.py, recovery.py, handlers/) and with Kopf.
   resources: [events]
   verbs: [create]
 # Kueue: a set labelled kueue.x-k8s.io/queue-name is a Kueue workload the operator owns (the
-# external-framework contract). Kopf lists and watches the sets' Workloads (their admission and
-# eviction wake the set's pass); the pass reads its set's Workload and creates it (one per set,
-# deleted with the set by owner reference). Harmless where Kueue is not installed.
+# external-framework contract). Kopf lists and watches the sets' Workloads (the operator reads
+# them from that watch; their admission and eviction wake the set's pass); the pass creates its
+# set's Workload (one per set, deleted with the set by owner reference). Harmless where Kueue
+# is not installed.
 - apiGroups: [kueue.x-k8s.io]
   resources: [workloads]
-  verbs: [get, list, watch, create]
+  verbs: [list, watch, create]
 # Kueue: once an evicted set has saved its suspend checkpoint and released its pods, the pass
 # clears the Workload's quota reservation in status, which is what Kueue waits for.
 - apiGroups: [kueue.x-k8s.io]

@@ -212,7 +212,14 @@ class Kube:
         the API server where that watch is not running."""
         if self.cache.watches_workloads:
             return self.cache.get_workload(namespace, set_name, name)
-        return await self._get(_kueue(WORKLOADS, namespace, name))
+        # No watch of Workloads (Kueue's CRDs absent when the operator started): a read, which
+        # the chart does not grant; the create that follows says what is wrong (QuotaPending).
+        try:
+            return await self._get(_kueue(WORKLOADS, namespace, name))
+        except ApiError as error:
+            if error.status == 403:
+                return None
+            raise
 
     async def create_workload(self, namespace: str, manifest: Mapping[str, Any]) -> bool:
         """Create it; False when one of that name exists already."""
