@@ -18,6 +18,14 @@ cut), and inside a replay-mode verification. The coordinator runs in this proces
              in four role stages, one commit fan-out, one resume fan-out)
   ratio      pause / floor, target <= 2.0
 
+The commit is broken down by part on the same bytes, in this process: encoding the records
+(building and serialising each one, and its digest: inside the commit before issue 21, at each
+episode's boundary since), collecting the encoded records of the largest participant, and
+`storage.write_records` of every participant's records in parallel (the records file, the
+manifest and their fsyncs); the rest of the commit is HTTP, the control plane and scheduling.
+Where pause / floor is above 2.0, the part furthest above its share of the floor is printed as
+what dominates.
+
 It also shows the older baseline (write+fsync + 4 round trips), the round trips resuming at once
 saves against resuming stage by stage (three), and each call's median as the coordinator saw it.
 
@@ -51,14 +59,17 @@ import aiohttp
 import anyio
 import httpx
 from rollout_protocol import (
+    Boundary,
     CommitReply,
     CommitRequest,
     Coordinator,
+    EpisodeRuntime,
     ForgetReply,
     ForgetRequest,
     HttpParticipantClient,
     PrepareReply,
     PrepareRequest,
+    Record,
     RenewReply,
     RenewRequest,
     RestoreReply,
@@ -69,7 +80,9 @@ from rollout_protocol import (
     RetireRequest,
     Role,
     StatusReply,
+    encode_record,
 )
+from rollout_protocol import _storage as storage
 from rollout_servers.tasks import sample_tasks
 
 _Reply = TypeVar("_Reply")
@@ -206,6 +219,57 @@ def write_and_fsync(directory: Path, sizes: list[int]) -> float:
         started = time.perf_counter()
         list(pool.map(one, range(len(sizes))))
         return time.perf_counter() - started
+
+
+def commit_parts(root: Path, manifest_paths: Mapping[str, str], repeats: int) -> dict[str, float]:
+    """The commit's parts on the bytes it wrote (see the module docstring): seconds."""
+    by_instance = {
+        instance: storage.read_records(
+            (root / path).parent, expect_checkpoint_id=path.split("/")[-3]
+        )[1]
+        for instance, path in manifest_paths.items()
+    }
+    fields = [
+        (r.kind, r.rollout_id, r.attempt, r.key, r.data)
+        for records in by_instance.values()
+        for r in records
+    ]
+    started = time.perf_counter()
+    for kind, rollout_id, attempt, key, data in fields:
+        encode_record(Record(kind=kind, rollout_id=rollout_id, attempt=attempt, key=key, data=data))
+    encode_s = time.perf_counter() - started
+    largest = max(by_instance.values(), key=len)
+    runtime = EpisodeRuntime("bench")
+    for record in largest:
+        runtime.begin(record.rollout_id + record.key, 0, Boundary("b", record.data))
+    collects = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        runtime.export_encoded(None)
+        collects.append(time.perf_counter() - started)
+    encoded = {i: [encode_record(r) for r in records] for i, records in by_instance.items()}
+
+    def write(n: int, instance: str) -> None:
+        storage.write_records(
+            root / "parts" / f"{n}" / instance,
+            role=Role(instance.rsplit("-", 1)[0]),
+            instance=instance,
+            checkpoint_id=f"parts-{n}",
+            attempt=0,
+            encoded=encoded[instance],
+        )
+
+    writes = []
+    with ThreadPoolExecutor(len(encoded)) as pool:
+        for n in range(repeats):
+            started = time.perf_counter()
+            list(pool.map(write, [n] * len(encoded), list(encoded)))
+            writes.append(time.perf_counter() - started)
+    return {
+        "encode": encode_s,
+        "collect": statistics.median(collects),
+        "write": statistics.median(writes),
+    }
 
 
 async def round_trips(
@@ -378,6 +442,7 @@ async def bench(episodes: int, repeats: int, replicas: int, root: Path) -> None:
         # cores a fan-out costs more than one participant's round trip
         floor_fan_out = write_s + (SEQUENTIAL_CALLS - 2) * rtt + 2 * rtt_all
         pause = statistics.median(pauses)
+        parts = commit_parts(root / "checkpoints", last.commit.manifest_paths, repeats)
 
     total = sum(sizes)
     print(
@@ -410,6 +475,31 @@ async def bench(episodes: int, repeats: int, replicas: int, root: Path) -> None:
         f"(target <= 2.0; {SEQUENTIAL_CALLS} sequential calls)"
     )
     print(f"{'ratio pause / floor with fan-outs':<36}{pause / floor_fan_out:>10.2f}\n")
+    resume = max(0.0, pause - prepare - commit)
+    rest = max(0.0, commit - parts["collect"] - parts["write"])
+    print("the commit by part, on the same bytes in this process (seconds):")
+    part_rows = [
+        ("encode every record (one core)", parts["encode"], "at boundaries, not in the pause"),
+        ("collect encoded records", parts["collect"], "largest participant"),
+        ("write records + manifest, fsyncs", parts["write"], "all participants at once"),
+        ("the rest: HTTP, control plane", rest, "commit - collect - write"),
+    ]
+    for label, value, note in part_rows:
+        print(f"  {label:<34}{value:>10.4f}   {note}")
+    # each part's excess over what the floor grants it
+    excess = {
+        "prepare (4 stages: parking, replies)": prepare - 4 * rtt,
+        "commit (beyond write + one fan-out)": commit - parts["write"] - rtt_all,
+        "resume (beyond one fan-out)": resume - rtt_all,
+    }
+    if pause / floor > 2.0:
+        worst = max(excess, key=lambda name: excess[name])
+        print(
+            "\npause / floor above 2.0; above the floor: "
+            + ", ".join(f"{name} {value:.4f} s" for name, value in excess.items())
+            + f"\ndominates: {worst}"
+        )
+    print()
     print("median seconds per call, as the coordinator saw it (one round trip included):")
     print(f"{'participant':<14}" + "".join(f"{op:>10}" for op in ("prepare", "commit", "resume")))
     for role in ROLES:

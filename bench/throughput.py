@@ -17,6 +17,13 @@ holds several checkpoints and the whole bench stays under a few minutes. The cos
 checkpoint does not scale with the interval, so the printed ratio is a pessimistic estimate of
 the 60 s one; the table also shows that one (the loss scaled by interval / 60).
 
+Two more measurements for issue 21 (records encoded at boundaries): how many records of each
+checkpoint are byte for byte those of the checkpoint before it (what storing records in
+segments referenced by digest would not write again), and the latency of an episode runtime
+step with its record encoded at the boundary against the same step without (in this process,
+on the record sizes of the reference servers: the agent's transcript and a growing model
+generation), p50 and p99.
+
 Every run's rewards must match (same seed, same work); a checkpoint that fails or a reward sum
 that differs ends the bench with a message. Prints a table; asserts nothing about speed.
 Run: `.venv/bin/python bench/throughput.py [--interval S] [--pairs N] [--episodes N]`.
@@ -25,6 +32,7 @@ Run: `.venv/bin/python bench/throughput.py [--interval S] [--pairs N] [--episode
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -32,11 +40,21 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from unittest.mock import patch
 
 import aiohttp
 import anyio
 from protocol_pause import TOKEN, servers
-from rollout_protocol import Coordinator, HttpParticipantClient, Role
+from rollout_protocol import (
+    Boundary,
+    Coordinator,
+    Episode,
+    EpisodeRuntime,
+    HttpParticipantClient,
+    Role,
+    StepMode,
+)
+from rollout_protocol import _storage as storage
 from rollout_servers.client import EpisodeFailed, EpisodeSpec, RolloutClient, episode_specs
 from rollout_servers.topology import StaticTopology
 
@@ -151,6 +169,89 @@ async def bench(args: argparse.Namespace, root: Path) -> None:
     if len(rewards) != 1:
         raise SystemExit(f"runs of the same seeded episodes differ in rewards: {sorted(rewards)}")
     report(args, runs)
+    unchanged_records(root / "checkpoints" / "throughput")
+    await step_latency()
+
+
+def unchanged_records(set_dir: Path) -> None:
+    """Per participant, the records (and bytes) of each published checkpoint whose line is the
+    same as in the run's checkpoint before it: what segment reuse would not write again."""
+    root = set_dir.parent
+    previous: dict[str, set[bytes]] = {}
+    totals = {"records": 0, "bytes": 0, "same_records": 0, "same_bytes": 0}
+    last_run = None
+    # oldest first; the participants' records are where their manifest paths say (their set
+    # directory is the servers' ROLLOUT_SET, not the set name the checkpoint is published under)
+    for published in storage.published_checkpoints(root, set_dir.name):
+        run = published.checkpoint_id.split("-")[0]
+        if run != last_run:
+            previous, last_run = {}, run
+        for participant in published.participants:
+            instance_dir = (root / participant.manifest_path).parent
+            manifest = storage.read_manifest(instance_dir)
+            lines = (instance_dir / manifest.records_file).read_bytes().splitlines()
+            before = previous.get(participant.instance)
+            if before is not None:
+                same = [line for line in lines if line in before]
+                totals["records"] += len(lines)
+                totals["bytes"] += sum(map(len, lines))
+                totals["same_records"] += len(same)
+                totals["same_bytes"] += sum(map(len, same))
+            previous[participant.instance] = set(lines)
+    if not totals["records"]:
+        print("records unchanged between checkpoints: no consecutive checkpoints to compare\n")
+        return
+    print(
+        "records unchanged since the run's previous checkpoint (segment reuse would skip them): "
+        f"{totals['same_records'] / totals['records']:.1%} of records, "
+        f"{totals['same_bytes'] / totals['bytes']:.1%} of bytes\n"
+    )
+
+
+async def step_latency(steps: int = 20_000) -> None:
+    """p50/p99 of `EpisodeRuntime.step` (a step whose work is nothing) with encode-ahead and
+    with the encoding switched off (`Episode.reached` a no-op, as before issue 21)."""
+    transcript = {"messages": [{"role": "user", "content": "x" * 300}] * 2, "turn": 1}
+
+    async def measure(encode: bool) -> list[float]:
+        runtime = EpisodeRuntime()
+        agent = runtime.begin("agent", 0, Boundary("model", transcript))
+        model = runtime.begin("model", 0, Boundary("generate", {"text": "", "tokens": 0}))
+        times: list[float] = []
+        with contextlib.ExitStack() as stack:
+            if not encode:
+                stack.enter_context(patch.object(Episode, "reached", lambda self, kind: None))
+            for n in range(steps):
+                ep = agent if n % 2 else model
+                if ep is agent:
+                    boundary = Boundary("model", {**transcript, "turn": n})
+                else:
+                    text = str(model.boundary.state["text"])[-4000:] + "tok "
+                    boundary = Boundary("generate", {"text": text, "tokens": n})
+
+                async def run(boundary: Boundary = boundary) -> Boundary:
+                    return boundary
+
+                started = time.perf_counter()
+                await runtime.step(ep, "step", StepMode.REPLAY, run)
+                times.append(time.perf_counter() - started)
+        return times
+
+    without: list[float] = []
+    with_: list[float] = []
+    for encode in (False, True, True, False):  # ABBA, so warm-up and drift favour neither
+        (with_ if encode else without).extend(await measure(encode))
+    without.sort()
+    with_.sort()
+
+    def pct(values: list[float], q: float) -> float:
+        return values[min(len(values) - 1, int(q * len(values)))] * 1e6
+
+    print("episode runtime step latency, microseconds (agent transcript / model generation):")
+    print(f"{'':<28}{'p50':>10}{'p99':>10}")
+    for label, values in (("encode-ahead off (before)", without), ("encode-ahead on", with_)):
+        print(f"{label:<28}{pct(values, 0.5):>10.1f}{pct(values, 0.99):>10.1f}")
+    print()
 
 
 def report(args: argparse.Namespace, runs: list[Run]) -> None:

@@ -21,13 +21,10 @@ import hashlib
 import json
 import os
 import random
-import signal
-import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
-from types import FrameType
 from typing import Any
 
 import httpx
@@ -53,6 +50,7 @@ from rollout_protocol import (
     TaskMismatch,
     task_digest,
 )
+from rollout_protocol.serving import DrainingServer
 
 EXITS: dict[str, tuple[str, ...]] = {
     "hall": ("library", "kitchen"),
@@ -283,26 +281,6 @@ class AdventureEnvironment:
         return app
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn whose first SIGTERM only drains: `/healthz` turns 503 and new episodes are
-    refused, while the control plane keeps answering (the operator may checkpoint inside the
-    grace period) until `drain_s` passed or a second signal came; then uvicorn stops as usual."""
-
-    def __init__(self, config: uvicorn.Config, env: AdventureEnvironment, drain_s: float) -> None:
-        super().__init__(config)
-        self.env, self.drain_s, self.deadline = env, drain_s, float("inf")
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig == signal.SIGTERM and not self.env.draining:
-            self.env.draining, self.deadline = True, time.monotonic() + self.drain_s
-            return
-        super().handle_exit(sig, frame)
-
-    async def on_tick(self, counter: int) -> bool:
-        self.should_exit = self.should_exit or time.monotonic() >= self.deadline
-        return await super().on_tick(counter)
-
-
 def main(argv: list[str] | None = None) -> None:
     """`python -m adventure_env`: serve until SIGINT, or SIGTERM and the drain period."""
     parser = argparse.ArgumentParser(prog="adventure_env", description=__doc__)
@@ -316,7 +294,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("no model: set ROLLOUT_PEER_MODEL_URL or pass --model-url")
     env = AdventureEnvironment(args.model_url, args.model_name, dict(os.environ))
     config = uvicorn.Config(env.app(), host=args.host, port=args.port, access_log=False)
-    DrainingServer(config, env, args.drain_seconds).run()
+
+    def drain() -> None:  # SIGTERM: unready, no new episodes; the control plane keeps answering
+        env.draining = True
+
+    DrainingServer(config, on_drain=drain, drain_seconds=args.drain_seconds).run()
 
 
 if __name__ == "__main__":

@@ -78,7 +78,8 @@ RECOVERY_PODS = Counter(
 )
 RECOVERY_EPISODES = Counter(
     "rollout_recovery_episodes",
-    "Episodes per finished recovery: continued from a checkpoint, or restarted from scratch.",
+    "Episodes per finished recovery: restored from a checkpoint (installed at their last "
+    "boundary), or restarted from scratch.",
     ["namespace", "set", "outcome"],
 )
 RECOVERY_MODEL_TOKENS = Counter(
@@ -113,6 +114,13 @@ RECOVERY_DURATION = Histogram(
     "Resuming, BackingOff), and in all of them (phase Total).",
     ["namespace", "set", "phase"],
     buckets=DURATION_BUCKETS,
+)
+STANDBY_PODS = Counter(
+    "rollout_standby_pods",
+    "Standby pods by event: started (a new one: the first, or a replacement after an adoption, "
+    "an idle standby's loss or a template change) and adopted (taken by a recovery for a lost "
+    "instance).",
+    ["namespace", "set", "event"],
 )
 ATTEMPT = Gauge(
     "rollout_set_attempt",
@@ -207,7 +215,7 @@ def observe_recovery(rset: RolloutSet, reason: str) -> None:
         labels = {"namespace": namespace, "set": rset.metadata.name}
         RECOVERY_PODS.labels(outcome="kept", **labels).inc(last.kept)
         RECOVERY_PODS.labels(outcome="replaced", **labels).inc(last.replaced)
-        RECOVERY_EPISODES.labels(outcome="continued", **labels).inc(last.episodes_continued)
+        RECOVERY_EPISODES.labels(outcome="restored", **labels).inc(last.episodes_restored)
         RECOVERY_EPISODES.labels(outcome="restarted", **labels).inc(last.episodes_restarted)
         RECOVERY_MODEL_TOKENS.labels(outcome="kept", **labels).inc(last.model_tokens_kept)
         RECOVERY_MODEL_TOKENS.labels(outcome="generated_again", **labels).inc(
@@ -216,6 +224,7 @@ def observe_recovery(rset: RolloutSet, reason: str) -> None:
         RECOVERY_STEPS.labels(outcome="kept", **labels).inc(last.steps_kept)
         RECOVERY_STEPS.labels(outcome="redone", **labels).inc(last.steps_redone)
         RECOVERY_WORK_UNCOUNTED.labels(**labels).inc(len(last.work_uncounted))
+        STANDBY_PODS.labels(event="adopted", **labels).inc(len(last.adopted))
         if last.checkpoint_age_seconds is not None:
             RECOVERY_CHECKPOINT_AGE.labels(**labels).observe(last.checkpoint_age_seconds)
         for phase, seconds in last.phase_seconds.items():
@@ -223,6 +232,10 @@ def observe_recovery(rset: RolloutSet, reason: str) -> None:
         RECOVERY_DURATION.labels(phase="Total", **labels).observe(last.duration_seconds)
     if rset.status.attempt is not None:
         ATTEMPT.labels(namespace=namespace, set=rset.metadata.name).set(rset.status.attempt)
+
+
+def standby_started(name: str, namespace: str | None) -> None:
+    STANDBY_PODS.labels(namespace=_namespace(namespace), set=name, event="started").inc()
 
 
 def forget_set(namespace: str | None, name: str) -> None:

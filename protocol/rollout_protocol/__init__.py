@@ -15,10 +15,12 @@ A coordinator (an operator, a Slurm job, `rollout-coordinate`) drives participan
 `Coordinator` and `HttpParticipantClient`; `storage` functions read and write the published
 records.
 
-This package depends on pydantic, aiohttp (`HttpParticipantClient`), httpx (the conformance kit's
-own requests), anyio and FastAPI/Starlette only; the conformance kit also serves in-process apps
-with uvicorn. It never imports the operator or the reference servers; everything not listed in
-`__all__` is private.
+This package is its own distribution, `rollout-protocol` (protocol/pyproject.toml), and depends on
+pydantic, httpx, anyio and FastAPI/Starlette only. aiohttp (`HttpParticipantClient`, imported at
+its first call: the `client` extra) and uvicorn (`rollout_protocol.serving`, the conformance kit:
+the `serve` and `kit` extras) are needed only by what uses them; `import rollout_protocol` imports
+neither. It never imports the operator or the reference servers; everything not listed in
+`__all__` (and the public submodules `conformance` and `serving`) is private.
 """
 
 from ._client import HttpParticipantClient, ParticipantClient, ParticipantError
@@ -68,10 +70,12 @@ from ._routes import (
     Route,
 )
 from ._storage import (
+    EncodedRecord,
     RecordsInvalid,
     Removal,
     StorageError,
     checkpoint_base,
+    encode_record,
     published_checkpoints,
     read_checkpoint_manifest,
     read_manifest,
@@ -153,6 +157,7 @@ __all__ = [
     "ControlPlane",
     "ControlSettings",
     "Coordinator",
+    "EncodedRecord",
     "Episode",
     "EpisodeCancelled",
     "EpisodeCounts",
@@ -209,6 +214,7 @@ __all__ = [
     "StorageError",
     "TaskMismatch",
     "checkpoint_base",
+    "encode_record",
     "published_checkpoints",
     "read_checkpoint_manifest",
     "read_manifest",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import hashlib
 import hmac
 import json
 import logging
@@ -25,7 +26,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,6 +38,7 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticSerializationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -63,6 +65,7 @@ from ._wire import (
     MAX_FINISHED_LISTED,
     CommitReply,
     CommitRequest,
+    EpisodeId,
     ErrorBody,
     ErrorCode,
     ForgetReply,
@@ -129,6 +132,9 @@ class ControlSettings:
     """The set's directory under the checkpoint root (`<namespace>/<set>/<uid>` from the
     operator, see `set_storage_dir`); None: the set name, as without an operator."""
     attempt: int = 0
+    standby: bool = False
+    """A standby (`ROLLOUT_STANDBY=1`): a warm spare in no attempt that a recovery adopts for a
+    lost instance; the adopting restore gives it the instance's index (`RestoreRequest.index`)."""
     token: str | None = None
     allow_unauthenticated: bool = False
     lease_grace_seconds: float = 30.0
@@ -195,6 +201,7 @@ class ControlSettings:
             checkpoint_root=Path(root) if root is not None else None,
             set_dir=env.get("ROLLOUT_SET_DIR") or None,
             attempt=_int_from_env(env, "ROLLOUT_ATTEMPT", 0),
+            standby=env.get("ROLLOUT_STANDBY", "") in ("1", "true"),
             token=env.get("ROLLOUT_CONTROL_TOKEN") or None,
             allow_unauthenticated=allow_unauthenticated,
             lease_grace_seconds=_float_from_env(grace, 30.0),
@@ -721,6 +728,7 @@ class ControlPlane:
             instance=self._settings.instance,
             set_name=self._settings.set_name,
             set_dir=self._settings.set_dir,
+            standby=self._settings.standby,
             attempt=self._attempt,
             phase=self._machine.phase,
             checkpoint_id=self._machine.checkpoint_id,
@@ -743,11 +751,14 @@ class ControlPlane:
             if self._machine.begin_prepare(cid):
                 await self._call("close_admission", self._participant.close_admission())
             state = await self._park(cid, request.deadline_ts)
+            listed = frozenset(request.rollout_ids or ())
             reply = PrepareReply(
                 checkpoint_id=cid,
                 phase=Phase.PREPARED if state.ready else Phase.PREPARING,
                 ready=state.ready,
-                episodes=list(state.parked),
+                episodes=[e for e in state.parked if e.rollout_id in listed] if listed else [],
+                episode_count=len(state.parked),
+                episodes_sha256=_episodes_digest(state.parked),
                 blockers=list(state.blockers[:MAX_BLOCKERS_REPORTED]),
                 blocker_count=len(state.blockers),
                 restarts=list(state.restarts),
@@ -786,7 +797,13 @@ class ControlPlane:
                 return cached
             root = self._require_root("commit")
             scope = None if request.rollout_ids is None else frozenset(request.rollout_ids)
-            records = self._in_scope(self._export(scope), scope)
+            excluded = frozenset(request.excluded_rollout_ids or ())
+            encoded = self._in_scope(self._export(scope), scope)
+            if excluded:
+                encoded = [item for item in encoded if item.record.rollout_id not in excluded]
+                if scope is None:
+                    # released like state outside an explicit scope: the rollouts left in
+                    scope = frozenset(item.record.rollout_id for item in encoded)
             try:
                 with self._storage_deadline("commit", request.deadline_ts):
                     directory = await self._commit_directory(root, cid)
@@ -797,23 +814,15 @@ class ControlPlane:
                             instance=self._settings.instance,
                             checkpoint_id=cid,
                             attempt=self._attempt,
-                            records=records,
+                            encoded=encoded,
                         )
                     )
             except storage.StorageError as error:
                 logger.error("%s: commit %s failed: %s", self._settings.instance, cid, error)
                 raise ProtocolError(ErrorCode.STORAGE_FAILED, str(error)) from error
-            except ValueError as error:
-                # a record whose data is not JSON: a bug in the participant, not in storage
-                logger.exception(
-                    "%s: commit %s: records not serialisable", self._settings.instance, cid
-                )
-                raise ProtocolError(
-                    ErrorCode.INTERNAL, f"records are not serialisable: {error}"
-                ) from error
             if scope is not None:
                 self._participant.release_outside(scope)
-            self._checkpointed(cid, records)
+            self._checkpointed(cid, [item.record for item in encoded])
             reply = CommitReply(
                 checkpoint_id=cid,
                 phase=Phase.COMMITTED,
@@ -843,6 +852,7 @@ class ControlPlane:
                     ErrorCode.ATTEMPT_RETIRED,
                     f"attempt {request.attempt} was retired here; restore under a newer attempt",
                 )
+            self._take_identity(request.index)
             records = await self._verified_records(request)
             if request.peers is not None:
                 self._rewire(request.peers)
@@ -870,6 +880,20 @@ class ControlPlane:
             )
             self._machine.end_restore(request.attempt, reply)
             return reply
+
+    def _take_identity(self, index: int | None) -> None:
+        """A standby becomes the instance a recovery adopts it for; anyone else keeps its own."""
+        if index is None or (index == self._settings.index and not self._settings.standby):
+            return
+        if not self._settings.standby:
+            raise ProtocolError(
+                ErrorCode.INVALID_REQUEST,
+                f"{self._settings.instance} is not a standby: it cannot become "
+                f"{instance_name(self._settings.role, index)}",
+            )
+        was = self._settings.instance
+        self._settings = replace(self._settings, index=index, standby=False)
+        logger.info("%s: standby adopted as %s", was, self._settings.instance)
 
     def _rewire(self, peers: Mapping[Role, str]) -> None:
         """Point the participant at new peers before anything is installed (InPlace recovery)."""
@@ -1154,19 +1178,28 @@ class ControlPlane:
             )
         return state
 
-    def _export(self, scope: frozenset[str] | None) -> list[Record]:
+    def _export(self, scope: frozenset[str] | None) -> list[storage.EncodedRecord]:
+        """The participant's records with their lines, encoded ahead where it encodes ahead."""
         try:
-            return list(self._participant.export(scope))
+            return list(self._participant.export_encoded(scope))
+        except PydanticSerializationError as error:
+            # a record whose data is not JSON: a bug in the participant, not in storage
+            logger.exception("%s: records not serialisable", self._settings.instance)
+            raise ProtocolError(
+                ErrorCode.INTERNAL, f"records are not serialisable: {error}"
+            ) from error
         except Exception as error:
             logger.exception("%s: export failed", self._settings.instance)
             raise ProtocolError(
                 ErrorCode.INTERNAL, f"export failed: {type(error).__name__}: {error}"
             ) from error
 
-    def _in_scope(self, records: list[Record], scope: frozenset[str] | None) -> list[Record]:
+    def _in_scope(
+        self, records: list[storage.EncodedRecord], scope: frozenset[str] | None
+    ) -> list[storage.EncodedRecord]:
         if scope is None:
             return records
-        kept = [record for record in records if record.rollout_id in scope]
+        kept = [item for item in records if item.record.rollout_id in scope]
         if len(kept) != len(records):
             logger.warning(
                 "%s: export returned %d records outside the commit scope; not written",
@@ -1345,6 +1378,12 @@ class ControlPlane:
 async def _storage_io(call: Callable[[], _T]) -> _T:
     """Run blocking storage I/O in a worker thread that a deadline can abandon."""
     return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
+
+
+def _episodes_digest(episodes: Sequence[EpisodeId]) -> str:
+    """`PrepareReply.episodes_sha256`: the episodes as `rollout_id@attempt` lines, in order."""
+    lines = "\n".join([f"{e.rollout_id}@{e.attempt}" for e in episodes])
+    return hashlib.sha256(lines.encode()).hexdigest()
 
 
 def _directory(root: Path, set_name: str, checkpoint_id: str, instance: str) -> Path:

@@ -87,19 +87,43 @@ class PrepareOutcome(StrictModel):
     ready: bool
     prepared: list[str] = Field(description="Instances whose prepare was ready.")
     stopped_at: Role | None = Field(default=None, description="The first stage not ready.")
-    episodes: list[EpisodeId] = Field(default_factory=list)
+    episodes: list[EpisodeId] = Field(
+        default_factory=list,
+        description="Parked episodes the replies listed: those of the requested scope "
+        "(`prepare(scope=)`); participants before records format 2 list all.",
+    )
+    episode_count: int = Field(
+        default=0,
+        description="Parked episodes: the largest of the roles' counts (each role's instances "
+        "summed; every episode of a set passes through the role that sees most of them).",
+    )
+    episodes_sha256: dict[str, str] = Field(
+        default_factory=dict, description="By instance: the digest of its parked episodes."
+    )
     blockers: list[EpisodeId] = Field(default_factory=list, max_length=MAX_BLOCKERS_REPORTED)
     blocker_count: int = 0
     restarts: list[EpisodeId] = Field(default_factory=list)
     failures: list[Failure] = Field(default_factory=list)
 
-    def scope(self, requested: Collection[str] | None = None) -> list[str]:
-        """The commit scope: live episodes minus restarts, intersected with `requested`."""
+    def scope(self, requested: Collection[str] | None = None) -> list[str] | None:
+        """The commit scope: None (every parked episode, less `excluded()`) when nothing is
+        requested; else the requested rollouts the prepare listed as parked, minus restarts."""
+        if requested is None:
+            return None
         restarting = {episode.rollout_id for episode in self.restarts}
         live = {episode.rollout_id for episode in self.episodes} - restarting
-        if requested is not None:
-            live &= set(requested)
-        return sorted(live)
+        return sorted(live & set(requested))
+
+    def excluded(self) -> list[str]:
+        """Rollouts every participant leaves out of the commit: the restarts."""
+        return sorted({episode.rollout_id for episode in self.restarts})
+
+    def committed_count(self, scope: Collection[str] | None) -> int:
+        """Episodes a commit of `scope` continues: the scope's size, or the parked count less
+        the restarts."""
+        if scope is not None:
+            return len(scope)
+        return max(0, self.episode_count - len(self.excluded()))
 
 
 class CommitOutcome(StrictModel):
@@ -108,6 +132,9 @@ class CommitOutcome(StrictModel):
     checkpoint_id: str
     ok: bool
     scope: list[str] | None
+    excluded: list[str] = Field(
+        default_factory=list, description="Rollouts left out of the scope (restarts)."
+    )
     manifests: dict[str, Manifest] = Field(default_factory=dict)
     manifest_paths: dict[str, str] = Field(default_factory=dict)
     record_count: int = 0
@@ -314,14 +341,23 @@ class Coordinator:
 
     # prepare ----------------------------------------------------------------------------------
 
-    async def prepare(self, checkpoint_id: str, deadline_ts: float) -> PrepareOutcome:
+    async def prepare(
+        self, checkpoint_id: str, deadline_ts: float, *, scope: Collection[str] | None = None
+    ) -> PrepareOutcome:
         """Prepare stage by stage in PREPARE_ORDER, stopping at the first stage not ready.
+
+        The replies carry counts and digests; with `scope` (a requested commit scope) they
+        also list the parked episodes among it, so `PrepareOutcome.scope` can intersect it.
 
         While a later stage parks, the leases of the stages already prepared are renewed; a
         renew that finds the checkpoint gone there (lease lapsed, process restarted) ends the
         prepare at once instead of waiting for a checkpoint that can no longer commit.
         """
-        request = PrepareRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
+        request = PrepareRequest(
+            checkpoint_id=checkpoint_id,
+            deadline_ts=deadline_ts,
+            rollout_ids=None if scope is None else sorted(set(scope)),
+        )
         replies: dict[str, PrepareReply] = {}
         failures: list[Failure] = []
         lost: list[Failure] = []
@@ -339,7 +375,7 @@ class Coordinator:
                     continue
                 current = role
                 self._progress(f"prepare {role.value}: {len(stage)} participant(s)")
-                results = await self._fan_out(stage, lambda p: p.prepare(request))
+                results = await self._fan_out(stage, lambda p: _prepare(p, request))
                 stage_ready = True
                 for participant in stage:
                     result = results[participant.instance]
@@ -363,7 +399,7 @@ class Coordinator:
         outcome = _prepare_outcome(checkpoint_id, replies, prepared, stopped_at, failures)
         if outcome.ready:
             self._progress(
-                f"prepared: {len(outcome.episodes)} episodes, {len(outcome.restarts)} restarts"
+                f"prepared: {outcome.episode_count} episodes, {len(outcome.restarts)} restarts"
             )
         else:
             role_name = stopped_at.value if stopped_at is not None else "?"
@@ -417,12 +453,21 @@ class Coordinator:
     # commit -----------------------------------------------------------------------------------
 
     async def commit(
-        self, checkpoint_id: str, deadline_ts: float, scope: Collection[str] | None
+        self,
+        checkpoint_id: str,
+        deadline_ts: float,
+        scope: Collection[str] | None,
+        *,
+        excluded: Collection[str] = (),
     ) -> CommitOutcome:
-        """Commit everywhere at once with the given scope (see `PrepareOutcome.scope`)."""
+        """Commit everywhere at once with the given scope (see `PrepareOutcome.scope`), leaving
+        out `excluded` (`PrepareOutcome.excluded`)."""
         rollout_ids = None if scope is None else sorted(set(scope))
         request = CommitRequest(
-            checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, rollout_ids=rollout_ids
+            checkpoint_id=checkpoint_id,
+            deadline_ts=deadline_ts,
+            rollout_ids=rollout_ids,
+            excluded_rollout_ids=sorted(set(excluded)) or None,
         )
         self._progress(f"commit: {len(self._participants)} participant(s)")
         results = await self._fan_out(self._participants, lambda p: p.commit(request))
@@ -432,6 +477,7 @@ class Coordinator:
             checkpoint_id=checkpoint_id,
             ok=not failures,
             scope=rollout_ids,
+            excluded=request.excluded_rollout_ids or [],
             manifests=manifests,
             manifest_paths={reply.manifest.instance: reply.manifest_path for reply in replies},
             record_count=sum(m.record_count for m in manifests.values()),
@@ -487,11 +533,14 @@ class Coordinator:
         scope: Collection[str] | None = None,
         *,
         peers: Mapping[str, Mapping[Role, str]] | None = None,
+        adopted: Collection[str] = (),
     ) -> RestoreOutcome:
         """Restore everywhere at once, all or nothing.
 
         `peers` (by instance) re-wires the participants it names to new peer URLs (an InPlace
-        recovery keeps them while it replaces a peer they call).
+        recovery keeps them while it replaces a peer they call). `adopted` names the instances
+        served by adopted standby participants: their restore carries the instance's index
+        (`RestoreRequest.index`), so they take its identity and restore its records.
 
         On any failure the attempt is retired everywhere (so nothing restored under it can
         run) and everyone is resumed; the caller retries under a newer attempt. On success the
@@ -505,12 +554,16 @@ class Coordinator:
             rollout_ids=rollout_ids,
         )
         rewired = peers or {}
+        adopting = frozenset(adopted)
 
         def restore(participant: ParticipantClient) -> Awaitable[RestoreReply]:
+            update: dict[str, object] = {}
             wiring = rewired.get(participant.instance)
-            if wiring is None:
-                return participant.restore(request)
-            return participant.restore(request.model_copy(update={"peers": dict(wiring)}))
+            if wiring is not None:
+                update["peers"] = dict(wiring)
+            if participant.instance in adopting:
+                update["index"] = int(participant.instance.rsplit("-", 1)[1])
+            return participant.restore(request.model_copy(update=update) if update else request)
 
         self._progress(f"restore {checkpoint_id} under attempt {attempt}")
         results = await self._fan_out(self._participants, restore)
@@ -654,7 +707,7 @@ class Coordinator:
         started = self._clock()
         resumed: ResumeOutcome | None = None
         try:
-            prepare = await self.prepare(checkpoint_id, started + prepare_timeout)
+            prepare = await self.prepare(checkpoint_id, started + prepare_timeout, scope=scope)
             prepared_at = self._clock()
             if not prepare.ready:
                 resumed = await self._resume_now(checkpoint_id)
@@ -670,7 +723,10 @@ class Coordinator:
                     (started, prepared_at, prepared_at),
                 )
             commit = await self.commit(
-                checkpoint_id, prepared_at + commit_timeout, prepare.scope(scope)
+                checkpoint_id,
+                prepared_at + commit_timeout,
+                prepare.scope(scope),
+                excluded=prepare.excluded(),
             )
             committed_at = self._clock()
             times = (started, prepared_at, committed_at)
@@ -713,8 +769,8 @@ class Coordinator:
             resumed = await self._resume_now(checkpoint_id, aborting=False)
             reason = "Published" if published is not None else "Committed"
             message = (
-                f"{len(commit.scope or [])} episodes in {commit.record_count} records "
-                f"({commit.bytes} bytes) from {len(commit.manifests)} participants"
+                f"{prepare.committed_count(commit.scope)} episodes in {commit.record_count} "
+                f"records ({commit.bytes} bytes) from {len(commit.manifests)} participants"
             )
             return self._result(
                 checkpoint_id, reason, message, prepare, commit, resumed, published, times
@@ -805,6 +861,22 @@ def _split(
     return replies, failures
 
 
+async def _prepare(participant: ParticipantClient, request: PrepareRequest) -> PrepareReply:
+    """One participant's prepare; one that predates `PrepareRequest.rollout_ids` (it refuses the
+    field as unknown, before doing anything) is asked again without it, and lists every
+    parked episode as participants did then."""
+    try:
+        return await participant.prepare(request)
+    except ParticipantError as error:
+        if (
+            request.rollout_ids is None
+            or error.code is not ErrorCode.INVALID_REQUEST
+            or "rollout_ids" not in error.detail
+        ):
+            raise
+    return await participant.prepare(request.model_copy(update={"rollout_ids": None}))
+
+
 def _prepare_outcome(
     checkpoint_id: str,
     replies: dict[str, PrepareReply],
@@ -817,19 +889,29 @@ def _prepare_outcome(
     restarts: dict[tuple[str, int], EpisodeId] = {}
     blockers: list[EpisodeId] = []
     blocker_count = 0
-    for reply in replies.values():
+    by_role: dict[str, int] = {}
+    for instance, reply in replies.items():
         for episode in reply.episodes:
             episodes.setdefault((episode.rollout_id, episode.attempt), episode)
         for episode in reply.restarts:
             restarts.setdefault((episode.rollout_id, episode.attempt), episode)
         blockers.extend(reply.blockers)
         blocker_count += reply.blocker_count
+        role = instance.rsplit("-", 1)[0]
+        # a participant before counts (episode_count 0) lists every parked episode instead
+        by_role[role] = by_role.get(role, 0) + max(reply.episode_count, len(reply.episodes))
     return PrepareOutcome(
         checkpoint_id=checkpoint_id,
         ready=stopped_at is None and not failures,
         prepared=[participant.instance for participant in prepared],
         stopped_at=stopped_at,
         episodes=list(episodes.values()),
+        episode_count=max(by_role.values(), default=0),
+        episodes_sha256={
+            instance: reply.episodes_sha256
+            for instance, reply in replies.items()
+            if reply.episodes_sha256 is not None
+        },
         blockers=blockers[:MAX_BLOCKERS_REPORTED],
         blocker_count=blocker_count,
         restarts=list(restarts.values()),

@@ -22,6 +22,15 @@ Restored boundaries are installed under the next attempt and wait to be claimed 
 first call; until then a checkpoint exports them again (a second crash still continues them) and
 a commit whose scope leaves them out releases them.
 
+Records are encoded ahead: when an episode reaches a boundary (it begins, a step completes, a
+restore installs it, `advance`), its record is built and encoded at once (`EncodedRecord`), so a
+checkpoint's export only collects bytes that exist and its commit only writes them; an episode
+whose boundary has not moved is never encoded again. A record therefore says what was true at
+its boundary: `active_seconds` is the active time when the boundary was reached (a restore
+reruns whatever ran after it, so that time is charged again there, not twice). Boundaries are
+values: a server records a new `Boundary` rather than changing a recorded one's state in place
+(which the encoded record would not see).
+
 Retire cancels an episode only before its final cleanup starts and then waits until it has
 ended; the cleanup itself runs shielded, so a retire reply means the episode's sessions are
 closed.
@@ -54,6 +63,7 @@ import anyio
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ._participant import EpisodeCounts, ParkState, Participant
+from ._storage import EncodedRecord, encode_record
 from ._wire import EpisodeId, Record, Role
 
 log = logging.getLogger(__name__)
@@ -185,22 +195,32 @@ class Restored:
     digest: str | None
     steps: int
     active_seconds: float
+    encoded: EncodedRecord | None = None
+    """Its record, encoded when it was installed (`EpisodeRuntime.install`)."""
 
     @property
     def id(self) -> EpisodeId:
         return EpisodeId(rollout_id=self.rollout_id, attempt=self.attempt)
 
     def record(self, kind: str) -> Record:
-        return _record(
-            kind,
-            self.rollout_id,
-            self.attempt,
-            self.key,
-            self.boundary,
-            self.digest,
-            self.steps,
-            self.active_seconds,
-        )
+        return self.encode(kind).record
+
+    def encode(self, kind: str) -> EncodedRecord:
+        """Its encoded record (made once: nothing of a restored boundary changes)."""
+        if self.encoded is None or self.encoded.record.kind != kind:
+            self.encoded = encode_record(
+                _record(
+                    kind,
+                    self.rollout_id,
+                    self.attempt,
+                    self.key,
+                    self.boundary,
+                    self.digest,
+                    self.steps,
+                    self.active_seconds,
+                )
+            )
+        return self.encoded
 
 
 # --- the episode ------------------------------------------------------------------------------
@@ -252,6 +272,8 @@ class Episode:
         self._id = EpisodeId(rollout_id=rollout_id, attempt=attempt)
         self._drivers = 0
         """Tasks driving this episode; a retire waits for them rather than ending it itself."""
+        self._encoded: EncodedRecord | None = None
+        """The record of its current boundary, encoded when the boundary was reached."""
 
     @property
     def id(self) -> EpisodeId:
@@ -281,15 +303,35 @@ class Episode:
         return budget - self.active_seconds()
 
     def record(self, kind: str) -> Record:
-        return _record(
-            kind,
-            self.rollout_id,
-            self.attempt,
-            self.key,
-            self.boundary,
-            self.digest,
-            self.steps_completed,
-            self.active_seconds(),
+        """The record of its current boundary (as encoded when the boundary was reached)."""
+        return self.encode(kind).record
+
+    def encode(self, kind: str) -> EncodedRecord:
+        """The encoded record of its current boundary: made by `reached` (for the runtime's
+        kind), or made now."""
+        if kind != self.runtime.kind:
+            return self._encode(kind)
+        if self._encoded is None:
+            self.reached(kind)
+            assert self._encoded is not None
+        return self._encoded
+
+    def reached(self, kind: str) -> None:
+        """Its boundary moved (or it began): encode the record now, outside any checkpoint."""
+        self._encoded = self._encode(kind)
+
+    def _encode(self, kind: str) -> EncodedRecord:
+        return encode_record(
+            _record(
+                kind,
+                self.rollout_id,
+                self.attempt,
+                self.key,
+                self.boundary,
+                self.digest,
+                self.steps_completed,
+                self.active_seconds(),
+            )
         )
 
     def cancel(self) -> None:
@@ -400,8 +442,9 @@ class EpisodeRuntime:
         self.epoch += 1
         now = self.clock()
         for episode in self._live.values():
-            if episode.parked:
-                episode._park_started(now)
+            # `parked` and `_park_started` inline: this loop is inside every checkpoint's pause
+            if not episode._wait_steps and not episode._cleaning and episode._parked_since is None:
+                episode._parked_since = now
         self._notify()
 
     def reopen(self) -> None:
@@ -411,7 +454,15 @@ class EpisodeRuntime:
         self._admission_open = True
         now = self.clock()
         for episode in self._live.values():
-            episode._park_ended(now)
+            # `_park_ended` inline for the episodes without running timers: inside the pause
+            since = episode._parked_since
+            if since is None:
+                continue
+            if episode._timers:
+                episode._park_ended(now)
+            else:
+                episode._parked_total += now - since
+                episode._parked_since = None
         self._opened.set()
         self._notify()
 
@@ -487,6 +538,7 @@ class EpisodeRuntime:
                 log.warning("dropping restored %s superseded by attempt %d", restored.id, attempt)
                 del self._restored[(rollout_id, key)]
             episode = Episode(self, rollout_id, attempt, key, first, digest)
+        episode.reached(self.kind)
         self._live[(rollout_id, key)] = episode
         if not self._admission_open:
             episode._park_started(self.clock())
@@ -496,6 +548,7 @@ class EpisodeRuntime:
     def advance(self, episode: Episode, boundary: Boundary) -> None:
         """Record a boundary outside a step (e.g. after final cleanup)."""
         episode.boundary = boundary
+        episode.reached(self.kind)
         self._notify()
 
     def end(self, episode: Episode) -> None:
@@ -571,6 +624,7 @@ class EpisodeRuntime:
                 self._leave(episode, name, mode, completed)
             episode.boundary = boundary
             episode.steps_completed += 1
+            episode.reached(self.kind)
             self._progressed(episode)
             self._notify()
             return boundary
@@ -645,29 +699,40 @@ class EpisodeRuntime:
         """
         while True:
             changed = self._changed
-            blockers = _unique(ep.id for ep in self._live.values() if not ep.parked)
+            # one pass, `parked` inline, ids unique by (rollout, attempt) as `_unique` makes
+            # them: this runs inside every checkpoint's pause, over every live episode
+            parked: dict[tuple[str, int], EpisodeId] = {}
+            blockers: dict[tuple[str, int], EpisodeId] = {}
+            for ep in self._live.values():
+                into = blockers if ep._wait_steps or ep._cleaning else parked
+                into.setdefault((ep.rollout_id, ep.attempt), ep._id)
             if not blockers or time.time() >= deadline_ts:
-                parked = _unique(
-                    [ep.id for ep in self._live.values() if ep.parked]
-                    + [r.id for r in self._restored.values()]
-                )
-                return ParkState(parked=parked, blockers=blockers)
+                for r in self._restored.values():
+                    parked.setdefault((r.rollout_id, r.attempt), r.id)
+                return ParkState(parked=list(parked.values()), blockers=list(blockers.values()))
             with anyio.move_on_after(max(0.0, deadline_ts - time.time())):
                 await changed.wait()
 
     def export(self, scope: frozenset[str] | None) -> list[Record]:
         """Boundaries of parked episodes and unclaimed restored ones, limited to `scope`."""
-        records = [
-            ep.record(self.kind)
+        return [encoded.record for encoded in self.export_encoded(scope)]
+
+    def export_encoded(self, scope: frozenset[str] | None) -> list[EncodedRecord]:
+        """`export`, encoded: the records as they were encoded when each boundary was reached
+        (a checkpoint collects them; nothing is built or serialised here)."""
+        kind = self.kind
+        # `parked` inline, and the record as `reached` encoded it: this runs inside the pause
+        encoded = [
+            ep._encoded or ep.encode(kind)
             for ep in self._live.values()
-            if ep.parked and (scope is None or ep.rollout_id in scope)
+            if not ep._wait_steps and not ep._cleaning and (scope is None or ep.rollout_id in scope)
         ]
-        records.extend(
-            r.record(self.kind)
+        encoded.extend(
+            r.encode(kind)
             for r in self._restored.values()
             if scope is None or r.rollout_id in scope
         )
-        return records
+        return encoded
 
     def release_outside(self, scope: frozenset[str]) -> list[EpisodeId]:
         """Drop restored boundaries the commit scope does not continue."""
@@ -709,6 +774,7 @@ class EpisodeRuntime:
                 steps=data.steps,
                 active_seconds=data.active_seconds,
             )
+            restored.encode(self.kind)
             self._restored[(record.rollout_id, record.key)] = restored
             installed.append(restored.id)
         self._notify()
@@ -842,8 +908,11 @@ class RuntimeParticipant(Participant):
         `is_finished(rollout_id, attempt)`: whether an episode that ended had finished (its
         result was returned); default: every episode that ended before a retire counts as
         finished (an agent's session ends when its environment closes it)."""
-        self._checkpointed_steps: dict[tuple[str, str], int] = {}
-        """Steps each episode had completed in the last checkpoint committed or restored."""
+        self._checkpointed_records: Sequence[Record] = ()
+        """The records of the last checkpoint committed or restored (kept as they are: the
+        steps they hold are only counted when a retire asks, not inside the pause)."""
+        self._checkpointed_steps: dict[tuple[str, str], int] | None = {}
+        """Steps each episode had completed in that checkpoint (None: not counted yet)."""
         self._finished: dict[int, set[str]] = {}
         """By attempt: the rollouts `finished_rollouts` said finished (read after the retire:
         episodes in their final cleanup finish while it waits; those it cancelled did not)."""
@@ -866,6 +935,9 @@ class RuntimeParticipant(Participant):
 
     def export(self, scope: frozenset[str] | None) -> list[Record]:
         return self.runtime.export(scope)
+
+    def export_encoded(self, scope: frozenset[str] | None) -> list[EncodedRecord]:
+        return self.runtime.export_encoded(scope)
 
     def release_outside(self, scope: frozenset[str]) -> None:
         self.runtime.release_outside(scope)
@@ -893,11 +965,21 @@ class RuntimeParticipant(Participant):
         return retired
 
     def checkpointed(self, checkpoint_id: str, records: Sequence[Record]) -> None:
-        self._checkpointed_steps = {
-            (r.rollout_id, r.key): _record_steps(r) for r in records if r.kind == self.runtime.kind
-        }
+        self._checkpointed_records = records
+        self._checkpointed_steps = None
         self._finished.clear()
         self.runtime.forget_progress()
+
+    def _steps_checkpointed(self) -> dict[tuple[str, str], int]:
+        if self._checkpointed_steps is None:
+            kind = self.runtime.kind
+            self._checkpointed_steps = {
+                (r.rollout_id, r.key): _record_steps(r)
+                for r in self._checkpointed_records
+                if r.kind == kind
+            }
+            self._checkpointed_records = ()
+        return self._checkpointed_steps
 
     def kept_work(self, records: Sequence[Record]) -> dict[str, int] | None:
         if self.work_counter is None:
@@ -920,8 +1002,9 @@ class RuntimeParticipant(Participant):
         done = own if finished is None else finished
         if self.work_counter is None:
             return {}
+        checkpointed = self._steps_checkpointed()
         lost = sum(
-            max(0, steps - self._checkpointed_steps.get(ident, 0))
+            max(0, steps - checkpointed.get(ident, 0))
             for ident, steps in self.runtime.progress(attempt).items()
             if ident[0] not in done
         )

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ._storage import EncodedRecord, encode_record
 from ._wire import EpisodeId, Record, Role
 
 
@@ -56,6 +57,13 @@ class Participant(ABC):
     @abstractmethod
     def export(self, scope: frozenset[str] | None) -> list[Record]:
         """The records of parked (and still-unclaimed restored) episodes in `scope` (None: all)."""
+
+    def export_encoded(self, scope: frozenset[str] | None) -> Sequence[EncodedRecord]:
+        """`export`, each record with its line encoded (`storage.encode_record`): what a commit
+        writes. The default encodes `export()` here, inside the checkpoint's pause; a
+        participant that encodes its records when they change (as `RuntimeParticipant` does,
+        at every boundary) returns those, and its commit only writes bytes."""
+        return [encode_record(record) for record in self.export(scope)]
 
     @abstractmethod
     def release_outside(self, scope: frozenset[str]) -> None:

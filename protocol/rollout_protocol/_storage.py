@@ -29,6 +29,12 @@ both) deletes only what this module writes
 never follows a symlink: a file someone else put on the volume is left in place and reported,
 so a cleanup can never take more than the set's own records, whatever the volume holds.
 
+Records are encoded ahead (`encode_record`: a record's line and its digest, made when an episode
+reaches a boundary, outside any checkpoint), so a commit only writes bytes that already exist.
+Records format 2 (the manifest's `schema_version`) names the records file by the digest of its
+lines' digests (`records_digest`), so a commit never hashes the whole file either; restore reads
+format 1 (the digest of the whole file, written before encode-ahead) as well.
+
 The functions here block on disk I/O; the control plane runs them in a worker thread.
 """
 
@@ -41,9 +47,10 @@ import os
 import re
 import stat
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 from pydantic import ValidationError
 
@@ -64,6 +71,8 @@ CHECKPOINT_MANIFEST_NAME = "checkpoint.json"
 _RECORDS_NAME = re.compile(r"records-([0-9a-f]{64})\.jsonl")
 _TEMP_PREFIX = ".tmp-"
 MAX_SET_DIR_DEPTH = 3
+_IOV_MAX = 1024
+"""Buffers per vectored write: IOV_MAX on Linux and macOS."""
 MAX_MANIFEST_BYTES = 64 * 1024
 """A participant's manifest is a few hundred bytes; a larger file is not one."""
 MAX_CHECKPOINT_MANIFEST_BYTES = 16 * 1024 * 1024
@@ -231,6 +240,42 @@ def _write_temp(directory: Path, content: bytes) -> Path:
     return temp
 
 
+def _write_lines(fd: int, lines: Sequence[bytes]) -> None:
+    """Write `lines` back to back with vectored writes (no joined copy of the file)."""
+    index, offset = 0, 0
+    while index < len(lines):
+        batch: list[bytes | memoryview] = [memoryview(lines[index])[offset:]]
+        batch.extend(lines[index + 1 : index + _IOV_MAX])
+        written = os.writev(fd, batch)
+        # advance past what was written (a short write stops inside some line)
+        for part in batch:
+            if written < len(part):
+                offset += written
+                break
+            written -= len(part)
+            index += 1
+            offset = 0
+
+
+def _write_temp_lines(directory: Path, lines: Sequence[bytes]) -> Path:
+    """`_write_temp` for a records file given as its lines."""
+    temp = directory / f"{_TEMP_PREFIX}{uuid.uuid4().hex}"
+    try:
+        fd = _open_new(temp)
+    except OSError as error:
+        raise StorageError("cannot create", temp, error) from error
+    try:
+        try:
+            _write_lines(fd, lines)
+            _fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as error:
+        _discard(temp)
+        raise StorageError("cannot write", temp, error) from error
+    return temp
+
+
 def _discard(path: Path) -> None:
     with contextlib.suppress(OSError):
         path.unlink()
@@ -279,11 +324,43 @@ def _publish_once(directory: Path, name: str, content: bytes) -> bool:
 
 # --- records --------------------------------------------------------------------------------
 
+RECORDS_FORMAT: Final = 2
+"""The records format `write_records` writes (the manifest's `schema_version`): the records
+file is named by, and verified against, `records_digest` of its lines. Format 1 (the sha256 of
+the whole file) is still read."""
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedRecord:
+    """A record with its records-file line, encoded ahead of any commit.
+
+    `line` is the record's JSON plus the newline that ends it; `digest` the sha256 of the JSON
+    (the line without its newline). A participant makes one when an episode reaches a boundary
+    (the record's content does not change until the next one), so a commit only writes."""
+
+    record: Record
+    line: bytes
+    digest: bytes
+
+
+def encode_record(record: Record) -> EncodedRecord:
+    """Encode one record: its line and the digest `records_digest` combines."""
+    body = RECORD.dump_json(record)
+    return EncodedRecord(record, body + b"\n", hashlib.sha256(body).digest())
+
+
+def records_digest(digests: Iterable[bytes]) -> str:
+    """Format 2's records digest: the sha256 of the records' line digests, in file order.
+
+    It binds the file's content as the whole-file sha256 does (the file is exactly the lines,
+    each ended by a newline, and the manifest fixes its size and line count), but a commit
+    hashes a few bytes per record instead of every byte of the file."""
+    return hashlib.sha256(b"".join(digests)).hexdigest()
+
 
 def encode_records(records: Sequence[Record]) -> bytes:
     """The records file's content: one JSON object per line, in the order given."""
-    dump = RECORD.dump_json
-    return b"".join([dump(record) + b"\n" for record in records])
+    return b"".join([encode_record(record).line for record in records])
 
 
 def write_records(
@@ -293,9 +370,13 @@ def write_records(
     instance: str,
     checkpoint_id: str,
     attempt: int,
-    records: Sequence[Record],
+    records: Sequence[Record] = (),
+    encoded: Sequence[EncodedRecord] | None = None,
 ) -> Manifest:
     """Durably write one participant's records, then its manifest; returns the manifest.
+
+    `encoded` are records encoded ahead (`encode_record`), written as they are; without it,
+    `records` are encoded here. Either way the file is records format 2 (`RECORDS_FORMAT`).
 
     Both files are written under temporary names and fsynced; then the records file gets its
     digest name, the manifest is created (create-if-absent) and one directory fsync makes both
@@ -307,20 +388,23 @@ def write_records(
     already exists with different content is never replaced (`StorageError` with EEXIST).
     """
     make_dirs(directory)
-    content = encode_records(records)
-    sha256 = hashlib.sha256(content).hexdigest()
+    if encoded is None:
+        encoded = [encode_record(record) for record in records]
+    lines = [item.line for item in encoded]
+    sha256 = records_digest([item.digest for item in encoded])
     records_file = f"records-{sha256}.jsonl"
     manifest = Manifest(
+        schema_version=RECORDS_FORMAT,
         role=role,
         instance=instance,
         checkpoint_id=checkpoint_id,
         attempt=attempt,
         records_file=records_file,
         records_sha256=sha256,
-        record_count=len(records),
-        bytes=len(content),
+        record_count=len(lines),
+        bytes=sum(map(len, lines)),
     )
-    records_temp = _write_temp(directory, content)
+    records_temp = _write_temp_lines(directory, lines)
     try:
         manifest_temp = _write_temp(directory, _manifest_bytes(manifest))
     except StorageError:
@@ -485,12 +569,19 @@ def read_records(directory: Path, *, expect_checkpoint_id: str) -> tuple[Manifes
         raw = _read_bounded(directory, manifest.records_file, manifest.bytes, exact=manifest.bytes)
     except FileNotFoundError as error:
         raise RecordsInvalid(f"records file {path} named by the manifest is missing") from error
-    actual = hashlib.sha256(raw).hexdigest()
+    if manifest.schema_version == 1:
+        # written before encode-ahead: the digest is the whole file's, lines split universally
+        actual = hashlib.sha256(raw).hexdigest()
+        lines = raw.splitlines()
+    else:
+        lines = raw.split(b"\n")
+        if lines.pop() != b"":
+            raise RecordsInvalid(f"records file {path} does not end with a newline")
+        actual = records_digest(hashlib.sha256(line).digest() for line in lines)
     if actual != manifest.records_sha256:
         raise RecordsInvalid(
             f"records file {path} has sha256 {actual}, the manifest says {manifest.records_sha256}"
         )
-    lines = raw.splitlines()
     if len(lines) != manifest.record_count:
         raise RecordsInvalid(
             f"records file {path} holds {len(lines)} records, "

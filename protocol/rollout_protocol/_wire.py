@@ -209,6 +209,13 @@ class ControlRequest(StrictModel):
 class PrepareRequest(ControlRequest):
     """Close admission and park in-flight work at boundaries by `deadline_ts`."""
 
+    rollout_ids: list[RolloutId] | None = Field(
+        default=None,
+        description="List the parked episodes of these rollouts in the reply (a requested "
+        "commit scope, bounded by it); None lists none: the reply carries counts and a digest, "
+        "so its size does not grow with the number of episodes.",
+    )
+
 
 class RenewRequest(ControlRequest):
     """Extend the lease of the open checkpoint without changing its phase."""
@@ -221,6 +228,11 @@ class CommitRequest(ControlRequest):
         default=None,
         description="The commit scope. None commits every parked episode; restored state of "
         "episodes outside the scope is released.",
+    )
+    excluded_rollout_ids: list[RolloutId] | None = Field(
+        default=None,
+        description="Rollouts left out of the scope (the prepare's restarts): not written, "
+        "their restored state released. Sent only when not empty.",
     )
 
 
@@ -241,6 +253,14 @@ class RestoreRequest(ControlRequest):
         description="The peers this participant calls from the restored attempt on, by role. "
         "An InPlace recovery sends it to a kept participant whose peer was replaced; None keeps "
         "the current wiring. A participant that cannot re-wire answers `unsupported`.",
+    )
+    index: int | None = Field(
+        default=None,
+        ge=0,
+        description="The instance index this participant is from the restored attempt on: a "
+        "recovery that adopts a standby participant (started with ROLLOUT_STANDBY=1) gives it "
+        "the lost instance's identity, whose records it then restores. A participant that is "
+        "not a standby refuses an index other than its own (`invalid_request`).",
     )
 
 
@@ -322,6 +342,11 @@ class StatusReply(StrictModel):
         description="That directory under the checkpoint root when it is not the set name "
         "(`<namespace>/<set>/<uid>` for a set the operator runs).",
     )
+    standby: bool = Field(
+        default=False,
+        description="A standby participant: no instance of the set yet; a restore with an "
+        "`index` adopts it.",
+    )
     attempt: Attempt
     phase: Phase
     checkpoint_id: str | None = None
@@ -333,13 +358,25 @@ class StatusReply(StrictModel):
 
 
 class PrepareReply(StrictModel):
-    """Whether every episode parked; the blockers (first 100) and the episodes that will restart."""
+    """Whether every episode parked: their count and digest, the blockers (first 100) and the
+    episodes that will restart. Bounded whatever the number of episodes (`PrepareRequest`)."""
 
     checkpoint_id: CheckpointId
     phase: Phase
     ready: bool
     episodes: list[EpisodeId] = Field(
-        default_factory=list, description="Episodes parked at a boundary: capturable."
+        default_factory=list,
+        description="Parked episodes of the rollouts `PrepareRequest.rollout_ids` names (none "
+        "when it names none; participants before records format 2 list every one).",
+    )
+    episode_count: int = Field(
+        default=0, ge=0, description="Episodes parked at a boundary (capturable), listed or not."
+    )
+    episodes_sha256: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="sha256 of the parked episodes (`rollout_id@attempt` lines in the "
+        "participant's order): equal digests from one participant mean the same episodes.",
     )
     blockers: list[EpisodeId] = Field(
         default_factory=list,
@@ -353,9 +390,13 @@ class PrepareReply(StrictModel):
 
 
 class Manifest(StrictModel):
-    """Written last, next to the records file; its presence means the records are complete."""
+    """Written last, next to the records file; its presence means the records are complete.
 
-    schema_version: Literal[1] = 1
+    `schema_version` is the records format: 2 names the records file by the sha256 of its
+    lines' sha256 digests (records encoded ahead, see `storage.records_digest`); 1, written
+    before encode-ahead, by the sha256 of the whole file. Both are read."""
+
+    schema_version: Literal[1, 2] = 2
     role: Role
     instance: str
     checkpoint_id: CheckpointId

@@ -17,21 +17,26 @@ the participant client is aiohttp's):
   The participant must be idle, have a checkpoint root (`ROLLOUT_CHECKPOINT_ROOT`, the same
   directory as `checkpoint_root` here) and be dedicated to the kit: the phases check restores
   into it, which moves it to the next attempt.
-* `check_crash_restore(driver, checkpoint_root=..., rollout_ids=...)` is `steps.no-rerun` (with
-  `restore.all-or-nothing` on the real records of running episodes): start episodes, checkpoint
-  them mid-way through the `Coordinator`, crash every participant, restart them under
-  `attempt + 1`, refuse damaged copies of the checkpoint, restore it, finish the episodes, and
-  compare the step counters each participant serves at `GET /stats?rollout_id=...` (the shape of
-  `StepCounters.snapshot`). The `EpisodeDriver` protocol is what you implement: how to run an
-  episode, hold it mid-way, crash and restart your processes.
+* `check_crash_restore(driver, checkpoint_root=..., rollout_ids=...)` checks what keeps episodes
+  exactly once across a crash: `steps.no-rerun` and `steps.indexed` (with
+  `restore.all-or-nothing` on the real records of running episodes), the `/run` duties
+  (`run.attempt-mismatch`, `run.retired`, `run.repeat-live`, `run.repeat-finished`),
+  `model.headers` and `state.in-boundary`: start episodes, checkpoint them mid-way through the
+  `Coordinator`, crash every participant, restart them under `attempt + 1`, refuse damaged
+  copies of the checkpoint, restore it, finish the episodes, compare the step counters each
+  participant serves at `GET /stats?rollout_id=...` (the shape of `StepCounters.snapshot`) and
+  the results with uninterrupted runs of the same tasks. The `EpisodeDriver` protocol is what
+  you implement: how to run an episode (raising `RunRefused` for a refused `/run`), hold it
+  mid-way, crash and restart your processes.
 * `serve_app(app, role=..., token=...)` serves an ASGI app in process (its lifespan runs, so the
   lease watchdog does) on a loopback port and yields a `ServedApp` whose `target` the checks
   take; `start_app` does the same inside a task group you own, for drivers that crash and
   restart apps.
 
-From a server author's pytest:
+From a server author's pytest (docs/sdk.md has a complete one, with a driver):
 
-    from rollout_protocol import Role
+    import pytest
+    from rollout_protocol import ControlSettings, Role
     from rollout_protocol.conformance import Target, check_participant, serve_app
 
     @pytest.mark.anyio
@@ -46,8 +51,10 @@ or, against a process: `Target("http://127.0.0.1:8080", Role.ENVIRONMENT, token=
 the participant with a short `ROLLOUT_LEASE_GRACE_SECONDS` (one second) and pass the same value
 as `lease_grace_seconds`: the lease check waits for the lapse (polling `/status` with a deadline).
 
-This module imports nothing beyond the contract's own dependencies and uvicorn (which serves
-in-process apps; no pytest), and `import rollout_protocol` does not import it.
+Every failure is a `ConformanceError` naming the rule, who is at fault (the participant unless
+it says the driver) and, where the kit knows, what to change. This module imports nothing beyond
+the contract's own dependencies, uvicorn (which serves in-process apps) and aiohttp (the
+coordinator's client): the `kit` extra; no pytest. `import rollout_protocol` does not import it.
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ import math
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,16 +104,26 @@ __all__ = [
     "BODIES",
     "CONFLICTING",
     "LEASE",
+    "MODEL_HEADERS",
     "PHASES_REPLAY",
     "PHASES_RESUME",
     "RESTORE",
     "RULES",
+    "RUN_ATTEMPT",
+    "RUN_FINISHED",
+    "RUN_LIVE",
+    "RUN_RETIRED",
     "STALE",
+    "STATE",
     "STEPS",
+    "STEPS_INDEXED",
+    "UNINTERRUPTED_SUFFIX",
     "ConformanceError",
     "EpisodeDriver",
+    "RunRefused",
     "ServedApp",
     "Target",
+    "base_rollout_id",
     "check_auth",
     "check_conflicting_ids",
     "check_crash_restore",
@@ -131,6 +148,13 @@ AUTH = "auth.every-route"
 BODIES = "bodies.strict"
 RESTORE = "restore.all-or-nothing"
 STEPS = "steps.no-rerun"
+STEPS_INDEXED = "steps.indexed"
+RUN_ATTEMPT = "run.attempt-mismatch"
+RUN_RETIRED = "run.retired"
+RUN_LIVE = "run.repeat-live"
+RUN_FINISHED = "run.repeat-finished"
+MODEL_HEADERS = "model.headers"
+STATE = "state.in-boundary"
 
 RULES: Mapping[str, str] = {
     PHASES_REPLAY: "prepare -> prepared -> commit -> committed; a retried prepare, commit or "
@@ -150,19 +174,90 @@ RULES: Mapping[str, str] = {
     "with records_invalid, installs nothing, and leaves the participant idle and usable",
     STEPS: "across a checkpoint, a crash and a restore under attempt + 1, no step completed "
     "before the checkpoint starts again, and every episode finishes",
+    STEPS_INDEXED: "a step name is unique within its episode (name@index, e.g. ask@3): a step "
+    "without @index that completed once before the checkpoint and runs again after the restore "
+    "cannot be told from the next turn's step, and is refused as ambiguous",
+    RUN_ATTEMPT: "/run under an attempt this participant does not run is refused with 409 "
+    "attempt_mismatch and starts nothing",
+    RUN_RETIRED: "/run of a retired (attempt, rollout) is refused with 410 attempt_retired, even "
+    "when the episode had finished",
+    RUN_LIVE: "a repeated /run of a live episode attaches to it (waits for its result); it is "
+    "neither refused nor answered before the episode ends",
+    RUN_FINISHED: "a repeated /run of a finished episode answers its result again and runs no step",
+    MODEL_HEADERS: "calls to the set's model carry X-Rollout-Request: <rollout_id>/<key> and "
+    "X-Rollout-Attempt: <attempt>, so the model records them and continues them after a restore",
+    STATE: "everything an episode needs lives in its boundaries: an episode continued after a "
+    "crash and restore ends with the result of an uninterrupted run of the same task",
 }
 """Every rule id the kit checks, with the rule in one sentence."""
 
 
-class ConformanceError(AssertionError):
-    """A participant broke a protocol rule: `rule` (a key of `RULES`), what was `expected`,
-    and what was `observed`."""
+PARTICIPANT = "the participant"
+DRIVER = "the driver (your EpisodeDriver, not the server)"
 
-    def __init__(self, rule: str, expected: str, observed: str) -> None:
-        super().__init__(f"[{rule}] {expected}; observed: {observed}")
+
+class ConformanceError(AssertionError):
+    """A rule broke: `rule` (a key of `RULES`), what was `expected`, what was `observed`, who is
+    at `fault` (the participant under test unless said otherwise) and, where the kit knows, what
+    to change (`fix`)."""
+
+    def __init__(
+        self,
+        rule: str,
+        expected: str,
+        observed: str,
+        *,
+        fault: str = PARTICIPANT,
+        fix: str | None = None,
+    ) -> None:
+        message = f"[{rule}] {expected}; observed: {observed}"
+        if fault != PARTICIPANT or fix is not None:
+            message += f" -- at fault: {fault}"
+        if fix is not None:
+            message += f"; to fix: {fix}"
+        super().__init__(message)
         self.rule = rule
         self.expected = expected
         self.observed = observed
+        self.fault = fault
+        self.fix = fix
+
+
+class RunRefused(Exception):
+    """What an `EpisodeDriver.run_episode` raises when the server refused its `/run`: the HTTP
+    status and the protocol's error code (empty when the reply had no `ErrorBody`).
+
+    `RunRefused.reply(response)` turns an httpx response into the result (its JSON, on 2xx) or
+    this error, so a driver's `run_episode` can end with `return RunRefused.reply(reply)`.
+    """
+
+    def __init__(self, status_code: int, code: str, detail: str) -> None:
+        super().__init__(f"HTTP {status_code} {code or '(no error body)'}: {detail}")
+        self.status_code = status_code
+        self.code = code
+        self.detail = detail
+
+    @staticmethod
+    def reply(response: httpx.Response) -> Any:
+        """The JSON of a 2xx response; a `RunRefused` for any other."""
+        if 200 <= response.status_code < 300:
+            return response.json()
+        body = _error_body(response)
+        if body is None:
+            raise RunRefused(response.status_code, "", response.text[:300])
+        raise RunRefused(response.status_code, body.error.code.value, body.error.detail)
+
+
+UNINTERRUPTED_SUFFIX = "-uninterrupted"
+"""`check_crash_restore` runs `<rollout_id><suffix>` uninterrupted under attempt + 1 and compares
+its result with the restored `<rollout_id>`'s (`state.in-boundary`): a driver gives both the same
+task (pick the task by `base_rollout_id(rollout_id)`)."""
+
+
+def base_rollout_id(rollout_id: str) -> str:
+    """The rollout id whose task `rollout_id` runs: itself, or the restored episode an
+    uninterrupted twin (`UNINTERRUPTED_SUFFIX`) is compared with."""
+    return rollout_id.removesuffix(UNINTERRUPTED_SUFFIX)
 
 
 # --- targets ----------------------------------------------------------------------------------
@@ -764,7 +859,7 @@ def _damaged_copy(source: Path, target_dir: Path, checkpoint_id: str, damage: st
     digest = (
         manifest.records_sha256
         if damage == "flipped-byte" and lines
-        else hashlib.sha256(content).hexdigest()
+        else storage.records_digest(hashlib.sha256(line).digest() for line in content.splitlines())
     )
     damaged = Manifest(
         role=manifest.role,
@@ -902,20 +997,25 @@ class EpisodeDriver(Protocol):
         """The group's participants as they are now (after a `restart`, the new ones)."""
         ...
 
-    async def run_episode(self, rollout_id: str, attempt: int) -> None:
-        """Run episode `rollout_id` under `attempt` until it ends (return) or fails (raise).
+    async def run_episode(self, rollout_id: str, attempt: int) -> Any:
+        """Send `/run` for `rollout_id` under `attempt`; return the server's result (its JSON)
+        once the episode ended, or raise `RunRefused` when the server refused the call
+        (`return RunRefused.reply(response)` does both). Any other exception is the driver's.
 
         Under the first attempt, episodes must stop mid-way (see `wait_mid_episode`) and stay
         there: the kit checkpoints them and crashes the group while this call is in flight
-        (it then ignores how the call ends). Under `attempt + 1` this continues the restored
-        episode (e.g. re-issues the same `/run`) and must return once it has finished.
+        (it then ignores how the call ends). The kit also repeats this call while an episode is
+        held, and under attempt + 1 for a finished episode, an attempt the group does not run
+        and a retired one: send the same `/run` each time. Give `<id>-uninterrupted`
+        (`UNINTERRUPTED_SUFFIX`) the task of `<id>` (`base_rollout_id`).
         """
         ...
 
     async def wait_mid_episode(self, rollout_ids: Sequence[str], deadline_ts: float) -> None:
         """Return once every episode has completed at least one step and is parked at a
-        boundary where it stays (e.g. held by a test hook between two steps); raise at
-        `deadline_ts` (unix seconds) otherwise."""
+        boundary where it stays (e.g. held by a test hook between two steps, or by a fake model
+        that blocks); raise at `deadline_ts` (unix seconds) otherwise, saying what it waited
+        for (the kit reports that message; it cancels the call only `driver_grace_s` later)."""
         ...
 
     async def crash(self) -> None:
@@ -977,6 +1077,63 @@ class _FirstRuns:
     finished: list[str] = field(default_factory=list)
 
 
+@dataclass
+class _Repeat:
+    """The outcome of the repeated `/run` of a held episode (`run.repeat-live`)."""
+
+    done: anyio.Event = field(default_factory=anyio.Event)
+    outcome: str | None = None
+    driver_error: bool = False
+
+
+_VOLATILE_KEYS = ("rollout_id", "attempt", "continued_from", "continued")
+
+
+async def _run_refused(
+    driver: EpisodeDriver, rule: str, rid: str, attempt: int, codes: Mapping[str, int], why: str
+) -> None:
+    """`/run rid@attempt` must be refused with one of `codes` (code -> HTTP status)."""
+    expected = " or ".join(f"{status} {code}" for code, status in codes.items())
+    try:
+        result = await driver.run_episode(rid, attempt)
+    except RunRefused as refusal:
+        _expect(
+            rule,
+            codes.get(refusal.code) == refusal.status_code,
+            f"/run {rid}@{attempt} ({why}) must be refused with {expected}",
+            str(refusal),
+        )
+        return
+    except Exception as error:
+        raise ConformanceError(
+            rule,
+            f"/run {rid}@{attempt} ({why}) must be refused with {expected}",
+            f"the driver raised {type(error).__name__}: {error}",
+            fault=DRIVER,
+            fix="raise RunRefused for an error reply (return RunRefused.reply(response))",
+        ) from error
+    raise ConformanceError(
+        rule,
+        f"/run {rid}@{attempt} ({why}) must be refused with {expected}",
+        f"it was answered: {str(result)[:300]}",
+        fix=_RUN_FIXES[rule],
+    )
+
+
+_RUN_FIXES: Mapping[str, str] = {
+    RUN_ATTEMPT: "before starting an episode, refuse attempt != plane.attempt with "
+    "ProtocolError(ErrorCode.ATTEMPT_MISMATCH, ...) (409)",
+    RUN_RETIRED: "check plane.is_retired(attempt, rollout_id) first, before any cached result, "
+    "and refuse with ProtocolError(ErrorCode.ATTEMPT_RETIRED, ...) (410)",
+}
+
+
+def _strip(result: Any, volatile: Collection[str]) -> Any:
+    if isinstance(result, dict):
+        return {key: value for key, value in result.items() if key not in volatile}
+    return result
+
+
 async def check_crash_restore(
     driver: EpisodeDriver,
     *,
@@ -984,25 +1141,39 @@ async def check_crash_restore(
     rollout_ids: Sequence[str] = ("kit-episode-0", "kit-episode-1"),
     timeout_s: float = 60.0,
     call_timeout_s: float = 30.0,
+    repeat_window_s: float = 1.0,
+    driver_grace_s: float = 5.0,
+    volatile_keys: Collection[str] = _VOLATILE_KEYS,
 ) -> None:
-    """`steps.no-rerun` across a crash (and `restore.all-or-nothing` on its real records).
+    """`steps.no-rerun` across a crash, with the `/run` duties that keep episodes exactly once.
 
     1. run an episode per rollout id under the group's attempt N; wait until all are mid-way;
+       repeat the first one's `/run`;
     2. checkpoint them (prepare, commit with the rollout ids as scope) through the
-       `Coordinator`, read every participant's step counters, resume;
+       `Coordinator`, read every participant's step counters (`model.headers`: a model in the
+       group must have counted the episodes' calls), resume; the repeated `/run` must still be
+       attached, neither refused nor answered, `repeat_window_s` later (`run.repeat-live`);
     3. crash the group, restart it under N + 1;
-    4. restore damaged copies of the checkpoint (refused, nothing installed), then the
-       checkpoint itself, resume;
-    5. run every episode under N + 1 to its end and read the counters again.
+    4. restore damaged copies of the checkpoint (refused, nothing installed:
+       `restore.all-or-nothing`), then the checkpoint itself, resume;
+    5. `/run` under N + 2 and N must be refused (`run.attempt-mismatch`);
+    6. run every episode under N + 1 to its end and read the counters again (`steps.no-rerun`,
+       `steps.indexed`);
+    7. repeat the first `/run`: same result, no step (`run.repeat-finished`);
+    8. run `<id>-uninterrupted` for every id under N + 1 and compare the results, less
+       `volatile_keys` (`state.in-boundary`);
+    9. retire the first rollout under N + 1 through the coordinator; its `/run` must be
+       refused with 410 (`run.retired`).
 
     A step completed exactly once under N at the checkpoint must not start under N + 1. Step
     names completed more than once under N (a per-token step, say) cannot be told apart and
-    are not compared: name steps `name@index` to have them checked. At least one step must
-    have completed before the checkpoint, or the check would prove nothing.
+    are not compared. At least one step must have completed before the checkpoint, or the
+    check would prove nothing.
     """
     rids = list(rollout_ids)
     _expect(STEPS, len(set(rids)) == len(rids) > 0, "rollout ids must be distinct", rids)
     runs = _FirstRuns()
+    repeat = _Repeat()
     cid = _new_id("crash")
     async with _connect(driver.participants(), call_timeout_s) as conns:
         attempts = {(await conn.status(STEPS)).attempt for conn in conns}
@@ -1019,29 +1190,78 @@ async def check_crash_restore(
                 if not runs.crashed:
                     runs.finished.append(rid)
 
-        coordinator = Coordinator([conn.participant for conn in conns], call_timeout=call_timeout_s)
-        async with anyio.create_task_group() as episodes:
-            for rid in rids:
-                episodes.start_soon(first_run, rid)
+        async def repeated_run(rid: str) -> None:
             try:
-                with anyio.fail_after(timeout_s):
-                    await driver.wait_mid_episode(rids, time.time() + timeout_s)
+                result = await driver.run_episode(rid, attempt)
+            except RunRefused as refusal:
+                repeat.outcome = f"refused: {refusal}"
             except Exception as error:
-                raise ConformanceError(
+                repeat.outcome = f"the driver raised {type(error).__name__}: {error}"
+                repeat.driver_error = True
+            else:
+                repeat.outcome = f"answered before the episode ended: {str(result)[:300]}"
+            if not runs.crashed:
+                repeat.done.set()
+
+        coordinator = Coordinator([conn.participant for conn in conns], call_timeout=call_timeout_s)
+        broke: ConformanceError | None = None  # raised outside the task group, as itself
+        async with anyio.create_task_group() as episodes:
+            try:
+                for rid in rids:
+                    episodes.start_soon(first_run, rid)
+                mid_deadline = time.time() + timeout_s
+                try:  # the driver's own deadline comes first: its message is the diagnostic
+                    with anyio.move_on_after(timeout_s + driver_grace_s) as waited:
+                        await driver.wait_mid_episode(rids, mid_deadline)
+                except Exception as error:
+                    raise ConformanceError(
+                        STEPS,
+                        f"episodes {rids} must reach the middle under attempt {attempt}",
+                        f"wait_mid_episode raised {type(error).__name__}: {error}; episode "
+                        f"failures: {runs.failures}",
+                        fault=f"{DRIVER}, or the participant if the episodes failed",
+                    ) from error
+                if waited.cancelled_caught:
+                    raise ConformanceError(
+                        STEPS,
+                        f"episodes {rids} must reach the middle under attempt {attempt}",
+                        f"wait_mid_episode neither returned nor raised within {driver_grace_s}s "
+                        f"after its deadline; episode failures: {runs.failures}",
+                        fault=DRIVER,
+                        fix="raise at deadline_ts, saying what was awaited",
+                    )
+                _expect(
                     STEPS,
-                    f"episodes {rids} must reach the middle under attempt {attempt}",
-                    f"{type(error).__name__}: {error}; episode failures: {runs.failures}",
-                ) from error
-            _expect(
-                STEPS,
-                not runs.failures and not runs.finished,
-                "episodes must stay mid-way until the crash",
-                f"failed: {runs.failures}, finished: {runs.finished}",
-            )
-            before, commit = await _checkpoint(coordinator, conns, cid, rids, call_timeout_s)
-            runs.crashed = True
-            await driver.crash()
+                    not runs.failures and not runs.finished,
+                    "episodes must stay mid-way until the crash",
+                    f"failed: {runs.failures}, finished: {runs.finished}",
+                )
+                # The repeated /run goes out before the checkpoint, whose round trips to the
+                # same servers give it time to be refused (a window that grows with their load).
+                episodes.start_soon(repeated_run, rids[0])
+                before, commit = await _checkpoint(coordinator, conns, cid, rids, call_timeout_s)
+                _check_model_counts(conns, before, rids, attempt)
+                with anyio.move_on_after(repeat_window_s):
+                    await repeat.done.wait()
+                if repeat.outcome is not None:
+                    raise ConformanceError(
+                        RUN_LIVE,
+                        f"a repeated /run of the live episode {rids[0]}@{attempt} must attach "
+                        "to it",
+                        repeat.outcome,
+                        fault=DRIVER if repeat.driver_error else PARTICIPANT,
+                        fix="raise RunRefused for an error reply"
+                        if repeat.driver_error
+                        else "when runtime.find(rollout_id) is live under this attempt (and task), "
+                        "await episode.ended.wait() and answer the result it finished with",
+                    )
+                runs.crashed = True
+                await driver.crash()
+            except ConformanceError as error:
+                broke = error
             episodes.cancel_scope.cancel()
+        if broke is not None:
+            raise broke
 
     await driver.restart(attempt + 1)
     targets = list(driver.participants())
@@ -1084,29 +1304,125 @@ async def check_crash_restore(
             f"resume of restored {cid} must succeed everywhere",
             "; ".join(str(failure) for failure in resumed.failures),
         )
-        failures: dict[str, str] = {}
-
-        async def second_run(rid: str) -> None:
-            try:
-                await driver.run_episode(rid, attempt + 1)
-            except Exception as error:
-                failures[rid] = f"{type(error).__name__}: {error}"
-
-        try:
-            with anyio.fail_after(timeout_s):
-                async with anyio.create_task_group() as group:
-                    for rid in rids:
-                        group.start_soon(second_run, rid)
-        except TimeoutError:
-            failures["(all)"] = f"not finished within {timeout_s}s"
-        _expect(
-            STEPS,
-            not failures,
-            f"every restored episode must finish under attempt {attempt + 1}",
-            failures,
+        mismatch = {ErrorCode.ATTEMPT_MISMATCH.value: 409}
+        await _run_refused(
+            driver, RUN_ATTEMPT, rids[0], attempt + 2, mismatch, "an attempt not running yet"
         )
+        old = {**mismatch, ErrorCode.ATTEMPT_RETIRED.value: 410}
+        await _run_refused(driver, RUN_ATTEMPT, rids[0], attempt, old, "the crashed attempt")
+        results = await _run_all(driver, rids, attempt + 1, timeout_s, "restored episode")
         after = {conn.target.name: await _counters(conn, rids) for conn in conns}
-    _compare_counts(before, after, rids, attempt)
+        _compare_counts(before, after, rids, attempt)
+        started = {name: _ran(counts, rids[0], attempt + 2) for name, counts in after.items()}
+        _expect(
+            RUN_ATTEMPT,
+            not any(started.values()),
+            f"the refused /run {rids[0]}@{attempt + 2} must start nothing",
+            f"steps counted under attempt {attempt + 2}: {started}",
+        )
+
+        again = await _run_all(driver, rids[:1], attempt + 1, timeout_s, "repeated /run")
+        _expect(
+            RUN_FINISHED,
+            again[rids[0]] == results[rids[0]],
+            f"a repeated /run of the finished {rids[0]}@{attempt + 1} must answer its result",
+            f"first {str(results[rids[0]])[:200]}, then {str(again[rids[0]])[:200]}",
+        )
+        for conn in conns:
+            now = await _counters(conn, rids[:1])
+            _expect(
+                RUN_FINISHED,
+                now.get(rids[0]) == after[conn.target.name].get(rids[0]),
+                f"a repeated /run of the finished {rids[0]}@{attempt + 1} must run no step on "
+                f"{conn.target.name} (keep finished results and answer them again)",
+                f"counters before {after[conn.target.name].get(rids[0])}, after {now.get(rids[0])}",
+            )
+
+        twins = await _run_all(
+            driver,
+            [rid + UNINTERRUPTED_SUFFIX for rid in rids],
+            attempt + 1,
+            timeout_s,
+            "uninterrupted episode",
+        )
+        differ = {
+            rid: (
+                _strip(results[rid], volatile_keys),
+                _strip(twins[rid + UNINTERRUPTED_SUFFIX], volatile_keys),
+            )
+            for rid in rids
+            if _strip(results[rid], volatile_keys)
+            != _strip(twins[rid + UNINTERRUPTED_SUFFIX], volatile_keys)
+        }
+        _expect(
+            STATE,
+            not differ,
+            "an episode continued after the crash must end as an uninterrupted run of its task "
+            "(state kept outside the boundaries is lost at a restore: put it in the Boundary's "
+            "JSON)",
+            "; ".join(f"{rid}: restored {r}, uninterrupted {u}" for rid, (r, u) in differ.items()),
+        )
+
+        retired = await coordinator.retire(attempt + 1, rids[:1], time.time() + call_timeout_s)
+        _expect(
+            RUN_RETIRED,
+            not retired.failures,
+            f"the retire of {rids[0]}@{attempt + 1} must succeed",
+            "; ".join(str(failure) for failure in retired.failures),
+        )
+        await _run_refused(
+            driver,
+            RUN_RETIRED,
+            rids[0],
+            attempt + 1,
+            {ErrorCode.ATTEMPT_RETIRED.value: 410},
+            "retired",
+        )
+
+
+async def _run_all(
+    driver: EpisodeDriver, rids: Sequence[str], attempt: int, timeout_s: float, what: str
+) -> dict[str, Any]:
+    """Run every episode to its end concurrently; each must finish with a result."""
+    results: dict[str, Any] = {}
+    failures: dict[str, str] = {}
+
+    async def one(rid: str) -> None:
+        try:
+            results[rid] = await driver.run_episode(rid, attempt)
+        except Exception as error:
+            failures[rid] = f"{type(error).__name__}: {error}"
+
+    with anyio.move_on_after(timeout_s):
+        async with anyio.create_task_group() as group:
+            for rid in rids:
+                group.start_soon(one, rid)
+    unfinished = [rid for rid in rids if rid not in results and rid not in failures]
+    if unfinished:
+        failures["(unfinished)"] = f"{unfinished} not finished within {timeout_s}s"
+    _expect(STEPS, not failures, f"every {what} must finish under attempt {attempt}", failures)
+    return results
+
+
+def _check_model_counts(
+    conns: Sequence[_Conn], before: Mapping[str, _Counts], rids: Sequence[str], attempt: int
+) -> None:
+    """`model.headers`: a model participant of the group counted the mid-way episodes' calls."""
+    for conn in conns:
+        if conn.target.role is not Role.MODEL:
+            continue
+        counted = [rid for rid in rids if _ran(before[conn.target.name], rid, attempt)]
+        if not counted:
+            raise ConformanceError(
+                MODEL_HEADERS,
+                f"{conn.target.name} must have counted model calls of the episodes {rids} under "
+                f"attempt {attempt} by the checkpoint (it records only calls that name their "
+                "episode)",
+                f"its counters for them: {before[conn.target.name]}",
+                fault="the participant that calls the model",
+                fix="send X-Rollout-Request: <rollout_id>/<turn> and X-Rollout-Attempt: "
+                "<attempt> on every model call",
+            )
 
 
 async def _checkpoint(
@@ -1118,7 +1434,7 @@ async def _checkpoint(
 ) -> tuple[dict[str, _Counts], CommitOutcome]:
     """prepare, commit (scope: the rollouts), read the counters while parked, resume."""
     try:
-        prepared = await coordinator.prepare(cid, time.time() + call_timeout_s)
+        prepared = await coordinator.prepare(cid, time.time() + call_timeout_s, scope=rids)
         _expect(
             STEPS,
             prepared.ready,
@@ -1129,7 +1445,7 @@ async def _checkpoint(
         scope = prepared.scope(rids)
         _expect(
             STEPS,
-            sorted(scope) == sorted(rids),
+            scope is not None and sorted(scope) == sorted(rids),
             f"every episode must be captured by {cid} (none restarting)",
             f"scope {scope}, restarts {[str(e) for e in prepared.restarts]}",
         )
@@ -1158,12 +1474,14 @@ def _compare_counts(
 ) -> None:
     compared = 0
     reruns: list[str] = []
+    unindexed: list[str] = []
     for name, counts in before.items():
         for rid in rids:
             once = {step for step, n in _completed(counts, rid, attempt).items() if n == 1}
             compared += len(once)
             again = once & _ran(after.get(name, {}), rid, attempt + 1)
-            reruns.extend(f"{name} {rid} {step}" for step in sorted(again))
+            for step in sorted(again):
+                (reruns if "@" in step else unindexed).append(f"{name} {rid} {step}")
     _expect(
         STEPS,
         not reruns,
@@ -1171,13 +1489,33 @@ def _compare_counts(
         f"attempt {attempt + 1}",
         "ran again: " + ", ".join(reruns),
     )
-    _expect(
-        STEPS,
-        compared > 0,
-        f"the counters must show steps completed under attempt {attempt} at the checkpoint "
-        "(otherwise nothing is compared: wait_mid_episode must return after a completed step)",
-        {name: counts for name, counts in before.items()},
-    )
+    if unindexed:
+        raise ConformanceError(
+            STEPS_INDEXED,
+            f"a step that completed under attempt {attempt} before the checkpoint and runs under "
+            f"attempt {attempt + 1} must be told apart from a repeat",
+            "completed once before, ran again after (the next turn's step, or a repeat: the "
+            "name cannot say): " + ", ".join(unindexed),
+            fix="name steps name@index, unique within the episode (f'ask@{turn}')",
+        )
+    if compared == 0:
+        silent = [name for name, counts in before.items() if not any(counts.get(r) for r in rids)]
+        if len(silent) == len(before):
+            raise ConformanceError(
+                STEPS,
+                f"the counters must show steps of {rids} completed under attempt {attempt} at "
+                "the checkpoint",
+                f"no participant counted any step of them: {dict(before)}",
+                fix="create the EpisodeRuntime with observer=counters.observe (a StepCounters) "
+                "and serve counters.snapshot(rollout_ids, False) at GET /stats",
+            )
+        raise ConformanceError(
+            STEPS,
+            f"the counters must show steps completed under attempt {attempt} at the checkpoint",
+            f"steps started but none completed: {dict(before)}",
+            fault=DRIVER,
+            fix="return from wait_mid_episode only after each episode completed a step",
+        )
 
 
 # --- in-process apps ------------------------------------------------------------------------

@@ -88,6 +88,12 @@ def mutated(change: str) -> dict[str, Any]:
         spec["storage"] = {"path": "/tmp/../etc", "volume": {"emptyDir": {}}}
     elif change == "unknown restorePolicy":
         spec["recovery"] = {"restorePolicy": "Keep"}
+    elif change == "standby of a missing role":
+        roles = {p["role"] for p in spec["participants"]}
+        missing = next(r for r in ("environment", "model", "agent", "resources") if r not in roles)
+        spec["standby"] = {missing: 1}
+    elif change == "standby over 16":
+        spec["standby"] = {spec["participants"][0]["role"]: 17}
     elif change == "name too long":
         obj["metadata"]["name"] = "s" * 51
     else:
@@ -105,6 +111,8 @@ BAD_SPECS = {
     "restartPolicy Always": api.RULE_RESTART_NEVER.message,
     "storage path with ..": api.RULE_STORAGE_PATH.message,
     "name too long": api.RULE_SET_NAME.message,
+    "standby of a missing role": api.RULE_STANDBY_ROLES.message,
+    "standby over 16": "less than or equal to 16",
     "unknown restorePolicy": 'Unsupported value: "Keep": supported values: "Recreate", "InPlace"',
 }
 
@@ -175,7 +183,17 @@ def test_short_names_category_and_printer_columns(crds: Cluster, namespace: str)
     }
     assert create(crds, namespace, checkpoint)[0] == 0
     sets = crds.kubectl("get", "rset", "-n", namespace).stdout.splitlines()
-    header = ["NAME", "READY", "ATTEMPT", "LATEST-CHECKPOINT", "QUEUE", "KEPT", "REPLACED", "AGE"]
+    header = [
+        "NAME",
+        "READY",
+        "ATTEMPT",
+        "LATEST-CHECKPOINT",
+        "QUEUE",
+        "STANDBY",
+        "KEPT",
+        "REPLACED",
+        "AGE",
+    ]
     assert sets[0].split() == header
     # The Kueue LocalQueue a set is submitted to (its label) is a column of its own.
     crds.kubectl("label", "rset", "math-rl", "-n", namespace, "kueue.x-k8s.io/queue-name=team-q")

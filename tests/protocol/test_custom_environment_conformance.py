@@ -19,10 +19,16 @@ import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 from rollout_protocol import Role
-from rollout_protocol.conformance import Target, check_crash_restore, check_participant
+from rollout_protocol.conformance import (
+    RunRefused,
+    Target,
+    check_crash_restore,
+    check_participant,
+)
 from testsupport.server_processes import (
     TOKEN,
     Debug,
@@ -45,7 +51,8 @@ class Environment:
     def __init__(self, root: Path, model_url: str, attempt: int) -> None:
         self.url = f"http://127.0.0.1:{free_port()}"
         env = server_env(root / "checkpoints", attempt)
-        env.update(PYTHONPATH=str(EXAMPLE), ROLLOUT_LEASE_GRACE_SECONDS=str(LEASE_GRACE_S))
+        path = os.pathsep.join(filter(None, [str(EXAMPLE), env.get("PYTHONPATH")]))
+        env.update(PYTHONPATH=path, ROLLOUT_LEASE_GRACE_SECONDS=str(LEASE_GRACE_S))
         port = self.url.rsplit(":", 1)[1]
         with (root / f"environment-{attempt}.log").open("ab") as log:
             self.process = subprocess.Popen(
@@ -118,6 +125,7 @@ class AdventureDriver:
         self.model: ServerProcess | None = None
         self.env: Environment | None = None
         self.first_attempt: int | None = None
+        self.armed: set[str] = set()
 
     def _running(self) -> tuple[Environment, ServerProcess]:
         assert self.env is not None, "not started"
@@ -128,13 +136,14 @@ class AdventureDriver:
         env, model = self._running()
         return [Target(env.url, Role.ENVIRONMENT, TOKEN), Target(model.url, Role.MODEL, TOKEN)]
 
-    async def run_episode(self, rollout_id: str, attempt: int) -> None:
+    async def run_episode(self, rollout_id: str, attempt: int) -> Any:
         env, model = self._running()
-        if attempt == self.first_attempt:  # armed before the episode can reach it
+        if attempt == self.first_attempt and rollout_id not in self.armed:
+            self.armed.add(rollout_id)  # armed once, before the episode can reach it
             await Debug(self.http, model.url).arm("finish", rollout_id)
         body = {"rollout_id": rollout_id, "attempt": attempt, "task": two_step_task(1).wire()}
         reply = await self.http.post(env.url + "/run", json=body, timeout=60)
-        assert reply.status_code == 200, reply.text
+        return RunRefused.reply(reply)
 
     async def wait_mid_episode(self, rollout_ids: Sequence[str], deadline_ts: float) -> None:
         """Each episode finishes turn 0 and is held at the third token of turn 1's model call."""

@@ -204,7 +204,7 @@ async def cut_at(
         async with anyio.create_task_group() as group:
             group.start_soon(generate)
             await hooks.paused("token", rollout_id)
-            prepared = await coordinator.prepare(checkpoint_id, deadline(30))
+            prepared = await coordinator.prepare(checkpoint_id, deadline(30), scope=[rollout_id])
             assert prepared.episodes == [EpisodeId(rollout_id=rollout_id, attempt=0)]
             await hooks.release("token", rollout_id)
             commit = await coordinator.commit(checkpoint_id, deadline(30), prepared.scope())

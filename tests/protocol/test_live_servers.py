@@ -304,7 +304,9 @@ async def test_model_front_streams_relays_and_cuts(shared_cluster: Cluster, tmp_
             async with anyio.create_task_group() as group:
                 group.start_soon(generate)
                 await hooks.paused("token", "relay-cut")
-                prepared = await coordinator.prepare("ckpt-relay", deadline(20))
+                prepared = await coordinator.prepare(
+                    "ckpt-relay", deadline(20), scope=["relay-cut"]
+                )
                 assert prepared.episodes == [EpisodeId(rollout_id="relay-cut", attempt=0)]
                 await hooks.release("token", "relay-cut")
                 commit = await coordinator.commit("ckpt-relay", deadline(20), prepared.scope())

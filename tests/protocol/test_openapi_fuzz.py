@@ -59,7 +59,7 @@ def example_url(tmp_path_factory: pytest.TempPathFactory, fuzz_cluster: Cluster)
     root = tmp_path_factory.mktemp("fuzz-example")
     port = free_port()
     env = server_env(root / "checkpoints", 0)
-    env.update(PYTHONPATH=str(EXAMPLE))
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(EXAMPLE), env.get("PYTHONPATH")])))
     url = f"http://127.0.0.1:{port}"
     with (root / "environment.log").open("ab") as log:
         process = subprocess.Popen(

@@ -31,7 +31,7 @@ import anyio
 import anyio.to_thread
 import httpx
 from rollout_protocol import API_PREFIX, Coordinator, HttpParticipantClient, Role
-from rollout_protocol.conformance import Target
+from rollout_protocol.conformance import RunRefused, Target, base_rollout_id
 from rollout_servers.tasks import Task, shipped_tasks
 
 TOKEN = "protocol-test-token"
@@ -402,17 +402,21 @@ class ReferenceDriver:
         self.http = http
         self.held_attempt = cluster.attempt
         self.agent = Debug(http, cluster.url(Role.AGENT))
+        self.armed: set[str] = set()
 
     def task(self, rollout_id: str) -> Task:
-        return two_step_task(sum(rollout_id.encode()))
+        """One task per rollout id; the kit's uninterrupted twin of an id gets the same one."""
+        return two_step_task(sum(base_rollout_id(rollout_id).encode()))
 
     def participants(self) -> list[Target]:
         return [Target(self.cluster.url(role), role, TOKEN, client=self.http) for role in Role]
 
-    async def run_episode(self, rollout_id: str, attempt: int) -> None:
-        if attempt == self.held_attempt:
+    async def run_episode(self, rollout_id: str, attempt: int) -> Any:
+        if attempt == self.held_attempt and rollout_id not in self.armed:
+            self.armed.add(rollout_id)  # the kit repeats a held /run: arm the hook once
             await self.agent.arm("turn", rollout_id, index=1)
-        await run_ok(self.http, self.cluster, rollout_id, attempt, self.task(rollout_id))
+        reply = await run(self.http, self.cluster, rollout_id, attempt, self.task(rollout_id))
+        return RunRefused.reply(reply)
 
     async def wait_mid_episode(self, rollout_ids: Sequence[str], deadline_ts: float) -> None:
         for rollout_id in rollout_ids:

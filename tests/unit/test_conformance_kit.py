@@ -34,6 +34,7 @@ from rollout_protocol import (
     CommitRequest,
     ControlPlane,
     ControlSettings,
+    Episode,
     EpisodeError,
     EpisodeRuntime,
     ErrorCode,
@@ -98,7 +99,9 @@ class Conforming:
     """A three-step participant on the SDK that keeps every rule.
 
     `POST /run {rollout_id, attempt}` runs (or continues) an episode of steps s0, s1, s2; with
-    `hold` set, episodes wait at the boundary before s1 until the app is gone. `GET /stats` is
+    `hold` set, episodes wait at the boundary before s1 until the app is gone. It keeps the
+    `/run` duties: 410 for a retired attempt, 409 for another attempt than the plane's, a
+    repeated call attaches to the live episode or answers the finished result. `GET /stats` is
     the counter endpoint (`StepCounters.snapshot`).
     """
 
@@ -110,6 +113,9 @@ class Conforming:
         self.participant = RuntimeParticipant(settings.role, self.runtime)
         self.plane = ControlPlane(self.participant, settings)
         self.reached: defaultdict[str, anyio.Event] = defaultdict(anyio.Event)
+        self.finished: dict[tuple[str, int], dict[str, Any]] = {}
+        self.model: Callable[[str, int], Awaitable[None]] | None = None
+        """Set by `ModelDriver`: the call to the group's model participant (first step only)."""
         self._never = anyio.Event()
 
     def build(self) -> FastAPI:
@@ -139,7 +145,21 @@ class Conforming:
     def claim(self, rollout_id: str) -> None:
         """Before an episode begins (a restored boundary is claimed by `begin`)."""
 
+    def check_attempt(self, rollout_id: str, attempt: int) -> None:
+        """410 for a retired attempt, 409 for another attempt than the plane runs."""
+        if self.plane.is_retired(attempt, rollout_id):
+            raise ProtocolError(ErrorCode.ATTEMPT_RETIRED, f"{rollout_id}@{attempt} retired")
+        if attempt != self.plane.attempt:
+            raise ProtocolError(ErrorCode.ATTEMPT_MISMATCH, f"this is {self.plane.attempt}")
+
     async def run(self, rollout_id: str, attempt: int) -> dict[str, Any]:
+        self.check_attempt(rollout_id, attempt)
+        live = self.runtime.find(rollout_id)
+        if live is not None:  # a repeated /run: attach to the live episode
+            await live.ended.wait()
+        finished = self.finished.get((rollout_id, attempt))
+        if finished is not None:
+            return finished
         self.claim(rollout_id)
         try:
             episode = self.runtime.begin(rollout_id, attempt, Boundary(STEP_NAMES[0]))
@@ -154,13 +174,38 @@ class Conforming:
                 index = STEP_NAMES.index(step)
                 following = STEP_NAMES[index + 1] if index + 1 < len(STEP_NAMES) else "done"
 
-                async def one(following: str = following) -> Boundary:
-                    return Boundary(following)
+                async def one(following: str = following, step: str = step) -> Boundary:
+                    if self.model is not None and step == STEP_NAMES[0]:
+                        await self.model(self.model_key(rollout_id), attempt)
+                    self.on_step(rollout_id, step)
+                    done = [*episode.boundary.state.get("steps", []), step]
+                    return Boundary(following, {"steps": done})
 
-                await self.runtime.step(episode, step, StepMode.WAIT, one)
+                await self.runtime.step(episode, self.step_name(step), StepMode.WAIT, one)
         finally:
             self.runtime.end(episode)
-        return {"rollout_id": rollout_id, "continued_from": episode.continued_from}
+        result = self.result(episode)
+        self.finished[(rollout_id, attempt)] = result
+        return result
+
+    def step_name(self, step: str) -> str:
+        """The name the counters count a step under: name@index, unique within the episode."""
+        return f"step@{STEP_NAMES.index(step)}"
+
+    def on_step(self, rollout_id: str, step: str) -> None:
+        """A step ran (nothing to keep: its effect is in the boundary)."""
+
+    def model_key(self, rollout_id: str) -> str:
+        """The rollout a model call names (what X-Rollout-Request carries): the episode's."""
+        return rollout_id
+
+    def result(self, episode: Episode) -> dict[str, Any]:
+        """The episode's result: what its boundary says (nothing kept beside it)."""
+        return {
+            "rollout_id": episode.rollout_id,
+            "continued_from": episode.continued_from,
+            "steps": episode.boundary.state.get("steps", []),
+        }
 
 
 Handler = Callable[[Any], Awaitable[BaseModel]]
@@ -310,6 +355,86 @@ class RestartsFromScratch(Conforming):
         self.runtime.drop_restored(rollout_id)
 
 
+class NoAttemptCheck(Conforming):
+    """Breaks `run.attempt-mismatch`: `/run` never compares the attempt with the plane's, so a
+    call under an attempt not running yet starts an episode."""
+
+    def check_attempt(self, rollout_id: str, attempt: int) -> None:
+        if self.plane.is_retired(attempt, rollout_id):
+            raise ProtocolError(ErrorCode.ATTEMPT_RETIRED, f"{rollout_id}@{attempt} retired")
+
+
+class RetiredAnsweredFromCache(Conforming):
+    """Breaks `run.retired`: a finished result is answered before the retire check."""
+
+    async def run(self, rollout_id: str, attempt: int) -> dict[str, Any]:
+        finished = self.finished.get((rollout_id, attempt))
+        if finished is not None:
+            return finished
+        return await super().run(rollout_id, attempt)
+
+
+class RepeatRefused(Conforming):
+    """Breaks `run.repeat-live`: a repeated `/run` of a live episode is refused (the
+    runtime's `EpisodeExists` passed on as 409) instead of attached to it."""
+
+    async def run(self, rollout_id: str, attempt: int) -> dict[str, Any]:
+        if self.runtime.find(rollout_id) is not None:
+            raise ProtocolError(ErrorCode.ATTEMPT_MISMATCH, f"{rollout_id} is running")
+        return await super().run(rollout_id, attempt)
+
+
+class RepeatRunsAgain(Conforming):
+    """Breaks `run.repeat-finished`: keeps no finished results, so a repeated `/run` of a
+    finished episode plays it again from the start."""
+
+    async def run(self, rollout_id: str, attempt: int) -> dict[str, Any]:
+        self.finished.pop((rollout_id, attempt), None)
+        return await super().run(rollout_id, attempt)
+
+
+class StateOutsideBoundary(Conforming):
+    """Breaks `state.in-boundary`: keeps each episode's step log in process memory beside the
+    runtime and answers it, so the steps before a restore are missing from the result after."""
+
+    def __init__(self, settings: ControlSettings, *, hold: bool = False) -> None:
+        super().__init__(settings, hold=hold)
+        self.log: defaultdict[str, list[str]] = defaultdict(list)
+
+    def on_step(self, rollout_id: str, step: str) -> None:
+        self.log[rollout_id].append(step)
+
+    def result(self, episode: Episode) -> dict[str, Any]:
+        return {"rollout_id": episode.rollout_id, "steps": self.log[episode.rollout_id]}
+
+
+class UnindexedSteps(Conforming):
+    """Breaks `steps.indexed`: every step is counted as `turn`, so the step after the restore
+    cannot be told from a repeat of the one before it."""
+
+    def step_name(self, step: str) -> str:
+        return "turn"
+
+
+class UnnamedModelCalls(Conforming):
+    """Breaks `model.headers`: its model calls do not name their episode (as a call without
+    X-Rollout-Request), so the model records them under no rollout of the group."""
+
+    def model_key(self, rollout_id: str) -> str:
+        return "unnamed"
+
+
+class NoObserver(Conforming):
+    """Breaks `steps.no-rerun` by omission: its runtime has no `observer=`, so its counters
+    stay empty; the kit must blame the participant, not the driver."""
+
+    def __init__(self, settings: ControlSettings, *, hold: bool = False) -> None:
+        super().__init__(settings, hold=hold)
+        self.runtime = EpisodeRuntime()
+        self.participant = RuntimeParticipant(settings.role, self.runtime)
+        self.plane = ControlPlane(self.participant, settings)
+
+
 class InProcessDriver:
     """The kit's `EpisodeDriver` over one in-process fake: a crash drops the app (no shutdown),
     a restart builds a fresh one from the same settings under the new attempt."""
@@ -331,13 +456,12 @@ class InProcessDriver:
         assert self.served is not None
         return [self.served.target]
 
-    async def run_episode(self, rollout_id: str, attempt: int) -> None:
+    async def run_episode(self, rollout_id: str, attempt: int) -> Any:
         assert self.served is not None
         reply = await self.served.client.post(
             "/run", json={"rollout_id": rollout_id, "attempt": attempt}
         )
-        if reply.status_code != 200:
-            raise RuntimeError(f"/run {rollout_id}@{attempt}: {reply.text}")
+        return kit.RunRefused.reply(reply)
 
     async def wait_mid_episode(self, rollout_ids: Sequence[str], deadline_ts: float) -> None:
         assert self.server is not None
@@ -354,6 +478,44 @@ class InProcessDriver:
             await self.served.stop()
 
 
+class ModelDriver(InProcessDriver):
+    """The fake environment and a model participant beside it (a `Conforming` of role model,
+    never held), which the environment calls in its first step: `/run` of the rollout it names
+    stands for a model call with X-Rollout-Request. Both crash and restart together."""
+
+    def __init__(self, group: TaskGroup, fake: type[Conforming], settings: ControlSettings):
+        super().__init__(group, fake, settings)
+        self.model: ServedApp | None = None
+
+    async def restart(self, attempt: int) -> None:
+        model = Conforming(replace(self.settings, role=Role.MODEL, attempt=attempt))
+        self.model = await start_app(self.group, model.build(), role=Role.MODEL, token=TOKEN)
+        await super().restart(attempt)
+        assert self.server is not None
+        self.server.model = self.call_model
+
+    async def call_model(self, rollout_id: str, attempt: int) -> None:
+        assert self.model is not None
+        reply = await self.model.client.post(
+            "/run", json={"rollout_id": rollout_id, "attempt": attempt}
+        )
+        kit.RunRefused.reply(reply)
+
+    def participants(self) -> list[kit.Target]:
+        assert self.model is not None
+        return [*super().participants(), self.model.target]
+
+    async def crash(self) -> None:
+        assert self.model is not None
+        await super().crash()
+        await self.model.crash()
+
+    async def close(self) -> None:
+        await super().close()
+        if self.model is not None:
+            await self.model.stop()
+
+
 def _settings(root: Path) -> ControlSettings:
     return ControlSettings(
         Role.ENVIRONMENT,
@@ -365,10 +527,12 @@ def _settings(root: Path) -> ControlSettings:
 
 
 @asynccontextmanager
-async def _driver(fake: type[Conforming], root: Path) -> AsyncIterator[InProcessDriver]:
+async def _driver(
+    fake: type[Conforming], root: Path, driver_type: type[InProcessDriver] = InProcessDriver
+) -> AsyncIterator[InProcessDriver]:
     error: Exception | None = None
     async with anyio.create_task_group() as group:
-        driver = InProcessDriver(group, fake, _settings(root))
+        driver = driver_type(group, fake, _settings(root))
         await driver.restart(0)
         try:
             yield driver
@@ -396,11 +560,19 @@ async def _crash_restore(fake: type[Conforming], root: Path) -> None:
         )
 
 
+async def _crash_restore_with_model(fake: type[Conforming], root: Path) -> None:
+    async with _driver(fake, root, ModelDriver) as driver:
+        await kit.check_crash_restore(
+            driver, checkpoint_root=root, rollout_ids=["r-0", "r-1"], timeout_s=WAIT
+        )
+
+
 @pytest.mark.anyio
 async def test_conforming_participant_passes_the_whole_kit(tmp_path: Path) -> None:
     with anyio.fail_after(30):
         await _whole_kit(Conforming, tmp_path / "single")
         await _crash_restore(Conforming, tmp_path / "crash")
+        await _crash_restore_with_model(Conforming, tmp_path / "with-model")
 
 
 @pytest.mark.anyio
@@ -415,6 +587,13 @@ async def test_conforming_participant_passes_the_whole_kit(tmp_path: Path) -> No
         (NoLeaseWatchdog, kit.LEASE, _whole_kit),
         (PartialRestore, kit.RESTORE, _crash_restore),
         (RestartsFromScratch, kit.STEPS, _crash_restore),
+        (NoAttemptCheck, kit.RUN_ATTEMPT, _crash_restore),
+        (RetiredAnsweredFromCache, kit.RUN_RETIRED, _crash_restore),
+        (RepeatRefused, kit.RUN_LIVE, _crash_restore),
+        (RepeatRunsAgain, kit.RUN_FINISHED, _crash_restore),
+        (StateOutsideBoundary, kit.STATE, _crash_restore),
+        (UnindexedSteps, kit.STEPS_INDEXED, _crash_restore),
+        (UnnamedModelCalls, kit.MODEL_HEADERS, _crash_restore_with_model),
     ],
     ids=lambda value: value if isinstance(value, str) else value.__name__,
 )
@@ -447,3 +626,57 @@ def test_the_kit_is_separate_from_the_package_and_the_harness() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
+
+
+@pytest.mark.anyio
+async def test_a_runtime_without_observer_is_the_participants_fault(tmp_path: Path) -> None:
+    with anyio.fail_after(30), pytest.raises(ConformanceError) as caught:
+        await _crash_restore(NoObserver, tmp_path)
+    assert caught.value.rule == kit.STEPS
+    assert caught.value.fault == kit.PARTICIPANT
+    assert "observer=counters.observe" in str(caught.value)
+
+
+class HoldsNothing(InProcessDriver):
+    """A driver whose episodes are never held (the app holds nothing): its `wait_mid_episode`
+    polls until its deadline and then says what it waited for."""
+
+    async def restart(self, attempt: int) -> None:
+        self.server = self.fake(replace(self.settings, attempt=attempt), hold=False)
+        self.served = await start_app(
+            self.group, self.server.build(), role=self.settings.role, token=TOKEN
+        )
+
+    async def wait_mid_episode(self, rollout_ids: Sequence[str], deadline_ts: float) -> None:
+        assert self.server is not None
+        with anyio.move_on_after(max(0.0, deadline_ts - time.time())):
+            await self.server.reached[rollout_ids[0]].wait()
+        raise TimeoutError(f"{rollout_ids[0]} never paused before {HOLD_BEFORE}")
+
+
+@pytest.mark.anyio
+async def test_the_kit_reports_the_drivers_diagnostic_at_its_deadline(tmp_path: Path) -> None:
+    """The kit's own deadline comes `driver_grace_s` after the driver's: the driver's message
+    is what the failure says, not an empty TimeoutError."""
+
+    async def crash_restore() -> None:
+        failed: ConformanceError | None = None
+        async with anyio.create_task_group() as group:
+            driver = HoldsNothing(group, Conforming, _settings(tmp_path))
+            await driver.restart(0)
+            try:
+                await kit.check_crash_restore(
+                    driver, checkpoint_root=tmp_path, rollout_ids=["r-0"], timeout_s=0.5
+                )
+            except ConformanceError as error:
+                failed = error  # raised below, outside the task group, as itself
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await driver.close()
+        if failed is not None:
+            raise failed
+
+    with anyio.fail_after(30), pytest.raises(ConformanceError) as caught:
+        await crash_restore()
+    assert caught.value.rule == kit.STEPS
+    assert "r-0 never paused before s1" in str(caught.value)

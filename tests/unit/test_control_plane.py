@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import hashlib
 import logging
 import os
 import time
@@ -291,7 +292,9 @@ async def test_prepare_commit_resume_writes_records_and_replays_replies(tmp_path
         prepared = PrepareReply.model_validate_json(first.content)
         assert prepared.ready
         assert prepared.phase is Phase.PREPARED
-        assert [e.rollout_id for e in prepared.episodes] == ["r1", "r2", "r3"]
+        assert prepared.episodes == [], "counts and a digest, no list unless asked"
+        assert prepared.episode_count == 3
+        assert prepared.episodes_sha256 == hashlib.sha256(b"r1@0\nr2@0\nr3@0").hexdigest()
         assert not fake.admission_open
         status = await _status(client)
         assert status.phase is Phase.PREPARED
@@ -880,3 +883,43 @@ async def test_restore_with_peers_is_unsupported_without_rewire_and_installs_not
         _assert_error(bad, ErrorCode.INVALID_REQUEST, 422)
         ok = await _restore(client)
         assert ok.status_code == 200, ok.text
+
+
+async def test_a_standby_takes_the_instance_its_restore_names_and_restores_its_records(
+    tmp_path: Path,
+) -> None:
+    """Issue 22: an adopted standby becomes the lost instance (index 2 here): it restores that
+    instance's records, re-wires, and commits as that instance from then on."""
+    lost = FakeParticipant(index=2, rollouts=["r1", "r2"])
+    async with _serve(ControlPlane(lost, _settings(tmp_path, index=2))) as c:
+        await _checkpoint(c, "ck")
+
+    standby = RewiringParticipant()
+    plane = ControlPlane(standby, _settings(tmp_path, standby=True))
+    async with _serve(plane) as client:
+        assert (await _status(client)).standby is True
+        reply = await _restore(client, index=2, peers={"agent": "http://10.0.0.9:8000"})
+        assert reply.status_code == 200, reply.text
+        assert sorted(r.rollout_id for r in standby.installed) == ["r1", "r2"]
+        assert standby.peers == {Role.AGENT: "http://10.0.0.9:8000"}
+        status = await _status(client)
+        assert status.instance == "environment-2"
+        assert status.standby is False
+        assert status.attempt == 1
+        resumed = await _post(client, "resume", checkpoint_id="ck", deadline_ts=_deadline())
+        assert resumed.status_code == 200, resumed.text
+        committed = await _checkpoint(client, "after")
+        assert committed.manifest_path == "demo/after/environment-2/manifest.json"
+
+
+async def test_only_a_standby_takes_another_instance(tmp_path: Path) -> None:
+    async with _serve(ControlPlane(FakeParticipant(rollouts=["r1"]), _settings(tmp_path))) as c:
+        await _checkpoint(c, "ck")
+    plain = FakeParticipant()
+    async with _serve(ControlPlane(plain, _settings(tmp_path))) as client:
+        refused = await _restore(client, index=1)
+        detail = _assert_error(refused, ErrorCode.INVALID_REQUEST, 422)
+        assert "not a standby" in detail
+        assert plain.install_calls == 0
+        same = await _restore(client, index=0)
+        assert same.status_code == 200, "its own index is no change"

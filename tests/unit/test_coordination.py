@@ -227,7 +227,9 @@ async def test_checkpoint_prepares_in_order_commits_the_scope_publishes_and_resu
         first_resume = min(cluster.journal.index((i, "resume")) for i in _in_order(cluster))
         assert last_commit < first_resume, "every commit is sent before anyone resumes"
         assert result.commit is not None
-        assert result.commit.scope == ["r1", "r3"], "live episodes minus restarts"
+        assert result.commit.scope is None, "every parked episode: no list shipped"
+        assert result.commit.excluded == ["r2"], "minus restarts"
+        assert result.message.startswith("2 episodes in")
         assert result.durations.pause_seconds >= result.durations.prepare_seconds
         for role in PREPARE_ORDER:
             assert cluster.plane(role).phase is Phase.IDLE
@@ -235,7 +237,7 @@ async def test_checkpoint_prepares_in_order_commits_the_scope_publishes_and_resu
 
     published = storage.read_checkpoint_manifest(tmp_path, "demo", "ck-1")
     assert result.published == str(tmp_path / "demo" / "ck-1" / "checkpoint.json")
-    assert published.rollout_ids == ["r1", "r3"]
+    assert published.rollout_ids == [], "the scope was not restricted"
     assert published.trainer_step == 7
     assert published.restarts == 1
     assert sorted(p.instance for p in published.participants) == sorted(_in_order(cluster))

@@ -111,6 +111,7 @@ def test_printer_columns_answer_is_it_safe_and_since_when() -> None:
         "Attempt",
         "Latest-Checkpoint",
         "Queue",
+        "Standby",
         "Kept",
         "Replaced",
         "Age",

@@ -1,9 +1,13 @@
-"""What ships: the wheel holds the contract, the operator and the reference servers, nothing else;
-the contract imports neither of the other two (nor Kopf, nor the test harness)."""
+"""What ships: the wheel holds the contract, the operator and the reference servers, nothing else,
+and builds without warnings; the contract imports neither of the other two (nor Kopf, nor the test
+harness, nor aiohttp and uvicorn, which only its `client`, `serve` and `kit` extras need). The
+contract's own distribution (`protocol/`) is tested installed alone in
+tests/protocol/test_sdk_guide.py."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import zipfile
@@ -18,12 +22,14 @@ pytestmark = pytest.mark.unit
 
 
 def test_the_wheel_ships_the_contract_the_operator_and_the_servers_only(tmp_path: Path) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", str(ROOT), "-w", tmp_path],
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", str(ROOT), "-w", tmp_path],
         check=True,
         capture_output=True,
+        text=True,
         timeout=300,
     )
+    assert not re.findall(r"\w+Warning\b.*", built.stdout + built.stderr)
     (wheel,) = tmp_path.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
@@ -41,6 +47,7 @@ def test_importing_the_contract_imports_no_server_operator_or_kopf() -> None:
     )
     loaded = set(json.loads(done.stdout))
     forbidden = {"rollout_servers", "rollout_operator", "kopf", "kubernetes_asyncio", "uvicorn"}
+    forbidden |= {"aiohttp"}  # the `client` extra: only HttpParticipantClient's first call
     forbidden |= {"devcluster", "harness"}
     assert not {name.split(".")[0] for name in loaded} & forbidden
 

@@ -143,6 +143,10 @@ def test_a_new_queued_set_gets_a_workload_with_one_pod_set_per_role_and_is_held(
     assert spec["priority"] == 100
     assert spec["priorityClassRef"]["name"] == "low"
     assert [(p["name"], p["count"]) for p in spec["podSets"]] == [("environment", 1), ("model", 2)]
+    body["spec"]["standby"] = {"model": 1}
+    with_standby = decide(body, None, priority=100).create
+    assert with_standby is not None
+    assert [p["count"] for p in with_standby["spec"]["podSets"]] == [1, 3]
     model = spec["podSets"][1]["template"]["spec"]["containers"][0]
     # A limit-only GPU counts as its request, as the API server defaults a pod's.
     assert model["resources"]["requests"] == {"cpu": "1", "nvidia.com/gpu": "2"}

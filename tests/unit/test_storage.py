@@ -103,7 +103,7 @@ def test_schema_violation_is_refused_naming_the_line(tmp_path: Path) -> None:
     manifest = _write(directory, _records(2))
     # A consistent manifest over a bad line: only the schema check can catch it.
     bad = (directory / manifest.records_file).read_bytes() + b'{"kind": ""}\n'
-    sha = hashlib.sha256(bad).hexdigest()
+    sha = storage.records_digest(hashlib.sha256(line).digest() for line in bad.splitlines())
     (directory / f"records-{sha}.jsonl").write_bytes(bad)
     forged = manifest.model_copy(
         update={

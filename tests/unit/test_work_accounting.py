@@ -417,6 +417,8 @@ def test_a_finished_recovery_counts_its_work_in_the_metrics() -> None:
                     "kept": 3,
                     "replaced": 1,
                     "durationSeconds": 4.0,
+                    "episodesRestored": 5,
+                    "episodesRestarted": 2,
                     "modelTokensKept": 40,
                     "modelTokensGeneratedAgain": 150,
                     "stepsKept": 90,
@@ -437,5 +439,8 @@ def test_a_finished_recovery_counts_its_work_in_the_metrics() -> None:
     assert value(steps, outcome="kept") == 90
     assert value(steps, outcome="redone") == 7
     assert value("rollout_recovery_work_uncounted_participants_total") == 1
+    episodes = "rollout_recovery_episodes_total"  # restored: installed, not (all) continued
+    assert (value(episodes, outcome="restored"), value(episodes, outcome="restarted")) == (5, 2)
+    assert value(episodes, outcome="continued") is None
     metrics.observe_recovery(rset, "RestoreFailed")  # a failed try adds nothing
     assert value(tokens, outcome="generated_again") == 150

@@ -348,10 +348,11 @@ class Kube:
         namespace: str,
         name: str,
         *,
-        labels: Mapping[str, str] | None = None,
+        labels: Mapping[str, str | None] | None = None,
         annotations: Mapping[str, str] | None = None,
     ) -> bool:
-        """Merge-patch a pod's labels and annotations; False when the pod is gone."""
+        """Merge-patch a pod's labels and annotations (a None label is removed); False when
+        the pod is gone."""
         metadata: dict[str, Any] = {}
         if labels:
             metadata["labels"] = dict(labels)

@@ -87,23 +87,38 @@ def rewiring(
     rset: RolloutSet,
     participants: Sequence[ParticipantStatus],
     kept_pods: Collection[str],
+    adopted_pods: Collection[str] = (),
 ) -> dict[str, dict[Role, str]]:
-    """New peer URLs for kept callers whose callee was replaced, by caller instance.
+    """New peer URLs by caller instance: for kept callers whose callee was replaced, and for
+    every peer of an adopted standby (it was wired to the peers of the attempt it was made in).
 
     Instance `i` of a role calls instance `i mod replicas` of each peer role (`peer_index`):
-    only a kept caller whose callee got a fresh pod has a stale URL.
+    only a kept caller whose callee got a fresh or adopted pod has a stale URL.
     """
     by_instance: Mapping[Instance, ParticipantStatus] = {(p.role, p.index): p for p in participants}
     out: dict[str, dict[Role, str]] = {}
     for caller in participants:
-        if caller.pod not in kept_pods:
+        adopted = caller.pod in adopted_pods
+        if caller.pod not in kept_pods and not adopted:
             continue
         for peer in PEERS[caller.role]:
             spec = rset.spec.participant(peer)
             if spec is None:
                 continue
             callee = by_instance.get((peer, peer_index(caller.index, spec.replicas)))
-            if callee is None or callee.pod in kept_pods or callee.address is None:
+            if callee is None or callee.address is None:
+                continue
+            if callee.pod in kept_pods and not adopted:
                 continue
             out.setdefault(instance_name((caller.role, caller.index)), {})[peer] = callee.address
+    return out
+
+
+def adopted_instances(adopted: Sequence[str]) -> dict[str, str]:
+    """`recovery.adopted` (`role-index=pod` entries) as {instance: pod}."""
+    out: dict[str, str] = {}
+    for entry in adopted:
+        instance, _, pod = entry.partition("=")
+        if instance and pod:
+            out[instance] = pod
     return out

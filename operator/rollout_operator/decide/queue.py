@@ -120,8 +120,8 @@ def _requests_from_limits(container: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def pod_sets(rset: RolloutSet) -> list[dict[str, Any]]:
-    """One pod set per role: its replicas, and its template's containers and scheduling (what
-    Kueue counts against the quota and matches against flavors)."""
+    """One pod set per role: its replicas and standby pods, and its template's containers and
+    scheduling (what Kueue counts against the quota and matches against flavors)."""
     out = []
     for participant in rset.spec.participants:
         template = dump(participant.template)
@@ -133,7 +133,8 @@ def pod_sets(rset: RolloutSet) -> list[dict[str, Any]]:
         out.append(
             {
                 "name": participant.role.value,
-                "count": participant.replicas,
+                # Standby pods (spec.standby) hold what their template requests too.
+                "count": participant.replicas + rset.spec.standby.count(participant.role),
                 "template": {"spec": spec},
             }
         )

@@ -32,6 +32,7 @@ from ..model.api import (
     LABEL_INDEX,
     LABEL_ROLE,
     LABEL_SET,
+    LABEL_STANDBY,
     ROLLOUT_SET_KIND,
     ParticipantSpec,
     PodTemplate,
@@ -81,6 +82,8 @@ ENV_SET_DIR: Final = "ROLLOUT_SET_DIR"
 """The set's own directory under the checkpoint root (`set_dir`)."""
 ENV_CONTROL_TOKEN: Final = "ROLLOUT_CONTROL_TOKEN"
 ENV_POD_IP: Final = "ROLLOUT_POD_IP"
+ENV_STANDBY: Final = "ROLLOUT_STANDBY"
+"""Set to 1 in a standby pod: its control plane takes the identity a recovery's restore gives."""
 
 
 def peer_env_name(role: Role) -> str:
@@ -335,6 +338,44 @@ def _place(spec: dict[str, Any], placement: str | None, role: str) -> None:
     if isinstance(tolerations, list) and tolerations:
         have = list(spec.get("tolerations") or [])
         spec["tolerations"] = have + [t for t in tolerations if t not in have]
+
+
+# --- standby pods -------------------------------------------------------------------------------
+
+
+def standby_pod_name(set_name: str, role: Role, ordinal: int, attempt: int) -> str:
+    """`<set>-<role>-standby-<ordinal>-a<attempt it was made under>`: unique across adoptions
+    (an adopted standby keeps its name; its replacement is made under the next attempt)."""
+    return f"{set_name}-{role.value}-standby-{ordinal}-a{attempt}"
+
+
+def standby_pod(
+    rset: RolloutSet,
+    participant: ParticipantSpec,
+    ordinal: int,
+    attempt: int,
+    peer_urls: Mapping[Role, str],
+) -> dict[str, Any]:
+    """A standby pod of a role: the role's pod under the current template, in no attempt.
+
+    It is the pod instance 0 of the role would be, except that it carries the standby label
+    instead of the attempt and index labels (so nothing that selects an attempt's pods sees it),
+    runs under attempt 0 with `ROLLOUT_STANDBY=1`, and calls the peers instance 0 calls now. A
+    recovery that adopts it relabels it and gives it its instance, attempt and peers in the
+    restore call."""
+    pod = participant_pod(rset, participant, 0, 0, peer_urls)
+    role = participant.role
+    labels = {
+        k: v for k, v in pod["metadata"]["labels"].items() if k not in (LABEL_ATTEMPT, LABEL_INDEX)
+    }
+    labels[LABEL_STANDBY] = "true"
+    pod["metadata"]["labels"] = labels
+    pod["metadata"]["name"] = standby_pod_name(rset.metadata.name, role, ordinal, attempt)
+    for container in pod["spec"]["containers"]:
+        container["env"] = [{"name": ENV_STANDBY, "value": "1"}, *container["env"]]
+    if pod["spec"]["hostname"] == f"{role.value}-0":  # not the template's own
+        pod["spec"]["hostname"] = f"{role.value}-standby-{ordinal}"
+    return pod
 
 
 # --- the records cleanup pod --------------------------------------------------------------------

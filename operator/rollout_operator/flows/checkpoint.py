@@ -608,7 +608,10 @@ class CheckpointFlow:
             # is replayed at once; one that did not gets one more second, then times out.
             prepare_deadline = max(deadline_ts, self._clock() + 1)
             prepare = await self._while_set_holds(
-                ckpt, lambda: coordinator.prepare(checkpoint_id, prepare_deadline)
+                ckpt,
+                lambda: coordinator.prepare(
+                    checkpoint_id, prepare_deadline, scope=ckpt.spec.episodes
+                ),
             )
             prepare_seconds = self._clock() - prepare_started
             if prepare.failures:
@@ -638,21 +641,27 @@ class CheckpointFlow:
                     CheckpointConditionType.PREPARED,
                     True,
                     Reason.PREPARED,
-                    f"{len(prepare.episodes)} episode(s) parked, {len(prepare.restarts)} restart",
+                    f"{prepare.episode_count} episode(s) parked, {len(prepare.restarts)} restart",
                 ),
                 restarts=len(prepare.restarts),
             )
             commit = await alongside(
                 committing,
                 self._while_set_holds(
-                    ckpt, lambda: coordinator.commit(checkpoint_id, commit_deadline, scope)
+                    ckpt,
+                    lambda: coordinator.commit(
+                        checkpoint_id, commit_deadline, scope, excluded=prepare.excluded()
+                    ),
                 ),
             )
             commit_seconds = self._clock() - commit_started
             if not commit.ok:
                 reason = _failure_reason(commit.failures) or Reason.COMMIT_FAILED
                 raise CheckpointFailed(reason, f"commit failed: {_describe(commit.failures)}")
-            await self._publish(ckpt, rset, scope, commit, prepare_seconds, commit_seconds, started)
+            episodes = prepare.committed_count(scope)
+            await self._publish(
+                ckpt, rset, episodes, commit, prepare_seconds, commit_seconds, started
+            )
 
         resume_started = self._clock()
         if _set_lost(rset, ckpt.status.attempt) is None:
@@ -681,7 +690,7 @@ class CheckpointFlow:
         self,
         ckpt: RolloutCheckpoint,
         rset: RolloutSet,
-        scope: list[str],
+        episodes: int,
         commit: CommitOutcome,
         prepare_seconds: float,
         commit_seconds: float,
@@ -699,13 +708,13 @@ class CheckpointFlow:
             for instance, manifest in sorted(commit.manifests.items())
         ]
         message = (
-            f"{len(scope)} episode(s) committed by {len(participants)} participant(s), "
+            f"{episodes} episode(s) committed by {len(participants)} participant(s), "
             f"{commit.bytes} bytes"
         )
         status = ckpt.status.model_copy(
             update={
                 "phase": CheckpointPhase.RESUMING,
-                "episodes": len(scope),
+                "episodes": episodes,
                 "participants": participants,
                 "attempt": commit.attempt or rset.status.attempt,
                 "durations": CheckpointDurations(

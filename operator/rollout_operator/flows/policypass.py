@@ -68,6 +68,7 @@ from ..model.api import (
     GROUP,
     LABEL_ATTEMPT,
     LABEL_SET,
+    LABEL_STANDBY,
     ROLLOUT_CHECKPOINT_KIND,
     RecoveryPhase,
     RolloutSet,
@@ -150,9 +151,15 @@ async def create_checkpoint(kube: Kube, rset: RolloutSet, create: Create) -> boo
 
 
 def _live(pod: Mapping[str, Any]) -> bool:
+    """A running participant pod of the set (a standby pod is not one: it runs no episode)."""
     meta = pod.get("metadata") or {}
     phase = (pod.get("status") or {}).get("phase")
-    return meta.get("deletionTimestamp") is None and phase not in ("Failed", "Succeeded")
+    standby = (meta.get("labels") or {}).get(LABEL_STANDBY) == "true"
+    return (
+        meta.get("deletionTimestamp") is None
+        and phase not in ("Failed", "Succeeded")
+        and (not standby)
+    )
 
 
 # --- one pass -----------------------------------------------------------------------------------

@@ -42,16 +42,20 @@ from ..cluster.objects import (
     reconcile_pods,
 )
 from ..decide.churn import ChurnDecision, decide, kept_starts
-from ..decide.inplace import instance_name, plan_in_place, rewiring
+from ..decide.inplace import adopted_instances, instance_name, plan_in_place, rewiring
 from ..decide.policy import RESUMED_REASON, checkpoint_views, resume_due
 from ..decide.resources import control_port, participant_url, set_selector
 from ..decide.setplan import Instance, PodView, attempt_instances
 from ..decide.setplan import Reason as SetReason
 from ..decide.setstatus import NOT_AN_INTERFACE, REPAIRED, Repair, newest_ready
+from ..decide.standby import adoptions, standby_views
 from ..decide.workloss import lost_reports, total_work, work_loss
 from ..model.api import (
+    ANNOTATION_ADOPTED,
     ANNOTATION_RETRY_RECOVERY,
     LABEL_ATTEMPT,
+    LABEL_INDEX,
+    LABEL_STANDBY,
     MAX_RECOVERY_STARTS,
     CheckpointConditionType,
     CheckpointPhase,
@@ -646,7 +650,65 @@ class RecoveryFlow:
         begun = (recovery.next_try_at or recovery.started_at).timestamp()
         return max(begun, 0.0) + rset.spec.recovery.restore_timeout_seconds
 
+    async def _adopt_standbys(self, rset: RolloutSet) -> RolloutSet:
+        """Take Ready standby pods for the target attempt's missing instances (DESIGN §6.2).
+
+        An adopted standby is relabelled into the target attempt under the lost instance's
+        index (and marked with `ANNOTATION_ADOPTED`), so the attempt's plan counts it and
+        creates fresh pods only for what no standby covers; the restore then gives it the
+        instance's identity and peers. Only when a checkpoint will be restored (the restore is
+        what re-identifies it). Idempotent: after an operator restart the annotation says which
+        pods were adopted, and `recovery.adopted` is written from it."""
+        recovery = rset.status.recovery
+        assert recovery is not None
+        target = recovery.target_attempt
+        if not rset.spec.standby.wanted() and not recovery.adopted:
+            return rset
+        if await self._restorable_checkpoint(rset) is None:
+            return rset
+        namespace = rset.metadata.namespace or "default"
+        raw = await self._kube.list_pods(namespace, set_selector(rset.metadata.name))
+        views = [v for v in (PodView.from_pod(p) for p in raw) if v is not None]
+        present = {(p.role, p.index) for p in views if p.attempt == target}
+        missing = [i for i in attempt_instances(rset, target, views) if i not in present]
+        picks = adoptions(rset, missing, standby_views(raw, rset.metadata.name))
+        for instance, standby in picks.items():
+            index = instance[1]
+            relabelled = await self._kube.patch_pod_metadata(
+                namespace,
+                standby.name,
+                labels={LABEL_ATTEMPT: str(target), LABEL_INDEX: str(index), LABEL_STANDBY: None},
+                annotations={ANNOTATION_ADOPTED: f"{instance_name(instance)}@{target}"},
+            )
+            if relabelled:
+                logger.info(
+                    "set %s: standby pod %s adopted as %s under attempt %d",
+                    rset.metadata.name,
+                    standby.name,
+                    instance_name(instance),
+                    target,
+                )
+        raw = await self._kube.list_pods(namespace, set_selector(rset.metadata.name))
+        # Adopted by this recovery (the annotation names the attempt): a pod adopted by an
+        # earlier one and kept since is an ordinary participant now.
+        adopted = sorted(
+            f"{instance}={meta['name']}"
+            for meta in (p.get("metadata") or {} for p in raw)
+            for instance, _, when in [
+                str((meta.get("annotations") or {}).get(ANNOTATION_ADOPTED, "")).partition("@")
+            ]
+            if instance
+            and when == str(target)
+            and (meta.get("labels") or {}).get(LABEL_ATTEMPT) == str(target)
+        )
+        if adopted == recovery.adopted:
+            return rset
+        return await self._patch(
+            rset, {"recovery": _wire(recovery.model_copy(update={"adopted": adopted}))}
+        )
+
     async def _start_pods(self, rset: RolloutSet) -> RolloutSet:
+        rset = await self._adopt_standbys(rset)
         recovery = rset.status.recovery
         assert recovery is not None
         target = recovery.target_attempt
@@ -780,14 +842,19 @@ class RecoveryFlow:
         if recovery.checkpoint is None:
             return await self._set_phase(rset, RecoveryPhase.RESUMING)
         coordinator, clients = await self._coordinator(rset)
-        peers = rewiring(rset, rset.status.participants, set(recovery.kept))
+        adopted = adopted_instances(recovery.adopted)
+        peers = rewiring(rset, rset.status.participants, set(recovery.kept), adopted.values())
         checkpoint = recovery.checkpoint
         try:
             deadline = max(self._try_deadline(rset), self._clock() + 30.0)
             outcome = await self._while_pods_hold(
                 rset,
                 lambda: coordinator.restore(
-                    checkpoint, recovery.target_attempt, deadline, peers=peers
+                    checkpoint,
+                    recovery.target_attempt,
+                    deadline,
+                    peers=peers,
+                    adopted=list(adopted),
                 ),
             )
         finally:
@@ -968,9 +1035,10 @@ class RecoveryFlow:
             restore_policy=recovery.restore_policy,
             kept=len(recovery.kept),
             replaced=len(recovery.replaced),
+            adopted=recovery.adopted,
             checkpoint=recovery.checkpoint,
             checkpoint_age_seconds=None if age is None else round(age, 3),
-            episodes_continued=recovery.episodes_restored or 0,
+            episodes_restored=recovery.episodes_restored or 0,
             episodes_restarted=restarted,
             duration_seconds=round(max(0.0, (now - recovery.started_at).total_seconds()), 3),
             phase_seconds=spent,

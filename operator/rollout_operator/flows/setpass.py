@@ -27,6 +27,7 @@ from typing import Any, Final
 from pydantic import ValidationError
 from rollout_protocol import Role
 
+from .. import metrics
 from ..cluster.kube import ApiError, Conflict, Kube
 from ..cluster.objects import (
     PodsOutcome,
@@ -43,22 +44,27 @@ from ..decide.resources import (
     reserved_volume_notes,
     set_selector,
 )
-from ..decide.setplan import plan_attempt, set_conditions
+from ..decide.setplan import AttemptPlan, plan_attempt, set_conditions
 from ..decide.setstatus import Repair, checkpoint_fields
+from ..decide.standby import plan_standbys, standby_views
 from ..model.api import (
     ANNOTATION_LATEST_CHECKPOINT,
     ANNOTATION_LATEST_CHECKPOINT_TIME,
+    LABEL_STANDBY,
     MAX_REPLICAS,
     MAX_TEMPLATE_BYTES,
     ParticipantStatus,
     RolloutSet,
     RolloutSetStatus,
     SetConditionType,
+    StandbyStatus,
 )
 from ..model.conditions import ConditionUpdate, merge_conditions, utcnow
 
 logger = logging.getLogger(__name__)
 
+STANDBY_GRACE_SECONDS: Final = 1
+"""Grace period of a standby pod that goes (stale, finished, surplus): it holds no episode."""
 RESERVED_VOLUME: Final = "ReservedVolumeReplaced"
 """Event reason: a template volume used the storage volume's reserved name."""
 _latest_written: dict[tuple[str, str], str | None] = {}
@@ -218,6 +224,8 @@ async def mark_covered_pods(
         created = parse_time(meta.get("creationTimestamp"))
         if meta.get("deletionTimestamp") or created is None or created > started:
             continue
+        if (meta.get("labels") or {}).get(LABEL_STANDBY) == "true":
+            continue  # in no attempt: no checkpoint covers it
         annotations = meta.get("annotations") or {}
         if all(annotations.get(k) == v for k, v in hints.items()):
             continue
@@ -230,6 +238,34 @@ async def mark_covered_pods(
                 meta["name"],
                 error.message,
             )
+
+
+async def keep_standbys(
+    kube: Kube, rset: RolloutSet, attempt: int, plan: AttemptPlan | None
+) -> StandbyStatus | None:
+    """Start and drop standby pods as `plan_standbys` says (`plan`: the running attempt's, or
+    None while it is not up); returns what the status shows. Creation errors are logged: the
+    set runs without the standby and shows fewer ready."""
+    namespace = rset.metadata.namespace or "default"
+    listed = await kube.list_pods(namespace, set_selector(rset.metadata.name))
+    standbys = standby_views(listed, rset.metadata.name)
+    if not standbys and not rset.spec.standby.wanted():
+        return None
+    decided = plan_standbys(rset, standbys, attempt, None if rset.spec.suspend else plan)
+    for name in decided.delete:
+        if await kube.delete_pod(namespace, name, grace_seconds=STANDBY_GRACE_SECONDS):
+            logger.info("set %s: deleted standby pod %s", rset.metadata.name, name)
+    for manifest in decided.create:
+        pod = manifest["metadata"]["name"]
+        try:
+            if await kube.create_pod(namespace, manifest):
+                metrics.standby_started(rset.metadata.name, namespace)
+                logger.info("set %s: started standby pod %s", rset.metadata.name, pod)
+        except ApiError as error:
+            logger.warning(
+                "set %s: standby pod %s not created: %s", rset.metadata.name, pod, error.message
+            )
+    return decided.status
 
 
 async def reconcile_set(
@@ -319,5 +355,8 @@ async def reconcile_set(
     # for lost participants and recovered over and over.)
     if plan.all_ready and not pods_created and not plan.stale:
         changes["createdAttempt"] = attempt
+    up = pods_created or "createdAttempt" in changes
+    standby = await keep_standbys(kube, rset, attempt, plan if up else None)
+    changes["standby"] = None if standby is None else standby.model_dump(mode="json", by_alias=True)
     warnings = tuple((RESERVED_VOLUME, note) for note in reserved_volume_notes(rset))
     return await write(changes, ReconcileOutcome(recheck_at=health.recheck_at, warnings=warnings))

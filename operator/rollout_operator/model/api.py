@@ -50,6 +50,15 @@ LABEL_INDEX: Final = f"{GROUP}/index"
 LABEL_ATTEMPT: Final = f"{GROUP}/attempt"
 LABEL_KUEUE_QUEUE: Final = "kueue.x-k8s.io/queue-name"
 """Kueue's own label: the set is submitted to this LocalQueue (decide/queue.py)."""
+ANNOTATION_ADOPTED: Final = f"{GROUP}/adopted-as"
+"""On a standby pod a recovery adopted: the instance it took and the attempt it took it under
+(`role-index@attempt`)."""
+LABEL_STANDBY: Final = f"{GROUP}/standby"
+"""On a standby pod (value "true"): a Ready spare of its role that belongs to no attempt
+(`kubectl get pods -l checkpoint.rollout.dev/standby=true`). A recovery that adopts it replaces
+this label with the attempt and index labels."""
+MAX_STANDBY: Final = 16
+"""Bound of `spec.standby` per role."""
 ANNOTATION_SPEC_HASH: Final = f"{GROUP}/spec-hash"
 """On every participant pod: the digest of the participants spec it was built from."""
 ANNOTATION_LATEST_CHECKPOINT: Final = f"{GROUP}/latest-checkpoint"
@@ -133,6 +142,17 @@ RULE_NEVER_SAVES: Final = Rule(
     "is false and neither intervalSeconds nor mustSaveBy is set, so no checkpoint would capture "
     "unfinished turns (eviction checkpoints alone do not cover crashes or node loss); set one "
     "of them, or use targetLevel sibling",
+)
+RULE_STANDBY_ROLES: Final = Rule(
+    cel="!has(self.standby) || ["
+    + ", ".join(
+        f"!has(self.standby.{r}) || self.standby.{r} == 0 || "
+        f"self.participants.exists(p, p.role == '{r}')"
+        for r in ("environment", "model", "agent", "resources")
+    )
+    + "].all(ok, ok)",
+    message="standby names a role the set has no participants of: a standby pod is a spare of "
+    "one of the set's roles, made from that role's template",
 )
 RULE_SIBLING_INTERVAL: Final = Rule(
     cel="!(self.recovery.targetLevel == 'sibling' && has(self.checkpointPolicy.intervalSeconds))",
@@ -515,6 +535,24 @@ class RecoverySpec(ApiModel):
     )
 
 
+class StandbySpec(ApiModel):
+    """How many standby pods to keep per role (none by default)."""
+
+    environment: int = Field(
+        default=0, ge=0, le=MAX_STANDBY, description="Standby environment pods."
+    )
+    model: int = Field(default=0, ge=0, le=MAX_STANDBY, description="Standby model pods.")
+    agent: int = Field(default=0, ge=0, le=MAX_STANDBY, description="Standby agent pods.")
+    resources: int = Field(default=0, ge=0, le=MAX_STANDBY, description="Standby resources pods.")
+
+    def count(self, role: Role) -> int:
+        return int(getattr(self, role.value))
+
+    def wanted(self) -> list[tuple[Role, int]]:
+        """(role, count) for every role with standby pods, in the protocol's role order."""
+        return [(role, self.count(role)) for role in ROLE_ORDER if self.count(role) > 0]
+
+
 class RolloutSetSpec(ApiModel):
     """Desired state of a RolloutSet: the participants and how they are protected."""
 
@@ -523,6 +561,7 @@ class RolloutSetSpec(ApiModel):
             "x-kubernetes-validations": [
                 RULE_NEVER_SAVES.schema(),
                 RULE_SIBLING_INTERVAL.schema(),
+                RULE_STANDBY_ROLES.schema(),
             ]
         }
     )
@@ -570,6 +609,15 @@ class RolloutSetSpec(ApiModel):
         description="How long the pods of an attempt may take to become Ready before the set "
         "is Degraded with reason PodsNotStarting (as Deployment.spec.progressDeadlineSeconds).",
     )
+    standby: StandbySpec = Field(
+        default_factory=lambda: StandbySpec(),
+        json_schema_extra={"default": {}},
+        description="Warm spare pods per role (for example {environment: 1, model: 1}; none by "
+        "default): Ready pods of the set made from the role's current template, model loaded, "
+        "in no attempt (label checkpoint.rollout.dev/standby=true). A recovery adopts one for "
+        "a lost instance instead of waiting for a fresh pod to start, and a replacement starts "
+        "right after. A standby holds what its template requests (a model standby its GPUs).",
+    )
 
     @model_validator(mode="after")
     def _check_rules(self) -> RolloutSetSpec:
@@ -587,6 +635,8 @@ class RolloutSetSpec(ApiModel):
         sibling = self.recovery.target_level is TargetLevel.SIBLING
         if sibling and policy.interval_seconds is not None:
             raise ValueError(RULE_SIBLING_INTERVAL.message)
+        if any(self.participant(role) is None for role, _ in self.standby.wanted()):
+            raise ValueError(RULE_STANDBY_ROLES.message)
         return self
 
     def participant(self, role: Role) -> ParticipantSpec | None:
@@ -698,6 +748,12 @@ class RecoveryStatus(StatusModel):
         max_length=MAX_KEPT_PODS,
         description="Participant instances (role-index) that get fresh pods.",
     )
+    adopted: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_KEPT_PODS,
+        description="Standby pods this try adopts for lost instances, as role-index=pod: they "
+        "take the instance's identity and peers in the restore call.",
+    )
     fallback: str | None = Field(
         default=None, description="Why an InPlace recovery fell back to Recreate."
     )
@@ -749,14 +805,23 @@ class LastRecovery(StatusModel):
     checkpoint: str | None = Field(
         default=None, description="The checkpoint restored (unset: episodes restarted)."
     )
+    adopted: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_KEPT_PODS,
+        description="Instances taken from standby pods (role-index=pod) instead of fresh pods.",
+    )
     checkpoint_age_seconds: float | None = Field(
         default=None,
         ge=0,
         description="Time from the restored checkpoint's completion to the loss: the work "
         "done since then was lost.",
     )
-    episodes_continued: int = Field(
-        default=0, ge=0, description="Episodes continued from their last boundary."
+    episodes_restored: int = Field(
+        default=0,
+        ge=0,
+        description="Episodes the restored checkpoint installed at their last boundary (each "
+        "continues from it if the trainer re-issues it; one that had finished before the loss "
+        "is not run again).",
     )
     episodes_restarted: int = Field(
         default=0,
@@ -800,6 +865,19 @@ class LastRecovery(StatusModel):
         description="Participants (role-index) whose work after the checkpoint nobody could "
         "count: the lost pods, and kept ones that did not report it against the restored "
         "checkpoint.",
+    )
+
+
+class StandbyStatus(ApiModel):
+    """The standby pods: how many are Ready of how many the spec asks for."""
+
+    desired: int = Field(ge=0, description="Standby pods spec.standby asks for, all roles.")
+    ready: int = Field(ge=0, description="Standby pods Ready, made from the current templates.")
+    shown: str = Field(description="ready/desired, for kubectl get.")
+    pods: list[str] = Field(
+        default_factory=list,
+        max_length=MAX_STANDBY * 4,
+        description="The standby pods that exist (Ready or starting).",
     )
 
 
@@ -857,6 +935,9 @@ class RolloutSetStatus(StatusModel):
         default_factory=list,
         max_length=MAX_INSTANCES,
         description="The participant pods and their addresses.",
+    )
+    standby: StandbyStatus | None = Field(
+        default=None, description="The standby pods (present when spec.standby asks for any)."
     )
     recovery: RecoveryStatus | None = Field(
         default=None, description="Present while a recovery runs."

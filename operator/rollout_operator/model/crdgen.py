@@ -132,6 +132,12 @@ ROLLOUT_SET = Kind(
             "The Kueue LocalQueue the set is submitted to (label kueue.x-k8s.io/queue-name).",
         ),
         PrinterColumn(
+            "Standby",
+            "string",
+            ".status.standby.shown",
+            "Standby pods Ready / asked for (spec.standby).",
+        ),
+        PrinterColumn(
             "Kept",
             "integer",
             ".status.lastRecovery.kept",

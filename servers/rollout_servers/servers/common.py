@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import ssl
 import sys
-import time
 import zlib
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any, Generic, TypeVar
 
 import anyio
@@ -52,6 +49,7 @@ from rollout_protocol import (
     StepCounters,
     TaskMismatch,
 )
+from rollout_protocol.serving import DrainingServer
 
 log = logging.getLogger(__name__)
 
@@ -617,61 +615,6 @@ def peer_error(where: str, reply: httpx.Response) -> PeerError:
 
 
 # --- serving ----------------------------------------------------------------------------------
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn, except that the first SIGTERM does not stop the server.
-
-    The operator checkpoints inside an evicted pod's grace period, so the control plane must
-    keep answering after SIGTERM: the server only turns unready (`/healthz` 503, new episodes
-    refused) and keeps serving until SIGKILL, a second SIGTERM, SIGINT, or `drain_seconds`.
-    Stopping then still waits for in-flight requests (control calls included).
-    """
-
-    def __init__(
-        self,
-        config: uvicorn.Config,
-        *,
-        on_drain: Callable[[], None],
-        drain_seconds: float | None,
-        ready_line: Callable[[str], None] | None = None,
-        on_stop: Callable[[], None] | None = None,
-    ) -> None:
-        super().__init__(config)
-        self._on_drain = on_drain
-        self._on_stop = on_stop
-        self._drain_seconds = drain_seconds
-        self._draining = False
-        self._drain_deadline: float | None = None
-        self._ready_line = ready_line
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig == signal.SIGTERM and not self._draining and not self.should_exit:
-            self._draining = True
-            if self._drain_seconds is not None:
-                self._drain_deadline = time.monotonic() + self._drain_seconds
-            self._on_drain()
-            return
-        super().handle_exit(sig, frame)
-
-    async def on_tick(self, counter: int) -> bool:
-        if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
-            self.should_exit = True
-        return await super().on_tick(counter)
-
-    async def shutdown(self, sockets: Any = None) -> None:
-        if self._on_stop is not None:
-            self._on_stop()
-        await super().shutdown(sockets=sockets)
-
-    async def startup(self, sockets: Any = None) -> None:
-        await super().startup(sockets=sockets)
-        if self.started and self._ready_line is not None:
-            port = None
-            for server in self.servers:
-                for sock in server.sockets:
-                    port = sock.getsockname()[1]
-            self._ready_line(json.dumps({"event": "ready", "port": port}))
 
 
 def serve(

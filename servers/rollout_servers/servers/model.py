@@ -39,7 +39,7 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal, Protocol, TypeVar
 
 import anyio
@@ -51,6 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rollout_protocol import (
     ROLLOUT_ID_PATTERN,
     Boundary,
+    EncodedRecord,
     Episode,
     EpisodeCancelled,
     EpisodeCounts,
@@ -63,6 +64,7 @@ from rollout_protocol import (
     RuntimeParticipant,
     StepMode,
     TaskMismatch,
+    encode_record,
     task_digest,
 )
 
@@ -223,6 +225,21 @@ class Delivered:
     attempt: int
     data: DeliveredData
     restored: bool = False
+    encoded: EncodedRecord | None = field(default=None, compare=False, repr=False)
+    """Its record, encoded when it was delivered (a checkpoint only writes it)."""
+
+    def encode(self, rollout_id: str) -> EncodedRecord:
+        if self.encoded is None:
+            self.encoded = encode_record(
+                Record(
+                    kind=DELIVERED_KIND,
+                    rollout_id=rollout_id,
+                    attempt=self.attempt,
+                    key=self.key,
+                    data=self.data.model_dump(),
+                )
+            )
+        return self.encoded
 
 
 # --- backends ---------------------------------------------------------------------------------
@@ -614,23 +631,23 @@ class ModelParticipant(RuntimeParticipant):
             work_counter=None,
         )
         self.server = server
-        self._checkpointed_tokens: dict[tuple[str, str], int] = {}
+        self._checkpointed_records: Sequence[Record] = ()
+        """The records of the last checkpoint committed or restored; their tokens are only
+        counted when a retire asks (`_tokens_checkpointed`), not inside the commit's pause."""
+        self._checkpointed_tokens: dict[tuple[str, str], int] | None = {}
         """Tokens of each generation the last checkpoint committed or restored holds."""
 
     def export(self, scope: frozenset[str] | None) -> list[Record]:
-        records = self.runtime.export(scope)
-        records.extend(
-            Record(
-                kind=DELIVERED_KIND,
-                rollout_id=rid,
-                attempt=d.attempt,
-                key=d.key,
-                data=d.data.model_dump(),
-            )
+        return [encoded.record for encoded in self.export_encoded(scope)]
+
+    def export_encoded(self, scope: frozenset[str] | None) -> list[EncodedRecord]:
+        encoded = self.runtime.export_encoded(scope)
+        encoded.extend(
+            d.encode(rid)
             for rid, d in self.server.delivered.items()
             if scope is None or rid in scope
         )
-        return records
+        return encoded
 
     def release_outside(self, scope: frozenset[str]) -> None:
         self.runtime.release_outside(scope)
@@ -652,12 +669,14 @@ class ModelParticipant(RuntimeParticipant):
         installed = await super().install([r for r in records if r.kind != DELIVERED_KIND], attempt)
         for record in records:
             if record.kind == DELIVERED_KIND:
-                self.server.delivered[record.rollout_id] = Delivered(
+                delivered = Delivered(
                     key=record.key,
                     attempt=attempt,
                     data=DeliveredData.model_validate(record.data),
                     restored=True,
                 )
+                delivered.encode(record.rollout_id)
+                self.server.delivered[record.rollout_id] = delivered
         return installed
 
     async def retire(self, attempt: int, rollout_ids: frozenset[str] | None) -> list[EpisodeId]:
@@ -674,21 +693,33 @@ class ModelParticipant(RuntimeParticipant):
         generated when the checkpoint closed admission: the step is held, not cut (its record
         holds the boundary before it), and that token is counted already, before the commit.
         Its progress stays, so a loss before the generation's next token still counts it."""
-        self._checkpointed_tokens = {
-            (r.rollout_id, r.key): _record_tokens(r) for r in records if _record_tokens(r)
-        }
-        held_back = {
-            (r.rollout_id, r.key): _record_tokens(r) for r in records if r.kind != DELIVERED_KIND
-        }
+        self._checkpointed_records = records
+        self._checkpointed_tokens = None
         progress = self.server.progress
-        beyond = {
-            ident: (attempt, tokens)
-            for ident, (attempt, tokens) in progress.items()
-            if ident in held_back and tokens > held_back[ident]
-        }
-        progress.clear()
-        progress.update(beyond)
+        if progress:
+            held_back = {
+                (r.rollout_id, r.key): _record_tokens(r)
+                for r in records
+                if r.kind != DELIVERED_KIND
+            }
+            beyond = {
+                ident: (attempt, tokens)
+                for ident, (attempt, tokens) in progress.items()
+                if ident in held_back and tokens > held_back[ident]
+            }
+            progress.clear()
+            progress.update(beyond)
         self.runtime.forget_progress()
+
+    def _tokens_checkpointed(self) -> dict[tuple[str, str], int]:
+        if self._checkpointed_tokens is None:
+            self._checkpointed_tokens = {
+                (r.rollout_id, r.key): tokens
+                for r in self._checkpointed_records
+                if (tokens := _record_tokens(r))
+            }
+            self._checkpointed_records = ()
+        return self._checkpointed_tokens
 
     def kept_work(self, records: Sequence[Record]) -> dict[str, int] | None:
         """Tokens of the generations the records hold (cut prefixes and held responses): what
@@ -713,8 +744,9 @@ class ModelParticipant(RuntimeParticipant):
         ]
         for ident, _ in counted:
             del progress[ident]
+        checkpointed = self._tokens_checkpointed()
         lost = sum(
-            max(0, tokens - self._checkpointed_tokens.get(ident, 0))
+            max(0, tokens - checkpointed.get(ident, 0))
             for ident, tokens in counted
             if finished is None or ident[0] not in finished
         )
@@ -1128,7 +1160,8 @@ class ModelServer(RolloutServer):
                 ids=_state_ids(state),
                 logprobs=list(_state_logprobs(state) or ()) or None,
             )
-            self.delivered[rid] = Delivered(key=key, attempt=attempt, data=data)
+            self.delivered[rid] = delivered = Delivered(key=key, attempt=attempt, data=data)
+            delivered.encode(rid)
             self.delivered.move_to_end(rid)
             while len(self.delivered) > _DELIVERED_KEPT:
                 self.delivered.popitem(last=False)

@@ -1,0 +1,131 @@
+"""docs/sdk.md is enough on its own: its minimal server, extracted from the page, passes the
+conformance kit, from this checkout and from the `rollout-protocol` wheel installed alone.
+
+The page marks the blocks of a file with `<!-- file: NAME -->` before a fenced python block;
+the blocks of one name, in page order, are that file. `minimal_server.py` is the server and
+`test_minimal_server.py` its kit run (with a blocking fake model, no debug hooks); both are run
+as they stand on the page, as a process (`python test_minimal_server.py`), so what the guide
+shows is what runs. The fresh-environment test builds the SDK's distribution (`protocol/`) alone,
+installs it with its `kit` extra into a new virtual environment (from the package index; pip's
+cache makes it about 15 s) and runs the same files there: nothing else of this project is
+importable in it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+GUIDE = ROOT / "docs" / "sdk.md"
+FILE_BLOCK = re.compile(r"<!-- file: (?P<name>[\w.]+) -->\n```python\n(?P<code>.*?)```", re.S)
+PYTHON_BLOCK = re.compile(r"```python\n(?P<code>.*?)```", re.S)
+PASSED = "the minimal server passes the conformance kit"
+RUN_TIMEOUT_S = 120
+RUFF = (sys.executable, "-m", "ruff", "check", "--isolated", "--no-cache")
+
+
+def guide_files() -> dict[str, str]:
+    """The files the guide's marked blocks make up, by name."""
+    files: dict[str, list[str]] = {}
+    for block in FILE_BLOCK.finditer(GUIDE.read_text()):
+        files.setdefault(block["name"], []).append(block["code"])
+    return {name: "\n\n".join(parts) for name, parts in files.items()}
+
+
+def write_guide_files(directory: Path) -> None:
+    for name, code in guide_files().items():
+        (directory / name).write_text(code)
+
+
+def run_the_guides_test(python: str, directory: Path, env: dict[str, str]) -> None:
+    done = subprocess.run(
+        [python, "test_minimal_server.py"],
+        cwd=directory,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    assert PASSED in done.stdout
+
+
+def test_the_guide_holds_the_minimal_server_and_its_test() -> None:
+    assert set(guide_files()) == {"minimal_server.py", "test_minimal_server.py"}
+
+
+def test_every_snippet_of_the_guide_defines_what_it_uses(tmp_path: Path) -> None:
+    """Pyflakes' checks (undefined names, unused imports) on every file and every python block
+    that is not part of a file."""
+    write_guide_files(tmp_path)
+    loose = FILE_BLOCK.sub("", GUIDE.read_text())
+    for index, block in enumerate(PYTHON_BLOCK.finditer(loose)):
+        (tmp_path / f"snippet_{index}.py").write_text(block["code"])
+    done = subprocess.run(
+        [*RUFF, "--select", "F", "--target-version", "py311", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_guides_minimal_server_passes_the_kit(tmp_path: Path) -> None:
+    write_guide_files(tmp_path)
+    run_the_guides_test(sys.executable, tmp_path, dict(os.environ))
+
+
+def test_the_sdk_installs_alone_and_runs_the_guides_server(tmp_path: Path) -> None:
+    """The `rollout-protocol` wheel, built alone without warnings, installs into a fresh
+    virtual environment with only its own dependencies, and the guide's server passes the kit
+    there."""
+    source = tmp_path / "protocol"
+    shutil.copytree(ROOT / "protocol", source, ignore=shutil.ignore_patterns("build", "*.egg-info"))
+    wheels = tmp_path / "wheels"
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", str(source), "-w", str(wheels)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert not re.findall(r"\w+Warning\b.*", built.stdout + built.stderr)
+    (wheel,) = wheels.glob("*.whl")
+    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    assert {top for top in tops if not top.endswith(".dist-info")} == {"rollout_protocol"}
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    subprocess.run(
+        [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", f"{wheel}[kit]"],
+        check=True,
+        timeout=300,
+    )
+    clean = {key: os.environ[key] for key in ("PATH", "HOME", "TMPDIR") if key in os.environ}
+    probe = (
+        "import importlib.util as u, rollout_protocol, rollout_protocol.serving, "
+        "rollout_protocol.conformance\n"
+        "print(rollout_protocol.__file__)\n"
+        "print([m for m in ('rollout_servers', 'rollout_operator', 'kopf', 'kubernetes_asyncio') "
+        "if u.find_spec(m)])"
+    )
+    shown = subprocess.run(
+        [python, "-c", probe], env=clean, capture_output=True, text=True, timeout=60, check=True
+    )
+    where, others = shown.stdout.splitlines()
+    assert where.startswith(str(venv)), where
+    assert others == "[]", others
+
+    files = tmp_path / "guide"
+    files.mkdir()
+    write_guide_files(files)
+    run_the_guides_test(python, files, clean)
