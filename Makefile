@@ -6,13 +6,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 BIN_LINK := .bin/devcluster
 NODE_BIN_LINK := .bin/devcluster-node
+KUEUE_LINK := .bin/kueue
 # Debian packages the container node runs (runc, kube-proxy's iptables and conntrack, the test
 # image's busybox); `make node-binaries` installs those missing with apt-get.
 NODE_DEBS := runc iptables nftables conntrack busybox-static
 ENGINE_LINK := .bin/engines
 PYTEST_ARGS ?=
 
-.PHONY: help venv cluster-binaries node-packages node-binaries engine image lint test test-unit test-protocol test-e2e test-adversarial demo demo-containers cluster cluster-down crds bench bench-fleet bench-requests clean kind-e2e kind-e2e-down
+.PHONY: help venv cluster-binaries kueue-binaries node-packages node-binaries engine image lint test test-unit test-protocol test-e2e test-adversarial demo demo-containers cluster cluster-down crds bench bench-fleet bench-requests clean kind-e2e kind-e2e-down
 
 help:
 	@echo "make demo              run the demo on a local devcluster (add DEMO_ARGS=--keep to leave it up)"
@@ -20,6 +21,7 @@ help:
 	@echo "make test-unit         only the fast tests"
 	@echo "make test-adversarial  only the hostile inputs and fault timings (tests/adversarial)"
 	@echo "make cluster-binaries  build the pinned control-plane binaries (cached per machine)"
+	@echo "make kueue-binaries    build Kueue's controller (pinned sigs.k8s.io/kueue; cached per machine)"
 	@echo "make node-binaries     build the container node (kubelet, kube-proxy, containerd, CNI; cached)"
 	@echo "make engine            build llama.cpp's llama-server for the engine tests (cached per machine)"
 	@echo "make demo-containers   the demo on a container node: servers in containers, operator by Helm"
@@ -45,6 +47,13 @@ cluster-binaries:
 	@mkdir -p .bin
 	@bindir="$$(devcluster/build-binaries.sh | tail -n 1)" && ln -sfn "$$bindir" $(BIN_LINK) \
 	  && echo "[devcluster] binaries in $$bindir (linked as $(BIN_LINK))"
+	@$(MAKE) --no-print-directory kueue-binaries
+
+# Kueue's controller manager (sigs.k8s.io/kueue at the pin in devcluster/go/kueue) with its CRDs,
+# for `python -m devcluster up --kueue` and the Kueue e2e; cached per machine like the above.
+kueue-binaries:
+	@mkdir -p .bin
+	@dir="$$(devcluster/build-kueue.sh | tail -n 1)" && ln -sfn "$$dir" $(KUEUE_LINK)
 
 # The container node (`python -m devcluster up --node-runtime containerd`): its Debian packages
 # when missing, then kubelet, kube-proxy, containerd and the CNI plugins from pinned Go modules.

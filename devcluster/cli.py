@@ -77,6 +77,13 @@ def _parser() -> argparse.ArgumentParser:
         "(repeatable; --node-runtime containerd only)",
     )
 
+    up.add_argument(
+        "--kueue",
+        action="store_true",
+        help="also start Kueue's controller (`make kueue-binaries`) with its CRDs and webhooks, "
+        "RolloutSet registered as an external framework (devcluster/kueue.py)",
+    )
+
     down = sub.add_parser("down", help="stop every process of a cluster")
     with_dir(down)
 
@@ -183,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
                 node_runtime=args.node_runtime,
                 images=args.image,
             )
+            if args.kueue:
+                from devcluster import kueue
+                from devcluster.cluster import Cluster
+
+                kueue.start(Cluster.attach(root), progress=_progress)
             print(f"export KUBECONFIG={Layout(root.resolve()).kubeconfig}")
         elif args.command == "down":
             controlplane.down(root)
@@ -213,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         print("devcluster: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def _progress(message: str) -> None:
+    print(f"[devcluster] {message}", file=sys.stderr, flush=True)
 
 
 def _status(root: Path) -> None:

@@ -3,7 +3,7 @@
 - `cluster` (session) and `namespace`: in `tests/conftest.py`, shared with `tests/adversarial/`
   (one devcluster per session whichever folders run).
 - `kube`: a kubernetes_asyncio `ApiClient` for the cluster, closed after the test.
-- `crds` (module): the project's CRDs applied and Established, for the RBAC tests
+- `crds` (module): the project's CRDs and Kueue's applied and Established, for the RBAC tests
   (test_rbac.py, test_sharding.py; their helpers are in `rbac_support`). A module that defines
   its own `crds` (test_policy_validation.py) uses that one instead.
 - `operator`, `storage_dir`, `resources`: in `testsupport.operator_fixtures`, a plugin that
@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from rbac_support import CRDS, GROUP
 
+from devcluster import kueue
 from devcluster.cluster import Cluster
 from devcluster.kube import open_api
 
@@ -46,6 +47,9 @@ def shared_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def crds(cluster: Cluster) -> None:
+    # Kueue's CRDs too (no Kueue controller): the chart grants Workloads, and the RBAC tests
+    # prove those grants like every other (`make cluster-binaries` builds Kueue).
+    kueue.apply_crds(cluster)
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRDS))
     cluster.kubectl(
         "wait",

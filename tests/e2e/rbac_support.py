@@ -31,6 +31,13 @@ CHART = ROOT / "charts" / "rollout-operator"
 CRDS = ROOT / "crds"
 KUBE_VERSION = "1.37.2"
 GROUP = "checkpoint.rollout.dev"
+CLUSTER_SCOPED = (
+    "nodes",
+    "namespaces",
+    "customresourcedefinitions",
+    "resourceflavors",
+    "workloadpriorityclasses",
+)
 
 
 # --- the chart's RBAC, rendered and applied ------------------------------------------------------
@@ -59,7 +66,8 @@ class Grant:
     step: str
     """start: Kopf's watches; set: a RolloutSet (with a trainer step: the policy creates a
     checkpoint); checkpoint: a RolloutCheckpoint; kill: a pod lost (recovery); delete: the set
-    deleted (its finalizer deletes its checkpoints)."""
+    deleted (its finalizer deletes its checkpoints); queue: a set labelled for a Kueue queue,
+    its Workload admitted and then evicted by the test playing Kueue."""
 
     @property
     def id(self) -> str:
@@ -110,6 +118,14 @@ GRANTS = [
         "leases",
         {"get": "checkpoint", "create": "checkpoint", "patch": "checkpoint"},
     ),
+    *_g(
+        "kueue.x-k8s.io",
+        "workloads",
+        {"list": "start", "watch": "start", "create": "queue"},
+    ),
+    *_g("kueue.x-k8s.io", "workloads/status", {"patch": "queue"}),
+    *_g("kueue.x-k8s.io", "workloadpriorityclasses", {"get": "queue"}),
+    *_g("kueue.x-k8s.io", "resourceflavors", {"get": "queue"}),
     *_g("apiextensions.k8s.io", "customresourcedefinitions", {"list": "start", "watch": "start"}),
     *_g("", "namespaces", {"list": "start", "watch": "start"}),
 ]
@@ -136,7 +152,7 @@ def apply_rbac(cluster: Cluster, docs: list[dict[str, Any]], probe: Grant) -> No
     argv = ["auth", "can-i", probe.verb, resource, f"--as=system:serviceaccount:{namespace}:{name}"]
     if "/" in probe.resource:
         argv.append(f"--subresource={probe.resource.split('/')[1]}")
-    if probe.resource not in ("nodes", "namespaces", "customresourcedefinitions"):
+    if probe.resource not in CLUSTER_SCOPED:
         argv += ["-n", namespace]
     wait_for_sync(
         lambda: cluster.kubectl(*argv, check=False).stdout.strip() == "yes",

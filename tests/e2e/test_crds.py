@@ -183,8 +183,22 @@ def test_short_names_category_and_printer_columns(crds: Cluster, namespace: str)
     }
     assert create(crds, namespace, checkpoint)[0] == 0
     sets = crds.kubectl("get", "rset", "-n", namespace).stdout.splitlines()
-    header = ["NAME", "READY", "ATTEMPT", "LATEST-CHECKPOINT", "STANDBY", "KEPT", "REPLACED", "AGE"]
+    header = [
+        "NAME",
+        "READY",
+        "ATTEMPT",
+        "LATEST-CHECKPOINT",
+        "QUEUE",
+        "STANDBY",
+        "KEPT",
+        "REPLACED",
+        "AGE",
+    ]
     assert sets[0].split() == header
+    # The Kueue LocalQueue a set is submitted to (its label) is a column of its own.
+    crds.kubectl("label", "rset", "math-rl", "-n", namespace, "kueue.x-k8s.io/queue-name=team-q")
+    labelled = crds.kubectl("get", "rset", "-n", namespace).stdout.splitlines()
+    assert "team-q" in labelled[1].split()
     checkpoints = crds.kubectl("get", "rckpt", "-n", namespace).stdout.splitlines()
     assert checkpoints[0].split() == ["NAME", "READY", "SET", "TRIGGER", "EPISODES", "PAUSE", "AGE"]
     row = checkpoints[1].split()

@@ -21,6 +21,7 @@ is authorized by the chart's rules and nothing else.
 
 from __future__ import annotations
 
+import json
 import secrets
 import socket
 import time
@@ -361,7 +362,10 @@ def run_case(cluster: Cluster, grant: Grant, folder: Path) -> Outcome:
         kubeconfig = token_kubeconfig(cluster, docs, folder / "sa.kubeconfig")
         log = folder / "operator.log"
         with operator_process(kubeconfig, log, [namespace], graceful=False) as op:
-            if grant.step != "start":
+            if grant.step == "queue":
+                play_kueue_objects(cluster)
+                apply(cluster, namespace, queued_probe_set(storage))
+            elif grant.step != "start":
                 apply(cluster, namespace, probe_set(storage))
                 apply(cluster, namespace, checkpoint("orphan", "absent"))
             acted = False
@@ -376,6 +380,8 @@ def run_case(cluster: Cluster, grant: Grant, folder: Path) -> Outcome:
                     acted = kill_probe_when_running(cluster, namespace)
                 if polls % 5 == 0 and grant.step == "delete" and not acted:
                     acted = delete_probe_with_a_checkpoint(cluster, namespace)
+                if polls % 5 == 0 and grant.step == "queue" and not acted:
+                    acted = play_kueue(cluster, namespace)
                 polls += 1
                 time.sleep(0.3)  # a poll interval under CASE_TIMEOUT, not a synchronisation
             return Outcome(grant, True, "", time.monotonic() - started)
@@ -405,7 +411,101 @@ def delete_probe_with_a_checkpoint(cluster: Cluster, namespace: str) -> bool:
     return True
 
 
-STEPS = ["start", "set", "checkpoint", "kill", "delete"]
+# --- the queue step: the test plays Kueue (only its CRDs are installed here) ------------------
+
+PROBE_FLAVOR = "rbac-probe-flavor"
+PROBE_PRIORITY = "rbac-probe-priority"
+
+
+def play_kueue_objects(cluster: Cluster) -> None:
+    """The cluster-scoped Kueue objects the queued probe names (idempotent; cases share them)."""
+    objects = [
+        {
+            "apiVersion": "kueue.x-k8s.io/v1beta2",
+            "kind": "ResourceFlavor",
+            "metadata": {"name": PROBE_FLAVOR},
+        },
+        {
+            "apiVersion": "kueue.x-k8s.io/v1beta2",
+            "kind": "WorkloadPriorityClass",
+            "metadata": {"name": PROBE_PRIORITY},
+            "value": 1,
+        },
+    ]
+    cluster.kubectl(
+        "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects})
+    )
+
+
+def queued_probe_set(storage: Path) -> dict[str, Any]:
+    body = probe_set(storage)
+    body["metadata"]["labels"] = {
+        "kueue.x-k8s.io/queue-name": "rbac-probe-queue",
+        "kueue.x-k8s.io/priority-class": PROBE_PRIORITY,
+    }
+    return body
+
+
+def _kueue_status(cluster: Cluster, namespace: str, name: str, status: dict[str, Any]) -> None:
+    cluster.kubectl(
+        "patch",
+        "workloads.kueue.x-k8s.io",
+        name,
+        "-n",
+        namespace,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps({"status": status}),
+    )
+
+
+def _kueue_condition(type_: str, status: str, reason: str) -> dict[str, Any]:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return {
+        "type": type_,
+        "status": status,
+        "reason": reason,
+        "message": f"{reason} (written by the RBAC test, playing Kueue)",
+        "lastTransitionTime": stamp,
+    }
+
+
+def play_kueue(cluster: Cluster, namespace: str) -> bool:
+    """As Kueue would: admit the probe's Workload on the probe flavor, then evict it once the
+    set runs (the operator then reads the flavor, suspends, and hands the quota back)."""
+    listed = get_json(cluster, "workloads.kueue.x-k8s.io", "-n", namespace).get("items") or []
+    if not listed:
+        return False
+    workload = listed[0]
+    name = workload["metadata"]["name"]
+    have = {c["type"]: c["status"] for c in (workload.get("status") or {}).get("conditions") or []}
+    if have.get("QuotaReserved") != "True":
+        admission = {
+            "clusterQueue": "rbac-probe-cq",
+            "podSetAssignments": [{"name": "model", "flavors": {"cpu": PROBE_FLAVOR}, "count": 1}],
+        }
+        conditions = [
+            _kueue_condition("QuotaReserved", "True", "QuotaReserved"),
+            _kueue_condition("Admitted", "True", "Admitted"),
+        ]
+        _kueue_status(cluster, namespace, name, {"admission": admission, "conditions": conditions})
+        return False
+    if (
+        condition(get_json(cluster, "rset", "probe", "-n", namespace), "Ready").get("status")
+        != "True"
+    ):
+        return False
+    conditions = [
+        _kueue_condition("QuotaReserved", "True", "QuotaReserved"),
+        _kueue_condition("Admitted", "True", "Admitted"),
+        _kueue_condition("Evicted", "True", "Preempted"),
+    ]
+    _kueue_status(cluster, namespace, name, {"conditions": conditions})
+    return True
+
+
+STEPS = ["start", "set", "checkpoint", "kill", "delete", "queue"]
 
 
 @pytest.mark.parametrize("step", STEPS)

@@ -33,12 +33,18 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from rollout_operator.cluster.cache import INDEXES, ClusterCache, Seen, index_entries
+from rollout_operator.cluster.cache import (
+    INDEXES,
+    OPTIONAL_INDEXES,
+    ClusterCache,
+    Seen,
+    index_entries,
+)
 from rollout_operator.cluster.kube import Kube
 from rollout_operator.cluster.rest import JSON, MERGE_PATCH, ApiError
 from rollout_operator.model.api import GROUP, ROLLOUT_CHECKPOINT_PLURAL, ROLLOUT_SET_PLURAL
 
-WITH_STATUS = frozenset({ROLLOUT_SET_PLURAL, ROLLOUT_CHECKPOINT_PLURAL, "pods"})
+WITH_STATUS = frozenset({ROLLOUT_SET_PLURAL, ROLLOUT_CHECKPOINT_PLURAL, "pods", "workloads"})
 """Kinds whose status is a subresource (written only through `/status`)."""
 
 INDEX_OF = {
@@ -46,6 +52,7 @@ INDEX_OF = {
     ROLLOUT_CHECKPOINT_PLURAL: "rollout_checkpoints",
     "pods": "set_pods",
     "nodes": "nodes",
+    "workloads": "set_workloads",
 }
 """Which of the operator's indexes (`cache.INDEXES`) watches each kind."""
 
@@ -57,7 +64,12 @@ KINDS = {
     "secrets": ("Secret", "v1"),
     "nodes": ("Node", "v1"),
     "leases": ("Lease", "coordination.k8s.io/v1"),
+    "workloads": ("Workload", "kueue.x-k8s.io/v1beta2"),
+    "resourceflavors": ("ResourceFlavor", "kueue.x-k8s.io/v1beta2"),
+    "workloadpriorityclasses": ("WorkloadPriorityClass", "kueue.x-k8s.io/v1beta2"),
 }
+CLUSTER_SCOPED = frozenset({"nodes", "resourceflavors", "workloadpriorityclasses"})
+"""Kinds without a namespace."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +130,7 @@ class FakeCluster:
     objects: dict[tuple[str, str | None, str], dict[str, Any]] = field(default_factory=dict)
     """(plural, namespace, name) -> the stored object (change it only through `update`)."""
     indexes: dict[str, FakeIndex] = field(
-        default_factory=lambda: {name: FakeIndex() for name in INDEXES}
+        default_factory=lambda: {name: FakeIndex() for name in (*INDEXES, *OPTIONAL_INDEXES)}
     )
     _versions: Iterator[int] = field(default_factory=lambda: itertools.count(1))
     _refusals: list[_Refusal] = field(default_factory=list)
@@ -182,7 +194,7 @@ class FakeCluster:
         kubelet would together."""
         plural = _plural_of(obj)
         meta = obj.get("metadata") or {}
-        namespace = None if plural == "nodes" else str(meta.get("namespace") or "default")
+        namespace = None if plural in CLUSTER_SCOPED else str(meta.get("namespace") or "default")
         key = (plural, namespace, str(meta["name"]))
         stored = copy.deepcopy(dict(obj))
         old = self.objects.get(key)

@@ -211,6 +211,8 @@ def test_namespaced_mode_grants_namespaced_resources_only_in_the_watched_namespa
         "nodes",
         "customresourcedefinitions",
         "namespaces",
+        "resourceflavors",
+        "workloadpriorityclasses",
     }
     assert not {verb for _, _, verb in cluster} - {"get", "list", "watch"}, "cluster-wide: reads"
     args = container(docs)["args"]
@@ -241,6 +243,27 @@ def test_no_rule_grants_wildcards_or_writes_it_does_not_need() -> None:
                 assert verb not in {"update", "deletecollection", "escalate", "bind", "impersonate"}
                 if resource in {"secrets", "services", "events"}:
                     assert verb in {"get", "create"}, f"{resource}: {verb}"
+
+
+def test_kueue_workloads_are_created_and_released_never_changed_or_deleted() -> None:
+    """The operator owns its sets' Workloads (Kueue's external-framework contract): it creates
+    them and clears their quota reservation in status; Kueue's objects it only reads."""
+    for values in ({}, NAMESPACED):
+        docs = render(values)
+        kueue = {
+            (resource, verb)
+            for role in (d for d in docs if d["kind"] in ("ClusterRole", "Role"))
+            for group, resource, verb in grants(role["rules"])
+            if group == "kueue.x-k8s.io"
+        }
+        assert kueue == {
+            ("workloads", "list"),
+            ("workloads", "watch"),
+            ("workloads", "create"),
+            ("workloads/status", "patch"),
+            ("workloadpriorityclasses", "get"),
+            ("resourceflavors", "get"),
+        }
 
 
 def test_owner_reference_enforcement_adds_the_finalizers_update() -> None:

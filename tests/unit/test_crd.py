@@ -110,6 +110,7 @@ def test_printer_columns_answer_is_it_safe_and_since_when() -> None:
         "Ready",
         "Attempt",
         "Latest-Checkpoint",
+        "Queue",
         "Standby",
         "Kept",
         "Replaced",

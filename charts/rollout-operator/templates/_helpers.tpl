@@ -118,6 +118,19 @@ checkpointing.py, recovery.py, handlers/) and with Kopf.
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+# Kueue: a set labelled kueue.x-k8s.io/queue-name is a Kueue workload the operator owns (the
+# external-framework contract). Kopf lists and watches the sets' Workloads (the operator reads
+# them from that watch; their admission and eviction wake the set's pass); the pass creates its
+# set's Workload (one per set, deleted with the set by owner reference). Harmless where Kueue
+# is not installed.
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads]
+  verbs: [list, watch, create]
+# Kueue: once an evicted set has saved its suspend checkpoint and released its pods, the pass
+# clears the Workload's quota reservation in status, which is what Kueue waits for.
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads/status]
+  verbs: [patch]
 {{- if and (include "rollout-operator.peering" .) (include "rollout-operator.namespaced" .) }}
 # Kopf peering of the replicas: watch the namespace's KopfPeering, patch own keep-alives in.
 - apiGroups: [kopf.dev]
@@ -132,6 +145,14 @@ checkpointing.py, recovery.py, handlers/) and with Kopf.
 - apiGroups: [""]
   resources: [nodes]
   verbs: [list, watch]
+# Kueue (cluster-scoped): the WorkloadPriorityClass a queued set names gives its Workload's
+# priority; the ResourceFlavors Kueue admitted it on give its pods' node selector and tolerations.
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloadpriorityclasses]
+  verbs: [get]
+- apiGroups: [kueue.x-k8s.io]
+  resources: [resourceflavors]
+  verbs: [get]
 # Kopf watches CRDs so that CRDs applied while it runs (an upgrade) are served without a restart.
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]

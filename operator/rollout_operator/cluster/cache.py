@@ -40,6 +40,10 @@ NODES: Final = "nodes"
 INDEXES: Final = (SETS, CHECKPOINTS, PODS, NODES)
 """The ids of the Kopf indexes (`handlers/indexes.py`); Kopf passes each to every handler as a
 keyword argument of that name."""
+WORKLOADS: Final = "set_workloads"
+"""Kueue's Workloads of queued sets, by set (`decide.queue`). Optional: read when Kopf passes
+it, and a Workload read goes to the API server otherwise."""
+OPTIONAL_INDEXES: Final = (WORKLOADS,)
 
 CREATED_POD_SECONDS: Final = 10.0
 """How long a pod this process created is shown before the watch reports it."""
@@ -110,6 +114,10 @@ def pods_key(namespace: str, set_name: str) -> tuple[str, str]:
     return (namespace, set_name)
 
 
+def workloads_key(namespace: str, set_name: str) -> tuple[str, str]:
+    return (namespace, set_name)
+
+
 def index_entries(
     kind: str, obj: Mapping[str, Any]
 ) -> tuple[dict[Any, Seen], tuple[str, str] | None]:
@@ -136,6 +144,11 @@ def index_entries(
         return {pods_key(namespace, set_name): seen}, (namespace, set_name)
     if kind == NODES:
         return {name: seen}, None
+    if kind == WORKLOADS:
+        set_name = (meta.get("labels") or {}).get(LABEL_SET)
+        if not isinstance(set_name, str):
+            return {}, None
+        return {workloads_key(namespace, set_name): seen}, (namespace, set_name)
     raise ValueError(f"no index of {kind!r}")
 
 
@@ -160,16 +173,20 @@ class ClusterCache:
     def attach(self, kwargs: Mapping[str, Any]) -> None:
         """Take Kopf's indexes from a handler's keyword arguments (the same objects for the
         operator's whole life; Kopf fills them before the first handler runs)."""
-        if len(self._indexes) == len(INDEXES):
+        if len(self._indexes) == len(INDEXES) + len(OPTIONAL_INDEXES):
             return
-        for name in INDEXES:
+        for name in (*INDEXES, *OPTIONAL_INDEXES):
             index = kwargs.get(name)
             if index is not None:
                 self._indexes[name] = index
 
     @property
     def ready(self) -> bool:
-        return len(self._indexes) == len(INDEXES)
+        return all(name in self._indexes for name in INDEXES)
+
+    @property
+    def watches_workloads(self) -> bool:
+        return self.ready and WORKLOADS in self._indexes
 
     def changed(self, namespace: str, set_name: str) -> None:
         """Something of the set changed (its object, a pod, a checkpoint): wake its waiters."""
@@ -260,6 +277,16 @@ class ClusterCache:
                 by_name[name] = newest.shared if shared else newest.parse()
         return [obj for _, obj in sorted(by_name.items()) if keep(obj)]
 
+    def get_workload(self, namespace: str, set_name: str, name: str) -> dict[str, Any] | None:
+        """The set's Workload `name` as the watch last saw it (or as this process wrote it)."""
+        stored = [
+            seen
+            for seen in self._store(WORKLOADS, workloads_key(namespace, set_name))
+            if seen.shared["metadata"]["name"] == name
+        ]
+        found = self._newest(WORKLOADS, stored[0] if stored else None, namespace, name)
+        return None if found is None else found.parse()
+
     def get_node(self, name: str) -> dict[str, Any] | None:
         """A node as the watch last saw it; None when the watch has not seen it (or it is
         gone)."""
@@ -287,8 +314,10 @@ __all__ = [
     "CHECKPOINTS",
     "INDEXES",
     "NODES",
+    "OPTIONAL_INDEXES",
     "PODS",
     "SETS",
+    "WORKLOADS",
     "ClusterCache",
     "Seen",
     "checkpoint_key",
@@ -296,4 +325,5 @@ __all__ = [
     "index_entries",
     "pods_key",
     "set_key",
+    "workloads_key",
 ]

@@ -38,6 +38,7 @@ from pydantic import ValidationError
 from ..model.api import (
     ANNOTATION_TRAINER_STEP,
     GROUP,
+    LABEL_KUEUE_QUEUE,
     AfterDeadline,
     CheckpointConditionType,
     CheckpointPhase,
@@ -289,6 +290,8 @@ class SetView:
     """The reason on the DeadlineSaved condition as last written (Saving: a save is under way)."""
     stored_reserve: int | None = None
     """`status.saveReserveSeconds` as last written."""
+    queued: bool = False
+    """Labelled for a Kueue LocalQueue: `spec.suspend` is Kueue's (through the queue pass)."""
 
     @classmethod
     def from_set(cls, rset: RolloutSet, *, live_pods: int) -> SetView:
@@ -335,6 +338,7 @@ class SetView:
                 None,
             ),
             stored_reserve=status.save_reserve_seconds,
+            queued=bool(rset.metadata.labels.get(LABEL_KUEUE_QUEUE)),
         )
 
     @property
@@ -801,11 +805,15 @@ def suspend_decision(view: SetView, checkpoints: Sequence[CheckpointView]) -> Su
     cause = (
         f"mustSaveBy {format_time(view.policy.must_save_by)} passed and afterDeadline is Suspend"
         if by_deadline and view.policy.must_save_by is not None
+        else "Kueue holds the set (its Workload is not admitted)"
+        if view.queued
         else "spec.suspend is true"
     )
     undo = (
         "set a later mustSaveBy, remove it, or set afterDeadline Continue to resume"
         if by_deadline
+        else "Kueue resumes it when it admits the Workload again"
+        if view.queued
         else "set spec.suspend false to resume"
     )
     if not view.wants_suspended:

@@ -310,7 +310,34 @@ def participant_pod(
     spec.setdefault("hostname", f"{role.value}-{index}")
     spec.setdefault("subdomain", service_name(set_name, role))
     spec.setdefault("automountServiceAccountToken", False)
+    _place(spec, rset.metadata.annotations.get(ANNOTATION_KUEUE_PLACEMENT), role.value)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+
+
+ANNOTATION_KUEUE_PLACEMENT: Final = f"{GROUP}/kueue-placement"
+"""Per role, the node selector and tolerations of the flavors Kueue admitted the set on
+(written by the queue pass, `decide.queue`)."""
+
+
+def _place(spec: dict[str, Any], placement: str | None, role: str) -> None:
+    """Apply the admitted flavors' node selector and tolerations to a pod spec, as Kueue's own
+    integrations do to a job's pod templates (the flavor's labels win over the template's)."""
+    if not placement:
+        return
+    try:
+        parsed = json.loads(placement)
+    except ValueError:
+        return
+    entry = parsed.get(role) if isinstance(parsed, dict) else None
+    if not isinstance(entry, dict):
+        return
+    selector = entry.get("nodeSelector")
+    if isinstance(selector, dict) and selector:
+        spec["nodeSelector"] = {**(spec.get("nodeSelector") or {}), **selector}
+    tolerations = entry.get("tolerations")
+    if isinstance(tolerations, list) and tolerations:
+        have = list(spec.get("tolerations") or [])
+        spec["tolerations"] = have + [t for t in tolerations if t not in have]
 
 
 # --- standby pods -------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from ..model.api import (
     SetConditionType,
 )
 from ..model.conditions import ConditionUpdate, is_true
+from .queue import queue_holds, queue_of
 from .resources import (
     PEERS,
     control_port,
@@ -379,10 +380,20 @@ def set_conditions(
     )
     attempt = plan.attempt
     # Suspended=True without spec.suspend: afterDeadline Suspend released the pods (policy).
-    suspended = rset.spec.suspend or is_true(rset.status.conditions, SetConditionType.SUSPENDED)
+    # A Kueue-queued set holds until its Workload is admitted (`queue.queue_holds`).
+    queued = queue_holds(rset)
+    suspended = (
+        rset.spec.suspend or queued or is_true(rset.status.conditions, SetConditionType.SUSPENDED)
+    )
     # Pods on their way out count as released: the suspend deleted them, their state is saved.
     if suspended and all(p.terminating or p.finished for p in plan.existing.values()):
-        why = "spec.suspend is true" if rset.spec.suspend else "suspended after mustSaveBy"
+        why = (
+            "spec.suspend is true"
+            if rset.spec.suspend
+            else f"waiting for Kueue to admit the set (LocalQueue {queue_of(rset)})"
+            if queued
+            else "suspended after mustSaveBy"
+        )
         message = f"{why}: no participant pods run"
         return SetHealth(
             [

@@ -39,6 +39,7 @@ from ..cluster.objects import (
     reconcile_pods,
 )
 from ..decide.policy import checkpoint_views, parse_time
+from ..decide.queue import queue_holds
 from ..decide.resources import (
     reserved_volume_notes,
     set_selector,
@@ -329,7 +330,8 @@ async def reconcile_set(
         shown = {"participants": _participants_wire(plan.participants)}
         return await write(shown, ReconcileOutcome())
 
-    if pods_created or rset.spec.suspend:
+    # A Kueue-queued set that was never admitted creates no pods (`queue.queue_holds`).
+    if pods_created or rset.spec.suspend or queue_holds(rset):
         outcome = PodsOutcome(plan_attempt(rset, attempt, pods))
     else:
         outcome = await reconcile_pods(kube, rset, attempt, pods)

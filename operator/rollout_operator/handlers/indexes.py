@@ -14,7 +14,9 @@ from typing import Any
 import kopf
 
 from ..cluster.cache import CHECKPOINTS, NODES, PODS, SETS, Seen, index_entries
+from ..cluster.cache import WORKLOADS as SET_WORKLOADS
 from ..cluster.kube import Kube
+from ..decide.queue import KUEUE_GROUP, KUEUE_VERSION, WORKLOADS
 from ..model.api import GROUP, LABEL_SET, ROLLOUT_CHECKPOINT_PLURAL, ROLLOUT_SET_PLURAL, VERSION
 from .runtime import MEMO_KUBE
 
@@ -42,9 +44,18 @@ async def set_pods(body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[Any, Seen
     return _entries(PODS, body, memo)
 
 
+@kopf.index(
+    KUEUE_GROUP, KUEUE_VERSION, WORKLOADS, labels={LABEL_SET: kopf.PRESENT}, id=SET_WORKLOADS
+)
+async def set_workloads(body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[Any, Seen]:
+    """Kueue's Workloads of queued sets (where Kueue's CRDs are installed; elsewhere Kopf logs
+    once that it cannot serve them and the index stays empty)."""
+    return _entries(SET_WORKLOADS, body, memo)
+
+
 @kopf.index("", "v1", "nodes", id=NODES)
 async def nodes(body: kopf.Body, memo: kopf.Memo, **_: Any) -> dict[Any, Seen]:
     return _entries(NODES, body, memo)
 
 
-__all__ = ["nodes", "rollout_checkpoints", "rollout_sets", "set_pods"]
+__all__ = ["nodes", "rollout_checkpoints", "rollout_sets", "set_pods", "set_workloads"]

@@ -6,6 +6,8 @@
   per set means the policy's decisions for a set never run twice at once in this process, so
   two events cannot both decide to create the same interval checkpoint or both release the
   pods. It returns by itself when the set is deleted or the operator stops (`passloop`).
+- `workload_changed`: Kueue changed a queued set's Workload (admitted, evicted): a pass, whose
+  `QueuePass` acts on it before the policy's.
 - `pod_terminating`: a participant pod got a deletion timestamp: the Eviction checkpoint is
   created right from the pod event (the grace period is short; the loop may be mid-pass).
 - `checkpoint_deleted` / `set_deleted`: the finalizers that remove records (retention deletes
@@ -22,6 +24,7 @@ import kopf
 from ..cluster.kube import ApiError
 from ..cluster.storage import StorageLocator
 from ..decide.policy import Note
+from ..decide.queue import KUEUE_GROUP, KUEUE_VERSION, WORKLOADS
 from ..flows.passloop import STOP_BACKOFF_SECONDS, Next, PassLoop, Stopped
 from ..flows.policypass import (
     CheckpointBusy,
@@ -30,6 +33,7 @@ from ..flows.policypass import (
     set_deleted,
     start_eviction_checkpoint,
 )
+from ..flows.queuepass import QueuePass
 from ..model.api import (
     GROUP,
     LABEL_SET,
@@ -97,13 +101,17 @@ async def policy_loop(
         await _post(rset, note)
 
     async def one_pass() -> Next:
+        kube = kube_of(memo, kwargs)
+        # A Kueue-queued set first: its admission or eviction becomes spec.suspend, which the
+        # policy pass below acts on in the same pass (a set without the label is untouched).
+        queued = await QueuePass(kube, on_note=note_once, wake_set=wake).run(namespace, name)
         outcome = await PolicyPass(
-            kube_of(memo, kwargs),
+            kube,
             on_note=note_once,
             wake_set=wake,
             locator=StorageLocator.from_env(),
         ).run(namespace, name)
-        return Next(again=outcome.again, at=outcome.wake_at)
+        return Next(again=outcome.again or queued.again, at=outcome.wake_at)
 
     def failed(error: Exception, delay: float) -> None:
         logger.warning("checkpoint policy pass failed (%s); retrying in %.1fs", error, delay)
@@ -137,6 +145,13 @@ async def checkpoint_changed(namespace: str | None, spec: kopf.Spec, **_: Any) -
     """A checkpoint of the set appeared, progressed, finished or went: deadline, suspend and
     retention depend on it."""
     wake_policy(namespace, spec.get("rolloutSet"))
+
+
+@kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, WORKLOADS, labels={LABEL_SET: kopf.PRESENT}, id="queue")
+async def workload_changed(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
+    """A queued set's Workload was created, admitted, evicted or requeued by Kueue (without
+    Kueue's CRDs Kopf logs that it cannot serve this resource, and nothing else changes)."""
+    wake_policy(namespace, labels.get(LABEL_SET))
 
 
 def _terminating(meta: kopf.Meta, **_: Any) -> bool:
@@ -220,4 +235,5 @@ __all__ = [
     "remove_set_checkpoints",
     "set_changed",
     "wake_policy",
+    "workload_changed",
 ]

@@ -48,6 +48,8 @@ LABEL_SET: Final = f"{GROUP}/set"
 LABEL_ROLE: Final = f"{GROUP}/role"
 LABEL_INDEX: Final = f"{GROUP}/index"
 LABEL_ATTEMPT: Final = f"{GROUP}/attempt"
+LABEL_KUEUE_QUEUE: Final = "kueue.x-k8s.io/queue-name"
+"""Kueue's own label: the set is submitted to this LocalQueue (decide/queue.py)."""
 ANNOTATION_ADOPTED: Final = f"{GROUP}/adopted-as"
 """On a standby pod a recovery adopted: the instance it took and the attempt it took it under
 (`role-index@attempt`)."""
@@ -651,6 +653,10 @@ class SetConditionType(StrEnum):
     SUSPENDED = "Suspended"
     DEGRADED = "Degraded"
     DEADLINE_SAVED = "DeadlineSaved"
+    QUOTA_PENDING = "QuotaPending"
+    """A Kueue-queued set waits for admission (decide/queue.py)."""
+    PREEMPTED = "Preempted"
+    """Kueue evicted the set's Workload (decide/queue.py)."""
 
 
 class ParticipantStatus(StatusModel):

@@ -126,6 +126,12 @@ ROLLOUT_SET = Kind(
             priority=1,
         ),
         PrinterColumn(
+            "Queue",
+            "string",
+            ".metadata.labels.kueue\\.x-k8s\\.io/queue-name",
+            "The Kueue LocalQueue the set is submitted to (label kueue.x-k8s.io/queue-name).",
+        ),
+        PrinterColumn(
             "Standby",
             "string",
             ".status.standby.shown",

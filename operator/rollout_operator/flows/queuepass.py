@@ -1,0 +1,226 @@
+"""A Kueue-queued RolloutSet, carried out against the API (`decide.queue` decides).
+
+`QueuePass.run(namespace, name)`: one look at a set labelled `kueue.x-k8s.io/queue-name` (a set
+without the label returns at once, untouched). It reads the set, its pods and its Workload from
+the watches (and, from the API server, for a Workload still to create, the WorkloadPriorityClass
+the set names; for an admitted one, its ResourceFlavors), lets `queue.decide` decide, and acts in
+an order that a crash between two steps leaves for the next pass to finish (the Workload is
+read from the operator's watch of Workloads, `cache.WORKLOADS`, like the set and its pods):
+
+1. the Workload is created (a deterministic name: a repeat gets "exists");
+2. `spec.suspend` (with the admitted placement) is patched on the set with a resourceVersion
+   precondition: holding a set, or starting and resuming it once Kueue admitted it, is the
+   policy's existing suspend and resume (checkpoint first, pods released; attempt + 1 after);
+3. the set's `QuotaPending` and `Preempted` conditions are written (only when they changed);
+4. an evicted Workload whose set released every pod has its quota reservation cleared, which
+   is what Kueue waits for before it requeues the Workload and gives the quota to the preemptor.
+
+A lost race (409) returns `again`; the set's loop then passes again at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from ..cluster.kube import ApiError, Conflict, Kube
+from ..decide.policy import ConditionChange, Note
+from ..decide.queue import (
+    ANNOTATION_PLACEMENT,
+    EXTERNAL_FRAMEWORK,
+    LABEL_PRIORITY_CLASS,
+    LABEL_QUEUE,
+    WORKLOAD_API_VERSION,
+    Flavor,
+    QueuePlan,
+    QueueSetView,
+    WorkloadView,
+    decide,
+    pods_left,
+    queue_of,
+    workload_manifest,
+    workload_name,
+)
+from ..decide.resources import set_selector
+from ..model.api import RolloutSet, SetConditionType
+from ..model.conditions import ConditionUpdate, merge_conditions, same_conditions
+
+logger = logging.getLogger(__name__)
+
+Clock = Callable[[], datetime]
+NoteSink = Callable[[RolloutSet, Note], Awaitable[None]]
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class QueueOutcome:
+    again: bool = False
+    """A write lost a race: look again at once."""
+    plan: QueuePlan | None = None
+
+
+class QueuePass:
+    """One look at one queued set (see the module docstring)."""
+
+    def __init__(
+        self,
+        kube: Kube,
+        *,
+        clock: Clock = _utcnow,
+        on_note: NoteSink | None = None,
+        wake_set: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self._kube = kube
+        self._clock = clock
+        self._on_note = on_note
+        self._wake_set = wake_set
+
+    async def run(self, namespace: str, name: str) -> QueueOutcome:
+        raw = await self._kube.get_set(namespace, name)
+        if raw is None or (raw.get("metadata") or {}).get("deletionTimestamp"):
+            return QueueOutcome()
+        try:
+            rset = RolloutSet.model_validate(raw)
+        except ValidationError:
+            return QueueOutcome()  # the reconciler reports an invalid spec (InvalidSpec)
+        if queue_of(rset) is None:
+            return QueueOutcome()
+        pods = await self._kube.list_pods(namespace, set_selector(name))
+        view = QueueSetView.from_set(rset, pods_left=pods_left(pods))
+        found = await self._kube.get_workload(namespace, name, workload_name(rset))
+        workload = WorkloadView.from_object(found) if found is not None else None
+        manifest: dict[str, Any] | None = None
+        missing: str | None = None
+        if workload is None:
+            priority: int | None = None
+            priority_class = rset.metadata.labels.get(LABEL_PRIORITY_CLASS)
+            if priority_class:
+                wpc = await self._kube.get_workload_priority_class(priority_class)
+                if wpc is None:
+                    missing = priority_class
+                else:
+                    priority = int(wpc.get("value") or 0)
+            manifest = workload_manifest(rset, priority)
+        flavors: dict[str, Flavor] = {}
+        if workload is not None and workload.admitted and workload.eviction is None:
+            for flavor in workload.flavor_names:
+                got = await self._kube.get_resource_flavor(flavor)
+                if got is not None:
+                    flavors[flavor] = Flavor.from_object(got)
+        plan = decide(
+            view,
+            workload,
+            manifest=manifest,
+            priority_class_missing=missing,
+            flavors=flavors,
+            now=self._clock(),
+        )
+        try:
+            await self._act(rset, plan)
+        except Conflict:
+            return QueueOutcome(again=True, plan=plan)
+        return QueueOutcome(plan=plan)
+
+    async def _act(self, rset: RolloutSet, plan: QueuePlan) -> None:
+        namespace, name = rset.metadata.namespace or "default", rset.metadata.name
+        if plan.create is not None:
+            try:
+                created = await self._kube.create_workload(namespace, plan.create)
+            except ApiError as error:
+                # The set stays held (`queue.queue_holds`); say why and what to do.
+                await self._write_conditions(
+                    rset, not_created(error), rset.metadata.resource_version
+                )
+                raise WorkloadNotCreated(str(error)) from error
+            if created:
+                logger.info(
+                    "set %s: created Workload %s in LocalQueue %s",
+                    name,
+                    plan.create["metadata"]["name"],
+                    queue_of(rset),
+                )
+        version = rset.metadata.resource_version
+        if plan.suspend is not None:
+            body: dict[str, Any] = {"spec": {"suspend": plan.suspend}}
+            if plan.placement is not None:
+                body["metadata"] = {"annotations": {ANNOTATION_PLACEMENT: plan.placement}}
+            patched = await self._kube.patch_set(namespace, name, body, resource_version=version)
+            version = (patched.get("metadata") or {}).get("resourceVersion") or version
+            logger.info(
+                "set %s: %s (Kueue)",
+                name,
+                "held: spec.suspend true" if plan.suspend else "admitted: spec.suspend false",
+            )
+            # The set's own pass creates the pods: wake it (a hold and a release that follow
+            # each other quickly may leave no spec change for Kopf to report).
+            if self._wake_set is not None:
+                self._wake_set(namespace, name)
+        await self._write_conditions(rset, plan, version)
+        if plan.release is not None:
+            workload = workload_name(rset)
+            await self._kube.patch_workload_status(namespace, workload, plan.release)
+            logger.info("set %s: quota of Workload %s handed back to Kueue", name, workload)
+        for note in plan.notes:
+            if self._on_note is not None:
+                await self._on_note(rset, note)
+
+    async def _write_conditions(
+        self, rset: RolloutSet, plan: QueuePlan, version: str | None
+    ) -> None:
+        updates = [
+            ConditionUpdate.of(c.type, c.status, c.reason, c.message) for c in plan.conditions
+        ]
+        if not updates:
+            return
+        current = rset.status.conditions
+        merged = merge_conditions(current, updates, observed_generation=rset.metadata.generation)
+        if same_conditions(_comparable(merged), _comparable(current)):
+            return
+        await self._kube.patch_set_status(
+            rset.metadata.namespace or "default",
+            rset.metadata.name,
+            {
+                "conditions": [
+                    c.model_dump(mode="json", by_alias=True, exclude_none=True) for c in merged
+                ]
+            },
+            resource_version=version,
+        )
+
+
+class WorkloadNotCreated(Exception):
+    """The API server refused the set's Workload (the set's condition says why); the loop
+    retries with its backoff."""
+
+
+def not_created(error: ApiError) -> QueuePlan:
+    """The `QuotaPending` condition of a set whose Workload the API server refused."""
+    if error.status == 404:
+        message = (
+            f"the Workload API ({WORKLOAD_API_VERSION}) is not served: install Kueue (with "
+            f"{EXTERNAL_FRAMEWORK} in integrations.externalFrameworks) or remove the label "
+            f"{LABEL_QUEUE}; the set creates no pods until then"
+        )
+        reason = "KueueNotInstalled"
+    else:
+        message = (
+            f"the API server refused the set's Workload ({error}); the set creates no pods "
+            "until it exists (the operator retries)"
+        )
+        reason = "WorkloadNotCreated"
+    return QueuePlan(
+        conditions=(ConditionChange(SetConditionType.QUOTA_PENDING.value, True, reason, message),)
+    )
+
+
+def _comparable(conditions: Sequence[Any]) -> list[Any]:
+    """Conditions without observedGeneration, so a spec change alone does not rewrite them."""
+    return [c.model_copy(update={"observed_generation": None}) for c in conditions]
