@@ -117,6 +117,9 @@ class Scenario:
     keep_release: bool = False
     """With `operator_image`: leave the Helm release installed at the end (`--keep`), so the
     operator pod goes on running the kept set; otherwise it is uninstalled."""
+    standby: dict[str, int] | None = None
+    """`spec.standby` of the set (e.g. {"model": 1}); the episodes start once every standby is
+    Ready too, so the kill's recovery can adopt one."""
 
 
 @dataclass
@@ -235,9 +238,10 @@ def _apply_example_set(cluster: Cluster, scenario: Scenario, storage_dir: Path, 
         "restorePolicy": scenario.restore_policy,
         "restoreTimeoutSeconds": int(120 + scenario.load_seconds),
     }
-    manifest = example_set(
-        storage_dir, extra_args={"model": model_args}, spec={"recovery": recovery}
-    )
+    spec: dict[str, Any] = {"recovery": recovery}
+    if scenario.standby:
+        spec["standby"] = dict(scenario.standby)
+    manifest = example_set(storage_dir, extra_args={"model": model_args}, spec=spec)
     kubectl_apply(cluster, scenario.namespace, manifest)
     say(
         f"applied examples/rolloutset.yaml (recovery.targetLevel {scenario.target_level}, "
@@ -245,6 +249,11 @@ def _apply_example_set(cluster: Cluster, scenario: Scenario, storage_dir: Path, 
         + (f", model load {scenario.load_seconds:g}s" if scenario.load_seconds else "")
         + ")"
     )
+
+
+def _ready_with_standbys(obj: dict[str, Any]) -> bool:
+    standby = (obj.get("status") or {}).get("standby") or {}
+    return is_true(obj, "Ready") and standby.get("ready") == standby.get("desired")
 
 
 def _delete_after(cluster: Cluster, scenario: Scenario) -> None:
@@ -263,7 +272,7 @@ async def _drive(
         resources = Resources(api, namespace)
         started = time.monotonic()
         ready = await resources.wait_set(
-            "Ready", lambda o: is_true(o, "Ready"), 90 + scenario.load_seconds
+            "Ready (and its standbys)", _ready_with_standbys, 90 + scenario.load_seconds
         )
         say(
             f"RolloutSet {SET_NAME} Ready in {time.monotonic() - started:.1f}s: "
