@@ -47,7 +47,7 @@ import os
 import re
 import stat
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -223,6 +223,12 @@ def remove_empty_dirs(directory: Path, *, below: Path) -> None:
 
 def _write_temp(directory: Path, content: bytes) -> Path:
     """Write `content` to a fresh temporary file in `directory` and fsync it."""
+    return _write_temp_with(directory, lambda fd: _write_all(fd, content))
+
+
+def _write_temp_with(directory: Path, write: Callable[[int], None]) -> Path:
+    """A fresh temporary file in `directory`, filled by `write(fd)` and fsynced; removed again
+    when the write fails."""
     temp = directory / f"{_TEMP_PREFIX}{uuid.uuid4().hex}"
     try:
         fd = _open_new(temp)
@@ -230,7 +236,7 @@ def _write_temp(directory: Path, content: bytes) -> Path:
         raise StorageError("cannot create", temp, error) from error
     try:
         try:
-            _write_all(fd, content)
+            write(fd)
             _fsync(fd)
         finally:
             os.close(fd)
@@ -259,21 +265,7 @@ def _write_lines(fd: int, lines: Sequence[bytes]) -> None:
 
 def _write_temp_lines(directory: Path, lines: Sequence[bytes]) -> Path:
     """`_write_temp` for a records file given as its lines."""
-    temp = directory / f"{_TEMP_PREFIX}{uuid.uuid4().hex}"
-    try:
-        fd = _open_new(temp)
-    except OSError as error:
-        raise StorageError("cannot create", temp, error) from error
-    try:
-        try:
-            _write_lines(fd, lines)
-            _fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError as error:
-        _discard(temp)
-        raise StorageError("cannot write", temp, error) from error
-    return temp
+    return _write_temp_with(directory, lambda fd: _write_lines(fd, lines))
 
 
 def _discard(path: Path) -> None:
