@@ -161,6 +161,7 @@ class AdventureDriver:
         model.process.wait(timeout=STOP_TIMEOUT_S)
 
     async def restart(self, attempt: int) -> None:
+        self.stop()  # never leave an earlier pair running behind the new one
         self.model = ServerProcess.start(self.root, Role.MODEL, "--debug-hooks", attempt=attempt)
         self.env = Environment(self.root, self.model.url, attempt)
         if self.first_attempt is None:
