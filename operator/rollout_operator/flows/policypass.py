@@ -38,15 +38,9 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any, Final
 
 from pydantic import ValidationError
-from rollout_protocol import (
-    Removal,
-    StorageError,
-    remove_checkpoint_files,
-)
 
 from ..cluster.kube import ApiError, Conflict, Kube
 from ..cluster.storage import StorageLocator
@@ -62,7 +56,7 @@ from ..decide.policy import (
     eviction_decision,
     plan,
 )
-from ..decide.resources import owner_reference, set_dir, set_selector
+from ..decide.resources import owner_reference, set_selector
 from ..model.api import (
     API_VERSION,
     GROUP,
@@ -74,7 +68,7 @@ from ..model.api import (
     RolloutSet,
 )
 from ..model.conditions import ConditionUpdate, merge_conditions, same_conditions
-from .records import RecordsRemover, RemovalPending
+from .records import RecordsRemover, RemovalPending, remove_here
 from .repairs import parse_creation, records_proven, repair_failed_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -96,24 +90,6 @@ Clock = Callable[[], datetime]
 
 def _utcnow() -> datetime:
     return datetime.now(UTC)
-
-
-def remove_records(root: Path, rset: RolloutSet, checkpoint: str) -> Removal:
-    """Remove one checkpoint's records from the set's own directory (see the module docstring)."""
-    return remove_checkpoint_files(root, set_dir(rset), checkpoint)
-
-
-def kept_message(what: str, removal: Removal, root: Path) -> str | None:
-    """Words for what a removal left in place, or None when it left nothing."""
-    if not removal.kept:
-        return None
-    shown = ", ".join(str(path.relative_to(root)) for path in removal.kept[:5])
-    more = f" and {len(removal.kept) - 5} more" if len(removal.kept) > 5 else ""
-    return (
-        f"{what}: left in place on the volume, not written by the operator's participants "
-        f"(a file someone added, a symlink or a special file): {shown}{more}; "
-        "remove them by hand if they are not needed"
-    )
 
 
 # --- API calls ----------------------------------------------------------------------------------
@@ -334,22 +310,11 @@ class PolicyPass:
                 ),
             )
             return
-        try:
-            removal = remove_records(root, rset, checkpoint)
-        except (StorageError, ValueError) as error:
-            await self._note(
-                rset, Note("RecordsNotRemoved", f"failed checkpoint {checkpoint}: {error}", True)
-            )
-            return
-        if removal.found:
-            logger.info(
-                "set %s: removed the records of failed checkpoint %s",
-                rset.metadata.name,
-                checkpoint,
-            )
-        kept = kept_message(f"failed checkpoint {checkpoint}", removal, root)
-        if kept is not None:
-            await self._note(rset, Note("RecordsNotRemoved", kept, True))
+        removal = await remove_here(root, rset, [checkpoint])
+        if removal.removed:
+            logger.info("set %s: failed checkpoint: %s", rset.metadata.name, removal.outcome)
+        if removal.not_removed is not None:
+            await self._note(rset, Note("RecordsNotRemoved", removal.not_removed, True))
 
 
 def _comparable(conditions: Sequence[Any]) -> list[Any]:

@@ -83,6 +83,8 @@ class RecordsRemoval:
 
     outcome: str
     not_removed: str | None = None
+    removed: bool = False
+    """Something was there and removed (a removal of what was absent is quiet in the log)."""
 
 
 class RecordsRemover:
@@ -104,7 +106,7 @@ class RecordsRemover:
         namespace = rset.metadata.namespace or "default"
         root = self._locator.root(namespace, rset.spec.storage)
         if root is not None:
-            return await self._here(root, rset, scope, what)
+            return await remove_here(root, rset, scope)
         answered = await self._through_participants(rset, scope, what)
         if answered is not None:
             return answered
@@ -119,18 +121,6 @@ class RecordsRemover:
         return RecordsRemoval(message, not_removed=message)
 
     # --- the three ways ---------------------------------------------------------------------------
-
-    async def _here(
-        self, root: Path, rset: RolloutSet, scope: tuple[str, ...] | None, what: str
-    ) -> RecordsRemoval:
-        try:
-            reply = await anyio.to_thread.run_sync(
-                lambda: remove_records(root, set_dir(rset), scope or (), whole_set=scope is None)
-            )
-        except (StorageError, ValueError) as error:
-            message = f"{what} not removed: {error}"
-            return RecordsRemoval(message, not_removed=message)
-        return _summary(what, reply, "by the operator")
 
     async def _through_participants(
         self, rset: RolloutSet, scope: tuple[str, ...] | None, what: str
@@ -207,6 +197,23 @@ class RecordsRemover:
         raise RemovalPending(f"cleanup pod {name} is {status.get('phase') or 'Pending'}")
 
 
+async def remove_here(root: Path, rset: RolloutSet, scope: Sequence[str] | None) -> RecordsRemoval:
+    """Remove records on a volume this process sees at `root` (a worker thread does the I/O):
+    these checkpoints', or (None) every record of the set and its folder."""
+    checkpoints = None if scope is None else tuple(dict.fromkeys(scope))
+    what = _what(rset, checkpoints)
+    try:
+        reply = await anyio.to_thread.run_sync(
+            lambda: remove_records(
+                root, set_dir(rset), checkpoints or (), whole_set=checkpoints is None
+            )
+        )
+    except (StorageError, ValueError) as error:
+        message = f"{what} not removed: {error}"
+        return RecordsRemoval(message, not_removed=message)
+    return _summary(what, reply, "by the operator")
+
+
 # --- pure helpers ---------------------------------------------------------------------------------
 
 
@@ -269,7 +276,7 @@ def _summary(what: str, reply: RemoveReply, how: str) -> RecordsRemoval:
         )
     outcome = f"{what}: {'; '.join(parts) or 'nothing to remove'}"
     if not reply.kept_count:
-        return RecordsRemoval(outcome)
+        return RecordsRemoval(outcome, removed=bool(reply.removed))
     more = (
         f" and {reply.kept_count - len(reply.kept)} more"
         if reply.kept_count > len(reply.kept)
@@ -280,7 +287,7 @@ def _summary(what: str, reply: RemoveReply, how: str) -> RecordsRemoval:
         f"(a file someone added, a symlink or a special file): {', '.join(reply.kept)}{more}; "
         "remove them by hand if they are not needed"
     )
-    return RecordsRemoval(f"{outcome}; {kept}", not_removed=kept)
+    return RecordsRemoval(f"{outcome}; {kept}", not_removed=kept, removed=bool(reply.removed))
 
 
 def _pod_result(pod: Mapping[str, Any]) -> tuple[RemoveReply | None, str]:
