@@ -8,6 +8,7 @@ tests to what they check.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from harness.helm import CHART, FULLNAME, RELEASE, helm, helm_install_operator
@@ -39,3 +40,21 @@ def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
         if item["type"] == type_:
             return dict(item)
     return {}
+
+
+def evict(cluster: ContainerClusterProvider, namespace: str, pod: str) -> None:
+    """Evict a pod through the Eviction API, as `kubectl drain` does."""
+    eviction = {
+        "apiVersion": "policy/v1",
+        "kind": "Eviction",
+        "metadata": {"name": pod, "namespace": namespace},
+    }
+    path = f"/api/v1/namespaces/{namespace}/pods/{pod}/eviction"
+    cluster.kubectl("create", "--raw", path, "-f", "-", input=json.dumps(eviction))
+
+
+def collected(out: Path) -> list[dict[str, Any]]:
+    """The episode results `rollout-collect --out` wrote so far (one JSON object a line)."""
+    if not out.exists():
+        return []
+    return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]

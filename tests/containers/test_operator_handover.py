@@ -20,7 +20,6 @@ resumed and every episode finished.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from container_support import CHART, RELEASE, condition, get_json, helm, kubectl_apply
+from container_support import CHART, RELEASE, condition, evict, get_json, helm, kubectl_apply
 from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
 from rollout_servers.discovery import rollout_set_topology
 from testsupport.operator_fixtures import Debug, participants_by_role, phases, wait_phase
@@ -130,17 +129,6 @@ async def held_episodes(
         group.start_soon(run)
         await held.hooks.paused("tool", held.rollout_id)
         yield held
-
-
-def evict(cluster: ContainerClusterProvider, namespace: str, pod: str) -> None:
-    """Evict a pod through the Eviction API, as `kubectl drain` does."""
-    eviction = {
-        "apiVersion": "policy/v1",
-        "kind": "Eviction",
-        "metadata": {"name": pod, "namespace": namespace},
-    }
-    path = f"/api/v1/namespaces/{namespace}/pods/{pod}/eviction"
-    cluster.kubectl("create", "--raw", path, "-f", "-", input=json.dumps(eviction))
 
 
 async def test_helm_upgrade_while_a_checkpoint_prepares_hands_it_to_the_new_operator_pod(

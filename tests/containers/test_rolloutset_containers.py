@@ -20,8 +20,10 @@ from typing import Any
 
 import pytest
 from container_support import (
+    collected,
     condition,
     describe_pods,
+    evict,
     get_json,
     kubectl_apply,
 )
@@ -55,12 +57,6 @@ def set_is_ready(
     if latest is not None and status.get("latestCheckpoint") != latest:
         return False
     return status.get("attempt") == attempt and condition(obj, "Ready").get("status") == "True"
-
-
-def results(out: Path) -> list[dict[str, Any]]:
-    if not out.exists():
-        return []
-    return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
 
 
 def test_the_example_set_runs_as_containers_and_recovers_a_killed_model_and_an_eviction(
@@ -118,7 +114,7 @@ def test_the_example_set_runs_as_containers_and_recovers_a_killed_model_and_an_e
         text=True,
     )
     try:
-        wait_for_sync(lambda: len(results(out)) >= 1, 180, "the first finished episode")
+        wait_for_sync(lambda: len(collected(out)) >= 1, 180, "the first finished episode")
 
         # A manual checkpoint while episodes run.
         kubectl_apply(cluster, namespace, example_checkpoint("math-rl-manual-1"))
@@ -134,7 +130,7 @@ def test_the_example_set_runs_as_containers_and_recovers_a_killed_model_and_an_e
             "the manual RolloutCheckpoint Ready",
         )
         ckpt = get_json(cluster, "rolloutcheckpoint", "math-rl-manual-1", "-n", namespace)
-        finished_before_kill = len(results(out))
+        finished_before_kill = len(collected(out))
         assert finished_before_kill < EPISODES, "every episode finished before the kill"
 
         # SIGKILL inside the model container; the kubelet reports it, the operator recovers.
@@ -152,7 +148,7 @@ def test_the_example_set_runs_as_containers_and_recovers_a_killed_model_and_an_e
             collect.kill()
             collect.wait()
 
-    done = results(out)
+    done = collected(out)
     ids = [item["rollout_id"] for item in done]
     assert len(ids) == EPISODES, output[-2000:]
     assert len(set(ids)) == EPISODES, "an episode finished twice"
@@ -178,19 +174,7 @@ def evict_and_recover(cluster: ContainerClusterProvider, namespace: str, pod: st
     """An eviction through the Eviction API: the kubelet delivers SIGTERM (the server turns
     unready, its control plane stays up), the eviction checkpoint completes before the pod's
     grace period ends, and the set recovers under attempt 3 from it."""
-    eviction = {
-        "apiVersion": "policy/v1",
-        "kind": "Eviction",
-        "metadata": {"name": pod, "namespace": namespace},
-    }
-    cluster.kubectl(
-        "create",
-        "--raw",
-        f"/api/v1/namespaces/{namespace}/pods/{pod}/eviction",
-        "-f",
-        "-",
-        input=json.dumps(eviction),
-    )
+    evict(cluster, namespace, pod)
     terminating = get_json(cluster, "pod", pod, "-n", namespace)
     killed_at = terminating["metadata"]["deletionTimestamp"]
     assert terminating["metadata"]["deletionGracePeriodSeconds"] >= 3

@@ -10,7 +10,6 @@ starts under attempt 2; SIGKILLed while idle, it is replaced with no recovery.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from container_support import condition, describe_pods, get_json, kubectl_apply
+from container_support import collected, condition, describe_pods, get_json, kubectl_apply
 
 from devcluster.waiting import wait_for_sync
 from harness.objects import example_checkpoint, example_set
@@ -29,12 +28,6 @@ pytestmark = pytest.mark.timeout(900)
 SET = "math-rl"
 EPISODES = 24
 CONCURRENCY = 8
-
-
-def results(out: Path) -> list[dict[str, Any]]:
-    if not out.exists():
-        return []
-    return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
 
 
 def test_a_killed_model_container_resumes_in_the_adopted_model_standby(
@@ -85,7 +78,7 @@ def test_a_killed_model_container_resumes_in_the_adopted_model_standby(
         text=True,
     )
     try:
-        wait_for_sync(lambda: len(results(out)) >= 1, 180, "the first finished episode")
+        wait_for_sync(lambda: len(collected(out)) >= 1, 180, "the first finished episode")
         kubectl_apply(cluster, namespace, example_checkpoint("before-kill"))
         wait_for_sync(
             lambda: (
@@ -106,7 +99,7 @@ def test_a_killed_model_container_resumes_in_the_adopted_model_standby(
             collect.kill()
             collect.wait()
 
-    ids = [item["rollout_id"] for item in results(out)]
+    ids = [item["rollout_id"] for item in collected(out)]
     assert len(ids) == EPISODES, output[-2000:]
     assert len(set(ids)) == EPISODES, "an episode finished twice"
     after = rset()
