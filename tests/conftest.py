@@ -16,6 +16,11 @@ The devcluster fixtures live here rather than in `e2e/conftest.py` because two f
   refused before it exists); its pods are force-deleted and the namespace deleted afterwards.
   Set `ROLLOUT_E2E_KEEP_NAMESPACES=1` to keep them for debugging.
 
+`make test` runs the suite on two pytest-xdist workers: each worker is a session of its own and
+starts its own process-node devcluster when a test first asks for one (devcluster reserves pod
+IP ranges and ports machine-wide, so two run side by side), and the tests that need the container
+node are one xdist group, so only one worker ever starts it.
+
 Fixtures that more than one folder uses and that are not about the cluster itself are plugins in
 the `testsupport` package, registered here by `pytest_plugins` (pytest reads it only in this,
 the root conftest): `testsupport.operator_fixtures` (`operator`, `storage_dir`, `resources`, for
@@ -46,12 +51,22 @@ _MARK_BY_FOLDER = {
 }
 
 
+CONTAINER_NODE_GROUP = "container-node"
+"""The xdist group of every test that starts or uses a container node: one machine holds one
+(its kube-proxy and kubelet bind fixed ports), so `make test`'s workers (`-n 2 --dist loadgroup`)
+run these on one worker, one after another, while the other takes the rest."""
+
+_CONTAINER_NODE_FILES = {"test_container_node.py"}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        folder = Path(str(item.fspath)).parent.name
-        mark = _MARK_BY_FOLDER.get(folder)
+        path = Path(str(item.fspath))
+        mark = _MARK_BY_FOLDER.get(path.parent.name)
         if mark is not None:
             item.add_marker(mark)
+        if path.parent.name == "containers" or path.name in _CONTAINER_NODE_FILES:
+            item.add_marker(pytest.mark.xdist_group(CONTAINER_NODE_GROUP))
 
 
 @pytest.fixture(scope="session")
