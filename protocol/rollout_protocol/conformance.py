@@ -452,9 +452,7 @@ def _example_body(
     assert model is not None
     body: dict[str, Any] = {}
     for name, info in model.model_fields.items():
-        if name in _GYM_ID_FIELDS:
-            body[name] = ident
-        elif name in _ID_FIELDS:
+        if name in _GYM_ID_FIELDS or name in _ID_FIELDS:
             body[name] = ident
         elif name == "checkpoint_ids":
             body[name] = [ident]
