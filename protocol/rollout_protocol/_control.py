@@ -1372,7 +1372,7 @@ class ControlPlane:
                     codec = gym.codec(route)
                     endpoint = self._gym_endpoint(route, codec, handler)
                     reply_model = codec.reply
-                    responses = {}
+                    responses = gym.error_responses(route.errors)
                     body_schema = _request_body_schema(codec.request)
                 router.add_api_route(
                     path,

@@ -23,7 +23,7 @@ the other dialect raises `Unmappable`, which each side answers with `unsupported
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any, Literal
@@ -299,6 +299,18 @@ def gym_error(code: ErrorCode, detail: str) -> tuple[int, GymErrorBody]:
     name = GYM_ERROR_CODES.get(code)
     status = GYM_CONFLICT_STATUS if name is not None else HTTP_STATUS[code]
     return status, GymErrorBody(error=GymErrorDetail(code=name or code.value, message=detail))
+
+
+def error_responses(codes: Iterable[ErrorCode]) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` entries (FastAPI's form) of a Gym route that may answer `codes`."""
+    statuses: dict[int, set[str]] = {}
+    for code in codes:
+        status, body = gym_error(code, "")
+        statuses.setdefault(status, set()).add(body.error.code)
+    return {
+        status: {"model": GymErrorBody, "description": "error codes: " + ", ".join(sorted(names))}
+        for status, names in sorted(statuses.items())
+    }
 
 
 def our_error(body: GymErrorBody) -> tuple[ErrorCode, str]:

@@ -51,6 +51,9 @@ or, against a process: `Target("http://127.0.0.1:8080", Role.ENVIRONMENT, token=
 the participant with a short `ROLLOUT_LEASE_GRACE_SECONDS` (one second) and pass the same value
 as `lease_grace_seconds`: the lease check waits for the lapse (polling `/status` with a deadline).
 
+Each `Target` names the control dialect the kit speaks to it (`dialect=`, ours by default, or
+`Dialect.GYM` for a participant that mounts NeMo Gym's): every rule is checked through it.
+
 Every failure is a `ConformanceError` naming the rule, who is at fault (the participant unless
 it says the driver) and, where the kit knows, what to change. This module imports nothing beyond
 the contract's own dependencies, uvicorn (which serves in-process apps) and aiohttp (the

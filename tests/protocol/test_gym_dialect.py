@@ -432,3 +432,19 @@ async def test_a_remembered_dialect_is_probed_again_when_its_routes_are_gone(
             with pytest.raises(ParticipantError) as missing:
                 await fixed.status(time.time() + 5)
             assert (missing.value.code, missing.value.status_code) == (ErrorCode.INTERNAL, 404)
+
+
+def test_both_dialects_are_published_from_the_one_route_table(tmp_path: Path) -> None:
+    app = FastAPI()
+    _plane(tmp_path, (Dialect.ROLLOUT, Dialect.GYM)).install(app)
+    paths = app.openapi()["paths"]
+    for route in ROUTES:
+        for dialect in Dialect:
+            path = route.path_in(dialect)
+            if path is not None:
+                assert route.method.lower() in paths[path], path
+    assert "/ng-control/v1/capabilities" in paths
+    prepare = paths["/ng-control/v1/checkpoint/prepare"]["post"]["responses"]
+    assert "checkpoint_conflict" in prepare["409"]["description"]
+    assert "stale_checkpoint" in prepare["409"]["description"]
+    assert "410" not in prepare  # Gym says stale with 409
