@@ -87,7 +87,7 @@ from . import _gym as gym
 from . import _storage as storage
 from ._client import HttpParticipantClient, ParticipantError, _default_session
 from ._coordinator import CommitOutcome, Coordinator
-from ._routes import ROUTES, Dialect, Route
+from ._routes import GYM_CAPABILITIES_PATH, ROUTES, Dialect, Route
 from ._wire import (
     CommitRequest,
     ErrorBody,
@@ -569,6 +569,20 @@ async def check_auth(target: Target, *, call_timeout_s: float = 10.0) -> None:
                     content=content,
                     status=401,
                     code=ErrorCode.UNAUTHORIZED,
+                )
+        if dialect is Dialect.GYM:
+            # Gym's capabilities say what the participant takes part in: behind the token too
+            url = conn.url(GYM_CAPABILITIES_PATH)
+            for what, headers in (("without a token", {}), ("with a wrong token", wrong)):
+                response = await conn.http.get(url, headers=headers, timeout=call_timeout_s)
+                refusal = _refusal(response, dialect)
+                _expect(
+                    AUTH,
+                    response.status_code == 401
+                    and refusal is not None
+                    and refusal[0] == ErrorCode.UNAUTHORIZED.value,
+                    f"GET {GYM_CAPABILITIES_PATH} {what} must answer 401 unauthorized",
+                    _describe(response),
                 )
 
 

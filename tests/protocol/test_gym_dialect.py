@@ -25,6 +25,7 @@ from rollout_protocol import (
     API_PREFIX,
     ROUTES,
     CommitRequest,
+    ControlConfigError,
     ControlPlane,
     ControlSettings,
     Coordinator,
@@ -448,3 +449,17 @@ def test_both_dialects_are_published_from_the_one_route_table(tmp_path: Path) ->
     assert "checkpoint_conflict" in prepare["409"]["description"]
     assert "stale_checkpoint" in prepare["409"]["description"]
     assert "410" not in prepare  # Gym says stale with 409
+
+
+def test_the_dialects_come_from_the_pod_environment() -> None:
+    env = {"ROLLOUT_CONTROL_TOKEN": "t"}
+    assert ControlSettings.from_env(Role.MODEL, environ=env).dialects == (Dialect.ROLLOUT,)
+    both = {**env, "ROLLOUT_CONTROL_DIALECTS": "gym, rollout"}
+    assert ControlSettings.from_env(Role.MODEL, environ=both).dialects == (
+        Dialect.GYM,
+        Dialect.ROLLOUT,
+    )
+    with pytest.raises(ControlConfigError, match="ROLLOUT_CONTROL_DIALECTS"):
+        ControlSettings.from_env(Role.MODEL, environ={**env, "ROLLOUT_CONTROL_DIALECTS": "grpc"})
+    with pytest.raises(ControlConfigError, match="at least one"):
+        ControlSettings(Role.MODEL, token="t", dialects=())
