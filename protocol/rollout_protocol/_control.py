@@ -1,4 +1,5 @@
-"""The checkpoint control plane every rollout server mounts under `/checkpoint/v1`.
+"""The checkpoint control plane every rollout server mounts under `/checkpoint/v1` (and, where
+its settings say so, in NeMo Gym's dialect under `/ng-control/v1`, mapped by `_gym`).
 
 It owns everything that must behave the same in every server: authentication, the phase
 machine, reply replay, the lease and its watchdog, storage, and retire marks. A server only
@@ -1370,7 +1371,7 @@ class ControlPlane:
                     body_schema = _request_body_schema(route.request)
                 else:
                     codec = gym.codec(route)
-                    endpoint = self._gym_endpoint(route, codec, handler)
+                    endpoint = self._gym_endpoint(codec, handler)
                     reply_model = codec.reply
                     responses = gym.error_responses(route.errors)
                     body_schema = _request_body_schema(codec.request)
@@ -1409,10 +1410,7 @@ class ControlPlane:
         return endpoint
 
     def _gym_endpoint(
-        self,
-        route: Route[Any, Any],
-        codec: gym.GymCodec,
-        handler: Callable[[Any], Awaitable[BaseModel]],
+        self, codec: gym.GymCodec, handler: Callable[[Any], Awaitable[BaseModel]]
     ) -> Callable[[Request], Awaitable[Response]]:
         """The Gym form of a route: Gym's body mapped to ours, the same handler, our reply
         mapped to Gym's; every refusal answered with Gym's error body and code."""
