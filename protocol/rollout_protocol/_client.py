@@ -341,10 +341,8 @@ class HttpParticipantClient:
         if dialect is None:
             url = f"{self._base_url}{GYM_CAPABILITIES_PATH}"
             status, body, charset = await self._send("GET", url, None, self._headers, deadline_ts)
-            if status == 404:
-                dialect = (
-                    Dialect.ROLLOUT
-                )  # no Gym capabilities: ours (or a participant before them)
+            if status == 404:  # no Gym capabilities: ours (or a participant from before them)
+                dialect = Dialect.ROLLOUT
             elif 200 <= status < 300:
                 try:
                     capabilities = gym.GymCapabilities.model_validate_json(body)
