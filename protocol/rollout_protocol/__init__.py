@@ -67,6 +67,7 @@ from ._routes import (
     RETIRE,
     ROUTES,
     STATUS,
+    Dialect,
     Route,
 )
 from ._storage import (
@@ -157,6 +158,7 @@ __all__ = [
     "ControlPlane",
     "ControlSettings",
     "Coordinator",
+    "Dialect",
     "EncodedRecord",
     "Episode",
     "EpisodeCancelled",

@@ -7,6 +7,14 @@ It sends them with aiohttp: about a third of the client CPU per call that httpx 
 aiohttp is imported when an `HttpParticipantClient` first sends (the `client` extra of the
 `rollout-protocol` distribution): a participant never calls another's control plane, so a server
 built on the SDK does not need it.
+
+A client speaks one of two dialects (`Dialect`): ours, or NeMo Gym's (`_gym.py` maps each route's
+request and reply). Unless it is told which, it reads the participant's capabilities
+(`GET /ng-control/v1/capabilities`) before its first call: no such route is ours, a Gym
+participant's announcement is Gym's unless it also lists ours. The answer is remembered per base
+URL for the life of the process (`_DIALECTS`), so a coordinator that makes new clients for each
+checkpoint probes a pod once; a remembered dialect whose route turns out to be missing (a new pod
+at the same address) is probed again once.
 """
 
 from __future__ import annotations
@@ -15,14 +23,17 @@ import functools
 import math
 import ssl
 import time
+from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
+from . import _gym as gym
 from ._routes import (
     COMMIT,
     FORGET,
+    GYM_CAPABILITIES_PATH,
     PREPARE,
     REMOVE,
     RENEW,
@@ -30,6 +41,7 @@ from ._routes import (
     RESUME,
     RETIRE,
     STATUS,
+    Dialect,
     ReplyT,
     RequestT,
     Route,
@@ -130,6 +142,27 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     )
 
 
+_REMEMBERED_DIALECTS = 65_536
+_DIALECTS: OrderedDict[str, Dialect] = OrderedDict()
+"""The dialect each participant base URL announced (oldest forgotten first)."""
+
+
+def _remember_dialect(base_url: str, dialect: Dialect) -> None:
+    _DIALECTS[base_url] = dialect
+    _DIALECTS.move_to_end(base_url)
+    while len(_DIALECTS) > _REMEMBERED_DIALECTS:
+        _DIALECTS.popitem(last=False)
+
+
+class _RouteMissing(Exception):
+    """A 404 without a protocol error body: the participant has no such route (in the dialect
+    spoken), so the dialect remembered for its address may be out of date."""
+
+    def __init__(self, error: ParticipantError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 _NO_AIOHTTP = (
     "HttpParticipantClient (and the conformance kit) need aiohttp: "
     "pip install 'rollout-protocol[client]' (or '[kit]')"
@@ -194,8 +227,11 @@ class HttpParticipantClient:
         client: aiohttp.ClientSession | None = None,
         clock: Callable[[], float] = time.time,
         reply_margin_seconds: float = 5.0,
+        dialect: Dialect | None = None,
     ) -> None:
         self._role = Role(role)
+        self._fixed_dialect = None if dialect is None else Dialect(dialect)
+        self._dialect = self._fixed_dialect
         self._instance = f"{self._role.value}-{index}"
         self._base_url = base_url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
@@ -217,6 +253,12 @@ class HttpParticipantClient:
     @property
     def base_url(self) -> str:
         return self._base_url
+
+    @property
+    def dialect(self) -> Dialect | None:
+        """The dialect this client speaks: the one it was given, or the one the participant
+        announced (None until the first call reads it)."""
+        return self._dialect
 
     async def aclose(self) -> None:
         """Close the session this client made (a caller's session is left open). Closing is not
@@ -276,14 +318,119 @@ class HttpParticipantClient:
     async def call(
         self, route: Route[RequestT, ReplyT], request: RequestT, deadline_ts: float
     ) -> ReplyT:
-        """Send `request` through `route`, retrying transport failures until `deadline_ts`."""
-        session = self._session_now()
+        """Send `request` through `route` in the participant's dialect, retrying transport
+        failures until `deadline_ts`."""
+        for probe in (False, True):
+            dialect = self._dialect
+            if dialect is None:
+                dialect = await self._negotiate(deadline_ts)
+            try:
+                if dialect is Dialect.ROLLOUT:
+                    return await self._call_rollout(route, request, deadline_ts)
+                return await self._call_gym(route, request, deadline_ts)
+            except _RouteMissing as missing:
+                if self._fixed_dialect is not None or probe:
+                    raise missing.error from None
+                _DIALECTS.pop(self._base_url, None)
+                self._dialect = None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _negotiate(self, deadline_ts: float) -> Dialect:
+        """Read the participant's capabilities (or the dialect its address announced before)."""
+        dialect = _DIALECTS.get(self._base_url)
+        if dialect is None:
+            url = f"{self._base_url}{GYM_CAPABILITIES_PATH}"
+            status, body, charset = await self._send("GET", url, None, self._headers, deadline_ts)
+            if status == 404:  # no Gym capabilities: ours (or a participant from before them)
+                dialect = Dialect.ROLLOUT
+            elif 200 <= status < 300:
+                try:
+                    capabilities = gym.GymCapabilities.model_validate_json(body)
+                except ValueError as error:
+                    raise ParticipantError(
+                        ErrorCode.INTERNAL,
+                        f"unexpected capabilities from {url}: {error}",
+                        self._instance,
+                        status,
+                    ) from error
+                if Dialect.ROLLOUT.value in capabilities.dialects:
+                    dialect = Dialect.ROLLOUT
+                elif capabilities.checkpoint:
+                    dialect = Dialect.GYM
+                else:
+                    raise ParticipantError(
+                        ErrorCode.UNSUPPORTED,
+                        f"{url} announces no checkpoint capability: this server cannot be a "
+                        "checkpoint participant",
+                        self._instance,
+                        status,
+                    )
+            else:
+                raise self._gym_error(status, body, charset, url)
+            _remember_dialect(self._base_url, dialect)
+        self._dialect = dialect
+        return dialect
+
+    async def _call_rollout(
+        self, route: Route[RequestT, ReplyT], request: RequestT, deadline_ts: float
+    ) -> ReplyT:
         url = f"{self._base_url}{route.url_path}"
         # None is every request field's default: leaving it out means the same, and keeps a
         # field added later (`PrepareRequest.rollout_ids`) out of the way of a participant
         # that predates it (request models refuse unknown fields)
         content = None if request is None else request.model_dump_json(exclude_none=True).encode()
         headers = self._headers if content is None else self._json_headers
+        status, body, charset = await self._send(route.method, url, content, headers, deadline_ts)
+        return self._decode(status, body, charset, url, route.reply)
+
+    async def _call_gym(
+        self, route: Route[RequestT, ReplyT], request: RequestT, deadline_ts: float
+    ) -> ReplyT:
+        path = route.path_in(Dialect.GYM)
+        if path is None:
+            raise ParticipantError(
+                ErrorCode.UNSUPPORTED,
+                f"{route.name}: the NeMo Gym dialect this participant speaks has no such operation",
+                self._instance,
+            )
+        codec = gym.codec(route)
+        attempt = None
+        if isinstance(request, CommitRequest) and request.rollout_ids is not None:
+            attempt = (await self.status(deadline_ts)).attempt  # Gym scopes name episodes
+        side = gym.ClientSide(self._role, self._instance, attempt)
+        try:
+            sent = codec.to_gym_request(request, side)
+        except gym.Unmappable as error:
+            raise ParticipantError(ErrorCode.UNSUPPORTED, str(error), self._instance) from None
+        content = None if sent is None else sent.model_dump_json(exclude_none=True).encode()
+        headers = self._headers if content is None else self._json_headers
+        url = f"{self._base_url}{path}"
+        status, body, charset = await self._send(route.method, url, content, headers, deadline_ts)
+        if not 200 <= status < 300:
+            raise self._gym_error(status, body, charset, url)
+        try:
+            reply: Any = codec.to_ours_reply(codec.reply.model_validate_json(body), request, side)
+        except ValueError as error:  # a pydantic ValidationError or `Unmappable`
+            raise ParticipantError(
+                ErrorCode.INTERNAL,
+                f"unexpected {codec.reply.__name__} from {url}: {error}",
+                self._instance,
+                status,
+            ) from error
+        result: ReplyT = reply
+        return result
+
+    async def _send(
+        self,
+        method: str,
+        url: str,
+        content: bytes | None,
+        headers: dict[str, str],
+        deadline_ts: float,
+    ) -> tuple[int, bytes, str | None]:
+        """One request, transport failures retried with backoff until `deadline_ts`: the
+        reply's status, body and charset."""
+        session = self._session_now()
         give_up = deadline_ts + self._margin
         backoff = 0.05
         import aiohttp  # installed: the session above is aiohttp's
@@ -296,7 +443,7 @@ class HttpParticipantClient:
             )
             try:
                 async with session.request(
-                    route.method,
+                    method,
                     url,
                     data=content,
                     headers=headers,
@@ -309,48 +456,65 @@ class HttpParticipantClient:
                 if isinstance(error, TimeoutError):
                     raise ParticipantError(
                         ErrorCode.UNRESPONSIVE,
-                        f"{route.method} {url} got no answer by its deadline: "
+                        f"{method} {url} got no answer by its deadline: "
                         f"{type(error).__name__}: {error}",
                         self._instance,
                     ) from error
                 if left <= 0:
                     raise ParticipantError(
                         ErrorCode.UNREACHABLE,
-                        f"{route.method} {url} failed by its deadline: "
-                        f"{type(error).__name__}: {error}",
+                        f"{method} {url} failed by its deadline: {type(error).__name__}: {error}",
                         self._instance,
                     ) from error
                 await anyio.sleep(min(backoff, left))
                 backoff = min(backoff * 2, 1.0)
                 continue
-            return self._decode(response, body, route.reply)
+            return response.status, body, response.charset
 
     def _decode(
-        self, response: aiohttp.ClientResponse, body: bytes, reply_model: type[ReplyT]
+        self, status: int, body: bytes, charset: str | None, url: str, reply_model: type[ReplyT]
     ) -> ReplyT:
-        status = response.status
         if 200 <= status < 300:
             try:
                 return reply_model.model_validate_json(body)
             except ValueError as error:
                 raise ParticipantError(
                     ErrorCode.INTERNAL,
-                    f"unexpected {reply_model.__name__} from {response.url}: {error}",
+                    f"unexpected {reply_model.__name__} from {url}: {error}",
                     self._instance,
                     status,
                 ) from error
         try:
             error_body = ErrorBody.model_validate_json(body)
         except ValueError:
-            raise ParticipantError(
+            refused = ParticipantError(
                 ErrorCode.INTERNAL,
-                f"HTTP {status} from {response.url}: {_text(body, response.charset)[:300]}",
+                f"HTTP {status} from {url}: {_text(body, charset)[:300]}",
                 self._instance,
                 status,
-            ) from None
+            )
+            if status == 404:
+                raise _RouteMissing(refused) from None
+            raise refused from None
         raise ParticipantError(
             error_body.error.code, error_body.error.detail, self._instance, status
         )
+
+    def _gym_error(
+        self, status: int, body: bytes, charset: str | None, url: str
+    ) -> ParticipantError | _RouteMissing:
+        """The error a non-2xx Gym reply stands for (our codes, `_gym.our_error`)."""
+        try:
+            code, detail = gym.our_error(gym.GymErrorBody.model_validate_json(body))
+        except ValueError:
+            error = ParticipantError(
+                ErrorCode.INTERNAL,
+                f"HTTP {status} from {url}: {_text(body, charset)[:300]}",
+                self._instance,
+                status,
+            )
+            return _RouteMissing(error) if status == 404 else error
+        return ParticipantError(code, detail, self._instance, status)
 
 
 def _text(body: bytes, charset: str | None) -> str:

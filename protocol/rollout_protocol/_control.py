@@ -1,4 +1,5 @@
-"""The checkpoint control plane every rollout server mounts under `/checkpoint/v1`.
+"""The checkpoint control plane every rollout server mounts under `/checkpoint/v1` (and, where
+its settings say so, in NeMo Gym's dialect under `/ng-control/v1`, mapped by `_gym`).
 
 It owns everything that must behave the same in every server: authentication, the phase
 machine, reply replay, the lease and its watchdog, storage, and retire marks. A server only
@@ -42,11 +43,14 @@ from pydantic_core import PydanticSerializationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from . import _gym as gym
 from . import _storage as storage
 from ._participant import ParkState, Participant
 from ._routes import (
     COMMIT,
     FORGET,
+    GYM_CAPABILITIES_PATH,
+    GYM_PREFIX,
     PREPARE,
     REMOVE,
     RENEW,
@@ -55,6 +59,7 @@ from ._routes import (
     RETIRE,
     ROUTES,
     STATUS,
+    Dialect,
     Route,
     error_responses,
 )
@@ -141,9 +146,22 @@ class ControlSettings:
     max_body_bytes: int = MAX_BODY_BYTES
     max_deadline_seconds: float = MAX_DEADLINE_SECONDS
     max_retire_marks: int = MAX_RETIRE_MARKS
+    dialects: tuple[Dialect, ...] = (Dialect.ROLLOUT,)
+    """The wire dialects the control plane mounts (`ROLLOUT_CONTROL_DIALECTS`, comma separated:
+    `rollout`, `gym` or both): ours under `/checkpoint/v1`, NeMo Gym's under `/ng-control/v1`."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
+        try:
+            dialects = tuple(dict.fromkeys(Dialect(d) for d in self.dialects))
+        except ValueError:
+            raise ControlConfigError(
+                f"dialects {list(self.dialects)!r}: each must be one of "
+                f"{[d.value for d in Dialect]} (ROLLOUT_CONTROL_DIALECTS)"
+            ) from None
+        if not dialects:
+            raise ControlConfigError("dialects: mount at least one (ROLLOUT_CONTROL_DIALECTS)")
+        object.__setattr__(self, "dialects", dialects)
         if self.index < 0:
             raise ControlConfigError(f"index must be >= 0, got {self.index}")
         if self.attempt < 0:
@@ -212,6 +230,7 @@ class ControlSettings:
                 "ROLLOUT_MAX_DEADLINE_SECONDS",
             ),
             max_retire_marks=_int_from_env(env, "ROLLOUT_MAX_RETIRE_MARKS", MAX_RETIRE_MARKS),
+            dialects=_dialects_from_env(env.get("ROLLOUT_CONTROL_DIALECTS")),
         )
 
     @property
@@ -232,6 +251,18 @@ def _int_from_env(env: Mapping[str, str], name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise ControlConfigError(f"{name}={raw!r} is not an integer") from None
+
+
+def _dialects_from_env(raw: str | None) -> tuple[Dialect, ...]:
+    if raw is None or not raw.strip():
+        return (Dialect.ROLLOUT,)
+    names = [name.strip() for name in raw.split(",") if name.strip()]
+    try:
+        return tuple(Dialect(name) for name in names)
+    except ValueError:
+        raise ControlConfigError(
+            f"ROLLOUT_CONTROL_DIALECTS={raw!r}: name {[d.value for d in Dialect]}, comma separated"
+        ) from None
 
 
 def _float_from_env(
@@ -1323,19 +1354,45 @@ class ControlPlane:
         }
 
     def _build_router(self) -> APIRouter:
-        """One endpoint per route of the table; bodies are parsed strictly after the token."""
-        router = APIRouter(prefix=API_PREFIX)
+        """One endpoint per route of the table and mounted dialect; bodies are parsed strictly
+        after the token. Both dialects call the same handlers."""
+        router = APIRouter()
         handlers = self._handlers()
-        for route in ROUTES:
+        for dialect in self._settings.dialects:
+            for route in ROUTES:
+                path = route.path_in(dialect)
+                if path is None:
+                    continue
+                handler = handlers[route.name]
+                if dialect is Dialect.ROLLOUT:
+                    endpoint = self._endpoint(route, handler)
+                    reply_model: type[BaseModel] = route.reply
+                    responses = route.error_statuses()
+                    body_schema = _request_body_schema(route.request)
+                else:
+                    codec = gym.codec(route)
+                    endpoint = self._gym_endpoint(codec, handler)
+                    reply_model = codec.reply
+                    responses = gym.error_responses(route.errors)
+                    body_schema = _request_body_schema(codec.request)
+                router.add_api_route(
+                    path,
+                    endpoint,
+                    methods=[route.method],
+                    response_model=reply_model,
+                    responses=responses,
+                    summary=route.summary,
+                    name=route.name if dialect is Dialect.ROLLOUT else f"gym-{route.name}",
+                    openapi_extra=body_schema,
+                )
+        if Dialect.GYM in self._settings.dialects:
             router.add_api_route(
-                route.path,
-                self._endpoint(route, handlers[route.name]),
-                methods=[route.method],
-                response_model=route.reply,
-                responses=route.error_statuses(),
-                summary=route.summary,
-                name=route.name,
-                openapi_extra=_request_body_schema(route),
+                GYM_CAPABILITIES_PATH,
+                self._capabilities_endpoint(),
+                methods=["GET"],
+                response_model=gym.GymCapabilities,
+                summary="What this participant takes part in, and in which dialects.",
+                name="gym-capabilities",
             )
         return router
 
@@ -1349,6 +1406,53 @@ class ControlPlane:
             if deadline_ts is not None:
                 self._refuse_far(deadline_ts)
             return _reply(await handler(body))
+
+        return endpoint
+
+    def _gym_endpoint(
+        self, codec: gym.GymCodec, handler: Callable[[Any], Awaitable[BaseModel]]
+    ) -> Callable[[Request], Awaitable[Response]]:
+        """The Gym form of a route: Gym's body mapped to ours, the same handler, our reply
+        mapped to Gym's; every refusal answered with Gym's error body and code."""
+        side = gym.ServerSide(
+            instance=self._settings.instance,
+            storage_dir=self._settings.storage_dir,
+            checkpoint_root=None
+            if self._settings.checkpoint_root is None
+            else str(self._settings.checkpoint_root),
+        )
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                self._authorize(request.headers.get("authorization"))
+                body = None if codec.request is None else await _body(request, codec.request)
+                deadline_ts = getattr(body, "deadline_ts", None)
+                if deadline_ts is not None:
+                    self._refuse_far(deadline_ts)
+                try:
+                    ours = codec.to_ours_request(body, side)
+                except gym.Unmappable as error:
+                    raise ProtocolError(error.code, str(error)) from None
+                return _reply(codec.to_gym_reply(await handler(ours), ours))
+            except ProtocolError as error:
+                return _gym_error_response(error)
+
+        return endpoint
+
+    def _capabilities_endpoint(self) -> Callable[[Request], Awaitable[Response]]:
+        capabilities = gym.GymCapabilities(
+            checkpoint=True,
+            operations=[route.name for route in ROUTES if route.in_gym],
+            lease_grace_seconds=self._settings.lease_grace_seconds,
+            dialects=[dialect.value for dialect in self._settings.dialects],
+        )
+
+        async def endpoint(request: Request) -> Response:
+            try:
+                self._authorize(request.headers.get("authorization"))
+            except ProtocolError as error:
+                return _gym_error_response(error)
+            return _reply(capabilities)
 
         return endpoint
 
@@ -1421,11 +1525,11 @@ def describe_validation(error: ValidationError | RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
-def _request_body_schema(route: Route[Any, Any]) -> dict[str, Any] | None:
+def _request_body_schema(model: type[BaseModel] | None) -> dict[str, Any] | None:
     """The OpenAPI request body of a route (its endpoint reads the body itself, strictly)."""
-    if route.request is None:
+    if model is None:
         return None
-    schema = _inline_refs(route.request.model_json_schema())
+    schema = _inline_refs(model.model_json_schema())
     return {
         "requestBody": {
             "required": True,
@@ -1454,6 +1558,18 @@ def _inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
 
 def _reply(model: BaseModel) -> Response:
     return Response(content=model.model_dump_json(), media_type="application/json")
+
+
+def _gym_error_response(error: ProtocolError) -> Response:
+    """A refusal in Gym's form (`_gym.gym_error`: its codes, 409 for the three it names)."""
+    status, body = gym.gym_error(error.code, error.detail)
+    headers = {"WWW-Authenticate": "Bearer"} if error.code is ErrorCode.UNAUTHORIZED else None
+    return Response(
+        content=body.model_dump_json(),
+        status_code=status,
+        media_type="application/json",
+        headers=headers,
+    )
 
 
 async def _protocol_error_handler(request: Request, error: Exception) -> Response:
@@ -1592,7 +1708,7 @@ def _declare_errors(document: dict[str, Any]) -> None:
         components["ErrorBody"] = schema
     error_body = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
     for path, operations in document.get("paths", {}).items():
-        if path.startswith(API_PREFIX):
+        if path.startswith((API_PREFIX, GYM_PREFIX)):
             continue
         for method, operation in operations.items():
             codes = {ErrorCode.PAYLOAD_TOO_LARGE, ErrorCode.INTERNAL}

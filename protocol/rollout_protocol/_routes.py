@@ -5,12 +5,17 @@ Both sides of the HTTP hop are built from this table: the control plane's router
 call through the `Route` it names. A route's request model, reply model and error codes are
 therefore written once, and an editor's "go to definition" on `PREPARE` leads from the client's
 call to the server's handler.
+
+The table is also the one declaration of the NeMo Gym dialect (`Dialect.GYM`, `_gym.py`): a
+route says whether Gym has it (`Route.in_gym`), and its Gym path is derived from its name under
+Gym's one prefix, so both dialects are mounted, and called, from the same rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel
@@ -39,6 +44,23 @@ from ._wire import (
     StatusReply,
 )
 
+GYM_PREFIX = "/ng-control/v1"
+"""The NeMo Gym control prefix: its checkpoint routes live under `GYM_PREFIX/checkpoint`."""
+GYM_CHECKPOINT_PREFIX = f"{GYM_PREFIX}/checkpoint"
+GYM_CAPABILITIES_PATH = f"{GYM_PREFIX}/capabilities"
+"""`GET`: what a Gym participant announces; a coordinator reads it to pick the dialect."""
+
+
+class Dialect(StrEnum):
+    """The wire dialects a participant can mount and a coordinator can speak."""
+
+    ROLLOUT = "rollout"
+    """This project's: one route per operation under `/checkpoint/v1` (`API_PREFIX`)."""
+    GYM = "gym"
+    """NeMo Gym's: the same operations under `/ng-control/v1/checkpoint`, with Gym's field
+    names and error codes (docs/protocol.md, "The NeMo Gym dialect")."""
+
+
 RequestT = TypeVar("RequestT", bound=BaseModel | None)
 ReplyT = TypeVar("ReplyT", bound=BaseModel)
 
@@ -60,6 +82,8 @@ class Route(Generic[RequestT, ReplyT]):
     reply: type[ReplyT]
     errors: frozenset[ErrorCode]
     summary: str
+    in_gym: bool = True
+    """Whether the NeMo Gym dialect has this operation (`remove` is ours only)."""
 
     @property
     def path(self) -> str:
@@ -70,6 +94,12 @@ class Route(Generic[RequestT, ReplyT]):
     def url_path(self) -> str:
         """The full path a client requests."""
         return f"{API_PREFIX}{self.path}"
+
+    def path_in(self, dialect: Dialect) -> str | None:
+        """The full path of this route in `dialect`; None when the dialect lacks it."""
+        if dialect is Dialect.ROLLOUT:
+            return self.url_path
+        return f"{GYM_CHECKPOINT_PREFIX}{self.path}" if self.in_gym else None
 
     def error_statuses(self) -> dict[int | str, dict[str, Any]]:
         """OpenAPI `responses` entries for every error this route may answer."""
@@ -179,6 +209,7 @@ REMOVE: Route[RemoveRequest, RemoveReply] = Route(
     _EVERY_BODY | {ErrorCode.CONFLICTING_CHECKPOINT, ErrorCode.STORAGE_FAILED},
     "Remove named checkpoints' records (or the whole set's) from this participant's set "
     "directory; only the protocol's own files.",
+    in_gym=False,
 )
 
 ROUTES: tuple[Route[Any, Any], ...] = (

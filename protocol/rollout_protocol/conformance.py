@@ -51,6 +51,9 @@ or, against a process: `Target("http://127.0.0.1:8080", Role.ENVIRONMENT, token=
 the participant with a short `ROLLOUT_LEASE_GRACE_SECONDS` (one second) and pass the same value
 as `lease_grace_seconds`: the lease check waits for the lapse (polling `/status` with a deadline).
 
+Each `Target` names the control dialect the kit speaks to it (`dialect=`, ours by default, or
+`Dialect.GYM` for a participant that mounts NeMo Gym's): every rule is checked through it.
+
 Every failure is a `ConformanceError` naming the rule, who is at fault (the participant unless
 it says the driver) and, where the kit knows, what to change. This module imports nothing beyond
 the contract's own dependencies, uvicorn (which serves in-process apps) and aiohttp (the
@@ -80,10 +83,11 @@ from anyio.abc import TaskGroup, TaskStatus
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from . import _gym as gym
 from . import _storage as storage
 from ._client import HttpParticipantClient, ParticipantError, _default_session
 from ._coordinator import CommitOutcome, Coordinator
-from ._routes import ROUTES, Route
+from ._routes import GYM_CAPABILITIES_PATH, ROUTES, Dialect, Route
 from ._wire import (
     CommitRequest,
     ErrorBody,
@@ -270,7 +274,9 @@ class Target:
     `client` (optional) is the `httpx.AsyncClient` the kit sends its own raw requests with
     (refusals, counters); `session` (optional) the `aiohttp.ClientSession` its
     `HttpParticipantClient` sends the protocol's calls with. The kit makes what it is not given,
-    and never closes a client or session it was given.
+    and never closes a client or session it was given. `dialect` is the wire dialect the kit
+    speaks to the participant (ours, or NeMo Gym's for a participant that mounts it): every
+    rule is checked through it, the raw refusals on that dialect's paths and error bodies.
     """
 
     base_url: str
@@ -280,6 +286,7 @@ class Target:
     client: httpx.AsyncClient | None = None
     stats_path: str = "/stats"
     session: aiohttp.ClientSession | None = None
+    dialect: Dialect = Dialect.ROLLOUT
 
     @property
     def name(self) -> str:
@@ -325,6 +332,7 @@ async def _connect(targets: Sequence[Target], call_timeout_s: float) -> AsyncIte
                 index=target.index,
                 token=target.token,
                 client=session,
+                dialect=target.dialect,
             )
             conns.append(_Conn(target, http, participant, call_timeout_s))
         yield conns
@@ -424,16 +432,30 @@ _EXAMPLE_VALUES: Mapping[str, Any] = {
     "rollout_ids": ["kit-rollout"],
 }
 _ID_FIELDS = ("checkpoint_id", "operation_id")
+_GYM_ID_FIELDS = ("source_checkpoint_id", "checkpoint_dir")
+"""Gym fields that name the checkpoint (a restore's source, the directory relative to the set)."""
 _UNKNOWN_FIELD = "kit_unknown_field"
 
 
-def _example_body(route: Route[Any, Any], ident: str) -> dict[str, Any]:
-    """A well-formed request body for `route` whose deadline has passed."""
-    model = route.request
+def _request_model(route: Route[Any, Any], dialect: Dialect) -> type[BaseModel] | None:
+    """The request body model of `route` in `dialect`."""
+    return route.request if dialect is Dialect.ROLLOUT else gym.codec(route).request
+
+
+def _dialect_routes(dialect: Dialect) -> list[Route[Any, Any]]:
+    """The routes of the table that `dialect` has."""
+    return [route for route in ROUTES if route.path_in(dialect) is not None]
+
+
+def _example_body(
+    route: Route[Any, Any], ident: str, dialect: Dialect = Dialect.ROLLOUT
+) -> dict[str, Any]:
+    """A well-formed request body for `route` (in `dialect`) whose deadline has passed."""
+    model = _request_model(route, dialect)
     assert model is not None
     body: dict[str, Any] = {}
     for name, info in model.model_fields.items():
-        if name in _ID_FIELDS:
+        if name in _GYM_ID_FIELDS or name in _ID_FIELDS:
             body[name] = ident
         elif name == "checkpoint_ids":
             body[name] = [ident]
@@ -456,6 +478,18 @@ def _error_body(response: httpx.Response) -> ErrorBody | None:
         return None
 
 
+def _refusal(response: httpx.Response, dialect: Dialect) -> tuple[str, str] | None:
+    """The error code (as the dialect names it) and detail of a refusal; None without a body."""
+    if dialect is Dialect.ROLLOUT:
+        body = _error_body(response)
+        return None if body is None else (body.error.code.value, body.error.detail)
+    try:
+        gym_body = gym.GymErrorBody.model_validate_json(response.content)
+    except ValidationError:
+        return None
+    return gym_body.error.code, gym_body.error.message
+
+
 async def _expect_refusal(
     conn: _Conn,
     rule: str,
@@ -468,25 +502,34 @@ async def _expect_refusal(
     code: ErrorCode,
     naming: str | None = None,
 ) -> None:
-    """Send a raw request through `route`; it must be refused with `status` and `code`."""
+    """Send a raw request through `route` (in the target's dialect); it must be refused with
+    `status` and `code` (as the dialect says them: `_gym.gym_error` for Gym's)."""
+    dialect = conn.target.dialect
+    path = route.path_in(dialect)
+    assert path is not None
+    if dialect is Dialect.GYM:
+        status, gym_body = gym.gym_error(code, "")
+        name = gym_body.error.code
+    else:
+        name = code.value
     if content is not None:
         headers = {**headers, "Content-Type": "application/json"}
     response = await conn.http.request(
         route.method,
-        conn.url(route.url_path),
+        conn.url(path),
         headers=headers,
         content=content,
         timeout=conn.call_timeout_s,
     )
-    error = _error_body(response)
+    error = _refusal(response, dialect)
     named = "" if naming is None else f" naming {naming!r}"
     _expect(
         rule,
         response.status_code == status
         and error is not None
-        and error.error.code is code
-        and (naming is None or naming in error.error.detail),
-        f"{route.method} {route.url_path} {what} must answer {status} {code.value}{named}",
+        and error[0] == name
+        and (naming is None or naming in error[1]),
+        f"{route.method} {path} {what} must answer {status} {name}{named}",
         _describe(response),
     )
 
@@ -501,10 +544,13 @@ async def check_auth(target: Target, *, call_timeout_s: float = 10.0) -> None:
     async with _connect([target], call_timeout_s) as (conn,):
         await conn.status(AUTH)  # the right token works: the base URL and token are right
         wrong = {"Authorization": f"Bearer wrong-{target.token}"}
-        for route in ROUTES:
-            has_body = route.request is not None
+        dialect = target.dialect
+        for route in _dialect_routes(dialect):
+            has_body = _request_model(route, dialect) is not None
             well_formed = (
-                json.dumps(_example_body(route, _new_id("auth"))).encode() if has_body else None
+                json.dumps(_example_body(route, _new_id("auth"), dialect)).encode()
+                if has_body
+                else None
             )
             for what, headers, content in (
                 (
@@ -524,6 +570,20 @@ async def check_auth(target: Target, *, call_timeout_s: float = 10.0) -> None:
                     status=401,
                     code=ErrorCode.UNAUTHORIZED,
                 )
+        if dialect is Dialect.GYM:
+            # Gym's capabilities say what the participant takes part in: behind the token too
+            url = conn.url(GYM_CAPABILITIES_PATH)
+            for what, headers in (("without a token", {}), ("with a wrong token", wrong)):
+                response = await conn.http.get(url, headers=headers, timeout=call_timeout_s)
+                refusal = _refusal(response, dialect)
+                _expect(
+                    AUTH,
+                    response.status_code == 401
+                    and refusal is not None
+                    and refusal[0] == ErrorCode.UNAUTHORIZED.value,
+                    f"GET {GYM_CAPABILITIES_PATH} {what} must answer 401 unauthorized",
+                    _describe(response),
+                )
 
 
 async def check_strict_bodies(target: Target, *, call_timeout_s: float = 10.0) -> None:
@@ -531,10 +591,11 @@ async def check_strict_bodies(target: Target, *, call_timeout_s: float = 10.0) -
     string for a number with 422 `invalid_request`, naming the field."""
     async with _connect([target], call_timeout_s) as (conn,):
         headers = {"Authorization": f"Bearer {target.token}"}
-        for route in ROUTES:
-            if route.request is None:
+        dialect = target.dialect
+        for route in _dialect_routes(dialect):
+            if _request_model(route, dialect) is None:
                 continue
-            body = _example_body(route, _new_id("body"))
+            body = _example_body(route, _new_id("body"), dialect)
             id_field = next(name for name in (*_ID_FIELDS, "checkpoint_ids") if name in body)
             cases = [
                 ("an unknown field", _UNKNOWN_FIELD, {**body, _UNKNOWN_FIELD: 1}),
@@ -1282,7 +1343,12 @@ async def check_crash_restore(
             call_timeout_s=call_timeout_s,
         )
         coordinator = Coordinator([conn.participant for conn in conns], call_timeout=call_timeout_s)
-        restored = await coordinator.restore(cid, attempt + 1, time.time() + call_timeout_s, rids)
+        # NeMo Gym's restore has no scope: participants that all speak it restore every record
+        # (the checkpoint holds exactly the rollouts, `_checkpoint` checked)
+        gym_only = all(conn.target.dialect is Dialect.GYM for conn in conns)
+        restored = await coordinator.restore(
+            cid, attempt + 1, time.time() + call_timeout_s, None if gym_only else rids
+        )
         _expect(
             RESTORE,
             restored.ok,
@@ -1432,9 +1498,16 @@ async def _checkpoint(
     rids: Sequence[str],
     call_timeout_s: float,
 ) -> tuple[dict[str, _Counts], CommitOutcome]:
-    """prepare, commit (scope: the rollouts), read the counters while parked, resume."""
+    """prepare, commit (scope: the rollouts), read the counters while parked, resume.
+
+    Participants that all speak NeMo Gym's dialect are checkpointed without a requested scope
+    (Gym's prepare lists no episodes to agree one from): every parked episode, which must be
+    exactly the rollouts, none restarting."""
+    gym_only = all(conn.target.dialect is Dialect.GYM for conn in conns)
     try:
-        prepared = await coordinator.prepare(cid, time.time() + call_timeout_s, scope=rids)
+        prepared = await coordinator.prepare(
+            cid, time.time() + call_timeout_s, scope=None if gym_only else rids
+        )
         _expect(
             STEPS,
             prepared.ready,
@@ -1442,12 +1515,18 @@ async def _checkpoint(
             f"stopped at {prepared.stopped_at}, {prepared.blocker_count} blockers, "
             f"failures: {'; '.join(str(f) for f in prepared.failures)}",
         )
-        scope = prepared.scope(rids)
+        if gym_only:
+            scope = prepared.scope()
+            captured = scope is None and prepared.episode_count == len(rids)
+        else:
+            scope = prepared.scope(rids)
+            captured = scope is not None and sorted(scope) == sorted(rids)
         _expect(
             STEPS,
-            scope is not None and sorted(scope) == sorted(rids),
+            captured and not prepared.restarts,
             f"every episode must be captured by {cid} (none restarting)",
-            f"scope {scope}, restarts {[str(e) for e in prepared.restarts]}",
+            f"scope {scope}, {prepared.episode_count} parked, "
+            f"restarts {[str(e) for e in prepared.restarts]}",
         )
         commit = await coordinator.commit(cid, time.time() + call_timeout_s, scope)
         _expect(

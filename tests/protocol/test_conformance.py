@@ -1,8 +1,10 @@
 """The conformance kit passes against the four reference servers, as real processes.
 
 Each server runs with a one-second lease grace, so the lease check waits about two seconds. The
-single-participant checks run against one cluster (they never crash it); the crash + restore
-check runs over a cluster of its own with `ReferenceDriver` (episodes held between agent turns,
+single-participant checks run against one cluster per control dialect (they never crash it):
+the servers mounting ours, and the same servers mounting only NeMo Gym's
+(`ROLLOUT_CONTROL_DIALECTS=gym`), which the kit then speaks. The crash + restore check runs over
+a cluster of its own with `ReferenceDriver` (episodes held between agent turns,
 every process killed, restarted under attempt 1).
 """
 
@@ -13,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from rollout_protocol import Role
+from rollout_protocol import Dialect, Role
 from rollout_protocol.conformance import Target, check_crash_restore, check_participant
 from testsupport.server_processes import TOKEN, Cluster, ReferenceDriver
 
@@ -21,9 +23,12 @@ GRACE = 1.0
 SHORT_LEASE = {"ROLLOUT_LEASE_GRACE_SECONDS": str(GRACE)}
 
 
-@pytest.fixture(scope="module")
-def kit_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    cluster = Cluster(root=tmp_path_factory.mktemp("kit"), env=SHORT_LEASE)
+@pytest.fixture(scope="module", params=list(Dialect), ids=lambda dialect: dialect.value)
+def kit_cluster(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Cluster]:
+    env = {**SHORT_LEASE, "ROLLOUT_CONTROL_DIALECTS": request.param.value}
+    cluster = Cluster(root=tmp_path_factory.mktemp("kit"), env=env)
     cluster.start(0)
     try:
         yield cluster
@@ -35,7 +40,8 @@ def kit_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 @pytest.mark.parametrize("role", list(Role), ids=lambda role: role.value)
 async def test_reference_server_passes_the_kit(kit_cluster: Cluster, role: Role) -> None:
     async with httpx.AsyncClient() as http:
-        target = Target(kit_cluster.url(role), role, TOKEN, client=http)
+        dialect = Dialect(kit_cluster.env["ROLLOUT_CONTROL_DIALECTS"])
+        target = Target(kit_cluster.url(role), role, TOKEN, client=http, dialect=dialect)
         await check_participant(
             target, checkpoint_root=kit_cluster.checkpoint_root, lease_grace_seconds=GRACE
         )

@@ -34,6 +34,7 @@ from rollout_protocol import (
     CommitRequest,
     ControlPlane,
     ControlSettings,
+    Dialect,
     Episode,
     EpisodeError,
     EpisodeRuntime,
@@ -453,8 +454,9 @@ class InProcessDriver:
         )
 
     def participants(self) -> list[kit.Target]:
+        """The app as the kit reaches it, in the first dialect its control plane mounts."""
         assert self.served is not None
-        return [self.served.target]
+        return [replace(self.served.target, dialect=self.settings.dialects[0])]
 
     async def run_episode(self, rollout_id: str, attempt: int) -> Any:
         assert self.served is not None
@@ -516,23 +518,27 @@ class ModelDriver(InProcessDriver):
             await self.model.stop()
 
 
-def _settings(root: Path) -> ControlSettings:
+def _settings(root: Path, dialect: Dialect = Dialect.ROLLOUT) -> ControlSettings:
     return ControlSettings(
         Role.ENVIRONMENT,
         set_name="kit",
         checkpoint_root=root,
         token=TOKEN,
         lease_grace_seconds=GRACE,
+        dialects=(dialect,),
     )
 
 
 @asynccontextmanager
 async def _driver(
-    fake: type[Conforming], root: Path, driver_type: type[InProcessDriver] = InProcessDriver
+    fake: type[Conforming],
+    root: Path,
+    driver_type: type[InProcessDriver] = InProcessDriver,
+    dialect: Dialect = Dialect.ROLLOUT,
 ) -> AsyncIterator[InProcessDriver]:
     error: Exception | None = None
     async with anyio.create_task_group() as group:
-        driver = driver_type(group, fake, _settings(root))
+        driver = driver_type(group, fake, _settings(root, dialect))
         await driver.restart(0)
         try:
             yield driver
@@ -545,16 +551,20 @@ async def _driver(
         raise error
 
 
-async def _whole_kit(fake: type[Conforming], root: Path) -> None:
-    async with _driver(fake, root) as driver:
+async def _whole_kit(
+    fake: type[Conforming], root: Path, dialect: Dialect = Dialect.ROLLOUT
+) -> None:
+    async with _driver(fake, root, dialect=dialect) as driver:
         (target,) = driver.participants()
         await kit.check_participant(
             target, checkpoint_root=root, lease_grace_seconds=GRACE, lease_margin_s=2.0
         )
 
 
-async def _crash_restore(fake: type[Conforming], root: Path) -> None:
-    async with _driver(fake, root) as driver:
+async def _crash_restore(
+    fake: type[Conforming], root: Path, dialect: Dialect = Dialect.ROLLOUT
+) -> None:
+    async with _driver(fake, root, dialect=dialect) as driver:
         await kit.check_crash_restore(
             driver, checkpoint_root=root, rollout_ids=["r-0", "r-1", "r-2"], timeout_s=WAIT
         )
@@ -568,11 +578,17 @@ async def _crash_restore_with_model(fake: type[Conforming], root: Path) -> None:
 
 
 @pytest.mark.anyio
-async def test_conforming_participant_passes_the_whole_kit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dialect", list(Dialect), ids=lambda dialect: dialect.value)
+async def test_conforming_participant_passes_the_whole_kit(
+    tmp_path: Path, dialect: Dialect
+) -> None:
+    """Every rule, in each dialect: the same participant mounting only ours, or only NeMo
+    Gym's (the kit then speaks Gym's paths, bodies and error codes)."""
     with anyio.fail_after(30):
-        await _whole_kit(Conforming, tmp_path / "single")
-        await _crash_restore(Conforming, tmp_path / "crash")
-        await _crash_restore_with_model(Conforming, tmp_path / "with-model")
+        await _whole_kit(Conforming, tmp_path / "single", dialect)
+        await _crash_restore(Conforming, tmp_path / "crash", dialect)
+        if dialect is Dialect.ROLLOUT:
+            await _crash_restore_with_model(Conforming, tmp_path / "with-model")
 
 
 @pytest.mark.anyio

@@ -15,7 +15,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Collection, Generator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +34,7 @@ from rollout_protocol import (
     ControlPlane,
     ControlSettings,
     Coordinator,
+    Dialect,
     ErrorCode,
     ForgetReply,
     ForgetRequest,
@@ -158,7 +159,9 @@ def _members(
     attempt: int = 0,
     rollouts: dict[Role, list[str]] | None = None,
     roots: dict[Role, Path | None] | None = None,
+    gym_roles: Collection[Role] = (),
 ) -> dict[Role, Member]:
+    """One participant per role; those of `gym_roles` mount only the NeMo Gym dialect."""
     members: dict[Role, Member] = {}
     hooks: list[tuple[str, str]] = []  # one journal of participant hook calls for all
     for role in PREPARE_ORDER:
@@ -170,6 +173,7 @@ def _members(
             checkpoint_root=(roots or {}).get(role, root),
             attempt=attempt,
             token=TOKEN,
+            dialects=(Dialect.GYM,) if role in gym_roles else (Dialect.ROLLOUT,),
         )
         plane = ControlPlane(fake, settings)
         app = FastAPI()
@@ -643,10 +647,17 @@ def _participant_args(urls: dict[Role, str]) -> list[str]:
     return args
 
 
-async def test_cli_checkpoint_in_a_separate_process_then_restore(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "gym_roles", [(), (Role.ENVIRONMENT, Role.MODEL)], ids=["ours", "gym-environment-and-model"]
+)
+async def test_cli_checkpoint_in_a_separate_process_then_restore(
+    tmp_path: Path, gym_roles: tuple[Role, ...]
+) -> None:
+    """`rollout-coordinate` checkpoints and restores a set; in the second case two of its
+    participants speak only NeMo Gym's dialect, which the CLI reads from their capabilities."""
     env = {**os.environ, "ROLLOUT_CONTROL_TOKEN": TOKEN}
     with anyio.fail_after(WAIT * 3):
-        async with _served(_members(tmp_path)) as urls:
+        async with _served(_members(tmp_path, gym_roles=gym_roles)) as urls:
             command = [sys.executable, "-m", "rollout_protocol._cli", "checkpoint"]
             command += [*_participant_args(urls), "--dir", str(tmp_path), "--checkpoint-id", "c1"]
             done = await anyio.run_process(command, env=env, check=False)
@@ -657,7 +668,7 @@ async def test_cli_checkpoint_in_a_separate_process_then_restore(tmp_path: Path)
         assert "prepare environment" in done.stderr.decode()
         assert storage.read_checkpoint_manifest(tmp_path, "demo", "c1").attempt == 0
 
-        fresh = _members(tmp_path, attempt=1, rollouts={})
+        fresh = _members(tmp_path, attempt=1, rollouts={}, gym_roles=gym_roles)
         async with _served(fresh) as urls:
             out, err = io.StringIO(), io.StringIO()
             code = await coordination_cli.run(
