@@ -39,6 +39,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import httpx
 from rollout_operator.decide.churn import spacing
 
 from devcluster.cluster import Cluster
@@ -55,6 +56,15 @@ POLL_S = 0.1
 
 def say(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def api_client(cluster: Cluster) -> httpx.Client:
+    """The API server as devcluster's admin, for polling the set: a `kubectl get` per poll costs
+    a process start (0.1-0.5 s on two busy cores), which would be measured as recovery time."""
+    context = cluster.ssl_context()
+    pki = cluster.layout.pki
+    context.load_cert_chain(pki / "admin.crt", pki / "admin.key")
+    return httpx.Client(base_url=cluster.server, verify=context, timeout=10.0)
 
 
 def get(cluster: Cluster, namespace: str, *args: str) -> dict[str, Any]:
@@ -120,9 +130,14 @@ def kill_to_resumed(
     name = "math-rl"
     got = Kills()
     seconds, operator = got.seconds, got.operator
+    api = api_client(cluster)
+    path = f"/apis/checkpoint.rollout.dev/v1alpha1/namespaces/{namespace}/rolloutsets/{name}"
 
     def rset() -> dict[str, Any]:
-        return get(cluster, namespace, "rolloutset", name)
+        reply = api.get(path)
+        reply.raise_for_status()
+        found: dict[str, Any] = reply.json()
+        return found
 
     def up() -> bool:
         obj = rset()
@@ -187,6 +202,7 @@ def kill_to_resumed(
             f"(operator {operator[-1]:.2f}s, phases {last.get('phaseSeconds')}) "
             f"adopted={last.get('adopted') or []}{replacement}"
         )
+    api.close()
     return got
 
 
