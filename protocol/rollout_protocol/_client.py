@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
+from . import tracing
 from ._routes import (
     COMMIT,
     FORGET,
@@ -276,7 +277,19 @@ class HttpParticipantClient:
     async def call(
         self, route: Route[RequestT, ReplyT], request: RequestT, deadline_ts: float
     ) -> ReplyT:
-        """Send `request` through `route`, retrying transport failures until `deadline_ts`."""
+        """Send `request` through `route` inside a client span (`tracing`: its `traceparent`
+        goes with the request), retrying transport failures until `deadline_ts`."""
+        attributes = {"rollout.instance": self._instance, "rollout.role": self._role.value}
+        checkpoint_id = getattr(request, "checkpoint_id", None)
+        if checkpoint_id is not None:
+            attributes["rollout.checkpoint_id"] = checkpoint_id
+        name = f"{route.name} {self._instance}"
+        with tracing.span(name, kind=tracing.SpanKind.CLIENT, attributes=attributes):
+            return await self._send(route, request, deadline_ts)
+
+    async def _send(
+        self, route: Route[RequestT, ReplyT], request: RequestT, deadline_ts: float
+    ) -> ReplyT:
         session = self._session_now()
         url = f"{self._base_url}{route.url_path}"
         # None is every request field's default: leaving it out means the same, and keeps a
@@ -284,6 +297,8 @@ class HttpParticipantClient:
         # that predates it (request models refuse unknown fields)
         content = None if request is None else request.model_dump_json(exclude_none=True).encode()
         headers = self._headers if content is None else self._json_headers
+        if traced := tracing.headers():  # the client span's traceparent, when tracing is on
+            headers = {**headers, **traced}
         give_up = deadline_ts + self._margin
         backoff = 0.05
         import aiohttp  # installed: the session above is aiohttp's
