@@ -1124,9 +1124,10 @@ class ControlPlane:
         set_name, instance = self._settings.storage_dir, self._settings.instance
 
         def make() -> Path:
-            path = storage.checkpoint_dir(root, set_name, checkpoint_id, instance)
-            storage.make_dirs(path)
-            return path
+            with tracing.span("create directory ahead"):  # after the prepare reply, off its path
+                path = storage.checkpoint_dir(root, set_name, checkpoint_id, instance)
+                storage.make_dirs(path)
+                return path
 
         async def create() -> None:
             try:

@@ -135,13 +135,15 @@ async def test_one_trace_per_checkpoint_and_per_recovery_across_five_processes(
     ckpt = await checkpoint_ready(cluster, resources, "traced")
     trace_id = f"{trace_id_of('checkpoint/' + ckpt['metadata']['uid']):032x}"
     spans = receiver.wait(
-        lambda got: any(s.parent_id == "" for s in in_trace(got, trace_id))  # the root ended
-        and all(
-            calls_complete(in_trace(got, trace_id), op, own)
-            for op, own in (
-                ("prepare", ("park",)),
-                ("commit", ("encode", "write", "fsync")),
-                ("resume", ()),
+        lambda got: (
+            any(s.parent_id == "" for s in in_trace(got, trace_id))  # the root ended
+            and all(
+                calls_complete(in_trace(got, trace_id), op, own)
+                for op, own in (
+                    ("prepare", ("park",)),
+                    ("commit", ("encode", "write", "fsync")),
+                    ("resume", ()),
+                )
             )
         ),
         SPANS_LIMIT_S,
