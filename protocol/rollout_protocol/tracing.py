@@ -26,8 +26,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 from contextvars import ContextVar
 from typing import Final
 
@@ -129,35 +129,43 @@ def configure(
     return True
 
 
-@contextmanager
+def _off() -> bool:
+    """No tracer provider is installed: every span would be the API's no-op one."""
+    return isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+
+
+_NOTHING: Final = nullcontext(trace.INVALID_SPAN)
+"""What `span`, `root_span` and `server_span` return while `_off()`: entering the API's no-op
+span machinery costs about 8 us a span on the development machine, this about 0.5 us."""
+
+
 def root_span(
     name: str, *, key: str | None = None, attributes: Attributes | None = None
-) -> Iterator[Span]:
+) -> AbstractContextManager[Span]:
     """A span that starts a trace (whatever span is current), with the id `trace_id_of(key)`
     under `configure`'s provider (a random one without `key`); current inside the block, ended
     (and marked as an error by an exception) when it leaves."""
+    if _off():
+        return _NOTHING
     token = _ROOT_TRACE_ID.set(None if key is None else trace_id_of(key))
     try:
         root = _TRACER.start_span(name, context=Context(), attributes=attributes)
     finally:
         _ROOT_TRACE_ID.reset(token)
-    with trace.use_span(root, end_on_exit=True):
-        yield root
+    return trace.use_span(root, end_on_exit=True)
 
 
-@contextmanager
 def span(
     name: str,
     *,
     attributes: Attributes | None = None,
     kind: SpanKind = SpanKind.INTERNAL,
     context: Context | None = None,
-) -> Iterator[Span]:
+) -> AbstractContextManager[Span]:
     """A child of the current span (or of `context`), current inside the block."""
-    with _TRACER.start_as_current_span(
-        name, context=context, kind=kind, attributes=attributes
-    ) as current:
-        yield current
+    if _off():
+        return _NOTHING
+    return _TRACER.start_as_current_span(name, context=context, kind=kind, attributes=attributes)
 
 
 def failed(reason: str, message: str) -> None:
@@ -171,22 +179,22 @@ def headers() -> dict[str, str]:
     """The current span's `traceparent` (and `tracestate`) headers; empty when no span is
     recording (tracing off), so nothing is added to a request."""
     carrier: dict[str, str] = {}
+    if _off():
+        return carrier
     _PROPAGATOR.inject(carrier)
     return carrier
 
 
-@contextmanager
 def server_span(
     name: str, headers: Mapping[str, str], *, attributes: Attributes | None = None
-) -> Iterator[Span]:
+) -> AbstractContextManager[Span]:
     """The span of a request a server handles: a child of the current span when the server
     framework traced the request already (FastAPI's own telemetry, an ASGI instrumentation:
     they continued the caller's trace), else a server span continuing the request's
     `traceparent` (or whatever is current when it carries none)."""
+    if _off():
+        return _NOTHING
     if trace.get_current_span().get_span_context().is_valid:
-        with span(name, attributes=attributes) as current:
-            yield current
-        return
+        return span(name, attributes=attributes)
     context = _PROPAGATOR.extract(headers) if "traceparent" in headers else None
-    with span(name, kind=SpanKind.SERVER, context=context, attributes=attributes) as current:
-        yield current
+    return span(name, kind=SpanKind.SERVER, context=context, attributes=attributes)
