@@ -35,14 +35,14 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from protocol_pause import TOKEN, servers
+from protocol_pause import TOKEN, cpu_seconds, servers
 from rollout_protocol import Role, tracing
 
 from harness.otlp import OtlpReceiver, otlp_receiver
 
 COORDINATE = str(Path(sys.executable).with_name("rollout-coordinate"))
-EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "200"}
-"""Batches every 0.2 s (the SDK's default is 5 s): more export work near the pauses."""
+EXPORT: dict[str, str] = {}
+"""The SDK's defaults (a batch every 5 s, or at 512 spans): what a user gets."""
 
 
 def checkpoint(urls: dict[Role, str], root: Path, checkpoint_id: str, env: dict[str, str]) -> float:
@@ -83,6 +83,7 @@ def run(repeats: int, root: Path, receiver: OtlpReceiver) -> None:
     traced = {**base, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, **EXPORT}
     with ExitStack() as stack:
         groups = {}
+        pids: dict[str, list[int]] = {}
         for mode, env in (
             ("off", {}),
             ("on", {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, **EXPORT}),
@@ -91,8 +92,10 @@ def run(repeats: int, root: Path, receiver: OtlpReceiver) -> None:
             folder.mkdir()
             started = stack.enter_context(servers(folder, environment=env))
             urls = {role: url for (role, _), (url, _) in started.items()}
+            pids[mode] = [pid for _, pid in started.values()]
             groups[mode] = (urls, folder / "checkpoints", base if mode == "off" else traced)
         pauses: dict[str, list[float]] = {"off": [], "on": []}
+        cpu_before = {mode: sum(cpu_seconds(pid) for pid in pids[mode]) for mode in pids}
         for mode in ("off", "on"):  # a first checkpoint each: imports, connections, directories
             urls, ckpt_root, env = groups[mode]
             checkpoint(urls, ckpt_root, f"warm-{mode}", env)
@@ -101,6 +104,11 @@ def run(repeats: int, root: Path, receiver: OtlpReceiver) -> None:
             for mode in order:
                 urls, ckpt_root, env = groups[mode]
                 pauses[mode].append(checkpoint(urls, ckpt_root, f"{mode}-{i}", env))
+        # every second of the servers' CPU while the checkpoints ran, export threads included
+        cpu = {
+            mode: (sum(cpu_seconds(pid) for pid in pids[mode]) - cpu_before[mode]) / repeats
+            for mode in pids
+        }
     exported = receiver.spans()
     off_spans = [
         s
@@ -123,6 +131,11 @@ def run(repeats: int, root: Path, receiver: OtlpReceiver) -> None:
             f"{min(values) * 1e3:>10.1f}{max(values) * 1e3:>10.1f}"
         )
     print(f"  on / off (medians): {on_median / off_median:.2f}")
+    print(
+        f"the four servers' CPU per checkpoint (their whole run, export included): "
+        f"off {cpu['off'] * 1e3:.1f} ms, on {cpu['on'] * 1e3:.1f} ms, "
+        f"on / off {cpu['on'] / cpu['off']:.2f}"
+    )
     print(
         f"exported: {len(exported)} spans in {receiver.requests} OTLP requests; "
         f"{len(on_traces)} traced checkpoints; spans of tracing-off checkpoints: {len(off_spans)}"
