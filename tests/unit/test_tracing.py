@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.unit
 
 
 class Recorder(http.server.ThreadingHTTPServer):
-    """Answers every request with a protocol error body and keeps the request headers."""
+    """Refuses every request (`invalid_request`, which nobody retries) and keeps its headers."""
 
     def __init__(self) -> None:
         self.seen: list[dict[str, str]] = []
@@ -34,13 +35,18 @@ class Recorder(http.server.ThreadingHTTPServer):
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                if length:
+                    self.rfile.read(length)
                 recorder.seen.append({k.lower(): v for k, v in self.headers.items()})
-                body = json.dumps({"error": {"code": "internal", "detail": "recorded"}}).encode()
-                self.send_response(500)
+                body = json.dumps({"error": {"code": "invalid_request", "detail": "recorded"}})
+                self.send_response(422)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                self.wfile.write(body.encode())
+
+            do_POST = do_GET
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -139,3 +145,30 @@ def test_on_with_an_endpoint_the_call_carries_the_keyed_trace_and_spans_are_expo
     assert call.kind == "client"
     assert call.service == "probe"
     assert call.error, "the participant's error marks the call failed"
+
+
+def test_rollout_collect_starts_the_trace_of_its_batch(recorder: Recorder, tmp_path: Path) -> None:
+    """One trace for the batch, a client span per `/run` call, its traceparent on the call (the
+    recorder refuses every run, so the episode fails at once and the command ends)."""
+    collect = str(Path(sys.executable).with_name("rollout-collect"))
+    with otlp_receiver() as receiver:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint
+        done = subprocess.run(
+            [collect, "--environment", recorder.url, "--tasks", "2", "--out", str(tmp_path / "o")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 1, done.stderr  # both episodes refused
+        spans = receiver.spans()
+    (root,) = [s for s in spans if s.parent_id == ""]
+    assert root.name == "collect r"
+    assert root.service == "rollout-collect"
+    assert root.attributes["rollout.episodes"] == 2
+    runs = [s for s in spans if s.parent_id == root.span_id]
+    assert sorted(s.name for s in runs) == ["run r0-00000", "run r0-00001"]
+    sent = {h["traceparent"].split("-")[2] for h in recorder.seen}
+    assert sent == {s.span_id for s in runs}, "each /run names its own span as the parent"
