@@ -173,7 +173,7 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _fsync(fd: int) -> None:
-    with tracing.span("fsync"):
+    with tracing.span("fsync", only_in_trace=True):
         os.fsync(fd)
 
 

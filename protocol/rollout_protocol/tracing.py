@@ -29,7 +29,7 @@ import os
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from contextvars import ContextVar
-from typing import Final
+from typing import Any, Final
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -51,6 +51,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_PROBES: Final = frozenset({"GET /healthz", "GET /readyz", "GET /livez", "GET /metrics"})
+"""Names of the server spans of probes and scrapes: `configure`'s sampler starts no trace
+for them."""
 
 ENDPOINT_VARIABLES: Final = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 """Either one turns tracing on (`configure`); the OTLP exporter reads them itself."""
@@ -106,6 +110,12 @@ def configure(
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+        from opentelemetry.sdk.trace.sampling import (
+            Decision,
+            ParentBased,
+            Sampler,
+            SamplingResult,
+        )
     except ImportError:
         logger.warning("%s", _NO_SDK)
         return False
@@ -117,11 +127,34 @@ def configure(
             keyed = _ROOT_TRACE_ID.get()
             return keyed if keyed is not None else super().generate_trace_id()
 
+    class QuietProbes(Sampler):
+        """Every trace, except those a health probe or a scrape starts (FastAPI traces every
+        request it serves: a readiness probe each second would be a trace each second)."""
+
+        def should_sample(
+            self,
+            parent_context: Context | None,
+            trace_id: int,
+            name: str,
+            kind: SpanKind | None = None,
+            attributes: Any = None,
+            links: Any = None,
+            trace_state: Any = None,
+        ) -> SamplingResult:
+            if name in _PROBES:
+                return SamplingResult(Decision.DROP)
+            return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes)
+
+        def get_description(self) -> str:
+            return "QuietProbes"
+
+    # OTEL_TRACES_SAMPLER, when set, is the SDK's to read (sampler=None)
+    sampler = None if env.get("OTEL_TRACES_SAMPLER") else ParentBased(QuietProbes())
     resource_attributes: dict[str, AttributeValue] = dict(attributes or {})
     if not env.get("OTEL_SERVICE_NAME"):
         resource_attributes[SERVICE_NAME] = service_name
     provider = TracerProvider(
-        resource=Resource.create(resource_attributes), id_generator=KeyedIds()
+        sampler=sampler, resource=Resource.create(resource_attributes), id_generator=KeyedIds()
     )
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
     trace.set_tracer_provider(provider)
@@ -161,9 +194,14 @@ def span(
     attributes: Attributes | None = None,
     kind: SpanKind = SpanKind.INTERNAL,
     context: Context | None = None,
+    only_in_trace: bool = False,
 ) -> AbstractContextManager[Span]:
-    """A child of the current span (or of `context`), current inside the block."""
+    """A child of the current span (or of `context`), current inside the block. With
+    `only_in_trace`, nothing outside a trace (low-level work such as an fsync, done by many
+    callers, makes no traces of its own)."""
     if _off():
+        return _NOTHING
+    if only_in_trace and not trace.get_current_span().get_span_context().is_valid:
         return _NOTHING
     return _TRACER.start_as_current_span(name, context=context, kind=kind, attributes=attributes)
 

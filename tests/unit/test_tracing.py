@@ -85,6 +85,11 @@ async def main() -> None:
 
 print(tracing.configure("probe"))
 anyio.run(main)
+# neither a probe's request nor an fsync outside a trace starts a trace
+with tracing.span("GET /healthz", kind=tracing.SpanKind.SERVER), tracing.span("inside"):
+    pass
+with tracing.span("fsync", only_in_trace=True):
+    pass
 """
 
 
