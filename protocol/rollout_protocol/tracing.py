@@ -1,10 +1,10 @@
 """OpenTelemetry traces of the checkpoint protocol: one trace per checkpoint and per recovery.
 
 Everything here is written against the OpenTelemetry *API* (`opentelemetry-api`, a dependency of
-`rollout-protocol`). Until a process calls `configure` with `OTEL_EXPORTER_OTLP_ENDPOINT` set, the
-API's global tracer is its no-op one: spans are not recorded, nothing is exported and no
-`traceparent` header is sent (a no-op span's context is invalid, so the propagator writes
-nothing). `configure` installs the SDK (`opentelemetry-sdk` and
+`rollout-protocol`). Until a tracer provider is installed (`configure` with
+`OTEL_EXPORTER_OTLP_ENDPOINT` set, or the program's own), tracing is off: `span` and its kin
+return a null context after one check, nothing is recorded or exported, no SDK module is
+imported and no `traceparent` header is sent. `configure` installs the SDK (`opentelemetry-sdk` and
 `opentelemetry-exporter-otlp-proto-http`, the `tracing` extra) with a batch span processor and
 the SDK's own OTLP/HTTP exporter; the standard `OTEL_*` variables configure the exporter
 (`OTEL_EXPORTER_OTLP_HEADERS`, `OTEL_BSP_SCHEDULE_DELAY`, `OTEL_SERVICE_NAME`, ...).
@@ -38,7 +38,6 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from opentelemetry.util.types import AttributeValue
 
 __all__ = [
-    "ENDPOINT_VARIABLES",
     "Attributes",
     "SpanKind",
     "configure",
@@ -55,9 +54,6 @@ logger = logging.getLogger(__name__)
 _PROBES: Final = frozenset({"GET /healthz", "GET /readyz", "GET /livez", "GET /metrics"})
 """Names of the server spans of probes and scrapes: `configure`'s sampler starts no trace
 for them."""
-
-ENDPOINT_VARIABLES: Final = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-"""Either one turns tracing on (`configure`); the OTLP exporter reads them itself."""
 
 Attributes = Mapping[str, AttributeValue]
 
@@ -88,11 +84,13 @@ def configure(
     """Export this process's spans over OTLP/HTTP when an OTLP endpoint is configured.
 
     True when this call installed the SDK's tracer provider. It does nothing (False) when
-    neither `ENDPOINT_VARIABLES` is set, when `OTEL_SDK_DISABLED` is true, when a tracer
-    provider is installed already (by an earlier call, or by the program itself: its provider
-    is used as it is), or when the SDK is not installed (logged). `service_name` is the
-    resource's `service.name` unless `OTEL_SERVICE_NAME` says otherwise; `attributes` are added
-    to the resource (`OTEL_RESOURCE_ATTRIBUTES` too, by the SDK).
+    neither `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` (used as it is) nor
+    `OTEL_EXPORTER_OTLP_ENDPOINT` (`/v1/traces` appended) is set in `environ`, when
+    `OTEL_SDK_DISABLED` is true, when a tracer provider is installed already (by an earlier
+    call, or by the program itself: its provider is used as it is), or when the SDK is not
+    installed (logged). `service_name` is the resource's `service.name` unless
+    `OTEL_SERVICE_NAME` says otherwise; `attributes` are added to the resource
+    (`OTEL_RESOURCE_ATTRIBUTES` too, by the SDK).
     """
     env = os.environ if environ is None else environ
     endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or None
