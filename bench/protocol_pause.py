@@ -112,10 +112,14 @@ def free_port() -> int:
 
 @contextmanager
 def servers(
-    root: Path, extra: Mapping[Role, Sequence[str]] | None = None, replicas: int = 1
+    root: Path,
+    extra: Mapping[Role, Sequence[str]] | None = None,
+    replicas: int = 1,
+    environment: Mapping[str, str] | None = None,
 ) -> Iterator[dict[Server, tuple[str, int]]]:
     """The servers as processes, `replicas` of each role wired in lanes (with `extra`
-    arguments per role); yields (role, index) -> (url, pid); stops them on exit."""
+    arguments per role, `environment` added to theirs); yields (role, index) -> (url, pid);
+    stops them on exit. bench/tracing.py starts its two groups with this too."""
     lanes = range(replicas)
     url = {(role, i): f"http://127.0.0.1:{free_port()}" for role in ROLES for i in lanes}
 
@@ -135,6 +139,7 @@ def servers(
         ROLLOUT_CONTROL_TOKEN=TOKEN,
         ROLLOUT_LEASE_GRACE_SECONDS="120",
     )
+    env.update(environment or {})
     processes: dict[Server, subprocess.Popen[bytes]] = {}
     try:
         for (role, i), address in url.items():

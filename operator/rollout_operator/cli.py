@@ -22,6 +22,7 @@ from typing import Final
 
 import kopf
 from pydantic import ValidationError
+from rollout_protocol import tracing
 
 from .model.api import MAX_REPLICAS
 from .model.settings import (
@@ -218,6 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # fifth of each call's CPU: the coordinator logs what the calls amount to instead.
         logging.getLogger("httpx").setLevel(logging.WARNING)
     quiet_retried_requests()
+    # OTLP/HTTP traces when OTEL_EXPORTER_OTLP_ENDPOINT is set; else the API's no-op tracer
+    tracing.configure("rollout-operator")
     # Importing the package registers the handlers (including the configure hook).
     from . import handlers  # noqa: F401
 

@@ -16,11 +16,16 @@ A coordinator (an operator, a Slurm job, `rollout-coordinate`) drives participan
 records.
 
 This package is its own distribution, `rollout-protocol` (protocol/pyproject.toml), and depends on
-pydantic, httpx, anyio and FastAPI/Starlette only. aiohttp (`HttpParticipantClient`, imported at
-its first call: the `client` extra) and uvicorn (`rollout_protocol.serving`, the conformance kit:
-the `serve` and `kit` extras) are needed only by what uses them; `import rollout_protocol` imports
-neither. It never imports the operator or the reference servers; everything not listed in
-`__all__` (and the public submodules `conformance` and `serving`) is private.
+pydantic, httpx, anyio, FastAPI/Starlette and opentelemetry-api only. aiohttp
+(`HttpParticipantClient`, imported at its first call: the `client` extra) and uvicorn
+(`rollout_protocol.serving`, the conformance kit: the `serve` and `kit` extras) are needed only by
+what uses them; `import rollout_protocol` imports neither. It never imports the operator or the
+reference servers; everything not listed in `__all__` (and the public submodules `conformance`,
+`serving` and `tracing`) is private.
+
+Traces: `rollout_protocol.tracing` uses the OpenTelemetry API (`opentelemetry-api`, a dependency);
+the SDK and its OTLP/HTTP exporter (the `tracing` extra) are imported only when
+`OTEL_EXPORTER_OTLP_ENDPOINT` is set. Without them every span is the API's no-op one.
 """
 
 from ._client import HttpParticipantClient, ParticipantClient, ParticipantError

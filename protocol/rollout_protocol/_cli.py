@@ -24,6 +24,7 @@ from typing import Any, TextIO
 import anyio
 
 from . import _storage as storage
+from . import tracing
 from ._client import HttpParticipantClient, _default_session
 from ._coordinator import Coordinator, StatusOutcome
 from ._wire import CHECKPOINT_ID_PATTERN, Role, StatusReply
@@ -262,15 +263,22 @@ async def _checkpoint(
     if re.fullmatch(CHECKPOINT_ID_PATTERN, checkpoint_id) is None:
         raise UsageError(f"--checkpoint-id {checkpoint_id!r} must match {CHECKPOINT_ID_PATTERN}")
     console.progress(f"checkpoint {checkpoint_id} of set {set_name} into {args.dir}")
-    result = await coordinator.checkpoint(
-        checkpoint_id,
-        prepare_timeout=args.prepare_timeout,
-        commit_timeout=args.commit_timeout,
-        scope=args.episode,
-        publish_dir=args.dir,
-        set_name=set_name,
-        trainer_step=args.trainer_step,
-    )
+    with tracing.root_span(
+        f"checkpoint {set_name}/{checkpoint_id}",
+        key=f"checkpoint/{set_name}/{checkpoint_id}",
+        attributes={"rollout.set": set_name, "rollout.checkpoint": checkpoint_id},
+    ):
+        result = await coordinator.checkpoint(
+            checkpoint_id,
+            prepare_timeout=args.prepare_timeout,
+            commit_timeout=args.commit_timeout,
+            scope=args.episode,
+            publish_dir=args.dir,
+            set_name=set_name,
+            trainer_step=args.trainer_step,
+        )
+        if not result.ok:
+            tracing.failed(result.reason, result.message)
     console.summary(result.model_dump(mode="json"))
     if not result.ok:
         console.progress(f"checkpoint failed ({result.reason}): {result.message}")
@@ -305,9 +313,14 @@ async def _restore(
         )
     running = max(status.attempt for status in statuses)
     attempt = args.attempt if args.attempt is not None else max(published.attempt + 1, running)
-    outcome = await coordinator.restore(
-        published.checkpoint_id, attempt, time.time() + args.timeout, scope=args.episode
-    )
+    with tracing.root_span(
+        f"restore {set_name}/{published.checkpoint_id}",
+        key=f"restore/{set_name}/{published.checkpoint_id}/{attempt}",
+        attributes={"rollout.set": set_name, "rollout.attempt": attempt},
+    ):
+        outcome = await coordinator.restore(
+            published.checkpoint_id, attempt, time.time() + args.timeout, scope=args.episode
+        )
     payload: dict[str, Any] = {"restore": outcome.model_dump(mode="json")}
     if not outcome.ok:
         console.summary({"ok": False, **payload})
@@ -329,6 +342,7 @@ async def _restore(
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
+    tracing.configure("rollout-coordinate")  # OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set
     # uvloop where installed: the pause includes this process's share of nine control calls
     uvloop = importlib.util.find_spec("uvloop") is not None
     return anyio.run(functools.partial(run, arguments), backend_options={"use_uvloop": uvloop})

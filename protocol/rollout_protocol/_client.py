@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 
 from . import _gym as gym
+from . import tracing
 from ._routes import (
     COMMIT,
     FORGET,
@@ -318,8 +319,20 @@ class HttpParticipantClient:
     async def call(
         self, route: Route[RequestT, ReplyT], request: RequestT, deadline_ts: float
     ) -> ReplyT:
-        """Send `request` through `route` in the participant's dialect, retrying transport
-        failures until `deadline_ts`."""
+        """Send `request` through `route` in the participant's dialect inside a client span
+        (`tracing`: its `traceparent` goes with the request), retrying transport failures until
+        `deadline_ts`."""
+        attributes = {"rollout.instance": self._instance, "rollout.role": self._role.value}
+        checkpoint_id = getattr(request, "checkpoint_id", None)
+        if checkpoint_id is not None:
+            attributes["rollout.checkpoint_id"] = checkpoint_id
+        name = f"{route.name} {self._instance}"
+        with tracing.span(name, kind=tracing.SpanKind.CLIENT, attributes=attributes):
+            return await self._dispatch(route, request, deadline_ts)
+
+    async def _dispatch(
+        self, route: Route[RequestT, ReplyT], request: RequestT, deadline_ts: float
+    ) -> ReplyT:
         for probe in (False, True):
             dialect = self._dialect
             if dialect is None:
@@ -431,6 +444,8 @@ class HttpParticipantClient:
         """One request, transport failures retried with backoff until `deadline_ts`: the
         reply's status, body and charset."""
         session = self._session_now()
+        if traced := tracing.headers():  # the client span's traceparent, when tracing is on
+            headers = {**headers, **traced}
         give_up = deadline_ts + self._margin
         backoff = 0.05
         import aiohttp  # installed: the session above is aiohttp's

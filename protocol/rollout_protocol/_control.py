@@ -45,6 +45,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import _gym as gym
 from . import _storage as storage
+from . import tracing
 from ._participant import ParkState, Participant
 from ._routes import (
     COMMIT,
@@ -712,7 +713,16 @@ class ControlPlane:
         """Mount the routes and error handlers, and run the lease watchdog with the app.
 
         Create the app with its own lifespan (if any) before calling this; the watchdog wraps it.
+        With `OTEL_EXPORTER_OTLP_ENDPOINT` set, the process exports traces from here on
+        (`tracing.configure`, service `rollout-<role>`) unless it set up OpenTelemetry itself.
         """
+        tracing.configure(
+            f"rollout-{self._settings.role.value}",
+            attributes={
+                "rollout.instance": self._settings.instance,
+                "rollout.set": self._settings.set_name,
+            },
+        )
         declare_error_statuses(app)
         app.include_router(self.router)
         app.add_exception_handler(ProtocolError, _protocol_error_handler)
@@ -780,8 +790,11 @@ class ControlPlane:
             if cached is not None:
                 return cached
             if self._machine.begin_prepare(cid):
-                await self._call("close_admission", self._participant.close_admission())
-            state = await self._park(cid, request.deadline_ts)
+                with tracing.span("close admission"):
+                    await self._call("close_admission", self._participant.close_admission())
+            with tracing.span("park") as parking:
+                state = await self._park(cid, request.deadline_ts)
+                parking.set_attribute("rollout.parked", len(state.parked))
             listed = frozenset(request.rollout_ids or ())
             reply = PrepareReply(
                 checkpoint_id=cid,
@@ -829,14 +842,16 @@ class ControlPlane:
             root = self._require_root("commit")
             scope = None if request.rollout_ids is None else frozenset(request.rollout_ids)
             excluded = frozenset(request.excluded_rollout_ids or ())
-            encoded = self._in_scope(self._export(scope), scope)
-            if excluded:
-                encoded = [item for item in encoded if item.record.rollout_id not in excluded]
-                if scope is None:
-                    # released like state outside an explicit scope: the rollouts left in
-                    scope = frozenset(item.record.rollout_id for item in encoded)
+            with tracing.span("encode") as encoding:
+                encoded = self._in_scope(self._export(scope), scope)
+                if excluded:
+                    encoded = [item for item in encoded if item.record.rollout_id not in excluded]
+                    if scope is None:
+                        # released like state outside an explicit scope: the rollouts left in
+                        scope = frozenset(item.record.rollout_id for item in encoded)
+                encoding.set_attribute("rollout.records", len(encoded))
             try:
-                with self._storage_deadline("commit", request.deadline_ts):
+                with tracing.span("write"), self._storage_deadline("commit", request.deadline_ts):
                     directory = await self._commit_directory(root, cid)
                     manifest = await _storage_io(
                         lambda: storage.write_records(
@@ -884,13 +899,15 @@ class ControlPlane:
                     f"attempt {request.attempt} was retired here; restore under a newer attempt",
                 )
             self._take_identity(request.index)
-            records = await self._verified_records(request)
+            with tracing.span("verify"):
+                records = await self._verified_records(request)
             if request.peers is not None:
                 self._rewire(request.peers)
             self._extend_lease(request.deadline_ts)
             await self._call("close_admission", self._participant.close_admission())
             try:
-                restored = await self._participant.install(records, request.attempt)
+                with tracing.span("install", attributes={"rollout.records": len(records)}):
+                    restored = await self._participant.install(records, request.attempt)
             except Exception as error:
                 logger.exception("%s: install failed", self._settings.instance)
                 await self._call("reopen", self._participant.reopen())
@@ -955,7 +972,8 @@ class ControlPlane:
             if self._machine.resume(request.checkpoint_id):
                 self._lease_changed.set()
                 self._closed(committed)
-                await self._call("reopen", self._participant.reopen())
+                with tracing.span("reopen"):
+                    await self._call("reopen", self._participant.reopen())
             return ResumeReply(checkpoint_id=request.checkpoint_id, phase=Phase.IDLE)
 
     async def retire(self, request: RetireRequest) -> RetireReply:
@@ -1137,9 +1155,10 @@ class ControlPlane:
         set_name, instance = self._settings.storage_dir, self._settings.instance
 
         def make() -> Path:
-            path = storage.checkpoint_dir(root, set_name, checkpoint_id, instance)
-            storage.make_dirs(path)
-            return path
+            with tracing.span("create directory ahead"):  # after the prepare reply, off its path
+                path = storage.checkpoint_dir(root, set_name, checkpoint_id, instance)
+                storage.make_dirs(path)
+                return path
 
         async def create() -> None:
             try:
@@ -1405,7 +1424,12 @@ class ControlPlane:
             deadline_ts = getattr(body, "deadline_ts", None)
             if deadline_ts is not None:
                 self._refuse_far(deadline_ts)
-            return _reply(await handler(body))
+            with tracing.server_span(
+                route.name,
+                request.headers,
+                attributes={"rollout.instance": self._settings.instance},
+            ):
+                return _reply(await handler(body))
 
         return endpoint
 

@@ -54,6 +54,7 @@ from typing import Final
 
 from pydantic import ValidationError
 
+from . import tracing
 from ._wire import (
     CHECKPOINT_ID_PATTERN,
     INSTANCE_PATTERN,
@@ -172,7 +173,8 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _fsync(fd: int) -> None:
-    os.fsync(fd)
+    with tracing.span("fsync", only_in_trace=True):
+        os.fsync(fd)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -34,7 +34,7 @@ from typing import IO
 import anyio
 import httpx
 from pydantic import BaseModel, ConfigDict
-from rollout_protocol import ErrorBody, ErrorCode
+from rollout_protocol import ErrorBody, ErrorCode, tracing
 
 from .tasks import Task, sample_tasks
 from .topology import (
@@ -170,7 +170,13 @@ class RolloutClient:
                 }
                 retry_same: float | None = None
                 try:
-                    reply = await http.post(url, json=body, timeout=None)
+                    with tracing.span(
+                        f"run {spec.rollout_id}",
+                        kind=tracing.SpanKind.CLIENT,
+                        attributes={"rollout.attempt": snapshot.attempt, "url.full": url},
+                    ):
+                        headers = tracing.headers()  # the span's traceparent when tracing is on
+                        reply = await http.post(url, json=body, timeout=None, headers=headers)
                 except httpx.TransportError as error:
                     why = f"{type(error).__name__} from {url}: {error}"
                     retry_same = backoff
@@ -445,10 +451,15 @@ async def _collect(args: argparse.Namespace, topology: Topology) -> int:
             else:
                 log.error("episode failed: %s", outcome)
 
-        async with anyio.create_task_group() as group:
-            group.start_soon(_report, client, sys.stderr, args.progress_interval, tty)
-            outcomes = await client.run_all(specs, write)
-            group.cancel_scope.cancel()
+        # the batch is one trace (OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set): a span per
+        # /run call under it, each call carrying its traceparent to the environment
+        batch = {"rollout.episodes": len(specs), "rollout.seed": args.seed}
+        with tracing.root_span(f"collect {args.prefix}", attributes=batch) as root:
+            async with anyio.create_task_group() as group:
+                group.start_soon(_report, client, sys.stderr, args.progress_interval, tty)
+                outcomes = await client.run_all(specs, write)
+                group.cancel_scope.cancel()
+            root.set_attribute("rollout.failed", client.progress.failed)
     sys.stderr.write(
         ("\n" if tty else "") + f"rollout-collect: {_progress_text(client.progress)}\n"
     )
@@ -461,5 +472,6 @@ async def _collect(args: argparse.Namespace, topology: Topology) -> int:
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    tracing.configure("rollout-collect")
     code = anyio.run(collect, args)
     raise SystemExit(code)

@@ -25,7 +25,7 @@ import contextlib
 import os
 import secrets
 import signal
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,10 +117,18 @@ def release_finalizers(cluster: Cluster, namespace: str) -> None:
 
 @contextlib.contextmanager
 def running_operator(
-    cluster: Cluster, namespaces: list[str], log: Path, *, args: Sequence[str] = ()
+    cluster: Cluster,
+    namespaces: list[str],
+    log: Path,
+    *,
+    args: Sequence[str] = (),
+    environment: Mapping[str, str] | None = None,
 ) -> Iterator[OperatorProcess]:
+    """The operator as a process (`environment` replaces this process's for it)."""
     apply_crds(cluster)
-    process = OperatorProcess(cluster.kubeconfig, namespaces, log, args=args)
+    process = OperatorProcess(
+        cluster.kubeconfig, namespaces, log, args=args, environment=environment
+    )
     process.start()
     try:
         process.wait_live()

@@ -348,6 +348,32 @@ def test_metrics_service_and_optional_service_monitor() -> None:
     assert "metrics.serviceMonitor.enabled needs metrics.service.enabled" in refused.stderr
 
 
+def test_tracing_sets_the_otlp_endpoint_only_when_given() -> None:
+    names = {e["name"] for e in container(render())["env"]}
+    assert not {n for n in names if n.startswith("OTEL_")}, "no endpoint: no tracing"
+    env = container(
+        render(
+            {
+                "tracing.otlpEndpoint": "http://collector.obs:4318",
+                "tracing.env.OTEL_SERVICE_NAME": "ops-operator",
+            }
+        )
+    )["env"]
+    given = {e["name"]: e.get("value") for e in env}
+    assert given["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector.obs:4318"
+    assert given["OTEL_SERVICE_NAME"] == "ops-operator"
+    refused = helm(
+        "template",
+        "rel",
+        str(CHART),
+        "--kube-version",
+        KUBE_VERSION,
+        *sets({"tracing.env.HTTP_PROXY": "x"}),
+        check=False,
+    )
+    assert refused.returncode != 0, "tracing.env holds OTEL_* variables only"
+
+
 def test_network_policy_admits_only_the_operator_and_peers_to_the_control_port() -> None:
     docs = render({**NAMESPACED, "networkPolicy.enabled": "true"})
     policies = [d for d in docs if d["kind"] == "NetworkPolicy"]

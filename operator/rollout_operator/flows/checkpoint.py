@@ -36,6 +36,7 @@ from rollout_protocol import (
     Failure,
     HttpParticipantClient,
     PrepareOutcome,
+    tracing,
 )
 
 from ..cluster.kube import ApiError, Kube
@@ -207,7 +208,8 @@ class CheckpointFlow:
         for key in ("blockers", "participants"):
             body["status"].setdefault(key, [])
         namespace = ckpt.metadata.namespace or "default"
-        await self._kube.patch_checkpoint_status(namespace, ckpt.metadata.name, body["status"])
+        with tracing.span("write status", attributes={"rollout.phase": str(status.phase)}):
+            await self._kube.patch_checkpoint_status(namespace, ckpt.metadata.name, body["status"])
         ckpt.status = status
 
     async def _phase(
@@ -238,6 +240,7 @@ class CheckpointFlow:
         logger.warning(
             "checkpoint %s failed: %s: %s", ckpt.metadata.name, failed.reason, failed.message
         )
+        tracing.failed(failed.reason, failed.message)
         status = ckpt.status.model_copy(
             update={"phase": CheckpointPhase.FAILED, "completed_at": datetime.now(UTC)}
         )
@@ -374,6 +377,29 @@ class CheckpointFlow:
             return None
         if ckpt.status.phase in TERMINAL:
             return ckpt.status.phase
+        # One trace per checkpoint: its id derives from the checkpoint's uid, so an operator
+        # that continues this checkpoint after a restart adds its part to the same trace.
+        with tracing.root_span(
+            f"checkpoint {namespace}/{name}",
+            key=f"checkpoint/{ckpt.metadata.uid or namespace + '/' + name}",
+            attributes={
+                "rollout.checkpoint": name,
+                "rollout.namespace": namespace,
+                "rollout.set": ckpt.spec.rollout_set,
+                "rollout.trigger": ckpt.spec.trigger.value,
+                "rollout.continued_from": (ckpt.status.phase or CheckpointPhase.PENDING).value,
+            },
+        ) as root:
+            phase = await self._run(ckpt, abort_when_cancelled)
+            if phase is not None:
+                root.set_attribute("rollout.phase", phase.value)
+            return phase
+
+    async def _run(
+        self, ckpt: RolloutCheckpoint, abort_when_cancelled: Callable[[], bool]
+    ) -> CheckpointPhase | None:
+        namespace = ckpt.metadata.namespace or "default"
+        name = ckpt.metadata.name
         in_flight = ckpt.status.phase in IN_FLIGHT
         # A status reset by a user must never run a published checkpoint again (class 2).
         if not in_flight and (repaired := await repair_published_checkpoint(self._kube, ckpt)):
@@ -390,8 +416,9 @@ class CheckpointFlow:
         published = False
         holds_operator_slot = False
         try:
-            holds_operator_slot = await self._take_operator_slot(ckpt, in_flight)
-            rset = await (self._held_slot(ckpt) if in_flight else self._take_slot(ckpt))
+            with tracing.span("slot"):
+                holds_operator_slot = await self._take_operator_slot(ckpt, in_flight)
+                rset = await (self._held_slot(ckpt) if in_flight else self._take_slot(ckpt))
             token = await read_control_token(self._kube, namespace, rset.metadata.name)
             if token is None:
                 raise CheckpointFailed(
@@ -515,7 +542,7 @@ class CheckpointFlow:
 
     async def _abort(self, coordinator: Coordinator, ckpt: RolloutCheckpoint) -> None:
         """Resume every participant at once (one hung participant does not hold the others)."""
-        with anyio.CancelScope(shield=True):
+        with anyio.CancelScope(shield=True), tracing.span("abort"):
             outcome = await coordinator.abort(
                 ckpt.metadata.name, self._clock() + self._settings.abort_timeout_seconds
             )
@@ -607,12 +634,13 @@ class CheckpointFlow:
             # A deadline that passed while the operator was down: a prepare that completed then
             # is replayed at once; one that did not gets one more second, then times out.
             prepare_deadline = max(deadline_ts, self._clock() + 1)
-            prepare = await self._while_set_holds(
-                ckpt,
-                lambda: coordinator.prepare(
-                    checkpoint_id, prepare_deadline, scope=ckpt.spec.episodes
-                ),
-            )
+            with tracing.span("prepare"):
+                prepare = await self._while_set_holds(
+                    ckpt,
+                    lambda: coordinator.prepare(
+                        checkpoint_id, prepare_deadline, scope=ckpt.spec.episodes
+                    ),
+                )
             prepare_seconds = self._clock() - prepare_started
             if prepare.failures:
                 reason = _failure_reason(prepare.failures) or Reason.PREPARE_FAILED
@@ -645,29 +673,32 @@ class CheckpointFlow:
                 ),
                 restarts=len(prepare.restarts),
             )
-            commit = await alongside(
-                committing,
-                self._while_set_holds(
-                    ckpt,
-                    lambda: coordinator.commit(
-                        checkpoint_id, commit_deadline, scope, excluded=prepare.excluded()
+            with tracing.span("commit"):
+                commit = await alongside(
+                    committing,
+                    self._while_set_holds(
+                        ckpt,
+                        lambda: coordinator.commit(
+                            checkpoint_id, commit_deadline, scope, excluded=prepare.excluded()
+                        ),
                     ),
-                ),
-            )
+                )
             commit_seconds = self._clock() - commit_started
             if not commit.ok:
                 reason = _failure_reason(commit.failures) or Reason.COMMIT_FAILED
                 raise CheckpointFailed(reason, f"commit failed: {_describe(commit.failures)}")
             episodes = prepare.committed_count(scope)
-            await self._publish(
-                ckpt, rset, episodes, commit, prepare_seconds, commit_seconds, started
-            )
+            with tracing.span("publish"):
+                await self._publish(
+                    ckpt, rset, episodes, commit, prepare_seconds, commit_seconds, started
+                )
 
         resume_started = self._clock()
         if _set_lost(rset, ckpt.status.attempt) is None:
-            resumed = await coordinator.resume(
-                checkpoint_id, self._clock() + settings.resume_timeout_seconds
-            )
+            with tracing.span("resume"):
+                resumed = await coordinator.resume(
+                    checkpoint_id, self._clock() + settings.resume_timeout_seconds
+                )
             if resumed.failures:
                 logger.warning(
                     "checkpoint %s is Ready but resume failed on %s (their lease resumes them)",

@@ -31,7 +31,14 @@ from typing import Any, Final, TypeVar
 
 import anyio
 from pydantic import ValidationError
-from rollout_protocol import Coordinator, ErrorCode, HttpParticipantClient, RetireOutcome, Role
+from rollout_protocol import (
+    Coordinator,
+    ErrorCode,
+    HttpParticipantClient,
+    RetireOutcome,
+    Role,
+    tracing,
+)
 
 from ..cluster.kube import ApiError, Conflict, Kube
 from ..cluster.objects import (
@@ -432,24 +439,52 @@ class RecoveryFlow:
 
     async def run(self, namespace: str, name: str) -> None:
         rset = await self._read(namespace, name)
+        if rset is None or rset.status.recovery is None:
+            return
+        recovery = rset.status.recovery
+        # One trace per recovery: its id derives from the set's uid and the recovery's start,
+        # so an operator that continues the recovery after a restart adds to the same trace.
+        with tracing.root_span(
+            f"recovery {namespace}/{name}",
+            key=f"recovery/{rset.metadata.uid or namespace + '/' + name}/"
+            f"{format_time(recovery.started_at)}",
+            attributes={
+                "rollout.set": name,
+                "rollout.namespace": namespace,
+                "rollout.from_attempt": recovery.from_attempt,
+                "rollout.reason": recovery.reason or "",
+                "rollout.continued_from": recovery.phase.value,
+            },
+        ) as root:
+            rset = await self._run(rset)
+            if rset is not None:
+                root.set_attribute("rollout.attempt", rset.status.attempt or 0)
+
+    async def _run(self, rset: RolloutSet | None) -> RolloutSet | None:
+        """Each phase in a span of the recovery's trace, until no recovery is left."""
         while rset is not None and rset.status.recovery is not None:
             recovery = rset.status.recovery
             if recovery.tries > rset.spec.recovery.max_restarts:
-                return  # exhausted: Degraded until a person acts (see `_try_failed`)
-            try:
-                match recovery.phase:
-                    case RecoveryPhase.STOPPING_ATTEMPT:
-                        rset = await self._stop_attempt(rset)
-                    case RecoveryPhase.STARTING_PODS:
-                        rset = await self._start_pods(rset)
-                    case RecoveryPhase.RESTORING:
-                        rset = await self._restore(rset)
-                    case RecoveryPhase.RESUMING:
-                        rset = await self._resume(rset)
-                    case RecoveryPhase.BACKING_OFF:
-                        rset = await self._back_off(rset)
-            except RecoveryFailed as failed:
-                rset = await self._try_failed(rset, failed)
+                return rset  # exhausted: Degraded until a person acts (see `_try_failed`)
+            with tracing.span(
+                recovery.phase.value, attributes={"rollout.target_attempt": recovery.target_attempt}
+            ):
+                try:
+                    match recovery.phase:
+                        case RecoveryPhase.STOPPING_ATTEMPT:
+                            rset = await self._stop_attempt(rset)
+                        case RecoveryPhase.STARTING_PODS:
+                            rset = await self._start_pods(rset)
+                        case RecoveryPhase.RESTORING:
+                            rset = await self._restore(rset)
+                        case RecoveryPhase.RESUMING:
+                            rset = await self._resume(rset)
+                        case RecoveryPhase.BACKING_OFF:
+                            rset = await self._back_off(rset)
+                except RecoveryFailed as failed:
+                    tracing.failed(failed.reason, failed.message)
+                    rset = await self._try_failed(rset, failed)
+        return rset
 
     async def _stop_attempt(self, rset: RolloutSet) -> RolloutSet:
         recovery = rset.status.recovery
