@@ -88,6 +88,9 @@ class ServerOptions:
     mistake_rate: float = 0.25
     load_seconds: float = 0.0
     """Stay unready this long after start (a simulated weight load)."""
+    wait_tools: tuple[str, ...] = ()
+    """Resources: tools declared not idempotent (their calls are wait steps); the others
+    replay (`GET /tools`)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -478,8 +481,10 @@ class RolloutServer:
         timeout_s: float | None = None,
         headers: Mapping[str, str] | None = None,
         key: str | None = None,
+        method: str = "POST",
     ) -> dict[str, Any]:
-        """POST JSON to a peer; its error body (or its absence) becomes a `PeerError`.
+        """POST JSON to a peer (`method="GET"`: read a route, `body` unused); its error body
+        (or its absence) becomes a `PeerError`.
 
         `key` picks the connection pool (default: the body's rollout id). Every peer call is
         idempotent by key (a session's seed, a tool call's index, a model request's key, ...),
@@ -492,8 +497,12 @@ class RolloutServer:
         shard = key if key is not None else str(body.get("rollout_id", path))
         for retry in range(_PEER_RETRIES + 1):
             try:
-                reply = await self.http(shard).post(
-                    url.rstrip("/") + path, json=dict(body), timeout=timeout, headers=headers
+                reply = await self.http(shard).request(
+                    method,
+                    url.rstrip("/") + path,
+                    json=dict(body) if method != "GET" else None,
+                    timeout=timeout,
+                    headers=headers,
                 )
                 break
             except httpx.TransportError as error:
