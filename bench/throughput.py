@@ -281,6 +281,7 @@ def report(args: argparse.Namespace, runs: list[Run]) -> None:
         ("paused share of the runs with", f"{sum(pauses) / sum(r.seconds for r in with_):.4f}"),
         ("ratio with / without", f"{ratio:.4f}"),
         ("  per ABBA pair (with / without)", " ".join(f"{r:.3f}" for r in per_run_ratio)),
+        ("  spread of the pairs (max - min)", f"{max(per_run_ratio) - min(per_run_ratio):.3f}"),
         (f"ratio scaled to a {PRODUCTION_INTERVAL_S:g} s interval", f"{at_production:.4f}"),
     ]
     for label, value in rows:
@@ -295,6 +296,7 @@ def report(args: argparse.Namespace, runs: list[Run]) -> None:
                 "ratio_at_60s": at_production,
                 "checkpoints": len(pauses),
                 "pause_median_s": statistics.median(pauses) if pauses else None,
+                "pair_ratios": per_run_ratio,
             }
         )
     )
