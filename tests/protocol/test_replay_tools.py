@@ -11,12 +11,17 @@ debug hook), with four real server processes.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import anyio
 import httpx
-from rollout_protocol import Role
+from fastapi import FastAPI
+from rollout_protocol import Role, StepMode
+from rollout_protocol.conformance import serve_app
+from rollout_servers.servers.agent import AgentServer
+from rollout_servers.servers.common import ServerOptions
 from testsupport.server_processes import (
     Cluster,
     Debug,
@@ -133,3 +138,24 @@ async def test_prepare_waits_for_a_tool_declared_not_idempotent(make_cluster: An
     assert len(results) == 1, results
     assert results[0]["attempt"] == 0, results
     assert "tool@0" in completed_steps(stats[Role.RESOURCES], "held", 0)
+
+
+async def test_an_agent_steps_every_call_in_wait_mode_for_a_server_without_a_tool_listing(
+    tmp_path: Path,
+) -> None:
+    """A resources server that answers `GET /tools` with 404 declares nothing: the reference
+    agent runs every tool call as a wait step (and asks again after a rewire)."""
+    token = "t"
+    async with serve_app(FastAPI(), role=Role.RESOURCES, token=token) as bare:
+        options = ServerOptions(
+            role=Role.AGENT,
+            model_url="http://127.0.0.1:9",
+            resources_url=bare.target.base_url,
+            allow_unauthenticated=True,
+        )
+        agent = AgentServer(options, environ={"ROLLOUT_CHECKPOINT_ROOT": str(tmp_path)})
+        async with serve_app(agent.build_app(), role=Role.AGENT, token=token):
+            assert await agent.tool_mode("calculator") is StepMode.WAIT
+            assert agent._tool_modes == {}
+            agent.rewire({Role.RESOURCES: bare.target.base_url})
+            assert agent._tool_modes is None

@@ -41,7 +41,7 @@ from rollout_protocol import (
 )
 
 from ..tasks import Task
-from .common import Outcome, RolloutServer, WireModel, episode_error
+from .common import Outcome, PeerError, RolloutServer, WireModel, episode_error
 from .model import ATTEMPT_HEADER, REQUEST_HEADER
 
 log = logging.getLogger(__name__)
@@ -146,11 +146,16 @@ class AgentServer(RolloutServer):
 
     async def tool_mode(self, tool: str) -> StepMode:
         """Replay for a tool the resources server declares idempotent, wait otherwise (also
-        for a tool it does not list)."""
+        for a tool it does not list, and for every tool of a server without `GET /tools`)."""
         if self._tool_modes is None:
-            listing = await self.call_peer(
-                self.peer_url(Role.RESOURCES), "/tools", {}, key="tools", method="GET"
-            )
+            try:
+                listing = await self.call_peer(
+                    self.peer_url(Role.RESOURCES), "/tools", {}, key="tools", method="GET"
+                )
+            except PeerError as error:
+                if error.http_status != 404:
+                    raise
+                listing = {}  # it declares nothing: every call is a wait step
             self._tool_modes = {
                 str(t["name"]): StepMode.REPLAY if t.get("idempotent") is True else StepMode.WAIT
                 for t in listing.get("tools", [])

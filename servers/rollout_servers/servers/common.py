@@ -113,6 +113,9 @@ def episode_error(error: EpisodeError) -> ProtocolError:
 class PeerError(ProtocolError):
     """A call to a peer server failed; carries the peer's error code (or `unreachable`)."""
 
+    http_status: int | None = None
+    """The peer's HTTP status, when it answered."""
+
 
 # --- counters ---------------------------------------------------------------------------------
 
@@ -618,9 +621,11 @@ class RolloutServer:
 def peer_error(where: str, reply: httpx.Response) -> PeerError:
     try:
         body = ErrorBody.model_validate_json(reply.content)
+        error = PeerError(body.error.code, f"{where}: {body.error.detail}")
     except ValueError:
-        return PeerError(ErrorCode.INTERNAL, f"{where}: HTTP {reply.status_code}")
-    return PeerError(body.error.code, f"{where}: {body.error.detail}")
+        error = PeerError(ErrorCode.INTERNAL, f"{where}: HTTP {reply.status_code}")
+    error.http_status = reply.status_code
+    return error
 
 
 # --- serving ----------------------------------------------------------------------------------
