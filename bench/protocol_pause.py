@@ -17,6 +17,14 @@ cut), and inside a replay-mode verification. The coordinator runs in this proces
              on the same disk), plus the round trips the protocol makes in sequence: six (prepare
              in four role stages, one commit fan-out, one resume fan-out)
   ratio      pause / floor, target <= 2.0
+  floor, the protocol's calls
+             the same bytes plus each sequential call as the fan-out it is: a prepare stage
+             reaches every instance of its role (three of each at 10,000 episodes), the commit
+             and the resume every participant; each measured as a status fan-out to the same
+             processes next to every checkpoint
+
+The prepare is broken down by stage (each stage's span: first call sent to last reply, as the
+coordinator saw it), next to the fan-out to that role's instances.
 
 The commit is broken down by part on the same bytes, in this process: encoding the records
 (building and serialising each one, and its digest: inside the commit before issue 21, at each
@@ -59,6 +67,7 @@ import aiohttp
 import anyio
 import httpx
 from rollout_protocol import (
+    PREPARE_ORDER,
     Boundary,
     CommitReply,
     CommitRequest,
@@ -339,6 +348,8 @@ async def run_trainer(environment: str, ids: list[str], failures: Path) -> None:
 
 async def bench(episodes: int, repeats: int, replicas: int, root: Path) -> None:
     calls: dict[tuple[str, Role], list[float]] = defaultdict(list)
+    spans: Spans = defaultdict(list)
+    current = [0]
     with servers(root, replicas=replicas) as procs:
         urls = {server: url for server, (url, _) in procs.items()}
         ids = [f"b{i:05d}" for i in range(episodes)]
@@ -407,13 +418,22 @@ async def bench(episodes: int, repeats: int, replicas: int, root: Path) -> None:
                                 role, url, index=index, token=TOKEN, client=control
                             ),
                             calls,
+                            spans,
+                            current,
                         )
                         for (role, index), url in urls.items()
                     ]
                     coordinator = Coordinator(participants, call_timeout=120)
                     pauses, results, trips, fan_outs = [], [], [], []
+                    stage_trips: dict[Role, list[float]] = defaultdict(list)
                     everyone = list(urls.values())
+                    by_role = {
+                        role: [u for (r, _), u in urls.items() if r is role] for role in ROLES
+                    }
                     for n in range(repeats):
+                        current[0] = n
+                        for role, members in by_role.items():
+                            stage_trips[role] += await round_trips(control, members, 5)
                         # round trips sampled next to every checkpoint, so the baseline sees
                         # the same machine state as the pause it is compared with
                         trips += await round_trips(control, [urls[(Role.RESOURCES, 0)]], 10)
@@ -446,6 +466,17 @@ async def bench(episodes: int, repeats: int, replicas: int, root: Path) -> None:
         # the commit and the resume reach every participant at once; with more processes than
         # cores a fan-out costs more than one participant's round trip
         floor_fan_out = write_s + (SEQUENTIAL_CALLS - 2) * rtt + 2 * rtt_all
+        stage_rtt = {role: statistics.median(stage_trips[role]) for role in ROLES}
+        floor_calls = write_s + sum(stage_rtt.values()) + 2 * rtt_all
+        stages = {
+            (op, role): statistics.median(
+                max(end for _, end in spans[(n, op, role)])
+                - min(start for start, _ in spans[(n, op, role)])
+                for n in range(repeats)
+            )
+            for op in ("prepare",)
+            for role in ROLES
+        }
         pause = statistics.median(pauses)
         parts = commit_parts(root / "checkpoints", last.commit.manifest_paths, repeats)
 
@@ -479,7 +510,22 @@ async def bench(episodes: int, repeats: int, replicas: int, root: Path) -> None:
         f"{'ratio pause / floor':<36}{pause / floor:>10.2f}   "
         f"(target <= 2.0; {SEQUENTIAL_CALLS} sequential calls)"
     )
-    print(f"{'ratio pause / floor with fan-outs':<36}{pause / floor_fan_out:>10.2f}\n")
+    print(f"{'ratio pause / floor with fan-outs':<36}{pause / floor_fan_out:>10.2f}")
+    print(
+        f"{'floor, the protocol calls as fan-outs':<36}{floor_calls:>10.4f}   "
+        "(write+fsync + 4 stage fan-outs + 2 fan-outs to all)"
+    )
+    print(f"{'ratio pause / that floor':<36}{pause / floor_calls:>10.2f}\n")
+    print("the prepare by stage, in order (seconds; the stage's fan-out measured alone):")
+    for role in PREPARE_ORDER:
+        print(
+            f"  {role.value:<14}{stages[('prepare', role)]:>10.4f}"
+            f"   fan-out to its {len(by_role[role])} instance(s) {stage_rtt[role]:.4f}"
+        )
+    print(
+        f"  {'sum of stages':<14}{sum(stages.values()):>10.4f}"
+        f"   (the prepare as timed: {prepare:.4f}; the rest is between stages)\n"
+    )
     resume = max(0.0, pause - prepare - commit)
     rest = max(0.0, commit - parts["collect"] - parts["write"])
     print("the commit by part, on the same bytes in this process (seconds):")
@@ -493,7 +539,7 @@ async def bench(episodes: int, repeats: int, replicas: int, root: Path) -> None:
         print(f"  {label:<34}{value:>10.4f}   {note}")
     # each part's excess over what the floor grants it
     excess = {
-        "prepare (4 stages: parking, replies)": prepare - 4 * rtt,
+        "prepare (beyond its 4 stage fan-outs)": prepare - sum(stage_rtt.values()),
         "commit (beyond write + one fan-out)": commit - parts["write"] - rtt_all,
         "resume (beyond one fan-out)": resume - rtt_all,
     }
@@ -542,6 +588,9 @@ async def bench(episodes: int, repeats: int, replicas: int, root: Path) -> None:
         "rtt_s": rtt,
         "fan_out_rtt_s": rtt_all,
         "ratio_floor_fan_out": pause / floor_fan_out,
+        "floor_calls_s": floor_calls,
+        "ratio_floor_calls": pause / floor_calls,
+        "prepare_stages_s": {role.value: stages[("prepare", role)] for role in ROLES},
         "floor_s": floor,
         "ratio_floor": pause / floor,
         "baseline_s": baseline,
@@ -571,14 +620,25 @@ async def _wait_held(
             return reply
 
 
+Spans = dict[tuple[int, str, Role], list[tuple[float, float]]]
+"""(checkpoint number, operation, role) -> (sent, replied) of each instance's call."""
+
+
 class TimedParticipant:
-    """A participant client that records how long each prepare, commit and resume took."""
+    """A participant client that records how long each prepare, commit and resume took, and
+    when each was sent and answered (`spans`, under the checkpoint number in `current[0]`)."""
 
     def __init__(
-        self, inner: HttpParticipantClient, calls: dict[tuple[str, Role], list[float]]
+        self,
+        inner: HttpParticipantClient,
+        calls: dict[tuple[str, Role], list[float]],
+        spans: Spans,
+        current: list[int],
     ) -> None:
         self.inner = inner
         self.calls = calls
+        self.spans = spans
+        self.current = current
 
     @property
     def role(self) -> Role:
@@ -591,7 +651,9 @@ class TimedParticipant:
     async def _timed(self, operation: str, call: Awaitable[_Reply]) -> _Reply:
         started = time.perf_counter()
         reply = await call
-        self.calls[(operation, self.role)].append(time.perf_counter() - started)
+        ended = time.perf_counter()
+        self.calls[(operation, self.role)].append(ended - started)
+        self.spans[(self.current[0], operation, self.role)].append((started, ended))
         return reply
 
     async def status(self, deadline_ts: float) -> StatusReply:

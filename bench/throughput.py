@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import statistics
 import sys
@@ -75,6 +76,8 @@ class Run:
     pauses: list[float] = field(default_factory=list)
     prepares: list[float] = field(default_factory=list)
     commits: list[float] = field(default_factory=list)
+    stages: dict[str, list[float]] = field(default_factory=dict)
+    """Seconds of each prepare stage (by role), from the coordinator's progress messages."""
 
     @property
     def per_second(self) -> float:
@@ -98,9 +101,11 @@ async def one_run(
     client = RolloutClient(
         StaticTopology([urls[Role.ENVIRONMENT]]), concurrency=args.concurrency, run_timeout_s=600
     )
+    marks: list[tuple[float, str]] = []
     coordinator = Coordinator(
         [HttpParticipantClient(role, urls[role], token=TOKEN, client=control) for role in Role],
         call_timeout=60,
+        on_progress=lambda message: marks.append((time.perf_counter(), message)),
     )
     finished = anyio.Event()
 
@@ -111,6 +116,7 @@ async def one_run(
                 await finished.wait()
             if finished.is_set():
                 return
+            marks.clear()
             result = await coordinator.checkpoint(
                 f"run{n}-{taken}",
                 prepare_timeout=30,
@@ -123,6 +129,11 @@ async def one_run(
             run.pauses.append(result.durations.pause_seconds)
             run.prepares.append(result.durations.prepare_seconds)
             run.commits.append(result.durations.commit_seconds)
+            # "prepare <role>: ..." starts a stage; the next message ends it
+            for (at, message), (until, _) in itertools.pairwise(marks):
+                if message.startswith("prepare ") and ":" in message:
+                    role = message.split(":")[0].removeprefix("prepare ")
+                    run.stages.setdefault(role, []).append(until - at)
             taken += 1
 
     started = time.perf_counter()
@@ -277,10 +288,15 @@ def report(args: argparse.Namespace, runs: list[Run]) -> None:
         ("checkpoints taken", f"{len(pauses)}"),
         ("pause per checkpoint, median s", median(pauses)),
         ("  prepare (parking at boundaries)", median([p for r in with_ for p in r.prepares])),
+        *(
+            (f"    stage {role}", median([d for r in with_ for d in r.stages.get(role, [])]))
+            for role in ("environment", "model", "agent", "resources")
+        ),
         ("  commit", median([c for r in with_ for c in r.commits])),
         ("paused share of the runs with", f"{sum(pauses) / sum(r.seconds for r in with_):.4f}"),
         ("ratio with / without", f"{ratio:.4f}"),
         ("  per ABBA pair (with / without)", " ".join(f"{r:.3f}" for r in per_run_ratio)),
+        ("  spread of the pairs (max - min)", f"{max(per_run_ratio) - min(per_run_ratio):.3f}"),
         (f"ratio scaled to a {PRODUCTION_INTERVAL_S:g} s interval", f"{at_production:.4f}"),
     ]
     for label, value in rows:
@@ -295,6 +311,7 @@ def report(args: argparse.Namespace, runs: list[Run]) -> None:
                 "ratio_at_60s": at_production,
                 "checkpoints": len(pauses),
                 "pause_median_s": statistics.median(pauses) if pauses else None,
+                "pair_ratios": per_run_ratio,
             }
         )
     )

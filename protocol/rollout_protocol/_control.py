@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import errno
 import gc
-import hashlib
 import hmac
 import json
 import logging
@@ -46,7 +45,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from . import _gym as gym
 from . import _storage as storage
 from . import tracing
-from ._participant import ParkState, Participant
+from ._participant import ParkState, Participant, episodes_digest
 from ._routes import (
     COMMIT,
     FORGET,
@@ -71,7 +70,6 @@ from ._wire import (
     MAX_FINISHED_LISTED,
     CommitReply,
     CommitRequest,
-    EpisodeId,
     ErrorBody,
     ErrorCode,
     ForgetReply,
@@ -802,7 +800,7 @@ class ControlPlane:
                 ready=state.ready,
                 episodes=[e for e in state.parked if e.rollout_id in listed] if listed else [],
                 episode_count=len(state.parked),
-                episodes_sha256=_episodes_digest(state.parked),
+                episodes_sha256=state.parked_sha256 or episodes_digest(state.parked),
                 blockers=list(state.blockers[:MAX_BLOCKERS_REPORTED]),
                 blocker_count=len(state.blockers),
                 restarts=list(state.restarts),
@@ -1506,12 +1504,6 @@ class ControlPlane:
 async def _storage_io(call: Callable[[], _T]) -> _T:
     """Run blocking storage I/O in a worker thread that a deadline can abandon."""
     return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
-
-
-def _episodes_digest(episodes: Sequence[EpisodeId]) -> str:
-    """`PrepareReply.episodes_sha256`: the episodes as `rollout_id@attempt` lines, in order."""
-    lines = "\n".join([f"{e.rollout_id}@{e.attempt}" for e in episodes])
-    return hashlib.sha256(lines.encode()).hexdigest()
 
 
 def _directory(root: Path, set_name: str, checkpoint_id: str, instance: str) -> Path:

@@ -62,7 +62,13 @@ from typing import Any, Final
 import anyio
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ._participant import EpisodeCounts, ParkState, Participant
+from ._participant import (
+    DIGEST_MODULUS,
+    EpisodeCounts,
+    ParkState,
+    Participant,
+    episode_id_hash,
+)
 from ._storage import EncodedRecord, encode_record
 from ._wire import EpisodeId, Record, Role
 
@@ -390,6 +396,12 @@ class EpisodeRuntime:
         self._opened.set()
         self._changed = anyio.Event()
         self.epoch = 0
+        self._ids = _IdSet()
+        """The (rollout, attempt) ids of live and restored episodes with their set digest,
+        kept as they come and go, so a prepare reads them instead of scanning."""
+        self._blocking = 0
+        """Episodes (live or already ended) inside a wait step or cleanup; 0: no live episode
+        blocks a checkpoint, which `park` then knows without a scan."""
         """Incremented every time admission closes: lets a step tell a checkpoint happened."""
         self._retired_attempts: set[int] = set()
         self._retired: set[tuple[str, int]] = set()
@@ -521,6 +533,7 @@ class EpisodeRuntime:
                     f"{rollout_id}: the task does not match the one its checkpoint recorded"
                 )
             del self._restored[(rollout_id, key)]
+            self._ids.remove(restored.id)
             episode = Episode(
                 self,
                 rollout_id,
@@ -537,9 +550,11 @@ class EpisodeRuntime:
                 # an older attempt's leftover (its attempt was never continued): superseded
                 log.warning("dropping restored %s superseded by attempt %d", restored.id, attempt)
                 del self._restored[(rollout_id, key)]
+                self._ids.remove(restored.id)
             episode = Episode(self, rollout_id, attempt, key, first, digest)
         episode.reached(self.kind)
         self._live[(rollout_id, key)] = episode
+        self._ids.add(episode._id)
         if not self._admission_open:
             episode._park_started(self.clock())
         self._notify()
@@ -555,6 +570,7 @@ class EpisodeRuntime:
         """The episode is over here: forget it and wake whoever waits for it (retire)."""
         if self._live.get((episode.rollout_id, episode.key)) is episode:
             del self._live[(episode.rollout_id, episode.key)]
+            self._ids.remove(episode._id)
             self._ended[(episode.rollout_id, episode.attempt)] = None
             while len(self._ended) > MAX_PROGRESS_KEPT:
                 self._ended.popitem(last=False)
@@ -565,6 +581,7 @@ class EpisodeRuntime:
     def drop_restored(self, rollout_id: str, key: str = "") -> Restored | None:
         restored = self._restored.pop((rollout_id, key), None)
         if restored is not None:
+            self._ids.remove(restored.id)
             self._notify()
         return restored
 
@@ -631,6 +648,8 @@ class EpisodeRuntime:
 
     def _enter(self, episode: Episode, name: str, mode: StepMode) -> None:
         if mode is StepMode.WAIT:
+            if not episode._wait_steps and not episode._cleaning:
+                self._blocking += 1
             episode._wait_steps += 1
         else:
             episode._replay_steps += 1
@@ -642,6 +661,8 @@ class EpisodeRuntime:
     def _leave(self, episode: Episode, name: str, mode: StepMode, completed: bool) -> None:
         if mode is StepMode.WAIT:
             episode._wait_steps -= 1
+            if not episode._wait_steps and not episode._cleaning:
+                self._blocking -= 1
             if not self._admission_open and episode.parked:
                 episode._park_started(self.clock())
         else:
@@ -659,6 +680,8 @@ class EpisodeRuntime:
         From here on a retire no longer cancels the episode; it waits for `ended` instead.
         """
         episode.cleanup_started = True
+        if not episode._wait_steps and not episode._cleaning:
+            self._blocking += 1
         episode._cleaning = True
         if self.observer is not None:
             self.observer(episode, "cleanup", "started")
@@ -670,6 +693,8 @@ class EpisodeRuntime:
                 completed = True
         finally:
             episode._cleaning = False
+            if not episode._wait_steps:
+                self._blocking -= 1
             if not self._admission_open:
                 episode._park_started(self.clock())
             if self.observer is not None:
@@ -699,6 +724,10 @@ class EpisodeRuntime:
         """
         while True:
             changed = self._changed
+            if not self._blocking:
+                # nothing blocks: every live and restored episode is parked, and their ids and
+                # digest are kept as they come and go (no pass over the episodes in the pause)
+                return ParkState(parked=self._ids.ids(), parked_sha256=self._ids.digest())
             # one pass, `parked` inline, ids unique by (rollout, attempt) as `_unique` makes
             # them: this runs inside every checkpoint's pause, over every live episode
             parked: dict[tuple[str, int], EpisodeId] = {}
@@ -739,7 +768,7 @@ class EpisodeRuntime:
         released = [k for k, r in self._restored.items() if r.rollout_id not in scope]
         ids = _unique(self._restored[k].id for k in released)
         for k in released:
-            del self._restored[k]
+            self._ids.remove(self._restored.pop(k).id)
         if released:
             self._notify()
         return ids
@@ -775,7 +804,11 @@ class EpisodeRuntime:
                 active_seconds=data.active_seconds,
             )
             restored.encode(self.kind)
+            replaced = self._restored.get((record.rollout_id, record.key))
+            if replaced is not None:
+                self._ids.remove(replaced.id)
             self._restored[(record.rollout_id, record.key)] = restored
+            self._ids.add(restored.id)
             installed.append(restored.id)
         self._notify()
         return _unique(installed)
@@ -814,7 +847,7 @@ class EpisodeRuntime:
         ]
         retired = [ep.id for ep in targets] + [self._restored[k].id for k in dropped]
         for k in dropped:
-            del self._restored[k]
+            self._ids.remove(self._restored.pop(k).id)
         self._notify()
         if rollout_ids is not None:
             retired.extend(EpisodeId(rollout_id=rid, attempt=attempt) for rid in rollout_ids)
@@ -847,6 +880,41 @@ class EpisodeRuntime:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = anyio.Event()
+
+
+class _IdSet:
+    """Episode ids by (rollout, attempt), counted (a rollout may have several keys live or
+    restored), with their set digest (`episodes_digest`) updated on every first add and last
+    remove."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[str, int], EpisodeId] = {}
+        self._refs: dict[tuple[str, int], int] = {}
+        self._sum = 0
+
+    def add(self, ident: EpisodeId) -> None:
+        k = (ident.rollout_id, ident.attempt)
+        refs = self._refs.get(k, 0)
+        self._refs[k] = refs + 1
+        if not refs:
+            self._ids[k] = ident
+            self._sum = (self._sum + episode_id_hash(*k)) % DIGEST_MODULUS
+
+    def remove(self, ident: EpisodeId) -> None:
+        k = (ident.rollout_id, ident.attempt)
+        refs = self._refs.get(k, 0)
+        if refs > 1:
+            self._refs[k] = refs - 1
+        elif refs == 1:
+            del self._refs[k]
+            del self._ids[k]
+            self._sum = (self._sum - episode_id_hash(*k)) % DIGEST_MODULUS
+
+    def ids(self) -> list[EpisodeId]:
+        return list(self._ids.values())
+
+    def digest(self) -> str:
+        return f"{self._sum:064x}"
 
 
 def _loop_deadline(deadline: float, clock: Callable[[], float]) -> float:

@@ -8,9 +8,11 @@ and the protocol can be tested against an in-process fake participant.
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 from ._storage import EncodedRecord, encode_record
 from ._wire import EpisodeId, Record, Role
@@ -26,10 +28,29 @@ class ParkState:
     """Episodes still inside a wait-mode step."""
     restarts: list[EpisodeId] = field(default_factory=list)
     """Episodes that cannot be captured and will restart from scratch."""
+    parked_sha256: str | None = None
+    """`episodes_digest(parked)` when the participant keeps it as episodes come and go (the
+    episode runtime does); None: the control plane computes it from `parked`."""
 
     @property
     def ready(self) -> bool:
         return not self.blockers
+
+
+DIGEST_MODULUS: Final = 1 << 256
+
+
+def episode_id_hash(rollout_id: str, attempt: int) -> int:
+    """One episode's term of a set digest: sha256 of `rollout_id@attempt`, as an integer."""
+    return int.from_bytes(hashlib.sha256(f"{rollout_id}@{attempt}".encode()).digest(), "big")
+
+
+def episodes_digest(ids: Iterable[EpisodeId]) -> str:
+    """`PrepareReply.episodes_sha256`: the sum of the distinct ids' `episode_id_hash`es mod
+    2**256, as 64 hex digits. Independent of order, so a participant can keep it up to date as
+    episodes begin and end instead of hashing every id inside the pause."""
+    total = sum({episode_id_hash(e.rollout_id, e.attempt) for e in ids})
+    return f"{total % DIGEST_MODULUS:064x}"
 
 
 @dataclass(frozen=True)

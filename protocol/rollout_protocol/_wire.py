@@ -375,8 +375,9 @@ class PrepareReply(StrictModel):
     episodes_sha256: str | None = Field(
         default=None,
         pattern=r"^[0-9a-f]{64}$",
-        description="sha256 of the parked episodes (`rollout_id@attempt` lines in the "
-        "participant's order): equal digests from one participant mean the same episodes.",
+        description="Set digest of the parked episodes: the sum mod 2**256 of sha256("
+        "`rollout_id@attempt`) over the distinct ids, in hex; independent of order, so equal "
+        "digests mean the same episodes.",
     )
     blockers: list[EpisodeId] = Field(
         default_factory=list,

@@ -70,6 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.25,
         help="builtin backend: share of (seed, task) pairs answered off by one",
     )
+    resources = parser.add_argument_group("resources")
+    resources.add_argument(
+        "--wait-tools",
+        default="",
+        help="comma-separated tools this server declares not idempotent: callers run their "
+        "calls as wait steps, which a checkpoint waits for (default: none; every shipped tool "
+        "is idempotent and replays)",
+    )
     parser.add_argument(
         "--load-seconds",
         type=float,
@@ -113,6 +121,7 @@ def make_server(args: argparse.Namespace) -> RolloutServer:
         token_latency_ms=args.token_latency_ms,
         mistake_rate=args.mistake_rate,
         load_seconds=args.load_seconds,
+        wait_tools=tuple(t for t in (x.strip() for x in args.wait_tools.split(",")) if t),
     )
     classes: dict[Role, type[RolloutServer]] = {
         Role.ENVIRONMENT: EnvironmentServer,

@@ -46,6 +46,7 @@ from rollout_operator.model import api
 from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
 from rollout_servers.discovery import rollout_set_topology
 from testsupport.operator_fixtures import (
+    HOLD_IN_TOOL_ARGS,
     Debug,
     OperatorProcess,
     Resources,
@@ -79,7 +80,7 @@ BATCH = 4
 def fault_set(storage: Path) -> dict[str, Any]:
     rset = example_set(
         storage,
-        extra_args={"agent": ["--debug-hooks"]},
+        extra_args=HOLD_IN_TOOL_ARGS,
         spec={"recovery": {"restoreTimeoutSeconds": RESTORE_TIMEOUT_S, "maxRestarts": 4}},
     )
     for participant in rset["spec"]["participants"]:

@@ -33,7 +33,13 @@ import pytest
 from container_support import CHART, RELEASE, condition, evict, get_json, helm, kubectl_apply
 from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
 from rollout_servers.discovery import rollout_set_topology
-from testsupport.operator_fixtures import Debug, participants_by_role, phases, wait_phase
+from testsupport.operator_fixtures import (
+    HOLD_IN_TOOL_ARGS,
+    Debug,
+    participants_by_role,
+    phases,
+    wait_phase,
+)
 
 from devcluster.waiting import wait_for_sync
 from harness.objects import example_checkpoint, example_set
@@ -70,7 +76,7 @@ async def ready_set(
     cluster: ContainerClusterProvider, namespace: str, storage: Path
 ) -> dict[str, Any]:
     """The example set, its agent with debug hooks, Ready; returns it."""
-    kubectl_apply(cluster, namespace, example_set(storage, extra_args={"agent": ["--debug-hooks"]}))
+    kubectl_apply(cluster, namespace, example_set(storage, extra_args=HOLD_IN_TOOL_ARGS))
 
     def ready() -> bool:
         obj = get_json(cluster, "rolloutset", SET, "-n", namespace)

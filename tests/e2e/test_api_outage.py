@@ -20,6 +20,7 @@ import pytest
 from rollout_servers.client import EpisodeFailed, RolloutClient, episode_specs
 from rollout_servers.discovery import rollout_set_topology
 from testsupport.operator_fixtures import (
+    HOLD_IN_TOOL_ARGS,
     Debug,
     OperatorProcess,
     Resources,
@@ -45,7 +46,7 @@ async def test_a_restarting_api_server_is_ridden_out(
     resources: Resources,
     storage_dir: Path,
 ) -> None:
-    rset = example_set(storage_dir, extra_args={"agent": ["--debug-hooks"]})
+    rset = example_set(storage_dir, extra_args=HOLD_IN_TOOL_ARGS)
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(rset))
     ready = await resources.wait_set("Ready", lambda o: is_true(o, "Ready"), 90)
     agent = participants_by_role(ready)["agent"][0]

@@ -19,6 +19,7 @@ import pytest
 from rollout_servers.client import EpisodeFailed, RolloutClient, episode_specs
 from rollout_servers.discovery import rollout_set_topology
 from testsupport.operator_fixtures import (
+    HOLD_IN_TOOL_ARGS,
     Debug,
     OperatorProcess,
     Resources,
@@ -49,7 +50,7 @@ its deadline. Every wait below is far shorter."""
 def abort_set(storage: Path, prepare_timeout: int) -> dict[str, Any]:
     rset = example_set(
         storage,
-        extra_args={"agent": ["--debug-hooks"]},
+        extra_args=HOLD_IN_TOOL_ARGS,
         spec={"checkpointPolicy": {"prepareTimeoutSeconds": prepare_timeout}},
     )
     for participant in rset["spec"]["participants"]:

@@ -36,6 +36,7 @@ from rollout_protocol import read_manifest
 from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
 from rollout_servers.discovery import RolloutSetTopology, rollout_set_topology
 from testsupport.operator_fixtures import (
+    HOLD_IN_TOOL_ARGS,
     Debug,
     OperatorProcess,
     Resources,
@@ -61,7 +62,7 @@ BATCH = 4
 
 
 def restart_set(storage: Path) -> dict[str, Any]:
-    rset = example_set(storage, extra_args={"agent": ["--debug-hooks"]})
+    rset = example_set(storage, extra_args=HOLD_IN_TOOL_ARGS)
     for participant in rset["spec"]["participants"]:
         probe = participant["template"]["spec"]["containers"][0]["readinessProbe"]
         probe["failureThreshold"] = 600  # a frozen pod stays Ready: it is slow, not gone

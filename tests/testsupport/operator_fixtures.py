@@ -348,6 +348,15 @@ def sample(found: dict[str, float], name: str, **labels: str) -> float | None:
 
 ENV_STAGES = ("seed", "invoke_agent", "verify", "return")
 
+HOLD_IN_TOOL_ARGS: dict[str, list[str]] = {
+    "agent": ["--debug-hooks"],
+    "resources": ["--wait-tools", "calculator"],
+}
+"""`example_set(extra_args=...)` for tests that hold a checkpoint in Preparing with an agent's
+calculator call held at its `tool` hook: the resources server declares the calculator not
+idempotent, so the call is a wait step the prepare waits for (declared idempotent, as by
+default, it would replay and the prepare would not wait)."""
+
 
 def check_manifests(ckpt: dict[str, Any], storage: Path) -> None:
     """Every participant's manifest is on storage and says what the checkpoint's status says."""

@@ -294,7 +294,10 @@ async def test_prepare_commit_resume_writes_records_and_replays_replies(tmp_path
         assert prepared.phase is Phase.PREPARED
         assert prepared.episodes == [], "counts and a digest, no list unless asked"
         assert prepared.episode_count == 3
-        assert prepared.episodes_sha256 == hashlib.sha256(b"r1@0\nr2@0\nr3@0").hexdigest()
+        # the set digest: the sum of each id's sha256 mod 2**256, whatever the order
+        terms = [hashlib.sha256(f"r{i}@0".encode()).digest() for i in (1, 2, 3)]
+        total = sum(int.from_bytes(term, "big") for term in terms) % 2**256
+        assert prepared.episodes_sha256 == f"{total:064x}"
         assert not fake.admission_open
         status = await _status(client)
         assert status.phase is Phase.PREPARED

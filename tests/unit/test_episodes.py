@@ -26,6 +26,7 @@ from rollout_protocol import (
     StepMode,
     TaskMismatch,
 )
+from rollout_protocol._participant import episodes_digest
 
 FAR = 60.0
 
@@ -310,3 +311,54 @@ async def wait_for(condition: Callable[[], bool], limit_s: float = 5.0) -> None:
             await anyio.lowlevel.checkpoint()
             if condition():
                 return
+
+
+async def test_park_reads_the_ids_and_digest_kept_as_episodes_come_and_go() -> None:
+    """Nothing blocking: `park` answers from the ids and set digest the runtime keeps (no scan);
+    they equal a digest computed from scratch after begins, claims, ends, drops and retires,
+    and a wait step or a cleanup in flight still makes the episode a blocker."""
+    runtime = EpisodeRuntime()
+    a = runtime.begin("a", 0, Boundary("s"))
+    runtime.begin("b", 0, Boundary("s"), key="k1")
+    runtime.begin("b", 0, Boundary("s"), key="k2")  # two keys, one episode id
+    source = EpisodeRuntime()
+    for rid in ("c", "d", "e"):
+        source.begin(rid, 0, Boundary("s"))
+    runtime.install(source.export(None), 1)
+    runtime.begin("c", 1, Boundary("x"))  # claims restored c@1
+    runtime.drop_restored("d")
+    runtime.end(a)
+    await runtime.retire(1, frozenset({"e"}))
+    expected = [EpisodeId(rollout_id="b", attempt=0), EpisodeId(rollout_id="c", attempt=1)]
+
+    state = await runtime.park(soon())
+    assert sorted(map(str, state.parked)) == ["b@0", "c@1"]
+    assert state.parked_sha256 == episodes_digest(reversed(expected))
+    assert state.parked_sha256 != episodes_digest(expected[:1])
+
+    b1 = runtime.find("b", "k1")
+    assert b1 is not None
+    gate, started = anyio.Event(), anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(
+            runtime.step, b1, "tool", StepMode.WAIT, released(gate, started, Boundary("t"))
+        )
+        await started.wait()
+        blocked = await runtime.park(time.time())  # the deadline has passed: report now
+        assert [str(e) for e in blocked.blockers] == ["b@0"]
+        assert blocked.parked_sha256 is None
+        gate.set()
+    cleaning, release = anyio.Event(), anyio.Event()
+
+    async def cleanup() -> None:
+        async with runtime.cleanup(b1):
+            cleaning.set()
+            await release.wait()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(cleanup)
+        await cleaning.wait()
+        assert [str(e) for e in (await runtime.park(time.time())).blockers] == ["b@0"]
+        release.set()
+    after = await runtime.park(soon())
+    assert after.parked_sha256 == episodes_digest(expected)

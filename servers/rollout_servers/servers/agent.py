@@ -7,9 +7,11 @@ until the model answers (`ANSWER: <integer>`) or the session reaches its task's 
 
 Steps and modes: the model call is a *replay* step (the model server records its own progress:
 a cut prefix or a held response, keyed by `<rollout_id>/<turn>`, so re-issuing it after a restore
-costs no completed tokens); the tool call is a *wait* step (a calculator call is short, and its
-resources server is prepared after the agent, so it can always finish). The session's records
-hold the transcript and the turn index; a restored session resumes at its next step.
+costs no completed tokens); the tool call is a *replay* step when the resources server declares
+the tool idempotent (`GET /tools`, read once per resources URL), so a checkpoint never waits for
+it and a restore calls it again, and a *wait* step otherwise (its resources server is prepared
+after the agent, so it can always finish). The session's records hold the transcript and the
+turn index; a restored session resumes at its next step.
 
 A finished session keeps its result until the environment closes it in its final cleanup: the
 environment may still replay its invocation after a restore and must get the same answer.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from fastapi import FastAPI
@@ -38,7 +41,7 @@ from rollout_protocol import (
 )
 
 from ..tasks import Task
-from .common import Outcome, RolloutServer, WireModel, episode_error
+from .common import Outcome, PeerError, RolloutServer, WireModel, episode_error
 from .model import ATTEMPT_HEADER, REQUEST_HEADER
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,8 @@ NUDGE = "Reply with `CALC: <expression>` or `ANSWER: <integer>`."
 _ANSWER = re.compile(r"ANSWER:\s*(-?\d+)")
 _CALC = re.compile(r"CALC:\s*([-+*/%() 0-9]+)")
 MODEL_MAX_TOKENS = 128
+TOOL = "calculator"
+"""The one tool the agent calls (on the resources server)."""
 
 
 class RunRequest(WireModel):
@@ -85,6 +90,9 @@ class AgentServer(RolloutServer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._running: dict[str, Outcome[RunReply]] = {}
+        self._tool_modes: dict[str, StepMode] | None = None
+        """How each tool's calls are stepped, as the resources server declared (None: not
+        read yet, or its URL changed)."""
 
     def add_routes(self, app: FastAPI) -> None:
         server = self
@@ -131,6 +139,29 @@ class AgentServer(RolloutServer):
             self.spawn(self._drive, ep, task, outcome)
         return await outcome.wait()
 
+    def rewire(self, peers: Mapping[Role, str]) -> None:
+        super().rewire(peers)
+        if Role.RESOURCES in peers:
+            self._tool_modes = None  # a new resources server: read its declaration again
+
+    async def tool_mode(self, tool: str) -> StepMode:
+        """Replay for a tool the resources server declares idempotent, wait otherwise (also
+        for a tool it does not list, and for every tool of a server without `GET /tools`)."""
+        if self._tool_modes is None:
+            try:
+                listing = await self.call_peer(
+                    self.peer_url(Role.RESOURCES), "/tools", {}, key="tools", method="GET"
+                )
+            except PeerError as error:
+                if error.http_status != 404:
+                    raise
+                listing = {}  # it declares nothing: every call is a wait step
+            self._tool_modes = {
+                str(t["name"]): StepMode.REPLAY if t.get("idempotent") is True else StepMode.WAIT
+                for t in listing.get("tools", [])
+            }
+        return self._tool_modes.get(tool, StepMode.WAIT)
+
     async def close(self, request: CloseRequest) -> CloseReply:
         """Closing is cleanup: never gated by admission; cancels a running loop, then ends."""
         rid, attempt = request.rollout_id, request.attempt
@@ -163,9 +194,8 @@ class AgentServer(RolloutServer):
                             ep, f"model@{turn}", StepMode.REPLAY, self._model_call(ep, task)
                         )
                     else:
-                        await self.runtime.step(
-                            ep, f"tool@{turn}", StepMode.WAIT, self._tool_call(ep)
-                        )
+                        mode = await self.tool_mode(TOOL)
+                        await self.runtime.step(ep, f"tool@{turn}", mode, self._tool_call(ep))
             outcome.set(_reply(ep))
         except EpisodeCancelled as error:
             self.runtime.end(ep)
@@ -243,7 +273,7 @@ class AgentServer(RolloutServer):
                     "rollout_id": ep.rollout_id,
                     "attempt": ep.attempt,
                     "call": turn,
-                    "tool": "calculator",
+                    "tool": TOOL,
                     "input": str(state["expression"]),
                 },
             )

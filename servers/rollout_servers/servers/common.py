@@ -88,6 +88,9 @@ class ServerOptions:
     mistake_rate: float = 0.25
     load_seconds: float = 0.0
     """Stay unready this long after start (a simulated weight load)."""
+    wait_tools: tuple[str, ...] = ()
+    """Resources: tools declared not idempotent (their calls are wait steps); the others
+    replay (`GET /tools`)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -109,6 +112,9 @@ def episode_error(error: EpisodeError) -> ProtocolError:
 
 class PeerError(ProtocolError):
     """A call to a peer server failed; carries the peer's error code (or `unreachable`)."""
+
+    http_status: int | None = None
+    """The peer's HTTP status, when it answered."""
 
 
 # --- counters ---------------------------------------------------------------------------------
@@ -478,8 +484,10 @@ class RolloutServer:
         timeout_s: float | None = None,
         headers: Mapping[str, str] | None = None,
         key: str | None = None,
+        method: str = "POST",
     ) -> dict[str, Any]:
-        """POST JSON to a peer; its error body (or its absence) becomes a `PeerError`.
+        """POST JSON to a peer (`method="GET"`: read a route, `body` unused); its error body
+        (or its absence) becomes a `PeerError`.
 
         `key` picks the connection pool (default: the body's rollout id). Every peer call is
         idempotent by key (a session's seed, a tool call's index, a model request's key, ...),
@@ -492,8 +500,12 @@ class RolloutServer:
         shard = key if key is not None else str(body.get("rollout_id", path))
         for retry in range(_PEER_RETRIES + 1):
             try:
-                reply = await self.http(shard).post(
-                    url.rstrip("/") + path, json=dict(body), timeout=timeout, headers=headers
+                reply = await self.http(shard).request(
+                    method,
+                    url.rstrip("/") + path,
+                    json=dict(body) if method != "GET" else None,
+                    timeout=timeout,
+                    headers=headers,
                 )
                 break
             except httpx.TransportError as error:
@@ -609,9 +621,11 @@ class RolloutServer:
 def peer_error(where: str, reply: httpx.Response) -> PeerError:
     try:
         body = ErrorBody.model_validate_json(reply.content)
+        error = PeerError(body.error.code, f"{where}: {body.error.detail}")
     except ValueError:
-        return PeerError(ErrorCode.INTERNAL, f"{where}: HTTP {reply.status_code}")
-    return PeerError(body.error.code, f"{where}: {body.error.detail}")
+        error = PeerError(ErrorCode.INTERNAL, f"{where}: HTTP {reply.status_code}")
+    error.http_status = reply.status_code
+    return error
 
 
 # --- serving ----------------------------------------------------------------------------------

@@ -9,12 +9,19 @@ Every step is idempotent by key, so a caller that replays a step after a restore
 recorded result instead of the work running twice: a second seed returns the session, a tool
 call with a recorded `call` index returns its recorded output, a second verification returns
 the recorded verdict.
+
+Tools declare whether a call can simply run again (`GET /tools`: `idempotent`). A call of an
+idempotent tool is a *replay* step here and for its caller (the reference agent reads the
+listing): a checkpoint captures the session at its previous boundary at once and a restore runs
+the call again; a call of a tool declared otherwise (`--wait-tools`) is a *wait* step, which a
+checkpoint waits for. The shipped calculator is a pure function of its input: idempotent.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Final
 
 from fastapi import FastAPI
 from pydantic import Field
@@ -34,6 +41,25 @@ from ..tasks import CalculatorError, Task, calculate
 from .common import RolloutServer, WireModel, episode_error
 
 log = logging.getLogger(__name__)
+
+
+TOOLS: Final = ("calculator",)
+"""The tools every session offers."""
+
+
+class ToolSpec(WireModel):
+    """One tool of `GET /tools`."""
+
+    name: str
+    idempotent: bool
+    """A call may run again after a restore with the same effect: callers run it as a replay
+    step, so a checkpoint does not wait for it; false: a wait step, which it waits for."""
+
+
+class ToolListing(WireModel):
+    """`GET /tools`: the tools this server offers and how a caller steps their calls."""
+
+    tools: list[ToolSpec]
 
 
 class SeedRequest(WireModel):
@@ -95,6 +121,10 @@ class ResourcesServer(RolloutServer):
     def add_routes(self, app: FastAPI) -> None:
         server = self
 
+        @app.get("/tools")
+        async def tools() -> ToolListing:
+            return server.tool_listing()
+
         @app.post("/sessions/seed")
         async def seed(request: SeedRequest) -> SeedReply:
             return await server.seed(request)
@@ -112,6 +142,14 @@ class ResourcesServer(RolloutServer):
             return await server.close(request)
 
     # --- routes -------------------------------------------------------------------------------
+
+    def tool_listing(self) -> ToolListing:
+        wait = set(self.options.wait_tools)
+        return ToolListing(tools=[ToolSpec(name=t, idempotent=t not in wait) for t in TOOLS])
+
+    def tool_mode(self, tool: str) -> StepMode:
+        """How a call of `tool` is stepped: replay when declared idempotent, else wait."""
+        return StepMode.WAIT if tool in self.options.wait_tools else StepMode.REPLAY
 
     async def seed(self, request: SeedRequest) -> SeedReply:
         rid, attempt = request.rollout_id, request.attempt
@@ -149,14 +187,14 @@ class ResourcesServer(RolloutServer):
             rollout_id=rid,
             attempt=attempt,
             verify=str(ep.boundary.state["verify"]),
-            tools=["calculator"],
+            tools=list(TOOLS),
             continued_from=ep.continued_from,
         )
 
     async def tool(self, request: ToolRequest) -> ToolReply:
         ep = self._session(request.rollout_id, request.attempt)
-        if request.tool != "calculator":
-            return ToolReply(error=f"unknown tool {request.tool!r} (available: calculator)")
+        if request.tool not in TOOLS:
+            return ToolReply(error=f"unknown tool {request.tool!r} (available: {', '.join(TOOLS)})")
         recorded = ep.boundary.state["tools"].get(str(request.call))
         if recorded is not None:
             self.stats.bump(request.attempt, "tool_replayed")
@@ -172,7 +210,8 @@ class ResourcesServer(RolloutServer):
             state["tools"] = {**state["tools"], str(request.call): result}
             return Boundary("ready", state)
 
-        boundary = await self._step(ep, f"tool@{request.call}", StepMode.WAIT, run)
+        mode = self.tool_mode(request.tool)
+        boundary = await self._step(ep, f"tool@{request.call}", mode, run)
         return ToolReply(**boundary.state["tools"][str(request.call)])
 
     async def verify(self, request: VerifyRequest) -> VerifyReply:
