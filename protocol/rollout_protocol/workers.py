@@ -31,6 +31,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -54,7 +55,9 @@ log = logging.getLogger(__name__)
 WORKER_LOST_EXIT = 70
 """The main process's exit code when one of its workers died."""
 _STOP_WAIT_S = 10.0
-_HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
+_HOP_HEADERS = frozenset(
+    {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
+)
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ def serve_workers(
     processes: list[multiprocessing.process.BaseProcess] = []
     stopping = threading.Event()
     try:
+        started: list[multiprocessing.connection.Connection] = []
         for k, path in enumerate(sockets):
             ours, theirs = context.Pipe(duplex=False)
             process = context.Process(
@@ -110,7 +114,10 @@ def serve_workers(
             process.start()
             theirs.close()
             processes.append(process)
-            _wait_started(process, ours, k, start_timeout_s)
+            started.append(ours)
+        deadline = time.monotonic() + start_timeout_s
+        for k, (worker, ours) in enumerate(zip(processes, started, strict=True)):
+            _wait_started(worker, ours, k, max(0.0, deadline - time.monotonic()))
         threading.Thread(
             target=_watch, args=(processes, stopping), name="rollout-workers-watch", daemon=True
         ).start()
@@ -205,8 +212,7 @@ def _wait_started(
             if started.recv() == b"ready":
                 return
     raise RuntimeError(
-        f"worker {index} did not start within {timeout_s:.0f}s (exit code {process.exitcode}); "
-        "see its log above"
+        f"worker {index} did not start in time (exit code {process.exitcode}); see its log above"
     )
 
 
