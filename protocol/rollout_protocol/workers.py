@@ -304,7 +304,7 @@ def _pod_app(pool: WorkerPool, plane: ControlPlane) -> FastAPI:
             if reply.status_code >= 400:
                 return reply
             body = json.loads(bytes(reply.body))
-            merged = body if merged is None else _merge(merged, body)
+            merged = body if merged is None else merge_stats(merged, body)
         return JSONResponse(merged)
 
     async def route(request: Request) -> Response:
@@ -361,12 +361,12 @@ async def _forward(
     return Response(reply.content, status_code=reply.status_code, headers=kept)
 
 
-def _merge(a: Any, b: Any, key: str = "") -> Any:
+def merge_stats(a: Any, b: Any, key: str = "") -> Any:
     """Two workers' `/stats`: objects merged key by key, counts added (not `attempt`)."""
     if isinstance(a, dict) and isinstance(b, dict):
         out = dict(a)
         for name, value in b.items():
-            out[name] = _merge(out[name], value, name) if name in out else value
+            out[name] = merge_stats(out[name], value, name) if name in out else value
         return out
     numbers = isinstance(a, int) and isinstance(b, int) and not isinstance(a, bool)
     if numbers and key != "attempt":
