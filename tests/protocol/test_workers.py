@@ -27,8 +27,14 @@ import anyio.to_thread
 import httpx
 import pytest
 from rollout_protocol import HttpParticipantClient, PrepareRequest, Role
-from rollout_protocol.conformance import Target, check_crash_restore, check_participant
-from rollout_protocol.workers import WORKER_LOST_EXIT, owner
+from rollout_protocol.conformance import (
+    Target,
+    check_crash_restore,
+    check_participant,
+    check_workers,
+    rollout_ids_per_worker,
+)
+from rollout_protocol.workers import WORKER_LOST_EXIT
 from testsupport.server_processes import (
     TOKEN,
     Cluster,
@@ -52,14 +58,8 @@ ALL_THREE = {Role.ENVIRONMENT: THREE, Role.AGENT: THREE, Role.RESOURCES: THREE}
 
 
 def one_per_worker(prefix: str) -> list[str]:
-    """Rollout ids `<prefix>-<n>`, the first one held by each worker in turn."""
-    found: dict[int, str] = {}
-    n = 0
-    while len(found) < WORKERS:
-        rid = f"{prefix}-{n}"
-        found.setdefault(owner(rid, WORKERS), rid)
-        n += 1
-    return [found[k] for k in range(WORKERS)]
+    """Rollout ids `<prefix>-<n>`, one held by each worker."""
+    return rollout_ids_per_worker(WORKERS, prefix)
 
 
 def worker_pids(pid: int) -> list[int]:
@@ -86,6 +86,7 @@ async def test_a_three_worker_environment_passes_the_participant_rules(
         status = await control_status(http, cluster, Role.ENVIRONMENT)
         assert (status["multi_process"], status["workers"]) == ("managed", WORKERS)
         target = Target(cluster.url(Role.ENVIRONMENT), Role.ENVIRONMENT, TOKEN, client=http)
+        await check_workers(target, workers=WORKERS)
         await check_participant(
             target, checkpoint_root=cluster.checkpoint_root, lease_grace_seconds=GRACE
         )

@@ -5,8 +5,12 @@ the reference CLI's `--workers` (docs/protocol.md, "Workers")."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import pytest
+from fastapi import FastAPI
 from rollout_operator.decide.workers import unmanaged_workers
 from rollout_protocol import (
     ControlConfigError,
@@ -18,8 +22,17 @@ from rollout_protocol import (
     RuntimeParticipant,
     StatusReply,
 )
-from rollout_protocol.workers import merge_stats
-from rollout_protocol.workers import owner
+from rollout_protocol.conformance import (
+    WORKERS_MANAGED,
+    WORKERS_SPREAD,
+    ConformanceError,
+    Target,
+    check_crash_restore,
+    check_workers,
+    rollout_ids_per_worker,
+    serve_app,
+)
+from rollout_protocol.workers import merge_stats, owner
 from rollout_servers.cli import build_parser, worker_count
 
 BASE = {"ROLLOUT_CONTROL_TOKEN": "t"}
@@ -91,6 +104,56 @@ def test_stats_of_workers_merge_counts_but_not_the_attempt() -> None:
         "steps": {"2": {"seed": {"completed": 7}}},
         "rollouts": {"x": 1, "y": 2},
     }
+
+
+def kit_app(settings: ControlSettings) -> FastAPI:
+    app = FastAPI()
+    ControlPlane(RuntimeParticipant(Role.ENVIRONMENT, EpisodeRuntime()), settings).install(app)
+    return app
+
+
+async def test_the_kit_fails_an_unmanaged_server_and_names_the_fix() -> None:
+    settings = ControlSettings(Role.ENVIRONMENT, token="t", unmanaged_workers=2)
+    async with serve_app(kit_app(settings), role=Role.ENVIRONMENT, token="t") as served:
+        with pytest.raises(ConformanceError) as caught:
+            await check_workers(served.target)
+    assert caught.value.rule == WORKERS_MANAGED
+    assert "serve_workers" in str(caught.value)
+
+
+class NoEpisodes:
+    """A driver whose checks must stop before any episode: its rollout ids miss a worker."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+
+    def participants(self) -> list[Target]:
+        return [self.target]
+
+    async def run_episode(self, rollout_id: str, attempt: int) -> Any:
+        raise AssertionError("no episode may run")
+
+    async def wait_mid_episode(self, rollout_ids: Sequence[str], deadline_ts: float) -> None:
+        raise AssertionError("no episode may run")
+
+    async def crash(self) -> None:
+        raise AssertionError("no crash")
+
+    async def restart(self, attempt: int) -> None:
+        raise AssertionError("no restart")
+
+
+async def test_the_kit_wants_rollout_ids_in_every_worker(tmp_path: Path) -> None:
+    settings = ControlSettings(Role.ENVIRONMENT, token="t", workers=3)
+    ids = rollout_ids_per_worker(3)
+    assert sorted(owner(rid, 3) for rid in ids) == [0, 1, 2]
+    async with serve_app(kit_app(settings), role=Role.ENVIRONMENT, token="t") as served:
+        with pytest.raises(ConformanceError) as caught:
+            await check_crash_restore(
+                NoEpisodes(served.target), checkpoint_root=tmp_path, rollout_ids=ids[:2]
+            )
+    assert caught.value.rule == WORKERS_SPREAD
+    assert caught.value.fault.startswith("the driver")
 
 
 def args(*argv: str) -> argparse.Namespace:
