@@ -177,14 +177,12 @@ class WorkerPool(Participant):
 
     def __init__(self, role: Role, sockets: Sequence[str]) -> None:
         self.role = role
-        self._clients = [
-            httpx.AsyncClient(
-                transport=httpx.AsyncHTTPTransport(uds=path),
-                base_url="http://worker",
-                timeout=None,
-            )
-            for path in sockets
-        ]
+        self._clients = [_uds_client(path, httpx.Limits()) for path in sockets]
+        """The private channel's, one per worker: never queued behind episode requests."""
+        unlimited = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self._proxies = [_uds_client(path, unlimited) for path in sockets]
+        """For the episode requests the pod routes to a worker: every live episode holds one
+        connection for as long as its `/run`, so the pool has no limit."""
         self._records: list[EncodedRecord] | None = None
         self._queued: list[tuple[str, dict[str, Any]]] = []
         self._counts = EpisodeCounts()
@@ -194,18 +192,24 @@ class WorkerPool(Participant):
         return len(self._clients)
 
     def client(self, worker: int) -> httpx.AsyncClient:
-        return self._clients[worker]
+        """The client for requests routed to `worker` (not the private channel's)."""
+        return self._proxies[worker]
 
     async def aclose(self) -> None:
-        for client in self._clients:
+        for client in [*self._clients, *self._proxies]:
             await client.aclose()
 
     # --- the channel ---------------------------------------------------------------------------
 
     async def _one(
-        self, worker: int, path: str, *, json: Any = None, content: bytes | None = None
+        self,
+        worker: int,
+        path: str,
+        *,
+        json: Any = None,
+        content: bytes | None = None,
+        method: str = "POST",
     ) -> httpx.Response:
-        method = "GET" if json is None and content is None and path == "/counts" else "POST"
         try:
             reply = await self._clients[worker].request(
                 method,
@@ -265,7 +269,7 @@ class WorkerPool(Participant):
         replies: list[httpx.Response | None] = [None] * self.workers
 
         async def call(worker: int) -> None:
-            replies[worker] = await self._one(worker, "/counts")
+            replies[worker] = await self._one(worker, "/counts", method="GET")
 
         async with anyio.create_task_group() as group:
             for worker in range(self.workers):
@@ -353,6 +357,14 @@ class WorkerPool(Participant):
     def rewire(self, peers: Mapping[Role, str]) -> None:
         wire = {role.value: url for role, url in peers.items()}
         self._queued.append(("/rewire", {"peers": wire}))
+
+
+def _uds_client(path: str, limits: httpx.Limits) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        transport=httpx.AsyncHTTPTransport(uds=path, limits=limits),
+        base_url="http://worker",
+        timeout=None,
+    )
 
 
 def _sha256(body: bytes) -> bytes:

@@ -289,9 +289,15 @@ def _pod_app(pool: WorkerPool, plane: ControlPlane) -> FastAPI:
         for reply in replies:
             if reply.status_code >= 400 and reply.status_code != 404:
                 return reply
+        pod = {"phase": plane.phase.value, "attempt": plane.attempt, "workers": pool.workers}
         if replies[0].status_code == 404:
-            return JSONResponse({"status": "ok", "workers": pool.workers})
-        return replies[0]
+            return JSONResponse({"status": "ok", **pod})
+        try:
+            body = json.loads(bytes(replies[0].body))
+        except ValueError:
+            return replies[0]
+        # the pod's phase and attempt: a worker's own plane never opens a checkpoint
+        return JSONResponse({**body, **pod} if isinstance(body, dict) else body)
 
     @app.get("/stats", include_in_schema=False)
     async def stats(request: Request) -> Response:

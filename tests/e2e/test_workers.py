@@ -1,9 +1,10 @@
 """Servers with several worker processes on devcluster (docs/protocol.md, "Workers").
 
 - A set whose environment and agent each run 3 worker processes (`rollout-server --workers 3`)
-  is checkpointed while episodes run, loses its environment pod (SIGKILL), recovers under
-  attempt 2, and every episode finishes exactly once with nothing completed before the
-  checkpoint run again (`check_recovered_run`, as for single-process servers).
+  is checkpointed while `rollout-collect --rollout-set` runs episodes against it, loses its
+  environment pod (SIGKILL), recovers under attempt 2, and every episode finishes exactly once
+  with nothing completed before the checkpoint run again (`check_recovered_run`, as for
+  single-process servers).
 - A set whose environment runs `uvicorn --workers 2` without the SDK's coordination says
   `multi_process: unmanaged`: the operator refuses its checkpoint (Ready=False,
   UnmanagedWorkers) and `kubectl describe` shows the Event naming the pod.
@@ -12,12 +13,21 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.to_thread
 import httpx
 import pytest
-from rollout_servers.client import RolloutClient, episode_specs
+from rollout_servers.client import (
+    EpisodeFailed,
+    EpisodeResult,
+    RolloutClient,
+    episode_specs,
+)
 from rollout_servers.discovery import rollout_set_topology
 from testsupport.operator_fixtures import (
     Debug,
@@ -26,13 +36,11 @@ from testsupport.operator_fixtures import (
     Resources,
     check_recovered_run,
     checkpoint_ready,
-    episodes_running,
     example_checkpoint,
     example_set,
     is_true,
     participants_by_role,
     phase_is,
-    pod_pids,
     stats,
 )
 
@@ -69,6 +77,30 @@ def instance_files(storage: Path, checkpoint: str, instance: str) -> list[str]:
     ]
 
 
+def start_collect(cluster: Cluster, namespace: str, folder: Path) -> subprocess.Popen[bytes]:
+    """`rollout-collect --rollout-set math-rl`, as a user runs it, in the background."""
+    with (folder / "collect.log").open("wb") as log:
+        return subprocess.Popen(
+            [
+                str(Path(sys.executable).with_name("rollout-collect")),
+                *("--rollout-set", "math-rl", "--namespace", namespace),
+                *("--tasks", str(EPISODES), "--seed", str(SEED)),
+                *("--out", str(folder / "results.jsonl")),
+                *("--concurrency", str(EPISODES), "--restore-timeout", "180"),
+            ],
+            env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)},
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
+
+
+def collected(code: int, folder: Path) -> list[EpisodeResult | EpisodeFailed]:
+    """rollout-collect's results (it exited 0: every episode finished)."""
+    assert code == 0, (folder / "collect.log").read_text()[-3000:]
+    lines = (folder / "results.jsonl").read_text().splitlines()
+    return [EpisodeResult.model_validate_json(line) for line in lines]
+
+
 async def control_status(http: httpx.AsyncClient, address: str, token: str) -> dict[str, Any]:
     reply = await http.get(
         address + "/checkpoint/v1/status", headers={"Authorization": f"Bearer {token}"}, timeout=10
@@ -84,6 +116,7 @@ async def test_three_worker_environment_and_agent_recover_exactly_once(
     operator: OperatorProcess,
     resources: Resources,
     storage_dir: Path,
+    tmp_path: Path,
 ) -> None:
     obj = with_this_checkout(
         example_set(
@@ -110,15 +143,12 @@ async def test_three_worker_environment_and_agent_recover_exactly_once(
         for role in ("environment", "agent"):
             status = await control_status(http, by_role[role][0]["address"], token)
             assert (status["multi_process"], status["workers"]) == ("managed", 3), status
-        # one main process and three workers in the environment pod
-        assert len(pod_pids(cluster, namespace, environment["pod"])) >= 1
         debug = Debug(http, model["address"])
         await debug.arm("token", held, index=HELD_AT_TOKEN)
-        client = RolloutClient(
-            topology, concurrency=EPISODES, restore_timeout_s=180, run_timeout_s=240
-        )
-        async with episodes_running(client, specs) as outcomes:
-            await debug.paused("token", held)
+        # the trainer, as a user runs it: rollout-collect following the set through the API
+        collect = start_collect(cluster, namespace, tmp_path)
+        try:
+            await debug.paused("token", held, limit_s=60)
             ckpt = await checkpoint_ready(cluster, resources, "workers-in-flight")
             assert ckpt["status"]["episodes"] >= 1
             assert await cluster.admin.kill_pod_async(namespace, environment["pod"])
@@ -127,6 +157,12 @@ async def test_three_worker_environment_and_agent_recover_exactly_once(
                 lambda o: o["status"].get("attempt") == 2 and is_true(o, "Ready"),
                 180,
             )
+            code = await anyio.to_thread.run_sync(lambda: collect.wait(timeout=240))
+        finally:
+            if collect.poll() is None:
+                collect.kill()
+                collect.wait()
+        outcomes = collected(code, tmp_path)
         reference_specs = episode_specs(EPISODES, SEED, prefix="ref")
         reference = await RolloutClient(topology, concurrency=EPISODES).run_all(reference_specs)
         a2 = participants_by_role(after)
