@@ -108,7 +108,7 @@ async def pause(args: argparse.Namespace, root: Path, workers: int) -> list[floa
 
 async def bench(args: argparse.Namespace, root: Path) -> None:
     rows = []
-    for workers in WORKERS:
+    for workers in args.workers:
         for folder in (root / f"t{workers}", root / f"p{workers}"):
             folder.mkdir()
         without, with_ = await throughput(args, root / f"t{workers}", workers)
@@ -148,6 +148,7 @@ def main() -> None:
     parser.add_argument("--token-latency-ms", type=float, default=2.0)
     parser.add_argument("--pause-episodes", type=int, default=1000)
     parser.add_argument("--pauses", type=int, default=3, help="checkpoints per pause row")
+    parser.add_argument("--workers", type=int, nargs="+", default=list(WORKERS))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-workers-") as root:
         anyio.run(bench, args, Path(root))

@@ -55,6 +55,12 @@ log = logging.getLogger(__name__)
 WORKER_LOST_EXIT = 70
 """The main process's exit code when one of its workers died."""
 _STOP_WAIT_S = 10.0
+_WORKER_KEEP_ALIVE_S = 30
+"""A worker keeps idle connections longer than the main process's client does (httpx: 5 s),
+so the client never sends on a connection the worker is closing."""
+_FORWARD_TRIES = 3
+"""A routed request that failed in transport is sent again: requests about an episode are
+idempotent (a repeated `/run` attaches to the episode or answers its result, docs/sdk.md)."""
 _HOP_HEADERS = frozenset(
     {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
 )
@@ -170,7 +176,12 @@ def _worker_main(
     built = app_factory()
     worker = built if isinstance(built, WorkerApp) else WorkerApp(built)
     config = uvicorn.Config(
-        worker.app, uds=path, log_level=log_level, access_log=False, lifespan="on"
+        worker.app,
+        uds=path,
+        log_level=log_level,
+        access_log=False,
+        lifespan="on",
+        timeout_keep_alive=_WORKER_KEEP_ALIVE_S,
     )
 
     def ready(_: str) -> None:
@@ -356,13 +367,19 @@ def _rollout_id(body: bytes, request: Request) -> str | None:
 async def _forward(
     pool: WorkerPool, worker: int, method: str, path: str, body: bytes, headers: dict[str, str]
 ) -> Response:
-    try:
-        reply = await pool.client(worker).request(method, path, content=body, headers=headers)
-    except httpx.TransportError as error:
-        raise ProtocolError(
-            ErrorCode.ADMISSION_CLOSED,
-            f"worker {worker} of this pod is gone ({type(error).__name__}); the pod is stopping",
-        ) from None
+    for attempt in range(_FORWARD_TRIES):
+        try:
+            reply = await pool.client(worker).request(method, path, content=body, headers=headers)
+            break
+        except httpx.TransportError as error:
+            if attempt + 1 < _FORWARD_TRIES:
+                log.warning("%s to worker %d: %r; sending it again", path, worker, error)
+                continue
+            raise ProtocolError(
+                ErrorCode.ADMISSION_CLOSED,
+                f"worker {worker} of this pod does not answer ({type(error).__name__}: {error}); "
+                "a worker that died stops the pod",
+            ) from None
     kept = {k: v for k, v in reply.headers.items() if k.lower() not in _HOP_HEADERS}
     return Response(reply.content, status_code=reply.status_code, headers=kept)
 
