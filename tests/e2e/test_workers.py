@@ -95,10 +95,13 @@ def start_collect(cluster: Cluster, namespace: str, folder: Path) -> subprocess.
 
 
 def collected(code: int, folder: Path) -> list[EpisodeResult | EpisodeFailed]:
-    """rollout-collect's results (it exited 0: every episode finished)."""
+    """rollout-collect's results (it exited 0: every episode finished). Its lines say
+    `continued` without the attempt continued from: in this test that can only be attempt 1's
+    checkpoint (the one the recovery restored), so `continued_from` is 1 where `continued`."""
     assert code == 0, (folder / "collect.log").read_text()[-3000:]
     lines = (folder / "results.jsonl").read_text().splitlines()
-    return [EpisodeResult.model_validate_json(line) for line in lines]
+    results = [EpisodeResult.model_validate_json(line) for line in lines]
+    return [r.model_copy(update={"continued_from": 1 if r.continued else None}) for r in results]
 
 
 async def control_status(http: httpx.AsyncClient, address: str, token: str) -> dict[str, Any]:
