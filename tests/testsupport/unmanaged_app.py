@@ -1,7 +1,7 @@
 """The reference environment as an ASGI app factory for `uvicorn --workers N --factory`: what a
 user gets who runs a server with several workers without `rollout_protocol.workers`. Each
 uvicorn worker is its own participant, so its status route says `multi_process: unmanaged`
-(tests/e2e/test_workers.py shows the operator refusing to checkpoint it)."""
+(tests/e2e/test_multi_worker_sets.py shows the operator refusing to checkpoint it)."""
 
 from __future__ import annotations
 

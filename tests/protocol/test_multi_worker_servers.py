@@ -54,6 +54,9 @@ WORKERS = 3
 GRACE = 1.0
 SHORT_LEASE = {"ROLLOUT_LEASE_GRACE_SECONDS": str(GRACE)}
 THREE = ["--workers", str(WORKERS)]
+READY_S = 120.0
+"""Each worker is a fresh interpreter: starting 3 x 3 of them on a loaded 2-core machine took
+over the single-process servers' 30 s."""
 ALL_THREE = {Role.ENVIRONMENT: THREE, Role.AGENT: THREE, Role.RESOURCES: THREE}
 
 
@@ -80,7 +83,9 @@ def alive(pid: int) -> bool:
 async def test_a_three_worker_environment_passes_the_participant_rules(
     make_cluster: Any,
 ) -> None:
-    cluster: Cluster = make_cluster(env=SHORT_LEASE, extra_args={Role.ENVIRONMENT: THREE})
+    cluster: Cluster = make_cluster(
+        env=SHORT_LEASE, extra_args={Role.ENVIRONMENT: THREE}, ready_timeout_s=READY_S
+    )
     cluster.start(0)
     async with httpx.AsyncClient() as http:
         status = await control_status(http, cluster, Role.ENVIRONMENT)
@@ -93,7 +98,7 @@ async def test_a_three_worker_environment_passes_the_participant_rules(
 
 
 async def test_three_worker_servers_keep_steps_across_crash_and_restore(make_cluster: Any) -> None:
-    cluster: Cluster = make_cluster(env=SHORT_LEASE, extra_args=ALL_THREE)
+    cluster: Cluster = make_cluster(env=SHORT_LEASE, extra_args=ALL_THREE, ready_timeout_s=READY_S)
     cluster.start(0)
     async with httpx.AsyncClient(timeout=60) as http:
         await check_crash_restore(
@@ -105,7 +110,7 @@ async def test_three_worker_servers_keep_steps_across_crash_and_restore(make_clu
 
 
 async def test_every_worker_parks_restores_and_keeps_its_episodes(make_cluster: Any) -> None:
-    cluster: Cluster = make_cluster(extra_args={Role.ENVIRONMENT: THREE})
+    cluster: Cluster = make_cluster(extra_args={Role.ENVIRONMENT: THREE}, ready_timeout_s=READY_S)
     cluster.start(0)
     held, busy, third = one_per_worker("w")
     tasks = {
@@ -179,7 +184,7 @@ async def test_every_worker_parks_restores_and_keeps_its_episodes(make_cluster: 
 async def test_one_killed_worker_ends_the_pod_and_the_set_continues_from_its_checkpoint(
     make_cluster: Any,
 ) -> None:
-    cluster: Cluster = make_cluster(extra_args={Role.ENVIRONMENT: THREE})
+    cluster: Cluster = make_cluster(extra_args={Role.ENVIRONMENT: THREE}, ready_timeout_s=READY_S)
     cluster.start(0)
     ids = one_per_worker("k")
     tasks = {rid: two_step_task(n) for n, rid in enumerate(ids)}
