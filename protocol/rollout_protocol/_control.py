@@ -20,6 +20,7 @@ import hmac
 import json
 import logging
 import math
+import multiprocessing
 import os
 import re
 import time
@@ -74,6 +75,7 @@ from ._wire import (
     ErrorCode,
     ForgetReply,
     ForgetRequest,
+    MultiProcess,
     Phase,
     PrepareReply,
     PrepareRequest,
@@ -148,6 +150,17 @@ class ControlSettings:
     dialects: tuple[Dialect, ...] = (Dialect.ROLLOUT,)
     """The wire dialects the control plane mounts (`ROLLOUT_CONTROL_DIALECTS`, comma separated:
     `rollout`, `gym` or both): ours under `/checkpoint/v1`, NeMo Gym's under `/ng-control/v1`."""
+    workers: int = 1
+    """Worker processes of this pod's server. Above 1 in the pod's main process of
+    `rollout_protocol.workers.serve_workers`: this plane coordinates them all (`managed`)."""
+    worker: int | None = None
+    """This process's index among its pod's workers (`ROLLOUT_WORKER=<k>/<n>`, set by
+    `serve_workers` in each worker): its plane serves the pod's private worker channel instead
+    of the control routes. None: not a managed worker."""
+    unmanaged_workers: int = 1
+    """Worker processes this server's own process manager runs without `serve_workers`
+    (`WEB_CONCURRENCY`, which uvicorn and gunicorn read for `--workers`): above 1 the status
+    route says `multi_process: unmanaged` and the operator refuses to checkpoint the set."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
@@ -187,6 +200,10 @@ class ControlSettings:
             )
         if self.max_retire_marks < 1:
             raise ControlConfigError(f"max_retire_marks must be >= 1, got {self.max_retire_marks}")
+        if self.workers < 1 or self.unmanaged_workers < 1:
+            raise ControlConfigError("workers must be >= 1")
+        if self.worker is not None and not 0 <= self.worker < self.workers:
+            raise ControlConfigError(f"worker {self.worker} is not one of {self.workers} workers")
         if self.token is not None and not self.token:
             raise ControlConfigError("the control token is empty; unset it or give a real one")
         if self.token is None and not self.allow_unauthenticated:
@@ -230,7 +247,16 @@ class ControlSettings:
             ),
             max_retire_marks=_int_from_env(env, "ROLLOUT_MAX_RETIRE_MARKS", MAX_RETIRE_MARKS),
             dialects=_dialects_from_env(env.get("ROLLOUT_CONTROL_DIALECTS")),
+            **_workers_from_env(env),
         )
+
+    @property
+    def multi_process(self) -> MultiProcess:
+        """`single`, `managed` (a pod of `serve_workers`: its main process or one of its
+        workers) or `unmanaged` (several workers nobody here coordinates)."""
+        if self.workers > 1 or self.worker is not None:
+            return MultiProcess.MANAGED
+        return MultiProcess.UNMANAGED if self.unmanaged_workers > 1 else MultiProcess.SINGLE
 
     @property
     def instance(self) -> str:
@@ -240,6 +266,27 @@ class ControlSettings:
     def storage_dir(self) -> str:
         """Where this set's checkpoints go under the checkpoint root."""
         return self.set_dir if self.set_dir is not None else self.set_name
+
+
+WORKER_ENV = "ROLLOUT_WORKER"
+"""`<k>/<n>`: set by `serve_workers` in the environment of worker k of n."""
+
+
+def _workers_from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    """`worker`, `workers` from `ROLLOUT_WORKER`; else `unmanaged_workers` from
+    `WEB_CONCURRENCY` (uvicorn's and gunicorn's default for their `--workers`)."""
+    slot = env.get(WORKER_ENV)
+    if slot:
+        try:
+            k, n = (int(part) for part in slot.split("/", 1))
+        except ValueError:
+            raise ControlConfigError(f"{WORKER_ENV}={slot!r}: expected <k>/<n>") from None
+        return {"worker": k, "workers": n}
+    declared = _int_from_env(env, "WEB_CONCURRENCY", 1)
+    # uvicorn --workers N starts each worker with multiprocessing (gunicorn forks): a server
+    # process that is a multiprocessing child and no managed worker runs beside others.
+    spawned = 2 if multiprocessing.parent_process() is not None else 1
+    return {"unmanaged_workers": max(1, declared, spawned)}
 
 
 def _int_from_env(env: Mapping[str, str], name: str, default: int) -> int:
@@ -722,7 +769,14 @@ class ControlPlane:
             },
         )
         declare_error_statuses(app)
-        app.include_router(self.router)
+        if self._settings.worker is None:
+            app.include_router(self.router)
+        else:
+            # A worker of a multi-worker pod: the pod's main process owns the control routes
+            # and drives this process over the private worker channel (`_workers`).
+            from ._workers import worker_router
+
+            app.include_router(worker_router(self))
         app.add_exception_handler(ProtocolError, _protocol_error_handler)
         app.add_exception_handler(RequestValidationError, _validation_error_handler)
         app.add_exception_handler(HTTPException, _http_error_handler)
@@ -752,6 +806,20 @@ class ControlPlane:
                 self._background = None
                 self._collector.release()
 
+    def follow(self, attempt: int) -> None:
+        """A worker's plane: the pod's plane restored `attempt` (its `/run` checks this one)."""
+        self._attempt = attempt
+        self._marks.settle(attempt)
+
+    def mark_retired(self, attempt: int, rollout_ids: frozenset[str] | None) -> None:
+        """A worker's plane: the pod's plane retires this; refuse its work from now on."""
+        self._marks.room(attempt, rollout_ids)
+        self._marks.add(attempt, rollout_ids)
+
+    @property
+    def participant(self) -> Participant:
+        return self._participant
+
     async def aclose(self) -> None:
         """Stop the watchdog; an open checkpoint is left as is (its coordinator will resume it).
         The garbage collector is given back: it is process-wide, and this plane no longer
@@ -776,6 +844,8 @@ class ControlPlane:
             parked_episodes=counts.parked,
             restored_episodes=counts.restored,
             retired_attempts=self._marks.whole_attempts(),
+            multi_process=self._settings.multi_process,
+            workers=max(self._settings.workers, self._settings.unmanaged_workers),
         )
 
     # operations -------------------------------------------------------------------------------

@@ -90,6 +90,19 @@ class Phase(StrEnum):
     RESTORED = "restored"
 
 
+class MultiProcess(StrEnum):
+    """How a participant pod's server runs its worker processes (`StatusReply.multi_process`)."""
+
+    SINGLE = "single"
+    """One process: its control plane sees every episode."""
+    MANAGED = "managed"
+    """Several workers behind one control plane that coordinates them all
+    (`rollout_protocol.workers`)."""
+    UNMANAGED = "unmanaged"
+    """Several workers nobody coordinates: a checkpoint would cover whichever worker answered.
+    The operator refuses to checkpoint such a set."""
+
+
 class ErrorCode(StrEnum):
     """Machine-readable error codes; each maps to one HTTP status (see `HTTP_STATUS`)."""
 
@@ -355,6 +368,13 @@ class StatusReply(StrictModel):
     parked_episodes: int = 0
     restored_episodes: int = 0
     retired_attempts: list[Attempt] = Field(default_factory=list)
+    multi_process: MultiProcess = Field(
+        default=MultiProcess.SINGLE,
+        description="`single`, `managed` (several worker processes, all coordinated by this "
+        "control plane) or `unmanaged` (several workers this plane does not coordinate: the "
+        "operator refuses to checkpoint the set).",
+    )
+    workers: int = Field(default=1, ge=1, description="The server's worker processes.")
 
 
 class PrepareReply(StrictModel):

@@ -93,6 +93,7 @@ from ._wire import (
     ErrorBody,
     ErrorCode,
     Manifest,
+    MultiProcess,
     Phase,
     PrepareReply,
     PrepareRequest,
@@ -102,6 +103,7 @@ from ._wire import (
     Role,
     StatusReply,
 )
+from ._workers import owner
 
 __all__ = [
     "AUTH",
@@ -122,6 +124,8 @@ __all__ = [
     "STEPS",
     "STEPS_INDEXED",
     "UNINTERRUPTED_SUFFIX",
+    "WORKERS_MANAGED",
+    "WORKERS_SPREAD",
     "ConformanceError",
     "EpisodeDriver",
     "RunRefused",
@@ -137,6 +141,8 @@ __all__ = [
     "check_restore_all_or_nothing",
     "check_stale_ids",
     "check_strict_bodies",
+    "check_workers",
+    "rollout_ids_per_worker",
     "serve_app",
     "start_app",
 ]
@@ -159,6 +165,8 @@ RUN_LIVE = "run.repeat-live"
 RUN_FINISHED = "run.repeat-finished"
 MODEL_HEADERS = "model.headers"
 STATE = "state.in-boundary"
+WORKERS_MANAGED = "workers.managed"
+WORKERS_SPREAD = "workers.spread"
 
 RULES: Mapping[str, str] = {
     PHASES_REPLAY: "prepare -> prepared -> commit -> committed; a retried prepare, commit or "
@@ -192,6 +200,12 @@ RULES: Mapping[str, str] = {
     "X-Rollout-Attempt: <attempt>, so the model records them and continues them after a restore",
     STATE: "everything an episode needs lives in its boundaries: an episode continued after a "
     "crash and restore ends with the result of an uninterrupted run of the same task",
+    WORKERS_MANAGED: "a server with several worker processes is one participant whose control "
+    "plane coordinates them all (status multi_process: managed), never unmanaged (the operator "
+    "refuses to checkpoint that)",
+    WORKERS_SPREAD: "the crash and restore checks reach every worker of a multi-worker "
+    "participant: its rollout ids cover every worker (rollout_protocol.workers.owner), so "
+    "parking, restoring and repeated /run are checked in each one",
 }
 """Every rule id the kit checks, with the rule in one sentence."""
 
@@ -755,6 +769,67 @@ def _calls_with(
     return [(name, every[name]) for name in names]
 
 
+async def check_workers(
+    target: Target, *, workers: int | None = None, call_timeout_s: float = 10.0
+) -> None:
+    """`workers.managed`: the status route does not say `multi_process: unmanaged`; with
+    `workers`, a managed participant reports that many worker processes."""
+    async with _connect([target], call_timeout_s) as (conn,):
+        status = await conn.status(WORKERS_MANAGED)
+    if status.multi_process is MultiProcess.UNMANAGED:
+        raise ConformanceError(
+            WORKERS_MANAGED,
+            "one control plane for every worker process of the server",
+            f"multi_process: unmanaged ({status.workers} workers): a checkpoint would cover "
+            "only the worker that answered, and the operator refuses to checkpoint the set",
+            fix="serve the workers with rollout_protocol.workers.serve_workers (docs/sdk.md, "
+            "section 10), or run one worker per pod",
+        )
+    if workers is not None and status.workers != workers:
+        raise ConformanceError(
+            WORKERS_MANAGED,
+            f"{workers} worker processes reported",
+            f"{status.workers} ({status.multi_process.value})",
+        )
+
+
+def _check_spread(statuses: Sequence[StatusReply], rollout_ids: Sequence[str]) -> None:
+    """`workers.spread`: the kit's rollout ids reach every worker of each managed participant."""
+    for status in statuses:
+        if status.multi_process is MultiProcess.UNMANAGED:
+            raise ConformanceError(
+                WORKERS_MANAGED,
+                f"{status.instance}: one control plane for every worker process",
+                "multi_process: unmanaged",
+                fix="serve the workers with rollout_protocol.workers.serve_workers",
+            )
+        if status.multi_process is not MultiProcess.MANAGED or status.workers < 2:
+            continue
+        reached = {owner(rid, status.workers) for rid in rollout_ids}
+        missed = sorted(set(range(status.workers)) - reached)
+        if missed:
+            raise ConformanceError(
+                WORKERS_SPREAD,
+                f"rollout ids that reach all {status.workers} workers of {status.instance}",
+                f"none for worker(s) {missed}",
+                fault=DRIVER,
+                fix="pass rollout_ids with one per worker: "
+                "rollout_protocol.conformance.rollout_ids_per_worker(workers)",
+            )
+
+
+def rollout_ids_per_worker(workers: int, prefix: str = "kit-episode") -> list[str]:
+    """`<prefix>-<n>` ids, one held by each of `workers` workers (`workers.owner`), for
+    `check_crash_restore` against a multi-worker participant."""
+    found: dict[int, str] = {}
+    n = 0
+    while len(found) < workers:
+        rid = f"{prefix}-{n}"
+        found.setdefault(owner(rid, workers), rid)
+        n += 1
+    return [found[k] for k in range(workers)]
+
+
 async def check_stale_ids(target: Target, *, call_timeout_s: float = 10.0) -> None:
     """`ids.stale`: after a resume, prepare, renew and commit of that id are stale; a resume of
     an id never prepared (an abort that overtook its prepare) makes a later prepare stale."""
@@ -1021,6 +1096,7 @@ async def check_participant(
     The participant must be idle and dedicated to the kit: the phases check restores into it
     (moving it to the next attempt) and every check leaves stale ids behind.
     """
+    await check_workers(target, call_timeout_s=call_timeout_s)
     await check_auth(target, call_timeout_s=call_timeout_s)
     await check_strict_bodies(target, call_timeout_s=call_timeout_s)
     cid, captured = await check_phases(target, call_timeout_s=call_timeout_s)
@@ -1237,7 +1313,9 @@ async def check_crash_restore(
     repeat = _Repeat()
     cid = _new_id("crash")
     async with _connect(driver.participants(), call_timeout_s) as conns:
-        attempts = {(await conn.status(STEPS)).attempt for conn in conns}
+        statuses = [await conn.status(STEPS) for conn in conns]
+        _check_spread(statuses, rids)
+        attempts = {status.attempt for status in statuses}
         _expect(STEPS, len(attempts) == 1, "the group must run one attempt", sorted(attempts))
         attempt = attempts.pop()
 

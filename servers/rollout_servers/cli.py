@@ -1,6 +1,9 @@
 """`rollout-server {environment|agent|model|resources} --host H --port P ...`
 
-Each role is one process with its control plane mounted. The checkpoint identity comes from the
+Each role is one process with its control plane mounted, or, with `--workers N` (default:
+`$WEB_CONCURRENCY`, as uvicorn and gunicorn read it), N worker processes behind one port and one
+control plane that coordinates them all (`rollout_protocol.workers`; not for the model role,
+which stays one process per engine: docs/servers.md). The checkpoint identity comes from the
 environment the operator sets in every pod (`ROLLOUT_SET`, `ROLLOUT_INDEX`, `ROLLOUT_ATTEMPT`,
 `ROLLOUT_CHECKPOINT_ROOT`, `ROLLOUT_CONTROL_TOKEN`). Once listening, the process prints one JSON
 line `{"event": "ready", "port": N}` on stdout, so a supervisor (or a test) knows the port
@@ -14,12 +17,15 @@ checkpoints inside the pod's grace period) until SIGKILL, a second SIGTERM, SIGI
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
+import os
 import resource
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from rollout_protocol import ControlConfigError, Role
+from rollout_protocol import ControlConfigError, ControlSettings, Role
+from rollout_protocol.workers import WorkerApp, serve_workers
 
 from .servers.common import RolloutServer, ServerOptions, serve
 
@@ -85,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="stay unready this long after start, as loading model weights would "
         "(simulates a model pod's start cost for benches and demos)",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="worker processes behind one port, all in every checkpoint (environment, agent, "
+        "resources); default: $WEB_CONCURRENCY or 1",
+    )
     parser.add_argument("--log-level", default="info")
     return parser
 
@@ -140,13 +153,78 @@ def _raise_open_files_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
+def worker_count(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
+    """`--workers`, else `$WEB_CONCURRENCY`, else 1; the model role refuses more than one."""
+    env = os.environ if environ is None else environ
+    workers: int | None = args.workers
+    if workers is None:
+        raw = env.get("WEB_CONCURRENCY", "")
+        workers = int(raw) if raw.isdigit() else 1
+    if workers < 1:
+        raise SystemExit(f"rollout-server {args.role}: --workers must be >= 1, got {workers}")
+    if workers > 1 and Role(args.role) is Role.MODEL:
+        raise SystemExit(
+            f"rollout-server model: {workers} workers asked for; the model role runs one process "
+            "per engine (its engine batches every episode's calls, and its records hold the "
+            "engine's prefixes): run more model replicas instead"
+        )
+    return workers
+
+
+def worker_app(argv: Sequence[str]) -> WorkerApp:
+    """One worker of a `--workers N` server (called in the worker process)."""
+    args = build_parser().parse_args(argv)
+    _raise_open_files_limit()
+    server = make_server(args)
+
+    def drain() -> None:
+        server.draining = True
+
+    def stopping() -> None:
+        server.draining = True
+        server.hooks.release_all()
+
+    return WorkerApp(server.build_app(), on_drain=drain, on_stop=stopping)
+
+
+def _ready(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s {args.role} %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    workers = worker_count(args)
+    if workers > 1:
+        try:
+            settings = ControlSettings.from_env(
+                Role(args.role), index=args.index, allow_unauthenticated=args.allow_unauthenticated
+            )
+            make_server(args)  # the same start-up checks as one process, before any worker
+        except (ControlConfigError, ValueError) as error:
+            raise SystemExit(f"rollout-server {args.role}: {error}") from None
+        _raise_open_files_limit()
+        try:
+            serve_workers(
+                functools.partial(worker_app, argv),
+                role=Role(args.role),
+                workers=workers,
+                host=args.host,
+                port=args.port,
+                settings=settings,
+                drain_seconds=args.drain_seconds,
+                ready_line=_ready,
+                log_level=args.log_level,
+            )
+        except KeyboardInterrupt:
+            raise SystemExit(0) from None
+        return
     try:
         server = make_server(args)
     except (ControlConfigError, ValueError) as error:

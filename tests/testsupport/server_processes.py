@@ -62,6 +62,9 @@ class Cluster:
     """Process ids per attempt, so a test can show that a restart made fresh processes."""
     env: Mapping[str, str] = field(default_factory=dict)
     """Extra environment for every process (e.g. a short `ROLLOUT_LEASE_GRACE_SECONDS`)."""
+    ready_timeout_s: float = READY_TIMEOUT_S
+    """How long `start` waits for every process's `ready` line (servers with several worker
+    processes start each worker in a fresh interpreter: longer on a loaded machine)."""
 
     @property
     def checkpoint_root(self) -> Path:
@@ -108,7 +111,7 @@ class Cluster:
                     start_new_session=True,
                 )
         self.pids[attempt] = {role: p.pid for role, p in self.processes.items()}
-        deadline = time.monotonic() + READY_TIMEOUT_S
+        deadline = time.monotonic() + self.ready_timeout_s
         try:
             for role, process in self.processes.items():
                 _wait_ready(role, process, deadline, logs / f"{role.value}-a{attempt}.log")

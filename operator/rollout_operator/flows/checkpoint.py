@@ -44,6 +44,7 @@ from ..cluster.leases import CheckpointLeases
 from ..cluster.objects import read_control_token
 from ..decide.policy import PrepareDeadline, TerminatingPod, eviction_prepare_deadline
 from ..decide.resources import set_selector
+from ..decide.workers import unmanaged_workers
 from ..model.api import (
     CHECKPOINT_FINISHED,
     CHECKPOINT_RUNNING,
@@ -93,6 +94,7 @@ class Reason:
     LEASE_LAPSED: Final = "LeaseLapsed"
     INVALID: Final = "InvalidCheckpoint"
     GRACE_PERIOD_TOO_SHORT: Final = "GracePeriodTooShort"
+    UNMANAGED_WORKERS: Final = "UnmanagedWorkers"
 
 
 class CheckpointFailed(Exception):
@@ -540,6 +542,15 @@ class CheckpointFlow:
             ]
         return eviction_prepare_deadline(now, timeout, terminating, rset.status.attempt)
 
+    async def _refuse_unmanaged_workers(self, rset: RolloutSet, coordinator: Coordinator) -> None:
+        """Fail before anything is paused when a pod runs workers nobody coordinates. A
+        participant that does not answer its status is left to the prepare (it fails there)."""
+        outcome = await coordinator.status(self._clock() + self._settings.abort_timeout_seconds)
+        pods = {f"{p.role.value}-{p.index}": p.pod for p in rset.status.participants}
+        refused = unmanaged_workers(outcome.statuses, pods)
+        if refused is not None:
+            raise CheckpointFailed(Reason.UNMANAGED_WORKERS, refused)
+
     async def _abort(self, coordinator: Coordinator, ckpt: RolloutCheckpoint) -> None:
         """Resume every participant at once (one hung participant does not hold the others)."""
         with anyio.CancelScope(shield=True), tracing.span("abort"):
@@ -612,6 +623,7 @@ class CheckpointFlow:
                         "recentCheckpointSeconds); the recovery restores the latest Ready "
                         "checkpoint instead",
                     )
+                await self._refuse_unmanaged_workers(rset, coordinator)
                 await self._phase(
                     ckpt,
                     CheckpointPhase.PREPARING,

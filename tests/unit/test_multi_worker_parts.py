@@ -1,0 +1,169 @@
+"""Multi-worker participants, the parts without processes: which worker holds a rollout, what
+the settings and the status route say, the operator's refusal, `/stats` merged over workers and
+the reference CLI's `--workers` (docs/protocol.md, "Workers")."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from rollout_operator.decide.workers import unmanaged_workers
+from rollout_protocol import (
+    ControlConfigError,
+    ControlPlane,
+    ControlSettings,
+    EpisodeRuntime,
+    MultiProcess,
+    Role,
+    RuntimeParticipant,
+    StatusReply,
+)
+from rollout_protocol.conformance import (
+    WORKERS_MANAGED,
+    WORKERS_SPREAD,
+    ConformanceError,
+    Target,
+    check_crash_restore,
+    check_workers,
+    rollout_ids_per_worker,
+    serve_app,
+)
+from rollout_protocol.workers import merge_stats, owner
+from rollout_servers.cli import build_parser, worker_count
+
+BASE = {"ROLLOUT_CONTROL_TOKEN": "t"}
+
+
+def settings(**env: str) -> ControlSettings:
+    return ControlSettings.from_env(Role.ENVIRONMENT, environ={**BASE, **env})
+
+
+def test_a_rollout_always_lives_in_the_same_worker_and_all_workers_get_some() -> None:
+    ids = [f"r{n}" for n in range(300)]
+    assert [owner(rid, 4) for rid in ids] == [owner(rid, 4) for rid in ids]
+    counts = [sum(owner(rid, 4) == k for rid in ids) for k in range(4)]
+    assert min(counts) > 40, counts  # spread: each of 4 workers holds a share of 300
+    assert {owner(rid, 1) for rid in ids} == {0}
+
+
+def test_settings_say_how_the_server_runs_its_processes() -> None:
+    assert settings().multi_process is MultiProcess.SINGLE
+    worker = settings(ROLLOUT_WORKER="1/3")
+    assert (worker.worker, worker.workers, worker.multi_process) == (1, 3, MultiProcess.MANAGED)
+    unmanaged = settings(WEB_CONCURRENCY="4")
+    assert (unmanaged.unmanaged_workers, unmanaged.multi_process) == (4, MultiProcess.UNMANAGED)
+    with pytest.raises(ControlConfigError, match="ROLLOUT_WORKER"):
+        settings(ROLLOUT_WORKER="three")
+    with pytest.raises(ControlConfigError, match="worker 3 is not one of 3"):
+        settings(ROLLOUT_WORKER="3/3")
+
+
+def test_the_status_route_reports_unmanaged_workers() -> None:
+    participant = RuntimeParticipant(Role.ENVIRONMENT, EpisodeRuntime())
+    status = ControlPlane(participant, settings(WEB_CONCURRENCY="2")).status()
+    assert (status.multi_process, status.workers) == (MultiProcess.UNMANAGED, 2)
+    single = ControlPlane(participant, settings()).status()
+    assert (single.multi_process, single.workers) == (MultiProcess.SINGLE, 1)
+
+
+def status(instance: str, multi: MultiProcess, workers: int = 1) -> StatusReply:
+    return StatusReply(
+        role=Role(instance.split("-")[0]),
+        instance=instance,
+        attempt=1,
+        phase="idle",
+        multi_process=multi,
+        workers=workers,
+    )
+
+
+def test_the_operator_refuses_a_set_with_an_unmanaged_pod_and_names_it() -> None:
+    pods = {"environment-0": "math-environment-0-a1", "agent-0": "math-agent-0-a1"}
+    fine = [
+        status("environment-0", MultiProcess.MANAGED, 3),
+        status("agent-0", MultiProcess.SINGLE),
+    ]
+    assert unmanaged_workers(fine, pods) is None
+    refused = unmanaged_workers([status("environment-0", MultiProcess.UNMANAGED, 2), fine[1]], pods)
+    assert refused is not None
+    assert "pod math-environment-0-a1 (environment-0, 2 worker processes)" in refused
+    assert "math-agent-0-a1" not in refused
+    assert "serve_workers" in refused
+
+
+def test_stats_of_workers_merge_counts_but_not_the_attempt() -> None:
+    a = {"attempt": 2, "live": 1, "steps": {"2": {"seed": {"completed": 3}}}, "rollouts": {"x": 1}}
+    b = {"attempt": 2, "live": 2, "steps": {"2": {"seed": {"completed": 4}}}, "rollouts": {"y": 2}}
+    assert merge_stats(a, b) == {
+        "attempt": 2,
+        "live": 3,
+        "steps": {"2": {"seed": {"completed": 7}}},
+        "rollouts": {"x": 1, "y": 2},
+    }
+
+
+def kit_app(settings: ControlSettings) -> FastAPI:
+    app = FastAPI()
+    ControlPlane(RuntimeParticipant(Role.ENVIRONMENT, EpisodeRuntime()), settings).install(app)
+    return app
+
+
+async def test_the_kit_fails_an_unmanaged_server_and_names_the_fix() -> None:
+    settings = ControlSettings(Role.ENVIRONMENT, token="t", unmanaged_workers=2)
+    async with serve_app(kit_app(settings), role=Role.ENVIRONMENT, token="t") as served:
+        with pytest.raises(ConformanceError) as caught:
+            await check_workers(served.target)
+    assert caught.value.rule == WORKERS_MANAGED
+    assert "serve_workers" in str(caught.value)
+
+
+class NoEpisodes:
+    """A driver whose checks must stop before any episode: its rollout ids miss a worker."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+
+    def participants(self) -> list[Target]:
+        return [self.target]
+
+    async def run_episode(self, rollout_id: str, attempt: int) -> Any:
+        raise AssertionError("no episode may run")
+
+    async def wait_mid_episode(self, rollout_ids: Sequence[str], deadline_ts: float) -> None:
+        raise AssertionError("no episode may run")
+
+    async def crash(self) -> None:
+        raise AssertionError("no crash")
+
+    async def restart(self, attempt: int) -> None:
+        raise AssertionError("no restart")
+
+
+async def test_the_kit_wants_rollout_ids_in_every_worker(tmp_path: Path) -> None:
+    settings = ControlSettings(Role.ENVIRONMENT, token="t", workers=3)
+    ids = rollout_ids_per_worker(3)
+    assert sorted(owner(rid, 3) for rid in ids) == [0, 1, 2]
+    async with serve_app(kit_app(settings), role=Role.ENVIRONMENT, token="t") as served:
+        with pytest.raises(ConformanceError) as caught:
+            await check_crash_restore(
+                NoEpisodes(served.target), checkpoint_root=tmp_path, rollout_ids=ids[:2]
+            )
+    assert caught.value.rule == WORKERS_SPREAD
+    assert caught.value.fault.startswith("the driver")
+
+
+def args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(list(argv))
+
+
+def test_the_reference_cli_takes_workers_from_the_flag_or_web_concurrency() -> None:
+    assert worker_count(args("environment", "--workers", "3"), {}) == 3
+    assert worker_count(args("agent"), {"WEB_CONCURRENCY": "2"}) == 2
+    assert worker_count(args("resources"), {}) == 1
+    with pytest.raises(SystemExit, match="one process per engine"):
+        worker_count(args("model", "--workers", "2"), {})
+    assert worker_count(args("model"), {}) == 1
