@@ -13,7 +13,7 @@ NODE_DEBS := runc iptables nftables conntrack busybox-static
 ENGINE_LINK := .bin/engines
 PYTEST_ARGS ?=
 # `make test` runs the suite on this many pytest-xdist workers (TEST_WORKERS=0: one process);
-# the container-node tests are one group on one worker (tests/conftest.py).
+# the container-node tests run whole on one worker (tests/conftest.py).
 TEST_WORKERS ?= 2
 
 .PHONY: help venv cluster-binaries kueue-binaries node-packages node-binaries engine image lint test test-unit test-protocol test-e2e test-adversarial demo demo-containers cluster cluster-down crds bench bench-fleet bench-requests clean kind-e2e kind-e2e-down
@@ -110,7 +110,7 @@ test-adversarial: venv cluster-binaries
 	$(VENV)/bin/pytest -m adversarial $(PYTEST_ARGS)
 
 test: venv cluster-binaries node-binaries engine image lint
-	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 demo: venv cluster-binaries
 	$(PY) -m harness.demo $(DEMO_ARGS)

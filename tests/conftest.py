@@ -19,7 +19,7 @@ The devcluster fixtures live here rather than in `e2e/conftest.py` because two f
 `make test` runs the suite on two pytest-xdist workers: each worker is a session of its own and
 starts its own process-node devcluster when a test first asks for one (devcluster reserves pod
 IP ranges and ports machine-wide, so two run side by side), and the tests that need the container
-node are one xdist group, so only one worker ever starts it.
+node are one scheduling unit, so only one worker ever starts it.
 
 Fixtures that more than one folder uses and that are not about the cluster itself are plugins in
 the `testsupport` package, registered here by `pytest_plugins` (pytest reads it only in this,
@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,21 +53,40 @@ _MARK_BY_FOLDER = {
 
 
 CONTAINER_NODE_GROUP = "container-node"
-"""The xdist group of every test that starts or uses a container node: one machine holds one
-(its kube-proxy and kubelet bind fixed ports), so `make test`'s workers (`-n 2 --dist loadgroup`)
-run these on one worker, one after another, while the other takes the rest."""
+"""The tests that start or use a container node: one machine holds one (its kube-proxy and
+kubelet bind fixed ports), so `make test`'s two xdist workers run these on one worker, one after
+another, while the other takes the rest (`pytest_xdist_make_scheduler` below)."""
 
-_CONTAINER_NODE_FILES = {"test_container_node.py"}
+_CONTAINER_NODE_FILES = ("tests/e2e/test_container_node.py",)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        path = Path(str(item.fspath))
-        mark = _MARK_BY_FOLDER.get(path.parent.name)
+        mark = _MARK_BY_FOLDER.get(Path(str(item.fspath)).parent.name)
         if mark is not None:
             item.add_marker(mark)
-        if path.parent.name == "containers" or path.name in _CONTAINER_NODE_FILES:
-            item.add_marker(pytest.mark.xdist_group(CONTAINER_NODE_GROUP))
+
+
+def _scope_of(nodeid: str) -> str:
+    """The xdist scheduling unit of a test: the container-node group, else the test itself."""
+    path = nodeid.split("::", 1)[0]
+    if path.startswith("tests/containers/") or path in _CONTAINER_NODE_FILES:
+        return CONTAINER_NODE_GROUP
+    return nodeid
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's scope scheduling with our scopes: each test is a unit of its own except the
+    container-node group, which one worker runs whole (the largest scope is handed out first,
+    so it starts at once). `--dist loadgroup` would do this with `xdist_group` marks, but
+    pytest-xdist 3.8 renames the node ids it groups by in a way pytest 9 no longer reads."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ContainerNodeScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope_of(nodeid)
+
+    return ContainerNodeScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
