@@ -129,6 +129,7 @@ def serve_workers(
         ).start()
         pool = WorkerPool(role, sockets)
         plane = ControlPlane(pool, settings)
+        pool.index = lambda: plane.settings.index
         app = _pod_app(pool, plane)
         config = uvicorn.Config(
             app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on"

@@ -5,11 +5,14 @@ the reference CLI's `--workers` (docs/protocol.md, "Workers")."""
 from __future__ import annotations
 
 import argparse
+import socket
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
+import uvicorn
 from fastapi import FastAPI
 from rollout_operator.decide.workers import unmanaged_workers
 from rollout_protocol import (
@@ -22,6 +25,7 @@ from rollout_protocol import (
     RuntimeParticipant,
     StatusReply,
 )
+from rollout_protocol._workers import WorkerPool
 from rollout_protocol.conformance import (
     WORKERS_MANAGED,
     WORKERS_SPREAD,
@@ -167,3 +171,38 @@ def test_the_reference_cli_takes_workers_from_the_flag_or_web_concurrency() -> N
     with pytest.raises(SystemExit, match="one process per engine"):
         worker_count(args("model", "--workers", "2"), {})
     assert worker_count(args("model"), {}) == 1
+
+
+async def test_the_workers_of_an_adopted_standby_become_the_instance_it_was_adopted_for(
+    tmp_path: Path,
+) -> None:
+    """A standby pod's restore under another instance's index reaches its workers: the pool
+    sends the plane's index with the install, and each worker's plane (and so the `instance`
+    its server reports at `/healthz` and `/stats`) follows it. One worker, in process, served on
+    a Unix socket as `serve_workers` serves it."""
+    worker = ControlPlane(
+        RuntimeParticipant(Role.ENVIRONMENT, EpisodeRuntime()),
+        settings(ROLLOUT_WORKER="0/1", ROLLOUT_STANDBY="1"),
+    )
+    assert worker.settings.standby
+    app = FastAPI()
+    worker.install(app)
+    path = str(tmp_path / "worker-0.sock")
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listening.bind(path)  # bound and listening before serving: calls wait in its backlog
+    listening.listen()
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning"))
+    pod = ControlPlane(WorkerPool(Role.ENVIRONMENT, [path]), settings(ROLLOUT_STANDBY="1"))
+    pool = pod.participant
+    assert isinstance(pool, WorkerPool)
+    pool.index = lambda: 2  # as serve_workers sets it: the pod plane's index now
+    async with anyio.create_task_group() as group:
+        group.start_soon(server.serve, [listening])
+        try:
+            with anyio.fail_after(30):
+                await pool.install([], 1)
+        finally:
+            server.should_exit = True
+            await pool.aclose()
+    assert (worker.settings.instance, worker.settings.standby) == ("environment-2", False)
+    assert worker.attempt == 1
