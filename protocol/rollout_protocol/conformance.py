@@ -27,7 +27,13 @@ the participant client is aiohttp's):
   participant serves at `GET /stats?rollout_id=...` (the shape of `StepCounters.snapshot`) and
   the results with uninterrupted runs of the same tasks. The `EpisodeDriver` protocol is what
   you implement: how to run an episode (raising `RunRefused` for a refused `/run`), hold it
-  mid-way, crash and restart your processes.
+  mid-way, crash and restart your processes. Against a participant of several managed workers
+  (pass `rollout_ids_per_worker(n)`) it also checks `workers.restore-all` and
+  `workers.repeat-run` in every worker.
+* `check_workers(target, workers=n)` (`workers.managed`) and
+  `check_workers_park_all(driver, rollout_ids=...)` (`workers.park-all`, through a
+  `StepHoldingDriver`: an `EpisodeDriver` that can also hold an episode inside a step that
+  cannot park) for servers with several worker processes (`rollout_protocol.workers`).
 * `serve_app(app, role=..., token=...)` serves an ASGI app in process (its lifespan runs, so the
   lease watchdog does) on a loopback port and yields a `ServedApp` whose `target` the checks
   take; `start_app` does the same inside a task group you own, for drivers that crash and
