@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,11 +17,14 @@ import uvicorn
 from fastapi import FastAPI
 from rollout_operator.decide.workers import unmanaged_workers
 from rollout_protocol import (
+    CommitRequest,
     ControlConfigError,
     ControlPlane,
     ControlSettings,
     EpisodeRuntime,
     MultiProcess,
+    PrepareRequest,
+    RestoreRequest,
     Role,
     RuntimeParticipant,
     StatusReply,
@@ -38,6 +42,8 @@ from rollout_protocol.conformance import (
 )
 from rollout_protocol.workers import merge_stats, owner
 from rollout_servers.cli import build_parser, worker_count
+from rollout_servers.servers.common import ServerOptions
+from rollout_servers.servers.resources import ResourcesServer
 
 BASE = {"ROLLOUT_CONTROL_TOKEN": "t"}
 
@@ -206,3 +212,27 @@ async def test_the_workers_of_an_adopted_standby_become_the_instance_it_was_adop
             await pool.aclose()
     assert (worker.settings.instance, worker.settings.standby) == ("environment-2", False)
     assert worker.attempt == 1
+
+
+async def test_a_reference_server_reports_the_instance_it_was_adopted_as(tmp_path: Path) -> None:
+    """`/healthz` and `/stats` of a standby reference server adopted for `resources-2` name
+    `resources-2` (they read the plane's identity, not the start-up settings)."""
+    env = {"ROLLOUT_CHECKPOINT_ROOT": str(tmp_path), "ROLLOUT_SET": "s", **BASE}
+    options = ServerOptions(role=Role.RESOURCES)
+    lost = ResourcesServer(options, environ={**env, "ROLLOUT_INDEX": "2"})
+    deadline = time.time() + 30
+    async with serve_app(lost.build_app(), role=Role.RESOURCES, token="t"):
+        assert (
+            await lost.plane.prepare(PrepareRequest(checkpoint_id="c", deadline_ts=deadline))
+        ).ready
+        await lost.plane.commit(CommitRequest(checkpoint_id="c", deadline_ts=deadline))
+    standby = ResourcesServer(options, environ={**env, "ROLLOUT_STANDBY": "1"})
+    async with serve_app(standby.build_app(), role=Role.RESOURCES, token="t") as served:
+        before = (await served.client.get("/healthz")).json()["instance"]
+        await standby.plane.restore(
+            RestoreRequest(checkpoint_id="c", attempt=1, deadline_ts=deadline, index=2)
+        )
+        health = (await served.client.get("/healthz")).json()
+        stats = (await served.client.get("/stats")).json()
+    assert before != "resources-2"
+    assert (health["instance"], stats["instance"]) == ("resources-2", "resources-2")
