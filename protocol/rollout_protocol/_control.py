@@ -806,10 +806,14 @@ class ControlPlane:
                 self._background = None
                 self._collector.release()
 
-    def follow(self, attempt: int) -> None:
-        """A worker's plane: the pod's plane restored `attempt` (its `/run` checks this one)."""
+    def follow(self, attempt: int, index: int | None = None) -> None:
+        """A worker's plane: the pod's plane restored `attempt` (its `/run` checks this one)
+        as instance `index` (a standby pod adopted for a lost instance: the worker is that
+        instance from now on, in its `settings` and whatever a server reports from them)."""
         self._attempt = attempt
         self._marks.settle(attempt)
+        if index is not None and (index != self._settings.index or self._settings.standby):
+            self._settings = replace(self._settings, index=index, standby=False)
 
     def mark_retired(self, attempt: int, rollout_ids: frozenset[str] | None) -> None:
         """A worker's plane: the pod's plane retires this; refuse its work from now on."""

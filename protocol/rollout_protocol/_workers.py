@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -128,9 +128,9 @@ def worker_router(plane: Any) -> APIRouter:
         return _counts(participant)
 
     @router.post("/install")
-    async def install(request: Request, attempt: int) -> _Restored:
+    async def install(request: Request, attempt: int, index: int | None = None) -> _Restored:
         restored = await participant.install(_parse(await request.body()), attempt)
-        plane.follow(attempt)
+        plane.follow(attempt, index)
         return _Restored(restored=restored)
 
     @router.post("/reopen")
@@ -186,6 +186,9 @@ class WorkerPool(Participant):
         self._records: list[EncodedRecord] | None = None
         self._queued: list[tuple[str, dict[str, Any]]] = []
         self._counts = EpisodeCounts()
+        self.index: Callable[[], int] | None = None
+        """The pod's instance index as its plane has it now (set by `serve_workers`): sent with
+        every install, so the workers of a standby adopted for another instance become it."""
 
     @property
     def workers(self) -> int:
@@ -331,7 +334,8 @@ class WorkerPool(Participant):
             if error.code is ErrorCode.RECORDS_INVALID:
                 raise ValueError(error.detail) from None
             raise
-        replies = await self._each(f"/install?attempt={attempt}", bodies, ndjson=True)
+        index = "" if self.index is None else f"&index={self.index()}"
+        replies = await self._each(f"/install?attempt={attempt}{index}", bodies, ndjson=True)
         await self.refresh_counts()
         return _restored(replies)
 

@@ -27,7 +27,13 @@ the participant client is aiohttp's):
   participant serves at `GET /stats?rollout_id=...` (the shape of `StepCounters.snapshot`) and
   the results with uninterrupted runs of the same tasks. The `EpisodeDriver` protocol is what
   you implement: how to run an episode (raising `RunRefused` for a refused `/run`), hold it
-  mid-way, crash and restart your processes.
+  mid-way, crash and restart your processes. Against a participant of several managed workers
+  (pass `rollout_ids_per_worker(n)`) it also checks `workers.restore-all` and
+  `workers.repeat-run` in every worker.
+* `check_workers(target, workers=n)` (`workers.managed`) and
+  `check_workers_park_all(driver, rollout_ids=...)` (`workers.park-all`, through a
+  `StepHoldingDriver`: an `EpisodeDriver` that can also hold an episode inside a step that
+  cannot park) for servers with several worker processes (`rollout_protocol.workers`).
 * `serve_app(app, role=..., token=...)` serves an ASGI app in process (its lifespan runs, so the
   lease watchdog does) on a loopback port and yields a `ServedApp` whose `target` the checks
   take; `start_app` does the same inside a task group you own, for drivers that crash and
@@ -125,11 +131,15 @@ __all__ = [
     "STEPS_INDEXED",
     "UNINTERRUPTED_SUFFIX",
     "WORKERS_MANAGED",
+    "WORKERS_PARK",
+    "WORKERS_REPEAT",
+    "WORKERS_RESTORE",
     "WORKERS_SPREAD",
     "ConformanceError",
     "EpisodeDriver",
     "RunRefused",
     "ServedApp",
+    "StepHoldingDriver",
     "Target",
     "base_rollout_id",
     "check_auth",
@@ -142,6 +152,7 @@ __all__ = [
     "check_stale_ids",
     "check_strict_bodies",
     "check_workers",
+    "check_workers_park_all",
     "rollout_ids_per_worker",
     "serve_app",
     "start_app",
@@ -167,6 +178,9 @@ MODEL_HEADERS = "model.headers"
 STATE = "state.in-boundary"
 WORKERS_MANAGED = "workers.managed"
 WORKERS_SPREAD = "workers.spread"
+WORKERS_PARK = "workers.park-all"
+WORKERS_RESTORE = "workers.restore-all"
+WORKERS_REPEAT = "workers.repeat-run"
 
 RULES: Mapping[str, str] = {
     PHASES_REPLAY: "prepare -> prepared -> commit -> committed; a retried prepare, commit or "
@@ -206,6 +220,15 @@ RULES: Mapping[str, str] = {
     WORKERS_SPREAD: "the crash and restore checks reach every worker of a multi-worker "
     "participant: its rollout ids cover every worker (rollout_protocol.workers.owner), so "
     "parking, restoring and repeated /run are checked in each one",
+    WORKERS_PARK: "with several workers, an episode parked in one worker while another worker's "
+    "episode is inside a step that cannot park leaves the pod's prepare not ready (that episode "
+    "its blocker); once the step ends, every worker parks and the prepare is ready",
+    WORKERS_RESTORE: "with several workers, a restore reaches every worker: each installs the "
+    "restored episodes it holds (the pod installs every record it committed) and each episode "
+    "continues from its records, running no step completed before the checkpoint",
+    WORKERS_REPEAT: "with several workers, a repeated /run of an episode held by any worker "
+    "reaches that worker: it attaches to the live episode, or answers the finished result "
+    "and runs no step, never starting it again elsewhere",
 }
 """Every rule id the kit checks, with the rule in one sentence."""
 
@@ -1165,6 +1188,138 @@ class EpisodeDriver(Protocol):
         ...
 
 
+class StepHoldingDriver(EpisodeDriver, Protocol):
+    """An `EpisodeDriver` that can also hold one episode inside a step that cannot park (a
+    `StepMode.WAIT` step, say one waiting on a tool), for `check_workers_park_all`."""
+
+    async def hold_in_step(self, rollout_id: str) -> None:
+        """Before its first `/run`: make `rollout_id` stop inside such a step and stay there
+        until `release_step` (and not be held at a boundary by `wait_mid_episode`'s hold)."""
+        ...
+
+    async def wait_in_step(self, rollout_id: str, deadline_ts: float) -> None:
+        """Return once `rollout_id` is inside the held step; raise at `deadline_ts` otherwise."""
+        ...
+
+    async def release_step(self, rollout_id: str) -> None:
+        """Let the held step end (the episode then parks at its next boundary, or finishes)."""
+        ...
+
+
+async def check_workers_park_all(
+    driver: StepHoldingDriver,
+    *,
+    rollout_ids: Sequence[str],
+    busy_wait_s: float = 1.0,
+    timeout_s: float = 60.0,
+    call_timeout_s: float = 30.0,
+) -> None:
+    """`workers.park-all`: the last of `rollout_ids` is held inside a step that cannot park
+    (`hold_in_step`), the others mid-way at a boundary (`wait_mid_episode`); with the ids one
+    per worker (`rollout_ids_per_worker`), the parked episodes and the busy one live in
+    different workers. A prepare whose deadline is `busy_wait_s` away must not be ready and
+    must name the busy episode among its blockers; once the step is released, a prepare of a
+    new id must be ready with the parked episodes in it. Both are resumed; the group is then
+    crashed and restarted under attempt + 1 (its first-attempt episodes never end by
+    themselves), so it is usable, idle, afterwards.
+    """
+    rids = list(rollout_ids)
+    _expect(WORKERS_PARK, len(set(rids)) == len(rids) >= 2, "two or more distinct ids", rids)
+    async with _connect(driver.participants(), call_timeout_s) as conns:
+        statuses = [await conn.status(WORKERS_PARK) for conn in conns]
+        _check_spread(statuses, rids)
+        workers = _multi_worker(conns, statuses)
+        attempts = {status.attempt for status in statuses}
+        _expect(WORKERS_PARK, len(attempts) == 1, "the group must run one attempt", attempts)
+        attempt = attempts.pop()
+        coordinator = Coordinator([conn.participant for conn in conns], call_timeout=call_timeout_s)
+        await driver.hold_in_step(rids[-1])
+        failures: dict[str, str] = {}
+
+        async def first_run(rid: str) -> None:
+            try:
+                await driver.run_episode(rid, attempt)
+            except Exception as error:
+                failures[rid] = f"{type(error).__name__}: {error}"
+
+        broke: ConformanceError | None = None  # raised outside the task group, as itself
+        first, second = _new_id("park-busy"), _new_id("park-all")
+        async with anyio.create_task_group() as episodes:
+            for rid in rids:
+                episodes.start_soon(first_run, rid)
+            try:
+                await _park_all_steps(
+                    driver,
+                    coordinator,
+                    (first, second),
+                    rids,
+                    workers,
+                    failures,
+                    busy_wait_s,
+                    timeout_s,
+                    call_timeout_s,
+                )
+            except ConformanceError as error:
+                broke = error
+            finally:
+                with anyio.CancelScope(shield=True):
+                    # a resume of an id already resumed (or never prepared) changes nothing
+                    for cid in (first, second):
+                        await coordinator.resume(cid, time.time() + call_timeout_s)
+                    await driver.crash()
+                episodes.cancel_scope.cancel()
+    if broke is not None:
+        raise broke
+    await driver.restart(attempt + 1)
+
+
+async def _park_all_steps(
+    driver: StepHoldingDriver,
+    coordinator: Coordinator,
+    ids: tuple[str, str],
+    rids: Sequence[str],
+    workers: Mapping[str, int],
+    failures: Mapping[str, str],
+    busy_wait_s: float,
+    timeout_s: float,
+    call_timeout_s: float,
+) -> None:
+    """`check_workers_park_all` once its episodes run: the two prepares."""
+    busy, parked = rids[-1], list(rids[:-1])
+    first, second = ids
+    try:
+        with anyio.fail_after(timeout_s):
+            await driver.wait_mid_episode(parked, time.time() + timeout_s)
+            await driver.wait_in_step(busy, time.time() + timeout_s)
+    except Exception as error:
+        raise ConformanceError(
+            WORKERS_PARK,
+            f"{parked} must wait mid-way and {busy} inside its held step",
+            f"the driver raised {type(error).__name__}: {error}; failures: {dict(failures)}",
+            fault=f"{DRIVER}, or the participant if the episodes failed",
+        ) from error
+    early = await coordinator.prepare(first, time.time() + busy_wait_s, scope=rids)
+    _expect(
+        WORKERS_PARK,
+        not early.ready and any(e.rollout_id == busy for e in early.blockers),
+        f"with {parked} parked and {busy}{_held_by(busy, workers)} inside a step that cannot "
+        "park, the prepare must not be ready and name it as a blocker",
+        f"ready={early.ready}, blockers {[str(e) for e in early.blockers]}, "
+        f"{early.episode_count} parked",
+    )
+    await coordinator.abort(first, time.time() + call_timeout_s)
+    await driver.release_step(busy)
+    ready = await coordinator.prepare(second, time.time() + call_timeout_s, scope=rids)
+    _expect(
+        WORKERS_PARK,
+        ready.ready and set(parked) <= set(ready.scope(rids) or ()),
+        f"once {busy}'s step ended, every worker must park: the prepare must be ready with "
+        f"{parked}",
+        f"ready={ready.ready}, scope {ready.scope(rids)}, stopped at {ready.stopped_at}, "
+        f"failures {[str(f) for f in ready.failures]}",
+    )
+
+
 _Counts = dict[str, dict[str, dict[str, dict[str, int]]]]
 _COUNTS: TypeAdapter[_Counts] = TypeAdapter(_Counts)
 
@@ -1310,11 +1465,14 @@ async def check_crash_restore(
     rids = list(rollout_ids)
     _expect(STEPS, len(set(rids)) == len(rids) > 0, "rollout ids must be distinct", rids)
     runs = _FirstRuns()
-    repeat = _Repeat()
     cid = _new_id("crash")
     async with _connect(driver.participants(), call_timeout_s) as conns:
         statuses = [await conn.status(STEPS) for conn in conns]
         _check_spread(statuses, rids)
+        workers = _multi_worker(conns, statuses)
+        # with several workers, every worker's episode is repeated (`workers.repeat-run`)
+        repeated = rids if workers else rids[:1]
+        repeats = {rid: _Repeat() for rid in repeated}
         attempts = {status.attempt for status in statuses}
         _expect(STEPS, len(attempts) == 1, "the group must run one attempt", sorted(attempts))
         attempt = attempts.pop()
@@ -1330,6 +1488,7 @@ async def check_crash_restore(
                     runs.finished.append(rid)
 
         async def repeated_run(rid: str) -> None:
+            repeat = repeats[rid]
             try:
                 result = await driver.run_episode(rid, attempt)
             except RunRefused as refusal:
@@ -1377,16 +1536,20 @@ async def check_crash_restore(
                 )
                 # The repeated /run goes out before the checkpoint, whose round trips to the
                 # same servers give it time to be refused (a window that grows with their load).
-                episodes.start_soon(repeated_run, rids[0])
+                for rid in repeated:
+                    episodes.start_soon(repeated_run, rid)
                 before, commit = await _checkpoint(coordinator, conns, cid, rids, call_timeout_s)
                 _check_model_counts(conns, before, rids, attempt)
                 with anyio.move_on_after(repeat_window_s):
-                    await repeat.done.wait()
-                if repeat.outcome is not None:
+                    for rid in repeated:
+                        await repeats[rid].done.wait()
+                for rid, repeat in repeats.items():
+                    if repeat.outcome is None:
+                        continue
                     raise ConformanceError(
-                        RUN_LIVE,
-                        f"a repeated /run of the live episode {rids[0]}@{attempt} must attach "
-                        "to it",
+                        RUN_LIVE if rid == rids[0] else WORKERS_REPEAT,
+                        f"a repeated /run of the live episode {rid}@{attempt}"
+                        f"{_held_by(rid, workers)} must attach to it",
                         repeat.outcome,
                         fault=DRIVER if repeat.driver_error else PARTICIPANT,
                         fix="raise RunRefused for an error reply"
@@ -1405,8 +1568,10 @@ async def check_crash_restore(
     await driver.restart(attempt + 1)
     targets = list(driver.participants())
     async with _connect(targets, call_timeout_s) as conns:
+        statuses = []
         for conn in conns:
             status = await conn.status(STEPS)
+            statuses.append(status)
             _expect(
                 STEPS,
                 status.attempt == attempt + 1 and status.phase is Phase.IDLE,
@@ -1434,11 +1599,14 @@ async def check_crash_restore(
             f"attempt {attempt + 1}",
             "; ".join(str(failure) for failure in restored.failures),
         )
+        workers = _multi_worker(conns, statuses)
+        pooled = {status.instance for status in statuses if status.workers > 1}
         for instance, manifest in commit.manifests.items():
             _expect(
-                RESTORE,
+                WORKERS_RESTORE if instance in pooled else RESTORE,
                 restored.restored.get(instance) == manifest.record_count,
-                f"{instance} must install the {manifest.record_count} records it committed",
+                f"{instance} must install the {manifest.record_count} records it committed"
+                + (" (in every worker)" if instance in pooled else ""),
                 restored.restored.get(instance),
             )
         resumed = await coordinator.resume(cid, time.time() + call_timeout_s)
@@ -1456,6 +1624,7 @@ async def check_crash_restore(
         await _run_refused(driver, RUN_ATTEMPT, rids[0], attempt, old, "the crashed attempt")
         results = await _run_all(driver, rids, attempt + 1, timeout_s, "restored episode")
         after = {conn.target.name: await _counters(conn, rids) for conn in conns}
+        _check_restored_workers(workers, before, after, rids, attempt)
         _compare_counts(before, after, rids, attempt)
         started = {name: _ran(counts, rids[0], attempt + 2) for name, counts in after.items()}
         _expect(
@@ -1465,22 +1634,26 @@ async def check_crash_restore(
             f"steps counted under attempt {attempt + 2}: {started}",
         )
 
-        again = await _run_all(driver, rids[:1], attempt + 1, timeout_s, "repeated /run")
-        _expect(
-            RUN_FINISHED,
-            again[rids[0]] == results[rids[0]],
-            f"a repeated /run of the finished {rids[0]}@{attempt + 1} must answer its result",
-            f"first {str(results[rids[0]])[:200]}, then {str(again[rids[0]])[:200]}",
-        )
-        for conn in conns:
-            now = await _counters(conn, rids[:1])
+        repeated = rids if workers else rids[:1]
+        again = await _run_all(driver, repeated, attempt + 1, timeout_s, "repeated /run")
+        for rid in repeated:
+            rule = RUN_FINISHED if rid == rids[0] else WORKERS_REPEAT
+            held = _held_by(rid, workers)
             _expect(
-                RUN_FINISHED,
-                now.get(rids[0]) == after[conn.target.name].get(rids[0]),
-                f"a repeated /run of the finished {rids[0]}@{attempt + 1} must run no step on "
-                f"{conn.target.name} (keep finished results and answer them again)",
-                f"counters before {after[conn.target.name].get(rids[0])}, after {now.get(rids[0])}",
+                rule,
+                again[rid] == results[rid],
+                f"a repeated /run of the finished {rid}@{attempt + 1}{held} must answer its result",
+                f"first {str(results[rid])[:200]}, then {str(again[rid])[:200]}",
             )
+            for conn in conns:
+                now = await _counters(conn, [rid])
+                _expect(
+                    rule,
+                    now.get(rid) == after[conn.target.name].get(rid),
+                    f"a repeated /run of the finished {rid}@{attempt + 1}{held} must run no "
+                    f"step on {conn.target.name} (keep finished results and answer them again)",
+                    f"counters before {after[conn.target.name].get(rid)}, after {now.get(rid)}",
+                )
 
         twins = await _run_all(
             driver,
@@ -1522,6 +1695,45 @@ async def check_crash_restore(
             {ErrorCode.ATTEMPT_RETIRED.value: 410},
             "retired",
         )
+
+
+def _multi_worker(conns: Sequence[_Conn], statuses: Sequence[StatusReply]) -> dict[str, int]:
+    """The group's participants with several managed workers: target name -> workers."""
+    return {
+        conn.target.name: status.workers
+        for conn, status in zip(conns, statuses, strict=True)
+        if status.multi_process is MultiProcess.MANAGED and status.workers > 1
+    }
+
+
+def _held_by(rid: str, workers: Mapping[str, int]) -> str:
+    """` (held by worker k of <participant>, ...)`, or nothing for single-process groups."""
+    held = [f"worker {owner(rid, n)} of {name}" for name, n in workers.items()]
+    return f" (held by {', '.join(held)})" if held else ""
+
+
+def _check_restored_workers(
+    workers: Mapping[str, int],
+    before: Mapping[str, _Counts],
+    after: Mapping[str, _Counts],
+    rids: Sequence[str],
+    attempt: int,
+) -> None:
+    """`workers.restore-all`: in a multi-worker participant, every worker's restored episode
+    continued from its records (a worker the restore missed starts its episodes again)."""
+    for name, n in workers.items():
+        for rid in rids:
+            once = {s for s, k in _completed(before.get(name, {}), rid, attempt).items() if k == 1}
+            again = sorted(once & _ran(after.get(name, {}), rid, attempt + 1))
+            if again:
+                raise ConformanceError(
+                    WORKERS_RESTORE,
+                    f"the restored {rid} (held by worker {owner(rid, n)} of {name}'s {n}) must "
+                    f"continue from its records under attempt {attempt + 1}",
+                    f"steps completed before the checkpoint ran again: {again}",
+                    fix="restore through rollout_protocol.workers.serve_workers, whose control "
+                    "plane installs each record in the worker that holds its rollout",
+                )
 
 
 async def _run_all(

@@ -44,6 +44,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ._control import WORKER_ENV, ControlPlane, ControlSettings
+from ._routes import GYM_CAPABILITIES_PATH
 from ._wire import API_PREFIX, ErrorCode, ProtocolError, Role
 from ._workers import WorkerPool, owner
 from .serving import DrainingServer
@@ -129,6 +130,7 @@ def serve_workers(
         ).start()
         pool = WorkerPool(role, sockets)
         plane = ControlPlane(pool, settings)
+        pool.index = lambda: plane.settings.index
         app = _pod_app(pool, plane)
         config = uvicorn.Config(
             app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on"
@@ -327,6 +329,9 @@ def _pod_app(pool: WorkerPool, plane: ControlPlane) -> FastAPI:
     async def route(request: Request) -> Response:
         body = await request.body()
         rollout_id = _rollout_id(body, request)
+        if rollout_id is None and request.url.path == GYM_CAPABILITIES_PATH:
+            # the client's dialect probe: the pod's plane mounts no Gym routes (a 404 says ours)
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"{request.url.path}: no Gym dialect here")
         if rollout_id is None:
             raise ProtocolError(
                 ErrorCode.INVALID_REQUEST,

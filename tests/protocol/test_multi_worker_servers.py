@@ -3,11 +3,13 @@ processes on loopback (docs/protocol.md, "Workers").
 
 - The conformance kit passes against a 3-worker environment (the single-participant rules) and
   across a crash and restore of a set whose environment, agent and resources run 3 workers.
-- The workers' rules: an episode parked in one worker while another worker's episode is inside
-  a wait step is not ready; a restore reaches every worker (each one runs the restored attempt
-  and continues its own share of the records); a repeated `/run` finds the worker that holds
-  the episode (the kit's `run.repeat-live` and `run.repeat-finished`, with one rollout per
-  worker, and a repeated `/run` after the restore here).
+- The kit's workers' rules (`workers.park-all` by `check_workers_park_all`, with one episode
+  inside the environment's wait step; `workers.restore-all` and `workers.repeat-run` inside
+  `check_crash_restore`, with one rollout per worker), and the same behaviours step by step
+  here: an episode parked in one worker while another worker's episode is inside a wait step
+  is not ready; a restore reaches every worker (each one runs the restored attempt and
+  continues its own share of the records); a repeated `/run` after the restore finds the
+  worker that holds the episode.
 - One worker process killed (the pod's main process still running) ends the pod: the main
   process stops the other workers and exits with `WORKER_LOST_EXIT`, and the set continues from
   its last checkpoint under the next attempt with every episode exactly once.
@@ -32,6 +34,7 @@ from rollout_protocol.conformance import (
     check_crash_restore,
     check_participant,
     check_workers,
+    check_workers_park_all,
     rollout_ids_per_worker,
 )
 from rollout_protocol.workers import WORKER_LOST_EXIT
@@ -107,6 +110,21 @@ async def test_three_worker_servers_keep_steps_across_crash_and_restore(make_clu
             rollout_ids=one_per_worker("kit"),
         )
     assert set(cluster.pids) == {0, 1}
+
+
+async def test_the_kit_checks_that_every_worker_parks_before_the_pod_is_ready(
+    make_cluster: Any,
+) -> None:
+    """`workers.park-all`: one episode inside the environment's wait step `verify` in one worker
+    while the others are parked in the other two."""
+    cluster: Cluster = make_cluster(extra_args={Role.ENVIRONMENT: THREE}, ready_timeout_s=READY_S)
+    cluster.start(0)
+    async with httpx.AsyncClient(timeout=60) as http:
+        await check_workers_park_all(
+            ReferenceDriver(cluster, http), rollout_ids=one_per_worker("park")
+        )
+        status = await control_status(http, cluster, Role.ENVIRONMENT)
+    assert (status["phase"], status["attempt"], status["workers"]) == ("idle", 1, WORKERS)
 
 
 async def test_every_worker_parks_restores_and_keeps_its_episodes(make_cluster: Any) -> None:

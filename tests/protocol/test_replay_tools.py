@@ -155,7 +155,7 @@ async def test_an_agent_steps_every_call_in_wait_mode_for_a_server_without_a_too
         )
         agent = AgentServer(options, environ={"ROLLOUT_CHECKPOINT_ROOT": str(tmp_path)})
         async with serve_app(agent.build_app(), role=Role.AGENT, token=token):
-            assert await agent.tool_mode("calculator") is StepMode.WAIT
+            assert await agent.tool_mode("calculator", "r-0") is StepMode.WAIT
             assert agent._tool_modes == {}
             agent.rewire({Role.RESOURCES: bare.target.base_url})
             assert agent._tool_modes is None

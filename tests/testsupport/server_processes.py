@@ -398,6 +398,10 @@ class ReferenceDriver:
     second turn (its first model call and tool call completed, the session parked between
     turns); the kit then checkpoints, crashes (`Cluster.kill`) and restarts the cluster, and the
     episode's `/run` under the next attempt continues it to its end.
+
+    It is also the kit's `StepHoldingDriver`: `hold_in_step` gives the episode a task whose
+    environment step `verify` waits on the resources server and holds it there (a wait step,
+    which cannot park), instead of at the agent's turn.
     """
 
     def __init__(self, cluster: Cluster, http: httpx.AsyncClient) -> None:
@@ -405,11 +409,27 @@ class ReferenceDriver:
         self.http = http
         self.held_attempt = cluster.attempt
         self.agent = Debug(http, cluster.url(Role.AGENT))
+        self.resources = Debug(http, cluster.url(Role.RESOURCES))
         self.armed: set[str] = set()
+        self.in_step: set[str] = set()
 
     def task(self, rollout_id: str) -> Task:
         """One task per rollout id; the kit's uninterrupted twin of an id gets the same one."""
-        return two_step_task(sum(base_rollout_id(rollout_id).encode()))
+        base = base_rollout_id(rollout_id)
+        return two_step_task(sum(base.encode()), verify="wait" if base in self.in_step else None)
+
+    async def hold_in_step(self, rollout_id: str) -> None:
+        self.in_step.add(rollout_id)
+        self.armed.add(rollout_id)  # not held at the agent's turn
+        await self.resources.arm("verify", rollout_id)
+
+    async def wait_in_step(self, rollout_id: str, deadline_ts: float) -> None:
+        await self.resources.paused(
+            "verify", rollout_id, limit_s=max(1.0, deadline_ts - time.time())
+        )
+
+    async def release_step(self, rollout_id: str) -> None:
+        await self.resources.release("verify", rollout_id)
 
     def participants(self) -> list[Target]:
         return [Target(self.cluster.url(role), role, TOKEN, client=self.http) for role in Role]

@@ -37,6 +37,7 @@ from rollout_protocol import (
     Dialect,
     Episode,
     EpisodeError,
+    EpisodeId,
     EpisodeRuntime,
     ErrorCode,
     ForgetRequest,
@@ -58,6 +59,7 @@ from rollout_protocol import (
 )
 from rollout_protocol import conformance as kit
 from rollout_protocol.conformance import ConformanceError, ServedApp, start_app
+from rollout_protocol.workers import owner
 
 TOKEN = "kit-unit-token"
 GRACE = 0.3
@@ -106,7 +108,13 @@ class Conforming:
     the counter endpoint (`StepCounters.snapshot`).
     """
 
+    workers = 1
+    """Above 1: the app says it is the control plane of that many managed workers (status
+    `multi_process: managed`), one process standing in for a pod of `serve_workers`, so the
+    kit applies its workers' rules; its fakes below break one of them for some workers only."""
+
     def __init__(self, settings: ControlSettings, *, hold: bool = False) -> None:
+        settings = replace(settings, workers=self.workers)
         self.settings = settings
         self.hold = hold
         self.counters = StepCounters(settings.role)
@@ -118,6 +126,9 @@ class Conforming:
         self.model: Callable[[str, int], Awaitable[None]] | None = None
         """Set by `ModelDriver`: the call to the group's model participant (first step only)."""
         self._never = anyio.Event()
+        self.in_step: defaultdict[str, anyio.Event] = defaultdict(anyio.Event)
+        self.step_held: dict[str, anyio.Event] = {}
+        """Episodes held inside their first step (a wait step, which cannot park) until set."""
 
     def build(self) -> FastAPI:
         app = FastAPI()
@@ -169,7 +180,7 @@ class Conforming:
         try:
             while episode.boundary.step != "done":
                 step = episode.boundary.step
-                if step == HOLD_BEFORE and self.hold:
+                if step == HOLD_BEFORE and self.hold and rollout_id not in self.step_held:
                     self.reached[rollout_id].set()
                     await self._never.wait()
                 index = STEP_NAMES.index(step)
@@ -179,6 +190,10 @@ class Conforming:
                     if self.model is not None and step == STEP_NAMES[0]:
                         await self.model(self.model_key(rollout_id), attempt)
                     self.on_step(rollout_id, step)
+                    release = self.step_held.get(rollout_id)
+                    if release is not None and step == STEP_NAMES[0]:
+                        self.in_step[rollout_id].set()
+                        await release.wait()
                     done = [*episode.boundary.state.get("steps", []), step]
                     return Boundary(following, {"steps": done})
 
@@ -425,6 +440,55 @@ class UnnamedModelCalls(Conforming):
         return "unnamed"
 
 
+class Workers(Conforming):
+    """Conforming, as the control plane of three managed workers."""
+
+    workers = 3
+
+
+class ReadyWhileAWorkerIsBusy(Workers):
+    """Breaks `workers.park-all`: answers a prepare ready once the episodes that parked did,
+    as a pod that asks only the workers that have parked (the busy one's blocker dropped)."""
+
+    def override(self, app: FastAPI) -> None:
+        async def prepare(body: PrepareRequest) -> PrepareReply:
+            reply = await self.plane.prepare(body)
+            if reply.ready:
+                return reply
+            return reply.model_copy(update={"ready": True, "blockers": [], "blocker_count": 0})
+
+        _replace_route(app, "prepare", PrepareRequest, prepare)
+
+
+class RestoreMissesAWorker(Workers):
+    """Breaks `workers.restore-all`: its restore installs nothing for the rollouts worker 2
+    holds (as a pod that sends the records to some workers only), so those start again."""
+
+    def __init__(self, settings: ControlSettings, *, hold: bool = False) -> None:
+        super().__init__(settings, hold=hold)
+        runtime = self.runtime
+
+        class Missing(RuntimeParticipant):
+            async def install(self, records: Sequence[Record], attempt: int) -> list[Any]:
+                kept = [r for r in records if owner(r.rollout_id, Workers.workers) != 2]
+                await super().install(kept, attempt)
+                return [EpisodeId(rollout_id=r.rollout_id, attempt=attempt) for r in records]
+
+        self.participant = Missing(settings.role, runtime)
+        self.plane = ControlPlane(self.participant, self.settings)
+
+
+class RepeatElsewhere(Workers):
+    """Breaks `workers.repeat-run`: a repeated `/run` of a finished episode of workers 1 and 2
+    reaches a worker that does not hold it (as a router that sends it anywhere), where it
+    starts again; worker 0's episodes are answered as they should."""
+
+    async def run(self, rollout_id: str, attempt: int) -> dict[str, Any]:
+        if owner(rollout_id, self.workers) != 0:
+            self.finished.pop((rollout_id, attempt), None)
+        return await super().run(rollout_id, attempt)
+
+
 class NoObserver(Conforming):
     """Breaks `steps.no-rerun` by omission: its runtime has no `observer=`, so its counters
     stay empty; the kit must blame the participant, not the driver."""
@@ -478,6 +542,19 @@ class InProcessDriver:
     async def close(self) -> None:
         if self.served is not None:
             await self.served.stop()
+
+    async def hold_in_step(self, rollout_id: str) -> None:
+        assert self.server is not None
+        self.server.step_held[rollout_id] = anyio.Event()
+
+    async def wait_in_step(self, rollout_id: str, deadline_ts: float) -> None:
+        assert self.server is not None
+        with anyio.fail_after(max(0.0, deadline_ts - time.time())):
+            await self.server.in_step[rollout_id].wait()
+
+    async def release_step(self, rollout_id: str) -> None:
+        assert self.server is not None
+        self.server.step_held[rollout_id].set()
 
 
 class ModelDriver(InProcessDriver):
@@ -561,13 +638,28 @@ async def _whole_kit(
         )
 
 
+def _rollout_ids(fake: type[Conforming]) -> list[str]:
+    """Three ids; one per worker of a multi-worker fake."""
+    return kit.rollout_ids_per_worker(3, "r") if fake.workers > 1 else ["r-0", "r-1", "r-2"]
+
+
 async def _crash_restore(
     fake: type[Conforming], root: Path, dialect: Dialect = Dialect.ROLLOUT
 ) -> None:
     async with _driver(fake, root, dialect=dialect) as driver:
         await kit.check_crash_restore(
-            driver, checkpoint_root=root, rollout_ids=["r-0", "r-1", "r-2"], timeout_s=WAIT
+            driver, checkpoint_root=root, rollout_ids=_rollout_ids(fake), timeout_s=WAIT
         )
+
+
+async def _park_all(fake: type[Conforming], root: Path) -> None:
+    """`workers.park-all`, then the crash + restore check on the group it restarted."""
+    async with _driver(fake, root) as driver:
+        rids = _rollout_ids(fake)
+        await kit.check_workers_park_all(driver, rollout_ids=rids, busy_wait_s=0.3, timeout_s=WAIT)
+        assert driver.server is not None  # the fresh one of the restart, idle under attempt 1
+        status = driver.server.plane.status()
+        assert (status.phase, status.attempt, status.workers) == (Phase.IDLE, 1, fake.workers)
 
 
 async def _crash_restore_with_model(fake: type[Conforming], root: Path) -> None:
@@ -592,6 +684,16 @@ async def test_conforming_participant_passes_the_whole_kit(
 
 
 @pytest.mark.anyio
+async def test_a_multi_worker_participant_passes_the_workers_rules(tmp_path: Path) -> None:
+    """`workers.park-all`, and the crash + restore check with one rollout per worker
+    (`workers.restore-all`, `workers.repeat-run`), on the conforming fake as three workers'
+    control plane."""
+    with anyio.fail_after(30):
+        await _park_all(Workers, tmp_path / "park")
+        await _crash_restore(Workers, tmp_path / "crash")
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize(
     ("fake", "rule", "run_kit"),
     [
@@ -610,6 +712,9 @@ async def test_conforming_participant_passes_the_whole_kit(
         (StateOutsideBoundary, kit.STATE, _crash_restore),
         (UnindexedSteps, kit.STEPS_INDEXED, _crash_restore),
         (UnnamedModelCalls, kit.MODEL_HEADERS, _crash_restore_with_model),
+        (ReadyWhileAWorkerIsBusy, kit.WORKERS_PARK, _park_all),
+        (RestoreMissesAWorker, kit.WORKERS_RESTORE, _crash_restore),
+        (RepeatElsewhere, kit.WORKERS_REPEAT, _crash_restore),
     ],
     ids=lambda value: value if isinstance(value, str) else value.__name__,
 )

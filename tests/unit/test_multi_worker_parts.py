@@ -5,23 +5,31 @@ the reference CLI's `--workers` (docs/protocol.md, "Workers")."""
 from __future__ import annotations
 
 import argparse
+import socket
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
+import uvicorn
 from fastapi import FastAPI
 from rollout_operator.decide.workers import unmanaged_workers
 from rollout_protocol import (
+    CommitRequest,
     ControlConfigError,
     ControlPlane,
     ControlSettings,
     EpisodeRuntime,
     MultiProcess,
+    PrepareRequest,
+    RestoreRequest,
     Role,
     RuntimeParticipant,
     StatusReply,
 )
+from rollout_protocol._workers import WorkerPool
 from rollout_protocol.conformance import (
     WORKERS_MANAGED,
     WORKERS_SPREAD,
@@ -34,6 +42,8 @@ from rollout_protocol.conformance import (
 )
 from rollout_protocol.workers import merge_stats, owner
 from rollout_servers.cli import build_parser, worker_count
+from rollout_servers.servers.common import ServerOptions
+from rollout_servers.servers.resources import ResourcesServer
 
 BASE = {"ROLLOUT_CONTROL_TOKEN": "t"}
 
@@ -167,3 +177,62 @@ def test_the_reference_cli_takes_workers_from_the_flag_or_web_concurrency() -> N
     with pytest.raises(SystemExit, match="one process per engine"):
         worker_count(args("model", "--workers", "2"), {})
     assert worker_count(args("model"), {}) == 1
+
+
+async def test_the_workers_of_an_adopted_standby_become_the_instance_it_was_adopted_for(
+    tmp_path: Path,
+) -> None:
+    """A standby pod's restore under another instance's index reaches its workers: the pool
+    sends the plane's index with the install, and each worker's plane (and so the `instance`
+    its server reports at `/healthz` and `/stats`) follows it. One worker, in process, served on
+    a Unix socket as `serve_workers` serves it."""
+    worker = ControlPlane(
+        RuntimeParticipant(Role.ENVIRONMENT, EpisodeRuntime()),
+        settings(ROLLOUT_WORKER="0/1", ROLLOUT_STANDBY="1"),
+    )
+    assert worker.settings.standby
+    app = FastAPI()
+    worker.install(app)
+    path = str(tmp_path / "worker-0.sock")
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listening.bind(path)  # bound and listening before serving: calls wait in its backlog
+    listening.listen()
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning"))
+    pod = ControlPlane(WorkerPool(Role.ENVIRONMENT, [path]), settings(ROLLOUT_STANDBY="1"))
+    pool = pod.participant
+    assert isinstance(pool, WorkerPool)
+    pool.index = lambda: 2  # as serve_workers sets it: the pod plane's index now
+    async with anyio.create_task_group() as group:
+        group.start_soon(server.serve, [listening])
+        try:
+            with anyio.fail_after(30):
+                await pool.install([], 1)
+        finally:
+            server.should_exit = True
+            await pool.aclose()
+    assert (worker.settings.instance, worker.settings.standby) == ("environment-2", False)
+    assert worker.attempt == 1
+
+
+async def test_a_reference_server_reports_the_instance_it_was_adopted_as(tmp_path: Path) -> None:
+    """`/healthz` and `/stats` of a standby reference server adopted for `resources-2` name
+    `resources-2` (they read the plane's identity, not the start-up settings)."""
+    env = {"ROLLOUT_CHECKPOINT_ROOT": str(tmp_path), "ROLLOUT_SET": "s", **BASE}
+    options = ServerOptions(role=Role.RESOURCES)
+    lost = ResourcesServer(options, environ={**env, "ROLLOUT_INDEX": "2"})
+    deadline = time.time() + 30
+    async with serve_app(lost.build_app(), role=Role.RESOURCES, token="t"):
+        assert (
+            await lost.plane.prepare(PrepareRequest(checkpoint_id="c", deadline_ts=deadline))
+        ).ready
+        await lost.plane.commit(CommitRequest(checkpoint_id="c", deadline_ts=deadline))
+    standby = ResourcesServer(options, environ={**env, "ROLLOUT_STANDBY": "1"})
+    async with serve_app(standby.build_app(), role=Role.RESOURCES, token="t") as served:
+        before = (await served.client.get("/healthz")).json()["instance"]
+        await standby.plane.restore(
+            RestoreRequest(checkpoint_id="c", attempt=1, deadline_ts=deadline, index=2)
+        )
+        health = (await served.client.get("/healthz")).json()
+        stats = (await served.client.get("/stats")).json()
+    assert before != "resources-2"
+    assert (health["instance"], stats["instance"]) == ("resources-2", "resources-2")

@@ -24,6 +24,7 @@ import logging
 import re
 from collections.abc import Mapping
 from typing import Any, Literal
+from urllib.parse import urlencode
 
 from fastapi import FastAPI
 from pydantic import Field
@@ -144,13 +145,21 @@ class AgentServer(RolloutServer):
         if Role.RESOURCES in peers:
             self._tool_modes = None  # a new resources server: read its declaration again
 
-    async def tool_mode(self, tool: str) -> StepMode:
+    async def tool_mode(self, tool: str, rollout_id: str) -> StepMode:
         """Replay for a tool the resources server declares idempotent, wait otherwise (also
-        for a tool it does not list, and for every tool of a server without `GET /tools`)."""
+        for a tool it does not list, and for every tool of a server without `GET /tools`).
+
+        The listing is read once, naming the episode that asks (`?rollout_id=`): a resources
+        pod of several workers routes only requests that name a rollout (every worker declares
+        the same tools)."""
         if self._tool_modes is None:
             try:
                 listing = await self.call_peer(
-                    self.peer_url(Role.RESOURCES), "/tools", {}, key="tools", method="GET"
+                    self.peer_url(Role.RESOURCES),
+                    f"/tools?{urlencode({'rollout_id': rollout_id})}",
+                    {},
+                    key="tools",
+                    method="GET",
                 )
             except PeerError as error:
                 if error.http_status != 404:
@@ -194,7 +203,7 @@ class AgentServer(RolloutServer):
                             ep, f"model@{turn}", StepMode.REPLAY, self._model_call(ep, task)
                         )
                     else:
-                        mode = await self.tool_mode(TOOL)
+                        mode = await self.tool_mode(TOOL, ep.rollout_id)
                         await self.runtime.step(ep, f"tool@{turn}", mode, self._tool_call(ep))
             outcome.set(_reply(ep))
         except EpisodeCancelled as error:

@@ -539,7 +539,7 @@ class RolloutServer:
             body = {
                 "status": state,
                 "role": server.role.value,
-                "instance": server.settings.instance,
+                "instance": server.plane.settings.instance,  # a standby's changes when adopted
                 "attempt": server.attempt,
                 "phase": server.plane.phase.value,
             }
@@ -558,7 +558,7 @@ class RolloutServer:
             counts = server.runtime.counts()
             return {
                 "role": server.role.value,
-                "instance": server.settings.instance,
+                "instance": server.plane.settings.instance,
                 "attempt": server.attempt,
                 "live": counts.live,
                 "parked": counts.parked,
