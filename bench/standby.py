@@ -189,7 +189,8 @@ def kill_to_resumed(
         replacement = ""
         if standby and last.get("adopted"):
             resumed_at = time.monotonic()
-            wait("a replacement standby Ready", up, 600)
+            # the adopted standby may still be counted until the set's next status write
+            wait("a replacement standby Ready", lambda: up() and bool(spares() - before), 600)
             got.replaced.append(time.monotonic() - resumed_at)
             [new] = spares() - before
             got.replacement_start.append(pod_start_seconds(cluster, namespace, new))
