@@ -190,7 +190,11 @@ def kill_to_resumed(
         if standby and last.get("adopted"):
             resumed_at = time.monotonic()
             # the adopted standby may still be counted until the set's next status write
-            wait("a replacement standby Ready", lambda: up() and bool(spares() - before), 600)
+            wait(
+                "a replacement standby Ready",
+                lambda old=before: up() and bool(spares() - old),  # type: ignore[misc]
+                600,
+            )
             got.replaced.append(time.monotonic() - resumed_at)
             [new] = spares() - before
             got.replacement_start.append(pod_start_seconds(cluster, namespace, new))
