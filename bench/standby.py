@@ -192,7 +192,7 @@ def kill_to_resumed(
             # the adopted standby may still be counted until the set's next status write
             wait(
                 "a replacement standby Ready",
-                lambda old=before: up() and bool(spares() - old),  # type: ignore[misc]
+                lambda old=before: up() and bool(spares() - old),
                 600,
             )
             got.replaced.append(time.monotonic() - resumed_at)
