@@ -15,7 +15,6 @@ third token, so it is provably mid-way both when the checkpoint records it and a
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from testsupport.operator_fixtures import (
     phase_is,
     stats,
 )
+from testsupport.podpath import give_import_path
 
 from devcluster.cluster import Cluster
 
@@ -46,8 +46,6 @@ EPISODES = 12
 SEED = 17
 HELD_AT_TOKEN = 2
 CAPABILITIES = "/ng-control/v1/capabilities"
-TESTS = Path(__file__).resolve().parents[1]
-"""On the environment pod's PYTHONPATH: the test participant is `testsupport.gym_environment`."""
 
 
 def mixed_set(storage: Path) -> dict[str, Any]:
@@ -57,8 +55,7 @@ def mixed_set(storage: Path) -> dict[str, Any]:
         if participant["role"] == "environment":
             container = participant["template"]["spec"]["containers"][0]
             container["command"] = ["python", "-m", "testsupport.gym_environment"]
-            path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
-            container.setdefault("env", []).append({"name": "PYTHONPATH", "value": path})
+            give_import_path(container, tests=True)
     return rset
 
 

@@ -43,6 +43,7 @@ from testsupport.operator_fixtures import (
     phase_is,
     stats,
 )
+from testsupport.podpath import give_import_path
 
 from devcluster.cluster import Cluster
 from harness.objects import condition, kubectl_apply
@@ -55,19 +56,11 @@ HELD_AT_TOKEN = 2
 WORKERS = ["--workers", "3"]
 
 
-TESTS = Path(__file__).resolve().parents[1]
-"""The tests folder, which holds `testsupport` (not installed in the venv)."""
-
-
 def with_this_checkout(obj: dict[str, Any]) -> dict[str, Any]:
-    """Pods get the test's PYTHONPATH, if it has one: devcluster's node agent passes no
-    PYTHONPATH of its own, and a checkout other than the installed one must reach the pods."""
-    path = os.environ.get("PYTHONPATH")
-    if path:
-        for participant in obj["spec"]["participants"]:
-            for container in participant["template"]["spec"]["containers"]:
-                env = [e for e in container.get("env", []) if e["name"] != "PYTHONPATH"]
-                container["env"] = [*env, {"name": "PYTHONPATH", "value": path}]
+    """Pods get the test's PYTHONPATH, if it has one (`give_import_path`)."""
+    for participant in obj["spec"]["participants"]:
+        for container in participant["template"]["spec"]["containers"]:
+            give_import_path(container)
     return obj
 
 
@@ -209,10 +202,7 @@ async def test_unmanaged_workers_are_refused_with_an_event_naming_the_pod(
         if participant["role"] == "environment":
             container = participant["template"]["spec"]["containers"][0]
             container["command"] = ["python", "-m", "uvicorn"]
-            # the app is `testsupport.unmanaged_app`: the tests folder on the pod's path
-            path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
-            env = [e for e in container.get("env", []) if e["name"] != "PYTHONPATH"]
-            container["env"] = [*env, {"name": "PYTHONPATH", "value": path}]
+            give_import_path(container, tests=True)  # the app is `testsupport.unmanaged_app`
             container["args"] = [
                 "--factory",
                 "testsupport.unmanaged_app:environment",

@@ -30,6 +30,7 @@ from testsupport.operator_fixtures import (
     participants_by_role,
     running_operator,
 )
+from testsupport.podpath import give_import_path
 
 from devcluster.cluster import Cluster
 from harness.otlp import OtlpReceiver, ReceivedSpan, children, otlp_receiver, render
@@ -64,12 +65,10 @@ def traced_set(storage_dir: Path, endpoint: str) -> dict[str, object]:
     rset = example_set(storage_dir)
     variables = [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": endpoint}]
     variables += [{"name": k, "value": v} for k, v in EXPORT.items()]
-    if "PYTHONPATH" in os.environ:
-        # the node agent passes pods no PYTHONPATH: a worktree's code must be named to them
-        variables.append({"name": "PYTHONPATH", "value": os.environ["PYTHONPATH"]})
     for participant in rset["spec"]["participants"]:
         for container in participant["template"]["spec"]["containers"]:
             container["env"] = [*container.get("env", []), *variables]
+            give_import_path(container)
     return rset
 
 
