@@ -45,6 +45,7 @@ from rollout_operator.decide.churn import spacing
 from devcluster.cluster import Cluster
 from devcluster.image import ProjectImage, build_project_image
 from harness import helm
+from harness.apiaccounting import admin_context
 from harness.objects import apply_crds, create_namespace, example_checkpoint, example_set
 from harness.operatorprocess import OperatorProcess
 
@@ -61,10 +62,7 @@ def say(message: str) -> None:
 def api_client(cluster: Cluster) -> httpx.Client:
     """The API server as devcluster's admin, for polling the set: a `kubectl get` per poll costs
     a process start (0.1-0.5 s on two busy cores), which would be measured as recovery time."""
-    context = cluster.ssl_context()
-    pki = cluster.layout.pki
-    context.load_cert_chain(pki / "admin.crt", pki / "admin.key")
-    return httpx.Client(base_url=cluster.server, verify=context, timeout=10.0)
+    return httpx.Client(base_url=cluster.server, verify=admin_context(cluster), timeout=10.0)
 
 
 def get(cluster: Cluster, namespace: str, *args: str) -> dict[str, Any]:

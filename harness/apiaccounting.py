@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import ssl
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -285,13 +286,20 @@ class Accounting:
         return self.counts(response.text)
 
 
-def admin_http(cluster: Cluster, timeout: float = 10.0) -> httpx.AsyncClient:
-    """An HTTP client to the API server as devcluster's admin (`system:masters`: APF exempts it,
-    so its own reads are never counted in an accounting)."""
+def admin_context(cluster: Cluster) -> ssl.SSLContext:
+    """TLS to the API server as devcluster's admin (`system:masters`), trusting its CA."""
     context = cluster.ssl_context()
     pki = cluster.layout.pki
     context.load_cert_chain(pki / "admin.crt", pki / "admin.key")
-    return httpx.AsyncClient(base_url=cluster.server, verify=context, timeout=timeout)
+    return context
+
+
+def admin_http(cluster: Cluster, timeout: float = 10.0) -> httpx.AsyncClient:
+    """An HTTP client to the API server as devcluster's admin (`system:masters`: APF exempts it,
+    so its own reads are never counted in an accounting)."""
+    return httpx.AsyncClient(
+        base_url=cluster.server, verify=admin_context(cluster), timeout=timeout
+    )
 
 
 def dispatched_counts(
