@@ -734,7 +734,7 @@ async def test_the_collector_is_off_only_while_prepared(tmp_path: Path) -> None:
         stuck.stuck.add("r1")
         blocked = ControlPlane(stuck, _settings(tmp_path, index=1))
         async with _serve(blocked) as blocked_client:
-            body = {"checkpoint_id": "ck2", "deadline_ts": _deadline(0.2)}
+            body = {"checkpoint_id": "ck2", "deadline_ts": _deadline(1.0)}
             reply = await blocked_client.post(f"{API_PREFIX}/prepare", json=body)
             assert reply.status_code == 200, reply.text
             assert not PrepareReply.model_validate_json(reply.content).ready
