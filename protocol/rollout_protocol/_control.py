@@ -1043,9 +1043,13 @@ class ControlPlane:
             committed = self._machine.phase is Phase.COMMITTED
             if self._machine.resume(request.checkpoint_id):
                 self._lease_changed.set()
-                self._closed(committed)
-                with tracing.span("reopen"):
-                    await self._call("reopen", self._participant.reopen())
+                # Reopen first: the collector, back on, catches up on the garbage of the whole
+                # pause at its next allocation, and that collection must not delay the reopen.
+                try:
+                    with tracing.span("reopen"):
+                        await self._call("reopen", self._participant.reopen())
+                finally:
+                    self._closed(committed)
             return ResumeReply(checkpoint_id=request.checkpoint_id, phase=Phase.IDLE)
 
     async def retire(self, request: RetireRequest) -> RetireReply:

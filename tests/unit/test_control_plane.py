@@ -744,6 +744,25 @@ async def test_the_collector_is_off_only_while_prepared(tmp_path: Path) -> None:
     assert gc.isenabled(), "a control plane that stops while prepared releases its hold"
 
 
+async def test_the_collector_comes_back_only_after_the_participant_reopened(
+    tmp_path: Path,
+) -> None:
+    """The collection that catches up on the pause's garbage runs after the reopen, not in it."""
+    collecting_at_reopen: list[bool] = []
+
+    class Recording(FakeParticipant):
+        async def reopen(self) -> None:
+            collecting_at_reopen.append(gc.isenabled())
+            await super().reopen()
+
+    async with _serve(ControlPlane(Recording(rollouts=["r1"]), _settings(tmp_path))) as client:
+        await _ok(client, "prepare", "ck")
+        await _ok(client, "commit", "ck")
+        await _ok(client, "resume", "ck")
+        assert collecting_at_reopen == [False]
+        assert gc.isenabled()
+
+
 async def test_a_collector_the_application_switched_off_stays_off(tmp_path: Path) -> None:
     gc.disable()
     try:
