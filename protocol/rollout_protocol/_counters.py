@@ -25,6 +25,12 @@ class StepCounters:
     Step names may carry a suffix after `@` (`model@2` = the model call of turn 2): totals count
     the base name, per-rollout counts keep the full name, so a test can check exactly which
     turn ran again.
+
+    The counts of the last `keep_rollouts` rollouts are kept, each in one dict keyed by
+    `attempt, name, event` joined into one string: a dict of strings and ints is never tracked
+    by the cyclic garbage collector, whereas nested dicts (one per attempt and step) made every
+    kept rollout two objects that each full collection walks (50,000 rollouts: a full collection
+    of 122 ms instead of 15 ms, stalling every episode of the process).
     """
 
     def __init__(self, role: Role, *, keep_rollouts: int = 50_000) -> None:
@@ -32,7 +38,8 @@ class StepCounters:
         self._totals: dict[int, dict[str, dict[str, int]]] = defaultdict(
             lambda: defaultdict(lambda: defaultdict(int))
         )
-        self._rollouts: OrderedDict[str, dict[int, dict[str, dict[str, int]]]] = OrderedDict()
+        self._rollouts: OrderedDict[str, dict[str, int]] = OrderedDict()
+        """rollout -> `_key(attempt, name, event)` -> count."""
         self._keep = keep_rollouts
         self.counters: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
 
@@ -49,8 +56,8 @@ class StepCounters:
             per = self._rollouts[rollout_id] = {}
             while len(self._rollouts) > self._keep:
                 self._rollouts.popitem(last=False)
-        per.setdefault(attempt, {}).setdefault(name, {}).setdefault(event, 0)
-        per[attempt][name][event] += 1
+        key = _key(attempt, name, event)
+        per[key] = per.get(key, 0) + 1
 
     def bump(self, attempt: int, counter: str, amount: int = 1) -> None:
         self.counters[attempt][counter] += amount
@@ -64,7 +71,24 @@ class StepCounters:
         return {
             "steps": {str(a): {k: dict(v) for k, v in s.items()} for a, s in self._totals.items()},
             "counters": {str(a): dict(c) for a, c in self.counters.items()},
-            "rollouts": {
-                rid: {str(a): steps for a, steps in per.items()} for rid, per in rollouts.items()
-            },
+            "rollouts": {rid: _nested(per) for rid, per in rollouts.items()},
         }
+
+
+_SEPARATOR = "\x00"
+"""Between the attempt, the step name and the event of a per-rollout key (attempts and events
+never contain it, so a step name that does still reads back whole)."""
+
+
+def _key(attempt: int, name: str, event: str) -> str:
+    return f"{attempt}{_SEPARATOR}{name}{_SEPARATOR}{event}"
+
+
+def _nested(per: dict[str, int]) -> dict[str, dict[str, dict[str, int]]]:
+    """One rollout's counts as `GET /stats` shows them: attempt -> step -> event -> count."""
+    nested: dict[str, dict[str, dict[str, int]]] = {}
+    for key, count in per.items():
+        attempt, rest = key.split(_SEPARATOR, 1)
+        name, event = rest.rsplit(_SEPARATOR, 1)
+        nested.setdefault(attempt, {}).setdefault(name, {})[event] = count
+    return nested

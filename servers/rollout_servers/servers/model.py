@@ -88,6 +88,10 @@ ATTEMPT_HEADER = "X-Rollout-Attempt"
 DELIVERED_KIND = "delivered"
 _DELIVERED_KEPT = 100_000
 """Rollouts whose last response is kept; far more than a set runs live at once."""
+_REQUESTS_KEPT = 200_000
+"""Generations whose tokens `/stats` shows by request key, and whose progress since the last
+checkpoint a retire can count, per attempt (oldest dropped; the totals count every token): a
+server that runs for days never holds more than this."""
 _KEY_MAX = 200
 _ATTEMPT_VALUE = re.compile(r"[0-9]{1,18}")
 
@@ -778,10 +782,14 @@ class ModelServer(RolloutServer):
         self._abandoned = 0
         self.delivered: OrderedDict[str, Delivered] = OrderedDict()
         """The last response delivered to each rollout (most recent last, bounded)."""
-        self.tokens: dict[int, dict[str, int]] = {}
-        self.progress: dict[tuple[str, str], tuple[int, int]] = {}
+        self.tokens: dict[int, OrderedDict[str, int]] = {}
+        """attempt -> request key -> tokens generated (the latest `_REQUESTS_KEPT` keys)."""
+        self.token_totals: dict[int, int] = {}
+        """attempt -> every token generated under it."""
+        self.progress: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()
         """(rollout, request key) -> (attempt, tokens so far) of each generation that made
-        progress since the last checkpoint: what a retire counts as lost (`lost_work`)."""
+        progress since the last checkpoint: what a retire counts as lost (`lost_work`; the
+        latest `_REQUESTS_KEPT`)."""
         super().__init__(options, **kwargs)
         if options.backend == "builtin":
             self.backend: Backend = BuiltinBackend(
@@ -811,7 +819,7 @@ class ModelServer(RolloutServer):
         return {
             "tokens": {
                 str(a): {
-                    "total": sum(by.values()),
+                    "total": self.token_totals.get(a, 0),
                     "by_request": {key: n for key, n in by.items() if shown(key)},
                 }
                 for a, by in self.tokens.items()
@@ -1203,7 +1211,11 @@ class ModelServer(RolloutServer):
             count = _token_count(piece)
             if count:
                 self._count_token(ep.attempt, f"{ep.rollout_id}/{ep.key}", count)
-                self.progress[(ep.rollout_id, ep.key)] = (ep.attempt, produced + count)
+                ident = (ep.rollout_id, ep.key)
+                self.progress[ident] = (ep.attempt, produced + count)
+                self.progress.move_to_end(ident)
+                if len(self.progress) > _REQUESTS_KEPT:
+                    self.progress.popitem(last=False)
                 state["text"] = str(state["text"]) + piece.text
                 state["tokens"] = produced + count
                 if "ids" in state:
@@ -1237,8 +1249,16 @@ class ModelServer(RolloutServer):
                     await stream.aclose()
 
     def _count_token(self, attempt: int, request_key: str, count: int = 1) -> None:
-        by = self.tokens.setdefault(attempt, {})
-        by[request_key] = by.get(request_key, 0) + count
+        self.token_totals[attempt] = self.token_totals.get(attempt, 0) + count
+        by = self.tokens.get(attempt)
+        if by is None:
+            by = self.tokens[attempt] = OrderedDict()
+        if request_key in by:
+            by[request_key] += count
+            return
+        by[request_key] = count
+        if len(by) > _REQUESTS_KEPT:
+            by.popitem(last=False)
 
 
 MODEL_TOKENS_COUNTER: Final = "model_tokens"
