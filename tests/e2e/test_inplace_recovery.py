@@ -782,6 +782,46 @@ async def test_an_idle_standby_lost_is_replaced_without_a_recovery(
     assert spare not in {p["metadata"]["name"] for p in listed["items"]}, "the dead one went"
 
 
+async def test_suspend_stops_the_standbys_and_deleting_the_set_deletes_them(
+    cluster: Cluster,
+    namespace: str,
+    operator: MetricsOperator,
+    resources: Resources,
+    storage_dir: Path,
+) -> None:
+    """Issue 22, item 3: standbys go with the set's pods on suspend, come back after the resume
+    (which is not a restart), and go when the set is deleted."""
+    obj = in_place_set(storage_dir, {}, {"standby": {"environment": 1}})
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj))
+    before = await resources.wait_set("Ready with its standby", standby_ready, 120)
+    [spare] = before["status"]["standby"]["pods"]
+
+    def set_pods() -> set[str]:
+        listed = cluster.kubectl(
+            "get", "pods", "-n", namespace, "-l", f"checkpoint.rollout.dev/set={SET}", "-o", "name"
+        )
+        return {line.removeprefix("pod/") for line in listed.stdout.split()}
+
+    async def none_left() -> bool | None:
+        return True if not set_pods() else None
+
+    assert spare in set_pods()
+    merge = ["--type", "merge", "-p"]
+    cluster.kubectl("patch", "rset", SET, "-n", namespace, *merge, '{"spec":{"suspend":true}}')
+    await wait_for(none_left, 120, "every pod, the standby too, gone", interval=0.5)
+
+    cluster.kubectl("patch", "rset", SET, "-n", namespace, *merge, '{"spec":{"suspend":false}}')
+    resumed = await resources.wait_set(
+        "resumed, with a new standby Ready",
+        lambda o: standby_ready(o) and spare not in o["status"]["standby"]["pods"],
+        180,
+    )
+    assert resumed["status"].get("restarts", 0) == 0, "a resume is not a restart"
+
+    cluster.kubectl("delete", "rset", SET, "-n", namespace, "--timeout=120s")
+    await wait_for(none_left, 60, "the set's pods and standby gone", interval=0.5)
+
+
 @pytest.mark.adversarial
 async def test_a_standby_lost_during_its_adoption_ends_in_one_attempt(
     cluster: Cluster,
