@@ -225,17 +225,21 @@ async def checkpoint_kill_recover(
                 ckpt = await checkpoint_ready(cluster, resources, "in-flight")
                 assert ckpt["status"]["episodes"] >= 1
                 pids_before = {pod: pod_pids(cluster, namespace, pod) for pod in pods.values()}
-                if lose == "model-*":
+                kept_model = lose != "model-*"
+                if not kept_model:
                     lose = f"model-{holder[0]}"
-                else:
-                    # The model is kept: let the held episode go on generating.
-                    for model in models:
-                        await model.release("token", held)
                 uids_before = uids(cluster, namespace)
                 if frozen is not None:
                     stopped = pod_pids(cluster, namespace, pods[frozen])
                     freeze(stopped)
                 assert await cluster.admin.kill_pod_async(namespace, pods[lose])
+                if kept_model:
+                    # The model is kept: let the held episode go on generating, only now, so
+                    # that it is still unfinished when the pod is lost (released before the
+                    # kill, on a loaded machine every episode could finish under attempt 1
+                    # before the loss, and none would continue from the checkpoint).
+                    for model in models:
+                        await model.release("token", held)
                 after = await resources.wait_set(
                     "Ready under attempt 2",
                     lambda o: o["status"].get("attempt") == 2 and is_true(o, "Ready"),
