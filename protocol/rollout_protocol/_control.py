@@ -1417,7 +1417,6 @@ class ControlPlane:
             abandoned = self._machine.expire(self._clock())
             if abandoned is None:
                 return
-            self._closed(committed=phase is Phase.COMMITTED)
             logger.warning(
                 "%s: lease of checkpoint %s lapsed in phase %s; resuming by ourselves "
                 "(the coordinator stopped renewing)",
@@ -1429,6 +1428,8 @@ class ControlPlane:
                 await self._participant.reopen()
             except Exception:
                 logger.exception("%s: reopen after lease lapse failed", self._settings.instance)
+            finally:
+                self._closed(committed=phase is Phase.COMMITTED)  # after the reopen, as in resume
 
     def _handlers(self) -> dict[str, Callable[[Any], Awaitable[BaseModel]]]:
         """The operation behind each route of `ROUTES`, by route name."""
