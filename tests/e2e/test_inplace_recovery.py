@@ -761,6 +761,17 @@ def standby_ready(o: dict[str, Any]) -> bool:
     return is_true(o, "Ready") and standby.get("ready") == standby.get("desired") == 1
 
 
+async def ready_with_an_environment_standby(
+    cluster: Cluster, namespace: str, resources: Resources, storage: Path
+) -> tuple[dict[str, Any], str]:
+    """The InPlace set with one environment standby, Ready: the set and the standby's pod."""
+    obj = in_place_set(storage, {}, {"standby": {"environment": 1}})
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj))
+    before = await resources.wait_set("Ready with its standby", standby_ready, 120)
+    [spare] = before["status"]["standby"]["pods"]
+    return before, spare
+
+
 async def test_an_idle_standby_lost_is_replaced_without_a_recovery(
     cluster: Cluster,
     namespace: str,
@@ -768,10 +779,9 @@ async def test_an_idle_standby_lost_is_replaced_without_a_recovery(
     resources: Resources,
     storage_dir: Path,
 ) -> None:
-    obj = in_place_set(storage_dir, {}, {"standby": {"environment": 1}})
-    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj))
-    before = await resources.wait_set("Ready with its standby", standby_ready, 120)
-    [spare] = before["status"]["standby"]["pods"]
+    before, spare = await ready_with_an_environment_standby(
+        cluster, namespace, resources, storage_dir
+    )
     assert await cluster.admin.kill_pod_async(namespace, spare)
     after = await resources.wait_set(
         "a new standby Ready",
@@ -782,8 +792,7 @@ async def test_an_idle_standby_lost_is_replaced_without_a_recovery(
     assert after["status"].get("recovery") is None
     assert after["status"].get("restarts", 0) == 0
     assert pods_by_instance(after) == pods_by_instance(before)
-    listed = json.loads(cluster.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)
-    assert spare not in {p["metadata"]["name"] for p in listed["items"]}, "the dead one went"
+    assert spare not in uids(cluster, namespace), "the dead one went"
 
 
 async def test_suspend_stops_the_standbys_and_deleting_the_set_deletes_them(
@@ -795,21 +804,13 @@ async def test_suspend_stops_the_standbys_and_deleting_the_set_deletes_them(
 ) -> None:
     """Issue 22, item 3: standbys go with the set's pods on suspend, come back after the resume
     (which is not a restart), and go when the set is deleted."""
-    obj = in_place_set(storage_dir, {}, {"standby": {"environment": 1}})
-    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj))
-    before = await resources.wait_set("Ready with its standby", standby_ready, 120)
-    [spare] = before["status"]["standby"]["pods"]
-
-    def set_pods() -> set[str]:
-        listed = cluster.kubectl(
-            "get", "pods", "-n", namespace, "-l", f"checkpoint.rollout.dev/set={SET}", "-o", "name"
-        )
-        return {line.removeprefix("pod/") for line in listed.stdout.split()}
+    _, spare = await ready_with_an_environment_standby(cluster, namespace, resources, storage_dir)
 
     async def none_left() -> bool | None:
-        return True if not set_pods() else None
+        # the test's namespace holds this set's pods only
+        return True if not uids(cluster, namespace) else None
 
-    assert spare in set_pods()
+    assert spare in uids(cluster, namespace)
     merge = ["--type", "merge", "-p"]
     cluster.kubectl("patch", "rset", SET, "-n", namespace, *merge, '{"spec":{"suspend":true}}')
     await wait_for(none_left, 120, "every pod, the standby too, gone", interval=0.5)
