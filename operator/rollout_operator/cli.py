@@ -133,6 +133,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--priority", type=int, default=0, help="peering priority (with --peering)")
     run.add_argument(
+        "--leader-lease",
+        metavar="NAMESPACE/NAME",
+        help="work only while holding this Lease: a second operator started with the same "
+        "Lease waits until the first stops (its pod replaced) or its Lease lapses; the chart's "
+        "single replica runs with one",
+    )
+    run.add_argument(
         "--watch-timeout-seconds",
         type=int,
         default=300,
@@ -203,9 +210,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             worker_limit=args.worker_limit,
             max_replicas_per_role=args.max_replicas_per_role,
             max_concurrent_checkpoints=args.max_concurrent_checkpoints,
+            leader_lease=args.leader_lease,
         )
     except ValidationError as error:
         print(f"rollout-operator: invalid options: {error}", file=sys.stderr)
+        return 2
+    if options.leader_lease is not None and options.peering is not None:
+        print(
+            "rollout-operator: invalid options: --leader-lease and --peering both choose which "
+            "replica works; use one (peering for several replicas, the Lease for one)",
+            file=sys.stderr,
+        )
         return 2
 
     kopf.configure(

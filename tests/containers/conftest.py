@@ -15,7 +15,8 @@
 - `provider_namespace`: a fresh namespace per test on the provider's cluster.
 - `storage`: a hostPath folder for a set's records, writable by the image's user.
 - `operator_release`: the operator installed by Helm into `provider_namespace` (watching it);
-  the test's sets are deleted before the release is uninstalled.
+  the test's sets are deleted before the release is uninstalled, and the sets', checkpoints',
+  events' and operator's state is printed first (pytest shows it when the test failed).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from container_support import describe_pods, helm, helm_install_operator
+from container_support import describe_pods, diagnostics, helm, helm_install_operator
 
 from devcluster.cluster import Cluster
 from devcluster.image import BuildResult, ProjectImage, build_project_image, snapshot_build_inputs
@@ -126,6 +127,7 @@ def operator_release(
     try:
         yield provider_namespace
     finally:
+        print(diagnostics(container_provider, provider_namespace))
         # The set goes first (its finalizers need the operator), then the release.
         container_provider.kubectl(
             "delete",

@@ -25,6 +25,21 @@ def describe_pods(cluster: ContainerClusterProvider, namespace: str) -> str:
     return cluster.kubectl("describe", "pods", "-n", namespace, check=False).stdout[-6000:]
 
 
+def diagnostics(cluster: ContainerClusterProvider, namespace: str) -> str:
+    """What a failed test's reader needs first: the sets' and checkpoints' status, the
+    namespace's events, and the tail of each operator pod's log (pytest shows it on failure)."""
+    parts = []
+    for what in (
+        ("get", "rolloutsets,rolloutcheckpoints", "-n", namespace, "-o", "yaml"),
+        ("get", "events", "-n", namespace, "--sort-by=.lastTimestamp"),
+        ("get", "pods", "-n", namespace, "-o", "wide"),
+        ("logs", "-n", namespace, "-l", "app.kubernetes.io/name=rollout-operator", "--tail=120"),
+    ):
+        result = cluster.kubectl(*what, check=False)
+        parts.append(f"--- kubectl {' '.join(what)} ---\n{result.stdout[-12000:]}{result.stderr}")
+    return "\n".join(parts)
+
+
 def get_json(cluster: ContainerClusterProvider, *args: str) -> dict[str, Any]:
     result: dict[str, Any] = json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
     return result

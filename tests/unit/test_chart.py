@@ -72,6 +72,10 @@ def container(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return result
 
 
+def is_leader(doc: dict[str, Any]) -> bool:
+    return str(doc["metadata"]["name"]).endswith("-leader")
+
+
 def grants(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
     return {
         (group, resource, verb)
@@ -110,6 +114,8 @@ def test_default_values_render_a_cluster_wide_standalone_operator() -> None:
     assert "--all-namespaces" in args
     assert "--standalone" in args
     assert "--peering" not in args
+    # A replaced pod's successor waits for this Lease until the old operator has stopped.
+    assert args[args.index("--leader-lease") + 1] == "ops/rel-rollout-operator-leader"
     assert args[args.index("--liveness") + 1] == "http://0.0.0.0:8080/healthz"
     assert args[args.index("--metrics-port") + 1] == "9090"
     assert main["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
@@ -200,12 +206,21 @@ def test_cluster_mode_binds_one_cluster_role_to_the_service_account() -> None:
 
 def test_namespaced_mode_grants_namespaced_resources_only_in_the_watched_namespaces() -> None:
     docs = render(NAMESPACED)
-    roles = [d for d in docs if d["kind"] == "Role"]
-    bindings = [d for d in docs if d["kind"] == "RoleBinding"]
+    roles = [d for d in docs if d["kind"] == "Role" and not is_leader(d)]
+    bindings = [d for d in docs if d["kind"] == "RoleBinding" and not is_leader(d)]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     for binding in bindings:
         assert binding["subjects"][0]["namespace"] == "ops"
+    # The leader Lease is in the release namespace, which is not watched here: a Role of its own.
+    (leader,) = [d for d in docs if d["kind"] == "Role" and is_leader(d)]
+    assert leader["metadata"]["namespace"] == "ops"
+    assert grants(leader["rules"]) == {
+        ("coordination.k8s.io", "leases", verb) for verb in ("get", "create", "patch")
+    }
+    (binding,) = [d for d in docs if d["kind"] == "RoleBinding" and is_leader(d)]
+    assert binding["roleRef"]["name"] == leader["metadata"]["name"]
+    assert binding["metadata"]["namespace"] == "ops"
     cluster = grants(only(docs, "ClusterRole")["rules"])
     assert {resource for _, resource, _ in cluster} == {
         "nodes",
@@ -290,6 +305,7 @@ def test_more_than_one_replica_runs_with_peering_and_distinct_priorities(tmp_pat
     args = main["args"]
     assert args[args.index("--peering") + 1] == "rollout-operator"
     assert "--standalone" not in args
+    assert "--leader-lease" not in args, "peering chooses the working replica"
     assert {"name": "POD_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in main[
         "env"
     ]

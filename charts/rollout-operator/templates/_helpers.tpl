@@ -50,6 +50,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if gt (int .Values.replicas) 1 -}}true{{- end -}}
 {{- end -}}
 
+{{/* The Lease in the release namespace that the standalone operator holds while it works. */}}
+{{- define "rollout-operator.leaderLease" -}}
+{{- include "rollout-operator.fullname" . }}-leader
+{{- end -}}
+
 {{- define "rollout-operator.namespaced" -}}
 {{- if eq .Values.watch.mode "namespaced" -}}true{{- end -}}
 {{- end -}}

@@ -43,7 +43,7 @@ def lease_name(set_name: str) -> str:
     return f"{set_name}{LEASE_SUFFIX}"
 
 
-def _micro_time(at: float) -> str:
+def micro_time(at: float) -> str:
     """`metav1.MicroTime`, as a Lease's times are written."""
     return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
@@ -98,7 +98,7 @@ class CheckpointLeases:
         """The Lease's `spec` fields that name `holder` (None: no holder) from now on."""
         if holder is None:
             return {"holderIdentity": None}
-        now = _micro_time(self._clock())
+        now = micro_time(self._clock())
         spec = base.get("spec") or {}
         transitions = int(spec.get("leaseTransitions") or 0)
         if spec.get("holderIdentity") not in (None, holder):
@@ -196,4 +196,4 @@ class CheckpointLeases:
         logger.warning("could not release the checkpoint Lease of set %s", set_name)
 
 
-__all__ = ["CheckpointLeases", "holder_of", "holds_slot", "lapsed", "lease_name"]
+__all__ = ["CheckpointLeases", "holder_of", "holds_slot", "lapsed", "lease_name", "micro_time"]

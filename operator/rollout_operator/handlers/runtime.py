@@ -1,12 +1,18 @@
-"""Operator lifecycle: settings, the shared Kubernetes client, the metrics endpoint.
+"""Operator lifecycle: settings, the shared Kubernetes client, the leader Lease, metrics.
 
 `configure` runs first at startup (Kopf runs startup handlers before it starts watching), so
-every watch and handler already sees our finalizer, annotation prefix and timeouts.
+every watch and handler already sees our finalizer, annotation prefix and timeouts. With
+`--leader-lease` it also waits there until this process holds the Lease (`cluster/leader.py`),
+so no handler runs while a previous operator is still stopping; `stop`, Kopf's cleanup after
+every handler and daemon ended, releases it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import signal
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -15,6 +21,7 @@ import kopf
 from prometheus_client import start_http_server
 
 from ..cluster.kube import Kube
+from ..cluster.leader import LeaderLease, default_identity
 from ..cluster.leases import CheckpointLeases
 from ..cluster.rest import credentials
 from ..model.settings import RunOptions, configure
@@ -25,6 +32,8 @@ MEMO_OPTIONS = "options"
 MEMO_KUBE = "kube"
 MEMO_CHECKPOINT_SLOTS = "checkpoint_slots"
 MEMO_LEASES = "checkpoint_leases"
+MEMO_LEADER = "leader_lease"
+MEMO_LEADING = "leading"
 
 
 def options_of(memo: kopf.Memo) -> RunOptions:
@@ -64,6 +73,11 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     options = options_of(memo)
     configure(settings, options)
     memo[MEMO_KUBE] = kube = Kube.connect(settings, max_concurrent_requests=options.api_concurrency)
+    if (key := options.leader_lease_key) is not None:
+        leader = LeaderLease(kube, *key, default_identity())
+        await leader.acquire()
+        memo[MEMO_LEADER] = leader
+        memo[MEMO_LEADING] = asyncio.create_task(_lead(leader), name="leader lease")
     memo[MEMO_LEASES] = CheckpointLeases(kube)
     slots = options.max_concurrent_checkpoints
     memo[MEMO_CHECKPOINT_SLOTS] = anyio.Semaphore(slots, max_value=slots)
@@ -80,8 +94,22 @@ def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
     return credentials(settings)
 
 
+async def _lead(leader: LeaderLease) -> None:
+    """Renew the leader Lease; once it is lost, stop as a pod deletion would (SIGTERM: Kopf
+    stops every handler and hands the checkpoints over)."""
+    await leader.keep()
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 @kopf.on.cleanup(id="close-client")
 async def stop(memo: kopf.Memo, **_: Any) -> None:
+    leading = cast("asyncio.Task[None] | None", memo.get(MEMO_LEADING))
+    if leading is not None:
+        leading.cancel()
+        await asyncio.gather(leading, return_exceptions=True)
+    leader = cast(LeaderLease | None, memo.get(MEMO_LEADER))
+    if leader is not None:
+        await leader.release()
     kube = cast(Kube | None, memo.get(MEMO_KUBE))
     if kube is not None:
         await kube.close()

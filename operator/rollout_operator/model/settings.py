@@ -90,6 +90,12 @@ class CompactDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
         return cast(kopf.BodyEssence, compact_essence(cast(dict[str, Any], essence)))
 
 
+LEADER_LEASE_PATTERN: Final = (
+    r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?/[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
+)
+"""`--leader-lease`: a namespace (a DNS label) and a Lease name (a DNS subdomain)."""
+
+
 class RunOptions(BaseModel):
     """What `rollout-operator run` was asked to do; shared with the startup hook via memo."""
 
@@ -108,10 +114,21 @@ class RunOptions(BaseModel):
     worker_limit: int | None = Field(default=None, ge=1)
     max_replicas_per_role: int = Field(default=DEFAULT_MAX_REPLICAS_PER_ROLE, ge=1, le=MAX_REPLICAS)
     max_concurrent_checkpoints: int = Field(default=DEFAULT_MAX_CONCURRENT_CHECKPOINTS, ge=1)
+    leader_lease: str | None = Field(default=None, pattern=LEADER_LEASE_PATTERN)
+    """`NAMESPACE/NAME` of the Lease that lets one operator process work at a time
+    (`cluster/leader.py`); None: no leader election (a single process, or Kopf peering)."""
 
     @property
     def standalone(self) -> bool:
         return self.peering is None
+
+    @property
+    def leader_lease_key(self) -> tuple[str, str] | None:
+        """The leader Lease as (namespace, name)."""
+        if self.leader_lease is None:
+            return None
+        namespace, name = self.leader_lease.split("/")
+        return namespace, name
 
 
 def configure(settings: kopf.OperatorSettings, options: RunOptions) -> None:

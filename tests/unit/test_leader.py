@@ -1,0 +1,146 @@
+"""The leader Lease (`leader.LeaderLease`): one operator process works at a time.
+
+The API below the real `Kube` is `testsupport.fakecluster.FakeCluster`, whose Lease patch keeps
+the API server's resourceVersion precondition. Time is an injected clock where the test moves
+it; the waits that are real (a waiting process polling) are bounded by `anyio.fail_after`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+from rollout_operator.cluster.leader import LeaderLease, may_take
+from rollout_operator.cluster.leases import holder_of, lapsed
+from testsupport.fakecluster import FakeCluster
+
+NS = "ops"
+NAME = "rel-rollout-operator-leader"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def lease_of(cluster: FakeCluster) -> dict[str, object]:
+    lease = cluster.get("leases", NS, NAME)
+    assert lease is not None, "no Lease"
+    return lease
+
+
+def leader(cluster: FakeCluster, identity: str, clock: Clock | None = None) -> LeaderLease:
+    return LeaderLease(
+        cluster.kube(watching=False),
+        NS,
+        NAME,
+        identity,
+        clock=clock or time.time,
+        poll_seconds=0.01,
+        renew_seconds=0.01,
+    )
+
+
+async def test_the_first_operator_creates_the_lease_and_holds_it() -> None:
+    cluster = FakeCluster()
+    with anyio.fail_after(5):
+        await leader(cluster, "pod-a").acquire()
+    lease = lease_of(cluster)
+    assert holder_of(lease) == "pod-a"
+    assert not lapsed(lease, time.time())
+    assert [r.verb for r in cluster.requests] == ["get", "create"]
+
+
+async def test_a_second_operator_waits_until_the_first_releases_then_starts_at_once() -> None:
+    cluster = FakeCluster()
+    first, second = leader(cluster, "pod-a"), leader(cluster, "pod-b")
+    await first.acquire()
+    acquired = anyio.Event()
+
+    async def take() -> None:
+        await second.acquire()
+        acquired.set()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(take)
+        # The second polls while the first renews: it must not take a live holder's Lease.
+        with anyio.fail_after(5):
+            while cluster.count("get", "leases") < 5:
+                assert await first.renew_once()
+                await anyio.sleep(0.01)
+        assert not acquired.is_set()
+        assert holder_of(lease_of(cluster)) == "pod-a"
+        await first.release()
+        with anyio.fail_after(5):
+            await acquired.wait()
+    assert holder_of(lease_of(cluster)) == "pod-b"
+    # The first one finds it lost and says so: its process stops.
+    assert not await first.renew_once()
+
+
+async def test_a_lease_whose_holder_stopped_renewing_is_taken_over_when_it_lapsed() -> None:
+    cluster, clock = FakeCluster(), Clock()
+    await leader(cluster, "pod-a", clock).acquire()
+    waiting = leader(cluster, "pod-b", clock)
+    assert not may_take(lease_of(cluster), "pod-b", clock.now)
+    clock.now += 16  # past renewTime + leaseDurationSeconds (15)
+    with anyio.fail_after(5):
+        await waiting.acquire()
+    lease = lease_of(cluster)
+    assert holder_of(lease) == "pod-b"
+    assert lease["spec"]["leaseTransitions"] == 1  # type: ignore[index]
+
+
+async def test_a_restarted_container_of_the_holding_pod_takes_its_lease_at_once() -> None:
+    cluster = FakeCluster()
+    await leader(cluster, "pod-a").acquire()
+    cluster.requests.clear()
+    with anyio.fail_after(5):
+        await leader(cluster, "pod-a").acquire()
+    assert holder_of(lease_of(cluster)) == "pod-a"
+    assert [r.verb for r in cluster.requests] == ["get", "patch"]
+
+
+async def test_renewing_is_one_patch_and_moves_the_renew_time() -> None:
+    cluster, clock = FakeCluster(), Clock()
+    held = leader(cluster, "pod-a", clock)
+    await held.acquire()
+    before = lease_of(cluster)["spec"]["renewTime"]  # type: ignore[index]
+    clock.now += 5
+    cluster.requests.clear()
+    assert await held.renew_once()
+    assert [r.verb for r in cluster.requests] == ["patch"]
+    assert lease_of(cluster)["spec"]["renewTime"] != before  # type: ignore[index]
+    assert not lapsed(lease_of(cluster), clock.now + 10)
+
+
+async def test_an_operator_that_cannot_renew_stops_before_its_lease_can_lapse() -> None:
+    cluster, clock = FakeCluster(), Clock()
+    held = leader(cluster, "pod-a", clock)
+    await held.acquire()
+    cluster.refuse("patch", "leases", status=503, message="the API server is away", times=100)
+    clock.now += 5
+    assert await held.renew_once(), "one failed renewal is within the deadline"
+    clock.now += 5  # 10 s without a renewal: the deadline, 5 s before the Lease lapses
+    assert not await held.renew_once()
+    assert not lapsed(lease_of(cluster), clock.now), "it stops while the Lease is still its own"
+
+
+@pytest.mark.parametrize("holder", [None, "pod-a"])
+async def test_release_leaves_a_lease_the_process_does_not_hold_alone(holder: str | None) -> None:
+    cluster = FakeCluster()
+    held = leader(cluster, "pod-a")
+    await held.acquire()
+    other = leader(cluster, "pod-b")
+    if holder is None:
+        await held.release()
+        await other.acquire()
+        await held.release()  # no longer its own: nothing changes
+        assert holder_of(lease_of(cluster)) == "pod-b"
+    else:
+        await other.release()  # pod-b never held it
+        assert holder_of(lease_of(cluster)) == "pod-a"
