@@ -119,6 +119,8 @@ def test_default_values_render_a_cluster_wide_standalone_operator() -> None:
     assert args[args.index("--liveness") + 1] == "http://0.0.0.0:8080/healthz"
     assert args[args.index("--metrics-port") + 1] == "9090"
     assert main["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    # Ready means working: Kopf serves it once the operator holds its leader Lease.
+    assert main["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert {p["name"]: p["containerPort"] for p in main["ports"]} == {
         "health": 8080,
         "metrics": 9090,
