@@ -15,6 +15,8 @@ from rollout_operator.cluster.leader import LeaderLease, may_take
 from rollout_operator.cluster.leases import holder_of, lapsed
 from testsupport.fakecluster import FakeCluster
 
+from devcluster.waiting import wait_for
+
 NS = "ops"
 NAME = "rel-rollout-operator-leader"
 
@@ -31,6 +33,15 @@ def lease_of(cluster: FakeCluster) -> dict[str, object]:
     lease = cluster.get("leases", NS, NAME)
     assert lease is not None, "no Lease"
     return lease
+
+
+async def reads_reach(cluster: FakeCluster, count: int) -> None:
+    """Until the Lease was read `count` times (a waiting process polls it)."""
+
+    async def reached() -> bool:
+        return cluster.count("get", "leases") >= count
+
+    await wait_for(reached, 5, f"{count} reads of the Lease", interval=0.005)
 
 
 def leader(cluster: FakeCluster, identity: str, clock: Clock | None = None) -> LeaderLease:
@@ -86,13 +97,33 @@ async def test_a_lease_whose_holder_stopped_renewing_is_taken_over_when_it_lapse
     cluster, clock = FakeCluster(), Clock()
     await leader(cluster, "pod-a", clock).acquire()
     waiting = leader(cluster, "pod-b", clock)
-    assert not may_take(lease_of(cluster), "pod-b", clock.now)
-    clock.now += 16  # past renewTime + leaseDurationSeconds (15)
-    with anyio.fail_after(5):
-        await waiting.acquire()
+    async with anyio.create_task_group() as group:
+        group.start_soon(waiting.acquire)
+        await reads_reach(cluster, 3)  # it saw the Lease, and waits
+        assert holder_of(lease_of(cluster)) == "pod-a"
+        clock.now += 16  # unchanged for longer than leaseDurationSeconds (15) on its clock
     lease = lease_of(cluster)
     assert holder_of(lease) == "pod-b"
     assert lease["spec"]["leaseTransitions"] == 1  # type: ignore[index]
+
+
+async def test_a_renewing_holder_keeps_its_lease_whatever_the_clocks_say() -> None:
+    """The waiter's clock runs far ahead of the holder's renewTime (nodes' clocks differ):
+    as long as the Lease keeps changing, it is not taken."""
+    cluster, waiter_clock = FakeCluster(), Clock()
+    holder = leader(cluster, "pod-a")
+    await holder.acquire()
+    waiter_clock.now += 3600
+    waiting = leader(cluster, "pod-b", waiter_clock)
+    async with anyio.create_task_group() as group:
+        group.start_soon(waiting.acquire)
+        for _ in range(5):
+            await reads_reach(cluster, cluster.count("get", "leases") + 1)
+            waiter_clock.now += 10  # less than the duration between two renewals it saw
+            assert await holder.renew_once()
+        assert holder_of(lease_of(cluster)) == "pod-a"
+        group.cancel_scope.cancel()
+    assert not may_take(lease_of(cluster), "pod-b", waiter_clock.now, None)
 
 
 async def test_a_restarted_container_of_the_holding_pod_takes_its_lease_at_once() -> None:

@@ -8,9 +8,9 @@ standalone Deployment therefore runs the operator with `--leader-lease NAMESPACE
 
 - **acquire**, at startup, before any handler runs (a Kopf startup handler): the process takes
   the Lease when it has no holder, names this process's identity already (a restarted container
-  of the same pod, whose old process is gone for sure), or lapsed (`renewTime +
-  leaseDurationSeconds` passed: its holder died without releasing it). Otherwise it waits,
-  reading the Lease every `POLL_SECONDS`, and says so in its log;
+  of the same pod, whose old process is gone for sure), or lapsed (unchanged for
+  `leaseDurationSeconds` on this process's clock: its holder died without releasing it).
+  Otherwise it waits, reading the Lease every `POLL_SECONDS`, and says so in its log;
 - **renew**, every `RENEW_SECONDS` while it runs. A process that finds another holder, or could
   not renew for `RENEW_DEADLINE_SECONDS` (after which a successor may take a lapsed Lease), stops
   itself: the same graceful stop as its pod's deletion, which hands every flow over;
@@ -29,12 +29,13 @@ import os
 import socket
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Final
 
 import anyio
 
 from .kube import Conflict, Kube
-from .leases import holder_of, lapsed, micro_time
+from .leases import holder_of, micro_time
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +57,34 @@ def default_identity() -> str:
     return os.environ.get("POD_ID") or f"{socket.gethostname()}/{os.getpid()}"
 
 
-def may_take(lease: Mapping[str, Any], identity: str, now: float) -> bool:
-    """Whether `identity` may hold the Lease now (see the module doc)."""
+def version_of(lease: Mapping[str, Any] | None) -> str:
+    return str(((lease or {}).get("metadata") or {}).get("resourceVersion") or "")
+
+
+@dataclass(frozen=True)
+class Observed:
+    """A Lease version as a waiting process saw it first, on its own clock."""
+
+    version: str
+    at: float
+
+
+def may_take(
+    lease: Mapping[str, Any], identity: str, now: float, observed: Observed | None
+) -> bool:
+    """Whether `identity` may hold the Lease now: it has no holder, names `identity`, or has not
+    changed for `leaseDurationSeconds` since this process first saw its current version.
+
+    The lapse is measured on the waiter's clock from when it saw the version (as client-go's
+    leader election does), never by comparing the holder's `renewTime` with this clock: pods on
+    two nodes whose clocks differ by seconds would otherwise take a live holder's Lease."""
     holder = holder_of(lease)
-    return holder is None or holder == identity or lapsed(lease, now)
+    if holder is None or holder == identity:
+        return True
+    duration = (lease.get("spec") or {}).get("leaseDurationSeconds")
+    if observed is None or observed.version != version_of(lease) or not isinstance(duration, int):
+        return False
+    return now - observed.at > duration
 
 
 class LeaderLease:
@@ -89,6 +114,8 @@ class LeaderLease:
         self._poll_seconds = poll_seconds
         self._known: dict[str, Any] | None = None
         """The Lease as this process last wrote or read it."""
+        self._observed: Observed | None = None
+        """The version of another holder's Lease this process waits on, and since when."""
         self._renewed_at = 0.0
 
     @property
@@ -111,8 +138,11 @@ class LeaderLease:
         }
 
     async def _read(self) -> dict[str, Any] | None:
-        self._known = await self._kube.get_lease(self.namespace, self.name)
-        return self._known
+        self._known = lease = await self._kube.get_lease(self.namespace, self.name)
+        version = version_of(lease)
+        if self._observed is None or self._observed.version != version:
+            self._observed = Observed(version, self._clock())
+        return lease
 
     async def _swap(self, lease: Mapping[str, Any], spec: Mapping[str, Any]) -> None:
         version = str((lease.get("metadata") or {}).get("resourceVersion") or "")
@@ -132,7 +162,7 @@ class LeaderLease:
                 return False
             self._known = created
             return True
-        if not may_take(lease, self.identity, self._clock()):
+        if not may_take(lease, self.identity, self._clock(), self._observed):
             return False
         previous = holder_of(lease)
         try:
@@ -149,21 +179,24 @@ class LeaderLease:
         """Hold the Lease, waiting while another live process holds it."""
         logged_at: float | None = None
         while True:
-            lease = await self._read()
-            if await self._try_take(lease):
-                self._renewed_at = self._clock()
-                logger.info("leader Lease %s: held by %s", self.where, self.identity)
-                return
+            why: str
+            try:
+                lease = await self._read()
+                if await self._try_take(lease):
+                    self._renewed_at = self._clock()
+                    logger.info("leader Lease %s: held by %s", self.where, self.identity)
+                    return
+                why = (
+                    f"is held by {holder_of(self._known) or 'another writer'}: waiting for it "
+                    "to stop (or for the Lease to lapse, unrenewed for "
+                    f"{self._lease_seconds}s) before this operator starts working"
+                )
+            except Exception as error:  # the API server away, RBAC missing: say so, try again
+                why = f"cannot be read or written ({type(error).__name__}: {error}); retrying"
             now = self._clock()
             if logged_at is None or now - logged_at >= WAIT_LOG_SECONDS:
                 logged_at = now
-                logger.warning(
-                    "leader Lease %s is held by %s: waiting for it to stop (or for the Lease "
-                    "to lapse, %ds after its last renewal) before this operator starts working",
-                    self.where,
-                    holder_of(self._known) or "another writer",
-                    self._lease_seconds,
-                )
+                logger.warning("leader Lease %s %s", self.where, why)
             await anyio.sleep(self._poll_seconds)
 
     async def renew_once(self) -> bool:
@@ -223,4 +256,4 @@ class LeaderLease:
                 lease = await self._read()
 
 
-__all__ = ["LeaderLease", "default_identity", "may_take"]
+__all__ = ["LeaderLease", "Observed", "default_identity", "may_take"]
