@@ -121,6 +121,9 @@ def test_default_values_render_a_cluster_wide_standalone_operator() -> None:
     assert main["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     # Ready means working: Kopf serves it once the operator holds its leader Lease.
     assert main["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    # Liveness waits while the operator waits for its Lease: a grace period and a lapse.
+    startup = main["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 30 + 30
     assert {p["name"]: p["containerPort"] for p in main["ports"]} == {
         "health": 8080,
         "metrics": 9090,
@@ -235,6 +238,17 @@ def test_namespaced_mode_grants_namespaced_resources_only_in_the_watched_namespa
     args = container(docs)["args"]
     assert args[1:5] == ["--namespace", "team-a", "--namespace", "team-b"]
     assert "--all-namespaces" not in args
+
+
+def test_the_leader_lease_needs_a_role_of_its_own_only_outside_the_watched_namespaces() -> None:
+    """Cluster mode grants Leases everywhere, and a watched release namespace has them in its
+    Role: only a namespaced release outside its watched namespaces renders the leader Role."""
+    for values in ({}, {"watch.mode": "namespaced", "watch.namespaces": "{ops,team-a}"}):
+        docs = render(values)
+        assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding") and is_leader(d)]
+        rules = [d for d in docs if d["kind"] in ("Role", "ClusterRole")]
+        granted = set().union(*(grants(r["rules"]) for r in rules))
+        assert ("coordination.k8s.io", "leases", "patch") in granted
 
 
 def test_both_modes_grant_the_same_verbs() -> None:

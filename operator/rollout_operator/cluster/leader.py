@@ -39,15 +39,18 @@ from .leases import holder_of, micro_time
 
 logger = logging.getLogger(__name__)
 
-LEASE_SECONDS: Final = 15
-"""How long a holder that stopped renewing keeps the Lease (its successor waits this long only
-when the holder died without releasing it)."""
+LEASE_SECONDS: Final = 30
+"""How long a Lease left unchanged stays its holder's (its successor waits this long only when
+the holder died without releasing it). It covers a holder cut off from the API server: the
+renew deadline, then its graceful stop (`HANDOVER_SECONDS` and Kopf's daemon cancellation,
+about 10 s), with a margin."""
 RENEW_SECONDS: Final = 5.0
 """How often the holder renews."""
-RENEW_DEADLINE_SECONDS: Final = 10.0
-"""A holder that could not renew for this long stops working: its Lease lapses soon after."""
+RENEW_DEADLINE_SECONDS: Final = 15.0
+"""A holder that could not renew for this long, counted from the start of its last successful
+renewal, stops working; each renewal try is cut off at this deadline."""
 POLL_SECONDS: Final = 1.0
-"""How often a waiting process reads the Lease."""
+"""How often a waiting process reads the Lease, and a holder retries a failed renewal."""
 WAIT_LOG_SECONDS: Final = 30.0
 """How often a waiting process repeats in its log whom it waits for."""
 
@@ -97,7 +100,7 @@ class LeaderLease:
         name: str,
         identity: str,
         *,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
         lease_seconds: int = LEASE_SECONDS,
         renew_seconds: float = RENEW_SECONDS,
         renew_deadline_seconds: float = RENEW_DEADLINE_SECONDS,
@@ -108,6 +111,8 @@ class LeaderLease:
         self.identity = identity
         self._kube = kube
         self._clock = clock
+        """Intervals only (a lapse, the renew deadline): monotonic, so a wall-clock step never
+        takes a live holder's Lease or stretches a holder's deadline."""
         self._lease_seconds = lease_seconds
         self._renew_seconds = renew_seconds
         self._renew_deadline = renew_deadline_seconds
@@ -123,7 +128,7 @@ class LeaderLease:
         return f"{self.namespace}/{self.name}"
 
     def _spec(self, base: Mapping[str, Any] | None) -> dict[str, Any]:
-        now = micro_time(self._clock())
+        now = micro_time(time.time())
         spec = (base or {}).get("spec") or {}
         taken = spec.get("holderIdentity") != self.identity
         transitions = int(spec.get("leaseTransitions") or 0)
@@ -180,10 +185,11 @@ class LeaderLease:
         logged_at: float | None = None
         while True:
             why: str
+            started = self._clock()
             try:
                 lease = await self._read()
                 if await self._try_take(lease):
-                    self._renewed_at = self._clock()
+                    self._renewed_at = started
                     logger.info("leader Lease %s: held by %s", self.where, self.identity)
                     return
                 why = (
@@ -200,31 +206,20 @@ class LeaderLease:
             await anyio.sleep(self._poll_seconds)
 
     async def renew_once(self) -> bool:
-        """Renew now; False once this process has lost the Lease (another holds it, or it
-        could not renew within the deadline)."""
-        try:
-            lease = self._known
-            if lease is None or holder_of(lease) != self.identity:
-                lease = await self._read()
-            if lease is not None and holder_of(lease) == self.identity:
-                try:
-                    await self._swap(lease, self._spec(lease))
-                    self._renewed_at = self._clock()
-                    return True
-                except (Conflict, LookupError):
-                    lease = await self._read()
-            if lease is not None and holder_of(lease) not in (None, self.identity):
-                logger.error(
-                    "leader Lease %s is now held by %s: this operator stops",
-                    self.where,
-                    holder_of(lease),
-                )
-                return False
-            if await self._try_take(lease):
-                self._renewed_at = self._clock()
-                return True
-        except Exception as error:  # the API server away: keep trying until the deadline
-            logger.warning("leader Lease %s: renewal failed: %s", self.where, error)
+        """Renew now; False once this process has lost the Lease: another holds it, or it could
+        not renew within `RENEW_DEADLINE_SECONDS` of the start of its last successful renewal
+        (a try that hangs is cut off at that deadline)."""
+        started = self._clock()
+        remaining = self._renewed_at + self._renew_deadline - started
+        with anyio.move_on_after(max(0.0, remaining)):
+            try:
+                held = await self._renew()
+                if held is not None:
+                    if held:
+                        self._renewed_at = started
+                    return held
+            except Exception as error:  # the API server away: keep trying until the deadline
+                logger.warning("leader Lease %s: renewal failed: %s", self.where, error)
         if self._clock() - self._renewed_at >= self._renew_deadline:
             logger.error(
                 "leader Lease %s: not renewed for %.0fs: this operator stops before another "
@@ -235,12 +230,36 @@ class LeaderLease:
             return False
         return True
 
+    async def _renew(self) -> bool | None:
+        """One renewal: True renewed, False lost to another holder, None not renewed now."""
+        lease = self._known
+        if lease is None or holder_of(lease) != self.identity:
+            lease = await self._read()
+        if lease is not None and holder_of(lease) == self.identity:
+            try:
+                await self._swap(lease, self._spec(lease))
+                return True
+            except (Conflict, LookupError):
+                lease = await self._read()
+        if lease is not None and holder_of(lease) not in (None, self.identity):
+            logger.error(
+                "leader Lease %s is now held by %s: this operator stops",
+                self.where,
+                holder_of(lease),
+            )
+            return False
+        return True if await self._try_take(lease) else None
+
     async def keep(self) -> None:
-        """Renew until the Lease is lost; returns then (the caller stops the process)."""
+        """Renew until the Lease is lost; returns then (the caller stops the process). A failed
+        renewal is retried every `POLL_SECONDS` until the deadline."""
+        wait = self._renew_seconds
         while True:
-            await anyio.sleep(self._renew_seconds)
+            await anyio.sleep(wait)
+            renewed_at = self._renewed_at
             if not await self.renew_once():
                 return
+            wait = self._renew_seconds if self._renewed_at != renewed_at else self._poll_seconds
 
     async def release(self) -> None:
         """Give the Lease up if this process holds it, so a successor starts at once."""

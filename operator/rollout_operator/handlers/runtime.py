@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any, Final, cast
 
 import anyio
 import kopf
@@ -34,6 +34,8 @@ MEMO_CHECKPOINT_SLOTS = "checkpoint_slots"
 MEMO_LEASES = "checkpoint_leases"
 MEMO_LEADER = "leader_lease"
 MEMO_LEADING = "leading"
+RELEASE_SECONDS: Final = 5.0
+"""How long the stopping operator tries to release its leader Lease."""
 
 
 def options_of(memo: kopf.Memo) -> RunOptions:
@@ -95,9 +97,12 @@ def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
 
 
 async def _lead(leader: LeaderLease) -> None:
-    """Renew the leader Lease; once it is lost, stop as a pod deletion would (SIGTERM: Kopf
-    stops every handler and hands the checkpoints over)."""
-    await leader.keep()
+    """Renew the leader Lease; once it is lost (or renewing broke), stop as a pod deletion
+    would (SIGTERM: Kopf stops every handler and hands the checkpoints over)."""
+    try:
+        await leader.keep()
+    except Exception:
+        logger.exception("leader Lease %s: renewing failed; this operator stops", leader.where)
     os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -109,7 +114,12 @@ async def stop(memo: kopf.Memo, **_: Any) -> None:
         await asyncio.gather(leading, return_exceptions=True)
     leader = cast(LeaderLease | None, memo.get(MEMO_LEADER))
     if leader is not None:
-        await leader.release()
+        # Best effort and bounded: a Lease not released lapses for the successor anyway.
+        with anyio.move_on_after(RELEASE_SECONDS):
+            try:
+                await leader.release()
+            except Exception as error:
+                logger.warning("leader Lease %s: not released: %s", leader.where, error)
     kube = cast(Kube | None, memo.get(MEMO_KUBE))
     if kube is not None:
         await kube.close()
