@@ -119,11 +119,10 @@ def test_default_values_render_a_cluster_wide_standalone_operator() -> None:
     assert args[args.index("--liveness") + 1] == "http://0.0.0.0:8080/healthz"
     assert args[args.index("--metrics-port") + 1] == "9090"
     assert main["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
-    # Ready means working: Kopf serves it once the operator holds its leader Lease.
-    assert main["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
-    # Liveness waits while the operator waits for its Lease: a grace period and a lapse.
-    startup = main["startupProbe"]
-    assert startup["periodSeconds"] * startup["failureThreshold"] >= 30 + 30
+    # Liveness waits while the operator waits for its Lease (Kopf serves /healthz after that):
+    # the previous pod's stop within its grace period, 30 s.
+    live = main["livenessProbe"]
+    assert live["initialDelaySeconds"] + live["periodSeconds"] * live["failureThreshold"] >= 60
     assert {p["name"]: p["containerPort"] for p in main["ports"]} == {
         "health": 8080,
         "metrics": 9090,
