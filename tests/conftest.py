@@ -19,7 +19,8 @@ The devcluster fixtures live here rather than in `e2e/conftest.py` because two f
 `make test` runs the suite on two pytest-xdist workers: each worker is a session of its own and
 starts its own process-node devcluster when a test first asks for one (devcluster reserves pod
 IP ranges and ports machine-wide, so two run side by side), and the tests that need the container
-node are one scheduling unit, so only one worker ever starts it.
+node are one scheduling unit, so only one worker ever starts it. A module whose module fixture
+is costly (Kueue's controller) is one unit too, so it starts once.
 
 Fixtures that more than one folder uses and that are not about the cluster itself are plugins in
 the `testsupport` package, registered here by `pytest_plugins` (pytest reads it only in this,
@@ -67,11 +68,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(mark)
 
 
+_WHOLE_MODULES = ("tests/e2e/test_kueue.py",)
+"""Modules that one worker runs whole: their module fixture is costly (Kueue's controller,
+about 25 s to start), and split across the two workers it would start twice."""
+
+
 def _scope_of(nodeid: str) -> str:
-    """The xdist scheduling unit of a test: the container-node group, else the test itself."""
+    """The xdist scheduling unit of a test: the container-node group, a whole module of
+    `_WHOLE_MODULES`, else the test itself."""
     path = nodeid.split("::", 1)[0]
     if path.startswith("tests/containers/") or path in _CONTAINER_NODE_FILES:
         return CONTAINER_NODE_GROUP
+    if path in _WHOLE_MODULES:
+        return path
     return nodeid
 
 

@@ -35,7 +35,7 @@ from typing import Any, Final
 import anyio
 
 from .kube import Conflict, Kube
-from .leases import holder_of, micro_time
+from .leases import holder_of, holder_spec
 
 logger = logging.getLogger(__name__)
 
@@ -128,19 +128,7 @@ class LeaderLease:
         return f"{self.namespace}/{self.name}"
 
     def _spec(self, base: Mapping[str, Any] | None) -> dict[str, Any]:
-        now = micro_time(time.time())
-        spec = (base or {}).get("spec") or {}
-        taken = spec.get("holderIdentity") != self.identity
-        transitions = int(spec.get("leaseTransitions") or 0)
-        if taken and spec.get("holderIdentity"):
-            transitions += 1
-        return {
-            "holderIdentity": self.identity,
-            "leaseDurationSeconds": self._lease_seconds,
-            "acquireTime": now if taken else spec.get("acquireTime", now),
-            "renewTime": now,
-            "leaseTransitions": transitions,
-        }
+        return holder_spec(self.identity, self._lease_seconds, base, time.time())
 
     async def _read(self) -> dict[str, Any] | None:
         self._known = lease = await self._kube.get_lease(self.namespace, self.name)

@@ -59,6 +59,27 @@ def _parse_micro_time(value: object) -> float | None:
     return None
 
 
+def holder_spec(
+    holder: str, duration_seconds: int, base: Mapping[str, Any] | None, now: float
+) -> dict[str, Any]:
+    """The Lease `spec` fields that name `holder` from `now` (a Unix time) on, over the Lease
+    `base` as last seen: `renewTime` now; `acquireTime` now unless `holder` already held it (a
+    renewal); `leaseTransitions` one more when another holder is replaced."""
+    stamp = micro_time(now)
+    spec = (base or {}).get("spec") or {}
+    previous = spec.get("holderIdentity")
+    transitions = int(spec.get("leaseTransitions") or 0)
+    if previous not in (None, "", holder):
+        transitions += 1
+    return {
+        "holderIdentity": holder,
+        "leaseDurationSeconds": duration_seconds,
+        "acquireTime": spec.get("acquireTime", stamp) if previous == holder else stamp,
+        "renewTime": stamp,
+        "leaseTransitions": transitions,
+    }
+
+
 def holder_of(lease: Mapping[str, Any] | None) -> str | None:
     holder = ((lease or {}).get("spec") or {}).get("holderIdentity")
     return holder if isinstance(holder, str) and holder else None
@@ -98,18 +119,7 @@ class CheckpointLeases:
         """The Lease's `spec` fields that name `holder` (None: no holder) from now on."""
         if holder is None:
             return {"holderIdentity": None}
-        now = micro_time(self._clock())
-        spec = base.get("spec") or {}
-        transitions = int(spec.get("leaseTransitions") or 0)
-        if spec.get("holderIdentity") not in (None, holder):
-            transitions += 1
-        return {
-            "holderIdentity": holder,
-            "leaseDurationSeconds": duration_seconds,
-            "acquireTime": now,
-            "renewTime": now,
-            "leaseTransitions": transitions,
-        }
+        return holder_spec(holder, duration_seconds, base, self._clock())
 
     def _new_lease(
         self, key: tuple[str, str], holder: str, duration_seconds: int, owner: RolloutSet
@@ -196,4 +206,12 @@ class CheckpointLeases:
         logger.warning("could not release the checkpoint Lease of set %s", set_name)
 
 
-__all__ = ["CheckpointLeases", "holder_of", "holds_slot", "lapsed", "lease_name", "micro_time"]
+__all__ = [
+    "CheckpointLeases",
+    "holder_of",
+    "holder_spec",
+    "holds_slot",
+    "lapsed",
+    "lease_name",
+    "micro_time",
+]
