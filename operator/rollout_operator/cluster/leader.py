@@ -12,8 +12,9 @@ standalone Deployment therefore runs the operator with `--leader-lease NAMESPACE
   `leaseDurationSeconds` on this process's clock: its holder died without releasing it).
   Otherwise it waits, reading the Lease every `POLL_SECONDS`, and says so in its log;
 - **renew**, every `RENEW_SECONDS` while it runs. A process that finds another holder, or could
-  not renew for `RENEW_DEADLINE_SECONDS` (after which a successor may take a lapsed Lease), stops
-  itself: the same graceful stop as its pod's deletion, which hands every flow over;
+  not renew for `RENEW_DEADLINE_SECONDS`, stops itself: the same graceful stop as its pod's
+  deletion, which hands every flow over, and ends before its Lease can lapse
+  (`LEASE_SECONDS`);
 - **release**, at cleanup, the last thing the process does after every handler and daemon has
   stopped, so its successor starts at once instead of waiting for the Lease to lapse.
 
