@@ -27,7 +27,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -157,6 +157,11 @@ class ControlSettings:
     """This process's index among its pod's workers (`ROLLOUT_WORKER=<k>/<n>`, set by
     `serve_workers` in each worker): its plane serves the pod's private worker channel instead
     of the control routes. None: not a managed worker."""
+    worker_key: str | None = field(default=None, repr=False)
+    """A managed worker's key to its private channel (`ROLLOUT_WORKER_KEY`, made at random by
+    `serve_workers` for each pod run and known only to the pod's processes): the channel's
+    routes answer only a request that carries it, so nothing the pod's public port forwards
+    can reach them (docs/protocol.md, "Workers")."""
     unmanaged_workers: int = 1
     """Worker processes this server's own process manager runs without `serve_workers`
     (`WEB_CONCURRENCY`, which uvicorn and gunicorn read for `--workers`): above 1 the status
@@ -204,6 +209,11 @@ class ControlSettings:
             raise ControlConfigError("workers must be >= 1")
         if self.worker is not None and not 0 <= self.worker < self.workers:
             raise ControlConfigError(f"worker {self.worker} is not one of {self.workers} workers")
+        if self.worker is not None and not self.worker_key:
+            raise ControlConfigError(
+                f"worker {self.worker} has no key to its private channel: {WORKER_KEY_ENV} is "
+                f"set by serve_workers together with {WORKER_ENV}"
+            )
         if self.token is not None and not self.token:
             raise ControlConfigError("the control token is empty; unset it or give a real one")
         if self.token is None and not self.allow_unauthenticated:
@@ -270,6 +280,8 @@ class ControlSettings:
 
 WORKER_ENV = "ROLLOUT_WORKER"
 """`<k>/<n>`: set by `serve_workers` in the environment of worker k of n."""
+WORKER_KEY_ENV = "ROLLOUT_WORKER_KEY"
+"""The pod's private worker channel key: set by `serve_workers` in each worker's environment."""
 
 
 def _workers_from_env(env: Mapping[str, str]) -> dict[str, Any]:
@@ -281,22 +293,29 @@ def _workers_from_env(env: Mapping[str, str]) -> dict[str, Any]:
             k, n = (int(part) for part in slot.split("/", 1))
         except ValueError:
             raise ControlConfigError(f"{WORKER_ENV}={slot!r}: expected <k>/<n>") from None
-        return {"worker": k, "workers": n}
-    declared = _int_from_env(env, "WEB_CONCURRENCY", 1)
+        return {"worker": k, "workers": n, "worker_key": env.get(WORKER_KEY_ENV) or None}
+    declared = declared_workers(env)
     # uvicorn --workers N starts each worker with multiprocessing (gunicorn forks): a server
     # process that is a multiprocessing child and no managed worker runs beside others.
     spawned = 2 if multiprocessing.parent_process() is not None else 1
     return {"unmanaged_workers": max(1, declared, spawned)}
 
 
+def declared_workers(env: Mapping[str, str]) -> int:
+    """The worker processes `WEB_CONCURRENCY` declares (1 when unset): the variable uvicorn and
+    gunicorn read for `--workers`, parsed as strictly as every other count here."""
+    return _int_from_env(env, "WEB_CONCURRENCY", 1)
+
+
 def _int_from_env(env: Mapping[str, str], name: str, default: int) -> int:
+    """A whole number of ASCII digits (`int()` alone would also take ` 3`, `3_0` or Arabic-Indic
+    digits, and `str.isdigit()` takes `²`, which `int()` then refuses)."""
     raw = env.get(name)
     if raw is None or raw == "":
         return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ControlConfigError(f"{name}={raw!r} is not an integer") from None
+    if re.fullmatch(r"[0-9]{1,18}", raw) is None:
+        raise ControlConfigError(f"{name}={raw!r} is not a whole number (ASCII digits)")
+    return int(raw)
 
 
 def _dialects_from_env(raw: str | None) -> tuple[Dialect, ...]:

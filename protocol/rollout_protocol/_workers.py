@@ -9,20 +9,25 @@ process; a worker only parks, exports, installs, reopens and retires its own epi
 
 Which worker holds an episode is a pure function of its rollout id (`owner`): new episodes,
 repeated and continued `/run`s, restored records and per-rollout `/stats` all agree on it
-without a routing table that could be lost or go stale. The channel needs no token: its sockets
-live in a directory only the pod's user may open (mode 0700).
+without a routing table that could be lost or go stale.
+
+The channel shares each worker's socket with the episode requests the pod routes there from its
+public port, so its routes answer only a request that carries the pod's worker key
+(`WORKER_KEY_HEADER`): a random key `serve_workers` makes for each pod run and hands to its
+workers alone. Whoever reaches the pod's port reaches the server's own routes, never these.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
 import httpx
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
@@ -31,6 +36,8 @@ from ._storage import EncodedRecord
 from ._wire import RECORD, EpisodeId, ErrorBody, ErrorCode, ProtocolError, Record, Role
 
 WORKER_PREFIX = "/_worker/v1"
+WORKER_KEY_HEADER = "X-Rollout-Worker-Key"
+"""Carries the pod's worker key on every call of the private channel."""
 NDJSON = "application/x-ndjson"
 
 
@@ -96,7 +103,8 @@ def worker_router(plane: Any) -> APIRouter:
     attempt and retire marks follow the pod's plane, so the worker's own `/run` checks
     (`plane.attempt`, `plane.is_retired`) answer as a single-process server's would."""
     participant: Participant = plane.participant
-    router = APIRouter(prefix=WORKER_PREFIX)
+    key: str = plane.settings.worker_key
+    router = APIRouter(prefix=WORKER_PREFIX, dependencies=[Depends(_key_check(key))])
 
     @router.post("/close")
     async def close() -> _Counts:
@@ -161,6 +169,22 @@ def worker_router(plane: Any) -> APIRouter:
     return router
 
 
+def _key_check(key: str) -> Callable[[Request], None]:
+    """The channel's gate: the pod's worker key, compared in constant time."""
+    expected = key.encode()
+
+    def check(request: Request) -> None:
+        presented = request.headers.get(WORKER_KEY_HEADER, "").encode()
+        if not hmac.compare_digest(presented, expected):
+            raise ProtocolError(
+                ErrorCode.UNAUTHORIZED,
+                f"{WORKER_PREFIX} is the pod's private worker channel: only the pod's own main "
+                "process may call it",
+            )
+
+    return check
+
+
 class WorkerLost(ProtocolError):
     """A worker did not answer the pod's plane: its episodes are lost (the pod exits)."""
 
@@ -175,12 +199,13 @@ class WorkerPool(Participant):
     before the next async operation (`release_outside`, `forget`, `rewire`). Records are
     validated by the workers during `install` (all of them before any installs anything)."""
 
-    def __init__(self, role: Role, sockets: Sequence[str]) -> None:
+    def __init__(self, role: Role, sockets: Sequence[str], key: str) -> None:
         self.role = role
-        self._clients = [_uds_client(path, httpx.Limits()) for path in sockets]
+        channel = {WORKER_KEY_HEADER: key}
+        self._clients = [_uds_client(path, httpx.Limits(), channel) for path in sockets]
         """The private channel's, one per worker: never queued behind episode requests."""
         unlimited = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        self._proxies = [_uds_client(path, unlimited) for path in sockets]
+        self._proxies = [_uds_client(path, unlimited, {}) for path in sockets]
         """For the episode requests the pod routes to a worker: every live episode holds one
         connection for as long as its `/run`, so the pool has no limit."""
         self._records: list[EncodedRecord] | None = None
@@ -363,10 +388,11 @@ class WorkerPool(Participant):
         self._queued.append(("/rewire", {"peers": wire}))
 
 
-def _uds_client(path: str, limits: httpx.Limits) -> httpx.AsyncClient:
+def _uds_client(path: str, limits: httpx.Limits, headers: Mapping[str, str]) -> httpx.AsyncClient:
     return httpx.AsyncClient(
         transport=httpx.AsyncHTTPTransport(uds=path, limits=limits),
         base_url="http://worker",
+        headers=headers,
         timeout=None,
     )
 

@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import json
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import re
+import secrets
 import shutil
 import signal
 import sys
@@ -43,13 +46,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ._control import WORKER_ENV, ControlPlane, ControlSettings
+from ._control import (
+    WORKER_ENV,
+    WORKER_KEY_ENV,
+    ControlPlane,
+    ControlSettings,
+    declared_workers,
+)
 from ._routes import GYM_CAPABILITIES_PATH
-from ._wire import API_PREFIX, ErrorCode, ProtocolError, Role
+from ._wire import API_PREFIX, ROLLOUT_ID_PATTERN, ErrorCode, ProtocolError, Role
 from ._workers import WorkerPool, owner
 from .serving import DrainingServer
 
-__all__ = ["WORKER_LOST_EXIT", "WorkerApp", "owner", "serve_workers"]
+__all__ = ["WORKER_LOST_EXIT", "WorkerApp", "declared_workers", "owner", "serve_workers"]
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +112,10 @@ def serve_workers(
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     base = settings if settings is not None else ControlSettings.from_env(role)
-    settings = replace(base, workers=workers, worker=None, unmanaged_workers=1)
-    directory = tempfile.mkdtemp(prefix="rollout-workers-")  # mode 0700: the pod's user only
-    sockets = [os.path.join(directory, f"worker-{k}.sock") for k in range(workers)]
+    settings = replace(base, workers=workers, worker=None, worker_key=None, unmanaged_workers=1)
+    key = secrets.token_hex(32)  # the private channel's: handed to this run's workers alone
+    directory = _SocketDirectory.create()
+    sockets = [os.path.join(directory.path, f"worker-{k}.sock") for k in range(workers)]
     context = multiprocessing.get_context("spawn")
     processes: list[multiprocessing.process.BaseProcess] = []
     stopping = threading.Event()
@@ -115,7 +125,7 @@ def serve_workers(
             ours, theirs = context.Pipe(duplex=False)
             process = context.Process(
                 target=_worker_main,
-                args=(app_factory, k, workers, path, theirs, log_level),
+                args=(app_factory, k, workers, path, key, theirs, log_level),
                 name=f"{role.value}-worker-{k}",
             )
             process.start()
@@ -124,11 +134,22 @@ def serve_workers(
             started.append(ours)
         deadline = time.monotonic() + start_timeout_s
         for k, (worker, ours) in enumerate(zip(processes, started, strict=True)):
-            _wait_started(worker, ours, k, max(0.0, deadline - time.monotonic()))
+            if not _started(worker, ours, max(0.0, deadline - time.monotonic())):
+                log.critical(
+                    "worker %d did not start (exit code %s; its log is above): stopping the pod "
+                    "(exit %d)",
+                    k,
+                    worker.exitcode,
+                    WORKER_LOST_EXIT,
+                )
+                raise SystemExit(WORKER_LOST_EXIT)
         threading.Thread(
-            target=_watch, args=(processes, stopping), name="rollout-workers-watch", daemon=True
+            target=_watch,
+            args=(processes, stopping, directory),
+            name="rollout-workers-watch",
+            daemon=True,
         ).start()
-        pool = WorkerPool(role, sockets)
+        pool = WorkerPool(role, sockets, key)
         plane = ControlPlane(pool, settings)
         pool.index = lambda: plane.settings.index
         app = _pod_app(pool, plane)
@@ -153,7 +174,63 @@ def serve_workers(
     finally:
         stopping.set()
         _stop_all(processes)
-        shutil.rmtree(directory, ignore_errors=True)
+        directory.remove()
+
+
+class _SocketDirectory:
+    """The folder of a pod run's worker sockets, in the temporary directory (mode 0700: the
+    pod's user only), removed when the run ends.
+
+    A run that cannot remove it (SIGKILL) leaves it behind, so each run first removes the
+    folders of runs that ended: a run holds an exclusive `flock` on the folder's `lock` file
+    for as long as it lives, and the kernel drops it with the process, however it ends and in
+    whatever PID namespace it ran."""
+
+    PREFIX = "rollout-workers-"
+    LOCK = "lock"
+
+    def __init__(self, path: str, lock: int) -> None:
+        self.path, self._lock = path, lock
+
+    @classmethod
+    def create(cls) -> _SocketDirectory:
+        parent = tempfile.gettempdir()
+        cls._remove_ended(parent)
+        path = tempfile.mkdtemp(prefix=cls.PREFIX, dir=parent)
+        lock = os.open(os.path.join(path, cls.LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return cls(path, lock)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.close(self._lock)
+
+    @classmethod
+    def _remove_ended(cls, parent: str) -> None:
+        """Remove this user's socket folders whose run holds no lock on them any more."""
+        with contextlib.suppress(OSError), os.scandir(parent) as entries:
+            for entry in entries:
+                if entry.name.startswith(cls.PREFIX) and cls._ended(entry):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+
+    @classmethod
+    def _ended(cls, entry: os.DirEntry[str]) -> bool:
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat().st_uid != os.getuid():
+                return False
+            lock = os.open(
+                os.path.join(entry.path, cls.LOCK), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+            )
+        except OSError:
+            return False  # not ours, or a run between its mkdtemp and its lock: left alone
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # its run is alive
+        finally:
+            os.close(lock)
+        return True
 
 
 # --- the worker process ----------------------------------------------------------------------
@@ -164,12 +241,14 @@ def _worker_main(
     index: int,
     workers: int,
     path: str,
+    key: str,
     started: multiprocessing.connection.Connection,
     log_level: str,
 ) -> None:
     """A worker: dies with the main process, builds its app, serves it on its socket."""
     _die_with_parent()
     os.environ[WORKER_ENV] = f"{index}/{workers}"
+    os.environ[WORKER_KEY_ENV] = key
     logging.basicConfig(
         level=log_level.upper(),
         format=f"%(asctime)s worker-{index} %(levelname)s %(name)s: %(message)s",
@@ -213,23 +292,24 @@ def _die_with_parent() -> None:
 # --- the main process ------------------------------------------------------------------------
 
 
-def _wait_started(
+def _started(
     process: multiprocessing.process.BaseProcess,
     started: multiprocessing.connection.Connection,
-    index: int,
     timeout_s: float,
-) -> None:
+) -> bool:
+    """Whether the worker said it serves within `timeout_s` (False: it died or hangs)."""
     ready = multiprocessing.connection.wait([started, process.sentinel], timeout=timeout_s)
     if started in ready:
-        with contextlib.suppress(EOFError):
-            if started.recv() == b"ready":
-                return
-    raise RuntimeError(
-        f"worker {index} did not start in time (exit code {process.exitcode}); see its log above"
-    )
+        with contextlib.suppress(EOFError, OSError):
+            return bool(started.recv() == b"ready")
+    return False
 
 
-def _watch(processes: list[multiprocessing.process.BaseProcess], stopping: threading.Event) -> None:
+def _watch(
+    processes: list[multiprocessing.process.BaseProcess],
+    stopping: threading.Event,
+    directory: _SocketDirectory,
+) -> None:
     """Exit the pod when a worker dies (unless the pod is stopping anyway)."""
     sentinels = [process.sentinel for process in processes]
     multiprocessing.connection.wait(sentinels)
@@ -246,6 +326,7 @@ def _watch(processes: list[multiprocessing.process.BaseProcess], stopping: threa
     for process in processes:
         if process.is_alive():
             _signal(process, signal.SIGKILL)
+    directory.remove()
     sys.stderr.flush()
     os._exit(WORKER_LOST_EXIT)
 
@@ -358,15 +439,30 @@ def _headers(request: Request) -> dict[str, str]:
 
 
 def _rollout_id(body: bytes, request: Request) -> str | None:
-    if body[:1] == b"{":
+    """The rollout a request names: `rollout_id` in its JSON object body, else the one
+    `rollout_id` of its query; None when it names none. A named id must be one the wire can
+    carry (`ROLLOUT_ID_PATTERN`), or the request is refused here (422) rather than hashed."""
+    named: str | None = None
+    if body.lstrip(_JSON_SPACE)[:1] == b"{":
         try:
             data = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             data = None
         if isinstance(data, dict) and isinstance(data.get("rollout_id"), str):
-            return str(data["rollout_id"])
-    named = request.query_params.getlist("rollout_id")
-    return named[0] if len(named) == 1 else None
+            named = data["rollout_id"]
+    if named is None:
+        query = request.query_params.getlist("rollout_id")
+        named = query[0] if len(query) == 1 else None
+    if named is not None and re.fullmatch(ROLLOUT_ID_PATTERN, named) is None:
+        raise ProtocolError(
+            ErrorCode.INVALID_REQUEST,
+            f"rollout_id {named[:64]!r}: a rollout id matches {ROLLOUT_ID_PATTERN}",
+        )
+    return named
+
+
+_JSON_SPACE = b" \t\r\n"
+"""The whitespace JSON allows before a value (RFC 8259)."""
 
 
 async def _forward(

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from rollout_protocol import ControlConfigError, ControlSettings, Role
-from rollout_protocol.workers import WorkerApp, serve_workers
+from rollout_protocol.workers import WorkerApp, declared_workers, serve_workers
 
 from .servers.common import RolloutServer, ServerOptions, serve
 
@@ -158,8 +158,10 @@ def worker_count(args: argparse.Namespace, environ: Mapping[str, str] | None = N
     env = os.environ if environ is None else environ
     workers: int | None = args.workers
     if workers is None:
-        raw = env.get("WEB_CONCURRENCY", "")
-        workers = int(raw) if raw.isdigit() else 1
+        try:
+            workers = declared_workers(env)
+        except ControlConfigError as error:
+            raise SystemExit(f"rollout-server {args.role}: {error}") from None
     if workers < 1:
         raise SystemExit(f"rollout-server {args.role}: --workers must be >= 1, got {workers}")
     if workers > 1 and Role(args.role) is Role.MODEL:

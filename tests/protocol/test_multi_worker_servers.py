@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -43,6 +42,7 @@ from testsupport.server_processes import (
     Cluster,
     Debug,
     ReferenceDriver,
+    alive,
     all_stats,
     completed_steps,
     control_status,
@@ -51,6 +51,7 @@ from testsupport.server_processes import (
     run_ok,
     started_steps,
     two_step_task,
+    worker_pids,
 )
 
 WORKERS = 3
@@ -66,21 +67,6 @@ ALL_THREE = {Role.ENVIRONMENT: THREE, Role.AGENT: THREE, Role.RESOURCES: THREE}
 def one_per_worker(prefix: str) -> list[str]:
     """Rollout ids `<prefix>-<n>`, one held by each worker."""
     return rollout_ids_per_worker(WORKERS, prefix)
-
-
-def worker_pids(pid: int) -> list[int]:
-    """The worker processes of a pod's main process `pid` (its spawned children; not
-    multiprocessing's resource tracker)."""
-    children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    return [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
 async def test_a_three_worker_environment_passes_the_participant_rules(

@@ -178,7 +178,16 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     @classmethod
-    def start(cls, root: Path, role: Role, *args: str, attempt: int = 0) -> ServerProcess:
+    def start(
+        cls,
+        root: Path,
+        role: Role,
+        *args: str,
+        attempt: int = 0,
+        env: Mapping[str, str] | None = None,
+        ready_timeout_s: float = READY_TIMEOUT_S,
+    ) -> ServerProcess:
+        """Start `rollout-server <role> *args` with a pod's environment (and `env` over it)."""
         port = free_port()
         root.mkdir(parents=True, exist_ok=True)
         log = root / f"{role.value}-{port}.log"
@@ -187,11 +196,11 @@ class ServerProcess:
                 [*SERVER, role.value, "--port", str(port), "--log-level", "warning", *args],
                 stdout=subprocess.PIPE,
                 stderr=stderr,
-                env=server_env(root / "checkpoints", attempt),
+                env={**server_env(root / "checkpoints", attempt), **(env or {})},
                 start_new_session=True,
             )
         try:
-            _wait_ready(role, process, time.monotonic() + READY_TIMEOUT_S, log)
+            _wait_ready(role, process, time.monotonic() + ready_timeout_s, log)
         except BaseException:
             _signal_group(process, signal.SIGKILL)
             process.wait(timeout=STOP_TIMEOUT_S)
@@ -212,6 +221,22 @@ class ServerProcess:
             code = self.process.wait(timeout=STOP_TIMEOUT_S)
         _close(self.process)
         return code
+
+
+def worker_pids(pid: int) -> list[int]:
+    """The worker processes of a pod's main process `pid` (its spawned children; not
+    multiprocessing's resource tracker)."""
+    children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
 def _wait_ready(

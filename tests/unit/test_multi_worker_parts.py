@@ -5,6 +5,7 @@ the reference CLI's `--workers` (docs/protocol.md, "Workers")."""
 from __future__ import annotations
 
 import argparse
+import re
 import socket
 import time
 from collections.abc import Sequence
@@ -62,7 +63,7 @@ def test_a_rollout_always_lives_in_the_same_worker_and_all_workers_get_some() ->
 
 def test_settings_say_how_the_server_runs_its_processes() -> None:
     assert settings().multi_process is MultiProcess.SINGLE
-    worker = settings(ROLLOUT_WORKER="1/3")
+    worker = settings(ROLLOUT_WORKER="1/3", ROLLOUT_WORKER_KEY="k")
     assert (worker.worker, worker.workers, worker.multi_process) == (1, 3, MultiProcess.MANAGED)
     unmanaged = settings(WEB_CONCURRENCY="4")
     assert (unmanaged.unmanaged_workers, unmanaged.multi_process) == (4, MultiProcess.UNMANAGED)
@@ -179,6 +180,17 @@ def test_the_reference_cli_takes_workers_from_the_flag_or_web_concurrency() -> N
     assert worker_count(args("model"), {}) == 1
 
 
+@pytest.mark.parametrize("declared", ["²", "٣", "3 ", "+3", "3_0", "-1", "three"])
+def test_web_concurrency_is_a_whole_number_of_ascii_digits_or_refused(declared: str) -> None:
+    """`str.isdigit()` takes `²` (which `int()` refuses) and `int()` takes `٣`, ` 3`, `3_0`:
+    both the CLI and the control plane's settings refuse them with the variable's name."""
+    refusal = re.escape(f"WEB_CONCURRENCY={declared!r} is not a whole number")
+    with pytest.raises(SystemExit, match=refusal):
+        worker_count(args("agent"), {"WEB_CONCURRENCY": declared})
+    with pytest.raises(ControlConfigError, match="WEB_CONCURRENCY"):
+        settings(WEB_CONCURRENCY=declared)
+
+
 async def test_the_workers_of_an_adopted_standby_become_the_instance_it_was_adopted_for(
     tmp_path: Path,
 ) -> None:
@@ -188,7 +200,7 @@ async def test_the_workers_of_an_adopted_standby_become_the_instance_it_was_adop
     a Unix socket as `serve_workers` serves it."""
     worker = ControlPlane(
         RuntimeParticipant(Role.ENVIRONMENT, EpisodeRuntime()),
-        settings(ROLLOUT_WORKER="0/1", ROLLOUT_STANDBY="1"),
+        settings(ROLLOUT_WORKER="0/1", ROLLOUT_WORKER_KEY="k", ROLLOUT_STANDBY="1"),
     )
     assert worker.settings.standby
     app = FastAPI()
@@ -198,7 +210,7 @@ async def test_the_workers_of_an_adopted_standby_become_the_instance_it_was_adop
     listening.bind(path)  # bound and listening before serving: calls wait in its backlog
     listening.listen()
     server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning"))
-    pod = ControlPlane(WorkerPool(Role.ENVIRONMENT, [path]), settings(ROLLOUT_STANDBY="1"))
+    pod = ControlPlane(WorkerPool(Role.ENVIRONMENT, [path], "k"), settings(ROLLOUT_STANDBY="1"))
     pool = pod.participant
     assert isinstance(pool, WorkerPool)
     pool.index = lambda: 2  # as serve_workers sets it: the pod plane's index now
