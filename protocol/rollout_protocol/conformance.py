@@ -30,7 +30,7 @@ the participant client is aiohttp's):
   mid-way, crash and restart your processes. Against a participant of several managed workers
   (pass `rollout_ids_per_worker(n)`) it also checks `workers.restore-all` and
   `workers.repeat-run` in every worker.
-* `check_workers(target, workers=n)` (`workers.managed`) and
+* `check_workers(target, workers=n)` (`workers.managed`, `workers.private-channel`) and
   `check_workers_park_all(driver, rollout_ids=...)` (`workers.park-all`, through a
   `StepHoldingDriver`: an `EpisodeDriver` that can also hold an episode inside a step that
   cannot park) for servers with several worker processes (`rollout_protocol.workers`).
@@ -109,7 +109,7 @@ from ._wire import (
     Role,
     StatusReply,
 )
-from ._workers import owner
+from ._workers import WORKER_PREFIX, owner
 
 __all__ = [
     "AUTH",
@@ -131,6 +131,7 @@ __all__ = [
     "STEPS_INDEXED",
     "UNINTERRUPTED_SUFFIX",
     "WORKERS_MANAGED",
+    "WORKERS_PRIVATE",
     "WORKERS_PARK",
     "WORKERS_REPEAT",
     "WORKERS_RESTORE",
@@ -177,6 +178,7 @@ RUN_FINISHED = "run.repeat-finished"
 MODEL_HEADERS = "model.headers"
 STATE = "state.in-boundary"
 WORKERS_MANAGED = "workers.managed"
+WORKERS_PRIVATE = "workers.private-channel"
 WORKERS_SPREAD = "workers.spread"
 WORKERS_PARK = "workers.park-all"
 WORKERS_RESTORE = "workers.restore-all"
@@ -217,6 +219,9 @@ RULES: Mapping[str, str] = {
     WORKERS_MANAGED: "a server with several worker processes is one participant whose control "
     "plane coordinates them all (status multi_process: managed), never unmanaged (the operator "
     "refuses to checkpoint that)",
+    WORKERS_PRIVATE: "a server with several managed workers answers no request from outside "
+    "the pod on its workers' private channel (/_worker/v1/*): without a token and with the "
+    "control token alike it is refused with a 4xx, in every worker",
     WORKERS_SPREAD: "the crash and restore checks reach every worker of a multi-worker "
     "participant: its rollout ids cover every worker (rollout_protocol.workers.owner), so "
     "parking, restoring and repeated /run are checked in each one",
@@ -796,9 +801,13 @@ async def check_workers(
     target: Target, *, workers: int | None = None, call_timeout_s: float = 10.0
 ) -> None:
     """`workers.managed`: the status route does not say `multi_process: unmanaged`; with
-    `workers`, a managed participant reports that many worker processes."""
+    `workers`, a managed participant reports that many worker processes.
+    `workers.private-channel`: a managed participant of several workers refuses a read of
+    every worker's private channel that comes through its port."""
     async with _connect([target], call_timeout_s) as (conn,):
         status = await conn.status(WORKERS_MANAGED)
+        if status.multi_process is MultiProcess.MANAGED and status.workers > 1:
+            await _check_private_channel(conn, status.workers)
     if status.multi_process is MultiProcess.UNMANAGED:
         raise ConformanceError(
             WORKERS_MANAGED,
@@ -814,6 +823,33 @@ async def check_workers(
             f"{workers} worker processes reported",
             f"{status.workers} ({status.multi_process.value})",
         )
+
+
+async def _check_private_channel(conn: _Conn, workers: int) -> None:
+    """Read each worker's episode counts on its private channel from outside the pod (a read:
+    a participant that answers it changes nothing), without a token and with the control token;
+    the rollout ids make the pod route each read to another worker."""
+    control = {"Authorization": f"Bearer {conn.target.token}"} if conn.target.token else {}
+    for rollout_id in rollout_ids_per_worker(workers, _new_id("private")):
+        url = conn.url(f"{WORKER_PREFIX}/counts?rollout_id={rollout_id}")
+        for what, headers in (("without a token", {}), ("with the control token", control)):
+            try:
+                reply = await conn.http.get(url, headers=headers, timeout=conn.call_timeout_s)
+            except httpx.HTTPError as error:
+                raise ConformanceError(
+                    WORKERS_PRIVATE,
+                    f"GET {WORKER_PREFIX}/counts {what}: a 4xx refusal",
+                    f"no reply ({type(error).__name__}: {error})",
+                ) from None
+            if not 400 <= reply.status_code < 500:
+                raise ConformanceError(
+                    WORKERS_PRIVATE,
+                    f"GET {WORKER_PREFIX}/counts {what} (rollout {rollout_id}, worker "
+                    f"{owner(rollout_id, workers)}): a 4xx refusal, the channel is the pod's own",
+                    f"{reply.status_code}: {reply.text[:200]}",
+                    fix="serve the workers with rollout_protocol.workers.serve_workers, and "
+                    f"define no route of your own under {WORKER_PREFIX}",
+                )
 
 
 def _check_spread(statuses: Sequence[StatusReply], rollout_ids: Sequence[str]) -> None:

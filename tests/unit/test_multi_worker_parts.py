@@ -33,6 +33,7 @@ from rollout_protocol import (
 from rollout_protocol._workers import WorkerPool
 from rollout_protocol.conformance import (
     WORKERS_MANAGED,
+    WORKERS_PRIVATE,
     WORKERS_SPREAD,
     ConformanceError,
     Target,
@@ -121,6 +122,28 @@ def kit_app(settings: ControlSettings) -> FastAPI:
     app = FastAPI()
     ControlPlane(RuntimeParticipant(Role.ENVIRONMENT, EpisodeRuntime()), settings).install(app)
     return app
+
+
+async def test_the_kit_fails_a_server_whose_workers_private_channel_answers_outsiders() -> None:
+    """A fake of a pod of 3 workers (its status says so) whose `/_worker/v1/counts` answers
+    anyone, as one worker's route did when the pod forwarded the private channel: the kit
+    refuses it; the same pod without that route passes."""
+    settings = ControlSettings(Role.ENVIRONMENT, token="t", workers=3)
+    sealed = kit_app(settings)
+    async with serve_app(sealed, role=Role.ENVIRONMENT, token="t") as served:
+        await check_workers(served.target, workers=3)
+    leaky = kit_app(settings)
+
+    @leaky.get("/_worker/v1/counts")
+    async def counts() -> dict[str, int]:
+        return {"live": 0, "parked": 0, "restored": 0}
+
+    async with serve_app(leaky, role=Role.ENVIRONMENT, token="t") as served:
+        with pytest.raises(ConformanceError) as caught:
+            await check_workers(served.target, workers=3)
+    assert caught.value.rule == WORKERS_PRIVATE
+    assert "without a token" in str(caught.value)
+    assert "200" in str(caught.value)
 
 
 async def test_the_kit_fails_an_unmanaged_server_and_names_the_fix() -> None:
