@@ -50,10 +50,11 @@ cluster-binaries:
 	@mkdir -p .bin
 	@bindir="$$(devcluster/build-binaries.sh | tail -n 1)" && ln -sfn "$$bindir" $(BIN_LINK) \
 	  && echo "[devcluster] binaries in $$bindir (linked as $(BIN_LINK))"
-	@$(MAKE) --no-print-directory kueue-binaries
 
 # Kueue's controller manager (sigs.k8s.io/kueue at the pin in devcluster/go/kueue) with its CRDs,
-# for `python -m devcluster up --kueue` and the Kueue e2e; cached per machine like the above.
+# for `python -m devcluster up --kueue`, the e2e suite (its CRDs, the Kueue tests) and the Kueue
+# bench; cached per machine like the above. Only the targets that use it build it: `make demo`
+# never waits for it.
 kueue-binaries:
 	@mkdir -p .bin
 	@dir="$$(devcluster/build-kueue.sh | tail -n 1)" && ln -sfn "$$dir" $(KUEUE_LINK)
@@ -102,14 +103,14 @@ test-unit: venv cluster-binaries
 test-protocol: venv engine
 	$(VENV)/bin/pytest -m protocol $(PYTEST_ARGS)
 
-test-e2e: venv cluster-binaries node-binaries
+test-e2e: venv cluster-binaries kueue-binaries node-binaries
 	$(VENV)/bin/pytest -m e2e $(PYTEST_ARGS)
 
 # tests/adversarial is collected by plain `pytest` (make test) too; its API-server cases are e2e.
 test-adversarial: venv cluster-binaries
 	$(VENV)/bin/pytest -m adversarial $(PYTEST_ARGS)
 
-test: venv cluster-binaries node-binaries engine image lint
+test: venv cluster-binaries kueue-binaries node-binaries engine image lint
 	$(VENV)/bin/pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 demo: venv cluster-binaries
@@ -130,7 +131,7 @@ crds: venv
 	$(PY) -m rollout_operator.model.crdgen
 	$(PY) -m rollout_operator.model.crdgen --dir charts/rollout-operator/crds
 
-bench: venv cluster-binaries node-binaries image
+bench: venv cluster-binaries kueue-binaries node-binaries image
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 # One operator for 100 RolloutSets x 16 fleet pods (in-process participants; docs/devcluster.md);
