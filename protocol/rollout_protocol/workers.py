@@ -197,8 +197,11 @@ class _SocketDirectory:
         parent = tempfile.gettempdir()
         cls._remove_ended(parent)
         path = tempfile.mkdtemp(prefix=cls.PREFIX, dir=parent)
-        lock = os.open(os.path.join(path, cls.LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # locked under another name first: another pod's sweep never finds `lock` unlocked
+        fresh = os.path.join(path, f"{cls.LOCK}.new")
+        lock = os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         fcntl.flock(lock, fcntl.LOCK_EX)
+        os.rename(fresh, os.path.join(path, cls.LOCK))
         return cls(path, lock)
 
     def remove(self) -> None:
@@ -223,7 +226,7 @@ class _SocketDirectory:
                 os.path.join(entry.path, cls.LOCK), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
             )
         except OSError:
-            return False  # not ours, or a run between its mkdtemp and its lock: left alone
+            return False  # not ours, or a run that has not locked it yet: left alone
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
