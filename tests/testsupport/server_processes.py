@@ -178,7 +178,15 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     @classmethod
-    def start(cls, root: Path, role: Role, *args: str, attempt: int = 0) -> ServerProcess:
+    def start(
+        cls,
+        root: Path,
+        role: Role,
+        *args: str,
+        attempt: int = 0,
+        env: Mapping[str, str] | None = None,
+    ) -> ServerProcess:
+        """Start it and wait for its `ready` line; `env` is added to the pod's environment."""
         port = free_port()
         root.mkdir(parents=True, exist_ok=True)
         log = root / f"{role.value}-{port}.log"
@@ -187,7 +195,7 @@ class ServerProcess:
                 [*SERVER, role.value, "--port", str(port), "--log-level", "warning", *args],
                 stdout=subprocess.PIPE,
                 stderr=stderr,
-                env=server_env(root / "checkpoints", attempt),
+                env={**server_env(root / "checkpoints", attempt), **(env or {})},
                 start_new_session=True,
             )
         try:
