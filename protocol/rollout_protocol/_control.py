@@ -1686,13 +1686,16 @@ def _gym_error_response(error: ProtocolError) -> Response:
     )
 
 
-async def _protocol_error_handler(request: Request, error: Exception) -> Response:
-    if isinstance(error, BodyTooLarge):
-        error = ProtocolError(
-            ErrorCode.PAYLOAD_TOO_LARGE,
-            f"{error.detail} (ROLLOUT_MAX_BODY_BYTES)",
-        )
-    assert isinstance(error, ProtocolError)
+def _error_response(path: str, error: ProtocolError) -> Response:
+    """A refusal in the error body of the dialect whose route `path` is: Gym's under
+    `GYM_PREFIX` (`_gym_error_response`), ours everywhere else (docs/protocol.md, "The NeMo Gym
+    dialect").
+
+    The one place that decides, by path, for refusals made outside a route's endpoint: the body
+    limit (before routing, or while FastAPI reads a body) and the app's exception handlers.
+    """
+    if path == GYM_PREFIX or path.startswith(f"{GYM_PREFIX}/"):
+        return _gym_error_response(error)
     headers = {"WWW-Authenticate": "Bearer"} if error.code is ErrorCode.UNAUTHORIZED else None
     return Response(
         content=error.body().model_dump_json(),
@@ -1700,6 +1703,16 @@ async def _protocol_error_handler(request: Request, error: Exception) -> Respons
         media_type="application/json",
         headers=headers,
     )
+
+
+async def _protocol_error_handler(request: Request, error: Exception) -> Response:
+    if isinstance(error, BodyTooLarge):
+        error = ProtocolError(
+            ErrorCode.PAYLOAD_TOO_LARGE,
+            f"{error.detail} (ROLLOUT_MAX_BODY_BYTES)",
+        )
+    assert isinstance(error, ProtocolError)
+    return _error_response(request.scope["path"], error)
 
 
 async def _validation_error_handler(request: Request, error: Exception) -> Response:
@@ -1757,7 +1770,7 @@ class BodyLimit:
                     f"Content-Length {int(value)} is over the limit of {limit} bytes "
                     "(ROLLOUT_MAX_BODY_BYTES)",
                 )
-                await _send_error(send, error)
+                await _send_error(scope, receive, send, error)
                 return
         seen = 0
 
@@ -1773,20 +1786,12 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
-async def _send_error(send: Send, error: ProtocolError) -> None:
-    body = error.body().model_dump_json().encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": error.status_code,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"connection", b"close"),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+async def _send_error(scope: Scope, receive: Receive, send: Send, error: ProtocolError) -> None:
+    """Answer `error` before the app runs, in the error body of the route's dialect
+    (`_error_response`), and close the connection: the unread body is not drained."""
+    response = _error_response(scope["path"], error)
+    response.headers["connection"] = "close"
+    await response(scope, receive, send)
 
 
 SERVER_ROUTE_ERRORS = frozenset(ErrorCode)
