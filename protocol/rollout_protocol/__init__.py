@@ -95,6 +95,7 @@ from ._storage import (
 from ._wire import (
     API_PREFIX,
     CHECKPOINT_ID_PATTERN,
+    MAX_INSTANCE_INDEX,
     MAX_KEPT_LISTED,
     PREPARE_ORDER,
     RESUME_ORDER,
@@ -138,6 +139,7 @@ __all__ = [
     "CHECKPOINT_ID_PATTERN",
     "COMMIT",
     "FORGET",
+    "MAX_INSTANCE_INDEX",
     "MAX_KEPT_LISTED",
     "PREPARE",
     "PREPARE_ORDER",
