@@ -28,7 +28,14 @@ the SDK and its OTLP/HTTP exporter (the `tracing` extra) are imported only when
 `OTEL_EXPORTER_OTLP_ENDPOINT` is set. Without them every span is the API's no-op one.
 """
 
-from ._client import HttpParticipantClient, ParticipantClient, ParticipantError
+from ._client import (
+    MAX_ERROR_REPLY_BYTES,
+    MAX_REPLY_BYTES,
+    MAX_SMALL_REPLY_BYTES,
+    HttpParticipantClient,
+    ParticipantClient,
+    ParticipantError,
+)
 from ._control import ControlConfigError, ControlPlane, ControlSettings
 from ._coordinator import (
     CheckpointDurations,
@@ -95,6 +102,7 @@ from ._storage import (
 from ._wire import (
     API_PREFIX,
     CHECKPOINT_ID_PATTERN,
+    MAX_INSTANCE_INDEX,
     MAX_KEPT_LISTED,
     PREPARE_ORDER,
     RESUME_ORDER,
@@ -138,7 +146,11 @@ __all__ = [
     "CHECKPOINT_ID_PATTERN",
     "COMMIT",
     "FORGET",
+    "MAX_ERROR_REPLY_BYTES",
+    "MAX_INSTANCE_INDEX",
     "MAX_KEPT_LISTED",
+    "MAX_REPLY_BYTES",
+    "MAX_SMALL_REPLY_BYTES",
     "PREPARE",
     "PREPARE_ORDER",
     "REMOVE",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import hashlib
 import hmac
 import json
 import logging
@@ -69,8 +70,10 @@ from ._wire import (
     CHECKPOINT_ID_PATTERN,
     MAX_BLOCKERS_REPORTED,
     MAX_FINISHED_LISTED,
+    MAX_INSTANCE_INDEX,
     CommitReply,
     CommitRequest,
+    EpisodeId,
     ErrorBody,
     ErrorCode,
     ForgetReply,
@@ -179,8 +182,10 @@ class ControlSettings:
         if not dialects:
             raise ControlConfigError("dialects: mount at least one (ROLLOUT_CONTROL_DIALECTS)")
         object.__setattr__(self, "dialects", dialects)
-        if self.index < 0:
-            raise ControlConfigError(f"index must be >= 0, got {self.index}")
+        if not 0 <= self.index <= MAX_INSTANCE_INDEX:
+            raise ControlConfigError(
+                f"index must be between 0 and {MAX_INSTANCE_INDEX}, got {self.index}"
+            )
         if self.attempt < 0:
             raise ControlConfigError(f"attempt must be >= 0, got {self.attempt}")
         if re.fullmatch(CHECKPOINT_ID_PATTERN, self.set_name) is None:
@@ -344,6 +349,54 @@ def _float_from_env(
 # --- the phase machine (pure: no I/O, no clock) ---------------------------------------------
 
 
+@dataclass(frozen=True)
+class RestoreShape:
+    """What a restore's reply and effect depend on besides its checkpoint id and attempt.
+
+    The replay key of a restore (docs/protocol.md, "Restore and replay"): a repeated restore
+    is answered from the cache only when its shape is the restored one, so a standby restored
+    as one instance never answers a restore as another with that instance's reply.
+    """
+
+    instance: str
+    """The instance the participant is once restored (a standby's adopted one)."""
+    source: str
+    """Whose records it read (`source_instance`, default the instance)."""
+    scope_sha256: str | None
+    """SHA-256 of the sorted `rollout_ids` (None: every record); a digest, so a large scope
+    costs a few bytes in the cache."""
+    peers: tuple[tuple[str, str], ...] | None
+    """The peers it was re-wired to, by role (None: kept)."""
+
+    @classmethod
+    def of(cls, request: RestoreRequest, instance: str) -> RestoreShape:
+        scope = None
+        if request.rollout_ids is not None:
+            joined = "\n".join(sorted(set(request.rollout_ids)))
+            scope = hashlib.sha256(joined.encode()).hexdigest()
+        peers = None
+        if request.peers is not None:
+            peers = tuple(sorted((role.value, url) for role, url in request.peers.items()))
+        return cls(instance, request.source_instance or instance, scope, peers)
+
+
+def _shape_differences(restored: RestoreShape | None, asked: RestoreShape | None) -> str:
+    """What a repeated restore asks differently, for the refusal's detail."""
+    if restored is None or asked is None:
+        return "its request differs"
+    names = {
+        "instance": "restored as",
+        "source": "records of",
+        "scope_sha256": "rollout_ids (sha256)",
+        "peers": "peers",
+    }
+    return ", ".join(
+        f"{label} {getattr(restored, field)!r}, now {getattr(asked, field)!r}"
+        for field, label in names.items()
+        if getattr(restored, field) != getattr(asked, field)
+    )
+
+
 class PhaseMachine:
     """Which control call is allowed when, which reply to replay, and when the lease lapsed.
 
@@ -363,7 +416,7 @@ class PhaseMachine:
         self.lease_expires_ts: float | None = None
         self._prepared: dict[str, PrepareReply] = {}
         self._committed: dict[str, CommitReply] = {}
-        self._restored: dict[tuple[str, int], RestoreReply] = {}
+        self._restored: dict[tuple[str, int], tuple[RestoreShape | None, RestoreReply]] = {}
         self._stale: OrderedDict[str, None] = OrderedDict()
         self._stale_restores: OrderedDict[tuple[str, int], None] = OrderedDict()
 
@@ -420,8 +473,18 @@ class PhaseMachine:
     # restore ----------------------------------------------------------------------------------
 
     def admit_restore(
-        self, checkpoint_id: str, attempt: int, deadline_ts: float, now: float
+        self,
+        checkpoint_id: str,
+        attempt: int,
+        deadline_ts: float,
+        now: float,
+        shape: RestoreShape | None = None,
     ) -> RestoreReply | None:
+        """Refuse, replay or admit a restore. A restore of the restored checkpoint and attempt
+        is replayed only when its `shape` (what the reply depends on besides the id and the
+        attempt: the instance, the source, the scope, the peers) is the restored one; another
+        shape is another restore, refused `conflicting_checkpoint` (docs/protocol.md,
+        "Restore and replay")."""
         if (checkpoint_id, attempt) in self._stale_restores:
             raise ProtocolError(
                 ErrorCode.STALE_CHECKPOINT,
@@ -431,7 +494,15 @@ class PhaseMachine:
         if self.phase is Phase.RESTORED and checkpoint_id == self.checkpoint_id:
             cached = self._restored.get((checkpoint_id, attempt))
             if cached is not None:
-                return cached
+                restored_shape, reply = cached
+                if restored_shape == shape:
+                    return reply
+                raise ProtocolError(
+                    ErrorCode.CONFLICTING_CHECKPOINT,
+                    f"checkpoint {checkpoint_id!r} is already restored under attempt {attempt} "
+                    f"with another request: {_shape_differences(restored_shape, shape)}; "
+                    "a replayed reply would not describe this one",
+                )
             raise ProtocolError(
                 ErrorCode.CONFLICTING_CHECKPOINT,
                 f"checkpoint {checkpoint_id!r} is already restored under attempt "
@@ -443,11 +514,13 @@ class PhaseMachine:
         _refuse_passed(deadline_ts, now)
         return None
 
-    def end_restore(self, attempt: int, reply: RestoreReply) -> None:
+    def end_restore(
+        self, attempt: int, reply: RestoreReply, shape: RestoreShape | None = None
+    ) -> None:
         self.phase = Phase.RESTORED
         self.checkpoint_id = reply.checkpoint_id
         self.restore_attempt = attempt
-        self._restored[(reply.checkpoint_id, attempt)] = reply
+        self._restored[(reply.checkpoint_id, attempt)] = (shape, reply)
 
     # renew, resume, lease ---------------------------------------------------------------------
 
@@ -970,14 +1043,26 @@ class ControlPlane:
             return reply
 
     async def restore(self, request: RestoreRequest) -> RestoreReply:
+        """Verify and install a checkpoint's records under a new attempt.
+
+        A standby's identity is all or nothing (docs/protocol.md, "Restore and replay"): the
+        index it is asked to become is checked first, its records are read and verified as that
+        instance's without changing anything, and the instance is taken only then; a restore
+        that fails after that (close admission, install) gives the old identity back, so a
+        failed adoption leaves a standby with its own instance, free for the right restore.
+        """
         async with self._lock:
             cid = request.checkpoint_id
+            asked = self._settings.index if request.index is None else request.index
+            shape = RestoreShape.of(request, instance_name(self._settings.role, asked))
             cached = self._machine.admit_restore(
-                cid, request.attempt, request.deadline_ts, self._clock()
+                cid, request.attempt, request.deadline_ts, self._clock(), shape
             )
             if cached is not None:
                 self._extend_lease(request.deadline_ts)
                 return cached
+            index = self._adopted_index(request.index)
+            instance = shape.instance
             if request.attempt < self._attempt:
                 raise ProtocolError(
                     ErrorCode.ATTEMPT_MISMATCH,
@@ -989,23 +1074,15 @@ class ControlPlane:
                     ErrorCode.ATTEMPT_RETIRED,
                     f"attempt {request.attempt} was retired here; restore under a newer attempt",
                 )
-            self._take_identity(request.index)
             with tracing.span("verify"):
-                records = await self._verified_records(request)
-            if request.peers is not None:
-                self._rewire(request.peers)
-            self._extend_lease(request.deadline_ts)
-            await self._call("close_admission", self._participant.close_admission())
+                records = await self._verified_records(request, instance)
+            was = self._settings
+            self._take_identity(index)
             try:
-                with tracing.span("install", attributes={"rollout.records": len(records)}):
-                    restored = await self._participant.install(records, request.attempt)
-            except Exception as error:
-                logger.exception("%s: install failed", self._settings.instance)
-                await self._call("reopen", self._participant.reopen())
-                self._machine.lease_expires_ts = None
-                raise ProtocolError(
-                    ErrorCode.INTERNAL, f"install failed: {type(error).__name__}: {error}"
-                ) from error
+                restored = await self._install(request, records)
+            except BaseException:
+                self._give_identity_back(was)
+                raise
             self._attempt = request.attempt
             self._marks.settle(request.attempt)
             self._checkpointed(cid, records)
@@ -1017,22 +1094,59 @@ class ControlPlane:
                 record_count=len(records),
                 kept=self._work("kept_work", lambda: self._participant.kept_work(records)),
             )
-            self._machine.end_restore(request.attempt, reply)
+            self._machine.end_restore(request.attempt, reply, shape)
             return reply
 
-    def _take_identity(self, index: int | None) -> None:
-        """A standby becomes the instance a recovery adopts it for; anyone else keeps its own."""
+    async def _install(self, request: RestoreRequest, records: list[Record]) -> list[EpisodeId]:
+        """Re-wire, close admission and install verified records (restore's effect)."""
+        if request.peers is not None:
+            self._rewire(request.peers)
+        self._extend_lease(request.deadline_ts)
+        await self._call("close_admission", self._participant.close_admission())
+        try:
+            with tracing.span("install", attributes={"rollout.records": len(records)}):
+                return await self._participant.install(records, request.attempt)
+        except Exception as error:
+            logger.exception("%s: install failed", self._settings.instance)
+            await self._call("reopen", self._participant.reopen())
+            self._machine.lease_expires_ts = None
+            raise ProtocolError(
+                ErrorCode.INTERNAL, f"install failed: {type(error).__name__}: {error}"
+            ) from error
+
+    def _adopted_index(self, index: int | None) -> int | None:
+        """The index a restore gives this participant: None (it stays what it is), or the one
+        it names, which only a standby may take. Changes nothing; a non-standby named another
+        index is refused here, before any I/O."""
         if index is None or (index == self._settings.index and not self._settings.standby):
-            return
+            return None
         if not self._settings.standby:
             raise ProtocolError(
                 ErrorCode.INVALID_REQUEST,
                 f"{self._settings.instance} is not a standby: it cannot become "
                 f"{instance_name(self._settings.role, index)}",
             )
+        return index
+
+    def _take_identity(self, index: int | None) -> None:
+        """A standby becomes the instance a recovery adopts it for, once its records verified;
+        anyone else keeps its own (`_adopted_index` returned None)."""
+        if index is None:
+            return
         was = self._settings.instance
         self._settings = replace(self._settings, index=index, standby=False)
         logger.info("%s: standby adopted as %s", was, self._settings.instance)
+
+    def _give_identity_back(self, was: ControlSettings) -> None:
+        """A restore that failed after taking the identity leaves the participant as it was."""
+        if self._settings is not was:
+            logger.warning(
+                "%s: the restore failed; back to %s%s",
+                self._settings.instance,
+                was.instance,
+                " (standby)" if was.standby else "",
+            )
+            self._settings = was
 
     def _rewire(self, peers: Mapping[Role, str]) -> None:
         """Point the participant at new peers before anything is installed (InPlace recovery)."""
@@ -1353,10 +1467,11 @@ class ControlPlane:
             )
         return kept
 
-    async def _verified_records(self, request: RestoreRequest) -> list[Record]:
-        """Read, verify and filter the records; raises before anything is installed."""
+    async def _verified_records(self, request: RestoreRequest, instance: str) -> list[Record]:
+        """Read, verify and filter the records of the restore as `instance` (the adopted one
+        for a standby); raises before anything is installed or any identity is taken."""
         root = self._require_root("restore")
-        source = request.source_instance or self._settings.instance
+        source = request.source_instance or instance
         if not source.startswith(f"{self._settings.role.value}-"):
             raise ProtocolError(
                 ErrorCode.INVALID_REQUEST,

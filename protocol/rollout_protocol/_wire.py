@@ -37,8 +37,14 @@ CHECKPOINT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 ROLLOUT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 
-INSTANCE_PATTERN = r"^[a-z]+-[0-9]+$"
-"""`<role>-<index>`: also a directory name under a checkpoint."""
+MAX_INSTANCE_INDEX = 999_999
+"""The largest instance index (six digits): an instance names a directory under a checkpoint,
+so its length is bounded like a checkpoint id's, and an index past it is refused as invalid
+input before any storage is touched (docs/protocol.md, "Limits")."""
+
+INSTANCE_PATTERN = r"^[a-z]+-[0-9]{1,6}$"
+"""`<role>-<index>`: also a directory name under a checkpoint (index at most
+`MAX_INSTANCE_INDEX`)."""
 
 CheckpointId = Annotated[str, StringConstraints(pattern=CHECKPOINT_ID_PATTERN)]
 RolloutId = Annotated[str, StringConstraints(pattern=ROLLOUT_ID_PATTERN)]
@@ -270,6 +276,7 @@ class RestoreRequest(ControlRequest):
     index: int | None = Field(
         default=None,
         ge=0,
+        le=MAX_INSTANCE_INDEX,
         description="The instance index this participant is from the restored attempt on: a "
         "recovery that adopts a standby participant (started with ROLLOUT_STANDBY=1) gives it "
         "the lost instance's identity, whose records it then restores. A participant that is "

@@ -46,6 +46,7 @@ from ..model.api import (
     dump,
     format_time,
 )
+from ..model.conditions import truncate
 from .policy import ConditionChange, Note
 from .resources import ANNOTATION_KUEUE_PLACEMENT, owner_reference
 
@@ -390,7 +391,7 @@ def release_patch(
                 "type": type_,
                 "status": status,
                 "reason": reason,
-                "message": message[:32768],
+                "message": truncate(message),
                 "observedGeneration": workload.generation,
                 "lastTransitionTime": stamp if changed else raw.get("lastTransitionTime", stamp),
             }
@@ -401,7 +402,7 @@ def release_patch(
                 "type": type_,
                 "status": status,
                 "reason": reason,
-                "message": message[:32768],
+                "message": truncate(message),
                 "observedGeneration": workload.generation,
                 "lastTransitionTime": stamp,
             }

@@ -62,7 +62,7 @@ from ..model.api import (
     dump,
     format_time,
 )
-from ..model.conditions import find_condition, set_condition
+from ..model.conditions import MAX_FAILURE_CHARS, find_condition, set_condition, truncate
 from .repairs import repair_published_checkpoint
 from .watching import NoLongerHolds, while_holding
 
@@ -101,6 +101,7 @@ class CheckpointFailed(Exception):
     """Ends the flow: the checkpoint becomes Failed with this reason and message."""
 
     def __init__(self, reason: str, message: str, *, blockers: PrepareOutcome | None = None):
+        message = truncate(message)  # status, Event, log and trace carry it: bounded
         super().__init__(message)
         self.reason = reason
         self.message = message
@@ -166,7 +167,9 @@ def _failure_reason(failures: list[Failure]) -> str:
 
 
 def _describe(failures: list[Failure], limit: int = 5) -> str:
-    shown = "; ".join(str(f) for f in failures[:limit])
+    """The first `limit` failures for a message, each cut to `MAX_FAILURE_CHARS`: a detail is
+    what a participant said, of any size (docs/operations.md, "Failure modes")."""
+    shown = "; ".join(truncate(str(f), MAX_FAILURE_CHARS) for f in failures[:limit])
     more = len(failures) - limit
     return shown + (f"; and {more} more" if more > 0 else "")
 

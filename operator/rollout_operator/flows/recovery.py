@@ -78,7 +78,14 @@ from ..model.api import (
     TargetLevel,
     format_time,
 )
-from ..model.conditions import ConditionUpdate, is_true, merge_conditions, set_condition, utcnow
+from ..model.conditions import (
+    ConditionUpdate,
+    is_true,
+    merge_conditions,
+    set_condition,
+    truncate,
+    utcnow,
+)
 from .watching import NoLongerHolds, while_holding
 
 logger = logging.getLogger(__name__)
@@ -244,7 +251,11 @@ async def observe(kube: Kube, rset: RolloutSet) -> tuple[list[PodView], dict[str
 
 
 class RecoveryFailed(Exception):
+    """Ends a recovery with this reason and message; the message (which may quote what a
+    participant said) is cut to `MAX_MESSAGE_CHARS`, as it goes into the set's status."""
+
     def __init__(self, reason: str, message: str) -> None:
+        message = truncate(message)
         super().__init__(message)
         self.reason = reason
         self.message = message
@@ -1022,7 +1033,7 @@ class RecoveryFlow:
         namespace = rset.metadata.namespace or "default"
         ckpt = await self._read_checkpoint(rset, name)
         if ckpt is not None:
-            message = f"restore verification failed, not restorable: {detail}"[:1000]
+            message = truncate(f"restore verification failed, not restorable: {detail}", 1000)
             conditions = ckpt.status.conditions
             for type_, status in (
                 (CheckpointConditionType.READY, False),
