@@ -691,9 +691,9 @@ class _Removals:
     A removal claims its checkpoints (every one, for `whole_set`) in the same lock as the check
     that none is open, and gives them back only when its worker thread has ended, also when the
     call itself failed at its deadline and the thread still runs. Meanwhile a prepare or restore
-    of a claimed id is refused (`refuse`), so a checkpoint is never open while its files are
-    being deleted, and nothing else waits on the removal's I/O. The counts are shared with
-    worker threads, hence the (never contended for long) thread lock.
+    of a claimed id is refused (`ControlPlane._refuse_removing`), so a checkpoint is never open
+    while its files are being deleted, and nothing else waits on the removal's I/O. The counts
+    are shared with worker threads, hence the (never contended for long) thread lock.
     """
 
     def __init__(self) -> None:
