@@ -24,13 +24,14 @@ import math
 import multiprocessing
 import os
 import re
+import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -763,6 +764,76 @@ class CollectorHold:
             gc.enable()
 
 
+# --- checkpoints whose records are being removed ---------------------------------------------
+
+
+@dataclass
+class _Claim:
+    """One removal's hold on the checkpoints it names (`_Removals.claim`)."""
+
+    checkpoint_ids: tuple[str, ...]
+    whole_set: bool
+    state: Literal["claimed", "running", "done"] = "claimed"
+    """claimed (taken under the control lock), running (its worker thread began), done."""
+
+
+class _Removals:
+    """The checkpoints a removal is deleting: the promise it takes under the control lock.
+
+    A removal claims its checkpoints (every one, for `whole_set`) in the same lock as the check
+    that none is open, and gives them back only when its worker thread has ended, also when the
+    call itself failed at its deadline and the thread still runs. Meanwhile a prepare or restore
+    of a claimed id is refused (`ControlPlane._refuse_removing`), so a checkpoint is never open
+    while its files are being deleted, and nothing else waits on the removal's I/O. The counts
+    are shared with worker threads, hence the (never contended for long) thread lock.
+    """
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._ids: Counter[str] = Counter()
+        self._whole_set = 0
+
+    def covers(self, checkpoint_id: str) -> bool:
+        with self._guard:
+            return self._whole_set > 0 or self._ids[checkpoint_id] > 0
+
+    def claim(self, checkpoint_ids: Sequence[str], *, whole_set: bool) -> _Claim:
+        claim = _Claim(tuple(dict.fromkeys(checkpoint_ids)), whole_set)
+        with self._guard:
+            self._ids.update(claim.checkpoint_ids)
+            self._whole_set += whole_set
+        return claim
+
+    def begin(self, claim: _Claim) -> bool:
+        """The worker thread starts: False when its caller has given up already (the claim is
+        back, so the thread must not delete anything)."""
+        with self._guard:
+            if claim.state != "claimed":
+                return False
+            claim.state = "running"
+            return True
+
+    def end(self, claim: _Claim) -> None:
+        """The worker thread has ended: give the claim back."""
+        with self._guard:
+            self._give_back(claim)
+
+    def abandon(self, claim: _Claim) -> None:
+        """The caller is done waiting: give the claim back unless a thread runs with it (that
+        thread gives it back when it ends)."""
+        with self._guard:
+            if claim.state == "claimed":
+                self._give_back(claim)
+
+    def _give_back(self, claim: _Claim) -> None:
+        if claim.state == "done":
+            return
+        claim.state = "done"
+        self._ids.subtract(claim.checkpoint_ids)
+        self._ids += Counter()  # drop the ids now at zero
+        self._whole_set -= claim.whole_set
+
+
 # --- the control plane ----------------------------------------------------------------------
 
 
@@ -813,6 +884,7 @@ class ControlPlane:
         self._background: TaskGroup | None = None
         self._parking: tuple[str, anyio.CancelScope] | None = None
         self._directory: _AheadDirectory | None = None
+        self._removals = _Removals()
         self._collector = CollectorHold()
         self.router = self._build_router()
 
@@ -949,6 +1021,7 @@ class ControlPlane:
     async def prepare(self, request: PrepareRequest) -> PrepareReply:
         async with self._lock:
             cid = request.checkpoint_id
+            self._refuse_removing(cid)
             cached = self._machine.admit_prepare(cid, request.deadline_ts, self._clock())
             self._extend_lease(request.deadline_ts)
             if cached is not None:
@@ -1053,6 +1126,7 @@ class ControlPlane:
         """
         async with self._lock:
             cid = request.checkpoint_id
+            self._refuse_removing(cid)
             asked = self._settings.index if request.index is None else request.index
             shape = RestoreShape.of(request, instance_name(self._settings.role, asked))
             cached = self._machine.admit_restore(
@@ -1277,9 +1351,20 @@ class ControlPlane:
         retention and finalizers, where the operator cannot mount the volume itself).
 
         Never the open checkpoint (or, for `whole_set`, while one is open): that would take
-        records a commit is writing or a recovery may restore. The check is made under the lock;
-        the removal itself runs outside it, in a worker thread bounded by the call's deadline,
-        so a slow volume never holds up a prepare."""
+        records a commit is writing or a recovery may restore. The check is made under the lock,
+        and in the same lock the removal claims its checkpoints (`_Removals`): until its worker
+        thread has ended, a prepare or restore of a claimed id (of any id, for `whole_set`) is
+        refused with `conflicting_checkpoint`, so no prepare and commit of an id can run between
+        the check and the deletion of that id's files (docs/protocol.md, "Remove").
+
+        The removal itself runs outside the lock, in a worker thread bounded by the call's
+        deadline, so a slow volume never holds up a prepare, as before: holding the lock for
+        the whole removal, or for each checkpoint's deletion, would make every prepare of the
+        set wait on the volume up to the removal's deadline. Refusing the ids being removed
+        costs nothing to anyone else; a prepare of such an id is a conflict either way (its
+        caller retries it, or takes a new id). Past the deadline the call fails
+        (`storage_failed`) but the claim stays until the thread really ends: the files may
+        still be going."""
         _refuse_passed(request.deadline_ts, self._clock())
         root = self._require_root("remove")
         async with self._lock:
@@ -1290,12 +1375,18 @@ class ControlPlane:
                     f"checkpoint {open_id} is open ({self._machine.phase.value}); its records "
                     "cannot be removed until it closes",
                 )
+            claim = self._removals.claim(request.checkpoint_ids, whole_set=request.whole_set)
         set_dir = self._settings.storage_dir
 
-        def remove_all() -> RemoveReply:
-            return storage.remove_records(
-                root, set_dir, request.checkpoint_ids, whole_set=request.whole_set
-            )
+        def remove_all() -> RemoveReply | None:
+            if not self._removals.begin(claim):
+                return None  # the call gave up before this thread began: delete nothing
+            try:
+                return storage.remove_records(
+                    root, set_dir, request.checkpoint_ids, whole_set=request.whole_set
+                )
+            finally:
+                self._removals.end(claim)
 
         try:
             with self._storage_deadline("remove", request.deadline_ts):
@@ -1304,6 +1395,9 @@ class ControlPlane:
             raise ProtocolError(ErrorCode.STORAGE_FAILED, str(error)) from error
         except storage.UnsafePath as error:
             raise ProtocolError(ErrorCode.INVALID_REQUEST, str(error)) from error
+        finally:
+            self._removals.abandon(claim)
+        assert reply is not None, "the worker thread ran: it began before the call returned"
         logger.info(
             "%s: removed records of %s (absent: %s, kept: %d)",
             self._settings.instance,
@@ -1312,6 +1406,15 @@ class ControlPlane:
             reply.kept_count,
         )
         return reply
+
+    def _refuse_removing(self, checkpoint_id: str) -> None:
+        """A checkpoint whose records a removal is deleting is not opened (see `remove`)."""
+        if self._removals.covers(checkpoint_id):
+            raise ProtocolError(
+                ErrorCode.CONFLICTING_CHECKPOINT,
+                f"the records of checkpoint {checkpoint_id!r} are being removed here; it cannot "
+                "be prepared or restored until that removal has ended",
+            )
 
     # internals --------------------------------------------------------------------------------
 
