@@ -12,26 +12,25 @@ restore still succeeds afterwards.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
-from fastapi import FastAPI
 from rollout_protocol import (
     API_PREFIX,
     MAX_INSTANCE_INDEX,
     ControlPlane,
     ControlSettings,
     EpisodeId,
-    ErrorBody,
     ErrorCode,
     Record,
     RestoreReply,
     Role,
     StatusReply,
 )
+from shared import refused
+from testsupport.controlplane import call, served
 from testsupport.participants import FakeParticipant
 
 TOKEN = "control-token-for-tests"
@@ -53,29 +52,13 @@ def _settings(root: Path, **overrides: Any) -> ControlSettings:
     return ControlSettings(**values)
 
 
-@asynccontextmanager
-async def _serve(plane: ControlPlane) -> AsyncIterator[httpx.AsyncClient]:
-    app = FastAPI()
-    plane.install(app)
-    transport = httpx.ASGITransport(app=app)
-    async with (
-        plane.running(),
-        httpx.AsyncClient(transport=transport, base_url="http://p", headers=AUTH) as client,
-    ):
-        yield client
-
-
-async def _post(client: httpx.AsyncClient, route: str, **body: Any) -> httpx.Response:
-    return await client.post(f"{API_PREFIX}/{route}", json=body)
-
-
 async def _checkpoint_instances(root: Path, rollouts_by_index: dict[int, list[str]]) -> None:
     """Checkpoint `ck` of instances environment-<index>, each with its own rollouts."""
     for index, rollouts in rollouts_by_index.items():
         participant = FakeParticipant(index=index, rollouts=rollouts)
-        async with _serve(ControlPlane(participant, _settings(root, index=index))) as client:
+        async with served(ControlPlane(participant, _settings(root, index=index)), TOKEN) as client:
             for route in ("prepare", "commit", "resume"):
-                done = await _post(client, route, checkpoint_id="ck", deadline_ts=_deadline())
+                done = await call(client, route, checkpoint_id="ck")
                 assert done.status_code == 200, done.text
 
 
@@ -88,13 +71,6 @@ async def _status(client: httpx.AsyncClient) -> StatusReply:
     response = await client.get(f"{API_PREFIX}/status")
     assert response.status_code == 200, response.text
     return StatusReply.model_validate_json(response.content)
-
-
-def _refused(response: httpx.Response, code: ErrorCode, status: int) -> str:
-    assert response.status_code == status, response.text[:500]
-    body = ErrorBody.model_validate_json(response.content)
-    assert body.error.code is code, body
-    return body.error.detail
 
 
 async def _still_a_standby(client: httpx.AsyncClient, participant: FakeParticipant) -> None:
@@ -125,13 +101,13 @@ async def test_a_repeated_restore_as_another_index_is_refused_not_replayed(
 ) -> None:
     await _checkpoint_instances(tmp_path, {0: ["r0"], 1: ["r1"]})
     standby = FakeParticipant()
-    async with _serve(ControlPlane(standby, _settings(tmp_path, standby=True))) as client:
+    async with served(ControlPlane(standby, _settings(tmp_path, standby=True)), TOKEN) as client:
         first = await _restore(client, index=1)
         assert first.status_code == 200, first.text
         assert (await _status(client)).instance == "environment-1"
 
         other = await _restore(client, index=0)
-        detail = _refused(other, ErrorCode.CONFLICTING_CHECKPOINT, 409)
+        detail = refused(other, ErrorCode.CONFLICTING_CHECKPOINT, 409)
         assert "'environment-1', now 'environment-0'" in detail, detail
         status = await _status(client)
         assert status.instance == "environment-1", "it stays the instance it was restored as"
@@ -147,7 +123,7 @@ async def test_a_repeated_restore_as_another_index_is_refused_not_replayed(
         assert standby.install_calls == 1
 
         scoped = await _restore(client, index=1, rollout_ids=["r1", "r9"])
-        _refused(scoped, ErrorCode.CONFLICTING_CHECKPOINT, 409)
+        refused(scoped, ErrorCode.CONFLICTING_CHECKPOINT, 409)
 
 
 async def test_a_restore_of_an_index_without_records_leaves_the_standby_a_standby(
@@ -155,9 +131,9 @@ async def test_a_restore_of_an_index_without_records_leaves_the_standby_a_standb
 ) -> None:
     await _checkpoint_instances(tmp_path, {1: ["r1"]})
     standby = FakeParticipant()
-    async with _serve(ControlPlane(standby, _settings(tmp_path, standby=True))) as client:
+    async with served(ControlPlane(standby, _settings(tmp_path, standby=True)), TOKEN) as client:
         missing = await _restore(client, index=2)
-        _refused(missing, ErrorCode.RECORDS_INVALID, 422)
+        refused(missing, ErrorCode.RECORDS_INVALID, 422)
         await _still_a_standby(client, standby)
 
         right = await _restore(client, index=1)
@@ -172,14 +148,14 @@ async def test_an_index_too_long_for_a_path_is_refused_as_invalid_before_any_io(
 ) -> None:
     await _checkpoint_instances(tmp_path, {1: ["r1"]})
     standby = FakeParticipant()
-    async with _serve(ControlPlane(standby, _settings(tmp_path, standby=True))) as client:
+    async with served(ControlPlane(standby, _settings(tmp_path, standby=True)), TOKEN) as client:
         for index in (10**300, MAX_INSTANCE_INDEX + 1):
-            refused = await _restore(client, index=index)
-            detail = _refused(refused, ErrorCode.INVALID_REQUEST, 422)
+            refusal = await _restore(client, index=index)
+            detail = refused(refusal, ErrorCode.INVALID_REQUEST, 422)
             assert "index" in detail, detail
             await _still_a_standby(client, standby)
         too_long = await _restore(client, source_instance="environment-" + "9" * 300)
-        _refused(too_long, ErrorCode.INVALID_REQUEST, 422)
+        refused(too_long, ErrorCode.INVALID_REQUEST, 422)
         await _still_a_standby(client, standby)
 
         right = await _restore(client, index=1)
@@ -190,9 +166,9 @@ async def test_an_index_too_long_for_a_path_is_refused_as_invalid_before_any_io(
 async def test_a_restore_whose_install_fails_gives_the_identity_back(tmp_path: Path) -> None:
     await _checkpoint_instances(tmp_path, {1: ["r1"]})
     standby = FailingInstall()
-    async with _serve(ControlPlane(standby, _settings(tmp_path, standby=True))) as client:
+    async with served(ControlPlane(standby, _settings(tmp_path, standby=True)), TOKEN) as client:
         failed = await _restore(client, index=1)
-        _refused(failed, ErrorCode.INTERNAL, 500)
+        refused(failed, ErrorCode.INTERNAL, 500)
         await _still_a_standby(client, standby)
         assert standby.admission_open, "the failed install reopened admission"
 
