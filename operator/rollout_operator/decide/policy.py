@@ -1,4 +1,4 @@
-"""The checkpoint policy, decided (DESIGN §3 `checkpointPolicy` and `suspend`, §6.3 to §6.5).
+"""The checkpoint policy, decided (`checkpointPolicy` and `suspend`: docs/policy.md).
 
 Everything here is pure: views of a RolloutSet and of its RolloutCheckpoints go in, together with
 `now`; decisions come out (which checkpoint to create under which name, what to delete, which
@@ -16,8 +16,9 @@ Three rules shape every decision:
 - **The state lives in the API.** What was decided before is read back from the objects (the
   checkpoints, the set's status and one annotation for a settled deadline), never kept in
   memory, so a restarted operator decides the same.
-- **One checkpoint at a time per set** (DESIGN §6.6): the policy never starts a timer
-  checkpoint while another one of the set is unfinished; the checkpoint flow queues the others.
+- **One checkpoint at a time per set** (docs/design.md#66-one-checkpoint-at-a-time): the policy
+  never starts a timer checkpoint while another one of the set is unfinished; the checkpoint flow
+  queues the others.
 """
 
 from __future__ import annotations
@@ -436,7 +437,7 @@ class Note:
     warning: bool = False
 
 
-# --- the save reserve (DESIGN §6.3) ---------------------------------------------------------------
+# --- the save reserve (docs/design.md#63-deadline) ------------------------------------------------
 
 
 def save_reserve_seconds(
@@ -1022,7 +1023,7 @@ def eviction_holds(
     )
 
 
-# --- retention (DESIGN §6.5) --------------------------------------------------------------------
+# --- retention (docs/design.md#65-retention-and-records) ------------------------------------------
 
 
 def retention(

@@ -1,4 +1,4 @@
-"""The RolloutCheckpoint flow (DESIGN §6.1): prepare, commit, publish, resume.
+"""The RolloutCheckpoint flow (docs/design.md#61-checkpoint): prepare, commit, publish, resume.
 
 The protocol itself is `rollout_servers.coordination.Coordinator`; this module adds what only an
 operator has: the phase persisted in `status.phase` before every step, so a restarted operator
@@ -6,7 +6,7 @@ continues where the last one stopped; one checkpoint per set at a time (the set'
 `leases.CheckpointLeases`); and publication as one status patch (`Ready=True` with every
 participant's manifest). The flow writes only its own checkpoint's status: the set's pass
 derives `latestCheckpoint`, the recent durations and the pods' latest-checkpoint annotations
-from the checkpoints once this one is Ready (DESIGN 6.0, one writer per field).
+from the checkpoints once this one is Ready (docs/design.md#69-who-writes-the-sets-status).
 
 What the flow reads (its checkpoint, the set, the set's pods) comes from the watches
 (`cache.ClusterCache`), and a step waits on the set's events, not on polls: the critical path
@@ -574,8 +574,9 @@ class CheckpointFlow:
 
         A participant pod lost during prepare or commit would otherwise keep the step waiting
         for a dead pod until the step's deadline; the set's recovery (running concurrently in
-        the set's loop) says at once that this attempt is gone (DESIGN 6.6: ParticipantLost).
-        The set is looked at on each of its events (from the watch: no request).
+        the set's loop) says at once that this attempt is gone (ParticipantLost:
+        docs/design.md#66-one-checkpoint-at-a-time). The set is looked at on each of its events
+        (from the watch: no request).
         """
         namespace = ckpt.metadata.namespace or "default"
 

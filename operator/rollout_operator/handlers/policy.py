@@ -1,4 +1,4 @@
-"""Checkpoint-policy handlers (DESIGN §6.3 to §6.5): thin wiring around `policyops`.
+"""Checkpoint-policy handlers (docs/design.md#63-deadline to 6.5): thin wiring around `policyops`.
 
 - `policy_loop`: a daemon per RolloutSet that runs `PolicyPass` whenever it is woken (any event
   of the set or of one of its RolloutCheckpoints) and otherwise at the time the last pass asked
@@ -193,7 +193,8 @@ async def pod_terminating(
 async def remove_checkpoint_records(
     body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any
 ) -> None:
-    """The finalizer of a RolloutCheckpoint: its records go with it (DESIGN §6.5)."""
+    """The finalizer of a RolloutCheckpoint: its records go with it
+    (docs/design.md#65-retention-and-records)."""
 
     async def note(rset: RolloutSet, found: Note) -> None:
         await _post(rset, found)

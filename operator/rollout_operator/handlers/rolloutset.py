@@ -237,7 +237,7 @@ async def reconcile_loop(
     async def one_pass() -> Next:
         kube = kube_of(memo, kwargs)
         # Status first: a recovery or a pass acting on an attempt no pod runs would start a
-        # second attempt beside the first (issue 15, class 2).
+        # second attempt beside the first (docs/design.md#610-status-written-by-hand).
         repaired = await repair_set_attempt(kube, namespace, name)
         if repaired is not None:
             raw = await kube.get_set(namespace, name)
