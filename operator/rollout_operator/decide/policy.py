@@ -2,10 +2,10 @@
 
 Everything here is pure: views of a RolloutSet and of its RolloutCheckpoints go in, together with
 `now`; decisions come out (which checkpoint to create under which name, what to delete, which
-condition to show, when to look again). `policyops` reads the objects and carries the decisions
-out; the Kopf handlers in `handlers/policy.py` only wake it. Keeping the decisions pure is what
-lets the unit tests drive a deadline, an overtaken wait or a suspend through every branch with an
-injected clock and no API server.
+condition to show, when to look again). `flows.policypass` reads the objects and carries the
+decisions out; the Kopf handlers in `handlers/policy.py` only wake it. Keeping the decisions pure is
+what lets the unit tests drive a deadline, an overtaken wait or a suspend through every branch with
+an injected clock and no API server.
 
 Three rules shape every decision:
 
@@ -1062,7 +1062,7 @@ def latest_after_delete(
 
 @dataclass(frozen=True)
 class PolicyPlan:
-    """Everything one look at a set decided; `policyops.PolicyPass` carries it out."""
+    """Everything one look at a set decided; `flows.policypass.PolicyPass` carries it out."""
 
     reserve: int
     creates: list[Create] = field(default_factory=list)

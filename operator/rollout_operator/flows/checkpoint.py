@@ -1,6 +1,6 @@
 """The RolloutCheckpoint flow (docs/design.md#61-checkpoint): prepare, commit, publish, resume.
 
-The protocol itself is `rollout_servers.coordination.Coordinator`; this module adds what only an
+The protocol itself is `rollout_protocol.Coordinator`; this module adds what only an
 operator has: the phase persisted in `status.phase` before every step, so a restarted operator
 continues where the last one stopped; one checkpoint per set at a time (the set's Lease,
 `leases.CheckpointLeases`); and publication as one status patch (`Ready=True` with every
@@ -340,7 +340,7 @@ class CheckpointFlow:
 
         An Eviction checkpoint runs while its pod terminates: that pod is unready (the set is
         not Ready) but its control plane answers until the grace period ends, and the recovery
-        holds off until this checkpoint finished (`policyops.eviction_holds`)."""
+        holds off until this checkpoint finished (`cluster.objects.eviction_holds`)."""
         status = rset.status
         if status.recovery is not None:
             return f"set {rset.metadata.name} is Recovering"

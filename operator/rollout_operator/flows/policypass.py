@@ -5,11 +5,11 @@
   between any two steps leaves nothing a later pass could not finish: checkpoints are created
   first (deterministic names, so a repeat gets "exists"), then a settled deadline is recorded
   (an annotation on the set), then the set's status (conditions, `saveReserveSeconds`,
-  `lastTrainerStep`, a resume's recovery) in one patch with a resourceVersion precondition, and
+  `lastTrainerStep`) in one patch with a resourceVersion precondition, and
   only then pods are deleted (a suspend's release) and old checkpoints removed.
 - `start_eviction_checkpoint(pod)`: a participant pod got a deletion timestamp.
-- `checkpoint_deleted` / `set_deleted`: what the finalizers do: remove records, repoint
-  `latestCheckpoint`.
+- `checkpoint_deleted` / `set_deleted`: what the finalizers do: remove records (the set's pass
+  then repoints `latestCheckpoint`).
 
 **Where records are removed.** Records live on the set's storage volume, which every
 participant pod mounts. The finalizers remove them through `flows.records.RecordsRemover`:

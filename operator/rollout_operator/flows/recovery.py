@@ -178,7 +178,7 @@ def detect_loss(
     attempt starts is the reconciler's Degraded).
 
     `held`: terminating pods that are not lost yet (their eviction checkpoint runs inside
-    their grace period, see `policyops.eviction_holds`). A Suspended set has released its
+    their grace period, see `cluster.objects.eviction_holds`). A Suspended set has released its
     pods on purpose; resuming it is the policy's recovery, not a loss."""
     status = rset.status
     attempt = status.attempt
