@@ -58,11 +58,11 @@ _TOO_MANY: Final = re.compile(r"^APITooManyRequestsError\((?P<quoted>'(?:[^'\\]|
 
 class RetriedRequests(logging.Filter):
     """Kopf's API client logs every failed try of a request it will retry at ERROR, with the
-    API server's whole Status object. A try that will be retried is weather, not an error (issue
-    15): a 429 TooManyRequests (the API server answers it while it (re)initialises the storage
-    of freshly installed CRDs, asking to retry in a second) becomes one short INFO line, any
-    other retried failure (connection refused while the API server restarts) a WARNING. The try
-    that gives up ("escalating") stays an ERROR.
+    API server's whole Status object. A try that will be retried is weather, not an error
+    (docs/operations.md#failure-modes, class 11): a 429 TooManyRequests (the API server answers it
+    while it (re)initialises the storage of freshly installed CRDs, asking to retry in a second)
+    becomes one short INFO line, any other retried failure (connection refused while the API server
+    restarts) a WARNING. The try that gives up ("escalating") stays an ERROR.
 
     Attached to the handlers of the root logger (Kopf logs through several loggers), so it
     changes the record after the loggers' level check: a WARNING or INFO line is still subject

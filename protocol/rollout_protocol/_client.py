@@ -117,7 +117,7 @@ class ParticipantClient(Protocol):
 def _tls_context() -> ssl.SSLContext:
     """One default TLS context for every client this process makes (safe to share). A fresh one
     per client would load the CA bundle each time: 35 ms of CPU and about 1 MB per client, which
-    a coordinator pays for every participant of every checkpoint (issue 14: 1,600 clients in a
+    a coordinator pays for every participant of every checkpoint (1,600 clients in a
     100-set checkpoint storm)."""
     return ssl.create_default_context()
 

@@ -1,9 +1,9 @@
 """The checkpoint coordinator, independent of Kubernetes.
 
 It drives the participants through prepare, commit, publish and resume, and through an
-all-or-nothing restore, in the orders of DESIGN §4 (prepare and retire in stages, callers before
-callees; commit, restore and resume to everyone at once). The steps are separate methods
-because the operator persists its state between them (to survive its own restart);
+all-or-nothing restore, in the orders of docs/design.md#44-order (prepare and retire in stages,
+callers before callees; commit, restore and resume to everyone at once). The steps are separate
+methods because the operator persists its state between them (to survive its own restart);
 `checkpoint()` composes them for callers without an operator (the CLI, Slurm jobs, tests).
 
 Participants are reached through the small `ParticipantClient` protocol; `HttpParticipantClient`

@@ -87,7 +87,7 @@ RETIRE_ORDER: tuple[tuple[Role, ...], ...] = (
 
 
 class Phase(StrEnum):
-    """Where a participant is in the checkpoint protocol (DESIGN §4)."""
+    """Where a participant is in the checkpoint protocol (docs/protocol.md, "Phases")."""
 
     IDLE = "idle"
     PREPARING = "preparing"

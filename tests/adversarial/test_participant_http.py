@@ -1,9 +1,9 @@
 """Hostile input to a participant's HTTP API: sizes, deadlines, marks, headers, disconnects.
 
-Issue 15, class 6 (bounded resources on every participant) and class 7 (headers are input too).
-Each case asserts the refusal (a 4xx with the protocol's error body naming what was wrong) and
-that the participant keeps serving; the streaming case asserts that nothing is left running.
-In-process cases use the control plane and servers through ASGI; the others run a real
+docs/operations.md#failure-modes, class 6 (bounded resources on every participant) and class 7
+(headers are input too). Each case asserts the refusal (a 4xx with the protocol's error body naming
+what was wrong) and that the participant keeps serving; the streaming case asserts that nothing is
+left running. In-process cases use the control plane and servers through ASGI; the others run a real
 `rollout-server model` process on loopback (stopped at the end of each test).
 """
 

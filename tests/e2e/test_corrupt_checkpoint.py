@@ -1,4 +1,4 @@
-"""A corrupt checkpoint must not take the set down (issue 15, class 9).
+"""A corrupt checkpoint must not take the set down (docs/operations.md#failure-modes, class 9).
 
 Two Ready checkpoints are taken while an episode is held mid-generation; the newer one's model
 records are then damaged on storage (one byte flipped). When the model pod is killed, the
@@ -32,7 +32,7 @@ from testsupport.operator_fixtures import (
 
 from devcluster.cluster import Cluster
 
-pytestmark = [pytest.mark.e2e, pytest.mark.adversarial]  # fault timings: issue 15
+pytestmark = [pytest.mark.e2e, pytest.mark.adversarial]  # fault timings
 
 EPISODES = 8
 SEED = 31

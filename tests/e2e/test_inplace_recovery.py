@@ -399,7 +399,7 @@ async def test_in_place_replaces_only_the_lost_pod(
     assert (last["kept"], last["replaced"]) == (len(after) - 1, 1)
     assert last["checkpoint"] == "in-flight"
     # `episodesRestored` counts what the checkpoint installed; the trainer sees continue only
-    # those still unfinished at the loss (issue 25: the field says what it counts).
+    # those still unfinished at the loss (the field says what it counts).
     continued = [r for r in got.results.values() if r.continued_from == 1]
     assert 1 <= len(continued) <= last["episodesRestored"] <= got.checkpoint["status"]["episodes"]
     assert last["checkpointAgeSeconds"] >= 0
@@ -507,7 +507,7 @@ async def test_a_second_loss_during_an_in_place_restore_ends_in_one_attempt(
     resources: Resources,
     storage_dir: Path,
 ) -> None:
-    """Issue 13, build item 3: a kept pod lost while the InPlace restore runs.
+    """A kept pod lost while the InPlace restore runs.
 
     The environment pod is killed; the kept model holds the InPlace restore into attempt 2 at
     its `install` pause point (`--debug-hooks`), so the recovery is in Restoring with the model
@@ -637,7 +637,7 @@ async def test_a_kept_pod_frozen_during_an_in_place_restore_ends_the_try_within_
     resources: Resources,
     storage_dir: Path,
 ) -> None:
-    """Issue 27, item 3: every deadline of a recovery try is end to end.
+    """Every deadline of a recovery try is end to end.
 
     The environment pod is killed; the kept model is caught inside the InPlace restore (its
     `install` pause point) and then frozen (SIGSTOP), so the restore call hangs, and the retire
@@ -711,7 +711,7 @@ async def test_a_standby_is_adopted_for_the_lost_instance(
     storage_dir: Path,
     case: str,
 ) -> None:
-    """Issue 22: a Ready standby of the lost role takes the lost instance (its UID is the
+    """A Ready standby of the lost role takes the lost instance (its UID is the
     standby's), restores the instance's records with its identity and peers, every episode
     finishes exactly once (`check_recovered_run`), and a replacement standby starts."""
     standby, policy, lose = STANDBY_CASES[case]
@@ -802,7 +802,7 @@ async def test_suspend_stops_the_standbys_and_deleting_the_set_deletes_them(
     resources: Resources,
     storage_dir: Path,
 ) -> None:
-    """Issue 22, item 3: standbys go with the set's pods on suspend, come back after the resume
+    """Standbys go with the set's pods on suspend, come back after the resume
     (which is not a restart), and go when the set is deleted."""
     _, spare = await ready_with_an_environment_standby(cluster, namespace, resources, storage_dir)
 
@@ -835,7 +835,7 @@ async def test_a_standby_lost_during_its_adoption_ends_in_one_attempt(
     resources: Resources,
     storage_dir: Path,
 ) -> None:
-    """Issue 22: the model pod is killed, the model standby is adopted and held inside its
+    """The model pod is killed, the model standby is adopted and held inside its
     restore (`install` pause point), then killed too. The try fails, the next one runs under
     attempt 3 with fresh pods (no standby is left: replacements start once the set runs), and
     the set ends Ready under attempt 3 alone."""

@@ -1,5 +1,5 @@
-"""Standby pods (issue 22), the pure parts: the pod a standby is, what the set's pass keeps,
-which standby a recovery adopts, and whom an adopted standby is re-wired to."""
+"""Standby pods (docs/design.md#62-recovery), the pure parts: the pod a standby is, what the set's
+pass keeps, which standby a recovery adopts, and whom an adopted standby is re-wired to."""
 
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ class SetBlocked(Exception):
 
 ENSURE_EVERY_SECONDS: Final = 300.0
 """How often a pass checks again that a set's token Secret and Services exist once this process
-found them (issue 14: checking on every pass cost a GET and one refused POST per role, per set,
+found them (checking on every pass cost a GET and one refused POST per role, per set,
 per pass). A deleted one is created again within this time."""
 
 

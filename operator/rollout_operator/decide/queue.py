@@ -1,4 +1,5 @@
-"""Kueue admission of a RolloutSet, decided (DESIGN §6.7 Queues; docs/policy.md, "Kueue").
+"""Kueue admission of a RolloutSet, decided (docs/design.md#67-observability-and-queues;
+docs/policy.md, "Kueue").
 
 A set labelled `kueue.x-k8s.io/queue-name` is a Kueue workload whose integration is this
 operator (Kueue's external-framework contract, `integrations.externalFrameworks:

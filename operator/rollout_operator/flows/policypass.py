@@ -5,11 +5,11 @@
   between any two steps leaves nothing a later pass could not finish: checkpoints are created
   first (deterministic names, so a repeat gets "exists"), then a settled deadline is recorded
   (an annotation on the set), then the set's status (conditions, `saveReserveSeconds`,
-  `lastTrainerStep`, a resume's recovery) in one patch with a resourceVersion precondition, and
+  `lastTrainerStep`) in one patch with a resourceVersion precondition, and
   only then pods are deleted (a suspend's release) and old checkpoints removed.
 - `start_eviction_checkpoint(pod)`: a participant pod got a deletion timestamp.
-- `checkpoint_deleted` / `set_deleted`: what the finalizers do: remove records, repoint
-  `latestCheckpoint`.
+- `checkpoint_deleted` / `set_deleted`: what the finalizers do: remove records (the set's pass
+  then repoints `latestCheckpoint`).
 
 **Where records are removed.** Records live on the set's storage volume, which every
 participant pod mounts. The finalizers remove them through `flows.records.RecordsRemover`:
@@ -19,9 +19,10 @@ retention bounds the volume in every namespace and on every node, while a set ru
 suspended, and after it is deleted. What cannot be removed is reported (Event
 `RecordsNotRemoved` naming the folder to delete) and the object is deleted anyway: a finalizer
 that can never finish would block namespace deletion, and records without a Ready checkpoint are
-garbage by definition (DESIGN §3), never restored. The records of a Failed checkpoint that
-retention keeps are removed at once only where the operator sees the volume (it must first
-prove that not every participant committed them), otherwise when the object goes.
+garbage by definition (docs/design.md#32-rolloutcheckpoint-the-commit-point), never restored. The
+records of a Failed checkpoint that retention keeps are removed at once only where the operator sees
+the volume (it must first prove that not every participant committed them), otherwise when the
+object goes.
 
 **What is removed.** Volumes are shared (other sets, other namespaces, other people's files), so
 the operator removes only what it can prove its participants wrote for this very set: each set
@@ -192,7 +193,8 @@ class PolicyPass:
         pods = await self._kube.list_pods(namespace, set_selector(name))
         listed = await self._kube.list_checkpoints(namespace, name)
         # Before retention sees it: a Failed status on a checkpoint every participant
-        # committed is repaired to Ready, never acted on (issue 15, class 2).
+        # committed is repaired to Ready, never acted on
+        # (docs/design.md#610-status-written-by-hand).
         if await self._repair_failed(rset, listed):
             listed = await self._kube.list_checkpoints(namespace, name)
         checkpoints = checkpoint_views(listed)

@@ -1,4 +1,4 @@
-r"""Pod-loss recovery (DESIGN §6.2): fresh pods under attempt + 1, restore, resume.
+r"""Pod-loss recovery (docs/design.md#62-recovery): fresh pods under attempt + 1, restore, resume.
 
 `detect_loss` says whether the set's current attempt lost a participant (a pod that failed,
 was deleted, or sits on a node that is NotReady). `RecoveryFlow.run` then drives
@@ -178,7 +178,7 @@ def detect_loss(
     attempt starts is the reconciler's Degraded).
 
     `held`: terminating pods that are not lost yet (their eviction checkpoint runs inside
-    their grace period, see `policyops.eviction_holds`). A Suspended set has released its
+    their grace period, see `cluster.objects.eviction_holds`). A Suspended set has released its
     pods on purpose; resuming it is the policy's recovery, not a loss."""
     status = rset.status
     attempt = status.attempt
@@ -697,7 +697,8 @@ class RecoveryFlow:
         return max(begun, 0.0) + rset.spec.recovery.restore_timeout_seconds
 
     async def _adopt_standbys(self, rset: RolloutSet) -> RolloutSet:
-        """Take Ready standby pods for the target attempt's missing instances (DESIGN §6.2).
+        """Take Ready standby pods for the target attempt's missing instances
+        (docs/design.md#62-recovery).
 
         An adopted standby is relabelled into the target attempt under the lost instance's
         index (and marked with `ANNOTATION_ADOPTED`), so the attempt's plan counts it and
@@ -828,7 +829,8 @@ class RecoveryFlow:
 
         Read from the checkpoints, not from `status.latestCheckpoint`: status is user-writable,
         and a name written there (an older checkpoint, another set's, none at all) must not
-        decide what is restored (issue 15, class 2). The two agree unless status was written."""
+        decide what is restored (docs/design.md#610-status-written-by-hand). The two agree unless
+        status was written."""
         if rset.spec.recovery.target_level is TargetLevel.SIBLING:
             return None
         namespace = rset.metadata.namespace or "default"
@@ -1189,7 +1191,8 @@ class RecoveryFlow:
 
 
 async def repair_false_recovery(kube: Kube, namespace: str, name: str) -> Repair | None:
-    """Remove a `status.recovery` that no lost participant explains (issue 15, class 2).
+    """Remove a `status.recovery` that no lost participant explains
+    (docs/design.md#610-status-written-by-hand).
 
     A recovery stops every pod of the running attempt and restores the latest checkpoint into
     fresh ones: taking one written by hand (`kubectl patch --subresource=status`) for real

@@ -1,4 +1,5 @@
-"""Status is the operator's memory, and users can write it (issue 15, class 2).
+"""Status is the operator's memory, and users can write it
+(docs/design.md#610-status-written-by-hand).
 
 `kubectl patch --subresource=status` (or any client with `patch` on the status subresource) can
 write anything the schema allows. The operator never takes such a write as an instruction: where

@@ -1,12 +1,9 @@
-"""Operations on the objects a RolloutSet owns, and the set's reconcile pass.
+"""The set's reconcile pass.
 
-Plain async functions over `Kube` (no Kopf), so the recovery and checkpoint flows reuse them:
+The operations on the objects a RolloutSet owns (the token Secret, Services, observing, creating
+and deleting an attempt's pods) are in `cluster.objects`, shared with the recovery and checkpoint
+flows. Here:
 
-- `ensure_control_token` / `read_control_token`: the per-set token Secret;
-- `observe_pods`: the set's pods as `PodView`s;
-- `reconcile_pods(kube, rset, attempt)`: create the pods of an attempt that can be created now
-  (peers known); call it again on every pod event until the plan is complete;
-- `delete_attempt_pods(kube, rset, attempt)`: remove an attempt's pods (Recreate recovery);
 - `reconcile_set`: one pass of the RolloutSet reconciler (what the Kopf daemon runs). It also
   derives the set's checkpoint fields from its checkpoints (`setstatus`) and, once a checkpoint
   is Ready, writes the latest-checkpoint hints on the pods it covers (`mark_covered_pods`).

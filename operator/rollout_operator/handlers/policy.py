@@ -1,4 +1,5 @@
-"""Checkpoint-policy handlers (DESIGN §6.3 to §6.5): thin wiring around `policyops`.
+"""Checkpoint-policy handlers (docs/design.md#63-deadline to 6.5): thin wiring around
+`flows.policypass` (and `flows.queuepass`).
 
 - `policy_loop`: a daemon per RolloutSet that runs `PolicyPass` whenever it is woken (any event
   of the set or of one of its RolloutCheckpoints) and otherwise at the time the last pass asked
@@ -173,7 +174,7 @@ async def pod_terminating(
 
     Event handlers are not retried by Kopf; a failed create is retried by the next event of the
     terminating pod (its status changes as it stops), and the recovery holds off until the
-    grace period ends either way (`policyops.eviction_holds`)."""
+    grace period ends either way (`cluster.objects.eviction_holds`)."""
     try:
         created = await start_eviction_checkpoint(kube_of(memo, kwargs), body)
     except (ApiError, OSError, TimeoutError) as error:
@@ -193,7 +194,8 @@ async def pod_terminating(
 async def remove_checkpoint_records(
     body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any
 ) -> None:
-    """The finalizer of a RolloutCheckpoint: its records go with it (DESIGN §6.5)."""
+    """The finalizer of a RolloutCheckpoint: its records go with it
+    (docs/design.md#65-retention-and-records)."""
 
     async def note(rset: RolloutSet, found: Note) -> None:
         await _post(rset, found)

@@ -1,6 +1,6 @@
 """RolloutSet handlers: one reconcile loop per set, woken by everything that concerns it.
 
-A Kopf daemon per RolloutSet runs `setops.reconcile_set` whenever it is woken (spec change,
+A Kopf daemon per RolloutSet runs `flows.setpass.reconcile_set` whenever it is woken (spec change,
 resume, a pod event of the set) and otherwise at the next progress deadline or every
 `--resync-seconds` (default 300). One loop per set means one writer per set in this process: no
 two passes of the same set overlap, and a burst of pod events collapses into one pass.
@@ -237,7 +237,7 @@ async def reconcile_loop(
     async def one_pass() -> Next:
         kube = kube_of(memo, kwargs)
         # Status first: a recovery or a pass acting on an attempt no pod runs would start a
-        # second attempt beside the first (issue 15, class 2).
+        # second attempt beside the first (docs/design.md#610-status-written-by-hand).
         repaired = await repair_set_attempt(kube, namespace, name)
         if repaired is not None:
             raw = await kube.get_set(namespace, name)

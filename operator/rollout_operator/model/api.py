@@ -71,7 +71,8 @@ ANNOTATION_TEMPLATE_HASH: Final = f"{GROUP}/template-hash"
 ANNOTATION_RETRY_RECOVERY: Final = f"{GROUP}/retry-recovery"
 """On a RolloutSet: set it to a new value to retry recovery after `RecoveryLimitReached`."""
 ANNOTATION_TRAINER_STEP: Final = f"{GROUP}/trainer-step"
-"""On a RolloutSet: a trainer reports a trainer checkpoint at this step (DESIGN §3)."""
+"""On a RolloutSet: a trainer reports a trainer checkpoint at this step (docs/policy.md,
+"Triggers")."""
 
 CONTROL_PORT_NAME: Final = "control"
 """The container port through which the operator and the peers reach a participant."""
