@@ -970,14 +970,15 @@ class ControlPlane:
                 self._background = None
                 self._collector.release()
 
-    def follow(self, attempt: int, index: int | None = None) -> None:
-        """A worker's plane: the pod's plane restored `attempt` (its `/run` checks this one)
-        as instance `index` (a standby pod adopted for a lost instance: the worker is that
-        instance from now on, in its `settings` and whatever a server reports from them)."""
+    def follow(self, attempt: int, index: int | None = None, standby: bool = False) -> None:
+        """A worker's plane: the pod's plane runs `attempt` (its `/run` checks this one) as
+        instance `index`, a standby or not (a standby pod adopted for a lost instance: the
+        worker is that instance from then on, in its `settings` and whatever a server reports
+        from them; back to the standby when the adoption failed). None: the identity stays."""
         self._attempt = attempt
         self._marks.settle(attempt)
-        if index is not None and (index != self._settings.index or self._settings.standby):
-            self._settings = replace(self._settings, index=index, standby=False)
+        if index is not None and (index, standby) != (self._settings.index, self._settings.standby):
+            self._settings = replace(self._settings, index=index, standby=standby)
 
     def mark_retired(self, attempt: int, rollout_ids: frozenset[str] | None) -> None:
         """A worker's plane: the pod's plane retires this; refuse its work from now on."""
@@ -1153,7 +1154,7 @@ class ControlPlane:
             was = self._settings
             self._take_identity(index)
             try:
-                restored = await self._install(request, records)
+                restored = await self._install(request, records, was)
             except BaseException:
                 self._give_identity_back(was)
                 raise
@@ -1171,8 +1172,12 @@ class ControlPlane:
             self._machine.end_restore(request.attempt, reply, shape)
             return reply
 
-    async def _install(self, request: RestoreRequest, records: list[Record]) -> list[EpisodeId]:
-        """Re-wire, close admission and install verified records (restore's effect)."""
+    async def _install(
+        self, request: RestoreRequest, records: list[Record], was: ControlSettings
+    ) -> list[EpisodeId]:
+        """Re-wire, close admission and install verified records (restore's effect). A failed
+        install gives the identity back (`was`) before the participant reopens: a pod of
+        several workers sends its identity with the reopen, and its workers follow it."""
         if request.peers is not None:
             self._rewire(request.peers)
         self._extend_lease(request.deadline_ts)
@@ -1182,6 +1187,7 @@ class ControlPlane:
                 return await self._participant.install(records, request.attempt)
         except Exception as error:
             logger.exception("%s: install failed", self._settings.instance)
+            self._give_identity_back(was)
             await self._call("reopen", self._participant.reopen())
             self._machine.lease_expires_ts = None
             raise ProtocolError(

@@ -55,7 +55,7 @@ from ._control import (
 )
 from ._routes import GYM_CAPABILITIES_PATH
 from ._wire import API_PREFIX, ROLLOUT_ID_PATTERN, ErrorCode, ProtocolError, Role
-from ._workers import WorkerPool, owner
+from ._workers import PodState, WorkerPool, owner
 from .serving import DrainingServer
 
 __all__ = ["WORKER_LOST_EXIT", "WorkerApp", "declared_workers", "owner", "serve_workers"]
@@ -151,7 +151,9 @@ def serve_workers(
         ).start()
         pool = WorkerPool(role, sockets, key)
         plane = ControlPlane(pool, settings)
-        pool.index = lambda: plane.settings.index
+        pool.pod_state = lambda: PodState(
+            attempt=plane.attempt, index=plane.settings.index, standby=plane.settings.standby
+        )
         app = _pod_app(pool, plane)
         config = uvicorn.Config(
             app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on"
