@@ -879,22 +879,31 @@ def _remove_dir(parent: int, name: str) -> bool:
     return True
 
 
-def _remove_checkpoint_dir(parent: int, name: str, base: Path) -> list[Path]:
-    """Remove the checkpoint directory `name` of an open set directory: its own files, then
-    itself when nothing is left; what is left in place."""
+def _remove_own_dir(
+    parent: int, name: str, path: Path, empty: Callable[[int, Path], list[Path]]
+) -> list[Path]:
+    """Open the directory `name` of the open directory `parent` without following a symlink,
+    remove what `empty` finds ours in it, then the directory itself when nothing is left; what
+    is left in place (`path` names `name` in it)."""
     try:
-        fd = _open_dir(parent, name)
+        directory = _open_dir(parent, name)
     except FileNotFoundError:
         return []
     except _NotADirectory:
-        return [base]
+        return [path]
     try:
-        kept = _empty_checkpoint_dir(fd, base)
+        kept = empty(directory, path)
     finally:
-        os.close(fd)
+        os.close(directory)
     if not kept and not _remove_dir(parent, name):
-        kept = [base]
+        kept = [path]
     return kept
+
+
+def _remove_checkpoint_dir(parent: int, name: str, base: Path) -> list[Path]:
+    """Remove the checkpoint directory `name` of an open set directory: its own files, then
+    itself when nothing is left; what is left in place."""
+    return _remove_own_dir(parent, name, base, _empty_checkpoint_dir)
 
 
 def _empty_checkpoint_dir(directory: int, base: Path) -> list[Path]:
@@ -917,29 +926,24 @@ def _empty_checkpoint_dir(directory: int, base: Path) -> list[Path]:
 def _remove_instance_dir(parent: int, name: str, path: Path) -> list[Path]:
     """Remove one participant's manifest (first), records and temporary files, then its
     directory when nothing is left; what is left in place."""
-    try:
-        directory = _open_dir(parent, name)
-    except FileNotFoundError:
-        return []
-    except _NotADirectory:
-        return [path]
+    return _remove_own_dir(parent, name, path, _empty_instance_dir)
+
+
+def _empty_instance_dir(directory: int, path: Path) -> list[Path]:
+    """Remove one open instance directory's manifest (first, durably), records and temporary
+    files; what is left in place."""
     kept: list[Path] = []
-    try:
-        if _is_regular_at(directory, MANIFEST_NAME):
-            _unlink_at(directory, MANIFEST_NAME)
-            _fsync(directory)
-        for entry in _entries(directory):
-            ours = _RECORDS_NAME.fullmatch(entry.name) is not None or entry.name.startswith(
-                _TEMP_PREFIX
-            )
-            if ours and _is_regular(entry):
-                _unlink_at(directory, entry.name)
-            else:
-                kept.append(path / entry.name)
-    finally:
-        os.close(directory)
-    if not kept and not _remove_dir(parent, name):
-        kept = [path]
+    if _is_regular_at(directory, MANIFEST_NAME):
+        _unlink_at(directory, MANIFEST_NAME)
+        _fsync(directory)
+    for entry in _entries(directory):
+        ours = _RECORDS_NAME.fullmatch(entry.name) is not None or entry.name.startswith(
+            _TEMP_PREFIX
+        )
+        if ours and _is_regular(entry):
+            _unlink_at(directory, entry.name)
+        else:
+            kept.append(path / entry.name)
     return kept
 
 
