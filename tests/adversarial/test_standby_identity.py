@@ -81,6 +81,14 @@ async def _still_a_standby(client: httpx.AsyncClient, participant: FakeParticipa
     assert participant.install_calls == 0, "nothing was installed"
 
 
+async def _the_right_restore_adopts(client: httpx.AsyncClient) -> None:
+    """After whatever the test tried, the correct restore (index 1) still adopts the standby."""
+    right = await _restore(client, index=1)
+    assert right.status_code == 200, right.text
+    status = await _status(client)
+    assert (status.instance, status.standby, status.attempt) == ("environment-1", False, 1)
+
+
 class FailingInstall(FakeParticipant):
     """A standby whose first install fails (a broken engine, a full disk): after the records
     verified, the last step of the restore."""
@@ -136,10 +144,7 @@ async def test_a_restore_of_an_index_without_records_leaves_the_standby_a_standb
         refused(missing, ErrorCode.RECORDS_INVALID, 422)
         await _still_a_standby(client, standby)
 
-        right = await _restore(client, index=1)
-        assert right.status_code == 200, right.text
-        status = await _status(client)
-        assert (status.instance, status.standby, status.attempt) == ("environment-1", False, 1)
+        await _the_right_restore_adopts(client)
         assert [r.rollout_id for r in standby.installed] == ["r1"]
 
 
@@ -158,9 +163,7 @@ async def test_an_index_too_long_for_a_path_is_refused_as_invalid_before_any_io(
         refused(too_long, ErrorCode.INVALID_REQUEST, 422)
         await _still_a_standby(client, standby)
 
-        right = await _restore(client, index=1)
-        assert right.status_code == 200, right.text
-        assert (await _status(client)).instance == "environment-1"
+        await _the_right_restore_adopts(client)
 
 
 async def test_a_restore_whose_install_fails_gives_the_identity_back(tmp_path: Path) -> None:
@@ -172,7 +175,4 @@ async def test_a_restore_whose_install_fails_gives_the_identity_back(tmp_path: P
         await _still_a_standby(client, standby)
         assert standby.admission_open, "the failed install reopened admission"
 
-        right = await _restore(client, index=1)
-        assert right.status_code == 200, right.text
-        status = await _status(client)
-        assert (status.instance, status.standby, status.attempt) == ("environment-1", False, 1)
+        await _the_right_restore_adopts(client)
