@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mappin
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -45,7 +45,6 @@ from pydantic_core import PydanticSerializationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import _gym as gym
 from . import _storage as storage
 from . import tracing
 from ._participant import ParkState, Participant, episodes_digest
@@ -99,6 +98,9 @@ from ._wire import (
     StatusReply,
     instance_name,
 )
+
+if TYPE_CHECKING:
+    from . import _gym as gym
 
 logger = logging.getLogger(__name__)
 
@@ -1697,6 +1699,10 @@ class ControlPlane:
         after the token. Both dialects call the same handlers."""
         router = APIRouter()
         handlers = self._handlers()
+        if Dialect.GYM in self._settings.dialects:
+            # Imported only where Gym's dialect is mounted: its models cost every other server
+            # start (docs/operations.md, "What a server start costs").
+            from . import _gym as gym
         for dialect in self._settings.dialects:
             for route in ROUTES:
                 path = route.path_in(dialect)
@@ -1758,6 +1764,8 @@ class ControlPlane:
     ) -> Callable[[Request], Awaitable[Response]]:
         """The Gym form of a route: Gym's body mapped to ours, the same handler, our reply
         mapped to Gym's; every refusal answered with Gym's error body and code."""
+        from . import _gym as gym
+
         side = gym.ServerSide(
             instance=self._settings.instance,
             storage_dir=self._settings.storage_dir,
@@ -1784,6 +1792,8 @@ class ControlPlane:
         return endpoint
 
     def _capabilities_endpoint(self) -> Callable[[Request], Awaitable[Response]]:
+        from . import _gym as gym
+
         capabilities = gym.GymCapabilities(
             checkpoint=True,
             operations=[route.name for route in ROUTES if route.in_gym],
@@ -1900,6 +1910,8 @@ def _reply(model: BaseModel) -> Response:
 
 def _gym_error_response(error: ProtocolError) -> Response:
     """A refusal in Gym's form (`_gym.gym_error`: its codes, 409 for the three it names)."""
+    from . import _gym as gym
+
     status, body = gym.gym_error(error.code, error.detail)
     headers = {"WWW-Authenticate": "Bearer"} if error.code is ErrorCode.UNAUTHORIZED else None
     return Response(
