@@ -31,7 +31,7 @@ the SDK and its OTLP/HTTP exporter (the `tracing` extra) are imported only when
 import importlib as _importlib
 import typing as _typing
 
-from ._control import ControlConfigError, ControlPlane, ControlSettings
+from ._control import ControlPlane
 from ._counters import StepCounters
 from ._episodes import (
     STEPS_COUNTER,
@@ -63,6 +63,7 @@ from ._routes import (
     Dialect,
     Route,
 )
+from ._settings import ControlConfigError, ControlSettings
 from ._storage import (
     EncodedRecord,
     RecordsInvalid,
