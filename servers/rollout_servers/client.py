@@ -532,6 +532,16 @@ async def collect(args: argparse.Namespace) -> int:
             raise SystemExit(f"rollout-collect: {error}") from error
     elif args.tasks < 0:
         raise SystemExit(f"rollout-collect: --tasks must not be negative, not {args.tasks}")
+    else:
+        parser = build_parser()
+        given = [
+            option
+            for option in ("id_field", "rollouts_per_row", "seed_field", "max_row_bytes")
+            if getattr(args, option) != parser.get_default(option)
+        ]
+        if given:
+            names = ", ".join("--" + option.replace("_", "-") for option in given)
+            raise SystemExit(f"rollout-collect: {names} only apply with --tasks-file")
     if args.rollout_set is not None:
         from .discovery import rollout_set_topology
 

@@ -124,7 +124,8 @@ def test_shipped_rows_as_a_file_are_tasks_the_reference_environment_takes(tmp_pa
     for spec in specs:
         body = {"rollout_id": spec.rollout_id, "attempt": 1, "task": spec.wire_task()}
         request = RunRequest.model_validate_json(json.dumps(body))
-        assert spec.row is not None and request.task.id == spec.row.row_id
+        assert spec.row is not None
+        assert request.task.id == spec.row.row_id
         assert request.task.seed == spec.wire_task()["seed"]
 
 
@@ -351,3 +352,9 @@ async def test_run_each_holds_no_more_specs_than_its_concurrency(tmp_path: Path)
         await client.run_each(counted(file), done, total=200)
     assert (drawn[0], finished[0], client.progress.done) == (200, 200, 200)
     assert ahead[0] <= 8
+
+
+def test_row_options_without_a_rows_file_are_refused(tmp_path: Path) -> None:
+    out = str(tmp_path / "results.jsonl")
+    with pytest.raises(SystemExit, match="--id-field, --rollouts-per-row only apply with"):
+        main(["--tasks", "3", "--id-field", "id", "--rollouts-per-row", "2", "--out", out])
