@@ -312,9 +312,13 @@ class RolloutClient:
 
         `specs` is consumed only as episodes start, so it may be a generator over a large file:
         no more than `concurrency` specs are held at a time. `total` is for the progress count.
+        An exception from `specs` itself (a rows file that changed under the run) cancels the
+        running episodes and is raised as it is.
         """
         self.progress = Progress(total=total, attempt=(await self.topology.current()).attempt)
         slots = anyio.Semaphore(self.concurrency)
+        source = iter(specs)
+        broken: Exception | None = None
         async with (
             _clients(self._http, self.concurrency) as clients,
             anyio.create_task_group() as group,
@@ -339,9 +343,19 @@ class RolloutClient:
                 finally:
                     slots.release()
 
-            for spec in specs:
+            while True:
                 await slots.acquire()
+                try:
+                    spec = next(source)
+                except StopIteration:
+                    break
+                except Exception as error:  # raised below, outside the task group's wrapping
+                    broken = error
+                    group.cancel_scope.cancel()
+                    break
                 group.start_soon(one, spec)
+        if broken is not None:
+            raise broken
 
     def _count(self, outcome: EpisodeResult | EpisodeFailed) -> None:
         progress = self.progress
@@ -602,15 +616,18 @@ async def _collect(args: argparse.Namespace, topology: Topology, rows: RowFile |
             if isinstance(outcome, EpisodeFailed) and len(failed) < 10:
                 failed.append(outcome)
 
+        broken: RowError | None = None
         with tracing.root_span(f"collect {prefix}", attributes=batch) as root:
             async with anyio.create_task_group() as group:
                 group.start_soon(_report, client, sys.stderr, args.progress_interval, tty)
                 try:
                     await client.run_each(specs, record, total=total)
                 except RowError as error:  # the rows file changed under the run
-                    raise SystemExit(f"rollout-collect: {error}") from error
+                    broken = error
                 group.cancel_scope.cancel()
             root.set_attribute("rollout.failed", client.progress.failed)
+    if broken is not None:
+        raise SystemExit(f"rollout-collect: {broken}")
     sys.stderr.write(
         ("\n" if tty else "") + f"rollout-collect: {_progress_text(client.progress)}\n"
     )

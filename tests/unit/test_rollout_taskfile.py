@@ -358,3 +358,25 @@ def test_row_options_without_a_rows_file_are_refused(tmp_path: Path) -> None:
     out = str(tmp_path / "results.jsonl")
     with pytest.raises(SystemExit, match="--id-field, --rollouts-per-row only apply with"):
         main(["--tasks", "3", "--id-field", "id", "--rollouts-per-row", "2", "--out", out])
+
+
+async def test_a_file_changed_under_a_run_stops_it_with_the_error(tmp_path: Path) -> None:
+    """The rows file is rewritten in place while its episodes run: the read of a changed line
+    raises, the run stops, and the error (not a group of it) reaches the caller."""
+    rows = [{"id": f"row-{i}", "pad": "x" * 1000} for i in range(30)]  # past a read's buffer
+    path = write_rows(tmp_path / "rows.jsonl", rows)
+    file = scan_rows(path, RowOptions(id_field="id"))
+    started: list[str] = []
+
+    def rewriting(request: httpx.Request) -> httpx.Response:
+        started.append(json.loads(request.content)["rollout_id"])
+        write_rows(path, [*rows[:-1], rows[-1] | {"id": "other"}])
+        return httpx.Response(200, json={"attempt": 0, "reward": 1.0, "steps": 1})
+
+    seen: list[EpisodeResult | EpisodeFailed] = []
+    async with httpx.AsyncClient(transport=httpx.MockTransport(rewriting)) as http:
+        client = RolloutClient(StaticTopology(["http://env-0"]), concurrency=1, http=http)
+        with pytest.raises(RowError, match="line 30: the file changed"):
+            await client.run_each(row_episodes(file), seen.append, total=30)
+    assert started == [f"row-{i}-0" for i in range(29)]
+    assert len(seen) == 29
