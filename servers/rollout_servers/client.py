@@ -151,6 +151,8 @@ class RolloutClient:
         poll_interval_s: float = 1.0,
         http: httpx.AsyncClient | None = None,
     ) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, not {concurrency}")
         self.topology = topology
         self.concurrency = concurrency
         self.restore_timeout_s = restore_timeout_s
@@ -537,6 +539,10 @@ def row_options(args: argparse.Namespace) -> RowOptions:
 
 
 async def collect(args: argparse.Namespace) -> int:
+    if args.concurrency < 1:
+        raise SystemExit(
+            f"rollout-collect: --concurrency must be at least 1, not {args.concurrency}"
+        )
     rows: RowFile | None = None
     if args.tasks_file is not None:
         # the whole file is checked before any server is asked for anything

@@ -380,3 +380,12 @@ async def test_a_file_changed_under_a_run_stops_it_with_the_error(tmp_path: Path
             await client.run_each(row_episodes(file), seen.append, total=30)
     assert started == [f"row-{i}-0" for i in range(29)]
     assert len(seen) == 29
+
+
+def test_a_concurrency_below_one_is_refused(tmp_path: Path) -> None:
+    """`run_each` admits episodes by it: zero would wait forever."""
+    with pytest.raises(ValueError, match="at least 1"):
+        RolloutClient(StaticTopology(["http://env-0"]), concurrency=0)
+    path = write_rows(tmp_path / "rows.jsonl", ROWS)
+    with pytest.raises(SystemExit, match="--concurrency must be at least 1"):
+        main(["--tasks-file", str(path), "--concurrency", "0", "--out", str(tmp_path / "o")])
