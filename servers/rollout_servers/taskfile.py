@@ -1,6 +1,6 @@
 """The user's own tasks: a JSON-lines file of task rows, turned into episodes.
 
-`rollout-collect --tasks-file rows.jsonl` (and `RolloutClient` through `file_episodes`) runs
+`rollout-collect --tasks-file rows.jsonl` (and `RolloutClient`, through `client.row_episodes`) runs
 each row, any JSON object, as the task of `--rollouts-per-row` episodes. The row goes to the
 environment's `/run` verbatim, except that the rollout's sampling seed is written into one named
 field (`seed` by default, the field the reference environment and the SDK example read; see
@@ -62,7 +62,8 @@ class RowOptions:
         if self.rollouts_per_row < 1:
             raise RowError(f"rollouts per row must be at least 1, not {self.rollouts_per_row}")
         if self.max_row_bytes < 2:
-            raise RowError(f"the row size bound must be at least 2 bytes, not {self.max_row_bytes}")
+            bound = self.max_row_bytes
+            raise RowError(f"the row size bound must be at least 2 bytes ({{}}), not {bound}")
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ class RowFile:
 
     @property
     def episodes_total(self) -> int:
+        """How many episodes the file makes: rows times rollouts per row."""
         return len(self.ids) * self.options.rollouts_per_row
 
     def rows(self) -> Iterator[Row]:
