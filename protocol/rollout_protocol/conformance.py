@@ -17,11 +17,13 @@ the participant client is aiohttp's):
   The participant must be idle, have a checkpoint root (`ROLLOUT_CHECKPOINT_ROOT`, the same
   directory as `checkpoint_root` here) and be dedicated to the kit: the phases check restores
   into it, which moves it to the next attempt.
-* `check_crash_restore(driver, checkpoint_root=..., rollout_ids=...)` checks what keeps episodes
-  exactly once across a crash: `steps.no-rerun` and `steps.indexed` (with
-  `restore.all-or-nothing` on the real records of running episodes), the `/run` duties
-  (`run.attempt-mismatch`, `run.retired`, `run.repeat-live`, `run.repeat-finished`),
-  `model.headers` and `state.in-boundary`: start episodes, checkpoint them mid-way through the
+* `check_crash_restore(driver, checkpoint_root=..., rollout_ids=..., model=...)` checks what
+  keeps episodes exactly once across a crash: `steps.no-rerun`, `steps.indexed` and
+  `steps.once-per-attempt` (with `restore.all-or-nothing` on the real records of running
+  episodes), the `/run` duties (`run.attempt-mismatch`, `run.retired`, `run.repeat-live`,
+  `run.repeat-one-episode`, `run.repeat-finished`), `model.headers`, `model.same-prompts` (with
+  `model`, the kit's `FakeModel`) and `state.in-boundary`: start episodes, checkpoint them
+  mid-way through the
   `Coordinator`, crash every participant, restart them under `attempt + 1`, refuse damaged
   copies of the checkpoint, restore it, finish the episodes, compare the step counters each
   participant serves at `GET /stats?rollout_id=...` (the shape of `StepCounters.snapshot`) and
@@ -30,10 +32,16 @@ the participant client is aiohttp's):
   mid-way, crash and restart your processes. Against a participant of several managed workers
   (pass `rollout_ids_per_worker(n)`) it also checks `workers.restore-all` and
   `workers.repeat-run` in every worker.
-* `check_workers(target, workers=n)` (`workers.managed`, `workers.private-channel`) and
-  `check_workers_park_all(driver, rollout_ids=...)` (`workers.park-all`, through a
+* `check_park_all(driver, rollout_ids=...)` (`steps.wait-holds-prepare`; `workers.park-all`
+  when a participant runs several workers; also named `check_workers_park_all`), through a
   `StepHoldingDriver`: an `EpisodeDriver` that can also hold an episode inside a step that
-  cannot park) for servers with several worker processes (`rollout_protocol.workers`).
+  cannot park. `check_workers(target, workers=n)` (`workers.managed`,
+  `workers.private-channel`) for servers with several worker processes
+  (`rollout_protocol.workers`).
+* `FakeModel` (module `_fake_model`) is the model participant a driver serves beside the server
+  under test: replies derived from the prompt only, every call counted and logged by the
+  episode it names, calls held on request (how a driver keeps episodes mid-way). A hold armed
+  after the crash is the driver's mistake, reported at once (`driver.holds`).
 * `serve_app(app, role=..., token=...)` serves an ASGI app in process (its lifespan runs, so the
   lease watchdog does) on a loopback port and yields a `ServedApp` whose `target` the checks
   take; `start_app` does the same inside a task group you own, for drivers that crash and
