@@ -101,6 +101,9 @@ class FakeModel:
         """Every call, in arrival order, across every app this object served."""
         self.driver_mistakes: list[str] = []
         self._holds: dict[str, _Hold] = {}
+        """request -> the hold armed for it (caught or not)."""
+        self._caught: list[tuple[str, _Hold]] = []
+        """Every hold that caught a call, released or not (a request may be held again)."""
         self._arrived: defaultdict[str, anyio.Event] = defaultdict(anyio.Event)
         """request -> set once a hold caught a call naming it."""
         self._unnamed = anyio.Event()
@@ -179,6 +182,7 @@ class FakeModel:
         hold = self._holds.get(f"{rollout_id}/{key}")
         if hold is not None and not hold.caught and hold.attempt in (None, attempt):
             hold.caught = True
+            self._caught.append((f"{rollout_id}/{key}", hold))
             self._arrived[f"{rollout_id}/{key}"].set()
             await hold.released.wait()
         text = self.reply(prompt)
@@ -234,7 +238,7 @@ class FakeModel:
 
     def release(self, request: str | None = None) -> None:
         """Let the held call naming `request` (every held call, when None) go on."""
-        for name, hold in list(self._holds.items()):
+        for name, hold in [*self._holds.items(), *self._caught]:
             if request is None or name == request:
                 hold.released.set()
 

@@ -938,6 +938,37 @@ async def test_the_fake_model_answers_from_the_prompt_and_counts_named_calls(
 
 
 @pytest.mark.anyio
+async def test_a_fake_model_hold_catches_one_call_until_released(tmp_path: Path) -> None:
+    """A hold keeps its call waiting (started, not completed) until `release`; it catches one
+    call only, and `wait_held` on a call that never comes says so at its deadline."""
+    model = kit.FakeModel()
+    settings = replace(_settings(tmp_path), role=Role.MODEL)
+    named = {"X-Rollout-Request": "r-0/1", "X-Rollout-Attempt": "0"}
+    texts: list[str] = []
+    with anyio.fail_after(30):
+        async with kit.serve_app(model.app(settings), role=Role.MODEL, token=TOKEN) as served:
+
+            async def call() -> None:
+                reply = await served.client.post(
+                    "/v1/completions", json={"prompt": "p"}, headers=named
+                )
+                texts.append(reply.json()["choices"][0]["text"])
+
+            model.hold("r-0/1", attempt=0)
+            async with anyio.create_task_group() as group:
+                group.start_soon(call)
+                await model.wait_held("r-0/1", time.time() + WAIT)
+                stats = (await served.client.get("/stats", params={"rollout_id": "r-0"})).json()
+                assert stats["rollouts"]["r-0"]["0"]["call@1"] == {"started": 1}
+                assert texts == []
+                model.release("r-0/1")
+            await call()  # the hold is spent: answered at once
+            with pytest.raises(TimeoutError, match="the model call r-0/9 never arrived"):
+                await model.wait_held("r-0/9", time.time() + 0.1)
+    assert texts == [kit.echo_reply("p")] * 2
+
+
+@pytest.mark.anyio
 async def test_a_runtime_without_observer_is_the_participants_fault(tmp_path: Path) -> None:
     with anyio.fail_after(30), pytest.raises(ConformanceError) as caught:
         await _crash_restore(NoObserver, tmp_path)
