@@ -85,8 +85,10 @@ class FakeModel:
 
     A call naming its episode (`X-Rollout-Request: <rollout_id>/<key>`, `X-Rollout-Attempt`)
     is counted at `GET /stats` as step `call@<key>` of that rollout and attempt (the shape of
-    `StepCounters.snapshot`); a call without them is answered and counted nowhere, as a real
-    model participant would record nothing of it.
+    `StepCounters.snapshot`): `started`, then `completed` once answered; the same call again
+    under the same attempt (a caller's retry) counts `delivered`, as a real model participant
+    delivers its kept response without generating again. A call without the headers is
+    answered and counted nowhere, as a real model participant would record nothing of it.
 
     Holds: `hold("<rollout_id>/<key>", attempt=...)` before the episode gets there makes the
     next such call wait until `release` (or the app is crashed); `wait_held` returns once it
@@ -106,6 +108,8 @@ class FakeModel:
         """Every hold that caught a call, released or not (a request may be held again)."""
         self._arrived: defaultdict[str, anyio.Event] = defaultdict(anyio.Event)
         """request -> set once a hold caught a call naming it."""
+        self._answered: set[tuple[str, str, int]] = set()
+        """(rollout, key, attempt) of every named call answered."""
         self._unnamed = anyio.Event()
         """Set at the first call without the episode headers."""
         self._holds_end: int | None = None
@@ -175,9 +179,16 @@ class FakeModel:
             self.log.append(ModelCall(None, None, None, prompt, self.reply(prompt)))
             return self.log[-1].reply or ""
         rollout_id, key, attempt = named
+        step = f"call@{key}"
+        if named in self._answered:
+            # a repeated call (its caller lost the reply): delivered again, as a real model
+            # participant delivers a kept response, without generating again
+            text = self.reply(prompt)
+            self.log.append(ModelCall(rollout_id, key, attempt, prompt, text))
+            counters.count(attempt, rollout_id, step, "delivered")
+            return text
         index = len(self.log)
         self.log.append(ModelCall(rollout_id, key, attempt, prompt))
-        step = f"call@{key}"
         counters.count(attempt, rollout_id, step, "started")
         hold = self._holds.get(f"{rollout_id}/{key}")
         if hold is not None and not hold.caught and hold.attempt in (None, attempt):
@@ -187,6 +198,7 @@ class FakeModel:
             await hold.released.wait()
         text = self.reply(prompt)
         self.log[index] = ModelCall(rollout_id, key, attempt, prompt, text)
+        self._answered.add(named)
         counters.count(attempt, rollout_id, step, "completed")
         return text
 

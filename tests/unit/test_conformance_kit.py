@@ -962,7 +962,13 @@ async def test_a_fake_model_hold_catches_one_call_until_released(tmp_path: Path)
                 assert stats["rollouts"]["r-0"]["0"]["call@1"] == {"started": 1}
                 assert texts == []
                 model.release("r-0/1")
-            await call()  # the hold is spent: answered at once
+            await call()  # the hold is spent: answered at once, delivered again
+            stats = (await served.client.get("/stats", params={"rollout_id": "r-0"})).json()
+            assert stats["rollouts"]["r-0"]["0"]["call@1"] == {
+                "started": 1,
+                "completed": 1,
+                "delivered": 1,
+            }
             with pytest.raises(TimeoutError, match="the model call r-0/9 never arrived"):
                 await model.wait_held("r-0/9", time.time() + 0.1)
     assert texts == [kit.echo_reply("p")] * 2
