@@ -1869,9 +1869,18 @@ async def _run_all(
             for rid in rids:
                 group.start_soon(one, rid)
     unfinished = [rid for rid in rids if rid not in results and rid not in failures]
+    _check_driver_holds(model)
     if unfinished:
         failures["(unfinished)"] = f"{unfinished} not finished within {timeout_s}s"
-    _check_driver_holds(model)
+        raise ConformanceError(
+            STEPS,
+            f"every {what} must finish under attempt {attempt}",
+            str(failures),
+            fault=f"{PARTICIPANT}, or the driver if it still holds them",
+            fix="if your driver holds episodes (a test hook, a fake that blocks), hold only "
+            "the first attempt's own rollouts, armed once before the crash (the kit's "
+            "FakeModel reports a later hold at once); otherwise find where the episode waits",
+        )
     _expect(STEPS, not failures, f"every {what} must finish under attempt {attempt}", failures)
     return results
 

@@ -908,6 +908,33 @@ async def test_a_hold_rearmed_after_the_crash_is_the_drivers_mistake(tmp_path: P
     assert "hold('r-0/1', attempt=None) armed after the crash of attempt 0" in str(caught.value)
 
 
+class HoldsAfterTheCrash(InProcessDriver):
+    """A driver mistake the kit cannot see directly: its restarted apps hold episodes too, so
+    the restored ones never finish."""
+
+    async def restart(self, attempt: int) -> None:
+        self.server = self.fake(replace(self.settings, attempt=attempt), hold=True)
+        self.served = await start_app(
+            self.group, self.server.build(), role=self.settings.role, token=TOKEN
+        )
+
+
+@pytest.mark.anyio
+async def test_unfinished_restored_episodes_name_a_holding_driver_as_a_suspect(
+    tmp_path: Path,
+) -> None:
+    with anyio.fail_after(30), pytest.raises(ConformanceError) as caught:
+        async with _driver(Conforming, tmp_path, HoldsAfterTheCrash) as driver:
+            await kit.check_crash_restore(
+                driver, checkpoint_root=tmp_path, rollout_ids=["r-0"], timeout_s=0.5
+            )
+    assert caught.value.rule == kit.STEPS, caught.value
+    assert caught.value.fault == f"{kit.PARTICIPANT}, or the driver if it still holds them"
+    assert "['r-0'] not finished within 0.5s" in caught.value.observed
+    assert caught.value.fix is not None
+    assert "first attempt's own rollouts" in caught.value.fix
+
+
 @pytest.mark.anyio
 async def test_the_fake_model_answers_from_the_prompt_and_counts_named_calls(
     tmp_path: Path,
