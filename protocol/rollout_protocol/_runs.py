@@ -142,7 +142,7 @@ class RunRoute(Generic[R]):
             return ProtocolError(ErrorCode.DEADLINE_PASSED, str(error))
         return ProtocolError(ErrorCode.INTERNAL, str(error))
 
-    def check(self, rollout_id: str, attempt: int) -> None:
+    def _check(self, rollout_id: str, attempt: int) -> None:
         """The duties that refuse a call before anything is looked up: 503 `admission_closed`
         while shutting down, 410 `attempt_retired` for a retired (attempt, rollout), 409
         `attempt_mismatch` for another attempt than this process runs."""
@@ -166,7 +166,7 @@ class RunRoute(Generic[R]):
         """Answer one `/run`: refuse it, answer it from the finished reply, attach it to the
         live episode, or begin (or continue) the episode at `first` and `play` it."""
         rid, attempt = request.rollout_id, request.attempt
-        self.check(rid, attempt)
+        self._check(rid, attempt)
         digest = task_digest(_task_json(request.task))
         finished = self._finished.get((rid, attempt))
         if finished is not None:
