@@ -46,14 +46,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ._control import (
-    WORKER_ENV,
-    WORKER_KEY_ENV,
-    ControlPlane,
-    ControlSettings,
-    declared_workers,
-)
+from ._control import ControlPlane
 from ._routes import GYM_CAPABILITIES_PATH
+from ._settings import WORKER_ENV, WORKER_KEY_ENV, ControlSettings, declared_workers
 from ._wire import API_PREFIX, ROLLOUT_ID_PATTERN, ErrorCode, ProtocolError, Role
 from ._workers import PodState, WorkerPool, owner
 from .serving import DrainingServer

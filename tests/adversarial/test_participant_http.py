@@ -172,7 +172,7 @@ async def test_retire_marks_are_bounded_and_still_refuse() -> None:
 def test_retire_marks_fold_when_the_attempt_moves_on() -> None:
     """Marks of attempts below the running one fold into one mark per attempt (then into a
     floor): memory stays bounded across recoveries and every retired pair stays refused."""
-    from rollout_protocol._control import RetireMarks
+    from rollout_protocol._control_state import RetireMarks
 
     marks = RetireMarks(limit=1000)
     for attempt in range(200):

@@ -41,7 +41,7 @@ from rollout_protocol import (
     StatusReply,
 )
 from rollout_protocol import _storage as storage
-from rollout_protocol._control import PhaseMachine
+from rollout_protocol._phases import PhaseMachine
 from testsupport.participants import FakeParticipant
 
 from devcluster.waiting import wait_for

@@ -15,13 +15,8 @@ from rollout_operator.flows.recovery import Reason as RecoveryReason
 from rollout_operator.flows.recovery import detect_loss
 from rollout_operator.model import api
 from rollout_protocol import Role
-from rollout_servers.servers.model import (
-    BuiltinBackend,
-    Continuation,
-    GenRequest,
-    Progress,
-    builtin_completion,
-)
+from rollout_servers.servers.backends import BuiltinBackend, builtin_completion
+from rollout_servers.servers.generation import Continuation, GenRequest, Progress
 from rollout_servers.tasks import shipped_tasks
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "model-sidecar"
