@@ -68,7 +68,7 @@ class Wakeups:
             event.set()
 
     def sets(self) -> list[SetKey]:
-        """The sets that have a loop here now (a copy: waking may change the registry)."""
+        """The sets that have a loop here now (a copy: loops may start or end meanwhile)."""
         return list(self._events)
 
 
