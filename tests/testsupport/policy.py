@@ -13,6 +13,7 @@ from typing import Any
 from rollout_operator.cluster.storage import StorageLocator
 from rollout_operator.decide.policy import Note
 from rollout_operator.flows.policypass import PolicyPass
+from rollout_operator.flows.state import LoggedNotes
 from rollout_operator.model import api
 
 from testsupport.fakecluster import FakeCluster
@@ -71,6 +72,8 @@ class Run:
         self.notes: list[Note] = []
         self.woken: list[tuple[str, str]] = []
         self.storage = storage
+        self.logged_notes = LoggedNotes()
+        """The operator process's record of logged notes, kept across this Run's passes."""
 
     async def __call__(self) -> Any:
         async def note(_rset: api.RolloutSet, found: Note) -> None:
@@ -79,6 +82,7 @@ class Run:
         return await PolicyPass(
             self.kube,
             clock=lambda: self.now,
+            logged_notes=self.logged_notes,
             on_note=note,
             wake_set=lambda ns, name: self.woken.append((ns, name)),
             locator=StorageLocator(None),
