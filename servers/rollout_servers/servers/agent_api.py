@@ -112,8 +112,9 @@ def chat_generation(body: ChatBody) -> GenRequest:
     """A chat request with tools, tool calls or tool results."""
     messages = [_message_dict(m) for m in body.messages]
     tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
-    offered = _offered([(t.function.name, t.function.parameters) for t in body.tools or ()],
-                       body.tool_choice)  # fmt: skip
+    offered = _offered(
+        [(t.function.name, t.function.parameters) for t in body.tools or ()], body.tool_choice
+    )
     templated: dict[str, Any] = {"messages": messages}
     if tools and body.tool_choice != "none":
         templated["tools"] = tools
@@ -345,8 +346,8 @@ class ToolCallParser:
         if self._args_start is not None:
             return []
         match = _CALL_HEAD.match(self._buffer)
-        if match is None:
-            return []
+        if match is None or match.end() == len(self._buffer):
+            return []  # the arguments' first character shows where they start
         name = json.loads(f'"{match.group(1)}"')
         self._args_start = match.end()
         return self._start(name)
@@ -588,9 +589,14 @@ class ResponsesStream:
 
     def _response(self, status: str, usage: dict[str, Any] | None) -> dict[str, Any]:
         return response_object(
-            self.gen, self.rid, self.created, self.model, status=status, output=self.output,
+            self.gen,
+            self.rid,
+            self.created,
+            self.model,
+            status=status,
+            output=self.output,
             usage=usage,
-        )  # fmt: skip
+        )
 
     def start(self) -> list[str]:
         response = self._response("in_progress", None) | {"output": []}
