@@ -389,3 +389,92 @@ async def test_plain_chat_is_unchanged(model: ServerProcess) -> None:
     assert text.endswith(f"CALC: {TASK.steps[0]}")
     assert streamed == text
     assert "tool_calls" not in reply["choices"][0]["message"]
+
+
+async def _responses_call(base_url: str) -> list[dict[str, Any]]:
+    """A plain Responses turn with the calculator: its output items."""
+    async with _client(base_url) as client:
+        response = await client.responses.create(
+            model="m", input=TASK.question, tools=[RESPONSES_CALCULATOR], extra_body={"seed": SEED}
+        )
+    return [item.model_dump() for item in response.output]
+
+
+async def test_held_function_call_is_delivered_after_a_restore(tmp_path: Path) -> None:
+    """A Responses turn whose function call finished while a checkpoint was open is held and
+    recorded whole; after a crash and a restore under attempt 1 the re-issued request gets the
+    same output items (the same call id) at once, generating nothing."""
+    root = tmp_path / "model"
+    server = await anyio.to_thread.run_sync(lambda: _model(root))
+    try:
+        uncut = await _responses_call(server.url + "/v1")
+        assert uncut[-1]["type"] == "function_call"
+        async with httpx.AsyncClient(timeout=60) as http:
+            hooks = Debug(http, server.url)
+            await hooks.arm("finish", "held")
+            async with HttpParticipantClient(Role.MODEL, server.url, token=TOKEN) as participant:
+                coordinator = Coordinator([participant])
+                async with anyio.create_task_group() as group:
+
+                    async def doomed() -> None:
+                        with pytest.raises((openai.APIConnectionError, httpx.TransportError)):
+                            await _responses_call(server.url + "/ng-rollout/held/v1")
+
+                    group.start_soon(doomed)
+                    await hooks.paused("finish", "held")
+                    prepared = await coordinator.prepare("held-1", deadline(30), scope=["held"])
+                    await hooks.release("finish", "held")
+                    await hooks.reached("held", "held")
+                    commit = await coordinator.commit("held-1", deadline(30), prepared.scope())
+                    assert commit.ok, commit.failures
+                    server.process.kill()
+    finally:
+        await anyio.to_thread.run_sync(server.stop)
+    held = generation_record(root, "held-1").data
+    assert held["step"] == "deliver", "recorded whole, to deliver"
+    assert held["state"]["text"].endswith("</tool_call>")
+    second = await anyio.to_thread.run_sync(lambda: _model(root, attempt=1))
+    try:
+        async with aiohttp.ClientSession() as session, httpx.AsyncClient(timeout=60) as http:
+            coordinator = Coordinator(
+                [HttpParticipantClient(Role.MODEL, second.url, token=TOKEN, client=session)]
+            )
+            restored = await coordinator.restore("held-1", 1, deadline(30))
+            assert restored.ok, restored.failures
+            assert not (await coordinator.resume("held-1", deadline(30))).failures
+            again = await _responses_call(second.url + "/ng-rollout/held-a1/v1")
+            stats = (await http.get(second.url + "/stats")).json()
+    finally:
+        await anyio.to_thread.run_sync(second.stop)
+    assert again == uncut
+    assert stats["counters"]["1"]["held_restored"] == 1
+    assert stats["tokens"].get("1", {}).get("total", 0) == 0, "nothing generated again"
+
+
+async def test_relay_to_an_engine_without_a_chat_template_refuses_tools(
+    model: ServerProcess, tmp_path: Path
+) -> None:
+    """The relay renders tool requests with the engine's `/apply-template`; an upstream without
+    it (here the built-in model server) makes them 501 `unsupported`, saying why, while plain
+    chat still relays."""
+    relay = await anyio.to_thread.run_sync(
+        lambda: ServerProcess.start(
+            tmp_path / "relay", Role.MODEL, "--backend", "openai", "--upstream-url", model.url
+        )
+    )
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
+            messages = [{"role": "user", "content": TASK.question}]
+            tools = await http.post(
+                relay.url + "/v1/chat/completions",
+                json={"messages": messages, "tools": [CALCULATOR]},
+            )
+            responses = await http.post(relay.url + "/v1/responses", json={"input": "hi"})
+            plain = await http.post(relay.url + "/v1/chat/completions", json={"messages": messages})
+    finally:
+        await anyio.to_thread.run_sync(relay.stop)
+    for refused in (tools, responses):
+        assert refused.status_code == 501, refused.text
+        assert refused.json()["error"]["code"] == "unsupported"
+        assert "/apply-template" in refused.json()["error"]["detail"]
+    assert plain.status_code == 200
