@@ -244,15 +244,11 @@ TOOL_CALL_TEXT = "".join(TOOL_CALL_TOKENS)
 TOOL_TEMPLATE = """\
 {%- if tools %}<|im_start|>system
 Tools:
-{%- for tool in tools %}
-{{ tool | tojson }}
-{%- endfor %}
-Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
 {% endif %}
 {%- for message in messages %}<|im_start|>{{ message.role }}
-{%- if message.content %}
-{{ message.content }}
-{%- endif %}
+{% if message.content %}{{ message.content }}{% endif %}
 {%- if message.tool_calls %}
 {%- for call in message.tool_calls %}
 <tool_call>

@@ -247,3 +247,81 @@ async def test_responses_function_call_cut_in_its_arguments_continues(
     assert counters["cuts"] == 1
     assert counters["continued_token_ids"] == 1
     assert relay_stats["tokens"]["0"]["by_request"]["eng-resp/turn-0"] == len(ids)
+
+
+async def test_plain_tool_conversation_through_the_relay_matches_the_engine(
+    tool_engine: tuple[LlamaServer, ToolModel], tmp_path: Path
+) -> None:
+    """A second turn (the model's call and the tool's result in the conversation), not
+    streamed, through the relay as chat and as Responses input items: the relay renders it with
+    the engine's template, and its reply's call is the one llama-server's own chat endpoint
+    parses for the same conversation."""
+    engine, _ = tool_engine
+    arguments = json.dumps(CALL["arguments"])
+    messages: list[Any] = [
+        {"role": "user", "content": [{"type": "text", "text": QUESTION}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call-1",
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call-1", "content": "84"},
+    ]
+    items: list[Any] = [
+        {"role": "user", "content": QUESTION},
+        {
+            "type": "function_call",
+            "call_id": "call-1",
+            "name": "calculator",
+            "arguments": arguments,
+        },
+        {"type": "function_call_output", "call_id": "call-1", "output": "84"},
+    ]
+    server = await anyio.to_thread.run_sync(lambda: relay(tmp_path / "relay", engine))
+    try:
+        async with httpx.AsyncClient(timeout=60) as http:
+            own = await http.post(
+                engine.url + "/v1/chat/completions",
+                json={
+                    "messages": messages,
+                    "tools": [CALCULATOR],
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0,
+                },
+            )
+            assert own.status_code == 200, own.text
+            own_call = own.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+            async with _client(server.url + "/v1") as client:
+                chat = await client.chat.completions.create(
+                    model="tiny",
+                    messages=messages,
+                    tools=[CALCULATOR],
+                    temperature=0,
+                    max_tokens=MAX_TOKENS,
+                )
+                response = await client.responses.create(
+                    model="tiny",
+                    input=items,
+                    tools=[RESPONSES_CALCULATOR],
+                    temperature=0,
+                    max_output_tokens=MAX_TOKENS,
+                )
+    finally:
+        await anyio.to_thread.run_sync(server.stop)
+    expected = {"name": own_call["name"], "arguments": json.loads(own_call["arguments"])}
+    assert expected == CALL
+    assert chat.choices[0].finish_reason == "tool_calls"
+    (chat_call,) = chat.choices[0].message.tool_calls or ()
+    assert chat_call.type == "function"
+    function = chat_call.function
+    assert {"name": function.name, "arguments": json.loads(function.arguments)} == expected
+    (item,) = response.output
+    assert item.type == "function_call"
+    assert {"name": item.name, "arguments": json.loads(item.arguments)} == expected
+    assert response.status == "completed"
