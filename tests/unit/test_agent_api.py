@@ -33,6 +33,7 @@ from rollout_servers.servers.generation import (
     ResponsesBody,
     ToolSpec,
 )
+from rollout_servers.servers.model import capture_identity
 from rollout_servers.tasks import shipped_tasks
 
 CALCULATOR = {
@@ -379,3 +380,28 @@ def test_builtin_calls_the_calculator_when_tools_are_offered() -> None:
     named = (ToolSpec("calc2", "expr"),)
     other, _ = builtin_completion(prompt, 3, 256, 0.0, named)
     assert '{"name": "calc2", "arguments": {"expr":' in "".join(other)
+
+
+@pytest.mark.parametrize(
+    ("capture_key", "rollout_id", "attempt"),
+    [
+        ("task-7", "task-7", 0),
+        ("task-7-a0", "task-7", 0),
+        ("task-7-a12", "task-7", 12),
+        ("task-a3-a1", "task-a3", 1),
+    ],
+)
+def test_capture_keys_name_the_episode(capture_key: str, rollout_id: str, attempt: int) -> None:
+    gen = _chat({"messages": [{"role": "user", "content": "x"}], "tools": [CALCULATOR]})
+    ident = capture_identity(capture_key, gen)
+    assert (ident.rollout_id, ident.attempt) == (rollout_id, attempt)
+    assert ident.key == f"c-{gen.digest[:32]}", "keyed by content: the same on a re-issue"
+    other = _chat({"messages": [{"role": "user", "content": "y"}], "tools": [CALCULATOR]})
+    assert capture_identity(capture_key, other).key != ident.key
+
+
+@pytest.mark.parametrize("capture_key", ["", "bad key", "-a1", "x" * 300])
+def test_bad_capture_keys_are_refused(capture_key: str) -> None:
+    gen = _chat({"messages": [{"role": "user", "content": "x"}]})
+    with pytest.raises(ProtocolError, match="capture key"):
+        capture_identity(capture_key, gen)

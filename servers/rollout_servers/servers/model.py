@@ -960,7 +960,7 @@ def _identity(request: Request, attempt: int, gen: GenRequest) -> Identity | Non
     raw = request.headers.get(REQUEST_HEADER)
     capture = request.path_params.get("capture_key")
     if raw is None and isinstance(capture, str):
-        return _captured(capture, gen)
+        return capture_identity(capture, gen)
     if raw is None:
         return None
     rollout_id, sep, key = raw.partition("/")
@@ -981,7 +981,7 @@ def _identity(request: Request, attempt: int, gen: GenRequest) -> Identity | Non
     return Identity(rollout_id, key, int(raw_attempt))
 
 
-def _captured(capture_key: str, gen: GenRequest) -> Identity:
+def capture_identity(capture_key: str, gen: GenRequest) -> Identity:
     """The episode a `/ng-rollout/<capture key>/` URL names; the request key is the request's
     content, so the re-issued request after a restore finds its generation again."""
     match = _CAPTURE_ATTEMPT.fullmatch(capture_key)
