@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -696,23 +696,3 @@ def writer(gen: GenRequest, rid: str, created: int, model: str) -> Writer:
     if gen.kind == "responses":
         return ResponsesStream(gen, rid, created, model)
     return ChatStream(gen, rid, created, model)
-
-
-async def sse(
-    out: Writer,
-    items: AsyncIterator[Piece | Done | ProtocolError],
-) -> AsyncIterator[str]:
-    """The SSE text of one streamed agent-API response."""
-    for line in out.start():
-        yield line
-    async for item in items:
-        if isinstance(item, ProtocolError):
-            lines = out.failed(item)
-        elif isinstance(item, Done):
-            lines = out.done(item)
-        else:
-            lines = out.piece(item)
-        for line in lines:
-            yield line
-        if not isinstance(item, Piece):
-            return

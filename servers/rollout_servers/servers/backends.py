@@ -9,6 +9,7 @@ template and generates a completion (docs/servers.md, "Tools and the Responses A
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -305,7 +306,11 @@ class OpenAIBackend:
             body["model"] = request.body["model"]
         path = self.base + "/apply-template"
         response = await self._clients.for_key(request.digest).post(path, json=body)
-        prompt = response.json().get("prompt") if response.status_code == 200 else None
+        prompt = None
+        if response.status_code == 200:
+            with contextlib.suppress(ValueError):
+                reply = response.json()
+                prompt = reply.get("prompt") if isinstance(reply, dict) else None
         if not isinstance(prompt, str):
             error = peer_error(path, response)
             raise ProtocolError(

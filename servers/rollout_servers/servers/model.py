@@ -441,23 +441,28 @@ class ModelServer(RolloutServer):
             await receive.aclose()
             raise first.error
 
-        async def items() -> AsyncIterator[Piece | Done | ProtocolError]:
-            async with receive:
-                item: Item = first
-                while True:
-                    yield item.error if isinstance(item, Failed) else item
-                    if not isinstance(item, Piece):
-                        return
-                    try:
-                        item = await receive.receive()
-                    except anyio.EndOfStream:
-                        return
-
         async def lines() -> AsyncIterator[str]:
+            out = agent_api.writer(gen, rid, created, model)
             with _setting(gone):
-                out = agent_api.writer(gen, rid, created, model)
-                async for line in agent_api.sse(out, items()):
-                    yield line
+                async with receive:
+                    for line in out.start():
+                        yield line
+                    item: Item = first
+                    while True:
+                        if isinstance(item, Failed):
+                            written = out.failed(item.error)
+                        elif isinstance(item, Done):
+                            written = out.done(item)
+                        else:
+                            written = out.piece(item)
+                        for line in written:
+                            yield line
+                        if not isinstance(item, Piece):
+                            return
+                        try:
+                            item = await receive.receive()
+                        except anyio.EndOfStream:
+                            return
 
         return StreamingResponse(lines(), media_type="text/event-stream")
 
