@@ -188,6 +188,14 @@ def test_chat_refuses_bad_tool_bodies(body: dict[str, Any], problem: str) -> Non
         ChatBody.model_validate(body)
 
 
+def test_auto_tool_choice_without_tools_is_a_plain_chat() -> None:
+    """As clients that always send `tool_choice: "auto"` do: no tools, nothing to parse."""
+    body = ChatBody.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto", "tools": []}
+    )
+    assert not body.uses_tools
+
+
 def test_responses_input_items_become_chat_messages() -> None:
     body = ResponsesBody.model_validate(
         {

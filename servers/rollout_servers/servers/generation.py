@@ -122,8 +122,8 @@ def _check_tool_choice(choice: ToolChoice | None, names: list[str]) -> None:
         name = chosen_tool(choice)
         if name not in names:
             raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
-    elif choice in ("auto", "required") and not names:
-        raise ValueError(f"tool_choice {choice!r} needs tools")
+    elif choice == "required" and not names:
+        raise ValueError("tool_choice 'required' needs tools")
 
 
 class ChatBody(_OpenAIModel):
