@@ -1,6 +1,6 @@
 """The rollout checkpoint contract: what a rollout server needs to be checkpointed and restored.
 
-A server author builds on four things (docs/sdk.md is the guide):
+A server author builds on five things (docs/sdk.md is the guide):
 
 * the **episode runtime** (`EpisodeRuntime`, `Episode`, `Boundary`, `StepMode`): describe an
   episode as steps with boundaries between them; the runtime parks, exports and restores them;
@@ -8,6 +8,8 @@ A server author builds on four things (docs/sdk.md is the guide):
   plane calls into;
 * the **control plane** (`ControlPlane`, `ControlSettings`): the `/checkpoint/v1` routes, mounted
   in any FastAPI app with `ControlPlane.install(app)`;
+* the **`/run` duties** (`RunRoute`): refusing retired and other attempts, attaching repeated
+  calls, answering finished episodes and mapping errors, in the one right order;
 * the **wire models and route table** (`ROUTES`, `PrepareRequest`, ..., `ErrorCode`,
   `ProtocolError`): what crosses the wire, declared once for both sides.
 
@@ -63,6 +65,7 @@ from ._routes import (
     Dialect,
     Route,
 )
+from ._runs import RunRoute
 from ._settings import ControlConfigError, ControlSettings
 from ._storage import (
     EncodedRecord,
@@ -281,6 +284,7 @@ __all__ = [
     "Role",
     "RolloutId",
     "Route",
+    "RunRoute",
     "RuntimeParticipant",
     "StaleAttempt",
     "StatusOutcome",

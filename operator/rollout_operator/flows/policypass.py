@@ -71,6 +71,7 @@ from ..model.api import (
 from ..model.conditions import ConditionUpdate, merge_conditions, same_conditions
 from .records import RecordsRemover, RemovalPending, remove_here
 from .repairs import parse_creation, records_proven, repair_failed_checkpoint
+from .state import LoggedNotes
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +84,6 @@ a queueing system that suspends a set wants its GPUs now (the recovery stops a l
 same way)."""
 
 NoteSink = Callable[[RolloutSet, Note], Awaitable[None]]
-NOTES_LOGGED: Final = 1024
-"""How many distinct notes (by set, reason and message) are remembered as logged."""
-_logged_notes: dict[tuple[str, str, str, str], None] = {}
 Clock = Callable[[], datetime]
 
 
@@ -152,18 +150,24 @@ class PassOutcome:
 
 
 class PolicyPass:
-    """One look at one set: decide with `policy.plan`, then act (see the module docstring)."""
+    """One look at one set: decide with `policy.plan`, then act (see the module docstring).
+
+    `logged_notes` is the process's record of the notes it logged (`OperatorState`,
+    docs/design.md#611-the-operators-in-process-state): each distinct note is logged once, while
+    `on_note` sees it on every pass."""
 
     def __init__(
         self,
         kube: Kube,
         *,
+        logged_notes: LoggedNotes,
         locator: StorageLocator | None = None,
         clock: Clock = _utcnow,
         on_note: NoteSink | None = None,
         wake_set: Callable[[str, str], None] | None = None,
     ) -> None:
         self._kube = kube
+        self._logged_notes = logged_notes
         self._locator = locator or StorageLocator.from_env()
         self._clock = clock
         self._on_note = on_note
@@ -172,11 +176,8 @@ class PolicyPass:
     async def _note(self, rset: RolloutSet, note: Note) -> None:
         # A pass repeats its notes until the cause goes (an invalid trainer-step annotation
         # stays until someone fixes it): log each distinct one once.
-        key = (rset.metadata.namespace or "default", rset.metadata.name, note.reason, note.message)
-        if key not in _logged_notes:
-            _logged_notes[key] = None
-            while len(_logged_notes) > NOTES_LOGGED:
-                del _logged_notes[next(iter(_logged_notes))]
+        namespace = rset.metadata.namespace or "default"
+        if self._logged_notes.first_time(namespace, rset.metadata.name, note.reason, note.message):
             log = logger.warning if note.warning else logger.info
             log("set %s: %s: %s", rset.metadata.name, note.reason, note.message)
         if self._on_note is not None:

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from types import MappingProxyType
 from typing import Any, Final
 
 from pydantic import ValidationError
@@ -27,12 +29,12 @@ from rollout_protocol import Role
 from .. import metrics
 from ..cluster.kube import ApiError, Conflict, Kube
 from ..cluster.objects import (
+    OwnedObjects,
     PodsOutcome,
     SetBlocked,
     ensure_control_token,
     ensure_services,
     observe_pods,
-    owned_objects,
     reconcile_pods,
 )
 from ..decide.policy import checkpoint_views, parse_time
@@ -57,6 +59,7 @@ from ..model.api import (
     StandbyStatus,
 )
 from ..model.conditions import ConditionUpdate, merge_conditions, utcnow
+from .state import LatestWritten
 
 logger = logging.getLogger(__name__)
 
@@ -64,22 +67,14 @@ STANDBY_GRACE_SECONDS: Final = 1
 """Grace period of a standby pod that goes (stale, finished, surplus): it holds no episode."""
 RESERVED_VOLUME: Final = "ReservedVolumeReplaced"
 """Event reason: a template volume used the storage volume's reserved name."""
-_latest_written: dict[tuple[str, str], str | None] = {}
-"""The `latestCheckpoint` each set's pass last wrote (or found right) in this process: a shown
-value that differs was written by someone else (`setstatus.checkpoint_fields`)."""
-
-
-def latest_written_elsewhere(namespace: str, name: str, shown: object) -> bool:
-    """Whether the set's `latestCheckpoint` is not what its pass last wrote here."""
-    key = (namespace, name)
-    return key in _latest_written and _latest_written[key] != shown
-
 
 REFERENCE_SERVER: Final = "rollout-server"
-REFERENCE_NEEDS: Final[dict[Role, tuple[Role, ...]]] = {
-    Role.ENVIRONMENT: (Role.AGENT, Role.RESOURCES),
-    Role.AGENT: (Role.MODEL, Role.RESOURCES),
-}
+REFERENCE_NEEDS: Final[Mapping[Role, tuple[Role, ...]]] = MappingProxyType(
+    {
+        Role.ENVIRONMENT: (Role.AGENT, Role.RESOURCES),
+        Role.AGENT: (Role.MODEL, Role.RESOURCES),
+    }
+)
 """The roles each reference server (`rollout-server <role>`) calls: without them no episode
 can run. A custom server (examples/custom-environment) may call fewer (only the model)."""
 
@@ -190,13 +185,13 @@ def _blocked_status(
 
 
 async def _checkpoint_changes(
-    kube: Kube, rset: RolloutSet
+    kube: Kube, rset: RolloutSet, latest_written: LatestWritten
 ) -> tuple[dict[str, Any], Repair | None, list[dict[str, Any]]]:
     """The set's checkpoint fields (`setstatus`), the Repair to report, and the checkpoints."""
     namespace = rset.metadata.namespace or "default"
     listed = await kube.list_checkpoints(namespace, rset.metadata.name)
-    key = (namespace, rset.metadata.name)
-    fields, repair = checkpoint_fields(rset, checkpoint_views(listed), _latest_written.get(key))
+    last = latest_written.last(namespace, rset.metadata.name)
+    fields, repair = checkpoint_fields(rset, checkpoint_views(listed), last)
     return fields, repair, listed
 
 
@@ -270,10 +265,16 @@ async def reconcile_set(
     namespace: str,
     name: str,
     *,
+    owned_objects: OwnedObjects,
+    latest_written: LatestWritten,
     now: datetime | None = None,
     max_replicas_per_role: int = MAX_REPLICAS,
 ) -> ReconcileOutcome:
-    """One reconcile pass of a RolloutSet: token, Services, pods of the attempt, status."""
+    """One reconcile pass of a RolloutSet: token, Services, pods of the attempt, status.
+
+    `owned_objects` and `latest_written` are the process's memory of earlier passes
+    (`OperatorState`, docs/design.md#611-the-operators-in-process-state): which sets' token and
+    Services were ensured lately, and which `latestCheckpoint` each set's pass last wrote."""
     obj = await kube.get_set(namespace, name)
     if obj is None or (obj.get("metadata") or {}).get("deletionTimestamp"):
         return ReconcileOutcome()
@@ -307,13 +308,13 @@ async def reconcile_set(
 
     async def write(changes: dict[str, Any], outcome: ReconcileOutcome) -> ReconcileOutcome:
         """Write the pass's status with the checkpoint fields; then the pods' hints."""
-        fields, repair, listed = await _checkpoint_changes(kube, rset)
+        fields, repair, listed = await _checkpoint_changes(kube, rset, latest_written)
         changes.update(fields)
         conflict = await _write_status(kube, obj, changes)
         if conflict is not None:
             return conflict
         latest = fields.get("latestCheckpoint", status.latest_checkpoint)
-        _latest_written[(namespace, name)] = latest
+        latest_written.record(namespace, name, latest)
         await mark_covered_pods(kube, rset, latest, listed)
         if repair is not None:
             logger.warning("RolloutSet %s/%s: %s", namespace, name, repair.message)

@@ -151,7 +151,7 @@ async def run_checkpoint(
         )
     rollout_set = body.get("spec", {}).get("rolloutSet")
     if isinstance(rollout_set, str):
-        wake(namespace, rollout_set)
+        wake(memo, namespace, rollout_set)
         await _until_stopped(kube, stopped, namespace or "default", name, rollout_set)
 
 
