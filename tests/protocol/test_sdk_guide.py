@@ -4,7 +4,7 @@ conformance kit, from this checkout and from the `rollout-protocol` wheel instal
 The page marks a file's block with `<!-- file: NAME -->` before a fenced python block; each file
 is one block, printed whole, and the server's is the page's first python block, so what a reader
 copies is complete. `minimal_server.py` is the server and `test_minimal_server.py` its kit run
-(with a blocking fake model, no debug hooks); both are run as they stand on the page, as a
+(with the kit's fake model, no debug hooks); both are run as they stand on the page, as a
 process (`python test_minimal_server.py`), so what the guide shows is what runs. The
 fresh-environment test builds the SDK's distribution (`protocol/`) alone, installs it with its
 `kit` extra into a new virtual environment (from the package index; pip's cache makes it about
