@@ -1134,15 +1134,13 @@ class RecoveryFlow:
             failed.reason,
             failed.message,
         )
-        if self._on_transition is not None:
-            await self._on_transition(rset, failed.reason, failed.message, True)
         if tries > rset.spec.recovery.max_restarts:
             message = (
                 f"gave up after {tries} tries (recovery.maxRestarts "
                 f"{rset.spec.recovery.max_restarts}); last: {failed.message}. Fix the cause and "
                 "delete the failed pods, or raise maxRestarts"
             )
-            await self._patch(
+            rset = await self._patch(
                 rset,
                 {"recovery": recovery.model_copy(update={"tries": tries})},
                 [
@@ -1154,16 +1152,25 @@ class RecoveryFlow:
                     ),
                 ],
             )
+            await self._failed_try_event(rset, failed)
             return None
         delay = min(MAX_BACKOFF_SECONDS, 2.0 ** min(tries, 10)) if counted else 1.0
         next_try = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=delay)
-        return await self._set_phase(
+        rset = await self._set_phase(
             rset,
             RecoveryPhase.BACKING_OFF,
             tries=tries,
             next_try_at=next_try,
             message=f"{failed.reason}: {failed.message}",
         )
+        await self._failed_try_event(rset, failed)
+        return rset
+
+    async def _failed_try_event(self, rset: RolloutSet, failed: RecoveryFailed) -> None:
+        """The failed try's Event, posted once the status that records it was written
+        (docs/design.md#69-who-writes-the-sets-status)."""
+        if self._on_transition is not None:
+            await self._on_transition(rset, failed.reason, failed.message, True)
 
     async def _back_off(self, rset: RolloutSet) -> RolloutSet:
         recovery = rset.status.recovery
