@@ -31,6 +31,12 @@ status contradicts what the cluster shows, the cluster wins, status is repaired,
   checkpoint that does not exist, belongs to another set, is not Ready, or is older than a
   Ready one, or no name while a Ready checkpoint exists, is written back from the checkpoints.
 
+A repair of the set's status writes as the owner of what it repairs
+(docs/design.md#69-who-writes-the-sets-status): `repair_set_attempt` as the set pass,
+`restart_unfinished_recovery` as the recovery (it starts one), both through
+`cluster.statuswriter.SetStatusWriter`. They stay here, not in their owners' modules: the
+policy pass imports this module, and the flows may not import each other.
+
 The recovery and checkpoint flows check the rest of what they read from status against the
 cluster themselves: `recovery.repair_false_recovery` (a `status.recovery` that no lost
 participant explains), the recovery's own checkpoint reads (only checkpoints of its own set,

@@ -10,7 +10,9 @@ flows. Here:
 
 While `status.recovery` is set the recovery flow owns pod creation and the Ready, Progressing
 and Degraded conditions; `reconcile_set` then only refreshes `status.participants` (with the
-pods of the recovery's target attempt).
+pods of the recovery's target attempt). The status is written through
+`cluster.statuswriter.SetStatusWriter` as the set pass, which owns the fields
+docs/design.md#69-who-writes-the-sets-status lists for it.
 """
 
 from __future__ import annotations
