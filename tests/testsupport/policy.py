@@ -16,6 +16,7 @@ from rollout_operator.flows.policypass import PolicyPass
 from rollout_operator.flows.state import LoggedNotes
 from rollout_operator.model import api
 
+from testsupport import builders
 from testsupport.fakecluster import FakeCluster
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
@@ -35,19 +36,17 @@ def seeded(rset: dict[str, Any]) -> FakeCluster:
 
 
 def rollout_set(storage: Path, **spec: Any) -> dict[str, Any]:
-    container = {"name": "c", "ports": [{"name": "control", "containerPort": 8000}]}
-    return {
-        "apiVersion": api.API_VERSION,
-        "kind": "RolloutSet",
-        "metadata": {"name": "math", "namespace": NS, "uid": "uid-1", "generation": 1},
-        "spec": {
-            "participants": [
-                {"role": "environment", "template": {"spec": {"containers": [container]}}}
-            ],
-            "storage": {"path": str(storage), "volume": {"hostPath": {"path": str(storage)}}},
-            **spec,
-        },
-        "status": {
+    """The set `math` of one environment, Ready under attempt 3, its records in `storage`."""
+    return builders.set_body(
+        name="math",
+        namespace=NS,
+        uid="uid-1",
+        generation=1,
+        roles={"environment": None},
+        storage=storage,
+        volume={"hostPath": {"path": str(storage)}},
+        **spec,
+        status={
             "attempt": 3,
             "createdAttempt": 3,
             "conditions": [
@@ -59,7 +58,7 @@ def rollout_set(storage: Path, **spec: Any) -> dict[str, Any]:
                 }
             ],
         },
-    }
+    )
 
 
 class Run:

@@ -21,6 +21,7 @@ from rollout_operator.flows import setpass
 from rollout_operator.flows.setpass import ReconcileOutcome
 from rollout_operator.flows.state import OperatorState
 from rollout_operator.model import api
+from testsupport import builders
 from testsupport.fakecluster import FakeCluster
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
@@ -112,24 +113,12 @@ def condition(cluster: FakeCluster, type_: str) -> dict[str, Any]:
 
 
 def rollout_set(**spec_extra: Any) -> dict[str, Any]:
-    container = {
-        "name": "c",
-        "command": ["x"],
-        "ports": [{"name": "control", "containerPort": 8000}],
-    }
-    return {
-        "apiVersion": api.API_VERSION,
-        "kind": "RolloutSet",
-        "metadata": {"name": "rl", "namespace": NS, "uid": "uid-1", "generation": 1},
-        "spec": {
-            "participants": [
-                {"role": "model", "template": {"spec": {"containers": [container]}}},
-                {"role": "environment", "template": {"spec": {"containers": [container]}}},
-            ],
-            "storage": {"path": "/ckpt", "volume": {"emptyDir": {}}},
-            **spec_extra,
-        },
-    }
+    participants = [builders.participant(role, None) for role in ("model", "environment")]
+    for entry in participants:
+        entry["template"]["spec"]["containers"][0]["command"] = ["x"]
+    return builders.set_body(
+        namespace=NS, uid="uid-1", generation=1, participants=participants, **spec_extra
+    )
 
 
 async def converge(

@@ -1,11 +1,15 @@
 """The model server's two backends (docs/servers.md, "The model server"): `BuiltinBackend`, a
 deterministic seeded policy for the shipped tasks whose output is a pure function of the
 request, and `OpenAIBackend`, a streaming relay to an OpenAI-compatible engine (vLLM, SGLang,
-llama.cpp's server) that continues a cut generation from its prefix.
+llama.cpp's server) that continues a cut generation from its prefix. Tool requests and the
+Responses API (`GenRequest.templated`) are text to both: the built-in backend writes a call of
+the calculator tool where it would write `CALC:`, and the relay has the engine render the chat
+template and generates a completion (docs/servers.md, "Tools and the Responses API").
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -26,6 +30,7 @@ from rollout_protocol import (
 )
 
 from ..tasks import stable_fraction, task_by_question
+from .agent_api import builtin_call
 from .common import (
     PEER_SHARDS,
     ShardedClients,
@@ -38,6 +43,7 @@ from .generation import (
     Piece,
     Progress,
     TokenLogprob,
+    ToolSpec,
 )
 
 log = logging.getLogger(__name__)
@@ -77,7 +83,11 @@ TOKEN = re.compile(r"\s*\S+")
 
 
 def builtin_completion(
-    prompt: str, seed: int, max_tokens: int, mistake_rate: float
+    prompt: str,
+    seed: int,
+    max_tokens: int,
+    mistake_rate: float,
+    tools: tuple[ToolSpec, ...] = (),
 ) -> tuple[list[str], str]:
     """The deterministic completion for (prompt, seed): its tokens and finish reason.
 
@@ -85,6 +95,7 @@ def builtin_completion(
     turn until every step's `RESULT:` is in the prompt, then `ANSWER:` with the last result,
     off by one with probability `mistake_rate` (decided per (seed, task), so a whole episode
     makes the same choice on every turn and in every attempt). Other prompts get fluent filler.
+    With `tools` offered, the `CALC:` step is a call of the calculator tool (`builtin_call`).
     """
     rng = random.Random(hashlib.sha256(f"{seed}\x00{prompt}".encode()).digest())
     task = task_by_question(prompt)
@@ -96,7 +107,9 @@ def builtin_completion(
         results = [int(v) for v in _RESULT.findall(prompt)]
         if len(results) < len(task.steps):
             words.append(rng.choice(_MIDDLES))
-            text = " ".join(words) + f" CALC: {task.steps[len(results)]}"
+            step = task.steps[len(results)]
+            call = builtin_call(tools, step) if tools else f"CALC: {step}"
+            text = " ".join(words) + f" {call}"
         else:
             value = results[-1] if results else task.answer
             if stable_fraction("mistake", seed, task.id) < mistake_rate:
@@ -133,7 +146,9 @@ class BuiltinBackend:
                     len(own) + max_tokens,
                     produced + len(own),
                 )
-        tokens, reason = builtin_completion(prompt, request.seed, max_tokens, self.mistake_rate)
+        tokens, reason = builtin_completion(
+            prompt, request.seed, max_tokens, self.mistake_rate, request.tools
+        )
         if produced >= len(tokens):
             yield Piece("", reason)
             return
@@ -165,8 +180,13 @@ class OpenAIBackend:
         self._clients = ShardedClients(PEER_SHARDS, timeout_s)
         self.text_only = os.environ.get(CONTINUATION_ENV, "auto") == "text"
         self._prompt_ids: OrderedDict[str, list[int] | None] = OrderedDict()
+        self._rendered: OrderedDict[str, str] = OrderedDict()
 
     async def stream(self, request: GenRequest, progress: Progress) -> AsyncGenerator[Piece, None]:
+        if request.templated is not None:
+            async for piece in self.stream(await self._as_completion(request), progress):
+                yield piece
+            return
         if request.kind == "chat":
             async for piece in self._chat(request, progress):
                 yield piece
@@ -256,6 +276,52 @@ class OpenAIBackend:
             if mode is not None:
                 piece, mode = replace(piece, continued=mode), None
             yield piece
+
+    async def _as_completion(self, request: GenRequest) -> GenRequest:
+        """A tool request (or a Responses request) as the completion of its rendered prompt,
+        with the request's sampling fields: it then continues from token ids as completions
+        do, and the caller parses the calls out of the text."""
+        assert request.templated is not None
+        prompt = await self._render(request, request.templated)
+        body = {k: v for k, v in request.body.items() if k in _SAMPLING}
+        body.update(prompt=prompt, max_tokens=request.max_tokens)
+        return GenRequest(
+            kind="completion",
+            body=body,
+            prompt_text=prompt,
+            max_tokens=request.max_tokens,
+            seed=request.seed,
+            stream=True,
+        )
+
+    async def _render(self, request: GenRequest, chat: dict[str, Any]) -> str:
+        """The prompt the engine's chat template makes of `chat` (llama.cpp's
+        `/apply-template`, which takes a chat body, tools included)."""
+        digest = task_digest(chat | {"model": request.body.get("model")})
+        if digest in self._rendered:
+            self._rendered.move_to_end(digest)
+            return self._rendered[digest]
+        body = dict(chat)
+        if request.body.get("model") is not None:
+            body["model"] = request.body["model"]
+        path = self.base + "/apply-template"
+        response = await self._clients.for_key(request.digest).post(path, json=body)
+        prompt = None
+        if response.status_code == 200:
+            with contextlib.suppress(ValueError):
+                reply = response.json()
+                prompt = reply.get("prompt") if isinstance(reply, dict) else None
+        if not isinstance(prompt, str):
+            error = peer_error(path, response)
+            raise ProtocolError(
+                ErrorCode.UNSUPPORTED if response.status_code == 404 else error.code,
+                f"tool requests and the Responses API need the engine to render its chat "
+                f"template (llama.cpp's /apply-template): {error}",
+            )
+        self._rendered[digest] = prompt
+        while len(self._rendered) > 1024:
+            self._rendered.popitem(last=False)
+        return prompt
 
     async def _steps(
         self, request: GenRequest, progress: Progress, prompt_ids: list[int], wanted: int | None
@@ -348,6 +414,23 @@ class OpenAIBackend:
 
     async def aclose(self) -> None:
         await self._clients.aclose()
+
+
+_SAMPLING = frozenset(
+    {
+        "model",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "presence_penalty",
+        "frequency_penalty",
+        "repeat_penalty",
+    }
+)
+"""The fields of a tool request that its rendered completion keeps (the rest are chat's)."""
 
 
 def derived_seed(seed: int, seed_key: str, position: int) -> int:

@@ -1,7 +1,10 @@
 """The policy model server: an OpenAI-compatible front that is a checkpoint participant.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions` (plain JSON or `stream: true` SSE),
-`GET /v1/models`. Two backends produce the tokens:
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (plain JSON or `stream: true` SSE;
+with tools, tool calls and tool results too), `POST /v1/responses` (the Responses API),
+`GET /v1/models`; each also under `/ng-rollout/<capture key>/`, which names the episode for
+clients that cannot set headers (below). Tool requests and the Responses API are generated as
+text in which the model writes its calls (`agent_api.py`). Two backends produce the tokens:
 
 * `builtin`: deterministic and seeded by (prompt, seed). It solves the shipped arithmetic tasks
   the way a small tool-using policy would (`CALC: 12*7`, then `ANSWER: 84` once the calculator's
@@ -10,24 +13,30 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions` (plain JSON or `stre
   function of the request, a generation cut after k tokens and continued yields exactly the
   tokens of an uncut one. It also takes vLLM's `continue_final_message` in chat requests (going
   on with its own output in the final assistant message), so it can stand in for vLLM as the
-  upstream of an `openai` relay (docs/servers.md, "Your inference server as a sidecar").
+  upstream of an `openai` relay (docs/servers.md, "Your inference server as a sidecar"). When
+  tools are offered it writes its `CALC:` step as a call of the calculator tool instead.
 * `openai`: relays to an upstream OpenAI-compatible server (vLLM, SGLang) over streaming; a cut
   closes the upstream stream and the continuation asks upstream to go on from the prefix
   (completions: prompt + prefix; chat: the prefix as a final assistant message with vLLM's
-  `continue_final_message`).
+  `continue_final_message`). Tool requests and the Responses API are rendered with the engine's
+  chat template (llama.cpp's `/apply-template`) and generated as completions, so they continue
+  from token ids like completions do.
 
 Checkpoint support. Requests that name their episode (`X-Rollout-Request: <rollout_id>/<key>`,
-`X-Rollout-Attempt: N`; the agent sends them) are episodes of the runtime with one *replay* step
-per token: a checkpoint never waits for a token, and a token that finishes while the checkpoint
-is open is held. At prepare, a generation in flight is therefore *cut*: its recorded boundary is
-the prefix so far. A generation that finished but was not delivered is *held*: it is recorded
-whole and delivered only when admission reopens. After a restore, the re-issued request with the
-same key continues from the recorded prefix, or gets the held response at once. The last
-response delivered to each rollout is kept (and recorded) too: it may have been on the wire
-while its caller parked, and the caller's replay must get it without generating it again.
+`X-Rollout-Attempt: N`; the agent sends them; or the URL prefix `/ng-rollout/<rollout id>` or
+`/ng-rollout/<rollout id>-a<N>`, keyed by the request's content) are episodes of the runtime
+with one *replay* step per token: a checkpoint never waits for a token, and a token that
+finishes while the checkpoint is open is held. At prepare, a generation in flight is therefore
+*cut*: its recorded boundary is the prefix so far. A generation that finished but was not
+delivered is *held*: it is recorded whole and delivered only when admission reopens. After a
+restore, the re-issued request with the same key continues from the recorded prefix, or gets
+the held response at once. The last response delivered to each rollout is kept (and recorded)
+too: it may have been on the wire while its caller parked, and the caller's replay must get it
+without generating it again.
 
 This module holds the participant (cuts, held and delivered responses) and the routes; the
-request bodies and generation types are in `generation.py`, the two backends in `backends.py`.
+request bodies and generation types are in `generation.py`, the two backends in `backends.py`,
+the agent APIs' request mapping and response writing in `agent_api.py`.
 """
 
 from __future__ import annotations
@@ -65,6 +74,7 @@ from rollout_protocol import (
     TaskMismatch,
 )
 
+from . import agent_api
 from .backends import TOKEN, Backend, BuiltinBackend, OpenAIBackend, wanted_logprobs
 from .common import (
     Outcome,
@@ -87,6 +97,7 @@ from .generation import (
     Item,
     Piece,
     Progress,
+    ResponsesBody,
     TokenLogprob,
 )
 
@@ -104,6 +115,11 @@ checkpoint a retire can count, per attempt (oldest dropped; the totals count eve
 server that runs for days never holds more than this."""
 _KEY_MAX = 200
 _ATTEMPT_VALUE = re.compile(r"[0-9]{1,18}")
+PREFIX = "/ng-rollout/{capture_key}"
+"""Routes under this prefix take their episode from the path: the capture key is the rollout
+id, or `<rollout id>-a<N>` for attempt N (as NeMo Gym writes it), for clients whose base URL
+is all they can set."""
+_CAPTURE_ATTEMPT = re.compile(r"(.+)-a([0-9]{1,18})")
 
 
 # --- the participant --------------------------------------------------------------------------
@@ -317,7 +333,6 @@ class ModelServer(RolloutServer):
     def add_routes(self, app: FastAPI) -> None:
         server = self
 
-        @app.get("/v1/models")
         async def models() -> dict[str, Any]:
             return {
                 "object": "list",
@@ -326,7 +341,6 @@ class ModelServer(RolloutServer):
                 ],
             }
 
-        @app.post("/v1/completions", openapi_extra=_openapi_extra(CompletionBody))
         async def completions(request: Request) -> Response:
             body = await _json_body(request, CompletionBody)
             gen = GenRequest(
@@ -337,21 +351,39 @@ class ModelServer(RolloutServer):
                 seed=body.seed or 0,
                 stream=body.stream,
             )
-            return await server.respond(gen, _identity(request, server.attempt))
+            return await server.respond(gen, _identity(request, server.attempt, gen))
 
-        @app.post("/v1/chat/completions", openapi_extra=_openapi_extra(ChatBody))
         async def chat(request: Request) -> Response:
             body = await _json_body(request, ChatBody)
-            gen = GenRequest(
-                kind="chat",
-                body=body.model_dump(exclude_none=True),
-                prompt_text=_chat_prompt(body.messages),
-                max_tokens=body.max_completion_tokens or body.max_tokens or 256,
-                seed=body.seed or 0,
-                stream=body.stream,
-                continuation=_continuation(body),
+            if body.uses_tools:
+                gen = agent_api.chat_generation(body)
+            else:
+                gen = GenRequest(
+                    kind="chat",
+                    body=body.model_dump(exclude_none=True),
+                    prompt_text=_chat_prompt(body.messages),
+                    max_tokens=body.max_completion_tokens or body.max_tokens or 256,
+                    seed=body.seed or 0,
+                    stream=body.stream,
+                    continuation=_continuation(body),
+                )
+            return await server.respond(gen, _identity(request, server.attempt, gen))
+
+        async def responses(request: Request) -> Response:
+            body = await _json_body(request, ResponsesBody)
+            gen = agent_api.responses_generation(body)
+            return await server.respond(gen, _identity(request, server.attempt, gen))
+
+        for prefix in ("", PREFIX):
+            app.get(prefix + "/v1/models")(models)
+            routes = (
+                ("/v1/completions", completions, CompletionBody),
+                ("/v1/chat/completions", chat, ChatBody),
+                ("/v1/responses", responses, ResponsesBody),
             )
-            return await server.respond(gen, _identity(request, server.attempt))
+            for path, handler, body in routes:
+                extra = _openapi_extra(body, prefixed=bool(prefix))
+                app.post(prefix + path, openapi_extra=extra)(handler)
 
     async def respond(self, gen: GenRequest, ident: Identity | None) -> Response:
         if ident is not None:
@@ -361,6 +393,8 @@ class ModelServer(RolloutServer):
         """Set when a streaming consumer went away (a plain reply's caller waits to the end)."""
         self.spawn(self._produce, gen, ident, send, gone)
         created = int(time.time())
+        if gen.templated is not None:
+            return await self._respond_agent(gen, receive, created, gone)
         rid = f"{'chatcmpl' if gen.kind == 'chat' else 'cmpl'}-{gen.digest[:24]}"
         if not gen.stream:
             async with receive:
@@ -377,6 +411,69 @@ class ModelServer(RolloutServer):
         return StreamingResponse(
             self._sse(gen, first, receive, rid, created, gone), media_type="text/event-stream"
         )
+
+    async def _respond_agent(
+        self,
+        gen: GenRequest,
+        receive: MemoryObjectReceiveStream[Item],
+        created: int,
+        gone: anyio.Event,
+    ) -> Response:
+        """A tool chat or a Responses request: its calls parsed out of the generated text."""
+        model = self.options.model_name
+        responses = gen.kind == "responses"
+        rid = f"resp_{gen.digest[:24]}" if responses else f"chatcmpl-{gen.digest[:24]}"
+        if not gen.stream:
+            async with receive:
+                async for item in receive:
+                    if isinstance(item, Failed):
+                        raise item.error
+                    if isinstance(item, Done):
+                        if responses:
+                            reply = agent_api.responses_reply(gen, item, rid, created, model)
+                        else:
+                            usage = self._usage(gen, item)
+                            reply = agent_api.chat_reply(gen, item, rid, created, model, usage)
+                        return JSONResponse(reply)
+            raise ProtocolError(ErrorCode.INTERNAL, "generation ended without a result")
+        first = await receive.receive()
+        if isinstance(first, Failed):
+            await receive.aclose()
+            raise first.error
+
+        async def lines() -> AsyncIterator[str]:
+            out = agent_api.writer(gen, rid, created, model)
+            with _setting(gone):
+                async with receive:
+                    for line in out.start():
+                        yield line
+                    item: Item = first
+                    while True:
+                        if isinstance(item, Failed):
+                            written = out.failed(item.error)
+                        elif isinstance(item, Done):
+                            written = out.done(item)
+                        else:
+                            written = out.piece(item)
+                        for line in written:
+                            yield line
+                        if not isinstance(item, Piece):
+                            return
+                        try:
+                            item = await receive.receive()
+                        except anyio.EndOfStream:
+                            return
+
+        return StreamingResponse(lines(), media_type="text/event-stream")
+
+    @staticmethod
+    def _usage(gen: GenRequest, done: Done) -> dict[str, int]:
+        prompt = len(TOKEN.findall(gen.prompt_text))
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": done.tokens,
+            "total_tokens": prompt + done.tokens,
+        }
 
     async def _sse(
         self,
@@ -810,7 +907,7 @@ def _logprobs_json(logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
 
 
 def _chat_prompt(messages: Sequence[ChatMessage]) -> str:
-    return "\n".join(f"{m.role}: {m.content}" for m in messages)
+    return "\n".join(f"{m.role}: {m.text}" for m in messages)
 
 
 def _continuation(body: ChatBody) -> Continuation | None:
@@ -820,7 +917,7 @@ def _continuation(body: ChatBody) -> Continuation | None:
     extra = body.model_extra or {}
     if extra.get("continue_final_message") is not True or final.role != "assistant":
         return None
-    return Continuation(prompt_text=_chat_prompt(body.messages[:-1]), prefix=final.content)
+    return Continuation(prompt_text=_chat_prompt(body.messages[:-1]), prefix=final.text)
 
 
 class _Audience:
@@ -864,8 +961,11 @@ async def _offer(send: MemoryObjectSendStream[Item], item: Item) -> None:
         await send.send(item)
 
 
-def _identity(request: Request, attempt: int) -> Identity | None:
+def _identity(request: Request, attempt: int, gen: GenRequest) -> Identity | None:
     raw = request.headers.get(REQUEST_HEADER)
+    capture = request.path_params.get("capture_key")
+    if raw is None and isinstance(capture, str):
+        return capture_identity(capture, gen)
     if raw is None:
         return None
     rollout_id, sep, key = raw.partition("/")
@@ -886,14 +986,48 @@ def _identity(request: Request, attempt: int) -> Identity | None:
     return Identity(rollout_id, key, int(raw_attempt))
 
 
-def _openapi_extra(body: type[BaseModel]) -> dict[str, Any]:
+def capture_identity(capture_key: str, gen: GenRequest) -> Identity:
+    """The episode a `/ng-rollout/<capture key>/` URL names; the request key is the request's
+    content, so the re-issued request after a restore finds its generation again."""
+    match = _CAPTURE_ATTEMPT.fullmatch(capture_key)
+    if match is not None and re.fullmatch(ROLLOUT_ID_PATTERN, match.group(1)):
+        rollout_id, attempt = match.group(1), int(match.group(2))
+    elif re.fullmatch(ROLLOUT_ID_PATTERN, capture_key):
+        rollout_id, attempt = capture_key, 0
+    else:
+        raise ProtocolError(
+            ErrorCode.INVALID_REQUEST,
+            f"the capture key in /ng-rollout/<capture key>/ must be a rollout id or "
+            f"'<rollout id>-a<attempt>': {capture_key[:80]!r}",
+        )
+    return Identity(rollout_id, f"c-{gen.digest[:32]}", attempt)
+
+
+def _inline(schema: Any, defs: Mapping[str, Any]) -> Any:
+    """`schema` with its `$ref`s to `$defs` replaced by the definitions (none is recursive)."""
+    if isinstance(schema, dict):
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            return _inline(defs[ref.removeprefix("#/$defs/")], defs)
+        return {k: _inline(v, defs) for k, v in schema.items() if k != "$defs"}
+    if isinstance(schema, list):
+        return [_inline(v, defs) for v in schema]
+    return schema
+
+
+def _openapi_extra(body: type[BaseModel], *, prefixed: bool = False) -> dict[str, Any]:
     """The request body and identity headers of a generation route, for `/openapi.json` (the
     route reads both itself: the body leniently, as OpenAI clients send extra fields)."""
-    schema = body.model_json_schema(ref_template="#/components/schemas/{model}")
-    schema.pop("$defs", None)
-    if body is ChatBody:
-        schema["properties"]["messages"]["items"] = ChatMessage.model_json_schema()
-    return {
+    raw = body.model_json_schema()
+    schema = _inline(raw, raw.get("$defs", {}))
+    capture = {
+        "name": "capture_key",
+        "in": "path",
+        "required": True,
+        "description": "`<rollout_id>` or `<rollout_id>-a<attempt>`: the generation is an episode",
+        "schema": {"type": "string", "maxLength": 330},
+    }
+    extra = {
         "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
         "parameters": [
             {
@@ -912,6 +1046,9 @@ def _openapi_extra(body: type[BaseModel]) -> dict[str, Any]:
             },
         ],
     }
+    if prefixed:
+        extra["parameters"] = [capture, *extra["parameters"]]
+    return extra
 
 
 async def _json_body(request: Request, model: type[_M]) -> _M:
