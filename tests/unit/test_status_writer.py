@@ -123,10 +123,12 @@ def test_the_recovery_writes_the_lent_fields_only_while_it_holds_the_set() -> No
     lent = {"attempt": 2, "createdAttempt": 2, "conditions": [api.dump(condition("Ready"))]}
     with pytest.raises(ForeignStatusWrite, match="attempt"):
         check_owner(StatusOwner.RECOVERY, RolloutSetStatus(), lent)
-    check_owner(StatusOwner.RECOVERY, RolloutSetStatus(recovery=recovery()), lent)  # ends it
+    check_owner(StatusOwner.RECOVERY, RolloutSetStatus(recovery=recovery()), lent)  # it runs
     check_owner(
         StatusOwner.RECOVERY, RolloutSetStatus(), {**lent, "recovery": api.dump(recovery())}
     )
+    ended = {**lent, "recovery": None}
+    check_owner(StatusOwner.RECOVERY, RolloutSetStatus(), ended)  # removed by hand meanwhile
     hold = RecoveryHold(since=utcnow(), message="stopped", generation=1)
     check_owner(StatusOwner.RECOVERY, RolloutSetStatus(), {**lent, "recoveryHold": api.dump(hold)})
     with pytest.raises(ForeignStatusWrite, match="lastTrainerStep"):

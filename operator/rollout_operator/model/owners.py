@@ -10,8 +10,8 @@ writing flow does not own. The table is data so a unit test can hold it to the m
 One rule lends fields: while a recovery runs it owns the set's pods
 (docs/design.md#62-recovery), so the recovery may write the set pass's attempt fields,
 `participants` and health conditions (`LENT_TO_RECOVERY`) in a write on a set that records
-a recovery (`status.recovery`, before or after the write) or that stops recovering
-(`status.recoveryHold` written).
+a recovery (`status.recovery`), in one that starts or ends a recovery (it writes
+`status.recovery`), or in one that stops recovering (`status.recoveryHold` written).
 """
 
 from __future__ import annotations
@@ -116,10 +116,14 @@ def written_keys(current: RolloutSetStatus, changes: Mapping[str, Any]) -> set[s
 
 
 def recovery_holds(current: RolloutSetStatus, changes: Mapping[str, Any]) -> bool:
-    """Whether the recovery holds the set for this write (`LENT_TO_RECOVERY`)."""
+    """Whether the recovery holds the set for this write (`LENT_TO_RECOVERY`): the set records
+    a recovery, or the write starts, ends or holds one (it carries `recovery`, a null
+    included, or `recoveryHold`). A write that ends a recovery is judged by what it writes,
+    not by the status under it: after a conflict it is written again over a status whose
+    `recovery` someone may have removed meanwhile."""
     return (
         current.recovery is not None
-        or changes.get("recovery") is not None
+        or "recovery" in changes
         or changes.get("recoveryHold") is not None
     )
 
