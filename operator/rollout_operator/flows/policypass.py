@@ -44,6 +44,7 @@ from typing import Any, Final
 from pydantic import ValidationError
 
 from ..cluster.kube import ApiError, Conflict, Kube
+from ..cluster.statuswriter import SetStatusWriter
 from ..cluster.storage import StorageLocator
 from ..decide.policy import (
     ANNOTATION_DEADLINE_OUTCOME,
@@ -68,7 +69,8 @@ from ..model.api import (
     RecoveryPhase,
     RolloutSet,
 )
-from ..model.conditions import ConditionUpdate, merge_conditions, same_conditions
+from ..model.conditions import ConditionUpdate, merge_conditions, same_but_generation
+from ..model.owners import StatusOwner
 from .records import RecordsRemover, RemovalPending, remove_here
 from .repairs import parse_creation, records_proven, repair_failed_checkpoint
 from .state import LoggedNotes
@@ -167,6 +169,7 @@ class PolicyPass:
         wake_set: Callable[[str, str], None] | None = None,
     ) -> None:
         self._kube = kube
+        self._writer = SetStatusWriter(kube, StatusOwner.POLICY)
         self._logged_notes = logged_notes
         self._locator = locator or StorageLocator.from_env()
         self._clock = clock
@@ -249,18 +252,9 @@ class PolicyPass:
         merged = merge_conditions(
             status.conditions, updates, observed_generation=rset.metadata.generation
         )
-        if updates and not same_conditions(_comparable(merged), _comparable(status.conditions)):
-            changes["conditions"] = [
-                c.model_dump(mode="json", by_alias=True, exclude_none=True) for c in merged
-            ]
-        if not changes:
-            return
-        await self._kube.patch_set_status(
-            rset.metadata.namespace or "default",
-            rset.metadata.name,
-            changes,
-            resource_version=rset.metadata.resource_version,
-        )
+        if updates and not same_but_generation(merged, status.conditions):
+            changes["conditions"] = merged
+        await self._writer.write(rset, changes)
 
     async def _release(self, rset: RolloutSet, pods: Sequence[Mapping[str, Any]]) -> None:
         """Delete every participant pod of the set (the Suspended condition is already True,
@@ -318,11 +312,6 @@ class PolicyPass:
             logger.info("set %s: failed checkpoint: %s", rset.metadata.name, removal.outcome)
         if removal.not_removed is not None:
             await self._note(rset, Note("RecordsNotRemoved", removal.not_removed, True))
-
-
-def _comparable(conditions: Sequence[Any]) -> list[Any]:
-    """Conditions without observedGeneration, so a spec change alone does not rewrite them."""
-    return [c.model_copy(update={"observed_generation": None}) for c in conditions]
 
 
 # --- eviction -----------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from ..cluster.objects import (
     read_control_token,
     reconcile_pods,
 )
+from ..cluster.statuswriter import SetGone, SetStatusWriter
 from ..decide.churn import ChurnDecision, decide, kept_starts
 from ..decide.inplace import adopted_instances, instance_name, plan_in_place, rewiring
 from ..decide.policy import RESUMED_REASON, checkpoint_views, resume_due
@@ -76,6 +77,7 @@ from ..model.api import (
     RolloutSet,
     SetConditionType,
     TargetLevel,
+    dump,
     format_time,
 )
 from ..model.conditions import (
@@ -86,6 +88,7 @@ from ..model.conditions import (
     truncate,
     utcnow,
 )
+from ..model.owners import StatusOwner
 from .watching import NoLongerHolds, while_holding
 
 logger = logging.getLogger(__name__)
@@ -274,10 +277,6 @@ def phase_seconds_until(recovery: RecoveryStatus, now: datetime) -> dict[str, fl
     return spent
 
 
-def _wire(model: Any) -> Any:
-    return model.model_dump(mode="json", by_alias=True, exclude_none=True)
-
-
 class RecoveryFlow:
     """Drives one set's `status.recovery` to completion (or to Degraded after maxRestarts)."""
 
@@ -289,6 +288,7 @@ class RecoveryFlow:
         on_transition: Callable[[RolloutSet, str, str, bool], Awaitable[None]] | None = None,
     ) -> None:
         self._kube = kube
+        self._writer = SetStatusWriter(kube, StatusOwner.RECOVERY)
         self._clock = clock
         self._on_transition = on_transition
 
@@ -304,29 +304,27 @@ class RecoveryFlow:
         changes: dict[str, Any],
         conditions: list[ConditionUpdate] | None = None,
     ) -> RolloutSet:
-        """Patch the set's status with a resourceVersion precondition, re-reading on conflict."""
-        namespace = rset.metadata.namespace or "default"
-        for _ in range(20):
-            body = dict(changes)
-            if conditions:
-                merged = merge_conditions(
-                    rset.status.conditions, conditions, observed_generation=rset.metadata.generation
-                )
-                body["conditions"] = [_wire(c) for c in merged]
-            try:
-                raw = await self._kube.patch_set_status(
-                    namespace,
-                    rset.metadata.name,
-                    body,
-                    resource_version=rset.metadata.resource_version,
-                )
-                return RolloutSet.model_validate(raw)
-            except Conflict:
-                fresh = await self._read(namespace, rset.metadata.name)
-                if fresh is None:
-                    raise RecoveryFailed("SetDeleted", "the RolloutSet was deleted") from None
-                rset = fresh
-        raise RecoveryFailed("StatusConflict", "could not write the set's status (conflicts)")
+        """Write `changes` and the merged `conditions` as the recovery (`SetStatusWriter`,
+        which re-reads and writes again after a conflict, the conditions merged anew)."""
+
+        def build(current: RolloutSet) -> dict[str, Any]:
+            if not conditions:
+                return changes
+            merged = merge_conditions(
+                current.status.conditions,
+                conditions,
+                observed_generation=current.metadata.generation,
+            )
+            return {**changes, "conditions": merged}
+
+        try:
+            return await self._writer.write_retrying(rset, build)
+        except SetGone:
+            raise RecoveryFailed("SetDeleted", "the RolloutSet was deleted") from None
+        except Conflict:
+            raise RecoveryFailed(
+                "StatusConflict", "could not write the set's status (conflicts)"
+            ) from None
 
     async def _set_phase(self, rset: RolloutSet, phase: RecoveryPhase, **fields: Any) -> RolloutSet:
         recovery = rset.status.recovery
@@ -341,7 +339,7 @@ class RecoveryFlow:
         )
         rset = await self._patch(
             rset,
-            {"recovery": _wire(updated)},
+            {"recovery": updated},
             [ConditionUpdate.of(SetConditionType.RECOVERING.value, True, phase.value, message)],
         )
         logger.info("set %s recovery: %s", rset.metadata.name, message)
@@ -377,7 +375,7 @@ class RecoveryFlow:
         message = (
             loss.message if resume else f"{loss.message}; {replacing} under attempt {attempt + 1}"
         )
-        changes: dict[str, Any] = {"recovery": _wire(recovery)}
+        changes: dict[str, Any] = {"recovery": recovery}
         if not resume:
             starts = kept_starts(
                 rset.status.recovery_starts,
@@ -431,7 +429,7 @@ class RecoveryFlow:
         )
         rset = await self._patch(
             rset,
-            {"recoveryHold": _wire(hold)},
+            {"recoveryHold": hold},
             [
                 ConditionUpdate.of(
                     SetConditionType.DEGRADED.value, True, Reason.RECOVERY_LIMIT, message
@@ -679,7 +677,7 @@ class RecoveryFlow:
         )
         rset = await self._patch(
             rset,
-            {"recovery": _wire(updated)},
+            {"recovery": updated},
             [
                 ConditionUpdate.of(
                     SetConditionType.RECOVERING.value, True, Reason.IN_PLACE_FALLBACK, message
@@ -758,7 +756,7 @@ class RecoveryFlow:
         if adopted == recovery.adopted:
             return rset
         return await self._patch(
-            rset, {"recovery": _wire(recovery.model_copy(update={"adopted": adopted}))}
+            rset, {"recovery": recovery.model_copy(update={"adopted": adopted})}
         )
 
     async def _start_pods(self, rset: RolloutSet) -> RolloutSet:
@@ -804,8 +802,7 @@ class RecoveryFlow:
                 # Removed by hand: the next pass starts it again (restart_unfinished_recovery).
                 raise RecoveryFailed("RecoveryRemoved", "status.recovery was removed")
             rset = fresh
-        participants = [_wire(p) for p in plan.participants]
-        rset = await self._patch(rset, {"participants": participants})
+        rset = await self._patch(rset, {"participants": plan.participants})
         checkpoint = await self._restorable_checkpoint(rset)
         return await self._set_phase(rset, RecoveryPhase.RESTORING, checkpoint=checkpoint)
 
@@ -982,7 +979,7 @@ class RecoveryFlow:
             rset,
             {
                 "recovery": None,
-                "lastRecovery": _wire(last),
+                "lastRecovery": last,
                 "attempt": recovery.target_attempt,
                 "createdAttempt": recovery.target_attempt,
                 "restarts": rset.status.restarts + (1 if counts_as_restart(recovery) else 0),
@@ -1054,7 +1051,7 @@ class RecoveryFlow:
                 name,
                 {
                     "phase": CheckpointPhase.FAILED.value,
-                    "conditions": [_wire(c) for c in conditions],
+                    "conditions": [dump(c) for c in conditions],
                 },
             )
         logger.warning(
@@ -1137,17 +1134,15 @@ class RecoveryFlow:
             failed.reason,
             failed.message,
         )
-        if self._on_transition is not None:
-            await self._on_transition(rset, failed.reason, failed.message, True)
         if tries > rset.spec.recovery.max_restarts:
             message = (
                 f"gave up after {tries} tries (recovery.maxRestarts "
                 f"{rset.spec.recovery.max_restarts}); last: {failed.message}. Fix the cause and "
                 "delete the failed pods, or raise maxRestarts"
             )
-            await self._patch(
+            rset = await self._patch(
                 rset,
-                {"recovery": _wire(recovery.model_copy(update={"tries": tries}))},
+                {"recovery": recovery.model_copy(update={"tries": tries})},
                 [
                     ConditionUpdate.of(
                         SetConditionType.DEGRADED.value, True, Reason.RESTARTS_EXHAUSTED, message
@@ -1157,16 +1152,25 @@ class RecoveryFlow:
                     ),
                 ],
             )
+            await self._failed_try_event(rset, failed)
             return None
         delay = min(MAX_BACKOFF_SECONDS, 2.0 ** min(tries, 10)) if counted else 1.0
         next_try = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=delay)
-        return await self._set_phase(
+        rset = await self._set_phase(
             rset,
             RecoveryPhase.BACKING_OFF,
             tries=tries,
             next_try_at=next_try,
             message=f"{failed.reason}: {failed.message}",
         )
+        await self._failed_try_event(rset, failed)
+        return rset
+
+    async def _failed_try_event(self, rset: RolloutSet, failed: RecoveryFailed) -> None:
+        """The failed try's Event, posted once the status that records it was written
+        (docs/design.md#69-who-writes-the-sets-status)."""
+        if self._on_transition is not None:
+            await self._on_transition(rset, failed.reason, failed.message, True)
 
     async def _back_off(self, rset: RolloutSet) -> RolloutSet:
         recovery = rset.status.recovery
@@ -1234,16 +1238,13 @@ async def repair_false_recovery(kube: Kube, namespace: str, name: str) -> Repair
     )
     body: dict[str, Any] = {"recovery": None}
     if is_true(status.conditions, SetConditionType.RECOVERING.value):
-        merged = merge_conditions(
+        body["conditions"] = merge_conditions(
             status.conditions,
             [ConditionUpdate.of(SetConditionType.RECOVERING.value, False, REPAIRED, message)],
             observed_generation=rset.metadata.generation,
         )
-        body["conditions"] = [_wire(c) for c in merged]
     try:
-        await kube.patch_set_status(
-            namespace, name, body, resource_version=rset.metadata.resource_version
-        )
+        await SetStatusWriter(kube, StatusOwner.RECOVERY).write(rset, body)
     except Conflict:
         return None  # written meanwhile; the next pass looks again
     logger.warning("RolloutSet %s/%s: %s", namespace, name, message)

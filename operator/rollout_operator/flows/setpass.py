@@ -10,7 +10,9 @@ flows. Here:
 
 While `status.recovery` is set the recovery flow owns pod creation and the Ready, Progressing
 and Degraded conditions; `reconcile_set` then only refreshes `status.participants` (with the
-pods of the recovery's target attempt).
+pods of the recovery's target attempt). The status is written through
+`cluster.statuswriter.SetStatusWriter` as the set pass, which owns the fields
+docs/design.md#69-who-writes-the-sets-status lists for it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from ..cluster.objects import (
     observe_pods,
     reconcile_pods,
 )
+from ..cluster.statuswriter import SetStatusWriter
 from ..decide.policy import checkpoint_views, parse_time
 from ..decide.queue import queue_holds
 from ..decide.resources import (
@@ -52,13 +55,13 @@ from ..model.api import (
     LABEL_STANDBY,
     MAX_REPLICAS,
     MAX_TEMPLATE_BYTES,
-    ParticipantStatus,
     RolloutSet,
     RolloutSetStatus,
     SetConditionType,
     StandbyStatus,
 )
 from ..model.conditions import ConditionUpdate, merge_conditions, utcnow
+from ..model.owners import StatusOwner
 from .state import LatestWritten
 
 logger = logging.getLogger(__name__)
@@ -143,23 +146,13 @@ class ReconcileOutcome:
     """(reason, message) of Warning Events to post once (the caller deduplicates)."""
 
 
-def _participants_wire(participants: list[ParticipantStatus]) -> list[dict[str, Any]]:
-    return [p.model_dump(mode="json", by_alias=True, exclude_none=True) for p in participants]
-
-
 async def _write_status(
     kube: Kube, obj: dict[str, Any], changes: dict[str, Any]
 ) -> ReconcileOutcome | None:
-    """Patch the keys of `changes` that differ; None when written or nothing to write."""
-    current = obj.get("status") or {}
-    delta = {k: v for k, v in changes.items() if current.get(k) != v}
-    if not delta:
-        return None
-    meta = obj["metadata"]
+    """Patch the keys of `changes` that differ, as the set pass (`SetStatusWriter`); None when
+    written or nothing to write, the conflict outcome when the write lost a race."""
     try:
-        await kube.patch_set_status(
-            meta["namespace"], meta["name"], delta, resource_version=meta.get("resourceVersion")
-        )
+        await SetStatusWriter(kube, StatusOwner.SET_PASS).write(obj, changes, delta_only=True)
     except Conflict:
         return ReconcileOutcome(conflict=True)
     return None
@@ -178,10 +171,7 @@ def _blocked_status(
         ],
         observed_generation=generation,
     )
-    return {
-        "observedGeneration": generation,
-        "conditions": [c.model_dump(mode="json", by_alias=True) for c in conditions],
-    }
+    return {"observedGeneration": generation, "conditions": conditions}
 
 
 async def _checkpoint_changes(
@@ -325,7 +315,7 @@ async def reconcile_set(
     pods = await observe_pods(kube, namespace, name)
     if status.recovery is not None:
         plan = plan_attempt(rset, status.recovery.target_attempt, pods)
-        shown = {"participants": _participants_wire(plan.participants)}
+        shown: dict[str, Any] = {"participants": plan.participants}
         return await write(shown, ReconcileOutcome())
 
     # A Kueue-queued set that was never admitted creates no pods (`queue.queue_holds`).
@@ -343,8 +333,8 @@ async def reconcile_set(
     changes: dict[str, Any] = {
         "observedGeneration": generation,
         "attempt": attempt,
-        "participants": _participants_wire(plan.participants),
-        "conditions": [c.model_dump(mode="json", by_alias=True) for c in conditions],
+        "participants": plan.participants,
+        "conditions": conditions,
     }
     # The attempt is up once every pod was created and was Ready together: a pod that fails
     # before that is the set's Degraded (nothing ran, nothing to recover), never a loss. (With
@@ -355,6 +345,6 @@ async def reconcile_set(
         changes["createdAttempt"] = attempt
     up = pods_created or "createdAttempt" in changes
     standby = await keep_standbys(kube, rset, attempt, plan if up else None)
-    changes["standby"] = None if standby is None else standby.model_dump(mode="json", by_alias=True)
+    changes["standby"] = standby
     warnings = tuple((RESERVED_VOLUME, note) for note in reserved_volume_notes(rset))
     return await write(changes, ReconcileOutcome(recheck_at=health.recheck_at, warnings=warnings))

@@ -128,3 +128,12 @@ def merge_conditions(
 def same_conditions(a: Sequence[Condition], b: Sequence[Condition]) -> bool:
     """Whether two lists say the same thing, so an unchanged status is not written again."""
     return [c.model_dump() for c in a] == [c.model_dump() for c in b]
+
+
+def same_but_generation(a: Sequence[Condition], b: Sequence[Condition]) -> bool:
+    """Whether two lists say the same thing but for their observedGeneration, so a spec change
+    alone does not rewrite conditions that did not change (the policy's and the queue's)."""
+    return same_conditions(
+        [c.model_copy(update={"observed_generation": None}) for c in a],
+        [c.model_copy(update={"observed_generation": None}) for c in b],
+    )
