@@ -132,3 +132,59 @@ async def test_a_corrupt_latest_checkpoint_falls_back_to_the_older_one(
     cluster.kubectl("delete", "rckpt", "newer", "-n", namespace, "--timeout=30s")
     gone = cluster.kubectl("get", "rckpt", "newer", "-n", namespace, check=False)
     assert gone.returncode != 0
+
+
+async def test_a_corrupt_only_checkpoint_falls_back_to_a_fresh_start(
+    cluster: Cluster,
+    namespace: str,
+    operator: OperatorProcess,
+    resources: Resources,
+    storage_dir: Path,
+) -> None:
+    """With no older Ready checkpoint to fall back to, the next try starts fresh: the recovery
+    forgets the damaged checkpoint's name (it is not restored again), every episode of the lost
+    attempt starts over, and each finishes exactly once."""
+    rset = example_set(
+        storage_dir,
+        extra_args={"model": ["--debug-hooks"]},
+        spec={"recovery": {"maxRestarts": 1, "restoreTimeoutSeconds": 90}},
+    )
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(rset))
+    ready = await resources.wait_set("Ready", lambda o: is_true(o, "Ready"), 90)
+    model = participants_by_role(ready)["model"][0]
+    specs = episode_specs(EPISODES, SEED)
+    held = specs[0].rollout_id
+    async with (
+        httpx.AsyncClient() as http,
+        rollout_set_topology("math-rl", namespace, kubeconfig=cluster.kubeconfig) as topology,
+    ):
+        debug = Debug(http, model["address"])
+        await debug.arm("token", held, index=HELD_AT_TOKEN)
+        client = RolloutClient(
+            topology, concurrency=EPISODES, restore_timeout_s=180, run_timeout_s=240
+        )
+        async with episodes_running(client, specs) as outcomes:
+            await debug.paused("token", held)
+            await checkpoint(cluster, namespace, resources, "only")
+            flip_a_byte(storage_dir, "only", "model-0")
+            assert await cluster.admin.kill_pod_async(namespace, model["pod"])
+            after = await resources.wait_set(
+                "Ready again, started fresh",
+                lambda o: (
+                    (o["status"].get("attempt") or 0) >= 2
+                    and is_true(o, "Ready")
+                    and not o["status"].get("recovery")
+                    and bool(o["status"].get("lastRecovery"))
+                ),
+                180,
+            )
+
+    failed = [o for o in outcomes if isinstance(o, EpisodeFailed)]
+    assert not failed, failed
+    results = {o.rollout_id: o for o in outcomes if isinstance(o, EpisodeResult)}
+    assert len(results) == EPISODES
+    assert results[held].continued_from is None, results[held]
+    assert "checkpoint" not in after["status"]["lastRecovery"], after["status"]["lastRecovery"]
+    assert condition(after, "Degraded") is None or condition(after, "Degraded")["status"] != "True"
+    only = await resources.checkpoint("only")
+    assert condition(only, "Ready")["reason"] == "RecordsInvalid"  # type: ignore[index]

@@ -182,6 +182,26 @@ async def test_one_wire_form_with_nulls_only_at_the_top_and_the_read_version() -
     assert written["status"]["attempt"] == 2
 
 
+async def test_a_model_field_set_back_to_none_is_deleted_from_the_stored_object() -> None:
+    """A model written whole replaces the stored one: a field it no longer has (a recovery
+    whose next try restores nothing, `checkpoint` None) is sent as null, or the merge patch
+    would keep the stored value and the next try would restore the old checkpoint."""
+    cluster = FakeCluster()
+    first = recovery().model_copy(update={"checkpoint": "rl-manual-1"})
+    obj = stored_set(cluster, attempt=1, recovery=api.dump(first))
+    rset = api.RolloutSet.model_validate(obj)
+    writer = SetStatusWriter(cluster.kube(), StatusOwner.RECOVERY)
+    fresh_start = first.model_copy(update={"checkpoint": None, "phase": RecoveryPhase.RESTORING})
+    written = await writer.write(rset, {"recovery": fresh_start})
+    assert written is not None
+    [body] = status_patches(cluster)
+    assert body["status"]["recovery"]["checkpoint"] is None
+    stored = api.RolloutSet.model_validate(written).status.recovery
+    assert stored is not None
+    assert stored.checkpoint is None
+    assert stored.phase is RecoveryPhase.RESTORING
+
+
 async def test_delta_only_writes_what_the_stored_status_does_not_show() -> None:
     cluster = FakeCluster()
     obj = stored_set(cluster, attempt=1, observedGeneration=2)

@@ -13,9 +13,10 @@ for its owner (`model.owners.StatusOwner`). The writer:
   flow's loop (a pass that decides again from what won).
 
 Explicit nulls: a top-level field set to None is sent as null, which deletes it (a merge patch
-has no other way to remove `status.recovery`); inside a model, None fields are left out (`dump`),
-so a nested object is merged into the stored one key by key and a list replaces the stored
-list. Events are the flows' business and are posted after the write returns.
+has no other way to remove `status.recovery`); a model is written whole (`replacing`): what the
+stored object has and the model no longer has is sent as null, so a field set back to None goes
+(a recovery's `checkpoint` when its next try starts fresh); a list replaces the stored list.
+Events are the flows' business and are posted after the write returns.
 """
 
 from __future__ import annotations
@@ -49,6 +50,17 @@ def wire(value: Any) -> Any:
     return value
 
 
+def replacing(stored: Any, written: Any) -> Any:
+    """`written` as a merge patch that replaces `stored` whole: every key `stored` has and
+    `written` lacks is sent as null (deleted), in nested objects too. A model is always written
+    whole, so a field it set back to None must go from the stored object as well."""
+    if not isinstance(stored, Mapping) or not isinstance(written, Mapping):
+        return written
+    patch = {key: replacing(stored.get(key), value) for key, value in written.items()}
+    patch.update({key: None for key in stored if key not in written})
+    return patch
+
+
 class SetStatusWriter:
     """Writes the set's status on behalf of one owner."""
 
@@ -74,7 +86,7 @@ class SetStatusWriter:
             name = obj.metadata.name
             version = obj.metadata.resource_version
             status = obj.status
-            shown: Mapping[str, Any] = dump(status) if delta_only else {}
+            shown: Mapping[str, Any] = dump(status)
         else:
             meta = obj["metadata"]
             namespace, name, version = meta["namespace"], meta["name"], meta.get("resourceVersion")
@@ -85,6 +97,9 @@ class SetStatusWriter:
             body = {key: value for key, value in body.items() if shown.get(key) != value}
         if not body:
             return None
+        for key, value in changes.items():
+            if isinstance(value, BaseModel) and key in body:
+                body[key] = replacing(shown.get(key), body[key])
         check_owner(self.owner, status, body)
         return await self._kube.patch_set_status(
             namespace, name, body, resource_version=resource_version or version
@@ -115,4 +130,4 @@ class SetStatusWriter:
         raise Conflict(f"set {rset.metadata.name}: {tries} status writes lost to others")
 
 
-__all__ = ["CONFLICT_TRIES", "SetGone", "SetStatusWriter", "wire"]
+__all__ = ["CONFLICT_TRIES", "SetGone", "SetStatusWriter", "replacing", "wire"]
