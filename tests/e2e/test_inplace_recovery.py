@@ -79,11 +79,25 @@ class MetricsOperator:
     metrics_url: str
 
 
+QUICK_WAITS = pytest.mark.operator_args(
+    "--inplace-retire-seconds", "10", "--restore-floor-seconds", "5"
+)
+"""The recovery's fixed waits (docs/operations.md, "Sizing") made short, for the tests that wait
+one of them out: a survivor that never retires, a restore that hangs."""
+
+
 @pytest.fixture
-def operator(cluster: Cluster, namespace: str, tmp_path: Path) -> Iterator[MetricsOperator]:
+def operator(
+    cluster: Cluster, namespace: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[MetricsOperator]:
     port = free_port()
+    marker = request.node.get_closest_marker("operator_args")
+    extra = [str(a) for a in marker.args] if marker is not None else []
     with running_operator(
-        cluster, [namespace], tmp_path / "operator.log", args=["--metrics-port", str(port)]
+        cluster,
+        [namespace],
+        tmp_path / "operator.log",
+        args=["--metrics-port", str(port), *extra],
     ) as process:
         yield MetricsOperator(process, f"http://127.0.0.1:{port}/metrics")
 
@@ -458,6 +472,7 @@ async def test_in_place_replaces_only_the_lost_pod(
     assert sample(found, "rollout_recovery_work_uncounted_participants_total", set=SET) == 1
 
 
+@QUICK_WAITS
 async def test_a_survivor_that_cannot_retire_falls_back_to_recreate(
     cluster: Cluster,
     namespace: str,
@@ -622,14 +637,16 @@ async def test_a_second_loss_during_an_in_place_restore_ends_in_one_attempt(
     assert "Traceback" not in operator.process.log.read_text(), operator.process.tail(60)
 
 
-FROZEN_RESTORE_TIMEOUT_S = 40
-"""Above the restore step's 30 s floor plus the pods' start, so the try's own deadline binds."""
+FROZEN_RESTORE_TIMEOUT_S = 20
+"""Above the restore step's floor (5 s under `QUICK_WAITS`) plus the pods' start, so the try's
+own deadline binds."""
 TRY_MARGIN_S = 5 + 2 * 2
 """docs/api.md: a call gives up 5 s after its deadline, then the retire and the resume of the
 participant that missed it wait at most 2 s each."""
 
 
 @pytest.mark.adversarial
+@QUICK_WAITS
 async def test_a_kept_pod_frozen_during_an_in_place_restore_ends_the_try_within_its_bound(
     cluster: Cluster,
     namespace: str,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from rollout_operator.decide.policy import Note
 from rollout_operator.flows.reconciler import policy_pass, set_pass
+from rollout_operator.flows.recovery import RecoveryWaits
 from rollout_operator.flows.state import OperatorState
 from rollout_operator.model import api
 from rollout_operator.model.api import RolloutSet
@@ -38,6 +39,7 @@ async def test_the_set_pass_remembers_in_the_state_it_is_handed(tmp_path: Path) 
             "math",
             state=state,
             max_replicas_per_role=api.MAX_REPLICAS,
+            recovery_waits=RecoveryWaits(),
             warned=set(),
             post_warning=lambda _rset, reason, message: warnings.append((reason, message)),
             on_transition=_no_transition,

@@ -27,7 +27,7 @@ from ..model.api import RolloutSet
 from .passloop import Next
 from .policypass import PolicyPass
 from .queuepass import QueuePass
-from .recovery import recover_if_needed, repair_false_recovery
+from .recovery import RecoveryWaits, recover_if_needed, repair_false_recovery
 from .repairs import repair_set_attempt
 from .setpass import reconcile_set
 from .state import OperatorState
@@ -47,6 +47,7 @@ async def set_pass(
     *,
     state: OperatorState,
     max_replicas_per_role: int,
+    recovery_waits: RecoveryWaits,
     warned: set[tuple[str, str]],
     post_warning: WarningSink,
     on_transition: TransitionSink,
@@ -70,7 +71,9 @@ async def set_pass(
             post_warning(
                 RolloutSet.model_validate(raw), false_recovery.reason, false_recovery.message
             )
-    look = await recover_if_needed(kube, namespace, name, on_transition=on_transition)
+    look = await recover_if_needed(
+        kube, namespace, name, on_transition=on_transition, waits=recovery_waits
+    )
     outcome = await reconcile_set(
         kube,
         namespace,

@@ -89,6 +89,7 @@ from ..model.conditions import (
     utcnow,
 )
 from ..model.owners import StatusOwner
+from ..model.settings import DEFAULT_RESTORE_FLOOR_SECONDS, DEFAULT_RETIRE_SECONDS
 from .watching import NoLongerHolds, while_holding
 
 logger = logging.getLogger(__name__)
@@ -130,8 +131,15 @@ CHECKPOINT_RECORDS_INVALID: Final = "RecordsInvalid"
 """Reason on a RolloutCheckpoint whose records failed verification at restore (Ready=False)."""
 
 
-RETIRE_SECONDS: Final = 30.0
-"""How long kept pods of an InPlace recovery may take to retire the lost attempt."""
+@dataclass(frozen=True)
+class RecoveryWaits:
+    """The recovery's fixed waits, set by the operator's options (`model/settings.py`): how
+    long the pods an InPlace recovery keeps may take to retire the lost attempt, and the least
+    time a restore or resume call gets when the try's own deadline is nearer."""
+
+    retire_seconds: float = DEFAULT_RETIRE_SECONDS
+    restore_floor_seconds: float = DEFAULT_RESTORE_FLOOR_SECONDS
+
 
 COUNT_RETIRE_SECONDS: Final = 5.0
 """How long a Recreate recovery waits for the pods it is about to delete to retire the lost
@@ -286,11 +294,13 @@ class RecoveryFlow:
         *,
         clock: Callable[[], float] = time.time,
         on_transition: Callable[[RolloutSet, str, str, bool], Awaitable[None]] | None = None,
+        waits: RecoveryWaits = RecoveryWaits(),
     ) -> None:
         self._kube = kube
         self._writer = SetStatusWriter(kube, StatusOwner.RECOVERY)
         self._clock = clock
         self._on_transition = on_transition
+        self._waits = waits
 
     # --- persistence --------------------------------------------------------------------------
 
@@ -595,7 +605,7 @@ class RecoveryFlow:
             rset,
             plan.kept,
             token,
-            seconds=RETIRE_SECONDS,
+            seconds=self._waits.retire_seconds,
             operation_id=f"in-place-a{source}-a{target}",
             lost_roles={role for role, _ in plan.replaced},
         )
@@ -898,7 +908,9 @@ class RecoveryFlow:
         peers = rewiring(rset, rset.status.participants, set(recovery.kept), adopted.values())
         checkpoint = recovery.checkpoint
         try:
-            deadline = max(self._try_deadline(rset), self._clock() + 30.0)
+            deadline = max(
+                self._try_deadline(rset), self._clock() + self._waits.restore_floor_seconds
+            )
             outcome = await self._while_pods_hold(
                 rset,
                 lambda: coordinator.restore(
@@ -950,7 +962,10 @@ class RecoveryFlow:
             checkpoint = recovery.checkpoint
             try:
                 resumed = await self._while_pods_hold(
-                    rset, lambda: coordinator.resume(checkpoint, self._clock() + 30.0)
+                    rset,
+                    lambda: coordinator.resume(
+                        checkpoint, self._clock() + self._waits.restore_floor_seconds
+                    ),
                 )
             finally:
                 for client in clients:
@@ -1288,6 +1303,7 @@ async def recover_if_needed(
     name: str,
     *,
     on_transition: Callable[[RolloutSet, str, str, bool], Awaitable[None]] | None = None,
+    waits: RecoveryWaits = RecoveryWaits(),
 ) -> RecoveryLook:
     """One look at the set: continue a recovery, or start one when a participant was lost
     (unless the set lost participants too often: see `churn`).
@@ -1298,7 +1314,7 @@ async def recover_if_needed(
     if raw is None or (raw.get("metadata") or {}).get("deletionTimestamp"):
         return RecoveryLook(ran=False)
     rset = RolloutSet.model_validate(raw)
-    flow = RecoveryFlow(kube, on_transition=on_transition)
+    flow = RecoveryFlow(kube, on_transition=on_transition, waits=waits)
     if rset.status.recovery is None:
         pods, nodes_of, lost_nodes = await observe(kube, rset)
         live = sum(1 for p in pods if not (p.terminating or p.finished))

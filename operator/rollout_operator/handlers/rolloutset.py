@@ -25,6 +25,7 @@ import kopf
 from .. import metrics
 from ..flows.passloop import STOP_BACKOFF_SECONDS, Next, PassLoop, Stopped
 from ..flows.reconciler import set_pass
+from ..flows.recovery import RecoveryWaits
 from ..model.api import (
     ANNOTATION_RETRY_RECOVERY,
     CHECKPOINT_SET_FIELD,
@@ -237,6 +238,10 @@ async def reconcile_loop(
                 name,
                 state=state,
                 max_replicas_per_role=options_of(memo).max_replicas_per_role,
+                recovery_waits=RecoveryWaits(
+                    retire_seconds=options_of(memo).inplace_retire_seconds,
+                    restore_floor_seconds=options_of(memo).restore_floor_seconds,
+                ),
                 warned=warned,
                 post_warning=_post_warning,
                 on_transition=_recovery_event,

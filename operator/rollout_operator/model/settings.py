@@ -50,6 +50,13 @@ starts when they run. Eviction and Deadline checkpoints (a pod's grace period, a
 time) never wait for this. A hundred sets checkpointing at once on one operator made every
 checkpoint slow (the operator's one event loop and the API server shared between them) and
 most failed their prepare deadline (bench/fleet.py)."""
+DEFAULT_RETIRE_SECONDS: Final = 30.0
+"""How long the pods an InPlace recovery keeps may take to retire the lost attempt before the
+try falls back to Recreate (`--inplace-retire-seconds`)."""
+DEFAULT_RESTORE_FLOOR_SECONDS: Final = 30.0
+"""The least time a recovery's restore (and its resume) call gets, even when the try's own
+deadline (`restoreTimeoutSeconds`) is nearer (`--restore-floor-seconds`): a slow pod start must
+not leave the restore no time at all."""
 DEFAULT_MAX_REPLICAS_PER_ROLE: Final = 256
 """The operator's default limit of `replicas` per role (the API allows up to `api.MAX_REPLICAS`;
 the chart's `operator.maxReplicasPerRole` sets it at install)."""
@@ -115,6 +122,8 @@ class RunOptions(BaseModel):
     worker_limit: int | None = Field(default=None, ge=1)
     max_replicas_per_role: int = Field(default=DEFAULT_MAX_REPLICAS_PER_ROLE, ge=1, le=MAX_REPLICAS)
     max_concurrent_checkpoints: int = Field(default=DEFAULT_MAX_CONCURRENT_CHECKPOINTS, ge=1)
+    inplace_retire_seconds: float = Field(default=DEFAULT_RETIRE_SECONDS, gt=0, le=3600)
+    restore_floor_seconds: float = Field(default=DEFAULT_RESTORE_FLOOR_SECONDS, gt=0, le=3600)
     leader_lease: str | None = Field(default=None, pattern=LEADER_LEASE_PATTERN)
     """`NAMESPACE/NAME` of the Lease that lets one operator process work at a time
     (`cluster/leader.py`); None: no leader election (a single process, or Kopf peering)."""
