@@ -24,25 +24,12 @@ import openai
 import pytest
 from engine_support import TOOL_CALL_TEXT, LlamaServer, ToolModel, write_tool_model
 from rollout_protocol import Coordinator, EpisodeId, HttpParticipantClient, Role
-from test_agent_apis import generation_record
+from test_agent_apis import CALCULATOR, RESPONSES_CALCULATOR, generation_record
 from test_engine_continuation import _binary, relay, stats
 from testsupport.server_processes import TOKEN, Debug, ServerProcess, deadline
 
 pytestmark = pytest.mark.protocol
 
-CALCULATOR: Any = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string"}},
-            "required": ["expression"],
-        },
-    },
-}
-RESPONSES_CALCULATOR: Any = {"type": "function", **CALCULATOR["function"]}
 QUESTION = "What is 12 times 7?"
 MAX_TOKENS = 32
 CALL = {"name": "calculator", "arguments": {"expression": "12*7"}}
