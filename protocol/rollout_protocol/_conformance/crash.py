@@ -8,7 +8,7 @@ share).
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from .._wire import (
     ErrorCode,
     Phase,
 )
-from .calls import _Conn, _connect, _expect, _new_id
+from .calls import Target, _Conn, _connect, _expect, _new_id
 from .counters import (
     _check_model_counts,
     _check_once,
@@ -75,6 +75,27 @@ def _strip(result: Any, volatile: Collection[str]) -> Any:
     return result
 
 
+@dataclass
+class _CrashRun:
+    """What the stages of one `check_crash_restore` share: its arguments, then the group's
+    attempt before the crash and the checkpoint taken in it (with the step counters then)."""
+
+    driver: EpisodeDriver
+    rids: list[str]
+    cid: str
+    checkpoint_root: Path
+    timeout_s: float
+    call_timeout_s: float
+    repeat_window_s: float
+    driver_grace_s: float
+    volatile_keys: Collection[str]
+    model: FakeModel | None
+    poll_interval_s: float
+    attempt: int = 0
+    before: dict[str, _Counts] = field(default_factory=dict)
+    commit: CommitOutcome | None = None
+
+
 async def check_crash_restore(
     driver: EpisodeDriver,
     *,
@@ -124,10 +145,39 @@ async def check_crash_restore(
     """
     rids = list(rollout_ids)
     _expect(STEPS, len(set(rids)) == len(rids) > 0, "rollout ids must be distinct", rids)
+    run = _CrashRun(
+        driver=driver,
+        rids=rids,
+        cid=_new_id("crash"),
+        checkpoint_root=checkpoint_root,
+        timeout_s=timeout_s,
+        call_timeout_s=call_timeout_s,
+        repeat_window_s=repeat_window_s,
+        driver_grace_s=driver_grace_s,
+        volatile_keys=volatile_keys,
+        model=model,
+        poll_interval_s=poll_interval_s,
+    )
+    await _checkpoint_then_crash(run)  # 1-3
+    await driver.restart(run.attempt + 1)
+    _check_driver_holds(model)
+    targets = list(driver.participants())
+    async with _connect(targets, call_timeout_s) as conns:
+        coordinator, workers = await _restore_after_crash(run, targets, conns)  # 4
+        results, after = await _finish_restored(run, conns, workers)  # 5-6
+        await _repeat_finished(run, conns, workers, results, after)  # 7
+        await _compare_with_uninterrupted(run, conns, results)  # 8
+        await _retire_first(run, coordinator)  # 9
+
+
+async def _checkpoint_then_crash(run: _CrashRun) -> None:
+    """Stages 1-3: episodes under the group's attempt held mid-way, checkpointed, their
+    `/run` repeated while held, then the group crashed (`run.attempt`, `run.before`,
+    `run.commit` are set on the way)."""
+    driver, rids, model = run.driver, run.rids, run.model
     runs = _FirstRuns()
-    cid = _new_id("crash")
     model_calls_from = 0 if model is None else len(model.log)
-    async with _connect(driver.participants(), call_timeout_s) as conns:
+    async with _connect(driver.participants(), run.call_timeout_s) as conns:
         statuses = [await conn.status(STEPS) for conn in conns]
         _check_spread(statuses, rids)
         workers = _multi_worker(conns, statuses)
@@ -136,7 +186,7 @@ async def check_crash_restore(
         repeats = {rid: _Repeat() for rid in repeated}
         attempts = {status.attempt for status in statuses}
         _expect(STEPS, len(attempts) == 1, "the group must run one attempt", sorted(attempts))
-        attempt = attempts.pop()
+        run.attempt = attempt = attempts.pop()
 
         async def first_run(rid: str) -> None:
             try:
@@ -162,69 +212,39 @@ async def check_crash_restore(
             if not runs.crashed:
                 repeat.done.set()
 
-        coordinator = Coordinator([conn.participant for conn in conns], call_timeout=call_timeout_s)
+        coordinator = Coordinator(
+            [conn.participant for conn in conns], call_timeout=run.call_timeout_s
+        )
         broke: ConformanceError | None = None  # raised outside the task group, as itself
         async with anyio.create_task_group() as episodes:
             try:
                 for rid in rids:
                     episodes.start_soon(first_run, rid)
-                mid_deadline = time.time() + timeout_s
-                try:  # the driver's own deadline comes first: its message is the diagnostic
-                    with anyio.move_on_after(timeout_s + driver_grace_s) as waited:
-                        await driver.wait_mid_episode(rids, mid_deadline)
-                except Exception as error:
-                    if model is not None:  # a server that names no call cannot be held
-                        _check_fake_model_headers(model, model_calls_from, rids, attempt, False)
-                    raise ConformanceError(
-                        STEPS,
-                        f"episodes {rids} must reach the middle under attempt {attempt}",
-                        f"wait_mid_episode raised {type(error).__name__}: {error}; episode "
-                        f"failures: {runs.failures}",
-                        fault=f"{DRIVER}, or the participant if the episodes failed",
-                    ) from error
-                if waited.cancelled_caught:
-                    raise ConformanceError(
-                        STEPS,
-                        f"episodes {rids} must reach the middle under attempt {attempt}",
-                        f"wait_mid_episode neither returned nor raised within {driver_grace_s}s "
-                        f"after its deadline; episode failures: {runs.failures}",
-                        fault=DRIVER,
-                        fix="raise at deadline_ts, saying what was awaited",
-                    )
-                _expect(
-                    STEPS,
-                    not runs.failures and not runs.finished,
-                    "episodes must stay mid-way until the crash",
-                    f"failed: {runs.failures}, finished: {runs.finished}",
-                )
+                await _wait_mid_episode(run, runs, model_calls_from)
                 held_counts = {c.target.name: await _counters(c, repeated) for c in conns}
                 # The repeated /run goes out before the checkpoint, whose round trips to the
                 # same servers give it time to be refused (a window that grows with their load).
                 for rid in repeated:
                     episodes.start_soon(repeated_run, rid)
-                before, commit = await _checkpoint(coordinator, conns, cid, rids, call_timeout_s)
+                run.before, run.commit = await _checkpoint(
+                    coordinator, conns, run.cid, rids, run.call_timeout_s
+                )
+                before = run.before
                 _check_one_episode(held_counts, before, repeated, attempt, workers)
                 _check_model_counts(conns, before, rids, attempt)
                 if model is not None:
                     _check_fake_model_headers(model, model_calls_from, rids, attempt)
                 await _watch_repeats(
-                    conns, held_counts, repeats, attempt, workers, repeat_window_s, poll_interval_s
+                    conns,
+                    held_counts,
+                    repeats,
+                    attempt,
+                    workers,
+                    run.repeat_window_s,
+                    run.poll_interval_s,
                 )
                 _check_once(before, rids)
-                for rid, repeat in repeats.items():
-                    if repeat.outcome is None:
-                        continue
-                    raise ConformanceError(
-                        RUN_LIVE if rid == rids[0] else WORKERS_REPEAT,
-                        f"a repeated /run of the live episode {rid}@{attempt}"
-                        f"{_held_by(rid, workers)} must attach to it",
-                        repeat.outcome,
-                        fault=DRIVER if repeat.driver_error else PARTICIPANT,
-                        fix="raise RunRefused for an error reply"
-                        if repeat.driver_error
-                        else "when runtime.find(rollout_id) is live under this attempt (and task), "
-                        "await episode.ended.wait() and answer the result it finished with",
-                    )
+                _check_repeats_attached(run, repeats, workers)
                 runs.crashed = True
                 await driver.crash()
                 if model is not None:
@@ -235,140 +255,237 @@ async def check_crash_restore(
         if broke is not None:
             raise broke
 
-    await driver.restart(attempt + 1)
-    _check_driver_holds(model)
-    targets = list(driver.participants())
-    async with _connect(targets, call_timeout_s) as conns:
-        statuses = []
-        for conn in conns:
-            status = await conn.status(STEPS)
-            statuses.append(status)
-            _expect(
-                STEPS,
-                status.attempt == attempt + 1 and status.phase is Phase.IDLE,
-                f"after the restart {conn.target.name} must be idle under attempt {attempt + 1}",
-                f"attempt {status.attempt}, phase {status.phase.value}",
-            )
-        await check_restore_all_or_nothing(
-            targets,
-            checkpoint_root=checkpoint_root,
-            checkpoint_id=cid,
-            attempt=attempt + 1,
-            call_timeout_s=call_timeout_s,
+
+async def _wait_mid_episode(run: _CrashRun, runs: _FirstRuns, model_calls_from: int) -> None:
+    """Stage 1: the driver's `wait_mid_episode`, its own deadline first (its message is the
+    diagnostic); then every episode must still be running."""
+    rids, attempt, model = run.rids, run.attempt, run.model
+    mid_deadline = time.time() + run.timeout_s
+    try:  # the driver's own deadline comes first: its message is the diagnostic
+        with anyio.move_on_after(run.timeout_s + run.driver_grace_s) as waited:
+            await run.driver.wait_mid_episode(rids, mid_deadline)
+    except Exception as error:
+        if model is not None:  # a server that names no call cannot be held
+            _check_fake_model_headers(model, model_calls_from, rids, attempt, False)
+        raise ConformanceError(
+            STEPS,
+            f"episodes {rids} must reach the middle under attempt {attempt}",
+            f"wait_mid_episode raised {type(error).__name__}: {error}; episode "
+            f"failures: {runs.failures}",
+            fault=f"{DRIVER}, or the participant if the episodes failed",
+        ) from error
+    if waited.cancelled_caught:
+        raise ConformanceError(
+            STEPS,
+            f"episodes {rids} must reach the middle under attempt {attempt}",
+            f"wait_mid_episode neither returned nor raised within {run.driver_grace_s}s "
+            f"after its deadline; episode failures: {runs.failures}",
+            fault=DRIVER,
+            fix="raise at deadline_ts, saying what was awaited",
         )
-        coordinator = Coordinator([conn.participant for conn in conns], call_timeout=call_timeout_s)
-        # NeMo Gym's restore has no scope: participants that all speak it restore every record
-        # (the checkpoint holds exactly the rollouts, `_checkpoint` checked)
-        gym_only = all(conn.target.dialect is Dialect.GYM for conn in conns)
-        restored = await coordinator.restore(
-            cid, attempt + 1, time.time() + call_timeout_s, None if gym_only else rids
-        )
-        _expect(
-            RESTORE,
-            restored.ok,
-            f"after the refused damaged copies, the intact {cid} must restore under "
-            f"attempt {attempt + 1}",
-            "; ".join(str(failure) for failure in restored.failures),
-        )
-        workers = _multi_worker(conns, statuses)
-        pooled = {status.instance for status in statuses if status.workers > 1}
-        for instance, manifest in commit.manifests.items():
-            _expect(
-                WORKERS_RESTORE if instance in pooled else RESTORE,
-                restored.restored.get(instance) == manifest.record_count,
-                f"{instance} must install the {manifest.record_count} records it committed"
-                + (" (in every worker)" if instance in pooled else ""),
-                restored.restored.get(instance),
-            )
-        resumed = await coordinator.resume(cid, time.time() + call_timeout_s)
-        _expect(
-            PHASES_RESUME,
-            not resumed.failures,
-            f"resume of restored {cid} must succeed everywhere",
-            "; ".join(str(failure) for failure in resumed.failures),
-        )
-        mismatch = {ErrorCode.ATTEMPT_MISMATCH.value: 409}
-        await _run_refused(
-            driver, RUN_ATTEMPT, rids[0], attempt + 2, mismatch, "an attempt not running yet"
-        )
-        _check_driver_holds(model)
-        old = {**mismatch, ErrorCode.ATTEMPT_RETIRED.value: 410}
-        await _run_refused(driver, RUN_ATTEMPT, rids[0], attempt, old, "the crashed attempt")
-        _check_driver_holds(model)
-        results = await _run_all(driver, rids, attempt + 1, timeout_s, "restored episode", model)
-        after = {conn.target.name: await _counters(conn, rids) for conn in conns}
-        _check_restored_workers(workers, before, after, rids, attempt)
-        _compare_counts(before, after, rids, attempt)
-        _check_once(after, rids)
-        started = {name: _ran(counts, rids[0], attempt + 2) for name, counts in after.items()}
-        _expect(
-            RUN_ATTEMPT,
-            not any(started.values()),
-            f"the refused /run {rids[0]}@{attempt + 2} must start nothing",
-            f"steps counted under attempt {attempt + 2}: {started}",
+    _expect(
+        STEPS,
+        not runs.failures and not runs.finished,
+        "episodes must stay mid-way until the crash",
+        f"failed: {runs.failures}, finished: {runs.finished}",
+    )
+
+
+def _check_repeats_attached(
+    run: _CrashRun, repeats: Mapping[str, _Repeat], workers: Mapping[str, int]
+) -> None:
+    """Stage 2: a repeated `/run` of a held episode must still be attached to it, neither
+    refused nor answered (`run.repeat-live`; `workers.repeat-run` in every other worker)."""
+    for rid, repeat in repeats.items():
+        if repeat.outcome is None:
+            continue
+        raise ConformanceError(
+            RUN_LIVE if rid == run.rids[0] else WORKERS_REPEAT,
+            f"a repeated /run of the live episode {rid}@{run.attempt}"
+            f"{_held_by(rid, workers)} must attach to it",
+            repeat.outcome,
+            fault=DRIVER if repeat.driver_error else PARTICIPANT,
+            fix="raise RunRefused for an error reply"
+            if repeat.driver_error
+            else "when runtime.find(rollout_id) is live under this attempt (and task), "
+            "await episode.ended.wait() and answer the result it finished with",
         )
 
-        repeated = rids if workers else rids[:1]
-        again = await _run_all(driver, repeated, attempt + 1, timeout_s, "repeated /run", model)
-        for rid in repeated:
-            rule = RUN_FINISHED if rid == rids[0] else WORKERS_REPEAT
-            held = _held_by(rid, workers)
+
+async def _restore_after_crash(
+    run: _CrashRun, targets: Sequence[Target], conns: Sequence[_Conn]
+) -> tuple[Coordinator, dict[str, int]]:
+    """Stage 4: the restarted group idle under attempt + 1; damaged copies refused, then the
+    checkpoint restored in full and resumed. The coordinator and the multi-worker targets."""
+    attempt, cid = run.attempt, run.cid
+    statuses = []
+    for conn in conns:
+        status = await conn.status(STEPS)
+        statuses.append(status)
+        _expect(
+            STEPS,
+            status.attempt == attempt + 1 and status.phase is Phase.IDLE,
+            f"after the restart {conn.target.name} must be idle under attempt {attempt + 1}",
+            f"attempt {status.attempt}, phase {status.phase.value}",
+        )
+    await check_restore_all_or_nothing(
+        targets,
+        checkpoint_root=run.checkpoint_root,
+        checkpoint_id=cid,
+        attempt=attempt + 1,
+        call_timeout_s=run.call_timeout_s,
+    )
+    coordinator = Coordinator([conn.participant for conn in conns], call_timeout=run.call_timeout_s)
+    # NeMo Gym's restore has no scope: participants that all speak it restore every record
+    # (the checkpoint holds exactly the rollouts, `_checkpoint` checked)
+    gym_only = all(conn.target.dialect is Dialect.GYM for conn in conns)
+    restored = await coordinator.restore(
+        cid, attempt + 1, time.time() + run.call_timeout_s, None if gym_only else run.rids
+    )
+    _expect(
+        RESTORE,
+        restored.ok,
+        f"after the refused damaged copies, the intact {cid} must restore under "
+        f"attempt {attempt + 1}",
+        "; ".join(str(failure) for failure in restored.failures),
+    )
+    workers = _multi_worker(conns, statuses)
+    pooled = {status.instance for status in statuses if status.workers > 1}
+    assert run.commit is not None, "the checkpoint was committed before the crash"
+    for instance, manifest in run.commit.manifests.items():
+        _expect(
+            WORKERS_RESTORE if instance in pooled else RESTORE,
+            restored.restored.get(instance) == manifest.record_count,
+            f"{instance} must install the {manifest.record_count} records it committed"
+            + (" (in every worker)" if instance in pooled else ""),
+            restored.restored.get(instance),
+        )
+    resumed = await coordinator.resume(cid, time.time() + run.call_timeout_s)
+    _expect(
+        PHASES_RESUME,
+        not resumed.failures,
+        f"resume of restored {cid} must succeed everywhere",
+        "; ".join(str(failure) for failure in resumed.failures),
+    )
+    return coordinator, workers
+
+
+async def _finish_restored(
+    run: _CrashRun, conns: Sequence[_Conn], workers: Mapping[str, int]
+) -> tuple[dict[str, Any], dict[str, _Counts]]:
+    """Stages 5-6: `/run` under N + 2 and N refused, then every restored episode run to its
+    end under N + 1 and the counters compared with those at the checkpoint. The results, and
+    the counters after."""
+    driver, rids, attempt, model = run.driver, run.rids, run.attempt, run.model
+    mismatch = {ErrorCode.ATTEMPT_MISMATCH.value: 409}
+    await _run_refused(
+        driver, RUN_ATTEMPT, rids[0], attempt + 2, mismatch, "an attempt not running yet"
+    )
+    _check_driver_holds(model)
+    old = {**mismatch, ErrorCode.ATTEMPT_RETIRED.value: 410}
+    await _run_refused(driver, RUN_ATTEMPT, rids[0], attempt, old, "the crashed attempt")
+    _check_driver_holds(model)
+    results = await _run_all(driver, rids, attempt + 1, run.timeout_s, "restored episode", model)
+    after = {conn.target.name: await _counters(conn, rids) for conn in conns}
+    _check_restored_workers(workers, run.before, after, rids, attempt)
+    _compare_counts(run.before, after, rids, attempt)
+    _check_once(after, rids)
+    started = {name: _ran(counts, rids[0], attempt + 2) for name, counts in after.items()}
+    _expect(
+        RUN_ATTEMPT,
+        not any(started.values()),
+        f"the refused /run {rids[0]}@{attempt + 2} must start nothing",
+        f"steps counted under attempt {attempt + 2}: {started}",
+    )
+    return results, after
+
+
+async def _repeat_finished(
+    run: _CrashRun,
+    conns: Sequence[_Conn],
+    workers: Mapping[str, int],
+    results: Mapping[str, Any],
+    after: Mapping[str, _Counts],
+) -> None:
+    """Stage 7: a repeated `/run` of a finished episode answers its result and runs no step
+    (`run.repeat-finished`; `workers.repeat-run` in every other worker)."""
+    rids, attempt = run.rids, run.attempt
+    repeated = rids if workers else rids[:1]
+    again = await _run_all(
+        run.driver, repeated, attempt + 1, run.timeout_s, "repeated /run", run.model
+    )
+    for rid in repeated:
+        rule = RUN_FINISHED if rid == rids[0] else WORKERS_REPEAT
+        held = _held_by(rid, workers)
+        _expect(
+            rule,
+            again[rid] == results[rid],
+            f"a repeated /run of the finished {rid}@{attempt + 1}{held} must answer its result",
+            f"first {str(results[rid])[:200]}, then {str(again[rid])[:200]}",
+        )
+        for conn in conns:
+            now = await _counters(conn, [rid])
             _expect(
                 rule,
-                again[rid] == results[rid],
-                f"a repeated /run of the finished {rid}@{attempt + 1}{held} must answer its result",
-                f"first {str(results[rid])[:200]}, then {str(again[rid])[:200]}",
+                now.get(rid) == after[conn.target.name].get(rid),
+                f"a repeated /run of the finished {rid}@{attempt + 1}{held} must run no "
+                f"step on {conn.target.name} (keep finished results and answer them again)",
+                f"counters before {after[conn.target.name].get(rid)}, after {now.get(rid)}",
             )
-            for conn in conns:
-                now = await _counters(conn, [rid])
-                _expect(
-                    rule,
-                    now.get(rid) == after[conn.target.name].get(rid),
-                    f"a repeated /run of the finished {rid}@{attempt + 1}{held} must run no "
-                    f"step on {conn.target.name} (keep finished results and answer them again)",
-                    f"counters before {after[conn.target.name].get(rid)}, after {now.get(rid)}",
-                )
 
-        twin_ids = [rid + UNINTERRUPTED_SUFFIX for rid in rids]
-        twins = await _run_all(
-            driver, twin_ids, attempt + 1, timeout_s, "uninterrupted episode", model
-        )
-        _check_once({conn.target.name: await _counters(conn, twin_ids) for conn in conns}, twin_ids)
-        if model is not None:
-            _check_prompts(model, rids, attempt + 1)
-        differ = {
-            rid: (
-                _strip(results[rid], volatile_keys),
-                _strip(twins[rid + UNINTERRUPTED_SUFFIX], volatile_keys),
-            )
-            for rid in rids
-            if _strip(results[rid], volatile_keys)
-            != _strip(twins[rid + UNINTERRUPTED_SUFFIX], volatile_keys)
-        }
-        _expect(
-            STATE,
-            not differ,
-            "an episode continued after the crash must end as an uninterrupted run of its task "
-            "(state kept outside the boundaries is lost at a restore: put it in the Boundary's "
-            "JSON)",
-            "; ".join(f"{rid}: restored {r}, uninterrupted {u}" for rid, (r, u) in differ.items()),
-        )
 
-        retired = await coordinator.retire(attempt + 1, rids[:1], time.time() + call_timeout_s)
-        _expect(
-            RUN_RETIRED,
-            not retired.failures,
-            f"the retire of {rids[0]}@{attempt + 1} must succeed",
-            "; ".join(str(failure) for failure in retired.failures),
+async def _compare_with_uninterrupted(
+    run: _CrashRun, conns: Sequence[_Conn], results: Mapping[str, Any]
+) -> None:
+    """Stage 8: `<id>-uninterrupted` run under N + 1; the restored episodes must end as they
+    did (`state.in-boundary`) and, with the kit's model, ask its prompts
+    (`model.same-prompts`)."""
+    rids, attempt, model, volatile_keys = run.rids, run.attempt, run.model, run.volatile_keys
+    twin_ids = [rid + UNINTERRUPTED_SUFFIX for rid in rids]
+    twins = await _run_all(
+        run.driver, twin_ids, attempt + 1, run.timeout_s, "uninterrupted episode", model
+    )
+    _check_once({conn.target.name: await _counters(conn, twin_ids) for conn in conns}, twin_ids)
+    if model is not None:
+        _check_prompts(model, rids, attempt + 1)
+    differ = {
+        rid: (
+            _strip(results[rid], volatile_keys),
+            _strip(twins[rid + UNINTERRUPTED_SUFFIX], volatile_keys),
         )
-        await _run_refused(
-            driver,
-            RUN_RETIRED,
-            rids[0],
-            attempt + 1,
-            {ErrorCode.ATTEMPT_RETIRED.value: 410},
-            "retired",
-        )
+        for rid in rids
+        if _strip(results[rid], volatile_keys)
+        != _strip(twins[rid + UNINTERRUPTED_SUFFIX], volatile_keys)
+    }
+    _expect(
+        STATE,
+        not differ,
+        "an episode continued after the crash must end as an uninterrupted run of its task "
+        "(state kept outside the boundaries is lost at a restore: put it in the Boundary's "
+        "JSON)",
+        "; ".join(f"{rid}: restored {r}, uninterrupted {u}" for rid, (r, u) in differ.items()),
+    )
+
+
+async def _retire_first(run: _CrashRun, coordinator: Coordinator) -> None:
+    """Stage 9: the first rollout retired under N + 1; its `/run` must be refused with 410
+    (`run.retired`)."""
+    rids, attempt = run.rids, run.attempt
+    retired = await coordinator.retire(attempt + 1, rids[:1], time.time() + run.call_timeout_s)
+    _expect(
+        RUN_RETIRED,
+        not retired.failures,
+        f"the retire of {rids[0]}@{attempt + 1} must succeed",
+        "; ".join(str(failure) for failure in retired.failures),
+    )
+    await _run_refused(
+        run.driver,
+        RUN_RETIRED,
+        rids[0],
+        attempt + 1,
+        {ErrorCode.ATTEMPT_RETIRED.value: 410},
+        "retired",
+    )
 
 
 async def _checkpoint(
