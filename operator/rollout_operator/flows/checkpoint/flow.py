@@ -178,7 +178,6 @@ class CheckpointFlow:
         context = self._context
         kube = context.kube
         namespace = ckpt.metadata.namespace or "default"
-        name = ckpt.metadata.name
         in_flight = ckpt.status.phase in IN_FLIGHT
         # A status reset by a user must never run a published checkpoint again (class 2).
         if not in_flight and (repaired := await repair_published_checkpoint(kube, ckpt)):
@@ -200,17 +199,7 @@ class CheckpointFlow:
                     context, self._slots, ckpt, in_flight
                 )
                 rset = await (held_slot(context, ckpt) if in_flight else take_slot(context, ckpt))
-            token = await read_control_token(kube, namespace, rset.metadata.name)
-            if token is None:
-                raise CheckpointFailed(
-                    Reason.SET_NOT_READY,
-                    f"the control-token Secret of set {rset.metadata.name} is missing",
-                )
-            participants = self._participants_factory(rset, token)
-            if not participants:
-                raise CheckpointFailed(
-                    Reason.SET_NOT_READY, f"set {rset.metadata.name} shows no participant address"
-                )
+            participants = await self._participants(namespace, rset)
             coordinator = Coordinator(participants)
             run = CheckpointRun(
                 context,
@@ -226,40 +215,13 @@ class CheckpointFlow:
         except anyio.get_cancelled_exc_class():
             # Deleted: participants must not stay paused until their leases lapse, and the
             # set's slot must be free for the next checkpoint. Bounded, so a hung participant
-            # never holds the deletion. (An operator that stops hands the checkpoint over
-            # instead: cancelled without aborting, see handlers/rolloutcheckpoint.py.)
+            # never holds the deletion.
             if coordinator is not None and not published and abort_when_cancelled():
-                with (
-                    anyio.CancelScope(shield=True),
-                    anyio.move_on_after(context.settings.abort_timeout_seconds + 5.0),
-                ):
-                    logger.warning("checkpoint %s cancelled: aborting it", name)
-                    await abort(context, coordinator, ckpt)
-                    await release_slot(context, ckpt)
-                    # Its id is stale on every participant now: it can never be published.
-                    await write_failed(
-                        context,
-                        ckpt,
-                        CheckpointFailed(
-                            Reason.ABORTED,
-                            "aborted before it was published (the checkpoint was deleted); "
-                            "every participant was resumed",
-                        ),
-                    )
+                await self._abort_deleted(coordinator, ckpt)
             raise
         except CheckpointFailed as failed:
             published = published or ckpt.status.phase is CheckpointPhase.RESUMING
-            if coordinator is not None and not published:
-                await abort(context, coordinator, ckpt)
-            await release_slot(context, ckpt)
-            if published:
-                # Ready already (records complete and published): never taken back.
-                logger.warning("checkpoint %s: %s", name, failed.message)
-                await enter_phase(
-                    context, ckpt, CheckpointPhase.READY, completed_at=datetime.now(UTC)
-                )
-            else:
-                await write_failed(context, ckpt, failed)
+            await self._end_failed(coordinator, ckpt, failed, published=published)
         finally:
             if holds_operator_slot:
                 assert self._slots is not None
@@ -267,3 +229,62 @@ class CheckpointFlow:
             for participant in participants:
                 await participant.aclose()
         return ckpt.status.phase
+
+    async def _participants(self, namespace: str, rset: RolloutSet) -> list[HttpParticipantClient]:
+        """The coordinator's clients: one per participant of the set, with its token."""
+        token = await read_control_token(self._context.kube, namespace, rset.metadata.name)
+        if token is None:
+            raise CheckpointFailed(
+                Reason.SET_NOT_READY,
+                f"the control-token Secret of set {rset.metadata.name} is missing",
+            )
+        participants = self._participants_factory(rset, token)
+        if not participants:
+            raise CheckpointFailed(
+                Reason.SET_NOT_READY, f"set {rset.metadata.name} shows no participant address"
+            )
+        return participants
+
+    async def _abort_deleted(self, coordinator: Coordinator, ckpt: RolloutCheckpoint) -> None:
+        """A checkpoint deleted before it was published: every participant resumed, the slot
+        freed and Failed written, bounded, shielded from the cancellation. (An operator that
+        stops hands the checkpoint over instead: cancelled without aborting, see
+        handlers/rolloutcheckpoint.py.)"""
+        context = self._context
+        with (
+            anyio.CancelScope(shield=True),
+            anyio.move_on_after(context.settings.abort_timeout_seconds + 5.0),
+        ):
+            logger.warning("checkpoint %s cancelled: aborting it", ckpt.metadata.name)
+            await abort(context, coordinator, ckpt)
+            await release_slot(context, ckpt)
+            # Its id is stale on every participant now: it can never be published.
+            await write_failed(
+                context,
+                ckpt,
+                CheckpointFailed(
+                    Reason.ABORTED,
+                    "aborted before it was published (the checkpoint was deleted); "
+                    "every participant was resumed",
+                ),
+            )
+
+    async def _end_failed(
+        self,
+        coordinator: Coordinator | None,
+        ckpt: RolloutCheckpoint,
+        failed: CheckpointFailed,
+        *,
+        published: bool,
+    ) -> None:
+        """How a failed step ends the run: before publish, abort and write Failed; after it,
+        Ready stays (records complete and published: never taken back)."""
+        context = self._context
+        if coordinator is not None and not published:
+            await abort(context, coordinator, ckpt)
+        await release_slot(context, ckpt)
+        if published:
+            logger.warning("checkpoint %s: %s", ckpt.metadata.name, failed.message)
+            await enter_phase(context, ckpt, CheckpointPhase.READY, completed_at=datetime.now(UTC))
+        else:
+            await write_failed(context, ckpt, failed)
