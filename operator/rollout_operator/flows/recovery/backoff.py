@@ -31,6 +31,7 @@ from .context import (
     logger,
     patch,
     read_set,
+    recovery_of,
     set_phase,
 )
 from .stopping import fall_back
@@ -48,6 +49,8 @@ async def on_failed_try(
 async def try_failed(
     context: RecoveryContext, rset: RolloutSet | None, failed: RecoveryFailed
 ) -> RolloutSet | None:
+    """A failed try, on the set read again: counted (unless the checkpoint was invalid), then
+    BackingOff until the next one; past maxRestarts, Degraded and None (the run ends)."""
     if rset is None:
         return None
     namespace = rset.metadata.namespace or "default"
@@ -55,8 +58,7 @@ async def try_failed(
     if fresh is None or fresh.status.recovery is None:
         return fresh
     rset = fresh
-    recovery = rset.status.recovery
-    assert recovery is not None
+    recovery = recovery_of(rset)
     # A checkpoint whose records failed verification is not the pods' fault: the next try
     # restores another checkpoint, and every invalid one is tried at most once.
     counted = failed.reason != Reason.CHECKPOINT_INVALID
@@ -112,8 +114,9 @@ async def failed_try_event(
 
 
 async def back_off(context: RecoveryContext, rset: RolloutSet) -> RolloutSet:
-    recovery = rset.status.recovery
-    assert recovery is not None
+    """BackingOff: wait until `nextTryAt`, then the next try under a newer attempt
+    (StoppingAttempt), Recreate from now on."""
+    recovery = recovery_of(rset)
     if recovery.next_try_at is not None:
         wait = recovery.next_try_at.timestamp() - context.clock()
         if wait > 0:
@@ -126,8 +129,7 @@ async def back_off(context: RecoveryContext, rset: RolloutSet) -> RolloutSet:
         rset = await fall_back(
             context, rset, f"the InPlace try failed: {recovery.message or 'see events'}"
         )
-        recovery = rset.status.recovery
-        assert recovery is not None
+        recovery = recovery_of(rset)
     return await set_phase(
         context, rset, RecoveryPhase.STOPPING_ATTEMPT, target_attempt=recovery.target_attempt + 1
     )

@@ -38,6 +38,7 @@ from .context import (
     logger,
     patch,
     read_set,
+    recovery_of,
     set_phase,
     try_deadline,
 )
@@ -54,8 +55,7 @@ async def adopt_standbys(context: RecoveryContext, rset: RolloutSet) -> RolloutS
     instance's identity and peers. Only when a checkpoint will be restored (the restore is
     what re-identifies it). Idempotent: after an operator restart the annotation says which
     pods were adopted, and `recovery.adopted` is written from it."""
-    recovery = rset.status.recovery
-    assert recovery is not None
+    recovery = recovery_of(rset)
     target = recovery.target_attempt
     if not rset.spec.standby.wanted() and not recovery.adopted:
         return rset
@@ -109,9 +109,11 @@ async def adopt_standbys(context: RecoveryContext, rset: RolloutSet) -> RolloutS
 
 
 async def start_pods(context: RecoveryContext, rset: RolloutSet) -> RolloutSet:
+    """StartingPods: adopt Ready standbys, create the rest of the target attempt's pods and
+    wait for all of them to be Ready within the try's restoreTimeoutSeconds; then write the
+    participants and Restoring with the checkpoint to restore (None: a fresh start)."""
     rset = await adopt_standbys(context, rset)
-    recovery = rset.status.recovery
-    assert recovery is not None
+    recovery = recovery_of(rset)
     target = recovery.target_attempt
     deadline = try_deadline(rset)
     while True:

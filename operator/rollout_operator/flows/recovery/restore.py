@@ -53,6 +53,7 @@ from .context import (
     patch,
     phase_seconds_until,
     read_checkpoint,
+    recovery_of,
     set_phase,
     try_deadline,
 )
@@ -79,8 +80,7 @@ async def still_restorable(context: RecoveryContext, rset: RolloutSet) -> Rollou
     checkpoint of this set. Anything else (written by hand: another set's checkpoint, a
     Failed or missing one) is replaced by the newest Ready one (or a fresh start), with an
     Event, before a restore could fail on it and mark it invalid."""
-    recovery = rset.status.recovery
-    assert recovery is not None
+    recovery = recovery_of(rset)
     if recovery.checkpoint is None:
         return rset
     ckpt = await read_checkpoint(context, rset, recovery.checkpoint)
@@ -101,9 +101,10 @@ async def still_restorable(context: RecoveryContext, rset: RolloutSet) -> Rollou
 
 
 async def restore(context: RecoveryContext, rset: RolloutSet) -> RolloutSet:
+    """Restoring: the checkpoint (checked against the cluster first) into every participant
+    at once under the target attempt, all or nothing; then write Resuming."""
     rset = await still_restorable(context, rset)
-    recovery = rset.status.recovery
-    assert recovery is not None
+    recovery = recovery_of(rset)
     if recovery.checkpoint is None:
         return await set_phase(context, rset, RecoveryPhase.RESUMING)
     coordinator, clients = await context.coordinator(rset)
@@ -159,8 +160,9 @@ async def restore(context: RecoveryContext, rset: RolloutSet) -> RolloutSet:
 
 
 async def resume(context: RecoveryContext, rset: RolloutSet) -> RolloutSet | None:
-    recovery = rset.status.recovery
-    assert recovery is not None
+    """Resuming: resume the restored participants, then end the recovery in one write
+    (`attempt` is the target, `lastRecovery`, the conditions) and post its Event."""
+    recovery = recovery_of(rset)
     if recovery.checkpoint is not None:
         coordinator, clients = await context.coordinator(rset)
         checkpoint = recovery.checkpoint
@@ -220,8 +222,7 @@ async def while_pods_hold(
     """Run a restore or resume step, cancelled as soon as a pod of the target attempt is
     lost: the next try starts at once instead of after the step's deadline (a call to a
     dead pod retries until then)."""
-    recovery = rset.status.recovery
-    assert recovery is not None
+    recovery = recovery_of(rset)
     target = recovery.target_attempt
 
     async def lost() -> str | None:

@@ -48,6 +48,7 @@ from .context import (
     RecoveryContext,
     logger,
     patch,
+    recovery_of,
     set_phase,
 )
 from .loss import find_losses, observe
@@ -67,15 +68,16 @@ def reported_losses(retired: RetireOutcome) -> list[LostWorkReport]:
 
 
 async def stop_attempt(context: RecoveryContext, rset: RolloutSet) -> RolloutSet:
-    recovery = rset.status.recovery
-    assert recovery is not None
+    """StoppingAttempt: stop the lost attempt (InPlace: only its lost pods, the kept ones
+    joining the target; Recreate: every pod, after counting the work they lose), then write
+    StartingPods with `nextTryAt`, the try's start."""
+    recovery = recovery_of(rset)
     if recovery.restore_policy is RestorePolicy.IN_PLACE:
         try:
             return await keep_survivors(context, rset)
         except InPlaceRefused as refused:
             rset = await fall_back(context, rset, str(refused))
-            recovery = rset.status.recovery
-            assert recovery is not None
+            recovery = recovery_of(rset)
     fields: dict[str, Any] = {}
     if recovery.tries == 0 and recovery.fallback is None and not recovery.lost_work:
         fields["lost_work"] = await count_before_deleting(context, rset)
@@ -104,8 +106,7 @@ async def count_before_deleting(context: RecoveryContext, rset: RolloutSet) -> l
     deleted, and say what it did after its checkpoint (work the restore has done again).
     Best effort within `COUNT_RETIRE_SECONDS`: a pod that does not answer is deleted all
     the same, its work uncounted."""
-    recovery = rset.status.recovery
-    assert recovery is not None
+    recovery = recovery_of(rset)
     source = recovery.from_attempt
     pods, nodes_of, lost_nodes = await observe(context.kube, rset)
     losses = find_losses(rset, source, pods, nodes_of, lost_nodes)
@@ -151,8 +152,7 @@ async def count_before_deleting(context: RecoveryContext, rset: RolloutSet) -> l
 
 async def keep_survivors(context: RecoveryContext, rset: RolloutSet) -> RolloutSet:
     """InPlace: the kept pods retire the lost attempt and join the target; the lost go."""
-    recovery = rset.status.recovery
-    assert recovery is not None
+    recovery = recovery_of(rset)
     source, target = recovery.from_attempt, recovery.target_attempt
     pods, nodes_of, lost_nodes = await observe(context.kube, rset)
     lost = find_losses(rset, source, pods, nodes_of, lost_nodes)
@@ -223,8 +223,7 @@ async def retire_source(
     """The `pods` (each with an address and a participant spec) retire the recovery's source
     attempt within `seconds`, and say what it did after its checkpoint (both policies: the
     survivors Recreate deletes, the pods InPlace keeps)."""
-    recovery = rset.status.recovery
-    assert recovery is not None
+    recovery = recovery_of(rset)
     clients: list[HttpParticipantClient] = []
     for pod in pods:
         spec = rset.spec.participant(pod.role)
@@ -247,8 +246,7 @@ async def retire_source(
 
 async def fall_back(context: RecoveryContext, rset: RolloutSet, why: str) -> RolloutSet:
     """Recreate from here on, saying why on the Recovering condition and in an Event."""
-    recovery = rset.status.recovery
-    assert recovery is not None
+    recovery = recovery_of(rset)
     message = f"InPlace recovery not possible, replacing every participant instead: {why}"
     logger.warning("set %s: %s", rset.metadata.name, message)
     updated = recovery.model_copy(
