@@ -1540,6 +1540,7 @@ class ControlPlane:
             checkpoint_root=None
             if self._settings.checkpoint_root is None
             else str(self._settings.checkpoint_root),
+            dialects=tuple(dialect.value for dialect in self._settings.dialects),
         )
 
         async def endpoint(request: Request) -> Response:
@@ -1553,7 +1554,7 @@ class ControlPlane:
                     ours = codec.to_ours_request(body, side)
                 except gym.Unmappable as error:
                     raise ProtocolError(error.code, str(error)) from None
-                return _reply(codec.to_gym_reply(await handler(ours), ours))
+                return _reply(codec.to_gym_reply(await handler(ours), ours, side))
             except ProtocolError as error:
                 return _gym_error_response(error)
 
@@ -1675,11 +1676,11 @@ def _reply(model: BaseModel) -> Response:
 
 
 def _gym_error_response(error: ProtocolError) -> Response:
-    """A refusal in Gym's form (`_gym.gym_error`: its codes, 409 for the three it names)."""
+    """A refusal in Gym's form (`_gym.gym_error`: Gym's codes and statuses, docs/protocol.md)."""
     status, body = gym.gym_error(error.code, error.detail)
     headers = {"WWW-Authenticate": "Bearer"} if error.code is ErrorCode.UNAUTHORIZED else None
     return Response(
-        content=body.model_dump_json(),
+        content=json.dumps(body),
         status_code=status,
         media_type="application/json",
         headers=headers,
