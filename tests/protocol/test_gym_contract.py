@@ -89,7 +89,7 @@ def test_the_fixtures_validate_against_the_upstream_mirrors(operation: str) -> N
 def test_the_mirrors_refuse_what_gym_refuses() -> None:
     """The mirrors are strict where Gym is: the restore and retire our dialect used to send
     (with `source_checkpoint_id` and `attempt`, without `episode_ids`) are refused."""
-    with pytest.raises(ValidationError, match="extra_forbidden|Extra inputs"):
+    with pytest.raises(ValidationError, match=r"extra_forbidden|Extra inputs"):
         upstream.UpstreamRestoreRequest.model_validate(
             {
                 "checkpoint_id": "c1",
@@ -103,7 +103,7 @@ def test_the_mirrors_refuse_what_gym_refuses() -> None:
         upstream.UpstreamRestoreRequest.model_validate(
             {"checkpoint_id": "c1", "deadline_ts": 1.0, "checkpoint_dir": "c1"}
         )
-    with pytest.raises(ValidationError, match="extra_forbidden|Extra inputs"):
+    with pytest.raises(ValidationError, match=r"extra_forbidden|Extra inputs"):
         upstream.UpstreamRetireRequest.model_validate(
             {
                 "checkpoint_id": "op",
@@ -290,7 +290,8 @@ async def test_every_request_our_client_sends_is_one_gym_accepts() -> None:
         prepared = await client.prepare(
             PrepareRequest(checkpoint_id="c1", deadline_ts=_deadline(), rollout_ids=["r1"])
         )
-        assert prepared.ready and [str(e) for e in prepared.restarts] == ["r3@1"]
+        assert prepared.ready
+        assert [str(e) for e in prepared.restarts] == ["r3@1"]
         await client.renew(RenewRequest(checkpoint_id="c1", deadline_ts=_deadline()))
         committed = await client.commit(
             CommitRequest(checkpoint_id="c1", deadline_ts=_deadline(), rollout_ids=["r1", "r2"])
