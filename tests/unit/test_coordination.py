@@ -654,7 +654,7 @@ async def test_cli_checkpoint_in_a_separate_process_then_restore(
     tmp_path: Path, gym_roles: tuple[Role, ...]
 ) -> None:
     """`rollout-coordinate` checkpoints and restores a set; in the second case two of its
-    participants speak only NeMo Gym's dialect, which the CLI reads from their capabilities."""
+    participants speak only NeMo Gym's dialect, which the CLI finds by asking them."""
     env = {**os.environ, "ROLLOUT_CONTROL_TOKEN": TOKEN}
     with anyio.fail_after(WAIT * 3):
         async with _served(_members(tmp_path, gym_roles=gym_roles)) as urls:
@@ -671,8 +671,11 @@ async def test_cli_checkpoint_in_a_separate_process_then_restore(
         fresh = _members(tmp_path, attempt=1, rollouts={}, gym_roles=gym_roles)
         async with _served(fresh) as urls:
             out, err = io.StringIO(), io.StringIO()
+            # a Gym restore names its episodes (docs/protocol.md, what cannot map): with Gym
+            # participants the restore is given the checkpoint's rollouts
+            scope = [f"--episode={rid}" for rid in ("r1", "r2", "r3")] if gym_roles else []
             code = await coordination_cli.run(
-                ["restore", *_participant_args(urls), "--dir", str(tmp_path)],
+                ["restore", *_participant_args(urls), "--dir", str(tmp_path), *scope],
                 out=out,
                 err=err,
                 environ={"ROLLOUT_CONTROL_TOKEN": TOKEN},
