@@ -26,6 +26,7 @@ from fastapi import FastAPI
 from rollout_protocol import (
     API_PREFIX,
     ROUTES,
+    CommitReply,
     CommitRequest,
     ControlConfigError,
     ControlPlane,
@@ -36,9 +37,11 @@ from rollout_protocol import (
     ErrorCode,
     HttpParticipantClient,
     ParticipantError,
+    Phase,
     PrepareReply,
     PrepareRequest,
     RemoveRequest,
+    RestoreReply,
     RestoreRequest,
     RetireRequest,
     Role,
@@ -142,7 +145,7 @@ def test_a_gym_prepare_reply_reads_as_ours() -> None:
     ours = codec.to_ours_reply(codec.reply.model_validate_json(raw), request, SIDE)
     assert ours == PrepareReply(
         checkpoint_id="c1",
-        phase="prepared",  # type: ignore[arg-type]
+        phase=Phase.PREPARED,
         ready=True,
         episode_count=7,
         restarts=[EpisodeId(rollout_id="r9", attempt=3)],
@@ -198,6 +201,7 @@ def test_a_gym_commit_reply_needs_our_extension_to_be_published() -> None:
         "manifest_path": "ns/set/uid/c1/environment-0/manifest.json",
     }
     ours = codec.to_ours_reply(codec.reply.model_validate(full), request, SIDE)
+    assert isinstance(ours, CommitReply)
     assert (ours.manifest.record_count, ours.manifest.instance, ours.manifest.role) == (
         2,
         "environment-0",
@@ -225,6 +229,7 @@ def test_restore_maps_both_ways_and_refuses_what_gym_cannot_ask() -> None:
         {"phase": "restored", "source_checkpoint_id": "c1", "restored": ["r-a2"]}
     )
     ours = codec.to_ours_reply(reply, request, SIDE)
+    assert isinstance(ours, RestoreReply)
     assert (ours.attempt, ours.restored, ours.record_count) == (
         2,
         [EpisodeId(rollout_id="r", attempt=2)],
