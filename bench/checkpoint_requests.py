@@ -1,4 +1,5 @@
-"""API requests and operator CPU per checkpoint, by verb and resource (issue 20's targets).
+"""API requests and operator CPU per checkpoint, by verb and resource (targets: docs/operations.md,
+"API requests and operator CPU per checkpoint").
 
 What one RolloutCheckpoint costs the API server and the operator, for a 4-pod set (4 roles x 1
 fleet pod) and a 16-pod set (4 roles x 4), `--checkpoints` checkpoints each (median and max):

@@ -15,7 +15,7 @@ pods), and the ratio c/p for each step.
 
 With `--standby`, the container node's scenario runs twice more, once with a model standby
 (`spec.standby: {model: 1}`, restorePolicy InPlace) and once without it under InPlace, and
-prints kill to resumed for both (issue 22's target: at most 2 s with a standby).
+prints kill to resumed for both (the target: at most 2 s with a standby).
 
     python bench/container_recovery.py [--episodes 32] [--seed 7] [--token-latency-ms 20]
                                        [--standby]

@@ -84,7 +84,7 @@ STEADY_WAIT_LIMIT_S: Final = 240.0
 
 TARGET_RECONCILE_P99: Final = 1.0
 TARGET_CHECKPOINT_P99: Final = 20.0
-"""Issue 20's storm target on this machine (issue 14 had 5 s, before the operator-wide limit on
+"""The storm target on this machine (it was 5 s before the operator-wide limit on
 checkpoints running at once made the storm a queue)."""
 TARGET_RSS_MB: Final = 200.0
 TARGET_IDLE_RATE_PER_SET: Final = 0.1

@@ -27,12 +27,12 @@ The prepare is broken down by stage (each stage's span: first call sent to last 
 coordinator saw it), next to the fan-out to that role's instances.
 
 The commit is broken down by part on the same bytes, in this process: encoding the records
-(building and serialising each one, and its digest: inside the commit before issue 21, at each
-episode's boundary since), collecting the encoded records of the largest participant, and
-`storage.write_records` of every participant's records in parallel (the records file, the
-manifest and their fsyncs); the rest of the commit is HTTP, the control plane and scheduling.
-Where pause / floor is above 2.0, the part furthest above its share of the floor is printed as
-what dominates.
+(building and serialising each one, and its digest: inside the commit before records were encoded
+ahead, at each episode's boundary since), collecting the encoded records of the largest participant,
+and `storage.write_records` of every participant's records in parallel (the records file, the
+manifest and their fsyncs); the rest of the commit is HTTP, the control plane and scheduling. Where
+pause / floor is above 2.0, the part furthest above its share of the floor is printed as what
+dominates.
 
 It also shows the older baseline (write+fsync + 4 round trips), the round trips resuming at once
 saves against resuming stage by stage (three), and each call's median as the coordinator saw it.

@@ -1,4 +1,4 @@
-"""Kill to resumed with and without a standby pod of the lost role (issue 22's target).
+"""Kill to resumed with and without a standby pod of the lost role (against `TARGET_S`).
 
 One devcluster, the process node (the operator a process) or with `--node-runtime containerd`
 the container node (a real kubelet runs the servers as containers of the project's image, the

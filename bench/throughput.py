@@ -17,7 +17,7 @@ holds several checkpoints and the whole bench stays under a few minutes. The cos
 checkpoint does not scale with the interval, so the printed ratio is a pessimistic estimate of
 the 60 s one; the table also shows that one (the loss scaled by interval / 60).
 
-Two more measurements for issue 21 (records encoded at boundaries): how many records of each
+Two more measurements for records encoded at boundaries: how many records of each
 checkpoint are byte for byte those of the checkpoint before it (what storing records in
 segments referenced by digest would not write again), and the latency of an episode runtime
 step with its record encoded at the boundary against the same step without (in this process,
@@ -221,7 +221,8 @@ def unchanged_records(set_dir: Path) -> None:
 
 async def step_latency(steps: int = 20_000) -> None:
     """p50/p99 of `EpisodeRuntime.step` (a step whose work is nothing) with encode-ahead and
-    with the encoding switched off (`Episode.reached` a no-op, as before issue 21)."""
+    with the encoding switched off (`Episode.reached` a no-op, as before records were encoded
+    ahead)."""
     transcript = {"messages": [{"role": "user", "content": "x" * 300}] * 2, "turn": 1}
 
     async def measure(encode: bool) -> list[float]:

@@ -24,6 +24,10 @@ why it is shaped this way:
   (its plugin and pod-resources sockets, pod volumes), because unix socket paths are limited to
   108 bytes (containerd's shim sockets to 42 for their folder) and `DIR` may be long.
 
+- **kernel tunables** the kubelet sets machine-wide when it starts (`KUBELET_TUNABLES`: it
+  makes an oops panic the machine and reboot 10 s later). The first container node on the
+  machine records their values in `TUNABLES_RECORD`; the last one to go puts them back.
+
 Each of these is written to the state file before it is made, and `teardown` removes whatever the
 state names, so `down` cleans up after an interrupted `up` too; `leftovers` reports anything
 still there (the tests assert it is empty).
@@ -89,10 +93,21 @@ HOST_PATHS = (CONTAINER_LOG_LINKS, CNI_RESULTS, DEVICE_PLUGINS)
 """Machine-wide folders the kubelet (container log links, device-plugin socket) and libcni (result
 cache) hardcode. `up` records which of them (and their parents) it creates; `down` removes this
 cluster's files in them, and the folders it created once empty."""
-LINK_NET = ipaddress.ip_network("10.213.0.0/16")
-POD_NET = ipaddress.ip_network("10.214.0.0/16")
+LINK_NET = ipaddress.IPv4Network("10.213.0.0/16")
+POD_NET = ipaddress.IPv4Network("10.214.0.0/16")
 BRIDGE = "cni0"
 _LOCK = Path(tempfile.gettempdir()) / "devcluster-node-networks.lock"
+KUBELET_TUNABLES = (
+    "vm/overcommit_memory",
+    "vm/panic_on_oom",
+    "kernel/panic",
+    "kernel/panic_on_oops",
+    "kernel/keys/root_maxkeys",
+    "kernel/keys/root_maxbytes",
+)
+"""Under /proc/sys: what the kubelet's container manager sets when it starts (not namespaced)."""
+TUNABLES_RECORD = Path("/run/devcluster-kernel-tunables.json")
+"""The machine's own values of `KUBELET_TUNABLES`, from before any container node started."""
 _MNT_DETACH = 2
 
 Record = Callable[[ContainerNodeState], None]
@@ -137,7 +152,7 @@ def find_node_binaries() -> dict[str, Path]:
 # --- planning: names and addresses ---------------------------------------------------------
 
 
-def _used_indexes() -> set[int]:
+def _used_indexes(bases: Sequence[ipaddress.IPv4Network] = (LINK_NET, POD_NET)) -> set[int]:
     """Third octets taken by another cluster's link or pod network on this machine."""
     out = subprocess.run(
         ["ip", "-o", "-4", "route", "show"], capture_output=True, text=True, check=True
@@ -151,10 +166,44 @@ def _used_indexes() -> set[int]:
             network = ipaddress.ip_network(word, strict=False)
         except ValueError:
             continue
-        for base in (LINK_NET, POD_NET):
-            if network.version == 4 and network.subnet_of(base):  # type: ignore[arg-type]
+        for base in bases:
+            if network.version == 4 and network.subnet_of(base):
                 used.add(int(network.network_address.packed[2]))
     return used
+
+
+def _used_link_nets() -> set[int]:
+    """The container nodes on this machine now, by their veth's link network."""
+    return _used_indexes((LINK_NET,))
+
+
+def record_tunables(record: Path, proc_sys: Path = Path("/proc/sys")) -> None:
+    """Write the current values of `KUBELET_TUNABLES` to `record`, unless it holds some already
+    (a node that went without its `down` left them: those are still the machine's own)."""
+    if record.exists():
+        return
+    values = {}
+    for name in KUBELET_TUNABLES:
+        with contextlib.suppress(OSError):
+            values[name] = (proc_sys / name).read_text().strip()
+    temporary = record.with_name(f".{record.name}.tmp")
+    temporary.write_text(json.dumps(values))
+    temporary.replace(record)
+
+
+def restore_tunables(record: Path, proc_sys: Path = Path("/proc/sys")) -> None:
+    """Write back the values in `record` that differ from the current ones, then remove it."""
+    try:
+        values = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return
+    for name in KUBELET_TUNABLES:
+        value = values.get(name)
+        path = proc_sys / name
+        with contextlib.suppress(OSError):
+            if isinstance(value, str) and path.read_text().strip() != value:
+                path.write_text(value)
+    record.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -224,6 +273,8 @@ def create(
     (through `record`, which writes the state file) before it is made."""
     (layout.root / "node").mkdir(parents=True, exist_ok=True)
     with _network_lock():
+        if not _used_link_nets():  # the first node here: the machine's tunables are its own
+            record_tunables(TUNABLES_RECORD)
         index = _free_index(2 + int(cluster_id, 16) % 250)
         node = plan(layout, cluster_id, spec, index)
         node = _step(node, "netns", record)
@@ -821,8 +872,11 @@ def teardown(layout: Layout, state: ClusterState, progress: Progress) -> None:
                 time.sleep(0.1)
     # The veth goes with the namespace; a namespace kept alive by something we missed still
     # loses its link to the machine here.
-    if _link_exists(node.host_veth):
-        subprocess.run(["ip", "link", "del", node.host_veth], capture_output=True, check=False)
+    with _network_lock():
+        if _link_exists(node.host_veth):
+            subprocess.run(["ip", "link", "del", node.host_veth], capture_output=True, check=False)
+        if not _used_link_nets():  # the last node here: what its kubelets set goes back
+            restore_tunables(TUNABLES_RECORD)
     if "run-dir" in node.created and node.run_dir.is_dir() and not _mounts_under(layout, node):
         shutil.rmtree(node.run_dir)
     for path in _host_files(layout, node):

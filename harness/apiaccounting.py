@@ -64,7 +64,8 @@ RESOURCES: Final[tuple[tuple[str, str], ...]] = (
     ("kopf.dev", "clusterkopfpeerings"),
 )
 """(API group, resource[/subresource]) pairs counted on their own: what the operator and Kopf
-touch, and the Lease the redesign adds. Anything else is counted as `other` under its verb."""
+touch, and the per-set checkpoint Lease (docs/design.md#66-one-checkpoint-at-a-time). Anything else
+is counted as `other` under its verb."""
 
 FIRST_PRECEDENCE: Final = 10
 """Our schemas take 10.. upwards, below every suggested schema that could match a

@@ -78,7 +78,7 @@ class ApiReader:
     Found objects are kept for `CACHE_SECONDS`, and concurrent lookups of one object share a
     request, as the kubelet's secret and config map managers do: a set of 16 pods that all
     take their token from one Secret reads it once, not 16 times (1,600 reads when a fleet of
-    100 sets starts, issue 14). A missing object is looked up again on every retry."""
+    100 sets starts). A missing object is looked up again on every retry."""
 
     CACHE_SECONDS: Final = 10.0
 

@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import random
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -37,17 +36,16 @@ from rollout_protocol import (
     ControlPlane,
     ControlSettings,
     Episode,
-    EpisodeError,
     EpisodeRuntime,
     ErrorBody,
     ErrorCode,
     ProtocolError,
     Role,
     RolloutId,
+    RunRoute,
     RuntimeParticipant,
     StepCounters,
     StepMode,
-    TaskMismatch,
     task_digest,
 )
 from rollout_protocol.serving import DrainingServer
@@ -62,7 +60,6 @@ EXITS: dict[str, tuple[str, ...]] = {
 }
 MAX_TURNS = 16
 MAX_TOKENS = 24  # per model call: a move is short
-_KEPT = 10_000  # finished results kept for re-issued /run calls
 
 
 class RunRequest(BaseModel):
@@ -149,7 +146,7 @@ class AdventureEnvironment:
         self.plane = ControlPlane(participant, settings)
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10))
         self.draining = False
-        self._finished: OrderedDict[tuple[str, int], tuple[str, RunResult]] = OrderedDict()
+        self.runs = RunRoute[RunResult](self.plane, self.runtime, draining=lambda: self.draining)
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -158,55 +155,23 @@ class AdventureEnvironment:
             yield
 
     async def run(self, request: RunRequest) -> RunResult:
-        """Play (or continue, from a restored boundary) the episode to its end."""
-        rid, attempt, digest = request.rollout_id, request.attempt, task_digest(request.task)
-        if self.draining:
-            raise ProtocolError(ErrorCode.ADMISSION_CLOSED, "the server is shutting down")
-        if self.plane.is_retired(attempt, rid) or self.runtime.is_retired(attempt, rid):
-            raise ProtocolError(ErrorCode.ATTEMPT_RETIRED, f"attempt {attempt} of {rid} retired")
-        if attempt != self.plane.attempt:
-            raise ProtocolError(ErrorCode.ATTEMPT_MISMATCH, f"this is {self.plane.attempt}")
-        ep = self.runtime.find(rid)
-        if ep is not None:  # a re-issued /run (the caller's connection dropped): join it
-            if (ep.attempt, ep.digest) != (attempt, digest):
-                raise ProtocolError(ErrorCode.TASK_MISMATCH, f"{rid} is live with another task")
-            await ep.ended.wait()
-        finished = self._finished.get((rid, attempt))
-        if finished is not None and finished[0] == digest:
-            return finished[1]  # never play a finished episode twice
-        if ep is not None:
-            raise ProtocolError(ErrorCode.INTERNAL, f"{rid} ended without a result")
-        try:
-            ep = self.runtime.begin(
-                rid, attempt, Boundary("policy", new_world(digest)), digest=digest
-            )
-        except TaskMismatch as error:
-            raise ProtocolError(ErrorCode.TASK_MISMATCH, str(error)) from error
-        except EpisodeError as error:
-            raise ProtocolError(ErrorCode.ATTEMPT_MISMATCH, str(error)) from error
+        """Play (or continue, from a restored boundary) the episode to its end; every `/run`
+        duty (refusals, repeats, finished results, errors) is the `RunRoute`'s."""
         seed = request.task.get("seed")
-        try:
-            return await self._play(ep, seed if isinstance(seed, int) else 0)
-        except EpisodeError as error:  # a retire cancelled it
-            raise ProtocolError(ErrorCode.ATTEMPT_RETIRED, str(error)) from error
-        finally:
-            self.runtime.end(ep)
+        first = Boundary("policy", new_world(task_digest(request.task)))
+        play = partial(self._play, seed=seed if isinstance(seed, int) else 0)
+        return await self.runs.run(request, play, first=first)
 
     async def _play(self, ep: Episode, seed: int) -> RunResult:
-        """Run the steps from the episode's boundary to `done`; hold, then record the result."""
-        self.counters.count(ep.attempt, ep.rollout_id, "run", "started")
-        with self.runtime.driving(ep), self.runtime.guard(ep):
-            while ep.boundary.step != "done":
-                name = f"{ep.boundary.step}@{ep.boundary.state['turn']}"
-                if ep.boundary.step == "policy":
-                    await self.runtime.step(
-                        ep, name, StepMode.REPLAY, partial(self._policy, ep, seed)
-                    )
-                else:
-                    await self.runtime.step(ep, name, StepMode.WAIT, partial(self._world, ep))
-        await self.runtime.hold(ep)  # never reply while a checkpoint is open
+        """Run the steps from the episode's boundary to `done`; the result of the last one."""
+        while ep.boundary.step != "done":
+            name = f"{ep.boundary.step}@{ep.boundary.state['turn']}"
+            if ep.boundary.step == "policy":
+                await self.runtime.step(ep, name, StepMode.REPLAY, partial(self._policy, ep, seed))
+            else:
+                await self.runtime.step(ep, name, StepMode.WAIT, partial(self._world, ep))
         state, won = ep.boundary.state, bool(ep.boundary.state.get("won"))
-        result = RunResult(
+        return RunResult(
             rollout_id=ep.rollout_id,
             attempt=ep.attempt,
             answer=state["turn"] if won else None,
@@ -214,11 +179,6 @@ class AdventureEnvironment:
             steps=state["turn"],
             continued_from=ep.continued_from,
         )
-        self._finished[(ep.rollout_id, ep.attempt)] = (ep.digest or "", result)
-        while len(self._finished) > _KEPT:
-            self._finished.popitem(last=False)
-        self.counters.count(ep.attempt, ep.rollout_id, "run", "completed")
-        return result
 
     async def _policy(self, ep: Episode, seed: int) -> Boundary:
         """Ask the model; the boundary after it names the chosen action (replayable)."""

@@ -29,7 +29,9 @@ from .model.settings import (
     DEFAULT_API_CONCURRENCY,
     DEFAULT_MAX_CONCURRENT_CHECKPOINTS,
     DEFAULT_MAX_REPLICAS_PER_ROLE,
+    DEFAULT_RESTORE_FLOOR_SECONDS,
     DEFAULT_RESYNC_SECONDS,
+    DEFAULT_RETIRE_SECONDS,
     RunOptions,
 )
 
@@ -58,11 +60,11 @@ _TOO_MANY: Final = re.compile(r"^APITooManyRequestsError\((?P<quoted>'(?:[^'\\]|
 
 class RetriedRequests(logging.Filter):
     """Kopf's API client logs every failed try of a request it will retry at ERROR, with the
-    API server's whole Status object. A try that will be retried is weather, not an error (issue
-    15): a 429 TooManyRequests (the API server answers it while it (re)initialises the storage
-    of freshly installed CRDs, asking to retry in a second) becomes one short INFO line, any
-    other retried failure (connection refused while the API server restarts) a WARNING. The try
-    that gives up ("escalating") stays an ERROR.
+    API server's whole Status object. A try that will be retried is weather, not an error
+    (docs/operations.md#failure-modes, class 11): a 429 TooManyRequests (the API server answers it
+    while it (re)initialises the storage of freshly installed CRDs, asking to retry in a second)
+    becomes one short INFO line, any other retried failure (connection refused while the API server
+    restarts) a WARNING. The try that gives up ("escalating") stays an ERROR.
 
     Attached to the handlers of the root logger (Kopf logs through several loggers), so it
     changes the record after the loggers' level check: a WARNING or INFO line is still subject
@@ -174,6 +176,22 @@ def _parser() -> argparse.ArgumentParser:
         "checkpoints never wait)",
     )
     run.add_argument(
+        "--inplace-retire-seconds",
+        type=float,
+        default=DEFAULT_RETIRE_SECONDS,
+        metavar="S",
+        help="an InPlace recovery falls back to Recreate when the pods it keeps have not "
+        f"retired the lost attempt within S seconds (default {DEFAULT_RETIRE_SECONDS:g})",
+    )
+    run.add_argument(
+        "--restore-floor-seconds",
+        type=float,
+        default=DEFAULT_RESTORE_FLOOR_SECONDS,
+        metavar="S",
+        help="a recovery's restore and resume calls get at least S seconds, even when "
+        f"restoreTimeoutSeconds ends sooner (default {DEFAULT_RESTORE_FLOOR_SECONDS:g})",
+    )
+    run.add_argument(
         "--max-replicas-per-role",
         type=int,
         default=DEFAULT_MAX_REPLICAS_PER_ROLE,
@@ -210,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             worker_limit=args.worker_limit,
             max_replicas_per_role=args.max_replicas_per_role,
             max_concurrent_checkpoints=args.max_concurrent_checkpoints,
+            inplace_retire_seconds=args.inplace_retire_seconds,
+            restore_floor_seconds=args.restore_floor_seconds,
             leader_lease=args.leader_lease,
         )
     except ValidationError as error:

@@ -1,4 +1,5 @@
-"""Prometheus metrics (DESIGN §6.7), and the set transitions worth an Event.
+"""Prometheus metrics (docs/design.md#67-observability-and-queues), and the set transitions worth an
+Event.
 
 The runner serves the default registry on `--metrics-port` (see `handlers.runtime`). Handlers
 feed it with three calls, so the flows themselves stay free of metrics:

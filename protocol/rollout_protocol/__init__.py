@@ -1,6 +1,6 @@
 """The rollout checkpoint contract: what a rollout server needs to be checkpointed and restored.
 
-A server author builds on four things (docs/sdk.md is the guide):
+A server author builds on five things (docs/sdk.md is the guide):
 
 * the **episode runtime** (`EpisodeRuntime`, `Episode`, `Boundary`, `StepMode`): describe an
   episode as steps with boundaries between them; the runtime parks, exports and restores them;
@@ -8,6 +8,8 @@ A server author builds on four things (docs/sdk.md is the guide):
   plane calls into;
 * the **control plane** (`ControlPlane`, `ControlSettings`): the `/checkpoint/v1` routes, mounted
   in any FastAPI app with `ControlPlane.install(app)`;
+* the **`/run` duties** (`RunRoute`): refusing retired and other attempts, attaching repeated
+  calls, answering finished episodes and mapping errors, in the one right order;
 * the **wire models and route table** (`ROUTES`, `PrepareRequest`, ..., `ErrorCode`,
   `ProtocolError`): what crosses the wire, declared once for both sides.
 
@@ -28,22 +30,10 @@ the SDK and its OTLP/HTTP exporter (the `tracing` extra) are imported only when
 `OTEL_EXPORTER_OTLP_ENDPOINT` is set. Without them every span is the API's no-op one.
 """
 
-from ._client import HttpParticipantClient, ParticipantClient, ParticipantError
-from ._control import ControlConfigError, ControlPlane, ControlSettings
-from ._coordinator import (
-    CheckpointDurations,
-    CheckpointResult,
-    CommitOutcome,
-    Coordinator,
-    Failure,
-    ForgetOutcome,
-    LostWork,
-    PrepareOutcome,
-    RestoreOutcome,
-    ResumeOutcome,
-    RetireOutcome,
-    StatusOutcome,
-)
+import importlib as _importlib
+import typing as _typing
+
+from ._control import ControlPlane
 from ._counters import StepCounters
 from ._episodes import (
     STEPS_COUNTER,
@@ -75,6 +65,8 @@ from ._routes import (
     Dialect,
     Route,
 )
+from ._runs import RunRoute
+from ._settings import ControlConfigError, ControlSettings
 from ._storage import (
     EncodedRecord,
     RecordsInvalid,
@@ -95,6 +87,7 @@ from ._storage import (
 from ._wire import (
     API_PREFIX,
     CHECKPOINT_ID_PATTERN,
+    MAX_INSTANCE_INDEX,
     MAX_KEPT_LISTED,
     PREPARE_ORDER,
     RESUME_ORDER,
@@ -133,12 +126,89 @@ from ._wire import (
     task_digest,
 )
 
+if _typing.TYPE_CHECKING:
+    from ._client import (
+        MAX_ERROR_REPLY_BYTES,
+        MAX_REPLY_BYTES,
+        MAX_SMALL_REPLY_BYTES,
+        HttpParticipantClient,
+        ParticipantClient,
+        ParticipantError,
+    )
+    from ._coordinator import (
+        CheckpointDurations,
+        CheckpointResult,
+        CommitOutcome,
+        Coordinator,
+        Failure,
+        ForgetOutcome,
+        LostWork,
+        PrepareOutcome,
+        RestoreOutcome,
+        ResumeOutcome,
+        RetireOutcome,
+        StatusOutcome,
+    )
+
+
+_LAZY_MODULES: _typing.Final[dict[str, frozenset[str]]] = {
+    "._client": frozenset(
+        {
+            "MAX_ERROR_REPLY_BYTES",
+            "MAX_REPLY_BYTES",
+            "MAX_SMALL_REPLY_BYTES",
+            "HttpParticipantClient",
+            "ParticipantClient",
+            "ParticipantError",
+        }
+    ),
+    "._coordinator": frozenset(
+        {
+            "CheckpointDurations",
+            "CheckpointResult",
+            "CommitOutcome",
+            "Coordinator",
+            "Failure",
+            "ForgetOutcome",
+            "LostWork",
+            "PrepareOutcome",
+            "RestoreOutcome",
+            "ResumeOutcome",
+            "RetireOutcome",
+            "StatusOutcome",
+        }
+    ),
+}
+"""The public names imported at their first use, by the private module that holds them."""
+
+
+def __getattr__(name: str) -> _typing.Any:
+    """The coordinator side (`Coordinator`, `HttpParticipantClient`, ...) is imported at its
+    first use: a server never uses it, and its import (the client, NeMo Gym's wire models) is
+    a tenth of a server's start (docs/operations.md, "What a server start costs")."""
+    for module, names in _LAZY_MODULES.items():
+        if name in names:
+            value = getattr(_importlib.import_module(module, __name__), name)
+            globals()[name] = value
+            return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The lazy names too, before their first use."""
+    return sorted(set(globals()) | set(__all__))
+
+
 __all__ = [
     "API_PREFIX",
     "CHECKPOINT_ID_PATTERN",
     "COMMIT",
     "FORGET",
+    "MAX_ERROR_REPLY_BYTES",
+    "MAX_INSTANCE_INDEX",
     "MAX_KEPT_LISTED",
+    "MAX_REPLY_BYTES",
+    "MAX_SMALL_REPLY_BYTES",
     "PREPARE",
     "PREPARE_ORDER",
     "REMOVE",
@@ -214,6 +284,7 @@ __all__ = [
     "Role",
     "RolloutId",
     "Route",
+    "RunRoute",
     "RuntimeParticipant",
     "StaleAttempt",
     "StatusOutcome",

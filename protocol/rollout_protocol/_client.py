@@ -119,7 +119,7 @@ class ParticipantClient(Protocol):
 def _tls_context() -> ssl.SSLContext:
     """One default TLS context for every client this process makes (safe to share). A fresh one
     per client would load the CA bundle each time: 35 ms of CPU and about 1 MB per client, which
-    a coordinator pays for every participant of every checkpoint (issue 14: 1,600 clients in a
+    a coordinator pays for every participant of every checkpoint (1,600 clients in a
     100-set checkpoint storm)."""
     return ssl.create_default_context()
 
@@ -130,6 +130,33 @@ servers keep theirs 30 s), so a call is never sent on a connection the server is
 _CLOSE_WAIT_S = 1.0
 """How long `aclose` waits for its connections' transports to report closed (they are closed at
 once; this is only the wait for the event loop to confirm it)."""
+
+
+MAX_REPLY_BYTES = 64 * 1024 * 1024
+"""The most the client reads of a reply that lists episodes or rollouts (prepare, commit,
+restore, retire): four times the largest request a participant reads (`MAX_BODY_BYTES`), ample
+for a restore of a million episodes. docs/protocol.md, "Limits"."""
+MAX_SMALL_REPLY_BYTES = 1024 * 1024
+"""The most the client reads of a reply of a fixed shape (status, renew, resume, forget, remove,
+the Gym capabilities): a thousand times a real one."""
+MAX_ERROR_REPLY_BYTES = 1024 * 1024
+"""The most the client reads of a reply that is not 2xx (an error body, whatever the route)."""
+REPLY_LIMITS: dict[str, int] = {
+    "prepare": MAX_REPLY_BYTES,
+    "commit": MAX_REPLY_BYTES,
+    "restore": MAX_REPLY_BYTES,
+    "retire": MAX_REPLY_BYTES,
+}
+"""The bound of each route's 2xx reply, by route name; a route not named has
+`MAX_SMALL_REPLY_BYTES`. A reply past its bound is refused, not read on (`ReplyTooLarge`)."""
+_READ_CHUNK = 64 * 1024
+"""How much of a reply is taken from the connection at a time while it is counted."""
+
+
+def reply_limit(route_name: str) -> int:
+    """The most bytes the client reads of a 2xx reply of `route_name` (docs/protocol.md,
+    "Limits")."""
+    return REPLY_LIMITS.get(route_name, MAX_SMALL_REPLY_BYTES)
 
 
 @functools.cache
@@ -197,6 +224,9 @@ def _default_session() -> aiohttp.ClientSession:
         timeout=aiohttp.ClientTimeout(total=None),  # every call sets its own
         cookie_jar=aiohttp.DummyCookieJar(),
         trust_env=False,
+        # replies are counted as they arrive (`_read_bounded`): a compressed reply would be
+        # counted after it was inflated, so none is asked for (`Accept-Encoding: identity`)
+        auto_decompress=False,
     )
 
 
@@ -237,7 +267,9 @@ class HttpParticipantClient:
         self._dialect = self._fixed_dialect
         self._instance = f"{self._role.value}-{index}"
         self._base_url = base_url.rstrip("/")
-        self._headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        self._headers = {"Accept-Encoding": "identity"}
+        if token is not None:
+            self._headers["Authorization"] = f"Bearer {token}"
         self._json_headers = {**self._headers, "Content-Type": "application/json"}
         self._owns_session = client is None
         self._session = client
@@ -355,7 +387,9 @@ class HttpParticipantClient:
         dialect = _DIALECTS.get(self._base_url)
         if dialect is None:
             url = f"{self._base_url}{GYM_CAPABILITIES_PATH}"
-            status, body, charset = await self._send("GET", url, None, self._headers, deadline_ts)
+            status, body, charset = await self._send(
+                "GET", url, None, self._headers, deadline_ts, "capabilities", MAX_SMALL_REPLY_BYTES
+            )
             if status == 404:  # not one of ours that speaks Gym: ask Gym's own discovery route
                 dialect = await self._gym_status_probe(deadline_ts)
             elif 200 <= status < 300:
@@ -382,7 +416,9 @@ class HttpParticipantClient:
         before capabilities, or a pod of several workers that routes only rollouts)."""
         path = STATUS.path_in(Dialect.GYM)
         url = f"{self._base_url}{path}"
-        status, body, charset = await self._send("GET", url, None, self._headers, deadline_ts)
+        status, body, charset = await self._send(
+            "GET", url, None, self._headers, deadline_ts, "status", MAX_SMALL_REPLY_BYTES
+        )
         if status == 401:
             raise self._gym_error(status, body, charset, url)
         if 200 <= status < 300:
@@ -402,7 +438,9 @@ class HttpParticipantClient:
         # that predates it (request models refuse unknown fields)
         content = None if request is None else request.model_dump_json(exclude_none=True).encode()
         headers = self._headers if content is None else self._json_headers
-        status, body, charset = await self._send(route.method, url, content, headers, deadline_ts)
+        status, body, charset = await self._send(
+            route.method, url, content, headers, deadline_ts, route.name, reply_limit(route.name)
+        )
         return self._decode(status, body, charset, url, route.reply)
 
     async def _call_gym(
@@ -427,7 +465,9 @@ class HttpParticipantClient:
         content = None if sent is None else sent.model_dump_json(exclude_none=True).encode()
         headers = self._headers if content is None else self._json_headers
         url = f"{self._base_url}{path}"
-        status, body, charset = await self._send(route.method, url, content, headers, deadline_ts)
+        status, body, charset = await self._send(
+            route.method, url, content, headers, deadline_ts, route.name, reply_limit(route.name)
+        )
         if not 200 <= status < 300:
             raise self._gym_error(status, body, charset, url)
         try:
@@ -449,9 +489,14 @@ class HttpParticipantClient:
         content: bytes | None,
         headers: dict[str, str],
         deadline_ts: float,
+        kind: str,
+        limit: int,
     ) -> tuple[int, bytes, str | None]:
         """One request, transport failures retried with backoff until `deadline_ts`: the
-        reply's status, body and charset."""
+        reply's status, body and charset. The body is read up to `limit` bytes for a 2xx reply
+        of `kind` (`MAX_ERROR_REPLY_BYTES` for any other), and a reply past it is refused
+        (`ReplyTooLarge`, not retried): one broken or hostile participant cannot make its
+        caller hold more than that (docs/protocol.md, "Limits")."""
         session = self._session_now()
         if traced := tracing.headers():  # the client span's traceparent, when tracing is on
             headers = {**headers, **traced}
@@ -474,7 +519,19 @@ class HttpParticipantClient:
                     timeout=timeout,
                     allow_redirects=False,
                 ) as response:
-                    body = await response.read()
+                    ok = 200 <= response.status < 300
+                    body = await _read_bounded(response, limit if ok else MAX_ERROR_REPLY_BYTES)
+            except _ReplyTooLarge as large:
+                ok = 200 <= large.status < 300
+                what = f"a {kind} reply" if ok else f"an HTTP {large.status} reply"
+                raise ParticipantError(
+                    ErrorCode.INTERNAL,
+                    f"{method} {url}: the participant answered more than {large.limit} bytes"
+                    f"{large.how}; the client reads at most {large.limit} bytes of {what} "
+                    '(docs/protocol.md, "Limits")',
+                    self._instance,
+                    large.status,
+                ) from None
             except _transport_errors() as error:
                 left = deadline_ts - self._clock()
                 if isinstance(error, TimeoutError):
@@ -539,6 +596,35 @@ class HttpParticipantClient:
             )
             return _RouteMissing(error) if status == 404 else error
         return ParticipantError(code, detail, self._instance, status)
+
+
+class _ReplyTooLarge(Exception):
+    """A reply passed the bound it was read under (`_read_bounded`)."""
+
+    def __init__(self, status: int, limit: int, how: str) -> None:
+        super().__init__(f"HTTP {status}: more than {limit} bytes{how}")
+        self.status = status
+        self.limit = limit
+        self.how = how
+
+
+async def _read_bounded(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The reply's body, read as it arrives and counted: at most `limit` bytes are ever held.
+
+    A declared `Content-Length` over `limit` is refused before a byte of the body is read; an
+    undeclared (chunked) or lying one is refused as soon as the count passes it. Either way the
+    connection is closed, not kept for reuse, so the rest of the reply is never read."""
+    declared = response.content_length
+    if declared is not None and declared > limit:
+        response.close()
+        raise _ReplyTooLarge(response.status, limit, f" (Content-Length: {declared})")
+    body = bytearray()
+    async for chunk in response.content.iter_chunked(_READ_CHUNK):
+        if len(body) + len(chunk) > limit:
+            response.close()
+            raise _ReplyTooLarge(response.status, limit, "")
+        body += chunk
+    return bytes(body)
 
 
 def _text(body: bytes, charset: str | None) -> str:

@@ -417,6 +417,9 @@ class ServerSide:
     """The set's directory under the checkpoint root (`ControlSettings.storage_dir`)."""
     checkpoint_root: str | None
     dialects: tuple[str, ...] = ()
+    attempt: Callable[[], int] = lambda: 0
+    """The participant's attempt now: what a Gym restore that names no episode restores under
+    (Gym continues each named episode as its next attempt; naming none, no attempt moves)."""
 
 
 @dataclass(frozen=True)
@@ -630,10 +633,9 @@ def _commit_out(reply: CommitReply, request: CommitRequest, side: ServerSide) ->
             records_sha256=manifest.records_sha256,
             record_count=manifest.record_count,
         ),
-        # Gym lists the records written; our reply does not, so the scope asked stands for them
-        # (a commit of every parked episode lists none: docs/protocol.md, what cannot map)
+        # the records written (`CommitReply.rollout_ids`, which our own dialect leaves out)
         episode_ids=sorted(
-            capture_key(rid, manifest.attempt) for rid in dict.fromkeys(request.rollout_ids or [])
+            capture_key(rid, manifest.attempt) for rid in dict.fromkeys(reply.rollout_ids or [])
         ),
         attempt=manifest.attempt,
         bytes=manifest.bytes,
@@ -690,6 +692,8 @@ def _commit_read(gym: GymCommitReply, request: CommitRequest, side: ClientSide) 
         phase=Phase.COMMITTED,
         manifest=manifest,
         manifest_path=gym.manifest_path,
+        # kept with the checkpoint: a Gym restore names the episodes to continue
+        rollout_ids=sorted({parse_capture_key(key).rollout_id for key in gym.episode_ids}),
     )
 
 
@@ -700,10 +704,12 @@ def _restore_in(gym: GymRestoreRequest, side: ServerSide) -> RestoreRequest:
             f"checkpoint_id: {gym.checkpoint_id!r} differs from the checkpoint its checkpoint_dir "
             f"names ({source!r}): this participant names a restore by the checkpoint it restores"
         )
-    if not gym.episode_ids:
-        raise Unmappable(
-            "episode_ids: names no episode, so no attempt to continue under (this participant "
-            "restores a set's episodes under one attempt)"
+    if not gym.episode_ids:  # a commit that wrote no record: restore nothing, stay as we are
+        return RestoreRequest(
+            checkpoint_id=gym.checkpoint_id,
+            deadline_ts=gym.deadline_ts,
+            attempt=side.attempt(),
+            rollout_ids=[],
         )
     continued = _one_attempt(gym.episode_ids, "restore") + 1
     return RestoreRequest(

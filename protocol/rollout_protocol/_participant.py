@@ -1,9 +1,10 @@
 """The contract between the control plane and a rollout server.
 
-The control plane (`control.py`) owns phases, leases, reply caching, auth and storage; a server
-only says how to park its work, what to record, how to install records and how to stop an
-attempt. Keeping the split here means every server gets the same protocol behaviour for free,
-and the protocol can be tested against an in-process fake participant.
+The control plane (`_control.py`, with `_phases.py` and `_control_state.py`) owns phases,
+leases, reply caching, auth and storage; a server only says how to park its work, what to
+record, how to install records and how to stop an attempt. Keeping the split here means every
+server gets the same protocol behaviour for free, and the protocol can be tested against an
+in-process fake participant.
 """
 
 from __future__ import annotations

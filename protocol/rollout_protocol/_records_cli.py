@@ -1,11 +1,11 @@
 """`rollout-records`: remove a set's checkpoint records from a volume, by checkpoint name.
 
 The operator runs it in a short-lived cleanup pod that mounts a set's volume when no participant
-of the set runs to remove records itself (a suspended, deleted or crash-looping set, DESIGN
-§6.5); a person can run it by hand on a node or a pod that mounts the volume. It removes exactly
-what the `remove` control operation removes (`remove_records`: the protocol's own files below
-the set's directory, never through a symlink) and prints the same reply, as JSON, on stdout and
-into the container's termination message, where the operator reads it.
+of the set runs to remove records itself (a suspended, deleted or crash-looping set,
+docs/design.md#65-retention-and-records); a person can run it by hand on a node or a pod that mounts
+the volume. It removes exactly what the `remove` control operation removes (`remove_records`: the
+protocol's own files below the set's directory, never through a symlink) and prints the same reply,
+as JSON, on stdout and into the container's termination message, where the operator reads it.
 
 Exit status: 0 when everything named is gone (removed or absent), 3 when entries were left in
 place (named in the reply), 1 when the storage refused, 2 for a bad command line.

@@ -223,5 +223,5 @@ ROUTES: tuple[Route[Any, Any], ...] = (
     FORGET,
     REMOVE,
 )
-"""Every control operation, in the order of DESIGN §4's table (`remove` last: it is the
+"""Every control operation, in the order of docs/protocol.md's route table (`remove` last: it is the
 operator's, for retention, and touches no episode)."""

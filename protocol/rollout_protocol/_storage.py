@@ -27,7 +27,11 @@ Removal (`remove_checkpoint_files`, `remove_set_files`, and `remove_records` whi
 both) deletes only what this module writes
 (manifests, records files, their temporary files, and the directories that then are empty) and
 never follows a symlink: a file someone else put on the volume is left in place and reported,
-so a cleanup can never take more than the set's own records, whatever the volume holds.
+so a cleanup can never take more than the set's own records, whatever the volume holds. That
+holds while the volume changes under it too: each directory is opened once, without following
+a symlink (`O_NOFOLLOW`), relative to its parent's descriptor, and everything inside it is
+listed, unlinked and removed relative to that descriptor (`dir_fd`), never by a path that could
+be looked up again through a symlink swapped in meanwhile.
 
 Records are encoded ahead (`encode_record`: a record's line and its digest, made when an episode
 reaches a boundary, outside any checkpoint), so a commit only writes bytes that already exist.
@@ -694,19 +698,23 @@ def remove_checkpoint_files(root: Path, set_dir: str, checkpoint_id: str) -> Rem
 
     The published manifest goes first and durably, then each instance's manifest, so a crash
     half way leaves an unpublished directory (garbage) rather than a published checkpoint with
-    missing records. No symlink is followed, on the way to the checkpoint or inside it; what
-    is not ours is kept and named in the result."""
+    missing records. No symlink is followed, on the way to the checkpoint or inside it, even
+    when the volume changes while this runs (see `_walk_real_dirs`); what is not ours is kept
+    and named in the result."""
     parts = check_set_dir(set_dir)
     _check_name("checkpoint id", checkpoint_id, CHECKPOINT_ID_PATTERN)
-    base, state = _walk_real_dirs(Path(root), (*parts, checkpoint_id))
-    if state is None:
-        return Removal(found=False)
-    if state is False:
-        return Removal(found=True, kept=(base,))
-    try:
-        kept = _remove_checkpoint_dir(base)
-    except OSError as error:
-        raise StorageError("cannot remove checkpoint", base, error) from error
+    with contextlib.ExitStack() as opened:
+        fds, base, state = _walk_real_dirs(opened, Path(root), (*parts, checkpoint_id))
+        if state is None:
+            return Removal(found=False)
+        if state is False:
+            return Removal(found=True, kept=(base,))
+        try:
+            kept = _empty_checkpoint_dir(fds[-1], base)
+            if not kept and not _remove_dir(fds[-2], checkpoint_id):
+                kept = [base]
+        except OSError as error:
+            raise StorageError("cannot remove checkpoint", base, error) from error
     return Removal(found=True, kept=tuple(kept))
 
 
@@ -715,24 +723,33 @@ def remove_set_files(root: Path, set_dir: str) -> Removal:
     the parents below `root` that are left empty; like `remove_checkpoint_files`, only what this
     module writes, never through a symlink."""
     parts = check_set_dir(set_dir)
-    directory, state = _walk_real_dirs(Path(root), parts)
-    if state is None:
-        return Removal(found=False)
-    if state is False:
-        return Removal(found=True, kept=(directory,))
-    kept: list[Path] = []
-    try:
-        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
-            path = Path(entry.path)
-            if entry.is_dir(follow_symlinks=False) and _matches(CHECKPOINT_ID_PATTERN, entry.name):
-                kept += _remove_checkpoint_dir(path)
-            else:
-                kept.append(path)
-        if not kept:
-            _remove_dir(directory)
-            remove_empty_dirs(directory.parent, below=Path(root))
-    except OSError as error:
-        raise StorageError("cannot remove set directory", directory, error) from error
+    with contextlib.ExitStack() as opened:
+        fds, directory, state = _walk_real_dirs(opened, Path(root), parts)
+        if state is None:
+            return Removal(found=False)
+        if state is False:
+            return Removal(found=True, kept=(directory,))
+        kept: list[Path] = []
+        try:
+            for entry in _entries(fds[-1]):
+                path = directory / entry.name
+                if entry.is_dir(follow_symlinks=False) and _matches(
+                    CHECKPOINT_ID_PATTERN, entry.name
+                ):
+                    kept += _remove_checkpoint_dir(fds[-1], entry.name, path)
+                else:
+                    kept.append(path)
+            if not kept:
+                # the set's directory, then each parent below the root while it is empty; every
+                # one relative to its parent's descriptor, opened on the way down
+                if not _remove_dir(fds[-2], parts[-1]):
+                    kept.append(directory)
+                else:
+                    for depth in range(len(parts) - 1, 0, -1):
+                        if not _remove_dir(fds[depth - 1], parts[depth - 1]):
+                            break
+        except OSError as error:
+            raise StorageError("cannot remove set directory", directory, error) from error
     return Removal(found=True, kept=tuple(kept))
 
 
@@ -763,65 +780,170 @@ def _matches(pattern: str, name: str) -> bool:
     return re.fullmatch(pattern, name) is not None
 
 
-def _walk_real_dirs(root: Path, parts: Sequence[str]) -> tuple[Path, bool | None]:
-    """Follow `parts` below `root` without following symlinks: the path reached, and True when
-    all are real directories, None when one is absent, False when one is something else."""
+_DIRECTORY_FLAGS: Final = (
+    os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+)
+"""A directory opened for removal: never through a symlink at its last component (ELOOP), and
+never anything but a directory (ENOTDIR, before a FIFO could block the open)."""
+
+
+def _walk_real_dirs(
+    opened: contextlib.ExitStack, root: Path, parts: Sequence[str]
+) -> tuple[list[int], Path, bool | None]:
+    """Open `root`, then each of `parts` below it relative to its parent's descriptor, never
+    following a symlink: the descriptors (root first; `opened` closes them), the path reached,
+    and True when all are real directories, None when one is absent, False when one is
+    something else.
+
+    Everything a removal does afterwards is relative to these descriptors (`unlink`, `rmdir`,
+    `scandir` and `open` with `dir_fd`), never by path: a directory swapped for a symlink after
+    it was opened (`renameat2(RENAME_EXCHANGE)` by another process) changes nothing, since the
+    descriptor still names the directory that was checked, and the name is never looked up
+    again. The root itself is the participant's configured mount and is followed."""
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return [], root, None
+    except OSError as error:
+        raise StorageError("cannot open", root, error) from error
+    opened.callback(os.close, fd)
+    fds = [fd]
     path = root
     for part in parts:
         path = path / part
         try:
-            mode = os.lstat(path).st_mode
+            fd = _open_dir(fds[-1], part)
         except FileNotFoundError:
-            return path, None
+            return fds, path, None
+        except _NotADirectory:
+            return fds, path, False
         except OSError as error:
-            raise StorageError("cannot inspect", path, error) from error
-        if not stat.S_ISDIR(mode):
-            return path, False
-    return path, True
+            raise StorageError("cannot open", path, error) from error
+        opened.callback(os.close, fd)
+        fds.append(fd)
+    return fds, path, True
+
+
+class _NotADirectory(Exception):
+    """A name where a directory belongs is a symlink or something else; it is not entered."""
+
+
+def _open_dir(parent: int, name: str) -> int:
+    """`name` in the directory `parent`, opened as a directory without following a symlink;
+    `_NotADirectory` when it is anything else."""
+    try:
+        return os.open(name, _DIRECTORY_FLAGS, dir_fd=parent)
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise _NotADirectory(name) from None
+        raise
+
+
+def _entries(directory: int) -> list[os.DirEntry[str]]:
+    """The entries of an open directory, by name (`os.scandir` of a descriptor never looks the
+    directory up by path; its entries' `is_dir(follow_symlinks=False)` stat relative to it)."""
+    with os.scandir(directory) as found:
+        return sorted(found, key=lambda e: e.name)
 
 
 def _is_regular(entry: os.DirEntry[str]) -> bool:
     return entry.is_file(follow_symlinks=False) and not entry.is_symlink()
 
 
-def _remove_checkpoint_dir(base: Path) -> list[Path]:
-    """Remove one checkpoint directory's own files; what is left in place."""
-    kept: list[Path] = []
-    published = base / CHECKPOINT_MANIFEST_NAME
-    if stat.S_ISREG(_lstat_mode(published)):
-        published.unlink()
-        _fsync_dir(base)
-    for entry in sorted(os.scandir(base), key=lambda e: e.name):
-        path = Path(entry.path)
-        if entry.is_dir(follow_symlinks=False) and _matches(INSTANCE_PATTERN, entry.name):
-            kept += _remove_instance_dir(path)
-        elif _is_regular(entry) and entry.name.startswith(_TEMP_PREFIX):
-            path.unlink()
-        else:
-            kept.append(path)
-    if not kept:
-        _remove_dir(base)
+def _is_regular_at(directory: int, name: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _unlink_at(directory: int, name: str) -> None:
+    """Remove the entry `name` of an open directory (a symlink there would go itself, never
+    what it points to); already gone is fine (another removal of the same checkpoint)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=directory)
+
+
+def _remove_dir(parent: int, name: str) -> bool:
+    """Remove the empty directory `name` of an open directory and make that durable; False when
+    it is no longer empty or no longer a directory (something was put there meanwhile)."""
+    try:
+        os.rmdir(name, dir_fd=parent)
+    except FileNotFoundError:
+        return True
+    except OSError as error:
+        if error.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+            return False
+        raise
+    _fsync(parent)
+    return True
+
+
+def _remove_own_dir(
+    parent: int, name: str, path: Path, empty: Callable[[int, Path], list[Path]]
+) -> list[Path]:
+    """Open the directory `name` of the open directory `parent` without following a symlink,
+    remove what `empty` finds ours in it, then the directory itself when nothing is left; what
+    is left in place (`path` names `name` in it)."""
+    try:
+        directory = _open_dir(parent, name)
+    except FileNotFoundError:
+        return []
+    except _NotADirectory:
+        return [path]
+    try:
+        kept = empty(directory, path)
+    finally:
+        os.close(directory)
+    if not kept and not _remove_dir(parent, name):
+        kept = [path]
     return kept
 
 
-def _remove_instance_dir(directory: Path) -> list[Path]:
-    """Remove one participant's manifest (first), records and temporary files."""
+def _remove_checkpoint_dir(parent: int, name: str, base: Path) -> list[Path]:
+    """Remove the checkpoint directory `name` of an open set directory: its own files, then
+    itself when nothing is left; what is left in place."""
+    return _remove_own_dir(parent, name, base, _empty_checkpoint_dir)
+
+
+def _empty_checkpoint_dir(directory: int, base: Path) -> list[Path]:
+    """Remove one open checkpoint directory's own files; what is left in place."""
     kept: list[Path] = []
-    manifest = directory / MANIFEST_NAME
-    if stat.S_ISREG(_lstat_mode(manifest)):
-        manifest.unlink()
-        _fsync_dir(directory)
-    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
-        path = Path(entry.path)
+    if _is_regular_at(directory, CHECKPOINT_MANIFEST_NAME):
+        _unlink_at(directory, CHECKPOINT_MANIFEST_NAME)
+        _fsync(directory)
+    for entry in _entries(directory):
+        path = base / entry.name
+        if entry.is_dir(follow_symlinks=False) and _matches(INSTANCE_PATTERN, entry.name):
+            kept += _remove_instance_dir(directory, entry.name, path)
+        elif _is_regular(entry) and entry.name.startswith(_TEMP_PREFIX):
+            _unlink_at(directory, entry.name)
+        else:
+            kept.append(path)
+    return kept
+
+
+def _remove_instance_dir(parent: int, name: str, path: Path) -> list[Path]:
+    """Remove one participant's manifest (first), records and temporary files, then its
+    directory when nothing is left; what is left in place."""
+    return _remove_own_dir(parent, name, path, _empty_instance_dir)
+
+
+def _empty_instance_dir(directory: int, path: Path) -> list[Path]:
+    """Remove one open instance directory's manifest (first, durably), records and temporary
+    files; what is left in place."""
+    kept: list[Path] = []
+    if _is_regular_at(directory, MANIFEST_NAME):
+        _unlink_at(directory, MANIFEST_NAME)
+        _fsync(directory)
+    for entry in _entries(directory):
         ours = _RECORDS_NAME.fullmatch(entry.name) is not None or entry.name.startswith(
             _TEMP_PREFIX
         )
         if ours and _is_regular(entry):
-            path.unlink()
+            _unlink_at(directory, entry.name)
         else:
-            kept.append(path)
-    if not kept:
-        _remove_dir(directory)
+            kept.append(path / entry.name)
     return kept
 
 
@@ -830,8 +952,3 @@ def _lstat_mode(path: Path) -> int:
         return os.lstat(path).st_mode
     except FileNotFoundError:
         return 0
-
-
-def _remove_dir(directory: Path) -> None:
-    directory.rmdir()
-    _fsync_dir(directory.parent)

@@ -37,8 +37,14 @@ CHECKPOINT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 ROLLOUT_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 
-INSTANCE_PATTERN = r"^[a-z]+-[0-9]+$"
-"""`<role>-<index>`: also a directory name under a checkpoint."""
+MAX_INSTANCE_INDEX = 999_999
+"""The largest instance index (six digits): an instance names a directory under a checkpoint,
+so its length is bounded like a checkpoint id's, and an index past it is refused as invalid
+input before any storage is touched (docs/protocol.md, "Limits")."""
+
+INSTANCE_PATTERN = r"^[a-z]+-[0-9]{1,6}$"
+"""`<role>-<index>`: also a directory name under a checkpoint (index at most
+`MAX_INSTANCE_INDEX`)."""
 
 CheckpointId = Annotated[str, StringConstraints(pattern=CHECKPOINT_ID_PATTERN)]
 RolloutId = Annotated[str, StringConstraints(pattern=ROLLOUT_ID_PATTERN)]
@@ -81,7 +87,7 @@ RETIRE_ORDER: tuple[tuple[Role, ...], ...] = (
 
 
 class Phase(StrEnum):
-    """Where a participant is in the checkpoint protocol (DESIGN §4)."""
+    """Where a participant is in the checkpoint protocol (docs/protocol.md, "Phases")."""
 
     IDLE = "idle"
     PREPARING = "preparing"
@@ -270,6 +276,7 @@ class RestoreRequest(ControlRequest):
     index: int | None = Field(
         default=None,
         ge=0,
+        le=MAX_INSTANCE_INDEX,
         description="The instance index this participant is from the restored attempt on: a "
         "recovery that adopts a standby participant (started with ROLLOUT_STANDBY=1) gives it "
         "the lost instance's identity, whose records it then restores. A participant that is "
@@ -445,6 +452,12 @@ class PublishedParticipant(StrictModel):
     records_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     record_count: int = Field(ge=0)
     bytes: int = Field(ge=0)
+    rollout_ids: list[RolloutId] | None = Field(
+        default=None,
+        description="The rollouts whose records the participant wrote, where its restore must "
+        "name them (a NeMo Gym participant: `CommitReply.rollout_ids`); None: a restore asks "
+        "for every record.",
+    )
 
 
 class CheckpointManifest(StrictModel):
@@ -474,6 +487,16 @@ class CommitReply(StrictModel):
     phase: Phase
     manifest: Manifest
     manifest_path: str = Field(description="Relative to the checkpoint root.")
+    rollout_ids: list[RolloutId] | None = Field(
+        default=None,
+        exclude=True,
+        description="The rollouts whose records were written. Not part of our dialect's reply "
+        "(`exclude`: never serialized): our participants restore every record they wrote. A "
+        "NeMo Gym participant's restore must name its episodes, so its commit reply lists them "
+        "(Gym's `episode_ids`), the client reads them into this field, and the coordinator "
+        'keeps them with the checkpoint for the restore (docs/protocol.md, "The NeMo Gym '
+        'dialect").',
+    )
 
 
 class RestoreReply(StrictModel):

@@ -83,6 +83,16 @@ class _Restored(_Body):
     restored: list[EpisodeId]
 
 
+class PodState(_Body):
+    """What the pod's plane is now: the attempt it runs and the instance it is. Every install
+    and reopen sends it, so each worker's plane follows it exactly, also back to a standby's
+    own instance after a failed adoption (docs/protocol.md, "Workers")."""
+
+    attempt: int
+    index: int
+    standby: bool
+
+
 def _lines(records: Sequence[Record]) -> bytes:
     return b"".join(RECORD.dump_json(record) + b"\n" for record in records)
 
@@ -136,14 +146,18 @@ def worker_router(plane: Any) -> APIRouter:
         return _counts(participant)
 
     @router.post("/install")
-    async def install(request: Request, attempt: int, index: int | None = None) -> _Restored:
+    async def install(
+        request: Request, attempt: int, index: int | None = None, standby: bool = False
+    ) -> _Restored:
         restored = await participant.install(_parse(await request.body()), attempt)
-        plane.follow(attempt, index)
+        plane.follow(attempt, index, standby)
         return _Restored(restored=restored)
 
     @router.post("/reopen")
-    async def reopen() -> _Counts:
+    async def reopen(body: PodState | None = None) -> _Counts:
         await participant.reopen()
+        if body is not None:
+            plane.follow(body.attempt, body.index, body.standby)
         return _counts(participant)
 
     @router.post("/retire")
@@ -211,9 +225,11 @@ class WorkerPool(Participant):
         self._records: list[EncodedRecord] | None = None
         self._queued: list[tuple[str, dict[str, Any]]] = []
         self._counts = EpisodeCounts()
-        self.index: Callable[[], int] | None = None
-        """The pod's instance index as its plane has it now (set by `serve_workers`): sent with
-        every install, so the workers of a standby adopted for another instance become it."""
+        self.pod_state: Callable[[], PodState] | None = None
+        """The pod's plane as it is now (set by `serve_workers`): its identity is sent with
+        every install and its whole state with every reopen, so the workers of a standby
+        adopted for another instance become it, and go back with the pod when the adoption
+        fails."""
 
     @property
     def workers(self) -> int:
@@ -359,15 +375,19 @@ class WorkerPool(Participant):
             if error.code is ErrorCode.RECORDS_INVALID:
                 raise ValueError(error.detail) from None
             raise
-        index = "" if self.index is None else f"&index={self.index()}"
-        replies = await self._each(f"/install?attempt={attempt}{index}", bodies, ndjson=True)
+        path = f"/install?attempt={attempt}"
+        if self.pod_state is not None:
+            pod = self.pod_state()
+            path += f"&index={pod.index}&standby={str(pod.standby).lower()}"
+        replies = await self._each(path, bodies, ndjson=True)
         await self.refresh_counts()
         return _restored(replies)
 
     async def reopen(self) -> None:
         await self._flush()
         self._records = None
-        self._take_counts(await self._each("/reopen"))
+        body = None if self.pod_state is None else self.pod_state().model_dump()
+        self._take_counts(await self._each("/reopen", {k: body for k in range(self.workers)}))
 
     async def retire(self, attempt: int, rollout_ids: frozenset[str] | None) -> list[EpisodeId]:
         await self._flush()

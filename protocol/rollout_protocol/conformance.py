@@ -17,11 +17,13 @@ the participant client is aiohttp's):
   The participant must be idle, have a checkpoint root (`ROLLOUT_CHECKPOINT_ROOT`, the same
   directory as `checkpoint_root` here) and be dedicated to the kit: the phases check restores
   into it, which moves it to the next attempt.
-* `check_crash_restore(driver, checkpoint_root=..., rollout_ids=...)` checks what keeps episodes
-  exactly once across a crash: `steps.no-rerun` and `steps.indexed` (with
-  `restore.all-or-nothing` on the real records of running episodes), the `/run` duties
-  (`run.attempt-mismatch`, `run.retired`, `run.repeat-live`, `run.repeat-finished`),
-  `model.headers` and `state.in-boundary`: start episodes, checkpoint them mid-way through the
+* `check_crash_restore(driver, checkpoint_root=..., rollout_ids=..., model=...)` checks what
+  keeps episodes exactly once across a crash: `steps.no-rerun`, `steps.indexed` and
+  `steps.once-per-attempt` (with `restore.all-or-nothing` on the real records of running
+  episodes), the `/run` duties (`run.attempt-mismatch`, `run.retired`, `run.repeat-live`,
+  `run.repeat-one-episode`, `run.repeat-finished`), `model.headers`, `model.same-prompts` (with
+  `model`, the kit's `FakeModel`) and `state.in-boundary`: start episodes, checkpoint them
+  mid-way through the
   `Coordinator`, crash every participant, restart them under `attempt + 1`, refuse damaged
   copies of the checkpoint, restore it, finish the episodes, compare the step counters each
   participant serves at `GET /stats?rollout_id=...` (the shape of `StepCounters.snapshot`) and
@@ -30,10 +32,16 @@ the participant client is aiohttp's):
   mid-way, crash and restart your processes. Against a participant of several managed workers
   (pass `rollout_ids_per_worker(n)`) it also checks `workers.restore-all` and
   `workers.repeat-run` in every worker.
-* `check_workers(target, workers=n)` (`workers.managed`, `workers.private-channel`) and
-  `check_workers_park_all(driver, rollout_ids=...)` (`workers.park-all`, through a
+* `check_park_all(driver, rollout_ids=...)` (`steps.wait-holds-prepare`; `workers.park-all`
+  when a participant runs several workers; also named `check_workers_park_all`), through a
   `StepHoldingDriver`: an `EpisodeDriver` that can also hold an episode inside a step that
-  cannot park) for servers with several worker processes (`rollout_protocol.workers`).
+  cannot park. `check_workers(target, workers=n)` (`workers.managed`,
+  `workers.private-channel`) for servers with several worker processes
+  (`rollout_protocol.workers`).
+* `FakeModel` (module `_fake_model`) is the model participant a driver serves beside the server
+  under test: replies derived from the prompt only, every call counted and logged by the
+  episode it names, calls held on request (how a driver keeps episodes mid-way). A hold armed
+  after the crash is the driver's mistake, reported at once (`driver.holds`).
 * `serve_app(app, role=..., token=...)` serves an ASGI app in process (its lifespan runs, so the
   lease watchdog does) on a loopback port and yields a `ServedApp` whose `target` the checks
   take; `start_app` does the same inside a task group you own, for drivers that crash and
@@ -93,6 +101,7 @@ from . import _gym as gym
 from . import _storage as storage
 from ._client import HttpParticipantClient, ParticipantError, _default_session
 from ._coordinator import CommitOutcome, Coordinator
+from ._fake_model import FakeModel, ModelCall, echo_reply
 from ._routes import GYM_CAPABILITIES_PATH, ROUTES, Dialect, Route
 from ._wire import (
     CommitRequest,
@@ -115,8 +124,10 @@ __all__ = [
     "AUTH",
     "BODIES",
     "CONFLICTING",
+    "DRIVER_HOLDS",
     "LEASE",
     "MODEL_HEADERS",
+    "MODEL_PROMPTS",
     "PHASES_REPLAY",
     "PHASES_RESUME",
     "RESTORE",
@@ -124,11 +135,14 @@ __all__ = [
     "RUN_ATTEMPT",
     "RUN_FINISHED",
     "RUN_LIVE",
+    "RUN_ONE",
     "RUN_RETIRED",
     "STALE",
     "STATE",
     "STEPS",
     "STEPS_INDEXED",
+    "STEPS_ONCE",
+    "STEPS_WAIT",
     "UNINTERRUPTED_SUFFIX",
     "WORKERS_MANAGED",
     "WORKERS_PARK",
@@ -138,6 +152,8 @@ __all__ = [
     "WORKERS_SPREAD",
     "ConformanceError",
     "EpisodeDriver",
+    "FakeModel",
+    "ModelCall",
     "RunRefused",
     "ServedApp",
     "StepHoldingDriver",
@@ -147,6 +163,7 @@ __all__ = [
     "check_conflicting_ids",
     "check_crash_restore",
     "check_lease_auto_resume",
+    "check_park_all",
     "check_participant",
     "check_phases",
     "check_restore_all_or_nothing",
@@ -154,6 +171,7 @@ __all__ = [
     "check_strict_bodies",
     "check_workers",
     "check_workers_park_all",
+    "echo_reply",
     "rollout_ids_per_worker",
     "serve_app",
     "start_app",
@@ -171,11 +189,15 @@ BODIES = "bodies.strict"
 RESTORE = "restore.all-or-nothing"
 STEPS = "steps.no-rerun"
 STEPS_INDEXED = "steps.indexed"
+STEPS_ONCE = "steps.once-per-attempt"
+STEPS_WAIT = "steps.wait-holds-prepare"
 RUN_ATTEMPT = "run.attempt-mismatch"
 RUN_RETIRED = "run.retired"
 RUN_LIVE = "run.repeat-live"
 RUN_FINISHED = "run.repeat-finished"
+RUN_ONE = "run.repeat-one-episode"
 MODEL_HEADERS = "model.headers"
+MODEL_PROMPTS = "model.same-prompts"
 STATE = "state.in-boundary"
 WORKERS_MANAGED = "workers.managed"
 WORKERS_PRIVATE = "workers.private-channel"
@@ -183,6 +205,7 @@ WORKERS_SPREAD = "workers.spread"
 WORKERS_PARK = "workers.park-all"
 WORKERS_RESTORE = "workers.restore-all"
 WORKERS_REPEAT = "workers.repeat-run"
+DRIVER_HOLDS = "driver.holds"
 
 RULES: Mapping[str, str] = {
     PHASES_REPLAY: "prepare -> prepared -> commit -> committed; a retried prepare, commit or "
@@ -212,8 +235,20 @@ RULES: Mapping[str, str] = {
     RUN_LIVE: "a repeated /run of a live episode attaches to it (waits for its result); it is "
     "neither refused nor answered before the episode ends",
     RUN_FINISHED: "a repeated /run of a finished episode answers its result again and runs no step",
+    RUN_ONE: "a repeated /run of a live episode never starts a second episode: while the first "
+    "one is held, no step of that rollout starts or completes again (read from the step "
+    "counters at GET /stats)",
+    STEPS_ONCE: "no indexed step (name@index) completes twice under one attempt, in any "
+    "participant's step counters: a second completion is a step run again (a retry around a "
+    "completed step, a second episode of the rollout)",
+    STEPS_WAIT: "an episode inside a step that cannot park (StepMode.WAIT: a side effect, a tool "
+    "that writes) holds the prepare: not ready, that episode named among its blockers; once "
+    "the step ends the prepare is ready (a side-effect step run as StepMode.REPLAY fails this)",
     MODEL_HEADERS: "calls to the set's model carry X-Rollout-Request: <rollout_id>/<key> and "
     "X-Rollout-Attempt: <attempt>, so the model records them and continues them after a restore",
+    MODEL_PROMPTS: "the model calls of an episode continued after a crash and restore carry the "
+    "same prompts as an uninterrupted run's calls of the same key (everything a prompt is "
+    "built from lives in the episode's boundaries); checked with the kit's FakeModel",
     STATE: "everything an episode needs lives in its boundaries: an episode continued after a "
     "crash and restore ends with the result of an uninterrupted run of the same task",
     WORKERS_MANAGED: "a server with several worker processes is one participant whose control "
@@ -234,12 +269,16 @@ RULES: Mapping[str, str] = {
     WORKERS_REPEAT: "with several workers, a repeated /run of an episode held by any worker "
     "reaches that worker: it attaches to the live episode, or answers the finished result "
     "and runs no step, never starting it again elsewhere",
+    DRIVER_HOLDS: "the kit's driver (your test, not the server) holds model calls of the first "
+    "attempt only: a hold armed after the crash would block a restored episode or an "
+    "uninterrupted twin forever",
 }
 """Every rule id the kit checks, with the rule in one sentence."""
 
 
 PARTICIPANT = "the participant"
 DRIVER = "the driver (your EpisodeDriver, not the server)"
+DRIVER_MISTAKE = "the kit's driver: your test's mistake, not the server's"
 
 
 class ConformanceError(AssertionError):
@@ -719,7 +758,11 @@ async def check_phases(target: Target, *, call_timeout_s: float = 10.0) -> tuple
         await _expect_idle(conn, PHASES_RESUME, f"after the resume of committed {cid}")
 
         attempt = max(before.attempt, committed.manifest.attempt) + 1
-        restore = RestoreRequest(checkpoint_id=cid, attempt=attempt, deadline_ts=conn.deadline())
+        # the rollouts the commit listed (a Gym participant's restore names them; ours: None)
+        named = committed.rollout_ids
+        restore = RestoreRequest(
+            checkpoint_id=cid, attempt=attempt, rollout_ids=named, deadline_ts=conn.deadline()
+        )
         restored = await _ok(
             PHASES_REPLAY, f"restore of {cid} under attempt {attempt}", p.restore(restore)
         )
@@ -735,7 +778,12 @@ async def check_phases(target: Target, *, call_timeout_s: float = 10.0) -> tuple
         await _replayed(
             f"a retried restore of {cid}",
             p.restore(
-                RestoreRequest(checkpoint_id=cid, attempt=attempt, deadline_ts=conn.deadline())
+                RestoreRequest(
+                    checkpoint_id=cid,
+                    attempt=attempt,
+                    rollout_ids=named,
+                    deadline_ts=conn.deadline(),
+                )
             ),
             restored,
         )
@@ -745,7 +793,12 @@ async def check_phases(target: Target, *, call_timeout_s: float = 10.0) -> tuple
             STALE,
             f"a restore of {cid} under attempt {attempt} after it was restored and resumed",
             p.restore(
-                RestoreRequest(checkpoint_id=cid, attempt=attempt, deadline_ts=conn.deadline())
+                RestoreRequest(
+                    checkpoint_id=cid,
+                    attempt=attempt,
+                    rollout_ids=named,
+                    deadline_ts=conn.deadline(),
+                )
             ),
             ErrorCode.STALE_CHECKPOINT,
         )
@@ -775,11 +828,18 @@ async def _replayed(what: str, call: Awaitable[BaseModel], first: BaseModel) -> 
 _Call = Callable[[], Awaitable[BaseModel]]
 
 
+def _named_for(conn: _Conn) -> list[str] | None:
+    """The rollouts a refused restore names: none for a Gym target (its restore must name a
+    list, and the refusal comes before any record is read), None (every record) for ours."""
+    return [] if conn.target.dialect is Dialect.GYM else None
+
+
 def _calls_with(
     conn: _Conn, checkpoint_id: str, names: Sequence[str], *, attempt: int = 0
 ) -> list[tuple[str, _Call]]:
     """Control calls naming `checkpoint_id` (made when called, each with a fresh deadline)."""
     p = conn.participant
+    named = _named_for(conn)
     every: dict[str, _Call] = {
         "prepare": lambda: p.prepare(
             PrepareRequest(checkpoint_id=checkpoint_id, deadline_ts=conn.deadline())
@@ -795,7 +855,10 @@ def _calls_with(
         ),
         "restore": lambda: p.restore(
             RestoreRequest(
-                checkpoint_id=checkpoint_id, attempt=attempt, deadline_ts=conn.deadline()
+                checkpoint_id=checkpoint_id,
+                attempt=attempt,
+                rollout_ids=named,
+                deadline_ts=conn.deadline(),
             )
         ),
     }
@@ -1128,7 +1191,10 @@ async def check_restore_all_or_nothing(
                     what,
                     conn.participant.restore(
                         RestoreRequest(
-                            checkpoint_id=damaged_id, attempt=attempt, deadline_ts=conn.deadline()
+                            checkpoint_id=damaged_id,
+                            attempt=attempt,
+                            rollout_ids=_named_for(conn),
+                            deadline_ts=conn.deadline(),
                         )
                     ),
                     ErrorCode.RECORDS_INVALID,
@@ -1247,7 +1313,7 @@ class StepHoldingDriver(EpisodeDriver, Protocol):
         ...
 
 
-async def check_workers_park_all(
+async def check_park_all(
     driver: StepHoldingDriver,
     *,
     rollout_ids: Sequence[str],
@@ -1255,7 +1321,8 @@ async def check_workers_park_all(
     timeout_s: float = 60.0,
     call_timeout_s: float = 30.0,
 ) -> None:
-    """`workers.park-all`: the last of `rollout_ids` is held inside a step that cannot park
+    """`steps.wait-holds-prepare` (`workers.park-all` when a participant of the group runs
+    several managed workers): the last of `rollout_ids` is held inside a step that cannot park
     (`hold_in_step`), the others mid-way at a boundary (`wait_mid_episode`); with the ids one
     per worker (`rollout_ids_per_worker`), the parked episodes and the busy one live in
     different workers. A prepare whose deadline is `busy_wait_s` away must not be ready and
@@ -1265,13 +1332,13 @@ async def check_workers_park_all(
     themselves), so it is usable, idle, afterwards.
     """
     rids = list(rollout_ids)
-    _expect(WORKERS_PARK, len(set(rids)) == len(rids) >= 2, "two or more distinct ids", rids)
+    _expect(STEPS_WAIT, len(set(rids)) == len(rids) >= 2, "two or more distinct ids", rids)
     async with _connect(driver.participants(), call_timeout_s) as conns:
-        statuses = [await conn.status(WORKERS_PARK) for conn in conns]
+        statuses = [await conn.status(STEPS_WAIT) for conn in conns]
         _check_spread(statuses, rids)
         workers = _multi_worker(conns, statuses)
         attempts = {status.attempt for status in statuses}
-        _expect(WORKERS_PARK, len(attempts) == 1, "the group must run one attempt", attempts)
+        _expect(STEPS_WAIT, len(attempts) == 1, "the group must run one attempt", attempts)
         attempt = attempts.pop()
         coordinator = Coordinator([conn.participant for conn in conns], call_timeout=call_timeout_s)
         await driver.hold_in_step(rids[-1])
@@ -1314,6 +1381,10 @@ async def check_workers_park_all(
     await driver.restart(attempt + 1)
 
 
+check_workers_park_all = check_park_all
+"""`check_park_all` by its first name (it checks `workers.park-all` on multi-worker groups)."""
+
+
 async def _park_all_steps(
     driver: StepHoldingDriver,
     coordinator: Coordinator,
@@ -1328,33 +1399,37 @@ async def _park_all_steps(
     """`check_workers_park_all` once its episodes run: the two prepares."""
     busy, parked = rids[-1], list(rids[:-1])
     first, second = ids
+    rule = WORKERS_PARK if workers else STEPS_WAIT
     try:
         with anyio.fail_after(timeout_s):
             await driver.wait_mid_episode(parked, time.time() + timeout_s)
             await driver.wait_in_step(busy, time.time() + timeout_s)
     except Exception as error:
         raise ConformanceError(
-            WORKERS_PARK,
+            rule,
             f"{parked} must wait mid-way and {busy} inside its held step",
             f"the driver raised {type(error).__name__}: {error}; failures: {dict(failures)}",
             fault=f"{DRIVER}, or the participant if the episodes failed",
         ) from error
     early = await coordinator.prepare(first, time.time() + busy_wait_s, scope=rids)
-    _expect(
-        WORKERS_PARK,
-        not early.ready and any(e.rollout_id == busy for e in early.blockers),
-        f"with {parked} parked and {busy}{_held_by(busy, workers)} inside a step that cannot "
-        "park, the prepare must not be ready and name it as a blocker",
-        f"ready={early.ready}, blockers {[str(e) for e in early.blockers]}, "
-        f"{early.episode_count} parked",
-    )
+    if early.ready or not any(e.rollout_id == busy for e in early.blockers):
+        raise ConformanceError(
+            rule,
+            f"with {parked} parked and {busy}{_held_by(busy, workers)} inside a step that "
+            "cannot park, the prepare must not be ready and name it as a blocker",
+            f"ready={early.ready}, blockers {[str(e) for e in early.blockers]}, "
+            f"{early.episode_count} parked",
+            fix="run every step whose effect cannot be redone (a write, a tool that is not "
+            "idempotent) as StepMode.WAIT"
+            + ("; serve workers with rollout_protocol.workers.serve_workers" if workers else ""),
+        )
     await coordinator.abort(first, time.time() + call_timeout_s)
     await driver.release_step(busy)
     ready = await coordinator.prepare(second, time.time() + call_timeout_s, scope=rids)
     _expect(
-        WORKERS_PARK,
+        rule,
         ready.ready and set(parked) <= set(ready.scope(rids) or ()),
-        f"once {busy}'s step ended, every worker must park: the prepare must be ready with "
+        f"once {busy}'s step ended, every episode must park: the prepare must be ready with "
         f"{parked}",
         f"ready={ready.ready}, scope {ready.scope(rids)}, stopped at {ready.stopped_at}, "
         f"failures {[str(f) for f in ready.failures]}",
@@ -1477,24 +1552,31 @@ async def check_crash_restore(
     repeat_window_s: float = 1.0,
     driver_grace_s: float = 5.0,
     volatile_keys: Collection[str] = _VOLATILE_KEYS,
+    model: FakeModel | None = None,
+    poll_interval_s: float = 0.05,
 ) -> None:
     """`steps.no-rerun` across a crash, with the `/run` duties that keep episodes exactly once.
 
     1. run an episode per rollout id under the group's attempt N; wait until all are mid-way;
-       repeat the first one's `/run`;
+       read the step counters, repeat the first one's `/run`;
     2. checkpoint them (prepare, commit with the rollout ids as scope) through the
        `Coordinator`, read every participant's step counters (`model.headers`: a model in the
-       group must have counted the episodes' calls), resume; the repeated `/run` must still be
-       attached, neither refused nor answered, `repeat_window_s` later (`run.repeat-live`);
-    3. crash the group, restart it under N + 1;
+       group must have counted the episodes' calls; `steps.once-per-attempt`), resume; until
+       `repeat_window_s` later the counters are read every `poll_interval_s`: the repeated
+       rollout starts no step (`run.repeat-one-episode`), and its `/run` must still be
+       attached, neither refused nor answered (`run.repeat-live`);
+    3. crash the group (the `model`'s holds end: one armed from now on is the driver's
+       mistake, `driver.holds`), restart it under N + 1;
     4. restore damaged copies of the checkpoint (refused, nothing installed:
        `restore.all-or-nothing`), then the checkpoint itself, resume;
     5. `/run` under N + 2 and N must be refused (`run.attempt-mismatch`);
     6. run every episode under N + 1 to its end and read the counters again (`steps.no-rerun`,
-       `steps.indexed`);
+       `steps.indexed`, `steps.once-per-attempt`);
     7. repeat the first `/run`: same result, no step (`run.repeat-finished`);
-    8. run `<id>-uninterrupted` for every id under N + 1 and compare the results, less
-       `volatile_keys` (`state.in-boundary`);
+    8. run `<id>-uninterrupted` for every id under N + 1; with `model` (the kit's
+       `FakeModel`, a participant of the group) the restored episodes' model calls under N + 1
+       must carry the prompts of the uninterrupted runs' calls of the same keys
+       (`model.same-prompts`); compare the results, less `volatile_keys` (`state.in-boundary`);
     9. retire the first rollout under N + 1 through the coordinator; its `/run` must be
        refused with 410 (`run.retired`).
 
@@ -1502,11 +1584,16 @@ async def check_crash_restore(
     names completed more than once under N (a per-token step, say) cannot be told apart and
     are not compared. At least one step must have completed before the checkpoint, or the
     check would prove nothing.
+
+    With `model`, its log is checked too: every episode's calls named it by the checkpoint and
+    no call of the group lacked the headers (`model.headers`), and a driver mistake it records
+    (`FakeModel.driver_mistakes`) fails the check at once, naming the driver.
     """
     rids = list(rollout_ids)
     _expect(STEPS, len(set(rids)) == len(rids) > 0, "rollout ids must be distinct", rids)
     runs = _FirstRuns()
     cid = _new_id("crash")
+    model_calls_from = 0 if model is None else len(model.log)
     async with _connect(driver.participants(), call_timeout_s) as conns:
         statuses = [await conn.status(STEPS) for conn in conns]
         _check_spread(statuses, rids)
@@ -1553,6 +1640,8 @@ async def check_crash_restore(
                     with anyio.move_on_after(timeout_s + driver_grace_s) as waited:
                         await driver.wait_mid_episode(rids, mid_deadline)
                 except Exception as error:
+                    if model is not None:  # a server that names no call cannot be held
+                        _check_fake_model_headers(model, model_calls_from, rids, attempt, False)
                     raise ConformanceError(
                         STEPS,
                         f"episodes {rids} must reach the middle under attempt {attempt}",
@@ -1575,15 +1664,20 @@ async def check_crash_restore(
                     "episodes must stay mid-way until the crash",
                     f"failed: {runs.failures}, finished: {runs.finished}",
                 )
+                held_counts = {c.target.name: await _counters(c, repeated) for c in conns}
                 # The repeated /run goes out before the checkpoint, whose round trips to the
                 # same servers give it time to be refused (a window that grows with their load).
                 for rid in repeated:
                     episodes.start_soon(repeated_run, rid)
                 before, commit = await _checkpoint(coordinator, conns, cid, rids, call_timeout_s)
+                _check_one_episode(held_counts, before, repeated, attempt, workers)
                 _check_model_counts(conns, before, rids, attempt)
-                with anyio.move_on_after(repeat_window_s):
-                    for rid in repeated:
-                        await repeats[rid].done.wait()
+                if model is not None:
+                    _check_fake_model_headers(model, model_calls_from, rids, attempt)
+                await _watch_repeats(
+                    conns, held_counts, repeats, attempt, workers, repeat_window_s, poll_interval_s
+                )
+                _check_once(before, rids)
                 for rid, repeat in repeats.items():
                     if repeat.outcome is None:
                         continue
@@ -1600,6 +1694,8 @@ async def check_crash_restore(
                     )
                 runs.crashed = True
                 await driver.crash()
+                if model is not None:
+                    model.end_holds(attempt)
             except ConformanceError as error:
                 broke = error
             episodes.cancel_scope.cancel()
@@ -1607,6 +1703,7 @@ async def check_crash_restore(
             raise broke
 
     await driver.restart(attempt + 1)
+    _check_driver_holds(model)
     targets = list(driver.participants())
     async with _connect(targets, call_timeout_s) as conns:
         statuses = []
@@ -1627,11 +1724,9 @@ async def check_crash_restore(
             call_timeout_s=call_timeout_s,
         )
         coordinator = Coordinator([conn.participant for conn in conns], call_timeout=call_timeout_s)
-        # NeMo Gym's restore has no scope: participants that all speak it restore every record
-        # (the checkpoint holds exactly the rollouts, `_checkpoint` checked)
-        gym_only = all(conn.target.dialect is Dialect.GYM for conn in conns)
+        # a Gym participant's restore names the rollouts its commit listed (`listed`)
         restored = await coordinator.restore(
-            cid, attempt + 1, time.time() + call_timeout_s, None if gym_only else rids
+            cid, attempt + 1, time.time() + call_timeout_s, rids, listed=commit.listed
         )
         _expect(
             RESTORE,
@@ -1661,12 +1756,15 @@ async def check_crash_restore(
         await _run_refused(
             driver, RUN_ATTEMPT, rids[0], attempt + 2, mismatch, "an attempt not running yet"
         )
+        _check_driver_holds(model)
         old = {**mismatch, ErrorCode.ATTEMPT_RETIRED.value: 410}
         await _run_refused(driver, RUN_ATTEMPT, rids[0], attempt, old, "the crashed attempt")
-        results = await _run_all(driver, rids, attempt + 1, timeout_s, "restored episode")
+        _check_driver_holds(model)
+        results = await _run_all(driver, rids, attempt + 1, timeout_s, "restored episode", model)
         after = {conn.target.name: await _counters(conn, rids) for conn in conns}
         _check_restored_workers(workers, before, after, rids, attempt)
         _compare_counts(before, after, rids, attempt)
+        _check_once(after, rids)
         started = {name: _ran(counts, rids[0], attempt + 2) for name, counts in after.items()}
         _expect(
             RUN_ATTEMPT,
@@ -1676,7 +1774,7 @@ async def check_crash_restore(
         )
 
         repeated = rids if workers else rids[:1]
-        again = await _run_all(driver, repeated, attempt + 1, timeout_s, "repeated /run")
+        again = await _run_all(driver, repeated, attempt + 1, timeout_s, "repeated /run", model)
         for rid in repeated:
             rule = RUN_FINISHED if rid == rids[0] else WORKERS_REPEAT
             held = _held_by(rid, workers)
@@ -1696,13 +1794,13 @@ async def check_crash_restore(
                     f"counters before {after[conn.target.name].get(rid)}, after {now.get(rid)}",
                 )
 
+        twin_ids = [rid + UNINTERRUPTED_SUFFIX for rid in rids]
         twins = await _run_all(
-            driver,
-            [rid + UNINTERRUPTED_SUFFIX for rid in rids],
-            attempt + 1,
-            timeout_s,
-            "uninterrupted episode",
+            driver, twin_ids, attempt + 1, timeout_s, "uninterrupted episode", model
         )
+        _check_once({conn.target.name: await _counters(conn, twin_ids) for conn in conns}, twin_ids)
+        if model is not None:
+            _check_prompts(model, rids, attempt + 1)
         differ = {
             rid: (
                 _strip(results[rid], volatile_keys),
@@ -1778,9 +1876,15 @@ def _check_restored_workers(
 
 
 async def _run_all(
-    driver: EpisodeDriver, rids: Sequence[str], attempt: int, timeout_s: float, what: str
+    driver: EpisodeDriver,
+    rids: Sequence[str],
+    attempt: int,
+    timeout_s: float,
+    what: str,
+    model: FakeModel | None = None,
 ) -> dict[str, Any]:
-    """Run every episode to its end concurrently; each must finish with a result."""
+    """Run every episode to its end concurrently; each must finish with a result (a driver
+    mistake the `model` recorded on the way is reported first, as the driver's)."""
     results: dict[str, Any] = {}
     failures: dict[str, str] = {}
 
@@ -1795,8 +1899,18 @@ async def _run_all(
             for rid in rids:
                 group.start_soon(one, rid)
     unfinished = [rid for rid in rids if rid not in results and rid not in failures]
+    _check_driver_holds(model)
     if unfinished:
         failures["(unfinished)"] = f"{unfinished} not finished within {timeout_s}s"
+        raise ConformanceError(
+            STEPS,
+            f"every {what} must finish under attempt {attempt}",
+            str(failures),
+            fault=f"{PARTICIPANT}, or the driver if it still holds them",
+            fix="if your driver holds episodes (a test hook, a fake that blocks), hold only "
+            "the first attempt's own rollouts, armed once before the crash (the kit's "
+            "FakeModel reports a later hold at once); otherwise find where the episode waits",
+        )
     _expect(STEPS, not failures, f"every {what} must finish under attempt {attempt}", failures)
     return results
 
@@ -1820,6 +1934,172 @@ def _check_model_counts(
                 fix="send X-Rollout-Request: <rollout_id>/<turn> and X-Rollout-Attempt: "
                 "<attempt> on every model call",
             )
+
+
+def _check_fake_model_headers(
+    model: FakeModel, calls_from: int, rids: Sequence[str], attempt: int, each: bool = True
+) -> None:
+    """`model.headers` on the kit's `FakeModel`: no call since the check began lacked the
+    headers and (with `each`: by the checkpoint) every episode named itself on a call under
+    `attempt`."""
+    unnamed = [call for call in model.log[calls_from:] if call.rollout_id is None]
+    silent = [rid for rid in rids if each and not model.calls(rid, attempt)]
+    if unnamed or silent:
+        raise ConformanceError(
+            MODEL_HEADERS,
+            f"every model call of the episodes {rids} must name its episode (under attempt "
+            f"{attempt})",
+            f"{len(unnamed)} calls without X-Rollout-Request/X-Rollout-Attempt"
+            + (f" (first prompt {unnamed[0].prompt[:120]!r})" if unnamed else "")
+            + (f"; no named call of {silent}" if silent else ""),
+            fault="the participant that calls the model",
+            fix="send X-Rollout-Request: <rollout_id>/<turn> and X-Rollout-Attempt: "
+            "<attempt> on every model call (docs/sdk.md, section 3)",
+        )
+
+
+def _check_driver_holds(model: FakeModel | None) -> None:
+    """`driver.holds`: a hold the driver armed after the crash is reported at once, as the
+    driver's mistake (the fake model did not arm it, so no episode waits on it)."""
+    if model is None or not model.driver_mistakes:
+        return
+    raise ConformanceError(
+        DRIVER_HOLDS,
+        "holds on model calls of the first attempt only (armed before each episode reaches "
+        "the call, and never after the crash)",
+        "; ".join(model.driver_mistakes),
+        fault=DRIVER_MISTAKE,
+        fix="arm FakeModel.hold(...) in run_episode only for the first attempt's own rollout "
+        "ids (attempt == the first one, base_rollout_id(rollout_id) == rollout_id), once per "
+        "rollout, with attempt=attempt",
+    )
+
+
+def _step_events(counts: _Counts, rollout_id: str, attempt: int) -> dict[str, tuple[int, int]]:
+    """step -> (started, completed) of one rollout under one attempt."""
+    steps = counts.get(rollout_id, {}).get(str(attempt), {})
+    return {
+        name: (events.get("started", 0), events.get("completed", 0))
+        for name, events in steps.items()
+    }
+
+
+def _check_one_episode(
+    held: Mapping[str, _Counts],
+    now: Mapping[str, _Counts],
+    rids: Sequence[str],
+    attempt: int,
+    workers: Mapping[str, int],
+) -> None:
+    """`run.repeat-one-episode`: since the episodes were held (`held`, read before the repeated
+    `/run` went out), no step of a repeated rollout started or completed under `attempt`."""
+    moved: list[str] = []
+    for name, counts in now.items():
+        for rid in rids:
+            was = _step_events(held.get(name, {}), rid, attempt)
+            for step, (started, completed) in sorted(_step_events(counts, rid, attempt).items()):
+                before = was.get(step, (0, 0))
+                if started > before[0] or completed > before[1]:
+                    moved.append(
+                        f"{name} {rid}{_held_by(rid, workers)} {step}: started "
+                        f"{before[0]} -> {started}, completed {before[1]} -> {completed}"
+                    )
+    if moved:
+        raise ConformanceError(
+            RUN_ONE,
+            f"a repeated /run of a held episode must start nothing under attempt {attempt} "
+            "(it attaches to the live episode)",
+            "steps ran after the repeated /run: " + "; ".join(moved),
+            fix="look the rollout up with runtime.find(rollout_id) before anything else and, "
+            "when it is live, await episode.ended.wait() and answer its result; never run a "
+            "second episode loop for it",
+        )
+
+
+async def _watch_repeats(
+    conns: Sequence[_Conn],
+    held: Mapping[str, _Counts],
+    repeats: Mapping[str, _Repeat],
+    attempt: int,
+    workers: Mapping[str, int],
+    window_s: float,
+    poll_interval_s: float,
+) -> None:
+    """For `window_s` (or until every repeated `/run` ended), read the repeated rollouts'
+    counters every `poll_interval_s`: `run.repeat-one-episode` on each read."""
+    rids = list(repeats)
+    end = time.monotonic() + window_s
+
+    async def all_done() -> None:
+        for repeat in repeats.values():
+            await repeat.done.wait()
+
+    while True:
+        now = {conn.target.name: await _counters(conn, rids) for conn in conns}
+        _check_one_episode(held, now, rids, attempt, workers)
+        left = end - time.monotonic()
+        if left <= 0 or all(repeat.done.is_set() for repeat in repeats.values()):
+            return
+        with anyio.move_on_after(min(poll_interval_s, left)):
+            await all_done()
+
+
+def _check_once(counts: Mapping[str, _Counts], rids: Sequence[str]) -> None:
+    """`steps.once-per-attempt`: no indexed step completed twice under one attempt (unindexed
+    names, a per-token step say, may repeat by design and are not judged)."""
+    twice: list[str] = []
+    for name, per_rollout in counts.items():
+        for rid in rids:
+            for attempt, steps in sorted(per_rollout.get(rid, {}).items()):
+                for step, events in sorted(steps.items()):
+                    if "@" in step and events.get("completed", 0) > 1:
+                        twice.append(
+                            f"{name} {rid} {step} completed {events['completed']} times under "
+                            f"attempt {attempt}"
+                        )
+    if twice:
+        raise ConformanceError(
+            STEPS_ONCE,
+            "each indexed step completes at most once per attempt",
+            "; ".join(twice),
+            fix="never run a completed step again under the same attempt: continue from the "
+            "episode's boundary (no retry loop around a step that completed, no second "
+            "episode of a rollout), and keep step names unique within the episode",
+        )
+
+
+def _check_prompts(model: FakeModel, rids: Sequence[str], attempt: int) -> None:
+    """`model.same-prompts`: each model call a restored episode made under `attempt` carries
+    the prompt of its uninterrupted twin's call of the same key (the twin's rollout id read as
+    the restored one's, should a prompt name it)."""
+    differ: list[str] = []
+    compared = 0
+    for rid in rids:
+        twin_id = rid + UNINTERRUPTED_SUFFIX
+        twin = {k: p.replace(twin_id, rid) for k, p in model.prompts(twin_id, attempt).items()}
+        for key, prompt in sorted(model.prompts(rid, attempt).items()):
+            compared += 1
+            expected = twin.get(key)
+            if expected is None:
+                differ.append(f"{rid}/{key}: the uninterrupted run made no call {key}")
+            elif expected != prompt:
+                differ.append(
+                    f"{rid}/{key}: restored prompt {_clip(prompt)}, uninterrupted {_clip(expected)}"
+                )
+    if differ:
+        raise ConformanceError(
+            MODEL_PROMPTS,
+            f"the model calls of the restored episodes under attempt {attempt} must carry the "
+            "prompts of an uninterrupted run's calls of the same keys",
+            "; ".join(differ[:5]) + (f" (and {len(differ) - 5} more)" if len(differ) > 5 else ""),
+            fix="build every prompt from the episode's boundary state (the transcript in the "
+            "Boundary's JSON), never from memory kept beside it: it is gone after a restore",
+        )
+
+
+def _clip(text: str, keep: int = 160) -> str:
+    """`text` for a message: its end (where prompts differ most), quoted."""
+    return repr(text if len(text) <= keep else "..." + text[-keep:])
 
 
 async def _checkpoint(

@@ -7,7 +7,9 @@ return a null context after one check, nothing is recorded or exported, no SDK m
 imported and no `traceparent` header is sent. `configure` installs the SDK (`opentelemetry-sdk` and
 `opentelemetry-exporter-otlp-proto-http`, the `tracing` extra) with a batch span processor and
 the SDK's own OTLP/HTTP exporter; the standard `OTEL_*` variables configure the exporter
-(`OTEL_EXPORTER_OTLP_HEADERS`, `OTEL_BSP_SCHEDULE_DELAY`, `OTEL_SERVICE_NAME`, ...).
+(`OTEL_EXPORTER_OTLP_HEADERS`, `OTEL_BSP_SCHEDULE_DELAY`, `OTEL_SERVICE_NAME`, ...). At exit the
+spans still queued are flushed for at most `EXIT_FLUSH_TIMEOUT_S`, so a process whose collector
+is dead or never answers still exits promptly (docs/operations.md, "Traces").
 
 How a trace crosses processes: `HttpParticipantClient` sends every protocol call inside a client
 span and puts that span's W3C `traceparent` header on the request (`headers`); the control plane
@@ -23,10 +25,12 @@ persisted. Under a tracer provider a program installed itself, the id is its gen
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from contextvars import ContextVar
 from typing import Any, Final
@@ -38,6 +42,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from opentelemetry.util.types import AttributeValue
 
 __all__ = [
+    "EXIT_FLUSH_TIMEOUT_S",
     "Attributes",
     "SpanKind",
     "configure",
@@ -56,6 +61,16 @@ _PROBES: Final = frozenset({"GET /healthz", "GET /readyz", "GET /livez", "GET /m
 for them."""
 
 Attributes = Mapping[str, AttributeValue]
+
+EXIT_FLUSH_TIMEOUT_S: Final = 2.0
+"""How long a process that exports traces waits at exit for its last spans to reach the
+collector (docs/operations.md, "Traces"). The SDK's own exit hook waits up to 30 s for its batch
+thread, whose exports retry for up to the exporter's timeout (10 s by default), so a process
+whose collector was dead or silent took that long to stop; a collector that answers takes a
+batch in milliseconds."""
+_EXIT_STOP_GRACE_S: Final = 0.2
+"""After the exporter is stopped, how long the exit waits for the flush to notice (its retry
+backoff wakes at once), so that the flush thread is not logging while the interpreter ends."""
 
 _TRACER: Final = trace.get_tracer("rollout_protocol")
 """The API's proxy tracer: no-op until a provider is installed, then that provider's."""
@@ -152,12 +167,42 @@ def configure(
     if not env.get("OTEL_SERVICE_NAME"):
         resource_attributes[SERVICE_NAME] = service_name
     provider = TracerProvider(
-        sampler=sampler, resource=Resource.create(resource_attributes), id_generator=KeyedIds()
+        sampler=sampler,
+        resource=Resource.create(resource_attributes),
+        id_generator=KeyedIds(),
+        shutdown_on_exit=False,  # unbounded with a dead collector: `_flush_at_exit` instead
     )
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    exporter = OTLPSpanExporter(endpoint=endpoint)
+    provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
+    atexit.register(_flush_at_exit, provider.force_flush, exporter.shutdown)
     logger.info("exporting traces over OTLP/HTTP as %s", service_name)
     return True
+
+
+def _flush_at_exit(
+    flush: Callable[[], object],
+    stop: Callable[[], object],
+    timeout_s: float = EXIT_FLUSH_TIMEOUT_S,
+) -> None:
+    """Export the spans still queued for at most `timeout_s`, then stop the exporter.
+
+    The flush runs in a daemon thread that the exit waits for only `timeout_s`: against a dead
+    collector the exporter would retry with backoff, against one that accepts and never answers
+    a request would wait for the exporter's whole timeout. Stopping the exporter ends its
+    retries at once (the backoff waits on its shutdown event); a request still waiting on a
+    silent collector is left to the daemon thread, which ends with the process.
+    """
+    flushing = threading.Thread(target=flush, name="rollout-traces-exit-flush", daemon=True)
+    flushing.start()
+    flushing.join(timeout_s)
+    if flushing.is_alive():
+        logger.warning(
+            "the OTLP collector did not take the last spans within %gs: exiting without them",
+            timeout_s,
+        )
+    stop()
+    flushing.join(_EXIT_STOP_GRACE_S)
 
 
 def _off() -> bool:

@@ -46,16 +46,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ._control import (
-    WORKER_ENV,
-    WORKER_KEY_ENV,
-    ControlPlane,
-    ControlSettings,
-    declared_workers,
-)
+from ._control import ControlPlane
 from ._routes import GYM_CAPABILITIES_PATH
+from ._settings import WORKER_ENV, WORKER_KEY_ENV, ControlSettings, declared_workers
 from ._wire import API_PREFIX, ROLLOUT_ID_PATTERN, ErrorCode, ProtocolError, Role
-from ._workers import WorkerPool, owner
+from ._workers import PodState, WorkerPool, owner
 from .serving import DrainingServer
 
 __all__ = ["WORKER_LOST_EXIT", "WorkerApp", "declared_workers", "owner", "serve_workers"]
@@ -151,7 +146,9 @@ def serve_workers(
         ).start()
         pool = WorkerPool(role, sockets, key)
         plane = ControlPlane(pool, settings)
-        pool.index = lambda: plane.settings.index
+        pool.pod_state = lambda: PodState(
+            attempt=plane.attempt, index=plane.settings.index, standby=plane.settings.standby
+        )
         app = _pod_app(pool, plane)
         config = uvicorn.Config(
             app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on"
@@ -197,8 +194,11 @@ class _SocketDirectory:
         parent = tempfile.gettempdir()
         cls._remove_ended(parent)
         path = tempfile.mkdtemp(prefix=cls.PREFIX, dir=parent)
-        lock = os.open(os.path.join(path, cls.LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # locked under another name first: another pod's sweep never finds `lock` unlocked
+        fresh = os.path.join(path, f"{cls.LOCK}.new")
+        lock = os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         fcntl.flock(lock, fcntl.LOCK_EX)
+        os.rename(fresh, os.path.join(path, cls.LOCK))
         return cls(path, lock)
 
     def remove(self) -> None:
@@ -223,7 +223,7 @@ class _SocketDirectory:
                 os.path.join(entry.path, cls.LOCK), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
             )
         except OSError:
-            return False  # not ours, or a run between its mkdtemp and its lock: left alone
+            return False  # not ours, or a run that has not locked it yet: left alone
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -1,1 +1,1 @@
-"""Participant side of checkpointing: protocol, control plane, servers, coordinator, client."""
+"""The reference rollout servers, the trainer client and discovery, on `rollout_protocol`."""

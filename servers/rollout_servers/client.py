@@ -26,16 +26,18 @@ import logging
 import sys
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import anyio
 import httpx
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, JsonValue
 from rollout_protocol import ErrorBody, ErrorCode, tracing
 
+from .taskfile import DEFAULT_MAX_ROW_BYTES, Row, RowError, RowFile, RowOptions, scan_rows
+from .taskfile import rollout_id as row_rollout_id
 from .tasks import Task, sample_tasks
 from .topology import (
     FileTopology,
@@ -69,18 +71,32 @@ _MAX_BACKOFF_S = 5.0
 
 
 class EpisodeResult(BaseModel):
-    """One JSON line of `rollout-collect`'s output."""
+    """One JSON line of `rollout-collect`'s output.
+
+    An episode of a rows file (`--tasks-file`) also names its row: `row_id`, the file's `line`
+    and `sample` (which of the row's rollouts, 0-based); the shipped tasks' lines leave them out.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     rollout_id: str
     attempt: int
-    answer: int | None
+    answer: JsonValue = None
+    """Whatever the environment answered (the reference environments: an integer, or null)."""
     reward: float
     steps: int
     continued: bool
     continued_from: int | None = None
-    task_id: str | None = None
+    row_id: str | None = None
+    line: int | None = None
+    sample: int | None = None
+
+    def output_line(self) -> str:
+        """The result as `rollout-collect` writes it."""
+        left_out = {"continued_from"} | (
+            {"row_id", "line", "sample"} if self.row_id is None else set()
+        )
+        return self.model_dump_json(exclude=left_out)
 
 
 class EpisodeFailed(Exception):
@@ -94,8 +110,19 @@ class EpisodeFailed(Exception):
 
 @dataclass(frozen=True)
 class EpisodeSpec:
+    """One episode to run: its rollout id and the task its `/run` carries."""
+
     rollout_id: str
-    task: Task
+    task: Task | dict[str, Any]
+    """A shipped `Task`, or any JSON object (a user's row), sent as it is."""
+    row: Row | None = None
+    """The row of a rows file the task came from, if it did."""
+    sample: int = 0
+    """Which of the row's rollouts this is."""
+
+    def wire_task(self) -> dict[str, Any]:
+        """The `task` of the `/run` body."""
+        return self.task.wire() if isinstance(self.task, Task) else self.task
 
 
 @dataclass
@@ -124,6 +151,8 @@ class RolloutClient:
         poll_interval_s: float = 1.0,
         http: httpx.AsyncClient | None = None,
     ) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, not {concurrency}")
         self.topology = topology
         self.concurrency = concurrency
         self.restore_timeout_s = restore_timeout_s
@@ -166,7 +195,7 @@ class RolloutClient:
                 body = {
                     "rollout_id": spec.rollout_id,
                     "attempt": snapshot.attempt,
-                    "task": spec.task.wire(),
+                    "task": spec.wire_task(),
                 }
                 retry_same: float | None = None
                 try:
@@ -234,18 +263,26 @@ class RolloutClient:
         )
 
     def _result(self, spec: EpisodeSpec, reply: httpx.Response) -> EpisodeResult:
-        data = reply.json()
-        continued_from = data.get("continued_from")
-        return EpisodeResult(
-            rollout_id=spec.rollout_id,
-            attempt=int(data["attempt"]),
-            answer=data.get("answer"),
-            reward=float(data["reward"]),
-            steps=int(data["steps"]),
-            continued=continued_from is not None,
-            continued_from=continued_from,
-            task_id=spec.task.id,
-        )
+        try:
+            data = reply.json()
+            continued_from = data.get("continued_from")
+            return EpisodeResult(
+                rollout_id=spec.rollout_id,
+                attempt=int(data["attempt"]),
+                answer=data.get("answer"),
+                reward=float(data["reward"]),
+                steps=int(data["steps"]),
+                continued=continued_from is not None,
+                continued_from=continued_from,
+                row_id=None if spec.row is None else spec.row.row_id,
+                line=None if spec.row is None else spec.row.line,
+                sample=None if spec.row is None else spec.sample,
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            # an environment of the user's may answer anything: fail this episode, not the batch
+            raise EpisodeFailed(
+                spec.rollout_id, f"unreadable /run reply ({error}): {reply.text[:200]}"
+            ) from error
 
     async def run_all(
         self,
@@ -253,17 +290,45 @@ class RolloutClient:
         on_result: Callable[[EpisodeResult | EpisodeFailed], Awaitable[None] | None] | None = None,
     ) -> list[EpisodeResult | EpisodeFailed]:
         """Run every episode (at most `concurrency` at once); failures are returned, not raised."""
-        self.progress = Progress(total=len(specs), attempt=(await self.topology.current()).attempt)
         results: dict[str, EpisodeResult | EpisodeFailed] = {}
-        limiter = anyio.CapacityLimiter(self.concurrency)
+
+        async def keep(outcome: EpisodeResult | EpisodeFailed) -> None:
+            results[outcome.rollout_id] = outcome
+            if on_result is not None:
+                maybe = on_result(outcome)
+                if maybe is not None:
+                    await maybe
+
+        await self.run_each(specs, keep, total=len(specs))
+        return [results[spec.rollout_id] for spec in specs]
+
+    async def run_each(
+        self,
+        specs: Iterable[EpisodeSpec],
+        on_result: Callable[[EpisodeResult | EpisodeFailed], Awaitable[None] | None],
+        *,
+        total: int,
+    ) -> None:
+        """Run every episode, at most `concurrency` at once, and hand each outcome to
+        `on_result` as it comes; failures are handed over, not raised.
+
+        `specs` is consumed only as episodes start, so it may be a generator over a large file:
+        no more than `concurrency` specs are held at a time. `total` is for the progress count.
+        An exception from `specs` itself (a rows file that changed under the run) cancels the
+        running episodes and is raised as it is.
+        """
+        self.progress = Progress(total=total, attempt=(await self.topology.current()).attempt)
+        slots = anyio.Semaphore(self.concurrency)
+        source = iter(specs)
+        broken: Exception | None = None
         async with (
             _clients(self._http, self.concurrency) as clients,
             anyio.create_task_group() as group,
         ):
 
             async def one(spec: EpisodeSpec) -> None:
-                http = clients[zlib.crc32(spec.rollout_id.encode()) % len(clients)]
-                async with limiter:
+                try:
+                    http = clients[zlib.crc32(spec.rollout_id.encode()) % len(clients)]
                     outcome: EpisodeResult | EpisodeFailed
                     try:
                         outcome = await self.run_episode(spec, http)
@@ -273,16 +338,26 @@ class RolloutClient:
                         outcome = EpisodeFailed(
                             spec.rollout_id, f"did not finish within {self.run_timeout_s}s"
                         )
-                results[spec.rollout_id] = outcome
-                self._count(outcome)
-                if on_result is not None:
+                    self._count(outcome)
                     maybe = on_result(outcome)
                     if maybe is not None:
                         await maybe
+                finally:
+                    slots.release()
 
-            for spec in specs:
+            while True:
+                await slots.acquire()
+                try:
+                    spec = next(source)
+                except StopIteration:
+                    break
+                except Exception as error:  # raised below, outside the task group's wrapping
+                    broken = error
+                    group.cancel_scope.cancel()
+                    break
                 group.start_soon(one, spec)
-        return [results[spec.rollout_id] for spec in specs]
+        if broken is not None:
+            raise broken
 
     def _count(self, outcome: EpisodeResult | EpisodeFailed) -> None:
         progress = self.progress
@@ -340,6 +415,15 @@ def episode_specs(count: int, seed: int, prefix: str = "r") -> list[EpisodeSpec]
     ]
 
 
+def row_episodes(rows: RowFile) -> Iterator[EpisodeSpec]:
+    """The episodes of a scanned rows file, `rollouts_per_row` per row, read as they are needed
+    (see `rollout_servers.taskfile`)."""
+    for row in rows.rows():
+        for sample in range(rows.options.rollouts_per_row):
+            rid = row_rollout_id(rows.options, row.row_id, sample)
+            yield EpisodeSpec(rid, rows.task(row, sample), row, sample)
+
+
 # --- the CLI ----------------------------------------------------------------------------------
 
 
@@ -349,7 +433,40 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run episodes against environment servers; survive restores; write JSONL.",
     )
     parser.add_argument("--environment", nargs="+", action="extend", default=[], metavar="URL")
-    parser.add_argument("--tasks", type=int, required=True, help="how many episodes")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--tasks", type=int, help="how many episodes over the shipped tasks")
+    source.add_argument(
+        "--tasks-file",
+        type=Path,
+        metavar="ROWS.jsonl",
+        help="your own tasks: one JSON object per line, each sent to /run as the task",
+    )
+    parser.add_argument(
+        "--id-field",
+        metavar="NAME",
+        help="with --tasks-file: the row field that holds the row's id (a string or integer); "
+        "default: a digest of the row's canonical JSON",
+    )
+    parser.add_argument(
+        "--rollouts-per-row",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --tasks-file: episodes per row, rollout ids <prefix><row id>-<k>",
+    )
+    parser.add_argument(
+        "--seed-field",
+        default="seed",
+        metavar="NAME",
+        help="with --tasks-file: the task field that carries each rollout's sampling seed "
+        "(derived from --seed, the row id and k); '' sends rows unchanged (default: seed)",
+    )
+    parser.add_argument(
+        "--max-row-bytes",
+        type=int,
+        default=DEFAULT_MAX_ROW_BYTES,
+        help="with --tasks-file: the longest line accepted (default: 1 MiB)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True, help="results, one JSON line each")
     parser.add_argument("--concurrency", type=int, default=64)
@@ -378,7 +495,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--run-timeout", type=float, default=3600.0)
     parser.add_argument("--progress-interval", type=float, default=10.0, help="non-TTY lines")
-    parser.add_argument("--prefix", default="r", help="rollout id prefix")
+    parser.add_argument(
+        "--prefix", help="rollout id prefix (default: r with --tasks, none with --tasks-file)"
+    )
     return parser
 
 
@@ -407,7 +526,42 @@ async def _report(client: RolloutClient, stream: IO[str], interval: float, tty: 
         await anyio.sleep(0.2 if tty else interval)
 
 
+def row_options(args: argparse.Namespace) -> RowOptions:
+    """The `--tasks-file` options of a parsed command line."""
+    return RowOptions(
+        id_field=args.id_field,
+        rollouts_per_row=args.rollouts_per_row,
+        seed=args.seed,
+        seed_field=args.seed_field or None,
+        prefix=args.prefix or "",
+        max_row_bytes=args.max_row_bytes,
+    )
+
+
 async def collect(args: argparse.Namespace) -> int:
+    if args.concurrency < 1:
+        raise SystemExit(
+            f"rollout-collect: --concurrency must be at least 1, not {args.concurrency}"
+        )
+    rows: RowFile | None = None
+    if args.tasks_file is not None:
+        # the whole file is checked before any server is asked for anything
+        try:
+            rows = scan_rows(args.tasks_file, row_options(args))
+        except RowError as error:
+            raise SystemExit(f"rollout-collect: {error}") from error
+    elif args.tasks < 0:
+        raise SystemExit(f"rollout-collect: --tasks must not be negative, not {args.tasks}")
+    else:
+        parser = build_parser()
+        given = [
+            option
+            for option in ("id_field", "rollouts_per_row", "seed_field", "max_row_bytes")
+            if getattr(args, option) != parser.get_default(option)
+        ]
+        if given:
+            names = ", ".join("--" + option.replace("_", "-") for option in given)
+            raise SystemExit(f"rollout-collect: {names} only apply with --tasks-file")
     if args.rollout_set is not None:
         from .discovery import rollout_set_topology
 
@@ -418,7 +572,7 @@ async def collect(args: argparse.Namespace) -> int:
                 log.info(
                     "waiting up to %.0fs for a recovery (the set's bound)", args.restore_timeout
                 )
-            return await _collect(args, followed)
+            return await _collect(args, followed, rows)
     if args.restore_timeout is None:
         args.restore_timeout = DEFAULT_RESTORE_TIMEOUT_S
     if args.topology_file is not None:
@@ -429,44 +583,63 @@ async def collect(args: argparse.Namespace) -> int:
         raise SystemExit(
             "rollout-collect: give --rollout-set NAME, --environment URL ... or --topology-file"
         )
-    return await _collect(args, topology)
+    return await _collect(args, topology, rows)
 
 
-async def _collect(args: argparse.Namespace, topology: Topology) -> int:
+async def _collect(args: argparse.Namespace, topology: Topology, rows: RowFile | None) -> int:
     client = RolloutClient(
         topology,
         concurrency=args.concurrency,
         restore_timeout_s=args.restore_timeout,
         run_timeout_s=args.run_timeout,
     )
-    specs = episode_specs(args.tasks, args.seed, args.prefix)
+    specs: Iterable[EpisodeSpec]
+    if rows is None:
+        prefix = "r" if args.prefix is None else args.prefix
+        specs = episode_specs(args.tasks, args.seed, prefix)
+        total = len(specs)
+    else:
+        prefix = args.prefix or ""
+        specs, total = row_episodes(rows), rows.episodes_total
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tty = sys.stderr.isatty()
     with args.out.open("w", encoding="utf-8") as out:
 
         def write(outcome: EpisodeResult | EpisodeFailed) -> None:
             if isinstance(outcome, EpisodeResult):
-                out.write(outcome.model_dump_json(exclude={"continued_from", "task_id"}) + "\n")
+                out.write(outcome.output_line() + "\n")
                 out.flush()
             else:
                 log.error("episode failed: %s", outcome)
 
         # the batch is one trace (OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set): a span per
         # /run call under it, each call carrying its traceparent to the environment
-        batch = {"rollout.episodes": len(specs), "rollout.seed": args.seed}
-        with tracing.root_span(f"collect {args.prefix}", attributes=batch) as root:
+        batch = {"rollout.episodes": total, "rollout.seed": args.seed}
+        failed: list[EpisodeFailed] = []
+
+        def record(outcome: EpisodeResult | EpisodeFailed) -> None:
+            write(outcome)
+            if isinstance(outcome, EpisodeFailed) and len(failed) < 10:
+                failed.append(outcome)
+
+        broken: RowError | None = None
+        with tracing.root_span(f"collect {prefix}", attributes=batch) as root:
             async with anyio.create_task_group() as group:
                 group.start_soon(_report, client, sys.stderr, args.progress_interval, tty)
-                outcomes = await client.run_all(specs, write)
+                try:
+                    await client.run_each(specs, record, total=total)
+                except RowError as error:  # the rows file changed under the run
+                    broken = error
                 group.cancel_scope.cancel()
             root.set_attribute("rollout.failed", client.progress.failed)
+    if broken is not None:
+        raise SystemExit(f"rollout-collect: {broken}")
     sys.stderr.write(
         ("\n" if tty else "") + f"rollout-collect: {_progress_text(client.progress)}\n"
     )
-    failed = [o for o in outcomes if isinstance(o, EpisodeFailed)]
-    for failure in failed[:10]:
+    for failure in failed:
         sys.stderr.write(f"  failed: {failure}\n")
-    return 1 if failed else 0
+    return 1 if client.progress.failed else 0
 
 
 def main(argv: Sequence[str] | None = None) -> None:

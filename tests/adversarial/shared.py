@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 from rollout_operator.decide.resources import participant_pod
 from rollout_operator.model import api
-from rollout_protocol import API_PREFIX, ControlPlane, ControlSettings, Role
+from rollout_protocol import API_PREFIX, ControlPlane, ControlSettings, ErrorBody, ErrorCode, Role
 from testsupport.controlplane import served
 from testsupport.fakecluster import FakeCluster
 
@@ -30,6 +30,15 @@ def deadline(seconds: float = 10.0) -> float:
 async def serve(plane: ControlPlane) -> AsyncIterator[httpx.AsyncClient]:
     async with served(plane, TOKEN) as client:
         yield client
+
+
+def refused(response: httpx.Response, code: ErrorCode, status: int) -> str:
+    """Assert that `response` is the refusal `status`/`code` in the protocol's error body; its
+    detail (what a caller is told was wrong)."""
+    assert response.status_code == status, (response.status_code, response.text[:500])
+    body = ErrorBody.model_validate_json(response.content)
+    assert body.error.code is code, body
+    return body.error.detail
 
 
 async def post(client: httpx.AsyncClient, route: str, **body: Any) -> httpx.Response:

@@ -1,4 +1,4 @@
-"""Class 5 of issue 15: the checkpoint directory is untrusted.
+"""Failure-mode class 5 (docs/operations.md#failure-modes): the checkpoint directory is untrusted.
 
 Anyone who can write the volume can put a symlink, a FIFO or a device file where a manifest or
 records file belongs, or a file far larger than its manifest says. A participant must refuse

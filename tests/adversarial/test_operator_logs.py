@@ -1,4 +1,5 @@
-"""What the operator logs when the API server is busy or away (issue 15, smaller things).
+"""What the operator logs when the API server is busy or away (docs/operations.md#failure-modes,
+class 11).
 
 Kopf's API client logged every failed try of a request it retries at ERROR, with the API server's
 whole Status object: a freshly installed CRD answers 429 TooManyRequests ("storage is

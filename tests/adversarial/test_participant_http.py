@@ -1,9 +1,9 @@
 """Hostile input to a participant's HTTP API: sizes, deadlines, marks, headers, disconnects.
 
-Issue 15, class 6 (bounded resources on every participant) and class 7 (headers are input too).
-Each case asserts the refusal (a 4xx with the protocol's error body naming what was wrong) and
-that the participant keeps serving; the streaming case asserts that nothing is left running.
-In-process cases use the control plane and servers through ASGI; the others run a real
+docs/operations.md#failure-modes, class 6 (bounded resources on every participant) and class 7
+(headers are input too). Each case asserts the refusal (a 4xx with the protocol's error body naming
+what was wrong) and that the participant keeps serving; the streaming case asserts that nothing is
+left running. In-process cases use the control plane and servers through ASGI; the others run a real
 `rollout-server model` process on loopback (stopped at the end of each test).
 """
 
@@ -23,12 +23,12 @@ from rollout_protocol import (
     API_PREFIX,
     ControlPlane,
     ControlSettings,
-    ErrorBody,
     ErrorCode,
     Role,
 )
 from rollout_servers.servers.common import ServerOptions
 from rollout_servers.servers.model import ModelServer
+from shared import refused
 from testsupport.participants import FakeParticipant
 from testsupport.server_processes import TOKEN, ServerProcess, server_env
 
@@ -41,13 +41,6 @@ BIG = 50 * 1024 * 1024
 
 def _deadline(seconds: float = 10.0) -> float:
     return time.time() + seconds
-
-
-def _refused(response: httpx.Response, code: ErrorCode, status: int) -> str:
-    assert response.status_code == status, response.text[:500]
-    body = ErrorBody.model_validate_json(response.content)
-    assert body.error.code is code, body
-    return body.error.detail
 
 
 @asynccontextmanager
@@ -75,7 +68,7 @@ async def test_control_body_over_the_limit_is_refused_unread() -> None:
             content=b" " * BIG,
             headers={"content-type": "application/json"},
         )
-        detail = _refused(response, ErrorCode.PAYLOAD_TOO_LARGE, 413)
+        detail = refused(response, ErrorCode.PAYLOAD_TOO_LARGE, 413)
         assert "ROLLOUT_MAX_BODY_BYTES" in detail
         ok = await client.get(f"{API_PREFIX}/status")
         assert ok.status_code == 200
@@ -93,7 +86,7 @@ async def test_chunked_body_over_the_limit_is_refused() -> None:
 
     async with _plane(max_body_bytes=4 * 1024 * 1024) as client:
         response = await client.post(f"{API_PREFIX}/prepare", content=chunks())
-        _refused(response, ErrorCode.PAYLOAD_TOO_LARGE, 413)
+        refused(response, ErrorCode.PAYLOAD_TOO_LARGE, 413)
 
 
 async def test_unauthenticated_body_is_not_read() -> None:
@@ -104,7 +97,7 @@ async def test_unauthenticated_body_is_not_read() -> None:
             content=b"{not json",
             headers={"Authorization": "Bearer wrong", "content-type": "application/json"},
         )
-        _refused(response, ErrorCode.UNAUTHORIZED, 401)
+        refused(response, ErrorCode.UNAUTHORIZED, 401)
 
 
 async def test_model_api_body_over_the_limit_is_refused(tmp_path: Path) -> None:
@@ -116,7 +109,7 @@ async def test_model_api_body_over_the_limit_is_refused(tmp_path: Path) -> None:
         prompt = "x" * BIG
         for path in ("/v1/completions", "/v1/chat/completions"):
             response = await client.post(path, json={"prompt": prompt, "messages": []})
-            _refused(response, ErrorCode.PAYLOAD_TOO_LARGE, 413)
+            refused(response, ErrorCode.PAYLOAD_TOO_LARGE, 413)
 
 
 @pytest.mark.parametrize("deadline_ts", [1.7e308, 1e12])
@@ -126,7 +119,7 @@ async def test_deadline_beyond_the_horizon_is_refused(deadline_ts: float) -> Non
         response = await client.post(
             f"{API_PREFIX}/prepare", json={"checkpoint_id": "far", "deadline_ts": deadline_ts}
         )
-        detail = _refused(response, ErrorCode.INVALID_REQUEST, 422)
+        detail = refused(response, ErrorCode.INVALID_REQUEST, 422)
         assert "deadline_ts" in detail
         status = (await client.get(f"{API_PREFIX}/status")).json()
         assert status["phase"] == "idle"
@@ -164,8 +157,8 @@ async def test_retire_marks_are_bounded_and_still_refuse() -> None:
 
         first = [f"r{i}" for i in range(100)]
         assert (await retire("op-1", first)).status_code == 200
-        refused = await retire("op-2", ["r-extra"])
-        assert "forget" in _refused(refused, ErrorCode.LIMIT_EXCEEDED, 429)
+        refusal = await retire("op-2", ["r-extra"])
+        assert "forget" in refused(refusal, ErrorCode.LIMIT_EXCEEDED, 429)
         forget = await client.post(
             f"{API_PREFIX}/forget",
             json={"operation_id": "op-3", "deadline_ts": _deadline(), "rollout_ids": first[:10]},
@@ -179,7 +172,7 @@ async def test_retire_marks_are_bounded_and_still_refuse() -> None:
 def test_retire_marks_fold_when_the_attempt_moves_on() -> None:
     """Marks of attempts below the running one fold into one mark per attempt (then into a
     floor): memory stays bounded across recoveries and every retired pair stays refused."""
-    from rollout_protocol._control import RetireMarks
+    from rollout_protocol._control_state import RetireMarks
 
     marks = RetireMarks(limit=1000)
     for attempt in range(200):
@@ -217,7 +210,7 @@ async def test_attempt_header_is_parsed_strictly(model: ServerProcess, attempt: 
             json={"prompt": "hello", "max_tokens": 2},
             headers={"X-Rollout-Request": "r1/k1", "X-Rollout-Attempt": attempt.encode("latin-1")},
         )
-        detail = _refused(response, ErrorCode.INVALID_REQUEST, 422)
+        detail = refused(response, ErrorCode.INVALID_REQUEST, 422)
         assert "X-Rollout-Attempt" in detail
 
 
@@ -237,7 +230,7 @@ async def test_undecodable_body_is_invalid_request() -> None:
         response = await client.post(
             "/run", content=b"\xff\xfe\xd8", headers={"content-type": "application/json"}
         )
-        _refused(response, ErrorCode.INVALID_REQUEST, 422)
+        refused(response, ErrorCode.INVALID_REQUEST, 422)
 
 
 async def test_model_document_declares_bodies_headers_and_errors(model: ServerProcess) -> None:
@@ -295,10 +288,10 @@ async def test_stats_detail_needs_the_control_token(model: ServerProcess) -> Non
         )
         assert done.status_code == 200, done.text
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
-            refused = await client.get("/stats", params={"detail": "true"}, headers=headers)
-            _refused(refused, ErrorCode.UNAUTHORIZED, 401)
-            assert refused.headers.get("www-authenticate") == "Bearer"
-            assert rollout not in refused.text
+            refusal = await client.get("/stats", params={"detail": "true"}, headers=headers)
+            refused(refusal, ErrorCode.UNAUTHORIZED, 401)
+            assert refusal.headers.get("www-authenticate") == "Bearer"
+            assert rollout not in refusal.text
         counts = await client.get("/stats")
         assert counts.status_code == 200, counts.text
         assert rollout not in counts.text, counts.text

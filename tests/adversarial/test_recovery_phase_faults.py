@@ -1,5 +1,6 @@
-"""Faults in every phase of a recovery (issue 15, fault timings): a participant pod lost, the
-operator SIGKILLed and restarted, or `status.recovery` removed by hand, while a recovery runs.
+"""Faults in every phase of a recovery (docs/operations.md#failure-modes, class 8): a participant
+pod lost, the operator SIGKILLed and restarted, or `status.recovery` removed by hand, while a
+recovery runs.
 
 Each case: the example set Ready under attempt 1, a Ready checkpoint `base`, four episodes
 running through the set (the trainer client, one of them held inside the agent's tool call so

@@ -1,5 +1,5 @@
-"""Class 2 of issue 15 in the middle of a recovery: `status.recovery` removed by hand
-(`kubectl patch --subresource=status`) while the recovery runs.
+"""Failure-mode class 2 (docs/operations.md#failure-modes) in the middle of a recovery:
+`status.recovery` removed by hand (`kubectl patch --subresource=status`) while the recovery runs.
 
 The pods of the new attempt exist then, but their episodes were never restored from the
 checkpoint. The status repair that writes back the attempt the running pods carry must not

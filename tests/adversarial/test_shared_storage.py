@@ -1,4 +1,5 @@
-"""Class 1 of issue 15: storage is shared and must be owned exactly.
+"""Failure-mode class 1 (docs/operations.md#failure-modes): storage is shared and must be owned
+exactly.
 
 Sets with the same name in different namespaces share a volume; users put other things on it;
 a set's cleanup must remove only what the operator's participants wrote for that very set, and

@@ -1,5 +1,6 @@
-"""Class 1 of issue 15 on a real API server: storage paths that cannot be right are refused by
-the CRD's CEL rule with the same message as the models (`api.RULE_STORAGE_PATH`)."""
+"""Failure-mode class 1 (docs/operations.md#failure-modes) on a real API server: storage paths that
+cannot be right are refused by the CRD's CEL rule with the same message as the models
+(`api.RULE_STORAGE_PATH`)."""
 
 from __future__ import annotations
 

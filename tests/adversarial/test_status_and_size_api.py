@@ -1,4 +1,5 @@
-"""Classes 2 and 3 of issue 15 on a real API server, with the operator running.
+"""Failure-mode classes 2 and 3 (docs/operations.md#failure-modes) on a real API server, with the
+operator running.
 
 Class 2: status is the operator's memory, and users can write it (`kubectl patch
 --subresource=status`). A status that contradicts the cluster is repaired from what the cluster

@@ -1,4 +1,5 @@
-"""Classes 2 and 3 of issue 15 where the logic is pure, and the smaller things on the way.
+"""Failure-mode classes 2 and 3 (docs/operations.md#failure-modes) where the logic is pure, and the
+smaller things on the way.
 
 - status repair: a published checkpoint is recognised from its manifests on storage, and only a
   complete, fresh set of them counts;

@@ -1,7 +1,7 @@
-"""Class 2 of issue 15 for the names status points at: what the operator's flows read from a
-set's status (`recovery.checkpoint`, `latestCheckpoint`, `activeCheckpoint`) is checked against
-the checkpoints before it is acted on, since anyone with `patch` on the status subresource can
-write it.
+"""Failure-mode class 2 (docs/operations.md#failure-modes) for the names status points at: what the
+operator's flows read from a set's status (`recovery.checkpoint`, `latestCheckpoint`,
+`activeCheckpoint`) is checked against the checkpoints before it is acted on, since anyone with
+`patch` on the status subresource can write it.
 
 The flows and the `Kube` client run for real; the API server below them is the unit tests'
 `testsupport.fakecluster.FakeCluster` (status writes keep the resourceVersion precondition)

@@ -32,9 +32,10 @@ from typing import Any
 
 import httpx
 import pytest
-from rollout_protocol import API_PREFIX, ErrorBody, ErrorCode, Role
+from rollout_protocol import API_PREFIX, ErrorCode, Role
 from rollout_protocol.conformance import rollout_ids_per_worker
 from rollout_protocol.workers import WORKER_LOST_EXIT
+from shared import refused
 from testsupport.podpath import TESTS
 from testsupport.server_processes import (
     SERVER,
@@ -98,11 +99,6 @@ def seed(rollout_id: str) -> dict[str, Any]:
     return {"rollout_id": rollout_id, "attempt": 0, "task": task}
 
 
-def refused(reply: httpx.Response, status: int, code: ErrorCode) -> str:
-    assert reply.status_code == status, (reply.request.url, reply.status_code, reply.text[:300])
-    return ErrorBody.model_validate_json(reply.content).error.detail
-
-
 async def test_the_private_worker_channel_answers_nothing_from_the_pods_port(
     pod: ServerProcess,
 ) -> None:
@@ -124,7 +120,7 @@ async def test_the_private_worker_channel_answers_nothing_from_the_pods_port(
                         content=content if body is None else body,
                         headers={"content-type": "application/json", **headers},
                     )
-                    detail = refused(reply, 401, ErrorCode.UNAUTHORIZED)
+                    detail = refused(reply, ErrorCode.UNAUTHORIZED, 401)
                     assert "private worker channel" in detail
         # every worker still runs attempt 0, nothing retired or re-attempted
         for rid in ids:
@@ -144,13 +140,13 @@ async def test_hostile_rollout_ids_and_bodies_get_a_4xx_never_a_500(pod: ServerP
         reply = await http.post(
             "/sessions/seed", content=lone, headers={"content-type": "application/json"}
         )
-        assert "rollout_id" in refused(reply, 422, ErrorCode.INVALID_REQUEST)
+        assert "rollout_id" in refused(reply, ErrorCode.INVALID_REQUEST, 422)
         reply = await http.post("/sessions/seed?rollout_id=%ED%A0%80", content=b"")
-        assert "rollout_id" in refused(reply, 422, ErrorCode.INVALID_REQUEST)
+        assert "rollout_id" in refused(reply, ErrorCode.INVALID_REQUEST, 422)
         reply = await http.post(
             "/sessions/seed", content=nested, headers={"content-type": "application/json"}
         )
-        assert "must name its rollout" in refused(reply, 422, ErrorCode.INVALID_REQUEST)
+        assert "must name its rollout" in refused(reply, ErrorCode.INVALID_REQUEST, 422)
         spaced = b" \r\n\t" + json.dumps(seed(rid)).encode()
         reply = await http.post(
             "/sessions/seed", content=spaced, headers={"content-type": "application/json"}

@@ -1,4 +1,5 @@
-"""The operator's pod replaced while a checkpoint runs: the new pod finishes it (issue 27).
+"""The operator's pod replaced while a checkpoint runs: the new pod finishes it
+(docs/design.md#68-the-operators-own-life).
 
 - `helm upgrade` while a checkpoint prepares;
 - the operator's pod deleted (as `kubectl delete pod` or a node drain would) while the
@@ -196,7 +197,7 @@ async def test_operator_pod_deleted_while_a_checkpoint_commits_hands_it_to_the_n
     [before] = operator_pods(cluster, namespace)
     async with held_episodes(cluster, namespace, rset, 37, "committing") as held:
         kubectl_apply(cluster, namespace, example_checkpoint(COMMITTING))
-        # The environment prepares first (DESIGN §4's order) and has answered once the agent,
+        # The environment prepares first (docs/design.md#44-order) and has answered once the agent,
         # later in the order, is preparing; frozen now, it cannot answer the commit.
         await wait_phase(held.http, agent, "preparing", "the agent to be preparing")
         cluster.kill_container(namespace, environment, sig="SIGSTOP")

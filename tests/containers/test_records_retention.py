@@ -1,4 +1,5 @@
-"""Retention bounds a claim in a team's namespace, on a real kubelet (issue 27, item 2).
+"""Retention bounds a claim in a team's namespace, on a real kubelet
+(docs/design.md#65-retention-and-records).
 
 The operator runs as the chart installs it (a pod in its own namespace, mounting no claim); a
 set in another namespace writes its records to a PersistentVolumeClaim of that namespace (a

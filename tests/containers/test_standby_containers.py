@@ -1,4 +1,5 @@
-"""Standby pods on a real kubelet (issue 22): a model container SIGKILLed with a model standby.
+"""Standby pods on a real kubelet (docs/design.md#62-recovery): a model container SIGKILLed with a
+model standby.
 
 The operator runs as the chart installs it, the four reference servers and a model standby as
 containers of the image. A trainer's `rollout-collect --rollout-set` runs episodes, a manual

@@ -2,7 +2,7 @@
 
     python tests/e2e/policy_participant.py --control-dir DIR [--episodes N]
 
-It runs the real control plane (`rollout_servers.control.ControlPlane`: phases, leases, records
+It runs the real control plane (`rollout_protocol.ControlPlane`: phases, leases, records
 on storage, restore verification) over a participant whose episodes are counters that advance
 every 50 ms while admission is open, so every checkpoint captures real, growing state and a
 restore can be checked (`GET /state`). What the reference servers cannot give a test is a

@@ -1,4 +1,4 @@
-"""An API server outage is weather, not an error (issue 15, class 11).
+"""An API server outage is weather, not an error (docs/operations.md#failure-modes, class 11).
 
 While a checkpoint waits in prepare (an episode held inside the agent's tool call), the
 kube-apiserver is stopped; the episode is released while it is down, so the checkpoint flow
@@ -36,7 +36,7 @@ from testsupport.operator_fixtures import (
 from devcluster.cluster import Cluster
 from devcluster.waiting import wait_for_sync
 
-pytestmark = [pytest.mark.e2e, pytest.mark.adversarial]  # fault timings: issue 15
+pytestmark = [pytest.mark.e2e, pytest.mark.adversarial]  # fault timings
 
 
 async def test_a_restarting_api_server_is_ridden_out(

@@ -1,4 +1,5 @@
-"""Aborting a checkpoint frees every participant at once (issue 15, class 10).
+"""Aborting a checkpoint frees every participant at once (docs/operations.md#failure-modes, class
+10).
 
 - Deleting a RolloutCheckpoint while it prepares aborts it: every participant resumes (instead
   of staying paused until its lease lapses), the set's slot is free, and the next checkpoint
@@ -40,7 +41,7 @@ from testsupport.operator_fixtures import (
 from devcluster.cluster import Cluster
 from devcluster.waiting import wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.adversarial]  # fault timings: issue 15
+pytestmark = [pytest.mark.e2e, pytest.mark.adversarial]  # fault timings
 
 LEASE_GRACE_S = 30
 """The participants' default lease grace: an abandoned prepare would pause them this long past

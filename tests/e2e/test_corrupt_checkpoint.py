@@ -1,4 +1,4 @@
-"""A corrupt checkpoint must not take the set down (issue 15, class 9).
+"""A corrupt checkpoint must not take the set down (docs/operations.md#failure-modes, class 9).
 
 Two Ready checkpoints are taken while an episode is held mid-generation; the newer one's model
 records are then damaged on storage (one byte flipped). When the model pod is killed, the
@@ -12,7 +12,9 @@ finalizer does not hang on a recovery that still names it).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -32,7 +34,7 @@ from testsupport.operator_fixtures import (
 
 from devcluster.cluster import Cluster
 
-pytestmark = [pytest.mark.e2e, pytest.mark.adversarial]  # fault timings: issue 15
+pytestmark = [pytest.mark.e2e, pytest.mark.adversarial]  # fault timings
 
 EPISODES = 8
 SEED = 31
@@ -58,13 +60,19 @@ async def checkpoint(cluster: Cluster, namespace: str, resources: Resources, nam
     assert ckpt["status"]["episodes"] >= 1
 
 
-async def test_a_corrupt_latest_checkpoint_falls_back_to_the_older_one(
+async def corrupt_the_latest_and_kill_the_model(
     cluster: Cluster,
     namespace: str,
-    operator: OperatorProcess,
     resources: Resources,
     storage_dir: Path,
-) -> None:
+    checkpoints: Sequence[str],
+    recovered: str,
+    done: Callable[[dict[str, Any]], bool],
+) -> tuple[list[EpisodeResult | EpisodeFailed], dict[str, Any], str]:
+    """The example set runs `EPISODES` episodes, one held mid-generation; `checkpoints` are
+    taken in order, the model records of the last one damaged, and the model pod killed.
+    Returns every episode's outcome, the set once `done` (`recovered` says what that waits
+    for), and the held rollout's id."""
     rset = example_set(
         storage_dir,
         extra_args={"model": ["--debug-hooks"]},
@@ -86,21 +94,36 @@ async def test_a_corrupt_latest_checkpoint_falls_back_to_the_older_one(
         )
         async with episodes_running(client, specs) as outcomes:
             await debug.paused("token", held)
-            await checkpoint(cluster, namespace, resources, "older")
-            await checkpoint(cluster, namespace, resources, "newer")
-            flip_a_byte(storage_dir, "newer", "model-0")
+            for name in checkpoints:
+                await checkpoint(cluster, namespace, resources, name)
+            flip_a_byte(storage_dir, checkpoints[-1], "model-0")
             assert await cluster.admin.kill_pod_async(namespace, model["pod"])
-            after = await resources.wait_set(
-                "Ready again, restored from the older checkpoint",
-                lambda o: (
-                    (o["status"].get("attempt") or 0) >= 2
-                    and is_true(o, "Ready")
-                    and ((o["status"].get("lastRecovery") or {}).get("checkpoint") == "older")
-                    # the set's pass moves latestCheckpoint off the invalid one
-                    and o["status"].get("latestCheckpoint") == "older"
-                ),
-                180,
-            )
+            after = await resources.wait_set(recovered, done, 180)
+    return list(outcomes), after, held
+
+
+async def test_a_corrupt_latest_checkpoint_falls_back_to_the_older_one(
+    cluster: Cluster,
+    namespace: str,
+    operator: OperatorProcess,
+    resources: Resources,
+    storage_dir: Path,
+) -> None:
+    outcomes, after, held = await corrupt_the_latest_and_kill_the_model(
+        cluster,
+        namespace,
+        resources,
+        storage_dir,
+        ["older", "newer"],
+        "Ready again, restored from the older checkpoint",
+        lambda o: (
+            (o["status"].get("attempt") or 0) >= 2
+            and is_true(o, "Ready")
+            and ((o["status"].get("lastRecovery") or {}).get("checkpoint") == "older")
+            # the set's pass moves latestCheckpoint off the invalid one
+            and o["status"].get("latestCheckpoint") == "older"
+        ),
+    )
 
     failed = [o for o in outcomes if isinstance(o, EpisodeFailed)]
     assert not failed, failed
@@ -132,3 +155,41 @@ async def test_a_corrupt_latest_checkpoint_falls_back_to_the_older_one(
     cluster.kubectl("delete", "rckpt", "newer", "-n", namespace, "--timeout=30s")
     gone = cluster.kubectl("get", "rckpt", "newer", "-n", namespace, check=False)
     assert gone.returncode != 0
+
+
+async def test_a_corrupt_only_checkpoint_falls_back_to_a_fresh_start(
+    cluster: Cluster,
+    namespace: str,
+    operator: OperatorProcess,
+    resources: Resources,
+    storage_dir: Path,
+) -> None:
+    """With no older Ready checkpoint to fall back to, the next try starts fresh: the recovery
+    forgets the damaged checkpoint's name (it is not restored again), every episode of the lost
+    attempt starts over, and each finishes exactly once."""
+    outcomes, after, held = await corrupt_the_latest_and_kill_the_model(
+        cluster,
+        namespace,
+        resources,
+        storage_dir,
+        ["only"],
+        "Ready again, started fresh",
+        lambda o: (
+            (o["status"].get("attempt") or 0) >= 2
+            and is_true(o, "Ready")
+            and not o["status"].get("recovery")
+            and bool(o["status"].get("lastRecovery"))
+        ),
+    )
+
+    failed = [o for o in outcomes if isinstance(o, EpisodeFailed)]
+    assert not failed, failed
+    results = {o.rollout_id: o for o in outcomes if isinstance(o, EpisodeResult)}
+    assert len(results) == EPISODES
+    assert results[held].continued_from is None, results[held]
+    assert "checkpoint" not in after["status"]["lastRecovery"], after["status"]["lastRecovery"]
+    degraded = condition(after, "Degraded")
+    assert degraded is None or degraded["status"] != "True", degraded
+    invalid = condition(await resources.checkpoint("only"), "Ready")
+    assert invalid is not None
+    assert invalid["reason"] == "RecordsInvalid"

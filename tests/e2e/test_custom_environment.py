@@ -1,7 +1,9 @@
 """The custom environment example (`examples/custom-environment/`, a text adventure written only
 against the public `rollout_protocol` SDK) under the operator: checkpoint while episodes run,
 SIGKILL the environment's pod mid-episode, recover under attempt 2, and finish every episode
-exactly once, with no step that completed before the checkpoint completing again.
+exactly once, with no step that completed before the checkpoint completing again. And the same
+with the user's own tasks: `rollout-collect --tasks-file` (the CLI, as a process) running rows of
+the example's own through that checkpoint and kill, each row's rollouts finished once and named.
 
 Determinism without sleeps: the reference model server runs with `--debug-hooks`, and one
 episode is walked turn by turn through the model's `finish` and `token` pause points until it is
@@ -13,6 +15,10 @@ pod is killed.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +48,14 @@ EPISODES = 12
 SEED = 5
 HELD_TURN = 2
 HELD_AT_TOKEN = 2
+QUESTS = [  # the user's own rows: any JSON objects; here each names its id in `quest`
+    {"quest": "vault-run", "hero": "Ada", "notes": ["fast", "quiet"]},
+    {"quest": "key-hunt", "hero": "Brin", "difficulty": 2},
+    {"quest": "lamp-first", "hero": "Cato", "hints": {"lamp": "hall"}},
+    {"quest": "long-way", "hero": "Dee", "difficulty": 5},
+    {"quest": "coin-toss", "hero": "Eli", "difficulty": 1},
+]
+PER_ROW = 2
 
 
 def adventure_set(storage: Path) -> dict[str, Any]:
@@ -132,30 +146,10 @@ async def test_custom_environment_checkpoint_kill_recover(
                 group.start_soon(run_episodes)
                 await hold_at_turn(model, held)
                 before = await stats(http, env_a1["address"], token)
-
-                # A manual checkpoint while episodes run (one of them held at turn HELD_TURN).
+                # one episode is held at turn HELD_TURN through the checkpoint and the kill
                 name = "adventure-running"
-                checkpoint = json.dumps(example_checkpoint(name, set_name=SET))
-                cluster.kubectl("apply", "-n", namespace, "-f", "-", input=checkpoint)
-                ckpt = await resources.wait_checkpoint(
-                    name, "Ready or Failed", phase_is("Ready", "Failed"), 60
-                )
-                assert is_true(ckpt, "Ready"), ckpt["status"]
-                assert ckpt["status"]["attempt"] == 1
-                assert ckpt["status"]["episodes"] >= 1
-
-                # SIGKILL the environment mid-episode: the held episode is still at its turn.
-                assert await cluster.admin.kill_pod_async(namespace, env_a1["pod"])
-                recovered = await resources.wait_set(
-                    "Ready under attempt 2",
-                    # latestCheckpoint: written by the set's pass right after the recovery
-                    lambda o: (
-                        o["status"].get("attempt") == 2
-                        and is_true(o, "Ready")
-                        and bool(o["status"].get("latestCheckpoint"))
-                    ),
-                    90,
-                    SET,
+                recovered = await checkpoint_and_kill(
+                    cluster, namespace, resources, env_a1["pod"], name
                 )
 
         # The same tasks, uninterrupted, on the recovered set: the reference outcome.
@@ -213,3 +207,120 @@ async def test_custom_environment_checkpoint_kill_recover(
         if rid in continued:
             redone = done_before(env_records[rid]) & set(now)
             assert not redone, (rid, env_records[rid].data, redone)
+
+
+async def checkpoint_and_kill(
+    cluster: Cluster, namespace: str, resources: Resources, environment_pod: str, name: str
+) -> dict[str, Any]:
+    """A manual checkpoint of attempt 1 while episodes run, then SIGKILL the environment's pod
+    mid-episode; returns the set once it is Ready under attempt 2."""
+    checkpoint = json.dumps(example_checkpoint(name, set_name=SET))
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=checkpoint)
+    ckpt = await resources.wait_checkpoint(name, "Ready or Failed", phase_is("Ready", "Failed"), 60)
+    assert is_true(ckpt, "Ready"), ckpt["status"]
+    assert ckpt["status"]["attempt"] == 1
+    assert ckpt["status"]["episodes"] >= 1
+    assert await cluster.admin.kill_pod_async(namespace, environment_pod)
+    return await resources.wait_set(
+        "Ready under attempt 2",
+        # latestCheckpoint: written by the set's pass right after the recovery
+        lambda o: (
+            o["status"].get("attempt") == 2
+            and is_true(o, "Ready")
+            and bool(o["status"].get("latestCheckpoint"))
+        ),
+        90,
+        SET,
+    )
+
+
+def start_collect(cluster: Cluster, command: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """`rollout-collect` as a user runs it (the cluster's kubeconfig), in the background; its
+    stderr (progress, failures) goes to `log`."""
+    with log.open("wb") as stderr:
+        return subprocess.Popen(
+            command,
+            env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)},
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+
+
+async def test_collect_a_rows_file_through_a_pod_kill(
+    cluster: Cluster,
+    namespace: str,
+    operator: OperatorProcess,
+    resources: Resources,
+    storage_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """`rollout-collect --tasks-file` as a user runs it (docs/servers.md "Your own tasks"): the
+    example's rows, two rollouts each, one held mid-episode while the environment's pod is
+    checkpointed and killed; every rollout of every row finished exactly once, each result line
+    naming its row."""
+    cluster.kubectl(
+        "apply", "-n", namespace, "-f", "-", input=json.dumps(adventure_set(storage_dir))
+    )
+    cluster.kubectl(
+        "wait", "--for=condition=Ready", f"rolloutset/{SET}", "-n", namespace, "--timeout=90s"
+    )
+    ready = await resources.rollout_set(SET)
+    token = await resources.control_token(SET)
+    a1 = participants_by_role(ready)
+    rows = tmp_path / "quests.jsonl"
+    rows.write_text("".join(json.dumps(row) + "\n" for row in QUESTS), encoding="utf-8")
+    out, log = tmp_path / "results.jsonl", tmp_path / "collect.log"
+    held = "vault-run-1"  # the second rollout of the first row
+    command = [
+        str(Path(sys.executable).with_name("rollout-collect")),
+        *("--rollout-set", SET, "--namespace", namespace),
+        *("--tasks-file", str(rows), "--id-field", "quest", "--rollouts-per-row", str(PER_ROW)),
+        *("--seed", str(SEED), "--out", str(out), "--run-timeout", "240"),
+    ]
+
+    async with httpx.AsyncClient() as http:
+        model = Debug(http, a1["model"][0]["address"])
+        await model.arm("finish", held)  # before the episode can reach it
+        collect = start_collect(cluster, command, log)
+        try:
+            with anyio.fail_after(120):
+                await hold_at_turn(model, held)
+            recovered = await checkpoint_and_kill(
+                cluster, namespace, resources, a1["environment"][0]["pod"], "quests-running"
+            )
+            code = await anyio.to_thread.run_sync(lambda: collect.wait(timeout=240))
+        finally:
+            if collect.poll() is None:
+                collect.kill()
+                collect.wait()
+        env_stats = await stats(
+            http, participants_by_role(recovered)["environment"][0]["address"], token
+        )
+
+    total = len(QUESTS) * PER_ROW
+    assert code == 0, log.read_text()[-3000:]
+    assert f"{total}/{total} done, 0 failed" in log.read_text()
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+
+    # --- every rollout of every row exactly once, each line naming its row and sample
+    assert Counter(line["rollout_id"] for line in lines) == Counter(
+        f"{row['quest']}-{k}" for row in QUESTS for k in range(PER_ROW)
+    )
+    for line in lines:
+        row = QUESTS[line["line"] - 1]  # the file's line number, 1-based
+        assert line["row_id"] == row["quest"], line
+        assert line["rollout_id"] == f"{row['quest']}-{line['sample']}", line
+        assert line["attempt"] in (1, 2), line
+        # an episode that finished under attempt 1 was not run again under attempt 2
+        runs = completed(env_stats, line["rollout_id"], 2).get("run", 0)
+        assert runs == (1 if line["attempt"] == 2 else 0), (line, runs)
+
+    # --- the held rollout was cut by the kill and continued from the checkpoint
+    by_id = {line["rollout_id"]: line for line in lines}
+    assert (by_id[held]["attempt"], by_id[held]["continued"]) == (2, True)
+    assert by_id[held]["steps"] > HELD_TURN
+    records = checkpoint_records(storage_dir, SET, "quests-running")
+    env_records = {r.rollout_id: r for r in records["environment-0"]}
+    assert env_records[held].data["state"]["turn"] == HELD_TURN
+    # only episodes the checkpoint recorded continued
+    assert {rid for rid, line in by_id.items() if line["continued"]} <= set(env_records)

@@ -79,11 +79,25 @@ class MetricsOperator:
     metrics_url: str
 
 
+QUICK_WAITS = pytest.mark.operator_args(
+    "--inplace-retire-seconds", "10", "--restore-floor-seconds", "5"
+)
+"""The recovery's fixed waits (docs/operations.md, "Sizing") made short, for the tests that wait
+one of them out: a survivor that never retires, a restore that hangs."""
+
+
 @pytest.fixture
-def operator(cluster: Cluster, namespace: str, tmp_path: Path) -> Iterator[MetricsOperator]:
+def operator(
+    cluster: Cluster, namespace: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[MetricsOperator]:
     port = free_port()
+    marker = request.node.get_closest_marker("operator_args")
+    extra = [str(a) for a in marker.args] if marker is not None else []
     with running_operator(
-        cluster, [namespace], tmp_path / "operator.log", args=["--metrics-port", str(port)]
+        cluster,
+        [namespace],
+        tmp_path / "operator.log",
+        args=["--metrics-port", str(port), *extra],
     ) as process:
         yield MetricsOperator(process, f"http://127.0.0.1:{port}/metrics")
 
@@ -399,7 +413,7 @@ async def test_in_place_replaces_only_the_lost_pod(
     assert (last["kept"], last["replaced"]) == (len(after) - 1, 1)
     assert last["checkpoint"] == "in-flight"
     # `episodesRestored` counts what the checkpoint installed; the trainer sees continue only
-    # those still unfinished at the loss (issue 25: the field says what it counts).
+    # those still unfinished at the loss (the field says what it counts).
     continued = [r for r in got.results.values() if r.continued_from == 1]
     assert 1 <= len(continued) <= last["episodesRestored"] <= got.checkpoint["status"]["episodes"]
     assert last["checkpointAgeSeconds"] >= 0
@@ -458,6 +472,7 @@ async def test_in_place_replaces_only_the_lost_pod(
     assert sample(found, "rollout_recovery_work_uncounted_participants_total", set=SET) == 1
 
 
+@QUICK_WAITS
 async def test_a_survivor_that_cannot_retire_falls_back_to_recreate(
     cluster: Cluster,
     namespace: str,
@@ -507,7 +522,7 @@ async def test_a_second_loss_during_an_in_place_restore_ends_in_one_attempt(
     resources: Resources,
     storage_dir: Path,
 ) -> None:
-    """Issue 13, build item 3: a kept pod lost while the InPlace restore runs.
+    """A kept pod lost while the InPlace restore runs.
 
     The environment pod is killed; the kept model holds the InPlace restore into attempt 2 at
     its `install` pause point (`--debug-hooks`), so the recovery is in Restoring with the model
@@ -622,14 +637,16 @@ async def test_a_second_loss_during_an_in_place_restore_ends_in_one_attempt(
     assert "Traceback" not in operator.process.log.read_text(), operator.process.tail(60)
 
 
-FROZEN_RESTORE_TIMEOUT_S = 40
-"""Above the restore step's 30 s floor plus the pods' start, so the try's own deadline binds."""
+FROZEN_RESTORE_TIMEOUT_S = 20
+"""Above the restore step's floor (5 s under `QUICK_WAITS`) plus the pods' start, so the try's
+own deadline binds."""
 TRY_MARGIN_S = 5 + 2 * 2
 """docs/api.md: a call gives up 5 s after its deadline, then the retire and the resume of the
 participant that missed it wait at most 2 s each."""
 
 
 @pytest.mark.adversarial
+@QUICK_WAITS
 async def test_a_kept_pod_frozen_during_an_in_place_restore_ends_the_try_within_its_bound(
     cluster: Cluster,
     namespace: str,
@@ -637,7 +654,7 @@ async def test_a_kept_pod_frozen_during_an_in_place_restore_ends_the_try_within_
     resources: Resources,
     storage_dir: Path,
 ) -> None:
-    """Issue 27, item 3: every deadline of a recovery try is end to end.
+    """Every deadline of a recovery try is end to end.
 
     The environment pod is killed; the kept model is caught inside the InPlace restore (its
     `install` pause point) and then frozen (SIGSTOP), so the restore call hangs, and the retire
@@ -711,7 +728,7 @@ async def test_a_standby_is_adopted_for_the_lost_instance(
     storage_dir: Path,
     case: str,
 ) -> None:
-    """Issue 22: a Ready standby of the lost role takes the lost instance (its UID is the
+    """A Ready standby of the lost role takes the lost instance (its UID is the
     standby's), restores the instance's records with its identity and peers, every episode
     finishes exactly once (`check_recovered_run`), and a replacement standby starts."""
     standby, policy, lose = STANDBY_CASES[case]
@@ -802,7 +819,7 @@ async def test_suspend_stops_the_standbys_and_deleting_the_set_deletes_them(
     resources: Resources,
     storage_dir: Path,
 ) -> None:
-    """Issue 22, item 3: standbys go with the set's pods on suspend, come back after the resume
+    """Standbys go with the set's pods on suspend, come back after the resume
     (which is not a restart), and go when the set is deleted."""
     _, spare = await ready_with_an_environment_standby(cluster, namespace, resources, storage_dir)
 
@@ -835,7 +852,7 @@ async def test_a_standby_lost_during_its_adoption_ends_in_one_attempt(
     resources: Resources,
     storage_dir: Path,
 ) -> None:
-    """Issue 22: the model pod is killed, the model standby is adopted and held inside its
+    """The model pod is killed, the model standby is adopted and held inside its
     restore (`install` pause point), then killed too. The try fails, the next one runs under
     attempt 3 with fresh pods (no standby is left: replacements start once the set runs), and
     the set ends Ready under attempt 3 alone."""

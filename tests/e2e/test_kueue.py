@@ -82,6 +82,36 @@ def kueue(cluster: Cluster) -> Iterator[devkueue.Kueue]:
         running.stop()
 
 
+CLUSTER_QUEUE = "rollout-gpus"
+
+
+@pytest.fixture(autouse=True)
+async def quota_free(kueue: devkueue.Kueue, cluster: Cluster) -> None:
+    """The module's tests share one ClusterQueue with one GPU of quota: each starts once the
+    Workloads of the tests before it have given their quota back (their sets are deleted at
+    teardown; the garbage collector then deletes the Workloads they own). A Workload queued while
+    the quota is still held can stay pending after the quota frees, until the next event in its
+    ClusterQueue: Kueue's behaviour, described in docs/policy.md, "Kueue"."""
+
+    async def free() -> bool:
+        found = json.loads(
+            cluster.kubectl(
+                "get", "workloads.kueue.x-k8s.io", "--all-namespaces", "-o", "json"
+            ).stdout
+        )["items"]
+        return not [w for w in found if (w.get("status") or {}).get("admission")]
+
+    async def held() -> str:
+        return cluster.kubectl(
+            "get", "workloads.kueue.x-k8s.io", "--all-namespaces", "-o", "wide", check=False
+        ).stdout
+
+    try:
+        await wait_for(free, WAIT, f"ClusterQueue {CLUSTER_QUEUE} without admitted workloads")
+    except Exception as timed_out:
+        raise AssertionError(f"{timed_out}; workloads:\n{await held()}") from timed_out
+
+
 def local_queue(cluster: Cluster, namespace: str) -> None:
     (lq,) = [o for o in queue_objects() if o["kind"] == "LocalQueue"]
     kubectl_apply(cluster, namespace, lq)

@@ -1,8 +1,8 @@
 """The operator is stopped during prepare and during commit (SIGTERM, as a pod deletion or
 `helm upgrade` stops it) and SIGKILLed during a restore, and a fresh operator process continues
 from what the custom resources' status recorded. A stopped operator hands its checkpoints over
-instead of aborting them (issue 27): each is still in its phase, not Failed, when the next one
-starts.
+instead of aborting them (docs/design.md#68-the-operators-own-life): each is still in its phase, not
+Failed, when the next one starts.
 
 The three restarts share one RolloutSet, in order, because each needs what the previous left:
 the restore restores the checkpoint whose commit survived a restart. Each phase is held
@@ -56,7 +56,7 @@ from testsupport.operator_fixtures import (
 
 from devcluster.cluster import Cluster
 
-pytestmark = pytest.mark.adversarial  # operator loss in prepare, commit and restore: issue 15
+pytestmark = pytest.mark.adversarial  # operator loss in prepare, commit and restore
 
 BATCH = 4
 

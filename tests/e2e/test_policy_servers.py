@@ -4,7 +4,8 @@ continues under the next attempt.
 
 As in test_operator_examples, one episode is held at its third token (the model's `token`
 pause point, outside any step), so it is provably mid-generation when the pod goes; the shared
-`check_recovered_run` then checks DESIGN 8's invariants against an uninterrupted run.
+`check_recovered_run` then checks the invariants (docs/design.md#8-invariants) against an
+uninterrupted run.
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ async def check_continued(
     running: Episodes, resources: Resources, storage: Path, checkpoint: dict[str, Any]
 ) -> None:
     """Every episode finished once with the uninterrupted result; the held one continued from
-    the checkpoint's cut under attempt 2 (DESIGN 8, via `check_recovered_run`)."""
+    the checkpoint's cut under attempt 2 (docs/design.md#8-invariants, via
+    `check_recovered_run`)."""
     outcomes = await running.finished()
     recovered = await resources.rollout_set(SET)
     reference_specs = episode_specs(EPISODES, SEED, prefix="ref")

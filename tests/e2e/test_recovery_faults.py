@@ -1,4 +1,4 @@
-"""A fault during a recovery is noticed at once (issue 15, class 8).
+"""A fault during a recovery is noticed at once (docs/operations.md#failure-modes, class 8).
 
 The model pod is killed; its replacement becomes Ready and is frozen (SIGSTOP) before the
 operator restores into it, so the restore call hangs; then the frozen replacement is killed
@@ -32,7 +32,7 @@ from testsupport.operator_fixtures import (
 from devcluster.cluster import Cluster
 from devcluster.waiting import wait_for
 
-pytestmark = [pytest.mark.e2e, pytest.mark.adversarial]  # fault timings: issue 15
+pytestmark = [pytest.mark.e2e, pytest.mark.adversarial]  # fault timings
 
 RESTORE_TIMEOUT_S = 150
 """A try that waited out its deadline would take this long; every wait below is far shorter."""

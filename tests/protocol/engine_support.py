@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import os
 import signal
 import subprocess
@@ -224,8 +225,117 @@ def write_chain_model(path: Path) -> ChainModel:
     return chain
 
 
+TOOL_CALL_TOKENS = [
+    "<tool_call>",
+    '\n{"name": "',
+    "calculator",
+    '", "arguments": {"',
+    "expression",
+    '": "',
+    "12",
+    "*",
+    "7",
+    '"}}\n',
+    "</tool_call>",
+]
+"""The tool model's greedy output after a prompt that ends in a newline, token by token: one
+Hermes-style call of `calculator` with `{"expression": "12*7"}`, then end of text."""
+TOOL_CALL_TEXT = "".join(TOOL_CALL_TOKENS)
+TOOL_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+Tools:
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}<|im_start|>{{ message.role }}
+{% if message.content %}{{ message.content }}{% endif %}
+{%- if message.tool_calls %}
+{%- for call in message.tool_calls %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": \
+{{ call.function.arguments if call.function.arguments is string \
+else call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}
+{%- endif %}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+"""A ChatML chat template with Hermes-style tools (as Qwen's and Hermes' templates write them)."""
+
+
+@dataclass(frozen=True)
+class ToolModel:
+    """A model whose greedy output after a newline is `TOOL_CALL_TOKENS` (`write_tool_model`)."""
+
+    vocab: Vocabulary
+    call: list[int]
+    """The ids of `TOOL_CALL_TOKENS`."""
+
+
+def write_tool_model(path: Path) -> ToolModel:
+    """A bigram model (one-hot embeddings, zero layer outputs, as `write_chain_model`) that
+    answers a chat prompt (which ends in a newline) with one tool call, then end of text. Its
+    vocabulary is every printable ASCII byte and the newline, ChatML's control tokens, and the
+    call's multi-character tokens, which no merge builds: the call's text re-tokenises as single
+    bytes (`12` as `1`, `2`), after which the model ends the text, so only a continuation from
+    the sampled ids goes on as the uncut generation did. The GGUF carries `TOOL_TEMPLATE`."""
+    import numpy as np
+
+    symbols = _byte_symbols()
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens += [symbols[b] for b in [*range(0x20, 0x7F), ord("\n")]]
+    call_symbols = [_encode(t) for t in TOOL_CALL_TOKENS]
+    tokens += [t for t in call_symbols if t not in tokens]
+    tokens.append("qz")  # llama.cpp wants merges: one that no test text meets
+    vocab = Vocabulary(tokens=tokens, merges=["q z"], eos=0)
+    n_vocab = len(tokens)
+    assert n_vocab <= CHAIN_EMBED
+    call = [tokens.index(t) for t in call_symbols]
+    successor = {tokens.index(_encode("\n")): call[0]}
+    successor.update(itertools.pairwise(call))
+    rng = np.random.default_rng(WEIGHT_SEED)
+
+    def noise(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.01).astype(np.float32)
+
+    tensors: dict[str, Any] = {"token_embd.weight": np.eye(n_vocab, CHAIN_EMBED, dtype=np.float32)}
+    for layer in range(LAYERS):
+        prefix = f"blk.{layer}."
+        tensors[prefix + "attn_norm.weight"] = np.ones(CHAIN_EMBED, dtype=np.float32)
+        for name in ("attn_q", "attn_k", "attn_v"):
+            tensors[prefix + name + ".weight"] = noise(CHAIN_EMBED, CHAIN_EMBED)
+        tensors[prefix + "attn_output.weight"] = np.zeros((CHAIN_EMBED, CHAIN_EMBED), np.float32)
+        tensors[prefix + "ffn_norm.weight"] = np.ones(CHAIN_EMBED, dtype=np.float32)
+        tensors[prefix + "ffn_gate.weight"] = noise(FFN, CHAIN_EMBED)
+        tensors[prefix + "ffn_up.weight"] = noise(FFN, CHAIN_EMBED)
+        tensors[prefix + "ffn_down.weight"] = np.zeros((CHAIN_EMBED, FFN), np.float32)
+    tensors["output_norm.weight"] = np.ones(CHAIN_EMBED, dtype=np.float32)
+    output = noise(n_vocab, CHAIN_EMBED)
+    for token in range(n_vocab):
+        output[successor.get(token, vocab.eos), token] = 1.0
+    tensors["output.weight"] = output
+    _write_gguf(
+        path,
+        "rollout-tool-test",
+        vocab,
+        CHAIN_EMBED,
+        tensors,
+        chat_template=TOOL_TEMPLATE,
+        control=(tokens.index("<|im_start|>"), tokens.index("<|im_end|>")),
+    )
+    return ToolModel(vocab, call)
+
+
 def _write_gguf(
-    path: Path, name: str, vocab: Vocabulary, embed: int, tensors: dict[str, Any]
+    path: Path,
+    name: str,
+    vocab: Vocabulary,
+    embed: int,
+    tensors: dict[str, Any],
+    *,
+    chat_template: str | None = None,
+    control: tuple[int, ...] = (),
 ) -> None:
     import gguf  # the `engine` extra; imported here so collecting tests does not need it
 
@@ -247,7 +357,7 @@ def _write_gguf(
     writer.add_token_list(vocab.tokens)
     writer.add_token_types(
         [
-            gguf.TokenType.CONTROL if i == vocab.eos else gguf.TokenType.NORMAL
+            gguf.TokenType.CONTROL if i == vocab.eos or i in control else gguf.TokenType.NORMAL
             for i in range(n_vocab)
         ]
     )
@@ -256,6 +366,8 @@ def _write_gguf(
     writer.add_eos_token_id(vocab.eos)
     writer.add_add_bos_token(False)
     writer.add_add_eos_token(False)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     for tensor_name, tensor in tensors.items():
         writer.add_tensor(tensor_name, tensor)
     writer.write_header_to_file()

@@ -5,7 +5,9 @@ single-participant checks run against one cluster per control dialect (they neve
 the servers mounting ours, and the same servers mounting only NeMo Gym's
 (`ROLLOUT_CONTROL_DIALECTS=gym`), which the kit then speaks. The crash + restore check runs over
 a cluster of its own with `ReferenceDriver` (episodes held between agent turns,
-every process killed, restarted under attempt 1).
+every process killed, restarted under attempt 1). `check_park_all` (`steps.wait-holds-prepare`)
+runs over single-process servers too: one episode inside the environment's wait step `verify`
+keeps the prepare from being ready.
 """
 
 from __future__ import annotations
@@ -16,7 +18,12 @@ from typing import Any
 import httpx
 import pytest
 from rollout_protocol import Dialect, Role
-from rollout_protocol.conformance import Target, check_crash_restore, check_participant
+from rollout_protocol.conformance import (
+    Target,
+    check_crash_restore,
+    check_park_all,
+    check_participant,
+)
 from testsupport.server_processes import TOKEN, Cluster, ReferenceDriver
 
 GRACE = 1.0
@@ -57,4 +64,13 @@ async def test_reference_servers_keep_steps_across_crash_and_restore(make_cluste
             checkpoint_root=cluster.checkpoint_root,
             rollout_ids=["kit-a", "kit-b", "kit-c"],
         )
+    assert set(cluster.pids) == {0, 1}
+
+
+@pytest.mark.anyio
+async def test_reference_servers_hold_the_prepare_for_a_wait_step(make_cluster: Any) -> None:
+    cluster: Cluster = make_cluster(env=SHORT_LEASE)
+    cluster.start(0)
+    async with httpx.AsyncClient(timeout=60) as http:
+        await check_park_all(ReferenceDriver(cluster, http), rollout_ids=["park-a", "park-b"])
     assert set(cluster.pids) == {0, 1}

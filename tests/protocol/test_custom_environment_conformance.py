@@ -8,6 +8,10 @@
   (the reference model server), restored under the next attempt. The driver holds each episode
   at its second turn through the model's pause points (`--debug-hooks`), so both are provably
   mid-way, one turn behind them, when the kit checkpoints and crashes the group.
+- the same check with the kit's `FakeModel` (served in this process, a participant of the
+  group) instead of the reference model: the environment process calls it over loopback HTTP,
+  the fake holds each episode's second model call, and the kit also checks
+  `model.same-prompts` and `model.headers` on every call.
 """
 
 from __future__ import annotations
@@ -21,15 +25,23 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.to_thread
 import httpx
-from rollout_protocol import Role
+from anyio.abc import TaskGroup
+from rollout_protocol import ControlSettings, Role
 from rollout_protocol.conformance import (
+    FakeModel,
     RunRefused,
+    ServedApp,
     Target,
+    base_rollout_id,
     check_crash_restore,
     check_participant,
+    start_app,
 )
 from testsupport.server_processes import (
+    SET_NAME,
     TOKEN,
     Debug,
     ServerProcess,
@@ -182,3 +194,91 @@ async def test_custom_environment_reruns_no_completed_step(tmp_path: Path) -> No
             await check_crash_restore(driver, checkpoint_root=tmp_path / "checkpoints")
         finally:
             driver.stop()
+
+
+class FakeModelDriver:
+    """The kit's `EpisodeDriver` for the environment process and the kit's `FakeModel`, served
+    in this process on loopback: each episode of the first attempt is held in its second model
+    call (`<rollout_id>/1`), after its first turn completed. A crash kills the environment
+    and drops the fake's app; a restart serves a fresh one (a new port) and starts the
+    environment against it."""
+
+    def __init__(self, root: Path, group: TaskGroup, http: httpx.AsyncClient) -> None:
+        self.root, self.group, self.http = root, group, http
+        self.model = FakeModel()
+        self.served: ServedApp | None = None
+        self.env: Environment | None = None
+        self.first: int | None = None
+        self.armed: set[str] = set()
+
+    def _running(self) -> tuple[Environment, ServedApp]:
+        assert self.env is not None, "not started"
+        assert self.served is not None, "not started"
+        return self.env, self.served
+
+    def participants(self) -> Sequence[Target]:
+        env, served = self._running()
+        return [Target(env.url, Role.ENVIRONMENT, TOKEN), served.target]
+
+    async def run_episode(self, rollout_id: str, attempt: int) -> Any:
+        env, _ = self._running()
+        own = attempt == self.first and base_rollout_id(rollout_id) == rollout_id
+        if own and rollout_id not in self.armed:  # once: the kit repeats /run
+            self.armed.add(rollout_id)
+            self.model.hold(f"{rollout_id}/1", attempt=attempt)
+        body = {"rollout_id": rollout_id, "attempt": attempt, "task": two_step_task(1).wire()}
+        reply = await self.http.post(env.url + "/run", json=body, timeout=60)
+        return RunRefused.reply(reply)
+
+    async def wait_mid_episode(self, rollout_ids: Sequence[str], deadline_ts: float) -> None:
+        for rid in rollout_ids:
+            await self.model.wait_held(f"{rid}/1", deadline_ts)
+
+    async def crash(self) -> None:
+        env, served = self._running()
+        await anyio.to_thread.run_sync(env.kill)
+        await served.crash()
+
+    async def restart(self, attempt: int) -> None:
+        await self.stop()  # never leave an earlier pair running behind the new one
+        settings = ControlSettings(
+            Role.MODEL,
+            set_name=SET_NAME,
+            checkpoint_root=self.root / "checkpoints",
+            token=TOKEN,
+            attempt=attempt,
+            lease_grace_seconds=LEASE_GRACE_S,
+        )
+        self.served = await start_app(
+            self.group, self.model.app(settings), role=Role.MODEL, token=TOKEN
+        )
+        url = self.served.target.base_url
+        self.env = await anyio.to_thread.run_sync(Environment, self.root, url, attempt)
+        if self.first is None:
+            self.first = attempt
+
+    async def stop(self) -> None:
+        if self.env is not None and self.env.process.poll() is None:
+            await anyio.to_thread.run_sync(self.env.stop)
+        if self.served is not None:
+            await self.served.stop()
+            self.served = None
+
+
+async def test_custom_environment_passes_the_kit_with_the_fake_model(tmp_path: Path) -> None:
+    async with httpx.AsyncClient() as http, anyio.create_task_group() as group:
+        driver = FakeModelDriver(tmp_path, group, http)
+        try:
+            await driver.restart(0)
+            await check_crash_restore(
+                driver, checkpoint_root=tmp_path / "checkpoints", model=driver.model
+            )
+        finally:
+            with anyio.CancelScope(shield=True):
+                await driver.stop()
+    # what the kit compared: the restored episodes' calls of attempt 1, and their twins'
+    model = driver.model
+    for rid in ("kit-episode-0", "kit-episode-1"):
+        restored = model.prompts(rid, 1)
+        assert "1" in restored, model.calls(rid)
+        assert restored.items() <= model.prompts(rid + "-uninterrupted", 1).items()

@@ -28,6 +28,7 @@ from rollout_protocol import (
     Role,
 )
 from rollout_protocol import _storage as storage
+from rollout_servers.tasks import shipped_tasks
 from testsupport.server_processes import (
     AUTH,
     SERVER,
@@ -249,6 +250,36 @@ async def test_rollout_collect_writes_results(shared_cluster: Cluster, tmp_path:
         assert line["steps"] >= 2
         assert line["continued"] is False
     assert b"6/6 done" in done.stderr
+
+
+async def test_rollout_collect_runs_a_rows_file_on_the_reference_servers(
+    shared_cluster: Cluster, tmp_path: Path
+) -> None:
+    """`--tasks-file`: rows of the shipped shape (four shipped tasks, without a seed, as a user
+    would write them) run on the reference environment, two rollouts each with seeds of their
+    own; every result line names its row."""
+    rows = [task.model_dump(exclude={"seed"}) for task in shipped_tasks()[:4]]
+    tasks, out = tmp_path / "mine.jsonl", tmp_path / "results.jsonl"
+    tasks.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    command = [
+        str(Path(SERVER[0]).with_name("rollout-collect")),
+        *("--environment", shared_cluster.url(Role.ENVIRONMENT)),
+        *("--tasks-file", str(tasks), "--id-field", "id", "--rollouts-per-row", "2"),
+        *("--seed", "9", "--out", str(out), "--prefix", "mine."),
+    ]
+    done = await anyio.run_process(command, check=False)
+    assert done.returncode == 0, done.stderr.decode()
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    expected = {
+        f"mine.{row['id']}-{k}": (row["id"], n, k) for n, row in enumerate(rows, 1) for k in (0, 1)
+    }
+    assert sorted(line["rollout_id"] for line in lines) == sorted(expected)
+    for line in lines:
+        assert (line["row_id"], line["line"], line["sample"]) == expected[line["rollout_id"]]
+        # the verifier checked the answer against the row's own
+        solved = line["answer"] == rows[line["line"] - 1]["answer"]
+        assert line["reward"] == (1.0 if solved else 0.0), line
+    assert b"8/8 done" in done.stderr
 
 
 async def test_model_front_streams_relays_and_cuts(shared_cluster: Cluster, tmp_path: Path) -> None:

@@ -1,14 +1,14 @@
 """docs/sdk.md is enough on its own: its minimal server, extracted from the page, passes the
 conformance kit, from this checkout and from the `rollout-protocol` wheel installed alone.
 
-The page marks the blocks of a file with `<!-- file: NAME -->` before a fenced python block;
-the blocks of one name, in page order, are that file. `minimal_server.py` is the server and
-`test_minimal_server.py` its kit run (with a blocking fake model, no debug hooks); both are run
-as they stand on the page, as a process (`python test_minimal_server.py`), so what the guide
-shows is what runs. The fresh-environment test builds the SDK's distribution (`protocol/`) alone,
-installs it with its `kit` extra into a new virtual environment (from the package index; pip's
-cache makes it about 15 s) and runs the same files there: nothing else of this project is
-importable in it.
+The page marks a file's block with `<!-- file: NAME -->` before a fenced python block; each file
+is one block, printed whole, and the server's is the page's first python block, so what a reader
+copies is complete. `minimal_server.py` is the server and `test_minimal_server.py` its kit run
+(with the kit's fake model, no debug hooks); both are run as they stand on the page, as a
+process (`python test_minimal_server.py`), so what the guide shows is what runs. The
+fresh-environment test builds the SDK's distribution (`protocol/`) alone, installs it with its
+`kit` extra into a new virtual environment (from the package index; pip's cache makes it about
+15 s) and runs the same files there: nothing else of this project is importable in it.
 """
 
 from __future__ import annotations
@@ -30,12 +30,17 @@ RUN_TIMEOUT_S = 120
 RUFF = (sys.executable, "-m", "ruff", "check", "--isolated", "--no-cache")
 
 
-def guide_files() -> dict[str, str]:
-    """The files the guide's marked blocks make up, by name."""
+def guide_blocks() -> dict[str, list[str]]:
+    """The guide's marked blocks, by file name, in page order."""
     files: dict[str, list[str]] = {}
     for block in FILE_BLOCK.finditer(GUIDE.read_text()):
         files.setdefault(block["name"], []).append(block["code"])
-    return {name: "\n\n".join(parts) for name, parts in files.items()}
+    return files
+
+
+def guide_files() -> dict[str, str]:
+    """The files the guide's marked blocks make up, by name: each the one block printed."""
+    return {name: "\n\n".join(parts) for name, parts in guide_blocks().items()}
 
 
 def write_guide_files(directory: Path) -> None:
@@ -59,6 +64,19 @@ def run_the_guides_test(python: str, directory: Path, env: dict[str, str]) -> No
 
 def test_the_guide_holds_the_minimal_server_and_its_test() -> None:
     assert set(guide_files()) == {"minimal_server.py", "test_minimal_server.py"}
+
+
+def test_the_guides_first_snippet_is_the_whole_server() -> None:
+    """Each file is printed as one block (nothing is stitched together from pieces), and the
+    page's first python block is the server, so the first snippet a reader meets runs as is."""
+    assert {name: len(parts) for name, parts in guide_blocks().items()} == {
+        "minimal_server.py": 1,
+        "test_minimal_server.py": 1,
+    }
+    first = PYTHON_BLOCK.search(GUIDE.read_text())
+    assert first is not None
+    assert first["code"] == guide_files()["minimal_server.py"]
+    assert 'if __name__ == "__main__":\n    main()' in first["code"]
 
 
 def test_every_snippet_of_the_guide_defines_what_it_uses(tmp_path: Path) -> None:

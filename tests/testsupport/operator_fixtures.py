@@ -431,8 +431,8 @@ class RecoveredRun:
 
 
 def check_recovered_run(run: RecoveredRun) -> dict[str, EpisodeResult]:
-    """The invariants of DESIGN 8 after a recovery, checked from the client's results, the
-    new attempt's server-side counters and the checkpoint's records on storage:
+    """The invariants of docs/design.md#8-invariants after a recovery, checked from the client's
+    results, the new attempt's server-side counters and the checkpoint's records on storage:
 
     - every episode finished exactly once, with the answer, reward and turns of the
       uninterrupted run of the same task;

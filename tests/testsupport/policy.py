@@ -13,8 +13,10 @@ from typing import Any
 from rollout_operator.cluster.storage import StorageLocator
 from rollout_operator.decide.policy import Note
 from rollout_operator.flows.policypass import PolicyPass
+from rollout_operator.flows.state import LoggedNotes
 from rollout_operator.model import api
 
+from testsupport import builders
 from testsupport.fakecluster import FakeCluster
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
@@ -34,19 +36,17 @@ def seeded(rset: dict[str, Any]) -> FakeCluster:
 
 
 def rollout_set(storage: Path, **spec: Any) -> dict[str, Any]:
-    container = {"name": "c", "ports": [{"name": "control", "containerPort": 8000}]}
-    return {
-        "apiVersion": api.API_VERSION,
-        "kind": "RolloutSet",
-        "metadata": {"name": "math", "namespace": NS, "uid": "uid-1", "generation": 1},
-        "spec": {
-            "participants": [
-                {"role": "environment", "template": {"spec": {"containers": [container]}}}
-            ],
-            "storage": {"path": str(storage), "volume": {"hostPath": {"path": str(storage)}}},
-            **spec,
-        },
-        "status": {
+    """The set `math` of one environment, Ready under attempt 3, its records in `storage`."""
+    return builders.set_body(
+        name="math",
+        namespace=NS,
+        uid="uid-1",
+        generation=1,
+        roles={"environment": None},
+        storage=storage,
+        volume={"hostPath": {"path": str(storage)}},
+        **spec,
+        status={
             "attempt": 3,
             "createdAttempt": 3,
             "conditions": [
@@ -58,7 +58,7 @@ def rollout_set(storage: Path, **spec: Any) -> dict[str, Any]:
                 }
             ],
         },
-    }
+    )
 
 
 class Run:
@@ -71,6 +71,8 @@ class Run:
         self.notes: list[Note] = []
         self.woken: list[tuple[str, str]] = []
         self.storage = storage
+        self.logged_notes = LoggedNotes()
+        """The operator process's record of logged notes, kept across this Run's passes."""
 
     async def __call__(self) -> Any:
         async def note(_rset: api.RolloutSet, found: Note) -> None:
@@ -79,6 +81,7 @@ class Run:
         return await PolicyPass(
             self.kube,
             clock=lambda: self.now,
+            logged_notes=self.logged_notes,
             on_note=note,
             wake_set=lambda ns, name: self.woken.append((ns, name)),
             locator=StorageLocator(None),

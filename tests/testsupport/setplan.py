@@ -10,25 +10,19 @@ from typing import Any
 from rollout_operator.decide.setplan import PodView, plan_attempt
 from rollout_operator.model import api
 
+from testsupport import builders
+
 
 def make_set(
     replicas: dict[str, int] | None = None, deadline: int = 60, suspend: bool = False
 ) -> api.RolloutSet:
     replicas = replicas or {"model": 1, "resources": 1, "agent": 1, "environment": 2}
-    container = {"name": "c", "ports": [{"name": "control", "containerPort": 9000}]}
-    return api.RolloutSet.model_validate(
-        {
-            "metadata": {"name": "rl", "namespace": "ns", "uid": "u", "generation": 2},
-            "spec": {
-                "participants": [
-                    {"role": r, "replicas": n, "template": {"spec": {"containers": [container]}}}
-                    for r, n in replicas.items()
-                ],
-                "storage": {"path": "/ckpt", "volume": {"emptyDir": {}}},
-                "progressDeadlineSeconds": deadline,
-                "suspend": suspend,
-            },
-        }
+    return builders.rollout_set(
+        generation=2,
+        roles=replicas,
+        port=9000,
+        progressDeadlineSeconds=deadline,
+        suspend=suspend,
     )
 
 

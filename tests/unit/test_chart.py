@@ -132,8 +132,8 @@ def test_default_values_render_a_cluster_wide_standalone_operator() -> None:
 
 
 def test_the_replicas_limit_is_set_at_install() -> None:
-    """`operator.maxReplicasPerRole` reaches the operator (issue 15, class 3); the schema keeps
-    it within the API's bound."""
+    """`operator.maxReplicasPerRole` reaches the operator (docs/operations.md#failure-modes, class
+    3); the schema keeps it within the API's bound."""
     args = container(render())["args"]
     assert args[args.index("--max-replicas-per-role") + 1] == "256"
     args = container(render({"operator.maxReplicasPerRole": "8"}))["args"]

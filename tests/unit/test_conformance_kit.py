@@ -123,8 +123,9 @@ class Conforming:
         self.plane = ControlPlane(self.participant, settings)
         self.reached: defaultdict[str, anyio.Event] = defaultdict(anyio.Event)
         self.finished: dict[tuple[str, int], dict[str, Any]] = {}
-        self.model: Callable[[str, int], Awaitable[None]] | None = None
-        """Set by `ModelDriver`: the call to the group's model participant (first step only)."""
+        self.model: Callable[[str, str, int, str], Awaitable[None]] | None = None
+        """Set by `ModelDriver`: a call to the group's model (the kit's `FakeModel`) with
+        (rollout id, key, attempt, prompt), made in every step, keyed by the step's index."""
         self._never = anyio.Event()
         self.in_step: defaultdict[str, anyio.Event] = defaultdict(anyio.Event)
         self.step_held: dict[str, anyio.Event] = {}
@@ -186,9 +187,12 @@ class Conforming:
                 index = STEP_NAMES.index(step)
                 following = STEP_NAMES[index + 1] if index + 1 < len(STEP_NAMES) else "done"
 
-                async def one(following: str = following, step: str = step) -> Boundary:
-                    if self.model is not None and step == STEP_NAMES[0]:
-                        await self.model(self.model_key(rollout_id), attempt)
+                async def one(
+                    following: str = following, step: str = step, index: int = index
+                ) -> Boundary:
+                    if self.model is not None:
+                        prompt = self.prompt(episode)
+                        await self.model(self.model_key(rollout_id), str(index), attempt, prompt)
                     self.on_step(rollout_id, step)
                     release = self.step_held.get(rollout_id)
                     if release is not None and step == STEP_NAMES[0]:
@@ -197,7 +201,7 @@ class Conforming:
                     done = [*episode.boundary.state.get("steps", []), step]
                     return Boundary(following, {"steps": done})
 
-                await self.runtime.step(episode, self.step_name(step), StepMode.WAIT, one)
+                await self.run_step(episode, step, one)
         finally:
             self.runtime.end(episode)
         result = self.result(episode)
@@ -207,6 +211,22 @@ class Conforming:
     def step_name(self, step: str) -> str:
         """The name the counters count a step under: name@index, unique within the episode."""
         return f"step@{STEP_NAMES.index(step)}"
+
+    async def run_step(
+        self, episode: Episode, step: str, one: Callable[[], Awaitable[Boundary]]
+    ) -> None:
+        """Run one step of the episode through the runtime."""
+        await self.runtime.step(episode, self.step_name(step), self.step_mode(step), one)
+
+    def step_mode(self, step: str) -> StepMode:
+        """Wait steps (a checkpoint waits for them); with a model, replay steps: the model call
+        can run again, so an episode held inside one is parked at its previous boundary."""
+        return StepMode.WAIT if self.model is None else StepMode.REPLAY
+
+    def prompt(self, episode: Episode) -> str:
+        """The model prompt: the episode and the steps its boundary says are done."""
+        done = ",".join(episode.boundary.state.get("steps", []))
+        return f"episode {episode.rollout_id}; done: {done}"
 
     def on_step(self, rollout_id: str, step: str) -> None:
         """A step ran (nothing to keep: its effect is in the boundary)."""
@@ -433,11 +453,77 @@ class UnindexedSteps(Conforming):
 
 
 class UnnamedModelCalls(Conforming):
-    """Breaks `model.headers`: its model calls do not name their episode (as a call without
-    X-Rollout-Request), so the model records them under no rollout of the group."""
+    """Breaks `model.headers`: its model calls carry no X-Rollout-Request/X-Rollout-Attempt,
+    so the model records them under no rollout of the group."""
 
     def model_key(self, rollout_id: str) -> str:
-        return "unnamed"
+        return ""  # `ModelDriver.call_model` sends no headers for an empty rollout id
+
+
+class RepeatStartsAnother(Conforming):
+    """Breaks `run.repeat-one-episode`: a repeated `/run` of a live episode starts a second
+    episode of the rollout in a runtime of its own (counted by the same counters), which runs
+    the first step again and then waits on the first episode, so the call is neither refused
+    nor answered early."""
+
+    def __init__(self, settings: ControlSettings, *, hold: bool = False) -> None:
+        super().__init__(settings, hold=hold)
+        self.second = EpisodeRuntime(observer=self.counters.observe)
+
+    async def run(self, rollout_id: str, attempt: int) -> dict[str, Any]:
+        live = self.runtime.find(rollout_id)
+        if live is None:
+            return await super().run(rollout_id, attempt)
+        episode = self.second.begin(rollout_id, attempt, Boundary(STEP_NAMES[0]))
+
+        async def first() -> Boundary:
+            return Boundary(STEP_NAMES[1], {"steps": [STEP_NAMES[0]]})
+
+        await self.second.step(episode, self.step_name(STEP_NAMES[0]), StepMode.WAIT, first)
+        await live.ended.wait()
+        return self.finished[(rollout_id, attempt)]
+
+
+class StepRunTwice(Conforming):
+    """Breaks `steps.once-per-attempt`: a retry around the first step runs it a second time
+    after it completed, under the same attempt and name."""
+
+    async def run_step(
+        self, episode: Episode, step: str, one: Callable[[], Awaitable[Boundary]]
+    ) -> None:
+        await super().run_step(episode, step, one)
+        if step == STEP_NAMES[0]:
+            done = episode.boundary
+
+            async def again() -> Boundary:
+                return Boundary(done.step, dict(done.state))
+
+            await self.runtime.step(episode, self.step_name(step), self.step_mode(step), again)
+
+
+class HistoryOutsideBoundary(Conforming):
+    """Breaks `model.same-prompts`: builds each prompt from a history kept in process memory
+    beside the runtime, which a restore loses; its results come from the boundary, so they
+    still equal the uninterrupted runs' (`state.in-boundary` cannot see it)."""
+
+    def __init__(self, settings: ControlSettings, *, hold: bool = False) -> None:
+        super().__init__(settings, hold=hold)
+        self.history: defaultdict[str, list[str]] = defaultdict(list)
+
+    def on_step(self, rollout_id: str, step: str) -> None:
+        self.history[rollout_id].append(step)
+
+    def prompt(self, episode: Episode) -> str:
+        done = ",".join(self.history[episode.rollout_id])
+        return f"episode {episode.rollout_id}; done: {done}"
+
+
+class SideEffectReplayed(Conforming):
+    """Breaks `steps.wait-holds-prepare`: runs its steps, side effects and all, as replay
+    steps, so a prepare is ready while an episode is inside one."""
+
+    def step_mode(self, step: str) -> StepMode:
+        return StepMode.REPLAY
 
 
 class Workers(Conforming):
@@ -558,27 +644,57 @@ class InProcessDriver:
 
 
 class ModelDriver(InProcessDriver):
-    """The fake environment and a model participant beside it (a `Conforming` of role model,
-    never held), which the environment calls in its first step: `/run` of the rollout it names
-    stands for a model call with X-Rollout-Request. Both crash and restart together."""
+    """The fake environment and the kit's `FakeModel` beside it, a participant of the group,
+    which the environment calls in every step (replay steps) with X-Rollout-Request
+    `<rollout_id>/<step index>`. Episodes of the first attempt are held in their second model
+    call (`<rollout_id>/1`) by the fake model, not by the environment. Both crash and restart
+    together; the fake model's log and holds outlive its apps."""
 
     def __init__(self, group: TaskGroup, fake: type[Conforming], settings: ControlSettings):
         super().__init__(group, fake, settings)
+        self.fake_model = kit.FakeModel()
         self.model: ServedApp | None = None
+        self.first: int | None = None
+        self.armed: set[str] = set()
 
     async def restart(self, attempt: int) -> None:
-        model = Conforming(replace(self.settings, role=Role.MODEL, attempt=attempt))
-        self.model = await start_app(self.group, model.build(), role=Role.MODEL, token=TOKEN)
-        await super().restart(attempt)
-        assert self.server is not None
-        self.server.model = self.call_model
-
-    async def call_model(self, rollout_id: str, attempt: int) -> None:
-        assert self.model is not None
-        reply = await self.model.client.post(
-            "/run", json={"rollout_id": rollout_id, "attempt": attempt}
+        settings = replace(self.settings, role=Role.MODEL, attempt=attempt)
+        self.model = await start_app(
+            self.group, self.fake_model.app(settings), role=Role.MODEL, token=TOKEN
         )
-        kit.RunRefused.reply(reply)
+        self.server = self.fake(replace(self.settings, attempt=attempt))
+        self.server.model = self.call_model
+        self.served = await start_app(
+            self.group, self.server.build(), role=self.settings.role, token=TOKEN
+        )
+        self.first = attempt if self.first is None else self.first
+
+    async def call_model(self, rollout_id: str, key: str, attempt: int, prompt: str) -> None:
+        assert self.model is not None
+        headers = (
+            {"X-Rollout-Request": f"{rollout_id}/{key}", "X-Rollout-Attempt": str(attempt)}
+            if rollout_id
+            else {}
+        )
+        reply = await self.model.client.post(
+            "/v1/completions", json={"model": "policy", "prompt": prompt}, headers=headers
+        )
+        reply.raise_for_status()
+
+    def arm(self, rollout_id: str, attempt: int) -> None:
+        """Hold the episode's second model call: once per rollout of the first attempt."""
+        first = attempt == self.first and kit.base_rollout_id(rollout_id) == rollout_id
+        if first and rollout_id not in self.armed:
+            self.armed.add(rollout_id)
+            self.fake_model.hold(f"{rollout_id}/1", attempt=attempt)
+
+    async def run_episode(self, rollout_id: str, attempt: int) -> Any:
+        self.arm(rollout_id, attempt)
+        return await super().run_episode(rollout_id, attempt)
+
+    async def wait_mid_episode(self, rollout_ids: Sequence[str], deadline_ts: float) -> None:
+        for rid in rollout_ids:
+            await self.fake_model.wait_held(f"{rid}/1", deadline_ts)
 
     def participants(self) -> list[kit.Target]:
         assert self.model is not None
@@ -593,6 +709,15 @@ class ModelDriver(InProcessDriver):
         await super().close()
         if self.model is not None:
             await self.model.stop()
+
+
+class RearmingDriver(ModelDriver):
+    """A driver mistake, not the server's: it arms the hold on every `/run` of a rollout,
+    without an attempt, so after the crash it holds the restored episode's call too."""
+
+    def arm(self, rollout_id: str, attempt: int) -> None:
+        if kit.base_rollout_id(rollout_id) == rollout_id:
+            self.fake_model.hold(f"{rollout_id}/1")
 
 
 def _settings(root: Path, dialect: Dialect = Dialect.ROLLOUT) -> ControlSettings:
@@ -653,7 +778,8 @@ async def _crash_restore(
 
 
 async def _park_all(fake: type[Conforming], root: Path) -> None:
-    """`workers.park-all`, then the crash + restore check on the group it restarted."""
+    """`check_park_all` (`workers.park-all` on a multi-worker fake, `steps.wait-holds-prepare`
+    on a single-process one), then the crash + restore check on the group it restarted."""
     async with _driver(fake, root) as driver:
         rids = _rollout_ids(fake)
         await kit.check_workers_park_all(driver, rollout_ids=rids, busy_wait_s=0.3, timeout_s=WAIT)
@@ -662,10 +788,17 @@ async def _park_all(fake: type[Conforming], root: Path) -> None:
         assert (status.phase, status.attempt, status.workers) == (Phase.IDLE, 1, fake.workers)
 
 
-async def _crash_restore_with_model(fake: type[Conforming], root: Path) -> None:
-    async with _driver(fake, root, ModelDriver) as driver:
+async def _crash_restore_with_model(
+    fake: type[Conforming], root: Path, driver_type: type[ModelDriver] = ModelDriver
+) -> None:
+    async with _driver(fake, root, driver_type) as driver:
+        assert isinstance(driver, ModelDriver)
         await kit.check_crash_restore(
-            driver, checkpoint_root=root, rollout_ids=["r-0", "r-1"], timeout_s=WAIT
+            driver,
+            checkpoint_root=root,
+            rollout_ids=["r-0", "r-1"],
+            timeout_s=WAIT,
+            model=driver.fake_model,
         )
 
 
@@ -681,6 +814,7 @@ async def test_conforming_participant_passes_the_whole_kit(
         await _crash_restore(Conforming, tmp_path / "crash", dialect)
         if dialect is Dialect.ROLLOUT:
             await _crash_restore_with_model(Conforming, tmp_path / "with-model")
+            await _park_all(Conforming, tmp_path / "park")
 
 
 @pytest.mark.anyio
@@ -712,6 +846,10 @@ async def test_a_multi_worker_participant_passes_the_workers_rules(tmp_path: Pat
         (StateOutsideBoundary, kit.STATE, _crash_restore),
         (UnindexedSteps, kit.STEPS_INDEXED, _crash_restore),
         (UnnamedModelCalls, kit.MODEL_HEADERS, _crash_restore_with_model),
+        (RepeatStartsAnother, kit.RUN_ONE, _crash_restore),
+        (StepRunTwice, kit.STEPS_ONCE, _crash_restore),
+        (HistoryOutsideBoundary, kit.MODEL_PROMPTS, _crash_restore_with_model),
+        (SideEffectReplayed, kit.STEPS_WAIT, _park_all),
         (ReadyWhileAWorkerIsBusy, kit.WORKERS_PARK, _park_all),
         (RestoreMissesAWorker, kit.WORKERS_RESTORE, _crash_restore),
         (RepeatElsewhere, kit.WORKERS_REPEAT, _crash_restore),
@@ -747,6 +885,120 @@ def test_the_kit_is_separate_from_the_package_and_the_harness() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
+
+
+@pytest.mark.anyio
+async def test_a_hold_rearmed_after_the_crash_is_the_drivers_mistake(tmp_path: Path) -> None:
+    """The driver arms the fake model's hold again after the crash: the kit says so at once,
+    blaming the driver (the test), where the restored episode would otherwise wait on the hold
+    until `timeout_s` (60 s here, beyond this test's 30 s limit) and fail as the server's."""
+
+    async def crash_restore() -> None:
+        async with _driver(Conforming, tmp_path, RearmingDriver) as driver:
+            assert isinstance(driver, ModelDriver)
+            await kit.check_crash_restore(
+                driver, checkpoint_root=tmp_path, rollout_ids=["r-0"], model=driver.fake_model
+            )
+
+    with anyio.fail_after(30), pytest.raises(ConformanceError) as caught:
+        await crash_restore()
+    assert caught.value.rule == kit.DRIVER_HOLDS, caught.value
+    assert caught.value.fault == kit.DRIVER_MISTAKE
+    assert "not the server's" in str(caught.value)
+    assert "hold('r-0/1', attempt=None) armed after the crash of attempt 0" in str(caught.value)
+
+
+class HoldsAfterTheCrash(InProcessDriver):
+    """A driver mistake the kit cannot see directly: its restarted apps hold episodes too, so
+    the restored ones never finish."""
+
+    async def restart(self, attempt: int) -> None:
+        self.server = self.fake(replace(self.settings, attempt=attempt), hold=True)
+        self.served = await start_app(
+            self.group, self.server.build(), role=self.settings.role, token=TOKEN
+        )
+
+
+@pytest.mark.anyio
+async def test_unfinished_restored_episodes_name_a_holding_driver_as_a_suspect(
+    tmp_path: Path,
+) -> None:
+    with anyio.fail_after(30), pytest.raises(ConformanceError) as caught:
+        async with _driver(Conforming, tmp_path, HoldsAfterTheCrash) as driver:
+            await kit.check_crash_restore(
+                driver, checkpoint_root=tmp_path, rollout_ids=["r-0"], timeout_s=0.5
+            )
+    assert caught.value.rule == kit.STEPS, caught.value
+    assert caught.value.fault == f"{kit.PARTICIPANT}, or the driver if it still holds them"
+    assert "['r-0'] not finished within 0.5s" in caught.value.observed
+    assert caught.value.fix is not None
+    assert "first attempt's own rollouts" in caught.value.fix
+
+
+@pytest.mark.anyio
+async def test_the_fake_model_answers_from_the_prompt_and_counts_named_calls(
+    tmp_path: Path,
+) -> None:
+    """Same prompt, same reply (whoever asks); a named call is counted at /stats as
+    `call@<key>` of its rollout and attempt, an unnamed one is answered and counted nowhere."""
+    model = kit.FakeModel()
+    settings = replace(_settings(tmp_path), role=Role.MODEL)
+    with anyio.fail_after(30):
+        async with kit.serve_app(model.app(settings), role=Role.MODEL, token=TOKEN) as served:
+            named = {"X-Rollout-Request": "r-0/3", "X-Rollout-Attempt": "2"}
+            replies = []
+            for headers in (named, {}):
+                reply = await served.client.post(
+                    "/v1/completions", json={"prompt": "2+2?"}, headers=headers
+                )
+                replies.append(reply.json()["choices"][0]["text"])
+            other = await served.client.post("/v1/completions", json={"prompt": "3+3?"})
+            stats = (await served.client.get("/stats", params={"rollout_id": "r-0"})).json()
+    assert replies[0] == replies[1] == kit.echo_reply("2+2?") != other.json()["choices"][0]["text"]
+    assert stats["rollouts"] == {"r-0": {"2": {"call@3": {"started": 1, "completed": 1}}}}
+    assert [(c.rollout_id, c.key, c.attempt) for c in model.log] == [
+        ("r-0", "3", 2),
+        (None, None, None),
+        (None, None, None),
+    ]
+    assert model.prompts("r-0", 2) == {"3": "2+2?"}
+
+
+@pytest.mark.anyio
+async def test_a_fake_model_hold_catches_one_call_until_released(tmp_path: Path) -> None:
+    """A hold keeps its call waiting (started, not completed) until `release`; it catches one
+    call only, and `wait_held` on a call that never comes says so at its deadline."""
+    model = kit.FakeModel()
+    settings = replace(_settings(tmp_path), role=Role.MODEL)
+    named = {"X-Rollout-Request": "r-0/1", "X-Rollout-Attempt": "0"}
+    texts: list[str] = []
+    with anyio.fail_after(30):
+        async with kit.serve_app(model.app(settings), role=Role.MODEL, token=TOKEN) as served:
+
+            async def call() -> None:
+                reply = await served.client.post(
+                    "/v1/completions", json={"prompt": "p"}, headers=named
+                )
+                texts.append(reply.json()["choices"][0]["text"])
+
+            model.hold("r-0/1", attempt=0)
+            async with anyio.create_task_group() as group:
+                group.start_soon(call)
+                await model.wait_held("r-0/1", time.time() + WAIT)
+                stats = (await served.client.get("/stats", params={"rollout_id": "r-0"})).json()
+                assert stats["rollouts"]["r-0"]["0"]["call@1"] == {"started": 1}
+                assert texts == []
+                model.release("r-0/1")
+            await call()  # the hold is spent: answered at once, delivered again
+            stats = (await served.client.get("/stats", params={"rollout_id": "r-0"})).json()
+            assert stats["rollouts"]["r-0"]["0"]["call@1"] == {
+                "started": 1,
+                "completed": 1,
+                "delivered": 1,
+            }
+            with pytest.raises(TimeoutError, match="the model call r-0/9 never arrived"):
+                await model.wait_held("r-0/9", time.time() + 0.1)
+    assert texts == [kit.echo_reply("p")] * 2
 
 
 @pytest.mark.anyio

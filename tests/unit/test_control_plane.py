@@ -41,7 +41,7 @@ from rollout_protocol import (
     StatusReply,
 )
 from rollout_protocol import _storage as storage
-from rollout_protocol._control import PhaseMachine
+from rollout_protocol._phases import PhaseMachine
 from testsupport.participants import FakeParticipant
 
 from devcluster.waiting import wait_for
@@ -910,7 +910,7 @@ async def test_restore_with_peers_is_unsupported_without_rewire_and_installs_not
 async def test_a_standby_takes_the_instance_its_restore_names_and_restores_its_records(
     tmp_path: Path,
 ) -> None:
-    """Issue 22: an adopted standby becomes the lost instance (index 2 here): it restores that
+    """An adopted standby becomes the lost instance (index 2 here): it restores that
     instance's records, re-wires, and commits as that instance from then on."""
     lost = FakeParticipant(index=2, rollouts=["r1", "r2"])
     async with _serve(ControlPlane(lost, _settings(tmp_path, index=2))) as c:

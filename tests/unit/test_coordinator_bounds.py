@@ -3,7 +3,7 @@
 The coordinator remembers who did not answer by a call's deadline (hung, frozen, gone) and cuts
 its later calls at `missed_call_seconds`: the cleanup after a failed restore (retire, then
 resume everyone) and an abort's resume would otherwise each wait a whole call timeout on the
-participant that caused them (issue 27: a recovery try with `restoreTimeoutSeconds: 60` took
+participant that caused them (a recovery try with `restoreTimeoutSeconds: 60` took
 134 s that way). The participants here are fakes named as such: `Answering` replies at once,
 `Frozen` never answers and gives up at each call's deadline as `HttpParticipantClient` does.
 """

@@ -15,6 +15,7 @@ import pytest
 from rollout_operator.cluster.leases import CheckpointLeases, holder_of, lapsed, lease_name
 from rollout_operator.model import api
 from rollout_operator.model.api import ROLLOUT_CHECKPOINT_PLURAL, ROLLOUT_SET_PLURAL
+from testsupport import builders
 from testsupport.fakecluster import FakeCluster
 
 NS = "team"
@@ -22,17 +23,15 @@ SET = "math"
 
 
 def _set() -> dict[str, Any]:
-    container = {"name": "c", "ports": [{"name": "control", "containerPort": 9000}]}
-    return {
-        "apiVersion": api.API_VERSION,
-        "kind": "RolloutSet",
-        "metadata": {"name": SET, "namespace": NS, "uid": "set-uid", "generation": 1},
-        "spec": {
-            "participants": [{"role": "model", "template": {"spec": {"containers": [container]}}}],
-            "storage": {"path": "/ckpt", "volume": {"emptyDir": {}}},
-        },
-        "status": {"attempt": 1},
-    }
+    return builders.set_body(
+        name=SET,
+        namespace=NS,
+        uid="set-uid",
+        generation=1,
+        roles={"model": None},
+        port=9000,
+        status={"attempt": 1},
+    )
 
 
 def _checkpoint(name: str, phase: str | None) -> dict[str, Any]:

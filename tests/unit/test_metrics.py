@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import REGISTRY, generate_latest
 from rollout_operator import metrics
 from rollout_operator.model.api import RolloutCheckpoint, RolloutSet
+from testsupport import builders
 from testsupport.fakecluster import FakeCluster
 
 NAMESPACE = "team-a"
@@ -48,20 +49,12 @@ def participant(instance: str, size: int) -> dict[str, Any]:
 
 
 def rollout_set(name: str, attempt: int) -> RolloutSet:
-    template = {
-        "spec": {
-            "containers": [{"name": "m", "ports": [{"name": "control", "containerPort": 8000}]}]
-        }
-    }
-    return RolloutSet.model_validate(
-        {
-            "metadata": {"name": name, "namespace": NAMESPACE, "uid": "u-1"},
-            "spec": {
-                "participants": [{"role": "model", "replicas": 1, "template": template}],
-                "storage": {"path": "/ckpt", "volume": {"emptyDir": {}}},
-            },
-            "status": {"attempt": attempt},
-        }
+    return builders.rollout_set(
+        name=name,
+        namespace=NAMESPACE,
+        uid="u-1",
+        participants=[builders.participant("model", container_name="m")],
+        status={"attempt": attempt},
     )
 
 

@@ -1,4 +1,4 @@
-"""`rollout-server model --load-seconds N`: a start cost that can be simulated (issue 13, item 5).
+"""`rollout-server model --load-seconds N`: a start cost that can be simulated.
 
 A model pod turns Ready when its `/healthz` answers 200 (the readiness probe). With a load time
 the server answers 503 `loading` until the time is paid, as a real engine does while it loads

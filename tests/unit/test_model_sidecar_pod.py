@@ -15,14 +15,10 @@ from rollout_operator.flows.recovery import Reason as RecoveryReason
 from rollout_operator.flows.recovery import detect_loss
 from rollout_operator.model import api
 from rollout_protocol import Role
-from rollout_servers.servers.model import (
-    BuiltinBackend,
-    Continuation,
-    GenRequest,
-    Progress,
-    builtin_completion,
-)
+from rollout_servers.servers.backends import BuiltinBackend, builtin_completion
+from rollout_servers.servers.generation import Continuation, GenRequest, Progress
 from rollout_servers.tasks import shipped_tasks
+from testsupport import builders
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "model-sidecar"
 QUESTION = next(t for t in shipped_tasks() if len(t.steps) == 2).question
@@ -68,18 +64,8 @@ def view(pod: dict[str, Any]) -> PodView:
 
 
 def model_set() -> api.RolloutSet:
-    container = {"name": "c", "ports": [{"name": "control", "containerPort": 9000}]}
-    return api.RolloutSet.model_validate(
-        {
-            "metadata": {"name": "rl", "namespace": "ns", "uid": "u", "generation": 2},
-            "spec": {
-                "participants": [
-                    {"role": "model", "template": {"spec": {"containers": [container]}}}
-                ],
-                "storage": {"path": "/ckpt", "volume": {"emptyDir": {}}},
-            },
-            "status": {"attempt": 2, "createdAttempt": 2},
-        }
+    return builders.rollout_set(
+        generation=2, roles={"model": None}, port=9000, status={"attempt": 2, "createdAttempt": 2}
     )
 
 

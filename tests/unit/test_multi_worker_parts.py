@@ -8,7 +8,8 @@ import argparse
 import re
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +23,18 @@ from rollout_protocol import (
     ControlConfigError,
     ControlPlane,
     ControlSettings,
+    EpisodeId,
     EpisodeRuntime,
     MultiProcess,
     PrepareRequest,
+    ProtocolError,
+    Record,
     RestoreRequest,
     Role,
     RuntimeParticipant,
     StatusReply,
 )
-from rollout_protocol._workers import WorkerPool
+from rollout_protocol._workers import PodState, WorkerPool
 from rollout_protocol.conformance import (
     WORKERS_MANAGED,
     WORKERS_PRIVATE,
@@ -214,39 +218,98 @@ def test_web_concurrency_is_a_whole_number_of_ascii_digits_or_refused(declared: 
         settings(WEB_CONCURRENCY=declared)
 
 
+@asynccontextmanager
+async def served_workers(
+    tmp_path: Path, workers: list[ControlPlane], pod_settings: ControlSettings
+) -> AsyncIterator[ControlPlane]:
+    """A pod's plane over `workers` (worker planes in process, each served on a Unix socket of
+    its own as `serve_workers` serves them), its pool following the pod as `serve_workers` sets
+    it up."""
+    paths, servers = [], []
+    async with anyio.create_task_group() as group:
+        for k, worker in enumerate(workers):
+            app = FastAPI()
+            worker.install(app)
+            path = str(tmp_path / f"worker-{k}.sock")
+            listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listening.bind(path)  # bound and listening before serving: calls wait in its backlog
+            listening.listen()
+            server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning"))
+            group.start_soon(server.serve, [listening])
+            paths.append(path)
+            servers.append(server)
+        pool = WorkerPool(Role.ENVIRONMENT, paths, "k")
+        pod = ControlPlane(pool, pod_settings)
+        pool.pod_state = lambda: PodState(
+            attempt=pod.attempt, index=pod.settings.index, standby=pod.settings.standby
+        )
+        try:
+            yield pod
+        finally:
+            for server in servers:
+                server.should_exit = True
+            await pool.aclose()
+
+
+def worker_plane(participant: RuntimeParticipant, slot: str) -> ControlPlane:
+    return ControlPlane(
+        participant, settings(ROLLOUT_WORKER=slot, ROLLOUT_WORKER_KEY="k", ROLLOUT_STANDBY="1")
+    )
+
+
 async def test_the_workers_of_an_adopted_standby_become_the_instance_it_was_adopted_for(
     tmp_path: Path,
 ) -> None:
-    """A standby pod's restore under another instance's index reaches its workers: the pool
-    sends the plane's index with the install, and each worker's plane (and so the `instance`
-    its server reports at `/healthz` and `/stats`) follows it. One worker, in process, served on
-    a Unix socket as `serve_workers` serves it."""
-    worker = ControlPlane(
-        RuntimeParticipant(Role.ENVIRONMENT, EpisodeRuntime()),
-        settings(ROLLOUT_WORKER="0/1", ROLLOUT_WORKER_KEY="k", ROLLOUT_STANDBY="1"),
-    )
+    """A standby pod's install under another instance's index reaches its workers: the pool
+    sends the pod's identity with the install, and each worker's plane (and so the `instance`
+    its server reports at `/healthz` and `/stats`) follows it."""
+    worker = worker_plane(RuntimeParticipant(Role.ENVIRONMENT, EpisodeRuntime()), "0/1")
     assert worker.settings.standby
-    app = FastAPI()
-    worker.install(app)
-    path = str(tmp_path / "worker-0.sock")
-    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listening.bind(path)  # bound and listening before serving: calls wait in its backlog
-    listening.listen()
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_level="warning"))
-    pod = ControlPlane(WorkerPool(Role.ENVIRONMENT, [path], "k"), settings(ROLLOUT_STANDBY="1"))
-    pool = pod.participant
-    assert isinstance(pool, WorkerPool)
-    pool.index = lambda: 2  # as serve_workers sets it: the pod plane's index now
-    async with anyio.create_task_group() as group:
-        group.start_soon(server.serve, [listening])
-        try:
-            with anyio.fail_after(30):
-                await pool.install([], 1)
-        finally:
-            server.should_exit = True
-            await pool.aclose()
+    async with served_workers(tmp_path, [worker], settings(ROLLOUT_STANDBY="1")) as pod:
+        pool = pod.participant
+        assert isinstance(pool, WorkerPool)
+        # the pod's plane as a restore under index 2 leaves it, once the records verified
+        pool.pod_state = lambda: PodState(attempt=0, index=2, standby=False)
+        with anyio.fail_after(30):
+            await pool.install([], 1)
     assert (worker.settings.instance, worker.settings.standby) == ("environment-2", False)
     assert worker.attempt == 1
+
+
+class BrokenInstall(RuntimeParticipant):
+    """A worker's participant whose install fails (a broken engine, a full disk)."""
+
+    async def install(self, records: Sequence[Record], attempt: int) -> list[EpisodeId]:
+        raise RuntimeError("the engine did not take the records")
+
+
+async def test_a_failed_adoption_gives_every_workers_identity_back(tmp_path: Path) -> None:
+    """A standby pod of two workers adopted for `environment-2`: one worker installs (and
+    follows the new identity), the other fails. The pod's restore fails, and the reopen that
+    follows brings both workers back to the standby's own instance and attempt, as the pod."""
+    env = {"ROLLOUT_CHECKPOINT_ROOT": str(tmp_path), "ROLLOUT_SET": "s"}
+    deadline = time.time() + 30
+    lost = ControlPlane(
+        RuntimeParticipant(Role.ENVIRONMENT, EpisodeRuntime()),
+        settings(ROLLOUT_INDEX="2", **env),
+    )
+    async with lost.running():
+        await lost.prepare(PrepareRequest(checkpoint_id="c", deadline_ts=deadline))
+        await lost.commit(CommitRequest(checkpoint_id="c", deadline_ts=deadline))
+    installs = worker_plane(RuntimeParticipant(Role.ENVIRONMENT, EpisodeRuntime()), "0/2")
+    fails = worker_plane(BrokenInstall(Role.ENVIRONMENT, EpisodeRuntime()), "1/2")
+    pod_settings = settings(ROLLOUT_STANDBY="1", **env)
+    sockets = tmp_path / "sockets"
+    sockets.mkdir()
+    async with served_workers(sockets, [installs, fails], pod_settings) as pod:
+        with anyio.fail_after(30), pytest.raises(ProtocolError, match="install failed"):
+            await pod.restore(
+                RestoreRequest(checkpoint_id="c", attempt=1, deadline_ts=deadline, index=2)
+            )
+    assert (pod.settings.instance, pod.settings.standby, pod.attempt) == ("environment-0", True, 0)
+    for worker in (installs, fails):
+        assert (worker.settings.instance, worker.settings.standby) == ("environment-0", True)
+        assert worker.attempt == 0
 
 
 async def test_a_reference_server_reports_the_instance_it_was_adopted_as(tmp_path: Path) -> None:

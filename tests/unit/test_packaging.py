@@ -66,3 +66,22 @@ def test_the_contracts_public_names_are_documented_and_typed() -> None:
         if not n.startswith("_") and not isinstance(getattr(rollout_protocol, n), ModuleType)
     ]
     assert sorted(private) == sorted(rollout_protocol.__all__), "every public name is in __all__"
+
+
+def test_every_private_module_of_the_contract_is_forbidden_to_the_operator() -> None:
+    """The import-linter contract lists the contract's private modules by name: a new one must
+    be listed too, or the operator could import it unnoticed."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    (contract,) = [
+        c
+        for c in config["tool"]["importlinter"]["contracts"]
+        if c["name"] == "the operator uses the protocol's public surface only"
+    ]
+    private = {
+        f"rollout_protocol.{path.stem}"
+        for path in (ROOT / "protocol" / "rollout_protocol").glob("_*.py")
+        if path.stem != "__init__"
+    }
+    assert private - set(contract["forbidden_modules"]) == set()

@@ -34,6 +34,7 @@ from rollout_operator.decide.policy import (
 )
 from rollout_operator.model import api, crdgen
 from rollout_operator.model.api import CheckpointPhase, Trigger
+from testsupport import builders
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 
@@ -56,11 +57,6 @@ def rollout_set(
     ready_since: float | None = 0.0,
     suspended: tuple[bool, str] | None = None,
 ) -> api.RolloutSet:
-    container = {
-        "name": "server",
-        "image": "rollout:dev",
-        "ports": [{"name": "control", "containerPort": 8000}],
-    }
     conditions: list[dict[str, Any]] = []
     if ready_since is not None:
         conditions.append(
@@ -80,25 +76,19 @@ def rollout_set(
                 "lastTransitionTime": stamp(0),
             }
         )
-    return api.RolloutSet.model_validate(
-        {
-            "metadata": {"name": "math", "namespace": "team", "annotations": annotations or {}},
-            "spec": {
-                "participants": [
-                    {"role": "environment", "template": {"spec": {"containers": [container]}}}
-                ],
-                "storage": {"path": "/ckpt", "volume": {"hostPath": {"path": "/ckpt"}}},
-                "checkpointPolicy": policy or {},
-                "recovery": recovery or {},
-                "suspend": suspend,
-            },
-            "status": {
-                "attempt": 3,
-                "createdAttempt": 3,
-                "conditions": conditions,
-                **(status or {}),
-            },
-        }
+    return builders.rollout_set(
+        name="math",
+        namespace="team",
+        uid=None,
+        annotations=annotations or {},
+        participants=[
+            builders.participant("environment", None, container_name="server", image="rollout:dev")
+        ],
+        volume={"hostPath": {"path": "/ckpt"}},
+        checkpointPolicy=policy or {},
+        recovery=recovery or {},
+        suspend=suspend,
+        status={"attempt": 3, "createdAttempt": 3, "conditions": conditions, **(status or {})},
     )
 
 

@@ -23,13 +23,13 @@ from rollout_protocol import (
     ResumeRequest,
     Role,
 )
+from testsupport import builders
 from testsupport.fakecluster import FakeCluster
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 
 
 def rollout_set(*, suspended: bool = False) -> api.RolloutSet:
-    container = {"name": "c", "ports": [{"name": "control", "containerPort": 9000}]}
     conditions = []
     if suspended:
         conditions.append(
@@ -40,17 +40,11 @@ def rollout_set(*, suspended: bool = False) -> api.RolloutSet:
                 "lastTransitionTime": "2026-11-29T12:00:00Z",
             }
         )
-    return api.RolloutSet.model_validate(
-        {
-            "metadata": {"name": "rl", "namespace": "ns", "uid": "u", "generation": 2},
-            "spec": {
-                "participants": [
-                    {"role": "model", "template": {"spec": {"containers": [container]}}}
-                ],
-                "storage": {"path": "/ckpt", "volume": {"emptyDir": {}}},
-            },
-            "status": {"attempt": 2, "createdAttempt": 2, "conditions": conditions},
-        }
+    return builders.rollout_set(
+        generation=2,
+        roles={"model": None},
+        port=9000,
+        status={"attempt": 2, "createdAttempt": 2, "conditions": conditions},
     )
 
 

@@ -1,5 +1,6 @@
-"""Prepare replies carry counts and a digest, not episode lists (issue 21): their size does not
-grow with the number of episodes, and the commit scope is agreed without shipping lists.
+"""Prepare replies carry counts and a digest, not episode lists (docs/protocol.md, "Commit scope"):
+their size does not grow with the number of episodes, and the commit scope is agreed without
+shipping lists.
 
 Real control planes over the in-process FastAPI app (httpx's ASGI transport) in front of the
 fake participant; storage is the real filesystem under tmp_path.

@@ -1,4 +1,5 @@
-"""Records encoded ahead (issue 21): what a commit writes, what restore reads, what it refuses.
+"""Records encoded ahead (docs/design.md#45-storage-and-records): what a commit writes, what restore
+reads, what it refuses.
 
 A participant built on `EpisodeRuntime` encodes an episode's record when the episode reaches a
 boundary; the commit writes those bytes as they are (records format 2, named by the digest of

@@ -1,4 +1,5 @@
-"""Records are removed wherever a set's volume is (issue 27, item 2).
+"""Records are removed wherever a set's volume is
+(docs/design.md#65-retention-and-records).
 
 - The participants' `remove` control operation, over the real FastAPI app: only the named
   checkpoints of the participant's own set directory, never the open checkpoint, what it did

@@ -9,6 +9,7 @@ import pytest
 from rollout_operator.decide import resources
 from rollout_operator.model import api
 from rollout_protocol import Role
+from testsupport import builders
 
 
 def template(port: int = 8000, **spec_extra: Any) -> dict[str, Any]:
@@ -35,17 +36,15 @@ def template(port: int = 8000, **spec_extra: Any) -> dict[str, Any]:
 
 def make_set(**participant_replicas: int) -> api.RolloutSet:
     replicas = participant_replicas or {"model": 1, "agent": 1, "environment": 2}
-    return api.RolloutSet.model_validate(
-        {
-            "metadata": {"name": "math-rl", "namespace": "team", "uid": "uid-1", "generation": 1},
-            "spec": {
-                "participants": [
-                    {"role": role, "replicas": n, "template": template()}
-                    for role, n in replicas.items()
-                ],
-                "storage": {"path": "/ckpt", "volume": {"hostPath": {"path": "/data/ckpt"}}},
-            },
-        }
+    return builders.rollout_set(
+        name="math-rl",
+        namespace="team",
+        uid="uid-1",
+        generation=1,
+        participants=[
+            {"role": role, "replicas": n, "template": template()} for role, n in replicas.items()
+        ],
+        volume={"hostPath": {"path": "/data/ckpt"}},
     )
 
 

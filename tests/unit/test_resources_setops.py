@@ -18,18 +18,34 @@ from rollout_operator.cluster.objects import (
 )
 from rollout_operator.decide.resources import attempt_selector
 from rollout_operator.flows import setpass
-from rollout_operator.flows.setpass import reconcile_set
+from rollout_operator.flows.setpass import ReconcileOutcome
+from rollout_operator.flows.state import OperatorState
 from rollout_operator.model import api
+from testsupport import builders
 from testsupport.fakecluster import FakeCluster
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 NS = "team"
 
 
-@pytest.fixture(autouse=True)
-def fresh_owned_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def state() -> OperatorState:
     """Each test starts with a process that has ensured nothing (the record is per process)."""
-    monkeypatch.setattr(setpass, "owned_objects", OwnedObjects())
+    return OperatorState()
+
+
+async def reconcile_set(
+    kube: Kube, namespace: str, name: str, *, state: OperatorState, now: datetime
+) -> ReconcileOutcome:
+    """One pass of the set in the process whose memory is `state`."""
+    return await setpass.reconcile_set(
+        kube,
+        namespace,
+        name,
+        owned_objects=state.owned_objects,
+        latest_written=state.latest_written,
+        now=now,
+    )
 
 
 def seeded(rset: dict[str, Any] | None) -> FakeCluster:
@@ -97,37 +113,27 @@ def condition(cluster: FakeCluster, type_: str) -> dict[str, Any]:
 
 
 def rollout_set(**spec_extra: Any) -> dict[str, Any]:
-    container = {
-        "name": "c",
-        "command": ["x"],
-        "ports": [{"name": "control", "containerPort": 8000}],
-    }
-    return {
-        "apiVersion": api.API_VERSION,
-        "kind": "RolloutSet",
-        "metadata": {"name": "rl", "namespace": NS, "uid": "uid-1", "generation": 1},
-        "spec": {
-            "participants": [
-                {"role": "model", "template": {"spec": {"containers": [container]}}},
-                {"role": "environment", "template": {"spec": {"containers": [container]}}},
-            ],
-            "storage": {"path": "/ckpt", "volume": {"emptyDir": {}}},
-            **spec_extra,
-        },
-    }
+    participants = [builders.participant(role, None) for role in ("model", "environment")]
+    for entry in participants:
+        entry["template"]["spec"]["containers"][0]["command"] = ["x"]
+    return builders.set_body(
+        namespace=NS, uid="uid-1", generation=1, participants=participants, **spec_extra
+    )
 
 
-async def converge(kube: Kube, node: Node, now: datetime = T0, rounds: int = 5) -> None:
+async def converge(
+    kube: Kube, node: Node, state: OperatorState, now: datetime = T0, rounds: int = 5
+) -> None:
     """Reconcile and let the node start what was created, until nothing changes."""
     for _ in range(rounds):
-        outcome = await reconcile_set(kube, NS, "rl", now=now)
+        outcome = await reconcile_set(kube, NS, "rl", state=state, now=now)
         assert not outcome.conflict
         node.start_pods()
 
 
-async def test_first_pass_creates_token_services_and_the_callee_pods() -> None:
+async def test_first_pass_creates_token_services_and_the_callee_pods(state: OperatorState) -> None:
     cluster = seeded(rollout_set())
-    await reconcile_set(cluster.kube(), NS, "rl", now=T0)
+    await reconcile_set(cluster.kube(), NS, "rl", state=state, now=T0)
     assert names(cluster, "secrets") == {"rl-control-token"}
     assert names(cluster, "services") == {"rl-model", "rl-environment"}
     assert set(pods(cluster)) == {"rl-model-0-a1"}  # environment waits for the model's address
@@ -138,9 +144,11 @@ async def test_first_pass_creates_token_services_and_the_callee_pods() -> None:
     assert condition(cluster, "Progressing")["status"] == "True"
 
 
-async def test_the_set_becomes_ready_with_participants_and_observed_generation() -> None:
+async def test_the_set_becomes_ready_with_participants_and_observed_generation(
+    state: OperatorState,
+) -> None:
     cluster = seeded(rollout_set())
-    await converge(cluster.kube(), Node(cluster))
+    await converge(cluster.kube(), Node(cluster), state)
     running = pods(cluster)
     assert set(running) == {"rl-model-0-a1", "rl-environment-0-a1"}
     env = {
@@ -160,39 +168,39 @@ async def test_the_set_becomes_ready_with_participants_and_observed_generation()
     ]
 
 
-async def test_an_unchanged_status_is_not_written_again() -> None:
+async def test_an_unchanged_status_is_not_written_again(state: OperatorState) -> None:
     cluster = seeded(rollout_set())
     kube = cluster.kube()
-    await converge(kube, Node(cluster))
+    await converge(kube, Node(cluster), state)
     writes = len(status_writes(cluster))
-    await reconcile_set(kube, NS, "rl", now=T0 + timedelta(seconds=5))
+    await reconcile_set(kube, NS, "rl", state=state, now=T0 + timedelta(seconds=5))
     assert len(status_writes(cluster)) == writes
 
 
-async def test_a_pod_lost_after_creation_is_not_recreated() -> None:
+async def test_a_pod_lost_after_creation_is_not_recreated(state: OperatorState) -> None:
     cluster = seeded(rollout_set())
     kube = cluster.kube()
-    await converge(kube, Node(cluster))
+    await converge(kube, Node(cluster), state)
     cluster.remove("pods", NS, "rl-model-0-a1")
-    await reconcile_set(kube, NS, "rl", now=T0)
+    await reconcile_set(kube, NS, "rl", state=state, now=T0)
     assert "rl-model-0-a1" not in pods(cluster)
     assert condition(cluster, "Degraded")["reason"] == "PodsLost"
     assert condition(cluster, "Ready")["status"] == "False"
 
 
-async def test_a_lost_status_race_is_reported_for_an_immediate_retry() -> None:
+async def test_a_lost_status_race_is_reported_for_an_immediate_retry(state: OperatorState) -> None:
     cluster = seeded(rollout_set())
     put = stored_set(cluster)
     cluster.refuse(
         "patch", api.ROLLOUT_SET_PLURAL, status=409, message="the object has been modified"
     )
-    outcome = await reconcile_set(cluster.kube(), NS, "rl", now=T0)
+    outcome = await reconcile_set(cluster.kube(), NS, "rl", state=state, now=T0)
     assert outcome.conflict
     assert len(status_writes(cluster)) == 1, "the one status write, refused"
     assert stored_set(cluster) == put, "nothing written"
 
 
-async def test_a_pod_the_api_server_refuses_degrades_the_set() -> None:
+async def test_a_pod_the_api_server_refuses_degrades_the_set(state: OperatorState) -> None:
     cluster = seeded(rollout_set())
     cluster.refuse(
         "create",
@@ -200,25 +208,25 @@ async def test_a_pod_the_api_server_refuses_degrades_the_set() -> None:
         status=422,
         message="Pod is invalid: spec.containers[0].image: Required value",
     )
-    await reconcile_set(cluster.kube(), NS, "rl", now=T0)
+    await reconcile_set(cluster.kube(), NS, "rl", state=state, now=T0)
     degraded = condition(cluster, "Degraded")
     assert degraded["reason"] == "PodCreationFailed"
     assert "image: Required value" in degraded["message"]
 
 
-async def test_the_progress_deadline_is_reported_as_a_recheck_time() -> None:
+async def test_the_progress_deadline_is_reported_as_a_recheck_time(state: OperatorState) -> None:
     cluster = seeded(rollout_set(progressDeadlineSeconds=30))
     kube = cluster.kube()
-    outcome = await reconcile_set(kube, NS, "rl", now=T0)
+    outcome = await reconcile_set(kube, NS, "rl", state=state, now=T0)
     assert outcome.recheck_at == T0 + timedelta(seconds=30)
-    await reconcile_set(kube, NS, "rl", now=T0 + timedelta(seconds=31))
+    await reconcile_set(kube, NS, "rl", state=state, now=T0 + timedelta(seconds=31))
     assert condition(cluster, "Degraded")["reason"] == "PodsNotStarting"
 
 
-async def test_while_recovering_only_participants_are_refreshed() -> None:
+async def test_while_recovering_only_participants_are_refreshed(state: OperatorState) -> None:
     cluster = seeded(rollout_set())
     kube = cluster.kube()
-    await converge(kube, Node(cluster))
+    await converge(kube, Node(cluster), state)
 
     def recovering(rset: dict[str, Any]) -> None:
         rset["status"]["recovery"] = {
@@ -231,7 +239,7 @@ async def test_while_recovering_only_participants_are_refreshed() -> None:
     cluster.update(api.ROLLOUT_SET_PLURAL, NS, "rl", recovering)
     before = copy.deepcopy(stored_set(cluster)["status"]["conditions"])
     cluster.remove("pods", NS, "rl-model-0-a1")
-    await reconcile_set(kube, NS, "rl", now=T0)
+    await reconcile_set(kube, NS, "rl", state=state, now=T0)
     assert set(pods(cluster)) == {"rl-environment-0-a1"}  # nothing created by the reconciler
     status = stored_set(cluster)["status"]
     assert status["conditions"] == before
@@ -241,25 +249,25 @@ async def test_while_recovering_only_participants_are_refreshed() -> None:
     ]
 
 
-async def test_a_suspended_set_creates_no_pods() -> None:
+async def test_a_suspended_set_creates_no_pods(state: OperatorState) -> None:
     cluster = seeded(rollout_set(suspend=True))
-    await reconcile_set(cluster.kube(), NS, "rl", now=T0)
+    await reconcile_set(cluster.kube(), NS, "rl", state=state, now=T0)
     assert pods(cluster) == {}
     assert condition(cluster, "Ready")["reason"] == "Suspended"
 
 
-async def test_an_invalid_spec_is_reported_not_raised() -> None:
+async def test_an_invalid_spec_is_reported_not_raised(state: OperatorState) -> None:
     body = rollout_set()
     body["spec"]["participants"][0]["replicas"] = 0
     cluster = seeded(body)
-    await reconcile_set(cluster.kube(), NS, "rl", now=T0)
+    await reconcile_set(cluster.kube(), NS, "rl", state=state, now=T0)
     assert condition(cluster, "Degraded")["reason"] == "InvalidSpec"
     assert "replicas" in condition(cluster, "Degraded")["message"]
 
 
-async def test_a_deleted_set_is_left_alone() -> None:
+async def test_a_deleted_set_is_left_alone(state: OperatorState) -> None:
     cluster = seeded(None)
-    outcome = await reconcile_set(cluster.kube(), NS, "rl", now=T0)
+    outcome = await reconcile_set(cluster.kube(), NS, "rl", state=state, now=T0)
     assert outcome.recheck_at is None
     assert pods(cluster) == {}
 
@@ -273,7 +281,7 @@ async def test_the_token_is_generated_once_and_readable_for_the_coordinator() ->
     assert await read_control_token(kube, NS, "rl") == first
 
 
-async def test_a_foreign_secret_with_the_token_name_blocks_the_set() -> None:
+async def test_a_foreign_secret_with_the_token_name_blocks_the_set(state: OperatorState) -> None:
     cluster = seeded(rollout_set())
     cluster.put(
         {
@@ -282,15 +290,15 @@ async def test_a_foreign_secret_with_the_token_name_blocks_the_set() -> None:
             "data": {"token": "eA=="},
         }
     )
-    await reconcile_set(cluster.kube(), NS, "rl", now=T0)
+    await reconcile_set(cluster.kube(), NS, "rl", state=state, now=T0)
     assert condition(cluster, "Degraded")["reason"] == "TokenSecretConflict"
     assert pods(cluster) == {}
 
 
-async def test_delete_attempt_pods_removes_only_that_attempt() -> None:
+async def test_delete_attempt_pods_removes_only_that_attempt(state: OperatorState) -> None:
     cluster = seeded(rollout_set())
     kube = cluster.kube()
-    await converge(kube, Node(cluster))
+    await converge(kube, Node(cluster), state)
     other = pods(cluster)["rl-model-0-a1"]
     for key in ("uid", "resourceVersion", "creationTimestamp"):
         del other["metadata"][key]  # another object: the API server gives it its own
@@ -308,10 +316,12 @@ async def test_delete_attempt_pods_removes_only_that_attempt() -> None:
 
 
 @pytest.mark.parametrize("created_attempt", [None, 1])
-async def test_spec_change_under_running_pods_is_refused(created_attempt: int | None) -> None:
+async def test_spec_change_under_running_pods_is_refused(
+    created_attempt: int | None, state: OperatorState
+) -> None:
     cluster = seeded(rollout_set())
     kube = cluster.kube()
-    await converge(kube, Node(cluster))
+    await converge(kube, Node(cluster), state)
 
     def changed(rset: dict[str, Any]) -> None:
         if created_attempt is None:
@@ -320,18 +330,16 @@ async def test_spec_change_under_running_pods_is_refused(created_attempt: int | 
         rset["metadata"]["generation"] = 2
 
     cluster.update(api.ROLLOUT_SET_PLURAL, NS, "rl", changed)
-    await reconcile_set(kube, NS, "rl", now=T0)
+    await reconcile_set(kube, NS, "rl", state=state, now=T0)
     assert "rl-environment-1-a1" not in pods(cluster)
     assert condition(cluster, "Degraded")["reason"] == "SpecChangeRefused"
     assert condition(cluster, "Degraded")["observedGeneration"] == 2
     assert stored_set(cluster)["status"]["observedGeneration"] == 2
 
 
-async def test_token_and_services_are_checked_once_per_window_not_on_every_pass(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_token_and_services_are_checked_once_per_window_not_on_every_pass() -> None:
     now = [1000.0]
-    monkeypatch.setattr(setpass, "owned_objects", OwnedObjects(clock=lambda: now[0]))
+    state = OperatorState(owned_objects=OwnedObjects(clock=lambda: now[0]))
     cluster = seeded(rollout_set())
     kube = cluster.kube()
 
@@ -339,13 +347,13 @@ async def test_token_and_services_are_checked_once_per_window_not_on_every_pass(
         for name in names(cluster, plural):
             cluster.remove(plural, NS, name)
 
-    await reconcile_set(kube, NS, "rl", now=T0)
+    await reconcile_set(kube, NS, "rl", state=state, now=T0)
     assert names(cluster, "secrets")
     assert names(cluster, "services")
     clear("secrets")
     clear("services")
     now[0] += ENSURE_EVERY_SECONDS - 1
-    await reconcile_set(kube, NS, "rl", now=T0)
+    await reconcile_set(kube, NS, "rl", state=state, now=T0)
     assert names(cluster, "secrets") == set(), (
         "a pass within the window looked for the Secret again"
     )
@@ -353,6 +361,6 @@ async def test_token_and_services_are_checked_once_per_window_not_on_every_pass(
         "a pass within the window created the Services again"
     )
     now[0] += 2
-    await reconcile_set(kube, NS, "rl", now=T0)
+    await reconcile_set(kube, NS, "rl", state=state, now=T0)
     assert names(cluster, "secrets"), "a deleted Secret was not created again after the window"
     assert names(cluster, "services"), "deleted Services were not created again after the window"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from rollout_servers.servers.model import builtin_completion
+from rollout_servers.servers.backends import builtin_completion
 from rollout_servers.tasks import CalculatorError, calculate, sample_tasks, shipped_tasks
 
 

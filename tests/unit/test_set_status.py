@@ -13,6 +13,7 @@ from typing import Any
 from rollout_operator.decide.policy import checkpoint_views
 from rollout_operator.decide.setstatus import RECENT_DURATIONS, REPAIRED, checkpoint_fields
 from rollout_operator.model import api
+from testsupport import builders
 
 T0 = datetime(2026, 12, 1, tzinfo=UTC)
 
@@ -48,20 +49,8 @@ def checkpoint(
 
 
 def rollout_set(**status: Any) -> api.RolloutSet:
-    container = {"name": "c", "ports": [{"name": "control", "containerPort": 9000}]}
-    return api.RolloutSet.model_validate(
-        {
-            "apiVersion": api.API_VERSION,
-            "kind": "RolloutSet",
-            "metadata": {"name": "math", "namespace": "ns"},
-            "spec": {
-                "participants": [
-                    {"role": "model", "template": {"spec": {"containers": [container]}}}
-                ],
-                "storage": {"path": "/ckpt", "volume": {"emptyDir": {}}},
-            },
-            "status": status,
-        }
+    return builders.rollout_set(
+        name="math", uid=None, roles={"model": None}, port=9000, status=status
     )
 
 

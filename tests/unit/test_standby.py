@@ -1,5 +1,5 @@
-"""Standby pods (issue 22), the pure parts: the pod a standby is, what the set's pass keeps,
-which standby a recovery adopts, and whom an adopted standby is re-wired to."""
+"""Standby pods (docs/design.md#62-recovery), the pure parts: the pod a standby is, what the set's
+pass keeps, which standby a recovery adopts, and whom an adopted standby is re-wired to."""
 
 from __future__ import annotations
 
@@ -16,35 +16,22 @@ from rollout_operator.decide.setplan import PodView, plan_attempt
 from rollout_operator.decide.standby import StandbyView, adoptions, plan_standbys
 from rollout_operator.model import api
 from rollout_protocol import Role
+from testsupport import builders
 
 NS = "team"
 
 
 def rollout_set(standby: dict[str, int]) -> api.RolloutSet:
-    def participant(role: str, replicas: int = 1) -> dict[str, Any]:
-        container = {
-            "name": role,
-            "image": "img",
-            "ports": [{"name": "control", "containerPort": 8000}],
-        }
-        return {
-            "role": role,
-            "replicas": replicas,
-            "template": {"spec": {"containers": [container]}},
-        }
-
-    return api.RolloutSet.model_validate(
-        {
-            "apiVersion": api.API_VERSION,
-            "kind": "RolloutSet",
-            "metadata": {"name": "math", "namespace": NS, "uid": "uid-1"},
-            "spec": {
-                "participants": [participant("environment", 2), participant("model")],
-                "storage": {"path": "/ckpt", "volume": {"emptyDir": {}}},
-                "standby": standby,
-            },
-            "status": {"attempt": 1, "createdAttempt": 1},
-        }
+    return builders.rollout_set(
+        name="math",
+        namespace=NS,
+        uid="uid-1",
+        participants=[
+            builders.participant(role, replicas, container_name=role, image="img")
+            for role, replicas in (("environment", 2), ("model", 1))
+        ],
+        standby=standby,
+        status={"attempt": 1, "createdAttempt": 1},
     )
 
 

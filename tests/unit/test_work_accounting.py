@@ -1,4 +1,5 @@
-"""Work-loss accounting (issue 13, item 6): what a restore kept and what a loss has done again.
+"""Work-loss accounting (docs/operations.md, "Work lost in a recovery"): what a restore kept and
+what a loss has done again.
 
 From the bottom up:
 

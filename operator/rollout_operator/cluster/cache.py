@@ -1,4 +1,6 @@
-"""What the operator's watches have seen: sets, checkpoints and pods by set, nodes (DESIGN 6.0).
+"""What the operator's watches have seen: sets, checkpoints and pods by set, nodes.
+
+Why: docs/design.md#60-layers, "State from watches".
 
 Kopf already watches every resource the operator handles. Its indexes (`@kopf.index`, wired in
 `handlers/indexes.py`) keep the objects those watches deliver, and Kopf fills them before any

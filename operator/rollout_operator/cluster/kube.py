@@ -205,7 +205,7 @@ class Kube:
         self.cache.saw(SETS, obj, set_name=name)
         return obj
 
-    # --- Kueue (a queued set's Workload; DESIGN 6.7) --------------------------------------------
+    # --- Kueue (a queued set's Workload; docs/policy.md) -----------------------------------------
 
     async def get_workload(self, namespace: str, set_name: str, name: str) -> dict[str, Any] | None:
         """The set's Workload `name`, from the watch of Workloads (`cache.WORKLOADS`), or from

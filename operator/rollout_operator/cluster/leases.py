@@ -1,4 +1,6 @@
-"""One checkpoint at a time per set (DESIGN 6.6): a `coordination.k8s.io/v1` Lease per set.
+"""One checkpoint at a time per set: a `coordination.k8s.io/v1` Lease per set.
+
+Why a Lease: docs/design.md#66-one-checkpoint-at-a-time.
 
 The Lease `<set>-checkpoint` in the set's namespace (owned by the set, so it goes with it) names
 the checkpoint that holds the set's slot in `spec.holderIdentity`; `kubectl get lease` shows it.

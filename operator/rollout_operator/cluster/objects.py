@@ -61,7 +61,7 @@ class SetBlocked(Exception):
 
 ENSURE_EVERY_SECONDS: Final = 300.0
 """How often a pass checks again that a set's token Secret and Services exist once this process
-found them (issue 14: checking on every pass cost a GET and one refused POST per role, per set,
+found them (checking on every pass cost a GET and one refused POST per role, per set,
 per pass). A deleted one is created again within this time."""
 
 
@@ -69,7 +69,10 @@ class OwnedObjects:
     """Which sets' token Secret and Services this process has ensured, and when.
 
     Keyed by the set's UID and its roles, so a new set under an old name or a new role is
-    ensured at once. Process memory only: a restarted operator ensures everything again."""
+    ensured at once. Process memory only: a restarted operator ensures everything again.
+
+    The process's one instance is part of its `OperatorState` (`flows/state.py`); the set's
+    pass (`flows.setpass.reconcile_set`) is handed it, and is its only writer and reader."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -95,10 +98,6 @@ class OwnedObjects:
             cutoff = self._clock() - ENSURE_EVERY_SECONDS
             self._ensured = {k: v for k, v in self._ensured.items() if v >= cutoff}
         self._ensured[key] = self._clock()
-
-
-owned_objects = OwnedObjects()
-"""The process's record (the reconcile pass consults it)."""
 
 
 def _controlled_by(obj: dict[str, Any], rset: RolloutSet) -> bool:

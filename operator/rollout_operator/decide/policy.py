@@ -1,11 +1,11 @@
-"""The checkpoint policy, decided (DESIGN §3 `checkpointPolicy` and `suspend`, §6.3 to §6.5).
+"""The checkpoint policy, decided (`checkpointPolicy` and `suspend`: docs/policy.md).
 
 Everything here is pure: views of a RolloutSet and of its RolloutCheckpoints go in, together with
 `now`; decisions come out (which checkpoint to create under which name, what to delete, which
-condition to show, when to look again). `policyops` reads the objects and carries the decisions
-out; the Kopf handlers in `handlers/policy.py` only wake it. Keeping the decisions pure is what
-lets the unit tests drive a deadline, an overtaken wait or a suspend through every branch with an
-injected clock and no API server.
+condition to show, when to look again). `flows.policypass` reads the objects and carries the
+decisions out; the Kopf handlers in `handlers/policy.py` only wake it. Keeping the decisions pure is
+what lets the unit tests drive a deadline, an overtaken wait or a suspend through every branch with
+an injected clock and no API server.
 
 Three rules shape every decision:
 
@@ -16,8 +16,9 @@ Three rules shape every decision:
 - **The state lives in the API.** What was decided before is read back from the objects (the
   checkpoints, the set's status and one annotation for a settled deadline), never kept in
   memory, so a restarted operator decides the same.
-- **One checkpoint at a time per set** (DESIGN §6.6): the policy never starts a timer
-  checkpoint while another one of the set is unfinished; the checkpoint flow queues the others.
+- **One checkpoint at a time per set** (docs/design.md#66-one-checkpoint-at-a-time): the policy
+  never starts a timer checkpoint while another one of the set is unfinished; the checkpoint flow
+  queues the others.
 """
 
 from __future__ import annotations
@@ -436,7 +437,7 @@ class Note:
     warning: bool = False
 
 
-# --- the save reserve (DESIGN §6.3) ---------------------------------------------------------------
+# --- the save reserve (docs/design.md#63-deadline) ------------------------------------------------
 
 
 def save_reserve_seconds(
@@ -1022,7 +1023,7 @@ def eviction_holds(
     )
 
 
-# --- retention (DESIGN §6.5) --------------------------------------------------------------------
+# --- retention (docs/design.md#65-retention-and-records) ------------------------------------------
 
 
 def retention(
@@ -1061,7 +1062,7 @@ def latest_after_delete(
 
 @dataclass(frozen=True)
 class PolicyPlan:
-    """Everything one look at a set decided; `policyops.PolicyPass` carries it out."""
+    """Everything one look at a set decided; `flows.policypass.PolicyPass` carries it out."""
 
     reserve: int
     creates: list[Create] = field(default_factory=list)

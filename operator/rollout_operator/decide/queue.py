@@ -1,4 +1,5 @@
-"""Kueue admission of a RolloutSet, decided (DESIGN §6.7 Queues; docs/policy.md, "Kueue").
+"""Kueue admission of a RolloutSet, decided (docs/design.md#67-observability-and-queues;
+docs/policy.md, "Kueue").
 
 A set labelled `kueue.x-k8s.io/queue-name` is a Kueue workload whose integration is this
 operator (Kueue's external-framework contract, `integrations.externalFrameworks:
@@ -46,6 +47,7 @@ from ..model.api import (
     dump,
     format_time,
 )
+from ..model.conditions import truncate
 from .policy import ConditionChange, Note
 from .resources import ANNOTATION_KUEUE_PLACEMENT, owner_reference
 
@@ -390,7 +392,7 @@ def release_patch(
                 "type": type_,
                 "status": status,
                 "reason": reason,
-                "message": message[:32768],
+                "message": truncate(message),
                 "observedGeneration": workload.generation,
                 "lastTransitionTime": stamp if changed else raw.get("lastTransitionTime", stamp),
             }
@@ -401,7 +403,7 @@ def release_patch(
                 "type": type_,
                 "status": status,
                 "reason": reason,
-                "message": message[:32768],
+                "message": truncate(message),
                 "observedGeneration": workload.generation,
                 "lastTransitionTime": stamp,
             }

@@ -18,6 +18,7 @@ import hashlib
 import json
 import secrets
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Final
 
 from rollout_protocol import Role, set_storage_dir
@@ -65,12 +66,14 @@ TOKEN_KEY: Final = "token"
 """The key of the control token in the set's Secret."""
 MANAGED_BY: Final = "rollout-checkpoint-operator"
 
-PEERS: Final[Mapping[Role, tuple[Role, ...]]] = {
-    Role.ENVIRONMENT: (Role.AGENT, Role.MODEL, Role.RESOURCES),
-    Role.AGENT: (Role.MODEL, Role.RESOURCES),
-    Role.MODEL: (),
-    Role.RESOURCES: (),
-}
+PEERS: Final[Mapping[Role, tuple[Role, ...]]] = MappingProxyType(
+    {
+        Role.ENVIRONMENT: (Role.AGENT, Role.MODEL, Role.RESOURCES),
+        Role.AGENT: (Role.MODEL, Role.RESOURCES),
+        Role.MODEL: (),
+        Role.RESOURCES: (),
+    }
+)
 """Who calls whom. Pods of a role are created only after every pod of its peer roles has an IP."""
 
 ENV_SET: Final = "ROLLOUT_SET"

@@ -1,10 +1,11 @@
 """What a RolloutSet's status says about its checkpoints, derived from the checkpoints (pure).
 
 The set's pass is the one writer of `latestCheckpoint`, `latestCheckpointTime`,
-`recentCheckpointSeconds` and `activeCheckpoint` (DESIGN 6.0): it computes them here from the
-set's RolloutCheckpoints on every pass and writes them when they changed. Nothing else writes
-them, so a value that differs from what the pass last wrote was written by someone else
-(status is user-writable): it is written back, with a `StatusRepaired` Event (issue 15, class 2).
+`recentCheckpointSeconds` and `activeCheckpoint` (docs/design.md#69-who-writes-the-sets-status): it
+computes them here from the set's RolloutCheckpoints on every pass and writes them when they
+changed. Nothing else writes them, so a value that differs from what the pass last wrote was written
+by someone else (status is user-writable): it is written back, with a `StatusRepaired` Event
+(docs/design.md#610-status-written-by-hand).
 
 - `latestCheckpoint`: the newest Ready checkpoint that is not being deleted (one being
   published, phase Resuming, is Ready already); what a recovery restores.

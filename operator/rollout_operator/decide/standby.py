@@ -1,4 +1,5 @@
-"""Standby pods (DESIGN §6.2, `spec.standby`): which to start, which to drop, which to adopt.
+"""Standby pods (`spec.standby`, docs/design.md#62-recovery): which to start, which to drop, which
+to adopt.
 
 A standby is a Ready pod of a role, made from the role's current template, in no attempt: its
 labels carry `checkpoint.rollout.dev/standby=true` instead of an attempt and an index, so the

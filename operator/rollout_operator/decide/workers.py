@@ -4,7 +4,7 @@ A pod whose server runs several worker processes that its control plane does not
 (`multi_process: unmanaged` on its status route) would be checkpointed through whichever worker
 answered the control call: the other workers' episodes would be missing from the records, and a
 restore would run them again or lose them. The operator refuses such a set's checkpoints
-instead (DESIGN 4, "Workers"; docs/protocol.md).
+instead (docs/design.md#47-workers; docs/protocol.md).
 """
 
 from __future__ import annotations

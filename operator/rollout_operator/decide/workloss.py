@@ -1,5 +1,6 @@
 """Work-loss accounting of one recovery: what the restored checkpoint kept, and what the lost
-attempt had done after it that the episodes now do again (DESIGN §6.7, `status.lastRecovery`).
+attempt had done after it that the episodes now do again (`status.lastRecovery`; docs/operations.md,
+"Work lost in a recovery").
 
 Nothing here is estimated by the operator; the participants count their own work and the
 recovery only adds it up:

@@ -1,12 +1,12 @@
-"""The RolloutCheckpoint flow (DESIGN §6.1): prepare, commit, publish, resume.
+"""The RolloutCheckpoint flow (docs/design.md#61-checkpoint): prepare, commit, publish, resume.
 
-The protocol itself is `rollout_servers.coordination.Coordinator`; this module adds what only an
+The protocol itself is `rollout_protocol.Coordinator`; this module adds what only an
 operator has: the phase persisted in `status.phase` before every step, so a restarted operator
 continues where the last one stopped; one checkpoint per set at a time (the set's Lease,
 `leases.CheckpointLeases`); and publication as one status patch (`Ready=True` with every
 participant's manifest). The flow writes only its own checkpoint's status: the set's pass
 derives `latestCheckpoint`, the recent durations and the pods' latest-checkpoint annotations
-from the checkpoints once this one is Ready (DESIGN 6.0, one writer per field).
+from the checkpoints once this one is Ready (docs/design.md#69-who-writes-the-sets-status).
 
 What the flow reads (its checkpoint, the set, the set's pods) comes from the watches
 (`cache.ClusterCache`), and a step waits on the set's events, not on polls: the critical path
@@ -62,7 +62,7 @@ from ..model.api import (
     dump,
     format_time,
 )
-from ..model.conditions import find_condition, set_condition
+from ..model.conditions import MAX_FAILURE_CHARS, find_condition, set_condition, truncate
 from .repairs import repair_published_checkpoint
 from .watching import NoLongerHolds, while_holding
 
@@ -101,6 +101,7 @@ class CheckpointFailed(Exception):
     """Ends the flow: the checkpoint becomes Failed with this reason and message."""
 
     def __init__(self, reason: str, message: str, *, blockers: PrepareOutcome | None = None):
+        message = truncate(message)  # status, Event, log and trace carry it: bounded
         super().__init__(message)
         self.reason = reason
         self.message = message
@@ -166,7 +167,9 @@ def _failure_reason(failures: list[Failure]) -> str:
 
 
 def _describe(failures: list[Failure], limit: int = 5) -> str:
-    shown = "; ".join(str(f) for f in failures[:limit])
+    """The first `limit` failures for a message, each cut to `MAX_FAILURE_CHARS`: a detail is
+    what a participant said, of any size (docs/operations.md, "Failure modes")."""
+    shown = "; ".join(truncate(str(f), MAX_FAILURE_CHARS) for f in failures[:limit])
     more = len(failures) - limit
     return shown + (f"; and {more} more" if more > 0 else "")
 
@@ -337,7 +340,7 @@ class CheckpointFlow:
 
         An Eviction checkpoint runs while its pod terminates: that pod is unready (the set is
         not Ready) but its control plane answers until the grace period ends, and the recovery
-        holds off until this checkpoint finished (`policyops.eviction_holds`)."""
+        holds off until this checkpoint finished (`cluster.objects.eviction_holds`)."""
         status = rset.status
         if status.recovery is not None:
             return f"set {rset.metadata.name} is Recovering"
@@ -571,8 +574,9 @@ class CheckpointFlow:
 
         A participant pod lost during prepare or commit would otherwise keep the step waiting
         for a dead pod until the step's deadline; the set's recovery (running concurrently in
-        the set's loop) says at once that this attempt is gone (DESIGN 6.6: ParticipantLost).
-        The set is looked at on each of its events (from the watch: no request).
+        the set's loop) says at once that this attempt is gone (ParticipantLost:
+        docs/design.md#66-one-checkpoint-at-a-time). The set is looked at on each of its events
+        (from the watch: no request).
         """
         namespace = ckpt.metadata.namespace or "default"
 
@@ -747,6 +751,7 @@ class CheckpointFlow:
                 records_sha256=manifest.records_sha256,
                 record_count=manifest.record_count,
                 bytes=manifest.bytes,
+                rollout_ids=commit.listed.get(instance),
             )
             for instance, manifest in sorted(commit.manifests.items())
         ]

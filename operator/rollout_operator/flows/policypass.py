@@ -5,11 +5,11 @@
   between any two steps leaves nothing a later pass could not finish: checkpoints are created
   first (deterministic names, so a repeat gets "exists"), then a settled deadline is recorded
   (an annotation on the set), then the set's status (conditions, `saveReserveSeconds`,
-  `lastTrainerStep`, a resume's recovery) in one patch with a resourceVersion precondition, and
+  `lastTrainerStep`) in one patch with a resourceVersion precondition, and
   only then pods are deleted (a suspend's release) and old checkpoints removed.
 - `start_eviction_checkpoint(pod)`: a participant pod got a deletion timestamp.
-- `checkpoint_deleted` / `set_deleted`: what the finalizers do: remove records, repoint
-  `latestCheckpoint`.
+- `checkpoint_deleted` / `set_deleted`: what the finalizers do: remove records (the set's pass
+  then repoints `latestCheckpoint`).
 
 **Where records are removed.** Records live on the set's storage volume, which every
 participant pod mounts. The finalizers remove them through `flows.records.RecordsRemover`:
@@ -19,9 +19,10 @@ retention bounds the volume in every namespace and on every node, while a set ru
 suspended, and after it is deleted. What cannot be removed is reported (Event
 `RecordsNotRemoved` naming the folder to delete) and the object is deleted anyway: a finalizer
 that can never finish would block namespace deletion, and records without a Ready checkpoint are
-garbage by definition (DESIGN §3), never restored. The records of a Failed checkpoint that
-retention keeps are removed at once only where the operator sees the volume (it must first
-prove that not every participant committed them), otherwise when the object goes.
+garbage by definition (docs/design.md#32-rolloutcheckpoint-the-commit-point), never restored. The
+records of a Failed checkpoint that retention keeps are removed at once only where the operator sees
+the volume (it must first prove that not every participant committed them), otherwise when the
+object goes.
 
 **What is removed.** Volumes are shared (other sets, other namespaces, other people's files), so
 the operator removes only what it can prove its participants wrote for this very set: each set
@@ -43,6 +44,7 @@ from typing import Any, Final
 from pydantic import ValidationError
 
 from ..cluster.kube import ApiError, Conflict, Kube
+from ..cluster.statuswriter import SetStatusWriter
 from ..cluster.storage import StorageLocator
 from ..decide.policy import (
     ANNOTATION_DEADLINE_OUTCOME,
@@ -67,9 +69,11 @@ from ..model.api import (
     RecoveryPhase,
     RolloutSet,
 )
-from ..model.conditions import ConditionUpdate, merge_conditions, same_conditions
+from ..model.conditions import ConditionUpdate, merge_conditions, same_but_generation
+from ..model.owners import StatusOwner
 from .records import RecordsRemover, RemovalPending, remove_here
 from .repairs import parse_creation, records_proven, repair_failed_checkpoint
+from .state import LoggedNotes
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +86,6 @@ a queueing system that suspends a set wants its GPUs now (the recovery stops a l
 same way)."""
 
 NoteSink = Callable[[RolloutSet, Note], Awaitable[None]]
-NOTES_LOGGED: Final = 1024
-"""How many distinct notes (by set, reason and message) are remembered as logged."""
-_logged_notes: dict[tuple[str, str, str, str], None] = {}
 Clock = Callable[[], datetime]
 
 
@@ -151,18 +152,25 @@ class PassOutcome:
 
 
 class PolicyPass:
-    """One look at one set: decide with `policy.plan`, then act (see the module docstring)."""
+    """One look at one set: decide with `policy.plan`, then act (see the module docstring).
+
+    `logged_notes` is the process's record of the notes it logged (`OperatorState`,
+    docs/design.md#611-the-operators-in-process-state): each distinct note is logged once, while
+    `on_note` sees it on every pass."""
 
     def __init__(
         self,
         kube: Kube,
         *,
+        logged_notes: LoggedNotes,
         locator: StorageLocator | None = None,
         clock: Clock = _utcnow,
         on_note: NoteSink | None = None,
         wake_set: Callable[[str, str], None] | None = None,
     ) -> None:
         self._kube = kube
+        self._writer = SetStatusWriter(kube, StatusOwner.POLICY)
+        self._logged_notes = logged_notes
         self._locator = locator or StorageLocator.from_env()
         self._clock = clock
         self._on_note = on_note
@@ -171,11 +179,8 @@ class PolicyPass:
     async def _note(self, rset: RolloutSet, note: Note) -> None:
         # A pass repeats its notes until the cause goes (an invalid trainer-step annotation
         # stays until someone fixes it): log each distinct one once.
-        key = (rset.metadata.namespace or "default", rset.metadata.name, note.reason, note.message)
-        if key not in _logged_notes:
-            _logged_notes[key] = None
-            while len(_logged_notes) > NOTES_LOGGED:
-                del _logged_notes[next(iter(_logged_notes))]
+        namespace = rset.metadata.namespace or "default"
+        if self._logged_notes.first_time(namespace, rset.metadata.name, note.reason, note.message):
             log = logger.warning if note.warning else logger.info
             log("set %s: %s: %s", rset.metadata.name, note.reason, note.message)
         if self._on_note is not None:
@@ -192,7 +197,8 @@ class PolicyPass:
         pods = await self._kube.list_pods(namespace, set_selector(name))
         listed = await self._kube.list_checkpoints(namespace, name)
         # Before retention sees it: a Failed status on a checkpoint every participant
-        # committed is repaired to Ready, never acted on (issue 15, class 2).
+        # committed is repaired to Ready, never acted on
+        # (docs/design.md#610-status-written-by-hand).
         if await self._repair_failed(rset, listed):
             listed = await self._kube.list_checkpoints(namespace, name)
         checkpoints = checkpoint_views(listed)
@@ -246,18 +252,9 @@ class PolicyPass:
         merged = merge_conditions(
             status.conditions, updates, observed_generation=rset.metadata.generation
         )
-        if updates and not same_conditions(_comparable(merged), _comparable(status.conditions)):
-            changes["conditions"] = [
-                c.model_dump(mode="json", by_alias=True, exclude_none=True) for c in merged
-            ]
-        if not changes:
-            return
-        await self._kube.patch_set_status(
-            rset.metadata.namespace or "default",
-            rset.metadata.name,
-            changes,
-            resource_version=rset.metadata.resource_version,
-        )
+        if updates and not same_but_generation(merged, status.conditions):
+            changes["conditions"] = merged
+        await self._writer.write(rset, changes)
 
     async def _release(self, rset: RolloutSet, pods: Sequence[Mapping[str, Any]]) -> None:
         """Delete every participant pod of the set (the Suspended condition is already True,
@@ -315,11 +312,6 @@ class PolicyPass:
             logger.info("set %s: failed checkpoint: %s", rset.metadata.name, removal.outcome)
         if removal.not_removed is not None:
             await self._note(rset, Note("RecordsNotRemoved", removal.not_removed, True))
-
-
-def _comparable(conditions: Sequence[Any]) -> list[Any]:
-    """Conditions without observedGeneration, so a spec change alone does not rewrite them."""
-    return [c.model_copy(update={"observed_generation": None}) for c in conditions]
 
 
 # --- eviction -----------------------------------------------------------------------------------

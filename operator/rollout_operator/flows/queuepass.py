@@ -21,7 +21,7 @@ A lost race (409) returns `again`; the set's loop then passes again at once.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -29,6 +29,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..cluster.kube import ApiError, Conflict, Kube
+from ..cluster.statuswriter import SetStatusWriter
 from ..decide.policy import ConditionChange, Note
 from ..decide.queue import (
     ANNOTATION_PLACEMENT,
@@ -48,7 +49,8 @@ from ..decide.queue import (
 )
 from ..decide.resources import set_selector
 from ..model.api import RolloutSet, SetConditionType
-from ..model.conditions import ConditionUpdate, merge_conditions, same_conditions
+from ..model.conditions import ConditionUpdate, merge_conditions, same_but_generation
+from ..model.owners import StatusOwner
 
 logger = logging.getLogger(__name__)
 
@@ -182,17 +184,10 @@ class QueuePass:
             return
         current = rset.status.conditions
         merged = merge_conditions(current, updates, observed_generation=rset.metadata.generation)
-        if same_conditions(_comparable(merged), _comparable(current)):
+        if same_but_generation(merged, current):
             return
-        await self._kube.patch_set_status(
-            rset.metadata.namespace or "default",
-            rset.metadata.name,
-            {
-                "conditions": [
-                    c.model_dump(mode="json", by_alias=True, exclude_none=True) for c in merged
-                ]
-            },
-            resource_version=version,
+        await SetStatusWriter(self._kube, StatusOwner.QUEUE).write(
+            rset, {"conditions": merged}, resource_version=version
         )
 
 
@@ -219,8 +214,3 @@ def not_created(error: ApiError) -> QueuePlan:
     return QueuePlan(
         conditions=(ConditionChange(SetConditionType.QUOTA_PENDING.value, True, reason, message),)
     )
-
-
-def _comparable(conditions: Sequence[Any]) -> list[Any]:
-    """Conditions without observedGeneration, so a spec change alone does not rewrite them."""
-    return [c.model_copy(update={"observed_generation": None}) for c in conditions]

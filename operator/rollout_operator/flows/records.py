@@ -1,9 +1,9 @@
 """Removing a set's checkpoint records wherever its volume is (`RecordsRemover`).
 
-Retention and the finalizers remove the records of checkpoints that go (DESIGN §6.5). Records
-live on the set's own volume, which the operator's pod usually cannot mount (a claim in a team's
-namespace, a hostPath on another node), so the removal goes through whatever mounts it, in this
-order:
+Retention and the finalizers remove the records of checkpoints that go
+(docs/design.md#65-retention-and-records). Records live on the set's own volume, which the
+operator's pod usually cannot mount (a claim in a team's namespace, a hostPath on another node), so
+the removal goes through whatever mounts it, in this order:
 
 1. **Here**, when this process sees the volume (`StorageLocator.root`: devcluster's hostPath,
    the chart's `storage.claims`).

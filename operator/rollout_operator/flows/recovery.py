@@ -1,4 +1,4 @@
-r"""Pod-loss recovery (DESIGN §6.2): fresh pods under attempt + 1, restore, resume.
+r"""Pod-loss recovery (docs/design.md#62-recovery): fresh pods under attempt + 1, restore, resume.
 
 `detect_loss` says whether the set's current attempt lost a participant (a pod that failed,
 was deleted, or sits on a node that is NotReady). `RecoveryFlow.run` then drives
@@ -48,6 +48,7 @@ from ..cluster.objects import (
     read_control_token,
     reconcile_pods,
 )
+from ..cluster.statuswriter import SetGone, SetStatusWriter
 from ..decide.churn import ChurnDecision, decide, kept_starts
 from ..decide.inplace import adopted_instances, instance_name, plan_in_place, rewiring
 from ..decide.policy import RESUMED_REASON, checkpoint_views, resume_due
@@ -76,9 +77,19 @@ from ..model.api import (
     RolloutSet,
     SetConditionType,
     TargetLevel,
+    dump,
     format_time,
 )
-from ..model.conditions import ConditionUpdate, is_true, merge_conditions, set_condition, utcnow
+from ..model.conditions import (
+    ConditionUpdate,
+    is_true,
+    merge_conditions,
+    set_condition,
+    truncate,
+    utcnow,
+)
+from ..model.owners import StatusOwner
+from ..model.settings import DEFAULT_RESTORE_FLOOR_SECONDS, DEFAULT_RETIRE_SECONDS
 from .watching import NoLongerHolds, while_holding
 
 logger = logging.getLogger(__name__)
@@ -120,8 +131,15 @@ CHECKPOINT_RECORDS_INVALID: Final = "RecordsInvalid"
 """Reason on a RolloutCheckpoint whose records failed verification at restore (Ready=False)."""
 
 
-RETIRE_SECONDS: Final = 30.0
-"""How long kept pods of an InPlace recovery may take to retire the lost attempt."""
+@dataclass(frozen=True)
+class RecoveryWaits:
+    """The recovery's fixed waits, set by the operator's options (`model/settings.py`): how
+    long the pods an InPlace recovery keeps may take to retire the lost attempt, and the least
+    time a restore or resume call gets when the try's own deadline is nearer."""
+
+    retire_seconds: float = DEFAULT_RETIRE_SECONDS
+    restore_floor_seconds: float = DEFAULT_RESTORE_FLOOR_SECONDS
+
 
 COUNT_RETIRE_SECONDS: Final = 5.0
 """How long a Recreate recovery waits for the pods it is about to delete to retire the lost
@@ -171,7 +189,7 @@ def detect_loss(
     attempt starts is the reconciler's Degraded).
 
     `held`: terminating pods that are not lost yet (their eviction checkpoint runs inside
-    their grace period, see `policyops.eviction_holds`). A Suspended set has released its
+    their grace period, see `cluster.objects.eviction_holds`). A Suspended set has released its
     pods on purpose; resuming it is the policy's recovery, not a loss."""
     status = rset.status
     attempt = status.attempt
@@ -244,7 +262,11 @@ async def observe(kube: Kube, rset: RolloutSet) -> tuple[list[PodView], dict[str
 
 
 class RecoveryFailed(Exception):
+    """Ends a recovery with this reason and message; the message (which may quote what a
+    participant said) is cut to `MAX_MESSAGE_CHARS`, as it goes into the set's status."""
+
     def __init__(self, reason: str, message: str) -> None:
+        message = truncate(message)
         super().__init__(message)
         self.reason = reason
         self.message = message
@@ -263,10 +285,6 @@ def phase_seconds_until(recovery: RecoveryStatus, now: datetime) -> dict[str, fl
     return spent
 
 
-def _wire(model: Any) -> Any:
-    return model.model_dump(mode="json", by_alias=True, exclude_none=True)
-
-
 class RecoveryFlow:
     """Drives one set's `status.recovery` to completion (or to Degraded after maxRestarts)."""
 
@@ -276,10 +294,13 @@ class RecoveryFlow:
         *,
         clock: Callable[[], float] = time.time,
         on_transition: Callable[[RolloutSet, str, str, bool], Awaitable[None]] | None = None,
+        waits: RecoveryWaits = RecoveryWaits(),
     ) -> None:
         self._kube = kube
+        self._writer = SetStatusWriter(kube, StatusOwner.RECOVERY)
         self._clock = clock
         self._on_transition = on_transition
+        self._waits = waits
 
     # --- persistence --------------------------------------------------------------------------
 
@@ -293,29 +314,27 @@ class RecoveryFlow:
         changes: dict[str, Any],
         conditions: list[ConditionUpdate] | None = None,
     ) -> RolloutSet:
-        """Patch the set's status with a resourceVersion precondition, re-reading on conflict."""
-        namespace = rset.metadata.namespace or "default"
-        for _ in range(20):
-            body = dict(changes)
-            if conditions:
-                merged = merge_conditions(
-                    rset.status.conditions, conditions, observed_generation=rset.metadata.generation
-                )
-                body["conditions"] = [_wire(c) for c in merged]
-            try:
-                raw = await self._kube.patch_set_status(
-                    namespace,
-                    rset.metadata.name,
-                    body,
-                    resource_version=rset.metadata.resource_version,
-                )
-                return RolloutSet.model_validate(raw)
-            except Conflict:
-                fresh = await self._read(namespace, rset.metadata.name)
-                if fresh is None:
-                    raise RecoveryFailed("SetDeleted", "the RolloutSet was deleted") from None
-                rset = fresh
-        raise RecoveryFailed("StatusConflict", "could not write the set's status (conflicts)")
+        """Write `changes` and the merged `conditions` as the recovery (`SetStatusWriter`,
+        which re-reads and writes again after a conflict, the conditions merged anew)."""
+
+        def build(current: RolloutSet) -> dict[str, Any]:
+            if not conditions:
+                return changes
+            merged = merge_conditions(
+                current.status.conditions,
+                conditions,
+                observed_generation=current.metadata.generation,
+            )
+            return {**changes, "conditions": merged}
+
+        try:
+            return await self._writer.write_retrying(rset, build)
+        except SetGone:
+            raise RecoveryFailed("SetDeleted", "the RolloutSet was deleted") from None
+        except Conflict:
+            raise RecoveryFailed(
+                "StatusConflict", "could not write the set's status (conflicts)"
+            ) from None
 
     async def _set_phase(self, rset: RolloutSet, phase: RecoveryPhase, **fields: Any) -> RolloutSet:
         recovery = rset.status.recovery
@@ -330,7 +349,7 @@ class RecoveryFlow:
         )
         rset = await self._patch(
             rset,
-            {"recovery": _wire(updated)},
+            {"recovery": updated},
             [ConditionUpdate.of(SetConditionType.RECOVERING.value, True, phase.value, message)],
         )
         logger.info("set %s recovery: %s", rset.metadata.name, message)
@@ -366,7 +385,7 @@ class RecoveryFlow:
         message = (
             loss.message if resume else f"{loss.message}; {replacing} under attempt {attempt + 1}"
         )
-        changes: dict[str, Any] = {"recovery": _wire(recovery)}
+        changes: dict[str, Any] = {"recovery": recovery}
         if not resume:
             starts = kept_starts(
                 rset.status.recovery_starts,
@@ -420,7 +439,7 @@ class RecoveryFlow:
         )
         rset = await self._patch(
             rset,
-            {"recoveryHold": _wire(hold)},
+            {"recoveryHold": hold},
             [
                 ConditionUpdate.of(
                     SetConditionType.DEGRADED.value, True, Reason.RECOVERY_LIMIT, message
@@ -586,7 +605,7 @@ class RecoveryFlow:
             rset,
             plan.kept,
             token,
-            seconds=RETIRE_SECONDS,
+            seconds=self._waits.retire_seconds,
             operation_id=f"in-place-a{source}-a{target}",
             lost_roles={role for role, _ in plan.replaced},
         )
@@ -668,7 +687,7 @@ class RecoveryFlow:
         )
         rset = await self._patch(
             rset,
-            {"recovery": _wire(updated)},
+            {"recovery": updated},
             [
                 ConditionUpdate.of(
                     SetConditionType.RECOVERING.value, True, Reason.IN_PLACE_FALLBACK, message
@@ -686,7 +705,8 @@ class RecoveryFlow:
         return max(begun, 0.0) + rset.spec.recovery.restore_timeout_seconds
 
     async def _adopt_standbys(self, rset: RolloutSet) -> RolloutSet:
-        """Take Ready standby pods for the target attempt's missing instances (DESIGN §6.2).
+        """Take Ready standby pods for the target attempt's missing instances
+        (docs/design.md#62-recovery).
 
         An adopted standby is relabelled into the target attempt under the lost instance's
         index (and marked with `ANNOTATION_ADOPTED`), so the attempt's plan counts it and
@@ -746,7 +766,7 @@ class RecoveryFlow:
         if adopted == recovery.adopted:
             return rset
         return await self._patch(
-            rset, {"recovery": _wire(recovery.model_copy(update={"adopted": adopted}))}
+            rset, {"recovery": recovery.model_copy(update={"adopted": adopted})}
         )
 
     async def _start_pods(self, rset: RolloutSet) -> RolloutSet:
@@ -792,8 +812,7 @@ class RecoveryFlow:
                 # Removed by hand: the next pass starts it again (restart_unfinished_recovery).
                 raise RecoveryFailed("RecoveryRemoved", "status.recovery was removed")
             rset = fresh
-        participants = [_wire(p) for p in plan.participants]
-        rset = await self._patch(rset, {"participants": participants})
+        rset = await self._patch(rset, {"participants": plan.participants})
         checkpoint = await self._restorable_checkpoint(rset)
         return await self._set_phase(rset, RecoveryPhase.RESTORING, checkpoint=checkpoint)
 
@@ -817,7 +836,8 @@ class RecoveryFlow:
 
         Read from the checkpoints, not from `status.latestCheckpoint`: status is user-writable,
         and a name written there (an older checkpoint, another set's, none at all) must not
-        decide what is restored (issue 15, class 2). The two agree unless status was written."""
+        decide what is restored (docs/design.md#610-status-written-by-hand). The two agree unless
+        status was written."""
         if rset.spec.recovery.target_level is TargetLevel.SIBLING:
             return None
         namespace = rset.metadata.namespace or "default"
@@ -883,12 +903,22 @@ class RecoveryFlow:
         assert recovery is not None
         if recovery.checkpoint is None:
             return await self._set_phase(rset, RecoveryPhase.RESUMING)
+        checkpoint = recovery.checkpoint
+        # the rollouts a participant's commit listed: a NeMo Gym participant restores only those
+        # it is told (docs/protocol.md, "The NeMo Gym dialect")
+        ckpt = await self._read_checkpoint(rset, checkpoint)
+        listed = {
+            entry.instance: entry.rollout_ids
+            for entry in (ckpt.status.participants if ckpt is not None else [])
+            if entry.rollout_ids is not None
+        }
         coordinator, clients = await self._coordinator(rset)
         adopted = adopted_instances(recovery.adopted)
         peers = rewiring(rset, rset.status.participants, set(recovery.kept), adopted.values())
-        checkpoint = recovery.checkpoint
         try:
-            deadline = max(self._try_deadline(rset), self._clock() + 30.0)
+            deadline = max(
+                self._try_deadline(rset), self._clock() + self._waits.restore_floor_seconds
+            )
             outcome = await self._while_pods_hold(
                 rset,
                 lambda: coordinator.restore(
@@ -897,6 +927,7 @@ class RecoveryFlow:
                     deadline,
                     peers=peers,
                     adopted=list(adopted),
+                    listed=listed,
                 ),
             )
         finally:
@@ -940,7 +971,10 @@ class RecoveryFlow:
             checkpoint = recovery.checkpoint
             try:
                 resumed = await self._while_pods_hold(
-                    rset, lambda: coordinator.resume(checkpoint, self._clock() + 30.0)
+                    rset,
+                    lambda: coordinator.resume(
+                        checkpoint, self._clock() + self._waits.restore_floor_seconds
+                    ),
                 )
             finally:
                 for client in clients:
@@ -969,7 +1003,7 @@ class RecoveryFlow:
             rset,
             {
                 "recovery": None,
-                "lastRecovery": _wire(last),
+                "lastRecovery": last,
                 "attempt": recovery.target_attempt,
                 "createdAttempt": recovery.target_attempt,
                 "restarts": rset.status.restarts + (1 if counts_as_restart(recovery) else 0),
@@ -1022,7 +1056,7 @@ class RecoveryFlow:
         namespace = rset.metadata.namespace or "default"
         ckpt = await self._read_checkpoint(rset, name)
         if ckpt is not None:
-            message = f"restore verification failed, not restorable: {detail}"[:1000]
+            message = truncate(f"restore verification failed, not restorable: {detail}", 1000)
             conditions = ckpt.status.conditions
             for type_, status in (
                 (CheckpointConditionType.READY, False),
@@ -1041,7 +1075,7 @@ class RecoveryFlow:
                 name,
                 {
                     "phase": CheckpointPhase.FAILED.value,
-                    "conditions": [_wire(c) for c in conditions],
+                    "conditions": [dump(c) for c in conditions],
                 },
             )
         logger.warning(
@@ -1124,17 +1158,15 @@ class RecoveryFlow:
             failed.reason,
             failed.message,
         )
-        if self._on_transition is not None:
-            await self._on_transition(rset, failed.reason, failed.message, True)
         if tries > rset.spec.recovery.max_restarts:
             message = (
                 f"gave up after {tries} tries (recovery.maxRestarts "
                 f"{rset.spec.recovery.max_restarts}); last: {failed.message}. Fix the cause and "
                 "delete the failed pods, or raise maxRestarts"
             )
-            await self._patch(
+            rset = await self._patch(
                 rset,
-                {"recovery": _wire(recovery.model_copy(update={"tries": tries}))},
+                {"recovery": recovery.model_copy(update={"tries": tries})},
                 [
                     ConditionUpdate.of(
                         SetConditionType.DEGRADED.value, True, Reason.RESTARTS_EXHAUSTED, message
@@ -1144,16 +1176,25 @@ class RecoveryFlow:
                     ),
                 ],
             )
+            await self._failed_try_event(rset, failed)
             return None
         delay = min(MAX_BACKOFF_SECONDS, 2.0 ** min(tries, 10)) if counted else 1.0
         next_try = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=delay)
-        return await self._set_phase(
+        rset = await self._set_phase(
             rset,
             RecoveryPhase.BACKING_OFF,
             tries=tries,
             next_try_at=next_try,
             message=f"{failed.reason}: {failed.message}",
         )
+        await self._failed_try_event(rset, failed)
+        return rset
+
+    async def _failed_try_event(self, rset: RolloutSet, failed: RecoveryFailed) -> None:
+        """The failed try's Event, posted once the status that records it was written
+        (docs/design.md#69-who-writes-the-sets-status)."""
+        if self._on_transition is not None:
+            await self._on_transition(rset, failed.reason, failed.message, True)
 
     async def _back_off(self, rset: RolloutSet) -> RolloutSet:
         recovery = rset.status.recovery
@@ -1178,7 +1219,8 @@ class RecoveryFlow:
 
 
 async def repair_false_recovery(kube: Kube, namespace: str, name: str) -> Repair | None:
-    """Remove a `status.recovery` that no lost participant explains (issue 15, class 2).
+    """Remove a `status.recovery` that no lost participant explains
+    (docs/design.md#610-status-written-by-hand).
 
     A recovery stops every pod of the running attempt and restores the latest checkpoint into
     fresh ones: taking one written by hand (`kubectl patch --subresource=status`) for real
@@ -1220,16 +1262,13 @@ async def repair_false_recovery(kube: Kube, namespace: str, name: str) -> Repair
     )
     body: dict[str, Any] = {"recovery": None}
     if is_true(status.conditions, SetConditionType.RECOVERING.value):
-        merged = merge_conditions(
+        body["conditions"] = merge_conditions(
             status.conditions,
             [ConditionUpdate.of(SetConditionType.RECOVERING.value, False, REPAIRED, message)],
             observed_generation=rset.metadata.generation,
         )
-        body["conditions"] = [_wire(c) for c in merged]
     try:
-        await kube.patch_set_status(
-            namespace, name, body, resource_version=rset.metadata.resource_version
-        )
+        await SetStatusWriter(kube, StatusOwner.RECOVERY).write(rset, body)
     except Conflict:
         return None  # written meanwhile; the next pass looks again
     logger.warning("RolloutSet %s/%s: %s", namespace, name, message)
@@ -1273,6 +1312,7 @@ async def recover_if_needed(
     name: str,
     *,
     on_transition: Callable[[RolloutSet, str, str, bool], Awaitable[None]] | None = None,
+    waits: RecoveryWaits = RecoveryWaits(),
 ) -> RecoveryLook:
     """One look at the set: continue a recovery, or start one when a participant was lost
     (unless the set lost participants too often: see `churn`).
@@ -1283,7 +1323,7 @@ async def recover_if_needed(
     if raw is None or (raw.get("metadata") or {}).get("deletionTimestamp"):
         return RecoveryLook(ran=False)
     rset = RolloutSet.model_validate(raw)
-    flow = RecoveryFlow(kube, on_transition=on_transition)
+    flow = RecoveryFlow(kube, on_transition=on_transition, waits=waits)
     if rset.status.recovery is None:
         pods, nodes_of, lost_nodes = await observe(kube, rset)
         live = sum(1 for p in pods if not (p.terminating or p.finished))

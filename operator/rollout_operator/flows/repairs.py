@@ -1,4 +1,5 @@
-"""Status is the operator's memory, and users can write it (issue 15, class 2).
+"""Status is the operator's memory, and users can write it
+(docs/design.md#610-status-written-by-hand).
 
 `kubectl patch --subresource=status` (or any client with `patch` on the status subresource) can
 write anything the schema allows. The operator never takes such a write as an instruction: where
@@ -30,6 +31,12 @@ status contradicts what the cluster shows, the cluster wins, status is repaired,
   checkpoint that does not exist, belongs to another set, is not Ready, or is older than a
   Ready one, or no name while a Ready checkpoint exists, is written back from the checkpoints.
 
+A repair of the set's status writes as the owner of what it repairs
+(docs/design.md#69-who-writes-the-sets-status): `repair_set_attempt` as the set pass,
+`restart_unfinished_recovery` as the recovery (it starts one), both through
+`cluster.statuswriter.SetStatusWriter`. They stay here, not in their owners' modules: the
+policy pass imports this module, and the flows may not import each other.
+
 The recovery and checkpoint flows check the rest of what they read from status against the
 cluster themselves: `recovery.repair_false_recovery` (a `status.recovery` that no lost
 participant explains), the recovery's own checkpoint reads (only checkpoints of its own set,
@@ -58,6 +65,7 @@ from rollout_protocol import (
 
 from ..cluster.kube import Conflict, Kube
 from ..cluster.objects import observe_pods
+from ..cluster.statuswriter import SetStatusWriter
 from ..cluster.storage import StorageLocator
 from ..decide.resources import set_dir
 from ..decide.setstatus import NOT_AN_INTERFACE, REPAIRED, RESET_PHASES, Repair
@@ -74,8 +82,10 @@ from ..model.api import (
     RolloutCheckpointStatus,
     RolloutSet,
     SetConditionType,
+    dump,
 )
-from ..model.conditions import set_condition, utcnow
+from ..model.conditions import ConditionUpdate, merge_conditions, set_condition, utcnow
+from ..model.owners import StatusOwner
 
 logger = logging.getLogger(__name__)
 
@@ -119,9 +129,7 @@ async def repair_set_attempt(kube: Kube, namespace: str, name: str) -> Repair | 
     if not patch:
         return None
     try:
-        await kube.patch_set_status(
-            namespace, name, patch, resource_version=rset.metadata.resource_version
-        )
+        await SetStatusWriter(kube, StatusOwner.SET_PASS).write(rset, patch)
     except Conflict:
         return None  # someone wrote meanwhile; the next pass looks again
     written = ", ".join(f"{key} {value}" for key, value in sorted(patch.items()))
@@ -176,31 +184,19 @@ async def restart_unfinished_recovery(kube: Kube, rset: RolloutSet, running: int
         message=message,
         restore_policy=RestorePolicy.RECREATE,
     )
-    patch: dict[str, Any] = {
-        "recovery": recovery.model_dump(mode="json", by_alias=True, exclude_none=True)
-    }
-    conditions = set_condition(
-        list(status.conditions),
-        SetConditionType.RECOVERING.value,
-        ConditionStatus.TRUE,
-        RECOVERY_RESTARTED,
-        message,
+    conditions = merge_conditions(
+        status.conditions,
+        [
+            ConditionUpdate.of(
+                SetConditionType.RECOVERING.value, True, RECOVERY_RESTARTED, message
+            ),
+            ConditionUpdate.of(SetConditionType.READY.value, False, RECOVERY_RESTARTED, message),
+        ],
         observed_generation=rset.metadata.generation,
     )
-    conditions = set_condition(
-        conditions,
-        SetConditionType.READY.value,
-        ConditionStatus.FALSE,
-        RECOVERY_RESTARTED,
-        message,
-        observed_generation=rset.metadata.generation,
-    )
-    patch["conditions"] = [
-        c.model_dump(mode="json", by_alias=True, exclude_none=True) for c in conditions
-    ]
     try:
-        await kube.patch_set_status(
-            namespace, name, patch, resource_version=rset.metadata.resource_version
+        await SetStatusWriter(kube, StatusOwner.RECOVERY).write(
+            rset, {"recovery": recovery, "conditions": conditions}
         )
     except Conflict:
         return None  # someone wrote meanwhile; the next pass looks again
@@ -361,7 +357,7 @@ async def repair_failed_checkpoint(
         f"storage verify; repaired to Ready, its records kept; {NOT_AN_INTERFACE}"
     )
     status = _ready_again(ckpt, manifests, root, message)
-    body = status.model_dump(mode="json", by_alias=True, exclude_none=True)
+    body = dump(status)
     body.setdefault("blockers", [])
     await kube.patch_checkpoint_status(namespace, name, body)
     logger.warning("RolloutCheckpoint %s/%s: %s", namespace, name, message)

@@ -1,27 +1,28 @@
-"""Operations on the objects a RolloutSet owns, and the set's reconcile pass.
+"""The set's reconcile pass.
 
-Plain async functions over `Kube` (no Kopf), so the recovery and checkpoint flows reuse them:
+The operations on the objects a RolloutSet owns (the token Secret, Services, observing, creating
+and deleting an attempt's pods) are in `cluster.objects`, shared with the recovery and checkpoint
+flows. Here:
 
-- `ensure_control_token` / `read_control_token`: the per-set token Secret;
-- `observe_pods`: the set's pods as `PodView`s;
-- `reconcile_pods(kube, rset, attempt)`: create the pods of an attempt that can be created now
-  (peers known); call it again on every pod event until the plan is complete;
-- `delete_attempt_pods(kube, rset, attempt)`: remove an attempt's pods (Recreate recovery);
 - `reconcile_set`: one pass of the RolloutSet reconciler (what the Kopf daemon runs). It also
   derives the set's checkpoint fields from its checkpoints (`setstatus`) and, once a checkpoint
   is Ready, writes the latest-checkpoint hints on the pods it covers (`mark_covered_pods`).
 
 While `status.recovery` is set the recovery flow owns pod creation and the Ready, Progressing
 and Degraded conditions; `reconcile_set` then only refreshes `status.participants` (with the
-pods of the recovery's target attempt).
+pods of the recovery's target attempt). The status is written through
+`cluster.statuswriter.SetStatusWriter` as the set pass, which owns the fields
+docs/design.md#69-who-writes-the-sets-status lists for it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from types import MappingProxyType
 from typing import Any, Final
 
 from pydantic import ValidationError
@@ -30,14 +31,15 @@ from rollout_protocol import Role
 from .. import metrics
 from ..cluster.kube import ApiError, Conflict, Kube
 from ..cluster.objects import (
+    OwnedObjects,
     PodsOutcome,
     SetBlocked,
     ensure_control_token,
     ensure_services,
     observe_pods,
-    owned_objects,
     reconcile_pods,
 )
+from ..cluster.statuswriter import SetStatusWriter
 from ..decide.policy import checkpoint_views, parse_time
 from ..decide.queue import queue_holds
 from ..decide.resources import (
@@ -53,13 +55,14 @@ from ..model.api import (
     LABEL_STANDBY,
     MAX_REPLICAS,
     MAX_TEMPLATE_BYTES,
-    ParticipantStatus,
     RolloutSet,
     RolloutSetStatus,
     SetConditionType,
     StandbyStatus,
 )
 from ..model.conditions import ConditionUpdate, merge_conditions, utcnow
+from ..model.owners import StatusOwner
+from .state import LatestWritten
 
 logger = logging.getLogger(__name__)
 
@@ -67,22 +70,14 @@ STANDBY_GRACE_SECONDS: Final = 1
 """Grace period of a standby pod that goes (stale, finished, surplus): it holds no episode."""
 RESERVED_VOLUME: Final = "ReservedVolumeReplaced"
 """Event reason: a template volume used the storage volume's reserved name."""
-_latest_written: dict[tuple[str, str], str | None] = {}
-"""The `latestCheckpoint` each set's pass last wrote (or found right) in this process: a shown
-value that differs was written by someone else (`setstatus.checkpoint_fields`)."""
-
-
-def latest_written_elsewhere(namespace: str, name: str, shown: object) -> bool:
-    """Whether the set's `latestCheckpoint` is not what its pass last wrote here."""
-    key = (namespace, name)
-    return key in _latest_written and _latest_written[key] != shown
-
 
 REFERENCE_SERVER: Final = "rollout-server"
-REFERENCE_NEEDS: Final[dict[Role, tuple[Role, ...]]] = {
-    Role.ENVIRONMENT: (Role.AGENT, Role.RESOURCES),
-    Role.AGENT: (Role.MODEL, Role.RESOURCES),
-}
+REFERENCE_NEEDS: Final[Mapping[Role, tuple[Role, ...]]] = MappingProxyType(
+    {
+        Role.ENVIRONMENT: (Role.AGENT, Role.RESOURCES),
+        Role.AGENT: (Role.MODEL, Role.RESOURCES),
+    }
+)
 """The roles each reference server (`rollout-server <role>`) calls: without them no episode
 can run. A custom server (examples/custom-environment) may call fewer (only the model)."""
 
@@ -151,23 +146,13 @@ class ReconcileOutcome:
     """(reason, message) of Warning Events to post once (the caller deduplicates)."""
 
 
-def _participants_wire(participants: list[ParticipantStatus]) -> list[dict[str, Any]]:
-    return [p.model_dump(mode="json", by_alias=True, exclude_none=True) for p in participants]
-
-
 async def _write_status(
     kube: Kube, obj: dict[str, Any], changes: dict[str, Any]
 ) -> ReconcileOutcome | None:
-    """Patch the keys of `changes` that differ; None when written or nothing to write."""
-    current = obj.get("status") or {}
-    delta = {k: v for k, v in changes.items() if current.get(k) != v}
-    if not delta:
-        return None
-    meta = obj["metadata"]
+    """Patch the keys of `changes` that differ, as the set pass (`SetStatusWriter`); None when
+    written or nothing to write, the conflict outcome when the write lost a race."""
     try:
-        await kube.patch_set_status(
-            meta["namespace"], meta["name"], delta, resource_version=meta.get("resourceVersion")
-        )
+        await SetStatusWriter(kube, StatusOwner.SET_PASS).write(obj, changes, delta_only=True)
     except Conflict:
         return ReconcileOutcome(conflict=True)
     return None
@@ -186,20 +171,17 @@ def _blocked_status(
         ],
         observed_generation=generation,
     )
-    return {
-        "observedGeneration": generation,
-        "conditions": [c.model_dump(mode="json", by_alias=True) for c in conditions],
-    }
+    return {"observedGeneration": generation, "conditions": conditions}
 
 
 async def _checkpoint_changes(
-    kube: Kube, rset: RolloutSet
+    kube: Kube, rset: RolloutSet, latest_written: LatestWritten
 ) -> tuple[dict[str, Any], Repair | None, list[dict[str, Any]]]:
     """The set's checkpoint fields (`setstatus`), the Repair to report, and the checkpoints."""
     namespace = rset.metadata.namespace or "default"
     listed = await kube.list_checkpoints(namespace, rset.metadata.name)
-    key = (namespace, rset.metadata.name)
-    fields, repair = checkpoint_fields(rset, checkpoint_views(listed), _latest_written.get(key))
+    last = latest_written.last(namespace, rset.metadata.name)
+    fields, repair = checkpoint_fields(rset, checkpoint_views(listed), last)
     return fields, repair, listed
 
 
@@ -273,10 +255,16 @@ async def reconcile_set(
     namespace: str,
     name: str,
     *,
+    owned_objects: OwnedObjects,
+    latest_written: LatestWritten,
     now: datetime | None = None,
     max_replicas_per_role: int = MAX_REPLICAS,
 ) -> ReconcileOutcome:
-    """One reconcile pass of a RolloutSet: token, Services, pods of the attempt, status."""
+    """One reconcile pass of a RolloutSet: token, Services, pods of the attempt, status.
+
+    `owned_objects` and `latest_written` are the process's memory of earlier passes
+    (`OperatorState`, docs/design.md#611-the-operators-in-process-state): which sets' token and
+    Services were ensured lately, and which `latestCheckpoint` each set's pass last wrote."""
     obj = await kube.get_set(namespace, name)
     if obj is None or (obj.get("metadata") or {}).get("deletionTimestamp"):
         return ReconcileOutcome()
@@ -310,13 +298,13 @@ async def reconcile_set(
 
     async def write(changes: dict[str, Any], outcome: ReconcileOutcome) -> ReconcileOutcome:
         """Write the pass's status with the checkpoint fields; then the pods' hints."""
-        fields, repair, listed = await _checkpoint_changes(kube, rset)
+        fields, repair, listed = await _checkpoint_changes(kube, rset, latest_written)
         changes.update(fields)
         conflict = await _write_status(kube, obj, changes)
         if conflict is not None:
             return conflict
         latest = fields.get("latestCheckpoint", status.latest_checkpoint)
-        _latest_written[(namespace, name)] = latest
+        latest_written.record(namespace, name, latest)
         await mark_covered_pods(kube, rset, latest, listed)
         if repair is not None:
             logger.warning("RolloutSet %s/%s: %s", namespace, name, repair.message)
@@ -327,7 +315,7 @@ async def reconcile_set(
     pods = await observe_pods(kube, namespace, name)
     if status.recovery is not None:
         plan = plan_attempt(rset, status.recovery.target_attempt, pods)
-        shown = {"participants": _participants_wire(plan.participants)}
+        shown: dict[str, Any] = {"participants": plan.participants}
         return await write(shown, ReconcileOutcome())
 
     # A Kueue-queued set that was never admitted creates no pods (`queue.queue_holds`).
@@ -345,8 +333,8 @@ async def reconcile_set(
     changes: dict[str, Any] = {
         "observedGeneration": generation,
         "attempt": attempt,
-        "participants": _participants_wire(plan.participants),
-        "conditions": [c.model_dump(mode="json", by_alias=True) for c in conditions],
+        "participants": plan.participants,
+        "conditions": conditions,
     }
     # The attempt is up once every pod was created and was Ready together: a pod that fails
     # before that is the set's Degraded (nothing ran, nothing to recover), never a loss. (With
@@ -357,6 +345,6 @@ async def reconcile_set(
         changes["createdAttempt"] = attempt
     up = pods_created or "createdAttempt" in changes
     standby = await keep_standbys(kube, rset, attempt, plan if up else None)
-    changes["standby"] = None if standby is None else standby.model_dump(mode="json", by_alias=True)
+    changes["standby"] = standby
     warnings = tuple((RESERVED_VOLUME, note) for note in reserved_volume_notes(rset))
     return await write(changes, ReconcileOutcome(recheck_at=health.recheck_at, warnings=warnings))

@@ -1,4 +1,5 @@
-"""Checkpoint-policy handlers (DESIGN §6.3 to §6.5): thin wiring around `policyops`.
+"""Checkpoint-policy handlers (docs/design.md#63-deadline to 6.5): thin wiring around
+`flows.policypass` (and `flows.queuepass`).
 
 - `policy_loop`: a daemon per RolloutSet that runs `PolicyPass` whenever it is woken (any event
   of the set or of one of its RolloutCheckpoints) and otherwise at the time the last pass asked
@@ -12,11 +13,14 @@
   created right from the pod event (the grace period is short; the loop may be mid-pass).
 - `checkpoint_deleted` / `set_deleted`: the finalizers that remove records (retention deletes
   checkpoints through the API like a person would, so both paths go through here).
+
+What one pass of the loop runs is `flows.reconciler.policy_pass`; the loops' wake-up Events are
+in the process's `OperatorState` (`state_of(memo).policy_loops`,
+docs/design.md#611-the-operators-in-process-state).
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Final
 
 import kopf
@@ -28,12 +32,11 @@ from ..decide.queue import KUEUE_GROUP, KUEUE_VERSION, WORKLOADS
 from ..flows.passloop import STOP_BACKOFF_SECONDS, Next, PassLoop, Stopped
 from ..flows.policypass import (
     CheckpointBusy,
-    PolicyPass,
     checkpoint_deleted,
     set_deleted,
     start_eviction_checkpoint,
 )
-from ..flows.queuepass import QueuePass
+from ..flows.reconciler import policy_pass
 from ..model.api import (
     GROUP,
     LABEL_SET,
@@ -43,22 +46,16 @@ from ..model.api import (
     RolloutSet,
 )
 from .events import post_set_event
-from .rolloutset import wake
-from .runtime import kube_of, options_of
+from .runtime import kube_of, options_of, state_of
 
 MAX_BACKOFF_SECONDS: Final = 30.0
 WAKE_SLACK_SECONDS: Final = 0.02
 NOTES_REMEMBERED: Final = 64
 
-_wakeups: dict[tuple[str, str], asyncio.Event] = {}
 
-
-def wake_policy(namespace: str | None, name: object) -> None:
+def wake_policy(memo: kopf.Memo, namespace: str | None, name: object) -> None:
     """Ask the set's policy loop for a pass soon (no-op when the set has no loop here)."""
-    if isinstance(name, str):
-        event = _wakeups.get((namespace or "default", name))
-        if event is not None:
-            event.set()
+    state_of(memo).policy_loops.wake(namespace, name)
 
 
 async def _post(rset: RolloutSet, note: Note) -> None:
@@ -85,73 +82,66 @@ async def policy_loop(
     (`passloop`: it returns by itself within `STOP_BACKOFF_SECONDS`, so Kopf never has to
     cancel it)."""
     namespace = namespace or "default"
-    key = (namespace, name)
-    event = _wakeups.setdefault(key, asyncio.Event())
-    waits = PassLoop(stopped, wake=event)
-    event.set()
-    posted: list[tuple[str, str]] = []
+    state = state_of(memo)
+    with state.policy_loops.registered(namespace, name) as event:
+        waits = PassLoop(stopped, wake=event)
+        event.set()
+        posted: list[tuple[str, str]] = []
 
-    async def note_once(rset: RolloutSet, note: Note) -> None:
-        """Post each distinct note once per loop: a pass repeats its notes until the cause
-        goes (an invalid annotation stays until someone fixes it)."""
-        if (note.reason, note.message) in posted:
-            return
-        posted.append((note.reason, note.message))
-        del posted[:-NOTES_REMEMBERED]
-        await _post(rset, note)
+        async def note_once(rset: RolloutSet, note: Note) -> None:
+            """Post each distinct note once per loop: a pass repeats its notes until the cause
+            goes (an invalid annotation stays until someone fixes it)."""
+            if (note.reason, note.message) in posted:
+                return
+            posted.append((note.reason, note.message))
+            del posted[:-NOTES_REMEMBERED]
+            await _post(rset, note)
 
-    async def one_pass() -> Next:
-        kube = kube_of(memo, kwargs)
-        # A Kueue-queued set first: its admission or eviction becomes spec.suspend, which the
-        # policy pass below acts on in the same pass (a set without the label is untouched).
-        queued = await QueuePass(kube, on_note=note_once, wake_set=wake).run(namespace, name)
-        outcome = await PolicyPass(
-            kube,
-            on_note=note_once,
-            wake_set=wake,
-            locator=StorageLocator.from_env(),
-        ).run(namespace, name)
-        return Next(again=outcome.again or queued.again, at=outcome.wake_at)
+        async def one_pass() -> Next:
+            return await policy_pass(
+                kube_of(memo, kwargs), namespace, name, state=state, on_note=note_once
+            )
 
-    def failed(error: Exception, delay: float) -> None:
-        logger.warning("checkpoint policy pass failed (%s); retrying in %.1fs", error, delay)
+        def failed(error: Exception, delay: float) -> None:
+            logger.warning("checkpoint policy pass failed (%s); retrying in %.1fs", error, delay)
 
-    try:
-        # Exactly at the time a pass asks for (a deadline start is a matter of tenths of a
-        # second); a wake a hair early just makes the pass ask for the time again.
-        await waits.run_passes(
-            one_pass,
-            # Without events, only this often (a missed event heals): `--resync-seconds`.
-            resync_seconds=options_of(memo).resync_seconds,
-            max_backoff_seconds=MAX_BACKOFF_SECONDS,
-            slack_seconds=WAKE_SLACK_SECONDS,
-            on_failure=failed,
-        )
-    except Stopped:
-        logger.info("policy stopped: the pass under way was cancelled (the next one redoes it)")
-    finally:
-        if _wakeups.get(key) is event:
-            del _wakeups[key]
+        try:
+            # Exactly at the time a pass asks for (a deadline start is a matter of tenths of a
+            # second); a wake a hair early just makes the pass ask for the time again.
+            await waits.run_passes(
+                one_pass,
+                # Without events, only this often (a missed event heals): `--resync-seconds`.
+                resync_seconds=options_of(memo).resync_seconds,
+                max_backoff_seconds=MAX_BACKOFF_SECONDS,
+                slack_seconds=WAKE_SLACK_SECONDS,
+                on_failure=failed,
+            )
+        except Stopped:
+            logger.info("policy stopped: the pass under way was cancelled (the next one redoes it)")
 
 
 @kopf.on.event(GROUP, VERSION, ROLLOUT_SET_PLURAL, id="policy-set-changed")
-async def set_changed(namespace: str | None, name: str, **_: Any) -> None:
+async def set_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
     """Spec, annotations (a trainer step) or status (Ready, a recovery ended) changed."""
-    wake_policy(namespace, name)
+    wake_policy(memo, namespace, name)
 
 
 @kopf.on.event(GROUP, VERSION, ROLLOUT_CHECKPOINT_PLURAL, id="policy-checkpoint-changed")
-async def checkpoint_changed(namespace: str | None, spec: kopf.Spec, **_: Any) -> None:
+async def checkpoint_changed(
+    namespace: str | None, spec: kopf.Spec, memo: kopf.Memo, **_: Any
+) -> None:
     """A checkpoint of the set appeared, progressed, finished or went: deadline, suspend and
     retention depend on it."""
-    wake_policy(namespace, spec.get("rolloutSet"))
+    wake_policy(memo, namespace, spec.get("rolloutSet"))
 
 
 @kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, WORKLOADS, labels={LABEL_SET: kopf.PRESENT}, id="queue")
-async def workload_changed(namespace: str | None, labels: kopf.Labels, **_: Any) -> None:
+async def workload_changed(
+    namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any
+) -> None:
     """A queued set's Workload was created, admitted, evicted or requeued by Kueue (without
     Kueue's CRDs Kopf logs that it cannot serve this resource, and nothing else changes)."""
-    wake_policy(namespace, labels.get(LABEL_SET))
+    wake_policy(memo, namespace, labels.get(LABEL_SET))
 
 
 def _terminating(meta: kopf.Meta, **_: Any) -> bool:
@@ -173,7 +163,7 @@ async def pod_terminating(
 
     Event handlers are not retried by Kopf; a failed create is retried by the next event of the
     terminating pod (its status changes as it stops), and the recovery holds off until the
-    grace period ends either way (`policyops.eviction_holds`)."""
+    grace period ends either way (`cluster.objects.eviction_holds`)."""
     try:
         created = await start_eviction_checkpoint(kube_of(memo, kwargs), body)
     except (ApiError, OSError, TimeoutError) as error:
@@ -193,7 +183,8 @@ async def pod_terminating(
 async def remove_checkpoint_records(
     body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any
 ) -> None:
-    """The finalizer of a RolloutCheckpoint: its records go with it (DESIGN §6.5)."""
+    """The finalizer of a RolloutCheckpoint: its records go with it
+    (docs/design.md#65-retention-and-records)."""
 
     async def note(rset: RolloutSet, found: Note) -> None:
         await _post(rset, found)
@@ -205,7 +196,7 @@ async def remove_checkpoint_records(
     except CheckpointBusy as busy:
         raise kopf.TemporaryError(str(busy), delay=5) from busy
     logger.info("checkpoint %s deleted: %s", body.meta.name, outcome)
-    wake_policy(body.meta.namespace, body.get("spec", {}).get("rolloutSet"))
+    wake_policy(memo, body.meta.namespace, body.get("spec", {}).get("rolloutSet"))
 
 
 @kopf.on.delete(GROUP, VERSION, ROLLOUT_SET_PLURAL, id="remove-checkpoints", timeout=300)

@@ -23,9 +23,10 @@ two are handled differently:
   aborting. The flow gets `HANDOVER_SECONDS` to finish (a commit, publish and resume take well
   under a second); one still running then is cancelled *without* aborting, exactly as if the
   operator had been killed: its phase is in status, the participants stay prepared under
-  their leases, and the next operator continues it from there (DESIGN 6.0, docs/install.md
-  "Upgrade"). Aborting would throw away a checkpoint that was about to be Ready and make the
-  participants restart their parked work, to save only the successor's start-up time.
+  their leases, and the next operator continues it from there
+  (docs/design.md#68-the-operators-own-life, docs/install.md "Upgrade"). Aborting would throw away a
+  checkpoint that was about to be Ready and make the participants restart their parked work, to save
+  only the successor's start-up time.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ async def run_checkpoint(
         )
     rollout_set = body.get("spec", {}).get("rolloutSet")
     if isinstance(rollout_set, str):
-        wake(namespace, rollout_set)
+        wake(memo, namespace, rollout_set)
         await _until_stopped(kube, stopped, namespace or "default", name, rollout_set)
 
 

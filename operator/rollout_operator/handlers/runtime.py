@@ -1,7 +1,10 @@
-"""Operator lifecycle: settings, the shared Kubernetes client, the leader Lease, metrics.
+"""Operator lifecycle: settings, the operator's state, the shared Kubernetes client, the leader
+Lease, metrics.
 
 `configure` runs first at startup (Kopf runs startup handlers before it starts watching), so
-every watch and handler already sees our finalizer, annotation prefix and timeouts. With
+every watch and handler already sees our finalizer, annotation prefix and timeouts, and the
+process's `OperatorState` (`flows/state.py`) is in Kopf's `memo`, which Kopf hands every
+handler (a shallow copy per object: the state itself is shared; `state_of`). With
 `--leader-lease` it also waits there until this process holds the Lease (`cluster/leader.py`),
 so no handler runs while a previous operator is still stopping; `stop`, Kopf's cleanup after
 every handler and daemon ended, releases it.
@@ -24,11 +27,13 @@ from ..cluster.kube import Kube
 from ..cluster.leader import LeaderLease, default_identity
 from ..cluster.leases import CheckpointLeases
 from ..cluster.rest import credentials
+from ..flows.state import OperatorState
 from ..model.settings import RunOptions, configure
 
 logger = logging.getLogger(__name__)
 
 MEMO_OPTIONS = "options"
+MEMO_STATE = "state"
 MEMO_KUBE = "kube"
 MEMO_CHECKPOINT_SLOTS = "checkpoint_slots"
 MEMO_LEASES = "checkpoint_leases"
@@ -42,6 +47,18 @@ def options_of(memo: kopf.Memo) -> RunOptions:
     """The runner's options (defaults when the handlers run without the runner, e.g. kopf run)."""
     options = memo.get(MEMO_OPTIONS)
     return options if isinstance(options, RunOptions) else RunOptions()
+
+
+def state_of(memo: kopf.Memo) -> OperatorState:
+    """The process's state (docs/design.md#611-the-operators-in-process-state), made by `start`.
+
+    A memo without one (a handler called without the operator's startup, as the unit tests do)
+    gets a fresh one, kept in that memo: such a handler then runs as in a process that has just
+    started."""
+    state = memo.get(MEMO_STATE)
+    if not isinstance(state, OperatorState):
+        state = memo[MEMO_STATE] = OperatorState()
+    return state
 
 
 def kube_of(memo: kopf.Memo, handler_kwargs: Mapping[str, Any] | None = None) -> Kube:
@@ -74,6 +91,7 @@ def checkpoint_slots_of(memo: kopf.Memo) -> anyio.Semaphore | None:
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     options = options_of(memo)
     configure(settings, options)
+    memo[MEMO_STATE] = OperatorState()
     memo[MEMO_KUBE] = kube = Kube.connect(settings, max_concurrent_requests=options.api_concurrency)
     if (key := options.leader_lease_key) is not None:
         leader = LeaderLease(kube, *key, default_identity())

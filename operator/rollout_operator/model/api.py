@@ -71,7 +71,8 @@ ANNOTATION_TEMPLATE_HASH: Final = f"{GROUP}/template-hash"
 ANNOTATION_RETRY_RECOVERY: Final = f"{GROUP}/retry-recovery"
 """On a RolloutSet: set it to a new value to retry recovery after `RecoveryLimitReached`."""
 ANNOTATION_TRAINER_STEP: Final = f"{GROUP}/trainer-step"
-"""On a RolloutSet: a trainer reports a trainer checkpoint at this step (DESIGN §3)."""
+"""On a RolloutSet: a trainer reports a trainer checkpoint at this step (docs/policy.md,
+"Triggers")."""
 
 CONTROL_PORT_NAME: Final = "control"
 """The container port through which the operator and the peers reach a participant."""
@@ -1095,6 +1096,12 @@ class CheckpointParticipant(StatusModel):
     )
     record_count: int = Field(ge=0, description="Records in the file.")
     bytes: int = Field(ge=0, description="Size of the records file.")
+    rollout_ids: list[str] | None = Field(
+        default=None,
+        description="The rollouts whose records the participant wrote, kept only for a "
+        "participant whose restore must name them (one speaking the NeMo Gym dialect); unset: "
+        "a restore asks for every record.",
+    )
 
 
 class CheckpointDurations(StatusModel):

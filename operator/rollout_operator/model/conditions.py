@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Final
 
 from .api import Condition, ConditionStatus
 
@@ -29,6 +30,26 @@ class ConditionUpdate:
         return cls(
             type_, ConditionStatus.TRUE if status else ConditionStatus.FALSE, reason, message
         )
+
+
+MAX_MESSAGE_CHARS: Final = 32768
+"""The most characters of a message the operator writes into a status (a condition's message:
+Kubernetes' own bound on `metav1.Condition.message`, which the API server enforces too). Text a
+participant sent (an error's detail) is untrusted and may be of any size: every message is cut
+to this by `truncate` (docs/operations.md, "Failure modes")."""
+MAX_FAILURE_CHARS: Final = 1024
+"""The most characters of one participant's failure quoted in a message (several are listed)."""
+
+
+def truncate(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """`text` cut to at most `limit` characters, saying how much was left out, so a status or an
+    Event never carries a message of unbounded size and a reader sees that it was cut."""
+    if len(text) <= limit:
+        return text
+    marker = f"... (cut: {len(text)} characters in all)"
+    if len(marker) >= limit:
+        return text[:limit]
+    return text[: limit - len(marker)] + marker
 
 
 def utcnow() -> datetime:
@@ -72,7 +93,7 @@ def set_condition(
         type=type_,
         status=status,
         reason=reason,
-        message=message,
+        message=truncate(message),
         last_transition_time=transition,
         observed_generation=observed_generation,
     )
@@ -107,3 +128,12 @@ def merge_conditions(
 def same_conditions(a: Sequence[Condition], b: Sequence[Condition]) -> bool:
     """Whether two lists say the same thing, so an unchanged status is not written again."""
     return [c.model_dump() for c in a] == [c.model_dump() for c in b]
+
+
+def same_but_generation(a: Sequence[Condition], b: Sequence[Condition]) -> bool:
+    """Whether two lists say the same thing but for their observedGeneration, so a spec change
+    alone does not rewrite conditions that did not change (the policy's and the queue's)."""
+    return same_conditions(
+        [c.model_copy(update={"observed_generation": None}) for c in a],
+        [c.model_copy(update={"observed_generation": None}) for c in b],
+    )

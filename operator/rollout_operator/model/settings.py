@@ -9,8 +9,9 @@ reason:
   schemas, so anything Kopf wrote into status would be pruned (and it would clutter status);
   the diff-base is compact (`CompactDiffBaseStorage`): a field whose JSON is larger than
   `MAX_DIFFBASE_FIELD_BYTES` is kept as its digest, so an object with a large spec (a big pod
-  template) never needs more than the 256 KiB all annotations of an object may hold (issue 15,
-  class 3: every update and the deletion failed on such an object);
+  template) never needs more than the 256 KiB all annotations of an object may hold
+  (docs/operations.md#failure-modes, class 3: every update and the deletion failed on such an
+  object);
 - watch requests with a server-side timeout and a slightly longer client timeout, so a silently
   dead connection is noticed and re-established instead of hanging forever;
 - finite API request timeouts; events reported as `rollout-operator` with the pod name.
@@ -38,7 +39,7 @@ DEFAULT_RESYNC_SECONDS: Final = 300
 """How often each set's loops look again without an event (`--resync-seconds`). Every change
 of a set, its pods and its checkpoints wakes them, and a pass that waits for a time (a progress
 deadline, an interval tick) asks for that time; the resync only heals a missed event. It was
-30 s: at 100 sets that alone was 0.15 API requests per second per set at idle (issue 14)."""
+30 s: at 100 sets that alone was 0.15 API requests per second per set at idle (bench/fleet.py)."""
 DEFAULT_API_CONCURRENCY: Final = 32
 """At most this many of the operator's own API requests at once (`--api-concurrency`; Kopf's
 watches and its annotation patches are not counted)."""
@@ -48,7 +49,14 @@ DEFAULT_MAX_CONCURRENT_CHECKPOINTS: Final = 16
 starts when they run. Eviction and Deadline checkpoints (a pod's grace period, a must-save-by
 time) never wait for this. A hundred sets checkpointing at once on one operator made every
 checkpoint slow (the operator's one event loop and the API server shared between them) and
-most failed their prepare deadline (issue 14, bench/fleet.py)."""
+most failed their prepare deadline (bench/fleet.py)."""
+DEFAULT_RETIRE_SECONDS: Final = 30.0
+"""How long the pods an InPlace recovery keeps may take to retire the lost attempt before the
+try falls back to Recreate (`--inplace-retire-seconds`)."""
+DEFAULT_RESTORE_FLOOR_SECONDS: Final = 30.0
+"""The least time a recovery's restore (and its resume) call gets, even when the try's own
+deadline (`restoreTimeoutSeconds`) is nearer (`--restore-floor-seconds`): a slow pod start must
+not leave the restore no time at all."""
 DEFAULT_MAX_REPLICAS_PER_ROLE: Final = 256
 """The operator's default limit of `replicas` per role (the API allows up to `api.MAX_REPLICAS`;
 the chart's `operator.maxReplicasPerRole` sets it at install)."""
@@ -114,6 +122,8 @@ class RunOptions(BaseModel):
     worker_limit: int | None = Field(default=None, ge=1)
     max_replicas_per_role: int = Field(default=DEFAULT_MAX_REPLICAS_PER_ROLE, ge=1, le=MAX_REPLICAS)
     max_concurrent_checkpoints: int = Field(default=DEFAULT_MAX_CONCURRENT_CHECKPOINTS, ge=1)
+    inplace_retire_seconds: float = Field(default=DEFAULT_RETIRE_SECONDS, gt=0, le=3600)
+    restore_floor_seconds: float = Field(default=DEFAULT_RESTORE_FLOOR_SECONDS, gt=0, le=3600)
     leader_lease: str | None = Field(default=None, pattern=LEADER_LEASE_PATTERN)
     """`NAMESPACE/NAME` of the Lease that lets one operator process work at a time
     (`cluster/leader.py`); None: no leader election (a single process, or Kopf peering)."""

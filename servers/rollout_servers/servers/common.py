@@ -31,23 +31,18 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from rollout_protocol import (
     STEPS_COUNTER,
-    AttemptRetired,
     ControlPlane,
     ControlSettings,
     Episode,
-    EpisodeCancelled,
     EpisodeError,
-    EpisodeExists,
     EpisodeRuntime,
-    EpisodeTimeout,
     ErrorBody,
     ErrorCode,
     ProtocolError,
     Role,
+    RunRoute,
     RuntimeParticipant,
-    StaleAttempt,
     StepCounters,
-    TaskMismatch,
 )
 from rollout_protocol.serving import DrainingServer
 
@@ -98,16 +93,8 @@ class ServerOptions:
 
 
 def episode_error(error: EpisodeError) -> ProtocolError:
-    """The wire error for a runtime refusal."""
-    if isinstance(error, TaskMismatch):
-        return ProtocolError(ErrorCode.TASK_MISMATCH, str(error))
-    if isinstance(error, AttemptRetired | EpisodeCancelled):
-        return ProtocolError(ErrorCode.ATTEMPT_RETIRED, str(error))
-    if isinstance(error, StaleAttempt | EpisodeExists):
-        return ProtocolError(ErrorCode.ATTEMPT_MISMATCH, str(error))
-    if isinstance(error, EpisodeTimeout):
-        return ProtocolError(ErrorCode.DEADLINE_PASSED, str(error))
-    return ProtocolError(ErrorCode.INTERNAL, str(error))
+    """The wire error for a runtime refusal (docs/sdk.md, "Runtime errors on the wire")."""
+    return RunRoute.wire_error(error)
 
 
 class PeerError(ProtocolError):

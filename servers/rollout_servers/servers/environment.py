@@ -24,8 +24,8 @@ between then still answers the next attempt's `/run` from the record, without ru
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI
@@ -33,21 +33,18 @@ from pydantic import Field
 from rollout_protocol import (
     Boundary,
     Episode,
-    EpisodeError,
     ErrorCode,
     ProtocolError,
     Role,
     RolloutId,
+    RunRoute,
     StepMode,
-    task_digest,
 )
 
 from ..tasks import Task
-from .common import Outcome, RolloutServer, WireModel, episode_error
+from .common import RolloutServer, WireModel
 
 log = logging.getLogger(__name__)
-
-_FINISHED_KEPT = 10_000
 
 
 class RunRequest(WireModel):
@@ -73,13 +70,16 @@ class EnvironmentServer(RolloutServer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._running: dict[str, Outcome[RunResult]] = {}
-        self._finished: OrderedDict[tuple[str, int], tuple[str, RunResult]] = OrderedDict()
+        self.runs = RunRoute[RunResult](
+            self.plane, self.runtime, draining=lambda: self.draining, spawn=self.spawn
+        )
+        """The `/run` duties (docs/sdk.md, section 2); each episode runs in the server's task
+        group, so it outlives the calls that wait for it."""
 
     def is_finished(self, rollout_id: str, attempt: int) -> bool:
         """An episode finished when `/run` returned its result (one that failed, or was retired,
         runs again under the next attempt)."""
-        return (rollout_id, attempt) in self._finished
+        return self.runs.is_finished(rollout_id, attempt)
 
     def add_routes(self, app: FastAPI) -> None:
         server = self
@@ -89,76 +89,23 @@ class EnvironmentServer(RolloutServer):
             return await server.run(request)
 
     async def run(self, request: RunRequest) -> RunResult:
-        rid, attempt, task = request.rollout_id, request.attempt, request.task
-        if self.draining:
-            raise ProtocolError(ErrorCode.ADMISSION_CLOSED, "the server is shutting down")
-        self.check_attempt(rid, attempt)
-        digest = task_digest(task.wire())
-        finished = self._finished.get((rid, attempt))
-        if finished is not None and finished[0] == digest:
-            # a re-issued /run of an episode that already completed: never complete it twice
-            return finished[1]
-        ep = self.runtime.find(rid)
-        if ep is not None:
-            if ep.attempt != attempt:
-                raise ProtocolError(
-                    ErrorCode.ATTEMPT_MISMATCH, f"{rid} is live here under attempt {ep.attempt}"
-                )
-            if ep.digest != digest:
-                raise ProtocolError(ErrorCode.TASK_MISMATCH, f"{rid} is live with another task")
-        else:
-            try:
-                ep = self.runtime.begin(rid, attempt, Boundary("seed", {}), digest=digest)
-            except EpisodeError as error:
-                raise episode_error(error) from error
-            self.stats.count(attempt, rid, "run", "started")
-            if ep.continued_from is not None:
-                self.stats.bump(attempt, "continued")
-        outcome = self._running.get(rid)
-        if outcome is None:
-            outcome = self._running[rid] = Outcome()
-            self.spawn(self._drive, ep, task, outcome)
-        return await outcome.wait()
+        return await self.runs.run(
+            request, partial(self._play, task=request.task), first=Boundary("seed", {})
+        )
 
     # --- the episode --------------------------------------------------------------------------
 
-    async def _drive(self, ep: Episode, task: Task, outcome: Outcome[RunResult]) -> None:
-        error: ProtocolError | None = None
+    async def _play(self, ep: Episode, task: Task) -> RunResult:
+        """The stages from the episode's boundary to `return`; final cleanup on every path."""
+        if ep.continued_from is not None:
+            self.stats.bump(ep.attempt, "continued")
         try:
-            with self.runtime.driving(ep):
-                try:
-                    with self.runtime.guard(ep):
-                        while ep.boundary.step != "return":
-                            await self._stage(ep, task)
-                except EpisodeError as failure:
-                    error = episode_error(failure)
-                except ProtocolError as failure:
-                    error = failure
-                except Exception as failure:
-                    log.exception("episode %s failed", ep.id)
-                    error = ProtocolError(
-                        ErrorCode.INTERNAL, f"{type(failure).__name__}: {failure}"
-                    )
-                finally:
-                    await self._final_cleanup(ep)
-                if error is None:
-                    await self.hooks.point("return", ep.rollout_id)
-                    await self.runtime.hold(ep)
-                    result = _result(ep)
-                    self._finished[(ep.rollout_id, ep.attempt)] = (ep.digest or "", result)
-                    while len(self._finished) > _FINISHED_KEPT:
-                        self._finished.popitem(last=False)
-                    self.stats.count(ep.attempt, ep.rollout_id, "run", "completed")
-                    outcome.set(result)
-                else:
-                    self.stats.count(ep.attempt, ep.rollout_id, "run", "failed")
-                    outcome.fail(error)
+            while ep.boundary.step != "return":
+                await self._stage(ep, task)
         finally:
-            self.runtime.end(ep)
-            if self._running.get(ep.rollout_id) is outcome:
-                del self._running[ep.rollout_id]
-            if not outcome.done:
-                outcome.fail(ProtocolError(ErrorCode.INTERNAL, "the server is shutting down"))
+            await self._final_cleanup(ep)
+        await self.hooks.point("return", ep.rollout_id)
+        return _result(ep)
 
     async def _stage(self, ep: Episode, task: Task) -> None:
         step, state = ep.boundary.step, dict(ep.boundary.state)

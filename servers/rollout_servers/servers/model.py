@@ -1,7 +1,10 @@
 """The policy model server: an OpenAI-compatible front that is a checkpoint participant.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions` (plain JSON or `stream: true` SSE),
-`GET /v1/models`. Two backends produce the tokens:
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (plain JSON or `stream: true` SSE;
+with tools, tool calls and tool results too), `POST /v1/responses` (the Responses API),
+`GET /v1/models`; each also under `/ng-rollout/<capture key>/`, which names the episode for
+clients that cannot set headers (below). Tool requests and the Responses API are generated as
+text in which the model writes its calls (`agent_api.py`). Two backends produce the tokens:
 
 * `builtin`: deterministic and seeded by (prompt, seed). It solves the shipped arithmetic tasks
   the way a small tool-using policy would (`CALC: 12*7`, then `ANSWER: 84` once the calculator's
@@ -10,44 +13,49 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions` (plain JSON or `stre
   function of the request, a generation cut after k tokens and continued yields exactly the
   tokens of an uncut one. It also takes vLLM's `continue_final_message` in chat requests (going
   on with its own output in the final assistant message), so it can stand in for vLLM as the
-  upstream of an `openai` relay (docs/servers.md, "Your inference server as a sidecar").
+  upstream of an `openai` relay (docs/servers.md, "Your inference server as a sidecar"). When
+  tools are offered it writes its `CALC:` step as a call of the calculator tool instead.
 * `openai`: relays to an upstream OpenAI-compatible server (vLLM, SGLang) over streaming; a cut
   closes the upstream stream and the continuation asks upstream to go on from the prefix
   (completions: prompt + prefix; chat: the prefix as a final assistant message with vLLM's
-  `continue_final_message`).
+  `continue_final_message`). Tool requests and the Responses API are rendered with the engine's
+  chat template (llama.cpp's `/apply-template`) and generated as completions, so they continue
+  from token ids like completions do.
 
 Checkpoint support. Requests that name their episode (`X-Rollout-Request: <rollout_id>/<key>`,
-`X-Rollout-Attempt: N`; the agent sends them) are episodes of the runtime with one *replay* step
-per token: a checkpoint never waits for a token, and a token that finishes while the checkpoint
-is open is held. At prepare, a generation in flight is therefore *cut*: its recorded boundary is
-the prefix so far. A generation that finished but was not delivered is *held*: it is recorded
-whole and delivered only when admission reopens. After a restore, the re-issued request with the
-same key continues from the recorded prefix, or gets the held response at once. The last
-response delivered to each rollout is kept (and recorded) too: it may have been on the wire
-while its caller parked, and the caller's replay must get it without generating it again.
+`X-Rollout-Attempt: N`; the agent sends them; or the URL prefix `/ng-rollout/<rollout id>` or
+`/ng-rollout/<rollout id>-a<N>`, keyed by the request's content) are episodes of the runtime
+with one *replay* step per token: a checkpoint never waits for a token, and a token that
+finishes while the checkpoint is open is held. At prepare, a generation in flight is therefore
+*cut*: its recorded boundary is the prefix so far. A generation that finished but was not
+delivered is *held*: it is recorded whole and delivered only when admission reopens. After a
+restore, the re-issued request with the same key continues from the recorded prefix, or gets
+the held response at once. The last response delivered to each rollout is kept (and recorded)
+too: it may have been on the wire while its caller parked, and the caller's replay must get it
+without generating it again.
+
+This module holds the participant (cuts, held and delivered responses) and the routes; the
+request bodies and generation types are in `generation.py`, the two backends in `backends.py`,
+the agent APIs' request mapping and response writing in `agent_api.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
-import os
-import random
 import re
 import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Final, Literal, Protocol, TypeVar
+from dataclasses import replace
+from typing import Any, Final, TypeVar
 
 import anyio
-import httpx
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ValidationError
 from rollout_protocol import (
     ROLLOUT_ID_PATTERN,
     Boundary,
@@ -64,19 +72,33 @@ from rollout_protocol import (
     RuntimeParticipant,
     StepMode,
     TaskMismatch,
-    encode_record,
-    task_digest,
 )
 
-from ..tasks import stable_fraction, task_by_question
+from . import agent_api
+from .backends import TOKEN, Backend, BuiltinBackend, OpenAIBackend, wanted_logprobs
 from .common import (
-    PEER_SHARDS,
     Outcome,
     RolloutServer,
     ServerOptions,
-    ShardedClients,
     episode_error,
-    peer_error,
+)
+from .generation import (
+    DELIVERED_KIND,
+    ChatBody,
+    ChatMessage,
+    CompletionBody,
+    Continuation,
+    Delivered,
+    DeliveredData,
+    Done,
+    Failed,
+    GenRequest,
+    Identity,
+    Item,
+    Piece,
+    Progress,
+    ResponsesBody,
+    TokenLogprob,
 )
 
 log = logging.getLogger(__name__)
@@ -85,7 +107,6 @@ _M = TypeVar("_M", bound=BaseModel)
 
 REQUEST_HEADER = "X-Rollout-Request"
 ATTEMPT_HEADER = "X-Rollout-Attempt"
-DELIVERED_KIND = "delivered"
 _DELIVERED_KEPT = 100_000
 """Rollouts whose last response is kept; far more than a set runs live at once."""
 _REQUESTS_KEPT = 200_000
@@ -94,530 +115,11 @@ checkpoint a retire can count, per attempt (oldest dropped; the totals count eve
 server that runs for days never holds more than this."""
 _KEY_MAX = 200
 _ATTEMPT_VALUE = re.compile(r"[0-9]{1,18}")
-
-
-# --- wire models ------------------------------------------------------------------------------
-
-
-class _OpenAIModel(BaseModel):
-    # OpenAI clients send many optional fields; unknown ones are kept and relayed upstream.
-    model_config = ConfigDict(extra="allow")
-
-
-class CompletionBody(_OpenAIModel):
-    model: str | None = None
-    prompt: str
-    max_tokens: int = Field(default=256, ge=1, le=65536)
-    seed: int | None = None
-    stream: bool = False
-
-
-class ChatMessage(_OpenAIModel):
-    role: str
-    content: str
-
-
-class ChatBody(_OpenAIModel):
-    model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1, le=65536)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=65536)
-    seed: int | None = None
-    stream: bool = False
-
-
-class DeliveredData(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    digest: str
-    text: str
-    finish_reason: str
-    tokens: int = Field(ge=0)
-    # added with token-id continuation; records written before them still validate
-    ids: list[int] | None = None
-    logprobs: list[tuple[str, float]] | None = None
-
-
-@dataclass(frozen=True)
-class Continuation:
-    """A chat request with `continue_final_message` (vLLM's name): the model goes on with the
-    final assistant message instead of starting a new one."""
-
-    prompt_text: str
-    """The prompt without the final message."""
-    prefix: str
-    """The final message's content, which the output continues."""
-
-
-@dataclass(frozen=True)
-class GenRequest:
-    """One generation request, normalised across the two OpenAI routes."""
-
-    kind: Literal["completion", "chat"]
-    body: dict[str, Any]
-    prompt_text: str
-    max_tokens: int
-    seed: int
-    stream: bool
-    continuation: Continuation | None = None
-
-    @property
-    def digest(self) -> str:
-        """Identifies the request's content: a re-issued request must match to continue."""
-        return task_digest({k: v for k, v in self.body.items() if k != "stream"})
-
-
-@dataclass(frozen=True)
-class Identity:
-    rollout_id: str
-    key: str
-    attempt: int
-
-
-TokenLogprob = tuple[str, float]
-"""One generated token's text and log-probability."""
-
-
-@dataclass(frozen=True)
-class Piece:
-    text: str
-    finish_reason: str | None = None
-    ids: tuple[int, ...] | None = None
-    """The engine's ids of this piece's tokens; None when the engine reports none."""
-    logprobs: tuple[TokenLogprob, ...] | None = None
-    continued: ContinuationMode | None = None
-    """Set on the first piece after a cut: how the backend continued."""
-    count: int | None = None
-    """Tokens in this piece where the engine counts them apart from its ids (llama.cpp's
-    `timings.predicted_n`): more than `len(ids)` when the engine held a token back."""
-
-
-@dataclass(frozen=True)
-class Progress:
-    """Where a generation stands when the backend is asked for the rest."""
-
-    text: str = ""
-    tokens: int = 0
-    ids: tuple[int, ...] | None = ()
-    """The ids of every token so far, or None when some are unknown (text-level only)."""
-    seed_key: str = ""
-    """`<rollout>/<key>` (the request digest when unkeyed): seeds derive from it."""
-
-
-@dataclass(frozen=True)
-class Done:
-    text: str
-    finish_reason: str
-    tokens: int
-    logprobs: list[TokenLogprob] | None = None
-
-
-@dataclass(frozen=True)
-class Failed:
-    error: ProtocolError
-
-
-Item = Piece | Done | Failed
-ContinuationMode = Literal["token_ids", "text"]
-CONTINUATION_ENV = "ROLLOUT_RELAY_CONTINUATION"
-"""`text` makes the openai backend continue from text even where the engine gives ids (tests)."""
-
-
-@dataclass
-class Delivered:
-    key: str
-    attempt: int
-    data: DeliveredData
-    restored: bool = False
-    encoded: EncodedRecord | None = field(default=None, compare=False, repr=False)
-    """Its record, encoded when it was delivered (a checkpoint only writes it)."""
-
-    def encode(self, rollout_id: str) -> EncodedRecord:
-        if self.encoded is None:
-            self.encoded = encode_record(
-                Record(
-                    kind=DELIVERED_KIND,
-                    rollout_id=rollout_id,
-                    attempt=self.attempt,
-                    key=self.key,
-                    data=self.data.model_dump(),
-                )
-            )
-        return self.encoded
-
-
-# --- backends ---------------------------------------------------------------------------------
-
-
-class Backend(Protocol):
-    def stream(self, request: GenRequest, progress: Progress) -> AsyncGenerator[Piece, None]:
-        """The pieces after `progress` (text and tokens so far); the last has a finish reason."""
-        ...
-
-    async def aclose(self) -> None: ...
-
-
-_RESULT = re.compile(r"RESULT:\s*(-?\d+)")
-_OPENINGS = (
-    "Let me read the problem carefully.",
-    "I will work through this step by step.",
-    "The numbers in the question are what matter here.",
-    "I should not guess; the calculator is exact.",
-    "Breaking the problem into parts helps.",
-    "First I identify the quantities involved.",
-)
-_MIDDLES = (
-    "The next quantity to compute is clear from the text.",
-    "I need one calculation for this part.",
-    "Using the calculator avoids arithmetic slips.",
-    "This follows directly from the previous result.",
-)
-_CLOSINGS = (
-    "All the parts are computed now.",
-    "The calculator results give the final number.",
-    "That completes the reasoning.",
-    "Putting the pieces together gives the answer.",
-)
-_TOKEN = re.compile(r"\s*\S+")
-
-
-def builtin_completion(
-    prompt: str, seed: int, max_tokens: int, mistake_rate: float
-) -> tuple[list[str], str]:
-    """The deterministic completion for (prompt, seed): its tokens and finish reason.
-
-    Tasks from the shipped set are solved by following their calculator steps: one `CALC:` per
-    turn until every step's `RESULT:` is in the prompt, then `ANSWER:` with the last result,
-    off by one with probability `mistake_rate` (decided per (seed, task), so a whole episode
-    makes the same choice on every turn and in every attempt). Other prompts get fluent filler.
-    """
-    rng = random.Random(hashlib.sha256(f"{seed}\x00{prompt}".encode()).digest())
-    task = task_by_question(prompt)
-    words: list[str] = [rng.choice(_OPENINGS)]
-    if task is None:
-        words += [rng.choice(_MIDDLES) for _ in range(rng.randint(2, 5))]
-        text = " ".join(words)
-    else:
-        results = [int(v) for v in _RESULT.findall(prompt)]
-        if len(results) < len(task.steps):
-            words.append(rng.choice(_MIDDLES))
-            text = " ".join(words) + f" CALC: {task.steps[len(results)]}"
-        else:
-            value = results[-1] if results else task.answer
-            if stable_fraction("mistake", seed, task.id) < mistake_rate:
-                value += 1 if stable_fraction("sign", seed, task.id) < 0.5 else -1
-            words.append(rng.choice(_CLOSINGS))
-            text = " ".join(words) + f" ANSWER: {value}"
-    tokens = _TOKEN.findall(text)
-    if len(tokens) > max_tokens:
-        return tokens[:max_tokens], "length"
-    return tokens, "stop"
-
-
-class BuiltinBackend:
-    def __init__(self, token_latency_s: float, mistake_rate: float) -> None:
-        self.token_latency_s = token_latency_s
-        self.mistake_rate = mistake_rate
-
-    async def stream(self, request: GenRequest, progress: Progress) -> AsyncGenerator[Piece, None]:
-        produced = progress.tokens
-        prompt, max_tokens = request.prompt_text, request.max_tokens
-        cont = request.continuation
-        if cont is not None:
-            # Like an LLM server with continue_final_message: when the final message is this
-            # engine's own output so far, go on with the same completion (so a relay in front,
-            # which continues a cut generation this way, gets the tokens of an uncut one);
-            # `max_tokens` counts only the new tokens.
-            own = _TOKEN.findall(cont.prefix)
-            whole, _ = builtin_completion(
-                cont.prompt_text, request.seed, len(own) + max_tokens, self.mistake_rate
-            )
-            if "".join(own) == cont.prefix and whole[: len(own)] == own:
-                prompt, max_tokens, produced = (
-                    cont.prompt_text,
-                    len(own) + max_tokens,
-                    produced + len(own),
-                )
-        tokens, reason = builtin_completion(prompt, request.seed, max_tokens, self.mistake_rate)
-        if produced >= len(tokens):
-            yield Piece("", reason)
-            return
-        for i in range(produced, len(tokens)):
-            await anyio.sleep(self.token_latency_s)
-            yield Piece(tokens[i], reason if i == len(tokens) - 1 else None)
-
-    async def aclose(self) -> None:
-        return None
-
-
-class OpenAIBackend:
-    """Relay to an upstream OpenAI-compatible server (cuts need chunks or single steps).
-
-    Completions continue a cut generation from token ids where the engine allows it: the
-    relay asks for each sampled token's id (`logprobs` entries with an `id`, as llama.cpp's
-    server gives them, or vLLM's `token_ids` with `return_token_ids`), records them, and sends
-    the continuation's prompt as ids (the prompt's ids from the engine's `/tokenize`, then the
-    generated ids), so nothing is re-tokenised. An engine that gives no ids gets the prefix as
-    text (`prompt + prefix`), which BPE may re-tokenise differently; the generation record and
-    `/stats` say so. A seeded sampled completion (`seed` set, temperature not 0) runs one token
-    per upstream request with a seed derived from (seed, rollout, key, position): the engine's
-    random stream then depends only on the position, so a continuation samples the same tokens.
-    Chat requests continue from text (vLLM's `continue_final_message`).
-    """
-
-    def __init__(self, upstream_url: str, timeout_s: float) -> None:
-        self.base = upstream_url.rstrip("/")
-        self._clients = ShardedClients(PEER_SHARDS, timeout_s)
-        self.text_only = os.environ.get(CONTINUATION_ENV, "auto") == "text"
-        self._prompt_ids: OrderedDict[str, list[int] | None] = OrderedDict()
-
-    async def stream(self, request: GenRequest, progress: Progress) -> AsyncGenerator[Piece, None]:
-        if request.kind == "chat":
-            async for piece in self._chat(request, progress):
-                yield piece
-            return
-        wanted = _wanted_logprobs(request)
-        seeded = request.body.get("seed") is not None and _temperature(request) != 0
-        continuing = progress.tokens > 0
-        prompt_ids: list[int] | None = None
-        if not self.text_only and progress.ids is not None and (continuing or seeded):
-            prompt_ids = await self._tokenize(request)
-        mode: ContinuationMode | None = None
-        if continuing:
-            mode = "token_ids" if prompt_ids is not None else "text"
-        if seeded and prompt_ids is not None and progress.ids is not None:
-            pieces = self._steps(request, progress, prompt_ids, wanted)
-        else:
-            body = dict(request.body)
-            if prompt_ids is not None and progress.ids is not None:
-                body["prompt"] = [*prompt_ids, *progress.ids]
-            else:
-                body["prompt"] = request.body["prompt"] + progress.text
-            body["max_tokens"] = max(1, request.max_tokens - progress.tokens)
-            pieces = self._streamed("/v1/completions", body, request, wanted)
-        async for piece in pieces:
-            if mode is not None:
-                piece, mode = replace(piece, continued=mode), None
-            yield piece
-
-    async def _streamed(
-        self, path: str, body: dict[str, Any], request: GenRequest, wanted: int | None
-    ) -> AsyncGenerator[Piece, None]:
-        body["stream"] = True
-        if request.kind == "completion" and not self.text_only:
-            # ask for what identifies the sampled tokens: a logprob entry per token (llama.cpp
-            # puts the id in it) and vLLM's token ids; engines ignore what they do not know
-            body["logprobs"] = max(wanted or 0, 1)
-            body["return_token_ids"] = True
-        if request.kind == "completion":
-            # llama.cpp: every chunk says how many tokens the engine has generated so far
-            # (`timings.predicted_n`), which shows a token it did not stream (below)
-            body["timings_per_token"] = True
-        decoded = 0
-        client = self._clients.for_key(request.digest)
-        async with client.stream("POST", self.base + path, json=body) as response:
-            if response.status_code >= 400:
-                await response.aread()
-                raise peer_error(self.base + path, response)
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    return
-                chunk = json.loads(payload)
-                piece = _piece_from_chunk(chunk, request.kind)
-                engine_count = _predicted(chunk) if request.kind == "completion" else None
-                if engine_count is not None and engine_count > decoded:
-                    count, decoded = engine_count - decoded, engine_count
-                    if piece is None:
-                        piece = Piece("")
-                    if piece.ids is not None and len(piece.ids) < count:
-                        # llama.cpp holds back a token that ends inside a UTF-8 character and
-                        # streams the character with the id of its last token only: the held
-                        # token's id is lost, so this generation is text-level from here on
-                        piece = replace(piece, ids=None)
-                    piece = replace(piece, count=count)
-                if piece is not None and self.text_only and piece.ids is not None:
-                    # as for an engine that reports no ids: none are recorded, the cut
-                    # continues from text, and tokens are counted one per chunk
-                    piece = replace(piece, ids=None)
-                if piece is not None:
-                    yield piece
-
-    async def _chat(self, request: GenRequest, progress: Progress) -> AsyncGenerator[Piece, None]:
-        body = dict(request.body)
-        if progress.text:
-            body["messages"] = [
-                *request.body["messages"],
-                {"role": "assistant", "content": progress.text},
-            ]
-            body["continue_final_message"] = True
-            body["add_generation_prompt"] = False
-        body.pop("max_completion_tokens", None)
-        body["max_tokens"] = max(1, request.max_tokens - progress.tokens)
-        mode: ContinuationMode | None = "text" if progress.tokens > 0 else None
-        async for piece in self._streamed("/v1/chat/completions", body, request, None):
-            if mode is not None:
-                piece, mode = replace(piece, continued=mode), None
-            yield piece
-
-    async def _steps(
-        self, request: GenRequest, progress: Progress, prompt_ids: list[int], wanted: int | None
-    ) -> AsyncGenerator[Piece, None]:
-        """One token per request, each seeded by its position: exact across cuts."""
-        assert progress.ids is not None
-        ids = list(progress.ids)
-        position = progress.tokens
-        seed = int(request.body["seed"])
-        client = self._clients.for_key(request.digest)
-        path = self.base + "/v1/completions"
-        while True:
-            body = dict(request.body)
-            body.update(
-                prompt=[*prompt_ids, *ids],
-                max_tokens=1,
-                stream=False,
-                seed=derived_seed(seed, progress.seed_key, position),
-                logprobs=max(wanted or 0, 1),
-                return_token_ids=True,
-            )
-            response = await client.post(path, json=body)
-            if response.status_code >= 400:
-                raise peer_error(path, response)
-            reply = response.json()
-            choice = (reply.get("choices") or [{}])[0]
-            text = str(choice.get("text") or "")
-            step_ids, logprobs = _choice_tokens(choice, text)
-            generated = (reply.get("usage") or {}).get("completion_tokens")
-            hidden = isinstance(generated, int) and generated > len(step_ids or ())
-            if choice.get("finish_reason") == "stop" and (hidden or step_ids is None):
-                # the token completed a stop string: llama.cpp replies with the text before
-                # it and no logprobs, so no id; the generation ends here
-                yield Piece(text, "stop", ids=None if text else ())
-                return
-            if hidden:
-                # llama.cpp reports no id (and no text) for a token that ends inside a UTF-8
-                # character: the step cannot be continued from ids, nor silently dropped
-                raise ProtocolError(
-                    ErrorCode.INTERNAL,
-                    f"{self.base} sampled a token it reports no id for (one that ends inside a "
-                    "UTF-8 character), so a seeded generation cannot go on exactly",
-                )
-            if step_ids is None or len(step_ids) > 1:
-                raise ProtocolError(
-                    ErrorCode.INTERNAL,
-                    f"{self.base} gave no single token id for a one-token step: {choice!r:.200}",
-                )
-            ids.extend(step_ids)
-            position += len(step_ids)
-            upstream_reason = choice.get("finish_reason")
-            done = not step_ids or upstream_reason == "stop" or position >= request.max_tokens
-            reason = (
-                ("stop" if upstream_reason == "stop" or not step_ids else "length")
-                if done
-                else None
-            )
-            yield Piece(text, reason, ids=step_ids, logprobs=logprobs)
-            if done:
-                return
-
-    async def _tokenize(self, request: GenRequest) -> list[int] | None:
-        """The prompt's ids as the engine tokenises it for a completion; None if it cannot."""
-        digest = task_digest({"prompt": request.body["prompt"], "model": request.body.get("model")})
-        if digest in self._prompt_ids:
-            return self._prompt_ids[digest]
-        prompt = request.body["prompt"]
-        body = {
-            # llama.cpp's /tokenize reads content/add_special, vLLM's prompt/add_special_tokens
-            "content": prompt,
-            "prompt": prompt,
-            "add_special": True,
-            "add_special_tokens": True,
-        }
-        if request.body.get("model") is not None:
-            body["model"] = request.body["model"]
-        ids: list[int] | None = None
-        client = self._clients.for_key(request.digest)
-        try:
-            response = await client.post(self.base + "/tokenize", json=body)
-            tokens = response.json().get("tokens") if response.status_code == 200 else None
-            if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
-                ids = [int(t) for t in tokens]
-        except (httpx.HTTPError, ValueError):
-            ids = None
-        self._prompt_ids[digest] = ids
-        while len(self._prompt_ids) > 1024:
-            self._prompt_ids.popitem(last=False)
-        return ids
-
-    async def aclose(self) -> None:
-        await self._clients.aclose()
-
-
-def derived_seed(seed: int, seed_key: str, position: int) -> int:
-    """The seed of the token at `position` of a generation (31 bits, as every engine takes)."""
-    digest = hashlib.sha256(f"{seed}\x00{seed_key}\x00{position}".encode()).digest()
-    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
-
-
-def _temperature(request: GenRequest) -> float | None:
-    value = request.body.get("temperature")
-    return float(value) if isinstance(value, int | float) else None
-
-
-def _wanted_logprobs(request: GenRequest) -> int | None:
-    value = request.body.get("logprobs")
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _choice_tokens(
-    choice: dict[str, Any], text: str
-) -> tuple[tuple[int, ...] | None, tuple[TokenLogprob, ...] | None]:
-    """The ids and logprobs of the tokens in one choice (chunk), as the engine reports them."""
-    ids: tuple[int, ...] | None = None
-    logprobs: tuple[TokenLogprob, ...] | None = None
-    raw_ids = choice.get("token_ids")  # vLLM, with return_token_ids
-    if isinstance(raw_ids, list):
-        ids = tuple(int(i) for i in raw_ids)
-    raw = choice.get("logprobs")
-    if isinstance(raw, dict):
-        content = raw.get("content")  # llama.cpp: one entry per token, with its id
-        if isinstance(content, list) and content:
-            logprobs = tuple((str(e.get("token", "")), float(e["logprob"])) for e in content)
-            if ids is None and all("id" in e for e in content):
-                ids = tuple(int(e["id"]) for e in content)
-        elif isinstance(raw.get("token_logprobs"), list):  # the legacy completions format
-            logprobs = tuple(
-                (str(t), float(lp))
-                for t, lp in zip(raw.get("tokens") or [], raw["token_logprobs"], strict=False)
-            )
-    if ids is None and not text:
-        ids = ()  # an empty chunk (a final one): no token, nothing unknown
-    return ids, logprobs
-
-
-def _predicted(chunk: dict[str, Any]) -> int | None:
-    """llama.cpp's count of the tokens generated so far (with `timings_per_token`)."""
-    timings = chunk.get("timings")
-    value = timings.get("predicted_n") if isinstance(timings, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _piece_from_chunk(chunk: dict[str, Any], kind: str) -> Piece | None:
-    choices = chunk.get("choices") or []
-    if not choices:
-        return None
-    choice = choices[0]
-    if kind == "completion":
-        text = choice.get("text") or ""
-    else:
-        text = (choice.get("delta") or {}).get("content") or ""
-    reason = choice.get("finish_reason")
-    ids, logprobs = _choice_tokens(choice, text) if kind == "completion" else (None, None)
-    if not text and reason is None and not ids:
-        return None
-    return Piece(text, reason, ids=ids, logprobs=logprobs)
+PREFIX = "/ng-rollout/{capture_key}"
+"""Routes under this prefix take their episode from the path: the capture key is the rollout
+id, or `<rollout id>-a<N>` for attempt N (as NeMo Gym writes it), for clients whose base URL
+is all they can set."""
+_CAPTURE_ATTEMPT = re.compile(r"(.+)-a([0-9]{1,18})")
 
 
 # --- the participant --------------------------------------------------------------------------
@@ -831,7 +333,6 @@ class ModelServer(RolloutServer):
     def add_routes(self, app: FastAPI) -> None:
         server = self
 
-        @app.get("/v1/models")
         async def models() -> dict[str, Any]:
             return {
                 "object": "list",
@@ -840,7 +341,6 @@ class ModelServer(RolloutServer):
                 ],
             }
 
-        @app.post("/v1/completions", openapi_extra=_openapi_extra(CompletionBody))
         async def completions(request: Request) -> Response:
             body = await _json_body(request, CompletionBody)
             gen = GenRequest(
@@ -851,21 +351,39 @@ class ModelServer(RolloutServer):
                 seed=body.seed or 0,
                 stream=body.stream,
             )
-            return await server.respond(gen, _identity(request, server.attempt))
+            return await server.respond(gen, _identity(request, server.attempt, gen))
 
-        @app.post("/v1/chat/completions", openapi_extra=_openapi_extra(ChatBody))
         async def chat(request: Request) -> Response:
             body = await _json_body(request, ChatBody)
-            gen = GenRequest(
-                kind="chat",
-                body=body.model_dump(exclude_none=True),
-                prompt_text=_chat_prompt(body.messages),
-                max_tokens=body.max_completion_tokens or body.max_tokens or 256,
-                seed=body.seed or 0,
-                stream=body.stream,
-                continuation=_continuation(body),
+            if body.uses_tools:
+                gen = agent_api.chat_generation(body)
+            else:
+                gen = GenRequest(
+                    kind="chat",
+                    body=body.model_dump(exclude_none=True),
+                    prompt_text=_chat_prompt(body.messages),
+                    max_tokens=body.max_completion_tokens or body.max_tokens or 256,
+                    seed=body.seed or 0,
+                    stream=body.stream,
+                    continuation=_continuation(body),
+                )
+            return await server.respond(gen, _identity(request, server.attempt, gen))
+
+        async def responses(request: Request) -> Response:
+            body = await _json_body(request, ResponsesBody)
+            gen = agent_api.responses_generation(body)
+            return await server.respond(gen, _identity(request, server.attempt, gen))
+
+        for prefix in ("", PREFIX):
+            app.get(prefix + "/v1/models")(models)
+            routes = (
+                ("/v1/completions", completions, CompletionBody),
+                ("/v1/chat/completions", chat, ChatBody),
+                ("/v1/responses", responses, ResponsesBody),
             )
-            return await server.respond(gen, _identity(request, server.attempt))
+            for path, handler, body in routes:
+                extra = _openapi_extra(body, prefixed=bool(prefix))
+                app.post(prefix + path, openapi_extra=extra)(handler)
 
     async def respond(self, gen: GenRequest, ident: Identity | None) -> Response:
         if ident is not None:
@@ -875,6 +393,8 @@ class ModelServer(RolloutServer):
         """Set when a streaming consumer went away (a plain reply's caller waits to the end)."""
         self.spawn(self._produce, gen, ident, send, gone)
         created = int(time.time())
+        if gen.templated is not None:
+            return await self._respond_agent(gen, receive, created, gone)
         rid = f"{'chatcmpl' if gen.kind == 'chat' else 'cmpl'}-{gen.digest[:24]}"
         if not gen.stream:
             async with receive:
@@ -891,6 +411,69 @@ class ModelServer(RolloutServer):
         return StreamingResponse(
             self._sse(gen, first, receive, rid, created, gone), media_type="text/event-stream"
         )
+
+    async def _respond_agent(
+        self,
+        gen: GenRequest,
+        receive: MemoryObjectReceiveStream[Item],
+        created: int,
+        gone: anyio.Event,
+    ) -> Response:
+        """A tool chat or a Responses request: its calls parsed out of the generated text."""
+        model = self.options.model_name
+        responses = gen.kind == "responses"
+        rid = f"resp_{gen.digest[:24]}" if responses else f"chatcmpl-{gen.digest[:24]}"
+        if not gen.stream:
+            async with receive:
+                async for item in receive:
+                    if isinstance(item, Failed):
+                        raise item.error
+                    if isinstance(item, Done):
+                        if responses:
+                            reply = agent_api.responses_reply(gen, item, rid, created, model)
+                        else:
+                            usage = self._usage(gen, item)
+                            reply = agent_api.chat_reply(gen, item, rid, created, model, usage)
+                        return JSONResponse(reply)
+            raise ProtocolError(ErrorCode.INTERNAL, "generation ended without a result")
+        first = await receive.receive()
+        if isinstance(first, Failed):
+            await receive.aclose()
+            raise first.error
+
+        async def lines() -> AsyncIterator[str]:
+            out = agent_api.writer(gen, rid, created, model)
+            with _setting(gone):
+                async with receive:
+                    for line in out.start():
+                        yield line
+                    item: Item = first
+                    while True:
+                        if isinstance(item, Failed):
+                            written = out.failed(item.error)
+                        elif isinstance(item, Done):
+                            written = out.done(item)
+                        else:
+                            written = out.piece(item)
+                        for line in written:
+                            yield line
+                        if not isinstance(item, Piece):
+                            return
+                        try:
+                            item = await receive.receive()
+                        except anyio.EndOfStream:
+                            return
+
+        return StreamingResponse(lines(), media_type="text/event-stream")
+
+    @staticmethod
+    def _usage(gen: GenRequest, done: Done) -> dict[str, int]:
+        prompt = len(TOKEN.findall(gen.prompt_text))
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": done.tokens,
+            "total_tokens": prompt + done.tokens,
+        }
 
     async def _sse(
         self,
@@ -937,7 +520,7 @@ class ModelServer(RolloutServer):
                 "index": 0,
                 "text": text,
                 "logprobs": _logprobs_json(logprobs)
-                if logprobs is not None and _wanted_logprobs(gen) is not None
+                if logprobs is not None and wanted_logprobs(gen) is not None
                 else None,
             }
             obj = "text_completion"
@@ -955,16 +538,16 @@ class ModelServer(RolloutServer):
 
     def _full_reply(self, gen: GenRequest, done: Done, rid: str, created: int) -> dict[str, Any]:
         usage = {
-            "prompt_tokens": len(_TOKEN.findall(gen.prompt_text)),
+            "prompt_tokens": len(TOKEN.findall(gen.prompt_text)),
             "completion_tokens": done.tokens,
-            "total_tokens": len(_TOKEN.findall(gen.prompt_text)) + done.tokens,
+            "total_tokens": len(TOKEN.findall(gen.prompt_text)) + done.tokens,
         }
         if gen.kind == "completion":
             choice: dict[str, Any] = {
                 "index": 0,
                 "text": done.text,
                 "logprobs": _logprobs_json(done.logprobs)
-                if done.logprobs is not None and _wanted_logprobs(gen) is not None
+                if done.logprobs is not None and wanted_logprobs(gen) is not None
                 else None,
             }
             obj = "text_completion"
@@ -1045,7 +628,7 @@ class ModelServer(RolloutServer):
     async def _generate_unkeyed(self, gen: GenRequest, send: MemoryObjectSendStream[Item]) -> Done:
         """Requests without an episode identity: paused by checkpoints, never recorded."""
         text, produced, reason = "", 0, "stop"
-        logprobs: list[TokenLogprob] | None = [] if _wanted_logprobs(gen) is not None else None
+        logprobs: list[TokenLogprob] | None = [] if wanted_logprobs(gen) is not None else None
         attempt = self.attempt
         stream = self.backend.stream(gen, Progress(seed_key=gen.digest))
         try:
@@ -1278,7 +861,7 @@ def _initial_state(gen: GenRequest) -> dict[str, Any]:
     and `logprobs` (while requested) were added to the record with token-id continuation: a
     record without them continues from text, as before."""
     state: dict[str, Any] = {"text": "", "tokens": 0, "ids": []}
-    if _wanted_logprobs(gen) is not None:
+    if wanted_logprobs(gen) is not None:
         state["logprobs"] = []
     return state
 
@@ -1324,7 +907,7 @@ def _logprobs_json(logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
 
 
 def _chat_prompt(messages: Sequence[ChatMessage]) -> str:
-    return "\n".join(f"{m.role}: {m.content}" for m in messages)
+    return "\n".join(f"{m.role}: {m.text}" for m in messages)
 
 
 def _continuation(body: ChatBody) -> Continuation | None:
@@ -1334,7 +917,7 @@ def _continuation(body: ChatBody) -> Continuation | None:
     extra = body.model_extra or {}
     if extra.get("continue_final_message") is not True or final.role != "assistant":
         return None
-    return Continuation(prompt_text=_chat_prompt(body.messages[:-1]), prefix=final.content)
+    return Continuation(prompt_text=_chat_prompt(body.messages[:-1]), prefix=final.text)
 
 
 class _Audience:
@@ -1378,8 +961,11 @@ async def _offer(send: MemoryObjectSendStream[Item], item: Item) -> None:
         await send.send(item)
 
 
-def _identity(request: Request, attempt: int) -> Identity | None:
+def _identity(request: Request, attempt: int, gen: GenRequest) -> Identity | None:
     raw = request.headers.get(REQUEST_HEADER)
+    capture = request.path_params.get("capture_key")
+    if raw is None and isinstance(capture, str):
+        return capture_identity(capture, gen)
     if raw is None:
         return None
     rollout_id, sep, key = raw.partition("/")
@@ -1400,14 +986,48 @@ def _identity(request: Request, attempt: int) -> Identity | None:
     return Identity(rollout_id, key, int(raw_attempt))
 
 
-def _openapi_extra(body: type[BaseModel]) -> dict[str, Any]:
+def capture_identity(capture_key: str, gen: GenRequest) -> Identity:
+    """The episode a `/ng-rollout/<capture key>/` URL names; the request key is the request's
+    content, so the re-issued request after a restore finds its generation again."""
+    match = _CAPTURE_ATTEMPT.fullmatch(capture_key)
+    if match is not None and re.fullmatch(ROLLOUT_ID_PATTERN, match.group(1)):
+        rollout_id, attempt = match.group(1), int(match.group(2))
+    elif re.fullmatch(ROLLOUT_ID_PATTERN, capture_key):
+        rollout_id, attempt = capture_key, 0
+    else:
+        raise ProtocolError(
+            ErrorCode.INVALID_REQUEST,
+            f"the capture key in /ng-rollout/<capture key>/ must be a rollout id or "
+            f"'<rollout id>-a<attempt>': {capture_key[:80]!r}",
+        )
+    return Identity(rollout_id, f"c-{gen.digest[:32]}", attempt)
+
+
+def _inline(schema: Any, defs: Mapping[str, Any]) -> Any:
+    """`schema` with its `$ref`s to `$defs` replaced by the definitions (none is recursive)."""
+    if isinstance(schema, dict):
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            return _inline(defs[ref.removeprefix("#/$defs/")], defs)
+        return {k: _inline(v, defs) for k, v in schema.items() if k != "$defs"}
+    if isinstance(schema, list):
+        return [_inline(v, defs) for v in schema]
+    return schema
+
+
+def _openapi_extra(body: type[BaseModel], *, prefixed: bool = False) -> dict[str, Any]:
     """The request body and identity headers of a generation route, for `/openapi.json` (the
     route reads both itself: the body leniently, as OpenAI clients send extra fields)."""
-    schema = body.model_json_schema(ref_template="#/components/schemas/{model}")
-    schema.pop("$defs", None)
-    if body is ChatBody:
-        schema["properties"]["messages"]["items"] = ChatMessage.model_json_schema()
-    return {
+    raw = body.model_json_schema()
+    schema = _inline(raw, raw.get("$defs", {}))
+    capture = {
+        "name": "capture_key",
+        "in": "path",
+        "required": True,
+        "description": "`<rollout_id>` or `<rollout_id>-a<attempt>`: the generation is an episode",
+        "schema": {"type": "string", "maxLength": 330},
+    }
+    extra = {
         "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
         "parameters": [
             {
@@ -1426,6 +1046,9 @@ def _openapi_extra(body: type[BaseModel]) -> dict[str, Any]:
             },
         ],
     }
+    if prefixed:
+        extra["parameters"] = [capture, *extra["parameters"]]
+    return extra
 
 
 async def _json_body(request: Request, model: type[_M]) -> _M:

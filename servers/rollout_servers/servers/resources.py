@@ -20,7 +20,7 @@ checkpoint waits for. The shipped calculator is a pure function of its input: id
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Final
 
 from fastapi import FastAPI
@@ -38,13 +38,29 @@ from rollout_protocol import (
 )
 
 from ..tasks import CalculatorError, Task, calculate
-from .common import RolloutServer, WireModel, episode_error
+from .common import RolloutServer, ServerOptions, WireModel, episode_error
 
 log = logging.getLogger(__name__)
 
 
 TOOLS: Final = ("calculator",)
 """The tools every session offers."""
+
+
+def check_wait_tools(names: tuple[str, ...]) -> None:
+    """Refuse tools declared not idempotent (`--wait-tools`) that this server does not offer.
+
+    A misspelt name would otherwise be ignored and leave the tool it meant idempotent: its calls
+    would replay after a restore instead of being waited for (docs/servers.md). ValueError names
+    the unknown tools and the known ones.
+    """
+    unknown = [name for name in names if name not in TOOLS]
+    if unknown:
+        raise ValueError(
+            f"--wait-tools: unknown tool{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(repr(name) for name in unknown)} (this server's tools: "
+            f"{', '.join(TOOLS)})"
+        )
 
 
 class ToolSpec(WireModel):
@@ -117,6 +133,10 @@ class ResourcesServer(RolloutServer):
     work_counter = None
     """Its seeds, tool calls and verifications are steps of the environment's and the agent's
     episodes too: counted there, not twice."""
+
+    def __init__(self, options: ServerOptions, *, environ: Mapping[str, str] | None = None) -> None:
+        check_wait_tools(options.wait_tools)  # before anything starts: a typo is fatal
+        super().__init__(options, environ=environ)
 
     def add_routes(self, app: FastAPI) -> None:
         server = self

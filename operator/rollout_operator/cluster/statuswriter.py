@@ -1,0 +1,133 @@
+"""The one writer of a RolloutSet's status (docs/design.md#69-who-writes-the-sets-status).
+
+Every flow that changes the set's status (the set pass, the recovery, the policy, the queue,
+and the repairs as the owners of what they repair) writes through a `SetStatusWriter` made
+for its owner (`model.owners.StatusOwner`). The writer:
+
+- refuses a field or condition the owner does not own (`model.owners.check_owner` raises
+  `ForeignStatusWrite`): two owners of one field would undo each other's writes;
+- puts every value in its wire form with one function (`wire`, built on `model.api.dump`);
+- writes one merge patch with the resourceVersion the changes were computed from, so a lost
+  race is a `Conflict`, never a silently overwritten field; `write_retrying` re-reads and
+  writes again (the recovery's transitions, which must land), `write` leaves the retry to the
+  flow's loop (a pass that decides again from what won).
+
+Explicit nulls: a top-level field set to None is sent as null, which deletes it (a merge patch
+has no other way to remove `status.recovery`); a model is written whole (`replacing`): what the
+stored object has and the model no longer has is sent as null, so a field set back to None goes
+(a recovery's `checkpoint` when its next try starts fresh); a list replaces the stored list.
+Events are the flows' business and are posted after the write returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Final
+
+from pydantic import BaseModel
+
+from ..model.api import RolloutSet, RolloutSetStatus, dump
+from ..model.owners import StatusOwner, check_owner
+from .kube import Conflict, Kube
+
+CONFLICT_TRIES: Final = 20
+"""How often `write_retrying` writes before it gives up on a set that keeps changing."""
+
+
+class SetGone(Exception):
+    """The set was deleted while a write was retried."""
+
+
+def wire(value: Any) -> Any:
+    """`value` as it goes into the status patch: models by `model.api.dump`, lists and dicts
+    item by item, everything else (None included: a delete at the top level) as it is."""
+    if isinstance(value, BaseModel):
+        return dump(value)
+    if isinstance(value, list | tuple):
+        return [wire(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: wire(v) for k, v in value.items()}
+    return value
+
+
+def replacing(stored: Any, written: Any) -> Any:
+    """`written` as a merge patch that replaces `stored` whole: every key `stored` has and
+    `written` lacks is sent as null (deleted), in nested objects too. A model is always written
+    whole, so a field it set back to None must go from the stored object as well."""
+    if not isinstance(stored, Mapping) or not isinstance(written, Mapping):
+        return written
+    patch = {key: replacing(stored.get(key), value) for key, value in written.items()}
+    patch.update({key: None for key in stored if key not in written})
+    return patch
+
+
+class SetStatusWriter:
+    """Writes the set's status on behalf of one owner."""
+
+    def __init__(self, kube: Kube, owner: StatusOwner) -> None:
+        self._kube = kube
+        self.owner = owner
+
+    async def write(
+        self,
+        obj: RolloutSet | Mapping[str, Any],
+        changes: Mapping[str, Any],
+        *,
+        resource_version: str | None = None,
+        delta_only: bool = False,
+    ) -> dict[str, Any] | None:
+        """Merge-patch `changes` (wire names; values models or wire values) over the status of
+        `obj` (the set as the flow read it, a model or its raw form), only if the set is still
+        at the resourceVersion read with it (or `resource_version`, where the flow wrote the
+        set since): `Conflict` otherwise. `delta_only` leaves out what the stored status shows
+        already. Returns the written set, or None when there was nothing to write."""
+        if isinstance(obj, RolloutSet):
+            namespace = obj.metadata.namespace or "default"
+            name = obj.metadata.name
+            version = obj.metadata.resource_version
+            status = obj.status
+            shown: Mapping[str, Any] = dump(status)
+        else:
+            meta = obj["metadata"]
+            namespace, name, version = meta["namespace"], meta["name"], meta.get("resourceVersion")
+            shown = obj.get("status") or {}
+            status = RolloutSetStatus.model_validate(shown)
+        body = {key: wire(value) for key, value in changes.items()}
+        if delta_only:
+            body = {key: value for key, value in body.items() if shown.get(key) != value}
+        if not body:
+            return None
+        for key, value in changes.items():
+            if isinstance(value, BaseModel) and key in body:
+                body[key] = replacing(shown.get(key), body[key])
+        check_owner(self.owner, status, body)
+        return await self._kube.patch_set_status(
+            namespace, name, body, resource_version=resource_version or version
+        )
+
+    async def write_retrying(
+        self,
+        rset: RolloutSet,
+        build: Callable[[RolloutSet], Mapping[str, Any]],
+        *,
+        tries: int = CONFLICT_TRIES,
+    ) -> RolloutSet:
+        """Write `build(rset)`; after a `Conflict`, read the set again (the refused write read
+        it from the API server already, see `Kube.patch_set_status`) and write what `build`
+        makes of it, up to `tries` writes. Returns the written set; raises `SetGone` when the
+        set was deleted, `Conflict` when every try lost."""
+        namespace = rset.metadata.namespace or "default"
+        for _ in range(tries):
+            try:
+                written = await self.write(rset, build(rset))
+            except Conflict:
+                fresh = await self._kube.get_set(namespace, rset.metadata.name)
+                if fresh is None:
+                    raise SetGone(rset.metadata.name) from None
+                rset = RolloutSet.model_validate(fresh)
+                continue
+            return rset if written is None else RolloutSet.model_validate(written)
+        raise Conflict(f"set {rset.metadata.name}: {tries} status writes lost to others")
+
+
+__all__ = ["CONFLICT_TRIES", "SetGone", "SetStatusWriter", "replacing", "wire"]

@@ -1,0 +1,114 @@
+"""The order of the passes in each per-set loop: what one wake of a loop runs.
+
+The Kopf daemons (`handlers/rolloutset.py` `reconcile_loop`, `handlers/policy.py`
+`policy_loop`) only wire a `PassLoop` to these functions; the order is decided here, where the
+flows it composes live (docs/design.md#60-layers, "Loops, not event handlers"):
+
+- `set_pass`: the status repairs (`repairs.repair_set_attempt`, `recovery.repair_false_recovery`),
+  then the recovery (`recovery.recover_if_needed`), then the set's pass
+  (`setpass.reconcile_set`), in one task;
+- `policy_pass`: the queue pass (`queuepass.QueuePass`), then the checkpoint policy's pass
+  (`policypass.PolicyPass`).
+
+This module may import the five flows (it is not one of them: the import-linter contract keeps
+only those independent of each other). The process's memory comes in as the `OperatorState`
+(`flows/state.py`); Events are posted through the callables the handlers pass, so this module
+needs no Kopf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from ..cluster.kube import Kube
+from ..cluster.storage import StorageLocator
+from ..decide.policy import Note
+from ..model.api import RolloutSet
+from .passloop import Next
+from .policypass import PolicyPass
+from .queuepass import QueuePass
+from .recovery import RecoveryWaits, recover_if_needed, repair_false_recovery
+from .repairs import repair_set_attempt
+from .setpass import reconcile_set
+from .state import OperatorState
+
+WarningSink = Callable[[RolloutSet, str, str], None]
+"""Posts a Warning Event (reason, message) on the set."""
+TransitionSink = Callable[[RolloutSet, str, str, bool], Awaitable[None]]
+"""Told of each recovery transition (reason, message, warning)."""
+NoteSink = Callable[[RolloutSet, Note], Awaitable[None]]
+"""Told of each policy or queue note, on every pass."""
+
+
+async def set_pass(
+    kube: Kube,
+    namespace: str,
+    name: str,
+    *,
+    state: OperatorState,
+    max_replicas_per_role: int,
+    recovery_waits: RecoveryWaits,
+    warned: set[tuple[str, str]],
+    post_warning: WarningSink,
+    on_transition: TransitionSink,
+) -> Next:
+    """One pass of the set's reconcile loop: repairs, recovery, then the set's pass.
+
+    `warned` holds the (reason, message) of the Warning Events the calling loop posted already:
+    the set pass's warnings are posted once per loop, a repair's every time it repairs."""
+    # Status first: a recovery or a pass acting on an attempt no pod runs would start a
+    # second attempt beside the first (docs/design.md#610-status-written-by-hand).
+    repaired = await repair_set_attempt(kube, namespace, name)
+    if repaired is not None:
+        raw = await kube.get_set(namespace, name)
+        if raw is not None:
+            post_warning(RolloutSet.model_validate(raw), repaired.reason, repaired.message)
+    # A recovery nobody lost a participant for would stop every running pod (class 2).
+    false_recovery = await repair_false_recovery(kube, namespace, name)
+    if false_recovery is not None:
+        raw = await kube.get_set(namespace, name)
+        if raw is not None:
+            post_warning(
+                RolloutSet.model_validate(raw), false_recovery.reason, false_recovery.message
+            )
+    look = await recover_if_needed(
+        kube, namespace, name, on_transition=on_transition, waits=recovery_waits
+    )
+    outcome = await reconcile_set(
+        kube,
+        namespace,
+        name,
+        owned_objects=state.owned_objects,
+        latest_written=state.latest_written,
+        max_replicas_per_role=max_replicas_per_role,
+    )
+    for reason, message in outcome.warnings:
+        if (reason, message) not in warned:
+            warned.add((reason, message))
+            raw = await kube.get_set(namespace, name)
+            if raw is not None:
+                post_warning(RolloutSet.model_validate(raw), reason, message)
+    times = [t for t in (outcome.recheck_at, look.retry_at) if t is not None]
+    return Next(again=outcome.conflict, at=min(times) if times else None)
+
+
+async def policy_pass(
+    kube: Kube, namespace: str, name: str, *, state: OperatorState, on_note: NoteSink
+) -> Next:
+    """One pass of the set's policy loop: a Kueue-queued set's queue pass first (its admission
+    or eviction becomes `spec.suspend`, which the policy pass acts on in the same pass; a set
+    without the queue label is untouched), then the checkpoint policy's pass. Both wake the
+    set's reconcile loop when it must create pods."""
+    wake_set = state.set_loops.wake
+    queued = await QueuePass(kube, on_note=on_note, wake_set=wake_set).run(namespace, name)
+    outcome = await PolicyPass(
+        kube,
+        logged_notes=state.logged_notes,
+        on_note=on_note,
+        wake_set=wake_set,
+        locator=StorageLocator.from_env(),
+    ).run(namespace, name)
+    return Next(again=outcome.again or queued.again, at=outcome.wake_at)
+
+
+__all__ = ["NoteSink", "TransitionSink", "WarningSink", "policy_pass", "set_pass"]

@@ -1,0 +1,183 @@
+"""The operator's in-process state: everything one operator process remembers between passes.
+
+Status is the operator's memory (docs/design.md#610-status-written-by-hand); what a process keeps
+besides it is only what saves API calls, Events or log lines, and every part starts empty after
+a restart (docs/design.md#611-the-operators-in-process-state). All of it lives in one
+`OperatorState`, made by the startup handler (`handlers/runtime.py`, Kopf's `memo`) and handed
+explicitly to the handlers' wiring and from there to the flows; no module holds mutable state of
+its own (`tests/unit/test_module_state.py` checks that).
+
+One part per concern; each says what it holds, who writes it and who reads it. The parts are
+plain synchronous objects: the operator runs on one event loop, and none of them awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Final
+
+from ..cluster.objects import OwnedObjects
+from ..metrics import SetTransitions
+
+SetKey = tuple[str, str]
+"""A set by (namespace, name); the namespace is "default" when the event had none."""
+
+NOTES_LOGGED: Final = 1024
+"""How many distinct notes (by set, reason and message) `LoggedNotes` remembers as logged."""
+
+
+def _key(namespace: str | None, name: str) -> SetKey:
+    return (namespace or "default", name)
+
+
+class Wakeups:
+    """The wake-up Event of each per-set loop of one kind running in this process.
+
+    Holds, per set, the `asyncio.Event` its loop's `PassLoop` waits on. Written by the loop
+    itself (`registered`: on its start, and removed when it returns); read by whoever wants the
+    loop to look again soon (`wake`): the handlers of the set's, its pods' and its checkpoints'
+    events, the checkpoint daemon, and the policy pass (`wake_set`, to start a resume). One
+    instance per kind of loop (`OperatorState.set_loops`, `OperatorState.policy_loops`).
+    """
+
+    def __init__(self) -> None:
+        self._events: dict[SetKey, asyncio.Event] = {}
+
+    @contextlib.contextmanager
+    def registered(self, namespace: str, name: str) -> Iterator[asyncio.Event]:
+        """The set's Event while its loop runs (the one already there, if an earlier loop of the
+        set has not returned yet); removed afterwards unless a later loop replaced it."""
+        key = _key(namespace, name)
+        event = self._events.setdefault(key, asyncio.Event())
+        try:
+            yield event
+        finally:
+            if self._events.get(key) is event:
+                del self._events[key]
+
+    def wake(self, namespace: str | None, name: object) -> None:
+        """Ask the set's loop for a pass soon (no-op when the set has no loop here, or `name`
+        is not a set's name: a field read from an object may hold anything)."""
+        if not isinstance(name, str):
+            return
+        event = self._events.get(_key(namespace, name))
+        if event is not None:
+            event.set()
+
+    def sets(self) -> list[SetKey]:
+        """The sets that have a loop here now (a copy: loops may start or end meanwhile)."""
+        return list(self._events)
+
+
+class PodsSeen:
+    """Per participant pod, what the set's pass last could see of it (labels, deletion, node,
+    status: `handlers.rolloutset._what_the_pass_sees`, as a string).
+
+    Written and read by the pod-event handler (`handlers/rolloutset.py` `pod_event`), which
+    wakes the set's loop only when this changed: the set's pass annotating its pods after a
+    checkpoint would otherwise wake it once per pod. An entry goes with the pod's DELETED event.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[SetKey, str] = {}
+
+    def changed(self, namespace: str | None, name: str, seen: str | None) -> bool:
+        """Record what is seen of the pod now (None: the pod is gone); whether that is news,
+        i.e. differs from what was recorded (a deleted pod always is)."""
+        key = _key(namespace, name)
+        if seen is None:
+            self._seen.pop(key, None)
+            return True
+        if self._seen.get(key) == seen:
+            return False
+        self._seen[key] = seen
+        return True
+
+
+class LatestWritten:
+    """Per set, the `status.latestCheckpoint` its pass last wrote (or found right) in this
+    process; a shown value that differs was written by someone else.
+
+    Written by the set's pass (`flows.setpass.reconcile_set`, after each status write); read by
+    the same pass (`setstatus.checkpoint_fields`: whether to report the repair of a value
+    written by hand) and by the `latest` event filter (`handlers/rolloutset.py`), which wakes
+    the set's loop when the shown value is not this one. Empty after a restart: nothing is then
+    reported as written by someone else until the pass wrote once.
+    """
+
+    def __init__(self) -> None:
+        self._written: dict[SetKey, str | None] = {}
+
+    def record(self, namespace: str, name: str, latest: str | None) -> None:
+        self._written[_key(namespace, name)] = latest
+
+    def last(self, namespace: str, name: str) -> str | None:
+        """What the pass last wrote (None also when it wrote nothing yet)."""
+        return self._written.get(_key(namespace, name))
+
+    def written_elsewhere(self, namespace: str, name: str, shown: object) -> bool:
+        """Whether the set's `latestCheckpoint` is not what its pass last wrote here."""
+        key = _key(namespace, name)
+        return key in self._written and self._written[key] != shown
+
+
+class LoggedNotes:
+    """Which policy notes (by set, reason and message) this process has logged, so that each
+    is logged once, not on every pass (a pass repeats its notes until the cause goes).
+
+    Written and read by the policy pass (`flows.policypass.PolicyPass`). Bounded: past `limit`
+    distinct notes the oldest is forgotten (and would be logged again if it came back).
+    """
+
+    def __init__(self, limit: int = NOTES_LOGGED) -> None:
+        self._limit = limit
+        self._logged: dict[tuple[str, str, str, str], None] = {}
+
+    def first_time(self, namespace: str, name: str, reason: str, message: str) -> bool:
+        """Whether this note was not logged yet; it counts as logged from now on."""
+        key = (namespace, name, reason, message)
+        if key in self._logged:
+            return False
+        self._logged[key] = None
+        while len(self._logged) > self._limit:
+            del self._logged[next(iter(self._logged))]
+        return True
+
+
+@dataclass(frozen=True)
+class OperatorState:
+    """Everything this operator process remembers outside the API server, one part per concern
+    (see each part's docstring for who writes and who reads it).
+
+    Made once per process by the startup handler and carried in Kopf's `memo`
+    (`handlers.runtime.state_of`); the handlers hand its parts to the flows explicitly.
+    """
+
+    set_loops: Wakeups = field(default_factory=Wakeups)
+    """The sets' reconcile loops (`handlers/rolloutset.py` `reconcile_loop`)."""
+    policy_loops: Wakeups = field(default_factory=Wakeups)
+    """The sets' checkpoint-policy loops (`handlers/policy.py` `policy_loop`)."""
+    pods_seen: PodsSeen = field(default_factory=PodsSeen)
+    latest_written: LatestWritten = field(default_factory=LatestWritten)
+    owned_objects: OwnedObjects = field(default_factory=OwnedObjects)
+    """Which sets' token Secret and Services this process ensured, and when: written and read
+    by the set's pass (`cluster.objects.OwnedObjects`)."""
+    logged_notes: LoggedNotes = field(default_factory=LoggedNotes)
+    transitions: SetTransitions = field(default_factory=SetTransitions)
+    """Each set's last status seen through its watch: written and read by the `observe`
+    handler (`handlers/rolloutset.py`), which posts an Event per transition
+    (`metrics.SetTransitions`)."""
+
+
+__all__ = [
+    "NOTES_LOGGED",
+    "LatestWritten",
+    "LoggedNotes",
+    "OperatorState",
+    "PodsSeen",
+    "SetKey",
+    "Wakeups",
+]

@@ -1,0 +1,225 @@
+"""The user's own tasks: a JSON-lines file of task rows, turned into episodes.
+
+`rollout-collect --tasks-file rows.jsonl` (and `RolloutClient`, through `client.row_episodes`) runs
+each row, any JSON object, as the task of `--rollouts-per-row` episodes. The row goes to the
+environment's `/run` verbatim, except that the rollout's sampling seed is written into one named
+field (`seed` by default, the field the reference environment and the SDK example read; see
+docs/sdk.md "The payload"); with no seed field the row is sent exactly as it is.
+
+A row's id is the value of a named field (`--id-field`) or, when none is named, a digest of its
+canonical JSON (the one `task_digest` computes, so the same row gets the same id in any run).
+Rollout ids are `<prefix><row id>-<k>` for k in 0..K-1; each rollout's seed is derived from
+(the run's seed, the row id, k), so ids and seeds are stable across runs and restarts.
+
+The file is read twice, streaming: `scan_rows` validates every line before any episode starts
+(JSON objects only, bounded size, ids that fit the protocol's rollout id pattern, no duplicate
+ids, not empty) and keeps only the ids; `RowFile.rows` then yields the rows again, lazily, while
+their episodes run, checking that each line still has the id the scan saw. Memory grows with
+the number of rows (their ids), never with the size of the file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from rollout_protocol import ROLLOUT_ID_PATTERN, task_digest
+
+from .tasks import stable_fraction
+
+DEFAULT_MAX_ROW_BYTES = 1 << 20
+"""The largest row (one line, in bytes) read: a row travels in every `/run` body and every
+re-issue of it, and a line without an end must not be read into memory whole."""
+
+DIGEST_ID_CHARS = 16
+"""Hex characters of the row digest used as a row id when no id field is named (64 bits)."""
+
+SEED_RANGE = 2**31
+"""Derived seeds lie in [0, SEED_RANGE), like the shipped tasks' (`sample_tasks`)."""
+
+
+class RowError(ValueError):
+    """The rows file cannot be used; the message names the file and, where one is at fault,
+    the line."""
+
+
+@dataclass(frozen=True)
+class RowOptions:
+    """How rows become episodes (the `rollout-collect` options of the same names)."""
+
+    id_field: str | None = None
+    rollouts_per_row: int = 1
+    seed: int = 0
+    seed_field: str | None = "seed"
+    prefix: str = ""
+    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES
+
+    def __post_init__(self) -> None:
+        if self.rollouts_per_row < 1:
+            raise RowError(f"rollouts per row must be at least 1, not {self.rollouts_per_row}")
+        if self.max_row_bytes < 2:
+            bound = self.max_row_bytes
+            raise RowError(f"the row size bound must be at least 2 bytes ({{}}), not {bound}")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One valid row: where it is, its id, and the object itself."""
+
+    line: int
+    row_id: str
+    data: dict[str, Any]
+
+
+def rollout_id(options: RowOptions, row_id: str, sample: int) -> str:
+    """The rollout id of the `sample`-th rollout of a row."""
+    return f"{options.prefix}{row_id}-{sample}"
+
+
+def rollout_seed(seed: int, row_id: str, sample: int) -> int:
+    """The sampling seed of the `sample`-th rollout of a row: a function of its arguments only."""
+    return int(stable_fraction("rollout-seed", seed, row_id, sample) * SEED_RANGE)
+
+
+def read_rows(path: Path, options: RowOptions) -> Iterator[Row]:
+    """Every row of the file in order, validated; raises `RowError` at the first bad line,
+    a duplicate id, or a file without rows."""
+    seen: dict[str, int] = {}
+    try:
+        with path.open("rb") as stream:
+            for line, data in _objects(path, stream, options.max_row_bytes):
+                row_id = _row_id(path, line, data, options)
+                first = seen.setdefault(row_id, line)
+                if first != line:
+                    how = "" if options.id_field else " (the rows are identical)"
+                    raise RowError(
+                        f"{path} line {line}: row id {row_id!r} is also line {first}'s{how}"
+                    )
+                yield Row(line, row_id, data)
+    except OSError as error:
+        raise RowError(f"cannot read the rows file: {error}") from error
+    if not seen:
+        raise RowError(f"{path}: no rows (the file is empty or has only blank lines)")
+
+
+@dataclass(frozen=True)
+class RowFile:
+    """A rows file that `scan_rows` validated: its row ids by line, and the options."""
+
+    path: Path
+    options: RowOptions
+    ids: dict[int, str]
+
+    @property
+    def episodes_total(self) -> int:
+        """How many episodes the file makes: rows times rollouts per row."""
+        return len(self.ids) * self.options.rollouts_per_row
+
+    def rows(self) -> Iterator[Row]:
+        """The rows, read again from the file as they are needed, each checked to have the id
+        the scan saw on its line."""
+        count = 0
+        for row in read_rows(self.path, self.options):
+            if self.ids.get(row.line) != row.row_id:
+                raise RowError(f"{self.path} line {row.line}: the file changed while running")
+            count += 1
+            yield row
+        if count != len(self.ids):
+            raise RowError(f"{self.path}: the file changed while running")
+
+    def task(self, row: Row, sample: int) -> dict[str, Any]:
+        """The `/run` task of a row's `sample`-th rollout: the row, with the rollout's seed in
+        the seed field when there is one."""
+        field = self.options.seed_field
+        if not field:
+            return row.data
+        return row.data | {field: rollout_seed(self.options.seed, row.row_id, sample)}
+
+
+def scan_rows(path: Path, options: RowOptions) -> RowFile:
+    """Validate the whole file (see `read_rows`) and keep its row ids."""
+    return RowFile(path, options, {row.line: row.row_id for row in read_rows(path, options)})
+
+
+# --- one line ---------------------------------------------------------------------------------
+
+
+def _objects(path: Path, stream: IO[bytes], limit: int) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for every non-blank line, without reading a line past `limit`."""
+    line = 0
+    while True:
+        raw = stream.readline(limit + 1)
+        if not raw:
+            return
+        line += 1
+        if len(raw) > limit and not raw.endswith(b"\n"):
+            raise RowError(f"{path} line {line}: longer than {limit} bytes")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise RowError(f"{path} line {line}: not UTF-8 ({error.reason})") from error
+        if not text.strip():
+            continue
+        try:
+            value = json.loads(text, object_pairs_hook=_no_repeated_keys, parse_constant=_no_nan)
+        except (ValueError, RecursionError) as error:
+            raise RowError(f"{path} line {line}: not valid JSON ({error})") from error
+        if not isinstance(value, dict):
+            raise RowError(
+                f"{path} line {line}: a row must be a JSON object, not {_json_kind(value)}"
+            )
+        yield line, value
+
+
+def _row_id(path: Path, line: int, data: dict[str, Any], options: RowOptions) -> str:
+    """The row's id, checked so that every rollout id made from it fits the protocol."""
+    if options.id_field is None:
+        row_id = task_digest(data)[:DIGEST_ID_CHARS]
+    else:
+        if options.id_field not in data:
+            raise RowError(f"{path} line {line}: no {options.id_field!r} field (the id field)")
+        value = data[options.id_field]
+        if isinstance(value, bool) or not isinstance(value, str | int):
+            raise RowError(
+                f"{path} line {line}: the id field {options.id_field!r} must be a string or an "
+                f"integer, not {_json_kind(value)}"
+            )
+        row_id = str(value)
+    if options.seed_field and options.seed_field in data:
+        raise RowError(
+            f"{path} line {line}: the row has a {options.seed_field!r} field, which "
+            "rollout-collect sets to each rollout's seed; name another --seed-field, or pass "
+            "--seed-field '' to send rows unchanged"
+        )
+    last = rollout_id(options, row_id, options.rollouts_per_row - 1)
+    if re.fullmatch(ROLLOUT_ID_PATTERN, last) is None:
+        raise RowError(
+            f"{path} line {line}: row id {row_id!r} does not make a valid rollout id ({last!r} "
+            f"must match {ROLLOUT_ID_PATTERN}: a letter or digit, then at most 127 of "
+            "letters, digits and ._:-)"
+        )
+    return row_id
+
+
+def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        keys = [key for key, _ in pairs]
+        repeated = sorted({key for key in keys if keys.count(key) > 1})
+        raise ValueError(f"repeated key {repeated[0]!r}")
+    return found
+
+
+def _no_nan(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _json_kind(value: object) -> str:
+    kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean"}
+    if value is None:
+        return "null"
+    return kinds.get(type(value), "a number")

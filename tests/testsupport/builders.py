@@ -1,0 +1,104 @@
+"""The one place tests build RolloutSets from: a manifest as `kubectl apply` takes it
+(`set_body`) or the operator's model of it (`rollout_set`), with its participants' pod templates
+(`participant`, `container`).
+
+Each test says only what it is about (its roles and replicas, a status, a policy); everything
+else is the same small valid set everywhere: one control port per container, storage on an
+`emptyDir` at `/ckpt`. The end-to-end sets that run real servers start from `examples/` instead
+(`harness/objects.py`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from rollout_operator.model import api
+
+CONTROL_PORT = 8000
+"""The control port of every container the builders make, unless a test names another."""
+
+
+def container(
+    name: str = "c", *, port: int = CONTROL_PORT, image: str | None = None
+) -> dict[str, Any]:
+    """A container with its control port named `control` (how the operator finds it)."""
+    built: dict[str, Any] = {"name": name, "ports": [{"name": "control", "containerPort": port}]}
+    if image is not None:
+        built["image"] = image
+    return built
+
+
+def participant(
+    role: str,
+    replicas: int | None = 1,
+    *,
+    port: int = CONTROL_PORT,
+    container_name: str = "c",
+    image: str | None = None,
+) -> dict[str, Any]:
+    """One `spec.participants` entry (`replicas=None` leaves the API's default of one)."""
+    entry: dict[str, Any] = {
+        "role": role,
+        "template": {"spec": {"containers": [container(container_name, port=port, image=image)]}},
+    }
+    if replicas is not None:
+        entry["replicas"] = replicas
+    return entry
+
+
+def set_body(
+    *,
+    name: str = "rl",
+    namespace: str = "ns",
+    roles: Mapping[str, int | None] | None = None,
+    participants: list[dict[str, Any]] | None = None,
+    storage: str | Path = "/ckpt",
+    volume: Mapping[str, Any] | None = None,
+    uid: str | None = "u",
+    generation: int | None = None,
+    labels: Mapping[str, str] | None = None,
+    annotations: Mapping[str, str] | None = None,
+    status: Mapping[str, Any] | None = None,
+    port: int = CONTROL_PORT,
+    **spec: Any,
+) -> dict[str, Any]:
+    """A RolloutSet manifest: `roles` maps each role to its replicas (default one model), or
+    `participants` gives the entries whole; `spec` adds or replaces top-level spec fields by
+    their API names (`progressDeadlineSeconds=60`, `standby={...}`)."""
+    if participants is None:
+        participants = [
+            participant(role, replicas, port=port)
+            for role, replicas in (roles or {"model": 1}).items()
+        ]
+    metadata: dict[str, Any] = {"name": name, "namespace": namespace}
+    if uid is not None:
+        metadata["uid"] = uid
+    if generation is not None:
+        metadata["generation"] = generation
+    if labels is not None:
+        metadata["labels"] = dict(labels)
+    if annotations is not None:
+        metadata["annotations"] = dict(annotations)
+    body: dict[str, Any] = {
+        "apiVersion": api.API_VERSION,
+        "kind": "RolloutSet",
+        "metadata": metadata,
+        "spec": {
+            "participants": participants,
+            "storage": {
+                "path": str(storage),
+                "volume": dict(volume) if volume is not None else {"emptyDir": {}},
+            },
+            **spec,
+        },
+    }
+    if status is not None:
+        body["status"] = dict(status)
+    return body
+
+
+def rollout_set(**fields: Any) -> api.RolloutSet:
+    """`set_body(**fields)` as the operator's model (validated as the API server's schema
+    would)."""
+    return api.RolloutSet.model_validate(set_body(**fields))

@@ -1,0 +1,83 @@
+"""The per-set loops' passes (`rollout_operator/flows/reconciler.py`) against the in-memory API
+server (`FakeCluster`): they keep their memory in the `OperatorState` they are handed
+(docs/design.md#611-the-operators-in-process-state), and in nothing else."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rollout_operator.decide.policy import Note
+from rollout_operator.flows.reconciler import policy_pass, set_pass
+from rollout_operator.flows.recovery import RecoveryWaits
+from rollout_operator.flows.state import OperatorState
+from rollout_operator.model import api
+from rollout_operator.model.api import RolloutSet
+from testsupport.fakecluster import FakeCluster
+from testsupport.policy import NS, rollout_set, seeded
+
+
+def _names(cluster: FakeCluster, plural: str) -> set[str]:
+    return {o["metadata"]["name"] for o in cluster.list_objects(plural, NS)}
+
+
+async def _no_transition(rset: RolloutSet, reason: str, message: str, warning: bool) -> None:
+    raise AssertionError(f"no recovery expected: {reason}: {message}")
+
+
+async def test_the_set_pass_remembers_in_the_state_it_is_handed(tmp_path: Path) -> None:
+    body = rollout_set(tmp_path)
+    del body["status"]  # a new set: no attempt whose pods could be lost
+    cluster = seeded(body)
+    kube = cluster.kube()
+    warnings: list[tuple[str, str]] = []
+    state = OperatorState()
+
+    async def one_pass(state: OperatorState) -> None:
+        await set_pass(
+            kube,
+            NS,
+            "math",
+            state=state,
+            max_replicas_per_role=api.MAX_REPLICAS,
+            recovery_waits=RecoveryWaits(),
+            warned=set(),
+            post_warning=lambda _rset, reason, message: warnings.append((reason, message)),
+            on_transition=_no_transition,
+        )
+
+    await one_pass(state)
+    assert _names(cluster, "secrets"), "the first pass ensures the token Secret"
+    shown = cluster.get(api.ROLLOUT_SET_PLURAL, NS, "math")
+    assert shown is not None
+    latest = shown["status"].get("latestCheckpoint")
+    assert not state.latest_written.written_elsewhere(NS, "math", latest)
+    assert state.latest_written.written_elsewhere(NS, "math", "written-by-hand")
+
+    for secret in _names(cluster, "secrets"):
+        cluster.remove("secrets", NS, secret)
+    await one_pass(state)
+    assert _names(cluster, "secrets") == set(), "this state ensured it lately: not again"
+    await one_pass(OperatorState())
+    assert _names(cluster, "secrets"), "a process that has just started ensures it again"
+    assert warnings == []
+
+
+async def test_the_policy_pass_logs_its_notes_in_the_state_it_is_handed(tmp_path: Path) -> None:
+    body = rollout_set(tmp_path)
+    body["metadata"]["annotations"] = {api.ANNOTATION_TRAINER_STEP: "step-twelve"}
+    kube = seeded(body).kube()
+    notes: list[Note] = []
+    state = OperatorState()
+
+    async def note(_rset: RolloutSet, found: Note) -> None:
+        notes.append(found)
+
+    await policy_pass(kube, NS, "math", state=state, on_note=note)
+    assert notes, "an invalid trainer step is a note"
+    assert all(not state.logged_notes.first_time(NS, "math", n.reason, n.message) for n in notes), (
+        "each note the pass saw is logged in this state"
+    )
+    await policy_pass(kube, NS, "math", state=state, on_note=note)
+    assert len(notes) == 2 * len({(n.reason, n.message) for n in notes}), (
+        "the sink sees every pass's notes"
+    )
