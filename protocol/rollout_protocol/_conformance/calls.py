@@ -183,3 +183,9 @@ async def _prepared(conn: _Conn, rule: str, checkpoint_id: str, deadline_ts: flo
         f"ready={reply.ready}, phase {reply.phase.value}, {reply.blocker_count} blockers",
     )
     return reply
+
+
+def _named_for(conn: _Conn) -> list[str] | None:
+    """The rollouts a refused restore names: none for a Gym target (its restore must name a
+    list, and the refusal comes before any record is read), None (every record) for ours."""
+    return [] if conn.target.dialect is Dialect.GYM else None

@@ -336,11 +336,10 @@ async def _restore_after_crash(
         call_timeout_s=run.call_timeout_s,
     )
     coordinator = Coordinator([conn.participant for conn in conns], call_timeout=run.call_timeout_s)
-    # NeMo Gym's restore has no scope: participants that all speak it restore every record
-    # (the checkpoint holds exactly the rollouts, `_checkpoint` checked)
-    gym_only = all(conn.target.dialect is Dialect.GYM for conn in conns)
+    assert run.commit is not None, "the checkpoint was committed before the crash"
+    # a Gym participant's restore names the rollouts its commit listed (`listed`)
     restored = await coordinator.restore(
-        cid, attempt + 1, time.time() + run.call_timeout_s, None if gym_only else run.rids
+        cid, attempt + 1, time.time() + run.call_timeout_s, run.rids, listed=run.commit.listed
     )
     _expect(
         RESTORE,
@@ -351,7 +350,6 @@ async def _restore_after_crash(
     )
     workers = _multi_worker(conns, statuses)
     pooled = {status.instance for status in statuses if status.workers > 1}
-    assert run.commit is not None, "the checkpoint was committed before the crash"
     for instance, manifest in run.commit.manifests.items():
         _expect(
             WORKERS_RESTORE if instance in pooled else RESTORE,

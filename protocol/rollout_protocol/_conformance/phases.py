@@ -27,6 +27,7 @@ from .calls import (
     _connect,
     _expect,
     _expect_idle,
+    _named_for,
     _new_id,
     _ok,
     _prepared,
@@ -89,7 +90,11 @@ async def check_phases(target: Target, *, call_timeout_s: float = 10.0) -> tuple
         await _expect_idle(conn, PHASES_RESUME, f"after the resume of committed {cid}")
 
         attempt = max(before.attempt, committed.manifest.attempt) + 1
-        restore = RestoreRequest(checkpoint_id=cid, attempt=attempt, deadline_ts=conn.deadline())
+        # the rollouts the commit listed (a Gym participant's restore names them; ours: None)
+        named = committed.rollout_ids
+        restore = RestoreRequest(
+            checkpoint_id=cid, attempt=attempt, rollout_ids=named, deadline_ts=conn.deadline()
+        )
         restored = await _ok(
             PHASES_REPLAY, f"restore of {cid} under attempt {attempt}", p.restore(restore)
         )
@@ -105,7 +110,12 @@ async def check_phases(target: Target, *, call_timeout_s: float = 10.0) -> tuple
         await _replayed(
             f"a retried restore of {cid}",
             p.restore(
-                RestoreRequest(checkpoint_id=cid, attempt=attempt, deadline_ts=conn.deadline())
+                RestoreRequest(
+                    checkpoint_id=cid,
+                    attempt=attempt,
+                    rollout_ids=named,
+                    deadline_ts=conn.deadline(),
+                )
             ),
             restored,
         )
@@ -115,7 +125,12 @@ async def check_phases(target: Target, *, call_timeout_s: float = 10.0) -> tuple
             STALE,
             f"a restore of {cid} under attempt {attempt} after it was restored and resumed",
             p.restore(
-                RestoreRequest(checkpoint_id=cid, attempt=attempt, deadline_ts=conn.deadline())
+                RestoreRequest(
+                    checkpoint_id=cid,
+                    attempt=attempt,
+                    rollout_ids=named,
+                    deadline_ts=conn.deadline(),
+                )
             ),
             ErrorCode.STALE_CHECKPOINT,
         )
@@ -150,6 +165,7 @@ def _calls_with(
 ) -> list[tuple[str, _Call]]:
     """Control calls naming `checkpoint_id` (made when called, each with a fresh deadline)."""
     p = conn.participant
+    named = _named_for(conn)
     every: dict[str, _Call] = {
         "prepare": lambda: p.prepare(
             PrepareRequest(checkpoint_id=checkpoint_id, deadline_ts=conn.deadline())
@@ -165,7 +181,10 @@ def _calls_with(
         ),
         "restore": lambda: p.restore(
             RestoreRequest(
-                checkpoint_id=checkpoint_id, attempt=attempt, deadline_ts=conn.deadline()
+                checkpoint_id=checkpoint_id,
+                attempt=attempt,
+                rollout_ids=named,
+                deadline_ts=conn.deadline(),
             )
         ),
     }

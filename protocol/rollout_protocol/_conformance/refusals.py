@@ -30,16 +30,17 @@ _EXAMPLE_VALUES: Mapping[str, Any] = {
     "deadline_ts": _PAST_DEADLINE,
     "attempt": 0,
     "rollout_ids": ["kit-rollout"],
+    "episode_ids": [{"rollout_id": "kit-rollout", "attempt": 0}],
 }
 
 
 _ID_FIELDS = ("checkpoint_id", "operation_id")
 
 
-_GYM_ID_FIELDS = ("source_checkpoint_id", "checkpoint_dir")
+_GYM_ID_FIELDS = ("checkpoint_dir",)
 
 
-"""Gym fields that name the checkpoint (a restore's source, the directory relative to the set)."""
+"""Gym fields that name the checkpoint (the directory, relative to the set)."""
 
 
 _UNKNOWN_FIELD = "kit_unknown_field"
@@ -83,8 +84,12 @@ def _refusal(response: httpx.Response, dialect: Dialect) -> tuple[str, str] | No
     try:
         gym_body = gym.GymErrorBody.model_validate_json(response.content)
     except ValidationError:
-        return None
-    return gym_body.error.code, gym_body.error.message
+        try:  # FastAPI's 422, Gym's answer to a body its models refuse
+            validation = gym.GymValidationBody.model_validate_json(response.content)
+        except ValidationError:
+            return None
+        return ErrorCode.INVALID_REQUEST.value, "; ".join(item.msg for item in validation.detail)
+    return gym_body.error.code, gym_body.error.detail
 
 
 async def _expect_refusal(
@@ -106,7 +111,7 @@ async def _expect_refusal(
     assert path is not None
     if dialect is Dialect.GYM:
         status, gym_body = gym.gym_error(code, "")
-        name = gym_body.error.code
+        name = gym_body["error"]["code"] if "error" in gym_body else ErrorCode.INVALID_REQUEST.value
     else:
         name = code.value
     if content is not None:

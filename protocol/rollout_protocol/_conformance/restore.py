@@ -18,7 +18,7 @@ from .._wire import (
     Manifest,
     RestoreRequest,
 )
-from .calls import Target, _connect, _expect, _expect_idle, _refused
+from .calls import Target, _connect, _expect, _expect_idle, _named_for, _refused
 from .report import RESTORE, ConformanceError
 
 _DAMAGES = ("flipped-byte", "wrong-count")
@@ -116,7 +116,10 @@ async def check_restore_all_or_nothing(
                     what,
                     conn.participant.restore(
                         RestoreRequest(
-                            checkpoint_id=damaged_id, attempt=attempt, deadline_ts=conn.deadline()
+                            checkpoint_id=damaged_id,
+                            attempt=attempt,
+                            rollout_ids=_named_for(conn),
+                            deadline_ts=conn.deadline(),
                         )
                     ),
                     ErrorCode.RECORDS_INVALID,

@@ -93,6 +93,7 @@ async def publish(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpo
                 records_sha256=manifest.records_sha256,
                 record_count=manifest.record_count,
                 bytes=manifest.bytes,
+                rollout_ids=committed.listed.get(instance),
             )
             for instance, manifest in sorted(committed.manifests.items())
         ]

@@ -107,10 +107,18 @@ async def restore(context: RecoveryContext, rset: RolloutSet) -> RolloutSet:
     recovery = recovery_of(rset)
     if recovery.checkpoint is None:
         return await set_phase(context, rset, RecoveryPhase.RESUMING)
+    checkpoint = recovery.checkpoint
+    # the rollouts a participant's commit listed: a NeMo Gym participant restores only those
+    # it is told (docs/protocol.md, "The NeMo Gym dialect")
+    ckpt = await read_checkpoint(context, rset, checkpoint)
+    listed = {
+        entry.instance: entry.rollout_ids
+        for entry in (ckpt.status.participants if ckpt is not None else [])
+        if entry.rollout_ids is not None
+    }
     coordinator, clients = await context.coordinator(rset)
     adopted = adopted_instances(recovery.adopted)
     peers = rewiring(rset, rset.status.participants, set(recovery.kept), adopted.values())
-    checkpoint = recovery.checkpoint
     try:
         deadline = max(try_deadline(rset), context.clock() + context.waits.restore_floor_seconds)
         outcome = await while_pods_hold(
@@ -122,6 +130,7 @@ async def restore(context: RecoveryContext, rset: RolloutSet) -> RolloutSet:
                 deadline,
                 peers=peers,
                 adopted=list(adopted),
+                listed=listed,
             ),
         )
     finally:
