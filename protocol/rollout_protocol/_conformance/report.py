@@ -16,83 +16,31 @@ from .._wire import (
 )
 
 PHASES_REPLAY = "phases.replay"
-
-
 PHASES_RESUME = "phases.resume-idle"
-
-
 STALE = "ids.stale"
-
-
 CONFLICTING = "ids.conflicting"
-
-
 LEASE = "lease.auto-resume"
-
-
 AUTH = "auth.every-route"
-
-
 BODIES = "bodies.strict"
-
-
 RESTORE = "restore.all-or-nothing"
-
-
 STEPS = "steps.no-rerun"
-
-
 STEPS_INDEXED = "steps.indexed"
-
-
 STEPS_ONCE = "steps.once-per-attempt"
-
-
 STEPS_WAIT = "steps.wait-holds-prepare"
-
-
 RUN_ATTEMPT = "run.attempt-mismatch"
-
-
 RUN_RETIRED = "run.retired"
-
-
 RUN_LIVE = "run.repeat-live"
-
-
 RUN_FINISHED = "run.repeat-finished"
-
-
 RUN_ONE = "run.repeat-one-episode"
-
-
 MODEL_HEADERS = "model.headers"
-
-
 MODEL_PROMPTS = "model.same-prompts"
-
-
 STATE = "state.in-boundary"
-
-
 WORKERS_MANAGED = "workers.managed"
-
-
 WORKERS_PRIVATE = "workers.private-channel"
-
-
 WORKERS_SPREAD = "workers.spread"
-
-
 WORKERS_PARK = "workers.park-all"
-
-
 WORKERS_RESTORE = "workers.restore-all"
-
-
 WORKERS_REPEAT = "workers.repeat-run"
-
-
 DRIVER_HOLDS = "driver.holds"
 
 
@@ -168,11 +116,7 @@ RULES: Mapping[str, str] = {
 
 
 PARTICIPANT = "the participant"
-
-
 DRIVER = "the driver (your EpisodeDriver, not the server)"
-
-
 DRIVER_MISTAKE = "the kit's driver: your test's mistake, not the server's"
 
 
