@@ -1,0 +1,110 @@
+"""A released NeMo Gym resources server, hosted as a pod of a RolloutSet without Ray or a head
+server (docs/gym.md, "The resources pod").
+
+Gym starts a server with `run_webserver()`, which starts or joins a Ray cluster and reads its
+config (and every peer's address) from Gym's global config or head server. Here the server class
+comes from the installed package and is constructed as `run_webserver` would, with its own
+config (name, host, port) and a Gym global config built from the operator's peer addresses
+(`ROLLOUT_PEER_<ROLE>_URL`), so a Gym server that calls another (a judge model) reaches it by
+Gym's own `server_client`. Its app is Gym's, with Gym's session, liveness and exception
+middleware; nothing of its code changes.
+
+The pod also answers the operator's control calls: a participant with no episodes of its own
+(the environment records each session's calls and rebuilds them; `rollout_gym.environment`),
+which parks at once and records nothing, so checkpoints and restores include the pod.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from fastapi import FastAPI, Query
+from rollout_protocol import (
+    ControlPlane,
+    ControlSettings,
+    EpisodeRuntime,
+    Role,
+    RuntimeParticipant,
+    StepCounters,
+)
+
+MODEL_SERVER_NAME = "policy_model"
+"""The name Gym configs give the policy model (`model_server: {name: policy_model}`)."""
+
+
+def server_class(entry: str) -> Any:
+    """`module:Class` of an installed Gym resources server, e.g.
+    `resources_servers.example_session_state_mgmt.app:StatefulCounterResourcesServer`."""
+    module_name, _, class_name = entry.partition(":")
+    if not class_name:
+        raise ValueError(f"{entry!r}: expected module:Class")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def _host_port(url: str) -> dict[str, Any]:
+    parts = urlsplit(url)
+    return {"host": parts.hostname or "127.0.0.1", "port": parts.port or 80}
+
+
+def gym_global_config(
+    name: str, host: str, port: int, peers: Mapping[str, str], model_name: str = MODEL_SERVER_NAME
+) -> dict[str, Any]:
+    """Gym's global config as its `ServerClient` reads it (three levels: instance name, server
+    type, implementation), from the operator's peer addresses instead of a head server."""
+    config: dict[str, Any] = {
+        name: {"resources_servers": {"hosted": {"host": host, "port": port, "entrypoint": "app.py"}}}
+    }
+    if "model" in peers:
+        config[model_name] = {
+            "responses_api_models": {"rollout_model": {**_host_port(peers["model"])}}
+        }
+    return config
+
+
+def build_gym_app(entry: str, name: str, host: str, port: int, peers: Mapping[str, str]) -> Any:
+    """The Gym server's own app, set up as `run_webserver` sets it up, less Ray."""
+    from nemo_gym.config_types import BaseServerConfig
+    from nemo_gym.server_utils import ServerClient
+    from omegaconf import OmegaConf
+
+    cls = server_class(entry)
+    config_cls = cls.model_fields["config"].annotation
+    config = config_cls.model_validate(
+        {"name": name, "host": host, "port": port, "entrypoint": "app.py"}
+    )
+    client = ServerClient(
+        head_server_config=BaseServerConfig(host=host, port=port),
+        global_config_dict=OmegaConf.create(gym_global_config(name, host, port, peers)),
+    )
+    server = cls(config=config, server_client=client)
+    app = server.setup_webserver()
+    server.setup_liveness(app)
+    server.setup_exception_middleware(app)
+    return app
+
+
+def build_app(settings: ControlSettings, gym_app: FastAPI) -> FastAPI:
+    """The Gym app with the pod's control plane, `/stats` and `/healthz` mounted beside it."""
+    counters = StepCounters(Role.RESOURCES)
+    runtime = EpisodeRuntime(observer=counters.observe)
+    participant = RuntimeParticipant(Role.RESOURCES, runtime, work_counter=None)
+    plane = ControlPlane(participant, settings)
+    gym_app.state.draining = False
+
+    @gym_app.get("/stats", include_in_schema=False)
+    async def stats(rollout_id: list[str] | None = Query(default=None)) -> dict[str, Any]:  # noqa: B008
+        return counters.snapshot(rollout_id, detail=False)
+
+    @gym_app.get("/healthz", include_in_schema=False)
+    async def healthz() -> dict[str, str]:
+        if gym_app.state.draining:
+            from rollout_protocol import ErrorCode, ProtocolError
+
+            raise ProtocolError(ErrorCode.ADMISSION_CLOSED, "draining")
+        return {"status": "ok"}
+
+    plane.install(gym_app)
+    return gym_app
