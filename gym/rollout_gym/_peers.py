@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -49,6 +50,17 @@ class GymReply:
     @property
     def ok(self) -> bool:
         return 200 <= self.status < 300
+
+
+def client(timeout: float) -> httpx.AsyncClient:
+    """The adapter's HTTP client: its cookie jar keeps nothing, since a Gym session is one
+    episode's (its cookies travel in the episode's boundary and are sent per call)."""
+    return httpx.AsyncClient(timeout=timeout, cookies=CookieJar(policy=_NoCookies()))
+
+
+class _NoCookies(DefaultCookiePolicy):
+    def set_ok(self, cookie: Any, request: Any) -> bool:
+        return False
 
 
 def is_cancellation(status: int, text: str) -> bool:
@@ -95,14 +107,10 @@ async def _post_once(
     headers: Mapping[str, str] | None,
     timeout: float,
 ) -> GymReply:
-    request = client.build_request(
-        "POST",
-        url,
-        json=body,
-        headers=dict(headers or {}),
-        cookies=dict(cookies or {}),
-        timeout=timeout,
-    )
+    sent = dict(headers or {})
+    if cookies:  # the episode's own cookies, never a jar shared by episodes (`client`)
+        sent["Cookie"] = "; ".join(f"{name}={value}" for name, value in cookies.items())
+    request = client.build_request("POST", url, json=body, headers=sent, timeout=timeout)
     response = await client.send(request, stream=True)
     try:
         chunks: list[bytes] = []

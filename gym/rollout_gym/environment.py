@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Final
 
-import httpx
 from fastapi import FastAPI, Query
 from pydantic import BaseModel, ConfigDict, Field
 from rollout_protocol import (
@@ -54,7 +53,7 @@ from rollout_protocol import (
     StepMode,
 )
 
-from ._peers import GymReply, PeerUnavailable, post
+from ._peers import GymReply, PeerUnavailable, client, post
 
 log = logging.getLogger("rollout_gym.environment")
 
@@ -189,7 +188,7 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
     """The adapter's environment: episode runtime, participant, control plane, `/run`."""
     counters = StepCounters(Role.ENVIRONMENT)
     runtime = EpisodeRuntime(observer=counters.observe)
-    http = httpx.AsyncClient(timeout=settings.step_timeout_s)
+    http = client(settings.step_timeout_s)
     peers = {"model": settings.model_url, "resources": settings.resources_url}
     rebuilt = Rebuilt()
 
