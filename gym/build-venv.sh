@@ -6,7 +6,7 @@
 #
 # Two levels, both cached under $ROLLOUT_GYM_CACHE (default ~/.cache/rollout-gym):
 #   base-<key>/   nemo-gym and its dependencies; <key> digests the Python version, the two pin
-#                 files and this script. The cold build is the slow part (Ray, MLflow, wandb).
+#                 files and BASE_RECIPE. The cold build is the slow part (Ray, MLflow, wandb).
 #   venv-<key>/   a small venv whose site-packages reaches the base's through a .pth file, with
 #                 the SDK and the adapter installed (no dependencies); <key> adds the digest of
 #                 their sources, so a change to them costs seconds, not a new base.
@@ -34,7 +34,10 @@ find_python() {
 py="$(find_python)"
 version="$("$py" -c 'import sys; print(".".join(map(str, sys.version_info[:3])))')"
 cache="${ROLLOUT_GYM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rollout-gym}"
-base_key="$({ echo "$version"; uname -m; cat "$here/requirements.txt" "$here/constraints.txt" "$here/build-venv.sh"; } \
+# Bump BASE_RECIPE when the base's build commands below change (the key leaves this script out,
+# so that editing the rest of it does not rebuild the base).
+BASE_RECIPE=1
+base_key="$({ echo "$version $BASE_RECIPE"; uname -m; cat "$here/requirements.txt" "$here/constraints.txt"; } \
   | sha256sum | cut -c1-16)"
 base="$cache/base-$base_key"
 # the sources the layer installs: tracked and untracked files of the two packages, by content
@@ -42,10 +45,15 @@ src_key="$(cd "$repo" && { echo "$base_key"; find protocol/pyproject.toml protoc
   -type f ! -name '*.pyc' ! -path '*/__pycache__/*' -print0 | sort -z | xargs -0 sha256sum; } | sha256sum | cut -c1-16)"
 layer="$cache/venv-$src_key"
 
+# one build at a time per cache (make test's workers, several checkouts of one machine)
+mkdir -p "$cache"
+exec 9>"$cache/.lock"
+flock -w 1800 9 || { echo "[gym] another build holds $cache/.lock for 30 minutes" >&2; exit 1; }
+
 if [ ! -f "$base/.complete" ]; then
   echo "[gym] building the NeMo Gym environment on Python $version (first build on this machine: minutes; log: $base.log) ..." >&2
   start=$SECONDS
-  rm -rf "$base" && mkdir -p "$cache"
+  rm -rf "$base"
   {
     "$py" -m venv "$base"
     "$base/bin/python" -m pip install --quiet --upgrade pip
@@ -68,4 +76,7 @@ if [ ! -f "$layer/.complete" ]; then
   touch "$layer/.complete"
   echo "[gym] SDK and adapter installed ($layer)" >&2
 fi
+# layers of sources no longer checked out, bases of older pins: keep the newest eight and two
+ls -1dt "$cache"/venv-*/ 2>/dev/null | tail -n +9 | while read -r old; do rm -rf "$old" "${old%/}.log"; done
+ls -1dt "$cache"/base-*/ 2>/dev/null | tail -n +3 | while read -r old; do rm -rf "$old" "${old%/}.log"; done
 echo "$layer"

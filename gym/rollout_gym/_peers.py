@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 import time
-from http.cookiejar import CookieJar, DefaultCookiePolicy
 from collections.abc import Mapping
 from dataclasses import dataclass
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Any, Final
 
 import anyio
@@ -52,7 +52,7 @@ class GymReply:
         return 200 <= self.status < 300
 
 
-def client(timeout: float) -> httpx.AsyncClient:
+def make_client(timeout: float) -> httpx.AsyncClient:
     """The adapter's HTTP client: its cookie jar keeps nothing, since a Gym session is one
     episode's (its cookies travel in the episode's boundary and are sent per call)."""
     return httpx.AsyncClient(timeout=timeout, cookies=CookieJar(policy=_NoCookies()))
@@ -105,12 +105,12 @@ async def _post_once(
     body: Any,
     cookies: Mapping[str, str] | None,
     headers: Mapping[str, str] | None,
-    timeout: float,
+    left_s: float,
 ) -> GymReply:
     sent = dict(headers or {})
     if cookies:  # the episode's own cookies, never a jar shared by episodes (`client`)
         sent["Cookie"] = "; ".join(f"{name}={value}" for name, value in cookies.items())
-    request = client.build_request("POST", url, json=body, headers=sent, timeout=timeout)
+    request = client.build_request("POST", url, json=body, headers=sent, timeout=left_s)
     response = await client.send(request, stream=True)
     try:
         chunks: list[bytes] = []

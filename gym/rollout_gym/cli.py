@@ -36,7 +36,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         p.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
         p.add_argument("--drain-seconds", type=float, default=20.0)
     env = sub.choices["environment"]
-    env.add_argument("--strategy", choices=[s.value for s in environment.Strategy], default="replay")
+    env.add_argument(
+        "--strategy", choices=[s.value for s in environment.Strategy], default="replay"
+    )
     env.add_argument("--max-steps", type=int, default=16)
     env.add_argument("--step-timeout-seconds", type=float, default=300.0)
     env.add_argument("--rebuild-timeout-seconds", type=float, default=60.0)

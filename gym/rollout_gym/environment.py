@@ -11,7 +11,7 @@ restore. Here the same loop is a sequence of SDK steps with the transcript in ea
 | step | mode | what |
 |---|---|---|
 | `seed` | wait | `POST /seed_session` with the task row: opens the Gym session (its cookie) |
-| `model@<turn>` | replay | `POST /v1/responses` to the set's model, naming the episode (docs/sdk.md, section 3) |
+| `model@<turn>` | replay | `POST /v1/responses` to the set's model, naming the episode |
 | `tool@<n>` | wait | one function call on the resources server, recorded with its output |
 | `verify` | wait | `POST /verify` with the task row and the whole response |
 
@@ -53,7 +53,7 @@ from rollout_protocol import (
     StepMode,
 )
 
-from ._peers import GymReply, PeerUnavailable, client, post
+from ._peers import GymReply, PeerUnavailable, make_client, post
 
 log = logging.getLogger("rollout_gym.environment")
 
@@ -188,7 +188,7 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
     """The adapter's environment: episode runtime, participant, control plane, `/run`."""
     counters = StepCounters(Role.ENVIRONMENT)
     runtime = EpisodeRuntime(observer=counters.observe)
-    http = client(settings.step_timeout_s)
+    http = make_client(settings.step_timeout_s)
     peers = {"model": settings.model_url, "resources": settings.resources_url}
     rebuilt = Rebuilt()
 
@@ -231,13 +231,17 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
         except PeerUnavailable as exc:
             raise ProtocolError(ErrorCode.INTERNAL, f"resources server: {exc}") from exc
 
-    async def rebuild_session(rollout_id: str, boundary: Boundary, deadline: float) -> dict[str, str]:
+    async def rebuild_session(
+        rollout_id: str, boundary: Boundary, deadline: float
+    ) -> dict[str, str]:
         """A fresh Gym session holding what the recorded one held, by the strategy."""
         state = boundary.state
         session = state["session"]
         task = state["task"]
         try:
-            seeded = await post(http, peers["resources"] + "/seed_session", task, deadline_ts=deadline)
+            seeded = await post(
+                http, peers["resources"] + "/seed_session", task, deadline_ts=deadline
+            )
         except PeerUnavailable as exc:
             raise RebuildFailed(f"{rollout_id}: {exc}") from exc
         if not seeded.ok:

@@ -7,7 +7,8 @@ comes from the installed package and is constructed as `run_webserver` would, wi
 config (name, host, port) and a Gym global config built from the operator's peer addresses
 (`ROLLOUT_PEER_<ROLE>_URL`), so a Gym server that calls another (a judge model) reaches it by
 Gym's own `server_client`. Its app is Gym's, with Gym's session, liveness and exception
-middleware; nothing of its code changes.
+middleware and error handlers; nothing of its code changes. (A mounted app's lifespan does not
+run: a Gym server that sets itself up in a lifespan is not hosted by this module yet.)
 
 The pod also answers the operator's control calls: a participant with no episodes of its own
 (the environment records each session's calls and rebuilds them; `rollout_gym.environment`),
@@ -26,6 +27,8 @@ from rollout_protocol import (
     ControlPlane,
     ControlSettings,
     EpisodeRuntime,
+    ErrorCode,
+    ProtocolError,
     Role,
     RuntimeParticipant,
     StepCounters,
@@ -55,7 +58,9 @@ def gym_global_config(
     """Gym's global config as its `ServerClient` reads it (three levels: instance name, server
     type, implementation), from the operator's peer addresses instead of a head server."""
     config: dict[str, Any] = {
-        name: {"resources_servers": {"hosted": {"host": host, "port": port, "entrypoint": "app.py"}}}
+        name: {
+            "resources_servers": {"hosted": {"host": host, "port": port, "entrypoint": "app.py"}}
+        }
     }
     if "model" in peers:
         config[model_name] = {
@@ -86,25 +91,27 @@ def build_gym_app(entry: str, name: str, host: str, port: int, peers: Mapping[st
     return app
 
 
-def build_app(settings: ControlSettings, gym_app: FastAPI) -> FastAPI:
-    """The Gym app with the pod's control plane, `/stats` and `/healthz` mounted beside it."""
+def build_app(settings: ControlSettings, gym_app: Any) -> FastAPI:
+    """The pod's app: the control plane, `/stats` and `/healthz` in an app of their own, and
+    every other path handed to the Gym app, mounted at the root with its own middleware and
+    error handlers (its 422 bodies are tool outputs a model reads: they stay Gym's)."""
     counters = StepCounters(Role.RESOURCES)
     runtime = EpisodeRuntime(observer=counters.observe)
     participant = RuntimeParticipant(Role.RESOURCES, runtime, work_counter=None)
     plane = ControlPlane(participant, settings)
-    gym_app.state.draining = False
+    app = FastAPI()
+    app.state.draining = False
 
-    @gym_app.get("/stats", include_in_schema=False)
+    @app.get("/stats", include_in_schema=False)
     async def stats(rollout_id: list[str] | None = Query(default=None)) -> dict[str, Any]:  # noqa: B008
         return counters.snapshot(rollout_id, detail=False)
 
-    @gym_app.get("/healthz", include_in_schema=False)
+    @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, str]:
-        if gym_app.state.draining:
-            from rollout_protocol import ErrorCode, ProtocolError
-
+        if app.state.draining:
             raise ProtocolError(ErrorCode.ADMISSION_CLOSED, "draining")
         return {"status": "ok"}
 
-    plane.install(gym_app)
-    return gym_app
+    plane.install(app)
+    app.mount("/", gym_app)
+    return app
