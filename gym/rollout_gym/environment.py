@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -57,6 +58,8 @@ from ._peers import GymReply, PeerUnavailable, make_client, post
 
 log = logging.getLogger("rollout_gym.environment")
 
+MAX_SESSIONS_KEPT: Final = 50_000
+"""Finished rollouts whose Gym session `GET /gym/sessions` can still name."""
 MAX_SHOWN: Final = 300
 """Characters of a tool output a mismatch message shows."""
 
@@ -421,6 +424,21 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
         state = {**episode.boundary.state, "session": {**session, "cookies": cookies}}
         runtime.advance(episode, Boundary(episode.boundary.step, state))
 
+    sessions: OrderedDict[str, dict[str, Any]] = OrderedDict()
+    """Which Gym session served each rollout's last attempt here (`GET /gym/sessions`)."""
+
+    def served(episode: Episode) -> None:
+        session = episode.boundary.state.get("session")
+        if isinstance(session, dict):
+            sessions[episode.rollout_id] = {
+                "attempt": episode.attempt,
+                "cookies": session["cookies"],
+                "calls": len(session["calls"]),
+            }
+            sessions.move_to_end(episode.rollout_id)
+            while len(sessions) > MAX_SESSIONS_KEPT:
+                sessions.popitem(last=False)
+
     async def play(episode: Episode) -> RunResult:
         claim(episode)
         while episode.boundary.step != "done":
@@ -437,6 +455,7 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
             else:
                 await runtime.step(episode, "verify", StepMode.WAIT, lambda: verify(episode))
         state = episode.boundary.state
+        served(episode)
         return RunResult(
             rollout_id=episode.rollout_id,
             attempt=episode.attempt,
@@ -460,6 +479,12 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
     @app.get("/stats")
     async def stats(rollout_id: list[str] | None = Query(default=None)) -> dict[str, Any]:  # noqa: B008
         return counters.snapshot(rollout_id, detail=False)
+
+    @app.get("/gym/sessions")
+    async def gym_sessions(rollout_id: list[str] = Query()) -> dict[str, Any]:  # noqa: B008
+        """The Gym session (its cookies) each finished rollout's episode used here, to read the
+        resources server's own state of it; unknown rollouts are left out."""
+        return {"sessions": {rid: sessions[rid] for rid in rollout_id if rid in sessions}}
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

@@ -19,8 +19,8 @@ counter's memory. Then, under the next attempt:
   the kit passes (`state.in-boundary`: the reward of the uninterrupted twin);
 - `snapshot`: the counter subclass of `examples/gym-environment` exports the session after each
   call, the adapter imports it into a fresh session; the kit passes;
-- `restart`: the checkpoint lists the episodes as restarts, they are played again from the start;
-  the kit passes;
+- `restart`: the checkpoint lists the episodes as restarts (its work-loss count), which the kit
+  refuses by design (`steps.no-rerun`: a restarted episode runs its completed steps again);
 - rebuild turned off (`ROLLOUT_GYM_REBUILD=off`, the negative control): the restored episode
   keeps its old cookie, which the restarted counter accepts with an empty session; the reward
   differs from the twin's and the kit fails with `state.in-boundary`;
@@ -212,7 +212,7 @@ async def test_gym_adapter_keeps_the_participant_rules(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("strategy", "server"),
-    [("replay", COUNTER), ("snapshot", SNAPSHOT_COUNTER), ("restart", COUNTER)],
+    [("replay", COUNTER), ("snapshot", SNAPSHOT_COUNTER)],
 )
 async def test_gym_adapter_passes_the_kit(tmp_path: Path, strategy: str, server: str) -> None:
     driver = await run_kit(tmp_path, strategy=strategy, server=server)
@@ -221,9 +221,18 @@ async def test_gym_adapter_passes_the_kit(tmp_path: Path, strategy: str, server:
     restored = {k: v for k, v in rewards.items() if k[1] == 1 and "uninterrupted" not in k[0]}
     assert restored, rewards
     assert set(restored.values()) == {1.0}, rewards
-    if strategy != "restart":
-        continued = [driver.results[key]["continued_from"] for key in restored]
-        assert continued == [0] * len(restored), driver.results
+    continued = [driver.results[key]["continued_from"] for key in restored]
+    assert continued == [0] * len(restored), driver.results
+
+
+async def test_gym_adapter_restart_strategy_reports_its_work_loss(tmp_path: Path) -> None:
+    """`restart` keeps nothing of a session: its prepare lists every episode as a restart (the
+    checkpoint's, and the set's, work-loss count), which the kit refuses by design
+    (`steps.no-rerun`: every completed step of a restarted episode runs again)."""
+    with pytest.raises(ConformanceError) as failed:
+        await run_kit(tmp_path, strategy="restart")
+    assert failed.value.rule == "steps.no-rerun", failed.value
+    assert "restarts ['kit-episode-0@0', 'kit-episode-1@0']" in str(failed.value), failed.value
 
 
 async def test_gym_adapter_without_the_rebuild_fails_the_kit(tmp_path: Path) -> None:
