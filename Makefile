@@ -42,7 +42,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test,engine]'
 	@# devcluster/ and harness/ are not in the wheel; the checkout's venv finds them through this .pth
-	@echo "$(CURDIR)" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/rollout-checkout.pth"
+	@# gym/ too: the Gym adapter's modules are linted and type-checked here (nemo-gym is not installed)
+	@printf '%s\n' "$(CURDIR)" "$(CURDIR)/gym" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/rollout-checkout.pth"
 	@touch $@
 
 venv: $(VENV)/.installed
