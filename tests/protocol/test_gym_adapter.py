@@ -19,8 +19,9 @@ counter's memory. Then, under the next attempt:
   the kit passes (`state.in-boundary`: the reward of the uninterrupted twin);
 - `snapshot`: the counter subclass of `examples/gym-environment` exports the session after each
   call, the adapter imports it into a fresh session; the kit passes;
-- `restart`: the checkpoint lists the episodes as restarts (its work-loss count), which the kit
-  refuses by design (`steps.no-rerun`: a restarted episode runs its completed steps again);
+- `restart`: the checkpoint lists the episodes as restarts (its work-loss count); the kit passes
+  in its `restarting` mode (each episode played again from its start), and fails without it
+  (`steps.no-rerun`: a restarted episode runs its completed steps again);
 - rebuild turned off (`ROLLOUT_GYM_REBUILD=off`, the negative control): the restored episode
   keeps its old cookie, which the restarted counter accepts with an empty session; the reward
   differs from the twin's and the kit fails with `state.in-boundary`;
@@ -178,12 +179,14 @@ class GymDriver:
             self.model.stop()
 
 
-async def run_kit(tmp_path: Path, **kwargs: Any) -> GymDriver:
+async def run_kit(tmp_path: Path, *, restarting: bool = False, **kwargs: Any) -> GymDriver:
     async with httpx.AsyncClient() as http:
         driver = GymDriver(tmp_path, http, **kwargs)
         try:
             await driver.restart(0)
-            await check_crash_restore(driver, checkpoint_root=tmp_path / "checkpoints")
+            await check_crash_restore(
+                driver, checkpoint_root=tmp_path / "checkpoints", restarting=restarting
+            )
         finally:
             driver.stop()
     return driver
@@ -225,10 +228,21 @@ async def test_gym_adapter_passes_the_kit(tmp_path: Path, strategy: str, server:
     assert continued == [0] * len(restored), driver.results
 
 
-async def test_gym_adapter_restart_strategy_reports_its_work_loss(tmp_path: Path) -> None:
-    """`restart` keeps nothing of a session: its prepare lists every episode as a restart (the
-    checkpoint's, and the set's, work-loss count), which the kit refuses by design
-    (`steps.no-rerun`: every completed step of a restarted episode runs again)."""
+async def test_gym_adapter_passes_the_kit_restarting(tmp_path: Path) -> None:
+    """`restart` keeps nothing of a session and says so: its prepare lists every episode as a
+    restart (the checkpoint's, and the set's, work-loss count), and the restored group plays
+    each again from its start (the kit's `restarting` mode: `steps.restarted` for
+    `steps.no-rerun`), with the reward of its uninterrupted twin."""
+    driver = await run_kit(tmp_path, strategy="restart", restarting=True)
+    rewards = {key: result["reward"] for key, result in driver.results.items()}
+    restarted = {k: v for k, v in rewards.items() if k[1] == 1 and "uninterrupted" not in k[0]}
+    assert restarted, rewards
+    assert set(restarted.values()) == {1.0}, rewards
+    assert {driver.results[key]["continued_from"] for key in restarted} == {None}, driver.results
+
+
+async def test_restart_fails_the_kit_without_its_mode(tmp_path: Path) -> None:
+    """The same restarts, checked as if they were captured: `steps.no-rerun` names them."""
     with pytest.raises(ConformanceError) as failed:
         await run_kit(tmp_path, strategy="restart")
     assert failed.value.rule == "steps.no-rerun", failed.value
