@@ -42,6 +42,8 @@ mark "RolloutSet gym-counter Ready"
 rollout-collect --rollout-set gym-counter --tasks-file examples/gym-environment/tasks.jsonl \
   --rollouts-per-row 8 --concurrency 16 --out "$work/results.jsonl" 2>"$work/collect.log" &
 collect=$!
+# checkpoint once episodes run: a few finished, the others in flight
+timeout 120 bash -c "until [ \"\$(cat '$work/results.jsonl' 2>/dev/null | wc -l)\" -ge 4 ]; do sleep 0.2; done"
 kubectl apply -f - >/dev/null <<'EOF'
 apiVersion: checkpoint.rollout.dev/v1alpha1
 kind: RolloutCheckpoint

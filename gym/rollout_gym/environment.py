@@ -28,7 +28,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -160,7 +160,7 @@ class GymParticipant(RuntimeParticipant):
         self,
         runtime: EpisodeRuntime,
         settings: GymSettings,
-        rebuild: Any,
+        rebuild: Callable[[int], Awaitable[None]],
         **kwargs: Any,
     ) -> None:
         super().__init__(Role.ENVIRONMENT, runtime, **kwargs)
@@ -211,6 +211,13 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
                 continue  # not reached seed yet: the episode opens its session when it goes on
             cookies = await rebuild_session(restored.rollout_id, restored.boundary, deadline)
             rebuilt.cookies[(restored.rollout_id, attempt)] = cookies
+            log.info(
+                "rebuilt the Gym session of %s under attempt %d (%s, %d calls recorded)",
+                restored.rollout_id,
+                attempt,
+                settings.strategy.value,
+                len(session["calls"]),
+            )
 
     participant = GymParticipant(runtime, settings, rebuild_all, on_rewire=rewire)
     plane = ControlPlane(participant, control)
