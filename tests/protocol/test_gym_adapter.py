@@ -26,13 +26,17 @@ counter's memory. Then, under the next attempt:
   keeps its old cookie, which the restarted counter accepts with an empty session; the reward
   differs from the twin's and the kit fails with `state.in-boundary`;
 - a replayed call that answers otherwise than the record (the counter replaced by another
-  server) fails the restore with a message that names the call.
+  server) fails the restore with a message that names the call;
+- the operator's peer addresses, in the Gym config of the hosted server, resolve through Gym's
+  own lookup.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -53,6 +57,7 @@ from testsupport.gym_processes import (
     SNAPSHOT_COUNTER,
     GymProcess,
     counter_row,
+    gym_python,
 )
 from testsupport.server_processes import (
     STOP_TIMEOUT_S,
@@ -268,3 +273,27 @@ async def test_a_replay_that_does_not_reproduce_the_session_fails_the_restore(
     message = str(failed.value)
     assert "replayed call 0 (/increment_counter) answered 404" in message, message
     assert "declare the snapshot or restart strategy" in message, message
+
+
+def test_peer_addresses_become_gyms_server_config() -> None:
+    """The operator's peer address of the model, in the Gym config the hosted server's
+    `ServerClient` gets, resolves through Gym's own lookup (nemo-gym's
+    `get_first_server_config_dict`) to that address, and the server's own name to itself."""
+    script = (
+        "import json, sys\n"
+        "from nemo_gym.global_config import get_first_server_config_dict\n"
+        "from omegaconf import OmegaConf\n"
+        "from rollout_gym.resources import gym_global_config\n"
+        "config = OmegaConf.create(gym_global_config('counter', '127.9.0.2', 8000,"
+        " {'model': 'http://127.9.0.3:8001'}))\n"
+        "found = {n: dict(get_first_server_config_dict(config, n))"
+        " for n in ('policy_model', 'counter')}\n"
+        "json.dump(found, sys.stdout)\n"
+    )
+    done = subprocess.run(
+        [str(gym_python()), "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout)
+    assert found["policy_model"] == {"host": "127.9.0.3", "port": 8001}, found
+    assert (found["counter"]["host"], found["counter"]["port"]) == ("127.9.0.2", 8000), found
