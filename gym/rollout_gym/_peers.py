@@ -28,6 +28,8 @@ RETRY_SECONDS: Final = 0.5
 """Gym's pause between two tries of a call whose connection failed."""
 MAX_REPLY_BYTES: Final = 16 * 1024 * 1024
 """The most the adapter reads of one Gym reply."""
+INSTANCE_HEADER: Final = "X-Rollout-Gym-Instance"
+"""Set by `rollout-gym resources` on every answer: the process that holds the sessions."""
 CANCELLED_BODIES: Final = frozenset({'"CancelledError()"', "CancelledError()"})
 """What Gym's exception middleware writes for a request cancelled inside the server."""
 
@@ -43,6 +45,8 @@ class GymReply:
     status: int
     text: str
     cookies: dict[str, str]
+    instance: str | None = None
+    """The hosting process that answered (`X-Rollout-Gym-Instance`), when it says."""
 
     def json(self) -> Any:
         return json.loads(self.text)
@@ -123,4 +127,5 @@ async def _post_once(
     finally:
         await response.aclose()
     set_cookies = {name: value for name, value in response.cookies.items()}
-    return GymReply(response.status_code, b"".join(chunks).decode(), set_cookies)
+    instance = response.headers.get(INSTANCE_HEADER)
+    return GymReply(response.status_code, b"".join(chunks).decode(), set_cookies, instance)

@@ -194,6 +194,8 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
     http = make_client(settings.step_timeout_s)
     peers = {"model": settings.model_url, "resources": settings.resources_url}
     rebuilt = Rebuilt()
+    cookies_instance: dict[str, str | None] = {}
+    """By rollout: the resources process a restore rebuilt the session in."""
 
     def rewire(new: Mapping[Role, str]) -> None:
         """Re-wired by a restore (InPlace recovery): calls go to the replaced peers."""
@@ -257,6 +259,7 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
         if not seeded.ok:
             raise RebuildFailed(f"{rollout_id}: seed_session answered {seeded.status}")
         cookies = dict(seeded.cookies)
+        cookies_instance[rollout_id] = seeded.instance
         if settings.strategy is Strategy.SNAPSHOT:
             snapshot = session.get("snapshot")
             if snapshot is None:
@@ -313,6 +316,20 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
             )
         return reply.json().get("snapshot")
 
+    def same_server(episode: Episode, session: Mapping[str, Any], reply: GymReply) -> None:
+        """Never go on with a session the resources server no longer holds: a server restarted
+        since the session was opened (or rebuilt) would serve the old cookie an empty one."""
+        opened = session.get("instance")
+        if opened is None or reply.instance is None or reply.instance == opened:
+            return
+        if not settings.rebuild:
+            return  # the tests' negative control: the empty session, on purpose
+        raise ProtocolError(
+            ErrorCode.INTERNAL,
+            f"{episode.rollout_id}: the resources server restarted since its Gym session was "
+            "opened (its sessions are empty); the set's recovery restores it from a checkpoint",
+        )
+
     async def seed(episode: Episode) -> Boundary:
         state = episode.boundary.state
         reply = await resources("/seed_session", state["task"], {}, deadline())
@@ -320,7 +337,11 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
             raise ProtocolError(
                 ErrorCode.INTERNAL, f"seed_session answered {reply.status}: {_shown(reply.text)}"
             )
-        session: dict[str, Any] = {"cookies": dict(reply.cookies), "calls": []}
+        session: dict[str, Any] = {
+            "cookies": dict(reply.cookies),
+            "calls": [],
+            "instance": reply.instance,
+        }
         if settings.strategy is Strategy.SNAPSHOT:
             session["snapshot"] = await snapshot_of(session["cookies"])
         return Boundary("model", {**state, "session": session})
@@ -381,6 +402,7 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
         else:
             path = f"/{call['name']}"
             reply = await resources(path, arguments, session["cookies"], deadline())
+            same_server(episode, session, reply)
             output = reply.text
             cookies = {**session["cookies"], **reply.cookies}
             recorded = {"path": path, "body": arguments, "status": reply.status, "output": output}
@@ -405,6 +427,7 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
         response = {**state["response"], "output": state["outputs"]}
         body = {**state["task"], "response": response}
         reply = await resources("/verify", body, state["session"]["cookies"], deadline())
+        same_server(episode, state["session"], reply)
         if not reply.ok:
             raise ProtocolError(
                 ErrorCode.INTERNAL, f"verify answered {reply.status}: {_shown(reply.text)}"
@@ -428,7 +451,9 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
                     f"{episode.rollout_id}: restored without a rebuilt Gym session",
                 )
             return  # the negative control: the old cookie, an empty session
-        state = {**episode.boundary.state, "session": {**session, "cookies": cookies}}
+        instance = cookies_instance.pop(episode.rollout_id, None)
+        new_session = {**session, "cookies": cookies, "instance": instance}
+        state = {**episode.boundary.state, "session": new_session}
         runtime.advance(episode, Boundary(episode.boundary.step, state))
 
     sessions: OrderedDict[str, dict[str, Any]] = OrderedDict()

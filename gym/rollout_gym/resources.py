@@ -18,11 +18,12 @@ which parks at once and records nothing, so checkpoints and restores include the
 from __future__ import annotations
 
 import importlib
+import uuid
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from fastapi import FastAPI, Query
+from fastapi import FastAPI, Query, Request, Response
 from rollout_protocol import (
     ControlPlane,
     ControlSettings,
@@ -34,6 +35,8 @@ from rollout_protocol import (
     StepCounters,
 )
 
+INSTANCE_HEADER = "X-Rollout-Gym-Instance"
+"""Names the hosting process on every answer (a new value after any restart)."""
 MODEL_SERVER_NAME = "policy_model"
 """The name Gym configs give the policy model (`model_server: {name: policy_model}`)."""
 
@@ -111,6 +114,16 @@ def build_app(settings: ControlSettings, gym_app: Any) -> FastAPI:
         if app.state.draining:
             raise ProtocolError(ErrorCode.ADMISSION_CLOSED, "draining")
         return {"status": "ok"}
+
+    instance = uuid.uuid4().hex
+
+    @app.middleware("http")
+    async def name_instance(request: Request, call_next: Any) -> Response:
+        # every answer, the Gym app's included, names this process: the environment tells a
+        # restarted server (whose sessions are empty) from the one that opened a session
+        response: Response = await call_next(request)
+        response.headers[INSTANCE_HEADER] = instance
+        return response
 
     plane.install(app)
     app.mount("/", gym_app)

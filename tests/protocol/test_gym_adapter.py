@@ -28,7 +28,9 @@ counter's memory. Then, under the next attempt:
 - a replayed call that answers otherwise than the record (the counter replaced by another
   server) fails the restore with a message that names the call;
 - the operator's peer addresses, in the Gym config of the hosted server, resolve through Gym's
-  own lookup.
+  own lookup;
+- a counter restarted under a live session (no restore) fails the episode instead of letting it
+  go on with the empty session Gym would serve its old cookie.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 from rollout_protocol import Role
@@ -297,3 +300,42 @@ def test_peer_addresses_become_gyms_server_config() -> None:
     found = json.loads(done.stdout)
     assert found["policy_model"] == {"host": "127.9.0.3", "port": 8001}, found
     assert (found["counter"]["host"], found["counter"]["port"]) == ("127.9.0.2", 8000), found
+
+
+async def test_a_resources_server_restarted_under_a_session_fails_the_episode(
+    tmp_path: Path,
+) -> None:
+    """The counter restarted within the attempt (no checkpoint, no restore): Gym would serve the
+    episode's old cookie an empty session. The episode's next call sees another process answer
+    (`X-Rollout-Gym-Instance`) and the episode fails with a message that says so."""
+    async with httpx.AsyncClient() as http:
+        driver = GymDriver(tmp_path, http, strategy="replay")
+        try:
+            await driver.restart(0)
+            env, counter, model = driver._running()
+            debug = Debug(http, model.url)
+            await debug.arm("finish", "lone")
+            body = {"rollout_id": "lone", "attempt": 0, "task": row()}
+            async with anyio.create_task_group() as group:
+                replies: list[httpx.Response] = []
+
+                async def run() -> None:
+                    replies.append(await http.post(env.url + "/run", json=body, timeout=120))
+
+                group.start_soon(run)
+                await debug.paused("finish", "lone")  # turn 0's call: the increment is next
+                port = int(counter.url.rsplit(":", 1)[1])
+                counter.kill()
+                driver.resources = GymProcess.start(
+                    tmp_path,
+                    "resources",
+                    ["--server", COUNTER, "--name", COUNTER_NAME],
+                    attempt=0,
+                    port=port,
+                )
+                await debug.release("finish", "lone")
+        finally:
+            driver.stop()
+    [reply] = replies
+    assert reply.status_code == 500, reply.text
+    assert "the resources server restarted since its Gym session was opened" in reply.text

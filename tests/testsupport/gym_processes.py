@@ -110,8 +110,10 @@ class GymProcess:
         *,
         attempt: int,
         env: Mapping[str, str] | None = None,
+        port: int | None = None,
     ) -> GymProcess:
-        port = free_port()
+        """Started and answering `/healthz`; on `port` (a restart's) or a free one."""
+        port = port or free_port()
         url = f"http://127.0.0.1:{port}"
         root.mkdir(parents=True, exist_ok=True)
         full = server_env(root / "checkpoints", attempt)
