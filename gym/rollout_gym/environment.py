@@ -30,7 +30,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
 
@@ -125,11 +125,13 @@ class RunResult(BaseModel):
     session: dict[str, str] = Field(default_factory=dict)
 
 
-@dataclass
-class Rebuilt:
-    """Sessions rebuilt by the last restore: (rollout, attempt) -> cookies."""
+@dataclass(frozen=True)
+class RebuiltSession:
+    """A session a restore rebuilt, waiting for its episode's first move under the attempt."""
 
-    cookies: dict[tuple[str, int], dict[str, str]] = field(default_factory=dict)
+    cookies: dict[str, str]
+    instance: str | None
+    """The resources process it lives in (`X-Rollout-Gym-Instance`), when it says."""
 
 
 def _messages(task: Mapping[str, Any]) -> tuple[dict[str, Any], list[Any]]:
@@ -193,9 +195,7 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
     runtime = EpisodeRuntime(observer=counters.observe)
     http = make_client(settings.step_timeout_s)
     peers = {"model": settings.model_url, "resources": settings.resources_url}
-    rebuilt = Rebuilt()
-    cookies_instance: dict[str, str | None] = {}
-    """By rollout: the resources process a restore rebuilt the session in."""
+    rebuilt: dict[tuple[str, int], RebuiltSession] = {}  # by (rollout, attempt)
 
     def rewire(new: Mapping[Role, str]) -> None:
         """Re-wired by a restore (InPlace recovery): calls go to the replaced peers."""
@@ -211,8 +211,8 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
             session = restored.boundary.state.get("session")
             if not isinstance(session, dict):
                 continue  # not reached seed yet: the episode opens its session when it goes on
-            cookies = await rebuild_session(restored.rollout_id, restored.boundary, deadline)
-            rebuilt.cookies[(restored.rollout_id, attempt)] = cookies
+            done = await rebuild_session(restored.rollout_id, restored.boundary, deadline)
+            rebuilt[(restored.rollout_id, attempt)] = done
             log.info(
                 "rebuilt the Gym session of %s under attempt %d (%s, %d calls recorded)",
                 restored.rollout_id,
@@ -245,7 +245,7 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
 
     async def rebuild_session(
         rollout_id: str, boundary: Boundary, deadline: float
-    ) -> dict[str, str]:
+    ) -> RebuiltSession:
         """A fresh Gym session holding what the recorded one held, by the strategy."""
         state = boundary.state
         session = state["session"]
@@ -259,7 +259,6 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
         if not seeded.ok:
             raise RebuildFailed(f"{rollout_id}: seed_session answered {seeded.status}")
         cookies = dict(seeded.cookies)
-        cookies_instance[rollout_id] = seeded.instance
         if settings.strategy is Strategy.SNAPSHOT:
             snapshot = session.get("snapshot")
             if snapshot is None:
@@ -280,7 +279,7 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
                     f"{_shown(done.text)}"
                 )
             cookies.update(done.cookies)
-            return cookies
+            return RebuiltSession(cookies, seeded.instance)
         for index, call in enumerate(session["calls"]):
             try:
                 again = await post(
@@ -301,7 +300,7 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
                     "session (not deterministic, or another server or version); declare the "
                     "snapshot or restart strategy for it (docs/gym.md)"
                 )
-        return cookies
+        return RebuiltSession(cookies, seeded.instance)
 
     def deadline() -> float:
         return time.time() + settings.step_timeout_s
@@ -443,16 +442,15 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
         session = episode.boundary.state.get("session")
         if not isinstance(session, dict):
             return
-        cookies = rebuilt.cookies.pop((episode.rollout_id, episode.attempt), None)
-        if cookies is None:
+        done = rebuilt.pop((episode.rollout_id, episode.attempt), None)
+        if done is None:
             if settings.rebuild:
                 raise ProtocolError(
                     ErrorCode.INTERNAL,
                     f"{episode.rollout_id}: restored without a rebuilt Gym session",
                 )
             return  # the negative control: the old cookie, an empty session
-        instance = cookies_instance.pop(episode.rollout_id, None)
-        new_session = {**session, "cookies": cookies, "instance": instance}
+        new_session = {**session, "cookies": done.cookies, "instance": done.instance}
         state = {**episode.boundary.state, "session": new_session}
         runtime.advance(episode, Boundary(episode.boundary.step, state))
 
