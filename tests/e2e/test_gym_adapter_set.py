@@ -23,7 +23,9 @@ counter session, checking every output), and the set is Ready under attempt 2. T
 
 The same with `restorePolicy: InPlace` and the resources pod SIGKILLed instead: the environment
 and the model are kept, the kept environment is re-wired to the new counter by the restore call
-(the operator's new peer address) and replays the recorded increments there.
+(the operator's new peer address) and replays the recorded increments there. And with
+`--strategy restart`: the checkpoint captures nothing and counts the running episodes as
+restarts, which the set's `lastRecovery.episodesRestarted` reports after the loss.
 """
 
 from __future__ import annotations
@@ -106,6 +108,21 @@ async def test_gym_resources_pod_lost_in_place(
     )
 
 
+async def test_gym_restart_strategy_counts_its_work_loss(
+    cluster: Cluster,
+    namespace: str,
+    operator: OperatorProcess,
+    resources: Resources,
+    storage_dir: Path,
+) -> None:
+    """`--strategy restart`: the checkpoint captures no episode and lists the running ones as
+    restarts; after the environment pod's loss the set's `lastRecovery.episodesRestarted` says
+    so, and the restarted episodes are played from their start on the new counter."""
+    await checkpoint_kill_restore(
+        cluster, namespace, resources, storage_dir, "Recreate", "environment", "restart"
+    )
+
+
 async def checkpoint_kill_restore(
     cluster: Cluster,
     namespace: str,
@@ -113,9 +130,14 @@ async def checkpoint_kill_restore(
     storage_dir: Path,
     restore_policy: str,
     killed: str,
+    strategy: str = "replay",
 ) -> None:
     rset = gym_set(storage_dir)
     rset["spec"]["recovery"]["restorePolicy"] = restore_policy
+    for participant in rset["spec"]["participants"]:
+        if participant["role"] == "environment":
+            args = participant["template"]["spec"]["containers"][0]["args"]
+            args[args.index("--strategy") + 1] = strategy
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(rset))
     cluster.kubectl(
         "wait", "--for=condition=Ready", f"rolloutset/{SET}", "-n", namespace, "--timeout=120s"
@@ -157,8 +179,12 @@ async def checkpoint_kill_restore(
                 )
                 assert is_true(ckpt, "Ready"), ckpt["status"]
                 assert ckpt["status"]["attempt"] == 1
-                assert ckpt["status"]["episodes"] >= 1
-                assert ckpt["status"]["restarts"] == 0
+                if strategy == "restart":  # nothing captured, the running episodes counted
+                    assert ckpt["status"]["episodes"] == 0, ckpt["status"]
+                    assert ckpt["status"]["restarts"] >= 1, ckpt["status"]
+                else:
+                    assert ckpt["status"]["episodes"] >= 1
+                    assert ckpt["status"]["restarts"] == 0
 
                 assert await cluster.admin.kill_pod_async(namespace, a1[killed][0]["pod"])
                 if restore_policy == "InPlace" and killed != "model":
@@ -223,6 +249,12 @@ async def checkpoint_kill_restore(
         count = await anyio.to_thread.run_sync(counter_value, counter_a2, session["cookies"])
         assert count == row["expected_count"], (rid, count, row["expected_count"])
         assert session["calls"] == 2, session  # one increment per step, none lost or doubled
+
+    if strategy == "restart":  # the held episode was played again from its start
+        assert (results[held].attempt, results[held].continued_from) == (2, None)
+        restarted = recovered["status"]["lastRecovery"]["episodesRestarted"]
+        assert restarted == ckpt["status"]["restarts"] >= 1, recovered["status"]["lastRecovery"]
+        return
 
     # --- the held episode continued from the checkpoint, one increment recorded
     assert (results[held].attempt, results[held].continued_from) == (2, 1)
