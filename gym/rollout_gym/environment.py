@@ -150,6 +150,27 @@ def _answer(outputs: Sequence[Mapping[str, Any]]) -> str | None:
     return None
 
 
+def _added_usage(total: Any, more: Any) -> Any:
+    """simple_agent's usage over the episode: the first response's, with every later one's
+    input, output and total tokens added (and the detail counts zeroed, as it does)."""
+    if not isinstance(more, dict):
+        return total
+    if not isinstance(total, dict):
+        return dict(more)
+    summed = dict(total)
+    for key in ("input_tokens", "output_tokens", "total_tokens"):
+        summed[key] = int(total.get(key) or 0) + int(more.get(key) or 0)
+    summed["input_tokens_details"] = {
+        **(total.get("input_tokens_details") or {}),
+        "cached_tokens": 0,
+    }
+    summed["output_tokens_details"] = {
+        **(total.get("output_tokens_details") or {}),
+        "reasoning_tokens": 0,
+    }
+    return summed
+
+
 def _shown(text: str) -> str:
     return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN] + "..."
 
@@ -387,6 +408,7 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
                 "outputs": state["outputs"] + output,
                 "pending": calls,
                 "response": {k: v for k, v in response.items() if k != "output"},
+                "usage": _added_usage(state.get("usage"), response.get("usage")),
             },
         )
 
@@ -423,7 +445,8 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
 
     async def verify(episode: Episode) -> Boundary:
         state = episode.boundary.state
-        response = {**state["response"], "output": state["outputs"]}
+        # as simple_agent: the last model response, with every output and the usage summed
+        response = {**state["response"], "output": state["outputs"], "usage": state.get("usage")}
         body = {**state["task"], "response": response}
         reply = await resources("/verify", body, state["session"]["cookies"], deadline())
         same_server(episode, state["session"], reply)
