@@ -212,6 +212,8 @@ async def checkpoint_kill_restore(
         sessions = (
             await http.get(env_a2 + "/gym/sessions", params={"rollout_id": finished_a2})
         ).json()["sessions"]
+        ids = [s.rollout_id for s in episodes]
+        env_stats = (await http.get(env_a2 + "/stats", params={"rollout_id": ids})).json()
 
     assert recovered["status"]["restarts"] == 1
     assert recovered["status"]["latestCheckpoint"] == name
@@ -229,7 +231,16 @@ async def checkpoint_kill_restore(
     failures = [o for o in outcomes if isinstance(o, EpisodeFailed)]
     assert not failures, failures
     results = {o.rollout_id: o for o in outcomes if isinstance(o, EpisodeResult)}
+    assert len(outcomes) == EPISODES
     assert sorted(results) == sorted(s.rollout_id for s in episodes)
+    # exactly once under attempt 2, from the environment's own step counters: a `/run` completed
+    # once for each episode that finished there, none for those finished under attempt 1, and
+    # no step of one completed twice
+    for rid, got in results.items():
+        steps = env_stats["rollouts"].get(rid, {}).get("2", {})
+        done = {name: int(events.get("completed", 0)) for name, events in steps.items()}
+        assert done.get("run", 0) == (1 if got.attempt == 2 else 0), (rid, got, done)
+        assert all(n <= 1 for n in done.values()), (rid, done)
     refs = {r.rollout_id: r for r in reference if isinstance(r, EpisodeResult)}
     assert len(refs) == EPISODES, reference
     for spec in episodes:
