@@ -515,10 +515,11 @@ _EXAMPLE_VALUES: Mapping[str, Any] = {
     "deadline_ts": _PAST_DEADLINE,
     "attempt": 0,
     "rollout_ids": ["kit-rollout"],
+    "episode_ids": [{"rollout_id": "kit-rollout", "attempt": 0}],
 }
 _ID_FIELDS = ("checkpoint_id", "operation_id")
-_GYM_ID_FIELDS = ("source_checkpoint_id", "checkpoint_dir")
-"""Gym fields that name the checkpoint (a restore's source, the directory relative to the set)."""
+_GYM_ID_FIELDS = ("checkpoint_dir",)
+"""Gym fields that name the checkpoint (the directory, relative to the set)."""
 _UNKNOWN_FIELD = "kit_unknown_field"
 
 
@@ -571,8 +572,12 @@ def _refusal(response: httpx.Response, dialect: Dialect) -> tuple[str, str] | No
     try:
         gym_body = gym.GymErrorBody.model_validate_json(response.content)
     except ValidationError:
-        return None
-    return gym_body.error.code, gym_body.error.message
+        try:  # FastAPI's 422, Gym's answer to a body its models refuse
+            validation = gym.GymValidationBody.model_validate_json(response.content)
+        except ValidationError:
+            return None
+        return ErrorCode.INVALID_REQUEST.value, "; ".join(item.msg for item in validation.detail)
+    return gym_body.error.code, gym_body.error.detail
 
 
 async def _expect_refusal(
@@ -594,7 +599,7 @@ async def _expect_refusal(
     assert path is not None
     if dialect is Dialect.GYM:
         status, gym_body = gym.gym_error(code, "")
-        name = gym_body.error.code
+        name = gym_body["error"]["code"] if "error" in gym_body else ErrorCode.INVALID_REQUEST.value
     else:
         name = code.value
     if content is not None:
@@ -757,7 +762,11 @@ async def check_phases(target: Target, *, call_timeout_s: float = 10.0) -> tuple
         await _expect_idle(conn, PHASES_RESUME, f"after the resume of committed {cid}")
 
         attempt = max(before.attempt, committed.manifest.attempt) + 1
-        restore = RestoreRequest(checkpoint_id=cid, attempt=attempt, deadline_ts=conn.deadline())
+        # the rollouts the commit listed (a Gym participant's restore names them; ours: None)
+        named = committed.rollout_ids
+        restore = RestoreRequest(
+            checkpoint_id=cid, attempt=attempt, rollout_ids=named, deadline_ts=conn.deadline()
+        )
         restored = await _ok(
             PHASES_REPLAY, f"restore of {cid} under attempt {attempt}", p.restore(restore)
         )
@@ -773,7 +782,12 @@ async def check_phases(target: Target, *, call_timeout_s: float = 10.0) -> tuple
         await _replayed(
             f"a retried restore of {cid}",
             p.restore(
-                RestoreRequest(checkpoint_id=cid, attempt=attempt, deadline_ts=conn.deadline())
+                RestoreRequest(
+                    checkpoint_id=cid,
+                    attempt=attempt,
+                    rollout_ids=named,
+                    deadline_ts=conn.deadline(),
+                )
             ),
             restored,
         )
@@ -783,7 +797,12 @@ async def check_phases(target: Target, *, call_timeout_s: float = 10.0) -> tuple
             STALE,
             f"a restore of {cid} under attempt {attempt} after it was restored and resumed",
             p.restore(
-                RestoreRequest(checkpoint_id=cid, attempt=attempt, deadline_ts=conn.deadline())
+                RestoreRequest(
+                    checkpoint_id=cid,
+                    attempt=attempt,
+                    rollout_ids=named,
+                    deadline_ts=conn.deadline(),
+                )
             ),
             ErrorCode.STALE_CHECKPOINT,
         )
@@ -813,11 +832,18 @@ async def _replayed(what: str, call: Awaitable[BaseModel], first: BaseModel) -> 
 _Call = Callable[[], Awaitable[BaseModel]]
 
 
+def _named_for(conn: _Conn) -> list[str] | None:
+    """The rollouts a refused restore names: none for a Gym target (its restore must name a
+    list, and the refusal comes before any record is read), None (every record) for ours."""
+    return [] if conn.target.dialect is Dialect.GYM else None
+
+
 def _calls_with(
     conn: _Conn, checkpoint_id: str, names: Sequence[str], *, attempt: int = 0
 ) -> list[tuple[str, _Call]]:
     """Control calls naming `checkpoint_id` (made when called, each with a fresh deadline)."""
     p = conn.participant
+    named = _named_for(conn)
     every: dict[str, _Call] = {
         "prepare": lambda: p.prepare(
             PrepareRequest(checkpoint_id=checkpoint_id, deadline_ts=conn.deadline())
@@ -833,7 +859,10 @@ def _calls_with(
         ),
         "restore": lambda: p.restore(
             RestoreRequest(
-                checkpoint_id=checkpoint_id, attempt=attempt, deadline_ts=conn.deadline()
+                checkpoint_id=checkpoint_id,
+                attempt=attempt,
+                rollout_ids=named,
+                deadline_ts=conn.deadline(),
             )
         ),
     }
@@ -1166,7 +1195,10 @@ async def check_restore_all_or_nothing(
                     what,
                     conn.participant.restore(
                         RestoreRequest(
-                            checkpoint_id=damaged_id, attempt=attempt, deadline_ts=conn.deadline()
+                            checkpoint_id=damaged_id,
+                            attempt=attempt,
+                            rollout_ids=_named_for(conn),
+                            deadline_ts=conn.deadline(),
                         )
                     ),
                     ErrorCode.RECORDS_INVALID,
@@ -1706,11 +1738,9 @@ async def check_crash_restore(
             call_timeout_s=call_timeout_s,
         )
         coordinator = Coordinator([conn.participant for conn in conns], call_timeout=call_timeout_s)
-        # NeMo Gym's restore has no scope: participants that all speak it restore every record
-        # (the checkpoint holds exactly the rollouts, `_checkpoint` checked)
-        gym_only = all(conn.target.dialect is Dialect.GYM for conn in conns)
+        # a Gym participant's restore names the rollouts its commit listed (`listed`)
         restored = await coordinator.restore(
-            cid, attempt + 1, time.time() + call_timeout_s, None if gym_only else rids
+            cid, attempt + 1, time.time() + call_timeout_s, rids, listed=commit.listed
         )
         _expect(
             RESTORE,
