@@ -126,10 +126,12 @@ from ._conformance.report import (
     base_rollout_id,
 )
 
-# Who a failure blames (`ConformanceError.fault`): public names outside `__all__`, as before.
+# Public names outside `__all__`, as before: who a failure blames (`ConformanceError.fault`)
+# and the rule of `check_crash_restore(..., restarting=True)`.
 from ._conformance.report import DRIVER as DRIVER
 from ._conformance.report import DRIVER_MISTAKE as DRIVER_MISTAKE
 from ._conformance.report import PARTICIPANT as PARTICIPANT
+from ._conformance.report import STEPS_RESTARTED as STEPS_RESTARTED
 from ._conformance.restore import check_restore_all_or_nothing
 from ._conformance.serving import ServedApp, serve_app, start_app
 from ._conformance.workers import check_workers, rollout_ids_per_worker

@@ -27,6 +27,7 @@ from .report import (
     STEPS,
     STEPS_INDEXED,
     STEPS_ONCE,
+    STEPS_RESTARTED,
     WORKERS_RESTORE,
     ConformanceError,
     _describe,
@@ -271,3 +272,25 @@ def _compare_counts(
             fault=DRIVER,
             fix="return from wait_mid_episode only after each episode completed a step",
         )
+
+
+def _check_restarted(
+    before: Mapping[str, _Counts], after: Mapping[str, _Counts], rids: Sequence[str], attempt: int
+) -> None:
+    """Each restarted episode was played again from its start: every step completed once under
+    `attempt` at the checkpoint completed again under `attempt + 1`."""
+    compared = 0
+    skipped: list[str] = []
+    for name, counts in before.items():
+        for rid in rids:
+            once = {step for step, n in _completed(counts, rid, attempt).items() if n == 1}
+            compared += len(once)
+            again = set(_completed(after.get(name, {}), rid, attempt + 1))
+            skipped.extend(f"{name} {rid} {step}" for step in sorted(once - again))
+    _expect(
+        STEPS_RESTARTED,
+        compared > 0 and not skipped,
+        f"every restarted episode must be played again from its start under attempt "
+        f"{attempt + 1} (its steps completed before the checkpoint complete again)",
+        f"not run again: {', '.join(skipped)}" if skipped else "no step completed before it",
+    )

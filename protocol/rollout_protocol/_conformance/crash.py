@@ -28,6 +28,7 @@ from .counters import (
     _check_model_counts,
     _check_once,
     _check_one_episode,
+    _check_restarted,
     _check_restored_workers,
     _compare_counts,
     _counters,
@@ -49,6 +50,7 @@ from .report import (
     RUN_RETIRED,
     STATE,
     STEPS,
+    STEPS_RESTARTED,
     UNINTERRUPTED_SUFFIX,
     WORKERS_REPEAT,
     WORKERS_RESTORE,
@@ -91,6 +93,8 @@ class _CrashRun:
     volatile_keys: Collection[str]
     model: FakeModel | None
     poll_interval_s: float
+    restarting: bool
+    """Every episode is a restart at prepare (`steps.restarted` instead of `steps.no-rerun`)."""
     attempt: int = 0
     before: dict[str, _Counts] = field(default_factory=dict)
     commit: CommitOutcome | None = None
@@ -108,6 +112,7 @@ async def check_crash_restore(
     volatile_keys: Collection[str] = _VOLATILE_KEYS,
     model: FakeModel | None = None,
     poll_interval_s: float = 0.05,
+    restarting: bool = False,
 ) -> None:
     """`steps.no-rerun` across a crash, with the `/run` duties that keep episodes exactly once.
 
@@ -142,6 +147,13 @@ async def check_crash_restore(
     With `model`, its log is checked too: every episode's calls named it by the checkpoint and
     no call of the group lacked the headers (`model.headers`), and a driver mistake it records
     (`FakeModel.driver_mistakes`) fails the check at once, naming the driver.
+
+    `restarting`: for a participant that keeps nothing of its episodes by design and says so,
+    listing every one as a restart at prepare (a work-loss the checkpoint reports; the NeMo Gym
+    adapter's `restart` strategy, docs/gym.md). Then the checkpoint must capture none of the
+    rollouts and list all of them as restarts, and instead of `steps.no-rerun` each restarted
+    episode must be played again from its start: every step it had completed once under N
+    completes again under N + 1 (`steps.restarted`); every other rule holds as it is.
     """
     rids = list(rollout_ids)
     _expect(STEPS, len(set(rids)) == len(rids) > 0, "rollout ids must be distinct", rids)
@@ -157,6 +169,7 @@ async def check_crash_restore(
         volatile_keys=volatile_keys,
         model=model,
         poll_interval_s=poll_interval_s,
+        restarting=restarting,
     )
     await _checkpoint_then_crash(run)  # 1-3
     await driver.restart(run.attempt + 1)
@@ -227,7 +240,7 @@ async def _checkpoint_then_crash(run: _CrashRun) -> None:
                 for rid in repeated:
                     episodes.start_soon(repeated_run, rid)
                 run.before, run.commit = await _checkpoint(
-                    coordinator, conns, run.cid, rids, run.call_timeout_s
+                    coordinator, conns, run.cid, rids, run.call_timeout_s, run.restarting
                 )
                 before = run.before
                 _check_one_episode(held_counts, before, repeated, attempt, workers)
@@ -386,7 +399,10 @@ async def _finish_restored(
     results = await _run_all(driver, rids, attempt + 1, run.timeout_s, "restored episode", model)
     after = {conn.target.name: await _counters(conn, rids) for conn in conns}
     _check_restored_workers(workers, run.before, after, rids, attempt)
-    _compare_counts(run.before, after, rids, attempt)
+    if run.restarting:
+        _check_restarted(run.before, after, rids, attempt)
+    else:
+        _compare_counts(run.before, after, rids, attempt)
     _check_once(after, rids)
     started = {name: _ran(counts, rids[0], attempt + 2) for name, counts in after.items()}
     _expect(
@@ -492,12 +508,14 @@ async def _checkpoint(
     cid: str,
     rids: Sequence[str],
     call_timeout_s: float,
+    restarting: bool = False,
 ) -> tuple[dict[str, _Counts], CommitOutcome]:
     """prepare, commit (scope: the rollouts), read the counters while parked, resume.
 
     Participants that all speak NeMo Gym's dialect are checkpointed without a requested scope
     (Gym's prepare lists no episodes to agree one from): every parked episode, which must be
-    exactly the rollouts, none restarting."""
+    exactly the rollouts, none restarting. With `restarting`, every rollout must be a restart
+    and none captured (`check_crash_restore`)."""
     gym_only = all(conn.target.dialect is Dialect.GYM for conn in conns)
     try:
         prepared = await coordinator.prepare(
@@ -516,13 +534,22 @@ async def _checkpoint(
         else:
             scope = prepared.scope(rids)
             captured = scope is not None and sorted(scope) == sorted(rids)
-        _expect(
-            STEPS,
-            captured and not prepared.restarts,
-            f"every episode must be captured by {cid} (none restarting)",
-            f"scope {scope}, {prepared.episode_count} parked, "
-            f"restarts {[str(e) for e in prepared.restarts]}",
-        )
+        if restarting:
+            restarts = sorted({e.rollout_id for e in prepared.restarts})
+            _expect(
+                STEPS_RESTARTED,
+                not scope and restarts == sorted(rids),
+                f"every episode must be listed as a restart by {cid}, none captured",
+                f"scope {scope}, restarts {[str(e) for e in prepared.restarts]}",
+            )
+        else:
+            _expect(
+                STEPS,
+                captured and not prepared.restarts,
+                f"every episode must be captured by {cid} (none restarting)",
+                f"scope {scope}, {prepared.episode_count} parked, "
+                f"restarts {[str(e) for e in prepared.restarts]}",
+            )
         commit = await coordinator.commit(cid, time.time() + call_timeout_s, scope)
         _expect(
             STEPS,

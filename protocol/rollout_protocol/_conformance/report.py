@@ -25,6 +25,7 @@ BODIES = "bodies.strict"
 RESTORE = "restore.all-or-nothing"
 STEPS = "steps.no-rerun"
 STEPS_INDEXED = "steps.indexed"
+STEPS_RESTARTED = "steps.restarted"
 STEPS_ONCE = "steps.once-per-attempt"
 STEPS_WAIT = "steps.wait-holds-prepare"
 RUN_ATTEMPT = "run.attempt-mismatch"
@@ -65,6 +66,9 @@ RULES: Mapping[str, str] = {
     STEPS_INDEXED: "a step name is unique within its episode (name@index, e.g. ask@3): a step "
     "without @index that completed once before the checkpoint and runs again after the restore "
     "cannot be told from the next turn's step, and is refused as ambiguous",
+    STEPS_RESTARTED: "with check_crash_restore(..., restarting=True): every episode is listed "
+    "as a restart at prepare, none captured, and after the restore each is played again from "
+    "its start (its steps completed before the checkpoint complete again under attempt + 1)",
     RUN_ATTEMPT: "/run under an attempt this participant does not run is refused with 409 "
     "attempt_mismatch and starts nothing",
     RUN_RETIRED: "/run of a retired (attempt, rollout) is refused with 410 attempt_retired, even "
