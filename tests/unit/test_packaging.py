@@ -77,11 +77,16 @@ def test_every_private_module_of_the_contract_is_forbidden_to_the_operator() -> 
     (contract,) = [
         c
         for c in config["tool"]["importlinter"]["contracts"]
-        if c["name"] == "the operator uses the protocol's public surface only"
+        if c["name"] == "the operator and the Gym adapter use the protocol's public surface only"
     ]
+    contract_dir = ROOT / "protocol" / "rollout_protocol"
     private = {
         f"rollout_protocol.{path.stem}"
-        for path in (ROOT / "protocol" / "rollout_protocol").glob("_*.py")
+        for path in contract_dir.glob("_*.py")
         if path.stem != "__init__"
+    }
+    # private packages too (`_conformance/`): forbidding one forbids its modules
+    private |= {
+        f"rollout_protocol.{path.parent.name}" for path in contract_dir.glob("_*/__init__.py")
     }
     assert private - set(contract["forbidden_modules"]) == set()

@@ -64,7 +64,7 @@ RBAC, in two parts so cluster mode (one ClusterRole) and namespaced mode (a Role
 namespace plus a small ClusterRole) grant exactly the same verbs. One rule per resource, each
 with the reason it is needed; tests/e2e/test_rbac.py removes each verb in turn and shows that
 the operator then hits a 403. Keep both in step with the code (cluster/, flows/setpass.py,
-flows/checkpoint.py, flows/recovery.py, handlers/) and with Kopf.
+flows/checkpoint/, flows/recovery/, handlers/) and with Kopf.
 */}}
 {{- define "rollout-operator.namespacedRules" -}}
 # Kopf: list and watch the sets (the operator reads them from that watch); patch adds and removes

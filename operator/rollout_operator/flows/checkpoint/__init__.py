@@ -1,0 +1,27 @@
+"""The RolloutCheckpoint flow (docs/design.md#61-checkpoint): prepare, commit, publish, resume,
+as a table of phase steps.
+
+One module per group of phases, each step a function of the run (`context.CheckpointRun`) and
+the checkpoint: `slot` (Pending and Queued: the operator's and the set's slots), `prepare`
+(the deadline, then Preparing), `commit` (Committing and Publishing: the commit point),
+`resume` (Resuming); `flow` holds `CheckpointFlow`, which takes the slot and runs the table
+with the runner the recovery shares (`flows/phases.py`). This package's names are the flow's
+public surface for the handlers and the tests.
+"""
+
+from __future__ import annotations
+
+from .commit import alongside
+from .context import IN_FLIGHT, TERMINAL, CheckpointFailed, FlowSettings, Reason
+from .flow import PHASES, CheckpointFlow
+
+__all__ = [
+    "IN_FLIGHT",
+    "PHASES",
+    "TERMINAL",
+    "CheckpointFailed",
+    "CheckpointFlow",
+    "FlowSettings",
+    "Reason",
+    "alongside",
+]

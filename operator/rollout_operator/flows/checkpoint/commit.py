@@ -1,0 +1,166 @@
+"""Phases Committing and Publishing of the checkpoint flow: the participants write their
+records, then one status patch makes the checkpoint restorable (docs/design.md#61-checkpoint,
+steps 4-5).
+
+`commit` writes Committing alongside the commit call (every episode waits while the
+participants commit; an API round trip first would only lengthen that), with the scope the
+prepare parked. `publish` is the commit point: `Committed` and `Ready` True with every
+participant's manifest, counts and durations, and the phase Resuming, in one write. Nothing
+before it is restorable; nothing after it takes Ready back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import TypeVar
+
+import anyio
+from rollout_protocol import tracing
+
+from ...model.api import (
+    CheckpointConditionType,
+    CheckpointDurations,
+    CheckpointParticipant,
+    CheckpointPhase,
+    RolloutCheckpoint,
+)
+from ...model.conditions import set_condition
+from .context import (
+    CheckpointFailed,
+    CheckpointRun,
+    Reason,
+    describe,
+    enter_phase,
+    failure_reason,
+    while_set_holds,
+    write_status,
+)
+
+_T = TypeVar("_T")
+
+
+async def commit(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoint:
+    """Commit what the prepare parked to every participant at once, Committing written
+    alongside; the outcome is `run.committed`."""
+    prepared = run.prepared
+    assert prepared is not None, "a commit follows this run's prepare"
+    run.scope = scope = prepared.scope(ckpt.spec.episodes)
+    commit_started = run.now()
+    commit_deadline = run.now() + run.settings.commit_timeout_seconds
+    coordinator = run.coordinator
+    committing = enter_phase(
+        run.context,
+        ckpt,
+        CheckpointPhase.COMMITTING,
+        condition=(
+            CheckpointConditionType.PREPARED,
+            True,
+            Reason.PREPARED,
+            f"{prepared.episode_count} episode(s) parked, {len(prepared.restarts)} restart",
+        ),
+        restarts=len(prepared.restarts),
+    )
+    with tracing.span("commit"):
+        outcome = await alongside(
+            committing,
+            while_set_holds(
+                run.context,
+                ckpt,
+                lambda: coordinator.commit(
+                    ckpt.metadata.name, commit_deadline, scope, excluded=prepared.excluded()
+                ),
+            ),
+        )
+    run.commit_seconds = run.now() - commit_started
+    if not outcome.ok:
+        reason = failure_reason(outcome.failures) or Reason.COMMIT_FAILED
+        raise CheckpointFailed(reason, f"commit failed: {describe(outcome.failures)}")
+    run.committed = outcome
+    return ckpt
+
+
+async def publish(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoint:
+    """One status patch makes the checkpoint restorable; then the set points at it."""
+    prepared, committed = run.prepared, run.committed
+    assert prepared is not None, "a publish follows this run's prepare"
+    assert committed is not None, "a publish follows this run's commit"
+    episodes = prepared.committed_count(run.scope)
+    with tracing.span("publish"):
+        participants = [
+            CheckpointParticipant(
+                instance=instance,
+                manifest=committed.manifest_paths[instance],
+                records_sha256=manifest.records_sha256,
+                record_count=manifest.record_count,
+                bytes=manifest.bytes,
+                rollout_ids=committed.listed.get(instance),
+            )
+            for instance, manifest in sorted(committed.manifests.items())
+        ]
+        message = (
+            f"{episodes} episode(s) committed by {len(participants)} participant(s), "
+            f"{committed.bytes} bytes"
+        )
+        status = ckpt.status.model_copy(
+            update={
+                "phase": CheckpointPhase.RESUMING,
+                "episodes": episodes,
+                "participants": participants,
+                "attempt": committed.attempt or run.rset.status.attempt,
+                "durations": CheckpointDurations(
+                    prepare_seconds=round(run.prepare_seconds, 3),
+                    commit_seconds=round(run.commit_seconds, 3),
+                    total_seconds=round(run.now() - run.started, 3),
+                ),
+            }
+        )
+        generation = ckpt.metadata.generation
+        for type_, reason in (
+            (CheckpointConditionType.COMMITTED, Reason.COMMITTED),
+            (CheckpointConditionType.READY, Reason.PUBLISHED),
+        ):
+            status.conditions = set_condition(
+                status.conditions,
+                type_.value,
+                True,
+                reason,
+                message,
+                observed_generation=generation,
+            )
+        await write_status(run.context, ckpt, status)
+        if run.context.on_transition is not None:
+            await run.context.on_transition(ckpt, Reason.PUBLISHED, message)
+    return ckpt
+
+
+async def alongside(write: Awaitable[None], step: Awaitable[_T]) -> _T:
+    """Run a protocol step while a status write that may land in any order with it goes on.
+
+    Used for the Committing phase: every episode waits while the participants commit, and an
+    API round trip before the commit would only lengthen that. Nothing depends on the order:
+    an operator restart before the write lands finds phase Preparing and replays prepare and
+    commit, whose replies the participants cache. The step's error wins (the write is then
+    cancelled); a failed write is raised once the step is done.
+    """
+    write_failed: list[BaseException] = []
+    step_failed: list[BaseException] = []
+    results: list[_T] = []
+
+    async def persist() -> None:
+        try:
+            await write
+        except Exception as error:
+            write_failed.append(error)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(persist)
+        try:
+            results.append(await step)
+        except Exception as error:
+            step_failed.append(error)
+            group.cancel_scope.cancel()
+    if step_failed:
+        raise step_failed[0]
+    if write_failed:
+        raise write_failed[0]
+    return results[0]

@@ -1,0 +1,344 @@
+"""What every step of the checkpoint flow shares: its reasons and settings, the context a run
+carries from step to step, and the writes of the checkpoint's status.
+
+A `CheckpointRun` is one run of the flow over one checkpoint (docs/design.md#61-checkpoint):
+the operator's parts it uses (`CheckpointContext`), the set and the coordinator it took the
+slot for, and what its steps learned in memory (the prepare and commit outcomes are not
+persisted: a restarted operator replays them, and the participants answer from their cache).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Final, TypeVar
+
+import anyio
+from rollout_protocol import (
+    CommitOutcome,
+    Coordinator,
+    ErrorCode,
+    Failure,
+    HttpParticipantClient,
+    PrepareOutcome,
+    tracing,
+)
+
+from ...cluster.kube import ApiError, Kube
+from ...cluster.leases import CheckpointLeases
+from ...model.api import (
+    CHECKPOINT_FINISHED,
+    CHECKPOINT_RUNNING,
+    CheckpointConditionType,
+    CheckpointPhase,
+    RolloutCheckpoint,
+    RolloutCheckpointStatus,
+    RolloutSet,
+    dump,
+)
+from ...model.conditions import MAX_FAILURE_CHARS, set_condition, truncate
+from ..watching import NoLongerHolds, while_holding
+
+# One logger for the whole flow, named as the flow (its lines read the same from every step).
+logger = logging.getLogger(__package__)
+
+TERMINAL: Final = CHECKPOINT_FINISHED
+IN_FLIGHT: Final = CHECKPOINT_RUNNING
+"""Phases entered while holding the set's slot; a restarted operator continues them."""
+_T = TypeVar("_T")
+
+
+class Reason:
+    """Condition reasons of a RolloutCheckpoint (CamelCase, stable)."""
+
+    QUEUED: Final = "Queued"
+    PREPARING: Final = "Preparing"
+    PREPARED: Final = "AllParked"
+    NOT_PARKED: Final = "PrepareTimeout"
+    COMMITTED: Final = "RecordsWritten"
+    PUBLISHED: Final = "Published"
+    SET_NOT_FOUND: Final = "SetNotFound"
+    SET_NOT_READY: Final = "SetNotReady"
+    PARTICIPANT_LOST: Final = "ParticipantLost"
+    PARTICIPANT_UNRESPONSIVE: Final = "ParticipantUnresponsive"
+    ABORTED: Final = "Aborted"
+    PREPARE_FAILED: Final = "PrepareFailed"
+    COMMIT_FAILED: Final = "CommitFailed"
+    LEASE_LAPSED: Final = "LeaseLapsed"
+    INVALID: Final = "InvalidCheckpoint"
+    GRACE_PERIOD_TOO_SHORT: Final = "GracePeriodTooShort"
+    UNMANAGED_WORKERS: Final = "UnmanagedWorkers"
+
+
+class CheckpointFailed(Exception):
+    """Ends the flow: the checkpoint becomes Failed with this reason and message."""
+
+    def __init__(self, reason: str, message: str, *, blockers: PrepareOutcome | None = None):
+        message = truncate(message)  # status, Event, log and trace carry it: bounded
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.blockers = blockers
+
+
+@dataclass(frozen=True)
+class FlowSettings:
+    commit_timeout_seconds: float = 120.0
+    resume_timeout_seconds: float = 30.0
+    abort_timeout_seconds: float = 10.0
+    """An abort resumes what it can reach by then; a participant it missed resumes itself when
+    its lease lapses, so waiting longer for a dead pod only delays the Failed condition."""
+    queue_poll_seconds: float = 1.0
+    set_appear_seconds: float = 10.0
+    """How long a checkpoint waits for a RolloutSet that does not exist (yet) before it fails
+    with SetNotFound."""
+    set_watch_seconds: float = 1.0
+    """The longest a prepare or commit goes without looking at the set (it looks at every event
+    of the set too), to fail the checkpoint as soon as its participants are lost (a recovery
+    started) instead of at the step's deadline."""
+    lease_margin_seconds: int = 60
+    """Added to the longest a checkpoint's steps may take to make the Lease's duration."""
+
+
+OnTransition = Callable[[RolloutCheckpoint, str, str], Awaitable[None]]
+"""Posts the Event of a transition (the checkpoint, its reason, its message)."""
+
+
+@dataclass(frozen=True)
+class CheckpointContext:
+    """The operator's parts a checkpoint flow uses, the same for every checkpoint it runs."""
+
+    kube: Kube
+    settings: FlowSettings
+    clock: Callable[[], float]
+    leases: CheckpointLeases
+    on_transition: OnTransition | None = None
+
+
+@dataclass
+class CheckpointRun:
+    """One run of the flow over one checkpoint, from the slot to the resume.
+
+    `continued`: the run found the checkpoint in a running phase (an operator restart); its
+    prepare deadline and start time come from status then. The rest is what the steps learned,
+    in the order they learn it."""
+
+    context: CheckpointContext
+    rset: RolloutSet
+    coordinator: Coordinator
+    started: float
+    continued: bool
+    deadline_ts: float | None = None
+    """The prepare deadline this run computed (None: status holds it, from an earlier run)."""
+    bound: str = ""
+    """Why the prepare deadline is earlier than `prepareTimeoutSeconds` (an eviction), if so."""
+    prepared: PrepareOutcome | None = None
+    prepare_seconds: float = 0.0
+    scope: list[str] | None = None
+    """The commit scope (None: every parked episode but the restarts)."""
+    committed: CommitOutcome | None = None
+    commit_seconds: float = 0.0
+    resumed: bool = False
+
+    @property
+    def kube(self) -> Kube:
+        return self.context.kube
+
+    @property
+    def settings(self) -> FlowSettings:
+        return self.context.settings
+
+    def now(self) -> float:
+        return self.context.clock()
+
+
+def namespace_of(ckpt: RolloutCheckpoint) -> str:
+    return ckpt.metadata.namespace or "default"
+
+
+def now_ts(clock: Callable[[], float]) -> datetime:
+    return datetime.fromtimestamp(clock(), UTC).replace(microsecond=0)
+
+
+def set_lost(rset: RolloutSet, attempt: int | None) -> str | None:
+    """Why the set no longer runs the checkpoint's attempt (None while it does)."""
+    status = rset.status
+    if status.recovery is not None:
+        return (
+            f"set {rset.metadata.name} lost a participant of attempt {status.recovery.from_attempt}"
+            f" ({status.recovery.message or status.recovery.reason}); its recovery to attempt "
+            f"{status.recovery.target_attempt} restores the previous Ready checkpoint"
+        )
+    if attempt is not None and status.attempt is not None and status.attempt != attempt:
+        return f"set {rset.metadata.name} moved from attempt {attempt} to {status.attempt}"
+    return None
+
+
+def failure_reason(failures: list[Failure]) -> str:
+    codes = {failure.code for failure in failures}
+    if codes & {ErrorCode.STALE_CHECKPOINT, ErrorCode.UNKNOWN_CHECKPOINT}:
+        return Reason.LEASE_LAPSED
+    if ErrorCode.UNRESPONSIVE in codes and ErrorCode.UNREACHABLE not in codes:
+        # It took the connection but did not answer in time: hung or overloaded, not gone.
+        return Reason.PARTICIPANT_UNRESPONSIVE
+    if ErrorCode.INTERNAL in codes or not codes <= {
+        ErrorCode.STORAGE_FAILED,
+        ErrorCode.WRONG_PHASE,
+        ErrorCode.CONFLICTING_CHECKPOINT,
+        ErrorCode.DEADLINE_PASSED,
+    }:
+        return Reason.PARTICIPANT_LOST
+    return ""
+
+
+def describe(failures: list[Failure], limit: int = 5) -> str:
+    """The first `limit` failures for a message, each cut to `MAX_FAILURE_CHARS`: a detail is
+    what a participant said, of any size (docs/operations.md, "Failure modes")."""
+    shown = "; ".join(truncate(str(f), MAX_FAILURE_CHARS) for f in failures[:limit])
+    more = len(failures) - limit
+    return shown + (f"; and {more} more" if more > 0 else "")
+
+
+# --- the checkpoint's status ---------------------------------------------------------------------
+
+
+async def write_status(
+    context: CheckpointContext, ckpt: RolloutCheckpoint, status: RolloutCheckpointStatus
+) -> None:
+    """Persist the whole status (a merge patch of its wire form) before the next step."""
+    body = {"status": dump(status)}
+    # Lists in a merge patch replace; fields that became unset must be sent as null.
+    for key in ("blockers", "participants"):
+        body["status"].setdefault(key, [])
+    with tracing.span("write status", attributes={"rollout.phase": str(status.phase)}):
+        await context.kube.patch_checkpoint_status(
+            namespace_of(ckpt), ckpt.metadata.name, body["status"]
+        )
+    ckpt.status = status
+
+
+async def enter_phase(
+    context: CheckpointContext,
+    ckpt: RolloutCheckpoint,
+    phase: CheckpointPhase,
+    *,
+    condition: tuple[CheckpointConditionType, bool, str, str] | None = None,
+    **fields: Any,
+) -> None:
+    """Write `phase` (with `fields` and `condition`), then post the condition's Event."""
+    status = ckpt.status.model_copy(update={"phase": phase, **fields})
+    status.observed_generation = ckpt.metadata.generation
+    if condition is not None:
+        type_, value, reason, message = condition
+        status.conditions = set_condition(
+            status.conditions,
+            type_.value,
+            value,
+            reason,
+            message,
+            observed_generation=ckpt.metadata.generation,
+        )
+    await write_status(context, ckpt, status)
+    if context.on_transition is not None and condition is not None:
+        await context.on_transition(ckpt, condition[2], condition[3])
+
+
+async def write_failed(
+    context: CheckpointContext, ckpt: RolloutCheckpoint, failed: CheckpointFailed
+) -> None:
+    """The terminal Failed phase: Ready False and Failed True with the reason, the blockers."""
+    logger.warning(
+        "checkpoint %s failed: %s: %s", ckpt.metadata.name, failed.reason, failed.message
+    )
+    tracing.failed(failed.reason, failed.message)
+    status = ckpt.status.model_copy(
+        update={"phase": CheckpointPhase.FAILED, "completed_at": datetime.now(UTC)}
+    )
+    if failed.blockers is not None:
+        status.blockers = [str(e) for e in failed.blockers.blockers]
+        status.blocker_count = failed.blockers.blocker_count
+    generation = ckpt.metadata.generation
+    status.conditions = set_condition(
+        status.conditions,
+        "Ready",
+        False,
+        failed.reason,
+        failed.message,
+        observed_generation=generation,
+    )
+    status.conditions = set_condition(
+        status.conditions,
+        "Failed",
+        True,
+        failed.reason,
+        failed.message,
+        observed_generation=generation,
+    )
+    await write_status(context, ckpt, status)
+    if context.on_transition is not None:
+        await context.on_transition(ckpt, failed.reason, failed.message)
+
+
+# --- the protocol steps' guard -------------------------------------------------------------------
+
+
+async def while_set_holds(
+    context: CheckpointContext, ckpt: RolloutCheckpoint, step: Callable[[], Awaitable[_T]]
+) -> _T:
+    """Run a protocol step, cancelled as soon as the set loses the checkpoint's attempt.
+
+    A participant pod lost during prepare or commit would otherwise keep the step waiting
+    for a dead pod until the step's deadline; the set's recovery (running concurrently in
+    the set's loop) says at once that this attempt is gone (ParticipantLost:
+    docs/design.md#66-one-checkpoint-at-a-time). The set is looked at on each of its events
+    (from the watch: no request).
+    """
+    namespace = namespace_of(ckpt)
+    kube = context.kube
+
+    async def lost() -> str | None:
+        try:
+            raw = await kube.get_set(namespace, ckpt.spec.rollout_set)
+        except (ApiError, OSError, TimeoutError) as error:
+            logger.debug("reading set %s failed: %s", ckpt.spec.rollout_set, error)
+            return None
+        if raw is None:
+            return "the RolloutSet was deleted"
+        return set_lost(RolloutSet.model_validate(raw), ckpt.status.attempt)
+
+    async def next_look() -> None:
+        await kube.cache.wait_for_change(
+            namespace, ckpt.spec.rollout_set, context.settings.set_watch_seconds
+        )
+
+    try:
+        return await while_holding(step, lost, next_look)
+    except NoLongerHolds as broken:
+        raise CheckpointFailed(Reason.PARTICIPANT_LOST, str(broken)) from None
+
+
+async def abort(
+    context: CheckpointContext, coordinator: Coordinator, ckpt: RolloutCheckpoint
+) -> None:
+    """Resume every participant at once (one hung participant does not hold the others)."""
+    with anyio.CancelScope(shield=True), tracing.span("abort"):
+        outcome = await coordinator.abort(
+            ckpt.metadata.name, context.clock() + context.settings.abort_timeout_seconds
+        )
+    if outcome.failures:
+        logger.warning(
+            "abort of %s: resume failed on %s (their lease resumes them)",
+            ckpt.metadata.name,
+            describe(outcome.failures),
+        )
+
+
+def http_participants(rset: RolloutSet, token: str) -> list[HttpParticipantClient]:
+    """The coordinator's view of the set: one HTTP client per participant pod of the attempt."""
+    return [
+        HttpParticipantClient(p.role, p.address, index=p.index, token=token)
+        for p in rset.status.participants
+        if p.address
+    ]

@@ -1,0 +1,142 @@
+"""Phases Pending (and Queued) and Preparing of the checkpoint flow: the prepare deadline, then
+every participant parks its episodes at a boundary (docs/design.md#61-checkpoint, steps 2-3).
+
+`begin` runs once per checkpoint, after the slot is taken: it fixes the deadline (an Eviction's
+is no later than the evicted pods' grace allows), refuses a set whose pods run unmanaged workers
+before anything pauses, and writes Preparing with the attempt, start time and deadline.
+`prepare` asks the participants to park, stage by stage; a restarted operator finds Preparing
+(or Committing, whose prepare replies the participants replay) and runs it again against the
+deadline in status.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from rollout_protocol import tracing
+
+from ...decide.policy import PrepareDeadline, TerminatingPod, eviction_prepare_deadline
+from ...decide.resources import set_selector
+from ...decide.workers import unmanaged_workers
+from ...model.api import (
+    LABEL_ATTEMPT,
+    CheckpointConditionType,
+    CheckpointPhase,
+    RolloutCheckpoint,
+    Trigger,
+    format_time,
+)
+from .context import (
+    CheckpointFailed,
+    CheckpointRun,
+    Reason,
+    describe,
+    enter_phase,
+    failure_reason,
+    namespace_of,
+    now_ts,
+    while_set_holds,
+)
+
+
+async def begin(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoint:
+    """Fix the prepare deadline, refuse unmanaged workers, and write Preparing."""
+    rset = run.rset
+    deadline = await prepare_deadline(run, ckpt)
+    run.deadline_ts = deadline.at.timestamp()
+    run.bound = bound = deadline.why
+    if bound and run.deadline_ts <= run.now():
+        raise CheckpointFailed(
+            Reason.GRACE_PERIOD_TOO_SHORT,
+            f"no time left to prepare: {bound}. Give participant pods a "
+            "terminationGracePeriodSeconds that covers a checkpoint (the set's "
+            "recentCheckpointSeconds); the recovery restores the latest Ready "
+            "checkpoint instead",
+        )
+    await refuse_unmanaged_workers(run)
+    await enter_phase(
+        run.context,
+        ckpt,
+        CheckpointPhase.PREPARING,
+        condition=(
+            CheckpointConditionType.PREPARED,
+            False,
+            Reason.PREPARING,
+            f"parking episodes of attempt {rset.status.attempt} at boundaries "
+            f"until {format_time(deadline.at)}" + (f" ({bound})" if bound else ""),
+        ),
+        attempt=rset.status.attempt,
+        started_at=now_ts(run.context.clock),
+        deadline=deadline.at.replace(microsecond=0),
+    )
+    return ckpt
+
+
+async def prepare(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoint:
+    """Park every participant's episodes by the deadline; what parked is `run.prepared`."""
+    if run.deadline_ts is not None:
+        deadline_ts = run.deadline_ts
+    else:
+        assert ckpt.status.deadline is not None, "a continued prepare has its deadline in status"
+        deadline_ts = ckpt.status.deadline.timestamp()
+    prepare_started = run.now()
+    if run.continued and ckpt.status.started_at is not None:
+        # An operator restart (or an API outage) mid-checkpoint: admission closed when
+        # the first prepare began, so the pause counts from there, not from this run.
+        prepare_started = min(prepare_started, ckpt.status.started_at.timestamp())
+    # A deadline that passed while the operator was down: a prepare that completed then
+    # is replayed at once; one that did not gets one more second, then times out.
+    until = max(deadline_ts, run.now() + 1)
+    coordinator = run.coordinator
+    with tracing.span("prepare"):
+        outcome = await while_set_holds(
+            run.context,
+            ckpt,
+            lambda: coordinator.prepare(ckpt.metadata.name, until, scope=ckpt.spec.episodes),
+        )
+    run.prepare_seconds = run.now() - prepare_started
+    if outcome.failures:
+        reason = failure_reason(outcome.failures) or Reason.PREPARE_FAILED
+        raise CheckpointFailed(reason, f"prepare failed: {describe(outcome.failures)}")
+    if not outcome.ready:
+        bound = run.bound
+        raise CheckpointFailed(
+            Reason.NOT_PARKED,
+            f"{outcome.blocker_count} episode(s) were not parked at the prepare deadline "
+            f"(stage {outcome.stopped_at}); first: "
+            + ", ".join(str(e) for e in outcome.blockers[:5])
+            + (
+                f". The deadline was the eviction's: {bound}; a longer "
+                "terminationGracePeriodSeconds gives episodes time to park"
+                if bound
+                else ""
+            ),
+            blockers=outcome,
+        )
+    run.prepared = outcome
+    return ckpt
+
+
+async def prepare_deadline(run: CheckpointRun, ckpt: RolloutCheckpoint) -> PrepareDeadline:
+    """`prepareTimeoutSeconds` from now; for an Eviction checkpoint no later than the
+    evicted pods' grace period allows (`policy.eviction_prepare_deadline`). The pods are
+    read now, not when the checkpoint was created: it may have queued, and a drain may
+    have evicted more pods since."""
+    rset = run.rset
+    now = datetime.fromtimestamp(run.now(), UTC)
+    timeout = rset.spec.checkpoint_policy.prepare_timeout_seconds
+    terminating: list[TerminatingPod] = []
+    if ckpt.spec.trigger is Trigger.EVICTION:
+        pods = await run.kube.list_pods(namespace_of(ckpt), set_selector(rset.metadata.name))
+        terminating = [t for t in (TerminatingPod.from_pod(p, LABEL_ATTEMPT) for p in pods) if t]
+    return eviction_prepare_deadline(now, timeout, terminating, rset.status.attempt)
+
+
+async def refuse_unmanaged_workers(run: CheckpointRun) -> None:
+    """Fail before anything is paused when a pod runs workers nobody coordinates. A
+    participant that does not answer its status is left to the prepare (it fails there)."""
+    outcome = await run.coordinator.status(run.now() + run.settings.abort_timeout_seconds)
+    pods = {f"{p.role.value}-{p.index}": p.pod for p in run.rset.status.participants}
+    refused = unmanaged_workers(outcome.statuses, pods)
+    if refused is not None:
+        raise CheckpointFailed(Reason.UNMANAGED_WORKERS, refused)

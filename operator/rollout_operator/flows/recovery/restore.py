@@ -1,0 +1,332 @@
+"""Phases Restoring and Resuming of the recovery (docs/design.md#62-recovery): the checkpoint
+into every participant at once under the target attempt, then resume and the recovery's end.
+
+The checkpoint named in `status.recovery` is checked against the cluster first (a name written by
+hand is replaced by the newest Ready checkpoint of the set). A restore is all or nothing across
+the participants; records that fail verification mark that checkpoint not restorable
+(`RecordsInvalid`). Resuming clears `status.recovery`, moves `attempt` to the target and writes
+`lastRecovery` (what was kept, restored and lost) and the conditions, in one write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import TypeVar
+
+from rollout_protocol import (
+    ErrorCode,
+)
+
+from ...cluster.kube import ApiError
+from ...decide.inplace import adopted_instances, instance_name, rewiring
+from ...decide.policy import RESUMED_REASON
+from ...decide.setplan import attempt_instances
+from ...decide.setstatus import NOT_AN_INTERFACE, REPAIRED
+from ...decide.workloss import total_work, work_loss
+from ...model.api import (
+    CheckpointConditionType,
+    CheckpointPhase,
+    LastRecovery,
+    RecoveryPhase,
+    RecoveryStatus,
+    RolloutSet,
+    SetConditionType,
+    TargetLevel,
+    dump,
+)
+from ...model.conditions import (
+    ConditionUpdate,
+    is_true,
+    set_condition,
+    truncate,
+    utcnow,
+)
+from ..watching import NoLongerHolds, while_holding
+from .context import (
+    CHECKPOINT_RECORDS_INVALID,
+    POLL_SECONDS,
+    Reason,
+    RecoveryContext,
+    RecoveryFailed,
+    logger,
+    patch,
+    phase_seconds_until,
+    read_checkpoint,
+    recovery_of,
+    set_phase,
+    try_deadline,
+)
+from .loss import find_losses, observe
+from .pods import restorable_checkpoint
+
+
+def counts_as_restart(recovery: RecoveryStatus) -> bool:
+    """Whether a finished recovery adds one to `status.restarts`.
+
+    `restarts` counts what went wrong (a participant failed, was deleted, its node was lost),
+    so people and alerts can read it as the set's instability. A resume after suspend runs as
+    a recovery too (fresh pods restore the latest checkpoint under attempt + 1), but nothing
+    was lost: it advances the attempt and says `Resumed`/`Restored` in the conditions, and
+    leaves `restarts` alone (a queueing system may suspend and resume a set many times)."""
+    return recovery.reason != RESUMED_REASON
+
+
+_T = TypeVar("_T")
+
+
+async def still_restorable(context: RecoveryContext, rset: RolloutSet) -> RolloutSet:
+    """Check `recovery.checkpoint` against the cluster before restoring it: a Ready
+    checkpoint of this set. Anything else (written by hand: another set's checkpoint, a
+    Failed or missing one) is replaced by the newest Ready one (or a fresh start), with an
+    Event, before a restore could fail on it and mark it invalid."""
+    recovery = recovery_of(rset)
+    if recovery.checkpoint is None:
+        return rset
+    ckpt = await read_checkpoint(context, rset, recovery.checkpoint)
+    if ckpt is not None and is_true(ckpt.status.conditions, "Ready"):
+        return rset
+    pick = await restorable_checkpoint(context, rset)
+    why = "does not exist" if ckpt is None else "is not Ready"
+    message = (
+        f"status.recovery.checkpoint said {recovery.checkpoint!r}, but no checkpoint of set "
+        f"{rset.metadata.name} by that name {why}: restoring "
+        + (f"{pick} instead" if pick else "nothing (no Ready checkpoint: a fresh start)")
+        + f"; {NOT_AN_INTERFACE}"
+    )
+    logger.warning("set %s: %s", rset.metadata.name, message)
+    rset = await set_phase(context, rset, RecoveryPhase.RESTORING, checkpoint=pick)
+    await context.transition(rset, REPAIRED, message, True)
+    return rset
+
+
+async def restore(context: RecoveryContext, rset: RolloutSet) -> RolloutSet:
+    """Restoring: the checkpoint (checked against the cluster first) into every participant
+    at once under the target attempt, all or nothing; then write Resuming."""
+    rset = await still_restorable(context, rset)
+    recovery = recovery_of(rset)
+    if recovery.checkpoint is None:
+        return await set_phase(context, rset, RecoveryPhase.RESUMING)
+    checkpoint = recovery.checkpoint
+    # the rollouts a participant's commit listed: a NeMo Gym participant restores only those
+    # it is told (docs/protocol.md, "The NeMo Gym dialect")
+    ckpt = await read_checkpoint(context, rset, checkpoint)
+    listed = {
+        entry.instance: entry.rollout_ids
+        for entry in (ckpt.status.participants if ckpt is not None else [])
+        if entry.rollout_ids is not None
+    }
+    coordinator, clients = await context.coordinator(rset)
+    adopted = adopted_instances(recovery.adopted)
+    peers = rewiring(rset, rset.status.participants, set(recovery.kept), adopted.values())
+    try:
+        deadline = max(try_deadline(rset), context.clock() + context.waits.restore_floor_seconds)
+        outcome = await while_pods_hold(
+            context,
+            rset,
+            lambda: coordinator.restore(
+                checkpoint,
+                recovery.target_attempt,
+                deadline,
+                peers=peers,
+                adopted=list(adopted),
+                listed=listed,
+            ),
+        )
+    finally:
+        for client in clients:
+            await client.aclose()
+    if not outcome.ok:
+        invalid = [f for f in outcome.failures if f.code is ErrorCode.RECORDS_INVALID]
+        if invalid:
+            detail = "; ".join(str(f) for f in invalid[:3])
+            await invalidate(context, rset, recovery.checkpoint, detail)
+            raise RecoveryFailed(
+                Reason.CHECKPOINT_INVALID,
+                f"the records of checkpoint {recovery.checkpoint} failed verification "
+                f"({detail}); it is marked Ready=False and the next try restores the "
+                "newest older Ready checkpoint, or starts fresh",
+            )
+        raise RecoveryFailed(
+            Reason.RESTORE_FAILED,
+            f"restore of {recovery.checkpoint} under attempt {recovery.target_attempt} "
+            "failed (retired everywhere): " + "; ".join(str(f) for f in outcome.failures[:3]),
+        )
+    logger.info(
+        "set %s: restored %d episode(s) of %s under attempt %d",
+        rset.metadata.name,
+        len(outcome.episodes),
+        recovery.checkpoint,
+        recovery.target_attempt,
+    )
+    return await set_phase(
+        context,
+        rset,
+        RecoveryPhase.RESUMING,
+        episodes_restored=len(outcome.episodes),
+        kept_work=total_work(outcome.kept.values()),
+    )
+
+
+async def resume(context: RecoveryContext, rset: RolloutSet) -> RolloutSet | None:
+    """Resuming: resume the restored participants, then end the recovery in one write
+    (`attempt` is the target, `lastRecovery`, the conditions) and post its Event."""
+    recovery = recovery_of(rset)
+    if recovery.checkpoint is not None:
+        coordinator, clients = await context.coordinator(rset)
+        checkpoint = recovery.checkpoint
+        try:
+            resumed = await while_pods_hold(
+                context,
+                rset,
+                lambda: coordinator.resume(
+                    checkpoint, context.clock() + context.waits.restore_floor_seconds
+                ),
+            )
+        finally:
+            for client in clients:
+                await client.aclose()
+        if resumed.failures:
+            raise RecoveryFailed(
+                Reason.RESTORE_FAILED,
+                "resume after restore failed: " + "; ".join(str(f) for f in resumed.failures[:3]),
+            )
+        reason = Reason.RESTORED
+        how = f"restored checkpoint {recovery.checkpoint}"
+    elif rset.spec.recovery.target_level is TargetLevel.SIBLING:
+        reason, how = Reason.SIBLING_RESTART, "targetLevel sibling: episodes restart"
+    else:
+        reason, how = Reason.NO_CHECKPOINT, "no Ready checkpoint: episodes restart from scratch"
+    now = utcnow()
+    took = (now - recovery.started_at).total_seconds()
+    kept = f"; kept {len(recovery.kept)} pod(s)" if recovery.kept else ""
+    message = (
+        f"recovered from {recovery.reason or 'a lost participant'} in {took:.0f}s: "
+        f"attempt {recovery.target_attempt} runs; {how}{kept}"
+    )
+    last = await last_recovery(context, rset, recovery, now)
+    rset = await patch(
+        context,
+        rset,
+        {
+            "recovery": None,
+            "lastRecovery": last,
+            "attempt": recovery.target_attempt,
+            "createdAttempt": recovery.target_attempt,
+            "restarts": rset.status.restarts + (1 if counts_as_restart(recovery) else 0),
+        },
+        [
+            ConditionUpdate.of(SetConditionType.RECOVERING.value, False, reason, message),
+            ConditionUpdate.of(SetConditionType.READY.value, True, reason, message),
+            ConditionUpdate.of(SetConditionType.DEGRADED.value, False, reason, message),
+        ],
+    )
+    await context.transition(rset, reason, message, False)
+    return rset
+
+
+async def while_pods_hold(
+    context: RecoveryContext, rset: RolloutSet, step: Callable[[], Awaitable[_T]]
+) -> _T:
+    """Run a restore or resume step, cancelled as soon as a pod of the target attempt is
+    lost: the next try starts at once instead of after the step's deadline (a call to a
+    dead pod retries until then)."""
+    recovery = recovery_of(rset)
+    target = recovery.target_attempt
+
+    async def lost() -> str | None:
+        try:
+            pods, nodes_of, lost_nodes = await observe(context.kube, rset)
+        except (ApiError, OSError, TimeoutError) as error:
+            logger.debug("observing the pods of %s failed: %s", rset.metadata.name, error)
+            return None
+        losses = find_losses(rset, target, pods, nodes_of, lost_nodes)
+        return next((loss.message for loss in losses.values()), None)
+
+    async def next_look() -> None:
+        await context.kube.cache.wait_for_change(
+            rset.metadata.namespace or "default", rset.metadata.name, POLL_SECONDS
+        )
+
+    try:
+        return await while_holding(step, lost, next_look)
+    except NoLongerHolds as broken:
+        raise RecoveryFailed(
+            Reason.REPLACEMENT_LOST, f"{broken}; the next try starts now"
+        ) from None
+
+
+async def invalidate(context: RecoveryContext, rset: RolloutSet, name: str, detail: str) -> None:
+    """Verification failures are permanent: the checkpoint is no longer restorable.
+
+    Its Ready condition turns False (reason RecordsInvalid, phase Failed), so no later
+    recovery tries it again, retention treats its records as garbage, and the set's pass
+    moves `latestCheckpoint` to the newest other Ready checkpoint."""
+    namespace = rset.metadata.namespace or "default"
+    ckpt = await read_checkpoint(context, rset, name)
+    if ckpt is not None:
+        message = truncate(f"restore verification failed, not restorable: {detail}", 1000)
+        conditions = ckpt.status.conditions
+        for type_, status in (
+            (CheckpointConditionType.READY, False),
+            (CheckpointConditionType.FAILED, True),
+        ):
+            conditions = set_condition(
+                conditions,
+                type_.value,
+                status,
+                CHECKPOINT_RECORDS_INVALID,
+                message,
+                observed_generation=ckpt.metadata.generation,
+            )
+        await context.kube.patch_checkpoint_status(
+            namespace,
+            name,
+            {
+                "phase": CheckpointPhase.FAILED.value,
+                "conditions": [dump(c) for c in conditions],
+            },
+        )
+    logger.warning("set %s: checkpoint %s is not restorable: %s", rset.metadata.name, name, detail)
+
+
+async def last_recovery(
+    context: RecoveryContext, rset: RolloutSet, recovery: RecoveryStatus, now: datetime
+) -> LastRecovery:
+    """What this recovery kept and lost, for status, the printer columns and metrics."""
+    spent = phase_seconds_until(recovery, now)
+    age: float | None = None
+    restarted = 0
+    if recovery.checkpoint is not None:
+        ckpt = await read_checkpoint(context, rset, recovery.checkpoint)
+        if ckpt is not None:
+            restarted = ckpt.status.restarts or 0
+            completed = ckpt.status.completed_at
+            if completed is not None:
+                age = max(0.0, (recovery.started_at - completed).total_seconds())
+    loss = work_loss(
+        checkpoint=recovery.checkpoint,
+        instances=[instance_name(i) for i in attempt_instances(rset, recovery.from_attempt, [])],
+        reports=recovery.lost_work,
+        kept=recovery.kept_work,
+    )
+    return LastRecovery(
+        completed_at=now,
+        reason=recovery.reason or "Unknown",
+        attempt=recovery.target_attempt,
+        restore_policy=recovery.restore_policy,
+        kept=len(recovery.kept),
+        replaced=len(recovery.replaced),
+        adopted=recovery.adopted,
+        checkpoint=recovery.checkpoint,
+        checkpoint_age_seconds=None if age is None else round(age, 3),
+        episodes_restored=recovery.episodes_restored or 0,
+        episodes_restarted=restarted,
+        duration_seconds=round(max(0.0, (now - recovery.started_at).total_seconds()), 3),
+        phase_seconds=spent,
+        model_tokens_kept=loss.model_tokens_kept,
+        model_tokens_generated_again=loss.model_tokens_generated_again,
+        steps_kept=loss.steps_kept,
+        steps_redone=loss.steps_redone,
+        work_uncounted=loss.uncounted,
+    )

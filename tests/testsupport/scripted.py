@@ -1,0 +1,117 @@
+"""A participant with canned replies, for the unit tests of single phase steps of the checkpoint
+and the recovery flows (tests/unit/test_checkpoint_phases.py, test_recovery_phases.py).
+
+`Scripted` answers every control call the operator's flows make from what the test set on it
+(which episodes are parked, whether a commit or restore fails) and journals each call, so a
+test of one step can say which calls that step made and nothing else. It is handed to a real
+`rollout_protocol.Coordinator`, which the steps drive.
+"""
+
+from __future__ import annotations
+
+from rollout_protocol import (
+    CommitReply,
+    CommitRequest,
+    EpisodeId,
+    ErrorCode,
+    Manifest,
+    ParticipantError,
+    Phase,
+    PrepareReply,
+    PrepareRequest,
+    RestoreReply,
+    RestoreRequest,
+    ResumeReply,
+    ResumeRequest,
+    Role,
+    StatusReply,
+)
+
+RECORDS_SHA256 = "ab" * 32
+"""The records digest of every manifest a `Scripted` participant commits."""
+
+
+class Scripted:
+    """One participant (`role`-`index`) with canned replies; `calls` journals (operation, id)."""
+
+    def __init__(
+        self,
+        role: Role = Role.MODEL,
+        *,
+        index: int = 0,
+        attempt: int = 3,
+        parked: tuple[str, ...] = ("r1",),
+        blockers: tuple[str, ...] = (),
+        commit_fails: ErrorCode | None = None,
+        restore_fails: ErrorCode | None = None,
+    ) -> None:
+        self.role = role
+        self.instance = f"{role.value}-{index}"
+        self.attempt = attempt
+        self.parked = parked
+        self.blockers = blockers
+        self.commit_fails = commit_fails
+        self.restore_fails = restore_fails
+        self.calls: list[tuple[str, str]] = []
+
+    def called(self, operation: str) -> list[str]:
+        """The ids of every `operation` call, in order."""
+        return [cid for op, cid in self.calls if op == operation]
+
+    async def status(self, deadline_ts: float) -> StatusReply:
+        self.calls.append(("status", ""))
+        return StatusReply(
+            role=self.role, instance=self.instance, attempt=self.attempt, phase=Phase.IDLE
+        )
+
+    async def prepare(self, request: PrepareRequest) -> PrepareReply:
+        self.calls.append(("prepare", request.checkpoint_id))
+        return PrepareReply(
+            checkpoint_id=request.checkpoint_id,
+            phase=Phase.PREPARED if not self.blockers else Phase.PREPARING,
+            ready=not self.blockers,
+            episodes=[EpisodeId(rollout_id=r, attempt=self.attempt) for r in self.parked],
+            episode_count=len(self.parked),
+            blockers=[EpisodeId(rollout_id=r, attempt=self.attempt) for r in self.blockers],
+            blocker_count=len(self.blockers),
+        )
+
+    async def commit(self, request: CommitRequest) -> CommitReply:
+        self.calls.append(("commit", request.checkpoint_id))
+        if self.commit_fails is not None:
+            raise ParticipantError(self.commit_fails, "the scripted commit fails", self.instance)
+        records = f"records-{RECORDS_SHA256}.jsonl"
+        return CommitReply(
+            checkpoint_id=request.checkpoint_id,
+            phase=Phase.COMMITTED,
+            manifest=Manifest(
+                role=self.role,
+                instance=self.instance,
+                checkpoint_id=request.checkpoint_id,
+                attempt=self.attempt,
+                records_file=records,
+                records_sha256=RECORDS_SHA256,
+                record_count=len(self.parked),
+                bytes=100,
+            ),
+            manifest_path=f"{request.checkpoint_id}/{self.instance}/manifest.json",
+        )
+
+    async def restore(self, request: RestoreRequest) -> RestoreReply:
+        self.calls.append(("restore", request.checkpoint_id))
+        if self.restore_fails is not None:
+            raise ParticipantError(self.restore_fails, "the scripted restore fails", self.instance)
+        return RestoreReply(
+            checkpoint_id=request.checkpoint_id,
+            phase=Phase.RESTORED,
+            attempt=request.attempt,
+            restored=[EpisodeId(rollout_id=r, attempt=request.attempt) for r in self.parked],
+            record_count=len(self.parked),
+        )
+
+    async def resume(self, request: ResumeRequest) -> ResumeReply:
+        self.calls.append(("resume", request.checkpoint_id))
+        return ResumeReply(checkpoint_id=request.checkpoint_id, phase=Phase.IDLE)
+
+    async def aclose(self) -> None:
+        pass

@@ -1,0 +1,274 @@
+"""The checkpoint flow's phase table, one step at a time (docs/design.md#61-checkpoint).
+
+Each step is a function of a `CheckpointRun` and the checkpoint; these tests run one step over
+the unit tests' fake API server (`testsupport.fakecluster`, below the real `Kube`) with a
+participant of canned replies (`testsupport.scripted`), and check what the step wrote and which
+calls it made. The whole flow over the same pieces is test_checkpoint_eviction and
+test_checkpoint_slots.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import cast
+
+import pytest
+from rollout_operator.cluster.leases import CheckpointLeases
+from rollout_operator.decide.policy import parse_time
+from rollout_operator.flows.checkpoint import PHASES, CheckpointFailed, FlowSettings, Reason
+from rollout_operator.flows.checkpoint.commit import commit, publish
+from rollout_operator.flows.checkpoint.context import CheckpointContext, CheckpointRun
+from rollout_operator.flows.checkpoint.flow import phase_of
+from rollout_operator.flows.checkpoint.prepare import begin, prepare
+from rollout_operator.flows.checkpoint.resume import resume
+from rollout_operator.flows.phases import run_phases
+from rollout_operator.model import api
+from rollout_operator.model.api import ROLLOUT_SET_PLURAL, CheckpointPhase
+from rollout_protocol import Coordinator, ErrorCode, HttpParticipantClient
+from testsupport.checkpointflow import (
+    CKPT,
+    NS,
+    SET,
+    checkpoint_status,
+    condition,
+    evicted_pod,
+    mark_ready,
+    set_cluster,
+    whole_seconds,
+)
+from testsupport.fakecluster import FakeCluster
+from testsupport.scripted import RECORDS_SHA256, Scripted
+
+
+async def a_run(
+    cluster: FakeCluster, participant: Scripted, *, continued: bool = False
+) -> tuple[CheckpointRun, api.RolloutCheckpoint]:
+    """A run of the flow over `CKPT` as the driver makes one once the slot is taken."""
+    kube = cluster.kube()
+    context = CheckpointContext(
+        kube=kube, settings=FlowSettings(), clock=time.time, leases=CheckpointLeases(kube)
+    )
+    rset = api.RolloutSet.model_validate(await kube.get_set(NS, SET))
+    ckpt = api.RolloutCheckpoint.model_validate(await kube.get_checkpoint(NS, CKPT))
+    coordinator = Coordinator([cast(HttpParticipantClient, participant)])
+    run = CheckpointRun(context, rset, coordinator, started=time.time(), continued=continued)
+    return run, ckpt
+
+
+def ready_cluster(trigger: str = "Manual") -> FakeCluster:
+    cluster = set_cluster(trigger, [])
+    mark_ready(cluster)
+    return cluster
+
+
+def in_phase(cluster: FakeCluster, phase: str, **status: object) -> None:
+    """The checkpoint as an earlier run left it (an operator restart finds it so)."""
+
+    def write(obj: dict[str, object]) -> None:
+        obj["status"] = {"phase": phase, "attempt": 3, **status}
+
+    cluster.update(api.ROLLOUT_CHECKPOINT_PLURAL, NS, CKPT, write)
+
+
+# --- the table --------------------------------------------------------------------------------
+
+
+async def test_each_phase_runs_its_step_and_a_continued_commit_prepares_again() -> None:
+    run, ckpt = await a_run(ready_cluster(), Scripted())
+    assert phase_of(run, ckpt) is CheckpointPhase.PENDING
+    ckpt.status.phase = CheckpointPhase.QUEUED
+    assert phase_of(run, ckpt) is CheckpointPhase.PENDING, "Queued waited for the slot only"
+    # An operator restart in Committing: the prepare's outcome is not persisted, so the run
+    # prepares again (the participants replay it) against the deadline in status.
+    ckpt.status.phase = CheckpointPhase.COMMITTING
+    ckpt.status.deadline = whole_seconds(time.time() + 60)
+    run.continued = True
+    assert phase_of(run, ckpt) is CheckpointPhase.PREPARING
+    for phase in (CheckpointPhase.READY, CheckpointPhase.FAILED):
+        ckpt.status.phase = phase
+        assert phase_of(run, ckpt) is None
+    ckpt.status.phase = CheckpointPhase.RESUMING
+    assert phase_of(run, ckpt) is CheckpointPhase.RESUMING
+    run.resumed = True
+    assert phase_of(run, ckpt) is None
+    assert set(PHASES.steps) == {
+        CheckpointPhase.PENDING,
+        CheckpointPhase.PREPARING,
+        CheckpointPhase.COMMITTING,
+        CheckpointPhase.PUBLISHING,
+        CheckpointPhase.RESUMING,
+    }
+
+
+async def test_the_table_runs_a_checkpoint_from_pending_to_resumed() -> None:
+    cluster = ready_cluster()
+    participant = Scripted()
+    run, ckpt = await a_run(cluster, participant)
+    ended = await run_phases(PHASES, run, ckpt)
+    assert ended is not None
+    assert ended.status.phase is CheckpointPhase.RESUMING
+    assert [op for op, _ in participant.calls] == [
+        "status",
+        "prepare",
+        "commit",
+        "resume",
+    ]
+    assert checkpoint_status(cluster)["phase"] == "Resuming"
+    assert condition(cluster, "Ready")["status"] == "True"
+
+
+# --- Pending: begin ---------------------------------------------------------------------------
+
+
+async def test_begin_writes_preparing_with_the_attempt_start_and_deadline() -> None:
+    cluster = ready_cluster()
+    participant = Scripted()
+    run, ckpt = await a_run(cluster, participant)
+    before = time.time()
+    await begin(run, ckpt)
+    status = checkpoint_status(cluster)
+    assert status["phase"] == "Preparing"
+    assert status["attempt"] == 3
+    assert run.deadline_ts is not None
+    assert before + 300 <= run.deadline_ts <= time.time() + 300  # prepareTimeoutSeconds
+    assert parse_time(status["deadline"]) == whole_seconds(run.deadline_ts)
+    assert condition(cluster, "Prepared")["reason"] == Reason.PREPARING
+    assert participant.called("status") == [""], "unmanaged workers are refused first"
+    assert not participant.called("prepare"), "begin parks nothing"
+
+
+async def test_begin_refuses_an_eviction_with_no_grace_left() -> None:
+    cluster = set_cluster("Eviction", [evicted_pod(whole_seconds(time.time() + 1), grace=1)])
+    participant = Scripted()
+    run, ckpt = await a_run(cluster, participant)
+    with pytest.raises(CheckpointFailed) as failed:
+        await begin(run, ckpt)
+    assert failed.value.reason == Reason.GRACE_PERIOD_TOO_SHORT
+    assert participant.calls == [], "nothing was asked of a participant"
+    assert "phase" not in checkpoint_status(cluster), "nothing was written"
+
+
+# --- Preparing --------------------------------------------------------------------------------
+
+
+async def test_prepare_keeps_what_parked_and_writes_nothing() -> None:
+    cluster = ready_cluster()
+    participant = Scripted(parked=("r1", "r2"))
+    run, ckpt = await a_run(cluster, participant)
+    await begin(run, ckpt)
+    written = len(cluster.requests)
+    await prepare(run, ckpt)
+    assert run.prepared is not None
+    assert run.prepared.episode_count == 2
+    assert participant.called("prepare") == [CKPT]
+    assert not [r for r in cluster.requests[written:] if r.verb != "get"], "no write"
+    assert phase_of(run, ckpt) is CheckpointPhase.COMMITTING
+
+
+async def test_a_continued_prepare_uses_the_deadline_and_start_in_status() -> None:
+    cluster = ready_cluster()
+    started = whole_seconds(time.time() - 30)
+    deadline = whole_seconds(time.time() + 60)
+    in_phase(
+        cluster,
+        "Preparing",
+        startedAt=api.format_time(started),
+        deadline=api.format_time(deadline),
+    )
+    participant = Scripted()
+    run, ckpt = await a_run(cluster, participant, continued=True)
+    assert phase_of(run, ckpt) is CheckpointPhase.PREPARING, "no second begin"
+    await prepare(run, ckpt)
+    assert run.prepare_seconds >= 30, "the pause counts from the first prepare"
+    assert participant.called("status") == [], "begin did not run again"
+
+
+async def test_a_prepare_with_a_blocker_fails_not_parked_with_the_blockers() -> None:
+    cluster = ready_cluster()
+    run, ckpt = await a_run(cluster, Scripted(blockers=("stuck",)))
+    await begin(run, ckpt)
+    with pytest.raises(CheckpointFailed) as failed:
+        await prepare(run, ckpt)
+    assert failed.value.reason == Reason.NOT_PARKED
+    assert failed.value.blockers is not None
+    assert [str(e) for e in failed.value.blockers.blockers] == ["stuck@3"]
+    assert run.prepared is None
+
+
+# --- Committing and Publishing ----------------------------------------------------------------
+
+
+async def test_commit_writes_committing_alongside_and_keeps_the_outcome() -> None:
+    cluster = ready_cluster()
+    participant = Scripted()
+    run, ckpt = await a_run(cluster, participant)
+    await begin(run, ckpt)
+    await prepare(run, ckpt)
+    await commit(run, ckpt)
+    assert checkpoint_status(cluster)["phase"] == "Committing"
+    assert condition(cluster, "Prepared")["status"] == "True"
+    assert run.committed is not None
+    assert run.committed.ok
+    assert participant.called("commit") == [CKPT]
+    assert phase_of(run, ckpt) is CheckpointPhase.PUBLISHING
+
+
+async def test_a_failed_commit_ends_the_flow_with_its_reason() -> None:
+    cluster = ready_cluster()
+    run, ckpt = await a_run(cluster, Scripted(commit_fails=ErrorCode.STORAGE_FAILED))
+    await begin(run, ckpt)
+    await prepare(run, ckpt)
+    with pytest.raises(CheckpointFailed) as failed:
+        await commit(run, ckpt)
+    assert failed.value.reason == Reason.COMMIT_FAILED
+    assert run.committed is None
+
+
+async def test_publish_makes_the_checkpoint_ready_in_one_write() -> None:
+    cluster = ready_cluster()
+    participant = Scripted(parked=("r1", "r2"))
+    run, ckpt = await a_run(cluster, participant)
+    for step in (begin, prepare, commit):
+        await step(run, ckpt)
+    written = len(cluster.requests)
+    await publish(run, ckpt)
+    writes = [r for r in cluster.requests[written:] if r.verb != "get"]
+    assert len(writes) == 1, writes
+    status = checkpoint_status(cluster)
+    assert status["phase"] == "Resuming"
+    assert status["episodes"] == 2
+    (published,) = status["participants"]
+    assert published["instance"] == "model-0"
+    assert published["recordsSha256"] == RECORDS_SHA256
+    assert condition(cluster, "Committed")["status"] == "True"
+    assert condition(cluster, "Ready")["reason"] == Reason.PUBLISHED
+    assert participant.called("resume") == [], "publish resumes nothing"
+
+
+# --- Resuming ---------------------------------------------------------------------------------
+
+
+async def test_resume_resumes_the_participants_and_counts_the_pause() -> None:
+    cluster = ready_cluster()
+    in_phase(cluster, "Resuming", durations={"prepareSeconds": 1.5, "commitSeconds": 0.5})
+    participant = Scripted()
+    run, ckpt = await a_run(cluster, participant, continued=True)
+    assert phase_of(run, ckpt) is CheckpointPhase.RESUMING
+    await resume(run, ckpt)
+    assert participant.called("resume") == [CKPT]
+    assert run.resumed
+    durations = ckpt.status.durations
+    assert durations is not None
+    assert durations.pause_seconds is not None
+    assert durations.pause_seconds >= 2.0
+
+
+async def test_resume_leaves_the_pods_of_a_lost_attempt_to_the_recovery() -> None:
+    cluster = ready_cluster()
+    in_phase(cluster, "Resuming")
+    cluster.update(ROLLOUT_SET_PLURAL, NS, SET, lambda s: s["status"].update({"attempt": 4}))
+    participant = Scripted()
+    run, ckpt = await a_run(cluster, participant, continued=True)
+    await resume(run, ckpt)
+    assert participant.called("resume") == []
+    assert run.resumed
