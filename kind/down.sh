@@ -16,8 +16,11 @@ PY="${PY:-$root/.venv/bin/python}"
 log() { echo "[kind] $*" >&2; }
 
 lib_modules_created=false
+run_containers_created=false
+flag() { python3 -c 'import json,sys; print(str(json.load(open(sys.argv[1])).get(sys.argv[2], False)).lower())' "$state/cluster.json" "$1"; }
 if [ -s "$state/cluster.json" ]; then
-  lib_modules_created="$(python3 -c 'import json,sys; print(str(json.load(open(sys.argv[1]))["lib_modules_created"]).lower())' "$state/cluster.json")"
+  lib_modules_created="$(flag lib_modules_created)"
+  run_containers_created="$(flag run_containers_created)"
 fi
 
 if [ -e "$kind_netns_path" ] && [ -d "$kind_run/conf" ]; then
@@ -45,6 +48,7 @@ for name, value in json.load(open(sys.argv[1])).items():
 PY
 fi
 if [ "$lib_modules_created" = true ] && [ -d /lib/modules ]; then rmdir /lib/modules 2>/dev/null || true; fi
+if [ "$run_containers_created" = true ]; then rm -rf /run/containers; fi
 rm -rf "$kind_run"
 rm -f "$state/cluster.json" "$state/kubeconfig" "$state/kubeconfig.kind"
 
@@ -60,6 +64,7 @@ for pid in $(pgrep -x conmon; pgrep -x aardvark-dns); do
   fi
 done
 if [ "$lib_modules_created" = true ] && [ -e /lib/modules ]; then left+=("/lib/modules"); fi
+if [ "$run_containers_created" = true ] && [ -e /run/containers ]; then left+=("/run/containers"); fi
 for name in kernel/panic kernel/panic_on_oops vm/overcommit_memory; do
   log "$(echo "$name" | tr / .) = $(cat /proc/sys/$name)"
 done

@@ -42,9 +42,12 @@ mkdir -p "$state" "$shared"
 chmod 1777 "$shared"
 kind_podman_config
 # Written before anything is created: kind/down.sh works from it even after a failed start.
-printf '{"cluster": "%s", "netns": "%s", "workers": %s, "shared": "%s", "lib_modules_created": %s}\n' \
+# netavark keeps its run state (IP allocations, aardvark-dns) in /run/containers/networks
+# whatever the configuration says (podman 4.3): down removes it if this run made it.
+printf '{"cluster": "%s", "netns": "%s", "workers": %s, "shared": "%s", "lib_modules_created": %s, "run_containers_created": %s}\n' \
   "$KIND_CLUSTER" "$KIND_NETNS" "$KIND_WORKERS" "$shared" \
-  "$([ -e /lib/modules ] && echo false || echo true)" > "$state/cluster.json"
+  "$([ -e /lib/modules ] && echo false || echo true)" \
+  "$([ -e /run/containers ] && echo false || echo true)" > "$state/cluster.json"
 fail() { echo "error: $*; kind/down.sh takes down what was started" >&2; exit 1; }
 
 # The kubelets set kernel.panic, kernel.panic_on_oops and vm.overcommit_memory (and others, not
