@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # the container-node tests run whole on one worker (tests/conftest.py).
 TEST_WORKERS ?= 2
 
-.PHONY: kind kind-down kind-packages help venv cluster-binaries kueue-binaries node-packages node-binaries engine image lint test test-unit test-protocol test-e2e test-adversarial demo demo-containers cluster cluster-down crds bench bench-fleet bench-requests clean kind-e2e kind-e2e-down
+.PHONY: kind kind-down kind-packages kind-e2e-docker help venv cluster-binaries kueue-binaries node-packages node-binaries engine image lint test test-unit test-protocol test-e2e test-adversarial demo demo-containers cluster cluster-down crds bench bench-fleet bench-requests clean kind-e2e kind-e2e-down
 
 help:
 	@echo "make demo              run the demo on a local devcluster (add DEMO_ARGS=--keep to leave it up)"
@@ -112,7 +112,7 @@ test-e2e: venv cluster-binaries kueue-binaries node-binaries
 test-adversarial: venv cluster-binaries
 	$(VENV)/bin/pytest -m adversarial $(PYTEST_ARGS)
 
-test: venv cluster-binaries kueue-binaries node-binaries engine image lint
+test: venv cluster-binaries kueue-binaries node-binaries engine image kind-packages lint
 	$(VENV)/bin/pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 demo: venv cluster-binaries
@@ -182,7 +182,13 @@ KIND_CLUSTER ?= rollout-e2e
 KIND_KEEP ?=
 KIND_TESTS := tests/containers/test_helm_operator.py tests/containers/test_rolloutset_containers.py
 
+# Without Docker: the multi-node suite (tests/kind) on the podman kind cluster it starts and
+# removes itself (docs/kind.md).
 kind-e2e: venv cluster-binaries
+	@if docker info >/dev/null 2>&1 && [ -z "$$KIND_PODMAN" ]; then $(MAKE) --no-print-directory kind-e2e-docker; \
+	  else $(MAKE) --no-print-directory node-binaries image kind-packages && $(VENV)/bin/pytest -m kind tests/kind $(PYTEST_ARGS); fi
+
+kind-e2e-docker: venv cluster-binaries
 	$(KIND) create cluster --name $(KIND_CLUSTER) --wait 120s
 	$(BIN_LINK)/kubectl --context kind-$(KIND_CLUSTER) patch node $(KIND_CLUSTER)-control-plane \
 	  --subresource=status --type=json -p '[{"op":"add","path":"/status/capacity/nvidia.com~1gpu","value":"8"}]'
