@@ -332,6 +332,7 @@ class PodmanKindProvider(KindProvider):
         self._kubeconfig = kubeconfig
         # kind/env.sh: podman on the cluster's own configuration, never the machine's.
         conf = Path("/run/rollout-kind/conf")
+        self.netns = netns
         self.podman = [
             "nsenter",
             f"--net=/run/netns/{netns}",
@@ -400,24 +401,37 @@ class PodmanKindProvider(KindProvider):
         argv = [*self.podman, "kill", "--signal", "KILL", node]
         _checked(self.runner(argv), " ".join(argv))
 
-    def start_node(self, node: str) -> None:
-        """The node container started again (kind's entrypoint, systemd, containerd, kubelet);
-        its routes to the other nodes' pod networks are set again (kind/up.sh sets them; a
-        container start loses them). The caller waits for the node to turn Ready."""
+    def start_node(self, node: str, timeout: float = 180.0) -> None:
+        """The node container started again (kind's entrypoint, systemd, containerd, kubelet)
+        and Ready. Podman may give it another address: the routes to every node's pod network
+        are then set again, in the nodes and in the cluster's namespace (what kind/up.sh set)."""
         argv = [*self.podman, "start", node]
         _checked(self.runner(argv), " ".join(argv))
-        for other in self.nodes():
-            if other == node:
-                continue
-            cidr = self.kubectl("get", "node", other, "-o", "jsonpath={.spec.podCIDR}").stdout
-            address = self.kubectl(
-                "get",
-                "node",
-                other,
-                "-o",
-                'jsonpath={.status.addresses[?(@.type=="InternalIP")].address}',
-            ).stdout
-            self._node_exec("ip", "route", "replace", cidr, "via", address, node=node)
+        self.kubectl(
+            "wait",
+            "--for=condition=Ready",
+            f"node/{node}",
+            f"--timeout={int(timeout)}s",
+            timeout=timeout + 30,
+        )
+        self.route_pod_networks()
+
+    def route_pod_networks(self) -> None:
+        """Each node's pod CIDR routed through its current address: in every other node, and in
+        the cluster's network namespace (this machine's route to the pods goes through it)."""
+        listed = json.loads(self.kubectl("get", "nodes", "-o", "json").stdout)["items"]
+        routes = {}
+        for item in listed:
+            addresses = item["status"].get("addresses") or []
+            internal = [a["address"] for a in addresses if a["type"] == "InternalIP"]
+            routes[item["metadata"]["name"]] = (item["spec"]["podCIDR"], internal[0])
+        for node in self.running_nodes():
+            for other, (cidr, address) in routes.items():
+                if other != node:
+                    self._node_exec("ip", "route", "replace", cidr, "via", address, node=node)
+        for cidr, address in routes.values():
+            argv = ["ip", "-n", self.netns, "route", "replace", cidr, "via", address]
+            _checked(self.runner(argv), " ".join(argv))
 
 
 def provider_name_from_environment(environ: Mapping[str, str] | None = None) -> ProviderName:

@@ -8,6 +8,14 @@ checkpoint records on a host folder every node mounts (docs/kind.md).
   on a NotReady node (NodeLost), the new attempt's pods are scheduled on the other worker,
   restored from the checkpoint's records on the shared folder, and the trainer finishes every
   episode exactly once.
+- `kubectl drain` of the worker running the set: the participants' eviction turns them unready
+  under SIGTERM, the eviction checkpoint is Ready before their grace period ends, the new
+  attempt runs on the other worker (the drained one is cordoned) restored from it, and the
+  trainer finishes every episode exactly once.
+- GPUs a kubelet allocates: with one worker's 4 devices taken, the set's model lands on the
+  other and holds that node's device ids in its environment; a set whose model asks for more
+  devices than any node has is not Ready and says why (the scheduler's words, in its Ready
+  condition).
 """
 
 from __future__ import annotations
@@ -135,14 +143,12 @@ def operator_on(
 @pytest.fixture
 def lost_worker(kind_provider: PodmanKindProvider) -> Iterator[str]:
     """The second worker, started again after the test if it lost it (its routes set again,
-    Ready before the next test)."""
+    Ready before the next test) and uncordoned if it was drained."""
     node = kind_provider.workers()[1]
     yield node
+    kind_provider.kubectl("uncordon", node)
     if node not in kind_provider.running_nodes():
         kind_provider.start_node(node)
-        kind_provider.kubectl(
-            "wait", "--for=condition=Ready", f"node/{node}", "--timeout=180s", timeout=200
-        )
 
 
 def test_a_whole_worker_lost_moves_the_set_to_the_other_worker_from_shared_records(
@@ -248,4 +254,200 @@ def test_a_whole_worker_lost_moves_the_set_to_the_other_worker_from_shared_recor
     ids = [item["rollout_id"] for item in done]
     assert len(ids) == EPISODES, output[-2000:]
     assert len(set(ids)) == EPISODES, "an episode finished twice"
+    if (ckpt["status"].get("episodes") or 0) > 0:  # episodes were in flight at the eviction
+        assert any(item["continued"] for item in done), done
     assert {item["attempt"] for item in done} >= {attempt}, done
+
+
+def start_collecting(
+    cluster: PodmanKindProvider, namespace: str, out: Path
+) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "rollout-collect"),
+            "--rollout-set",
+            SET,
+            "--namespace",
+            namespace,
+            "--tasks",
+            str(EPISODES),
+            "--concurrency",
+            str(CONCURRENCY),
+            "--seed",
+            "13",
+            "--out",
+            str(out),
+            "--progress-interval",
+            "2",
+        ],
+        env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def set_ready(cluster: PodmanKindProvider, namespace: str) -> bool:
+    obj = get_json(cluster, "rolloutset", SET, "-n", namespace)
+    return condition(obj, "Ready").get("status") == "True"
+
+
+def test_a_drained_worker_checkpoints_its_set_before_the_pods_go_and_the_set_moves(
+    kind_provider: PodmanKindProvider,
+    kind_namespace: str,
+    operator_on: str,
+    lost_worker: str,
+    shared_storage: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    cluster, namespace = kind_provider, kind_namespace
+    _, node_records = shared_storage
+    apply(cluster, namespace, preferring(example_set(node_records), lost_worker))
+    wait_for_sync(lambda: set_ready(cluster, namespace), 300, "the RolloutSet Ready")
+    assert set(set_pods(cluster, namespace, 1).values()) == {lost_worker}
+
+    out = tmp_path / "episodes.jsonl"
+    collect = start_collecting(cluster, namespace, out)
+    drain: subprocess.Popen[str] | None = None
+    try:
+        wait_for_sync(lambda: len(collected(out)) >= 1, 180, "the first finished episode")
+        drain = subprocess.Popen(
+            [
+                cluster.kubectl_binary,
+                f"--kubeconfig={cluster.kubeconfig}",
+                "drain",
+                lost_worker,
+                "--ignore-daemonsets",
+                "--delete-emptydir-data",
+                "--timeout=240s",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        name = f"{SET}-evict-a1"
+        wait_for_sync(
+            lambda: (
+                condition(
+                    json.loads(
+                        cluster.kubectl(
+                            "get",
+                            "rolloutcheckpoint",
+                            name,
+                            "-n",
+                            namespace,
+                            "-o",
+                            "json",
+                            check=False,
+                        ).stdout
+                        or "{}"
+                    ),
+                    "Ready",
+                ).get("status")
+                == "True"
+            ),
+            180,
+            f"the eviction checkpoint {name} Ready",
+        )
+        ckpt = get_json(cluster, "rolloutcheckpoint", name, "-n", namespace)
+
+        def moved() -> bool:
+            obj = get_json(cluster, "rolloutset", SET, "-n", namespace)
+            status = obj.get("status") or {}
+            return (
+                (status.get("attempt") or 1) > 1
+                and condition(obj, "Ready").get("status") == "True"
+                and status.get("latestCheckpoint") == name
+            )
+
+        wait_for_sync(moved, 300, f"the RolloutSet Ready under a new attempt from {name}")
+        drained, _ = drain.communicate(timeout=300)
+        assert drain.returncode == 0, drained
+        output, _ = collect.communicate(timeout=600)
+        assert collect.returncode == 0, output[-4000:]
+    finally:
+        for process in (collect, drain):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+
+    # The eviction checkpoint was taken from the drained pods while their grace period ran
+    # (they were evicted, not lost: no NodeLost recovery), and the new attempt runs whole on
+    # the other worker.
+    assert ckpt["status"].get("phase") == "Ready", ckpt["status"]
+    attempt = get_json(cluster, "rolloutset", SET, "-n", namespace)["status"]["attempt"]
+    assert set(set_pods(cluster, namespace, attempt).values()) == {operator_on}
+    done = collected(out)
+    ids = [item["rollout_id"] for item in done]
+    assert len(ids) == EPISODES, output[-2000:]
+    assert len(set(ids)) == EPISODES, "an episode finished twice"
+    if (ckpt["status"].get("episodes") or 0) > 0:  # episodes were in flight at the eviction
+        assert any(item["continued"] for item in done), done
+
+
+def test_model_pods_land_where_devices_are_free_and_a_set_asking_too_many_says_so(
+    kind_provider: PodmanKindProvider,
+    kind_namespace: str,
+    operator_on: str,
+    lost_worker: str,
+    shared_storage: tuple[Path, Path],
+) -> None:
+    cluster, namespace = kind_provider, kind_namespace
+    _, node_records = shared_storage
+    # Every device of the operator's worker taken by a pod of its own.
+    holder = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "gpu-holder"},
+        "spec": {
+            "nodeSelector": {HOSTNAME: operator_on},
+            "terminationGracePeriodSeconds": 0,
+            "containers": [
+                {
+                    "name": "hold",
+                    "image": "rollout-checkpoint-operator:dev",
+                    "imagePullPolicy": "Never",
+                    "command": ["sleep", "3600"],
+                    "resources": {"limits": {"nvidia.com/gpu": 4}},
+                }
+            ],
+        },
+    }
+    apply(cluster, namespace, holder)
+    cluster.kubectl(
+        "wait",
+        "--for=condition=Ready",
+        "pod/gpu-holder",
+        "-n",
+        namespace,
+        "--timeout=120s",
+        timeout=150,
+    )
+    # The set prefers the full worker; its model can only go where devices are free.
+    apply(cluster, namespace, preferring(example_set(node_records), operator_on))
+    wait_for_sync(lambda: set_ready(cluster, namespace), 300, "the RolloutSet Ready")
+    placed = set_pods(cluster, namespace, 1)
+    assert placed["model"] == lost_worker, placed
+    visible = cluster.kubectl(
+        "exec", "-n", namespace, "math-rl-model-0-a1", "--", "printenv", "NVIDIA_VISIBLE_DEVICES"
+    ).stdout.strip()
+    assert visible.startswith(f"{lost_worker}-gpu"), visible
+    assert "," not in visible, visible
+
+    # A second set whose model asks for more devices than any node has.
+    greedy = example_set(node_records, name="too-many-gpus")
+    for participant in greedy["spec"]["participants"]:
+        if participant["role"] == "model":
+            limits = participant["template"]["spec"]["containers"][0]["resources"]["limits"]
+            limits["nvidia.com/gpu"] = 5
+    apply(cluster, namespace, greedy)
+
+    def says_why() -> bool:
+        obj = get_json(cluster, "rolloutset", "too-many-gpus", "-n", namespace)
+        ready = condition(obj, "Ready")
+        return ready.get("status") == "False" and "nvidia.com/gpu" in ready.get("message", "")
+
+    wait_for_sync(says_why, 120, "the greedy set not Ready, naming nvidia.com/gpu")
+    ready = condition(get_json(cluster, "rolloutset", "too-many-gpus", "-n", namespace), "Ready")
+    assert "Insufficient nvidia.com/gpu" in ready["message"], ready
+    assert "too-many-gpus-model-0-a1" in ready["message"], ready
