@@ -213,6 +213,7 @@ def test_a_whole_worker_lost_moves_the_set_to_the_other_worker_from_shared_recor
             180,
             f"the RolloutCheckpoint {name} Ready",
         )
+        ckpt = get_json(cluster, "rolloutcheckpoint", name, "-n", namespace)
         # The records are on the folder every node mounts, so on this machine too.
         assert any(host_records.rglob("*")), list(host_records.iterdir())
         assert len(collected(out)) < EPISODES, "every episode finished before the loss"
