@@ -17,6 +17,10 @@ checkpoint records on a host folder every node mounts (docs/kind.md).
   from the NotReady node, its successor starts on the surviving worker, takes the leader Lease
   and carries the checkpoint on; once the tool call is let go the checkpoint ends (Ready) and
   every episode finishes exactly once.
+- Records on storage only the lost worker had (a node-local hostPath): the recovery on the other
+  worker finds the checkpoint's records missing there, marks the checkpoint Ready=False and
+  starts the set fresh under a new attempt instead of waiting for the node, and the trainer
+  still finishes every episode exactly once (the lost turns are run again).
 - GPUs a kubelet allocates: with one worker's 4 devices taken, the set's model lands on the
   other and holds that node's device ids in its environment; a set whose model asks for more
   devices than any node has is not Ready and says why (the scheduler's words, in its Ready
@@ -603,3 +607,70 @@ async def test_the_operators_worker_lost_while_a_checkpoint_prepares_its_success
             timeout=150,
         )
         helm(cluster, "uninstall", RELEASE, "--namespace", namespace)
+
+
+def test_records_only_the_lost_worker_had_are_given_up_and_the_set_starts_fresh(
+    kind_provider: PodmanKindProvider,
+    kind_namespace: str,
+    operator_on: str,
+    lost_worker: str,
+    tmp_path: Path,
+) -> None:
+    cluster, namespace = kind_provider, kind_namespace
+    # A folder of each node's own /var (the node container's volume): what one node writes
+    # there, no other node sees.
+    node_local = Path("/var/lib/rollout-node-records") / namespace
+    cluster.make_writable_folder(node_local)
+    apply(cluster, namespace, preferring(example_set(node_local), lost_worker))
+    wait_for_sync(lambda: set_ready(cluster, namespace), 300, "the RolloutSet Ready")
+    assert set(set_pods(cluster, namespace, 1).values()) == {lost_worker}
+
+    out = tmp_path / "episodes.jsonl"
+    collect = start_collecting(cluster, namespace, out)
+    name = "local-only"
+    try:
+        wait_for_sync(lambda: len(collected(out)) >= 1, 180, "the first finished episode")
+        apply(cluster, namespace, example_checkpoint(name))
+        wait_for_sync(
+            lambda: (
+                condition(
+                    get_json(cluster, "rolloutcheckpoint", name, "-n", namespace), "Ready"
+                ).get("status")
+                == "True"
+            ),
+            180,
+            f"the RolloutCheckpoint {name} Ready",
+        )
+        cluster.kill_node(lost_worker)
+
+        def recovered() -> bool:
+            obj = get_json(cluster, "rolloutset", SET, "-n", namespace)
+            status = obj.get("status") or {}
+            return (status.get("attempt") or 1) > 1 and condition(obj, "Ready").get(
+                "status"
+            ) == "True"
+
+        wait_for_sync(recovered, 420, "the RolloutSet Ready again under a new attempt")
+        output, _ = collect.communicate(timeout=600)
+        assert collect.returncode == 0, output[-4000:]
+    finally:
+        if collect.poll() is None:
+            collect.kill()
+            collect.wait()
+
+    events = get_json(cluster, "events", "-n", namespace)["items"]
+    said = [(e.get("reason"), e.get("message", "")) for e in events]
+    print("\n".join(f"{reason}: {message}" for reason, message in said))
+    ckpt = get_json(cluster, "rolloutcheckpoint", name, "-n", namespace)
+    ready = condition(ckpt, "Ready")
+    assert ready.get("status") == "False", (ckpt["status"], said)
+    assert ready.get("reason") == "RecordsInvalid", ready
+    assert any(name in message for _, message in said), said
+    obj = get_json(cluster, "rolloutset", SET, "-n", namespace)
+    attempt = obj["status"]["attempt"]
+    assert set(set_pods(cluster, namespace, attempt).values()) == {operator_on}
+    done = collected(out)
+    ids = [item["rollout_id"] for item in done]
+    assert len(ids) == EPISODES, output[-2000:]
+    assert len(set(ids)) == EPISODES, "an episode finished twice"
+    assert not any(item["continued"] for item in done if item["attempt"] == attempt), done
