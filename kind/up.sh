@@ -31,6 +31,16 @@ if [ -e "$state/cluster.json" ]; then
   exit 1
 fi
 total_start=$SECONDS
+# Before any podman call (the builds make some): what of the machine's folders this run creates.
+lib_modules_created="$([ -e /lib/modules ] && echo false || echo true)"
+run_containers_created="$([ -e /run/containers ] && echo false || echo true)"
+mkdir -p "$state" "$shared"
+# Written before anything is created: kind/down.sh works from it even after a failed start.
+# netavark keeps its run state (IP allocations, aardvark-dns) in /run/containers/networks
+# whatever the configuration says (podman 4.3): down removes it if this run made it.
+printf '{"cluster": "%s", "netns": "%s", "workers": %s, "shared": "%s", "lib_modules_created": %s, "run_containers_created": %s}\n' \
+  "$KIND_CLUSTER" "$KIND_NETNS" "$KIND_WORKERS" "$shared" \
+  "$lib_modules_created" "$run_containers_created" > "$state/cluster.json"
 NODE_IMAGE="$("$here/build-node-image.sh" | tail -n 1)"
 tools="$("$here/build-tools.sh" | tail -n 1)"
 cp_bin="$("$root/devcluster/build-binaries.sh" | tail -n 1)"
@@ -41,13 +51,6 @@ kubectl() { "$cp_bin/kubectl" "$@"; }
 mkdir -p "$state" "$shared"
 chmod 1777 "$shared"
 kind_podman_config
-# Written before anything is created: kind/down.sh works from it even after a failed start.
-# netavark keeps its run state (IP allocations, aardvark-dns) in /run/containers/networks
-# whatever the configuration says (podman 4.3): down removes it if this run made it.
-printf '{"cluster": "%s", "netns": "%s", "workers": %s, "shared": "%s", "lib_modules_created": %s, "run_containers_created": %s}\n' \
-  "$KIND_CLUSTER" "$KIND_NETNS" "$KIND_WORKERS" "$shared" \
-  "$([ -e /lib/modules ] && echo false || echo true)" \
-  "$([ -e /run/containers ] && echo false || echo true)" > "$state/cluster.json"
 fail() { echo "error: $*; kind/down.sh takes down what was started" >&2; exit 1; }
 
 # The kubelets set kernel.panic, kernel.panic_on_oops and vm.overcommit_memory (and others, not
