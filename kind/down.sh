@@ -17,10 +17,12 @@ log() { echo "[kind] $*" >&2; }
 
 lib_modules_created=false
 run_containers_created=false
+run_netns_created=false
 flag() { python3 -c 'import json,sys; print(str(json.load(open(sys.argv[1])).get(sys.argv[2], False)).lower())' "$state/cluster.json" "$1"; }
 if [ -s "$state/cluster.json" ]; then
   lib_modules_created="$(flag lib_modules_created)"
   run_containers_created="$(flag run_containers_created)"
+  run_netns_created="$(flag run_netns_created)"
 fi
 
 if [ -e "$kind_netns_path" ] && [ -d "$kind_run/conf" ]; then
@@ -49,6 +51,10 @@ PY
 fi
 if [ "$lib_modules_created" = true ] && [ -d /lib/modules ]; then rmdir /lib/modules 2>/dev/null || true; fi
 if [ "$run_containers_created" = true ]; then rm -rf /run/containers; fi
+if [ "$run_netns_created" = true ] && [ -d /run/netns ] && [ -z "$(ls -A /run/netns)" ]; then
+  umount /run/netns 2>/dev/null || true
+  rmdir /run/netns 2>/dev/null || true
+fi
 rm -rf "$kind_run"
 rm -f "$state/cluster.json" "$state/kubeconfig" "$state/kubeconfig.kind"
 
