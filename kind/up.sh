@@ -30,6 +30,11 @@ if [ -e "$state/cluster.json" ]; then
   echo "error: a kind cluster from $state is up (or was not taken down); run make kind-down first" >&2
   exit 1
 fi
+if [ -e "$kind_netns_path" ] || [ -e "$kind_run" ]; then
+  echo "error: a kind cluster of this machine is up ($kind_netns_path, $kind_run): take it down" \
+    "with make kind-down (KIND_STATE=its folder) first" >&2
+  exit 1
+fi
 total_start=$SECONDS
 # Before any podman call (the builds make some): what of the machine's folders this run creates.
 lib_modules_created="$([ -e /lib/modules ] && echo false || echo true)"

@@ -46,6 +46,11 @@ def kind_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     if reuse:
         yield Path(reuse)
         return
+    if Path("/run/netns/rollout-kind").exists() or Path("/run/rollout-kind").exists():
+        pytest.fail(
+            "a kind cluster is up on this machine: `make kind-down` first, or run the suite on "
+            "it with ROLLOUT_KIND_STATE=<its KIND_STATE> (started with KIND_NO_OPERATOR=1)"
+        )
     state = tmp_path_factory.mktemp("kind")
     env = {**os.environ, "KIND_STATE": str(state), "KIND_NO_OPERATOR": "1"}
     up = subprocess.run(
