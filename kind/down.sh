@@ -52,7 +52,8 @@ fi
 if [ "$lib_modules_created" = true ] && [ -d /lib/modules ]; then rmdir /lib/modules 2>/dev/null || true; fi
 if [ "$run_containers_created" = true ]; then rm -rf /run/containers; fi
 if [ "$run_netns_created" = true ] && [ -d /run/netns ] && [ -z "$(ls -A /run/netns)" ]; then
-  umount /run/netns 2>/dev/null || true
+  # `ip netns add` bind-mounts the folder on itself (shared propagation), at times twice.
+  for _ in 1 2 3 4; do mountpoint -q /run/netns && umount /run/netns; done
   rmdir /run/netns 2>/dev/null || true
 fi
 rm -rf "$kind_run"
@@ -71,6 +72,7 @@ for pid in $(pgrep -x conmon; pgrep -x aardvark-dns); do
 done
 if [ "$lib_modules_created" = true ] && [ -e /lib/modules ]; then left+=("/lib/modules"); fi
 if [ "$run_containers_created" = true ] && [ -e /run/containers ]; then left+=("/run/containers"); fi
+if [ "$run_netns_created" = true ] && [ -e /run/netns ]; then left+=("/run/netns"); fi
 for name in kernel/panic kernel/panic_on_oops vm/overcommit_memory; do
   log "$(echo "$name" | tr / .) = $(cat /proc/sys/$name)"
 done
