@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf import (  # type: ignore[import-untyped]
+    descriptor_pb2,
+    descriptor_pool,
+    message_factory,
+)
 from rollout_servers.deviceplugin import wire
 from rollout_servers.deviceplugin.plugin import GpuDevicePlugin, device_ids_for
 
