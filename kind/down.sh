@@ -18,11 +18,13 @@ log() { echo "[kind] $*" >&2; }
 lib_modules_created=false
 run_containers_created=false
 run_netns_created=false
+networks_created=false
 flag() { python3 -c 'import json,sys; print(str(json.load(open(sys.argv[1])).get(sys.argv[2], False)).lower())' "$state/cluster.json" "$1"; }
 if [ -s "$state/cluster.json" ]; then
   lib_modules_created="$(flag lib_modules_created)"
   run_containers_created="$(flag run_containers_created)"
   run_netns_created="$(flag run_netns_created)"
+  networks_created="$(flag networks_created)"
 fi
 
 if [ -e "$kind_netns_path" ] && [ -d "$kind_run/conf" ]; then
@@ -50,7 +52,9 @@ for name, value in json.load(open(sys.argv[1])).items():
 PY
 fi
 if [ "$lib_modules_created" = true ] && [ -d /lib/modules ]; then rmdir /lib/modules 2>/dev/null || true; fi
-if [ "$run_containers_created" = true ]; then rm -rf /run/containers; fi
+# netavark's state of this cluster's network; /run/containers itself if this run made it.
+if [ "$networks_created" = true ]; then rm -rf /run/containers/networks; fi
+if [ "$run_containers_created" = true ]; then rmdir /run/containers 2>/dev/null || true; fi
 if [ "$run_netns_created" = true ] && [ -d /run/netns ] && [ -z "$(ls -A /run/netns)" ]; then
   # `ip netns add` bind-mounts the folder on itself (shared propagation), at times twice.
   for _ in 1 2 3 4; do mountpoint -q /run/netns && umount /run/netns; done
@@ -71,6 +75,7 @@ for pid in $(pgrep -x conmon; pgrep -x aardvark-dns); do
   fi
 done
 if [ "$lib_modules_created" = true ] && [ -e /lib/modules ]; then left+=("/lib/modules"); fi
+if [ "$networks_created" = true ] && [ -e /run/containers/networks ]; then left+=("/run/containers/networks"); fi
 if [ "$run_containers_created" = true ] && [ -e /run/containers ]; then left+=("/run/containers"); fi
 if [ "$run_netns_created" = true ] && [ -e /run/netns ]; then left+=("/run/netns"); fi
 for name in kernel/panic kernel/panic_on_oops vm/overcommit_memory; do

@@ -39,14 +39,16 @@ total_start=$SECONDS
 # Before any podman call (the builds make some): what of the machine's folders this run creates.
 lib_modules_created="$([ -e /lib/modules ] && echo false || echo true)"
 run_containers_created="$([ -e /run/containers ] && echo false || echo true)"
+networks_created="$([ -e /run/containers/networks ] && echo false || echo true)"
 run_netns_created="$([ -e /run/netns ] && echo false || echo true)"  # `ip netns add` makes it
 mkdir -p "$state" "$shared"
 # Written before anything is created: kind/down.sh works from it even after a failed start.
 # netavark keeps its run state (IP allocations, aardvark-dns) in /run/containers/networks
 # whatever the configuration says (podman 4.3): down removes it if this run made it.
-printf '{"cluster": "%s", "netns": "%s", "workers": %s, "shared": "%s", "lib_modules_created": %s, "run_containers_created": %s, "run_netns_created": %s}\n' \
+printf '{"cluster": "%s", "netns": "%s", "workers": %s, "shared": "%s", "lib_modules_created": %s, "run_containers_created": %s, "networks_created": %s, "run_netns_created": %s}\n' \
   "$KIND_CLUSTER" "$KIND_NETNS" "$KIND_WORKERS" "$shared" \
-  "$lib_modules_created" "$run_containers_created" "$run_netns_created" > "$state/cluster.json"
+  "$lib_modules_created" "$run_containers_created" "$networks_created" "$run_netns_created" \
+  > "$state/cluster.json"
 NODE_IMAGE="$("$here/build-node-image.sh" | tail -n 1)"
 tools="$("$here/build-tools.sh" | tail -n 1)"
 cp_bin="$("$root/devcluster/build-binaries.sh" | tail -n 1)"
