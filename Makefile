@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # the container-node tests run whole on one worker (tests/conftest.py).
 TEST_WORKERS ?= 2
 
-.PHONY: kind kind-down kind-packages kind-e2e-docker help venv cluster-binaries kueue-binaries node-packages node-binaries engine image lint test test-unit test-protocol test-e2e test-adversarial demo demo-containers cluster cluster-down crds bench bench-fleet bench-requests clean kind-e2e kind-e2e-down
+.PHONY: kind kind-down kind-packages kind-e2e-docker help venv gym-venv cluster-binaries kueue-binaries node-packages node-binaries engine image lint test test-unit test-protocol test-e2e test-adversarial demo demo-containers cluster cluster-down crds bench bench-fleet bench-requests clean kind-e2e kind-e2e-down
 
 help:
 	@echo "make demo              run the demo on a local devcluster (add DEMO_ARGS=--keep to leave it up)"
@@ -27,6 +27,7 @@ help:
 	@echo "make kueue-binaries    build Kueue's controller (pinned sigs.k8s.io/kueue; cached per machine)"
 	@echo "make node-binaries     build the container node (kubelet, kube-proxy, containerd, CNI; cached)"
 	@echo "make engine            build llama.cpp's llama-server for the engine tests (cached per machine)"
+	@echo "make gym-venv          build the NeMo Gym environment (Python >= 3.12, nemo-gym, the SDK, the adapter; cached)"
 	@echo "make demo-containers   the demo on a container node: servers in containers, operator by Helm"
 	@echo "make image             build the project's image from the Dockerfile with buildah (cached per inputs)"
 	@echo "make cluster           start a devcluster in .devcluster/ and print the KUBECONFIG line"
@@ -43,10 +44,20 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test,engine]'
 	@# devcluster/ and harness/ are not in the wheel; the checkout's venv finds them through this .pth
-	@echo "$(CURDIR)" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/rollout-checkout.pth"
+	@# gym/ too: the Gym adapter's modules are linted and type-checked here (nemo-gym is not installed)
+	@printf '%s\n' "$(CURDIR)" "$(CURDIR)/gym" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/rollout-checkout.pth"
 	@touch $@
 
 venv: $(VENV)/.installed
+
+# The NeMo Gym environment (docs/gym.md): Python >= 3.12 with nemo-gym from PyPI, pinned by
+# gym/requirements.txt and gym/constraints.txt, plus this checkout's SDK and Gym adapter; cached
+# in ~/.cache/rollout-gym/ by a digest of those inputs (gym/build-venv.sh). The tests and the Gym
+# pods on devcluster run its interpreter (.bin/gym-venv/bin/python). Cold: about 2.5-3 minutes.
+gym-venv:
+	@mkdir -p .bin
+	@dir="$$(gym/build-venv.sh | tail -n 1)" && ln -sfn "$$dir" .bin/gym-venv \
+	  && echo "[gym] environment in $$dir (linked as .bin/gym-venv)"
 
 cluster-binaries:
 	@mkdir -p .bin
@@ -112,7 +123,7 @@ test-e2e: venv cluster-binaries kueue-binaries node-binaries
 test-adversarial: venv cluster-binaries
 	$(VENV)/bin/pytest -m adversarial $(PYTEST_ARGS)
 
-test: venv cluster-binaries kueue-binaries node-binaries engine image kind-packages lint
+test: venv cluster-binaries kueue-binaries node-binaries engine image gym-venv kind-packages lint
 	$(VENV)/bin/pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 demo: venv cluster-binaries

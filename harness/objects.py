@@ -40,19 +40,26 @@ def apply_crds(cluster: Cluster, crds: Path = CRDS) -> None:
     """Applies the CRDs in `crds` (this checkout's by default; a bench comparing with another
     commit passes that commit's) and waits until both are Established."""
     cluster.kubectl("apply", "-f", str(crds))
-    names = [f"crd/{ROLLOUT_SET_PLURAL}.{GROUP}", f"crd/{ROLLOUT_CHECKPOINT_PLURAL}.{GROUP}"]
+    wait_established(
+        cluster, [f"crd/{ROLLOUT_SET_PLURAL}.{GROUP}", f"crd/{ROLLOUT_CHECKPOINT_PLURAL}.{GROUP}"]
+    )
+
+
+def wait_established(cluster: KubectlTarget, names: Sequence[str], timeout: float = 60) -> None:
+    """Wait until every CRD of `names` (`crd/<name>`) is Established.
+
+    Not `kubectl wait --for=condition=Established`: on a freshly created CRD whose status has
+    no conditions yet it fails at once ("conditions accessor error") instead of waiting."""
     established = '{.status.conditions[?(@.type=="Established")].status}'
 
-    # Not `kubectl wait --for=condition=Established`: on a freshly created CRD whose status has
-    # no conditions yet it fails at once ("conditions accessor error") instead of waiting.
-    def both_established() -> bool:
+    def all_established() -> bool:
         return all(
             cluster.kubectl("get", name, "-o", f"jsonpath={established}", check=False).stdout
             == "True"
             for name in names
         )
 
-    wait_for_sync(both_established, 60, "the CRDs to be Established", interval=0.2)
+    wait_for_sync(all_established, timeout, "the CRDs to be Established", interval=0.2)
 
 
 class KubectlTarget(Protocol):

@@ -319,7 +319,15 @@ async def _restore(
         attributes={"rollout.set": set_name, "rollout.attempt": attempt},
     ):
         outcome = await coordinator.restore(
-            published.checkpoint_id, attempt, time.time() + args.timeout, scope=args.episode
+            published.checkpoint_id,
+            attempt,
+            time.time() + args.timeout,
+            scope=args.episode,
+            listed={
+                entry.instance: entry.rollout_ids
+                for entry in published.participants
+                if entry.rollout_ids is not None
+            },
         )
     payload: dict[str, Any] = {"restore": outcome.model_dump(mode="json")}
     if not outcome.ok:

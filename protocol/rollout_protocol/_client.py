@@ -9,12 +9,14 @@ aiohttp is imported when an `HttpParticipantClient` first sends (the `client` ex
 built on the SDK does not need it.
 
 A client speaks one of two dialects (`Dialect`): ours, or NeMo Gym's (`_gym.py` maps each route's
-request and reply). Unless it is told which, it reads the participant's capabilities
-(`GET /ng-control/v1/capabilities`) before its first call: no such route is ours, a Gym
-participant's announcement is Gym's unless it also lists ours. The answer is remembered per base
-URL for the life of the process (`_DIALECTS`), so a coordinator that makes new clients for each
-checkpoint probes a pod once; a remembered dialect whose route turns out to be missing (a new pod
-at the same address) is probed again once.
+request and reply). Unless it is told which, it asks before its first call: our participants
+announce their dialects at `GET /ng-control/v1/capabilities` (our extension; a participant that
+lists ours is spoken to in ours, any other announcement is Gym's); without that route it asks
+Gym's `GET /ng-control/v1/checkpoint/status`, as Gym's own coordinator discovers participants: a
+reply naming the participant's `kind` is Gym's, anything else is ours. The answer is remembered
+per base URL for the life of the process (`_DIALECTS`), so a coordinator that makes new clients
+for each checkpoint probes a pod once; a remembered dialect whose route turns out to be missing
+(a new pod at the same address) is probed again once.
 """
 
 from __future__ import annotations
@@ -381,15 +383,15 @@ class HttpParticipantClient:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _negotiate(self, deadline_ts: float) -> Dialect:
-        """Read the participant's capabilities (or the dialect its address announced before)."""
+        """Ask the participant's dialect (or take the one its address announced before)."""
         dialect = _DIALECTS.get(self._base_url)
         if dialect is None:
             url = f"{self._base_url}{GYM_CAPABILITIES_PATH}"
             status, body, charset = await self._send(
                 "GET", url, None, self._headers, deadline_ts, "capabilities", MAX_SMALL_REPLY_BYTES
             )
-            if status == 404:  # no Gym capabilities: ours (or a participant from before them)
-                dialect = Dialect.ROLLOUT
+            if status == 404:  # not one of ours that speaks Gym: ask Gym's own discovery route
+                dialect = await self._gym_status_probe(deadline_ts)
             elif 200 <= status < 300:
                 try:
                     capabilities = gym.GymCapabilities.model_validate_json(body)
@@ -400,23 +402,32 @@ class HttpParticipantClient:
                         self._instance,
                         status,
                     ) from error
-                if Dialect.ROLLOUT.value in capabilities.dialects:
-                    dialect = Dialect.ROLLOUT
-                elif capabilities.checkpoint:
-                    dialect = Dialect.GYM
-                else:
-                    raise ParticipantError(
-                        ErrorCode.UNSUPPORTED,
-                        f"{url} announces no checkpoint capability: this server cannot be a "
-                        "checkpoint participant",
-                        self._instance,
-                        status,
-                    )
+                in_ours = Dialect.ROLLOUT.value in capabilities.dialects
+                dialect = Dialect.ROLLOUT if in_ours else Dialect.GYM
             else:
                 raise self._gym_error(status, body, charset, url)
             _remember_dialect(self._base_url, dialect)
         self._dialect = dialect
         return dialect
+
+    async def _gym_status_probe(self, deadline_ts: float) -> Dialect:
+        """Gym's discovery: its participants answer `GET .../checkpoint/status` with their
+        `kind`; a refused token is raised, any other answer means ours (a participant from
+        before capabilities, or a pod of several workers that routes only rollouts)."""
+        path = STATUS.path_in(Dialect.GYM)
+        url = f"{self._base_url}{path}"
+        status, body, charset = await self._send(
+            "GET", url, None, self._headers, deadline_ts, "status", MAX_SMALL_REPLY_BYTES
+        )
+        if status == 401:
+            raise self._gym_error(status, body, charset, url)
+        if 200 <= status < 300:
+            try:
+                gym.GymStatusReply.model_validate_json(body)
+            except ValueError:
+                return Dialect.ROLLOUT
+            return Dialect.GYM
+        return Dialect.ROLLOUT
 
     async def _call_rollout(
         self, route: Route[RequestT, ReplyT], request: RequestT, deadline_ts: float
@@ -575,7 +586,7 @@ class HttpParticipantClient:
     ) -> ParticipantError | _RouteMissing:
         """The error a non-2xx Gym reply stands for (our codes, `_gym.our_error`)."""
         try:
-            code, detail = gym.our_error(gym.GymErrorBody.model_validate_json(body))
+            code, detail = gym.our_error(status, body)
         except ValueError:
             error = ParticipantError(
                 ErrorCode.INTERNAL,

@@ -384,6 +384,7 @@ class ControlPlane:
                 phase=Phase.COMMITTED,
                 manifest=manifest,
                 manifest_path=str((directory / storage.MANIFEST_NAME).relative_to(root).as_posix()),
+                rollout_ids=sorted({item.record.rollout_id for item in encoded}),
             )
             self._machine.end_commit(reply)
             return reply
@@ -1042,6 +1043,8 @@ class ControlPlane:
             checkpoint_root=None
             if self._settings.checkpoint_root is None
             else str(self._settings.checkpoint_root),
+            dialects=tuple(dialect.value for dialect in self._settings.dialects),
+            attempt=lambda: self._attempt,
         )
 
         async def endpoint(request: Request) -> Response:
@@ -1055,7 +1058,7 @@ class ControlPlane:
                     ours = codec.to_ours_request(body, side)
                 except gym.Unmappable as error:
                     raise ProtocolError(error.code, str(error)) from None
-                return json_reply(codec.to_gym_reply(await handler(ours), ours))
+                return json_reply(codec.to_gym_reply(await handler(ours), ours, side))
             except ProtocolError as error:
                 return gym_error_response(error)
 

@@ -137,6 +137,11 @@ class CommitOutcome(StrictModel):
     )
     manifests: dict[str, Manifest] = Field(default_factory=dict)
     manifest_paths: dict[str, str] = Field(default_factory=dict)
+    listed: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="By instance, the rollouts a participant's commit listed "
+        "(`CommitReply.rollout_ids`: a NeMo Gym participant, whose restore must name them).",
+    )
     record_count: int = 0
     bytes: int = 0
     failures: list[Failure] = Field(default_factory=list)
@@ -480,6 +485,11 @@ class Coordinator:
             excluded=request.excluded_rollout_ids or [],
             manifests=manifests,
             manifest_paths={reply.manifest.instance: reply.manifest_path for reply in replies},
+            listed={
+                reply.manifest.instance: reply.rollout_ids
+                for reply in replies
+                if reply.rollout_ids is not None
+            },
             record_count=sum(m.record_count for m in manifests.values()),
             bytes=sum(m.bytes for m in manifests.values()),
             failures=failures,
@@ -534,13 +544,17 @@ class Coordinator:
         *,
         peers: Mapping[str, Mapping[Role, str]] | None = None,
         adopted: Collection[str] = (),
+        listed: Mapping[str, Collection[str]] | None = None,
     ) -> RestoreOutcome:
         """Restore everywhere at once, all or nothing.
 
         `peers` (by instance) re-wires the participants it names to new peer URLs (an InPlace
         recovery keeps them while it replaces a peer they call). `adopted` names the instances
         served by adopted standby participants: their restore carries the instance's index
-        (`RestoreRequest.index`), so they take its identity and restore its records.
+        (`RestoreRequest.index`), so they take its identity and restore its records. `listed`
+        (by instance) names the rollouts whose records a participant's commit listed
+        (`CommitOutcome.listed`, kept with the checkpoint): its restore names them (within
+        `scope`), since a NeMo Gym participant restores only the episodes named.
 
         On any failure the attempt is retired everywhere (so nothing restored under it can
         run) and everyone is resumed; the caller retries under a newer attempt. On success the
@@ -555,9 +569,14 @@ class Coordinator:
         )
         rewired = peers or {}
         adopting = frozenset(adopted)
+        named = listed or {}
 
         def restore(participant: ParticipantClient) -> Awaitable[RestoreReply]:
             update: dict[str, object] = {}
+            records = named.get(participant.instance)
+            if records is not None:
+                in_scope = set(records) if rollout_ids is None else set(records) & set(rollout_ids)
+                update["rollout_ids"] = sorted(in_scope)
             wiring = rewired.get(participant.instance)
             if wiring is not None:
                 update["peers"] = dict(wiring)
@@ -958,6 +977,7 @@ def _publish(
                 records_sha256=manifest.records_sha256,
                 record_count=manifest.record_count,
                 bytes=manifest.bytes,
+                rollout_ids=commit.listed.get(instance),
             )
         )
     attempt = commit.attempt

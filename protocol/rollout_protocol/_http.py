@@ -83,13 +83,13 @@ def json_reply(model: BaseModel) -> Response:
 
 
 def gym_error_response(error: ProtocolError) -> Response:
-    """A refusal in Gym's form (`_gym.gym_error`: its codes, 409 for the three it names)."""
+    """A refusal in Gym's form (`_gym.gym_error`: Gym's codes and statuses, docs/protocol.md)."""
     from . import _gym as gym
 
     status, body = gym.gym_error(error.code, error.detail)
     headers = {"WWW-Authenticate": "Bearer"} if error.code is ErrorCode.UNAUTHORIZED else None
     return Response(
-        content=body.model_dump_json(),
+        content=json.dumps(body),
         status_code=status,
         media_type="application/json",
         headers=headers,

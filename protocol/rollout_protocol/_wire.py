@@ -452,6 +452,12 @@ class PublishedParticipant(StrictModel):
     records_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     record_count: int = Field(ge=0)
     bytes: int = Field(ge=0)
+    rollout_ids: list[RolloutId] | None = Field(
+        default=None,
+        description="The rollouts whose records the participant wrote, where its restore must "
+        "name them (a NeMo Gym participant: `CommitReply.rollout_ids`); None: a restore asks "
+        "for every record.",
+    )
 
 
 class CheckpointManifest(StrictModel):
@@ -481,6 +487,16 @@ class CommitReply(StrictModel):
     phase: Phase
     manifest: Manifest
     manifest_path: str = Field(description="Relative to the checkpoint root.")
+    rollout_ids: list[RolloutId] | None = Field(
+        default=None,
+        exclude=True,
+        description="The rollouts whose records were written. Not part of our dialect's reply "
+        "(`exclude`: never serialized): our participants restore every record they wrote. A "
+        "NeMo Gym participant's restore must name its episodes, so its commit reply lists them "
+        "(Gym's `episode_ids`), the client reads them into this field, and the coordinator "
+        'keeps them with the checkpoint for the restore (docs/protocol.md, "The NeMo Gym '
+        'dialect").',
+    )
 
 
 class RestoreReply(StrictModel):

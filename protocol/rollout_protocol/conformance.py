@@ -189,6 +189,7 @@ BODIES = "bodies.strict"
 RESTORE = "restore.all-or-nothing"
 STEPS = "steps.no-rerun"
 STEPS_INDEXED = "steps.indexed"
+STEPS_RESTARTED = "steps.restarted"
 STEPS_ONCE = "steps.once-per-attempt"
 STEPS_WAIT = "steps.wait-holds-prepare"
 RUN_ATTEMPT = "run.attempt-mismatch"
@@ -228,6 +229,9 @@ RULES: Mapping[str, str] = {
     STEPS_INDEXED: "a step name is unique within its episode (name@index, e.g. ask@3): a step "
     "without @index that completed once before the checkpoint and runs again after the restore "
     "cannot be told from the next turn's step, and is refused as ambiguous",
+    STEPS_RESTARTED: "with check_crash_restore(..., restarting=True): every episode is listed "
+    "as a restart at prepare, none captured, and after the restore each is played again from "
+    "its start (its steps completed before the checkpoint complete again under attempt + 1)",
     RUN_ATTEMPT: "/run under an attempt this participant does not run is refused with 409 "
     "attempt_mismatch and starts nothing",
     RUN_RETIRED: "/run of a retired (attempt, rollout) is refused with 410 attempt_retired, even "
@@ -511,10 +515,11 @@ _EXAMPLE_VALUES: Mapping[str, Any] = {
     "deadline_ts": _PAST_DEADLINE,
     "attempt": 0,
     "rollout_ids": ["kit-rollout"],
+    "episode_ids": [{"rollout_id": "kit-rollout", "attempt": 0}],
 }
 _ID_FIELDS = ("checkpoint_id", "operation_id")
-_GYM_ID_FIELDS = ("source_checkpoint_id", "checkpoint_dir")
-"""Gym fields that name the checkpoint (a restore's source, the directory relative to the set)."""
+_GYM_ID_FIELDS = ("checkpoint_dir",)
+"""Gym fields that name the checkpoint (the directory, relative to the set)."""
 _UNKNOWN_FIELD = "kit_unknown_field"
 
 
@@ -567,8 +572,12 @@ def _refusal(response: httpx.Response, dialect: Dialect) -> tuple[str, str] | No
     try:
         gym_body = gym.GymErrorBody.model_validate_json(response.content)
     except ValidationError:
-        return None
-    return gym_body.error.code, gym_body.error.message
+        try:  # FastAPI's 422, Gym's answer to a body its models refuse
+            validation = gym.GymValidationBody.model_validate_json(response.content)
+        except ValidationError:
+            return None
+        return ErrorCode.INVALID_REQUEST.value, "; ".join(item.msg for item in validation.detail)
+    return gym_body.error.code, gym_body.error.detail
 
 
 async def _expect_refusal(
@@ -590,7 +599,7 @@ async def _expect_refusal(
     assert path is not None
     if dialect is Dialect.GYM:
         status, gym_body = gym.gym_error(code, "")
-        name = gym_body.error.code
+        name = gym_body["error"]["code"] if "error" in gym_body else ErrorCode.INVALID_REQUEST.value
     else:
         name = code.value
     if content is not None:
@@ -753,7 +762,11 @@ async def check_phases(target: Target, *, call_timeout_s: float = 10.0) -> tuple
         await _expect_idle(conn, PHASES_RESUME, f"after the resume of committed {cid}")
 
         attempt = max(before.attempt, committed.manifest.attempt) + 1
-        restore = RestoreRequest(checkpoint_id=cid, attempt=attempt, deadline_ts=conn.deadline())
+        # the rollouts the commit listed (a Gym participant's restore names them; ours: None)
+        named = committed.rollout_ids
+        restore = RestoreRequest(
+            checkpoint_id=cid, attempt=attempt, rollout_ids=named, deadline_ts=conn.deadline()
+        )
         restored = await _ok(
             PHASES_REPLAY, f"restore of {cid} under attempt {attempt}", p.restore(restore)
         )
@@ -769,7 +782,12 @@ async def check_phases(target: Target, *, call_timeout_s: float = 10.0) -> tuple
         await _replayed(
             f"a retried restore of {cid}",
             p.restore(
-                RestoreRequest(checkpoint_id=cid, attempt=attempt, deadline_ts=conn.deadline())
+                RestoreRequest(
+                    checkpoint_id=cid,
+                    attempt=attempt,
+                    rollout_ids=named,
+                    deadline_ts=conn.deadline(),
+                )
             ),
             restored,
         )
@@ -779,7 +797,12 @@ async def check_phases(target: Target, *, call_timeout_s: float = 10.0) -> tuple
             STALE,
             f"a restore of {cid} under attempt {attempt} after it was restored and resumed",
             p.restore(
-                RestoreRequest(checkpoint_id=cid, attempt=attempt, deadline_ts=conn.deadline())
+                RestoreRequest(
+                    checkpoint_id=cid,
+                    attempt=attempt,
+                    rollout_ids=named,
+                    deadline_ts=conn.deadline(),
+                )
             ),
             ErrorCode.STALE_CHECKPOINT,
         )
@@ -809,11 +832,18 @@ async def _replayed(what: str, call: Awaitable[BaseModel], first: BaseModel) -> 
 _Call = Callable[[], Awaitable[BaseModel]]
 
 
+def _named_for(conn: _Conn) -> list[str] | None:
+    """The rollouts a refused restore names: none for a Gym target (its restore must name a
+    list, and the refusal comes before any record is read), None (every record) for ours."""
+    return [] if conn.target.dialect is Dialect.GYM else None
+
+
 def _calls_with(
     conn: _Conn, checkpoint_id: str, names: Sequence[str], *, attempt: int = 0
 ) -> list[tuple[str, _Call]]:
     """Control calls naming `checkpoint_id` (made when called, each with a fresh deadline)."""
     p = conn.participant
+    named = _named_for(conn)
     every: dict[str, _Call] = {
         "prepare": lambda: p.prepare(
             PrepareRequest(checkpoint_id=checkpoint_id, deadline_ts=conn.deadline())
@@ -829,7 +859,10 @@ def _calls_with(
         ),
         "restore": lambda: p.restore(
             RestoreRequest(
-                checkpoint_id=checkpoint_id, attempt=attempt, deadline_ts=conn.deadline()
+                checkpoint_id=checkpoint_id,
+                attempt=attempt,
+                rollout_ids=named,
+                deadline_ts=conn.deadline(),
             )
         ),
     }
@@ -1162,7 +1195,10 @@ async def check_restore_all_or_nothing(
                     what,
                     conn.participant.restore(
                         RestoreRequest(
-                            checkpoint_id=damaged_id, attempt=attempt, deadline_ts=conn.deadline()
+                            checkpoint_id=damaged_id,
+                            attempt=attempt,
+                            rollout_ids=_named_for(conn),
+                            deadline_ts=conn.deadline(),
                         )
                     ),
                     ErrorCode.RECORDS_INVALID,
@@ -1522,6 +1558,7 @@ async def check_crash_restore(
     volatile_keys: Collection[str] = _VOLATILE_KEYS,
     model: FakeModel | None = None,
     poll_interval_s: float = 0.05,
+    restarting: bool = False,
 ) -> None:
     """`steps.no-rerun` across a crash, with the `/run` duties that keep episodes exactly once.
 
@@ -1556,6 +1593,13 @@ async def check_crash_restore(
     With `model`, its log is checked too: every episode's calls named it by the checkpoint and
     no call of the group lacked the headers (`model.headers`), and a driver mistake it records
     (`FakeModel.driver_mistakes`) fails the check at once, naming the driver.
+
+    `restarting`: for a participant that keeps nothing of its episodes by design and says so,
+    listing every one as a restart at prepare (a work-loss the checkpoint reports; the NeMo Gym
+    adapter's `restart` strategy, docs/gym.md). Then the checkpoint must capture none of the
+    rollouts and list all of them as restarts, and instead of `steps.no-rerun` each restarted
+    episode must be played again from its start: every step it had completed once under N
+    completes again under N + 1 (`steps.restarted`); every other rule holds as it is.
     """
     rids = list(rollout_ids)
     _expect(STEPS, len(set(rids)) == len(rids) > 0, "rollout ids must be distinct", rids)
@@ -1637,7 +1681,9 @@ async def check_crash_restore(
                 # same servers give it time to be refused (a window that grows with their load).
                 for rid in repeated:
                     episodes.start_soon(repeated_run, rid)
-                before, commit = await _checkpoint(coordinator, conns, cid, rids, call_timeout_s)
+                before, commit = await _checkpoint(
+                    coordinator, conns, cid, rids, call_timeout_s, restarting
+                )
                 _check_one_episode(held_counts, before, repeated, attempt, workers)
                 _check_model_counts(conns, before, rids, attempt)
                 if model is not None:
@@ -1692,11 +1738,9 @@ async def check_crash_restore(
             call_timeout_s=call_timeout_s,
         )
         coordinator = Coordinator([conn.participant for conn in conns], call_timeout=call_timeout_s)
-        # NeMo Gym's restore has no scope: participants that all speak it restore every record
-        # (the checkpoint holds exactly the rollouts, `_checkpoint` checked)
-        gym_only = all(conn.target.dialect is Dialect.GYM for conn in conns)
+        # a Gym participant's restore names the rollouts its commit listed (`listed`)
         restored = await coordinator.restore(
-            cid, attempt + 1, time.time() + call_timeout_s, None if gym_only else rids
+            cid, attempt + 1, time.time() + call_timeout_s, rids, listed=commit.listed
         )
         _expect(
             RESTORE,
@@ -1733,7 +1777,10 @@ async def check_crash_restore(
         results = await _run_all(driver, rids, attempt + 1, timeout_s, "restored episode", model)
         after = {conn.target.name: await _counters(conn, rids) for conn in conns}
         _check_restored_workers(workers, before, after, rids, attempt)
-        _compare_counts(before, after, rids, attempt)
+        if restarting:
+            _check_restarted(before, after, rids, attempt)
+        else:
+            _compare_counts(before, after, rids, attempt)
         _check_once(after, rids)
         started = {name: _ran(counts, rids[0], attempt + 2) for name, counts in after.items()}
         _expect(
@@ -2078,12 +2125,14 @@ async def _checkpoint(
     cid: str,
     rids: Sequence[str],
     call_timeout_s: float,
+    restarting: bool = False,
 ) -> tuple[dict[str, _Counts], CommitOutcome]:
     """prepare, commit (scope: the rollouts), read the counters while parked, resume.
 
     Participants that all speak NeMo Gym's dialect are checkpointed without a requested scope
     (Gym's prepare lists no episodes to agree one from): every parked episode, which must be
-    exactly the rollouts, none restarting."""
+    exactly the rollouts, none restarting. With `restarting`, every rollout must be a restart
+    and none captured (`check_crash_restore`)."""
     gym_only = all(conn.target.dialect is Dialect.GYM for conn in conns)
     try:
         prepared = await coordinator.prepare(
@@ -2102,13 +2151,22 @@ async def _checkpoint(
         else:
             scope = prepared.scope(rids)
             captured = scope is not None and sorted(scope) == sorted(rids)
-        _expect(
-            STEPS,
-            captured and not prepared.restarts,
-            f"every episode must be captured by {cid} (none restarting)",
-            f"scope {scope}, {prepared.episode_count} parked, "
-            f"restarts {[str(e) for e in prepared.restarts]}",
-        )
+        if restarting:
+            restarts = sorted({e.rollout_id for e in prepared.restarts})
+            _expect(
+                STEPS_RESTARTED,
+                not scope and restarts == sorted(rids),
+                f"every episode must be listed as a restart by {cid}, none captured",
+                f"scope {scope}, restarts {[str(e) for e in prepared.restarts]}",
+            )
+        else:
+            _expect(
+                STEPS,
+                captured and not prepared.restarts,
+                f"every episode must be captured by {cid} (none restarting)",
+                f"scope {scope}, {prepared.episode_count} parked, "
+                f"restarts {[str(e) for e in prepared.restarts]}",
+            )
         commit = await coordinator.commit(cid, time.time() + call_timeout_s, scope)
         _expect(
             STEPS,
@@ -2127,6 +2185,28 @@ async def _checkpoint(
         "; ".join(str(failure) for failure in resumed.failures),
     )
     return before, commit
+
+
+def _check_restarted(
+    before: Mapping[str, _Counts], after: Mapping[str, _Counts], rids: Sequence[str], attempt: int
+) -> None:
+    """Each restarted episode was played again from its start: every step completed once under
+    `attempt` at the checkpoint completed again under `attempt + 1`."""
+    compared = 0
+    skipped: list[str] = []
+    for name, counts in before.items():
+        for rid in rids:
+            once = {step for step, n in _completed(counts, rid, attempt).items() if n == 1}
+            compared += len(once)
+            again = set(_completed(after.get(name, {}), rid, attempt + 1))
+            skipped.extend(f"{name} {rid} {step}" for step in sorted(once - again))
+    _expect(
+        STEPS_RESTARTED,
+        compared > 0 and not skipped,
+        f"every restarted episode must be played again from its start under attempt "
+        f"{attempt + 1} (its steps completed before the checkpoint complete again)",
+        f"not run again: {', '.join(skipped)}" if skipped else "no step completed before it",
+    )
 
 
 def _compare_counts(

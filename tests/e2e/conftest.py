@@ -24,6 +24,7 @@ from rbac_support import CRDS, GROUP
 from devcluster import kueue
 from devcluster.cluster import Cluster
 from devcluster.kube import open_api
+from harness.objects import wait_established
 
 
 @pytest.fixture(scope="session")
@@ -51,10 +52,4 @@ def crds(cluster: Cluster) -> None:
     # prove those grants like every other (`make cluster-binaries` builds Kueue).
     kueue.apply_crds(cluster)
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRDS))
-    cluster.kubectl(
-        "wait",
-        "--for=condition=Established",
-        "--timeout=30s",
-        f"crd/rolloutsets.{GROUP}",
-        f"crd/rolloutcheckpoints.{GROUP}",
-    )
+    wait_established(cluster, [f"crd/rolloutsets.{GROUP}", f"crd/rolloutcheckpoints.{GROUP}"])

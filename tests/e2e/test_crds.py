@@ -14,6 +14,7 @@ from rollout_operator.cluster.kube import Kube
 from rollout_operator.model import api, crdgen
 
 from devcluster.cluster import Cluster
+from harness.objects import wait_established
 
 CRDS = Path(__file__).resolve().parents[2] / "crds"
 
@@ -21,7 +22,7 @@ CRDS = Path(__file__).resolve().parents[2] / "crds"
 def install_crds(cluster: Cluster) -> None:
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRDS))
     names = [f"crd/{kind.crd_name}" for kind in crdgen.KINDS]
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=30s", *names)
+    wait_established(cluster, names)
 
 
 @pytest.fixture(scope="module")

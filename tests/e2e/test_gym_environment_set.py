@@ -118,6 +118,13 @@ async def test_gym_dialect_environment_checkpoint_kill_restore(
                 assert ckpt["status"]["episodes"] >= 1
                 assert ckpt["status"]["restarts"] == 0
                 check_manifests(ckpt, storage_dir)  # the Gym environment's manifest included
+                # the Gym participant's commit listed its rollouts, kept for its restore (which
+                # must name them: the client refuses a Gym restore of every record, so the
+                # recovery below succeeds only by naming them); ours restore every record
+                kept = {p["instance"]: p.get("rolloutIds") for p in ckpt["status"]["participants"]}
+                assert held in (kept["environment-0"] or []), kept
+                assert kept["environment-0"] == sorted(set(kept["environment-0"]))
+                assert all(ids is None for i, ids in kept.items() if i != "environment-0"), kept
 
                 # SIGKILL the Gym-dialect pod while episodes run (one held mid-generation).
                 assert await cluster.admin.kill_pod_async(namespace, env_a1["pod"])

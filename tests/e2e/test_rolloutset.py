@@ -21,6 +21,7 @@ from rollout_operator.model import api, crdgen
 
 from devcluster.cluster import Cluster
 from devcluster.testing import WaitTimeout, wait_for, wait_for_sync
+from harness.objects import wait_established
 from harness.operatorprocess import OperatorProcess
 
 CRDS = Path(__file__).resolve().parents[2] / "crds"
@@ -63,7 +64,7 @@ TIMEOUT = 60.0
 def operator(cluster: Cluster, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRDS))
     names = [f"crd/{kind.crd_name}" for kind in crdgen.KINDS]
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=30s", *names)
+    wait_established(cluster, names)
     running = OperatorProcess(cluster.kubeconfig, [namespace], tmp_path / "operator.log")
     running.start()
     try:

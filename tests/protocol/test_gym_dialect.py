@@ -1,17 +1,19 @@
 """The NeMo Gym dialect at the protocol level: the mapping of every field and error code both
-ways, pinned against Gym JSON written by hand from the public description (not produced by our
-own encoder), and both sides of the HTTP hop in process.
+ways, pinned against Gym JSON written by hand from Gym's code at the pinned commit (not produced
+by our encoder; `test_gym_contract.py` validates against mirrors of Gym's models), and both
+sides of the HTTP hop in process.
 
 - pure mapping: prepare, commit, restore, retire replies and requests; capture keys; error
   codes; what cannot be said in the other dialect (`Unmappable`);
 - a control plane on the SDK mounting Gym's routes (alone or beside ours), reached with raw
-  Gym JSON over HTTP: reply shapes, 409 codes, `checkpoint_dir` and `stop`, the token;
-- `HttpParticipantClient` reading capabilities and speaking the announced dialect, and probing
+  Gym JSON over HTTP: reply shapes, 409 codes, `checkpoint_dir`, the token;
+- `HttpParticipantClient` asking the dialect and speaking the one announced, and probing
   again when a remembered dialect's route is gone.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,6 +26,7 @@ from fastapi import FastAPI
 from rollout_protocol import (
     API_PREFIX,
     ROUTES,
+    CommitReply,
     CommitRequest,
     ControlConfigError,
     ControlPlane,
@@ -34,9 +37,11 @@ from rollout_protocol import (
     ErrorCode,
     HttpParticipantClient,
     ParticipantError,
+    Phase,
     PrepareReply,
     PrepareRequest,
     RemoveRequest,
+    RestoreReply,
     RestoreRequest,
     RetireRequest,
     Role,
@@ -72,16 +77,27 @@ def test_every_route_has_its_gym_form_except_remove() -> None:
 @pytest.mark.parametrize(
     ("episode", "key"),
     [
-        (EpisodeId(rollout_id="r1", attempt=0), "r1-a0"),
-        (EpisodeId(rollout_id="t-a3", attempt=12), "t-a3-a12"),
+        (EpisodeId(rollout_id="r1", attempt=0), "r1"),
+        (EpisodeId(rollout_id="r1", attempt=1), "r1-a1"),
+        (EpisodeId(rollout_id="t-a0", attempt=12), "t-a0-a12"),
+        (EpisodeId(rollout_id="t-ab", attempt=0), "t-ab"),
     ],
 )
 def test_capture_keys_map_both_ways(episode: EpisodeId, key: str) -> None:
-    assert gym.capture_key(episode) == key
+    """Gym's capture key: the rollout id at attempt 0, `<id>-a<N>` after (docs/protocol.md)."""
+    assert gym.episode_key(episode) == key
     assert gym.parse_capture_key(key) == episode
 
 
-@pytest.mark.parametrize("key", ["r1", "r1-a", "-a1", "r1-ax", "r 1-a1"])
+@pytest.mark.parametrize("rollout_id", ["task-a3", "x:1"])
+def test_rollout_ids_gym_cannot_carry_are_refused(rollout_id: str) -> None:
+    """Gym reserves the `-a<N>` suffix and has no `:` in its ids: such a rollout has no Gym
+    episode, and saying it anyway would name another one."""
+    with pytest.raises(gym.Unmappable):
+        gym.capture_key(rollout_id, 0)
+
+
+@pytest.mark.parametrize("key", ["", "-a1", "r 1-a1"])
 def test_malformed_capture_keys_are_refused(key: str) -> None:
     with pytest.raises(gym.Unmappable):
         gym.parse_capture_key(key)
@@ -89,36 +105,47 @@ def test_malformed_capture_keys_are_refused(key: str) -> None:
 
 def test_error_codes_map_both_ways() -> None:
     named = {
-        ErrorCode.STALE_CHECKPOINT: "stale_checkpoint",
-        ErrorCode.UNKNOWN_CHECKPOINT: "stale_checkpoint",
-        ErrorCode.CONFLICTING_CHECKPOINT: "checkpoint_conflict",
-        ErrorCode.WRONG_PHASE: "invalid_phase",
+        ErrorCode.STALE_CHECKPOINT: ("stale_checkpoint", 409),
+        ErrorCode.UNKNOWN_CHECKPOINT: ("invalid_phase", 409),
+        ErrorCode.CONFLICTING_CHECKPOINT: ("checkpoint_conflict", 409),
+        ErrorCode.WRONG_PHASE: ("invalid_phase", 409),
+        ErrorCode.DEADLINE_PASSED: ("deadline_exceeded", 409),
+        ErrorCode.ATTEMPT_RETIRED: ("stale_attempt", 409),
+        ErrorCode.ADMISSION_CLOSED: ("admission_closed", 409),
+        ErrorCode.STORAGE_FAILED: ("invalid_checkpoint_state", 422),
+        ErrorCode.RECORDS_INVALID: ("invalid_checkpoint_state", 422),
+        ErrorCode.UNAUTHORIZED: ("unauthorized", 401),
     }
     for code in ErrorCode:
         status, body = gym.gym_error(code, "why")
-        if code in named:
-            assert (status, body.error.code) == (409, named[code])
+        if code is ErrorCode.INVALID_REQUEST:  # FastAPI's form, as Gym's models refuse a body
+            assert (status, body["detail"][0]["msg"]) == (422, "why")
+        elif code in named:
+            assert (body["error"]["code"], status) == named[code]
         else:  # passed through with our name and status
-            assert body.error.code == code.value
-        back, detail = gym.our_error(body)
-        expected = ErrorCode.STALE_CHECKPOINT if code is ErrorCode.UNKNOWN_CHECKPOINT else code
-        assert (back, detail) == (expected, "why")
-    foreign = gym.GymErrorBody.model_validate({"error": {"code": "gym_only_code", "message": "m"}})
-    assert gym.our_error(foreign)[0] is ErrorCode.INTERNAL
+            assert body["error"]["code"] == code.value
+        back, detail = gym.our_error(status, json.dumps(body).encode())
+        expected = {
+            ErrorCode.UNKNOWN_CHECKPOINT: ErrorCode.WRONG_PHASE,
+            ErrorCode.STORAGE_FAILED: ErrorCode.RECORDS_INVALID,
+        }.get(code, code)
+        assert back is expected
+        assert detail.endswith("why")
+    foreign = b'{"error": {"code": "gym_only_code", "detail": "m"}}'
+    assert gym.our_error(409, foreign)[0] is ErrorCode.INTERNAL
 
 
 def test_a_gym_prepare_reply_reads_as_ours() -> None:
     raw = (
         b'{"phase": "prepared", "report": {"ready": true, "blockers": [], "blocker_count": 0,'
-        b' "counts": {"parked": 7, "live": 7}, "restarts": [{"rollout_id": "r9", "attempt": 3}]},'
-        b' "a_newer_field": 1}'
+        b' "counts": {"parked": 7, "live": 7}, "restarts": ["r9-a3"]}, "a_newer_field": 1}'
     )
     codec = gym.CODECS["prepare"]
     request = PrepareRequest(checkpoint_id="c1", deadline_ts=time.time() + 5)
     ours = codec.to_ours_reply(codec.reply.model_validate_json(raw), request, SIDE)
     assert ours == PrepareReply(
         checkpoint_id="c1",
-        phase="prepared",  # type: ignore[arg-type]
+        phase=Phase.PREPARED,
         ready=True,
         episode_count=7,
         restarts=[EpisodeId(rollout_id="r9", attempt=3)],
@@ -140,7 +167,6 @@ def test_our_commit_is_said_in_gym_with_the_scope_as_episodes() -> None:
         "deadline_ts": 100.0,
         "checkpoint_dir": "c1",
         "episode_ids": [{"rollout_id": "a", "attempt": 3}, {"rollout_id": "c", "attempt": 3}],
-        "stop": False,
     }
     # every parked episode but the restarting ones: no Gym scope says that
     with pytest.raises(gym.Unmappable, match="restarting"):
@@ -149,61 +175,69 @@ def test_our_commit_is_said_in_gym_with_the_scope_as_episodes() -> None:
         )
 
 
-def test_a_gym_commit_reply_needs_the_records_digest_to_be_published() -> None:
+def test_a_gym_commit_reply_needs_our_extension_to_be_published() -> None:
     codec = gym.CODECS["commit"]
     request = CommitRequest(checkpoint_id="c1", deadline_ts=100.0)
     sha = "ab" * 32
-    full = {
+    bare = {
         "phase": "committed",
         "manifest": {
-            "record_count": 2,
-            "attempt": 1,
+            "schema_version": 1,
+            "kind": "environment",
+            "instance": "environment-0",
+            "checkpoint_id": "c1",
             "records_file": f"records-{sha}.jsonl",
             "records_sha256": sha,
-            "bytes": 120,
-            "manifest_path": "ns/set/uid/c1/environment-0/manifest.json",
+            "record_count": 2,
         },
-        "episode_ids": None,
+        "episode_ids": ["r1-a1", "r2-a1"],
+    }
+    with pytest.raises(gym.Unmappable, match="manifest path"):
+        codec.to_ours_reply(codec.reply.model_validate(bare), request, SIDE)
+    full = {
+        **bare,
+        "attempt": 1,
+        "bytes": 120,
+        "manifest_path": "ns/set/uid/c1/environment-0/manifest.json",
     }
     ours = codec.to_ours_reply(codec.reply.model_validate(full), request, SIDE)
+    assert isinstance(ours, CommitReply)
     assert (ours.manifest.record_count, ours.manifest.instance, ours.manifest.role) == (
         2,
         "environment-0",
         Role.ENVIRONMENT,
     )
     assert ours.manifest_path.endswith("manifest.json")
-    bare = {"phase": "committed", "manifest": {"record_count": 2}, "episode_ids": []}
-    with pytest.raises(gym.Unmappable, match="records_sha256"):
-        codec.to_ours_reply(codec.reply.model_validate(bare), request, SIDE)
 
 
 def test_restore_maps_both_ways_and_refuses_what_gym_cannot_ask() -> None:
     codec = gym.CODECS["restore"]
-    request = RestoreRequest(checkpoint_id="c1", deadline_ts=100.0, attempt=2)
+    request = RestoreRequest(
+        checkpoint_id="c1", deadline_ts=100.0, attempt=2, rollout_ids=["r", "s"]
+    )
     sent = codec.to_gym_request(request, SIDE)
     assert sent is not None
+    # Gym names the checkpointed attempts; each continues as its next attempt
     assert sent.model_dump(mode="json") == {
         "checkpoint_id": "c1",
         "deadline_ts": 100.0,
-        "source_checkpoint_id": "c1",
         "checkpoint_dir": "c1",
-        "attempt": 2,
+        "episode_ids": [{"rollout_id": "r", "attempt": 1}, {"rollout_id": "s", "attempt": 1}],
     }
+    assert codec.to_ours_request(sent, SERVER) == request
     reply = codec.reply.model_validate(
-        {
-            "phase": "restored",
-            "source_checkpoint_id": "c1",
-            "restored": [{"rollout_id": "r", "attempt": 2}],
-        }
+        {"phase": "restored", "source_checkpoint_id": "c1", "restored": ["r-a2"]}
     )
     ours = codec.to_ours_reply(reply, request, SIDE)
+    assert isinstance(ours, RestoreReply)
     assert (ours.attempt, ours.restored, ours.record_count) == (
         2,
         [EpisodeId(rollout_id="r", attempt=2)],
         1,
     )
     for update in (
-        {"rollout_ids": ["r"]},
+        {"rollout_ids": None},
+        {"attempt": 0},
         {"peers": {Role.AGENT: "http://10.0.0.1:8000"}},
         {"index": 1},
         {"source_instance": "environment-1"},
@@ -211,14 +245,13 @@ def test_restore_maps_both_ways_and_refuses_what_gym_cannot_ask() -> None:
         with pytest.raises(gym.Unmappable):
             codec.to_gym_request(request.model_copy(update=update), SIDE)
     # a Gym restore named by another id than the checkpoint it restores: not our participants'
-    with pytest.raises(gym.Unmappable, match="source_checkpoint_id"):
+    with pytest.raises(gym.Unmappable, match="checkpoint_id"):
         codec.to_ours_request(
             gym.GymRestoreRequest(
                 checkpoint_id="op-7",
                 deadline_ts=100.0,
-                source_checkpoint_id="c1",
                 checkpoint_dir="c1",
-                attempt=2,
+                episode_ids=[gym.GymEpisodeId(rollout_id="r", attempt=1)],
             ),
             SERVER,
         )
@@ -249,21 +282,26 @@ def test_checkpoint_dir_must_be_where_the_participant_keeps_it(
 def test_retire_scope_is_episodes_of_the_retired_attempt() -> None:
     codec = gym.CODECS["retire"]
     request = RetireRequest(
-        operation_id="op", deadline_ts=100.0, attempt=1, rollout_ids=["a"], finished=["z"]
+        operation_id="op", deadline_ts=100.0, attempt=1, rollout_ids=["a"], finished=["b"]
     )
     sent = codec.to_gym_request(request, SIDE)
     assert sent is not None
     assert sent.model_dump(mode="json") == {
         "checkpoint_id": "op",
         "deadline_ts": 100.0,
-        "attempt": 1,
         "episode_ids": [{"rollout_id": "a", "attempt": 1}],
     }
+    assert codec.to_ours_request(sent, SERVER) == request.model_copy(update={"finished": None})
+    # every episode of an attempt: a Gym retire names its episodes
+    with pytest.raises(gym.Unmappable, match="names its episodes"):
+        codec.to_gym_request(request.model_copy(update={"rollout_ids": None}), SIDE)
     mixed = gym.GymRetireRequest(
         checkpoint_id="op",
         deadline_ts=100.0,
-        attempt=1,
-        episode_ids=[gym.GymEpisodeId(rollout_id="a", attempt=0)],
+        episode_ids=[
+            gym.GymEpisodeId(rollout_id="a", attempt=1),
+            gym.GymEpisodeId(rollout_id="b", attempt=0),
+        ],
     )
     with pytest.raises(gym.Unmappable, match="attempts"):
         codec.to_ours_request(mixed, SERVER)
@@ -305,7 +343,6 @@ async def test_a_gym_only_participant_answers_gym_json(tmp_path: Path) -> None:
         assert unauthorized.status_code == 401
         assert unauthorized.json()["error"]["code"] == "unauthorized"
         capabilities = (await http.get("/ng-control/v1/capabilities", headers=_auth())).json()
-        assert capabilities["checkpoint"] is True
         assert capabilities["dialects"] == ["gym"]
         assert "remove" not in capabilities["operations"]
 
@@ -327,13 +364,10 @@ async def test_a_gym_only_participant_answers_gym_json(tmp_path: Path) -> None:
             "checkpoint_conflict",
         )
         elsewhere = await _gym(http, "commit", checkpoint_id="c1", checkpoint_dir="/tmp/x/c1")
-        assert (elsewhere.status_code, elsewhere.json()["error"]["code"]) == (
-            422,
-            "invalid_request",
-        )
-        assert "checkpoint_dir" in elsewhere.json()["error"]["message"]
+        assert elsewhere.status_code == 422
+        assert "checkpoint_dir" in elsewhere.json()["detail"][0]["msg"]
         stop = await _gym(http, "commit", checkpoint_id="c1", checkpoint_dir="c1", stop=True)
-        assert (stop.status_code, stop.json()["error"]["code"]) == (501, "unsupported")
+        assert stop.status_code == 422  # no `stop` at the pinned commit: an unknown field
         commit = {
             "checkpoint_id": "c1",
             "checkpoint_dir": str(tmp_path / "g" / "c1"),
@@ -344,40 +378,35 @@ async def test_a_gym_only_participant_answers_gym_json(tmp_path: Path) -> None:
         reply = committed.json()
         assert reply["phase"] == "committed"
         assert reply["manifest"]["record_count"] == 1
-        assert reply["episode_ids"] == [{"rollout_id": "r1", "attempt": 0}]
-        assert (tmp_path / reply["manifest"]["manifest_path"]).is_file()
+        assert reply["episode_ids"] == ["r1"]
+        assert (tmp_path / reply["manifest_path"]).is_file()
         again = await _gym(http, "commit", **commit)
         assert again.content == committed.content  # a repeated (id, commit) replays its result
-        early = await _gym(
-            http,
-            "restore",
-            checkpoint_id="c1",
-            source_checkpoint_id="c1",
-            checkpoint_dir="c1",
-            attempt=1,
-        )
+        restore = {
+            "checkpoint_id": "c1",
+            "checkpoint_dir": "c1",
+            "episode_ids": [{"rollout_id": "r1", "attempt": 0}],
+        }
+        early = await _gym(http, "restore", **restore)
         assert (early.status_code, early.json()["error"]["code"]) == (409, "invalid_phase")
+        # a renew of a checkpoint that is not the open one: our `unknown_checkpoint`, said as
+        # Gym's `invalid_phase` (docs/protocol.md: Gym says `checkpoint_conflict` when another
+        # one is open, which our code does not tell apart)
         unknown = await _gym(http, "renew", checkpoint_id="c9")
-        assert (unknown.status_code, unknown.json()["error"]["code"]) == (409, "stale_checkpoint")
+        assert (unknown.status_code, unknown.json()["error"]["code"]) == (409, "invalid_phase")
         resumed = await _gym(http, "resume", checkpoint_id="c1")
-        assert resumed.json() == {"phase": "idle"}
+        assert resumed.json() == {"phase": "idle", "idempotent": False}
         stale = await _gym(http, "prepare", checkpoint_id="c1")
         assert (stale.status_code, stale.json()["error"]["code"]) == (409, "stale_checkpoint")
-        restored = await _gym(
-            http,
-            "restore",
-            checkpoint_id="c1",
-            source_checkpoint_id="c1",
-            checkpoint_dir="c1",
-            attempt=1,
-        )
+        restored = await _gym(http, "restore", **restore)
         assert restored.json() == {
             "phase": "restored",
             "source_checkpoint_id": "c1",
-            "restored": [{"rollout_id": "r1", "attempt": 1}],
+            "restored": ["r1-a1"],
         }
         status = (await http.get("/ng-control/v1/checkpoint/status", headers=_auth())).json()
-        assert (status["phase"], status["attempt"], status["checkpoint_id"]) == (
+        assert (status["kind"], status["phase"], status["attempt"], status["checkpoint_id"]) == (
+            "environment",
             "restored",
             1,
             "c1",

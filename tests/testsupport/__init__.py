@@ -12,6 +12,9 @@ no test module imports another, and nothing edits `sys.path`.
   parks, for the unit tests of the checkpoint flow (eviction deadlines, checkpoint slots).
 - `server_processes`: real rollout server processes on loopback and helpers to drive them
   (protocol tests, adversarial HTTP tests, bench/engine_relay.py).
+- `gym_processes`: NeMo Gym's servers and the Gym adapter as processes on the Gym environment's
+  interpreter (`make gym-venv`), and dataset rows for Gym's stateful counter (the adapter's
+  protocol tests and its e2e test, docs/gym.md).
 - `operator_fixtures`: the operator as a process and the custom resources of a test namespace
   (e2e and adversarial tests); its fixtures are a plugin that `tests/conftest.py` registers with
   `pytest_plugins`.

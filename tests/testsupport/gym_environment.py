@@ -4,10 +4,11 @@
 an environment server whose episodes are the reference environment's (`EnvironmentServer`: the
 same `/run`, `/stats` and `/healthz`, so the e2e helpers that check a recovered run read it as
 they read ours), but whose control plane mounts the Gym dialect alone: bearer-token routes under
-`/ng-control/v1/checkpoint/` and `GET /ng-control/v1/capabilities`, Gym's field names and error
-codes, nothing under `/checkpoint/v1`. Whatever `ROLLOUT_CONTROL_DIALECTS` says, it is Gym only.
+`/ng-control/v1/checkpoint/` (and our `GET /ng-control/v1/capabilities`), Gym's models and error
+codes at the commit docs/protocol.md pins, nothing under `/checkpoint/v1`. Whatever
+`ROLLOUT_CONTROL_DIALECTS` says, it is Gym only.
 
-A coordinator reaches it only by reading its capabilities and speaking Gym's dialect, which is
+A coordinator reaches it only by asking its dialect and speaking Gym's, which is
 what the e2e test of a mixed set (this environment, the other roles ours) shows.
 """
 

@@ -34,7 +34,7 @@ from rollout_servers.servers.generation import (
     ToolSpec,
 )
 from rollout_servers.servers.model import capture_identity
-from rollout_servers.tasks import shipped_tasks
+from rollout_servers.tasks import calculate, shipped_tasks
 
 CALCULATOR = {
     "type": "function",
@@ -388,6 +388,55 @@ def test_builtin_calls_the_calculator_when_tools_are_offered() -> None:
     named = (ToolSpec("calc2", "expr"),)
     other, _ = builtin_completion(prompt, 3, 256, 0.0, named)
     assert '{"name": "calc2", "arguments": {"expr":' in "".join(other)
+
+
+def test_builtin_plays_a_tool_that_takes_a_number_and_answers_json() -> None:
+    """NeMo Gym's stateful counter (`increment_counter(count: int)`, answering
+    `{"success": true}`): the built-in backend sends each step's value, and reads the JSON
+    acknowledgement as the number it sent, so it goes on to the next step."""
+    task = next(t for t in shipped_tasks() if len(t.steps) == 2)
+    tools = (ToolSpec("increment_counter", "count", integer=True),)
+    prompt = builtin_prompt([{"role": "user", "content": task.question}])
+    tokens, _ = builtin_completion(prompt, 3, 256, 0.0, tools)
+    parser = ToolCallParser("p")
+    parser.feed("".join(tokens))
+    parser.finish()
+    first = calculate(task.steps[0])
+    assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [
+        ("increment_counter", {"count": first})
+    ]
+    call = {"id": "c", "type": "function", "function": {"name": "increment_counter"}}
+    call["function"]["arguments"] = json.dumps({"count": first})
+    messages = [
+        {"role": "user", "content": task.question},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c", "content": '{"success":true}'},
+    ]
+    assert builtin_prompt(messages).endswith(f"tool: RESULT: {first}")
+    second, _ = builtin_completion(builtin_prompt(messages), 3, 256, 0.0, tools)
+    assert json.dumps({"count": calculate(task.steps[1])}) in "".join(second)
+    # an answer with a number is read by its first integer; other text as it is
+    answered = [*messages[:2], {"role": "tool", "tool_call_id": "c", "content": '{"count": 9}'}]
+    assert builtin_prompt(answered).endswith("tool: RESULT: 9")
+    text = [*messages[:2], {"role": "tool", "tool_call_id": "c", "content": "no number"}]
+    assert builtin_prompt(text).endswith("tool: RESULT: no number")
+    # the schema decides: a string parameter still gets the expression
+    spec = responses_generation(
+        ResponsesBody.model_validate(
+            {
+                "model": "m",
+                "input": "x",
+                "tools": [
+                    {
+                        "type": "function",
+                        "name": "t",
+                        "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}},
+                    }
+                ],
+            }
+        )
+    ).tools
+    assert spec == (ToolSpec("t", "n", integer=True),)
 
 
 @pytest.mark.parametrize(

@@ -478,6 +478,38 @@ async def test_restore_succeeds_everywhere_and_waits_for_resume(tmp_path: Path) 
         assert cluster.plane(Role.MODEL).attempt == 1
 
 
+async def test_restore_names_the_rollouts_a_gym_commit_listed(tmp_path: Path) -> None:
+    """A participant's listed rollouts (`CommitOutcome.listed`, kept with the checkpoint) are
+    what its restore names, within the scope; a participant without a listing is asked for
+    every record in the scope, as before."""
+    await _take_checkpoint(tmp_path)
+    async with _in_process(_members(tmp_path, attempt=1, rollouts={})) as cluster:
+        asked: dict[str, list[str] | None] = {}
+        for role in PREPARE_ORDER:
+            spy = cluster.spy(role)
+            inner_restore = spy.restore
+
+            async def restore(
+                request: RestoreRequest, spy: Spy = spy, inner: Any = inner_restore
+            ) -> RestoreReply:
+                asked[spy.instance] = request.rollout_ids
+                reply: RestoreReply = await inner(request)
+                return reply
+
+            spy.restore = restore  # type: ignore[method-assign]
+        listed = {"environment-0": ["r1", "r2"], "model-0": ["r2"]}
+        coordinator = _coordinator(cluster)
+        outcome = await coordinator.restore("ck-1", 1, time.time() + 5, ["r2", "r3"], listed=listed)
+        assert outcome.ok, outcome.failures
+        assert asked == {
+            "environment-0": ["r2"],
+            "agent-0": ["r2", "r3"],
+            "model-0": ["r2"],
+            "resources-0": ["r2", "r3"],
+        }
+        await coordinator.resume("ck-1", time.time() + 5)
+
+
 async def test_retire_and_forget_reach_everyone(tmp_path: Path) -> None:
     async with _in_process(_members(tmp_path)) as cluster:
         coordinator = _coordinator(cluster)
@@ -654,7 +686,7 @@ async def test_cli_checkpoint_in_a_separate_process_then_restore(
     tmp_path: Path, gym_roles: tuple[Role, ...]
 ) -> None:
     """`rollout-coordinate` checkpoints and restores a set; in the second case two of its
-    participants speak only NeMo Gym's dialect, which the CLI reads from their capabilities."""
+    participants speak only NeMo Gym's dialect, which the CLI finds by asking them."""
     env = {**os.environ, "ROLLOUT_CONTROL_TOKEN": TOKEN}
     with anyio.fail_after(WAIT * 3):
         async with _served(_members(tmp_path, gym_roles=gym_roles)) as urls:
@@ -666,11 +698,18 @@ async def test_cli_checkpoint_in_a_separate_process_then_restore(
         assert summary["ok"] is True
         assert summary["reason"] == "Published"
         assert "prepare environment" in done.stderr.decode()
-        assert storage.read_checkpoint_manifest(tmp_path, "demo", "c1").attempt == 0
+        published = storage.read_checkpoint_manifest(tmp_path, "demo", "c1")
+        assert published.attempt == 0
+        # a Gym participant's commit lists its rollouts, kept for its restore (which must name
+        # them); ours restore every record they wrote, so nothing is kept for them
+        kept = {entry.role: entry.rollout_ids for entry in published.participants}
+        records = {Role.ENVIRONMENT: ["r1", "r2", "r3"], Role.MODEL: ["r1", "r2"]}
+        assert kept == {role: records[role] if role in gym_roles else None for role in kept}
 
         fresh = _members(tmp_path, attempt=1, rollouts={}, gym_roles=gym_roles)
         async with _served(fresh) as urls:
             out, err = io.StringIO(), io.StringIO()
+            # no --episode: a Gym participant is named the rollouts checkpoint.json kept for it
             code = await coordination_cli.run(
                 ["restore", *_participant_args(urls), "--dir", str(tmp_path)],
                 out=out,

@@ -751,6 +751,7 @@ class CheckpointFlow:
                 records_sha256=manifest.records_sha256,
                 record_count=manifest.record_count,
                 bytes=manifest.bytes,
+                rollout_ids=commit.listed.get(instance),
             )
             for instance, manifest in sorted(commit.manifests.items())
         ]

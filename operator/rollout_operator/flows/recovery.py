@@ -903,10 +903,18 @@ class RecoveryFlow:
         assert recovery is not None
         if recovery.checkpoint is None:
             return await self._set_phase(rset, RecoveryPhase.RESUMING)
+        checkpoint = recovery.checkpoint
+        # the rollouts a participant's commit listed: a NeMo Gym participant restores only those
+        # it is told (docs/protocol.md, "The NeMo Gym dialect")
+        ckpt = await self._read_checkpoint(rset, checkpoint)
+        listed = {
+            entry.instance: entry.rollout_ids
+            for entry in (ckpt.status.participants if ckpt is not None else [])
+            if entry.rollout_ids is not None
+        }
         coordinator, clients = await self._coordinator(rset)
         adopted = adopted_instances(recovery.adopted)
         peers = rewiring(rset, rset.status.participants, set(recovery.kept), adopted.values())
-        checkpoint = recovery.checkpoint
         try:
             deadline = max(
                 self._try_deadline(rset), self._clock() + self._waits.restore_floor_seconds
@@ -919,6 +927,7 @@ class RecoveryFlow:
                     deadline,
                     peers=peers,
                     adopted=list(adopted),
+                    listed=listed,
                 ),
             )
         finally:

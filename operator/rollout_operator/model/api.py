@@ -1096,6 +1096,12 @@ class CheckpointParticipant(StatusModel):
     )
     record_count: int = Field(ge=0, description="Records in the file.")
     bytes: int = Field(ge=0, description="Size of the records file.")
+    rollout_ids: list[str] | None = Field(
+        default=None,
+        description="The rollouts whose records the participant wrote, kept only for a "
+        "participant whose restore must name them (one speaking the NeMo Gym dialect); unset: "
+        "a restore asks for every record.",
+    )
 
 
 class CheckpointDurations(StatusModel):

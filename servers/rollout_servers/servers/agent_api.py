@@ -18,6 +18,7 @@ Responses API's response object and its streaming events).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Iterable, Sequence
@@ -27,6 +28,7 @@ from typing import Any
 from pydantic import ValidationError
 from rollout_protocol import ErrorCode, ProtocolError
 
+from ..tasks import CalculatorError, calculate
 from .generation import (
     ChatBody,
     ChatMessage,
@@ -56,7 +58,11 @@ def _invalid(where: str, problem: str) -> ProtocolError:
 def _spec(name: str, parameters: dict[str, Any] | None) -> ToolSpec:
     properties = (parameters or {}).get("properties")
     names = list(properties) if isinstance(properties, dict) else []
-    return ToolSpec(name, str(names[0]) if names else DEFAULT_ARGUMENT)
+    if not names:
+        return ToolSpec(name, DEFAULT_ARGUMENT)
+    first = properties[names[0]] if isinstance(properties, dict) else None
+    integer = isinstance(first, dict) and first.get("type") == "integer"
+    return ToolSpec(name, str(names[0]), integer=integer)
 
 
 def _offered(
@@ -87,10 +93,13 @@ def builtin_prompt(messages: Sequence[dict[str, Any]]) -> str:
     chat, with calls written as the model writes them and a tool's answer as the `RESULT:` the
     shipped tasks read."""
     lines = []
+    sent: dict[str, Any] = {}  # call id -> the call's arguments, for the answers below
     for message in messages:
         text = str(message.get("content") or "")
         if message["role"] == "tool" and "RESULT:" not in text:
-            text = f"RESULT: {text}"
+            text = f"RESULT: {_tool_result(text, sent.get(str(message.get('tool_call_id'))))}"
+        for call in message.get("tool_calls") or ():
+            sent[str(call.get("id"))] = _json_or_text(call["function"]["arguments"])
         for call in message.get("tool_calls") or ():
             function = call["function"]
             text += f" {CALL_OPEN} " + json.dumps(
@@ -99,6 +108,23 @@ def builtin_prompt(messages: Sequence[dict[str, Any]]) -> str:
             text += f" {CALL_CLOSE}"
         lines.append(f"{message['role']}: {text.strip()}")
     return "\n".join(lines)
+
+
+def _tool_result(text: str, arguments: Any) -> str:
+    """A tool's answer as the built-in backend reads it. Tools of agent frameworks answer JSON
+    objects (NeMo Gym's resources servers do): the first integer field of one is the result,
+    and an answer without a number (an acknowledgement such as `{"success": true}`) stands for
+    the integer the call sent. Anything else is read as it is."""
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        return text
+    if not isinstance(answer, dict):
+        return text
+    for value in (*answer.values(), *(arguments.values() if isinstance(arguments, dict) else ())):
+        if type(value) is int:
+            return str(value)
+    return text
 
 
 def _json_or_text(arguments: str) -> Any:
@@ -234,7 +260,11 @@ def builtin_call(tools: Sequence[ToolSpec], value: str) -> str:
     """How the built-in backend writes a call with `value` (the calculator's `calculator`,
     else the first tool offered), one whitespace-led word per token."""
     tool = next((t for t in tools if t.name == "calculator"), tools[0])
-    call = json.dumps({"name": tool.name, "arguments": {tool.argument: value}})
+    argument: str | int = value
+    if tool.integer:  # a tool that takes a number gets the step's value, not its expression
+        with contextlib.suppress(CalculatorError):
+            argument = calculate(value)
+    call = json.dumps({"name": tool.name, "arguments": {tool.argument: argument}})
     return f"{CALL_OPEN} {call} {CALL_CLOSE}"
 
 

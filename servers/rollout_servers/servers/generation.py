@@ -211,10 +211,13 @@ class Continuation:
 @dataclass(frozen=True)
 class ToolSpec:
     """A function tool the model may call: its name and the argument the built-in backend
-    fills with its calculation (the first parameter the schema names)."""
+    fills with its calculation (the first parameter the schema names); `integer` when the
+    schema declares that parameter an integer (the backend then writes the step's value, as a
+    tool that takes a number needs: NeMo Gym's stateful counter, docs/servers.md)."""
 
     name: str
     argument: str
+    integer: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,15 @@
+"""The NeMo Gym adapter (docs/gym.md): a released Gym environment (its agent loop, its resources
+servers, unmodified, from the `nemo-gym` package) as checkpointed participants of a RolloutSet.
+
+- `rollout_gym.environment`: Gym's `simple_agent` loop as SDK steps, with the Gym session of each
+  episode rebuilt after a restore by the declared `Strategy`;
+- `rollout_gym.resources`: a Gym resources server hosted without Ray, beside a control plane;
+- `rollout-gym environment|resources` (`rollout_gym.cli`): the two pods' commands.
+
+A distribution of its own, `rollout-gym` (gym/pyproject.toml): it needs Python >= 3.12 and
+nemo-gym, which the SDK (`rollout-protocol`) must not require of its users.
+"""
+
+from .environment import GymSettings, RebuildFailed, Strategy, build_app
+
+__all__ = ["GymSettings", "RebuildFailed", "Strategy", "build_app"]

@@ -1,0 +1,131 @@
+"""Calls from the adapter to Gym servers (the model, a resources server), with Gym's own retry
+behaviour bounded and its failure modes translated at the adapter's edge.
+
+NeMo Gym's client (`nemo_gym.server_utils.request`) retries a dropped connection every 0.5 s
+for ever, so a peer that is gone (a pod killed by the operator) holds a rollout until somebody
+kills the caller. Here the same retries stop at the step's deadline (docs/gym.md, "What the
+adapter changes in Gym's behaviour"). Gym's exception middleware answers a request cancelled
+inside the server (a server shutting down, a client that went away) with HTTP 500 and the text
+`CancelledError()`; `simple_agent` would hand that body to the model as the tool's output. The
+adapter recognises it and treats it as the peer being unavailable, never as a tool's answer.
+
+Every reply is read bounded (`MAX_REPLY_BYTES`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from http.cookiejar import CookieJar, DefaultCookiePolicy
+from typing import Any, Final
+
+import anyio
+import httpx
+
+RETRY_SECONDS: Final = 0.5
+"""Gym's pause between two tries of a call whose connection failed."""
+MAX_REPLY_BYTES: Final = 16 * 1024 * 1024
+"""The most the adapter reads of one Gym reply."""
+INSTANCE_HEADER: Final = "X-Rollout-Gym-Instance"
+"""Set by `rollout-gym resources` on every answer: the process that holds the sessions."""
+CANCELLED_BODIES: Final = frozenset({'"CancelledError()"', "CancelledError()"})
+"""What Gym's exception middleware writes for a request cancelled inside the server."""
+
+
+class PeerUnavailable(Exception):
+    """A Gym peer could not be reached (or cancelled the call) until the step's deadline."""
+
+
+@dataclass(frozen=True)
+class GymReply:
+    """One Gym server's answer: status, body text and the cookies it set."""
+
+    status: int
+    text: str
+    cookies: dict[str, str]
+    instance: str | None = None
+    """The hosting process that answered (`X-Rollout-Gym-Instance`), when it says."""
+
+    def json(self) -> Any:
+        return json.loads(self.text)
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+
+def make_client(timeout: float) -> httpx.AsyncClient:
+    """The adapter's HTTP client: its cookie jar keeps nothing, since a Gym session is one
+    episode's (its cookies travel in the episode's boundary and are sent per call)."""
+    return httpx.AsyncClient(timeout=timeout, cookies=CookieJar(policy=_NoCookies()))
+
+
+class _NoCookies(DefaultCookiePolicy):
+    def set_ok(self, cookie: Any, request: Any) -> bool:
+        return False
+
+
+def is_cancellation(status: int, text: str) -> bool:
+    """Gym's HTTP 500 for a request cancelled inside the server (its exception middleware
+    renders `repr(asyncio.CancelledError())`)."""
+    return status == 500 and text.strip() in CANCELLED_BODIES
+
+
+async def post(
+    client: httpx.AsyncClient,
+    url: str,
+    body: Any,
+    *,
+    deadline_ts: float,
+    cookies: Mapping[str, str] | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> GymReply:
+    """POST `body` as JSON, retrying a failed connection (and Gym's cancellation 500) every
+    `RETRY_SECONDS` until `deadline_ts` (wall clock); `PeerUnavailable` after it. Any other
+    answer, error statuses included, is returned: a resources server's 4xx is a valid tool
+    output in Gym's agent loop."""
+    last = "no try"
+    while True:
+        left = deadline_ts - time.time()
+        if left <= 0:
+            raise PeerUnavailable(f"{url}: unreachable until the step's deadline ({last})")
+        try:
+            with anyio.fail_after(left):
+                reply = await _post_once(client, url, body, cookies, headers, left)
+        except (httpx.TransportError, TimeoutError) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        else:
+            if not is_cancellation(reply.status, reply.text):
+                return reply
+            last = "the server cancelled the call (HTTP 500 CancelledError)"
+        await anyio.sleep(min(RETRY_SECONDS, max(0.0, deadline_ts - time.time())))
+
+
+async def _post_once(
+    client: httpx.AsyncClient,
+    url: str,
+    body: Any,
+    cookies: Mapping[str, str] | None,
+    headers: Mapping[str, str] | None,
+    left_s: float,
+) -> GymReply:
+    sent = dict(headers or {})
+    if cookies:  # the episode's own cookies, never a jar shared by episodes (`client`)
+        sent["Cookie"] = "; ".join(f"{name}={value}" for name, value in cookies.items())
+    request = client.build_request("POST", url, json=body, headers=sent, timeout=left_s)
+    response = await client.send(request, stream=True)
+    try:
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in response.aiter_bytes():
+            size += len(chunk)
+            if size > MAX_REPLY_BYTES:
+                raise PeerUnavailable(f"{url}: reply larger than {MAX_REPLY_BYTES} bytes")
+            chunks.append(chunk)
+    finally:
+        await response.aclose()
+    set_cookies = {name: value for name, value in response.cookies.items()}
+    instance = response.headers.get(INSTANCE_HEADER)
+    return GymReply(response.status_code, b"".join(chunks).decode(), set_cookies, instance)

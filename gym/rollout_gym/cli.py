@@ -1,0 +1,90 @@
+"""`rollout-gym environment|resources`: the two pods of a Gym environment in a RolloutSet
+(docs/gym.md). Settings come from the variables the operator sets (`ROLLOUT_*`, the peers'
+URLs) and these arguments; both serve with the SDK's `DrainingServer` (SIGTERM: unready, control
+plane kept up for `--drain-seconds`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+import uvicorn
+from rollout_protocol import ControlSettings, Role
+from rollout_protocol.serving import DrainingServer
+
+from . import environment, resources
+
+
+def _peers() -> dict[str, str]:
+    found = {}
+    for role in Role:
+        url = os.environ.get(f"ROLLOUT_PEER_{role.value.upper()}_URL")
+        if url:
+            found[role.value] = url.rstrip("/")
+    return found
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="rollout-gym", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("environment", "resources"):
+        p = sub.add_parser(name)
+        p.add_argument("--host", default=os.environ.get("ROLLOUT_POD_IP", "127.0.0.1"))
+        p.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+        p.add_argument("--drain-seconds", type=float, default=20.0)
+    env = sub.choices["environment"]
+    env.add_argument(
+        "--strategy", choices=[s.value for s in environment.Strategy], default="replay"
+    )
+    env.add_argument("--max-steps", type=int, default=16)
+    env.add_argument("--step-timeout-seconds", type=float, default=300.0)
+    env.add_argument("--rebuild-timeout-seconds", type=float, default=60.0)
+    env.add_argument("--snapshot-export", default="/export_session")
+    env.add_argument("--snapshot-import", default="/import_session")
+    env.add_argument("--model-url", help="default: ROLLOUT_PEER_MODEL_URL")
+    env.add_argument("--resources-url", help="default: ROLLOUT_PEER_RESOURCES_URL")
+    res = sub.choices["resources"]
+    res.add_argument(
+        "--server",
+        required=True,
+        help="module:Class of an installed Gym resources server, e.g. "
+        "resources_servers.example_session_state_mgmt.app:StatefulCounterResourcesServer",
+    )
+    res.add_argument("--name", required=True, help="the server's Gym instance name")
+    args = parser.parse_args(argv)
+    peers = _peers()
+
+    if args.command == "environment":
+        model_url = args.model_url or peers.get("model")
+        resources_url = args.resources_url or peers.get("resources")
+        if not model_url or not resources_url:
+            sys.exit("rollout-gym environment: needs the model's and the resources server's URLs")
+        settings = environment.GymSettings(
+            model_url=model_url,
+            resources_url=resources_url,
+            strategy=environment.Strategy(args.strategy),
+            max_steps=args.max_steps,
+            step_timeout_s=args.step_timeout_seconds,
+            rebuild_timeout_s=args.rebuild_timeout_seconds,
+            snapshot_export=args.snapshot_export,
+            snapshot_import=args.snapshot_import,
+            # the tests' negative control only (docs/gym.md): never set it in a real set
+            rebuild=os.environ.get("ROLLOUT_GYM_REBUILD", "on") != "off",
+        )
+        app = environment.build_app(ControlSettings.from_env(Role.ENVIRONMENT), settings)
+    else:
+        gym_app = resources.build_gym_app(args.server, args.name, args.host, args.port, peers)
+        app = resources.build_app(ControlSettings.from_env(Role.RESOURCES), gym_app)
+
+    def drain() -> None:
+        app.state.draining = True
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    DrainingServer(config, on_drain=drain, drain_seconds=args.drain_seconds).run()
+
+
+if __name__ == "__main__":
+    main()

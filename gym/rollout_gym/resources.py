@@ -1,0 +1,130 @@
+"""A released NeMo Gym resources server, hosted as a pod of a RolloutSet without Ray or a head
+server (docs/gym.md, "The resources pod").
+
+Gym starts a server with `run_webserver()`, which starts or joins a Ray cluster and reads its
+config (and every peer's address) from Gym's global config or head server. Here the server class
+comes from the installed package and is constructed as `run_webserver` would, with its own
+config (name, host, port) and a Gym global config built from the operator's peer addresses
+(`ROLLOUT_PEER_<ROLE>_URL`), so a Gym server that calls another (a judge model) reaches it by
+Gym's own `server_client`. Its app is Gym's, with Gym's session, liveness and exception
+middleware and error handlers; nothing of its code changes. (A mounted app's lifespan does not
+run: a Gym server that sets itself up in a lifespan is not hosted by this module yet.)
+
+The pod also answers the operator's control calls: a participant with no episodes of its own
+(the environment records each session's calls and rebuilds them; `rollout_gym.environment`),
+which parks at once and records nothing, so checkpoints and restores include the pod.
+"""
+
+from __future__ import annotations
+
+import importlib
+import uuid
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from fastapi import FastAPI, Query, Request, Response
+from rollout_protocol import (
+    ControlPlane,
+    ControlSettings,
+    EpisodeRuntime,
+    ErrorCode,
+    ProtocolError,
+    Role,
+    RuntimeParticipant,
+    StepCounters,
+)
+
+INSTANCE_HEADER = "X-Rollout-Gym-Instance"
+"""Names the hosting process on every answer (a new value after any restart)."""
+MODEL_SERVER_NAME = "policy_model"
+"""The name Gym configs give the policy model (`model_server: {name: policy_model}`)."""
+
+
+def server_class(entry: str) -> Any:
+    """`module:Class` of an installed Gym resources server, e.g.
+    `resources_servers.example_session_state_mgmt.app:StatefulCounterResourcesServer`."""
+    module_name, _, class_name = entry.partition(":")
+    if not class_name:
+        raise ValueError(f"{entry!r}: expected module:Class")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def _host_port(url: str) -> dict[str, Any]:
+    parts = urlsplit(url)
+    return {"host": parts.hostname or "127.0.0.1", "port": parts.port or 80}
+
+
+def gym_global_config(
+    name: str, host: str, port: int, peers: Mapping[str, str], model_name: str = MODEL_SERVER_NAME
+) -> dict[str, Any]:
+    """Gym's global config as its `ServerClient` reads it (three levels: instance name, server
+    type, implementation), from the operator's peer addresses instead of a head server."""
+    config: dict[str, Any] = {
+        name: {
+            "resources_servers": {"hosted": {"host": host, "port": port, "entrypoint": "app.py"}}
+        }
+    }
+    if "model" in peers:
+        config[model_name] = {
+            "responses_api_models": {"rollout_model": {**_host_port(peers["model"])}}
+        }
+    return config
+
+
+def build_gym_app(entry: str, name: str, host: str, port: int, peers: Mapping[str, str]) -> Any:
+    """The Gym server's own app, set up as `run_webserver` sets it up, less Ray."""
+    from nemo_gym.config_types import BaseServerConfig
+    from nemo_gym.server_utils import ServerClient
+    from omegaconf import OmegaConf
+
+    cls = server_class(entry)
+    config_cls = cls.model_fields["config"].annotation
+    config = config_cls.model_validate(
+        {"name": name, "host": host, "port": port, "entrypoint": "app.py"}
+    )
+    client = ServerClient(
+        head_server_config=BaseServerConfig(host=host, port=port),
+        global_config_dict=OmegaConf.create(gym_global_config(name, host, port, peers)),
+    )
+    server = cls(config=config, server_client=client)
+    app = server.setup_webserver()
+    server.setup_liveness(app)
+    server.setup_exception_middleware(app)
+    return app
+
+
+def build_app(settings: ControlSettings, gym_app: Any) -> FastAPI:
+    """The pod's app: the control plane, `/stats` and `/healthz` in an app of their own, and
+    every other path handed to the Gym app, mounted at the root with its own middleware and
+    error handlers (its 422 bodies are tool outputs a model reads: they stay Gym's)."""
+    counters = StepCounters(Role.RESOURCES)
+    runtime = EpisodeRuntime(observer=counters.observe)
+    participant = RuntimeParticipant(Role.RESOURCES, runtime, work_counter=None)
+    plane = ControlPlane(participant, settings)
+    app = FastAPI()
+    app.state.draining = False
+
+    @app.get("/stats", include_in_schema=False)
+    async def stats(rollout_id: list[str] | None = Query(default=None)) -> dict[str, Any]:  # noqa: B008
+        return counters.snapshot(rollout_id, detail=False)
+
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz() -> dict[str, str]:
+        if app.state.draining:
+            raise ProtocolError(ErrorCode.ADMISSION_CLOSED, "draining")
+        return {"status": "ok"}
+
+    instance = uuid.uuid4().hex
+
+    @app.middleware("http")
+    async def name_instance(request: Request, call_next: Any) -> Response:
+        # every answer, the Gym app's included, names this process: the environment tells a
+        # restarted server (whose sessions are empty) from the one that opened a session
+        response: Response = await call_next(request)
+        response.headers[INSTANCE_HEADER] = instance
+        return response
+
+    plane.install(app)
+    app.mount("/", gym_app)
+    return app
