@@ -23,7 +23,7 @@ COPY servers ./servers
 COPY protocol ./protocol
 # pip compiles the bytecode here, so the runtime never needs to write any.
 RUN python -m venv /opt/rollout \
- && /opt/rollout/bin/pip install --no-cache-dir . \
+ && /opt/rollout/bin/pip install --no-cache-dir '.[device-plugin]' \
  && /opt/rollout/bin/pip uninstall --yes pip
 
 # --- runtime: the environment alone, run as an unprivileged user --------------------------------

@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # the container-node tests run whole on one worker (tests/conftest.py).
 TEST_WORKERS ?= 2
 
-.PHONY: help venv gym-venv cluster-binaries kueue-binaries node-packages node-binaries engine image lint test test-unit test-protocol test-e2e test-adversarial demo demo-containers cluster cluster-down crds bench bench-fleet bench-requests clean kind-e2e kind-e2e-down
+.PHONY: kind kind-down kind-packages kind-e2e-docker help venv gym-venv cluster-binaries kueue-binaries node-packages node-binaries engine image lint test test-unit test-protocol test-e2e test-adversarial demo demo-containers cluster cluster-down crds bench bench-fleet bench-requests clean kind-e2e kind-e2e-down
 
 help:
 	@echo "make demo              run the demo on a local devcluster (add DEMO_ARGS=--keep to leave it up)"
@@ -32,6 +32,8 @@ help:
 	@echo "make image             build the project's image from the Dockerfile with buildah (cached per inputs)"
 	@echo "make cluster           start a devcluster in .devcluster/ and print the KUBECONFIG line"
 	@echo "make cluster-down      stop it"
+	@echo "make kind              a kind cluster (1 control plane + KIND_WORKERS=2 workers), the operator by Helm"
+	@echo "make kind-down         remove it, with everything it put on the machine"
 	@echo "make crds              regenerate crds/ from the API models"
 	@echo "make bench             run the benchmarks (printed tables)"
 	@echo "make bench-fleet       one operator, 100 RolloutSets of 16 fleet pods (FLEET_ARGS=...)"
@@ -121,7 +123,7 @@ test-e2e: venv cluster-binaries kueue-binaries node-binaries
 test-adversarial: venv cluster-binaries
 	$(VENV)/bin/pytest -m adversarial $(PYTEST_ARGS)
 
-test: venv cluster-binaries kueue-binaries node-binaries engine image gym-venv lint
+test: venv cluster-binaries kueue-binaries node-binaries engine image gym-venv kind-packages lint
 	$(VENV)/bin/pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 demo: venv cluster-binaries
@@ -159,6 +161,26 @@ bench-requests: venv cluster-binaries
 clean:
 	rm -rf $(VENV) .bin .mypy_cache .ruff_cache .pytest_cache
 
+# --- kind: a multi-node cluster (docs/kind.md) ---
+# Without Docker (these machines): kind on podman in a network namespace of its own, the node
+# image assembled from Debian packages and the binaries above (kind/build-node-image.sh), cached
+# under ~/.cache/rollout-kind. With Docker: kind's standard path (kind/up-docker.sh).
+KIND_DEBS := podman netavark aardvark-dns mmdebstrap runc iproute2
+KIND_WORKERS ?= 2
+export KIND_WORKERS
+
+kind-packages:
+	@missing=""; for pkg in $(KIND_DEBS); do dpkg-query -W -f='$${Status}' $$pkg 2>/dev/null | grep -q 'ok installed' || missing+=" $$pkg"; done; \
+	  if [ -n "$$missing" ]; then echo "[kind] installing Debian packages:$$missing"; \
+	    apt-get install -y -qq --no-install-recommends $$missing >/dev/null || { apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing; }; fi
+
+kind: venv cluster-binaries
+	@if docker info >/dev/null 2>&1 && [ -z "$$KIND_PODMAN" ]; then kind/up-docker.sh; \
+	  else $(MAKE) --no-print-directory node-binaries image kind-packages && kind/up.sh; fi
+
+kind-down:
+	@if [ -e .kind/docker ]; then kind/down-docker.sh; else kind/down.sh; fi
+
 # --- the container suite on a kind cluster (machines with Docker; not run in CI: no Docker here) ---
 # The same tests as on devcluster's container node (tests/containers, harness/providers.py), against a
 # fresh kind cluster: the image is built by `docker build` and loaded with `kind load image-archive`,
@@ -171,7 +193,13 @@ KIND_CLUSTER ?= rollout-e2e
 KIND_KEEP ?=
 KIND_TESTS := tests/containers/test_helm_operator.py tests/containers/test_rolloutset_containers.py
 
+# Without Docker: the multi-node suite (tests/kind) on the podman kind cluster it starts and
+# removes itself (docs/kind.md).
 kind-e2e: venv cluster-binaries
+	@if docker info >/dev/null 2>&1 && [ -z "$$KIND_PODMAN" ]; then $(MAKE) --no-print-directory kind-e2e-docker; \
+	  else $(MAKE) --no-print-directory node-binaries image kind-packages && $(VENV)/bin/pytest -m kind tests/kind $(PYTEST_ARGS); fi
+
+kind-e2e-docker: venv cluster-binaries
 	$(KIND) create cluster --name $(KIND_CLUSTER) --wait 120s
 	$(BIN_LINK)/kubectl --context kind-$(KIND_CLUSTER) patch node $(KIND_CLUSTER)-control-plane \
 	  --subresource=status --type=json -p '[{"op":"add","path":"/status/capacity/nvidia.com~1gpu","value":"8"}]'

@@ -10,6 +10,7 @@ command in the image with buildah in a throwaway storage and a private mount nam
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -18,6 +19,10 @@ from pathlib import Path
 
 from devcluster.errors import DevclusterError
 from devcluster.paths import REPO_ROOT
+
+BUILDAH_CONF = REPO_ROOT / "image" / "containers.conf"
+"""The project's own containers.conf for buildah: runc as the OCI runtime (crun, which buildah
+prefers where podman brought it, refuses these machines' hybrid cgroup layout)."""
 
 
 @dataclass(frozen=True)
@@ -159,4 +164,6 @@ def run_in_image(
             text=True,
             timeout=timeout,
             check=False,
+            # runc, whatever the machine's containers.conf says (image/containers.conf)
+            env={**os.environ, "CONTAINERS_CONF": str(BUILDAH_CONF)},
         )

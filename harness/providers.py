@@ -15,6 +15,11 @@ Two implementations:
   project's CI runs on, so this path is only unit-tested there (the commands it issues, through a
   fake `CommandRunner`); see docs/containers.md.
 
+- `PodmanKindProvider`: the kind cluster `make kind` starts on machines without Docker
+  (`kind/up.sh`: podman inside a network namespace of its own, docs/kind.md), several nodes;
+  the node commands go through `podman exec` in that namespace, and it can stop and start a
+  whole node container (a worker lost, and back). `tests/kind` runs on it.
+
 `provider_from_environment` picks one: `ROLLOUT_E2E_PROVIDER=devcluster` (the default) or `kind`
 with `KIND_CLUSTER` (default `rollout-e2e`).
 """
@@ -234,8 +239,8 @@ class KindProvider:
             _checked(result, f"kubectl {' '.join(args)}")
         return result
 
-    def _node_exec(self, *args: str, timeout: float = 60.0) -> str:
-        argv = [self.docker, "exec", self.node, *args]
+    def _node_exec(self, *args: str, node: str | None = None, timeout: float = 60.0) -> str:
+        argv = [self.docker, "exec", node or self.node, *args]
         return _checked(self.runner(argv, timeout=timeout), " ".join(argv))
 
     def load_project_image(self, inputs: Path) -> ProjectImage:
@@ -272,10 +277,19 @@ class KindProvider:
     def kill_container(
         self, namespace: str, pod: str, container: str | None = None, *, sig: str = "SIGKILL"
     ) -> None:
-        found = self.kubectl("get", "pod", pod, "-n", namespace, "-o", "json")
-        container_id = container_id_of(json.loads(found.stdout), container)
+        found = json.loads(self.kubectl("get", "pod", pod, "-n", namespace, "-o", "json").stdout)
+        container_id = container_id_of(found, container)
+        node = (found.get("spec") or {}).get("nodeName") or self.node  # the pod's own node
         self._node_exec(
-            "ctr", "-n", CONTAINERD_NAMESPACE, "tasks", "kill", "--signal", sig, container_id
+            "ctr",
+            "-n",
+            CONTAINERD_NAMESPACE,
+            "tasks",
+            "kill",
+            "--signal",
+            sig,
+            container_id,
+            node=node,
         )
 
     def make_writable_folder(self, path: Path) -> None:
@@ -296,6 +310,128 @@ class KindProvider:
             "ctr", "-n", CONTAINERD_NAMESPACE, "containers", "ls", "-q", selector
         )
         return [f"container {item}" for item in listed.split()]
+
+
+class PodmanKindProvider(KindProvider):
+    """The kind cluster of `make kind` without Docker (`kind/up.sh`, docs/kind.md): podman in
+    the network namespace `netns`, the kubeconfig `kind/up.sh` wrote (the API server at the
+    control-plane node's address, which this machine reaches through the namespace's link),
+    the project's image built by `image/build.sh` and imported into every node's containerd."""
+
+    def __init__(
+        self,
+        cluster_name: str,
+        workdir: Path,
+        kubeconfig: Path,
+        *,
+        netns: str = "rollout-kind",
+        runner: CommandRunner = run_command,
+        kubectl: str | None = None,
+    ) -> None:
+        super().__init__(cluster_name, workdir, runner=runner, kubectl=kubectl)
+        self._kubeconfig = kubeconfig
+        # kind/env.sh: podman on the cluster's own configuration, never the machine's.
+        conf = Path("/run/rollout-kind/conf")
+        self.netns = netns
+        self.podman = [
+            "nsenter",
+            f"--net=/run/netns/{netns}",
+            "--",
+            "env",
+            f"CONTAINERS_CONF={conf / 'containers.conf'}",
+            f"CONTAINERS_STORAGE_CONF={conf / 'storage.conf'}",
+            f"CONTAINERS_REGISTRIES_CONF={conf / 'registries.conf'}",
+            "podman",
+        ]
+
+    def _node_exec(self, *args: str, node: str | None = None, timeout: float = 60.0) -> str:
+        argv = [*self.podman, "exec", node or self.node, *args]
+        return _checked(self.runner(argv, timeout=timeout), " ".join(argv))
+
+    def nodes(self) -> list[str]:
+        """The cluster's nodes as the API server lists them (the node containers' names)."""
+        listed = self.kubectl("get", "nodes", "-o", "jsonpath={.items[*].metadata.name}")
+        return listed.stdout.split()
+
+    def workers(self) -> list[str]:
+        return [node for node in self.nodes() if node != self.node]
+
+    def load_project_image(self, inputs: Path) -> ProjectImage:
+        image = build_project_image(inputs).image
+        for node in self.nodes():
+            with image.archive.open("rb") as archive:
+                argv = [*self.podman, "exec", "-i", node, "ctr", "-n", CONTAINERD_NAMESPACE]
+                argv += ["images", "import", "--digests", "--snapshotter=overlayfs", "-"]
+                result = subprocess.run(argv, stdin=archive, capture_output=True, timeout=600)
+            if result.returncode != 0:
+                raise DevclusterError(f"image import on {node} failed: {result.stderr.decode()}")
+        return image
+
+    def make_writable_folder(self, path: Path) -> None:
+        for node in self.nodes():
+            self._node_exec("mkdir", "-p", "-m", "1777", str(path), node=node)
+            self._node_exec("chmod", "1777", str(path), node=node)
+
+    def _listed(self, selector: str) -> list[str]:
+        running = set(self.running_nodes())
+        found = []
+        for node in self.nodes():
+            if node in running:
+                argv = ("ctr", "-n", CONTAINERD_NAMESPACE, "containers", "ls", "-q", selector)
+                found += self._node_exec(*argv, node=node).split()
+        return found
+
+    def node_containers(self, namespace: str) -> list[str]:
+        return self._listed(f"labels.{POD_NAMESPACE_LABEL}=={namespace}")
+
+    def leftovers(self, namespace_prefix: str) -> list[str]:
+        listed = self._listed(f'labels."{POD_NAMESPACE_LABEL}"~="^{namespace_prefix}"')
+        return [f"container {item}" for item in listed]
+
+    def running_nodes(self) -> list[str]:
+        """The node containers podman runs now."""
+        argv = [*self.podman, "ps", "--format", "{{.Names}}"]
+        argv += ["--filter", f"label=io.x-k8s.kind.cluster={self.cluster_name}"]
+        return _checked(self.runner(argv), " ".join(argv)).split()
+
+    def kill_node(self, node: str) -> None:
+        """The whole node gone at once: SIGKILL to its container's init, so systemd, the
+        kubelet, containerd and every pod on it die together (a hardware fault, a reclaimed
+        spot machine); the API server hears nothing more from it."""
+        argv = [*self.podman, "kill", "--signal", "KILL", node]
+        _checked(self.runner(argv), " ".join(argv))
+
+    def start_node(self, node: str, timeout: float = 180.0) -> None:
+        """The node container started again (kind's entrypoint, systemd, containerd, kubelet)
+        and Ready. Podman may give it another address: the routes to every node's pod network
+        are then set again, in the nodes and in the cluster's namespace (what kind/up.sh set)."""
+        argv = [*self.podman, "start", node]
+        _checked(self.runner(argv), " ".join(argv))
+        self.kubectl(
+            "wait",
+            "--for=condition=Ready",
+            f"node/{node}",
+            f"--timeout={int(timeout)}s",
+            timeout=timeout + 30,
+        )
+        self.route_pod_networks()
+
+    def route_pod_networks(self) -> None:
+        """Each node's pod CIDR routed through its current address: in every other node, and in
+        the cluster's network namespace (this machine's route to the pods goes through it)."""
+        listed = json.loads(self.kubectl("get", "nodes", "-o", "json").stdout)["items"]
+        routes = {}
+        for item in listed:
+            addresses = item["status"].get("addresses") or []
+            internal = [a["address"] for a in addresses if a["type"] == "InternalIP"]
+            routes[item["metadata"]["name"]] = (item["spec"]["podCIDR"], internal[0])
+        for node in self.running_nodes():
+            for other, (cidr, address) in routes.items():
+                if other != node:
+                    self._node_exec("ip", "route", "replace", cidr, "via", address, node=node)
+        for cidr, address in routes.values():
+            argv = ["ip", "-n", self.netns, "route", "replace", cidr, "via", address]
+            _checked(self.runner(argv), " ".join(argv))
 
 
 def provider_name_from_environment(environ: Mapping[str, str] | None = None) -> ProviderName:

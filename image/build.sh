@@ -28,6 +28,8 @@ if [ -z "${_ROLLOUT_IMAGE_MOUNT_NS:-}" ]; then
   exec env _ROLLOUT_IMAGE_MOUNT_NS=1 unshare --mount --propagation private -- "$0" "$@"
 fi
 
+# buildah on the project's own containers.conf (runc), never the machine's: image/containers.conf.
+export CONTAINERS_CONF="$here/containers.conf"
 IMAGE_NAME="${ROLLOUT_IMAGE_NAME:-docker.io/library/rollout-checkpoint-operator:dev}"
 cache_root="${ROLLOUT_IMAGE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rollout-images}"
 ca_bundle="${ROLLOUT_IMAGE_CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}"

@@ -50,6 +50,7 @@ _MARK_BY_FOLDER = {
     "e2e": pytest.mark.e2e,
     "adversarial": pytest.mark.adversarial,
     "containers": pytest.mark.containers,
+    "kind": pytest.mark.kind,
 }
 
 
@@ -77,7 +78,9 @@ def _scope_of(nodeid: str) -> str:
     """The xdist scheduling unit of a test: the container-node group, a whole module of
     `_WHOLE_MODULES`, else the test itself."""
     path = nodeid.split("::", 1)[0]
-    if path.startswith("tests/containers/") or path in _CONTAINER_NODE_FILES:
+    # tests/kind: its kubelets change the same machine-wide tunables a container node records
+    # and puts back (docs/kind.md), so the two never run at once.
+    if path.startswith(("tests/containers/", "tests/kind/")) or path in _CONTAINER_NODE_FILES:
         return CONTAINER_NODE_GROUP
     if path in _WHOLE_MODULES:
         return path

@@ -15,6 +15,7 @@ from devcluster.errors import DevclusterError
 from harness.providers import (
     IMAGE_NAME,
     KindProvider,
+    PodmanKindProvider,
     container_id_of,
     kind_provider_from_environment,
     provider_name_from_environment,
@@ -194,3 +195,40 @@ def test_a_failed_docker_build_stops_before_loading(tmp_path: Path) -> None:
     with pytest.raises(DevclusterError, match=r"docker build .* no space left on device"):
         kind_provider(tmp_path, runner).load_project_image(Path("/inputs"))
     assert len(runner.calls) == 1
+
+
+def test_on_the_podman_kind_cluster_the_kill_runs_on_the_pods_own_node(tmp_path: Path) -> None:
+    """Several nodes: the SIGKILL goes to the containerd of the node the pod runs on, through
+    `podman exec` inside the cluster's network namespace on the cluster's own podman config."""
+    pod = {
+        "spec": {"nodeName": "rollout-worker2"},
+        "status": {"containerStatuses": [{"name": "main", "containerID": "containerd://abc"}]},
+    }
+    runner = FakeCommandRunner({(KUBECTL,): (0, json.dumps(pod))})
+    provider = PodmanKindProvider(
+        "rollout", tmp_path, tmp_path / "kubeconfig", runner=runner, kubectl=KUBECTL
+    )
+    provider.kill_container("ns", "model-0")
+    assert runner.calls[0] == [
+        KUBECTL,
+        f"--kubeconfig={tmp_path / 'kubeconfig'}",
+        *["get", "pod", "model-0", "-n", "ns", "-o", "json"],
+    ]
+    argv = runner.calls[1]
+    assert argv[:3] == ["nsenter", "--net=/run/netns/rollout-kind", "--"]
+    assert "CONTAINERS_CONF=/run/rollout-kind/conf/containers.conf" in argv
+    podman = argv.index("podman")
+    assert argv[podman:] == [
+        *["podman", "exec", "rollout-worker2"],
+        *["ctr", "-n", "k8s.io", "tasks", "kill", "--signal", "SIGKILL", "abc"],
+    ]
+
+
+def test_a_lost_node_is_its_container_sigkilled(tmp_path: Path) -> None:
+    runner = FakeCommandRunner()
+    provider = PodmanKindProvider(
+        "rollout", tmp_path, tmp_path / "kubeconfig", runner=runner, kubectl=KUBECTL
+    )
+    provider.kill_node("rollout-worker")
+    argv = runner.calls[0]
+    assert argv[argv.index("podman") :] == ["podman", "kill", "--signal", "KILL", "rollout-worker"]

@@ -1,0 +1,127 @@
+"""Fixtures of the multi-node suite (`tests/kind`, marker `kind`): one kind cluster for the module.
+
+- `kind_cluster` (session): `kind/up.sh` (what `make kind` runs without Docker: podman in a
+  network namespace of its own, one control plane and two workers, the device plugin DaemonSet,
+  docs/kind.md) started once, without its cluster-wide operator (each test installs its own by
+  Helm into its namespace); `kind/down.sh` at the end, which fails the session if any container,
+  mount, namespace, link, process or kernel tunable of the cluster is left. With
+  `ROLLOUT_KIND_STATE=DIR` the tests use the cluster `KIND_STATE=DIR KIND_NO_OPERATOR=1 make kind`
+  started there and leave it up.
+- `kind_provider`: the cluster as a `harness.providers.PodmanKindProvider`.
+- `kind_namespace`: a fresh namespace per test, deleted afterwards; pods left on a lost node
+  (their kubelet gone) are deleted by force first, as an administrator does.
+- `shared_storage`: a folder of the host folder every node mounts at `/rollout-shared` (a
+  cluster filesystem, as GPU nodes share one), writable by the image's user: (path on this
+  machine, path in the nodes).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from devcluster.image import ProjectImage, build_project_image
+from devcluster.paths import REPO_ROOT
+from devcluster.testing import namespace_name
+from harness.objects import create_namespace
+from harness.providers import PodmanKindProvider
+
+SHARED_IN_NODE = Path("/rollout-shared")
+UP_TIMEOUT = 1800
+"""A cold `kind/up.sh` builds kind's tools and the node image first (minutes on two cores)."""
+
+
+@pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def kind_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    reuse = os.environ.get("ROLLOUT_KIND_STATE")
+    if reuse:
+        yield Path(reuse)
+        return
+    if Path("/run/netns/rollout-kind").exists() or Path("/run/rollout-kind").exists():
+        pytest.fail(
+            "a kind cluster is up on this machine: `make kind-down` first, or run the suite on "
+            "it with ROLLOUT_KIND_STATE=<its KIND_STATE> (started with KIND_NO_OPERATOR=1)"
+        )
+    state = tmp_path_factory.mktemp("kind")
+    env = {**os.environ, "KIND_STATE": str(state), "KIND_NO_OPERATOR": "1"}
+    up = subprocess.run(
+        [str(REPO_ROOT / "kind" / "up.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=UP_TIMEOUT,
+        check=False,
+    )
+    try:
+        assert up.returncode == 0, f"kind/up.sh failed:\n{up.stderr[-6000:]}"
+        print(up.stderr[-3000:])
+        yield state
+    finally:
+        down = subprocess.run(
+            [str(REPO_ROOT / "kind" / "down.sh")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        assert down.returncode == 0, f"kind/down.sh left something:\n{down.stderr[-4000:]}"
+
+
+@pytest.fixture(scope="session")
+def kind_provider(kind_state: Path, tmp_path_factory: pytest.TempPathFactory) -> PodmanKindProvider:
+    return PodmanKindProvider(
+        os.environ.get("KIND_CLUSTER", "rollout"),
+        tmp_path_factory.mktemp("kind-provider"),
+        kind_state / "kubeconfig",
+    )
+
+
+@pytest.fixture(scope="session")
+def kind_image(kind_provider: PodmanKindProvider) -> ProjectImage:
+    """The project's image `kind/up.sh` loaded on every node (`image/build.sh`'s cache: the
+    checkout's inputs unchanged since, this finds the same build)."""
+    return build_project_image(REPO_ROOT).image
+
+
+@pytest.fixture
+def kind_namespace(
+    kind_provider: PodmanKindProvider, request: pytest.FixtureRequest
+) -> Iterator[str]:
+    name = namespace_name(request.node.name)
+    create_namespace(kind_provider, name)
+    yield name
+    if os.environ.get("ROLLOUT_E2E_KEEP_NAMESPACES"):
+        return
+    kind_provider.kubectl(
+        "delete",
+        "rolloutsets,rolloutcheckpoints",
+        "--all",
+        "-n",
+        name,
+        "--timeout=120s",
+        check=False,
+        timeout=150,
+    )
+    # Pods whose node is gone never finish terminating: deleted by force, as an admin does.
+    kind_provider.kubectl(
+        "delete", "pods", "--all", "-n", name, "--force", "--grace-period=0", check=False
+    )
+    kind_provider.kubectl("delete", "namespace", name, "--timeout=180s", check=False, timeout=200)
+
+
+@pytest.fixture
+def shared_storage(kind_state: Path, kind_namespace: str) -> tuple[Path, Path]:
+    host = kind_state / "shared" / kind_namespace
+    host.mkdir(parents=True)
+    host.chmod(0o1777)
+    return host, SHARED_IN_NODE / kind_namespace

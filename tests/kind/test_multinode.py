@@ -1,0 +1,678 @@
+"""What only several nodes show: the kind cluster of `make kind` (one control plane, two
+workers, each worker with 4 `nvidia.com/gpu` a real kubelet allocates through the device
+plugin), the operator installed by Helm, the example RolloutSet as containers of the image,
+checkpoint records on a host folder every node mounts (docs/kind.md).
+
+- A whole worker lost: the node container SIGKILLed (systemd, kubelet, containerd and every pod
+  on it gone at once). The node controller marks it NotReady, the operator sees the set's pods
+  on a NotReady node (NodeLost), the new attempt's pods are scheduled on the other worker,
+  restored from the checkpoint's records on the shared folder, and the trainer finishes every
+  episode exactly once.
+- `kubectl drain` of the worker running the set: the participants' eviction turns them unready
+  under SIGTERM, the eviction checkpoint is Ready before their grace period ends, the new
+  attempt runs on the other worker (the drained one is cordoned) restored from it, and the
+  trainer finishes every episode exactly once.
+- The operator's own worker lost while a checkpoint prepares (held there by an episode inside
+  the agent's tool call) and the set runs on the other worker: the operator's pod is evicted
+  from the NotReady node, its successor starts on the surviving worker, takes the leader Lease
+  and carries the checkpoint on; once the tool call is let go the checkpoint ends (Ready) and
+  every episode finishes exactly once.
+- Records on storage only the lost worker had (a node-local hostPath): the recovery on the other
+  worker finds the checkpoint's records missing there, marks the checkpoint Ready=False and
+  starts the set fresh under a new attempt instead of waiting for the node, and the trainer
+  still finishes every episode exactly once (the lost turns are run again).
+- GPUs a kubelet allocates: with one worker's 4 devices taken, the set's model lands on the
+  other and holds that node's device ids in its environment; a set whose model asks for more
+  devices than any node has is not Ready and says why (the scheduler's words, in its Ready
+  condition).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
+from rollout_servers.discovery import rollout_set_topology
+from testsupport.operator_fixtures import (
+    HOLD_IN_TOOL_ARGS,
+    Debug,
+    participants_by_role,
+    phases,
+    wait_phase,
+)
+
+from devcluster.image import ProjectImage
+from devcluster.waiting import wait_for_sync
+from harness.helm import RELEASE, helm, helm_install_operator
+from harness.objects import example_checkpoint, example_set
+from harness.providers import PodmanKindProvider
+
+pytestmark = pytest.mark.timeout(900)
+
+SET = "math-rl"
+EPISODES = 32
+CONCURRENCY = 8
+HOSTNAME = "kubernetes.io/hostname"
+HELD_EPISODES = 4
+
+
+def get_json(cluster: PodmanKindProvider, *args: str) -> dict[str, Any]:
+    result: dict[str, Any] = json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
+    return result
+
+
+def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    for item in (obj.get("status") or {}).get("conditions") or []:
+        if item["type"] == type_:
+            return dict(item)
+    return {}
+
+
+def collected(out: Path) -> list[dict[str, Any]]:
+    if not out.exists():
+        return []
+    return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+
+
+def apply(cluster: PodmanKindProvider, namespace: str, obj: dict[str, Any]) -> None:
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj))
+
+
+def preferring(obj: dict[str, Any], node: str) -> dict[str, Any]:
+    """The set with every participant preferring `node` (only preferring: when it is lost, the
+    scheduler places the next attempt elsewhere)."""
+    for participant in obj["spec"]["participants"]:
+        participant["template"]["spec"]["affinity"] = {
+            "nodeAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "weight": 100,
+                        "preference": {
+                            "matchExpressions": [
+                                {"key": HOSTNAME, "operator": "In", "values": [node]}
+                            ]
+                        },
+                    }
+                ]
+            }
+        }
+    return obj
+
+
+def set_pods(cluster: PodmanKindProvider, namespace: str, attempt: int) -> dict[str, str]:
+    """role -> node of the set's pods of `attempt`."""
+    pods = get_json(
+        cluster,
+        "pods",
+        "-n",
+        namespace,
+        "-l",
+        f"checkpoint.rollout.dev/set={SET},checkpoint.rollout.dev/attempt={attempt}",
+    )["items"]
+    return {
+        p["metadata"]["labels"]["checkpoint.rollout.dev/role"]: p["spec"].get("nodeName", "")
+        for p in pods
+    }
+
+
+@pytest.fixture
+def operator_on(
+    kind_provider: PodmanKindProvider, kind_namespace: str, kind_image: ProjectImage
+) -> Iterator[str]:
+    """The operator installed by Helm into the test's namespace, pinned to the first worker
+    (the chart's nodeSelector); yields that worker's name."""
+    node = kind_provider.workers()[0]
+    result = helm_install_operator(
+        kind_provider, kind_namespace, kind_image, f"nodeSelector.kubernetes\\.io/hostname={node}"
+    )
+    assert result.returncode == 0, result.stderr
+    try:
+        yield node
+    finally:
+        diagnostics = kind_provider.kubectl(
+            "logs",
+            "-n",
+            kind_namespace,
+            "-l",
+            "app.kubernetes.io/name=rollout-operator",
+            "--tail=80",
+            check=False,
+        )
+        print(diagnostics.stdout)
+        kind_provider.kubectl(
+            "delete",
+            "rolloutset",
+            "--all",
+            "-n",
+            kind_namespace,
+            "--timeout=120s",
+            check=False,
+            timeout=150,
+        )
+        helm(kind_provider, "uninstall", RELEASE, "--namespace", kind_namespace)
+
+
+@pytest.fixture
+def lost_worker(kind_provider: PodmanKindProvider) -> Iterator[str]:
+    """The second worker, started again after the test if it lost it (its routes set again,
+    Ready before the next test) and uncordoned if it was drained."""
+    node = kind_provider.workers()[1]
+    yield node
+    kind_provider.kubectl("uncordon", node)
+    if node not in kind_provider.running_nodes():
+        kind_provider.start_node(node)
+
+
+def test_a_whole_worker_lost_moves_the_set_to_the_other_worker_from_shared_records(
+    kind_provider: PodmanKindProvider,
+    kind_namespace: str,
+    operator_on: str,
+    lost_worker: str,
+    shared_storage: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    cluster, namespace = kind_provider, kind_namespace
+    host_records, node_records = shared_storage
+    apply(cluster, namespace, preferring(example_set(node_records), lost_worker))
+    wait_for_sync(
+        lambda: (
+            condition(get_json(cluster, "rolloutset", SET, "-n", namespace), "Ready").get("status")
+            == "True"
+        ),
+        300,
+        "the RolloutSet Ready at attempt 1",
+    )
+    placed = set_pods(cluster, namespace, 1)
+    assert sorted(placed) == ["agent", "environment", "model", "resources"]
+    assert set(placed.values()) == {lost_worker}, placed
+
+    out = tmp_path / "episodes.jsonl"
+    collect = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "rollout-collect"),
+            "--rollout-set",
+            SET,
+            "--namespace",
+            namespace,
+            "--tasks",
+            str(EPISODES),
+            "--concurrency",
+            str(CONCURRENCY),
+            "--seed",
+            "11",
+            "--out",
+            str(out),
+            "--progress-interval",
+            "2",
+        ],
+        env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    recovering: list[dict[str, Any]] = []
+    try:
+        wait_for_sync(lambda: len(collected(out)) >= 1, 180, "the first finished episode")
+        name = "before-worker-loss"
+        apply(cluster, namespace, example_checkpoint(name))
+        wait_for_sync(
+            lambda: (
+                condition(
+                    get_json(cluster, "rolloutcheckpoint", name, "-n", namespace), "Ready"
+                ).get("status")
+                == "True"
+            ),
+            180,
+            f"the RolloutCheckpoint {name} Ready",
+        )
+        # The records are on the folder every node mounts, so on this machine too.
+        assert any(host_records.rglob("*")), list(host_records.iterdir())
+        assert len(collected(out)) < EPISODES, "every episode finished before the loss"
+
+        cluster.kill_node(lost_worker)
+
+        def recovered() -> bool:
+            obj = get_json(cluster, "rolloutset", SET, "-n", namespace)
+            if condition(obj, "Recovering").get("status") == "True":
+                recovering.append(obj)
+            status = obj.get("status") or {}
+            return (
+                (status.get("attempt") or 1) > 1
+                and condition(obj, "Ready").get("status") == "True"
+                and status.get("latestCheckpoint") == name
+            )
+
+        wait_for_sync(recovered, 420, "the RolloutSet Ready under a new attempt from " + name)
+        output, _ = collect.communicate(timeout=600)
+        assert collect.returncode == 0, output[-4000:]
+    finally:
+        if collect.poll() is None:
+            collect.kill()
+            collect.wait()
+
+    obj = get_json(cluster, "rolloutset", SET, "-n", namespace)
+    attempt = obj["status"]["attempt"]
+    node = get_json(cluster, "node", lost_worker)
+    assert condition(node, "Ready").get("status") != "True", "the lost worker is Ready"
+    assert recovering, "the set was never seen Recovering"
+    loss = recovering[0]["status"].get("recovery") or {}
+    assert loss.get("reason") == "NodeLost", loss
+    assert lost_worker in loss.get("message", ""), loss
+    # Every participant of the new attempt runs on the surviving worker, the model with a GPU
+    # the surviving kubelet allocated.
+    now = set_pods(cluster, namespace, attempt)
+    assert set(now.values()) == {operator_on}, now
+    done = collected(out)
+    ids = [item["rollout_id"] for item in done]
+    assert len(ids) == EPISODES, output[-2000:]
+    assert len(set(ids)) == EPISODES, "an episode finished twice"
+    # Restored from that checkpoint (whether any of its episodes is still unfinished at the kill,
+    # and so continues under the new attempt, depends on timing: they resume after the commit).
+    restored = condition(obj, "Recovering")
+    assert restored.get("reason") == "Restored", restored
+    assert f"restored checkpoint {name}" in restored.get("message", ""), restored
+    assert {item["attempt"] for item in done} >= {attempt}, done
+
+
+def start_collecting(
+    cluster: PodmanKindProvider, namespace: str, out: Path
+) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "rollout-collect"),
+            "--rollout-set",
+            SET,
+            "--namespace",
+            namespace,
+            "--tasks",
+            str(EPISODES),
+            "--concurrency",
+            str(CONCURRENCY),
+            "--seed",
+            "13",
+            "--out",
+            str(out),
+            "--progress-interval",
+            "2",
+        ],
+        env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def set_ready(cluster: PodmanKindProvider, namespace: str) -> bool:
+    obj = get_json(cluster, "rolloutset", SET, "-n", namespace)
+    return condition(obj, "Ready").get("status") == "True"
+
+
+def test_a_drained_worker_checkpoints_its_set_before_the_pods_go_and_the_set_moves(
+    kind_provider: PodmanKindProvider,
+    kind_namespace: str,
+    operator_on: str,
+    lost_worker: str,
+    shared_storage: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    cluster, namespace = kind_provider, kind_namespace
+    _, node_records = shared_storage
+    apply(cluster, namespace, preferring(example_set(node_records), lost_worker))
+    wait_for_sync(lambda: set_ready(cluster, namespace), 300, "the RolloutSet Ready")
+    assert set(set_pods(cluster, namespace, 1).values()) == {lost_worker}
+
+    out = tmp_path / "episodes.jsonl"
+    collect = start_collecting(cluster, namespace, out)
+    drain: subprocess.Popen[str] | None = None
+    try:
+        wait_for_sync(lambda: len(collected(out)) >= 1, 180, "the first finished episode")
+        drain = subprocess.Popen(
+            [
+                cluster.kubectl_binary,
+                f"--kubeconfig={cluster.kubeconfig}",
+                "drain",
+                lost_worker,
+                "--ignore-daemonsets",
+                "--delete-emptydir-data",
+                "--timeout=240s",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        name = f"{SET}-evict-a1"
+        killed_at: list[str] = []
+
+        def evict_checkpoint_ready() -> bool:
+            # When the evicted model pod is to be killed: its deletionTimestamp (the eviction's
+            # time plus the grace period), read while it terminates.
+            pod = cluster.kubectl(
+                "get", "pod", "math-rl-model-0-a1", "-n", namespace, "-o", "json", check=False
+            )
+            if pod.returncode == 0 and not killed_at:
+                stamp = json.loads(pod.stdout)["metadata"].get("deletionTimestamp")
+                killed_at.extend([stamp] if stamp else [])
+            found = cluster.kubectl(
+                "get", "rolloutcheckpoint", name, "-n", namespace, "-o", "json", check=False
+            )
+            ready = condition(json.loads(found.stdout or "{}"), "Ready").get("status")
+            return ready == "True" and bool(killed_at)
+
+        wait_for_sync(evict_checkpoint_ready, 180, f"the eviction checkpoint {name} Ready")
+        ckpt = get_json(cluster, "rolloutcheckpoint", name, "-n", namespace)
+
+        def moved() -> bool:
+            obj = get_json(cluster, "rolloutset", SET, "-n", namespace)
+            status = obj.get("status") or {}
+            return (
+                (status.get("attempt") or 1) > 1
+                and condition(obj, "Ready").get("status") == "True"
+                and status.get("latestCheckpoint") == name
+            )
+
+        wait_for_sync(moved, 300, f"the RolloutSet Ready under a new attempt from {name}")
+        drained, _ = drain.communicate(timeout=300)
+        assert drain.returncode == 0, drained
+        output, _ = collect.communicate(timeout=600)
+        assert collect.returncode == 0, output[-4000:]
+    finally:
+        for process in (collect, drain):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+
+    # The eviction checkpoint was taken from the drained pods while their grace period ran
+    # (they were evicted, not lost: no NodeLost recovery), and the new attempt runs whole on
+    # the other worker.
+    assert ckpt["status"].get("phase") == "Ready", ckpt["status"]
+    assert ckpt["spec"]["trigger"] == "Eviction", ckpt["spec"]
+    ready_at = condition(ckpt, "Ready")["lastTransitionTime"]
+    assert ready_at <= killed_at[0], (ready_at, killed_at)  # RFC 3339 UTC strings compare
+    attempt = get_json(cluster, "rolloutset", SET, "-n", namespace)["status"]["attempt"]
+    assert set(set_pods(cluster, namespace, attempt).values()) == {operator_on}
+    done = collected(out)
+    ids = [item["rollout_id"] for item in done]
+    assert len(ids) == EPISODES, output[-2000:]
+    assert len(set(ids)) == EPISODES, "an episode finished twice"
+    # (The eviction checkpoint's episodes may finish on the drained pods during their grace
+    # period, so whether any continues under the new attempt depends on timing.)
+
+
+def test_model_pods_land_where_devices_are_free_and_a_set_asking_too_many_says_so(
+    kind_provider: PodmanKindProvider,
+    kind_namespace: str,
+    operator_on: str,
+    lost_worker: str,
+    shared_storage: tuple[Path, Path],
+) -> None:
+    cluster, namespace = kind_provider, kind_namespace
+    _, node_records = shared_storage
+    # Every device of the operator's worker taken by a pod of its own.
+    holder = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "gpu-holder"},
+        "spec": {
+            "nodeSelector": {HOSTNAME: operator_on},
+            "terminationGracePeriodSeconds": 0,
+            "containers": [
+                {
+                    "name": "hold",
+                    "image": "rollout-checkpoint-operator:dev",
+                    "imagePullPolicy": "Never",
+                    "command": ["sleep", "3600"],
+                    "resources": {"limits": {"nvidia.com/gpu": 4}},
+                }
+            ],
+        },
+    }
+    apply(cluster, namespace, holder)
+    cluster.kubectl(
+        "wait",
+        "--for=condition=Ready",
+        "pod/gpu-holder",
+        "-n",
+        namespace,
+        "--timeout=120s",
+        timeout=150,
+    )
+    # The set prefers the full worker; its model can only go where devices are free.
+    apply(cluster, namespace, preferring(example_set(node_records), operator_on))
+    wait_for_sync(lambda: set_ready(cluster, namespace), 300, "the RolloutSet Ready")
+    placed = set_pods(cluster, namespace, 1)
+    assert placed["model"] == lost_worker, placed
+    visible = cluster.kubectl(
+        "exec", "-n", namespace, "math-rl-model-0-a1", "--", "printenv", "NVIDIA_VISIBLE_DEVICES"
+    ).stdout.strip()
+    assert visible.startswith(f"{lost_worker}-gpu"), visible
+    assert "," not in visible, visible
+
+    # A second set whose model asks for more devices than any node has.
+    greedy = example_set(node_records, name="too-many-gpus")
+    for participant in greedy["spec"]["participants"]:
+        if participant["role"] == "model":
+            limits = participant["template"]["spec"]["containers"][0]["resources"]["limits"]
+            limits["nvidia.com/gpu"] = 5
+    apply(cluster, namespace, greedy)
+
+    def says_why() -> bool:
+        obj = get_json(cluster, "rolloutset", "too-many-gpus", "-n", namespace)
+        ready = condition(obj, "Ready")
+        return ready.get("status") == "False" and "nvidia.com/gpu" in ready.get("message", "")
+
+    wait_for_sync(says_why, 120, "the greedy set not Ready, naming nvidia.com/gpu")
+    ready = condition(get_json(cluster, "rolloutset", "too-many-gpus", "-n", namespace), "Ready")
+    assert "Insufficient nvidia.com/gpu" in ready["message"], ready
+    assert "too-many-gpus-model-0-a1" in ready["message"], ready
+
+
+def operator_pods(cluster: PodmanKindProvider, namespace: str) -> list[dict[str, Any]]:
+    listed = get_json(
+        cluster, "pods", "-n", namespace, "-l", "app.kubernetes.io/name=rollout-operator"
+    )
+    return list(listed["items"])
+
+
+def preferring_values(node: str) -> list[str]:
+    """Helm values: the operator prefers `node`, and leaves a NotReady or unreachable node 5 s
+    after it is tainted (the admission default is 300 s), so its successor starts soon."""
+    term = "affinity.nodeAffinity.preferredDuringSchedulingIgnoredDuringExecution[0]"
+    values = [
+        f"{term}.weight=100",
+        f"{term}.preference.matchExpressions[0].key={HOSTNAME}",
+        f"{term}.preference.matchExpressions[0].operator=In",
+        f"{term}.preference.matchExpressions[0].values[0]={node}",
+    ]
+    for index, key in enumerate(("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")):
+        values += [
+            f"tolerations[{index}].key={key}",
+            f"tolerations[{index}].operator=Exists",
+            f"tolerations[{index}].effect=NoExecute",
+            f"tolerations[{index}].tolerationSeconds=5",
+        ]
+    return values
+
+
+async def test_the_operators_worker_lost_while_a_checkpoint_prepares_its_successor_ends_it(
+    kind_provider: PodmanKindProvider,
+    kind_namespace: str,
+    kind_image: ProjectImage,
+    lost_worker: str,
+    shared_storage: tuple[Path, Path],
+) -> None:
+    cluster, namespace = kind_provider, kind_namespace
+    _, node_records = shared_storage
+    [set_worker] = [w for w in cluster.workers() if w != lost_worker]
+    installed = helm_install_operator(
+        cluster, namespace, kind_image, *preferring_values(lost_worker)
+    )
+    assert installed.returncode == 0, installed.stderr
+    try:
+        [before] = operator_pods(cluster, namespace)
+        assert before["spec"]["nodeName"] == lost_worker
+        apply(
+            cluster,
+            namespace,
+            preferring(example_set(node_records, extra_args=HOLD_IN_TOOL_ARGS), set_worker),
+        )
+        await anyio.to_thread.run_sync(
+            lambda: wait_for_sync(lambda: set_ready(cluster, namespace), 300, "the set Ready")
+        )
+        rset = get_json(cluster, "rolloutset", SET, "-n", namespace)
+        assert set(set_pods(cluster, namespace, 1).values()) == {set_worker}
+        agent = participants_by_role(rset)["agent"][0]["address"]
+        specs = episode_specs(HELD_EPISODES, 41, prefix="opnode")
+        outcomes: list[EpisodeResult | EpisodeFailed] = []
+        async with (
+            httpx.AsyncClient() as http,
+            rollout_set_topology(SET, namespace, kubeconfig=cluster.kubeconfig) as topology,
+            anyio.create_task_group() as group,
+        ):
+            hooks = Debug(http, agent)
+            await hooks.arm("tool", specs[0].rollout_id)
+            client = RolloutClient(
+                topology, concurrency=HELD_EPISODES, restore_timeout_s=180, run_timeout_s=600
+            )
+
+            async def run() -> None:
+                outcomes.extend(await client.run_all(specs))
+
+            group.start_soon(run)
+            await hooks.paused("tool", specs[0].rollout_id, limit_s=120)
+            name = "during-operator-loss"
+            apply(cluster, namespace, example_checkpoint(name))
+            await wait_phase(http, agent, "preparing", "the agent to be preparing", limit_s=60)
+
+            cluster.kill_node(lost_worker)
+
+            def successor_ready() -> bool:
+                return any(
+                    p["metadata"]["name"] != before["metadata"]["name"]
+                    and p["spec"].get("nodeName") == set_worker
+                    and condition(p, "Ready").get("status") == "True"
+                    for p in operator_pods(cluster, namespace)
+                )
+
+            await anyio.to_thread.run_sync(
+                lambda: wait_for_sync(
+                    successor_ready, 240, f"a new operator pod Ready on {set_worker}"
+                )
+            )
+            phase = get_json(cluster, "rolloutcheckpoint", name, "-n", namespace)["status"]
+            assert phase.get("phase") == "Preparing", phase  # a lost operator is not an abort
+
+            assert await hooks.release("tool", specs[0].rollout_id) == 1
+
+            def ended() -> bool:
+                status = get_json(cluster, "rolloutcheckpoint", name, "-n", namespace)["status"]
+                return status.get("phase") in ("Ready", "Failed")
+
+            await anyio.to_thread.run_sync(
+                lambda: wait_for_sync(ended, 180, f"{name} Ready or Failed under the successor")
+            )
+            ckpt = get_json(cluster, "rolloutcheckpoint", name, "-n", namespace)
+            assert condition(ckpt, "Ready").get("status") == "True", ckpt["status"]
+            assert set((await phases(http, rset)).values()) == {"idle"}
+        failed = [o for o in outcomes if isinstance(o, EpisodeFailed)]
+        assert not failed, failed
+        ids = [o.rollout_id for o in outcomes]
+        assert sorted(ids) == sorted(s.rollout_id for s in specs), ids
+    finally:
+        print(
+            cluster.kubectl(
+                "logs",
+                "-n",
+                namespace,
+                "-l",
+                "app.kubernetes.io/name=rollout-operator",
+                "--tail=60",
+                check=False,
+            ).stdout
+        )
+        cluster.kubectl(
+            "delete",
+            "rolloutset",
+            "--all",
+            "-n",
+            namespace,
+            "--timeout=120s",
+            check=False,
+            timeout=150,
+        )
+        helm(cluster, "uninstall", RELEASE, "--namespace", namespace)
+
+
+def test_records_only_the_lost_worker_had_are_given_up_and_the_set_starts_fresh(
+    kind_provider: PodmanKindProvider,
+    kind_namespace: str,
+    operator_on: str,
+    lost_worker: str,
+    tmp_path: Path,
+) -> None:
+    cluster, namespace = kind_provider, kind_namespace
+    # A folder of each node's own /var (the node container's volume): what one node writes
+    # there, no other node sees.
+    node_local = Path("/var/lib/rollout-node-records") / namespace
+    cluster.make_writable_folder(node_local)
+    apply(cluster, namespace, preferring(example_set(node_local), lost_worker))
+    wait_for_sync(lambda: set_ready(cluster, namespace), 300, "the RolloutSet Ready")
+    assert set(set_pods(cluster, namespace, 1).values()) == {lost_worker}
+
+    out = tmp_path / "episodes.jsonl"
+    collect = start_collecting(cluster, namespace, out)
+    name = "local-only"
+    try:
+        wait_for_sync(lambda: len(collected(out)) >= 1, 180, "the first finished episode")
+        apply(cluster, namespace, example_checkpoint(name))
+        wait_for_sync(
+            lambda: (
+                condition(
+                    get_json(cluster, "rolloutcheckpoint", name, "-n", namespace), "Ready"
+                ).get("status")
+                == "True"
+            ),
+            180,
+            f"the RolloutCheckpoint {name} Ready",
+        )
+        cluster.kill_node(lost_worker)
+
+        def recovered() -> bool:
+            obj = get_json(cluster, "rolloutset", SET, "-n", namespace)
+            status = obj.get("status") or {}
+            return (status.get("attempt") or 1) > 1 and condition(obj, "Ready").get(
+                "status"
+            ) == "True"
+
+        wait_for_sync(recovered, 420, "the RolloutSet Ready again under a new attempt")
+        output, _ = collect.communicate(timeout=600)
+        assert collect.returncode == 0, output[-4000:]
+    finally:
+        if collect.poll() is None:
+            collect.kill()
+            collect.wait()
+
+    events = get_json(cluster, "events", "-n", namespace)["items"]
+    said = [(e.get("reason"), e.get("message", "")) for e in events]
+    print("\n".join(f"{reason}: {message}" for reason, message in said))
+    ckpt = get_json(cluster, "rolloutcheckpoint", name, "-n", namespace)
+    ready = condition(ckpt, "Ready")
+    assert ready.get("status") == "False", (ckpt["status"], said)
+    assert ready.get("reason") == "RecordsInvalid", ready
+    assert any(name in message for _, message in said), said
+    obj = get_json(cluster, "rolloutset", SET, "-n", namespace)
+    attempt = obj["status"]["attempt"]
+    assert set(set_pods(cluster, namespace, attempt).values()) == {operator_on}
+    done = collected(out)
+    ids = [item["rollout_id"] for item in done]
+    assert len(ids) == EPISODES, output[-2000:]
+    assert len(set(ids)) == EPISODES, "an episode finished twice"
+    assert not any(item["continued"] for item in done if item["attempt"] == attempt), done
