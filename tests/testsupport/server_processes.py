@@ -42,6 +42,11 @@ SERVER = [str(Path(sys.executable).with_name("rollout-server"))]
 """The console script, as an operator's pod would run it."""
 
 
+PORT_TRIES = 3
+"""How many ports `ServerProcess.start` tries when the one it picked was taken before the bind."""
+_PORT_TAKEN = "address already in use"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -94,7 +99,21 @@ class Cluster:
         ]
 
     def start(self, attempt: int) -> None:
-        """Start fresh processes of every role under `attempt` and wait until all listen."""
+        """Start fresh processes of every role under `attempt` and wait until all listen.
+
+        A port picked free may be taken before its server binds it (another process of the run
+        picked it too). On the first start every role gets a fresh port and all start again,
+        `PORT_TRIES` times at most; a restart keeps its ports (the test holds their URLs)."""
+        for tries_left in reversed(range(PORT_TRIES if not self.pids else 1)):
+            try:
+                self._start(attempt)
+                return
+            except RuntimeError as error:
+                if not tries_left or _PORT_TAKEN not in str(error):
+                    raise
+                self.ports = {role: free_port() for role in Role}
+
+    def _start(self, attempt: int) -> None:
         if self.processes:
             raise RuntimeError("stop or kill the running processes first")
         self.attempt = attempt
@@ -187,25 +206,33 @@ class ServerProcess:
         env: Mapping[str, str] | None = None,
         ready_timeout_s: float = READY_TIMEOUT_S,
     ) -> ServerProcess:
-        """Start `rollout-server <role> *args` with a pod's environment (and `env` over it)."""
-        port = free_port()
+        """Start `rollout-server <role> *args` with a pod's environment (and `env` over it).
+
+        The port is free when picked but may be taken before the server binds it (another
+        process of the run picked it too): a server that exits saying so is started again on
+        another port, `PORT_TRIES` times at most."""
         root.mkdir(parents=True, exist_ok=True)
-        log = root / f"{role.value}-{port}.log"
-        with log.open("ab") as stderr:
-            process = subprocess.Popen(
-                [*SERVER, role.value, "--port", str(port), "--log-level", "warning", *args],
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                env={**server_env(root / "checkpoints", attempt), **(env or {})},
-                start_new_session=True,
-            )
-        try:
-            _wait_ready(role, process, time.monotonic() + ready_timeout_s, log)
-        except BaseException:
-            _signal_group(process, signal.SIGKILL)
-            process.wait(timeout=STOP_TIMEOUT_S)
-            raise
-        return cls(role, port, process)
+        for tries_left in reversed(range(PORT_TRIES)):
+            port = free_port()
+            log = root / f"{role.value}-{port}.log"
+            with log.open("ab") as stderr:
+                process = subprocess.Popen(
+                    [*SERVER, role.value, "--port", str(port), "--log-level", "warning", *args],
+                    stdout=subprocess.PIPE,
+                    stderr=stderr,
+                    env={**server_env(root / "checkpoints", attempt), **(env or {})},
+                    start_new_session=True,
+                )
+            try:
+                _wait_ready(role, process, time.monotonic() + ready_timeout_s, log)
+            except BaseException as error:
+                _signal_group(process, signal.SIGKILL)
+                process.wait(timeout=STOP_TIMEOUT_S)
+                if tries_left and isinstance(error, RuntimeError) and _PORT_TAKEN in str(error):
+                    continue
+                raise
+            return cls(role, port, process)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def wait_event(self, event: str, limit_s: float = 10.0) -> None:
         """Block until the process prints `{"event": <event>}` on stdout (or fail at the limit)."""
