@@ -183,42 +183,13 @@ def test_a_whole_worker_lost_moves_the_set_to_the_other_worker_from_shared_recor
     cluster, namespace = kind_provider, kind_namespace
     host_records, node_records = shared_storage
     apply(cluster, namespace, preferring(example_set(node_records), lost_worker))
-    wait_for_sync(
-        lambda: (
-            condition(get_json(cluster, "rolloutset", SET, "-n", namespace), "Ready").get("status")
-            == "True"
-        ),
-        300,
-        "the RolloutSet Ready at attempt 1",
-    )
+    wait_for_sync(lambda: set_ready(cluster, namespace), 300, "the RolloutSet Ready at attempt 1")
     placed = set_pods(cluster, namespace, 1)
     assert sorted(placed) == ["agent", "environment", "model", "resources"]
     assert set(placed.values()) == {lost_worker}, placed
 
     out = tmp_path / "episodes.jsonl"
-    collect = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "rollout-collect"),
-            "--rollout-set",
-            SET,
-            "--namespace",
-            namespace,
-            "--tasks",
-            str(EPISODES),
-            "--concurrency",
-            str(CONCURRENCY),
-            "--seed",
-            "11",
-            "--out",
-            str(out),
-            "--progress-interval",
-            "2",
-        ],
-        env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    collect = start_collecting(cluster, namespace, out, seed=11)
     recovering: list[dict[str, Any]] = []
     try:
         wait_for_sync(lambda: len(collected(out)) >= 1, 180, "the first finished episode")
@@ -284,8 +255,9 @@ def test_a_whole_worker_lost_moves_the_set_to_the_other_worker_from_shared_recor
 
 
 def start_collecting(
-    cluster: PodmanKindProvider, namespace: str, out: Path
+    cluster: PodmanKindProvider, namespace: str, out: Path, *, seed: int = 13
 ) -> subprocess.Popen[str]:
+    """`rollout-collect` of EPISODES tasks from the set, writing results to `out`."""
     return subprocess.Popen(
         [
             str(Path(sys.executable).parent / "rollout-collect"),
@@ -298,7 +270,7 @@ def start_collecting(
             "--concurrency",
             str(CONCURRENCY),
             "--seed",
-            "13",
+            str(seed),
             "--out",
             str(out),
             "--progress-interval",
