@@ -497,6 +497,14 @@ class CheckpointPolicy(ApiModel):
         description="How long the prepare phase may wait for every episode to park at a "
         "boundary before the checkpoint is aborted and participants resume.",
     )
+    pod_hints: bool = Field(
+        default=False,
+        description="After every Ready checkpoint, annotate each participant pod it covers with "
+        "the checkpoint's name and time (checkpoint.rollout.dev/latest-checkpoint, "
+        "latest-checkpoint-time), for whoever picks a pod to evict or preempt by them (a "
+        "person, a scheduler extension). One patch per pod per checkpoint; trainers read the "
+        "set's status.latestCheckpoint and need none.",
+    )
 
 
 class RecoverySpec(ApiModel):
