@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import copy
 
+import anyio
 import kopf
 from rollout_operator.flows.state import (
+    CheckpointWork,
     LatestWritten,
     LoggedNotes,
     OperatorState,
@@ -178,3 +180,33 @@ def test_a_memo_without_state_gets_one_and_keeps_it() -> None:
     state = state_of(memo)
     assert isinstance(state, OperatorState)
     assert state_of(memo) is state
+
+
+def test_a_flow_runs_while_its_context_is_entered() -> None:
+    work = CheckpointWork()
+    with work.flow_running("ns", "ck"):
+        assert work.flow_runs("ns", "ck")
+        assert not work.flow_runs("ns", "other")
+    assert not work.flow_runs("ns", "ck")
+
+
+async def test_one_records_removal_per_checkpoint_at_a_time() -> None:
+    work = CheckpointWork()
+    gate = asyncio.Event()
+    started: list[str] = []
+
+    async def removal() -> None:
+        started.append("ck")
+        await gate.wait()
+
+    task = work.remove("ns", "ck", removal)
+    assert task is not None
+    assert work.remove("ns", "ck", removal) is None, "a repeat while it runs starts nothing"
+    gate.set()
+    with anyio.fail_after(5):
+        await task
+    assert started == ["ck"]
+    again = work.remove("ns", "ck", removal)
+    assert again is not None, "once ended, a new event starts it again"
+    await work.close()
+    assert again.cancelled()

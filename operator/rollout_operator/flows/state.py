@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 from ..cluster.objects import OwnedObjects
 from ..metrics import SetTransitions
+
+logger = logging.getLogger(__name__)
 
 SetKey = tuple[str, str]
 """A set by (namespace, name); the namespace is "default" when the event had none."""
@@ -147,6 +150,69 @@ class LoggedNotes:
         return True
 
 
+class CheckpointWork:
+    """Per checkpoint, the work this process does on it besides Kopf's handlers: whether its
+    flow runs here, and the task that removes its records once it is being deleted.
+
+    `flow_running` is entered by the checkpoint daemon (`handlers/rolloutcheckpoint.py`) around
+    the flow; `flow_runs` is read by the records removal, which waits until a deleted
+    checkpoint's flow has aborted (participants resumed, the Lease released) before it removes
+    anything. `remove` is called by the checkpoint-event handler (`handlers/policy.py`) on every
+    event of a checkpoint being deleted that still has the records finalizer: one task per
+    checkpoint (a repeat while it runs is a no-op), cancelled at the operator's exit (`close`;
+    the successor starts it again from the event its watch's first listing delivers).
+    """
+
+    def __init__(self) -> None:
+        self._flows: dict[SetKey, int] = {}
+        self._removals: dict[SetKey, asyncio.Task[None]] = {}
+
+    @contextlib.contextmanager
+    def flow_running(self, namespace: str, name: str) -> Iterator[None]:
+        key = _key(namespace, name)
+        self._flows[key] = self._flows.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            self._flows[key] -= 1
+            if not self._flows[key]:
+                del self._flows[key]
+
+    def flow_runs(self, namespace: str, name: str) -> bool:
+        return _key(namespace, name) in self._flows
+
+    def remove(
+        self, namespace: str, name: str, work: Callable[[], Coroutine[Any, Any, None]]
+    ) -> asyncio.Task[None] | None:
+        """Start `work` (the records removal of this checkpoint) unless it runs already; the
+        task when this call started it."""
+        key = _key(namespace, name)
+        running = self._removals.get(key)
+        if running is not None and not running.done():
+            return None
+        task = asyncio.create_task(work(), name=f"records of checkpoint {key[0]}/{key[1]}")
+        self._removals[key] = task
+
+        def ended(done: asyncio.Task[None]) -> None:
+            if self._removals.get(key) is done:
+                del self._removals[key]
+            if not done.cancelled() and (error := done.exception()) is not None:
+                logger.error("records removal of %s/%s failed: %r", *key, error)
+
+        task.add_done_callback(ended)
+        return task
+
+    def removing(self, namespace: str, name: str) -> bool:
+        return _key(namespace, name) in self._removals
+
+    async def close(self) -> None:
+        """Cancel every removal under way (the operator stops)."""
+        tasks = list(self._removals.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 @dataclass(frozen=True)
 class OperatorState:
     """Everything this operator process remembers outside the API server, one part per concern
@@ -166,6 +232,7 @@ class OperatorState:
     """Which sets' token Secret and Services this process ensured, and when: written and read
     by the set's pass (`cluster.objects.OwnedObjects`)."""
     logged_notes: LoggedNotes = field(default_factory=LoggedNotes)
+    checkpoints: CheckpointWork = field(default_factory=CheckpointWork)
     transitions: SetTransitions = field(default_factory=SetTransitions)
     """Each set's last status seen through its watch: written and read by the `observe`
     handler (`handlers/rolloutset.py`), which posts an Event per transition
@@ -174,6 +241,7 @@ class OperatorState:
 
 __all__ = [
     "NOTES_LOGGED",
+    "CheckpointWork",
     "LatestWritten",
     "LoggedNotes",
     "OperatorState",

@@ -11,8 +11,15 @@
   `QueuePass` acts on it before the policy's.
 - `pod_terminating`: a participant pod got a deletion timestamp: the Eviction checkpoint is
   created right from the pod event (the grace period is short; the loop may be mid-pass).
-- `checkpoint_deleted` / `set_deleted`: the finalizers that remove records (retention deletes
-  checkpoints through the API like a person would, so both paths go through here).
+- `checkpoint_changed`: every event of a checkpoint wakes its set's policy loop, and carries
+  the checkpoint's records finalizer (the operator's own, `RECORDS_FINALIZER`): added where it
+  is missing, and on a checkpoint being deleted a task (`OperatorState.checkpoints`) removes the
+  records and then the finalizer (`policypass.release_deleted_checkpoint`). An event handler,
+  not Kopf's `on.delete`: a change handler on the checkpoint kind would make Kopf keep a
+  diff-base and its own finalizer on every checkpoint (two patches and two events each,
+  docs/operations.md "API requests and operator CPU per checkpoint"). Retention deletes
+  checkpoints through the API like a person would, so both paths go through here.
+- `remove_set_checkpoints`: the set's finalizer (Kopf's `on.delete`): its checkpoints go first.
 
 What one pass of the loop runs is `flows.reconciler.policy_pass`; the loops' wake-up Events are
 in the process's `OperatorState` (`state_of(memo).policy_loops`,
@@ -32,7 +39,8 @@ from ..decide.queue import KUEUE_GROUP, KUEUE_VERSION, WORKLOADS
 from ..flows.passloop import STOP_BACKOFF_SECONDS, Next, PassLoop, Stopped
 from ..flows.policypass import (
     CheckpointBusy,
-    checkpoint_deleted,
+    keep_records_finalizer,
+    release_deleted_checkpoint,
     set_deleted,
     start_eviction_checkpoint,
 )
@@ -40,6 +48,7 @@ from ..flows.reconciler import policy_pass
 from ..model.api import (
     GROUP,
     LABEL_SET,
+    RECORDS_FINALIZER,
     ROLLOUT_CHECKPOINT_PLURAL,
     ROLLOUT_SET_PLURAL,
     VERSION,
@@ -128,10 +137,60 @@ async def set_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: An
 
 @kopf.on.event(GROUP, VERSION, ROLLOUT_CHECKPOINT_PLURAL, id="policy-checkpoint-changed")
 async def checkpoint_changed(
-    namespace: str | None, spec: kopf.Spec, memo: kopf.Memo, **_: Any
+    type: str | None,
+    namespace: str | None,
+    name: str,
+    body: kopf.Body,
+    spec: kopf.Spec,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    **kwargs: Any,
 ) -> None:
     """A checkpoint of the set appeared, progressed, finished or went: deadline, suspend and
-    retention depend on it."""
+    retention depend on it. Its records finalizer is added where missing, and acted on once
+    it is being deleted (see the module docstring)."""
+    namespace = namespace or "default"
+    wake_policy(memo, namespace, spec.get("rolloutSet"))
+    if type == "DELETED":
+        return
+    finalizers = body.meta.get("finalizers") or []
+    if body.meta.get("deletionTimestamp") is None:
+        if RECORDS_FINALIZER not in finalizers:
+            try:
+                await keep_records_finalizer(kube_of(memo, kwargs), body)
+            except (ApiError, OSError, TimeoutError) as error:
+                # The next event of the checkpoint tries again (its flow writes its status).
+                logger.warning("records finalizer not added to %s: %s", name, error)
+        return
+    if RECORDS_FINALIZER in finalizers:
+        state_of(memo).checkpoints.remove(
+            namespace, name, lambda: _release(memo, kwargs, namespace, name, spec, logger)
+        )
+
+
+async def _release(
+    memo: kopf.Memo,
+    kwargs: dict[str, Any],
+    namespace: str,
+    name: str,
+    spec: kopf.Spec,
+    logger: kopf.Logger,
+) -> None:
+    """A deleted checkpoint's records, then its finalizer (`release_deleted_checkpoint`)."""
+
+    async def note(rset: RolloutSet, found: Note) -> None:
+        await _post(rset, found)
+
+    checkpoints = state_of(memo).checkpoints
+    outcome = await release_deleted_checkpoint(
+        kube_of(memo, kwargs),
+        namespace,
+        name,
+        flow_runs=lambda: checkpoints.flow_runs(namespace, name),
+        locator=StorageLocator.from_env(),
+        on_note=note,
+    )
+    logger.info("checkpoint %s deleted: %s", name, outcome)
     wake_policy(memo, namespace, spec.get("rolloutSet"))
 
 
@@ -179,26 +238,6 @@ async def pod_terminating(
         )
 
 
-@kopf.on.delete(GROUP, VERSION, ROLLOUT_CHECKPOINT_PLURAL, id="remove-records")
-async def remove_checkpoint_records(
-    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any
-) -> None:
-    """The finalizer of a RolloutCheckpoint: its records go with it
-    (docs/design.md#65-retention-and-records)."""
-
-    async def note(rset: RolloutSet, found: Note) -> None:
-        await _post(rset, found)
-
-    try:
-        outcome = await checkpoint_deleted(
-            kube_of(memo, kwargs), body, locator=StorageLocator.from_env(), on_note=note
-        )
-    except CheckpointBusy as busy:
-        raise kopf.TemporaryError(str(busy), delay=5) from busy
-    logger.info("checkpoint %s deleted: %s", body.meta.name, outcome)
-    wake_policy(memo, body.meta.namespace, body.get("spec", {}).get("rolloutSet"))
-
-
 @kopf.on.delete(GROUP, VERSION, ROLLOUT_SET_PLURAL, id="remove-checkpoints", timeout=300)
 async def remove_set_checkpoints(
     body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any
@@ -222,7 +261,6 @@ __all__ = [
     "checkpoint_changed",
     "pod_terminating",
     "policy_loop",
-    "remove_checkpoint_records",
     "remove_set_checkpoints",
     "set_changed",
     "wake_policy",

@@ -13,6 +13,14 @@ return instead of being cancelled (Kopf would otherwise cancel at once and log a
 every checkpoint). An exception (the API server unreachable, say) restarts the daemon after
 `backoff` seconds, and the flow continues from the persisted phase.
 
+The daemon needs no Kopf finalizer (`_without_kopf_finalizer`): every checkpoint carries the
+operator's own records finalizer (`RECORDS_FINALIZER`, `handlers/policy.py`), so a deletion
+always shows as a deletion timestamp first, which is what stops the daemon; and the records
+removal waits until the flow here has ended (`OperatorState.checkpoints.flow_runs`). Kopf's own
+finalizer would cost two patches per checkpoint (added at creation, removed when the phase is
+terminal) and two more watch events (docs/operations.md, "API requests and operator CPU per
+checkpoint").
+
 Kopf also stops the daemon when the checkpoint is deleted or the operator shuts down, and the
 two are handled differently:
 
@@ -31,6 +39,7 @@ two are handled differently:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Final
 
 import anyio
@@ -48,7 +57,7 @@ from ..model.api import (
     RolloutCheckpoint,
 )
 from .rolloutset import wake
-from .runtime import checkpoint_slots_of, kube_of, leases_of
+from .runtime import checkpoint_slots_of, kube_of, leases_of, state_of
 
 HANDOVER_SECONDS: Final = 4.0
 """How long a flow may still run after the operator was told to stop, before it is left to the
@@ -119,9 +128,10 @@ async def run_checkpoint(
 
         async def work() -> None:
             try:
-                phases.append(
-                    await flow.run(namespace or "default", name, abort_when_cancelled=_aborts)
-                )
+                with state_of(memo).checkpoints.flow_running(namespace or "default", name):
+                    phases.append(
+                        await flow.run(namespace or "default", name, abort_when_cancelled=_aborts)
+                    )
             except Exception as error:  # raised below, outside the task group's wrapping
                 failures.append(error)
             finally:
@@ -153,6 +163,25 @@ async def run_checkpoint(
     if isinstance(rollout_set, str):
         wake(memo, namespace, rollout_set)
         await _until_stopped(kube, stopped, namespace or "default", name, rollout_set)
+
+
+def _without_kopf_finalizer(handler_id: str, registry: kopf.OperatorRegistry) -> None:
+    """Register the daemon `handler_id` as one that needs no Kopf finalizer.
+
+    Kopf marks every daemon as needing its finalizer (so that it is stopped before its object
+    goes) and offers no option against it; the checkpoint's own records finalizer does that job
+    here (module docstring). Kopf's registry of daemons is not public API: if it changes, this
+    raises at import instead of quietly adding the finalizer back
+    (tests/unit/test_checkpoint_handlers.py checks the outcome through Kopf's own logic)."""
+    spawning = registry._spawning
+    handlers = spawning._handlers
+    found = [i for i, handler in enumerate(handlers) if handler.id == handler_id]
+    if len(found) != 1:
+        raise LookupError(f"daemon {handler_id!r} is registered {len(found)} times")
+    handlers[found[0]] = dataclasses.replace(handlers[found[0]], requires_finalizer=False)
+
+
+_without_kopf_finalizer("run", kopf.get_default_registry())
 
 
 FINISHED_LOOK_SECONDS = 1.0

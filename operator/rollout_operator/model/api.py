@@ -42,7 +42,12 @@ CHECKPOINT_SET_FIELD: Final = "rolloutSet"
 """The checkpoint's spec field naming its set: a selectable field (a list filters on it)."""
 
 FINALIZER: Final = f"{GROUP}/finalizer"
-"""Our own finalizer name, so Kopf never adds its generic `kopf.zalando.org` marker."""
+"""Kopf's finalizer under our name (on RolloutSets, for their deletion handler), so Kopf never
+adds its generic `kopf.zalando.org` marker."""
+RECORDS_FINALIZER: Final = f"{GROUP}/records"
+"""The operator's own finalizer on every RolloutCheckpoint: its records go before the object
+does (docs/design.md#65-retention-and-records). Not Kopf's: the checkpoint kind has no Kopf
+change handlers, and Kopf removes its own finalizer wherever no handler needs it."""
 
 LABEL_SET: Final = f"{GROUP}/set"
 LABEL_ROLE: Final = f"{GROUP}/role"
