@@ -51,7 +51,10 @@ async def a_run(
     rset = api.RolloutSet.model_validate(await kube.get_set(NS, SET))
     ckpt = api.RolloutCheckpoint.model_validate(await kube.get_checkpoint(NS, CKPT))
     coordinator = Coordinator([cast(HttpParticipantClient, participant)])
-    run = CheckpointRun(context, rset, coordinator, started=time.time(), continued=continued)
+    now = time.time()
+    run = CheckpointRun(
+        context, rset, coordinator, started=now, continued=continued, slot_taken=now
+    )
     return run, ckpt
 
 
@@ -124,13 +127,14 @@ async def test_begin_writes_preparing_with_the_attempt_start_and_deadline() -> N
     cluster = ready_cluster()
     participant = Scripted()
     run, ckpt = await a_run(cluster, participant)
-    before = time.time()
     await begin(run, ckpt)
     status = checkpoint_status(cluster)
     assert status["phase"] == "Preparing"
     assert status["attempt"] == 3
     assert run.deadline_ts is not None
-    assert before + 300 <= run.deadline_ts <= time.time() + 300  # prepareTimeoutSeconds
+    # prepareTimeoutSeconds from when the checkpoint took the set's Lease
+    assert run.deadline_ts == pytest.approx(run.slot_taken + 300, abs=1e-3)
+    assert parse_time(status["startedAt"]) == whole_seconds(run.slot_taken)
     assert parse_time(status["deadline"]) == whole_seconds(run.deadline_ts)
     assert condition(cluster, "Prepared")["reason"] == Reason.PREPARING
     assert participant.called("status") == [""], "unmanaged workers are refused first"
@@ -198,7 +202,7 @@ async def test_a_prepare_with_a_blocker_fails_not_parked_with_the_blockers() -> 
 # --- Committing and Publishing ----------------------------------------------------------------
 
 
-async def test_commit_writes_committing_alongside_and_keeps_the_outcome() -> None:
+async def test_commit_enters_committing_and_keeps_the_outcome() -> None:
     cluster = ready_cluster()
     participant = Scripted()
     run, ckpt = await a_run(cluster, participant)
