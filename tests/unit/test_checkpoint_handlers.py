@@ -11,10 +11,14 @@ checked against Kopf's registry so a change handler added later cannot go withou
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import kopf
 import rollout_operator.handlers  # noqa: F401  (registers every handler)
+from rollout_operator.flows.state import OperatorState
+from rollout_operator.handlers.rolloutcheckpoint import checkpoint_event
+from rollout_operator.handlers.runtime import MEMO_STATE
 from rollout_operator.model import api
 from rollout_operator.model.settings import DIFF_BASE_KINDS, DIFFBASE_KEY, CompactDiffBaseStorage
 
@@ -78,3 +82,67 @@ def test_the_diff_base_of_a_kind_without_change_handlers_is_empty() -> None:
     assert storage.build(body=kopf.Body(checkpoint)) == {}
     assert storage.build(body=kopf.Body(pod)) == {}
     assert storage.build(body=kopf.Body(rollout_set)) == {"spec": {"suspend": True}}
+
+
+# --- which checkpoint events wake the set's loops -------------------------------------------------
+
+
+def checkpoint_body(phase: str | None, *, deleting: bool = False) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": "ck", "namespace": "ns", "finalizers": [api.RECORDS_FINALIZER]}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-12-01T10:00:00Z"
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": api.ROLLOUT_CHECKPOINT_KIND,
+        "metadata": meta,
+        "spec": {"rolloutSet": "rl"},
+        "status": {"phase": phase} if phase else {},
+    }
+
+
+async def test_only_events_that_change_what_a_loop_reads_wake_it() -> None:
+    """A fast checkpoint's life: created, its finalizer, published (Resuming), Ready, deleted.
+    The policy looks when it finished and when it goes; the set's pass also when it entered
+    Preparing (`activeCheckpoint`). A first sight without a phase and the finalizer wake
+    neither."""
+    state = OperatorState()
+    memo = kopf.Memo()
+    memo[MEMO_STATE] = state
+    woken: list[tuple[str, str]] = []
+
+    async def event(type_: str | None, body: dict[str, Any]) -> None:
+        with (
+            state.set_loops.registered("ns", "rl") as set_loop,
+            state.policy_loops.registered("ns", "rl") as policy_loop,
+        ):
+            wrapped = kopf.Body(body)
+            await checkpoint_event(
+                type=type_,
+                namespace="ns",
+                name="ck",
+                body=wrapped,
+                spec=wrapped.spec,
+                status=wrapped.status,
+                memo=memo,
+                logger=logging.getLogger("test"),
+            )
+            phase = str((body.get("status") or {}).get("phase"))
+            if set_loop.is_set():
+                woken.append(("set", phase))
+            if policy_loop.is_set():
+                woken.append(("policy", phase))
+
+    await event("ADDED", checkpoint_body(None))
+    await event("MODIFIED", checkpoint_body(None))  # its own finalizer, say
+    await event("MODIFIED", checkpoint_body("Resuming"))
+    await event("MODIFIED", checkpoint_body("Ready"))
+    await event("MODIFIED", checkpoint_body("Ready"))  # an annotation changed
+    assert woken == [("set", "Ready"), ("policy", "Ready")]
+    woken.clear()
+    await event("MODIFIED", checkpoint_body("Ready", deleting=True))
+    assert woken == [("set", "Ready"), ("policy", "Ready")]
+    woken.clear()
+    await event("MODIFIED", checkpoint_body(None))  # another one of that name, reset: Preparing
+    await event("MODIFIED", checkpoint_body("Preparing"))
+    assert ("set", "Preparing") in woken
+    assert ("policy", "Preparing") not in woken

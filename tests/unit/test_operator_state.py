@@ -13,7 +13,7 @@ from rollout_operator.flows.state import (
     LatestWritten,
     LoggedNotes,
     OperatorState,
-    PodsSeen,
+    SeenSummaries,
     Wakeups,
 )
 from rollout_operator.handlers.runtime import MEMO_STATE, state_of
@@ -78,11 +78,11 @@ def test_sets_is_a_copy_that_waking_cannot_change() -> None:
             assert listed == [("team", "a")]
 
 
-# --- PodsSeen -----------------------------------------------------------------------------------
+# --- SeenSummaries ------------------------------------------------------------------------------
 
 
 def test_a_pod_is_news_the_first_time_and_when_what_is_seen_changes() -> None:
-    seen = PodsSeen()
+    seen = SeenSummaries()
     assert seen.changed("team", "p", "v1")
     assert not seen.changed("team", "p", "v1")
     assert seen.changed(None, "p", "v1"), "the same pod name in another namespace"
@@ -91,7 +91,7 @@ def test_a_pod_is_news_the_first_time_and_when_what_is_seen_changes() -> None:
 
 
 def test_a_deleted_pod_is_always_news_and_is_forgotten() -> None:
-    seen = PodsSeen()
+    seen = SeenSummaries()
     assert seen.changed("team", "p", None), "even one never seen"
     assert seen.changed("team", "p", "v1")
     assert seen.changed("team", "p", None)
@@ -99,7 +99,7 @@ def test_a_deleted_pod_is_always_news_and_is_forgotten() -> None:
 
 
 def test_pods_without_a_namespace_are_in_the_default_one() -> None:
-    seen = PodsSeen()
+    seen = SeenSummaries()
     assert seen.changed("default", "p", "v1")
     assert not seen.changed(None, "p", "v1")
 

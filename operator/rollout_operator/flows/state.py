@@ -75,21 +75,25 @@ class Wakeups:
         return list(self._events)
 
 
-class PodsSeen:
-    """Per participant pod, what the set's pass last could see of it (labels, deletion, node,
-    status: `handlers.rolloutset._what_the_pass_sees`, as a string).
+class SeenSummaries:
+    """Per object, a summary of what a handler last saw of it, so that an event wakes a loop
+    only when what the loop reads of the object changed.
 
-    Written and read by the pod-event handler (`handlers/rolloutset.py` `pod_event`), which
-    wakes the set's loop only when this changed: the set's pass annotating its pods after a
-    checkpoint would otherwise wake it once per pod. An entry goes with the pod's DELETED event.
+    Two of them: `OperatorState.pods_seen`, per participant pod what the set's pass can see of
+    it (labels, deletion, node, status: `handlers.rolloutset._what_the_pass_sees`), written and
+    read by the pod-event handler (the set's pass annotating its pods after a checkpoint would
+    otherwise wake it once per pod); and `OperatorState.checkpoints_seen`, per checkpoint its
+    phase and deletion, written and read by the checkpoint-event handler
+    (`handlers/rolloutcheckpoint.py`: its own finalizer patch, say, wakes nobody). An entry goes
+    with the object's DELETED event.
     """
 
     def __init__(self) -> None:
-        self._seen: dict[SetKey, str] = {}
+        self._seen: dict[SetKey, object] = {}
 
-    def changed(self, namespace: str | None, name: str, seen: str | None) -> bool:
-        """Record what is seen of the pod now (None: the pod is gone); whether that is news,
-        i.e. differs from what was recorded (a deleted pod always is)."""
+    def changed(self, namespace: str | None, name: str, seen: object) -> bool:
+        """Record what is seen of the object now (None: it is gone); whether that is news,
+        i.e. differs from what was recorded (a deleted object always is)."""
         key = _key(namespace, name)
         if seen is None:
             self._seen.pop(key, None)
@@ -98,6 +102,15 @@ class PodsSeen:
             return False
         self._seen[key] = seen
         return True
+
+    def swap(self, namespace: str | None, name: str, seen: object) -> object:
+        """Record what is seen of the object now (None: it is gone); what was recorded before
+        (None: nothing)."""
+        key = _key(namespace, name)
+        before = self._seen.pop(key, None)
+        if seen is not None:
+            self._seen[key] = seen
+        return before
 
 
 class LatestWritten:
@@ -226,7 +239,8 @@ class OperatorState:
     """The sets' reconcile loops (`handlers/rolloutset.py` `reconcile_loop`)."""
     policy_loops: Wakeups = field(default_factory=Wakeups)
     """The sets' checkpoint-policy loops (`handlers/policy.py` `policy_loop`)."""
-    pods_seen: PodsSeen = field(default_factory=PodsSeen)
+    pods_seen: SeenSummaries = field(default_factory=SeenSummaries)
+    checkpoints_seen: SeenSummaries = field(default_factory=SeenSummaries)
     latest_written: LatestWritten = field(default_factory=LatestWritten)
     owned_objects: OwnedObjects = field(default_factory=OwnedObjects)
     """Which sets' token Secret and Services this process ensured, and when: written and read
@@ -245,7 +259,7 @@ __all__ = [
     "LatestWritten",
     "LoggedNotes",
     "OperatorState",
-    "PodsSeen",
+    "SeenSummaries",
     "SetKey",
     "Wakeups",
 ]

@@ -11,14 +11,9 @@
   `QueuePass` acts on it before the policy's.
 - `pod_terminating`: a participant pod got a deletion timestamp: the Eviction checkpoint is
   created right from the pod event (the grace period is short; the loop may be mid-pass).
-- `checkpoint_changed`: every event of a checkpoint wakes its set's policy loop, and carries
-  the checkpoint's records finalizer (the operator's own, `RECORDS_FINALIZER`): added where it
-  is missing, and on a checkpoint being deleted a task (`OperatorState.checkpoints`) removes the
-  records and then the finalizer (`policypass.release_deleted_checkpoint`). An event handler,
-  not Kopf's `on.delete`: a change handler on the checkpoint kind would make Kopf keep a
-  diff-base and its own finalizer on every checkpoint (two patches and two events each,
-  docs/operations.md "API requests and operator CPU per checkpoint"). Retention deletes
-  checkpoints through the API like a person would, so both paths go through here.
+- the checkpoint events (a checkpoint appeared, finished or went: deadline, suspend and retention
+  depend on it) wake the loop from `handlers/rolloutcheckpoint.py` (`wake_policy`), which also
+  carries the checkpoints' records finalizer.
 - `remove_set_checkpoints`: the set's finalizer (Kopf's `on.delete`): its checkpoints go first.
 
 What one pass of the loop runs is `flows.reconciler.policy_pass`; the loops' wake-up Events are
@@ -37,19 +32,11 @@ from ..cluster.storage import StorageLocator
 from ..decide.policy import Note
 from ..decide.queue import KUEUE_GROUP, KUEUE_VERSION, WORKLOADS
 from ..flows.passloop import STOP_BACKOFF_SECONDS, Next, PassLoop, Stopped
-from ..flows.policypass import (
-    CheckpointBusy,
-    keep_records_finalizer,
-    release_deleted_checkpoint,
-    set_deleted,
-    start_eviction_checkpoint,
-)
+from ..flows.policypass import CheckpointBusy, set_deleted, start_eviction_checkpoint
 from ..flows.reconciler import policy_pass
 from ..model.api import (
     GROUP,
     LABEL_SET,
-    RECORDS_FINALIZER,
-    ROLLOUT_CHECKPOINT_PLURAL,
     ROLLOUT_SET_PLURAL,
     VERSION,
     RolloutSet,
@@ -135,65 +122,6 @@ async def set_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: An
     wake_policy(memo, namespace, name)
 
 
-@kopf.on.event(GROUP, VERSION, ROLLOUT_CHECKPOINT_PLURAL, id="policy-checkpoint-changed")
-async def checkpoint_changed(
-    type: str | None,
-    namespace: str | None,
-    name: str,
-    body: kopf.Body,
-    spec: kopf.Spec,
-    memo: kopf.Memo,
-    logger: kopf.Logger,
-    **kwargs: Any,
-) -> None:
-    """A checkpoint of the set appeared, progressed, finished or went: deadline, suspend and
-    retention depend on it. Its records finalizer is added where missing, and acted on once
-    it is being deleted (see the module docstring)."""
-    namespace = namespace or "default"
-    wake_policy(memo, namespace, spec.get("rolloutSet"))
-    if type == "DELETED":
-        return
-    finalizers = body.meta.get("finalizers") or []
-    if body.meta.get("deletionTimestamp") is None:
-        if RECORDS_FINALIZER not in finalizers:
-            try:
-                await keep_records_finalizer(kube_of(memo, kwargs), body)
-            except (ApiError, OSError, TimeoutError) as error:
-                # The next event of the checkpoint tries again (its flow writes its status).
-                logger.warning("records finalizer not added to %s: %s", name, error)
-        return
-    if RECORDS_FINALIZER in finalizers:
-        state_of(memo).checkpoints.remove(
-            namespace, name, lambda: _release(memo, kwargs, namespace, name, spec, logger)
-        )
-
-
-async def _release(
-    memo: kopf.Memo,
-    kwargs: dict[str, Any],
-    namespace: str,
-    name: str,
-    spec: kopf.Spec,
-    logger: kopf.Logger,
-) -> None:
-    """A deleted checkpoint's records, then its finalizer (`release_deleted_checkpoint`)."""
-
-    async def note(rset: RolloutSet, found: Note) -> None:
-        await _post(rset, found)
-
-    checkpoints = state_of(memo).checkpoints
-    outcome = await release_deleted_checkpoint(
-        kube_of(memo, kwargs),
-        namespace,
-        name,
-        flow_runs=lambda: checkpoints.flow_runs(namespace, name),
-        locator=StorageLocator.from_env(),
-        on_note=note,
-    )
-    logger.info("checkpoint %s deleted: %s", name, outcome)
-    wake_policy(memo, namespace, spec.get("rolloutSet"))
-
-
 @kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, WORKLOADS, labels={LABEL_SET: kopf.PRESENT}, id="queue")
 async def workload_changed(
     namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any
@@ -258,7 +186,6 @@ async def remove_set_checkpoints(
 
 
 __all__ = [
-    "checkpoint_changed",
     "pod_terminating",
     "policy_loop",
     "remove_set_checkpoints",
