@@ -163,6 +163,37 @@ class LoggedNotes:
         return True
 
 
+COORDINATED_REMEMBERED: Final = 4096
+"""How many participant pods `CoordinatedPods` remembers (the oldest is forgotten first)."""
+
+
+class CoordinatedPods:
+    """The participant pods whose control plane said it coordinates its worker processes (or
+    runs one), so that a checkpoint need not ask them again (docs/design.md#47-workers).
+
+    A pod's servers cannot change for its life (participant pods never restart a container:
+    `restartPolicy: Never`), so the answer holds per pod, by namespace, name and address (a pod
+    created again under the same name gets a new identity here unless it also got the same
+    address, and runs the same template then). Written and read by the checkpoint flow
+    (`flows/checkpoint/prepare.py`, `refuse_unmanaged_workers`): a checkpoint asks only when a
+    participant is not known here, i.e. the first checkpoint of each attempt. Bounded: past
+    `limit` pods the oldest is forgotten (and asked again)."""
+
+    def __init__(self, limit: int = COORDINATED_REMEMBERED) -> None:
+        self._limit = limit
+        self._known: dict[tuple[str, str, str], None] = {}
+
+    def known(self, namespace: str, pods: list[tuple[str, str]]) -> bool:
+        """Whether every (pod, address) of `pods` said so already."""
+        return all((namespace, pod, address) in self._known for pod, address in pods)
+
+    def remember(self, namespace: str, pods: list[tuple[str, str]]) -> None:
+        for pod, address in pods:
+            self._known[(namespace, pod, address)] = None
+        while len(self._known) > self._limit:
+            del self._known[next(iter(self._known))]
+
+
 class CheckpointWork:
     """Per checkpoint, the work this process does on it besides Kopf's handlers: whether its
     flow runs here, and the task that removes its records once it is being deleted.
@@ -247,6 +278,7 @@ class OperatorState:
     by the set's pass (`cluster.objects.OwnedObjects`)."""
     logged_notes: LoggedNotes = field(default_factory=LoggedNotes)
     checkpoints: CheckpointWork = field(default_factory=CheckpointWork)
+    coordinated_pods: CoordinatedPods = field(default_factory=CoordinatedPods)
     transitions: SetTransitions = field(default_factory=SetTransitions)
     """Each set's last status seen through its watch: written and read by the `observe`
     handler (`handlers/rolloutset.py`), which posts an Event per transition
@@ -256,6 +288,7 @@ class OperatorState:
 __all__ = [
     "NOTES_LOGGED",
     "CheckpointWork",
+    "CoordinatedPods",
     "LatestWritten",
     "LoggedNotes",
     "OperatorState",

@@ -130,7 +130,11 @@ async def run_checkpoint(
 
     kube = kube_of(memo, kwargs)
     flow = CheckpointFlow(
-        kube, on_transition=event, slots=checkpoint_slots_of(memo), leases=leases_of(memo)
+        kube,
+        on_transition=event,
+        slots=checkpoint_slots_of(memo),
+        leases=leases_of(memo),
+        coordinated=state_of(memo).coordinated_pods,
     )
     phases: list[CheckpointPhase | None] = []
     failures: list[Exception] = []

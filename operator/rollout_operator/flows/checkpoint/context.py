@@ -40,6 +40,7 @@ from ...model.api import (
     dump,
 )
 from ...model.conditions import MAX_FAILURE_CHARS, set_condition, truncate
+from ..state import CoordinatedPods
 from ..watching import NoLongerHolds, while_holding
 
 # One logger for the whole flow, named as the flow (its lines read the same from every step).
@@ -212,6 +213,8 @@ class CheckpointContext:
     leases: CheckpointLeases
     on_transition: OnTransition | None = None
     unwritten: UnwrittenPhases = field(default_factory=UnwrittenPhases)
+    coordinated: CoordinatedPods | None = None
+    """The pods known to coordinate their workers (`OperatorState`); None: ask every time."""
 
 
 @dataclass

@@ -46,6 +46,7 @@ from ...cluster.objects import read_control_token
 from ...model.api import CheckpointPhase, RolloutCheckpoint, RolloutSet, Trigger
 from ..phases import PhaseTable, run_phases
 from ..repairs import repair_published_checkpoint
+from ..state import CoordinatedPods
 from .commit import commit, publish
 from .context import (
     IN_FLIGHT,
@@ -119,10 +120,13 @@ class CheckpointFlow:
         | None = None,
         slots: anyio.Semaphore | None = None,
         leases: CheckpointLeases | None = None,
+        coordinated: CoordinatedPods | None = None,
     ) -> None:
         """`slots`: the operator's checkpoints that may run at once, shared by every flow
         (`--max-concurrent-checkpoints`); None: no limit. `leases`: the per-set slots, shared
-        by the process's flows (they remember the Leases they wrote)."""
+        by the process's flows (they remember the Leases they wrote). `coordinated`: the pods
+        known to coordinate their workers (`OperatorState.coordinated_pods`); None: ask each
+        checkpoint's participants."""
         settings = settings or FlowSettings()
         self._context = CheckpointContext(
             kube=kube,
@@ -131,6 +135,7 @@ class CheckpointFlow:
             leases=leases or CheckpointLeases(kube, clock=clock),
             on_transition=on_transition,
             unwritten=UnwrittenPhases(seconds=settings.phase_write_seconds),
+            coordinated=coordinated,
         )
         self._participants_factory = participants_factory or http_participants
         self._slots = slots

@@ -136,9 +136,34 @@ async def prepare_deadline(run: CheckpointRun, ckpt: RolloutCheckpoint) -> Prepa
 
 async def refuse_unmanaged_workers(run: CheckpointRun) -> None:
     """Fail before anything is paused when a pod runs workers nobody coordinates. A
-    participant that does not answer its status is left to the prepare (it fails there)."""
+    participant that does not answer its status is left to the prepare (it fails there).
+
+    Asked once per pod: the pods that answered are remembered (`CoordinatedPods`), and a
+    checkpoint whose participants are all known asks none of them (16 calls fewer per
+    checkpoint of a 16-pod set)."""
+    participants = run.rset.status.participants
+    namespace = namespace_of_set(run)
+    coordinated = run.context.coordinated
+    if coordinated is not None and coordinated.known(
+        namespace, [(p.pod, p.address or "") for p in participants]
+    ):
+        return
     outcome = await run.coordinator.status(run.now() + run.settings.abort_timeout_seconds)
-    pods = {f"{p.role.value}-{p.index}": p.pod for p in run.rset.status.participants}
+    pods = {f"{p.role.value}-{p.index}": p.pod for p in participants}
     refused = unmanaged_workers(outcome.statuses, pods)
     if refused is not None:
         raise CheckpointFailed(Reason.UNMANAGED_WORKERS, refused)
+    if coordinated is not None:
+        answered = {status.instance for status in outcome.statuses}
+        coordinated.remember(
+            namespace,
+            [
+                (p.pod, p.address or "")
+                for p in participants
+                if f"{p.role.value}-{p.index}" in answered
+            ],
+        )
+
+
+def namespace_of_set(run: CheckpointRun) -> str:
+    return run.rset.metadata.namespace or "default"
