@@ -4,6 +4,7 @@ which order (the order is what makes a crash harmless)."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -357,7 +358,8 @@ async def test_the_finalizer_removes_records_and_leaves_latest_to_the_sets_pass(
     assert stored_set(cluster) == before
 
 
-async def test_the_finalizer_waits_while_a_recovery_restores_the_checkpoint(storage: Path) -> None:
+def restoring_new(storage: Path) -> FakeCluster:
+    """The set while its recovery restores checkpoint `new`."""
     body = rollout_set(storage)
     body["status"]["recovery"] = {
         "phase": "Restoring",
@@ -366,7 +368,11 @@ async def test_the_finalizer_waits_while_a_recovery_restores_the_checkpoint(stor
         "startedAt": stamp(0),
         "checkpoint": "new",
     }
-    cluster = seeded(body)
+    return seeded(body)
+
+
+async def test_the_finalizer_waits_while_a_recovery_restores_the_checkpoint(storage: Path) -> None:
+    cluster = restoring_new(storage)
     new = add_checkpoint(cluster, "new", 3, outcome="Ready", completed=4)
     with pytest.raises(CheckpointBusy):
         await checkpoint_deleted(cluster.kube(), new, locator=StorageLocator(None))
@@ -517,6 +523,32 @@ async def test_a_deleted_checkpoint_loses_its_records_then_only_its_own_finalize
     assert stored["metadata"]["finalizers"] == ["example.com/keep"]
 
 
+def releasing(
+    cluster: FakeCluster,
+    name: str,
+    outcomes: list[str],
+    *,
+    flow_runs: Callable[[], bool] = lambda: False,
+    retry_seconds: float = 5.0,
+) -> Callable[[], Awaitable[None]]:
+    """The records removal of checkpoint `name`, to run as a task; its outcome goes to
+    `outcomes`."""
+
+    async def release() -> None:
+        outcomes.append(
+            await release_deleted_checkpoint(
+                cluster.kube(),
+                NS,
+                name,
+                flow_runs=flow_runs,
+                locator=StorageLocator(None),
+                retry_seconds=retry_seconds,
+            )
+        )
+
+    return release
+
+
 async def test_the_records_stay_until_the_deleted_checkpoints_flow_has_ended(
     storage: Path,
 ) -> None:
@@ -529,18 +561,7 @@ async def test_the_records_stay_until_the_deleted_checkpoints_flow_has_ended(
     deleting(cluster, "running")
     flow = anyio.Event()
     outcomes: list[str] = []
-
-    async def release() -> None:
-        outcomes.append(
-            await release_deleted_checkpoint(
-                cluster.kube(),
-                NS,
-                "running",
-                flow_runs=lambda: not flow.is_set(),
-                locator=StorageLocator(None),
-            )
-        )
-
+    release = releasing(cluster, "running", outcomes, flow_runs=lambda: not flow.is_set())
     async with anyio.create_task_group() as group:
         group.start_soon(release)
         await anyio.wait_all_tasks_blocked()
@@ -558,34 +579,13 @@ async def test_the_records_stay_until_the_deleted_checkpoints_flow_has_ended(
 
 
 async def test_a_busy_removal_tries_again_until_the_recovery_is_done(storage: Path) -> None:
-    body = rollout_set(storage)
-    body["status"]["recovery"] = {
-        "phase": "Restoring",
-        "fromAttempt": 3,
-        "targetAttempt": 4,
-        "startedAt": stamp(0),
-        "checkpoint": "new",
-    }
-    cluster = seeded(body)
+    cluster = restoring_new(storage)
     add_checkpoint(cluster, "new", 3, outcome="Ready", completed=4)
     finalized(cluster, "new", [api.RECORDS_FINALIZER])
     deleting(cluster, "new")
     outcomes: list[str] = []
-
-    async def release() -> None:
-        outcomes.append(
-            await release_deleted_checkpoint(
-                cluster.kube(),
-                NS,
-                "new",
-                flow_runs=lambda: False,
-                locator=StorageLocator(None),
-                retry_seconds=0.01,
-            )
-        )
-
     async with anyio.create_task_group() as group:
-        group.start_soon(release)
+        group.start_soon(releasing(cluster, "new", outcomes, retry_seconds=0.01))
         await anyio.wait_all_tasks_blocked()
         assert not outcomes, "a restoring recovery holds the removal"
 
