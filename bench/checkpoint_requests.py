@@ -82,8 +82,10 @@ SET_READY_LIMIT_S: Final = 120.0
 CHECKPOINT_LIMIT_S: Final = 60.0
 OPERATOR_LIVE_LIMIT_S: Final = 60.0
 
-TARGET_REQUESTS: Final = 15
-TARGET_CPU_16: Final = 0.05
+TARGET_REQUESTS: Final = 10
+"""Requests to Ready, pod hints and watches apart (docs/operations.md)."""
+TARGET_CPU_16: Final = 0.04
+"""Operator CPU seconds to Ready for the 16-pod set (docs/operations.md)."""
 HINTS: Final = ("patch", "pods")
 """The pod hints (`latest-checkpoint` annotations), counted apart."""
 

@@ -262,7 +262,7 @@ async def wait_obj(
 
 def probe_set(storage: Path) -> dict[str, Any]:
     """One real model server: enough for the set, its pods, Services, Secret, a recovery, and a
-    policy checkpoint that completes (and then annotates the pod)."""
+    policy checkpoint that completes (and then annotates the pod: its `podHints` asks for it)."""
     container = {
         "name": "probe",
         "image": "unused.invalid/probe",
@@ -285,5 +285,7 @@ def probe_set(storage: Path) -> dict[str, Any]:
                 "path": str(storage),
                 "volume": {"hostPath": {"path": str(storage), "type": "DirectoryOrCreate"}},
             },
+            # The pod hints (opt-in) are what needs `patch pods` once the checkpoint is Ready.
+            "checkpointPolicy": {"podHints": True},
         },
     }

@@ -110,6 +110,8 @@ def in_place_set(
         extra_args={"model": ["--debug-hooks"]},
         spec={
             "recovery": {"restorePolicy": "InPlace", "restoreTimeoutSeconds": 120},
+            # The kept pods' latest-checkpoint annotations are checked below (opt-in).
+            "checkpointPolicy": {"podHints": True},
             **(spec or {}),
         },
     )

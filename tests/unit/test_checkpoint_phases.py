@@ -10,7 +10,7 @@ test_checkpoint_slots.
 from __future__ import annotations
 
 import time
-from typing import cast
+from typing import Any, cast
 
 import pytest
 from rollout_operator.cluster.leases import CheckpointLeases
@@ -22,6 +22,7 @@ from rollout_operator.flows.checkpoint.flow import phase_of
 from rollout_operator.flows.checkpoint.prepare import begin, prepare
 from rollout_operator.flows.checkpoint.resume import resume
 from rollout_operator.flows.phases import run_phases
+from rollout_operator.flows.state import CoordinatedPods
 from rollout_operator.model import api
 from rollout_operator.model.api import ROLLOUT_SET_PLURAL, CheckpointPhase
 from rollout_protocol import Coordinator, ErrorCode, HttpParticipantClient
@@ -41,17 +42,28 @@ from testsupport.scripted import RECORDS_SHA256, Scripted
 
 
 async def a_run(
-    cluster: FakeCluster, participant: Scripted, *, continued: bool = False
+    cluster: FakeCluster,
+    participant: Scripted,
+    *,
+    continued: bool = False,
+    coordinated: CoordinatedPods | None = None,
 ) -> tuple[CheckpointRun, api.RolloutCheckpoint]:
     """A run of the flow over `CKPT` as the driver makes one once the slot is taken."""
     kube = cluster.kube()
     context = CheckpointContext(
-        kube=kube, settings=FlowSettings(), clock=time.time, leases=CheckpointLeases(kube)
+        kube=kube,
+        settings=FlowSettings(),
+        clock=time.time,
+        leases=CheckpointLeases(kube),
+        coordinated=coordinated,
     )
     rset = api.RolloutSet.model_validate(await kube.get_set(NS, SET))
     ckpt = api.RolloutCheckpoint.model_validate(await kube.get_checkpoint(NS, CKPT))
     coordinator = Coordinator([cast(HttpParticipantClient, participant)])
-    run = CheckpointRun(context, rset, coordinator, started=time.time(), continued=continued)
+    now = time.time()
+    run = CheckpointRun(
+        context, rset, coordinator, started=now, continued=continued, slot_taken=now
+    )
     return run, ckpt
 
 
@@ -124,17 +136,42 @@ async def test_begin_writes_preparing_with_the_attempt_start_and_deadline() -> N
     cluster = ready_cluster()
     participant = Scripted()
     run, ckpt = await a_run(cluster, participant)
-    before = time.time()
     await begin(run, ckpt)
     status = checkpoint_status(cluster)
     assert status["phase"] == "Preparing"
     assert status["attempt"] == 3
     assert run.deadline_ts is not None
-    assert before + 300 <= run.deadline_ts <= time.time() + 300  # prepareTimeoutSeconds
+    # prepareTimeoutSeconds from when the checkpoint took the set's Lease
+    assert run.deadline_ts == pytest.approx(run.slot_taken + 300, abs=1e-3)
+    assert parse_time(status["startedAt"]) == whole_seconds(run.slot_taken)
     assert parse_time(status["deadline"]) == whole_seconds(run.deadline_ts)
     assert condition(cluster, "Prepared")["reason"] == Reason.PREPARING
     assert participant.called("status") == [""], "unmanaged workers are refused first"
     assert not participant.called("prepare"), "begin parks nothing"
+
+
+async def test_pods_that_said_they_coordinate_their_workers_are_not_asked_again() -> None:
+    """A pod's servers cannot change for its life: the second checkpoint of the same pods
+    asks none of them (docs/design.md#47-workers)."""
+    cluster = ready_cluster()
+    coordinated = CoordinatedPods()
+    first = Scripted()
+    run, ckpt = await a_run(cluster, first, coordinated=coordinated)
+    await begin(run, ckpt)
+    assert first.called("status") == [""]
+    second = Scripted()
+    run, ckpt = await a_run(cluster, second, coordinated=coordinated)
+    await begin(run, ckpt)
+    assert second.called("status") == [], "known: not asked again"
+
+    def moved(obj: dict[str, Any]) -> None:
+        obj["status"]["participants"][0]["address"] = "http://10.0.0.9:8000"
+
+    cluster.update(api.ROLLOUT_SET_PLURAL, NS, SET, moved)  # another pod under that name
+    third = Scripted()
+    run, ckpt = await a_run(cluster, third, coordinated=coordinated)
+    await begin(run, ckpt)
+    assert third.called("status") == [""]
 
 
 async def test_begin_refuses_an_eviction_with_no_grace_left() -> None:
@@ -198,7 +235,7 @@ async def test_a_prepare_with_a_blocker_fails_not_parked_with_the_blockers() -> 
 # --- Committing and Publishing ----------------------------------------------------------------
 
 
-async def test_commit_writes_committing_alongside_and_keeps_the_outcome() -> None:
+async def test_commit_enters_committing_and_keeps_the_outcome() -> None:
     cluster = ready_cluster()
     participant = Scripted()
     run, ckpt = await a_run(cluster, participant)

@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import copy
 
+import anyio
 import kopf
 from rollout_operator.flows.state import (
+    CheckpointWork,
     LatestWritten,
     LoggedNotes,
     OperatorState,
-    PodsSeen,
+    SeenSummaries,
     Wakeups,
 )
 from rollout_operator.handlers.runtime import MEMO_STATE, state_of
@@ -76,11 +78,11 @@ def test_sets_is_a_copy_that_waking_cannot_change() -> None:
             assert listed == [("team", "a")]
 
 
-# --- PodsSeen -----------------------------------------------------------------------------------
+# --- SeenSummaries ------------------------------------------------------------------------------
 
 
 def test_a_pod_is_news_the_first_time_and_when_what_is_seen_changes() -> None:
-    seen = PodsSeen()
+    seen = SeenSummaries()
     assert seen.changed("team", "p", "v1")
     assert not seen.changed("team", "p", "v1")
     assert seen.changed(None, "p", "v1"), "the same pod name in another namespace"
@@ -89,7 +91,7 @@ def test_a_pod_is_news_the_first_time_and_when_what_is_seen_changes() -> None:
 
 
 def test_a_deleted_pod_is_always_news_and_is_forgotten() -> None:
-    seen = PodsSeen()
+    seen = SeenSummaries()
     assert seen.changed("team", "p", None), "even one never seen"
     assert seen.changed("team", "p", "v1")
     assert seen.changed("team", "p", None)
@@ -97,7 +99,7 @@ def test_a_deleted_pod_is_always_news_and_is_forgotten() -> None:
 
 
 def test_pods_without_a_namespace_are_in_the_default_one() -> None:
-    seen = PodsSeen()
+    seen = SeenSummaries()
     assert seen.changed("default", "p", "v1")
     assert not seen.changed(None, "p", "v1")
 
@@ -178,3 +180,33 @@ def test_a_memo_without_state_gets_one_and_keeps_it() -> None:
     state = state_of(memo)
     assert isinstance(state, OperatorState)
     assert state_of(memo) is state
+
+
+def test_a_flow_runs_while_its_context_is_entered() -> None:
+    work = CheckpointWork()
+    with work.flow_running("ns", "ck"):
+        assert work.flow_runs("ns", "ck")
+        assert not work.flow_runs("ns", "other")
+    assert not work.flow_runs("ns", "ck")
+
+
+async def test_one_records_removal_per_checkpoint_at_a_time() -> None:
+    work = CheckpointWork()
+    gate = asyncio.Event()
+    started: list[str] = []
+
+    async def removal() -> None:
+        started.append("ck")
+        await gate.wait()
+
+    task = work.remove("ns", "ck", removal)
+    assert task is not None
+    assert work.remove("ns", "ck", removal) is None, "a repeat while it runs starts nothing"
+    gate.set()
+    with anyio.fail_after(5):
+        await task
+    assert started == ["ck"]
+    again = work.remove("ns", "ck", removal)
+    assert again is not None, "once ended, a new event starts it again"
+    await work.close()
+    assert again.cancelled()

@@ -4,10 +4,12 @@ which order (the order is what makes a crash harmless)."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from rollout_operator.cluster.objects import eviction_holds
 from rollout_operator.cluster.storage import StorageLocator
@@ -15,6 +17,8 @@ from rollout_operator.decide.policy import ANNOTATION_DEADLINE_OUTCOME, Note, Re
 from rollout_operator.flows.policypass import (
     CheckpointBusy,
     checkpoint_deleted,
+    keep_records_finalizer,
+    release_deleted_checkpoint,
     set_deleted,
     start_eviction_checkpoint,
 )
@@ -171,6 +175,7 @@ async def test_a_trainer_step_creates_an_owned_checkpoint_and_records_the_step(
     }
     assert created["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     assert created["metadata"]["labels"] == {api.LABEL_SET: "math"}
+    assert created["metadata"]["finalizers"] == [api.RECORDS_FINALIZER], "no patch adds it"
     assert "step 5" in created["metadata"]["annotations"]["checkpoint.rollout.dev/why"]
     assert sent() == [
         "create math-step-5",
@@ -353,7 +358,8 @@ async def test_the_finalizer_removes_records_and_leaves_latest_to_the_sets_pass(
     assert stored_set(cluster) == before
 
 
-async def test_the_finalizer_waits_while_a_recovery_restores_the_checkpoint(storage: Path) -> None:
+def restoring_new(storage: Path) -> FakeCluster:
+    """The set while its recovery restores checkpoint `new`."""
     body = rollout_set(storage)
     body["status"]["recovery"] = {
         "phase": "Restoring",
@@ -362,7 +368,11 @@ async def test_the_finalizer_waits_while_a_recovery_restores_the_checkpoint(stor
         "startedAt": stamp(0),
         "checkpoint": "new",
     }
-    cluster = seeded(body)
+    return seeded(body)
+
+
+async def test_the_finalizer_waits_while_a_recovery_restores_the_checkpoint(storage: Path) -> None:
+    cluster = restoring_new(storage)
     new = add_checkpoint(cluster, "new", 3, outcome="Ready", completed=4)
     with pytest.raises(CheckpointBusy):
         await checkpoint_deleted(cluster.kube(), new, locator=StorageLocator(None))
@@ -440,3 +450,150 @@ async def test_pods_deleted_by_a_suspend_are_not_evictions(storage: Path) -> Non
     now = T0 + timedelta(seconds=100)
     assert await start_eviction_checkpoint(cluster.kube(), pod, clock=lambda: now) is None
     assert cluster.list_objects(api.ROLLOUT_CHECKPOINT_PLURAL) == []
+
+
+# --- the records finalizer (the operator's own, not Kopf's) ---------------------------------------
+
+
+def finalized(cluster: FakeCluster, name: str, finalizers: list[str]) -> dict[str, Any]:
+    def mark(obj: dict[str, Any]) -> None:
+        obj["metadata"]["finalizers"] = finalizers
+
+    return cluster.update(api.ROLLOUT_CHECKPOINT_PLURAL, NS, name, mark)
+
+
+def deleting(cluster: FakeCluster, name: str) -> dict[str, Any]:
+    def mark(obj: dict[str, Any]) -> None:
+        obj["metadata"]["deletionTimestamp"] = stamp(10)
+
+    return cluster.update(api.ROLLOUT_CHECKPOINT_PLURAL, NS, name, mark)
+
+
+async def test_a_checkpoint_someone_else_created_gets_the_records_finalizer_once(
+    storage: Path,
+) -> None:
+    cluster = seeded(rollout_set(storage))
+    add_checkpoint(cluster, "by-hand", 1)
+    theirs = finalized(cluster, "by-hand", ["example.com/keep"])
+    kube = cluster.kube()
+    assert await keep_records_finalizer(kube, theirs)
+    stored = checkpoint(cluster, "by-hand")
+    assert stored is not None
+    assert stored["metadata"]["finalizers"] == ["example.com/keep", api.RECORDS_FINALIZER]
+    assert not await keep_records_finalizer(kube, stored), "present: nothing to add"
+    assert cluster.count("patch", api.ROLLOUT_CHECKPOINT_PLURAL) == 1
+
+
+async def test_a_finalizer_added_over_a_stale_version_is_left_to_the_next_event(
+    storage: Path,
+) -> None:
+    """A merge patch replaces the whole list: over a stale version it would drop a finalizer
+    someone added meanwhile, so the write carries the version it read and loses the race."""
+    cluster = seeded(rollout_set(storage))
+    stale = add_checkpoint(cluster, "by-hand", 1)
+    finalized(cluster, "by-hand", ["example.com/keep"])
+    assert not await keep_records_finalizer(cluster.kube(), stale)
+    stored = checkpoint(cluster, "by-hand")
+    assert stored is not None
+    assert stored["metadata"]["finalizers"] == ["example.com/keep"]
+
+
+async def test_no_finalizer_is_added_to_a_checkpoint_being_deleted(storage: Path) -> None:
+    cluster = seeded(rollout_set(storage))
+    add_checkpoint(cluster, "going", 1)
+    assert not await keep_records_finalizer(cluster.kube(), deleting(cluster, "going"))
+    assert cluster.count("patch", api.ROLLOUT_CHECKPOINT_PLURAL) == 0
+
+
+async def test_a_deleted_checkpoint_loses_its_records_then_only_its_own_finalizer(
+    storage: Path,
+) -> None:
+    cluster = seeded(rollout_set(storage))
+    add_checkpoint(cluster, "old", 1, outcome="Ready", completed=2)
+    folder = records(storage, "old")
+    finalized(cluster, "old", [api.RECORDS_FINALIZER, "example.com/keep"])
+    deleting(cluster, "old")
+    outcome = await release_deleted_checkpoint(
+        cluster.kube(), NS, "old", flow_runs=lambda: False, locator=StorageLocator(None)
+    )
+    assert "removed" in outcome
+    assert not folder.exists()
+    stored = checkpoint(cluster, "old")
+    assert stored is not None
+    assert stored["metadata"]["finalizers"] == ["example.com/keep"]
+
+
+def releasing(
+    cluster: FakeCluster,
+    name: str,
+    outcomes: list[str],
+    *,
+    flow_runs: Callable[[], bool] = lambda: False,
+    retry_seconds: float = 5.0,
+) -> Callable[[], Awaitable[None]]:
+    """The records removal of checkpoint `name`, to run as a task; its outcome goes to
+    `outcomes`."""
+
+    async def release() -> None:
+        outcomes.append(
+            await release_deleted_checkpoint(
+                cluster.kube(),
+                NS,
+                name,
+                flow_runs=flow_runs,
+                locator=StorageLocator(None),
+                retry_seconds=retry_seconds,
+            )
+        )
+
+    return release
+
+
+async def test_the_records_stay_until_the_deleted_checkpoints_flow_has_ended(
+    storage: Path,
+) -> None:
+    """A deleted checkpoint's flow aborts first (participants resumed, the Lease released);
+    nothing is removed while it runs, and the removal goes on once it ended."""
+    cluster = seeded(rollout_set(storage))
+    add_checkpoint(cluster, "running", 1, outcome="Ready", completed=2)
+    folder = records(storage, "running")
+    finalized(cluster, "running", [api.RECORDS_FINALIZER])
+    deleting(cluster, "running")
+    flow = anyio.Event()
+    outcomes: list[str] = []
+    release = releasing(cluster, "running", outcomes, flow_runs=lambda: not flow.is_set())
+    async with anyio.create_task_group() as group:
+        group.start_soon(release)
+        await anyio.wait_all_tasks_blocked()
+        assert folder.exists(), "removed while the flow still ran"
+        assert cluster.count("patch", api.ROLLOUT_CHECKPOINT_PLURAL) == 0
+        flow.set()
+        # The flow's last write (its Failed phase) is an event of the set: the removal looks.
+        cluster.update(api.ROLLOUT_CHECKPOINT_PLURAL, NS, "running", lambda obj: None)
+    assert outcomes
+    assert "removed" in outcomes[0]
+    assert not folder.exists()
+    stored = checkpoint(cluster, "running")
+    assert stored is not None
+    assert stored["metadata"]["finalizers"] == []
+
+
+async def test_a_busy_removal_tries_again_until_the_recovery_is_done(storage: Path) -> None:
+    cluster = restoring_new(storage)
+    add_checkpoint(cluster, "new", 3, outcome="Ready", completed=4)
+    finalized(cluster, "new", [api.RECORDS_FINALIZER])
+    deleting(cluster, "new")
+    outcomes: list[str] = []
+    async with anyio.create_task_group() as group:
+        group.start_soon(releasing(cluster, "new", outcomes, retry_seconds=0.01))
+        await anyio.wait_all_tasks_blocked()
+        assert not outcomes, "a restoring recovery holds the removal"
+
+        def recovered(rset: dict[str, Any]) -> None:
+            rset["status"].pop("recovery")
+
+        cluster.update(api.ROLLOUT_SET_PLURAL, NS, "math", recovered)
+    assert outcomes
+    stored = checkpoint(cluster, "new")
+    assert stored is not None
+    assert stored["metadata"]["finalizers"] == []

@@ -305,6 +305,28 @@ class Kube:
         """Delete a RolloutCheckpoint; False when it is gone already."""
         return await self._delete(_checkpoints(namespace, name))
 
+    async def set_checkpoint_finalizers(
+        self, namespace: str, name: str, finalizers: list[str], *, resource_version: str
+    ) -> dict[str, Any] | None:
+        """Replace the checkpoint's finalizers if it is unchanged since `resource_version` (a
+        merge patch replaces the whole list, so a writer in between is a `Conflict`, never a
+        finalizer of someone else's dropped); None when the checkpoint is gone."""
+        body = {"metadata": {"finalizers": finalizers, "resourceVersion": resource_version}}
+        try:
+            obj = await self._merge(_checkpoints(namespace, name), body)
+        except ApiError as error:
+            if error.status == 409:
+                raise Conflict(error.message) from error
+            if error.status == 404:
+                return None
+            raise
+        meta = obj.get("metadata") or {}
+        if not (meta.get("deletionTimestamp") and not meta.get("finalizers")):
+            # (The last finalizer of a deleted object: the API server removes it now, and the
+            # watch's DELETED event drops it from the cache; nothing to remember.)
+            self.cache.saw(CHECKPOINTS, obj, set_name=_checkpoint_set(obj))
+        return obj
+
     async def patch_checkpoint_status(
         self, namespace: str, name: str, status: Mapping[str, Any]
     ) -> dict[str, Any]:

@@ -12,9 +12,13 @@ The holder keeps the slot while its checkpoint runs, across operator restarts (t
 continues the checkpoint from its persisted phase and finds its name in the Lease). A holder is
 taken over when its checkpoint is gone, being deleted or finished; and when the Lease lapsed
 (`renewTime + leaseDurationSeconds`, the longest a checkpoint's steps may take) while its
-checkpoint never started preparing (an operator that died between the take and the first phase
-write). A Lease that names a running checkpoint is never taken over: its participants would
-refuse a second checkpoint (`conflicting_checkpoint`).
+checkpoint shows no running phase: it never started preparing, or its operator died within the
+first second of it (the intermediate phases are written only once they last over a second,
+docs/design.md#61-checkpoint). Taking over is then safe: every call of that checkpoint had a
+deadline within the Lease's duration, and each participant resumes by itself once its own lease
+(that deadline plus a grace shorter than the Lease's margin) lapses, so none is still paused for
+it, and its id is stale there. A Lease that names a running checkpoint is never taken over: its
+participants would refuse a second checkpoint (`conflicting_checkpoint`).
 
 The last Lease this process wrote is remembered per set, so a take or a release is one request
 (the patch) while nobody else wrote it; the Lease is read only when that patch is refused.
@@ -187,6 +191,18 @@ class CheckpointLeases:
             except (Conflict, LookupError):
                 lease = await self._read(key)
         return holder_of(lease) or "another writer of the Lease"
+
+    def held_since(self, namespace: str, set_name: str, ckpt: RolloutCheckpoint) -> float | None:
+        """When `ckpt` took the set's Lease (its `acquireTime`, kept across renewals and operator
+        restarts), as this process last wrote or read it; None when it does not hold it here.
+
+        The checkpoint's start: a successor that finds no phase written (the intermediate
+        phases are written only once they last over a second) takes its start time and prepare
+        deadline from here, the same ones the first run had."""
+        lease = self._known.get((namespace, set_name))
+        if lease is None or holder_of(lease) != ckpt.metadata.name:
+            return None
+        return _parse_micro_time((lease.get("spec") or {}).get("acquireTime"))
 
     async def _holds(self, namespace: str, holder: str, lease: Mapping[str, Any]) -> bool:
         raw = await self._kube.get_checkpoint(namespace, holder)

@@ -9,7 +9,11 @@
   only then pods are deleted (a suspend's release) and old checkpoints removed.
 - `start_eviction_checkpoint(pod)`: a participant pod got a deletion timestamp.
 - `checkpoint_deleted` / `set_deleted`: what the finalizers do: remove records (the set's pass
-  then repoints `latestCheckpoint`).
+  then repoints `latestCheckpoint`). A checkpoint's finalizer is the operator's own
+  (`RECORDS_FINALIZER`, not Kopf's: docs/design.md#65-retention-and-records): the checkpoints
+  the policy creates carry it from their creation, `keep_records_finalizer` adds it to the
+  others (a person's, a trainer's), and `release_deleted_checkpoint` removes the records of
+  a checkpoint being deleted and then the finalizer.
 
 **Where records are removed.** Records live on the set's storage volume, which every
 participant pod mounts. The finalizers remove them through `flows.records.RecordsRemover`:
@@ -41,6 +45,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final
 
+import anyio
 from pydantic import ValidationError
 
 from ..cluster.kube import ApiError, Conflict, Kube
@@ -61,10 +66,12 @@ from ..decide.policy import (
 from ..decide.resources import owner_reference, set_selector
 from ..model.api import (
     API_VERSION,
+    CHECKPOINT_SET_FIELD,
     GROUP,
     LABEL_ATTEMPT,
     LABEL_SET,
     LABEL_STANDBY,
+    RECORDS_FINALIZER,
     ROLLOUT_CHECKPOINT_KIND,
     RecoveryPhase,
     RolloutSet,
@@ -107,6 +114,8 @@ def checkpoint_manifest(rset: RolloutSet, create: Create) -> dict[str, Any]:
         "labels": {LABEL_SET: rset.metadata.name},
         "annotations": {ANNOTATION_WHY: create.why},
         "ownerReferences": [owner_reference(rset)],
+        # Its records go before it does; carried from the creation, so no patch adds it.
+        "finalizers": [RECORDS_FINALIZER],
     }
     if rset.metadata.namespace:
         metadata["namespace"] = rset.metadata.namespace
@@ -378,6 +387,82 @@ async def checkpoint_deleted(
     ):
         raise CheckpointBusy(f"recovery of set {rset.metadata.name} restores {name}")
     return await _removed(kube, rset, [name], locator, on_note)
+
+
+RELEASE_RETRY_SECONDS: Final = 5.0
+"""How soon a records removal that could not finish (a recovery restores the checkpoint, a
+cleanup pod runs, the API server did not answer) tries again."""
+FLOW_LOOK_SECONDS: Final = 1.0
+"""How often a records removal looks whether the deleted checkpoint's flow has ended (it also
+looks on every event of the checkpoint's set)."""
+
+
+def _finalizers(ckpt: Mapping[str, Any]) -> list[str]:
+    return list((ckpt.get("metadata") or {}).get("finalizers") or [])
+
+
+async def keep_records_finalizer(kube: Kube, ckpt: Mapping[str, Any]) -> bool:
+    """Add `RECORDS_FINALIZER` to a checkpoint that is not being deleted and lacks it (one a
+    person or trainer created, or one from before the operator had it); True when this call
+    added it. A checkpoint that changed meanwhile (`Conflict`) is left to that change's event."""
+    meta = ckpt.get("metadata") or {}
+    finalizers = _finalizers(ckpt)
+    if meta.get("deletionTimestamp") or RECORDS_FINALIZER in finalizers:
+        return False
+    try:
+        added = await kube.set_checkpoint_finalizers(
+            meta.get("namespace") or "default",
+            str(meta.get("name")),
+            [*finalizers, RECORDS_FINALIZER],
+            resource_version=str(meta.get("resourceVersion") or ""),
+        )
+    except Conflict:
+        return False
+    return added is not None
+
+
+async def release_deleted_checkpoint(
+    kube: Kube,
+    namespace: str,
+    name: str,
+    *,
+    flow_runs: Callable[[], bool],
+    locator: StorageLocator | None = None,
+    on_note: NoteSink | None = None,
+    retry_seconds: float = RELEASE_RETRY_SECONDS,
+) -> str:
+    """The records finalizer of a checkpoint being deleted: once its flow no longer runs here
+    (`flow_runs`: a deleted checkpoint's flow aborts first, resuming every participant), remove
+    its records (`checkpoint_deleted`), then the finalizer. Tries again after `retry_seconds`
+    while that cannot be done yet; returns what was done once the finalizer (or the object) is
+    gone."""
+    fresh = False
+    while True:
+        raw = await kube.get_checkpoint(namespace, name, fresh=fresh)
+        fresh = False
+        if raw is None or RECORDS_FINALIZER not in _finalizers(raw):
+            return "the records finalizer is gone already"
+        set_name = (raw.get("spec") or {}).get(CHECKPOINT_SET_FIELD)
+        if flow_runs():
+            await kube.cache.wait_for_change(namespace, str(set_name), FLOW_LOOK_SECONDS)
+            continue
+        try:
+            outcome = await checkpoint_deleted(kube, raw, locator=locator, on_note=on_note)
+            left = [f for f in _finalizers(raw) if f != RECORDS_FINALIZER]
+            version = str((raw.get("metadata") or {}).get("resourceVersion") or "")
+            await kube.set_checkpoint_finalizers(namespace, name, left, resource_version=version)
+            return outcome
+        except Conflict:
+            fresh = True  # changed meanwhile (another finalizer, a label): read it and go on
+        except (CheckpointBusy, ApiError, OSError, TimeoutError) as error:
+            logger.info(
+                "checkpoint %s/%s: records not removed yet (%s); again in %.0fs",
+                namespace,
+                name,
+                error,
+                retry_seconds,
+            )
+            await anyio.sleep(retry_seconds)
 
 
 async def set_deleted(

@@ -6,7 +6,8 @@ flows. Here:
 
 - `reconcile_set`: one pass of the RolloutSet reconciler (what the Kopf daemon runs). It also
   derives the set's checkpoint fields from its checkpoints (`setstatus`) and, once a checkpoint
-  is Ready, writes the latest-checkpoint hints on the pods it covers (`mark_covered_pods`).
+  is Ready, writes the latest-checkpoint hints on the pods it covers (`mark_covered_pods`),
+  where the set's `checkpointPolicy.podHints` asks for them.
 - `repair_set_attempt`: the set pass's own repair (docs/design.md#610-status-written-by-hand):
   an `attempt` or `createdAttempt` that contradicts the running pods is written back from them.
   It runs before the recovery looks at the set (`flows/reconciler.py`): a recovery acting on an
@@ -245,9 +246,11 @@ async def mark_covered_pods(
 ) -> None:
     """Annotate the pods the set's latest checkpoint covers (those that were running when it
     started) with its name and completion time, where they do not say so already: one patch
-    per pod per checkpoint, after it is Ready, off its critical path. Best effort: a pod that
-    is gone or a refused patch is logged."""
-    if latest is None:
+    per pod per checkpoint, after it is Ready, off its critical path. Only for a set whose
+    `checkpointPolicy.podHints` asks for them (docs/operations.md, "Which pod to preempt"): each
+    patch comes back as a pod event to every watcher. Best effort: a pod that is gone or a
+    refused patch is logged."""
+    if latest is None or not rset.spec.checkpoint_policy.pod_hints:
         return
     ckpt = next((c for c in checkpoints if c["metadata"]["name"] == latest), None)
     status = (ckpt or {}).get("status") or {}

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 from ..cluster.objects import OwnedObjects
 from ..metrics import SetTransitions
+
+logger = logging.getLogger(__name__)
 
 SetKey = tuple[str, str]
 """A set by (namespace, name); the namespace is "default" when the event had none."""
@@ -72,21 +75,25 @@ class Wakeups:
         return list(self._events)
 
 
-class PodsSeen:
-    """Per participant pod, what the set's pass last could see of it (labels, deletion, node,
-    status: `handlers.rolloutset._what_the_pass_sees`, as a string).
+class SeenSummaries:
+    """Per object, a summary of what a handler last saw of it, so that an event wakes a loop
+    only when what the loop reads of the object changed.
 
-    Written and read by the pod-event handler (`handlers/rolloutset.py` `pod_event`), which
-    wakes the set's loop only when this changed: the set's pass annotating its pods after a
-    checkpoint would otherwise wake it once per pod. An entry goes with the pod's DELETED event.
+    Two of them: `OperatorState.pods_seen`, per participant pod what the set's pass can see of
+    it (labels, deletion, node, status: `handlers.rolloutset._what_the_pass_sees`), written and
+    read by the pod-event handler (the set's pass annotating its pods after a checkpoint would
+    otherwise wake it once per pod); and `OperatorState.checkpoints_seen`, per checkpoint its
+    phase and deletion, written and read by the checkpoint-event handler
+    (`handlers/rolloutcheckpoint.py`: its own finalizer patch, say, wakes nobody). An entry goes
+    with the object's DELETED event.
     """
 
     def __init__(self) -> None:
-        self._seen: dict[SetKey, str] = {}
+        self._seen: dict[SetKey, object] = {}
 
-    def changed(self, namespace: str | None, name: str, seen: str | None) -> bool:
-        """Record what is seen of the pod now (None: the pod is gone); whether that is news,
-        i.e. differs from what was recorded (a deleted pod always is)."""
+    def changed(self, namespace: str | None, name: str, seen: object) -> bool:
+        """Record what is seen of the object now (None: it is gone); whether that is news,
+        i.e. differs from what was recorded (a deleted object always is)."""
         key = _key(namespace, name)
         if seen is None:
             self._seen.pop(key, None)
@@ -95,6 +102,15 @@ class PodsSeen:
             return False
         self._seen[key] = seen
         return True
+
+    def swap(self, namespace: str | None, name: str, seen: object) -> object:
+        """Record what is seen of the object now (None: it is gone); what was recorded before
+        (None: nothing)."""
+        key = _key(namespace, name)
+        before = self._seen.pop(key, None)
+        if seen is not None:
+            self._seen[key] = seen
+        return before
 
 
 class LatestWritten:
@@ -147,6 +163,100 @@ class LoggedNotes:
         return True
 
 
+COORDINATED_REMEMBERED: Final = 4096
+"""How many participant pods `CoordinatedPods` remembers (the oldest is forgotten first)."""
+
+
+class CoordinatedPods:
+    """The participant pods whose control plane said it coordinates its worker processes (or
+    runs one), so that a checkpoint need not ask them again (docs/design.md#47-workers).
+
+    A pod's servers cannot change for its life (participant pods never restart a container:
+    `restartPolicy: Never`), so the answer holds per pod, by namespace, name and address (a pod
+    created again under the same name gets a new identity here unless it also got the same
+    address, and runs the same template then). Written and read by the checkpoint flow
+    (`flows/checkpoint/prepare.py`, `refuse_unmanaged_workers`): a checkpoint asks only when a
+    participant is not known here, i.e. the first checkpoint of each attempt. Bounded: past
+    `limit` pods the oldest is forgotten (and asked again)."""
+
+    def __init__(self, limit: int = COORDINATED_REMEMBERED) -> None:
+        self._limit = limit
+        self._known: dict[tuple[str, str, str], None] = {}
+
+    def known(self, namespace: str, pods: list[tuple[str, str]]) -> bool:
+        """Whether every (pod, address) of `pods` said so already."""
+        return all((namespace, pod, address) in self._known for pod, address in pods)
+
+    def remember(self, namespace: str, pods: list[tuple[str, str]]) -> None:
+        for pod, address in pods:
+            self._known[(namespace, pod, address)] = None
+        while len(self._known) > self._limit:
+            del self._known[next(iter(self._known))]
+
+
+class CheckpointWork:
+    """Per checkpoint, the work this process does on it besides Kopf's handlers: whether its
+    flow runs here, and the task that removes its records once it is being deleted.
+
+    `flow_running` is entered by the checkpoint daemon (`handlers/rolloutcheckpoint.py`) around
+    the flow; `flow_runs` is read by the records removal, which waits until a deleted
+    checkpoint's flow has aborted (participants resumed, the Lease released) before it removes
+    anything. `remove` is called by the checkpoint-event handler (`handlers/policy.py`) on every
+    event of a checkpoint being deleted that still has the records finalizer: one task per
+    checkpoint (a repeat while it runs is a no-op), cancelled at the operator's exit (`close`;
+    the successor starts it again from the event its watch's first listing delivers).
+    """
+
+    def __init__(self) -> None:
+        self._flows: dict[SetKey, int] = {}
+        self._removals: dict[SetKey, asyncio.Task[None]] = {}
+
+    @contextlib.contextmanager
+    def flow_running(self, namespace: str, name: str) -> Iterator[None]:
+        key = _key(namespace, name)
+        self._flows[key] = self._flows.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            self._flows[key] -= 1
+            if not self._flows[key]:
+                del self._flows[key]
+
+    def flow_runs(self, namespace: str, name: str) -> bool:
+        return _key(namespace, name) in self._flows
+
+    def remove(
+        self, namespace: str, name: str, work: Callable[[], Coroutine[Any, Any, None]]
+    ) -> asyncio.Task[None] | None:
+        """Start `work` (the records removal of this checkpoint) unless it runs already; the
+        task when this call started it."""
+        key = _key(namespace, name)
+        running = self._removals.get(key)
+        if running is not None and not running.done():
+            return None
+        task = asyncio.create_task(work(), name=f"records of checkpoint {key[0]}/{key[1]}")
+        self._removals[key] = task
+
+        def ended(done: asyncio.Task[None]) -> None:
+            if self._removals.get(key) is done:
+                del self._removals[key]
+            if not done.cancelled() and (error := done.exception()) is not None:
+                logger.error("records removal of %s/%s failed: %r", *key, error)
+
+        task.add_done_callback(ended)
+        return task
+
+    def removing(self, namespace: str, name: str) -> bool:
+        return _key(namespace, name) in self._removals
+
+    async def close(self) -> None:
+        """Cancel every removal under way (the operator stops)."""
+        tasks = list(self._removals.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 @dataclass(frozen=True)
 class OperatorState:
     """Everything this operator process remembers outside the API server, one part per concern
@@ -160,12 +270,15 @@ class OperatorState:
     """The sets' reconcile loops (`handlers/rolloutset.py` `reconcile_loop`)."""
     policy_loops: Wakeups = field(default_factory=Wakeups)
     """The sets' checkpoint-policy loops (`handlers/policy.py` `policy_loop`)."""
-    pods_seen: PodsSeen = field(default_factory=PodsSeen)
+    pods_seen: SeenSummaries = field(default_factory=SeenSummaries)
+    checkpoints_seen: SeenSummaries = field(default_factory=SeenSummaries)
     latest_written: LatestWritten = field(default_factory=LatestWritten)
     owned_objects: OwnedObjects = field(default_factory=OwnedObjects)
     """Which sets' token Secret and Services this process ensured, and when: written and read
     by the set's pass (`cluster.objects.OwnedObjects`)."""
     logged_notes: LoggedNotes = field(default_factory=LoggedNotes)
+    checkpoints: CheckpointWork = field(default_factory=CheckpointWork)
+    coordinated_pods: CoordinatedPods = field(default_factory=CoordinatedPods)
     transitions: SetTransitions = field(default_factory=SetTransitions)
     """Each set's last status seen through its watch: written and read by the `observe`
     handler (`handlers/rolloutset.py`), which posts an Event per transition
@@ -174,10 +287,12 @@ class OperatorState:
 
 __all__ = [
     "NOTES_LOGGED",
+    "CheckpointWork",
+    "CoordinatedPods",
     "LatestWritten",
     "LoggedNotes",
     "OperatorState",
-    "PodsSeen",
+    "SeenSummaries",
     "SetKey",
     "Wakeups",
 ]

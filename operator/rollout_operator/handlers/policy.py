@@ -11,8 +11,10 @@
   `QueuePass` acts on it before the policy's.
 - `pod_terminating`: a participant pod got a deletion timestamp: the Eviction checkpoint is
   created right from the pod event (the grace period is short; the loop may be mid-pass).
-- `checkpoint_deleted` / `set_deleted`: the finalizers that remove records (retention deletes
-  checkpoints through the API like a person would, so both paths go through here).
+- the checkpoint events (a checkpoint appeared, finished or went: deadline, suspend and retention
+  depend on it) wake the loop from `handlers/rolloutcheckpoint.py` (`wake_policy`), which also
+  carries the checkpoints' records finalizer.
+- `remove_set_checkpoints`: the set's finalizer (Kopf's `on.delete`): its checkpoints go first.
 
 What one pass of the loop runs is `flows.reconciler.policy_pass`; the loops' wake-up Events are
 in the process's `OperatorState` (`state_of(memo).policy_loops`,
@@ -30,17 +32,11 @@ from ..cluster.storage import StorageLocator
 from ..decide.policy import Note
 from ..decide.queue import KUEUE_GROUP, KUEUE_VERSION, WORKLOADS
 from ..flows.passloop import STOP_BACKOFF_SECONDS, Next, PassLoop, Stopped
-from ..flows.policypass import (
-    CheckpointBusy,
-    checkpoint_deleted,
-    set_deleted,
-    start_eviction_checkpoint,
-)
+from ..flows.policypass import CheckpointBusy, set_deleted, start_eviction_checkpoint
 from ..flows.reconciler import policy_pass
 from ..model.api import (
     GROUP,
     LABEL_SET,
-    ROLLOUT_CHECKPOINT_PLURAL,
     ROLLOUT_SET_PLURAL,
     VERSION,
     RolloutSet,
@@ -126,15 +122,6 @@ async def set_changed(namespace: str | None, name: str, memo: kopf.Memo, **_: An
     wake_policy(memo, namespace, name)
 
 
-@kopf.on.event(GROUP, VERSION, ROLLOUT_CHECKPOINT_PLURAL, id="policy-checkpoint-changed")
-async def checkpoint_changed(
-    namespace: str | None, spec: kopf.Spec, memo: kopf.Memo, **_: Any
-) -> None:
-    """A checkpoint of the set appeared, progressed, finished or went: deadline, suspend and
-    retention depend on it."""
-    wake_policy(memo, namespace, spec.get("rolloutSet"))
-
-
 @kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, WORKLOADS, labels={LABEL_SET: kopf.PRESENT}, id="queue")
 async def workload_changed(
     namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any
@@ -179,26 +166,6 @@ async def pod_terminating(
         )
 
 
-@kopf.on.delete(GROUP, VERSION, ROLLOUT_CHECKPOINT_PLURAL, id="remove-records")
-async def remove_checkpoint_records(
-    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any
-) -> None:
-    """The finalizer of a RolloutCheckpoint: its records go with it
-    (docs/design.md#65-retention-and-records)."""
-
-    async def note(rset: RolloutSet, found: Note) -> None:
-        await _post(rset, found)
-
-    try:
-        outcome = await checkpoint_deleted(
-            kube_of(memo, kwargs), body, locator=StorageLocator.from_env(), on_note=note
-        )
-    except CheckpointBusy as busy:
-        raise kopf.TemporaryError(str(busy), delay=5) from busy
-    logger.info("checkpoint %s deleted: %s", body.meta.name, outcome)
-    wake_policy(memo, body.meta.namespace, body.get("spec", {}).get("rolloutSet"))
-
-
 @kopf.on.delete(GROUP, VERSION, ROLLOUT_SET_PLURAL, id="remove-checkpoints", timeout=300)
 async def remove_set_checkpoints(
     body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any
@@ -219,10 +186,8 @@ async def remove_set_checkpoints(
 
 
 __all__ = [
-    "checkpoint_changed",
     "pod_terminating",
     "policy_loop",
-    "remove_checkpoint_records",
     "remove_set_checkpoints",
     "set_changed",
     "wake_policy",

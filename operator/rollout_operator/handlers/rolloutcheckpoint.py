@@ -1,4 +1,21 @@
-"""RolloutCheckpoint handlers: one daemon per unfinished checkpoint runs its flow.
+"""RolloutCheckpoint handlers: one daemon per unfinished checkpoint runs its flow, and one event
+handler for everything else a checkpoint's events mean (`checkpoint_event`).
+
+**The event handler.** Every event of a checkpoint carries its records finalizer (the
+operator's own, `RECORDS_FINALIZER`, docs/design.md#65-retention-and-records): added where it is
+missing (a checkpoint a person or a trainer created; the policy's carry it from their
+creation), and on a checkpoint being deleted a task (`OperatorState.checkpoints`) removes its
+records and then the finalizer (`policypass.release_deleted_checkpoint`). And it wakes the
+set's loops, only when what they read of the checkpoint changed (`OperatorState.
+checkpoints_seen`): the policy loop when the checkpoint finished or is going (deadline,
+suspend and retention depend on it), the set's reconcile loop when it entered a phase after
+which the set's checkpoint fields may change (none, Preparing, Ready, Failed; `setstatus`) or
+is going. Its own finalizer patch, a published status and a first sight of a new checkpoint
+wake neither. An event handler, not Kopf's `on.delete`: a change handler on the checkpoint kind
+would make Kopf keep a diff-base and its own finalizer on every checkpoint (two patches and two
+events each, docs/operations.md "API requests and operator CPU per checkpoint").
+
+**The daemon.**
 
 A daemon (not an event handler) because the flow is long and must continue after an operator
 restart: Kopf starts daemons again for every object that still exists, and
@@ -12,6 +29,14 @@ its own, so a later reset of the status would go unseen), and `cancellation_back
 return instead of being cancelled (Kopf would otherwise cancel at once and log a warning for
 every checkpoint). An exception (the API server unreachable, say) restarts the daemon after
 `backoff` seconds, and the flow continues from the persisted phase.
+
+The daemon needs no Kopf finalizer (`_without_kopf_finalizer`): every checkpoint carries the
+operator's own records finalizer (`RECORDS_FINALIZER`, `handlers/policy.py`), so a deletion
+always shows as a deletion timestamp first, which is what stops the daemon; and the records
+removal waits until the flow here has ended (`OperatorState.checkpoints.flow_runs`). Kopf's own
+finalizer would cost two patches per checkpoint (added at creation, removed when the phase is
+terminal) and two more watch events (docs/operations.md, "API requests and operator CPU per
+checkpoint").
 
 Kopf also stops the daemon when the checkpoint is deleted or the operator shuts down, and the
 two are handled differently:
@@ -31,24 +56,33 @@ two are handled differently:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Final
 
 import anyio
 import kopf
 
 from .. import metrics
-from ..cluster.kube import Kube
+from ..cluster.kube import ApiError, Kube
+from ..cluster.storage import StorageLocator
+from ..decide.policy import Note
 from ..flows.checkpoint import TERMINAL, CheckpointFlow
 from ..flows.passloop import TRANSIENT
+from ..flows.policypass import keep_records_finalizer, release_deleted_checkpoint
 from ..model.api import (
+    CHECKPOINT_SET_FIELD,
     GROUP,
+    RECORDS_FINALIZER,
     ROLLOUT_CHECKPOINT_PLURAL,
     VERSION,
     CheckpointPhase,
     RolloutCheckpoint,
+    RolloutSet,
 )
+from .events import post_set_event
+from .policy import wake_policy
 from .rolloutset import wake
-from .runtime import checkpoint_slots_of, kube_of, leases_of
+from .runtime import checkpoint_slots_of, kube_of, leases_of, state_of
 
 HANDOVER_SECONDS: Final = 4.0
 """How long a flow may still run after the operator was told to stop, before it is left to the
@@ -96,7 +130,11 @@ async def run_checkpoint(
 
     kube = kube_of(memo, kwargs)
     flow = CheckpointFlow(
-        kube, on_transition=event, slots=checkpoint_slots_of(memo), leases=leases_of(memo)
+        kube,
+        on_transition=event,
+        slots=checkpoint_slots_of(memo),
+        leases=leases_of(memo),
+        coordinated=state_of(memo).coordinated_pods,
     )
     phases: list[CheckpointPhase | None] = []
     failures: list[Exception] = []
@@ -119,9 +157,10 @@ async def run_checkpoint(
 
         async def work() -> None:
             try:
-                phases.append(
-                    await flow.run(namespace or "default", name, abort_when_cancelled=_aborts)
-                )
+                with state_of(memo).checkpoints.flow_running(namespace or "default", name):
+                    phases.append(
+                        await flow.run(namespace or "default", name, abort_when_cancelled=_aborts)
+                    )
             except Exception as error:  # raised below, outside the task group's wrapping
                 failures.append(error)
             finally:
@@ -153,6 +192,128 @@ async def run_checkpoint(
     if isinstance(rollout_set, str):
         wake(memo, namespace, rollout_set)
         await _until_stopped(kube, stopped, namespace or "default", name, rollout_set)
+
+
+def _without_kopf_finalizer(handler_id: str, registry: kopf.OperatorRegistry) -> None:
+    """Register the daemon `handler_id` as one that needs no Kopf finalizer.
+
+    Kopf marks every daemon as needing its finalizer (so that it is stopped before its object
+    goes) and offers no option against it; the checkpoint's own records finalizer does that job
+    here (module docstring). Kopf's registry of daemons is not public API: if it changes, this
+    raises at import instead of quietly adding the finalizer back
+    (tests/unit/test_checkpoint_handlers.py checks the outcome through Kopf's own logic)."""
+    spawning = registry._spawning
+    handlers = spawning._handlers
+    found = [i for i, handler in enumerate(handlers) if handler.id == handler_id]
+    if len(found) != 1:
+        raise LookupError(f"daemon {handler_id!r} is registered {len(found)} times")
+    handlers[found[0]] = dataclasses.replace(handlers[found[0]], requires_finalizer=False)
+
+
+_without_kopf_finalizer("run", kopf.get_default_registry())
+
+
+_WAKES_SET: Final = frozenset(
+    {
+        None,
+        CheckpointPhase.PREPARING.value,
+        CheckpointPhase.READY.value,
+        CheckpointPhase.FAILED.value,
+    }
+)
+"""Checkpoint phases after which the set's checkpoint fields may change (`setstatus`): none (a
+status reset by hand), Preparing (`activeCheckpoint`), Ready and Failed."""
+_UNSEEN: Final = (None, False)
+"""What a checkpoint not seen before counts as: no phase, not being deleted."""
+_FINISHED: Final = frozenset(phase.value for phase in TERMINAL)
+
+
+@kopf.on.event(GROUP, VERSION, ROLLOUT_CHECKPOINT_PLURAL, id="checkpoint-event")
+async def checkpoint_event(
+    type: str | None,
+    namespace: str | None,
+    name: str,
+    body: kopf.Body,
+    spec: kopf.Spec,
+    status: kopf.Status,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    **kwargs: Any,
+) -> None:
+    """The records finalizer, and a wake of the set's loops when what they read of the
+    checkpoint changed (see the module docstring)."""
+    namespace = namespace or "default"
+    set_name = spec.get(CHECKPOINT_SET_FIELD)
+    state = state_of(memo)
+    deleting = body.meta.get("deletionTimestamp") is not None
+    phase = status.get("phase")
+    if type == "DELETED":
+        state.checkpoints_seen.swap(namespace, name, None)
+        wake(memo, namespace, set_name)
+        wake_policy(memo, namespace, set_name)
+        return
+    seen = state.checkpoints_seen.swap(namespace, name, (phase, deleting))
+    before = seen if isinstance(seen, tuple) else _UNSEEN
+    if (phase, deleting) != before and (phase in _WAKES_SET or deleting != before[1]):
+        wake(memo, namespace, set_name)
+    if _for_policy(phase, deleting) != _for_policy(*before):
+        wake_policy(memo, namespace, set_name)
+    await _keep_records_finalizer(memo, kwargs, namespace, name, body, spec, logger)
+
+
+def _for_policy(phase: object, deleting: bool) -> tuple[object, bool]:
+    """What the policy reads of a checkpoint: whether it finished, how, and whether it goes."""
+    return (phase if phase in _FINISHED else None, deleting)
+
+
+async def _keep_records_finalizer(
+    memo: kopf.Memo,
+    kwargs: dict[str, Any],
+    namespace: str,
+    name: str,
+    body: kopf.Body,
+    spec: kopf.Spec,
+    logger: kopf.Logger,
+) -> None:
+    finalizers = body.meta.get("finalizers") or []
+    if body.meta.get("deletionTimestamp") is None:
+        if RECORDS_FINALIZER not in finalizers:
+            try:
+                await keep_records_finalizer(kube_of(memo, kwargs), body)
+            except (ApiError, OSError, TimeoutError) as error:
+                # The next event of the checkpoint tries again (its flow writes its status).
+                logger.warning("records finalizer not added to %s: %s", name, error)
+        return
+    if RECORDS_FINALIZER in finalizers:
+        state_of(memo).checkpoints.remove(
+            namespace, name, lambda: _release(memo, kwargs, namespace, name, spec, logger)
+        )
+
+
+async def _release(
+    memo: kopf.Memo,
+    kwargs: dict[str, Any],
+    namespace: str,
+    name: str,
+    spec: kopf.Spec,
+    logger: kopf.Logger,
+) -> None:
+    """A deleted checkpoint's records, then its finalizer (`release_deleted_checkpoint`)."""
+
+    async def note(rset: RolloutSet, found: Note) -> None:
+        post_set_event(rset, found.reason, found.message, warning=found.warning)
+
+    checkpoints = state_of(memo).checkpoints
+    outcome = await release_deleted_checkpoint(
+        kube_of(memo, kwargs),
+        namespace,
+        name,
+        flow_runs=lambda: checkpoints.flow_runs(namespace, name),
+        locator=StorageLocator.from_env(),
+        on_note=note,
+    )
+    logger.info("checkpoint %s deleted: %s", name, outcome)
+    wake_policy(memo, namespace, spec.get("rolloutSet"))
 
 
 FINISHED_LOOK_SECONDS = 1.0

@@ -28,13 +28,10 @@ from ..flows.reconciler import set_pass
 from ..flows.recovery import RecoveryWaits
 from ..model.api import (
     ANNOTATION_RETRY_RECOVERY,
-    CHECKPOINT_SET_FIELD,
     GROUP,
     LABEL_SET,
-    ROLLOUT_CHECKPOINT_PLURAL,
     ROLLOUT_SET_PLURAL,
     VERSION,
-    CheckpointPhase,
     RolloutSet,
 )
 from ..model.conditions import utcnow
@@ -110,28 +107,6 @@ async def latest_checkpoint_written(
 ) -> None:
     """`status.latestCheckpoint` is not what the set's pass wrote: the pass writes it back."""
     wake(memo, namespace, name)
-
-
-_SET_FIELDS_CHANGE: Final = frozenset(
-    {None, CheckpointPhase.PREPARING, CheckpointPhase.READY, CheckpointPhase.FAILED}
-)
-"""Checkpoint phases after which the set's checkpoint fields may change (`setstatus`)."""
-
-
-def _changes_set_fields(status: kopf.Status, meta: kopf.Meta, **_: Any) -> bool:
-    phase = status.get("phase")
-    return phase in _SET_FIELDS_CHANGE or meta.get("deletionTimestamp") is not None
-
-
-@kopf.on.event(
-    GROUP, VERSION, ROLLOUT_CHECKPOINT_PLURAL, when=_changes_set_fields, id="checkpoint-event"
-)
-async def checkpoint_event(
-    namespace: str | None, spec: kopf.Spec, memo: kopf.Memo, **_: Any
-) -> None:
-    """A checkpoint started, finished or is going: the set's pass derives `activeCheckpoint`,
-    `latestCheckpoint` and the durations from its checkpoints, and writes the pods' hints."""
-    wake(memo, namespace, spec.get(CHECKPOINT_SET_FIELD))
 
 
 @kopf.on.resume(GROUP, VERSION, ROLLOUT_SET_PLURAL, id="resumed")

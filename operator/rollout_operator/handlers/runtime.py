@@ -138,6 +138,9 @@ async def stop(memo: kopf.Memo, **_: Any) -> None:
                 await leader.release()
             except Exception as error:
                 logger.warning("leader Lease %s: not released: %s", leader.where, error)
+    state = memo.get(MEMO_STATE)
+    if isinstance(state, OperatorState):
+        await state.checkpoints.close()  # records removals; the successor starts them again
     kube = cast(Kube | None, memo.get(MEMO_KUBE))
     if kube is not None:
         await kube.close()

@@ -42,7 +42,12 @@ CHECKPOINT_SET_FIELD: Final = "rolloutSet"
 """The checkpoint's spec field naming its set: a selectable field (a list filters on it)."""
 
 FINALIZER: Final = f"{GROUP}/finalizer"
-"""Our own finalizer name, so Kopf never adds its generic `kopf.zalando.org` marker."""
+"""Kopf's finalizer under our name (on RolloutSets, for their deletion handler), so Kopf never
+adds its generic `kopf.zalando.org` marker."""
+RECORDS_FINALIZER: Final = f"{GROUP}/records"
+"""The operator's own finalizer on every RolloutCheckpoint: its records go before the object
+does (docs/design.md#65-retention-and-records). Not Kopf's: the checkpoint kind has no Kopf
+change handlers, and Kopf removes its own finalizer wherever no handler needs it."""
 
 LABEL_SET: Final = f"{GROUP}/set"
 LABEL_ROLE: Final = f"{GROUP}/role"
@@ -496,6 +501,14 @@ class CheckpointPolicy(ApiModel):
         ge=1,
         description="How long the prepare phase may wait for every episode to park at a "
         "boundary before the checkpoint is aborted and participants resume.",
+    )
+    pod_hints: bool = Field(
+        default=False,
+        description="After every Ready checkpoint, annotate each participant pod it covers with "
+        "the checkpoint's name and time (checkpoint.rollout.dev/latest-checkpoint, "
+        "latest-checkpoint-time), for whoever picks a pod to evict or preempt by them (a "
+        "person, a scheduler extension). One patch per pod per checkpoint; trainers read the "
+        "set's status.latestCheckpoint and need none.",
     )
 
 

@@ -11,7 +11,9 @@ reason:
   `MAX_DIFFBASE_FIELD_BYTES` is kept as its digest, so an object with a large spec (a big pod
   template) never needs more than the 256 KiB all annotations of an object may hold
   (docs/operations.md#failure-modes, class 3: every update and the deletion failed on such an
-  object);
+  object); and it is built only for the kinds with change handlers (`DIFF_BASE_KINDS`): Kopf
+  builds one for every event of every kind it watches, a deep copy of the object, and only
+  change handlers read it;
 - watch requests with a server-side timeout and a slightly longer client timeout, so a silently
   dead connection is noticed and re-established instead of hanging forever;
 - finite API request timeouts; events reported as `rollout-operator` with the pod name.
@@ -29,7 +31,7 @@ from typing import Any, Final, cast
 import kopf
 from pydantic import BaseModel, ConfigDict, Field
 
-from .api import FINALIZER, GROUP, MAX_REPLICAS
+from .api import FINALIZER, GROUP, MAX_REPLICAS, ROLLOUT_SET_KIND
 
 DIFFBASE_KEY: Final = "last-handled-configuration"
 MAX_DIFFBASE_FIELD_BYTES: Final = 2048
@@ -85,15 +87,28 @@ def compact_essence(essence: dict[str, Any]) -> dict[str, Any]:
     return compact
 
 
+DIFF_BASE_KINDS: Final = frozenset({ROLLOUT_SET_KIND})
+"""The kinds the operator has Kopf change handlers on (`on.create`, `on.update`, `on.resume`,
+`on.delete`; `handlers/`), the only readers of a diff-base. Pods, nodes, Workloads and
+RolloutCheckpoints have event handlers, indexes and daemons only
+(tests/unit/test_checkpoint_handlers.py holds this to Kopf's registry)."""
+
+
 class CompactDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
-    """Kopf's annotation diff-base with large fields kept as digests (see the module docstring).
+    """Kopf's annotation diff-base with large fields kept as digests, built only for the kinds
+    with change handlers (see the module docstring).
 
     Kopf compares the stored essence with the one it builds from the object now, both built
-    here, so a changed large field differs in its digest and the change handlers still run."""
+    here, so a changed large field differs in its digest and the change handlers still run. For
+    any other kind the essence is empty: Kopf then sees no change, which only a change handler
+    or an idle timer (none here) would act on."""
 
     def build(
         self, *, body: kopf.Body, extra_fields: Iterable[Any] | None = None
     ) -> kopf.BodyEssence:
+        kind = body.get("kind")
+        if kind is not None and kind not in DIFF_BASE_KINDS:
+            return cast(kopf.BodyEssence, {})
         essence = super().build(body=body, extra_fields=extra_fields)
         return cast(kopf.BodyEssence, compact_essence(cast(dict[str, Any], essence)))
 

@@ -11,7 +11,6 @@ public surface for the handlers and the tests.
 
 from __future__ import annotations
 
-from .commit import alongside
 from .context import IN_FLIGHT, TERMINAL, CheckpointFailed, FlowSettings, Reason
 from .flow import PHASES, CheckpointFlow
 
@@ -23,5 +22,4 @@ __all__ = [
     "CheckpointFlow",
     "FlowSettings",
     "Reason",
-    "alongside",
 ]

@@ -2,19 +2,17 @@
 records, then one status patch makes the checkpoint restorable (docs/design.md#61-checkpoint,
 steps 4-5).
 
-`commit` writes Committing alongside the commit call (every episode waits while the
+`commit` enters Committing in memory and commits at once (every episode waits while the
 participants commit; an API round trip first would only lengthen that), with the scope the
-prepare parked. `publish` is the commit point: `Committed` and `Ready` True with every
-participant's manifest, counts and durations, and the phase Resuming, in one write. Nothing
-before it is restorable; nothing after it takes Ready back.
-"""
+prepare parked; the phase is written only if it lasts over a second (`context.UnwrittenPhases`):
+a restart before it is written finds Preparing (or no phase and the Lease its own) and replays
+prepare and commit, whose replies the participants cache. `publish` is the commit point:
+`Committed` and `Ready` True with every participant's manifest, counts and durations, and the
+phase Resuming, in one write. Nothing before it is restorable; nothing after it takes Ready
+back."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
-from typing import TypeVar
-
-import anyio
 from rollout_protocol import tracing
 
 from ...model.api import (
@@ -36,22 +34,21 @@ from .context import (
     write_status,
 )
 
-_T = TypeVar("_T")
-
 
 async def commit(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoint:
-    """Commit what the prepare parked to every participant at once, Committing written
-    alongside; the outcome is `run.committed`."""
+    """Commit what the prepare parked to every participant at once, Committing entered
+    (written late, if at all); the outcome is `run.committed`."""
     prepared = run.prepared
     assert prepared is not None, "a commit follows this run's prepare"
     run.scope = scope = prepared.scope(ckpt.spec.episodes)
     commit_started = run.now()
     commit_deadline = run.now() + run.settings.commit_timeout_seconds
     coordinator = run.coordinator
-    committing = enter_phase(
+    await enter_phase(
         run.context,
         ckpt,
         CheckpointPhase.COMMITTING,
+        defer=run.writes,
         condition=(
             CheckpointConditionType.PREPARED,
             True,
@@ -61,14 +58,11 @@ async def commit(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoi
         restarts=len(prepared.restarts),
     )
     with tracing.span("commit"):
-        outcome = await alongside(
-            committing,
-            while_set_holds(
-                run.context,
-                ckpt,
-                lambda: coordinator.commit(
-                    ckpt.metadata.name, commit_deadline, scope, excluded=prepared.excluded()
-                ),
+        outcome = await while_set_holds(
+            run.context,
+            ckpt,
+            lambda: coordinator.commit(
+                ckpt.metadata.name, commit_deadline, scope, excluded=prepared.excluded()
             ),
         )
     run.commit_seconds = run.now() - commit_started
@@ -131,36 +125,3 @@ async def publish(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpo
         if run.context.on_transition is not None:
             await run.context.on_transition(ckpt, Reason.PUBLISHED, message)
     return ckpt
-
-
-async def alongside(write: Awaitable[None], step: Awaitable[_T]) -> _T:
-    """Run a protocol step while a status write that may land in any order with it goes on.
-
-    Used for the Committing phase: every episode waits while the participants commit, and an
-    API round trip before the commit would only lengthen that. Nothing depends on the order:
-    an operator restart before the write lands finds phase Preparing and replays prepare and
-    commit, whose replies the participants cache. The step's error wins (the write is then
-    cancelled); a failed write is raised once the step is done.
-    """
-    write_failed: list[BaseException] = []
-    step_failed: list[BaseException] = []
-    results: list[_T] = []
-
-    async def persist() -> None:
-        try:
-            await write
-        except Exception as error:
-            write_failed.append(error)
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(persist)
-        try:
-            results.append(await step)
-        except Exception as error:
-            step_failed.append(error)
-            group.cancel_scope.cancel()
-    if step_failed:
-        raise step_failed[0]
-    if write_failed:
-        raise write_failed[0]
-    return results[0]

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final, TypeVar
 
 import anyio
+import anyio.abc
 from rollout_protocol import (
     CommitOutcome,
     Coordinator,
@@ -39,6 +40,7 @@ from ...model.api import (
     dump,
 )
 from ...model.conditions import MAX_FAILURE_CHARS, set_condition, truncate
+from ..state import CoordinatedPods
 from ..watching import NoLongerHolds, while_holding
 
 # One logger for the whole flow, named as the flow (its lines read the same from every step).
@@ -83,6 +85,11 @@ class CheckpointFailed(Exception):
         self.blockers = blockers
 
 
+DEFER_SECONDS: Final = 1.0
+"""How long an intermediate phase (Preparing, Committing) stays in memory only before it is
+written (docs/design.md#61-checkpoint, "Phases written late")."""
+
+
 @dataclass(frozen=True)
 class FlowSettings:
     commit_timeout_seconds: float = 120.0
@@ -100,10 +107,100 @@ class FlowSettings:
     started) instead of at the step's deadline."""
     lease_margin_seconds: int = 60
     """Added to the longest a checkpoint's steps may take to make the Lease's duration."""
+    phase_write_seconds: float = DEFER_SECONDS
+    """How long an intermediate phase may stay unwritten (`UnwrittenPhases`)."""
 
 
 OnTransition = Callable[[RolloutCheckpoint, str, str], Awaitable[None]]
 """Posts the Event of a transition (the checkpoint, its reason, its message)."""
+
+
+@dataclass
+class _Unwritten:
+    """A checkpoint whose status changed in memory since its last write."""
+
+    sleeping: anyio.CancelScope
+    done: anyio.Event
+    events: list[tuple[str, str]]
+    superseded: bool = False
+
+
+@dataclass
+class UnwrittenPhases:
+    """The intermediate phases entered in memory and not written yet, per checkpoint.
+
+    `defer` (from `enter_phase(..., defer=True)`) starts a writer that waits `seconds` and then
+    writes the checkpoint's status as it is in memory by then, with the Events of the deferred
+    transitions; any other write of the checkpoint's status first settles it (`settle`): a
+    writer still waiting is cancelled and its Events dropped (the later write carries every
+    field it would have written), one already writing is waited for, so the two never land out
+    of order. What a successor operator needs of an unwritten phase is in the set's Lease
+    (`cluster/leases.py`: the holder and when it took the slot) and in the participants, which
+    replay prepare and commit (docs/design.md#61-checkpoint)."""
+
+    seconds: float = DEFER_SECONDS
+    _pending: dict[str, _Unwritten] = field(default_factory=dict)
+
+    def defer(
+        self,
+        context: CheckpointContext,
+        ckpt: RolloutCheckpoint,
+        group: anyio.abc.TaskGroup,
+        event: tuple[str, str] | None,
+    ) -> None:
+        key = _key_of(ckpt)
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = _Unwritten(anyio.CancelScope(), anyio.Event(), [])
+            self._pending[key] = pending
+            group.start_soon(self._write_late, context, ckpt, pending)
+        if event is not None:
+            pending.events.append(event)
+
+    async def settle(self, ckpt: RolloutCheckpoint) -> None:
+        """Before any other write of `ckpt`'s status: no deferred write lands after it."""
+        pending = self._pending.pop(_key_of(ckpt), None)
+        if pending is None:
+            return
+        pending.superseded = True
+        pending.sleeping.cancel()
+        with anyio.CancelScope(shield=True):
+            await pending.done.wait()
+
+    async def _write_late(
+        self, context: CheckpointContext, ckpt: RolloutCheckpoint, pending: _Unwritten
+    ) -> None:
+        try:
+            with pending.sleeping:
+                await anyio.sleep(self.seconds)
+            while not pending.superseded:
+                try:
+                    # Shielded: a write once sent lands before any later one (`settle`).
+                    with anyio.CancelScope(shield=True):
+                        await _patch_status(context, ckpt, ckpt.status)
+                except (ApiError, OSError, TimeoutError) as error:
+                    logger.warning(
+                        "checkpoint %s: phase %s not written yet (%s); again in %.0fs",
+                        ckpt.metadata.name,
+                        ckpt.status.phase,
+                        error,
+                        self.seconds,
+                    )
+                    with pending.sleeping:
+                        await anyio.sleep(self.seconds)
+                    continue
+                if self._pending.get(_key_of(ckpt)) is pending:
+                    del self._pending[_key_of(ckpt)]
+                if context.on_transition is not None:
+                    for reason, message in pending.events:
+                        await context.on_transition(ckpt, reason, message)
+                return
+        finally:
+            pending.done.set()
+
+
+def _key_of(ckpt: RolloutCheckpoint) -> str:
+    return ckpt.metadata.uid or f"{ckpt.metadata.namespace}/{ckpt.metadata.name}"
 
 
 @dataclass(frozen=True)
@@ -115,6 +212,9 @@ class CheckpointContext:
     clock: Callable[[], float]
     leases: CheckpointLeases
     on_transition: OnTransition | None = None
+    unwritten: UnwrittenPhases = field(default_factory=UnwrittenPhases)
+    coordinated: CoordinatedPods | None = None
+    """The pods known to coordinate their workers (`OperatorState`); None: ask every time."""
 
 
 @dataclass
@@ -130,6 +230,9 @@ class CheckpointRun:
     coordinator: Coordinator
     started: float
     continued: bool
+    slot_taken: float
+    """When the checkpoint took the set's Lease (its `acquireTime`): the prepare deadline and
+    `startedAt` count from here, so a successor that finds no phase written computes the same."""
     deadline_ts: float | None = None
     """The prepare deadline this run computed (None: status holds it, from an earlier run)."""
     bound: str = ""
@@ -141,6 +244,8 @@ class CheckpointRun:
     committed: CommitOutcome | None = None
     commit_seconds: float = 0.0
     resumed: bool = False
+    writes: anyio.abc.TaskGroup | None = None
+    """Where the run's deferred phase writes run (`UnwrittenPhases`); None: written at once."""
 
     @property
     def kube(self) -> Kube:
@@ -207,7 +312,16 @@ def describe(failures: list[Failure], limit: int = 5) -> str:
 async def write_status(
     context: CheckpointContext, ckpt: RolloutCheckpoint, status: RolloutCheckpointStatus
 ) -> None:
-    """Persist the whole status (a merge patch of its wire form) before the next step."""
+    """Persist the whole status (a merge patch of its wire form) before the next step; a
+    deferred write of an earlier phase is settled first (`UnwrittenPhases.settle`)."""
+    await context.unwritten.settle(ckpt)
+    await _patch_status(context, ckpt, status)
+    ckpt.status = status
+
+
+async def _patch_status(
+    context: CheckpointContext, ckpt: RolloutCheckpoint, status: RolloutCheckpointStatus
+) -> None:
     body = {"status": dump(status)}
     # Lists in a merge patch replace; fields that became unset must be sent as null.
     for key in ("blockers", "participants"):
@@ -216,7 +330,6 @@ async def write_status(
         await context.kube.patch_checkpoint_status(
             namespace_of(ckpt), ckpt.metadata.name, body["status"]
         )
-    ckpt.status = status
 
 
 async def enter_phase(
@@ -225,9 +338,14 @@ async def enter_phase(
     phase: CheckpointPhase,
     *,
     condition: tuple[CheckpointConditionType, bool, str, str] | None = None,
+    defer: anyio.abc.TaskGroup | None = None,
     **fields: Any,
 ) -> None:
-    """Write `phase` (with `fields` and `condition`), then post the condition's Event."""
+    """Write `phase` (with `fields` and `condition`), then post the condition's Event.
+
+    With `defer` (an intermediate phase: the run's task group), the phase is entered in memory
+    only and written by `UnwrittenPhases` if no other write came within `DEFER_SECONDS`; its
+    Event is posted with that write, or not at all."""
     status = ckpt.status.model_copy(update={"phase": phase, **fields})
     status.observed_generation = ckpt.metadata.generation
     if condition is not None:
@@ -240,6 +358,11 @@ async def enter_phase(
             message,
             observed_generation=ckpt.metadata.generation,
         )
+    if defer is not None:
+        ckpt.status = status
+        event = None if condition is None else (condition[2], condition[3])
+        context.unwritten.defer(context, ckpt, defer, event)
+        return
     await write_status(context, ckpt, status)
     if context.on_transition is not None and condition is not None:
         await context.on_transition(ckpt, condition[2], condition[3])

@@ -2,12 +2,15 @@
 table, and how a run ends.
 
 The protocol itself is `rollout_protocol.Coordinator`; the flow adds what only an operator has:
-the phase persisted in `status.phase` before every step, so a restarted operator continues where
-the last one stopped; one checkpoint per set at a time (the set's Lease,
-`leases.CheckpointLeases`); and publication as one status patch (`Ready=True` with every
-participant's manifest). The flow writes only its own checkpoint's status: the set's pass
-derives `latestCheckpoint`, the recent durations and the pods' latest-checkpoint annotations
-from the checkpoints once this one is Ready (docs/design.md#69-who-writes-the-sets-status).
+the phase persisted in `status.phase`, so a restarted operator continues where the last one
+stopped (the intermediate phases, Preparing and Committing, only once they last over a second:
+before that a successor continues from the set's Lease, which names the checkpoint and when it
+started, and from the participants, which replay prepare and commit; `context.UnwrittenPhases`);
+one checkpoint per set at a time (the set's Lease, `leases.CheckpointLeases`); and publication
+as one status patch (`Ready=True` with every participant's manifest). The flow writes only its
+own checkpoint's status: the set's pass derives `latestCheckpoint`, the recent durations and the
+pods' latest-checkpoint annotations from the checkpoints once this one is Ready
+(docs/design.md#69-who-writes-the-sets-status).
 
 `CheckpointFlow.run` takes the slots (`slot.py`), builds the coordinator and runs `PHASES` with
 the runner the recovery shares (`flows/phases.py`): Pending `begin`, Preparing `prepare`,
@@ -34,6 +37,7 @@ from types import MappingProxyType
 from typing import Final
 
 import anyio
+import anyio.abc
 from rollout_protocol import Coordinator, HttpParticipantClient, tracing
 
 from ...cluster.kube import Kube
@@ -42,6 +46,7 @@ from ...cluster.objects import read_control_token
 from ...model.api import CheckpointPhase, RolloutCheckpoint, RolloutSet, Trigger
 from ..checkpointrepairs import repair_published_checkpoint
 from ..phases import PhaseTable, run_phases
+from ..state import CoordinatedPods
 from .commit import commit, publish
 from .context import (
     IN_FLIGHT,
@@ -52,6 +57,7 @@ from .context import (
     FlowSettings,
     OnTransition,
     Reason,
+    UnwrittenPhases,
     abort,
     enter_phase,
     http_participants,
@@ -114,16 +120,22 @@ class CheckpointFlow:
         | None = None,
         slots: anyio.Semaphore | None = None,
         leases: CheckpointLeases | None = None,
+        coordinated: CoordinatedPods | None = None,
     ) -> None:
         """`slots`: the operator's checkpoints that may run at once, shared by every flow
         (`--max-concurrent-checkpoints`); None: no limit. `leases`: the per-set slots, shared
-        by the process's flows (they remember the Leases they wrote)."""
+        by the process's flows (they remember the Leases they wrote). `coordinated`: the pods
+        known to coordinate their workers (`OperatorState.coordinated_pods`); None: ask each
+        checkpoint's participants."""
+        settings = settings or FlowSettings()
         self._context = CheckpointContext(
             kube=kube,
-            settings=settings or FlowSettings(),
+            settings=settings,
             clock=clock,
             leases=leases or CheckpointLeases(kube, clock=clock),
             on_transition=on_transition,
+            unwritten=UnwrittenPhases(seconds=settings.phase_write_seconds),
+            coordinated=coordinated,
         )
         self._participants_factory = participants_factory or http_participants
         self._slots = slots
@@ -175,6 +187,27 @@ class CheckpointFlow:
     async def _run(
         self, ckpt: RolloutCheckpoint, abort_when_cancelled: Callable[[], bool]
     ) -> CheckpointPhase | None:
+        """`_drive` with a task group for the run's deferred phase writes
+        (`context.UnwrittenPhases`), which ends with the run; its errors raised as they are."""
+        phases: list[CheckpointPhase | None] = []
+        errors: list[Exception] = []
+        async with anyio.create_task_group() as writes:
+            try:
+                phases.append(await self._drive(ckpt, abort_when_cancelled, writes))
+            except Exception as error:  # raised below, outside the task group's wrapping
+                errors.append(error)
+            finally:
+                writes.cancel_scope.cancel()
+        if errors:
+            raise errors[0]
+        return phases[0]
+
+    async def _drive(
+        self,
+        ckpt: RolloutCheckpoint,
+        abort_when_cancelled: Callable[[], bool],
+        writes: anyio.abc.TaskGroup,
+    ) -> CheckpointPhase | None:
         context = self._context
         kube = context.kube
         namespace = ckpt.metadata.namespace or "default"
@@ -199,6 +232,12 @@ class CheckpointFlow:
                     context, self._slots, ckpt, in_flight
                 )
                 rset = await (held_slot(context, ckpt) if in_flight else take_slot(context, ckpt))
+            # The prepare starts when the checkpoint took the Lease: for a run that continues
+            # one whose phase was never written (an operator restart within its first second),
+            # that is the earlier run's start, and its prepare deadline is the same.
+            held_since = context.leases.held_since(namespace, ckpt.spec.rollout_set, ckpt)
+            slot_taken = context.clock() if held_since is None else held_since
+            started = min(started, slot_taken)
             participants = await self._participants(namespace, rset)
             coordinator = Coordinator(participants)
             run = CheckpointRun(
@@ -206,7 +245,9 @@ class CheckpointFlow:
                 rset,
                 coordinator,
                 started=started,
+                slot_taken=slot_taken,
                 continued=ckpt.status.phase in IN_FLIGHT,
+                writes=writes,
             )
             await run_phases(PHASES, run, ckpt)
             published = True

@@ -3,10 +3,12 @@ every participant parks its episodes at a boundary (docs/design.md#61-checkpoint
 
 `begin` runs once per checkpoint, after the slot is taken: it fixes the deadline (an Eviction's
 is no later than the evicted pods' grace allows), refuses a set whose pods run unmanaged workers
-before anything pauses, and writes Preparing with the attempt, start time and deadline.
-`prepare` asks the participants to park, stage by stage; a restarted operator finds Preparing
-(or Committing, whose prepare replies the participants replay) and runs it again against the
-deadline in status.
+before anything pauses, and enters Preparing with the attempt, start time and deadline, written
+only if the phase lasts over a second (`context.UnwrittenPhases`). Both count from when the
+checkpoint took the set's Lease (`run.slot_taken`), so a successor that finds the Lease its own but
+no phase written computes the same ones. `prepare` asks the participants to park, stage by
+stage; a restarted operator finds Preparing (or Committing, whose prepare replies the
+participants replay) and runs it again against the deadline in status.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from .context import (
     enter_phase,
     failure_reason,
     namespace_of,
-    now_ts,
     while_set_holds,
 )
 
@@ -58,6 +59,7 @@ async def begin(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoin
         run.context,
         ckpt,
         CheckpointPhase.PREPARING,
+        defer=run.writes,
         condition=(
             CheckpointConditionType.PREPARED,
             False,
@@ -66,7 +68,7 @@ async def begin(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoin
             f"until {format_time(deadline.at)}" + (f" ({bound})" if bound else ""),
         ),
         attempt=rset.status.attempt,
-        started_at=now_ts(run.context.clock),
+        started_at=datetime.fromtimestamp(run.slot_taken, UTC).replace(microsecond=0),
         deadline=deadline.at.replace(microsecond=0),
     )
     return ckpt
@@ -118,12 +120,12 @@ async def prepare(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpo
 
 
 async def prepare_deadline(run: CheckpointRun, ckpt: RolloutCheckpoint) -> PrepareDeadline:
-    """`prepareTimeoutSeconds` from now; for an Eviction checkpoint no later than the
-    evicted pods' grace period allows (`policy.eviction_prepare_deadline`). The pods are
-    read now, not when the checkpoint was created: it may have queued, and a drain may
-    have evicted more pods since."""
+    """`prepareTimeoutSeconds` from the start (when the checkpoint took the set's Lease); for
+    an Eviction checkpoint no later than the evicted pods' grace period allows
+    (`policy.eviction_prepare_deadline`). The pods are read now, not when the checkpoint was
+    created: it may have queued, and a drain may have evicted more pods since."""
     rset = run.rset
-    now = datetime.fromtimestamp(run.now(), UTC)
+    now = datetime.fromtimestamp(run.slot_taken, UTC)
     timeout = rset.spec.checkpoint_policy.prepare_timeout_seconds
     terminating: list[TerminatingPod] = []
     if ckpt.spec.trigger is Trigger.EVICTION:
@@ -134,9 +136,34 @@ async def prepare_deadline(run: CheckpointRun, ckpt: RolloutCheckpoint) -> Prepa
 
 async def refuse_unmanaged_workers(run: CheckpointRun) -> None:
     """Fail before anything is paused when a pod runs workers nobody coordinates. A
-    participant that does not answer its status is left to the prepare (it fails there)."""
+    participant that does not answer its status is left to the prepare (it fails there).
+
+    Asked once per pod: the pods that answered are remembered (`CoordinatedPods`), and a
+    checkpoint whose participants are all known asks none of them (16 calls fewer per
+    checkpoint of a 16-pod set)."""
+    participants = run.rset.status.participants
+    namespace = namespace_of_set(run)
+    coordinated = run.context.coordinated
+    if coordinated is not None and coordinated.known(
+        namespace, [(p.pod, p.address or "") for p in participants]
+    ):
+        return
     outcome = await run.coordinator.status(run.now() + run.settings.abort_timeout_seconds)
-    pods = {f"{p.role.value}-{p.index}": p.pod for p in run.rset.status.participants}
+    pods = {f"{p.role.value}-{p.index}": p.pod for p in participants}
     refused = unmanaged_workers(outcome.statuses, pods)
     if refused is not None:
         raise CheckpointFailed(Reason.UNMANAGED_WORKERS, refused)
+    if coordinated is not None:
+        answered = {status.instance for status in outcome.statuses}
+        coordinated.remember(
+            namespace,
+            [
+                (p.pod, p.address or "")
+                for p in participants
+                if f"{p.role.value}-{p.index}" in answered
+            ],
+        )
+
+
+def namespace_of_set(run: CheckpointRun) -> str:
+    return run.rset.metadata.namespace or "default"
