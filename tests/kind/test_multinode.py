@@ -638,10 +638,13 @@ def test_records_only_the_lost_worker_had_are_given_up_and_the_set_starts_fresh(
     ckpt = get_json(cluster, "rolloutcheckpoint", name, "-n", namespace)
     ready = condition(ckpt, "Ready")
     assert ready.get("status") == "False", (ckpt["status"], said)
-    assert ready.get("reason") == "RecordsInvalid", ready
-    assert any(name in message for _, message in said), said
+    assert ready.get("reason") == "RecordsUnreachable", ready
+    assert ckpt["status"].get("phase") == "Failed", ckpt["status"]
+    unreachable = [m for reason, m in said if reason == "CheckpointUnreachable"]
+    assert any(name in message and "unreachable" in message for message in unreachable), said
     obj = get_json(cluster, "rolloutset", SET, "-n", namespace)
     attempt = obj["status"]["attempt"]
+    assert condition(obj, "Recovering").get("reason") == "NoCheckpoint", obj["status"]
     assert set(set_pods(cluster, namespace, attempt).values()) == {operator_on}
     done = collected(out)
     ids = [item["rollout_id"] for item in done]

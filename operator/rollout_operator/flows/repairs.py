@@ -24,8 +24,9 @@ status contradicts what the cluster shows, the cluster wins, status is repaired,
   participant's manifest and records of it are on storage and verify (`completed_on_storage`:
   digest and count, as a restore checks them) was completed: it is Ready again, and
   `records_proven` keeps the retention pass from removing those records in any case. The
-  operator's own verdict after a restore that refused the records (reason `RecordsInvalid`) is
-  not overturned, but records that verify are still never removed while the object exists.
+  operator's own verdict after a restore that refused the records (reason `RecordsInvalid` or
+  `RecordsUnreachable`, `RestoreVerdict`) is not overturned, but records that verify are still
+  never removed while the object exists.
 - `latest_repair`: the set's `latestCheckpoint` is what a recovery restores; it must name the
   newest Ready checkpoint of this set (or the one being published right now). A name of a
   checkpoint that does not exist, belongs to another set, is not Ready, or is older than a
@@ -78,6 +79,7 @@ from ..model.api import (
     RecoveryPhase,
     RecoveryStatus,
     RestorePolicy,
+    RestoreVerdict,
     RolloutCheckpoint,
     RolloutCheckpointStatus,
     RolloutSet,
@@ -93,9 +95,11 @@ RECOVERY_RESTARTED: Final = "RecoveryRestarted"
 """Condition and recovery reason: a recovery whose `status.recovery` was removed while it ran
 starts again (its pods of the new attempt were never restored, see
 `restart_unfinished_recovery`)."""
-VERDICT_AFTER_RESTORE: Final = "RecordsInvalid"
-"""The Failed reason the recovery writes when participants refused a checkpoint's records at
-restore (`recovery.CHECKPOINT_RECORDS_INVALID`): the operator's own verdict, never repaired."""
+VERDICTS_AFTER_RESTORE: Final = frozenset(verdict.value for verdict in RestoreVerdict)
+"""The Failed reasons the recovery writes when participants refused a checkpoint's records at
+restore or found none: the operator's own verdicts, never repaired. (Records that are
+unreachable at one restore and visible to the operator are still not Ready again: the
+participants that restore may not see them, and a recovery would try the checkpoint again.)"""
 
 
 async def repair_set_attempt(kube: Kube, namespace: str, name: str) -> Repair | None:
@@ -341,7 +345,7 @@ async def repair_failed_checkpoint(
     if ckpt.metadata.deletion_timestamp is not None:
         return None
     failed = ckpt.status.phase is CheckpointPhase.FAILED or failed_reason(ckpt) is not None
-    if not failed or failed_reason(ckpt) == VERDICT_AFTER_RESTORE:
+    if not failed or failed_reason(ckpt) in VERDICTS_AFTER_RESTORE:
         return None
     namespace = ckpt.metadata.namespace or "default"
     root = locator.root(namespace, rset.spec.storage)
