@@ -26,7 +26,7 @@ from rollout_operator.cluster.storage import StorageLocator
 from rollout_operator.decide.policy import checkpoint_views
 from rollout_operator.decide.resources import STORAGE_VOLUME_NAME, reserved_volume_notes
 from rollout_operator.decide.setstatus import latest_repair
-from rollout_operator.flows.repairs import (
+from rollout_operator.flows.checkpointrepairs import (
     completed_on_storage,
     published_manifests,
     records_proven,
