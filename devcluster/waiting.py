@@ -6,6 +6,7 @@ to the logs for information the waiter already had.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -13,6 +14,10 @@ from typing import TypeVar
 import anyio
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
+"""Each wait that held says, at DEBUG, what and after how long: a test run with
+`--log-file-level=DEBUG` shows where its time went (docs/kind.md, "Measured")."""
 
 
 class WaitTimeout(TimeoutError):
@@ -24,6 +29,10 @@ def _message(what: str, timeout: float, last: object, error: BaseException | Non
     if error is not None:
         text += f"; last error: {type(error).__name__}: {error}"
     return text
+
+
+def _held(what: str, started: float) -> None:
+    logger.debug("held after %.1f s: %s", time.monotonic() - started, what)
 
 
 async def wait_for(
@@ -45,6 +54,7 @@ async def wait_for(
         try:
             last = await predicate()
             if last:
+                _held(what, deadline - timeout)
                 return last
         except ignore as caught:
             error = caught
@@ -69,6 +79,7 @@ def wait_for_sync(
             value = predicate()
             last = value
             if value:
+                _held(what, deadline - timeout)
                 return value
         except ignore as caught:
             error = caught

@@ -5,7 +5,7 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
 state="${KIND_STATE:-$root/.kind}"
-kind_bin="$(command -v kind || "$here/build-tools.sh" | tail -n 1)"
-[ -f "$kind_bin" ] || kind_bin="$kind_bin/kind"
+# shellcheck source=kind/kind-bin.sh
+source "$here/kind-bin.sh"
 "$kind_bin" delete cluster --name "${KIND_CLUSTER:-rollout}"
 rm -f "$state/docker" "$state/kubeconfig"

@@ -11,8 +11,8 @@ KIND_CLUSTER="${KIND_CLUSTER:-rollout}"
 KIND_WORKERS="${KIND_WORKERS:-2}"
 state="${KIND_STATE:-$root/.kind}"
 shared="${KIND_SHARED:-$state/shared}"
-kind_bin="$(command -v kind || "$here/build-tools.sh" | tail -n 1)"
-[ -f "$kind_bin" ] || kind_bin="$kind_bin/kind"
+# shellcheck source=kind/kind-bin.sh
+source "$here/kind-bin.sh"
 cp_bin="$root/.bin/devcluster"
 export KUBECONFIG="$state/kubeconfig"
 mkdir -p "$state" "$shared"
@@ -26,7 +26,9 @@ touch "$state/docker"
     printf -- '- role: %s\n  extraMounts:\n  - hostPath: %s\n    containerPath: /rollout-shared\n' "$role" "$shared"
   done
 } > "$state/kind-config.yaml"
-"$kind_bin" create cluster --config "$state/kind-config.yaml" --kubeconfig "$KUBECONFIG" --wait 180s
+# kind's default node image for its version; KIND_NODE_IMAGE=kindest/node:<tag> picks another.
+"$kind_bin" create cluster --config "$state/kind-config.yaml" --kubeconfig "$KUBECONFIG" --wait 180s \
+  ${KIND_NODE_IMAGE:+--image "$KIND_NODE_IMAGE"}
 docker build -t rollout-checkpoint-operator:dev "$root"
 "$kind_bin" load docker-image rollout-checkpoint-operator:dev --name "$KIND_CLUSTER"
 "$cp_bin/kubectl" apply -f "$here/device-plugin.yaml"

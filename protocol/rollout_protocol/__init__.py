@@ -70,6 +70,7 @@ from ._settings import ControlConfigError, ControlSettings
 from ._storage import (
     EncodedRecord,
     RecordsInvalid,
+    RecordsMissing,
     Removal,
     StorageError,
     checkpoint_base,
@@ -267,6 +268,7 @@ __all__ = [
     "PublishedParticipant",
     "Record",
     "RecordsInvalid",
+    "RecordsMissing",
     "Removal",
     "RemoveReply",
     "RemoveRequest",

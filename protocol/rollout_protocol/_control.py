@@ -867,6 +867,8 @@ class ControlPlane:
                         directory, expect_checkpoint_id=request.checkpoint_id
                     )
                 )
+        except storage.RecordsMissing as error:
+            raise ProtocolError(ErrorCode.RECORDS_UNREACHABLE, str(error)) from error
         except storage.RecordsInvalid as error:
             raise ProtocolError(ErrorCode.RECORDS_INVALID, str(error)) from error
         except storage.StorageError as error:

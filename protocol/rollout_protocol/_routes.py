@@ -169,6 +169,7 @@ RESTORE: Route[RestoreRequest, RestoreReply] = Route(
         ErrorCode.WRONG_PHASE,
         ErrorCode.STORAGE_FAILED,
         ErrorCode.RECORDS_INVALID,
+        ErrorCode.RECORDS_UNREACHABLE,
         ErrorCode.ATTEMPT_MISMATCH,
         ErrorCode.ATTEMPT_RETIRED,
         ErrorCode.UNSUPPORTED,

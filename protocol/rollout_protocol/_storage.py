@@ -100,6 +100,14 @@ class RecordsInvalid(Exception):
     """Stored records cannot be trusted (missing, damaged, or not what the manifest promises)."""
 
 
+class RecordsMissing(RecordsInvalid):
+    """No manifest of the checkpoint where it was looked for: its instance folder or its
+    manifest is absent from this storage. A participant restores only checkpoints whose
+    commits finished, so at restore this says the records are not on the storage the restore
+    sees (a node-local volume of a lost node, another volume), not that they are damaged
+    (docs/protocol.md, "Restore")."""
+
+
 class UnsafePath(ValueError):
     """A name would leave the checkpoint root or is not a plain directory name."""
 
@@ -541,7 +549,9 @@ def read_manifest(directory: Path) -> Manifest:
     try:
         raw = _read_bounded(directory, MANIFEST_NAME, MAX_MANIFEST_BYTES)
     except FileNotFoundError as error:
-        raise RecordsInvalid(f"no manifest at {path}: the commit never finished") from error
+        raise RecordsMissing(
+            f"no manifest at {path}: the commit never finished, or its storage is not this one"
+        ) from error
     try:
         return Manifest.model_validate_json(raw)
     except ValidationError as error:

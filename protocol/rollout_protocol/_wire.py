@@ -121,6 +121,10 @@ class ErrorCode(StrEnum):
     DEADLINE_PASSED = "deadline_passed"
     STORAGE_FAILED = "storage_failed"
     RECORDS_INVALID = "records_invalid"
+    RECORDS_UNREACHABLE = "records_unreachable"
+    """Restore only: no manifest of the checkpoint on the storage this participant sees (its
+    folder or manifest absent). The records may exist elsewhere (a lost node's own volume);
+    nothing here says they are damaged."""
     ATTEMPT_MISMATCH = "attempt_mismatch"
     ATTEMPT_RETIRED = "attempt_retired"
     TASK_MISMATCH = "task_mismatch"
@@ -151,6 +155,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.DEADLINE_PASSED: 408,
     ErrorCode.STORAGE_FAILED: 507,
     ErrorCode.RECORDS_INVALID: 422,
+    ErrorCode.RECORDS_UNREACHABLE: 422,
     ErrorCode.ATTEMPT_MISMATCH: 409,
     ErrorCode.ATTEMPT_RETIRED: 410,
     ErrorCode.TASK_MISMATCH: 409,

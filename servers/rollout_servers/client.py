@@ -177,7 +177,9 @@ class RolloutClient:
         transport error (the server may be dead, or the network only hiccuped) waits for a newer
         attempt too, but also re-issues under the same attempt after a backoff: a live server
         attaches the call to the running episode (or returns its result), so that is safe.
-        Either way the wait ends with a clear failure at the restore deadline.
+        Either way the wait ends with a clear failure at the restore deadline. A call still
+        waiting for its reply when the attempt is superseded is given up and re-issued under
+        the newer attempt (`_post_run`).
         """
         with anyio.fail_after(self.run_timeout_s):
             snapshot = await self.topology.current()
@@ -205,18 +207,21 @@ class RolloutClient:
                         attributes={"rollout.attempt": snapshot.attempt, "url.full": url},
                     ):
                         headers = tracing.headers()  # the span's traceparent when tracing is on
-                        reply = await http.post(url, json=body, timeout=None, headers=headers)
+                        reply = await self._post_run(http, url, body, headers, issued)
                 except httpx.TransportError as error:
                     why = f"{type(error).__name__} from {url}: {error}"
                     retry_same = backoff
                     backoff = min(backoff * 2, _MAX_BACKOFF_S)
                 else:
-                    if reply.status_code == 200:
+                    if reply is None:
+                        why = f"attempt {issued} was superseded before {url} answered"
+                    elif reply.status_code == 200:
                         return self._result(spec, reply)
-                    code, detail = _error_of(reply)
-                    if code not in _RESTORE_CODES:
-                        raise EpisodeFailed(spec.rollout_id, f"{code}: {detail}")
-                    why = f"{code}: {detail}"
+                    else:
+                        code, detail = _error_of(reply)
+                        if code not in _RESTORE_CODES:
+                            raise EpisodeFailed(spec.rollout_id, f"{code}: {detail}")
+                        why = f"{code}: {detail}"
                 log.info(
                     "%s: /run under attempt %d failed (%s)", spec.rollout_id, snapshot.attempt, why
                 )
@@ -227,6 +232,48 @@ class RolloutClient:
                 if snapshot.attempt > issued:
                     failing_since, backoff = None, _FIRST_BACKOFF_S
                 self.progress.reissued += 1
+
+    async def _post_run(
+        self, http: httpx.AsyncClient, url: str, body: dict[str, Any], headers: Any, attempt: int
+    ) -> httpx.Response | None:
+        """POST /run and its reply, or None once the topology shows an attempt newer than
+        `attempt` first (a watchable topology only).
+
+        An episode runs as long as it runs (no read timeout), so what bounds the wait is the
+        attempt: a server on a node that was lost never answers and nothing closes the
+        connection (no FIN, no RST: TCP alone would wait minutes, or forever on an idle
+        connection), while the recovery moves the set to a newer attempt, under which the
+        episode is re-issued. Giving up the call is safe: a live server's episode does not
+        depend on the connection (a re-issued call attaches to it), and the superseded attempt
+        is retired by the recovery (docs/servers.md)."""
+        topology = self.topology
+        if not isinstance(topology, WatchableTopology):
+            return await http.post(url, json=body, timeout=None, headers=headers)
+        outcome: list[httpx.Response | Exception] = []
+        async with anyio.create_task_group() as group:
+
+            async def run() -> None:
+                try:
+                    outcome.append(await http.post(url, json=body, timeout=None, headers=headers))
+                except Exception as error:  # raised below, as it would be without the race
+                    outcome.append(error)
+                group.cancel_scope.cancel()
+
+            async def superseded() -> None:
+                try:
+                    await topology.wait_newer(attempt)
+                except Exception as error:  # no bound from the topology: the reply decides
+                    log.debug("watching for an attempt after %d failed: %s", attempt, error)
+                    return
+                group.cancel_scope.cancel()
+
+            group.start_soon(run)
+            group.start_soon(superseded)
+        if not outcome:
+            return None
+        if isinstance(outcome[0], Exception):
+            raise outcome[0]
+        return outcome[0]
 
     async def _newer(
         self,

@@ -141,7 +141,7 @@ async def test_a_restore_of_an_index_without_records_leaves_the_standby_a_standb
     standby = FakeParticipant()
     async with served(ControlPlane(standby, _settings(tmp_path, standby=True)), TOKEN) as client:
         missing = await _restore(client, index=2)
-        refused(missing, ErrorCode.RECORDS_INVALID, 422)
+        refused(missing, ErrorCode.RECORDS_UNREACHABLE, 422)
         await _still_a_standby(client, standby)
 
         await _the_right_restore_adopts(client)

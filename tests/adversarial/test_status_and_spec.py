@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import yaml
 from pydantic import ValidationError
+from rollout_operator.cluster.storage import StorageLocator
 from rollout_operator.decide.policy import checkpoint_views
 from rollout_operator.decide.resources import STORAGE_VOLUME_NAME, reserved_volume_notes
 from rollout_operator.decide.setstatus import latest_repair
@@ -29,12 +30,14 @@ from rollout_operator.flows.checkpointrepairs import (
     completed_on_storage,
     published_manifests,
     records_proven,
+    repair_failed_checkpoint,
 )
 from rollout_operator.flows.setpass import missing_peers, spec_over_limits
 from rollout_operator.model import api
 from rollout_operator.model.settings import MAX_DIFFBASE_FIELD_BYTES, compact_essence
 from rollout_protocol import ControlPlane
 from shared import checkpoint, pod_settings, serve, set_object
+from testsupport.fakecluster import FakeCluster
 from testsupport.participants import FakeParticipant
 from testsupport.policy import Run, rollout_set, seeded
 
@@ -105,6 +108,52 @@ async def test_a_failed_checkpoints_records_are_proven_only_when_they_verify(
     os.utime(records, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert completed_on_storage(tmp_path, _set(obj), "c1", created) is None
     assert records_proven(tmp_path, _set(obj), "c1", created) is None
+
+
+@pytest.mark.parametrize(
+    ("reason", "repaired"),
+    [
+        ("CommitFailed", True),
+        (api.RestoreVerdict.RECORDS_INVALID.value, False),
+        (api.RestoreVerdict.RECORDS_UNREACHABLE.value, False),
+    ],
+)
+async def test_a_failed_checkpoint_whose_records_verify_is_ready_again_unless_a_restore_refused_it(
+    tmp_path: Path, reason: str, repaired: bool
+) -> None:
+    """Status that says Failed while every record verifies is repaired to Ready; the recovery's
+    own verdicts are not: records a restoring participant found damaged, or could not find on
+    the storage it mounts (`RecordsUnreachable`), stay unrestorable even where the operator
+    sees them verify (the restoring pods may not; a recovery would try them again)."""
+    obj = set_object("team-a", UID, tmp_path)
+    await _published(tmp_path, obj, "c1")
+    at = (datetime.now(UTC) - timedelta(minutes=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    raw = {
+        "apiVersion": api.API_VERSION,
+        "kind": "RolloutCheckpoint",
+        "metadata": {"name": "c1", "namespace": "team-a", "generation": 1, "creationTimestamp": at},
+        "spec": {"rolloutSet": "math", "trigger": "Manual"},
+        "status": {
+            "phase": "Failed",
+            "conditions": [
+                {"type": "Failed", "status": "True", "reason": reason, "lastTransitionTime": at}
+            ],
+        },
+    }
+    cluster = FakeCluster()
+    cluster.put(obj)
+    cluster.put(raw)
+    repair = await repair_failed_checkpoint(
+        cluster.kube(), _set(obj), raw, locator=StorageLocator()
+    )
+    stored = cluster.get(api.ROLLOUT_CHECKPOINT_PLURAL, "team-a", "c1")
+    assert stored is not None
+    if repaired:
+        assert repair is not None
+        assert stored["status"]["phase"] == "Ready"
+    else:
+        assert repair is None
+        assert stored["status"]["phase"] == "Failed"
 
 
 def test_kopfs_diff_base_of_a_large_spec_stays_small_and_still_shows_changes() -> None:

@@ -603,11 +603,17 @@ async def test_damaged_records_are_refused_and_nothing_is_installed(
         assert plane.attempt == 1
 
 
-async def test_restore_of_an_unfinished_commit_is_refused(tmp_path: Path) -> None:
+async def test_restore_of_records_not_on_this_storage_is_refused_as_unreachable(
+    tmp_path: Path,
+) -> None:
+    """No manifest of the checkpoint where this participant looks (a commit that never
+    finished, or records on a volume this pod does not mount): `records_unreachable`, which the
+    operator tells apart from damaged records (`records_invalid`)."""
     fresh = FakeParticipant()
     async with _serve(ControlPlane(fresh, _settings(tmp_path, attempt=1))) as client:
         response = await _restore(client)
-        assert "never finished" in _assert_error(response, ErrorCode.RECORDS_INVALID, 422)
+        assert "never finished" in _assert_error(response, ErrorCode.RECORDS_UNREACHABLE, 422)
+        assert fresh.install_calls == 0
 
 
 def _os_error(code: int) -> OSError:

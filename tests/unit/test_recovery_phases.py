@@ -20,6 +20,7 @@ from rollout_operator.decide.setplan import plan_attempt
 from rollout_operator.flows.phases import run_phases
 from rollout_operator.flows.recovery import (
     CHECKPOINT_RECORDS_INVALID,
+    CHECKPOINT_RECORDS_UNREACHABLE,
     PHASES,
     Reason,
     RecoveryContext,
@@ -29,7 +30,7 @@ from rollout_operator.flows.recovery import (
 from rollout_operator.flows.recovery.backoff import back_off, on_failed_try
 from rollout_operator.flows.recovery.flow import phase_of
 from rollout_operator.flows.recovery.pods import start_pods
-from rollout_operator.flows.recovery.restore import restore, resume
+from rollout_operator.flows.recovery.restore import not_restorable, restore, resume
 from rollout_operator.flows.recovery.stopping import stop_attempt
 from rollout_operator.model import api
 from rollout_operator.model.api import (
@@ -39,7 +40,7 @@ from rollout_operator.model.api import (
     RecoveryPhase,
 )
 from rollout_operator.model.owners import StatusOwner
-from rollout_protocol import Coordinator, ErrorCode, HttpParticipantClient
+from rollout_protocol import Coordinator, ErrorCode, Failure, HttpParticipantClient
 from testsupport import builders
 from testsupport.fakecluster import FakeCluster
 from testsupport.scripted import Scripted
@@ -277,19 +278,69 @@ async def test_restore_restores_the_checkpoint_under_the_target_attempt() -> Non
     assert rset.status.recovery.episodes_restored == 2
 
 
-async def test_records_that_fail_verification_make_the_checkpoint_not_restorable() -> None:
+@pytest.mark.parametrize(
+    ("refusal", "reason", "verdict", "says"),
+    [
+        (
+            ErrorCode.RECORDS_INVALID,
+            Reason.CHECKPOINT_INVALID,
+            CHECKPOINT_RECORDS_INVALID,
+            "failed verification",
+        ),
+        (
+            ErrorCode.RECORDS_UNREACHABLE,
+            Reason.CHECKPOINT_UNREACHABLE,
+            CHECKPOINT_RECORDS_UNREACHABLE,
+            "unreachable",
+        ),
+    ],
+)
+async def test_records_refused_or_not_found_make_the_checkpoint_not_restorable(
+    refusal: ErrorCode, reason: str, verdict: str, says: str
+) -> None:
+    """Damaged records (`records_invalid`) and records the restoring participant cannot find on
+    its storage (`records_unreachable`: a volume only a lost node had) both end the try with
+    their own reason and mark the checkpoint Ready=False with their own verdict, so the next try
+    restores another checkpoint instead of this one again."""
     cluster = recovering("Restoring", checkpoint="rl-old")
     cluster.put(ready_checkpoint("rl-old"))
     with_participant(cluster)
-    participant = Scripted(restore_fails=ErrorCode.RECORDS_INVALID)
+    participant = Scripted(restore_fails=refusal)
     with pytest.raises(RecoveryFailed) as failed:
         await restore(context_over(cluster, participant), await the_set(cluster))
-    assert failed.value.reason == Reason.CHECKPOINT_INVALID
+    assert failed.value.reason == reason
+    assert says in failed.value.message
+    assert "rl-old" in failed.value.message
     ckpt = cluster.get(ROLLOUT_CHECKPOINT_PLURAL, NS, "rl-old")
     assert ckpt is not None
     assert ckpt["status"]["phase"] == "Failed"
     ready = next(c for c in ckpt["status"]["conditions"] if c["type"] == "Ready")
-    assert (ready["status"], ready["reason"]) == ("False", CHECKPOINT_RECORDS_INVALID)
+    assert (ready["status"], ready["reason"]) == ("False", verdict)
+    assert "model-0" in ready["message"], "names the participant that refused"
+
+
+def test_damaged_records_outrank_missing_ones_and_other_failures_keep_the_checkpoint() -> None:
+    def failure(instance: str, code: ErrorCode) -> Failure:
+        return Failure(instance=instance, code=code, detail="why")
+
+    both = not_restorable(
+        "c1",
+        [
+            failure("model-0", ErrorCode.RECORDS_UNREACHABLE),
+            failure("environment-0", ErrorCode.RECORDS_INVALID),
+        ],
+    )
+    assert both is not None
+    assert (both[0], both[1].reason) == (CHECKPOINT_RECORDS_INVALID, Reason.CHECKPOINT_INVALID)
+    assert "environment-0" in both[1].message
+    missing = not_restorable("c1", [failure("model-0", ErrorCode.RECORDS_UNREACHABLE)])
+    assert missing is not None
+    assert (missing[0], missing[1].reason) == (
+        CHECKPOINT_RECORDS_UNREACHABLE,
+        Reason.CHECKPOINT_UNREACHABLE,
+    )
+    for code in (ErrorCode.STORAGE_FAILED, ErrorCode.UNREACHABLE, ErrorCode.INTERNAL):
+        assert not_restorable("c1", [failure("model-0", code)]) is None, code
 
 
 async def test_resume_ends_the_recovery_under_the_target_attempt() -> None:
@@ -338,11 +389,16 @@ async def test_a_failed_try_backs_off_and_the_next_runs_under_a_newer_attempt() 
     assert rset.status.recovery.target_attempt == 4
 
 
-async def test_an_invalid_checkpoint_is_not_a_counted_try_and_the_last_try_degrades() -> None:
+@pytest.mark.parametrize("reason", [Reason.CHECKPOINT_INVALID, Reason.CHECKPOINT_UNREACHABLE])
+async def test_an_unrestorable_checkpoint_is_not_a_counted_try_and_the_last_try_degrades(
+    reason: str,
+) -> None:
     cluster = recovering("Restoring", tries=3)
-    context = context_over(cluster)
-    invalid = RecoveryFailed(Reason.CHECKPOINT_INVALID, "records failed verification")
+    events = Events()
+    context = context_over(cluster, events=events)
+    invalid = RecoveryFailed(reason, "records failed verification or are not there")
     rset = await on_failed_try(context, await the_set(cluster), invalid)
+    assert events.posted == [(reason, True)], "a Warning Event says why"
     assert rset is not None
     assert rset.status.recovery is not None
     assert rset.status.recovery.tries == 3, "not counted"

@@ -6,7 +6,7 @@ The fake is an httpx transport (the layer below the client); the client code run
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,81 @@ async def test_a_failed_run_is_reissued_under_the_next_attempt_on_the_same_index
     assert results[0].attempt == 5
     assert results[0].continued
     assert client.progress.reissued == 1
+
+
+async def run_beside(
+    client: RolloutClient,
+    handler: Callable[[httpx.Request], Awaitable[httpx.Response]],
+    meanwhile: Callable[[], Awaitable[None]],
+) -> EpisodeResult:
+    """One episode through `handler`, with `meanwhile` running beside it; 10 s at most."""
+    results: list[EpisodeResult] = []
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as group:
+
+                async def episode() -> None:
+                    results.append(await client.run_episode(EpisodeSpec("r-1", TASK), http))
+
+                group.start_soon(episode)
+                await meanwhile()
+    return results[0]
+
+
+async def test_a_reply_that_never_comes_is_given_up_when_the_attempt_is_superseded() -> None:
+    """A server on a lost node never answers and nothing closes the connection: the call
+    waits only until the set runs a newer attempt, then the episode is re-issued there."""
+    topology = MutableTopology(["http://env-0"], attempt=1)
+    calls: list[int] = []
+    hanging = anyio.Event()
+    given_up = anyio.Event()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        attempt = json.loads(request.content)["attempt"]
+        calls.append(attempt)
+        if attempt == 1:
+            hanging.set()
+            try:
+                await anyio.sleep_forever()
+            finally:
+                given_up.set()
+        return ok(request, continued_from=1)
+
+    async def supersede() -> None:
+        await hanging.wait()
+        topology.set(2)
+
+    client = RolloutClient(topology, restore_timeout_s=30)
+    result = await run_beside(client, handler, supersede)
+    assert given_up.is_set(), "the call to the superseded attempt was given up"
+    assert calls == [1, 2]
+    assert result.attempt == 2
+    assert client.progress.reissued == 1
+
+
+async def test_a_reply_under_the_current_attempt_is_awaited_however_long_it_takes() -> None:
+    """Without a newer attempt nothing gives the call up: an episode runs as long as it
+    runs (the reply comes after the topology was read again, and is the result)."""
+    topology = MutableTopology(["http://env-0"], attempt=1)
+    release = anyio.Event()
+    started = anyio.Event()
+    calls: list[int] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(json.loads(request.content)["attempt"])
+        started.set()
+        await release.wait()
+        return ok(request)
+
+    async def same_attempt_then_reply() -> None:
+        await started.wait()
+        topology.set(1, ["http://env-0"])  # the same attempt again: no supersession
+        release.set()
+
+    client = RolloutClient(topology, restore_timeout_s=30)
+    result = await run_beside(client, handler, same_attempt_then_reply)
+    assert calls == [1]
+    assert result.attempt == 1
 
 
 @pytest.mark.parametrize(

@@ -119,11 +119,16 @@ def test_schema_violation_is_refused_naming_the_line(tmp_path: Path) -> None:
 
 
 def test_manifest_for_another_checkpoint_or_missing_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(storage.RecordsInvalid, match="never finished"):
+    # absent (no folder, or a folder without a manifest): RecordsMissing, a RecordsInvalid
+    with pytest.raises(storage.RecordsMissing, match="never finished"):
+        storage.read_records(_dir(tmp_path), expect_checkpoint_id="ck-1")
+    _dir(tmp_path).mkdir(parents=True)
+    with pytest.raises(storage.RecordsMissing, match="never finished"):
         storage.read_records(_dir(tmp_path), expect_checkpoint_id="ck-1")
     _write(_dir(tmp_path))
-    with pytest.raises(storage.RecordsInvalid, match="'ck-1', expected 'ck-2'"):
+    with pytest.raises(storage.RecordsInvalid, match="'ck-1', expected 'ck-2'") as other:
         storage.read_records(_dir(tmp_path), expect_checkpoint_id="ck-2")
+    assert not isinstance(other.value, storage.RecordsMissing), "present but wrong: not missing"
 
 
 def test_manifest_cannot_point_outside_its_directory(tmp_path: Path) -> None:

@@ -17,9 +17,9 @@ and an Event (reason `StatusRepaired`) says what was written back and why.
   participant's manifest and records of it are on storage and verify (`completed_on_storage`:
   digest and count, as a restore checks them) was completed: it is Ready again, and
   `records_proven` keeps the retention pass from removing those records in any case. The
-  operator's own verdict after a restore that refused the records (reason `RecordsInvalid`) is
-  not overturned, but records that verify are still never removed while the object exists. The
-  policy pass runs it with its retention.
+  operator's own verdict after a restore that refused the records (reason `RecordsInvalid` or
+  `RecordsUnreachable`, `RestoreVerdict`) is not overturned, but records that verify are still
+  never removed while the object exists. The policy pass runs it with its retention.
 
 They live here, beside neither flow, because both the checkpoint flow and the policy pass use
 them and the flows may not import each other. The set's status has its repairs in its owners:
@@ -56,6 +56,7 @@ from ..model.api import (
     CheckpointParticipant,
     CheckpointPhase,
     ConditionStatus,
+    RestoreVerdict,
     RolloutCheckpoint,
     RolloutCheckpointStatus,
     RolloutSet,
@@ -65,9 +66,11 @@ from ..model.conditions import set_condition
 
 logger = logging.getLogger(__name__)
 
-VERDICT_AFTER_RESTORE: Final = "RecordsInvalid"
-"""The Failed reason the recovery writes when participants refused a checkpoint's records at
-restore (`recovery.CHECKPOINT_RECORDS_INVALID`): the operator's own verdict, never repaired."""
+VERDICTS_AFTER_RESTORE: Final = frozenset(verdict.value for verdict in RestoreVerdict)
+"""The Failed reasons the recovery writes when participants refused a checkpoint's records at
+restore or found none: the operator's own verdicts, never repaired. (Records that are
+unreachable at one restore and visible to the operator are still not Ready again: the
+participants that restore may not see them, and a recovery would try the checkpoint again.)"""
 
 
 def parse_creation(raw: Mapping[str, Any]) -> datetime | None:
@@ -207,7 +210,7 @@ async def repair_failed_checkpoint(
     if ckpt.metadata.deletion_timestamp is not None:
         return None
     failed = ckpt.status.phase is CheckpointPhase.FAILED or failed_reason(ckpt) is not None
-    if not failed or failed_reason(ckpt) == VERDICT_AFTER_RESTORE:
+    if not failed or failed_reason(ckpt) in VERDICTS_AFTER_RESTORE:
         return None
     namespace = ckpt.metadata.namespace or "default"
     root = locator.root(namespace, rset.spec.storage)

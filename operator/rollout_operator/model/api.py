@@ -1099,6 +1099,18 @@ class CheckpointConditionType(StrEnum):
     FAILED = "Failed"
 
 
+class RestoreVerdict(StrEnum):
+    """Reasons on a RolloutCheckpoint's Ready=False condition that a restore refused it
+    (docs/design.md#62-recovery): the recovery's own verdicts, never repaired back to Ready."""
+
+    RECORDS_INVALID = "RecordsInvalid"
+    """A participant found its records and they failed verification (damaged, another
+    checkpoint's, too new, refused)."""
+    RECORDS_UNREACHABLE = "RecordsUnreachable"
+    """A participant found no records of it on the storage it sees (the checkpoint's folder or
+    manifest absent there: a volume only a lost node had)."""
+
+
 class CheckpointParticipant(StatusModel):
     """One participant's committed records."""
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from .context import (
     CHECKPOINT_RECORDS_INVALID,
+    CHECKPOINT_RECORDS_UNREACHABLE,
     InPlaceRefused,
     Reason,
     RecoveryContext,
@@ -46,6 +47,7 @@ from .stopping import finished_from, reported_losses
 
 __all__ = [
     "CHECKPOINT_RECORDS_INVALID",
+    "CHECKPOINT_RECORDS_UNREACHABLE",
     "PHASES",
     "RECOVERY_RESTARTED",
     "InPlaceRefused",

@@ -59,9 +59,10 @@ async def try_failed(
         return fresh
     rset = fresh
     recovery = recovery_of(rset)
-    # A checkpoint whose records failed verification is not the pods' fault: the next try
-    # restores another checkpoint, and every invalid one is tried at most once.
-    counted = failed.reason != Reason.CHECKPOINT_INVALID
+    # A checkpoint whose records failed verification, or are on storage these pods do not see,
+    # is not the pods' fault: the next try restores another checkpoint, and every such one is
+    # tried at most once.
+    counted = failed.reason not in (Reason.CHECKPOINT_INVALID, Reason.CHECKPOINT_UNREACHABLE)
     tries = recovery.tries + (1 if counted else 0)
     logger.warning(
         "set %s recovery try %d failed: %s: %s",

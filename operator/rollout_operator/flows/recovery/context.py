@@ -24,6 +24,7 @@ from ...decide.setplan import Reason as SetReason
 from ...model.api import (
     RecoveryPhase,
     RecoveryStatus,
+    RestoreVerdict,
     RolloutCheckpoint,
     RolloutSet,
     SetConditionType,
@@ -68,10 +69,17 @@ class Reason:
     CHECKPOINT_INVALID: Final = "CheckpointInvalid"
     """The restored checkpoint's records failed verification: the next try restores an older
     Ready checkpoint, or starts fresh."""
+    CHECKPOINT_UNREACHABLE: Final = "CheckpointUnreachable"
+    """A participant found no records of the restored checkpoint on the storage it sees (they
+    were on a volume only a lost node had): the next try restores an older Ready checkpoint,
+    or starts fresh, instead of waiting for that storage to come back."""
 
 
-CHECKPOINT_RECORDS_INVALID: Final = "RecordsInvalid"
+CHECKPOINT_RECORDS_INVALID: Final = RestoreVerdict.RECORDS_INVALID.value
 """Reason on a RolloutCheckpoint whose records failed verification at restore (Ready=False)."""
+CHECKPOINT_RECORDS_UNREACHABLE: Final = RestoreVerdict.RECORDS_UNREACHABLE.value
+"""Reason on a RolloutCheckpoint whose records a restoring participant could not find on its
+storage (`records_unreachable`: the folder or manifest absent there; Ready=False)."""
 
 
 @dataclass(frozen=True)

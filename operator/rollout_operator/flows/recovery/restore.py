@@ -4,18 +4,22 @@ into every participant at once under the target attempt, then resume and the rec
 The checkpoint named in `status.recovery` is checked against the cluster first (a name written by
 hand is replaced by the newest Ready checkpoint of the set). A restore is all or nothing across
 the participants; records that fail verification mark that checkpoint not restorable
-(`RecordsInvalid`). Resuming clears `status.recovery`, moves `attempt` to the target and writes
-`lastRecovery` (what was kept, restored and lost) and the conditions, in one write.
+(`RecordsInvalid`), and so do records a participant cannot find on the storage it sees
+(`RecordsUnreachable`: they were on a volume only a lost node had); the next try restores an
+older Ready checkpoint or starts fresh, never waiting for that storage. Resuming clears
+`status.recovery`, moves `attempt` to the target and writes `lastRecovery` (what was kept,
+restored and lost) and the conditions, in one write.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
-from typing import TypeVar
+from typing import Final, TypeVar
 
 from rollout_protocol import (
     ErrorCode,
+    Failure,
 )
 
 from ...cluster.kube import ApiError
@@ -45,6 +49,7 @@ from ...model.conditions import (
 from ..watching import NoLongerHolds, while_holding
 from .context import (
     CHECKPOINT_RECORDS_INVALID,
+    CHECKPOINT_RECORDS_UNREACHABLE,
     POLL_SECONDS,
     Reason,
     RecoveryContext,
@@ -137,16 +142,11 @@ async def restore(context: RecoveryContext, rset: RolloutSet) -> RolloutSet:
         for client in clients:
             await client.aclose()
     if not outcome.ok:
-        invalid = [f for f in outcome.failures if f.code is ErrorCode.RECORDS_INVALID]
-        if invalid:
-            detail = "; ".join(str(f) for f in invalid[:3])
-            await invalidate(context, rset, recovery.checkpoint, detail)
-            raise RecoveryFailed(
-                Reason.CHECKPOINT_INVALID,
-                f"the records of checkpoint {recovery.checkpoint} failed verification "
-                f"({detail}); it is marked Ready=False and the next try restores the "
-                "newest older Ready checkpoint, or starts fresh",
-            )
+        refused = not_restorable(checkpoint, outcome.failures)
+        if refused is not None:
+            verdict, failed = refused
+            await invalidate(context, rset, checkpoint, failed.message, verdict=verdict)
+            raise failed
         raise RecoveryFailed(
             Reason.RESTORE_FAILED,
             f"restore of {recovery.checkpoint} under attempt {recovery.target_attempt} "
@@ -256,16 +256,66 @@ async def while_pods_hold(
         ) from None
 
 
-async def invalidate(context: RecoveryContext, rset: RolloutSet, name: str, detail: str) -> None:
-    """Verification failures are permanent: the checkpoint is no longer restorable.
+def not_restorable(
+    checkpoint: str, failures: Sequence[Failure]
+) -> tuple[str, RecoveryFailed] | None:
+    """The checkpoint's verdict when a participant refused its records (`records_invalid`) or
+    found none on its storage (`records_unreachable`), with the try's failure; None when the
+    restore failed for another reason (the pods', retried under the same checkpoint).
 
-    Its Ready condition turns False (reason RecordsInvalid, phase Failed), so no later
-    recovery tries it again, retention treats its records as garbage, and the set's pass
-    moves `latestCheckpoint` to the newest other Ready checkpoint."""
+    Damaged records win over missing ones: they are the stronger statement about the
+    checkpoint. Either way it is never restored again (a lost node's volume may come back, but
+    a recovery that waited for it could wait forever)."""
+    for code, verdict, reason, why in _REFUSALS:
+        refused = [f for f in failures if f.code is code]
+        if refused:
+            detail = "; ".join(str(f) for f in refused[:3])
+            return verdict, RecoveryFailed(
+                reason,
+                f"the records of checkpoint {checkpoint} {why} ({detail}); it is marked "
+                "Ready=False and the next try restores the newest older Ready checkpoint, or "
+                "starts fresh",
+            )
+    return None
+
+
+_REFUSALS: Final = (
+    (
+        ErrorCode.RECORDS_INVALID,
+        CHECKPOINT_RECORDS_INVALID,
+        Reason.CHECKPOINT_INVALID,
+        "failed verification",
+    ),
+    (
+        ErrorCode.RECORDS_UNREACHABLE,
+        CHECKPOINT_RECORDS_UNREACHABLE,
+        Reason.CHECKPOINT_UNREACHABLE,
+        "are unreachable from the restoring participants: they are not on the storage these "
+        "pods mount (on a volume only a lost node had? checkpoint to storage every node mounts "
+        "to restore across nodes)",
+    ),
+)
+"""What a participant's refusal of the records says about the checkpoint, strongest first: the
+code, the checkpoint's verdict, the try's reason, and the message's words."""
+
+
+async def invalidate(
+    context: RecoveryContext,
+    rset: RolloutSet,
+    name: str,
+    detail: str,
+    verdict: str = CHECKPOINT_RECORDS_INVALID,
+) -> None:
+    """A restore's refusal is permanent: the checkpoint is no longer restorable.
+
+    Its Ready condition turns False (reason `verdict`: RecordsInvalid or RecordsUnreachable,
+    phase Failed), so no later recovery tries it again, retention treats its records as
+    garbage, and the set's pass moves `latestCheckpoint` to the newest other Ready
+    checkpoint."""
     namespace = rset.metadata.namespace or "default"
     ckpt = await read_checkpoint(context, rset, name)
     if ckpt is not None:
-        message = truncate(f"restore verification failed, not restorable: {detail}", 1000)
+        message = truncate(f"restore refused it, not restorable: {detail}", 1000)
         conditions = ckpt.status.conditions
         for type_, status in (
             (CheckpointConditionType.READY, False),
@@ -275,7 +325,7 @@ async def invalidate(context: RecoveryContext, rset: RolloutSet, name: str, deta
                 conditions,
                 type_.value,
                 status,
-                CHECKPOINT_RECORDS_INVALID,
+                verdict,
                 message,
                 observed_generation=ckpt.metadata.generation,
             )
