@@ -150,14 +150,21 @@ class GymProcess:
 
     def stop(self) -> None:
         """SIGTERM (drain, then exit), SIGKILL if it did not exit in time."""
-        if self.process.poll() is not None:
-            return
+        stop_all([self])
+
+
+def stop_all(processes: Sequence[GymProcess]) -> None:
+    """`GymProcess.stop` of several at once: each drains for its `--drain-seconds` after the
+    SIGTERM, so they are all signalled first, then awaited."""
+    running = [p for p in processes if p.process.poll() is None]
+    for gym in running:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
+            os.killpg(gym.process.pid, signal.SIGTERM)
+    for gym in running:
         try:
-            self.process.wait(timeout=STOP_TIMEOUT_S)
+            gym.process.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            self.kill()
+            gym.kill()
 
 
 def counter_value(resources_url: str, cookies: Mapping[str, str]) -> int:
