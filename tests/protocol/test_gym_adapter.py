@@ -61,7 +61,6 @@ from testsupport.gym_processes import (
     GymProcess,
     counter_row,
     gym_python,
-    stop_all,
 )
 from testsupport.server_processes import (
     STOP_TIMEOUT_S,
@@ -181,7 +180,9 @@ class GymDriver:
             self.first_attempt = attempt
 
     def stop(self) -> None:
-        stop_all([p for p in (self.env, self.resources) if p is not None])
+        for process in (self.env, self.resources):
+            if process is not None:
+                process.stop()
         if self.model is not None and self.model.process.poll() is None:
             self.model.stop()
 

@@ -150,21 +150,14 @@ class GymProcess:
 
     def stop(self) -> None:
         """SIGTERM (drain, then exit), SIGKILL if it did not exit in time."""
-        stop_all([self])
-
-
-def stop_all(processes: Sequence[GymProcess]) -> None:
-    """`GymProcess.stop` of several at once: each drains for its `--drain-seconds` after the
-    SIGTERM, so they are all signalled first, then awaited."""
-    running = [p for p in processes if p.process.poll() is None]
-    for gym in running:
+        if self.process.poll() is not None:
+            return
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(gym.process.pid, signal.SIGTERM)
-    for gym in running:
+            os.killpg(self.process.pid, signal.SIGTERM)
         try:
-            gym.process.wait(timeout=STOP_TIMEOUT_S)
+            self.process.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            gym.kill()
+            self.kill()
 
 
 def counter_value(resources_url: str, cookies: Mapping[str, str]) -> int:
