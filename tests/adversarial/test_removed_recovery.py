@@ -2,12 +2,14 @@
 `status.recovery` removed by hand (`kubectl patch --subresource=status`) while the recovery runs.
 
 The pods of the new attempt exist then, but their episodes were never restored from the
-checkpoint. The status repair that writes back the attempt the running pods carry must not
-adopt them (a set Ready with every restored episode lost); the recovery starts again from
-StoppingAttempt under a fresh attempt. A set that finished its recovery (`createdAttempt`,
+checkpoint. The set pass's repair that writes back the attempt the running pods carry
+(`setpass.repair_set_attempt`) must not adopt them (a set Ready with every restored episode
+lost); the recovery's repair (`recovery.repair_unfinished_recovery`) starts the recovery again
+from StoppingAttempt under a fresh attempt. A set that finished its recovery (`createdAttempt`,
 `lastRecovery.attempt`) still has an attempt written by hand repaired from its pods.
 
-`repair_set_attempt` and the `Kube` client run for real; the API server below them is the unit
+The repairs run as each set pass runs them (`reconciler.SET_REPAIRS`, in order) and the `Kube`
+client runs for real; the API server below them is the unit
 tests' `testsupport.fakecluster.FakeCluster` (status writes keep the resourceVersion
 precondition) holding the set and its pods. The same fault on a
 real API server, with the operator killed in Restoring, is in test_recovery_phase_faults.py.
@@ -17,8 +19,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout_operator.decide.setstatus import REPAIRED
-from rollout_operator.flows.repairs import RECOVERY_RESTARTED, repair_set_attempt
+from rollout_operator.decide.setstatus import REPAIRED, Repair
+from rollout_operator.flows.reconciler import SET_REPAIRS
+from rollout_operator.flows.recovery import RECOVERY_RESTARTED
+from rollout_operator.flows.setpass import repair_set_attempt
 from rollout_operator.model import api
 from rollout_operator.model.api import ROLLOUT_SET_PLURAL
 from testsupport.fakecluster import FakeCluster
@@ -43,6 +47,13 @@ def set_status(cluster: FakeCluster) -> dict[str, Any]:
     assert obj is not None, "the set is gone"
     status: dict[str, Any] = obj["status"]
     return status
+
+
+async def run_repairs(cluster: FakeCluster) -> Repair | None:
+    """The set pass's repairs in their order; the one repair that wrote (at most one may)."""
+    repaired = [r for repair in SET_REPAIRS if (r := await repair(cluster.kube(), NS, SET))]
+    assert len(repaired) <= 1, repaired
+    return repaired[0] if repaired else None
 
 
 def running_pod(role: str, attempt: int) -> dict[str, Any]:
@@ -99,7 +110,10 @@ async def test_pods_of_an_unfinished_recovery_are_not_adopted_when_its_record_is
     them when `status.recovery` was removed. Old code wrote `attempt: 2, createdAttempt: 2`
     from those pods: the set went Ready without a restore."""
     cluster = set_with_pods(rollout_set({"attempt": 1, "createdAttempt": 1}), pod_attempt=2)
-    repaired = await repair_set_attempt(cluster.kube(), NS, SET)
+    # The set pass's own repair leaves these pods to the recovery: it writes nothing.
+    assert await repair_set_attempt(cluster.kube(), NS, SET) is None
+    assert "recovery" not in set_status(cluster)
+    repaired = await run_repairs(cluster)
 
     status = set_status(cluster)
     assert status["attempt"] == 1, status
@@ -126,7 +140,7 @@ async def test_a_finished_recoverys_attempt_written_back_by_hand_is_still_repair
     were then written back to 1 by hand: the pods are adopted, no recovery starts."""
     status = {"attempt": 1, "createdAttempt": 1, "lastRecovery": LAST_RECOVERY}
     cluster = set_with_pods(rollout_set(status), pod_attempt=2)
-    repaired = await repair_set_attempt(cluster.kube(), NS, SET)
+    repaired = await run_repairs(cluster)
 
     written = set_status(cluster)
     assert written["attempt"] == 2, written
@@ -140,7 +154,7 @@ async def test_an_attempt_written_above_the_running_pods_is_written_back() -> No
     """The sibling the repair was built for: pods run attempt 2 (brought up completely), status
     says 3; written back to 2, no recovery."""
     cluster = set_with_pods(rollout_set({"attempt": 3, "createdAttempt": 2}), pod_attempt=2)
-    repaired = await repair_set_attempt(cluster.kube(), NS, SET)
+    repaired = await run_repairs(cluster)
 
     written = set_status(cluster)
     assert written["attempt"] == 2, written

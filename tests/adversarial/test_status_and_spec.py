@@ -25,7 +25,11 @@ from pydantic import ValidationError
 from rollout_operator.decide.policy import checkpoint_views
 from rollout_operator.decide.resources import STORAGE_VOLUME_NAME, reserved_volume_notes
 from rollout_operator.decide.setstatus import latest_repair
-from rollout_operator.flows.repairs import completed_on_storage, published_manifests, records_proven
+from rollout_operator.flows.checkpointrepairs import (
+    completed_on_storage,
+    published_manifests,
+    records_proven,
+)
 from rollout_operator.flows.setpass import missing_peers, spec_over_limits
 from rollout_operator.model import api
 from rollout_operator.model.settings import MAX_DIFFBASE_FIELD_BYTES, compact_essence

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rollout_operator.cluster.kube import Kube
 from rollout_operator.decide.policy import Note
 from rollout_operator.flows.reconciler import policy_pass, set_pass
 from rollout_operator.flows.recovery import RecoveryWaits
@@ -24,6 +25,21 @@ async def _no_transition(rset: RolloutSet, reason: str, message: str, warning: b
     raise AssertionError(f"no recovery expected: {reason}: {message}")
 
 
+async def _set_pass(kube: Kube, state: OperatorState, warnings: list[tuple[str, str]]) -> None:
+    """One pass of the set `math`'s loop, its Warning Events kept in `warnings`."""
+    await set_pass(
+        kube,
+        NS,
+        "math",
+        state=state,
+        max_replicas_per_role=api.MAX_REPLICAS,
+        recovery_waits=RecoveryWaits(),
+        warned=set(),
+        post_warning=lambda _rset, reason, message: warnings.append((reason, message)),
+        on_transition=_no_transition,
+    )
+
+
 async def test_the_set_pass_remembers_in_the_state_it_is_handed(tmp_path: Path) -> None:
     body = rollout_set(tmp_path)
     del body["status"]  # a new set: no attempt whose pods could be lost
@@ -33,17 +49,7 @@ async def test_the_set_pass_remembers_in_the_state_it_is_handed(tmp_path: Path) 
     state = OperatorState()
 
     async def one_pass(state: OperatorState) -> None:
-        await set_pass(
-            kube,
-            NS,
-            "math",
-            state=state,
-            max_replicas_per_role=api.MAX_REPLICAS,
-            recovery_waits=RecoveryWaits(),
-            warned=set(),
-            post_warning=lambda _rset, reason, message: warnings.append((reason, message)),
-            on_transition=_no_transition,
-        )
+        await _set_pass(kube, state, warnings)
 
     await one_pass(state)
     assert _names(cluster, "secrets"), "the first pass ensures the token Secret"
@@ -81,3 +87,44 @@ async def test_the_policy_pass_logs_its_notes_in_the_state_it_is_handed(tmp_path
     assert len(notes) == 2 * len({(n.reason, n.message) for n in notes}), (
         "the sink sees every pass's notes"
     )
+
+
+def _status_writes(cluster: FakeCluster) -> int:
+    return sum(
+        1
+        for r in cluster.requests
+        if r.verb == "patch" and r.plural == api.ROLLOUT_SET_PLURAL and r.subresource == "status"
+    )
+
+
+async def test_a_set_pass_writes_the_status_at_most_once_and_not_when_nothing_changed(
+    tmp_path: Path,
+) -> None:
+    """One write per pass, as the set's one owner computes it (docs/design.md#69-who-writes-the-
+    sets-status): the repairs and the recovery write nothing on a set whose status the cluster
+    bears out, and a pass that finds nothing new writes nothing."""
+    body = rollout_set(tmp_path)
+    del body["status"]
+    cluster = seeded(body)
+    kube = cluster.kube()
+    state = OperatorState()
+
+    async def one_pass() -> int:
+        before = _status_writes(cluster)
+        await _set_pass(kube, state, [])
+        return _status_writes(cluster) - before
+
+    assert await one_pass() == 1, "the first pass creates the pod and writes the status once"
+    assert await one_pass() == 0, "nothing changed: nothing written"
+    for pod in cluster.list_objects("pods", NS):
+        pod["status"] = {
+            "phase": "Running",
+            "podIP": "127.0.0.1",
+            "conditions": [{"type": "Ready", "status": "True"}],
+        }
+        cluster.put(pod)
+    assert await one_pass() == 1, "the pod is Ready: the set is up, written once"
+    shown = cluster.get(api.ROLLOUT_SET_PLURAL, NS, "math")
+    assert shown is not None
+    assert shown["status"]["createdAttempt"] == 1
+    assert await one_pass() == 0, "a steady set: nothing written"

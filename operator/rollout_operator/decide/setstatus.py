@@ -51,6 +51,16 @@ class Repair:
     patch: dict[str, Any] = field(default_factory=dict)
 
 
+def finished_attempt(rset: RolloutSet) -> int:
+    """The newest attempt the set is known to have brought up completely: the set pass writes
+    `createdAttempt` once every pod of the running attempt was created and Ready, a recovery
+    writes it (and `lastRecovery.attempt`) only when it finished (restored, resumed). Pods of
+    a later attempt were created by a recovery that did not finish."""
+    status = rset.status
+    last = status.last_recovery.attempt if status.last_recovery is not None else 1
+    return max(status.created_attempt or 1, last)
+
+
 def newest_ready(views: Sequence[CheckpointView]) -> CheckpointView | None:
     """The newest Ready checkpoint (by completion, then creation) that is not being deleted."""
     ready = [c for c in views if c.ready and not c.deleting]

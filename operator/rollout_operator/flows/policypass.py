@@ -71,8 +71,8 @@ from ..model.api import (
 )
 from ..model.conditions import ConditionUpdate, merge_conditions, same_but_generation
 from ..model.owners import StatusOwner
+from .checkpointrepairs import parse_creation, records_proven, repair_failed_checkpoint
 from .records import RecordsRemover, RemovalPending, remove_here
-from .repairs import parse_creation, records_proven, repair_failed_checkpoint
 from .state import LoggedNotes
 
 logger = logging.getLogger(__name__)

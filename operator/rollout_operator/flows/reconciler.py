@@ -4,8 +4,9 @@ The Kopf daemons (`handlers/rolloutset.py` `reconcile_loop`, `handlers/policy.py
 `policy_loop`) only wire a `PassLoop` to these functions; the order is decided here, where the
 flows it composes live (docs/design.md#60-layers, "Loops, not event handlers"):
 
-- `set_pass`: the status repairs (`repairs.repair_set_attempt`, `recovery.repair_false_recovery`),
-  then the recovery (`recovery.recover_if_needed`), then the set's pass
+- `set_pass`: the owners' repairs of a status written by hand (`SET_REPAIRS`: the recovery's
+  `repair_unfinished_recovery` and `repair_false_recovery`, the set pass's
+  `repair_set_attempt`), then the recovery (`recovery.recover_if_needed`), then the set's pass
   (`setpass.reconcile_set`), in one task;
 - `policy_pass`: the queue pass (`queuepass.QueuePass`), then the checkpoint policy's pass
   (`policypass.PolicyPass`).
@@ -23,13 +24,18 @@ from collections.abc import Awaitable, Callable
 from ..cluster.kube import Kube
 from ..cluster.storage import StorageLocator
 from ..decide.policy import Note
+from ..decide.setstatus import Repair
 from ..model.api import RolloutSet
 from .passloop import Next
 from .policypass import PolicyPass
 from .queuepass import QueuePass
-from .recovery import RecoveryWaits, recover_if_needed, repair_false_recovery
-from .repairs import repair_set_attempt
-from .setpass import reconcile_set
+from .recovery import (
+    RecoveryWaits,
+    recover_if_needed,
+    repair_false_recovery,
+    repair_unfinished_recovery,
+)
+from .setpass import reconcile_set, repair_set_attempt
 from .state import OperatorState
 
 WarningSink = Callable[[RolloutSet, str, str], None]
@@ -38,6 +44,21 @@ TransitionSink = Callable[[RolloutSet, str, str, bool], Awaitable[None]]
 """Told of each recovery transition (reason, message, warning)."""
 NoteSink = Callable[[RolloutSet, Note], Awaitable[None]]
 """Told of each policy or queue note, on every pass."""
+
+SetRepair = Callable[[Kube, str, str], Awaitable[Repair | None]]
+"""A repair of the set's status (docs/design.md#610-status-written-by-hand): it writes as the
+owner of what it repairs and returns what it wrote back, or None."""
+
+SET_REPAIRS: tuple[SetRepair, ...] = (
+    repair_unfinished_recovery,
+    repair_set_attempt,
+    repair_false_recovery,
+)
+"""The repairs each set pass runs first, in this order, before anything acts on the status: a
+recovery or a pass acting on an attempt no pod runs would start a second attempt beside the
+first, and a recovery nobody lost a participant for would stop every running pod. The first two
+look at pods of an attempt the status does not name (disjoint cases: above or within the last
+attempt the set finished bringing up); the third at a recorded recovery."""
 
 
 async def set_pass(
@@ -56,21 +77,12 @@ async def set_pass(
 
     `warned` holds the (reason, message) of the Warning Events the calling loop posted already:
     the set pass's warnings are posted once per loop, a repair's every time it repairs."""
-    # Status first: a recovery or a pass acting on an attempt no pod runs would start a
-    # second attempt beside the first (docs/design.md#610-status-written-by-hand).
-    repaired = await repair_set_attempt(kube, namespace, name)
-    if repaired is not None:
-        raw = await kube.get_set(namespace, name)
-        if raw is not None:
-            post_warning(RolloutSet.model_validate(raw), repaired.reason, repaired.message)
-    # A recovery nobody lost a participant for would stop every running pod (class 2).
-    false_recovery = await repair_false_recovery(kube, namespace, name)
-    if false_recovery is not None:
-        raw = await kube.get_set(namespace, name)
-        if raw is not None:
-            post_warning(
-                RolloutSet.model_validate(raw), false_recovery.reason, false_recovery.message
-            )
+    for repair in SET_REPAIRS:
+        repaired = await repair(kube, namespace, name)
+        if repaired is not None:
+            raw = await kube.get_set(namespace, name)
+            if raw is not None:
+                post_warning(RolloutSet.model_validate(raw), repaired.reason, repaired.message)
     look = await recover_if_needed(
         kube, namespace, name, on_transition=on_transition, waits=recovery_waits
     )
@@ -111,4 +123,12 @@ async def policy_pass(
     return Next(again=outcome.again or queued.again, at=outcome.wake_at)
 
 
-__all__ = ["NoteSink", "TransitionSink", "WarningSink", "policy_pass", "set_pass"]
+__all__ = [
+    "SET_REPAIRS",
+    "NoteSink",
+    "SetRepair",
+    "TransitionSink",
+    "WarningSink",
+    "policy_pass",
+    "set_pass",
+]

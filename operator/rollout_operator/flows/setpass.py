@@ -7,6 +7,10 @@ flows. Here:
 - `reconcile_set`: one pass of the RolloutSet reconciler (what the Kopf daemon runs). It also
   derives the set's checkpoint fields from its checkpoints (`setstatus`) and, once a checkpoint
   is Ready, writes the latest-checkpoint hints on the pods it covers (`mark_covered_pods`).
+- `repair_set_attempt`: the set pass's own repair (docs/design.md#610-status-written-by-hand):
+  an `attempt` or `createdAttempt` that contradicts the running pods is written back from them.
+  It runs before the recovery looks at the set (`flows/reconciler.py`): a recovery acting on an
+  attempt no pod runs would take the running pods for lost.
 
 While `status.recovery` is set the recovery flow owns pod creation and the Ready, Progressing
 and Degraded conditions; `reconcile_set` then only refreshes `status.participants` (with the
@@ -47,11 +51,18 @@ from ..decide.resources import (
     set_selector,
 )
 from ..decide.setplan import AttemptPlan, plan_attempt, set_conditions
-from ..decide.setstatus import Repair, checkpoint_fields
+from ..decide.setstatus import (
+    NOT_AN_INTERFACE,
+    REPAIRED,
+    Repair,
+    checkpoint_fields,
+    finished_attempt,
+)
 from ..decide.standby import plan_standbys, standby_views
 from ..model.api import (
     ANNOTATION_LATEST_CHECKPOINT,
     ANNOTATION_LATEST_CHECKPOINT_TIME,
+    LABEL_ATTEMPT,
     LABEL_STANDBY,
     MAX_REPLICAS,
     MAX_TEMPLATE_BYTES,
@@ -134,6 +145,50 @@ def spec_over_limits(rset: RolloutSet, max_replicas_per_role: int) -> SetBlocked
                 "ConfigMap or Secret and mount it",
             )
     return None
+
+
+async def repair_set_attempt(kube: Kube, namespace: str, name: str) -> Repair | None:
+    """Write back the attempt the set's live pods run when status says another one.
+
+    Only while no recovery runs (a recovery moves pods between attempts on purpose). A set
+    without live pods (new, suspended, every pod lost) shows no attempt; status stands. Pods of
+    an attempt above the last one the set finished bringing up (`finished_attempt`) are not
+    adopted: a recovery created them and never restored them, and the recovery's own repair
+    (`recovery.repair_unfinished_recovery`) starts it again."""
+    raw = await kube.get_set(namespace, name)
+    if raw is None or (raw.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    try:
+        rset = RolloutSet.model_validate(raw)
+    except ValidationError:
+        return None  # the pass reports an invalid spec
+    status = rset.status
+    if status.recovery is not None:
+        return None
+    running = {pod.attempt for pod in await observe_pods(kube, namespace, name) if pod.live}
+    if not running or max(running) > finished_attempt(rset):
+        return None
+    attempt = max(running)
+    patch: dict[str, Any] = {}
+    if (status.attempt or 1) != attempt:
+        patch["attempt"] = attempt
+    # An attempt above 1 was brought up by a finished recovery, which wrote createdAttempt.
+    if attempt > 1 and (status.created_attempt or 0) < attempt:
+        patch["createdAttempt"] = attempt
+    if not patch:
+        return None
+    try:
+        await SetStatusWriter(kube, StatusOwner.SET_PASS).write(rset, patch)
+    except Conflict:
+        return None  # someone wrote meanwhile; the next pass looks again
+    written = ", ".join(f"{key} {value}" for key, value in sorted(patch.items()))
+    message = (
+        f"status said attempt {status.attempt} (createdAttempt {status.created_attempt}), but "
+        f"the set's running pods carry {LABEL_ATTEMPT}={attempt}: wrote back {written} from the "
+        f"pods; {NOT_AN_INTERFACE}"
+    )
+    logger.warning("RolloutSet %s/%s: %s", namespace, name, message)
+    return Repair(REPAIRED, message)
 
 
 @dataclass(frozen=True)

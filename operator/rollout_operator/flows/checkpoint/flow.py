@@ -40,8 +40,8 @@ from ...cluster.kube import Kube
 from ...cluster.leases import CheckpointLeases
 from ...cluster.objects import read_control_token
 from ...model.api import CheckpointPhase, RolloutCheckpoint, RolloutSet, Trigger
+from ..checkpointrepairs import repair_published_checkpoint
 from ..phases import PhaseTable, run_phases
-from ..repairs import repair_published_checkpoint
 from .commit import commit, publish
 from .context import (
     IN_FLIGHT,

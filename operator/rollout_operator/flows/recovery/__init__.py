@@ -23,7 +23,7 @@ Recovering condition and an Event; a failed InPlace try is followed by Recreate 
 One module per group of phases, each step a function of a `context.RecoveryContext` and the
 set: `start` (the loss recorded, or held by churn), `stopping` (StoppingAttempt), `pods`
 (StartingPods), `restore` (Restoring, Resuming), `backoff` (BackingOff and a failed try);
-`loss` (what is lost), `repair` (a recovery written by hand); `flow` holds the table,
+`loss` (what is lost), `repair` (a recovery written or removed by hand); `flow` holds the table,
 `RecoveryFlow` and `recover_if_needed`. This package's names are the flow's public surface.
 """
 
@@ -40,13 +40,14 @@ from .context import (
 )
 from .flow import PHASES, RecoveryFlow, RecoveryLook, recover_if_needed, start_resume
 from .loss import Loss, detect_loss, find_losses, observe
-from .repair import repair_false_recovery
+from .repair import RECOVERY_RESTARTED, repair_false_recovery, repair_unfinished_recovery
 from .restore import counts_as_restart
 from .stopping import finished_from, reported_losses
 
 __all__ = [
     "CHECKPOINT_RECORDS_INVALID",
     "PHASES",
+    "RECOVERY_RESTARTED",
     "InPlaceRefused",
     "Loss",
     "Reason",
@@ -63,6 +64,7 @@ __all__ = [
     "phase_seconds_until",
     "recover_if_needed",
     "repair_false_recovery",
+    "repair_unfinished_recovery",
     "reported_losses",
     "start_resume",
 ]

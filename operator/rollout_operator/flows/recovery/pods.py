@@ -150,7 +150,7 @@ async def start_pods(context: RecoveryContext, rset: RolloutSet) -> RolloutSet:
         if fresh is None:
             raise RecoveryFailed("SetDeleted", "the RolloutSet was deleted")
         if fresh.status.recovery is None:
-            # Removed by hand: the next pass starts it again (restart_unfinished_recovery).
+            # Removed by hand: the next pass starts it again (repair_unfinished_recovery).
             raise RecoveryFailed("RecoveryRemoved", "status.recovery was removed")
         rset = fresh
     rset = await patch(context, rset, {"participants": plan.participants})

@@ -1,22 +1,30 @@
-"""A `status.recovery` written by hand, removed before it stops a pod
+"""The recovery's own repairs of a status written by hand
 (docs/design.md#610-status-written-by-hand).
 
-The recovery's own repair: it writes as the recovery (`StatusOwner.RECOVERY`), and it runs in
-the set's loop before the recovery would act on such a status (`flows/reconciler.py`).
+- `repair_false_recovery`: a `status.recovery` that no lost participant explains is removed
+  before it stops a pod.
+- `repair_unfinished_recovery`: a `status.recovery` removed while the recovery ran (its pods
+  of the new attempt were never restored) is started again, instead of those pods being adopted.
+
+Both write as the recovery (`StatusOwner.RECOVERY`) and run in the set's loop before the
+recovery would act on such a status (`flows/reconciler.py`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 from pydantic import ValidationError
 
 from ...cluster.kube import Conflict, Kube
+from ...cluster.objects import observe_pods
 from ...cluster.statuswriter import SetStatusWriter
 from ...decide.policy import RESUMED_REASON
-from ...decide.setstatus import NOT_AN_INTERFACE, REPAIRED, Repair
+from ...decide.setstatus import NOT_AN_INTERFACE, REPAIRED, Repair, finished_attempt
 from ...model.api import (
     RecoveryPhase,
+    RecoveryStatus,
+    RestorePolicy,
     RolloutSet,
     SetConditionType,
 )
@@ -24,10 +32,26 @@ from ...model.conditions import (
     ConditionUpdate,
     is_true,
     merge_conditions,
+    utcnow,
 )
 from ...model.owners import StatusOwner
 from .context import logger
 from .loss import find_losses, observe
+
+RECOVERY_RESTARTED: Final = "RecoveryRestarted"
+"""Condition and recovery reason: a recovery whose `status.recovery` was removed while it ran
+starts again (`repair_unfinished_recovery`)."""
+
+
+async def _live_set(kube: Kube, namespace: str, name: str) -> RolloutSet | None:
+    """The set, unless it is gone, being deleted or invalid (the set pass reports that)."""
+    raw = await kube.get_set(namespace, name)
+    if raw is None or (raw.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    try:
+        return RolloutSet.model_validate(raw)
+    except ValidationError:
+        return None
 
 
 async def repair_false_recovery(kube: Kube, namespace: str, name: str) -> Repair | None:
@@ -41,12 +65,8 @@ async def repair_false_recovery(kube: Kube, namespace: str, name: str) -> Repair
     that loss stays visible until the recovery acts: the pod is gone, finished, terminating or
     on a NotReady node. One that has not tried yet, shows no such loss and no pod of a later
     attempt is removed, with an Event; anything else is left to the recovery flow."""
-    raw = await kube.get_set(namespace, name)
-    if raw is None or (raw.get("metadata") or {}).get("deletionTimestamp"):
-        return None
-    try:
-        rset = RolloutSet.model_validate(raw)
-    except ValidationError:
+    rset = await _live_set(kube, namespace, name)
+    if rset is None:
         return None
     status = rset.status
     recovery = status.recovery
@@ -83,5 +103,62 @@ async def repair_false_recovery(kube: Kube, namespace: str, name: str) -> Repair
         await SetStatusWriter(kube, StatusOwner.RECOVERY).write(rset, body)
     except Conflict:
         return None  # written meanwhile; the next pass looks again
+    logger.warning("RolloutSet %s/%s: %s", namespace, name, message)
+    return Repair(REPAIRED, message)
+
+
+async def repair_unfinished_recovery(kube: Kube, namespace: str, name: str) -> Repair | None:
+    """Start the recovery again when its `status.recovery` was removed while it ran.
+
+    Pods of an attempt above the last one the set finished bringing up (`finished_attempt`)
+    run while no recovery is recorded: a recovery created them and had not restored (or not
+    resumed) them when its record went. Adopting them would run a set whose episodes were never
+    restored from the checkpoint (they are lost); the records of the lost attempt are still on
+    storage. The recovery starts over from StoppingAttempt under a fresh target attempt
+    (`running + 1`): every pod of the attempts in between is stopped, fresh pods restore the
+    newest Ready checkpoint, as after a failed try. Recreate, whatever the spec says: which pods
+    an InPlace try kept is not known any more."""
+    rset = await _live_set(kube, namespace, name)
+    if rset is None or rset.status.recovery is not None:
+        return None
+    running = {pod.attempt for pod in await observe_pods(kube, namespace, name) if pod.live}
+    if not running or max(running) <= finished_attempt(rset):
+        return None  # no recovery was cut short; the set pass adopts the running attempt
+    running_attempt = max(running)
+    status = rset.status
+    now = utcnow()
+    message = (
+        f"pods of attempt {running_attempt} run, but no recovery is recorded and the set "
+        f"finished bringing up attempt {finished_attempt(rset)} only (status.recovery was "
+        f"removed while a recovery ran): their episodes were never restored, so they are not "
+        f"adopted; the recovery starts again under attempt {running_attempt + 1}; "
+        f"{NOT_AN_INTERFACE}"
+    )
+    recovery = RecoveryStatus(
+        phase=RecoveryPhase.STOPPING_ATTEMPT,
+        from_attempt=min(status.attempt or 1, running_attempt),
+        target_attempt=running_attempt + 1,
+        started_at=now,
+        phase_started_at=now,
+        reason=RECOVERY_RESTARTED,
+        message=message,
+        restore_policy=RestorePolicy.RECREATE,
+    )
+    conditions = merge_conditions(
+        status.conditions,
+        [
+            ConditionUpdate.of(
+                SetConditionType.RECOVERING.value, True, RECOVERY_RESTARTED, message
+            ),
+            ConditionUpdate.of(SetConditionType.READY.value, False, RECOVERY_RESTARTED, message),
+        ],
+        observed_generation=rset.metadata.generation,
+    )
+    try:
+        await SetStatusWriter(kube, StatusOwner.RECOVERY).write(
+            rset, {"recovery": recovery, "conditions": conditions}
+        )
+    except Conflict:
+        return None  # someone wrote meanwhile; the next pass looks again
     logger.warning("RolloutSet %s/%s: %s", namespace, name, message)
     return Repair(REPAIRED, message)

@@ -1,47 +1,31 @@
-"""Status is the operator's memory, and users can write it
+"""Repairs of a RolloutCheckpoint's status written by hand, from what storage proves
 (docs/design.md#610-status-written-by-hand).
 
 `kubectl patch --subresource=status` (or any client with `patch` on the status subresource) can
 write anything the schema allows. The operator never takes such a write as an instruction: where
-status contradicts what the cluster shows, the cluster wins, status is repaired, and an Event
-(reason `StatusRepaired`) says what was written back and why.
+a checkpoint's status contradicts the records on storage, storage wins, the status is repaired,
+and an Event (reason `StatusRepaired`) says what was written back and why.
 
-- `repair_set_attempt`: a set without a recovery runs exactly one attempt, the one its live pods
-  carry in their attempt label. A `status.attempt` (or a `createdAttempt` below it) that says
-  otherwise would make the reconciler create the pods of a second attempt beside the running one,
-  or the recovery take the running pods' attempt for lost: it is written back from the pods.
-  Pods of an attempt above the last one the set finished bringing up (`createdAttempt`,
-  `lastRecovery.attempt`) are not adopted: a recovery created them and its `status.recovery`
-  was removed before it restored them; the recovery starts again (`restart_unfinished_recovery`).
 - `repair_published_checkpoint`: a RolloutCheckpoint whose phase was reset (unset, Pending or
   Queued) but whose manifests are on storage, one for every participant instance of its set,
   all for this checkpoint and written after the object was created, was published: it is Ready
   again with those manifests, never prepared again (the participants would refuse the stale id,
   the checkpoint would end Failed and retention would remove the records of a restorable
   checkpoint). When the operator cannot see the volume, the set's `latestCheckpoint` naming it
-  is the proof instead.
+  is the proof instead. The checkpoint flow runs it before it starts a checkpoint.
 - `repair_failed_checkpoint`: a RolloutCheckpoint whose status says Failed although every
   participant's manifest and records of it are on storage and verify (`completed_on_storage`:
   digest and count, as a restore checks them) was completed: it is Ready again, and
   `records_proven` keeps the retention pass from removing those records in any case. The
   operator's own verdict after a restore that refused the records (reason `RecordsInvalid`) is
-  not overturned, but records that verify are still never removed while the object exists.
-- `latest_repair`: the set's `latestCheckpoint` is what a recovery restores; it must name the
-  newest Ready checkpoint of this set (or the one being published right now). A name of a
-  checkpoint that does not exist, belongs to another set, is not Ready, or is older than a
-  Ready one, or no name while a Ready checkpoint exists, is written back from the checkpoints.
+  not overturned, but records that verify are still never removed while the object exists. The
+  policy pass runs it with its retention.
 
-A repair of the set's status writes as the owner of what it repairs
-(docs/design.md#69-who-writes-the-sets-status): `repair_set_attempt` as the set pass,
-`restart_unfinished_recovery` as the recovery (it starts one), both through
-`cluster.statuswriter.SetStatusWriter`. They stay here, not in their owners' modules: the
-policy pass imports this module, and the flows may not import each other.
-
-The recovery and checkpoint flows check the rest of what they read from status against the
-cluster themselves: `recovery.repair_false_recovery` (a `status.recovery` that no lost
-participant explains), the recovery's own checkpoint reads (only checkpoints of its own set,
-Ready, are restored or marked invalid), and the checkpoint queue (`activeCheckpoint` cleared or
-pointed elsewhere while a checkpoint of the set runs).
+They live here, beside neither flow, because both the checkpoint flow and the policy pass use
+them and the flows may not import each other. The set's status has its repairs in its owners:
+`setpass.repair_set_attempt` (the set pass), `recovery.repair_false_recovery` and
+`recovery.repair_unfinished_recovery` (the recovery); `decide/setstatus.py` derives the set's
+`latestCheckpoint` from the checkpoints on every pass (`latest_repair`).
 """
 
 from __future__ import annotations
@@ -63,145 +47,27 @@ from rollout_protocol import (
     read_records,
 )
 
-from ..cluster.kube import Conflict, Kube
-from ..cluster.objects import observe_pods
-from ..cluster.statuswriter import SetStatusWriter
+from ..cluster.kube import Kube
 from ..cluster.storage import StorageLocator
 from ..decide.resources import set_dir
 from ..decide.setstatus import NOT_AN_INTERFACE, REPAIRED, RESET_PHASES, Repair
 from ..model.api import (
-    LABEL_ATTEMPT,
     CheckpointConditionType,
     CheckpointParticipant,
     CheckpointPhase,
     ConditionStatus,
-    RecoveryPhase,
-    RecoveryStatus,
-    RestorePolicy,
     RolloutCheckpoint,
     RolloutCheckpointStatus,
     RolloutSet,
-    SetConditionType,
     dump,
 )
-from ..model.conditions import ConditionUpdate, merge_conditions, set_condition, utcnow
-from ..model.owners import StatusOwner
+from ..model.conditions import set_condition
 
 logger = logging.getLogger(__name__)
 
-RECOVERY_RESTARTED: Final = "RecoveryRestarted"
-"""Condition and recovery reason: a recovery whose `status.recovery` was removed while it ran
-starts again (its pods of the new attempt were never restored, see
-`restart_unfinished_recovery`)."""
 VERDICT_AFTER_RESTORE: Final = "RecordsInvalid"
 """The Failed reason the recovery writes when participants refused a checkpoint's records at
 restore (`recovery.CHECKPOINT_RECORDS_INVALID`): the operator's own verdict, never repaired."""
-
-
-async def repair_set_attempt(kube: Kube, namespace: str, name: str) -> Repair | None:
-    """Write back the attempt the set's live pods run when status says another one.
-
-    Only while no recovery runs (a recovery moves pods between attempts on purpose). A set
-    without live pods (new, suspended, every pod lost) shows no attempt; status stands."""
-    raw = await kube.get_set(namespace, name)
-    if raw is None or (raw.get("metadata") or {}).get("deletionTimestamp"):
-        return None
-    try:
-        rset = RolloutSet.model_validate(raw)
-    except ValidationError:
-        return None  # the reconciler reports an invalid spec
-    status = rset.status
-    if status.recovery is not None:
-        return None
-    running = {pod.attempt for pod in await observe_pods(kube, namespace, name) if pod.live}
-    if not running:
-        return None
-    attempt = max(running)
-    if attempt > finished_attempt(rset):
-        return await restart_unfinished_recovery(kube, rset, attempt)
-    shown = status.attempt or 1
-    patch: dict[str, Any] = {}
-    if shown != attempt:
-        patch["attempt"] = attempt
-    # An attempt above 1 was brought up by a finished recovery, which wrote createdAttempt.
-    if attempt > 1 and (status.created_attempt or 0) < attempt:
-        patch["createdAttempt"] = attempt
-    if not patch:
-        return None
-    try:
-        await SetStatusWriter(kube, StatusOwner.SET_PASS).write(rset, patch)
-    except Conflict:
-        return None  # someone wrote meanwhile; the next pass looks again
-    written = ", ".join(f"{key} {value}" for key, value in sorted(patch.items()))
-    message = (
-        f"status said attempt {status.attempt} (createdAttempt {status.created_attempt}), but "
-        f"the set's running pods carry {LABEL_ATTEMPT}={attempt}: wrote back {written} from the "
-        f"pods; {NOT_AN_INTERFACE}"
-    )
-    logger.warning("RolloutSet %s/%s: %s", namespace, name, message)
-    return Repair(REPAIRED, message)
-
-
-def finished_attempt(rset: RolloutSet) -> int:
-    """The newest attempt the set is known to have brought up completely: the reconciler
-    writes `createdAttempt` once every pod of the running attempt was created and Ready, a recovery
-    writes it (and `lastRecovery.attempt`) only when it finished (restored, resumed). Pods of
-    a later attempt were created by a recovery that did not finish."""
-    status = rset.status
-    last = status.last_recovery.attempt if status.last_recovery is not None else 1
-    return max(status.created_attempt or 1, last)
-
-
-async def restart_unfinished_recovery(kube: Kube, rset: RolloutSet, running: int) -> Repair | None:
-    """Start the recovery again when its `status.recovery` was removed while it ran.
-
-    Pods of attempt `running` exist above the last attempt the set finished bringing up:
-    a recovery created them and had not restored (or not resumed) them when its record went.
-    Adopting them would run a set whose episodes were never restored from the checkpoint
-    (they are lost); the records of the lost attempt are still on storage. The recovery
-    starts over from StoppingAttempt under a fresh target attempt (`running + 1`): every pod
-    of the attempts in between is stopped, fresh pods restore the newest Ready checkpoint,
-    as after a failed try. Recreate, whatever the spec says: which pods an InPlace try kept
-    is not known any more."""
-    namespace = rset.metadata.namespace or "default"
-    name = rset.metadata.name
-    status = rset.status
-    now = utcnow()
-    from_attempt = min(status.attempt or 1, running)
-    message = (
-        f"pods of attempt {running} run, but no recovery is recorded and the set finished "
-        f"bringing up attempt {finished_attempt(rset)} only (status.recovery was removed while "
-        f"a recovery ran): their episodes were never restored, so they are not adopted; the "
-        f"recovery starts again under attempt {running + 1}; {NOT_AN_INTERFACE}"
-    )
-    recovery = RecoveryStatus(
-        phase=RecoveryPhase.STOPPING_ATTEMPT,
-        from_attempt=from_attempt,
-        target_attempt=running + 1,
-        started_at=now,
-        phase_started_at=now,
-        reason=RECOVERY_RESTARTED,
-        message=message,
-        restore_policy=RestorePolicy.RECREATE,
-    )
-    conditions = merge_conditions(
-        status.conditions,
-        [
-            ConditionUpdate.of(
-                SetConditionType.RECOVERING.value, True, RECOVERY_RESTARTED, message
-            ),
-            ConditionUpdate.of(SetConditionType.READY.value, False, RECOVERY_RESTARTED, message),
-        ],
-        observed_generation=rset.metadata.generation,
-    )
-    try:
-        await SetStatusWriter(kube, StatusOwner.RECOVERY).write(
-            rset, {"recovery": recovery, "conditions": conditions}
-        )
-    except Conflict:
-        return None  # someone wrote meanwhile; the next pass looks again
-    logger.warning("RolloutSet %s/%s: %s", namespace, name, message)
-    return Repair(REPAIRED, message)
 
 
 def parse_creation(raw: Mapping[str, Any]) -> datetime | None:
