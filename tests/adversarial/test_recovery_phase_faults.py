@@ -14,7 +14,9 @@ threshold), never by a sleep:
 - StartingPods: the environment of the new attempt is frozen while it starts (its readiness
   probe waits 3 s first), so it never turns Ready;
 - Restoring: the model of the new attempt is frozen once Ready, so its restore call hangs
-  (the operator is killed there, and status.recovery removed, in the last case);
+  (the operator is killed there, and status.recovery removed, in the last case); its
+  environment is frozen while it starts, as above, until then, so that the attempt cannot be
+  Ready (and restored) before the model is frozen;
 - Resuming: as Restoring, then the environment of the new attempt, which answered its restore,
   is frozen and the model thawed: the operator moves to Resuming and its resume call hangs;
 - BackingOff: a try fails first (the frozen replacement model is killed in Restoring), and the
@@ -76,6 +78,9 @@ RESTORE_TIMEOUT_S = 150
 """A try that waited out its deadline would take this long; every wait below is far shorter."""
 WAIT_S = 60
 BATCH = 4
+ENVIRONMENT_PROBE_DELAY_S = 3
+"""The environment's first readiness probe waits this long after it starts: the time a test has
+to see its process and freeze it before it can turn Ready."""
 
 
 def fault_set(storage: Path) -> dict[str, Any]:
@@ -88,12 +93,11 @@ def fault_set(storage: Path) -> dict[str, Any]:
         probe = participant["template"]["spec"]["containers"][0]["readinessProbe"]
         probe["failureThreshold"] = 600  # a frozen pod stays Ready: it is slow, not gone
         if participant["role"] == "environment":
-            # No restore before a test froze what it needs: the restore starts the moment every
-            # pod of the attempt is Ready, and the tests freeze the model right after it turns
-            # Ready. 3 s lost that race once in a loaded full run (the model took about as long
-            # to turn Ready, and the operator restores within milliseconds since it reads its
-            # state from watches).
-            probe["initialDelaySeconds"] = 6
+            # Room to freeze it while it starts (`Scene.restore_held_on_the_model`): the
+            # restore starts the moment every pod of the attempt is Ready, within milliseconds
+            # (the operator reads its state from watches), so a delay alone, racing the
+            # model's start, is not enough (6 s held; 3 s lost once in a loaded full run).
+            probe["initialDelaySeconds"] = ENVIRONMENT_PROBE_DELAY_S
     return rset
 
 
@@ -156,6 +160,25 @@ class Scene:
                 return str(entry["address"])
         raise AssertionError(f"{pod} is not a participant in status: {obj['status']}")
 
+    async def restore_held_on_the_model(self) -> list[int]:
+        """Attempt 2's model frozen once Ready, before the restore can call it: returns its
+        pids (thaw them).
+
+        The environment of attempt 2 is frozen while it starts (before its first readiness
+        probe), so the attempt cannot turn Ready, and the restore start, before the model is
+        frozen; then the environment is thawed, turns Ready, and the restore call to the model
+        hangs."""
+        starting = await self.running_pids("math-rl-environment-0-a2")
+        freeze(starting)
+        try:
+            model = "math-rl-model-0-a2"
+            await wait_pod_ready(self.resources, model, WAIT_S)
+            frozen_model = self.pids(model)
+            freeze(frozen_model)
+        finally:
+            thaw(starting)
+        return frozen_model
+
     async def hold_resuming(self) -> list[int]:
         """Hold the recovery in Resuming: returns the frozen environment's pids (thaw them).
 
@@ -163,11 +186,8 @@ class Scene:
         attempt 2 answers its restore, then is frozen, and the model is thawed: every restore
         has answered, so the operator writes Resuming and calls resume, which hangs on the
         environment."""
-        model = "math-rl-model-0-a2"
         environment = "math-rl-environment-0-a2"
-        await wait_pod_ready(self.resources, model, WAIT_S)
-        frozen_model = self.pids(model)
-        freeze(frozen_model)
+        frozen_model = await self.restore_held_on_the_model()
         try:
             await self.in_phase("Restoring")
             address = await self.participant_address(environment)
@@ -294,9 +314,7 @@ async def lose_new_pod_while_resuming(scene: Scene, ready: dict[str, Any]) -> st
 async def lose_new_pod_while_backing_off(scene: Scene, ready: dict[str, Any]) -> str:
     await scene.kill(participants_by_role(ready)["model"][0]["pod"])
     replacement = "math-rl-model-0-a2"
-    await wait_pod_ready(scene.resources, replacement, WAIT_S)
-    frozen = scene.pids(replacement)
-    freeze(frozen)
+    frozen = await scene.restore_held_on_the_model()
     try:
         await scene.in_phase("Restoring")
         await scene.kill(replacement)  # the try fails: BackingOff
@@ -345,7 +363,7 @@ async def test_a_pod_lost_in_a_recovery_phase_is_recovered_without_loss(
 async def restart_while_starting(scene: Scene, ready: dict[str, Any]) -> str:
     await scene.kill(participants_by_role(ready)["model"][0]["pod"])
     frozen = await scene.running_pids("math-rl-environment-0-a2")
-    freeze(frozen)  # its readiness probe waits 3 s: frozen, it never turns Ready
+    freeze(frozen)  # before its first readiness probe: frozen, it never turns Ready
     try:
         await scene.in_phase("StartingPods")
         phase = await scene.phase_now()
@@ -407,10 +425,7 @@ async def test_a_recovery_removed_from_status_while_it_restores_is_not_adopted_u
     (reason RecoveryRestarted) and restores `base` under attempt 3."""
     async with scene(cluster, namespace, operator, resources, storage_dir) as (here, ready):
         await here.kill(participants_by_role(ready)["model"][0]["pod"])
-        replacement = "math-rl-model-0-a2"
-        await wait_pod_ready(resources, replacement, WAIT_S)
-        frozen = here.pids(replacement)
-        freeze(frozen)
+        frozen = await here.restore_held_on_the_model()
         try:
             await here.in_phase("Restoring")
             await anyio.to_thread.run_sync(operator.kill)

@@ -31,10 +31,9 @@ from testsupport.operator_fixtures import (
     Debug,
     OperatorProcess,
     Resources,
-    example_checkpoint,
-    is_true,
+    checkpoint_ready,
     participants_by_role,
-    phase_is,
+    recovered_under,
     stats,
 )
 
@@ -214,24 +213,11 @@ async def checkpoint_and_kill(
 ) -> dict[str, Any]:
     """A manual checkpoint of attempt 1 while episodes run, then SIGKILL the environment's pod
     mid-episode; returns the set once it is Ready under attempt 2."""
-    checkpoint = json.dumps(example_checkpoint(name, set_name=SET))
-    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=checkpoint)
-    ckpt = await resources.wait_checkpoint(name, "Ready or Failed", phase_is("Ready", "Failed"), 60)
-    assert is_true(ckpt, "Ready"), ckpt["status"]
+    ckpt = await checkpoint_ready(cluster, resources, name, 60, SET)
     assert ckpt["status"]["attempt"] == 1
     assert ckpt["status"]["episodes"] >= 1
     assert await cluster.admin.kill_pod_async(namespace, environment_pod)
-    return await resources.wait_set(
-        "Ready under attempt 2",
-        # latestCheckpoint: written by the set's pass right after the recovery
-        lambda o: (
-            o["status"].get("attempt") == 2
-            and is_true(o, "Ready")
-            and bool(o["status"].get("latestCheckpoint"))
-        ),
-        90,
-        SET,
-    )
+    return await recovered_under(resources, 2, 90, SET)
 
 
 def start_collect(cluster: Cluster, command: list[str], log: Path) -> subprocess.Popen[bytes]:

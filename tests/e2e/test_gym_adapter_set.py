@@ -45,10 +45,9 @@ from testsupport.operator_fixtures import (
     Debug,
     OperatorProcess,
     Resources,
-    example_checkpoint,
-    is_true,
+    checkpoint_ready,
     participants_by_role,
-    phase_is,
+    recovered_under,
 )
 
 from devcluster.cluster import Cluster
@@ -172,12 +171,7 @@ async def checkpoint_kill_restore(
                 await model.paused("token", held)
 
                 name = "gym-running"
-                checkpoint = json.dumps(example_checkpoint(name, set_name=SET))
-                cluster.kubectl("apply", "-n", namespace, "-f", "-", input=checkpoint)
-                ckpt = await resources.wait_checkpoint(
-                    name, "Ready or Failed", phase_is("Ready", "Failed"), 60
-                )
-                assert is_true(ckpt, "Ready"), ckpt["status"]
+                ckpt = await checkpoint_ready(cluster, resources, name, 60, SET)
                 assert ckpt["status"]["attempt"] == 1
                 if strategy == "restart":  # nothing captured, the running episodes counted
                     assert ckpt["status"]["episodes"] == 0, ckpt["status"]
@@ -192,16 +186,7 @@ async def checkpoint_kill_restore(
                     # held episode is still unfinished at the loss (it then meets the lost
                     # counter, and is retired and continued under attempt 2 from the checkpoint)
                     await model.release("token", held)
-                recovered = await resources.wait_set(
-                    "Ready under attempt 2",
-                    lambda o: (
-                        o["status"].get("attempt") == 2
-                        and is_true(o, "Ready")
-                        and bool(o["status"].get("latestCheckpoint"))
-                    ),
-                    120,
-                    SET,
-                )
+                recovered = await recovered_under(resources, 2, 120, SET)
 
         # The same rows, uninterrupted, on the recovered set: the reference rewards.
         reference_specs = [EpisodeSpec(f"ref-{s.rollout_id}", s.task) for s in episodes]

@@ -30,11 +30,10 @@ from testsupport.operator_fixtures import (
     Resources,
     check_manifests,
     check_recovered_run,
-    example_checkpoint,
+    checkpoint_ready,
     example_set,
-    is_true,
     participants_by_role,
-    phase_is,
+    recovered_under,
     stats,
 )
 from testsupport.podpath import give_import_path
@@ -108,12 +107,7 @@ async def test_gym_dialect_environment_checkpoint_kill_restore(
                 await Debug(http, model["address"]).paused("token", held)
 
                 name = "gym-mixed-running"
-                checkpoint = json.dumps(example_checkpoint(name, set_name=SET))
-                cluster.kubectl("apply", "-n", namespace, "-f", "-", input=checkpoint)
-                ckpt = await resources.wait_checkpoint(
-                    name, "Ready or Failed", phase_is("Ready", "Failed"), 60
-                )
-                assert is_true(ckpt, "Ready"), ckpt["status"]
+                ckpt = await checkpoint_ready(cluster, resources, name, 60, SET)
                 assert ckpt["status"]["attempt"] == 1
                 assert ckpt["status"]["episodes"] >= 1
                 assert ckpt["status"]["restarts"] == 0
@@ -128,16 +122,7 @@ async def test_gym_dialect_environment_checkpoint_kill_restore(
 
                 # SIGKILL the Gym-dialect pod while episodes run (one held mid-generation).
                 assert await cluster.admin.kill_pod_async(namespace, env_a1["pod"])
-                recovered = await resources.wait_set(
-                    "Ready under attempt 2",
-                    lambda o: (
-                        o["status"].get("attempt") == 2
-                        and is_true(o, "Ready")
-                        and bool(o["status"].get("latestCheckpoint"))
-                    ),
-                    120,
-                    SET,
-                )
+                recovered = await recovered_under(resources, 2, 120, SET)
 
         reference_specs = episode_specs(EPISODES, SEED, prefix="ref")
         reference = await RolloutClient(topology, concurrency=EPISODES).run_all(reference_specs)

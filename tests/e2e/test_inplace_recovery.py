@@ -79,8 +79,11 @@ class MetricsOperator:
     metrics_url: str
 
 
+QUICK_RETIRE_S = 4
+"""A survivor that answers retires in milliseconds; one frozen never does."""
+QUICK_FLOOR_S = 2
 QUICK_WAITS = pytest.mark.operator_args(
-    "--inplace-retire-seconds", "10", "--restore-floor-seconds", "5"
+    "--inplace-retire-seconds", str(QUICK_RETIRE_S), "--restore-floor-seconds", str(QUICK_FLOOR_S)
 )
 """The recovery's fixed waits (docs/operations.md, "Sizing") made short, for the tests that wait
 one of them out: a survivor that never retires, a restore that hangs."""
@@ -554,11 +557,14 @@ async def test_a_second_loss_during_an_in_place_restore_ends_in_one_attempt(
             await model.paused("token", held, limit_s=60)
             ckpt = await checkpoint_ready(cluster, resources, "base")
             assert ckpt["status"]["episodes"] >= 1
-            await model.release("token", held)
             uids_before = uids(cluster, namespace)
 
             await model.arm("install")
             assert await cluster.admin.kill_pod_async(namespace, pods["environment-0"])
+            # Released only after the loss, as in `checkpoint_kill_recover`: released before,
+            # on a loaded machine every episode could finish under attempt 1 first, and none
+            # would continue from the checkpoint (seen at three xdist workers).
+            await model.release("token", held)
             await model.paused("install", limit_s=90)
             restoring = await resources.wait_set(
                 "Restoring into attempt 2",
@@ -639,9 +645,9 @@ async def test_a_second_loss_during_an_in_place_restore_ends_in_one_attempt(
     assert "Traceback" not in operator.process.log.read_text(), operator.process.tail(60)
 
 
-FROZEN_RESTORE_TIMEOUT_S = 20
-"""Above the restore step's floor (5 s under `QUICK_WAITS`) plus the pods' start, so the try's
-own deadline binds."""
+FROZEN_RESTORE_TIMEOUT_S = 14
+"""Above the restore step's floor (`QUICK_FLOOR_S` under `QUICK_WAITS`) plus the pods' start
+(a few seconds), so the try's own deadline binds."""
 TRY_MARGIN_S = 5 + 2 * 2
 """docs/api.md: a call gives up 5 s after its deadline, then the retire and the resume of the
 participant that missed it wait at most 2 s each."""
@@ -781,10 +787,18 @@ def standby_ready(o: dict[str, Any]) -> bool:
 
 
 async def ready_with_an_environment_standby(
-    cluster: Cluster, namespace: str, resources: Resources, storage: Path
+    cluster: Cluster,
+    namespace: str,
+    resources: Resources,
+    storage: Path,
+    grace_seconds: int | None = None,
 ) -> tuple[dict[str, Any], str]:
-    """The InPlace set with one environment standby, Ready: the set and the standby's pod."""
+    """The InPlace set with one environment standby, Ready: the set and the standby's pod
+    (`grace_seconds`: the pods' terminationGracePeriodSeconds, when not Kubernetes' 30 s)."""
     obj = in_place_set(storage, {}, {"standby": {"environment": 1}})
+    if grace_seconds is not None:
+        for participant in obj["spec"]["participants"]:
+            participant["template"]["spec"]["terminationGracePeriodSeconds"] = grace_seconds
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(obj))
     before = await resources.wait_set("Ready with its standby", standby_ready, 120)
     [spare] = before["status"]["standby"]["pods"]
@@ -814,6 +828,10 @@ async def test_an_idle_standby_lost_is_replaced_without_a_recovery(
     assert spare not in uids(cluster, namespace), "the dead one went"
 
 
+DELETED_POD_GRACE_S = 2
+"""terminationGracePeriodSeconds of the suspend test's pods (above: why)."""
+
+
 async def test_suspend_stops_the_standbys_and_deleting_the_set_deletes_them(
     cluster: Cluster,
     namespace: str,
@@ -822,8 +840,15 @@ async def test_suspend_stops_the_standbys_and_deleting_the_set_deletes_them(
     storage_dir: Path,
 ) -> None:
     """Standbys go with the set's pods on suspend, come back after the resume
-    (which is not a restart), and go when the set is deleted."""
-    _, spare = await ready_with_an_environment_standby(cluster, namespace, resources, storage_dir)
+    (which is not a restart), and go when the set is deleted.
+
+    The set's deletion deletes its pods through their owner references (the garbage
+    collector); each then gets its template's termination grace, which a participant spends
+    draining (it stays up until stopped). The test's pods have a short grace so that the last
+    wait is for the deletion, not for Kubernetes' default 30 s."""
+    _, spare = await ready_with_an_environment_standby(
+        cluster, namespace, resources, storage_dir, grace_seconds=DELETED_POD_GRACE_S
+    )
 
     async def none_left() -> bool | None:
         # the test's namespace holds this set's pods only

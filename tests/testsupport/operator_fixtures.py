@@ -42,6 +42,7 @@ from devcluster.kube import open_api
 from devcluster.waiting import wait_for
 from harness.measures import checkpoint_records
 from harness.objects import (
+    SET_NAME,
     Resources,
     apply_crds,
     condition,
@@ -78,6 +79,7 @@ __all__ = [
     "phases",
     "pod_pids",
     "records_of",
+    "recovered_under",
     "resources",
     "running_operator",
     "sample",
@@ -291,16 +293,37 @@ async def wait_phase(
 
 
 async def checkpoint_ready(
-    cluster: Cluster, resources: Resources, name: str, limit_s: float = 60
+    cluster: Cluster,
+    resources: Resources,
+    name: str,
+    limit_s: float = 60,
+    set_name: str = SET_NAME,
 ) -> dict[str, Any]:
-    """Create the example RolloutCheckpoint `name` as a user would (`kubectl apply`), wait until
-    it ends, and return it; it must have ended Ready."""
-    kubectl_apply(cluster, resources.namespace, example_checkpoint(name))
+    """Create the example RolloutCheckpoint `name` of `set_name` as a user would (`kubectl
+    apply`), wait until it ends, and return it; it must have ended Ready."""
+    kubectl_apply(cluster, resources.namespace, example_checkpoint(name, set_name))
     ckpt = await resources.wait_checkpoint(
         name, "Ready or Failed", phase_is("Ready", "Failed"), limit_s
     )
     assert is_true(ckpt, "Ready"), ckpt["status"]
     return ckpt
+
+
+async def recovered_under(
+    resources: Resources, attempt: int, limit_s: float, set_name: str = SET_NAME
+) -> dict[str, Any]:
+    """Wait until the set is Ready under `attempt` with its `latestCheckpoint` written (the
+    set's pass writes it right after a recovery), and return it."""
+    return await resources.wait_set(
+        f"Ready under attempt {attempt}",
+        lambda o: (
+            o["status"].get("attempt") == attempt
+            and is_true(o, "Ready")
+            and bool(o["status"].get("latestCheckpoint"))
+        ),
+        limit_s,
+        set_name,
+    )
 
 
 async def wait_pod_ready(resources: Resources, pod: str, limit_s: float) -> None:

@@ -540,7 +540,7 @@ async def _checkpoint(
                 STEPS_RESTARTED,
                 not scope and restarts == sorted(rids),
                 f"every episode must be listed as a restart by {cid}, none captured",
-                f"scope {scope}, restarts {[str(e) for e in prepared.restarts]}",
+                f"scope {scope}, restarts {sorted(str(e) for e in prepared.restarts)}",
             )
         else:
             _expect(
@@ -548,7 +548,7 @@ async def _checkpoint(
                 captured and not prepared.restarts,
                 f"every episode must be captured by {cid} (none restarting)",
                 f"scope {scope}, {prepared.episode_count} parked, "
-                f"restarts {[str(e) for e in prepared.restarts]}",
+                f"restarts {sorted(str(e) for e in prepared.restarts)}",
             )
         commit = await coordinator.commit(cid, time.time() + call_timeout_s, scope)
         _expect(
