@@ -18,7 +18,7 @@ from rollout_operator.decide.policy import parse_time
 from rollout_operator.flows.checkpoint import PHASES, CheckpointFailed, FlowSettings, Reason
 from rollout_operator.flows.checkpoint.commit import commit, publish
 from rollout_operator.flows.checkpoint.context import CheckpointContext, CheckpointRun
-from rollout_operator.flows.checkpoint.flow import phase_of
+from rollout_operator.flows.checkpoint.flow import phase_of, slot_taken_at
 from rollout_operator.flows.checkpoint.prepare import begin, prepare
 from rollout_operator.flows.checkpoint.resume import resume
 from rollout_operator.flows.phases import run_phases
@@ -61,8 +61,9 @@ async def a_run(
     ckpt = api.RolloutCheckpoint.model_validate(await kube.get_checkpoint(NS, CKPT))
     coordinator = Coordinator([cast(HttpParticipantClient, participant)])
     now = time.time()
+    slot_taken = slot_taken_at(None, ckpt, continued, now)
     run = CheckpointRun(
-        context, rset, coordinator, started=now, continued=continued, slot_taken=now
+        context, rset, coordinator, started=now, continued=continued, slot_taken=slot_taken
     )
     return run, ckpt
 

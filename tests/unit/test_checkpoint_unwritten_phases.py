@@ -4,21 +4,36 @@
 A fast checkpoint's status is written twice (published, then Ready), with the Published Event
 only; a slow prepare still shows Preparing (and its Event) once the delay passed; and a
 successor operator that finds the set's Lease its own but no phase written continues the
-checkpoint with the start and prepare deadline the first run had, taken from the Lease. The API
-server is `FakeCluster`, below the real `Kube`; the participant is `Scripted`.
+checkpoint with the start and prepare deadline the first run had, taken from the Lease. A
+checkpoint whose publish write was refused (an API server restarting) after every participant
+committed is continued by the next run, never taken for a published one whose status was reset:
+its pause counts from the first prepare. The API server is `FakeCluster`, below the real `Kube`;
+the participant is `Scripted`, committing real records where a test needs them on storage.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, cast
 
 import anyio
+import pytest
 from rollout_operator.cluster.leases import lease_name, micro_time
+from rollout_operator.cluster.rest import ApiError
 from rollout_operator.decide.policy import parse_time
+from rollout_operator.decide.resources import set_dir
 from rollout_operator.flows.checkpoint import CheckpointFlow, FlowSettings
 from rollout_operator.model import api
-from rollout_protocol import HttpParticipantClient, PrepareReply, PrepareRequest
+from rollout_protocol import (
+    CommitReply,
+    CommitRequest,
+    HttpParticipantClient,
+    PrepareReply,
+    PrepareRequest,
+    checkpoint_base,
+)
+from rollout_protocol import _storage as storage
 from testsupport.checkpointflow import (
     CKPT,
     NS,
@@ -149,3 +164,79 @@ async def test_a_successor_continues_from_the_lease_when_no_phase_was_written() 
     status = checkpoint_status(cluster)
     assert parse_time(status["startedAt"]) == whole_seconds(taken)
     assert cluster.count("create", "leases") == 0, "the Lease was its own already"
+
+
+class Committing(Scripted):
+    """A participant that commits real records, fsynced, under the set's volume at `root`,
+    and journals when its first prepare came (admission closed then)."""
+
+    def __init__(self, root: Path, set_folder: str) -> None:
+        super().__init__(parked=())
+        self.root = root
+        self.set_folder = set_folder
+        self.first_prepare: float | None = None
+
+    async def prepare(self, request: PrepareRequest) -> PrepareReply:
+        if self.first_prepare is None:
+            self.first_prepare = time.time()
+        return await super().prepare(request)
+
+    async def commit(self, request: CommitRequest) -> CommitReply:
+        reply = await super().commit(request)
+        folder = checkpoint_base(self.root, self.set_folder, request.checkpoint_id)
+        manifest = storage.write_records(
+            folder / self.instance,
+            role=self.role,
+            instance=self.instance,
+            checkpoint_id=request.checkpoint_id,
+            attempt=self.attempt,
+        )
+        return reply.model_copy(update={"manifest": manifest})
+
+
+@pytest.mark.parametrize("next_run", ["same operator", "successor operator"])
+async def test_a_publish_refused_after_the_commit_is_continued_not_repaired(
+    tmp_path: Path, next_run: str
+) -> None:
+    """The API server refuses the publish write (it restarts): every participant committed,
+    so all manifests are on storage, but nothing was published and no phase was written. The
+    next run (this operator's, or a successor's with nothing in memory) continues it: prepare
+    and commit replayed, published with its durations, the pause counted from the first
+    prepare; never repaired as a published checkpoint whose status was reset."""
+    cluster = ready_cluster()
+
+    def on_the_volume(obj: dict[str, Any]) -> None:
+        obj["spec"]["storage"] = {"path": "/ckpt", "volume": {"hostPath": {"path": str(tmp_path)}}}
+
+    cluster.update(api.ROLLOUT_SET_PLURAL, NS, SET, on_the_volume)
+    raw_set = cluster.get(api.ROLLOUT_SET_PLURAL, NS, SET)
+    assert raw_set is not None
+    participant = Committing(tmp_path, set_dir(api.RolloutSet.model_validate(raw_set)))
+    events: list[str] = []
+    first = flow(cluster, participant, events)
+    cluster.refuse(
+        "patch", api.ROLLOUT_CHECKPOINT_PLURAL, status=503, message="restarting", name=CKPT
+    )
+    with pytest.raises(ApiError):
+        await first.run(NS, CKPT)
+    assert participant.called("commit") == [CKPT]
+    assert participant.called("resume") == []
+    assert checkpoint_status(cluster) == {}, "nothing was written"
+    assert (checkpoint_base(tmp_path, participant.set_folder, CKPT) / "model-0").is_dir()
+
+    second_run_began = time.time()
+    again = first if next_run == "same operator" else flow(cluster, participant, events)
+    ended = await again.run(NS, CKPT)
+
+    assert ended is api.CheckpointPhase.READY
+    assert events == ["Published"], "continued and published, not repaired"
+    assert participant.called("prepare") == [CKPT, CKPT]
+    assert participant.called("commit") == [CKPT, CKPT]
+    assert participant.called("resume") == [CKPT]
+    status = checkpoint_status(cluster)
+    assert participant.first_prepare is not None
+    assert status["durations"]["pauseSeconds"] >= second_run_began - participant.first_prepare
+    assert status["durations"]["totalSeconds"] >= status["durations"]["pauseSeconds"]
+    assert [p["instance"] for p in status["participants"]] == ["model-0"]
+    holder = (cluster.get("leases", NS, lease_name(SET)) or {}).get("spec", {})
+    assert holder.get("holderIdentity") is None, "the slot was released"

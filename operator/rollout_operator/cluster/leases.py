@@ -192,6 +192,10 @@ class CheckpointLeases:
                 lease = await self._read(key)
         return holder_of(lease) or "another writer of the Lease"
 
+    async def holder(self, namespace: str, set_name: str) -> str | None:
+        """The checkpoint the set's Lease names now, read from the API server (None: none)."""
+        return holder_of(await self._read((namespace, set_name)))
+
     def held_since(self, namespace: str, set_name: str, ckpt: RolloutCheckpoint) -> float | None:
         """When `ckpt` took the set's Lease (its `acquireTime`, kept across renewals and operator
         restarts), as this process last wrote or read it; None when it does not hold it here.

@@ -12,7 +12,8 @@ and an Event (reason `StatusRepaired`) says what was written back and why.
   again with those manifests, never prepared again (the participants would refuse the stale id,
   the checkpoint would end Failed and retention would remove the records of a restorable
   checkpoint). When the operator cannot see the volume, the set's `latestCheckpoint` naming it
-  is the proof instead. The checkpoint flow runs it before it starts a checkpoint.
+  is the proof instead. The checkpoint flow runs it before it starts a checkpoint; one that
+  holds its set's Lease is running (its phases unwritten yet) and is not repaired.
 - `repair_failed_checkpoint`: a RolloutCheckpoint whose status says Failed although every
   participant's manifest and records of it are on storage and verify (`completed_on_storage`:
   digest and count, as a restore checks them) was completed: it is Ready again, and
@@ -48,6 +49,7 @@ from rollout_protocol import (
 )
 
 from ..cluster.kube import Kube
+from ..cluster.leases import CheckpointLeases
 from ..cluster.storage import StorageLocator
 from ..decide.resources import set_dir
 from ..decide.setstatus import NOT_AN_INTERFACE, REPAIRED, RESET_PHASES, Repair
@@ -234,10 +236,20 @@ async def repair_failed_checkpoint(
 
 
 async def repair_published_checkpoint(
-    kube: Kube, ckpt: RolloutCheckpoint, *, locator: StorageLocator | None = None
+    kube: Kube,
+    leases: CheckpointLeases,
+    ckpt: RolloutCheckpoint,
+    *,
+    locator: StorageLocator | None = None,
 ) -> tuple[RolloutCheckpointStatus, Repair] | None:
     """The Ready status of a checkpoint that was published but whose status was reset, or None
-    (then the checkpoint has not run, and runs)."""
+    (then the checkpoint has not run, or runs still, and runs).
+
+    A checkpoint that holds its set's Lease is running with its phases unwritten (they are
+    written only once they last over a second): its manifests prove that every participant
+    committed, not that it was published (the publish write may have failed in an API outage,
+    with the participants still paused). It is continued, never repaired; the Lease is read
+    only when the manifests are all there."""
     if ckpt.status.phase not in RESET_PHASES:
         return None
     namespace = ckpt.metadata.namespace or "default"
@@ -264,6 +276,8 @@ async def repair_published_checkpoint(
         proof = f"set {rset.metadata.name} names it as its latest Ready checkpoint"
         completed_at = completed_at or rset.status.latest_checkpoint_time
     else:
+        return None
+    if await leases.holder(namespace, rset.metadata.name) == name:
         return None
     message = (
         f"status was reset (phase {ckpt.status.phase or 'unset'}) but the checkpoint was "

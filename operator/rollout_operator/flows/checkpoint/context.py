@@ -221,9 +221,10 @@ class CheckpointContext:
 class CheckpointRun:
     """One run of the flow over one checkpoint, from the slot to the resume.
 
-    `continued`: the run found the checkpoint in a running phase (an operator restart); its
-    prepare deadline and start time come from status then. The rest is what the steps learned,
-    in the order they learn it."""
+    `continued`: the run found the checkpoint in a running phase, or holding the set's Lease
+    with no phase written (an operator restart, a status write that failed); its prepare
+    deadline and start time come from status then, or from the Lease. The rest is what the
+    steps learned, in the order they learn it."""
 
     context: CheckpointContext
     rset: RolloutSet

@@ -91,6 +91,19 @@ def phase_of(run: CheckpointRun, ckpt: RolloutCheckpoint) -> CheckpointPhase | N
     return CheckpointPhase.PREPARING
 
 
+def slot_taken_at(
+    held_since: float | None, ckpt: RolloutCheckpoint, in_flight: bool, now: float
+) -> float:
+    """When the checkpoint took the set's Lease, which starts its prepare and pause: the
+    Lease's `acquireTime` as this process knows it; for a run continued from a written phase
+    without it, `startedAt` (whole seconds); else now (this run takes the Lease)."""
+    if held_since is not None:
+        return held_since
+    if in_flight and ckpt.status.started_at is not None:
+        return ckpt.status.started_at.timestamp()
+    return now
+
+
 PHASES: Final = PhaseTable[CheckpointPhase, CheckpointRun, RolloutCheckpoint](
     steps=MappingProxyType(
         {
@@ -211,15 +224,22 @@ class CheckpointFlow:
         context = self._context
         kube = context.kube
         namespace = ckpt.metadata.namespace or "default"
-        in_flight = ckpt.status.phase in IN_FLIGHT
+        # Running: in a running phase, or (its phases unwritten yet) holding the set's Lease as
+        # this process took it, when an earlier run of this process stopped on an error.
+        in_flight = ckpt.status.phase in IN_FLIGHT or (
+            context.leases.held_since(namespace, ckpt.spec.rollout_set, ckpt) is not None
+        )
         # A status reset by a user must never run a published checkpoint again (class 2).
-        if not in_flight and (repaired := await repair_published_checkpoint(kube, ckpt)):
+        repaired = None
+        if not in_flight:
+            repaired = await repair_published_checkpoint(kube, context.leases, ckpt)
+        if repaired is not None:
             status, repair = repaired
             await write_status(context, ckpt, status)
             if context.on_transition is not None:
                 await context.on_transition(ckpt, repair.reason, repair.message)
             return ckpt.status.phase
-        started = context.clock()
+        began = started = context.clock()
         if in_flight and ckpt.status.started_at is not None:
             started = min(started, ckpt.status.started_at.timestamp())
         coordinator: Coordinator | None = None
@@ -236,8 +256,12 @@ class CheckpointFlow:
             # one whose phase was never written (an operator restart within its first second),
             # that is the earlier run's start, and its prepare deadline is the same.
             held_since = context.leases.held_since(namespace, ckpt.spec.rollout_set, ckpt)
-            slot_taken = context.clock() if held_since is None else held_since
+            slot_taken = slot_taken_at(held_since, ckpt, in_flight, context.clock())
             started = min(started, slot_taken)
+            # A Lease taken before this run began (a millisecond's margin for the Lease's
+            # microsecond times) is an earlier run's: one that stopped before any phase was
+            # written (an operator restart, a status write refused in an API outage).
+            taken_earlier = held_since is not None and held_since < began - 0.001
             participants = await self._participants(namespace, rset)
             coordinator = Coordinator(participants)
             run = CheckpointRun(
@@ -246,7 +270,7 @@ class CheckpointFlow:
                 coordinator,
                 started=started,
                 slot_taken=slot_taken,
-                continued=ckpt.status.phase in IN_FLIGHT,
+                continued=ckpt.status.phase in IN_FLIGHT or taken_earlier,
                 writes=writes,
             )
             await run_phases(PHASES, run, ckpt)

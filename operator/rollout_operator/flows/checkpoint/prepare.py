@@ -82,10 +82,11 @@ async def prepare(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpo
         assert ckpt.status.deadline is not None, "a continued prepare has its deadline in status"
         deadline_ts = ckpt.status.deadline.timestamp()
     prepare_started = run.now()
-    if run.continued and ckpt.status.started_at is not None:
+    if run.continued:
         # An operator restart (or an API outage) mid-checkpoint: admission closed when
-        # the first prepare began, so the pause counts from there, not from this run.
-        prepare_started = min(prepare_started, ckpt.status.started_at.timestamp())
+        # the first prepare began, so the pause counts from there (when the checkpoint took
+        # the Lease, `run.slot_taken`), not from this run.
+        prepare_started = min(prepare_started, run.slot_taken)
     # A deadline that passed while the operator was down: a prepare that completed then
     # is replayed at once; one that did not gets one more second, then times out.
     until = max(deadline_ts, run.now() + 1)
