@@ -368,7 +368,9 @@ class PodmanKindProvider(KindProvider):
         return image
 
     def make_writable_folder(self, path: Path) -> None:
-        for node in self.nodes():
+        """On every node that runs (a node container stopped, as `kill_node` leaves it, has no
+        kubelet to run pods until `start_node`)."""
+        for node in self.running_nodes():
             self._node_exec("mkdir", "-p", "-m", "1777", str(path), node=node)
             self._node_exec("chmod", "1777", str(path), node=node)
 
