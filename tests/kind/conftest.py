@@ -1,13 +1,13 @@
 """Fixtures of the multi-node suite (`tests/kind`, marker `kind`): one kind cluster for the module.
 
 - `kind_cluster` (session): `kind/up.sh` (what `make kind` runs without Docker: podman in a
-  network namespace of its own, one control plane and three workers (`KIND_WORKERS` to change),
-  the device plugin DaemonSet, docs/kind.md) started once, without its cluster-wide operator
-  (each test installs its own by Helm into its namespace); `kind/down.sh` at the end, which
-  fails the session if any container, mount, namespace, link, process or kernel tunable of the
-  cluster is left. With `ROLLOUT_KIND_STATE=DIR` the tests use the cluster `KIND_STATE=DIR
-  KIND_NO_OPERATOR=1 make kind` started there and leave it up (its lost workers started again
-  at the end).
+  network namespace of its own, one control plane and three workers (`ROLLOUT_KIND_WORKERS`
+  for another number), the device plugin DaemonSet, docs/kind.md) started once, without its
+  cluster-wide operator (each test installs its own by Helm into its namespace); `kind/down.sh`
+  at the end, which fails the session if any container, mount, namespace, link, process or
+  kernel tunable of the cluster is left. With `ROLLOUT_KIND_STATE=DIR` the tests use the
+  cluster `KIND_STATE=DIR KIND_NO_OPERATOR=1 make kind` started there and leave it up (its lost
+  workers started again at the end).
 - `kind_provider`: the cluster as a `harness.providers.PodmanKindProvider`.
 - `kind_namespace`: a fresh namespace per test, deleted afterwards; pods left on a lost node
   (their kubelet gone) are deleted by force first, as an administrator does.
@@ -32,10 +32,11 @@ from harness.objects import create_namespace
 from harness.providers import PodmanKindProvider
 
 SHARED_IN_NODE = Path("/rollout-shared")
-WORKERS = os.environ.get("KIND_WORKERS", "3")
+WORKERS = os.environ.get("ROLLOUT_KIND_WORKERS", "3")
 """Three workers: the three scenarios that lose a worker take different ones, so of the three
 restarts (20 to 130 s each) only one is left (tests/kind/test_multinode.py's `worker_pair`,
-docs/kind.md); two work too, a lost worker then started again before each scenario needing it."""
+docs/kind.md); two work too, a lost worker then started again before each scenario needing it.
+Not `KIND_WORKERS`: the Makefile exports that (2) for `make kind`."""
 UP_TIMEOUT = 1800
 """A cold `kind/up.sh` builds kind's tools and the node image first (minutes on two cores)."""
 
