@@ -87,11 +87,27 @@ def has_devices(provider: PodmanKindProvider, node: str) -> bool:
     return int((found["status"].get("allocatable") or {}).get(GPU, "0")) > 0
 
 
+def ready_since(provider: PodmanKindProvider) -> dict[str, str]:
+    """node -> when it last turned Ready, for the nodes Ready now."""
+    listed = json.loads(provider.kubectl("get", "nodes", "-o", "json").stdout)["items"]
+    found = {}
+    for node in listed:
+        for item in node["status"].get("conditions") or []:
+            if item["type"] == "Ready" and item["status"] == "True":
+                found[node["metadata"]["name"]] = item["lastTransitionTime"]
+    return found
+
+
 @pytest.fixture
 def worker_pair(kind_provider: PodmanKindProvider) -> Iterator[WorkerPair]:
     """The first two workers that are up (in the API server's order), a lost one started again
     only when fewer than two are; both advertising their GPUs. Afterwards `loses` is uncordoned
-    (a drain cordons it); a worker the scenario killed is left down for the next to skip."""
+    (a drain cordons it); a worker the scenario killed is left down for the next to skip.
+
+    Afterwards, too: every node whose container ran throughout stayed Ready. The kubelets renew
+    their Lease every 4 s and a node is lost after 12 s without one (docs/kind.md, "A lost node:
+    heartbeats and grace"); a node that turned NotReady while it ran means that margin does not
+    hold on this machine's load, and the scenario's placement assumptions with it."""
     running = set(kind_provider.running_nodes())
     workers = kind_provider.workers()
     up = [node for node in workers if node in running]
@@ -106,8 +122,14 @@ def worker_pair(kind_provider: PodmanKindProvider) -> Iterator[WorkerPair]:
     for node in pair:
         advertising = partial(has_devices, kind_provider, node)
         wait_for_sync(advertising, 120, f"{node} advertising its {GPU}")
+    before = ready_since(kind_provider)
     yield pair
     kind_provider.kubectl("uncordon", pair.loses)
+    running, after = kind_provider.running_nodes(), ready_since(kind_provider)
+    flapped = [
+        node for node, since in before.items() if node in running and after.get(node) != since
+    ]
+    assert not flapped, f"nodes that ran throughout turned NotReady during the scenario: {flapped}"
 
 
 def get_json(cluster: PodmanKindProvider, *args: str) -> dict[str, Any]:
