@@ -125,9 +125,9 @@ def worker_pair(kind_provider: PodmanKindProvider) -> Iterator[WorkerPair]:
     before = ready_since(kind_provider)
     yield pair
     kind_provider.kubectl("uncordon", pair.loses)
-    running, after = kind_provider.running_nodes(), ready_since(kind_provider)
+    still_running, after = set(kind_provider.running_nodes()), ready_since(kind_provider)
     flapped = [
-        node for node, since in before.items() if node in running and after.get(node) != since
+        node for node, since in before.items() if node in still_running and after.get(node) != since
     ]
     assert not flapped, f"nodes that ran throughout turned NotReady during the scenario: {flapped}"
 
