@@ -590,6 +590,15 @@ async def test_the_operators_worker_lost_while_a_checkpoint_prepares_its_success
             apply(cluster, namespace, example_checkpoint(name))
             await wait_phase(http, agent, "preparing", "the agent to be preparing", limit_s=60)
 
+            def preparing_written() -> bool:
+                found = get_json(cluster, "rolloutcheckpoint", name, "-n", namespace)
+                return (found.get("status") or {}).get("phase") == "Preparing"
+
+            # The operator writes Preparing once the phase has lasted a second (docs/design.md,
+            # "Phases written late"); the worker is lost after the API shows it.
+            await anyio.to_thread.run_sync(
+                lambda: wait_for_sync(preparing_written, 60, f"{name} Preparing written")
+            )
             cluster.kill_node(lost_worker)
 
             def successor_ready() -> bool:
