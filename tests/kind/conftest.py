@@ -9,8 +9,8 @@
   cluster `KIND_STATE=DIR KIND_NO_OPERATOR=1 make kind` started there and leave it up (its lost
   workers started again at the end).
 - `kind_provider`: the cluster as a `harness.providers.PodmanKindProvider`.
-- `kind_namespace`: a fresh namespace per test, deleted afterwards; pods left on a lost node
-  (their kubelet gone) are deleted by force first, as an administrator does.
+- `kind_namespace`: a fresh namespace per test, deleted afterwards (not waited for); pods left
+  on a lost node (their kubelet gone) are deleted by force first, as an administrator does.
 - `shared_storage`: a folder of the host folder every node mounts at `/rollout-shared` (a
   cluster filesystem, as GPU nodes share one), writable by the image's user: (path on this
   machine, path in the nodes).
@@ -130,7 +130,9 @@ def kind_namespace(
     kind_provider.kubectl(
         "delete", "pods", "--all", "-n", name, "--force", "--grace-period=0", check=False
     )
-    kind_provider.kubectl("delete", "namespace", name, "--timeout=180s", check=False, timeout=200)
+    # Not waited for (about 6 s a test): its pods are gone already and the rest goes in the
+    # background; the next scenarios use other namespaces, and kind/down.sh removes the cluster.
+    kind_provider.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
 @pytest.fixture
