@@ -316,7 +316,7 @@ class PodmanKindProvider(KindProvider):
     """The kind cluster of `make kind` without Docker (`kind/up.sh`, docs/kind.md): podman in
     the network namespace `netns`, the kubeconfig `kind/up.sh` wrote (the API server at the
     control-plane node's address, which this machine reaches through the namespace's link),
-    the project's image built by `image/build.sh` and imported into every node's containerd."""
+    the project's image built by `image/build.sh` and imported into the workers' containerd."""
 
     def __init__(
         self,
