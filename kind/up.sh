@@ -85,7 +85,7 @@ config="$state/kind-config.yaml"
 # A lost node seen sooner (docs/kind.md, "A lost node: heartbeats and grace"): each kubelet renews
 # its node Lease every quarter of nodeLeaseDurationSeconds (16 s: every 4 s, instead of 40 s: 10 s),
 # the node controller looks every 2 s (instead of 5) and marks a node Unknown when it has seen no
-# renewal for node-monitor-grace-period (12 s: three renewals, instead of kubeadm's 50 s). The
+# renewal for node-monitor-grace-period (12 s: three renewals, instead of the default 50 s). The
 # Lease is the heartbeat the node controller reads; nodeStatusUpdateFrequency stays at 10 s (set,
 # it would post the whole node status that often and cut the heartbeat's request timeout to it).
 KIND_NODE_LEASE_SECONDS="${KIND_NODE_LEASE_SECONDS:-16}"
