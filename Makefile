@@ -123,9 +123,9 @@ test-e2e: venv cluster-binaries kueue-binaries node-binaries
 test-adversarial: venv cluster-binaries
 	$(VENV)/bin/pytest -m adversarial $(PYTEST_ARGS)
 
-# tests/kind is not in `make test`: 7-9 minutes warm on two cores against a budget of about 4,
-# and 10-16 cold minutes against cold CI's 10 left; `make kind-e2e` runs it (docs/kind.md,
-# "Why tests/kind is not in make test: the floor").
+# tests/kind is not in `make test`: 6 minutes warm on two cores (8.5 under load) against a
+# budget of about 4, and 10-16 cold minutes against cold CI's 10 left; `make kind-e2e` runs it
+# (docs/kind.md, "Why tests/kind is not in make test: the floor").
 test: venv cluster-binaries kueue-binaries node-binaries engine image gym-venv lint
 	$(VENV)/bin/pytest -n $(TEST_WORKERS) --ignore=tests/kind $(PYTEST_ARGS)
 

@@ -316,7 +316,7 @@ class PodmanKindProvider(KindProvider):
     """The kind cluster of `make kind` without Docker (`kind/up.sh`, docs/kind.md): podman in
     the network namespace `netns`, the kubeconfig `kind/up.sh` wrote (the API server at the
     control-plane node's address, which this machine reaches through the namespace's link),
-    the project's image built by `image/build.sh` and imported into every node's containerd."""
+    the project's image built by `image/build.sh` and imported into the workers' containerd."""
 
     def __init__(
         self,
@@ -368,7 +368,9 @@ class PodmanKindProvider(KindProvider):
         return image
 
     def make_writable_folder(self, path: Path) -> None:
-        for node in self.nodes():
+        """On every node that runs (a node container stopped, as `kill_node` leaves it, has no
+        kubelet to run pods until `start_node`)."""
+        for node in self.running_nodes():
             self._node_exec("mkdir", "-p", "-m", "1777", str(path), node=node)
             self._node_exec("chmod", "1777", str(path), node=node)
 

@@ -8,13 +8,14 @@ tests to what they check.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
+
+from testsupport.trainer import collected
 
 from harness.helm import CHART, FULLNAME, RELEASE, helm, helm_install_operator
 from harness.providers import ContainerClusterProvider
 
-__all__ = ["CHART", "FULLNAME", "RELEASE", "helm", "helm_install_operator"]
+__all__ = ["CHART", "FULLNAME", "RELEASE", "collected", "helm", "helm_install_operator"]
 
 
 def kubectl_apply(cluster: ContainerClusterProvider, namespace: str, obj: dict[str, Any]) -> None:
@@ -66,10 +67,3 @@ def evict(cluster: ContainerClusterProvider, namespace: str, pod: str) -> None:
     }
     path = f"/api/v1/namespaces/{namespace}/pods/{pod}/eviction"
     cluster.kubectl("create", "--raw", path, "-f", "-", input=json.dumps(eviction))
-
-
-def collected(out: Path) -> list[dict[str, Any]]:
-    """The episode results `rollout-collect --out` wrote so far (one JSON object a line)."""
-    if not out.exists():
-        return []
-    return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]

@@ -12,21 +12,18 @@ set under attempt 2 from that checkpoint, and the collector finishes every episo
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from container_support import (
-    collected,
     condition,
     describe_pods,
     evict,
     get_json,
     kubectl_apply,
 )
+from testsupport.trainer import collected, start_collecting
 
 from devcluster.image import ProjectImage
 from devcluster.waiting import wait_for_sync
@@ -90,28 +87,8 @@ def test_the_example_set_runs_as_containers_and_recovers_a_killed_model_and_an_e
 
     # A trainer follows the set through the API server and runs episodes.
     out = tmp_path / "episodes.jsonl"
-    collect = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "rollout-collect"),
-            "--rollout-set",
-            SET,
-            "--namespace",
-            namespace,
-            "--tasks",
-            str(EPISODES),
-            "--concurrency",
-            str(CONCURRENCY),
-            "--seed",
-            "7",
-            "--out",
-            str(out),
-            "--progress-interval",
-            "2",
-        ],
-        env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    collect = start_collecting(
+        cluster.kubeconfig, SET, namespace, out, tasks=EPISODES, concurrency=CONCURRENCY, seed=7
     )
     try:
         wait_for_sync(lambda: len(collected(out)) >= 1, 180, "the first finished episode")

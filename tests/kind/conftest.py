@@ -1,15 +1,16 @@
 """Fixtures of the multi-node suite (`tests/kind`, marker `kind`): one kind cluster for the module.
 
 - `kind_cluster` (session): `kind/up.sh` (what `make kind` runs without Docker: podman in a
-  network namespace of its own, one control plane and two workers, the device plugin DaemonSet,
-  docs/kind.md) started once, without its cluster-wide operator (each test installs its own by
-  Helm into its namespace); `kind/down.sh` at the end, which fails the session if any container,
-  mount, namespace, link, process or kernel tunable of the cluster is left. With
-  `ROLLOUT_KIND_STATE=DIR` the tests use the cluster `KIND_STATE=DIR KIND_NO_OPERATOR=1 make kind`
-  started there and leave it up.
+  network namespace of its own, one control plane and three workers (`ROLLOUT_KIND_WORKERS`
+  for another number), the device plugin DaemonSet, docs/kind.md) started once, without its
+  cluster-wide operator (each test installs its own by Helm into its namespace); `kind/down.sh`
+  at the end, which fails the session if any container, mount, namespace, link, process or
+  kernel tunable of the cluster is left. With `ROLLOUT_KIND_STATE=DIR` the tests use the
+  cluster `KIND_STATE=DIR KIND_NO_OPERATOR=1 make kind` started there and leave it up (its lost
+  workers started again at the end).
 - `kind_provider`: the cluster as a `harness.providers.PodmanKindProvider`.
-- `kind_namespace`: a fresh namespace per test, deleted afterwards; pods left on a lost node
-  (their kubelet gone) are deleted by force first, as an administrator does.
+- `kind_namespace`: a fresh namespace per test, deleted afterwards (not waited for); pods left
+  on a lost node (their kubelet gone) are deleted by force first, as an administrator does.
 - `shared_storage`: a folder of the host folder every node mounts at `/rollout-shared` (a
   cluster filesystem, as GPU nodes share one), writable by the image's user: (path on this
   machine, path in the nodes).
@@ -31,6 +32,11 @@ from harness.objects import create_namespace
 from harness.providers import PodmanKindProvider
 
 SHARED_IN_NODE = Path("/rollout-shared")
+WORKERS = os.environ.get("ROLLOUT_KIND_WORKERS", "3")
+"""Three workers: the three scenarios that lose a worker take different ones, so of the three
+restarts (20 to 130 s each) only one is left (tests/kind/test_multinode.py's `worker_pair`,
+docs/kind.md); two work too, a lost worker then started again before each scenario needing it.
+Not `KIND_WORKERS`: the Makefile exports that (2) for `make kind`."""
 UP_TIMEOUT = 1800
 """A cold `kind/up.sh` builds kind's tools and the node image first (minutes on two cores)."""
 
@@ -52,7 +58,7 @@ def kind_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             "it with ROLLOUT_KIND_STATE=<its KIND_STATE> (started with KIND_NO_OPERATOR=1)"
         )
     state = tmp_path_factory.mktemp("kind")
-    env = {**os.environ, "KIND_STATE": str(state), "KIND_NO_OPERATOR": "1"}
+    env = {**os.environ, "KIND_STATE": str(state), "KIND_NO_OPERATOR": "1", "KIND_WORKERS": WORKERS}
     up = subprocess.run(
         [str(REPO_ROOT / "kind" / "up.sh")],
         env=env,
@@ -78,17 +84,25 @@ def kind_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="session")
-def kind_provider(kind_state: Path, tmp_path_factory: pytest.TempPathFactory) -> PodmanKindProvider:
-    return PodmanKindProvider(
+def kind_provider(
+    kind_state: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PodmanKindProvider]:
+    provider = PodmanKindProvider(
         os.environ.get("KIND_CLUSTER", "rollout"),
         tmp_path_factory.mktemp("kind-provider"),
         kind_state / "kubeconfig",
     )
+    yield provider
+    if os.environ.get("ROLLOUT_KIND_STATE"):
+        # A cluster the suite did not start is left as it was found: every worker up.
+        for node in provider.workers():
+            if node not in provider.running_nodes():
+                provider.start_node(node)
 
 
 @pytest.fixture(scope="session")
 def kind_image(kind_provider: PodmanKindProvider) -> ProjectImage:
-    """The project's image `kind/up.sh` loaded on every node (`image/build.sh`'s cache: the
+    """The project's image `kind/up.sh` loaded on every worker (`image/build.sh`'s cache: the
     checkout's inputs unchanged since, this finds the same build)."""
     return build_project_image(REPO_ROOT).image
 
@@ -116,7 +130,9 @@ def kind_namespace(
     kind_provider.kubectl(
         "delete", "pods", "--all", "-n", name, "--force", "--grace-period=0", check=False
     )
-    kind_provider.kubectl("delete", "namespace", name, "--timeout=180s", check=False, timeout=200)
+    # Not waited for (about 6 s a test): its pods are gone already and the rest goes in the
+    # background; the next scenarios use other namespaces, and kind/down.sh removes the cluster.
+    kind_provider.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
 @pytest.fixture
