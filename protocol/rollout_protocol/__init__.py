@@ -33,7 +33,6 @@ the SDK and its OTLP/HTTP exporter (the `tracing` extra) are imported only when
 import importlib as _importlib
 import typing as _typing
 
-from ._control import ControlPlane
 from ._counters import StepCounters
 from ._episodes import (
     STEPS_COUNTER,
@@ -65,7 +64,6 @@ from ._routes import (
     Dialect,
     Route,
 )
-from ._runs import RunRoute
 from ._settings import ControlConfigError, ControlSettings
 from ._storage import (
     EncodedRecord,
@@ -136,6 +134,7 @@ if _typing.TYPE_CHECKING:
         ParticipantClient,
         ParticipantError,
     )
+    from ._control import ControlPlane
     from ._coordinator import (
         CheckpointDurations,
         CheckpointResult,
@@ -150,9 +149,12 @@ if _typing.TYPE_CHECKING:
         RetireOutcome,
         StatusOutcome,
     )
+    from ._runs import RunRoute
 
 
 _LAZY_MODULES: _typing.Final[dict[str, frozenset[str]]] = {
+    "._control": frozenset({"ControlPlane"}),
+    "._runs": frozenset({"RunRoute"}),
     "._client": frozenset(
         {
             "MAX_ERROR_REPLY_BYTES",
@@ -186,7 +188,9 @@ _LAZY_MODULES: _typing.Final[dict[str, frozenset[str]]] = {
 def __getattr__(name: str) -> _typing.Any:
     """The coordinator side (`Coordinator`, `HttpParticipantClient`, ...) is imported at its
     first use: a server never uses it, and its import (the client, NeMo Gym's wire models) is
-    a tenth of a server's start (docs/operations.md, "What a server start costs")."""
+    a tenth of a server's start (docs/operations.md, "What a server start costs"). So is the
+    serving side (`ControlPlane`, `RunRoute`: FastAPI), which a coordinator never uses: a fifth
+    of the operator's start."""
     for module, names in _LAZY_MODULES.items():
         if name in names:
             value = getattr(_importlib.import_module(module, __name__), name)

@@ -1,6 +1,7 @@
 """What ships: the wheel holds the contract, the operator and the reference servers, nothing else,
 and builds without warnings; the contract imports neither of the other two (nor Kopf, nor the test
-harness, nor aiohttp and uvicorn, which only its `client`, `serve` and `kit` extras need). The
+harness, nor aiohttp and uvicorn, which only its `client`, `serve` and `kit` extras need), and
+the operator's process imports no part of the serving side (FastAPI). The
 contract's own distribution (`protocol/`) is tested installed alone in
 tests/protocol/test_sdk_guide.py."""
 
@@ -50,6 +51,29 @@ def test_importing_the_contract_imports_no_server_operator_or_kopf() -> None:
     forbidden |= {"aiohttp"}  # the `client` extra: only HttpParticipantClient's first call
     forbidden |= {"devcluster", "harness"}
     assert not {name.split(".")[0] for name in loaded} & forbidden
+
+
+def test_the_operator_imports_no_serving_side() -> None:
+    """The operator is a coordinator: it never serves a control plane, so its process imports
+    neither FastAPI nor Starlette (a fifth of its start), while the contract still offers
+    `ControlPlane` and `RunRoute` to servers, imported at their first use."""
+    probe = (
+        "import json, sys; sys.modules['kubernetes_asyncio'] = None; "  # as its entry point
+        "import rollout_operator.cli, rollout_operator.handlers; "
+        "print(json.dumps(sorted(sys.modules)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=60
+    )
+    loaded = {name.split(".")[0] for name in json.loads(done.stdout)}
+    assert "kopf" in loaded, "the probe imported the operator"
+    assert not loaded & {"fastapi", "starlette", "uvicorn"}
+    import rollout_protocol
+    from rollout_protocol._control import ControlPlane
+    from rollout_protocol._runs import RunRoute
+
+    assert rollout_protocol.ControlPlane is ControlPlane
+    assert rollout_protocol.RunRoute is RunRoute
 
 
 def test_the_contracts_public_names_are_documented_and_typed() -> None:
