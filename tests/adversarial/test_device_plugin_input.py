@@ -115,6 +115,7 @@ def test_a_malformed_frame_is_refused_with_invalid_argument_and_no_traceback(
     assert "\n" not in details
     assert re.search(reason, details), details
     assert [r.getMessage() for r in caplog.records if r.exc_info] == []
+    assert f"refused a malformed request: {details}" in caplog.messages
     # the plugin still answers a well-formed call
     assert wire.DevicePluginOptions.decode(_call(channel, "GetDevicePluginOptions", b"")) == (
         wire.DevicePluginOptions(get_preferred_allocation_available=True)
