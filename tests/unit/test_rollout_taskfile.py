@@ -493,6 +493,9 @@ def _collect_on(fifo: Path, out: Path) -> subprocess.Popen[str]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C is SIGINT's default action even where the test runner ignores it (a shell's
+        # background job), which a child would inherit
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
