@@ -1047,6 +1047,7 @@ class ControlPlane:
             else str(self._settings.checkpoint_root),
             dialects=tuple(dialect.value for dialect in self._settings.dialects),
             attempt=lambda: self._attempt,
+            open_checkpoint=lambda: self._machine.checkpoint_id,
         )
 
         async def endpoint(request: Request) -> Response:
@@ -1060,9 +1061,9 @@ class ControlPlane:
                     ours = codec.to_ours_request(body, side)
                 except gym.Unmappable as error:
                     raise ProtocolError(error.code, str(error)) from None
-                return json_reply(codec.to_gym_reply(await handler(ours), ours, side))
+                return json_reply(codec.to_gym_reply(await handler(ours), body, side))
             except ProtocolError as error:
-                return gym_error_response(error)
+                return gym_error_response(gym.participant_refusal(error, side))
 
         return endpoint
 
