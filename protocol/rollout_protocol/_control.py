@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
@@ -31,7 +31,6 @@ from typing import Any
 import anyio
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from . import tracing
@@ -39,7 +38,7 @@ from ._control_checkpoint import CheckpointOperations
 from ._control_core import PlaneCore
 from ._control_restore import RestoreOperation
 from ._control_retire import RetireOperations
-from ._control_routes import ControlRouter, authorize
+from ._control_routes import ControlRouter, Handler, authorize
 from ._http import (
     BodyLimit,
     BodyTooLarge,
@@ -306,7 +305,7 @@ class ControlPlane:
         still be going."""
         return await self._retires.remove(request)
 
-    def _handlers(self) -> dict[str, Callable[[Any], Awaitable[BaseModel]]]:
+    def _handlers(self) -> dict[str, Handler]:
         """The operation behind each route of `ROUTES`, by route name."""
 
         async def status(_: None) -> StatusReply:

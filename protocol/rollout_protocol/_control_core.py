@@ -72,7 +72,8 @@ class PlaneCore:
         self.lease_changed.set()
 
     def refuse_removing(self, checkpoint_id: str) -> None:
-        """A checkpoint whose records a removal is deleting is not opened (see `remove`)."""
+        """A checkpoint whose records a removal is deleting is not opened (see
+        `ControlPlane.remove`)."""
         if self.removals.covers(checkpoint_id):
             raise ProtocolError(
                 ErrorCode.CONFLICTING_CHECKPOINT,
