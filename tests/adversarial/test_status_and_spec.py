@@ -23,7 +23,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 from rollout_operator.cluster.storage import StorageLocator
-from rollout_operator.decide.policy import checkpoint_views
+from rollout_operator.decide.policy.views import checkpoint_views
 from rollout_operator.decide.resources import STORAGE_VOLUME_NAME, reserved_volume_notes
 from rollout_operator.decide.setstatus import latest_repair
 from rollout_operator.flows.checkpointrepairs import (

@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import pytest
 from rollout_operator.cluster.leases import CheckpointLeases
-from rollout_operator.decide.policy import parse_time
+from rollout_operator.decide.policy.views import parse_time
 from rollout_operator.flows.checkpoint import PHASES, CheckpointFailed, FlowSettings, Reason
 from rollout_operator.flows.checkpoint.commit import commit, publish
 from rollout_operator.flows.checkpoint.context import CheckpointContext, CheckpointRun

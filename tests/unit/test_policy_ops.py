@@ -13,7 +13,8 @@ import anyio
 import pytest
 from rollout_operator.cluster.objects import eviction_holds
 from rollout_operator.cluster.storage import StorageLocator
-from rollout_operator.decide.policy import ANNOTATION_DEADLINE_OUTCOME, Note, Reason, resume_due
+from rollout_operator.decide.policy.suspend import resume_due
+from rollout_operator.decide.policy.views import ANNOTATION_DEADLINE_OUTCOME, Note, Reason
 from rollout_operator.flows.policypass import (
     CheckpointBusy,
     checkpoint_deleted,

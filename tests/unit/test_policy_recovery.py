@@ -9,7 +9,7 @@ from typing import Any, cast
 
 import pytest
 from rollout_operator.cluster.kube import Kube
-from rollout_operator.decide.policy import RESUMED_REASON
+from rollout_operator.decide.policy.suspend import RESUMED_REASON
 from rollout_operator.decide.setplan import PodView, Reason, plan_attempt, set_conditions
 from rollout_operator.flows.recovery import Reason as RecoveryReason
 from rollout_operator.flows.recovery import RecoveryFlow, detect_loss

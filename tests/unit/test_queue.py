@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from rollout_operator.decide import queue
-from rollout_operator.decide.policy import Note, Reason
+from rollout_operator.decide.policy.views import Note, Reason
 from rollout_operator.decide.resources import participant_pod
 from rollout_operator.flows.queuepass import QueuePass, WorkloadNotCreated
 from rollout_operator.model import api

@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from rollout_operator.decide.policy import checkpoint_views
+from rollout_operator.decide.policy.views import checkpoint_views
 from rollout_operator.decide.setstatus import RECENT_DURATIONS, REPAIRED, checkpoint_fields
 from rollout_operator.model import api
 from testsupport import builders

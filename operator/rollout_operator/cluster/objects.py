@@ -21,14 +21,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final
 
-from ..decide.policy import (
-    CheckpointView,
-    SetView,
-    TerminatingPod,
-    checkpoint_views,
-    eviction_checkpoint_name,
-)
-from ..decide.policy import eviction_holds as _eviction_holds
+from ..decide.policy.eviction import TerminatingPod, eviction_checkpoint_name
+from ..decide.policy.eviction import eviction_holds as _eviction_holds
+from ..decide.policy.views import CheckpointView, SetView, checkpoint_views
 from ..decide.resources import (
     attempt_selector,
     control_token_secret,
@@ -218,7 +213,7 @@ async def eviction_holds(
     kube: Kube, rset: RolloutSet, *, clock: Callable[[], datetime] = lambda: datetime.now(UTC)
 ) -> frozenset[str]:
     """The terminating participant pods whose loss a recovery must not act on yet (their
-    eviction checkpoint runs or is about to; see `policy.eviction_holds`)."""
+    eviction checkpoint runs or is about to; see `policy.eviction.eviction_holds`)."""
     namespace = rset.metadata.namespace or "default"
     pods = await kube.list_pods(namespace, set_selector(rset.metadata.name))
     terminating = [

@@ -16,7 +16,7 @@ do, as Kueue's own Job integration would for a `batch/v1` Job:
   `spec.suspend: false` in one patch: the set starts, or resumes under attempt + 1 from the
   suspend checkpoint;
 - evicted (preempted, a lost quota, a deactivated workload): `spec.suspend: true`, so the policy
-  takes the suspend checkpoint and releases the pods (`policy.suspend_decision`); once none of the
+  takes the suspend checkpoint and releases the pods (`policy.suspend.suspend_decision`); once none of the
   set's pods is left, clear the Workload's quota reservation, as an integration must for Kueue to
   requeue it (`QuotaReserved=False` reason `Pending`, no `status.admission`, `Admitted=False`,
   `Requeued`);
@@ -48,7 +48,7 @@ from ..model.api import (
     format_time,
 )
 from ..model.conditions import truncate
-from .policy import ConditionChange, Note
+from .policy.views import ConditionChange, Note
 from .resources import ANNOTATION_KUEUE_PLACEMENT, owner_reference
 
 LABEL_QUEUE: Final = LABEL_KUEUE_QUEUE

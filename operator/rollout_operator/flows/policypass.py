@@ -1,7 +1,7 @@
 """The checkpoint policy, carried out against the API (the Kubernetes side of `policy`).
 
 - `PolicyPass.run(namespace, name)`: one look at a set. It reads the set, its pods and its
-  RolloutCheckpoints, lets `policy.plan` decide, and then acts in an order chosen so that a crash
+  RolloutCheckpoints, lets `policy.plan.plan` decide, and then acts in an order chosen so that a crash
   between any two steps leaves nothing a later pass could not finish: checkpoints are created
   first (deterministic names, so a repeat gets "exists"), then a settled deadline is recorded
   (an annotation on the set), then the set's status (conditions, `saveReserveSeconds`,
@@ -51,17 +51,15 @@ from pydantic import ValidationError
 from ..cluster.kube import ApiError, Conflict, Kube
 from ..cluster.statuswriter import SetStatusWriter
 from ..cluster.storage import StorageLocator
-from ..decide.policy import (
+from ..decide.policy.eviction import TerminatingPod, eviction_decision
+from ..decide.policy.plan import PolicyPlan, plan
+from ..decide.policy.suspend import SuspendAction
+from ..decide.policy.views import (
     ANNOTATION_DEADLINE_OUTCOME,
     Create,
     Note,
-    PolicyPlan,
     SetView,
-    SuspendAction,
-    TerminatingPod,
     checkpoint_views,
-    eviction_decision,
-    plan,
 )
 from ..decide.resources import owner_reference, set_selector
 from ..model.api import (
@@ -161,7 +159,7 @@ class PassOutcome:
 
 
 class PolicyPass:
-    """One look at one set: decide with `policy.plan`, then act (see the module docstring).
+    """One look at one set: decide with `policy.plan.plan`, then act (see the module docstring).
 
     `logged_notes` is the process's record of the notes it logged (`OperatorState`,
     docs/design.md#611-the-operators-in-process-state): each distinct note is logged once, while
@@ -247,7 +245,7 @@ class PolicyPass:
         other through their own events).
 
         A resume only clears Suspended (reason `Resumed`) and wakes the set's loop, which starts
-        the resume's recovery itself (`policy.resume_due`): the recovery is the one writer of
+        the resume's recovery itself (`policy.suspend.resume_due`): the recovery is the one writer of
         `status.recovery` and of the conditions it drives."""
         status = rset.status
         changes: dict[str, Any] = {}

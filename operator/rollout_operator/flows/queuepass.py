@@ -30,7 +30,7 @@ from pydantic import ValidationError
 
 from ..cluster.kube import ApiError, Conflict, Kube
 from ..cluster.statuswriter import SetStatusWriter
-from ..decide.policy import ConditionChange, Note
+from ..decide.policy.views import ConditionChange, Note
 from ..decide.queue import (
     ANNOTATION_PLACEMENT,
     EXTERNAL_FRAMEWORK,

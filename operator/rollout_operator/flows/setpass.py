@@ -45,7 +45,7 @@ from ..cluster.objects import (
     reconcile_pods,
 )
 from ..cluster.statuswriter import SetStatusWriter
-from ..decide.policy import checkpoint_views, parse_time
+from ..decide.policy.views import checkpoint_views, parse_time
 from ..decide.queue import queue_holds
 from ..decide.resources import (
     reserved_volume_notes,

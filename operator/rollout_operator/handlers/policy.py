@@ -29,7 +29,7 @@ import kopf
 
 from ..cluster.kube import ApiError
 from ..cluster.storage import StorageLocator
-from ..decide.policy import Note
+from ..decide.policy.views import Note
 from ..decide.queue import KUEUE_GROUP, KUEUE_VERSION, WORKLOADS
 from ..flows.passloop import STOP_BACKOFF_SECONDS, Next, PassLoop, Stopped
 from ..flows.policypass import CheckpointBusy, set_deleted, start_eviction_checkpoint

@@ -65,7 +65,7 @@ import kopf
 from .. import metrics
 from ..cluster.kube import ApiError, Kube
 from ..cluster.storage import StorageLocator
-from ..decide.policy import Note
+from ..decide.policy.views import Note
 from ..flows.checkpoint import TERMINAL, CheckpointFlow
 from ..flows.passloop import TRANSIENT
 from ..flows.policypass import keep_records_finalizer, release_deleted_checkpoint

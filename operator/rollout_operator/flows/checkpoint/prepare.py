@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 
 from rollout_protocol import tracing
 
-from ...decide.policy import PrepareDeadline, TerminatingPod, eviction_prepare_deadline
+from ...decide.policy.eviction import PrepareDeadline, TerminatingPod, eviction_prepare_deadline
 from ...decide.resources import set_selector
 from ...decide.workers import unmanaged_workers
 from ...model.api import (
@@ -123,7 +123,7 @@ async def prepare(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpo
 async def prepare_deadline(run: CheckpointRun, ckpt: RolloutCheckpoint) -> PrepareDeadline:
     """`prepareTimeoutSeconds` from the start (when the checkpoint took the set's Lease); for
     an Eviction checkpoint no later than the evicted pods' grace period allows
-    (`policy.eviction_prepare_deadline`). The pods are read now, not when the checkpoint was
+    (`policy.eviction.eviction_prepare_deadline`). The pods are read now, not when the checkpoint was
     created: it may have queued, and a drain may have evicted more pods since."""
     rset = run.rset
     now = datetime.fromtimestamp(run.slot_taken, UTC)

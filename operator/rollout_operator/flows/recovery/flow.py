@@ -27,7 +27,7 @@ from ...cluster.kube import Kube
 from ...cluster.objects import eviction_holds
 from ...cluster.statuswriter import SetStatusWriter
 from ...decide.churn import ChurnDecision
-from ...decide.policy import RESUMED_REASON, resume_due
+from ...decide.policy.suspend import RESUMED_REASON, resume_due
 from ...model.api import RecoveryPhase, RolloutSet, format_time
 from ...model.owners import StatusOwner
 from ..phases import FailureHandler, PhaseTable, run_phases
@@ -156,7 +156,7 @@ class RecoveryFlow:
 
 
 async def start_resume(kube: Kube, flow: RecoveryFlow, rset: RolloutSet, live_pods: int) -> bool:
-    """Start the recovery of a resume when one is due (`policy.resume_due`: the policy cleared
+    """Start the recovery of a resume when one is due (`policy.suspend.resume_due`: the policy cleared
     Suspended and none of the set's pods runs); whether it started."""
     if not resume_due(rset, live_pods):
         return False

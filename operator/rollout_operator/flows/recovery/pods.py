@@ -16,7 +16,7 @@ from ...cluster.objects import (
     reconcile_pods,
 )
 from ...decide.inplace import instance_name
-from ...decide.policy import checkpoint_views
+from ...decide.policy.views import checkpoint_views
 from ...decide.resources import set_selector
 from ...decide.setplan import PodView, attempt_instances
 from ...decide.setstatus import newest_ready

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from ...cluster.kube import Conflict, Kube
 from ...cluster.objects import observe_pods
 from ...cluster.statuswriter import SetStatusWriter
-from ...decide.policy import RESUMED_REASON
+from ...decide.policy.suspend import RESUMED_REASON
 from ...decide.setstatus import NOT_AN_INTERFACE, REPAIRED, Repair, finished_attempt
 from ...model.api import (
     RecoveryPhase,

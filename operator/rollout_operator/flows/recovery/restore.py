@@ -24,7 +24,7 @@ from rollout_protocol import (
 
 from ...cluster.kube import ApiError
 from ...decide.inplace import adopted_instances, instance_name, rewiring
-from ...decide.policy import RESUMED_REASON
+from ...decide.policy.suspend import RESUMED_REASON
 from ...decide.setplan import attempt_instances
 from ...decide.setstatus import NOT_AN_INTERFACE, REPAIRED
 from ...decide.workloss import total_work, work_loss

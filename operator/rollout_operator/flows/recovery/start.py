@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...decide.churn import ChurnDecision, decide, kept_starts
-from ...decide.policy import RESUMED_REASON
+from ...decide.policy.suspend import RESUMED_REASON
 from ...model.api import (
     ANNOTATION_RETRY_RECOVERY,
     MAX_RECOVERY_STARTS,
@@ -40,7 +40,7 @@ from .loss import Loss
 async def start(context: RecoveryContext, rset: RolloutSet, loss: Loss) -> RolloutSet:
     """Record the loss: from now on the recovery owns the set's pods and conditions.
 
-    A resume after suspend (`Loss` with reason `Resumed`, see `policy.resume_due`) starts
+    A resume after suspend (`Loss` with reason `Resumed`, see `policy.suspend.resume_due`) starts
     the same way, but no pod is left to keep (Recreate) and it is not counted against
     `maxRestarts` (a queueing system may suspend and resume a set many times)."""
     attempt = rset.status.attempt or 1
