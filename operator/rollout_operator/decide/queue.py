@@ -16,10 +16,10 @@ do, as Kueue's own Job integration would for a `batch/v1` Job:
   `spec.suspend: false` in one patch: the set starts, or resumes under attempt + 1 from the
   suspend checkpoint;
 - evicted (preempted, a lost quota, a deactivated workload): `spec.suspend: true`, so the policy
-  takes the suspend checkpoint and releases the pods (`policy.suspend.suspend_decision`); once none of the
-  set's pods is left, clear the Workload's quota reservation, as an integration must for Kueue to
-  requeue it (`QuotaReserved=False` reason `Pending`, no `status.admission`, `Admitted=False`,
-  `Requeued`);
+  takes the suspend checkpoint and releases the pods (`policy.suspend.suspend_decision`); once
+  none of the set's pods is left, clear the Workload's quota reservation, as an integration must
+  for Kueue to requeue it (`QuotaReserved=False` reason `Pending`, no `status.admission`,
+  `Admitted=False`, `Requeued`);
 - otherwise it waits, and says why: `QuotaPending` (Kueue's own message) and `Preempted` (the
   preemptor as Kueue names it, then what the suspend checkpoint kept).
 

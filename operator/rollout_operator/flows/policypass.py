@@ -1,8 +1,8 @@
 """The checkpoint policy, carried out against the API (the Kubernetes side of `policy`).
 
 - `PolicyPass.run(namespace, name)`: one look at a set. It reads the set, its pods and its
-  RolloutCheckpoints, lets `policy.plan.plan` decide, and then acts in an order chosen so that a crash
-  between any two steps leaves nothing a later pass could not finish: checkpoints are created
+  RolloutCheckpoints, lets `policy.plan.plan` decide, and then acts in an order chosen so that a
+  crash between any two steps leaves nothing a later pass could not finish: checkpoints are created
   first (deterministic names, so a repeat gets "exists"), then a settled deadline is recorded
   (an annotation on the set), then the set's status (conditions, `saveReserveSeconds`,
   `lastTrainerStep`) in one patch with a resourceVersion precondition, and
@@ -245,8 +245,8 @@ class PolicyPass:
         other through their own events).
 
         A resume only clears Suspended (reason `Resumed`) and wakes the set's loop, which starts
-        the resume's recovery itself (`policy.suspend.resume_due`): the recovery is the one writer of
-        `status.recovery` and of the conditions it drives."""
+        the resume's recovery itself (`policy.suspend.resume_due`): the recovery is the one writer
+        of `status.recovery` and of the conditions it drives."""
         status = rset.status
         changes: dict[str, Any] = {}
         if status.save_reserve_seconds != decided.reserve:

@@ -264,10 +264,6 @@ def namespace_of(ckpt: RolloutCheckpoint) -> str:
     return ckpt.metadata.namespace or "default"
 
 
-def now_ts(clock: Callable[[], float]) -> datetime:
-    return datetime.fromtimestamp(clock(), UTC).replace(microsecond=0)
-
-
 def set_lost(rset: RolloutSet, attempt: int | None) -> str | None:
     """Why the set no longer runs the checkpoint's attempt (None while it does)."""
     status = rset.status

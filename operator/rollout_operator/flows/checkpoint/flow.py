@@ -43,7 +43,7 @@ from rollout_protocol import Coordinator, HttpParticipantClient, tracing
 from ...cluster.kube import Kube
 from ...cluster.leases import CheckpointLeases
 from ...cluster.objects import read_control_token
-from ...model.api import CheckpointPhase, RolloutCheckpoint, RolloutSet, Trigger
+from ...model.api import CheckpointPhase, RolloutCheckpoint, RolloutSet
 from ..checkpointrepairs import repair_published_checkpoint
 from ..phases import PhaseTable, run_phases
 from ..state import CoordinatedPods
@@ -67,7 +67,7 @@ from .context import (
 )
 from .prepare import begin, prepare
 from .resume import resume
-from .slot import held_slot, release_slot, take_operator_slot, take_slot, why_wait
+from .slot import held_slot, release_slot, take_operator_slot, take_slot
 
 
 def phase_of(run: CheckpointRun, ckpt: RolloutCheckpoint) -> CheckpointPhase | None:
@@ -152,10 +152,6 @@ class CheckpointFlow:
         )
         self._participants_factory = participants_factory or http_participants
         self._slots = slots
-
-    def _why_wait(self, rset: RolloutSet, trigger: Trigger = Trigger.MANUAL) -> str | None:
-        """None when the checkpoint may start now; else why it waits (`slot.why_wait`)."""
-        return why_wait(rset, trigger)
 
     async def _read(self, namespace: str, name: str) -> RolloutCheckpoint | None:
         obj = await self._context.kube.get_checkpoint(namespace, name)

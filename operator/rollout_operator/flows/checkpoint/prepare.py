@@ -123,8 +123,8 @@ async def prepare(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpo
 async def prepare_deadline(run: CheckpointRun, ckpt: RolloutCheckpoint) -> PrepareDeadline:
     """`prepareTimeoutSeconds` from the start (when the checkpoint took the set's Lease); for
     an Eviction checkpoint no later than the evicted pods' grace period allows
-    (`policy.eviction.eviction_prepare_deadline`). The pods are read now, not when the checkpoint was
-    created: it may have queued, and a drain may have evicted more pods since."""
+    (`policy.eviction.eviction_prepare_deadline`). The pods are read now, not when the checkpoint
+    was created: it may have queued, and a drain may have evicted more pods since."""
     rset = run.rset
     now = datetime.fromtimestamp(run.slot_taken, UTC)
     timeout = rset.spec.checkpoint_policy.prepare_timeout_seconds
