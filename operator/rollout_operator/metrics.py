@@ -36,7 +36,7 @@ PAUSE_BUCKETS: Final = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 3
 """Seconds with admission closed: what rollouts lose; usually well under a second."""
 
 RESTORE_OUTCOMES: Final = frozenset({"Restored", "NoCheckpoint", "SiblingRestart", "RestoreFailed"})
-"""The recovery reasons counted as restores (`recovery.Reason` values)."""
+"""The recovery reasons counted as restores (`model.reasons.Reason` values)."""
 FINISHED_RECOVERIES: Final = frozenset({"Restored", "NoCheckpoint", "SiblingRestart"})
 """The reasons a recovery ends with (the set runs again): its costs are observed then."""
 

@@ -16,11 +16,11 @@ from rollout_operator.decide.policy.views import (
     ANNOTATION_DEADLINE_OUTCOME,
     CheckpointView,
     DeadlineRecord,
-    Reason,
     SetView,
 )
 from rollout_operator.model import api
 from rollout_operator.model.api import CheckpointPhase, Trigger
+from rollout_operator.model.reasons import Reason
 from testsupport.policy import T0, stamp
 from testsupport.policyviews import at, ckpt, deadline_view, rollout_set, view
 

@@ -14,9 +14,10 @@ from rollout_operator.decide.policy.eviction import (
     eviction_holds,
     eviction_prepare_deadline,
 )
-from rollout_operator.decide.policy.views import Reason, SetView
+from rollout_operator.decide.policy.views import SetView
 from rollout_operator.model import api
 from rollout_operator.model.api import Trigger
+from rollout_operator.model.reasons import Reason
 from testsupport.policy import stamp
 from testsupport.policyviews import at, ckpt, recovery_status, view
 

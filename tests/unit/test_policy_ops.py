@@ -14,7 +14,7 @@ import pytest
 from rollout_operator.cluster.objects import eviction_holds
 from rollout_operator.cluster.storage import StorageLocator
 from rollout_operator.decide.policy.suspend import resume_due
-from rollout_operator.decide.policy.views import ANNOTATION_DEADLINE_OUTCOME, Note, Reason
+from rollout_operator.decide.policy.views import ANNOTATION_DEADLINE_OUTCOME, Note
 from rollout_operator.flows.policypass import (
     CheckpointBusy,
     checkpoint_deleted,
@@ -25,6 +25,7 @@ from rollout_operator.flows.policypass import (
 )
 from rollout_operator.flows.recovery import RecoveryFlow, start_resume
 from rollout_operator.model import api
+from rollout_operator.model.reasons import Reason
 from testsupport.fakecluster import FakeCluster
 from testsupport.policy import NS, T0, Run, rollout_set, seeded, stamp
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from rollout_operator.decide.policy.plan import plan
 from rollout_operator.decide.policy.suspend import SuspendAction, suspend_decision
-from rollout_operator.decide.policy.views import ANNOTATION_DEADLINE_OUTCOME, DeadlineRecord, Reason
+from rollout_operator.decide.policy.views import ANNOTATION_DEADLINE_OUTCOME, DeadlineRecord
 from rollout_operator.model.api import Trigger
+from rollout_operator.model.reasons import Reason
 from testsupport.policyviews import at, ckpt, deadline_view, recovery_status, view
 
 

@@ -7,9 +7,9 @@ Time is an argument (`T0 + seconds`), so each test states exactly when it looks.
 from __future__ import annotations
 
 from rollout_operator.decide.policy.trainerstep import trainer_step_decision
-from rollout_operator.decide.policy.views import Reason
 from rollout_operator.model import api
 from rollout_operator.model.api import Trigger
+from rollout_operator.model.reasons import Reason
 from testsupport.policyviews import view
 
 

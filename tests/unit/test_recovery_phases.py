@@ -20,7 +20,6 @@ from rollout_operator.flows.recovery import (
     CHECKPOINT_RECORDS_INVALID,
     CHECKPOINT_RECORDS_UNREACHABLE,
     PHASES,
-    Reason,
     RecoveryFailed,
 )
 from rollout_operator.flows.recovery.backoff import back_off, on_failed_try
@@ -35,6 +34,7 @@ from rollout_operator.model.api import (
     ROLLOUT_SET_PLURAL,
     RecoveryPhase,
 )
+from rollout_operator.model.reasons import Reason
 from rollout_protocol import ErrorCode, Failure
 from testsupport import builders
 from testsupport.fakecluster import FakeCluster

@@ -48,6 +48,7 @@ from ..model.api import (
     format_time,
 )
 from ..model.conditions import truncate
+from ..model.reasons import Reason
 from .policy.views import ConditionChange, Note
 from .resources import ANNOTATION_KUEUE_PLACEMENT, owner_reference
 
@@ -77,17 +78,6 @@ EVICTED: Final = "Evicted"
 REQUEUED: Final = "Requeued"
 REQUEUE_REASONS: Final = frozenset({"Preempted", "NodeFailures"})
 """Evictions after which Kueue's own integrations mark the Workload `Requeued=True`."""
-
-
-class Reason:
-    """Reasons of the set's `QuotaPending` and `Preempted` conditions."""
-
-    ADMITTED: Final = "Admitted"
-    PENDING: Final = "Pending"
-    WORKLOAD_CREATED: Final = "WorkloadCreated"
-    PRIORITY_CLASS_NOT_FOUND: Final = "PriorityClassNotFound"
-    SAVING: Final = "Saving"
-    READMITTED: Final = "Readmitted"
 
 
 def queue_of(rset: RolloutSet) -> str | None:

@@ -12,15 +12,8 @@ from datetime import datetime, timedelta
 from typing import Final
 
 from ...model.api import SetConditionType, Trigger, format_time
-from .views import (
-    CheckpointView,
-    ConditionChange,
-    Create,
-    DeadlineRecord,
-    Reason,
-    SetView,
-    name_stamp,
-)
+from ...model.reasons import Reason
+from .views import CheckpointView, ConditionChange, Create, DeadlineRecord, SetView, name_stamp
 
 DEFAULT_RESERVE_SECONDS: Final = 60
 """The reserve before any checkpoint of the set has been measured: generous, because a deadline

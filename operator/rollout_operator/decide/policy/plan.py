@@ -7,12 +7,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
+from ...model.reasons import Reason
 from .deadline import deadline_decision, save_reserve_seconds
 from .interval import interval_decision
 from .retention import retention
 from .suspend import SuspendAction, suspend_decision
 from .trainerstep import trainer_step_decision
-from .views import CheckpointView, ConditionChange, Create, DeadlineRecord, Note, Reason, SetView
+from .views import CheckpointView, ConditionChange, Create, DeadlineRecord, Note, SetView
 
 
 @dataclass(frozen=True)

@@ -6,13 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Final
 
 from ...model.api import ConditionStatus, RolloutSet, SetConditionType, Trigger, format_time
-from .views import CheckpointView, ConditionChange, Create, Reason, SetView
-
-RESUMED_REASON: Final = "Resumed"
-"""The recovery reason of a resume from suspend (it is not a loss)."""
+from ...model.reasons import Reason
+from .views import CheckpointView, ConditionChange, Create, SetView
 
 
 def suspend_checkpoint_name(set_name: str, attempt: int) -> str:

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Final
 
 from ...model.api import ANNOTATION_TRAINER_STEP, TargetLevel, Trigger
-from .views import Create, Note, Reason, SetView
+from ...model.reasons import Reason
+from .views import Create, Note, SetView
 
 _STEP_PATTERN: Final = re.compile(r"^[0-9]{1,18}$")
 

@@ -41,28 +41,6 @@ a checkpoint that retention has since deleted" from "never saved", and after a r
 suspended by its deadline would be suspended again."""
 
 
-class Reason:
-    """Reasons of the conditions the policy writes on a RolloutSet (CamelCase, stable)."""
-
-    # DeadlineSaved
-    WAITING: Final = "Waiting"
-    SAVING: Final = "Saving"
-    SAVED: Final = "Saved"
-    MISSED: Final = "Missed"
-    CHECKPOINT_FAILED: Final = "CheckpointFailed"
-    NOTHING_TO_SAVE: Final = "NothingToSave"
-    NO_DEADLINE: Final = "NoDeadline"
-    # Suspended
-    SUSPENDING: Final = "Suspending"
-    SUSPENDED: Final = "Suspended"
-    DEADLINE_REACHED: Final = "DeadlineReached"
-    RESUMED: Final = "Resumed"
-    SUSPEND_CANCELLED: Final = "SuspendCancelled"
-    # events
-    INVALID_TRAINER_STEP: Final = "InvalidTrainerStep"
-    TRAINER_STEP_IGNORED: Final = "TrainerStepIgnored"
-
-
 # --- views --------------------------------------------------------------------------------------
 
 

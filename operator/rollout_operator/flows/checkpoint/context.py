@@ -40,6 +40,7 @@ from ...model.api import (
     dump,
 )
 from ...model.conditions import MAX_FAILURE_CHARS, set_condition, truncate
+from ...model.reasons import Reason
 from ..state import CoordinatedPods
 from ..watching import NoLongerHolds, while_holding
 
@@ -50,28 +51,6 @@ TERMINAL: Final = CHECKPOINT_FINISHED
 IN_FLIGHT: Final = CHECKPOINT_RUNNING
 """Phases entered while holding the set's slot; a restarted operator continues them."""
 _T = TypeVar("_T")
-
-
-class Reason:
-    """Condition reasons of a RolloutCheckpoint (CamelCase, stable)."""
-
-    QUEUED: Final = "Queued"
-    PREPARING: Final = "Preparing"
-    PREPARED: Final = "AllParked"
-    NOT_PARKED: Final = "PrepareTimeout"
-    COMMITTED: Final = "RecordsWritten"
-    PUBLISHED: Final = "Published"
-    SET_NOT_FOUND: Final = "SetNotFound"
-    SET_NOT_READY: Final = "SetNotReady"
-    PARTICIPANT_LOST: Final = "ParticipantLost"
-    PARTICIPANT_UNRESPONSIVE: Final = "ParticipantUnresponsive"
-    ABORTED: Final = "Aborted"
-    PREPARE_FAILED: Final = "PrepareFailed"
-    COMMIT_FAILED: Final = "CommitFailed"
-    LEASE_LAPSED: Final = "LeaseLapsed"
-    INVALID: Final = "InvalidCheckpoint"
-    GRACE_PERIOD_TOO_SHORT: Final = "GracePeriodTooShort"
-    UNMANAGED_WORKERS: Final = "UnmanagedWorkers"
 
 
 class CheckpointFailed(Exception):

@@ -44,6 +44,7 @@ from ...cluster.kube import Kube
 from ...cluster.leases import CheckpointLeases
 from ...cluster.objects import read_control_token
 from ...model.api import CheckpointPhase, RolloutCheckpoint, RolloutSet
+from ...model.reasons import Reason
 from ..checkpointrepairs import repair_published_checkpoint
 from ..phases import PhaseTable, run_phases
 from ..state import CoordinatedPods
@@ -56,7 +57,6 @@ from .context import (
     CheckpointRun,
     FlowSettings,
     OnTransition,
-    Reason,
     UnwrittenPhases,
     abort,
     enter_phase,

@@ -28,10 +28,10 @@ from ...model.api import (
     Trigger,
     format_time,
 )
+from ...model.reasons import Reason
 from .context import (
     CheckpointFailed,
     CheckpointRun,
-    Reason,
     describe,
     enter_phase,
     failure_reason,

@@ -23,14 +23,8 @@ from ...model.api import (
     Trigger,
 )
 from ...model.conditions import find_condition
-from .context import (
-    CheckpointContext,
-    CheckpointFailed,
-    Reason,
-    enter_phase,
-    namespace_of,
-    set_lost,
-)
+from ...model.reasons import Reason
+from .context import CheckpointContext, CheckpointFailed, enter_phase, namespace_of, set_lost
 
 UNQUEUED_TRIGGERS: Final = frozenset({Trigger.EVICTION, Trigger.DEADLINE})
 """Checkpoints with a hard deadline of their own: never queued behind the operator's limit."""

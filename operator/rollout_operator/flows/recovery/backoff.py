@@ -23,9 +23,9 @@ from ...model.api import (
 from ...model.conditions import (
     ConditionUpdate,
 )
+from ...model.reasons import Reason
 from .context import (
     MAX_BACKOFF_SECONDS,
-    Reason,
     RecoveryContext,
     RecoveryFailed,
     logger,

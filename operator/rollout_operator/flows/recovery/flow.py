@@ -27,9 +27,10 @@ from ...cluster.kube import Kube
 from ...cluster.objects import eviction_holds
 from ...cluster.statuswriter import SetStatusWriter
 from ...decide.churn import ChurnDecision
-from ...decide.policy.suspend import RESUMED_REASON, resume_due
+from ...decide.policy.suspend import resume_due
 from ...model.api import RecoveryPhase, RolloutSet, format_time
 from ...model.owners import StatusOwner
+from ...model.reasons import Reason
 from ..phases import FailureHandler, PhaseTable, run_phases
 from .backoff import back_off, on_failed_try
 from .context import (
@@ -163,7 +164,7 @@ async def start_resume(kube: Kube, flow: RecoveryFlow, rset: RolloutSet, live_po
         "into fresh pods"
     )
     logger.info("set %s: %s", name, message)
-    await flow.start(rset, Loss(RESUMED_REASON, message))
+    await flow.start(rset, Loss(Reason.RESUMED, message))
     return True
 
 

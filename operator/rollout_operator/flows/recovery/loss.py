@@ -16,7 +16,7 @@ from ...decide.resources import set_selector
 from ...decide.setplan import Instance, PodView, attempt_instances
 from ...model.api import RolloutSet, SetConditionType
 from ...model.conditions import is_true
-from .context import Reason
+from ...model.reasons import Reason
 
 
 @dataclass(frozen=True)

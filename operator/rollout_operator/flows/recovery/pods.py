@@ -30,9 +30,9 @@ from ...model.api import (
     RolloutSet,
     TargetLevel,
 )
+from ...model.reasons import Reason
 from .context import (
     POLL_SECONDS,
-    Reason,
     RecoveryContext,
     RecoveryFailed,
     logger,

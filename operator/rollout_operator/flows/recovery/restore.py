@@ -24,7 +24,6 @@ from rollout_protocol import (
 
 from ...cluster.kube import ApiError
 from ...decide.inplace import adopted_instances, instance_name, rewiring
-from ...decide.policy.suspend import RESUMED_REASON
 from ...decide.setplan import attempt_instances
 from ...decide.setstatus import NOT_AN_INTERFACE, REPAIRED
 from ...decide.workloss import total_work, work_loss
@@ -46,12 +45,12 @@ from ...model.conditions import (
     truncate,
     utcnow,
 )
+from ...model.reasons import Reason
 from ..watching import NoLongerHolds, while_holding
 from .context import (
     CHECKPOINT_RECORDS_INVALID,
     CHECKPOINT_RECORDS_UNREACHABLE,
     POLL_SECONDS,
-    Reason,
     RecoveryContext,
     RecoveryFailed,
     logger,
@@ -74,7 +73,7 @@ def counts_as_restart(recovery: RecoveryStatus) -> bool:
     a recovery too (fresh pods restore the latest checkpoint under attempt + 1), but nothing
     was lost: it advances the attempt and says `Resumed`/`Restored` in the conditions, and
     leaves `restarts` alone (a queueing system may suspend and resume a set many times)."""
-    return recovery.reason != RESUMED_REASON
+    return recovery.reason != Reason.RESUMED
 
 
 _T = TypeVar("_T")

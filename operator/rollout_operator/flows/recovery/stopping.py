@@ -40,11 +40,11 @@ from ...model.conditions import (
     ConditionUpdate,
     utcnow,
 )
+from ...model.reasons import Reason
 from .context import (
     COUNT_RETIRE_SECONDS,
     STOP_GRACE_SECONDS,
     InPlaceRefused,
-    Reason,
     RecoveryContext,
     logger,
     patch,
