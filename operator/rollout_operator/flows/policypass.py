@@ -73,6 +73,7 @@ from ..model.api import (
     ROLLOUT_CHECKPOINT_KIND,
     RecoveryPhase,
     RolloutSet,
+    namespace_or_default,
 )
 from ..model.conditions import ConditionUpdate, merge_conditions, same_but_generation
 from ..model.owners import StatusOwner
@@ -127,7 +128,7 @@ def checkpoint_manifest(rset: RolloutSet, create: Create) -> dict[str, Any]:
 
 async def create_checkpoint(kube: Kube, rset: RolloutSet, create: Create) -> bool:
     """Create it; False when it exists already (a repeat after a crash or a second event)."""
-    namespace = rset.metadata.namespace or "default"
+    namespace = namespace_or_default(rset.metadata.namespace)
     if not await kube.create_checkpoint(namespace, checkpoint_manifest(rset, create)):
         return False
     logger.info("set %s: created checkpoint %s (%s)", rset.metadata.name, create.name, create.why)
@@ -186,7 +187,7 @@ class PolicyPass:
     async def _note(self, rset: RolloutSet, note: Note) -> None:
         # A pass repeats its notes until the cause goes (an invalid trainer-step annotation
         # stays until someone fixes it): log each distinct one once.
-        namespace = rset.metadata.namespace or "default"
+        namespace = namespace_or_default(rset.metadata.namespace)
         if self._logged_notes.first_time(namespace, rset.metadata.name, note.reason, note.message):
             log = logger.warning if note.warning else logger.info
             log("set %s: %s: %s", rset.metadata.name, note.reason, note.message)
@@ -266,7 +267,7 @@ class PolicyPass:
     async def _release(self, rset: RolloutSet, pods: Sequence[Mapping[str, Any]]) -> None:
         """Delete every participant pod of the set (the Suspended condition is already True,
         so their deletion is taken neither for an eviction nor for a loss)."""
-        namespace = rset.metadata.namespace or "default"
+        namespace = namespace_or_default(rset.metadata.namespace)
         deleted = []
         for pod in pods:
             meta = pod.get("metadata") or {}
@@ -297,7 +298,7 @@ class PolicyPass:
     async def _remove_records(
         self, rset: RolloutSet, checkpoint: str, raw: Mapping[str, Any] | None = None
     ) -> None:
-        namespace = rset.metadata.namespace or "default"
+        namespace = namespace_or_default(rset.metadata.namespace)
         root = self._locator.root(namespace, rset.spec.storage)
         if root is None:
             return  # reported when the object is deleted (retention or by hand)
@@ -334,7 +335,7 @@ async def start_eviction_checkpoint(
     terminating = TerminatingPod.from_pod(pod, LABEL_ATTEMPT)
     if not set_name or terminating is None or terminating.deletion <= clock():
         return None
-    namespace = meta.get("namespace") or "default"
+    namespace = namespace_or_default(meta.get("namespace"))
     raw = await kube.get_set(namespace, set_name)
     if raw is None:
         return None
@@ -370,7 +371,7 @@ async def checkpoint_deleted(
     the latest, and no recovery restores it: `setstatus.newest_ready`)."""
     meta = ckpt.get("metadata") or {}
     name = str(meta.get("name"))
-    namespace = meta.get("namespace") or "default"
+    namespace = namespace_or_default(meta.get("namespace"))
     set_name = (ckpt.get("spec") or {}).get("rolloutSet")
     raw = await kube.get_set(namespace, set_name) if isinstance(set_name, str) else None
     if raw is None:
@@ -409,7 +410,7 @@ async def keep_records_finalizer(kube: Kube, ckpt: Mapping[str, Any]) -> bool:
         return False
     try:
         added = await kube.set_checkpoint_finalizers(
-            meta.get("namespace") or "default",
+            namespace_or_default(meta.get("namespace")),
             str(meta.get("name")),
             [*finalizers, RECORDS_FINALIZER],
             resource_version=str(meta.get("resourceVersion") or ""),
@@ -478,7 +479,7 @@ async def set_deleted(
     reach, a removal that failed) is a `RecordsNotRemoved` Warning naming it, and the returned
     outcome says so: nothing is reported removed that is still there."""
     rset = RolloutSet.model_validate(rset_raw)
-    namespace = rset.metadata.namespace or "default"
+    namespace = namespace_or_default(rset.metadata.namespace)
     remaining = await kube.list_checkpoints(namespace, rset.metadata.name)
     for ckpt in remaining:
         if not (ckpt.get("metadata") or {}).get("deletionTimestamp"):

@@ -38,6 +38,7 @@ from ...model.api import (
     RolloutCheckpointStatus,
     RolloutSet,
     dump,
+    namespace_or_default,
 )
 from ...model.conditions import MAX_FAILURE_CHARS, set_condition, truncate
 from ...model.reasons import Reason
@@ -239,10 +240,6 @@ class CheckpointRun:
         return self.context.clock()
 
 
-def namespace_of(ckpt: RolloutCheckpoint) -> str:
-    return ckpt.metadata.namespace or "default"
-
-
 def set_lost(rset: RolloutSet, attempt: int | None) -> str | None:
     """Why the set no longer runs the checkpoint's attempt (None while it does)."""
     status = rset.status
@@ -304,7 +301,7 @@ async def _patch_status(
         body["status"].setdefault(key, [])
     with tracing.span("write status", attributes={"rollout.phase": str(status.phase)}):
         await context.kube.patch_checkpoint_status(
-            namespace_of(ckpt), ckpt.metadata.name, body["status"]
+            namespace_or_default(ckpt.metadata.namespace), ckpt.metadata.name, body["status"]
         )
 
 
@@ -394,7 +391,7 @@ async def while_set_holds(
     docs/design.md#66-one-checkpoint-at-a-time). The set is looked at on each of its events
     (from the watch: no request).
     """
-    namespace = namespace_of(ckpt)
+    namespace = namespace_or_default(ckpt.metadata.namespace)
     kube = context.kube
 
     async def lost() -> str | None:

@@ -43,7 +43,7 @@ from rollout_protocol import Coordinator, HttpParticipantClient, tracing
 from ...cluster.kube import Kube
 from ...cluster.leases import CheckpointLeases
 from ...cluster.objects import read_control_token
-from ...model.api import CheckpointPhase, RolloutCheckpoint, RolloutSet
+from ...model.api import CheckpointPhase, RolloutCheckpoint, RolloutSet, namespace_or_default
 from ...model.reasons import Reason
 from ..checkpointrepairs import repair_published_checkpoint
 from ..phases import PhaseTable, run_phases
@@ -219,7 +219,7 @@ class CheckpointFlow:
     ) -> CheckpointPhase | None:
         context = self._context
         kube = context.kube
-        namespace = ckpt.metadata.namespace or "default"
+        namespace = namespace_or_default(ckpt.metadata.namespace)
         # Running: in a running phase, or (its phases unwritten yet) holding the set's Lease as
         # this process took it, when an earlier run of this process stopped on an error.
         in_flight = ckpt.status.phase in IN_FLIGHT or (

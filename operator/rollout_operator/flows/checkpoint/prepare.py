@@ -27,6 +27,7 @@ from ...model.api import (
     RolloutCheckpoint,
     Trigger,
     format_time,
+    namespace_or_default,
 )
 from ...model.reasons import Reason
 from .context import (
@@ -35,7 +36,6 @@ from .context import (
     describe,
     enter_phase,
     failure_reason,
-    namespace_of,
     while_set_holds,
 )
 
@@ -130,7 +130,9 @@ async def prepare_deadline(run: CheckpointRun, ckpt: RolloutCheckpoint) -> Prepa
     timeout = rset.spec.checkpoint_policy.prepare_timeout_seconds
     terminating: list[TerminatingPod] = []
     if ckpt.spec.trigger is Trigger.EVICTION:
-        pods = await run.kube.list_pods(namespace_of(ckpt), set_selector(rset.metadata.name))
+        pods = await run.kube.list_pods(
+            namespace_or_default(ckpt.metadata.namespace), set_selector(rset.metadata.name)
+        )
         terminating = [t for t in (TerminatingPod.from_pod(p, LABEL_ATTEMPT) for p in pods) if t]
     return eviction_prepare_deadline(now, timeout, terminating, rset.status.attempt)
 
@@ -143,7 +145,7 @@ async def refuse_unmanaged_workers(run: CheckpointRun) -> None:
     checkpoint whose participants are all known asks none of them (16 calls fewer per
     checkpoint of a 16-pod set)."""
     participants = run.rset.status.participants
-    namespace = namespace_of_set(run)
+    namespace = namespace_or_default(run.rset.metadata.namespace)
     coordinated = run.context.coordinated
     if coordinated is not None and coordinated.known(
         namespace, [(p.pod, p.address or "") for p in participants]
@@ -164,7 +166,3 @@ async def refuse_unmanaged_workers(run: CheckpointRun) -> None:
                 if f"{p.role.value}-{p.index}" in answered
             ],
         )
-
-
-def namespace_of_set(run: CheckpointRun) -> str:
-    return run.rset.metadata.namespace or "default"

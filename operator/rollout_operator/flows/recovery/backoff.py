@@ -19,6 +19,7 @@ from ...model.api import (
     RestorePolicy,
     RolloutSet,
     SetConditionType,
+    namespace_or_default,
 )
 from ...model.conditions import (
     ConditionUpdate,
@@ -53,7 +54,7 @@ async def try_failed(
     BackingOff until the next one; past maxRestarts, Degraded and None (the run ends)."""
     if rset is None:
         return None
-    namespace = rset.metadata.namespace or "default"
+    namespace = namespace_or_default(rset.metadata.namespace)
     fresh = await read_set(context, namespace, rset.metadata.name)
     if fresh is None or fresh.status.recovery is None:
         return fresh

@@ -27,6 +27,7 @@ from ...model.api import (
     RolloutCheckpoint,
     RolloutSet,
     SetConditionType,
+    namespace_or_default,
 )
 from ...model.conditions import ConditionUpdate, merge_conditions, truncate, utcnow
 from ...model.reasons import Reason
@@ -119,10 +120,6 @@ def recovery_of(rset: RolloutSet) -> RecoveryStatus:
     return recovery
 
 
-def namespace_of(rset: RolloutSet) -> str:
-    return rset.metadata.namespace or "default"
-
-
 def phase_seconds_until(recovery: RecoveryStatus, now: datetime) -> dict[str, float]:
     """Seconds spent per phase, counting the current phase up to `now`."""
     spent = dict(recovery.phase_seconds)
@@ -205,7 +202,7 @@ async def read_checkpoint(
     """The RolloutCheckpoint `name` of this set; None when there is none, or when the name
     is another set's (a name read from status may have been written by hand: the flow
     never restores, nor marks invalid, a checkpoint of another set)."""
-    raw = await context.kube.get_checkpoint(namespace_of(rset), name)
+    raw = await context.kube.get_checkpoint(namespace_or_default(rset.metadata.namespace), name)
     if raw is None:
         return None
     ckpt = RolloutCheckpoint.model_validate(raw)
@@ -216,7 +213,9 @@ async def http_coordinator(
     kube: Kube, rset: RolloutSet
 ) -> tuple[Coordinator, list[HttpParticipantClient]]:
     """The coordinator over every participant of the set's status, over HTTP."""
-    token = await read_control_token(kube, namespace_of(rset), rset.metadata.name)
+    token = await read_control_token(
+        kube, namespace_or_default(rset.metadata.namespace), rset.metadata.name
+    )
     if token is None:
         raise RecoveryFailed("TokenMissing", "the set's control-token Secret is missing")
     participants = [

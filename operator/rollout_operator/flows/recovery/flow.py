@@ -28,7 +28,7 @@ from ...cluster.objects import eviction_holds
 from ...cluster.statuswriter import SetStatusWriter
 from ...decide.churn import ChurnDecision
 from ...decide.policy.suspend import resume_due
-from ...model.api import RecoveryPhase, RolloutSet, format_time
+from ...model.api import RecoveryPhase, RolloutSet, format_time, namespace_or_default
 from ...model.owners import StatusOwner
 from ...model.reasons import Reason
 from ..phases import FailureHandler, PhaseTable, run_phases
@@ -151,7 +151,7 @@ async def start_resume(kube: Kube, flow: RecoveryFlow, rset: RolloutSet, live_po
     if not resume_due(rset, live_pods):
         return False
     # Read again before a new attempt's pods are created: a suspend written meanwhile wins.
-    namespace, name = rset.metadata.namespace or "default", rset.metadata.name
+    namespace, name = namespace_or_default(rset.metadata.namespace), rset.metadata.name
     raw = await kube.get_set(namespace, name, fresh=True)
     if raw is None:
         return False

@@ -37,6 +37,7 @@ from ...model.api import (
     SetConditionType,
     TargetLevel,
     dump,
+    namespace_or_default,
 )
 from ...model.conditions import (
     ConditionUpdate,
@@ -244,7 +245,7 @@ async def while_pods_hold(
 
     async def next_look() -> None:
         await context.kube.cache.wait_for_change(
-            rset.metadata.namespace or "default", rset.metadata.name, POLL_SECONDS
+            namespace_or_default(rset.metadata.namespace), rset.metadata.name, POLL_SECONDS
         )
 
     try:
@@ -311,7 +312,7 @@ async def invalidate(
     phase Failed), so no later recovery tries it again, retention treats its records as
     garbage, and the set's pass moves `latestCheckpoint` to the newest other Ready
     checkpoint."""
-    namespace = rset.metadata.namespace or "default"
+    namespace = namespace_or_default(rset.metadata.namespace)
     ckpt = await read_checkpoint(context, rset, name)
     if ckpt is not None:
         message = truncate(f"restore refused it, not restorable: {detail}", 1000)
