@@ -20,6 +20,7 @@ from rollout_operator.flows.recovery.pods import restorable_checkpoint
 from rollout_operator.flows.recovery.restore import invalidate, still_restorable
 from rollout_operator.model import api
 from rollout_operator.model.api import ROLLOUT_CHECKPOINT_PLURAL, ROLLOUT_SET_PLURAL
+from testsupport import builders
 from testsupport.fakecluster import FakeCluster
 from testsupport.recovery import context_over
 
@@ -44,21 +45,15 @@ def _set(status: dict[str, Any]) -> dict[str, Any]:
 
 def _checkpoint(name: str, phase: str, *, of: str = SET, minute: int = 0) -> dict[str, Any]:
     at = f"2026-11-29T12:{minute:02d}:00Z"
-    ready = "True" if phase in ("Ready", "Resuming") else "False"
-    return {
-        "apiVersion": api.API_VERSION,
-        "kind": "RolloutCheckpoint",
-        "metadata": {"name": name, "namespace": NS, "generation": 1, "creationTimestamp": at},
-        "spec": {"rolloutSet": of, "trigger": "Manual"},
-        "status": {
-            "phase": phase,
-            "attempt": 1,
-            "completedAt": at if phase == "Ready" else None,
-            "conditions": [
-                {"type": "Ready", "status": ready, "reason": "X", "lastTransitionTime": at}
-            ],
-        },
-    }
+    completed = at if phase == "Ready" else None
+    return builders.checkpoint_body(
+        name,
+        set_name=of,
+        namespace=NS,
+        generation=1,
+        created=at,
+        status=builders.checkpoint_status(phase, at=at, completed=completed, reason="X", attempt=1),
+    )
 
 
 def holding(obj: dict[str, Any], checkpoints: Sequence[dict[str, Any]]) -> FakeCluster:

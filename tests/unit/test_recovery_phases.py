@@ -84,25 +84,14 @@ def recovering(phase: str, **recovery: Any) -> FakeCluster:
 
 
 def ready_checkpoint(name: str) -> dict[str, Any]:
-    return {
-        "apiVersion": api.API_VERSION,
-        "kind": "RolloutCheckpoint",
-        "metadata": {"name": name, "namespace": NS, "generation": 1, "creationTimestamp": STAMP},
-        "spec": {"rolloutSet": SET, "trigger": "Manual"},
-        "status": {
-            "phase": "Ready",
-            "attempt": 2,
-            "completedAt": STAMP,
-            "conditions": [
-                {
-                    "type": "Ready",
-                    "status": "True",
-                    "reason": "Published",
-                    "lastTransitionTime": STAMP,
-                }
-            ],
-        },
-    }
+    return builders.checkpoint_body(
+        name,
+        set_name=SET,
+        namespace=NS,
+        generation=1,
+        created=STAMP,
+        status=builders.checkpoint_status("Ready", at=STAMP, completed=STAMP, attempt=2),
+    )
 
 
 async def the_set(cluster: FakeCluster) -> api.RolloutSet:
