@@ -233,13 +233,6 @@ def encode_list_and_watch(devices: Sequence[Device]) -> bytes:
     return b"".join(_bytes_field(1, device.encode()) for device in devices)
 
 
-def decode_list_and_watch(data: bytes) -> list[Device]:
-    return [
-        Device.decode(item)
-        for item in _read(data, "ListAndWatchResponse", messages=(1,)).messages[1]
-    ]
-
-
 def decode_allocate_request(data: bytes) -> list[list[str]]:
     """AllocateRequest: the device ids of each container request, in order."""
     containers = _read(data, "AllocateRequest", messages=(1,)).messages[1]
