@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from pathlib import Path
+from typing import Final
 
 import anyio
 from anyio.abc import TaskGroup
@@ -79,6 +80,20 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+LOST_ON_RENEW: Final = frozenset(
+    {
+        ErrorCode.STALE_CHECKPOINT,
+        ErrorCode.UNKNOWN_CHECKPOINT,
+        ErrorCode.WRONG_PHASE,
+        ErrorCode.CONFLICTING_CHECKPOINT,
+    }
+)
+"""A prepared participant's refusals of a renew that say it no longer holds the checkpoint.
+Ours says `stale_checkpoint` or `unknown_checkpoint`; one that speaks NeMo Gym's dialect says
+`invalid_phase` (none open: a restarted process) or `checkpoint_conflict` (another one open),
+read as `wrong_phase` and `conflicting_checkpoint` (docs/protocol.md, "The NeMo Gym dialect").
+Our participants never refuse a renew of the open checkpoint with those two."""
 
 
 # --- the coordinator ------------------------------------------------------------------------
@@ -219,10 +234,7 @@ class Coordinator:
                 continue
             results = await self._fan_out(targets, lambda p: p.renew(request))
             for instance, result in results.items():
-                if isinstance(result, ParticipantError) and result.code in (
-                    ErrorCode.STALE_CHECKPOINT,
-                    ErrorCode.UNKNOWN_CHECKPOINT,
-                ):
+                if isinstance(result, ParticipantError) and result.code in LOST_ON_RENEW:
                     lost.append(Failure.of(result))
                 elif isinstance(result, ParticipantError):
                     logger.warning("renew of %s failed: %s", instance, result)
