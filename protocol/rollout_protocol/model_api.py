@@ -37,8 +37,9 @@ from ._settings import MAX_BODY_BYTES
 from ._wire import ErrorCode, ProtocolError
 
 JSON_MAX_DEPTH: Final = 200
-"""Levels of nesting the decoder reads (its parser's own limit): far more than any tool's
-arguments or answer needs, far fewer than would exhaust a stack here or in an engine."""
+"""Levels of nesting the decoder reads (the limit pydantic-core's parser keeps): far more than
+any tool's arguments or answer needs, far fewer than would exhaust a stack here or in an
+engine."""
 JSON_MAX_BYTES: Final = MAX_BODY_BYTES
 """The largest JSON text the decoder reads from a string field (UTF-8 bytes)."""
 
@@ -101,13 +102,23 @@ def decode_body(raw: bytes, model: type[_Body]) -> _Body:
         raise ProtocolError(ErrorCode.INVALID_REQUEST, f"body: {error}") from None
     if not isinstance(value, dict):
         raise ProtocolError(
-            ErrorCode.INVALID_REQUEST,
-            f"body: a JSON object is required, not {type(value).__name__}",
+            ErrorCode.INVALID_REQUEST, f"body: a JSON object is required, not {_kind(value)}"
         )
     try:
         return model.model_validate(value)
     except ValidationError as error:
         raise ProtocolError(ErrorCode.INVALID_REQUEST, describe_validation(error)) from None
+
+
+def _kind(value: Any) -> str:
+    """What a decoded JSON value is, in JSON's words."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return "a string" if isinstance(value, str) else "an array"
 
 
 def _bounded(text: str) -> str:

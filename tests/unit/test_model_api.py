@@ -228,6 +228,7 @@ async def test_more_than_one_choice_is_refused_not_dropped(path: str, body: dict
             id="deep-body",
         ),
         pytest.param("/v1/completions", b'{"prompt": "2+2?", "n": 2}', "n", id="n-2"),
+        pytest.param("/v1/completions", b"5", "body", id="not-an-object"),
     ],
 )
 async def test_the_fake_model_refuses_bad_requests_as_the_model_server_does(
