@@ -27,18 +27,21 @@ from typing import Any
 
 from pydantic import ValidationError
 from rollout_protocol import ErrorCode, ProtocolError
-from rollout_protocol.model_api import JsonOutOfBounds, json_or_text
+from rollout_protocol.model_api import (
+    ChatBody,
+    ChatMessage,
+    JsonOutOfBounds,
+    ResponsesBody,
+    chosen_tool,
+    json_or_text,
+)
 
 from ..tasks import CalculatorError, calculate
 from .generation import (
-    ChatBody,
-    ChatMessage,
     Done,
     GenRequest,
     Piece,
-    ResponsesBody,
     ToolSpec,
-    chosen_tool,
 )
 
 CALL_OPEN = "<tool_call>"

@@ -1,7 +1,7 @@
 """What the policy model server (`model.py`) generates with: one generation's request,
 identity and progress, the pieces a backend yields, and a rollout's last delivered response
 (docs/servers.md, "The model server"). The OpenAI request bodies it accepts are the SDK's
-(`rollout_protocol.model_api`, shared with the conformance kit's fake model), named here too.
+(`rollout_protocol.model_api`, shared with the conformance kit's fake model).
 """
 
 from __future__ import annotations
@@ -17,21 +17,10 @@ from rollout_protocol import (
     encode_record,
     task_digest,
 )
-from rollout_protocol.model_api import (
-    ChatBody as ChatBody,
-)
-from rollout_protocol.model_api import (
-    ChatMessage as ChatMessage,
-)
-from rollout_protocol.model_api import (
-    CompletionBody as CompletionBody,
-)
-from rollout_protocol.model_api import (
-    ResponsesBody as ResponsesBody,
-)
-from rollout_protocol.model_api import (
-    chosen_tool as chosen_tool,
-)
+
+# named here too, where code written before their move to the SDK imports them
+from rollout_protocol.model_api import ChatBody as ChatBody
+from rollout_protocol.model_api import ResponsesBody as ResponsesBody
 
 DELIVERED_KIND = "delivered"
 """The record kind of a rollout's last delivered response."""

@@ -73,7 +73,13 @@ from rollout_protocol import (
     StepMode,
     TaskMismatch,
 )
-from rollout_protocol.model_api import decode_body
+from rollout_protocol.model_api import (
+    ChatBody,
+    ChatMessage,
+    CompletionBody,
+    ResponsesBody,
+    decode_body,
+)
 
 from . import agent_api
 from .backends import TOKEN, Backend, BuiltinBackend, OpenAIBackend, wanted_logprobs
@@ -85,9 +91,6 @@ from .common import (
 )
 from .generation import (
     DELIVERED_KIND,
-    ChatBody,
-    ChatMessage,
-    CompletionBody,
     Continuation,
     Delivered,
     DeliveredData,
@@ -98,7 +101,6 @@ from .generation import (
     Item,
     Piece,
     Progress,
-    ResponsesBody,
     TokenLogprob,
 )
 
