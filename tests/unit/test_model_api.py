@@ -80,6 +80,8 @@ def test_the_decoder_reads_what_is_within_its_bounds_and_refuses_the_rest() -> N
     assert json_or_text('{"expression": "12*7"}') == {"expression": "12*7"}
     assert json_or_text('{"expression": "12*') == '{"expression": "12*', "cut short: text"
     assert json_or_text("RESULT: 84") == "RESULT: 84"
+    quoted = '{"log": "' + "[" * 300 + '\\"", broken'  # brackets inside a string are text
+    assert json_or_text(quoted) == quoted
     with pytest.raises(JsonOutOfBounds, match=f"deeper than {JSON_MAX_DEPTH}"):
         json_or_text(DEEP)
     with pytest.raises(JsonOutOfBounds, match="over the limit of 10"):
