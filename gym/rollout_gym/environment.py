@@ -444,7 +444,8 @@ class GymEpisodes:
         session = dict(state["session"])
         try:
             arguments = json.loads(call["arguments"])
-        except (json.JSONDecodeError, TypeError) as exc:  # as simple_agent: fed back, no call
+        except (json.JSONDecodeError, TypeError, RecursionError) as exc:
+            # as simple_agent: fed back, no call; arguments nested past the parser's depth too
             output = json.dumps({"error": f"Invalid tool call arguments: {exc!r}"})
         else:
             path = f"/{call['name']}"
