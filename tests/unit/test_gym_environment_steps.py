@@ -1,7 +1,7 @@
-"""The Gym adapter's `tool` step on arguments a model wrote (`rollout_gym.environment`, docs/gym.md):
-as Gym's `simple_agent`, arguments that are not JSON are fed back to the model as the call's
-output and no call is made, and so are arguments nested past the JSON parser's depth, which
-must end neither the step nor the episode with a `RecursionError`.
+"""The Gym adapter's `tool` step on arguments a model wrote (`rollout_gym.environment`,
+docs/gym.md): as Gym's `simple_agent`, arguments that are not JSON are fed back to the model as
+the call's output and no call is made, and so are arguments nested past the JSON parser's
+depth, which must end neither the step nor the episode with a `RecursionError`.
 
 No Gym server: the step returns before it would call one, which the test checks by pointing
 the adapter at a resources address nothing listens on.
