@@ -105,6 +105,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser("run", help="run the operator until interrupted")
+    _add_scope(run)
+    _add_serving(run)
+    _add_api_limits(run)
+    _add_work_limits(run)
+    _add_logging(run)
+    return parser
+
+
+def _add_scope(run: argparse.ArgumentParser) -> None:
+    """Which namespaces the operator serves."""
     scope = run.add_mutually_exclusive_group(required=True)
     scope.add_argument(
         "-n",
@@ -116,6 +126,10 @@ def _parser() -> argparse.ArgumentParser:
         help="serve RolloutSets in this namespace (repeatable; globs like 'team-*' allowed)",
     )
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="serve every namespace")
+
+
+def _add_serving(run: argparse.ArgumentParser) -> None:
+    """The endpoints the operator serves, and how it shares the work with other replicas."""
     run.add_argument(
         "--liveness",
         metavar="URL",
@@ -141,6 +155,10 @@ def _parser() -> argparse.ArgumentParser:
         "Lease waits until the first stops (its pod replaced) or its Lease lapses; the chart's "
         "single replica runs with one",
     )
+
+
+def _add_api_limits(run: argparse.ArgumentParser) -> None:
+    """How the operator watches and calls the API server, and how often it looks again."""
     run.add_argument(
         "--watch-timeout-seconds",
         type=int,
@@ -166,6 +184,10 @@ def _parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_RESYNC_SECONDS}; events and the loops' own deadlines wake them "
         "sooner)",
     )
+
+
+def _add_work_limits(run: argparse.ArgumentParser) -> None:
+    """Bounds on the checkpoints, recoveries and sets the operator runs."""
     run.add_argument(
         "--max-concurrent-checkpoints",
         type=int,
@@ -200,6 +222,10 @@ def _parser() -> argparse.ArgumentParser:
         f"ReplicasOverLimit; default {DEFAULT_MAX_REPLICAS_PER_ROLE}, the API allows up to "
         f"{MAX_REPLICAS})",
     )
+
+
+def _add_logging(run: argparse.ArgumentParser) -> None:
+    """How much the operator logs, and in what format."""
     verbosity = run.add_mutually_exclusive_group()
     verbosity.add_argument("-v", "--verbose", action="store_true", help="log more")
     verbosity.add_argument("--debug", action="store_true", help="log everything, incl. Kopf")
@@ -209,7 +235,6 @@ def _parser() -> argparse.ArgumentParser:
         default="full",
         help="log line format",
     )
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

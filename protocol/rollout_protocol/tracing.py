@@ -33,13 +33,17 @@ import threading
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from contextvars import ContextVar
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.id_generator import IdGenerator
+    from opentelemetry.sdk.trace.sampling import Sampler
 
 __all__ = [
     "EXIT_FLUSH_TIMEOUT_S",
@@ -108,30 +112,61 @@ def configure(
     (`OTEL_RESOURCE_ATTRIBUTES` too, by the SDK).
     """
     env = os.environ if environ is None else environ
-    endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or None
-    if endpoint is None and (base := env.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
-        endpoint = base.removesuffix("/") + "/v1/traces"  # as the SDK's exporter makes it
+    endpoint = _traces_endpoint(env)
     if endpoint is None:
         return False
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False
     if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
         return False
+    return _install_sdk(service_name, attributes, env, endpoint)
+
+
+def _traces_endpoint(env: Mapping[str, str]) -> str | None:
+    """The OTLP/HTTP traces URL the environment names, if any."""
+    endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or None
+    if endpoint is None and (base := env.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
+        endpoint = base.removesuffix("/") + "/v1/traces"  # as the SDK's exporter makes it
+    return endpoint
+
+
+def _install_sdk(
+    service_name: str, attributes: Attributes | None, env: Mapping[str, str], endpoint: str
+) -> bool:
+    """Install the SDK's tracer provider with a batch OTLP/HTTP exporter to `endpoint`, and
+    flush it at exit; False (logged) when the SDK is not installed."""
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import SERVICE_NAME, Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
-        from opentelemetry.sdk.trace.sampling import (
-            Decision,
-            ParentBased,
-            Sampler,
-            SamplingResult,
-        )
+        from opentelemetry.sdk.trace.sampling import ParentBased
     except ImportError:
         logger.warning("%s", _NO_SDK)
         return False
+    # OTEL_TRACES_SAMPLER, when set, is the SDK's to read (sampler=None)
+    sampler = None if env.get("OTEL_TRACES_SAMPLER") else ParentBased(_quiet_probes())
+    resource_attributes: dict[str, AttributeValue] = dict(attributes or {})
+    if not env.get("OTEL_SERVICE_NAME"):
+        resource_attributes[SERVICE_NAME] = service_name
+    provider = TracerProvider(
+        sampler=sampler,
+        resource=Resource.create(resource_attributes),
+        id_generator=_keyed_ids(),
+        shutdown_on_exit=False,  # unbounded with a dead collector: `_flush_at_exit` instead
+    )
+    exporter = OTLPSpanExporter(endpoint=endpoint)
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    atexit.register(_flush_at_exit, provider.force_flush, exporter.shutdown)
+    logger.info("exporting traces over OTLP/HTTP as %s", service_name)
+    return True
+
+
+def _keyed_ids() -> IdGenerator:
+    """The SDK's id generator that gives a root span started by `root_span` its keyed trace id
+    (called once the SDK imported)."""
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 
     class KeyedIds(RandomIdGenerator):
         """Random ids, except the trace id of a root span started by `root_span`."""
@@ -139,6 +174,14 @@ def configure(
         def generate_trace_id(self) -> int:
             keyed = _ROOT_TRACE_ID.get()
             return keyed if keyed is not None else super().generate_trace_id()
+
+    return KeyedIds()
+
+
+def _quiet_probes() -> Sampler:
+    """The SDK sampler that starts no trace for a probe or a scrape (called once the SDK
+    imported)."""
+    from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
 
     class QuietProbes(Sampler):
         """Every trace, except those a health probe or a scrape starts (FastAPI traces every
@@ -161,23 +204,7 @@ def configure(
         def get_description(self) -> str:
             return "QuietProbes"
 
-    # OTEL_TRACES_SAMPLER, when set, is the SDK's to read (sampler=None)
-    sampler = None if env.get("OTEL_TRACES_SAMPLER") else ParentBased(QuietProbes())
-    resource_attributes: dict[str, AttributeValue] = dict(attributes or {})
-    if not env.get("OTEL_SERVICE_NAME"):
-        resource_attributes[SERVICE_NAME] = service_name
-    provider = TracerProvider(
-        sampler=sampler,
-        resource=Resource.create(resource_attributes),
-        id_generator=KeyedIds(),
-        shutdown_on_exit=False,  # unbounded with a dead collector: `_flush_at_exit` instead
-    )
-    exporter = OTLPSpanExporter(endpoint=endpoint)
-    provider.add_span_processor(BatchSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
-    atexit.register(_flush_at_exit, provider.force_flush, exporter.shutdown)
-    logger.info("exporting traces over OTLP/HTTP as %s", service_name)
-    return True
+    return QuietProbes()
 
 
 def _flush_at_exit(

@@ -111,33 +111,11 @@ def serve_workers(
     key = secrets.token_hex(32)  # the private channel's: handed to this run's workers alone
     directory = _SocketDirectory.create()
     sockets = [os.path.join(directory.path, f"worker-{k}.sock") for k in range(workers)]
-    context = multiprocessing.get_context("spawn")
     processes: list[multiprocessing.process.BaseProcess] = []
     stopping = threading.Event()
     try:
-        started: list[multiprocessing.connection.Connection] = []
-        for k, path in enumerate(sockets):
-            ours, theirs = context.Pipe(duplex=False)
-            process = context.Process(
-                target=_worker_main,
-                args=(app_factory, k, workers, path, key, theirs, log_level),
-                name=f"{role.value}-worker-{k}",
-            )
-            process.start()
-            theirs.close()
-            processes.append(process)
-            started.append(ours)
-        deadline = time.monotonic() + start_timeout_s
-        for k, (worker, ours) in enumerate(zip(processes, started, strict=True)):
-            if not _started(worker, ours, max(0.0, deadline - time.monotonic())):
-                log.critical(
-                    "worker %d did not start (exit code %s; its log is above): stopping the pod "
-                    "(exit %d)",
-                    k,
-                    worker.exitcode,
-                    WORKER_LOST_EXIT,
-                )
-                raise SystemExit(WORKER_LOST_EXIT)
+        started = _spawn_workers(app_factory, role, sockets, key, log_level, processes)
+        _await_started(processes, started, start_timeout_s)
         threading.Thread(
             target=_watch,
             args=(processes, stopping, directory),
@@ -172,6 +150,53 @@ def serve_workers(
         stopping.set()
         _stop_all(processes)
         directory.remove()
+
+
+def _spawn_workers(
+    app_factory: AppFactory,
+    role: Role,
+    sockets: list[str],
+    key: str,
+    log_level: str,
+    processes: list[multiprocessing.process.BaseProcess],
+) -> list[multiprocessing.connection.Connection]:
+    """Start one worker process per socket, each appended to `processes` as it starts (so that
+    the caller stops those already started if a later one fails); the pipes on which each
+    says it started."""
+    context = multiprocessing.get_context("spawn")
+    started: list[multiprocessing.connection.Connection] = []
+    for k, path in enumerate(sockets):
+        ours, theirs = context.Pipe(duplex=False)
+        process = context.Process(
+            target=_worker_main,
+            args=(app_factory, k, len(sockets), path, key, theirs, log_level),
+            name=f"{role.value}-worker-{k}",
+        )
+        process.start()
+        theirs.close()
+        processes.append(process)
+        started.append(ours)
+    return started
+
+
+def _await_started(
+    processes: list[multiprocessing.process.BaseProcess],
+    started: list[multiprocessing.connection.Connection],
+    start_timeout_s: float,
+) -> None:
+    """Wait until every worker said it started, all within `start_timeout_s`; stop the pod
+    (SystemExit `WORKER_LOST_EXIT`) at the first that did not."""
+    deadline = time.monotonic() + start_timeout_s
+    for k, (worker, ours) in enumerate(zip(processes, started, strict=True)):
+        if not _started(worker, ours, max(0.0, deadline - time.monotonic())):
+            log.critical(
+                "worker %d did not start (exit code %s; its log is above): stopping the pod "
+                "(exit %d)",
+                k,
+                worker.exitcode,
+                WORKER_LOST_EXIT,
+            )
+            raise SystemExit(WORKER_LOST_EXIT)
 
 
 class _SocketDirectory:

@@ -1,20 +1,25 @@
-"""The protocol package keeps small surfaces: no class over 450 lines anywhere in it, and no
-function over 80 lines in the control plane, the coordinator and the episode runtime, each split
-by concern into parts it owns (docs/protocol.md names them). Counted with `ast`, from the first
-line of a definition (its decorators excluded) to its last."""
+"""The protocol and operator packages keep small surfaces: no class over 450 lines in either, and
+no function over 80 lines: in the control plane, the coordinator and the episode runtime, each
+split by concern into parts it owns (docs/protocol.md names them), and in every other module of
+both packages but the conformance suite's (`rollout_protocol._conformance`). Counted with `ast`,
+from the first line of a definition (its decorators excluded) to its last."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import rollout_operator
 import rollout_protocol
 
 _PACKAGE = Path(rollout_protocol.__file__).parent
+_OPERATOR = Path(rollout_operator.__file__).parent
 _MAX_CLASS_LINES = 450
 _MAX_FUNCTION_LINES = 80
 _SPLIT = ("_control", "_coordinator", "_episodes")
 """The modules (and their `<name>_*.py` parts) held to the function limit."""
+_UNCOUNTED = ("_conformance",)
+"""Folders of the protocol package not held to the function limit."""
 
 
 def _definitions(path: Path) -> list[ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef]:
@@ -54,4 +59,41 @@ def test_no_function_of_the_split_modules_is_over_80_lines() -> None:
         for node in _definitions(path)
         if not isinstance(node, ast.ClassDef) and _lines(node) > _MAX_FUNCTION_LINES
     ]
+    assert not too_long, f"functions over {_MAX_FUNCTION_LINES} lines: {too_long}"
+
+
+def _functions_over_limit(package: Path, modules: list[Path]) -> list[str]:
+    return [
+        f"{package.name}/{path.relative_to(package)}:{node.lineno} {node.name}: "
+        f"{_lines(node)} lines"
+        for path in modules
+        for node in _definitions(path)
+        if not isinstance(node, ast.ClassDef) and _lines(node) > _MAX_FUNCTION_LINES
+    ]
+
+
+def test_no_operator_class_is_over_450_lines() -> None:
+    modules = sorted(_OPERATOR.rglob("*.py"))
+    assert len(modules) > 20, f"the package's modules were not found under {_OPERATOR}"
+    too_long = [
+        f"{path.relative_to(_OPERATOR)}:{node.lineno} {node.name}: {_lines(node)} lines"
+        for path in modules
+        for node in _definitions(path)
+        if isinstance(node, ast.ClassDef) and _lines(node) > _MAX_CLASS_LINES
+    ]
+    assert not too_long, f"classes over {_MAX_CLASS_LINES} lines: {too_long}"
+
+
+def test_no_function_of_the_operator_or_the_protocol_is_over_80_lines() -> None:
+    operator = sorted(_OPERATOR.rglob("*.py"))
+    protocol = sorted(
+        path
+        for path in _PACKAGE.rglob("*.py")
+        if not set(path.relative_to(_PACKAGE).parts) & set(_UNCOUNTED)
+    )
+    assert len(operator) > 20, f"the package's modules were not found under {_OPERATOR}"
+    assert len(protocol) > 20, f"the package's modules were not found under {_PACKAGE}"
+    too_long = _functions_over_limit(_OPERATOR, operator) + _functions_over_limit(
+        _PACKAGE, protocol
+    )
     assert not too_long, f"functions over {_MAX_FUNCTION_LINES} lines: {too_long}"

@@ -420,75 +420,90 @@ def decide(
     `flavors`: the ResourceFlavors of an admitted Workload's assignments."""
     if view.deleting:
         return QueuePlan()
-    hold = True if not view.suspend else None
     if workload is None:
-        if priority_class_missing is not None:
-            message = (
-                f"the WorkloadPriorityClass {priority_class_missing} named by the label "
-                f"{LABEL_PRIORITY_CLASS} does not exist; create it or remove the label"
-            )
-            return QueuePlan(
-                suspend=hold,
-                conditions=(
-                    _condition(
-                        SetConditionType.QUOTA_PENDING,
-                        True,
-                        Reason.PRIORITY_CLASS_NOT_FOUND,
-                        message,
-                    ),
-                ),
-                notes=(Note(Reason.PRIORITY_CLASS_NOT_FOUND, message, warning=True),),
-            )
-        name = (manifest or {}).get("metadata", {}).get("name", "")
+        return _submitted(view, manifest, priority_class_missing)
+    eviction = workload.eviction
+    if eviction is not None:
+        return _evicted(view, workload, eviction, now)
+    if workload.admitted:
+        return _admitted(view, workload, flavors or {})
+    return _pending(view, workload)
+
+
+def _hold(view: QueueSetView) -> bool | None:
+    """`spec.suspend` to write while the Workload is not admitted: True, unless it already is."""
+    return True if not view.suspend else None
+
+
+def _submitted(
+    view: QueueSetView, manifest: dict[str, Any] | None, priority_class_missing: str | None
+) -> QueuePlan:
+    """No Workload yet: create it, unless the priority class it would name does not exist."""
+    if priority_class_missing is not None:
+        message = (
+            f"the WorkloadPriorityClass {priority_class_missing} named by the label "
+            f"{LABEL_PRIORITY_CLASS} does not exist; create it or remove the label"
+        )
         return QueuePlan(
-            create=manifest,
-            suspend=hold,
+            suspend=_hold(view),
             conditions=(
                 _condition(
                     SetConditionType.QUOTA_PENDING,
                     True,
-                    Reason.WORKLOAD_CREATED,
-                    f"Workload {name} submitted to LocalQueue {view.queue}; the set starts "
-                    "when Kueue admits it",
+                    Reason.PRIORITY_CLASS_NOT_FOUND,
+                    message,
                 ),
             ),
+            notes=(Note(Reason.PRIORITY_CLASS_NOT_FOUND, message, warning=True),),
         )
-
-    eviction = workload.eviction
-    if eviction is not None:
-        return _evicted(view, workload, eviction, now)
-
-    if workload.admitted:
-        where = ", ".join(
-            f"{a.pod_set}: {'/'.join(a.flavors) or '-'}" for a in workload.assignments
-        )
-        changes = [
+    name = (manifest or {}).get("metadata", {}).get("name", "")
+    return QueuePlan(
+        create=manifest,
+        suspend=_hold(view),
+        conditions=(
             _condition(
                 SetConditionType.QUOTA_PENDING,
-                False,
-                Reason.ADMITTED,
-                f"admitted by ClusterQueue {workload.cluster_queue} through LocalQueue "
-                f"{view.queue} (flavors {where or 'none'})",
-            )
-        ]
-        notes: list[Note] = []
-        if view.preempted:
-            message = (
-                "readmitted by Kueue: the set resumes under the next attempt from the latest "
-                "Ready checkpoint"
-            )
-            changes.append(
-                _condition(SetConditionType.PREEMPTED, False, Reason.READMITTED, message)
-            )
-            notes.append(Note(Reason.READMITTED, message))
-        wanted = placement(workload.assignments, flavors or {})
-        if view.suspend or view.placement != wanted:
-            return QueuePlan(
-                suspend=False, placement=wanted, conditions=tuple(changes), notes=tuple(notes)
-            )
-        return QueuePlan(conditions=tuple(changes), notes=tuple(notes))
+                True,
+                Reason.WORKLOAD_CREATED,
+                f"Workload {name} submitted to LocalQueue {view.queue}; the set starts "
+                "when Kueue admits it",
+            ),
+        ),
+    )
 
-    # Pending: not admitted (no quota yet, or admission checks outstanding).
+
+def _admitted(
+    view: QueueSetView, workload: WorkloadView, flavors: Mapping[str, Flavor]
+) -> QueuePlan:
+    """Kueue admitted the Workload: unsuspend the set onto its flavors' placement."""
+    where = ", ".join(f"{a.pod_set}: {'/'.join(a.flavors) or '-'}" for a in workload.assignments)
+    changes = [
+        _condition(
+            SetConditionType.QUOTA_PENDING,
+            False,
+            Reason.ADMITTED,
+            f"admitted by ClusterQueue {workload.cluster_queue} through LocalQueue "
+            f"{view.queue} (flavors {where or 'none'})",
+        )
+    ]
+    notes: list[Note] = []
+    if view.preempted:
+        message = (
+            "readmitted by Kueue: the set resumes under the next attempt from the latest "
+            "Ready checkpoint"
+        )
+        changes.append(_condition(SetConditionType.PREEMPTED, False, Reason.READMITTED, message))
+        notes.append(Note(Reason.READMITTED, message))
+    wanted = placement(workload.assignments, flavors)
+    if view.suspend or view.placement != wanted:
+        return QueuePlan(
+            suspend=False, placement=wanted, conditions=tuple(changes), notes=tuple(notes)
+        )
+    return QueuePlan(conditions=tuple(changes), notes=tuple(notes))
+
+
+def _pending(view: QueueSetView, workload: WorkloadView) -> QueuePlan:
+    """Not admitted (no quota yet, or admission checks outstanding): hold the set, saying why."""
     reserved = workload.condition(QUOTA_RESERVED)
     if reserved is not None and not reserved.status and reserved.message:
         reason, message = reserved.reason or Reason.PENDING, reserved.message
@@ -497,7 +512,7 @@ def decide(
     else:
         reason, message = Reason.PENDING, "waiting for Kueue to consider the Workload"
     return QueuePlan(
-        suspend=hold,
+        suspend=_hold(view),
         conditions=(
             _condition(
                 SetConditionType.QUOTA_PENDING,

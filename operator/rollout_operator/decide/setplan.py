@@ -342,6 +342,14 @@ class SetHealth:
     recheck_at: datetime | None
 
 
+_READY: Final = SetConditionType.READY.value
+_PROGRESSING: Final = SetConditionType.PROGRESSING.value
+_DEGRADED: Final = SetConditionType.DEGRADED.value
+
+_Problem = tuple[str, str]
+"""A condition reason and its message: the most specific problem of the attempt."""
+
+
 def set_conditions(
     rset: RolloutSet,
     plan: AttemptPlan,
@@ -356,12 +364,19 @@ def set_conditions(
     missing one is lost, not yet to be created. `create_errors`: the API server's refusals of
     pod creations in this reconcile (an invalid template shows up here).
     """
-    ready_t, progressing_t, degraded_t = (
-        SetConditionType.READY.value,
-        SetConditionType.PROGRESSING.value,
-        SetConditionType.DEGRADED.value,
+    released = _released_health(rset, plan)
+    if released is not None:
+        return released
+    overdue, recheck_at = _progress_deadline(rset, plan, now)
+    problem = _attempt_problem(
+        rset, plan, pods_created=pods_created, create_errors=create_errors, overdue=overdue
     )
-    attempt = plan.attempt
+    conditions = [_ready_condition(plan, problem), *_degraded_and_progressing(rset, plan, problem)]
+    return SetHealth(conditions, recheck_at)
+
+
+def _released_health(rset: RolloutSet, plan: AttemptPlan) -> SetHealth | None:
+    """The conditions of a suspended or queued set whose pods are all released, else None."""
     # Suspended=True without spec.suspend: afterDeadline Suspend released the pods (policy).
     # A Kueue-queued set holds until its Workload is admitted (`queue.queue_holds`).
     queued = queue_holds(rset)
@@ -369,100 +384,122 @@ def set_conditions(
         rset.spec.suspend or queued or is_true(rset.status.conditions, SetConditionType.SUSPENDED)
     )
     # Pods on their way out count as released: the suspend deleted them, their state is saved.
-    if suspended and all(p.terminating or p.finished for p in plan.existing.values()):
-        why = (
-            "spec.suspend is true"
-            if rset.spec.suspend
-            else f"waiting for Kueue to admit the set (LocalQueue {queue_of(rset)})"
-            if queued
-            else "suspended after mustSaveBy"
-        )
-        message = f"{why}: no participant pods run"
-        return SetHealth(
-            [
-                ConditionUpdate.of(ready_t, False, Reason.SUSPENDED, message),
-                ConditionUpdate.of(progressing_t, False, Reason.SUSPENDED, message),
-                ConditionUpdate.of(degraded_t, False, Reason.AS_EXPECTED),
-            ],
-            None,
-        )
+    if not suspended or not all(p.terminating or p.finished for p in plan.existing.values()):
+        return None
+    why = (
+        "spec.suspend is true"
+        if rset.spec.suspend
+        else f"waiting for Kueue to admit the set (LocalQueue {queue_of(rset)})"
+        if queued
+        else "suspended after mustSaveBy"
+    )
+    message = f"{why}: no participant pods run"
+    return SetHealth(
+        [
+            ConditionUpdate.of(_READY, False, Reason.SUSPENDED, message),
+            ConditionUpdate.of(_PROGRESSING, False, Reason.SUSPENDED, message),
+            ConditionUpdate.of(_DEGRADED, False, Reason.AS_EXPECTED),
+        ],
+        None,
+    )
 
+
+def _progress_deadline(
+    rset: RolloutSet, plan: AttemptPlan, now: datetime
+) -> tuple[bool, datetime | None]:
+    """Whether a started attempt not yet Ready is past progressDeadlineSeconds, and if not,
+    when to look again."""
+    started = plan.started_at
+    if plan.all_ready or started is None:
+        return False, None
+    deadline = started + timedelta(seconds=rset.spec.progress_deadline_seconds)
+    if now >= deadline:
+        return True, None
+    return False, deadline
+
+
+def _not_ready(plan: AttemptPlan) -> list[PodView]:
+    return [p for p in plan.existing.values() if not p.ready or p.terminating]
+
+
+def _attempt_problem(
+    rset: RolloutSet,
+    plan: AttemptPlan,
+    *,
+    pods_created: bool,
+    create_errors: Sequence[str],
+    overdue: bool,
+) -> _Problem | None:
+    """The most specific problem of the attempt: it names the Degraded reason, and Ready=False
+    reuses it."""
+    attempt = plan.attempt
     finished = [p for p in plan.existing.values() if p.finished]
     lost = plan.missing if pods_created else []
-    not_ready = [p for p in plan.existing.values() if not p.ready or p.terminating]
-    deadline_s = rset.spec.progress_deadline_seconds
-    started = plan.started_at
-    recheck_at: datetime | None = None
-    overdue = False
-    if not plan.all_ready and started is not None:
-        deadline = started + timedelta(seconds=deadline_s)
-        overdue = now >= deadline
-        if not overdue:
-            recheck_at = deadline
-
-    # The most specific problem names the Degraded reason; Ready=False reuses it.
-    problem: tuple[str, str] | None = None
     hold = rset.status.recovery_hold
     if hold is not None:
-        problem = (Reason.RECOVERY_LIMIT, hold.message)
-    elif finished:
-        problem = (
+        return (Reason.RECOVERY_LIMIT, hold.message)
+    if finished:
+        return (
             Reason.FAILED,
             f"participant pods of attempt {attempt} ended: "
             + _listing([f"{p.name} {p.problem}" for p in finished]),
         )
-    elif lost:
-        problem = (
+    if lost:
+        return (
             Reason.LOST,
             f"participant pods of attempt {attempt} are gone: " + _listing(lost),
         )
-    elif create_errors:
-        problem = (
+    if create_errors:
+        return (
             Reason.CREATE_FAILED,
             "the API server refused a participant pod: " + _listing(list(create_errors)),
         )
-    elif overdue:
-        problem = (
+    if overdue:
+        return (
             Reason.NOT_STARTING,
-            f"participant pods not Ready {deadline_s}s (progressDeadlineSeconds) after the "
-            f"attempt started: "
+            f"participant pods not Ready {rset.spec.progress_deadline_seconds}s "
+            "(progressDeadlineSeconds) after the attempt started: "
             + _listing(
-                [f"{p.name} {p.problem or p.phase}" for p in not_ready]
+                [f"{p.name} {p.problem or p.phase}" for p in _not_ready(plan)]
                 + [
                     f"{n} (not created: waiting for its peers' addresses)"
                     for n in plan.waiting_for_peers
                 ]
             ),
         )
+    return None
 
-    conditions: list[ConditionUpdate] = []
+
+def _ready_condition(plan: AttemptPlan, problem: _Problem | None) -> ConditionUpdate:
+    """Ready: True when every pod is, else the problem, else which pods it waits for."""
+    attempt = plan.attempt
     if plan.all_ready:
-        total = len(plan.existing)
-        conditions.append(
-            ConditionUpdate.of(
-                ready_t,
-                True,
-                Reason.ALL_READY,
-                f"all {total} participant pods of attempt {attempt} are Ready",
-            )
+        return ConditionUpdate.of(
+            _READY,
+            True,
+            Reason.ALL_READY,
+            f"all {len(plan.existing)} participant pods of attempt {attempt} are Ready",
         )
-    elif problem is not None:
-        conditions.append(ConditionUpdate.of(ready_t, False, *problem))
-    else:
-        ready_count = sum(1 for p in plan.existing.values() if p.ready and not p.terminating)
-        waiting = [f"{p.name} ({p.problem or p.phase})" for p in not_ready]
-        waiting += [f"{n} (waiting for peer addresses)" for n in plan.waiting_for_peers]
-        waiting += [f"{p['metadata']['name']} (to be created)" for p in plan.to_create]
-        conditions.append(
-            ConditionUpdate.of(
-                ready_t,
-                False,
-                Reason.STARTING,
-                f"{ready_count} of {len(plan.existing) + len(plan.missing)} participant pods of "
-                f"attempt {attempt} Ready; waiting for " + _listing(waiting),
-            )
-        )
+    if problem is not None:
+        return ConditionUpdate.of(_READY, False, *problem)
+    ready_count = sum(1 for p in plan.existing.values() if p.ready and not p.terminating)
+    waiting = [f"{p.name} ({p.problem or p.phase})" for p in _not_ready(plan)]
+    waiting += [f"{n} (waiting for peer addresses)" for n in plan.waiting_for_peers]
+    waiting += [f"{p['metadata']['name']} (to be created)" for p in plan.to_create]
+    return ConditionUpdate.of(
+        _READY,
+        False,
+        Reason.STARTING,
+        f"{ready_count} of {len(plan.existing) + len(plan.missing)} participant pods of "
+        f"attempt {attempt} Ready; waiting for " + _listing(waiting),
+    )
 
+
+def _degraded_and_progressing(
+    rset: RolloutSet, plan: AttemptPlan, problem: _Problem | None
+) -> list[ConditionUpdate]:
+    """Degraded and Progressing: a refused spec change first, then the problem, else healthy."""
+    attempt = plan.attempt
     if plan.stale:
         changed = describe_spec_change(rset, list(plan.existing.values())) or ["participants"]
         refused = (
@@ -472,29 +509,26 @@ def set_conditions(
             "participants through a checkpoint and restore is not supported yet: revert the "
             "change; pods of a later attempt (after a recovery) are built from the new spec",
         )
-        conditions.append(ConditionUpdate.of(degraded_t, True, *refused))
-        conditions.append(ConditionUpdate.of(progressing_t, False, *refused))
-    elif problem is not None:
-        conditions.append(ConditionUpdate.of(degraded_t, True, *problem))
-        progress_reason = (
-            Reason.DEADLINE_EXCEEDED if problem[0] == Reason.NOT_STARTING else problem[0]
+        return [
+            ConditionUpdate.of(_DEGRADED, True, *refused),
+            ConditionUpdate.of(_PROGRESSING, False, *refused),
+        ]
+    if problem is not None:
+        reason, message = problem
+        progress_reason = Reason.DEADLINE_EXCEEDED if reason == Reason.NOT_STARTING else reason
+        return [
+            ConditionUpdate.of(_DEGRADED, True, reason, message),
+            ConditionUpdate.of(_PROGRESSING, False, progress_reason, message),
+        ]
+    if plan.all_ready:
+        progressing = ConditionUpdate.of(
+            _PROGRESSING, False, Reason.ATTEMPT_READY, f"attempt {attempt} is running"
         )
-        conditions.append(ConditionUpdate.of(progressing_t, False, progress_reason, problem[1]))
     else:
-        conditions.append(ConditionUpdate.of(degraded_t, False, Reason.AS_EXPECTED))
-        if plan.all_ready:
-            conditions.append(
-                ConditionUpdate.of(
-                    progressing_t, False, Reason.ATTEMPT_READY, f"attempt {attempt} is running"
-                )
-            )
-        else:
-            conditions.append(
-                ConditionUpdate.of(
-                    progressing_t,
-                    True,
-                    Reason.STARTING,
-                    f"starting the participant pods of attempt {attempt}",
-                )
-            )
-    return SetHealth(conditions, recheck_at)
+        progressing = ConditionUpdate.of(
+            _PROGRESSING,
+            True,
+            Reason.STARTING,
+            f"starting the participant pods of attempt {attempt}",
+        )
+    return [ConditionUpdate.of(_DEGRADED, False, Reason.AS_EXPECTED), progressing]

@@ -51,7 +51,7 @@ from ..decide.resources import (
     reserved_volume_notes,
     set_selector,
 )
-from ..decide.setplan import AttemptPlan, plan_attempt, set_conditions
+from ..decide.setplan import AttemptPlan, PodView, plan_attempt, set_conditions
 from ..decide.setstatus import (
     NOT_AN_INTERFACE,
     REPAIRED,
@@ -327,56 +327,68 @@ async def reconcile_set(
     obj = await kube.get_set(namespace, name)
     if obj is None or (obj.get("metadata") or {}).get("deletionTimestamp"):
         return ReconcileOutcome()
-    generation = obj["metadata"].get("generation")
     try:
-        rset = RolloutSet.model_validate(obj)
+        rset = _validated(obj)
+        await _ensure_startable(kube, rset, owned_objects, max_replicas_per_role)
+    except SetBlocked as blocked:
+        generation = obj["metadata"].get("generation")
+        blocked_changes = _blocked_status(obj, generation, blocked.reason, blocked.message)
+        return await _write_status(kube, obj, blocked_changes) or ReconcileOutcome()
+    pods = await observe_pods(kube, namespace, name)
+    recovery = rset.status.recovery
+    if recovery is not None:
+        # The recovery owns the attempt: the pass only shows its participants.
+        plan = plan_attempt(rset, recovery.target_attempt, pods)
+        changes: dict[str, Any] = {"participants": plan.participants}
+        outcome = ReconcileOutcome()
+    else:
+        changes, outcome = await _attempt_changes(kube, obj, rset, pods, now or utcnow())
+    return await _write_pass(
+        kube, obj, rset, changes, outcome, latest_written=latest_written, key=(namespace, name)
+    )
+
+
+def _validated(obj: dict[str, Any]) -> RolloutSet:
+    """The set parsed, or SetBlocked `InvalidSpec` naming the first fields the model refuses."""
+    try:
+        return RolloutSet.model_validate(obj)
     except ValidationError as error:
         message = "spec is invalid (is the CRD older than the operator?): " + "; ".join(
             f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in error.errors()[:5]
         )
-        return (
-            await _write_status(kube, obj, _blocked_status(obj, generation, "InvalidSpec", message))
-            or ReconcileOutcome()
-        )
-    now = now or utcnow()
+        raise SetBlocked("InvalidSpec", message) from error
+
+
+def _pods_created(rset: RolloutSet) -> bool:
+    """Every pod of the current attempt was created before (status.createdAttempt)."""
+    created, attempt = rset.status.created_attempt, rset.status.attempt or 1
+    return created is not None and created >= attempt
+
+
+async def _ensure_startable(
+    kube: Kube, rset: RolloutSet, owned_objects: OwnedObjects, max_replicas_per_role: int
+) -> None:
+    """Raise SetBlocked for a spec no attempt can start from; ensure the token Secret and the
+    Services the pods need, unless this process did so lately."""
+    if not _pods_created(rset) and rset.status.recovery is None:
+        over = spec_over_limits(rset, max_replicas_per_role) or missing_peers(rset)
+        if over is not None:
+            raise over
+    if not owned_objects.fresh(rset):
+        await ensure_control_token(kube, rset)
+        await ensure_services(kube, rset)
+        owned_objects.mark(rset)
+
+
+async def _attempt_changes(
+    kube: Kube, obj: dict[str, Any], rset: RolloutSet, pods: list[PodView], now: datetime
+) -> tuple[dict[str, Any], ReconcileOutcome]:
+    """Create the attempt's pods and standbys as due; the status that shows them, and the
+    outcome of the pass."""
+    generation = obj["metadata"].get("generation")
     status = rset.status
     attempt = status.attempt or 1
-    pods_created = status.created_attempt is not None and status.created_attempt >= attempt
-    try:
-        if not pods_created and status.recovery is None:
-            over = spec_over_limits(rset, max_replicas_per_role) or missing_peers(rset)
-            if over is not None:
-                raise over
-        if not owned_objects.fresh(rset):
-            await ensure_control_token(kube, rset)
-            await ensure_services(kube, rset)
-            owned_objects.mark(rset)
-    except SetBlocked as blocked:
-        blocked_changes = _blocked_status(obj, generation, blocked.reason, blocked.message)
-        return await _write_status(kube, obj, blocked_changes) or ReconcileOutcome()
-
-    async def write(changes: dict[str, Any], outcome: ReconcileOutcome) -> ReconcileOutcome:
-        """Write the pass's status with the checkpoint fields; then the pods' hints."""
-        fields, repair, listed = await _checkpoint_changes(kube, rset, latest_written)
-        changes.update(fields)
-        conflict = await _write_status(kube, obj, changes)
-        if conflict is not None:
-            return conflict
-        latest = fields.get("latestCheckpoint", status.latest_checkpoint)
-        latest_written.record(namespace, name, latest)
-        await mark_covered_pods(kube, rset, latest, listed)
-        if repair is not None:
-            logger.warning("RolloutSet %s/%s: %s", namespace, name, repair.message)
-            warnings = (*outcome.warnings, (repair.reason, repair.message))
-            return dataclasses.replace(outcome, warnings=warnings)
-        return outcome
-
-    pods = await observe_pods(kube, namespace, name)
-    if status.recovery is not None:
-        plan = plan_attempt(rset, status.recovery.target_attempt, pods)
-        shown: dict[str, Any] = {"participants": plan.participants}
-        return await write(shown, ReconcileOutcome())
-
+    pods_created = _pods_created(rset)
     # A Kueue-queued set that was never admitted creates no pods (`queue.queue_holds`).
     if pods_created or rset.spec.suspend or queue_holds(rset):
         outcome = PodsOutcome(plan_attempt(rset, attempt, pods))
@@ -406,4 +418,31 @@ async def reconcile_set(
     standby = await keep_standbys(kube, rset, attempt, plan if up else None)
     changes["standby"] = standby
     warnings = tuple((RESERVED_VOLUME, note) for note in reserved_volume_notes(rset))
-    return await write(changes, ReconcileOutcome(recheck_at=health.recheck_at, warnings=warnings))
+    return changes, ReconcileOutcome(recheck_at=health.recheck_at, warnings=warnings)
+
+
+async def _write_pass(
+    kube: Kube,
+    obj: dict[str, Any],
+    rset: RolloutSet,
+    changes: dict[str, Any],
+    outcome: ReconcileOutcome,
+    *,
+    latest_written: LatestWritten,
+    key: tuple[str, str],
+) -> ReconcileOutcome:
+    """Write the pass's status with the checkpoint fields; then the pods' hints."""
+    namespace, name = key
+    fields, repair, listed = await _checkpoint_changes(kube, rset, latest_written)
+    changes.update(fields)
+    conflict = await _write_status(kube, obj, changes)
+    if conflict is not None:
+        return conflict
+    latest = fields.get("latestCheckpoint", rset.status.latest_checkpoint)
+    latest_written.record(namespace, name, latest)
+    await mark_covered_pods(kube, rset, latest, listed)
+    if repair is not None:
+        logger.warning("RolloutSet %s/%s: %s", namespace, name, repair.message)
+        warnings = (*outcome.warnings, (repair.reason, repair.message))
+        return dataclasses.replace(outcome, warnings=warnings)
+    return outcome

@@ -102,60 +102,92 @@ def deadline_decision(
     """
     must = view.policy.must_save_by
     if must is None:
-        if view.has_deadline_condition:
-            return DeadlineDecision(
-                condition=_deadline_condition(False, Reason.NO_DEADLINE, "mustSaveBy is unset")
-            )
-        return DeadlineDecision()
+        return _without_deadline(view)
     if view.deadline_settled:
         assert view.deadline_record is not None
         return DeadlineDecision(condition=view.deadline_record.condition())
-    when = format_time(must)
     start = deadline_start(must, reserve)
-    own = deadline_checkpoint_name(view.name, must)
     if not view.restorable:
-        if now < start:
-            return DeadlineDecision(
-                condition=_deadline_condition(
-                    False,
-                    Reason.WAITING,
-                    f"mustSaveBy {when}: recovery.targetLevel sibling restores no checkpoint, "
-                    "so none is taken; afterDeadline applies then",
-                ),
-                wake_at=start,
-            )
-        return _settled(
-            must,
-            Reason.NOTHING_TO_SAVE,
-            None,
-            False,
-            f"mustSaveBy {when}: no checkpoint with recovery.targetLevel sibling (unfinished "
-            "episodes restart after a resume)",
-        )
+        return _nothing_restorable(must, start, now)
+    own = deadline_checkpoint_name(view.name, must)
     mine = next((c for c in checkpoints if c.name == own and not c.deleting), None)
     if now < start and mine is None:
+        return _waiting_to_start(must, start, reserve)
+    covering = _covering(checkpoints, mine, start)
+    covered = _covered_outcome(must, covering, reserve, now)
+    if covered is not None:
+        return covered
+    return _uncovered_outcome(view, must, mine, reserve, now)
+
+
+def _without_deadline(view: SetView) -> DeadlineDecision:
+    """mustSaveBy is unset: a DeadlineSaved condition left from an earlier one says so."""
+    if view.has_deadline_condition:
+        return DeadlineDecision(
+            condition=_deadline_condition(False, Reason.NO_DEADLINE, "mustSaveBy is unset")
+        )
+    return DeadlineDecision()
+
+
+def _nothing_restorable(must: datetime, start: datetime, now: datetime) -> DeadlineDecision:
+    """recovery.targetLevel sibling restores no checkpoint, so the deadline takes none."""
+    when = format_time(must)
+    if now < start:
         return DeadlineDecision(
             condition=_deadline_condition(
                 False,
                 Reason.WAITING,
-                f"the deadline checkpoint starts at {format_time(start)}: mustSaveBy {when} "
-                f"minus saveReserveSeconds {reserve}",
+                f"mustSaveBy {when}: recovery.targetLevel sibling restores no checkpoint, "
+                "so none is taken; afterDeadline applies then",
             ),
             wake_at=start,
         )
+    return _settled(
+        must,
+        Reason.NOTHING_TO_SAVE,
+        None,
+        False,
+        f"mustSaveBy {when}: no checkpoint with recovery.targetLevel sibling (unfinished "
+        "episodes restart after a resume)",
+    )
+
+
+def _waiting_to_start(must: datetime, start: datetime, reserve: int) -> DeadlineDecision:
+    return DeadlineDecision(
+        condition=_deadline_condition(
+            False,
+            Reason.WAITING,
+            f"the deadline checkpoint starts at {format_time(start)}: mustSaveBy "
+            f"{format_time(must)} minus saveReserveSeconds {reserve}",
+        ),
+        wake_at=start,
+    )
+
+
+def _covering(
+    checkpoints: Sequence[CheckpointView], mine: CheckpointView | None, start: datetime
+) -> list[CheckpointView]:
+    """The checkpoints whose outcome is the deadline's."""
     if mine is not None and not mine.failed:
         # Once the deadline started its own checkpoint, that one is the outcome: the start time
         # moves with the reserve (its own duration changes it), and an earlier checkpoint must
         # not become "covering" after the fact.
-        covering = [mine]
-    else:
-        covering = [
-            c
-            for c in checkpoints
-            if not c.failed
-            and not c.deleting
-            and (not c.finished or (c.completed is not None and c.completed >= start))
-        ]
+        return [mine]
+    return [
+        c
+        for c in checkpoints
+        if not c.failed
+        and not c.deleting
+        and (not c.finished or (c.completed is not None and c.completed >= start))
+    ]
+
+
+def _covered_outcome(
+    must: datetime, covering: Sequence[CheckpointView], reserve: int, now: datetime
+) -> DeadlineDecision | None:
+    """Saved or Missed by the first covering checkpoint Ready, else Saving while one runs; None
+    when no checkpoint covers the deadline."""
+    when = format_time(must)
     ready = sorted(
         (c for c in covering if c.ready),
         key=lambda c: (c.completed or c.created, c.name),
@@ -184,16 +216,26 @@ def deadline_decision(
             "with its duration. If checkpoints often take longer, set mustSaveBy with more slack",
         )
     running = [c for c in covering if not c.finished]
-    if running:
-        current = min(running, key=lambda c: (c.created, c.name))
-        return DeadlineDecision(
-            condition=_deadline_condition(
-                False,
-                Reason.SAVING,
-                f"checkpoint {current.name} ({current.trigger.value}) must be Ready by "
-                f"mustSaveBy {when}",
-            )
+    if not running:
+        return None
+    current = min(running, key=lambda c: (c.created, c.name))
+    return DeadlineDecision(
+        condition=_deadline_condition(
+            False,
+            Reason.SAVING,
+            f"checkpoint {current.name} ({current.trigger.value}) must be Ready by "
+            f"mustSaveBy {when}",
         )
+    )
+
+
+def _uncovered_outcome(
+    view: SetView, must: datetime, mine: CheckpointView | None, reserve: int, now: datetime
+) -> DeadlineDecision:
+    """Nothing covers the deadline: its own checkpoint failed, the set has nothing to save, or
+    the deadline creates its own checkpoint now."""
+    when = format_time(must)
+    own = deadline_checkpoint_name(view.name, must)
     if mine is not None and mine.failed:
         return _settled(
             must,

@@ -74,74 +74,107 @@ def suspend_decision(view: SetView, checkpoints: Sequence[CheckpointView]) -> Su
     will restore). After a settled deadline its checkpoint is the suspend checkpoint: nothing is
     saved twice.
     """
-    by_deadline = view.suspend_by_deadline and not view.suspend
-    reason = Reason.DEADLINE_REACHED if by_deadline else Reason.SUSPENDED
-    cause = (
-        f"mustSaveBy {format_time(view.policy.must_save_by)} passed and afterDeadline is Suspend"
-        if by_deadline and view.policy.must_save_by is not None
-        else "Kueue holds the set (its Workload is not admitted)"
-        if view.queued
-        else "spec.suspend is true"
-    )
-    undo = (
-        "set a later mustSaveBy, remove it, or set afterDeadline Continue to resume"
-        if by_deadline
-        else "Kueue resumes it when it admits the Workload again"
-        if view.queued
-        else "set spec.suspend false to resume"
-    )
     if not view.wants_suspended:
-        if view.suspended:
-            return SuspendDecision(
-                SuspendAction.RESUME,
-                _suspended_condition(
-                    False,
-                    Reason.RESUMED,
-                    "resumed: fresh pods restore the latest Ready checkpoint and continue",
-                ),
-            )
-        if view.suspend_condition_reason == Reason.SUSPENDING:
-            return SuspendDecision(
-                SuspendAction.NONE,
-                _suspended_condition(
-                    False,
-                    Reason.SUSPEND_CANCELLED,
-                    "suspend was withdrawn before the pods were released; the set keeps running",
-                ),
-            )
-        return SuspendDecision()
+        return _unsuspend(view)
     if view.suspended:
         if view.live_pods and not view.recovering:
             return SuspendDecision(SuspendAction.RELEASE)
         return SuspendDecision()
+    why = _Suspending.of(view)
     if view.recovering:
         return SuspendDecision(
             SuspendAction.WAIT,
             _suspended_condition(
                 False,
                 Reason.SUSPENDING,
-                f"{cause}; waiting for the running recovery to finish before the suspend "
+                f"{why.cause}; waiting for the running recovery to finish before the suspend "
                 "checkpoint",
             ),
         )
+    return _save_then_release(view, checkpoints, why)
 
-    def release(saved: str) -> SuspendDecision:
+
+def _unsuspend(view: SetView) -> SuspendDecision:
+    """Nothing asks for the suspend (any more): resume a suspended set, or withdraw a suspend
+    whose pods were not released yet."""
+    if view.suspended:
+        return SuspendDecision(
+            SuspendAction.RESUME,
+            _suspended_condition(
+                False,
+                Reason.RESUMED,
+                "resumed: fresh pods restore the latest Ready checkpoint and continue",
+            ),
+        )
+    if view.suspend_condition_reason == Reason.SUSPENDING:
+        return SuspendDecision(
+            SuspendAction.NONE,
+            _suspended_condition(
+                False,
+                Reason.SUSPEND_CANCELLED,
+                "suspend was withdrawn before the pods were released; the set keeps running",
+            ),
+        )
+    return SuspendDecision()
+
+
+@dataclass(frozen=True)
+class _Suspending:
+    """Why a set is being suspended, in the words of its Suspended condition."""
+
+    by_deadline: bool
+    reason: str
+    cause: str
+    undo: str
+    """How the user resumes the set."""
+
+    @classmethod
+    def of(cls, view: SetView) -> _Suspending:
+        by_deadline = view.suspend_by_deadline and not view.suspend
+        cause = (
+            f"mustSaveBy {format_time(view.policy.must_save_by)} passed and afterDeadline is "
+            "Suspend"
+            if by_deadline and view.policy.must_save_by is not None
+            else "Kueue holds the set (its Workload is not admitted)"
+            if view.queued
+            else "spec.suspend is true"
+        )
+        undo = (
+            "set a later mustSaveBy, remove it, or set afterDeadline Continue to resume"
+            if by_deadline
+            else "Kueue resumes it when it admits the Workload again"
+            if view.queued
+            else "set spec.suspend false to resume"
+        )
+        reason = Reason.DEADLINE_REACHED if by_deadline else Reason.SUSPENDED
+        return cls(by_deadline, reason, cause, undo)
+
+    def release(self, saved: str) -> SuspendDecision:
+        """Release the pods, saying what holds their state."""
         return SuspendDecision(
             SuspendAction.RELEASE,
-            _suspended_condition(True, reason, f"{cause}; {saved}; pods released. {undo}"),
+            _suspended_condition(
+                True, self.reason, f"{self.cause}; {saved}; pods released. {self.undo}"
+            ),
         )
 
+
+def _save_then_release(
+    view: SetView, checkpoints: Sequence[CheckpointView], why: _Suspending
+) -> SuspendDecision:
+    """Release the pods at once when there is nothing to save or the deadline saved it, else
+    after the suspend checkpoint finished."""
     if view.live_pods == 0 or view.attempt is None:
-        return release("no participant pods ran")
+        return why.release("no participant pods ran")
     if not view.restorable:
-        return release(
+        return why.release(
             "no checkpoint with recovery.targetLevel sibling (episodes restart after a resume)"
         )
     record = view.deadline_record
-    if by_deadline and record is not None:
+    if why.by_deadline and record is not None:
         if record.checkpoint:
-            return release(f"checkpoint {record.checkpoint} (the deadline's) holds the state")
-        return release(f"the deadline saved nothing ({record.outcome})")
+            return why.release(f"checkpoint {record.checkpoint} (the deadline's) holds the state")
+        return why.release(f"the deadline saved nothing ({record.outcome})")
     name = suspend_checkpoint_name(view.name, view.attempt)
     mine = next((c for c in checkpoints if c.name == name), None)
     if mine is None or not mine.finished:
@@ -150,12 +183,12 @@ def suspend_decision(view: SetView, checkpoints: Sequence[CheckpointView]) -> Su
             _suspended_condition(
                 False,
                 Reason.SUSPENDING,
-                f"{cause}; saving checkpoint {name} before releasing the pods",
+                f"{why.cause}; saving checkpoint {name} before releasing the pods",
             ),
-            Create(name, Trigger.SUSPEND, cause) if mine is None else None,
+            Create(name, Trigger.SUSPEND, why.cause) if mine is None else None,
         )
     if mine.ready:
-        return release(f"checkpoint {name} holds the state and a resume restores it")
+        return why.release(f"checkpoint {name} holds the state and a resume restores it")
     latest = view.latest_checkpoint
     fallback = f"a resume restores {latest}" if latest else "a resume starts episodes afresh"
-    return release(f"the suspend checkpoint {name} failed ({mine.failure}); {fallback}")
+    return why.release(f"the suspend checkpoint {name} failed ({mine.failure}); {fallback}")
