@@ -1010,6 +1010,25 @@ async def test_a_runtime_without_observer_is_the_participants_fault(tmp_path: Pa
     assert "observer=counters.observe" in str(caught.value)
 
 
+@pytest.mark.anyio
+async def test_a_runtime_without_observer_fails_with_the_fake_model_in_the_group(
+    tmp_path: Path,
+) -> None:
+    """The fake model's counted calls are not the environment's steps: with it in the group,
+    an environment whose runtime has no observer still fails the step rules, saying why (the
+    same group with the conforming environment passes: `Conforming` above, with the model)."""
+    with anyio.fail_after(30), pytest.raises(ConformanceError) as caught:
+        await _crash_restore_with_model(NoObserver, tmp_path)
+    assert caught.value.rule == kit.STEPS, caught.value
+    assert caught.value.fault == kit.PARTICIPANT
+    assert str(caught.value).startswith(
+        "[steps.no-rerun] environment-0 must count its own steps of the mid-way episodes"
+    )
+    assert "its episode runtime has no observer" in caught.value.observed
+    assert caught.value.fix is not None
+    assert "observer=counters.observe" in caught.value.fix
+
+
 class HoldsNothing(InProcessDriver):
     """A driver whose episodes are never held (the app holds nothing): its `wait_mid_episode`
     polls until its deadline and then says what it waited for."""

@@ -1,5 +1,6 @@
 """The step counters a participant serves (`GET /stats?rollout_id=...`, the shape of
-`StepCounters.snapshot`) and the rules checked on them: `steps.no-rerun`, `steps.indexed`,
+`StepCounters.snapshot`) and the rules checked on them: every participant but a model counts
+its own steps, `steps.no-rerun`, `steps.indexed`,
 `steps.once-per-attempt`, `run.repeat-one-episode`, `run.repeat-live` while held,
 `model.headers` on a model's counts and `workers.restore-all`.
 """
@@ -130,6 +131,34 @@ def _check_model_counts(
                 fix="send X-Rollout-Request: <rollout_id>/<turn> and X-Rollout-Attempt: "
                 "<attempt> on every model call",
             )
+
+
+def _check_own_steps(
+    conns: Sequence[_Conn], before: Mapping[str, _Counts], rids: Sequence[str], attempt: int
+) -> None:
+    """The step rules (`steps.no-rerun`, `run.repeat-one-episode`, `steps.once-per-attempt`)
+    read each participant's own steps: every participant of the group that is not a model must
+    have counted steps of the mid-way episodes by the checkpoint. A model's counters hold the
+    calls it served (the kit's `FakeModel` counts `call@<key>`), never the episode's own steps,
+    so they cannot stand in for a participant whose runtime has no observer."""
+    for conn in conns:
+        if conn.target.role is Role.MODEL:
+            continue
+        counts = before[conn.target.name]
+        if any(_ran(counts, rid, attempt) for rid in rids):
+            continue
+        raise ConformanceError(
+            STEPS,
+            f"{conn.target.name} must count its own steps of the mid-way episodes {rids} under "
+            f"attempt {attempt} at GET {conn.target.stats_path} by the checkpoint: the step "
+            "rules (steps.no-rerun, run.repeat-one-episode, steps.once-per-attempt) read them "
+            "there, and a model's counted calls are not the episode's steps",
+            f"its counters for them: {counts}; the kit cannot count its steps (its episode "
+            "runtime has no observer, or its stats route serves other counters)",
+            fix="create the EpisodeRuntime with observer=counters.observe (counters = "
+            "StepCounters(role)) and serve counters.snapshot(rollout_ids, False) at GET /stats "
+            "(docs/sdk.md, section 4)",
+        )
 
 
 def _step_events(counts: _Counts, rollout_id: str, attempt: int) -> dict[str, tuple[int, int]]:

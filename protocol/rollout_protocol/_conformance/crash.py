@@ -28,6 +28,7 @@ from .counters import (
     _check_model_counts,
     _check_once,
     _check_one_episode,
+    _check_own_steps,
     _check_restarted,
     _check_restored_workers,
     _compare_counts,
@@ -243,6 +244,7 @@ async def _checkpoint_then_crash(run: _CrashRun) -> None:
                     coordinator, conns, run.cid, rids, run.call_timeout_s, run.restarting
                 )
                 before = run.before
+                _check_own_steps(conns, before, rids, attempt)
                 _check_one_episode(held_counts, before, repeated, attempt, workers)
                 _check_model_counts(conns, before, rids, attempt)
                 if model is not None:
