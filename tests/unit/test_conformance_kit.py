@@ -586,6 +586,13 @@ class NoObserver(Conforming):
         self.plane = ControlPlane(self.participant, settings)
 
 
+class NotMounted(Conforming):
+    """Breaks `control.mounted`: never calls `plane.install(app)`, so no control route exists."""
+
+    def mount(self, app: FastAPI) -> None:
+        pass
+
+
 class InProcessDriver:
     """The kit's `EpisodeDriver` over one in-process fake: a crash drops the app (no shutdown),
     a restart builds a fresh one from the same settings under the new attempt."""
@@ -1027,6 +1034,24 @@ async def test_a_runtime_without_observer_fails_with_the_fake_model_in_the_group
     assert "its episode runtime has no observer" in caught.value.observed
     assert caught.value.fix is not None
     assert "observer=counters.observe" in caught.value.fix
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("dialect", list(Dialect), ids=lambda dialect: dialect.value)
+async def test_a_control_plane_not_installed_is_named(tmp_path: Path, dialect: Dialect) -> None:
+    """No `plane.install(app)`: the first call of the kit (the status route) says the control
+    plane is not mounted and how to mount it, not that the workers are unmanaged."""
+    with anyio.fail_after(30), pytest.raises(ConformanceError) as caught:
+        await _whole_kit(NotMounted, tmp_path, dialect)
+    assert caught.value.rule == kit.CONTROL_MOUNTED, caught.value
+    assert str(caught.value).startswith(
+        f"[control.mounted] environment-0 must serve the control routes of the {dialect.value} "
+        "dialect"
+    )
+    assert "HTTP 404" in caught.value.observed
+    assert "the control plane is not mounted" in caught.value.observed
+    assert caught.value.fix is not None
+    assert caught.value.fix.startswith("call plane.install(app) on the app you serve")
 
 
 class HoldsNothing(InProcessDriver):
