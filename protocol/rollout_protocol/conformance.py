@@ -131,6 +131,7 @@ from ._conformance.report import (
 # and the rule of `check_crash_restore(..., restarting=True)`.
 from ._conformance.report import DRIVER as DRIVER
 from ._conformance.report import DRIVER_MISTAKE as DRIVER_MISTAKE
+from ._conformance.report import MODEL_CALLER as MODEL_CALLER
 from ._conformance.report import PARTICIPANT as PARTICIPANT
 from ._conformance.report import STEPS_RESTARTED as STEPS_RESTARTED
 from ._conformance.restore import check_restore_all_or_nothing

@@ -593,6 +593,19 @@ class NotMounted(Conforming):
         pass
 
 
+class OneTurn(Conforming):
+    """Conforming, with episodes of one step: each ends after its first model call, before the
+    second one (`<rollout_id>/1`) that `ModelDriver` holds."""
+
+    async def run_step(
+        self, episode: Episode, step: str, one: Callable[[], Awaitable[Boundary]]
+    ) -> None:
+        async def only() -> Boundary:
+            return Boundary("done", (await one()).state)
+
+        await super().run_step(episode, step, only)
+
+
 class InProcessDriver:
     """The kit's `EpisodeDriver` over one in-process fake: a crash drops the app (no shutdown),
     a restart builds a fresh one from the same settings under the new attempt."""
@@ -1052,6 +1065,43 @@ async def test_a_control_plane_not_installed_is_named(tmp_path: Path, dialect: D
     assert "the control plane is not mounted" in caught.value.observed
     assert caught.value.fix is not None
     assert caught.value.fix.startswith("call plane.install(app) on the app you serve")
+
+
+@pytest.mark.anyio
+async def test_unnamed_model_calls_are_the_servers_fault_without_model_given(
+    tmp_path: Path,
+) -> None:
+    """The fake model is in the group but not passed as `model=`: the driver's wait for the
+    held call gives up on a call without the episode headers, and the kit blames the server
+    and names the headers, not the driver."""
+    with anyio.fail_after(30), pytest.raises(ConformanceError) as caught:
+        async with _driver(UnnamedModelCalls, tmp_path, ModelDriver) as driver:
+            await kit.check_crash_restore(
+                driver, checkpoint_root=tmp_path, rollout_ids=["r-0", "r-1"], timeout_s=WAIT
+            )
+    assert caught.value.rule == kit.MODEL_HEADERS, caught.value
+    assert caught.value.fault == kit.MODEL_CALLER
+    assert caught.value.fault.startswith("the server that calls the model")
+    assert "without X-Rollout-Request/X-Rollout-Attempt" in caught.value.observed
+    assert caught.value.fix is not None
+    assert "X-Rollout-Request: <rollout_id>/<turn> and X-Rollout-Attempt" in caught.value.fix
+
+
+@pytest.mark.anyio
+async def test_an_episode_that_ends_before_its_hold_stops_the_wait(tmp_path: Path) -> None:
+    """Episodes of one turn never make the held call `<rollout_id>/1`: the kit gives up the
+    driver's wait as soon as they finish (not at its 60 s default deadline) and says why."""
+    with anyio.fail_after(30), pytest.raises(ConformanceError) as caught:
+        async with _driver(OneTurn, tmp_path, ModelDriver) as driver:
+            assert isinstance(driver, ModelDriver)
+            await kit.check_crash_restore(
+                driver, checkpoint_root=tmp_path, rollout_ids=["r-0"], model=driver.fake_model
+            )
+    assert caught.value.rule == kit.STEPS, caught.value
+    assert caught.value.fault == kit.DRIVER
+    assert caught.value.observed == "finished before they were held: ['r-0']"
+    assert caught.value.fix is not None
+    assert "a task of at least two turns" in caught.value.fix
 
 
 class HoldsNothing(InProcessDriver):

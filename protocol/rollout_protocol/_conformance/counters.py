@@ -23,6 +23,7 @@ from .._workers import owner
 from .calls import _Conn, _expect
 from .report import (
     DRIVER,
+    MODEL_CALLER,
     MODEL_HEADERS,
     RUN_ONE,
     STEPS,
@@ -127,7 +128,7 @@ def _check_model_counts(
                 f"attempt {attempt} by the checkpoint (it records only calls that name their "
                 "episode)",
                 f"its counters for them: {before[conn.target.name]}",
-                fault="the participant that calls the model",
+                fault=MODEL_CALLER,
                 fix="send X-Rollout-Request: <rollout_id>/<turn> and X-Rollout-Attempt: "
                 "<attempt> on every model call",
             )

@@ -125,6 +125,7 @@ RULES: Mapping[str, str] = {
 PARTICIPANT = "the participant"
 DRIVER = "the driver (your EpisodeDriver, not the server)"
 DRIVER_MISTAKE = "the kit's driver: your test's mistake, not the server's"
+MODEL_CALLER = "the server that calls the model (the participant under test), not the driver"
 
 
 class ConformanceError(AssertionError):
