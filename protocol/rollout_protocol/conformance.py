@@ -141,7 +141,7 @@ from ._conformance.report import STEPS_RESTARTED as STEPS_RESTARTED
 from ._conformance.restore import check_restore_all_or_nothing
 from ._conformance.serving import ServedApp, serve_app, start_app
 from ._conformance.workers import check_workers, rollout_ids_per_worker
-from ._fake_model import FakeModel, ModelCall, echo_reply
+from ._fake_model import FakeModel, ModelCall, UnnamedModelCall, echo_reply
 
 __all__ = [
     "AUTH",
@@ -182,6 +182,7 @@ __all__ = [
     "ServedApp",
     "StepHoldingDriver",
     "Target",
+    "UnnamedModelCall",
     "base_rollout_id",
     "check_auth",
     "check_conflicting_ids",
