@@ -1091,12 +1091,16 @@ async def test_unnamed_model_calls_are_the_servers_fault_without_model_given(
 async def test_an_episode_that_ends_before_its_hold_stops_the_wait(tmp_path: Path) -> None:
     """Episodes of one turn never make the held call `<rollout_id>/1`: the kit gives up the
     driver's wait as soon as they finish (not at its 60 s default deadline) and says why."""
-    with anyio.fail_after(30), pytest.raises(ConformanceError) as caught:
+
+    async def crash_restore() -> None:  # the kit's own timeout_s: 60 s
         async with _driver(OneTurn, tmp_path, ModelDriver) as driver:
             assert isinstance(driver, ModelDriver)
             await kit.check_crash_restore(
                 driver, checkpoint_root=tmp_path, rollout_ids=["r-0"], model=driver.fake_model
             )
+
+    with anyio.fail_after(30), pytest.raises(ConformanceError) as caught:
+        await crash_restore()
     assert caught.value.rule == kit.STEPS, caught.value
     assert caught.value.fault == kit.DRIVER
     assert caught.value.observed == "finished before they were held: ['r-0']"
