@@ -71,9 +71,9 @@ Each `Target` names the control dialect the kit speaks to it (`dialect=`, ours b
 Every failure is a `ConformanceError` naming the rule, who is at fault (the participant unless
 it says the driver) and, where the kit knows, what to change. A participant whose control routes
 answer 404 (no `plane.install(app)`) fails `control.mounted`, whichever check reached it first.
-The step rules read every participant's own counters: each participant of the group that is not
-a model must count steps of the held episodes (a model's counted calls do not stand in for
-them).
+The step rules read every participant's own counters: each participant that holds the held
+episodes (its commit wrote their records), and at least one that is not a model, must count
+their steps (a model's counted calls do not stand in for them).
 
 This module is the kit's public surface only; the kit itself is the private package
 `rollout_protocol._conformance`, one module per concern: the report (`report`: rules and

@@ -731,6 +731,47 @@ class ModelDriver(InProcessDriver):
             await self.model.stop()
 
 
+class BystanderDriver(ModelDriver):
+    """`ModelDriver`'s group with a third participant that holds no episode of its own (a
+    resources server whose sessions its caller rebuilds, as the Gym adapter's is): a control
+    plane over an empty runtime, whose counters stay empty. It crashes and restarts with the
+    others."""
+
+    def __init__(self, group: TaskGroup, fake: type[Conforming], settings: ControlSettings):
+        super().__init__(group, fake, settings)
+        self.bystander: ServedApp | None = None
+
+    async def restart(self, attempt: int) -> None:
+        await super().restart(attempt)
+        settings = replace(self.settings, role=Role.RESOURCES, attempt=attempt)
+        counters = StepCounters(Role.RESOURCES)
+        participant = RuntimeParticipant(Role.RESOURCES, EpisodeRuntime(), work_counter=None)
+        app = FastAPI()
+
+        @app.get("/stats")
+        async def stats(
+            rollout_id: list[str] = Query(default_factory=list),  # noqa: B008
+        ) -> dict[str, Any]:
+            return counters.snapshot(rollout_id, False)
+
+        ControlPlane(participant, settings).install(app)
+        self.bystander = await start_app(self.group, app, role=Role.RESOURCES, token=TOKEN)
+
+    def participants(self) -> list[kit.Target]:
+        assert self.bystander is not None
+        return [*super().participants(), self.bystander.target]
+
+    async def crash(self) -> None:
+        assert self.bystander is not None
+        await super().crash()
+        await self.bystander.crash()
+
+    async def close(self) -> None:
+        await super().close()
+        if self.bystander is not None:
+            await self.bystander.stop()
+
+
 class RearmingDriver(ModelDriver):
     """A driver mistake, not the server's: it arms the hold on every `/run` of a rollout,
     without an attempt, so after the crash it holds the restored episode's call too."""
@@ -1065,6 +1106,14 @@ async def test_a_control_plane_not_installed_is_named(tmp_path: Path, dialect: D
     assert "the control plane is not mounted" in caught.value.observed
     assert caught.value.fix is not None
     assert caught.value.fix.startswith("call plane.install(app) on the app you serve")
+
+
+@pytest.mark.anyio
+async def test_a_participant_that_holds_no_episode_counts_nothing(tmp_path: Path) -> None:
+    """The own-steps rule asks its steps of a participant that holds the episodes (it
+    committed their records), not of one that holds none: that group passes."""
+    with anyio.fail_after(30):
+        await _crash_restore_with_model(Conforming, tmp_path, BystanderDriver)
 
 
 @pytest.mark.anyio

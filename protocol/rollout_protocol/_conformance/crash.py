@@ -253,7 +253,12 @@ async def _checkpoint_then_crash(run: _CrashRun) -> None:
                     coordinator, conns, run.cid, rids, run.call_timeout_s, run.restarting
                 )
                 before = run.before
-                _check_own_steps(conns, before, rids, attempt)
+                records = {
+                    conn.target.name: run.commit.manifests[status.instance].record_count
+                    for conn, status in zip(conns, statuses, strict=True)
+                    if status.instance in run.commit.manifests
+                }
+                _check_own_steps(conns, before, rids, attempt, records)
                 _check_one_episode(held_counts, before, repeated, attempt, workers)
                 _check_model_counts(conns, before, rids, attempt)
                 if model is not None:
