@@ -36,12 +36,12 @@ from typing import Any
 
 import anyio
 from kubernetes_asyncio import client as k8s
-from rollout_operator.decide.policy import (
-    ANNOTATION_DEADLINE_OUTCOME,
+from rollout_operator.decide.policy.deadline import (
     DEFAULT_RESERVE_SECONDS,
     deadline_checkpoint_name,
     save_reserve_seconds,
 )
+from rollout_operator.decide.policy.views import ANNOTATION_DEADLINE_OUTCOME
 from rollout_operator.model import api
 
 from devcluster.cluster import Cluster

@@ -210,109 +210,152 @@ class GymParticipant(RuntimeParticipant):
         return installed
 
 
-def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
-    """The adapter's environment: episode runtime, participant, control plane, `/run`."""
-    counters = StepCounters(Role.ENVIRONMENT)
-    runtime = EpisodeRuntime(observer=counters.observe)
-    http = make_client(settings.step_timeout_s)
-    peers = {"model": settings.model_url, "resources": settings.resources_url}
-    rebuilt: dict[tuple[str, int], RebuiltSession] = {}  # by (rollout, attempt)
+class GymEpisodes:
+    """Gym's agent loop as SDK steps, and the sessions it keeps: what the environment's `/run`
+    plays, what a restore rebuilds, and which session served each rollout (`/gym/sessions`)."""
 
-    def rewire(new: Mapping[Role, str]) -> None:
+    def __init__(self, settings: GymSettings, runtime: EpisodeRuntime, http: Any) -> None:
+        self.settings = settings
+        self.runtime = runtime
+        self.http = http
+        self.peers = {"model": settings.model_url, "resources": settings.resources_url}
+        self.rebuilt: dict[tuple[str, int], RebuiltSession] = {}
+        """Sessions a restore rebuilt, by (rollout, attempt), until the episode's first move."""
+        self.sessions: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        """Which Gym session served each rollout's last attempt here (`GET /gym/sessions`)."""
+
+    # -- peers ------------------------------------------------------------------------------
+
+    def rewire(self, new: Mapping[Role, str]) -> None:
         """Re-wired by a restore (InPlace recovery): calls go to the replaced peers."""
         for role, url in new.items():
             if role in (Role.MODEL, Role.RESOURCES):
-                peers[role.value] = url
+                self.peers[role.value] = url
 
-    async def rebuild_all(attempt: int) -> None:
-        deadline = time.time() + settings.rebuild_timeout_s
-        for restored in runtime.restored():
+    def deadline(self) -> float:
+        return time.time() + self.settings.step_timeout_s
+
+    async def resources(
+        self, path: str, body: Any, cookies: Mapping[str, str], deadline_ts: float
+    ) -> GymReply:
+        try:
+            return await post(
+                self.http,
+                self.peers["resources"] + path,
+                body,
+                deadline_ts=deadline_ts,
+                cookies=cookies,
+            )
+        except PeerUnavailable as exc:
+            raise ProtocolError(ErrorCode.INTERNAL, f"resources server: {exc}") from exc
+
+    async def snapshot_of(self, cookies: Mapping[str, str]) -> Any:
+        export = self.settings.snapshot_export
+        reply = await self.resources(export, {}, cookies, self.deadline())
+        if not reply.ok:
+            raise ProtocolError(
+                ErrorCode.INTERNAL,
+                f"resources server: {export} answered {reply.status}: "
+                f"{_shown(reply.text)} (the snapshot strategy needs it; docs/gym.md)",
+            )
+        return reply.json().get("snapshot")
+
+    def same_server(self, episode: Episode, session: Mapping[str, Any], reply: GymReply) -> None:
+        """Never go on with a session the resources server no longer holds: a server restarted
+        since the session was opened (or rebuilt) would serve the old cookie an empty one."""
+        opened = session.get("instance")
+        if opened is None or reply.instance is None or reply.instance == opened:
+            return
+        if not self.settings.rebuild:
+            return  # the tests' negative control: the empty session, on purpose
+        raise ProtocolError(
+            ErrorCode.INTERNAL,
+            f"{episode.rollout_id}: the resources server restarted since its Gym session was "
+            "opened (its sessions are empty); the set's recovery restores it from a checkpoint",
+        )
+
+    # -- the rebuild after a restore (docs/gym.md, "Strategies") -----------------------------
+
+    async def rebuild_all(self, attempt: int) -> None:
+        """Every episode restored under `attempt` gets a fresh session holding its old one's
+        state, within the settings' rebuild deadline for all of them together."""
+        deadline = time.time() + self.settings.rebuild_timeout_s
+        for restored in self.runtime.restored():
             if restored.attempt != attempt:
                 continue
             session = restored.boundary.state.get("session")
             if not isinstance(session, dict):
                 continue  # not reached seed yet: the episode opens its session when it goes on
-            done = await rebuild_session(restored.rollout_id, restored.boundary, deadline)
-            rebuilt[(restored.rollout_id, attempt)] = done
+            done = await self.rebuild_session(restored.rollout_id, restored.boundary, deadline)
+            self.rebuilt[(restored.rollout_id, attempt)] = done
             log.info(
                 "rebuilt the Gym session of %s under attempt %d (%s, %d calls recorded)",
                 restored.rollout_id,
                 attempt,
-                settings.strategy.value,
+                self.settings.strategy.value,
                 len(session["calls"]),
             )
 
-    participant = GymParticipant(runtime, settings, rebuild_all, on_rewire=rewire)
-    plane = ControlPlane(participant, control)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with http:
-            yield
-
-    app = FastAPI(lifespan=lifespan)
-    app.state.draining = False
-    runs = RunRoute[RunResult](plane, runtime, draining=lambda: app.state.draining)
-
-    async def resources(
-        path: str, body: Any, cookies: Mapping[str, str], deadline_ts: float
-    ) -> GymReply:
-        try:
-            return await post(
-                http, peers["resources"] + path, body, deadline_ts=deadline_ts, cookies=cookies
-            )
-        except PeerUnavailable as exc:
-            raise ProtocolError(ErrorCode.INTERNAL, f"resources server: {exc}") from exc
-
     async def rebuild_session(
-        rollout_id: str, boundary: Boundary, deadline: float
+        self, rollout_id: str, boundary: Boundary, deadline: float
     ) -> RebuiltSession:
         """A fresh Gym session holding what the recorded one held, by the strategy."""
         state = boundary.state
-        session = state["session"]
-        task = state["task"]
-        try:
-            seeded = await post(
-                http, peers["resources"] + "/seed_session", task, deadline_ts=deadline
-            )
-        except PeerUnavailable as exc:
-            raise RebuildFailed(f"{rollout_id}: {exc}") from exc
+        seeded = await self._rebuild_call(rollout_id, "/seed_session", state["task"], {}, deadline)
         if not seeded.ok:
             raise RebuildFailed(f"{rollout_id}: seed_session answered {seeded.status}")
         cookies = dict(seeded.cookies)
-        if settings.strategy is Strategy.SNAPSHOT:
-            snapshot = session.get("snapshot")
-            if snapshot is None:
-                raise RebuildFailed(f"{rollout_id}: no snapshot was recorded")
-            try:
-                done = await post(
-                    http,
-                    peers["resources"] + settings.snapshot_import,
-                    {"snapshot": snapshot},
-                    deadline_ts=deadline,
-                    cookies=cookies,
-                )
-            except PeerUnavailable as exc:
-                raise RebuildFailed(f"{rollout_id}: {exc}") from exc
-            if not done.ok:
-                raise RebuildFailed(
-                    f"{rollout_id}: {settings.snapshot_import} answered {done.status}: "
-                    f"{_shown(done.text)}"
-                )
-            cookies.update(done.cookies)
-            return RebuiltSession(cookies, seeded.instance)
-        for index, call in enumerate(session["calls"]):
-            try:
-                again = await post(
-                    http,
-                    peers["resources"] + call["path"],
-                    call["body"],
-                    deadline_ts=deadline,
-                    cookies=cookies,
-                )
-            except PeerUnavailable as exc:
-                raise RebuildFailed(f"{rollout_id}: replaying call {index}: {exc}") from exc
-            cookies.update(again.cookies)
+        if self.settings.strategy is Strategy.SNAPSHOT:
+            cookies.update(await self._import_snapshot(rollout_id, state, cookies, deadline))
+        else:
+            cookies.update(await self._replay_calls(rollout_id, state, cookies, deadline))
+        return RebuiltSession(cookies, seeded.instance)
+
+    async def _rebuild_call(
+        self,
+        where: str,
+        path: str,
+        body: Any,
+        cookies: Mapping[str, str],
+        deadline: float,
+    ) -> GymReply:
+        """One call of a rebuild; an unreachable server fails the rebuild, named by `where`."""
+        try:
+            return await post(
+                self.http,
+                self.peers["resources"] + path,
+                body,
+                deadline_ts=deadline,
+                cookies=cookies,
+            )
+        except PeerUnavailable as exc:
+            raise RebuildFailed(f"{where}: {exc}") from exc
+
+    async def _import_snapshot(
+        self, rollout_id: str, state: Mapping[str, Any], cookies: Mapping[str, str], deadline: float
+    ) -> dict[str, str]:
+        """The snapshot strategy: the recorded export imported into the fresh session."""
+        snapshot = state["session"].get("snapshot")
+        if snapshot is None:
+            raise RebuildFailed(f"{rollout_id}: no snapshot was recorded")
+        path = self.settings.snapshot_import
+        done = await self._rebuild_call(rollout_id, path, {"snapshot": snapshot}, cookies, deadline)
+        if not done.ok:
+            raise RebuildFailed(f"{rollout_id}: {path} answered {done.status}: {_shown(done.text)}")
+        return dict(done.cookies)
+
+    async def _replay_calls(
+        self, rollout_id: str, state: Mapping[str, Any], cookies: Mapping[str, str], deadline: float
+    ) -> dict[str, str]:
+        """The replay strategy: the recorded tool calls made again in order, each output
+        checked against the record."""
+        gained: dict[str, str] = {}
+        for index, call in enumerate(state["session"]["calls"]):
+            where = f"{rollout_id}: replaying call {index}"
+            again = await self._rebuild_call(
+                where, call["path"], call["body"], {**cookies, **gained}, deadline
+            )
+            gained.update(again.cookies)
             if (again.status, again.text) != (call["status"], call["output"]):
                 raise RebuildFailed(
                     f"{rollout_id}: replayed call {index} ({call['path']}) answered "
@@ -321,38 +364,13 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
                     "session (not deterministic, or another server or version); declare the "
                     "snapshot or restart strategy for it (docs/gym.md)"
                 )
-        return RebuiltSession(cookies, seeded.instance)
+        return gained
 
-    def deadline() -> float:
-        return time.time() + settings.step_timeout_s
+    # -- the steps (the table in this module's docstring) -----------------------------------
 
-    async def snapshot_of(cookies: Mapping[str, str]) -> Any:
-        reply = await resources(settings.snapshot_export, {}, cookies, deadline())
-        if not reply.ok:
-            raise ProtocolError(
-                ErrorCode.INTERNAL,
-                f"resources server: {settings.snapshot_export} answered {reply.status}: "
-                f"{_shown(reply.text)} (the snapshot strategy needs it; docs/gym.md)",
-            )
-        return reply.json().get("snapshot")
-
-    def same_server(episode: Episode, session: Mapping[str, Any], reply: GymReply) -> None:
-        """Never go on with a session the resources server no longer holds: a server restarted
-        since the session was opened (or rebuilt) would serve the old cookie an empty one."""
-        opened = session.get("instance")
-        if opened is None or reply.instance is None or reply.instance == opened:
-            return
-        if not settings.rebuild:
-            return  # the tests' negative control: the empty session, on purpose
-        raise ProtocolError(
-            ErrorCode.INTERNAL,
-            f"{episode.rollout_id}: the resources server restarted since its Gym session was "
-            "opened (its sessions are empty); the set's recovery restores it from a checkpoint",
-        )
-
-    async def seed(episode: Episode) -> Boundary:
+    async def seed(self, episode: Episode) -> Boundary:
         state = episode.boundary.state
-        reply = await resources("/seed_session", state["task"], {}, deadline())
+        reply = await self.resources("/seed_session", state["task"], {}, self.deadline())
         if not reply.ok:  # simple_agent raises for status here
             raise ProtocolError(
                 ErrorCode.INTERNAL, f"seed_session answered {reply.status}: {_shown(reply.text)}"
@@ -362,11 +380,11 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
             "calls": [],
             "instance": reply.instance,
         }
-        if settings.strategy is Strategy.SNAPSHOT:
-            session["snapshot"] = await snapshot_of(session["cookies"])
+        if self.settings.strategy is Strategy.SNAPSHOT:
+            session["snapshot"] = await self.snapshot_of(session["cookies"])
         return Boundary("model", {**state, "session": session})
 
-    async def model(episode: Episode) -> Boundary:
+    async def model(self, episode: Episode) -> Boundary:
         state = episode.boundary.state
         params, given = _messages(state["task"])
         body = {**params, "input": given + state["outputs"]}
@@ -376,10 +394,10 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
         }
         try:
             reply = await post(
-                http,
-                peers["model"] + "/v1/responses",
+                self.http,
+                self.peers["model"] + "/v1/responses",
                 body,
-                deadline_ts=deadline(),
+                deadline_ts=self.deadline(),
                 headers=headers,
             )
         except PeerUnavailable as exc:
@@ -392,16 +410,8 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
         output = list(response.get("output") or [])
         turn = state["turn"] + 1
         calls = [o for o in output if o.get("type") == "function_call"]
-        said = any(o.get("type") == "message" and o.get("role") == "assistant" for o in output)
-        incomplete = response.get("incomplete_details") is not None
-        if incomplete or (not calls and said):
-            nxt = "verify"  # as simple_agent: an answer without calls ends the loop
-        elif calls:
-            nxt = "tool"
-        else:
-            nxt = "model" if turn < settings.max_steps else "verify"
         return Boundary(
-            nxt,
+            self._after_model(response, output, calls, turn),
             {
                 **state,
                 "turn": turn,
@@ -412,7 +422,23 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
             },
         )
 
-    async def tool(episode: Episode) -> Boundary:
+    def _after_model(
+        self,
+        response: Mapping[str, Any],
+        output: Sequence[Mapping[str, Any]],
+        calls: Sequence[Mapping[str, Any]],
+        turn: int,
+    ) -> str:
+        """The step after a model call, as simple_agent decides it."""
+        said = any(o.get("type") == "message" and o.get("role") == "assistant" for o in output)
+        incomplete = response.get("incomplete_details") is not None
+        if incomplete or (not calls and said):
+            return "verify"  # as simple_agent: an answer without calls ends the loop
+        if calls:
+            return "tool"
+        return "model" if turn < self.settings.max_steps else "verify"
+
+    async def tool(self, episode: Episode) -> Boundary:
         state = episode.boundary.state
         call, pending = state["pending"][0], state["pending"][1:]
         session = dict(state["session"])
@@ -422,16 +448,17 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
             output = json.dumps({"error": f"Invalid tool call arguments: {exc!r}"})
         else:
             path = f"/{call['name']}"
-            reply = await resources(path, arguments, session["cookies"], deadline())
-            same_server(episode, session, reply)
+            reply = await self.resources(path, arguments, session["cookies"], self.deadline())
+            self.same_server(episode, session, reply)
             output = reply.text
             cookies = {**session["cookies"], **reply.cookies}
             recorded = {"path": path, "body": arguments, "status": reply.status, "output": output}
             session = {**session, "cookies": cookies, "calls": [*session["calls"], recorded]}
-            if settings.strategy is Strategy.SNAPSHOT:
-                session["snapshot"] = await snapshot_of(cookies)
+            if self.settings.strategy is Strategy.SNAPSHOT:
+                session["snapshot"] = await self.snapshot_of(cookies)
         item = {"type": "function_call_output", "call_id": call["call_id"], "output": output}
-        nxt = "tool" if pending else ("model" if state["turn"] < settings.max_steps else "verify")
+        more_turns = state["turn"] < self.settings.max_steps
+        nxt = "tool" if pending else ("model" if more_turns else "verify")
         return Boundary(
             nxt,
             {
@@ -443,13 +470,13 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
             },
         )
 
-    async def verify(episode: Episode) -> Boundary:
+    async def verify(self, episode: Episode) -> Boundary:
         state = episode.boundary.state
         # as simple_agent: the last model response, with every output and the usage summed
         response = {**state["response"], "output": state["outputs"], "usage": state.get("usage")}
         body = {**state["task"], "response": response}
-        reply = await resources("/verify", body, state["session"]["cookies"], deadline())
-        same_server(episode, state["session"], reply)
+        reply = await self.resources("/verify", body, state["session"]["cookies"], self.deadline())
+        self.same_server(episode, state["session"], reply)
         if not reply.ok:
             raise ProtocolError(
                 ErrorCode.INTERNAL, f"verify answered {reply.status}: {_shown(reply.text)}"
@@ -457,7 +484,9 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
         reward = float(reply.json().get("reward", 0.0))
         return Boundary("done", {**state, "reward": reward})
 
-    def claim(episode: Episode) -> None:
+    # -- one episode --------------------------------------------------------------------------
+
+    def claim(self, episode: Episode) -> None:
         """A restored episode's first move under this attempt: its rebuilt session's cookies go
         into the boundary (so the next checkpoint records them); never the old cookie alone."""
         if episode.continued_from is None:
@@ -465,9 +494,9 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
         session = episode.boundary.state.get("session")
         if not isinstance(session, dict):
             return
-        done = rebuilt.pop((episode.rollout_id, episode.attempt), None)
+        done = self.rebuilt.pop((episode.rollout_id, episode.attempt), None)
         if done is None:
-            if settings.rebuild:
+            if self.settings.rebuild:
                 raise ProtocolError(
                     ErrorCode.INTERNAL,
                     f"{episode.rollout_id}: restored without a rebuilt Gym session",
@@ -475,40 +504,39 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
             return  # the negative control: the old cookie, an empty session
         new_session = {**session, "cookies": done.cookies, "instance": done.instance}
         state = {**episode.boundary.state, "session": new_session}
-        runtime.advance(episode, Boundary(episode.boundary.step, state))
+        self.runtime.advance(episode, Boundary(episode.boundary.step, state))
 
-    sessions: OrderedDict[str, dict[str, Any]] = OrderedDict()
-    """Which Gym session served each rollout's last attempt here (`GET /gym/sessions`)."""
-
-    def served(episode: Episode) -> None:
+    def served(self, episode: Episode) -> None:
         session = episode.boundary.state.get("session")
         if isinstance(session, dict):
-            sessions[episode.rollout_id] = {
+            self.sessions[episode.rollout_id] = {
                 "attempt": episode.attempt,
                 "cookies": session["cookies"],
                 "calls": len(session["calls"]),
             }
-            sessions.move_to_end(episode.rollout_id)
-            while len(sessions) > MAX_SESSIONS_KEPT:
-                sessions.popitem(last=False)
+            self.sessions.move_to_end(episode.rollout_id)
+            while len(self.sessions) > MAX_SESSIONS_KEPT:
+                self.sessions.popitem(last=False)
 
-    async def play(episode: Episode) -> RunResult:
-        claim(episode)
+    async def play(self, episode: Episode) -> RunResult:
+        """One episode from its boundary to `done`, a step at a time."""
+        self.claim(episode)
+        runtime = self.runtime
         while episode.boundary.step != "done":
             step = episode.boundary.step
             state = episode.boundary.state
             if step == "seed":
-                await runtime.step(episode, "seed", StepMode.WAIT, lambda: seed(episode))
+                await runtime.step(episode, "seed", StepMode.WAIT, lambda: self.seed(episode))
             elif step == "model":
                 name = f"model@{state['turn']}"
-                await runtime.step(episode, name, StepMode.REPLAY, lambda: model(episode))
+                await runtime.step(episode, name, StepMode.REPLAY, lambda: self.model(episode))
             elif step == "tool":
                 name = f"tool@{state['tools']}"
-                await runtime.step(episode, name, StepMode.WAIT, lambda: tool(episode))
+                await runtime.step(episode, name, StepMode.WAIT, lambda: self.tool(episode))
             else:
-                await runtime.step(episode, "verify", StepMode.WAIT, lambda: verify(episode))
+                await runtime.step(episode, "verify", StepMode.WAIT, lambda: self.verify(episode))
         state = episode.boundary.state
-        served(episode)
+        self.served(episode)
         return RunResult(
             rollout_id=episode.rollout_id,
             attempt=episode.attempt,
@@ -520,14 +548,33 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
             session=state["session"]["cookies"],
         )
 
+
+def _first_boundary(task: dict[str, Any]) -> Boundary:
+    return Boundary("seed", {"task": task, "turn": 0, "tools": 0, "outputs": [], "pending": []})
+
+
+def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
+    """The adapter's environment: episode runtime, participant, control plane, `/run`."""
+    counters = StepCounters(Role.ENVIRONMENT)
+    runtime = EpisodeRuntime(observer=counters.observe)
+    http = make_client(settings.step_timeout_s)
+    episodes = GymEpisodes(settings, runtime, http)
+    participant = GymParticipant(runtime, settings, episodes.rebuild_all, on_rewire=episodes.rewire)
+    plane = ControlPlane(participant, control)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with http:
+            yield
+
+    app = FastAPI(lifespan=lifespan)
+    app.state.draining = False
+    runs = RunRoute[RunResult](plane, runtime, draining=lambda: app.state.draining)
+
     @app.post("/run")
     async def run(request: RunRequest) -> RunResult:
         """Every /run duty is the RunRoute's (docs/sdk.md, section 2)."""
-        first = Boundary(
-            "seed",
-            {"task": request.task, "turn": 0, "tools": 0, "outputs": [], "pending": []},
-        )
-        return await runs.run(request, play, first=first)
+        return await runs.run(request, episodes.play, first=_first_boundary(request.task))
 
     @app.get("/stats")
     async def stats(rollout_id: list[str] | None = Query(default=None)) -> dict[str, Any]:  # noqa: B008
@@ -537,7 +584,8 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
     async def gym_sessions(rollout_id: list[str] = Query()) -> dict[str, Any]:  # noqa: B008
         """The Gym session (its cookies) each finished rollout's episode used here, to read the
         resources server's own state of it; unknown rollouts are left out."""
-        return {"sessions": {rid: sessions[rid] for rid in rollout_id if rid in sessions}}
+        known = episodes.sessions
+        return {"sessions": {rid: known[rid] for rid in rollout_id if rid in known}}
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

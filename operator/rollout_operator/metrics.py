@@ -28,7 +28,7 @@ from typing import Any, Final
 from prometheus_client import Counter, Gauge, Histogram
 
 from .cluster.kube import Kube
-from .model.api import CheckpointPhase, RolloutCheckpoint, RolloutSet
+from .model.api import CheckpointPhase, RolloutCheckpoint, RolloutSet, namespace_or_default
 
 DURATION_BUCKETS: Final = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 """Seconds: a checkpoint takes from well under a second to a long prepare deadline."""
@@ -36,7 +36,7 @@ PAUSE_BUCKETS: Final = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 3
 """Seconds with admission closed: what rollouts lose; usually well under a second."""
 
 RESTORE_OUTCOMES: Final = frozenset({"Restored", "NoCheckpoint", "SiblingRestart", "RestoreFailed"})
-"""The recovery reasons counted as restores (`recovery.Reason` values)."""
+"""The recovery reasons counted as restores (`model.reasons.Reason` values)."""
 FINISHED_RECOVERIES: Final = frozenset({"Restored", "NoCheckpoint", "SiblingRestart"})
 """The reasons a recovery ends with (the set runs again): its costs are observed then."""
 
@@ -130,10 +130,6 @@ ATTEMPT = Gauge(
 )
 
 
-def _namespace(namespace: str | None) -> str:
-    return namespace or "default"
-
-
 # --- checkpoints --------------------------------------------------------------------------------
 
 
@@ -152,7 +148,7 @@ def observe_checkpoint(ckpt: RolloutCheckpoint) -> bool:
     status = ckpt.status
     if status.phase not in (CheckpointPhase.READY, CheckpointPhase.FAILED):
         return False
-    namespace = _namespace(ckpt.metadata.namespace)
+    namespace = namespace_or_default(ckpt.metadata.namespace)
     set_name = ckpt.spec.rollout_set
     labels = {
         "namespace": namespace,
@@ -208,7 +204,7 @@ def completion_message(ckpt: RolloutCheckpoint) -> str:
 def observe_recovery(rset: RolloutSet, reason: str) -> None:
     """A transition of the recovery flow: count finished restores and what they kept and lost;
     follow the attempt."""
-    namespace = _namespace(rset.metadata.namespace)
+    namespace = namespace_or_default(rset.metadata.namespace)
     if reason in RESTORE_OUTCOMES:
         RESTORES.labels(namespace=namespace, set=rset.metadata.name, outcome=reason).inc()
     last = rset.status.last_recovery
@@ -236,13 +232,13 @@ def observe_recovery(rset: RolloutSet, reason: str) -> None:
 
 
 def standby_started(name: str, namespace: str | None) -> None:
-    STANDBY_PODS.labels(namespace=_namespace(namespace), set=name, event="started").inc()
+    STANDBY_PODS.labels(namespace=namespace_or_default(namespace), set=name, event="started").inc()
 
 
 def forget_set(namespace: str | None, name: str) -> None:
     """A deleted set keeps no attempt series (its counters stay until the process restarts)."""
     with contextlib.suppress(KeyError):
-        ATTEMPT.remove(_namespace(namespace), name)
+        ATTEMPT.remove(namespace_or_default(namespace), name)
 
 
 @dataclass(frozen=True)
@@ -297,7 +293,7 @@ class SetTransitions:
 
     def observe(self, event_type: str | None, body: Mapping[str, Any]) -> list[Transition]:
         meta = body.get("metadata") or {}
-        key = (_namespace(meta.get("namespace")), str(meta.get("name")))
+        key = (namespace_or_default(meta.get("namespace")), str(meta.get("name")))
         status = body.get("status") or {}
         if event_type == "DELETED":
             self._seen.pop(key, None)

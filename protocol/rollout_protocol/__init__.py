@@ -23,7 +23,7 @@ pydantic, httpx, anyio, FastAPI/Starlette and opentelemetry-api only. aiohttp
 (`rollout_protocol.serving`, the conformance kit: the `serve` and `kit` extras) are needed only by
 what uses them; `import rollout_protocol` imports neither. It never imports the operator or the
 reference servers; everything not listed in `__all__` (and the public submodules `conformance`,
-`serving` and `tracing`) is private.
+`serving`, `tracing` and `model_api`) is private.
 
 Traces: `rollout_protocol.tracing` uses the OpenTelemetry API (`opentelemetry-api`, a dependency);
 the SDK and its OTLP/HTTP exporter (the `tracing` extra) are imported only when

@@ -6,6 +6,10 @@ callers before callees; commit, restore and resume to everyone at once). The ste
 methods because the operator persists its state between them (to survive its own restart);
 `checkpoint()` composes them for callers without an operator (the CLI, Slurm jobs, tests).
 
+The coordinator is the steps; its parts are modules of their own: the outcome models the steps
+return (`_coordinator_outcomes.py`, importable from here as before), the fan-out of calls to
+participants (`_coordinator_calls.py`), and the composed checkpoint (`_coordinator_checkpoint.py`).
+
 Participants are reached through the small `ParticipantClient` protocol; `HttpParticipantClient`
 is the real one. Every step returns an outcome model (pydantic, so it can be stored as JSON) that
 names each participant's failure instead of raising half way: a coordinator that stops in the
@@ -19,29 +23,38 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Final, TypeVar
+from typing import Final
 
 import anyio
-import anyio.to_thread
 from anyio.abc import TaskGroup
-from pydantic import Field
 
-from . import _storage as storage
 from ._client import ParticipantClient, ParticipantError
+from ._coordinator_calls import FanOut, split
+from ._coordinator_checkpoint import ComposedCheckpoint
+from ._coordinator_outcomes import (
+    CheckpointDurations,
+    CheckpointResult,
+    CommitOutcome,
+    Failure,
+    ForgetOutcome,
+    LostWork,
+    PrepareOutcome,
+    RestoreOutcome,
+    ResumeOutcome,
+    RetireOutcome,
+    StatusOutcome,
+)
 from ._wire import (
     MAX_BLOCKERS_REPORTED,
     MAX_FINISHED_LISTED,
     PREPARE_ORDER,
     RETIRE_ORDER,
-    CheckpointManifest,
     CommitRequest,
     EpisodeId,
     ErrorCode,
     ForgetRequest,
-    Manifest,
     PrepareReply,
     PrepareRequest,
-    PublishedParticipant,
     RenewRequest,
     RestoreReply,
     RestoreRequest,
@@ -49,203 +62,38 @@ from ._wire import (
     RetireReply,
     RetireRequest,
     Role,
-    StatusReply,
-    StrictModel,
-    WorkCounts,
 )
+
+__all__ = [
+    "CheckpointDurations",
+    "CheckpointResult",
+    "CommitOutcome",
+    "Coordinator",
+    "Failure",
+    "ForgetOutcome",
+    "LostWork",
+    "PrepareOutcome",
+    "RestoreOutcome",
+    "ResumeOutcome",
+    "RetireOutcome",
+    "StatusOutcome",
+]
 
 logger = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
-
-_MISSED: Final = frozenset({ErrorCode.UNRESPONSIVE, ErrorCode.UNREACHABLE})
-"""Failures that mean a call's deadline passed without an answer."""
-
-
-# --- outcomes -------------------------------------------------------------------------------
-
-
-class Failure(StrictModel):
-    """One participant's refusal or absence, as stored in outcomes and reported to users."""
-
-    instance: str
-    code: ErrorCode
-    detail: str
-
-    @classmethod
-    def of(cls, error: ParticipantError) -> Failure:
-        return cls(instance=error.instance, code=error.code, detail=error.detail)
-
-    def __str__(self) -> str:
-        return f"{self.instance}: {self.code.value}: {self.detail}"
-
-
-class PrepareOutcome(StrictModel):
-    """Whether every stage parked in time; blockers and restarts of those that did not."""
-
-    checkpoint_id: str
-    ready: bool
-    prepared: list[str] = Field(description="Instances whose prepare was ready.")
-    stopped_at: Role | None = Field(default=None, description="The first stage not ready.")
-    episodes: list[EpisodeId] = Field(
-        default_factory=list,
-        description="Parked episodes the replies listed: those of the requested scope "
-        "(`prepare(scope=)`); participants before records format 2 list all.",
-    )
-    episode_count: int = Field(
-        default=0,
-        description="Parked episodes: the largest of the roles' counts (each role's instances "
-        "summed; every episode of a set passes through the role that sees most of them).",
-    )
-    episodes_sha256: dict[str, str] = Field(
-        default_factory=dict, description="By instance: the digest of its parked episodes."
-    )
-    blockers: list[EpisodeId] = Field(default_factory=list, max_length=MAX_BLOCKERS_REPORTED)
-    blocker_count: int = 0
-    restarts: list[EpisodeId] = Field(default_factory=list)
-    failures: list[Failure] = Field(default_factory=list)
-
-    def scope(self, requested: Collection[str] | None = None) -> list[str] | None:
-        """The commit scope: None (every parked episode, less `excluded()`) when nothing is
-        requested; else the requested rollouts the prepare listed as parked, minus restarts."""
-        if requested is None:
-            return None
-        restarting = {episode.rollout_id for episode in self.restarts}
-        live = {episode.rollout_id for episode in self.episodes} - restarting
-        return sorted(live & set(requested))
-
-    def excluded(self) -> list[str]:
-        """Rollouts every participant leaves out of the commit: the restarts."""
-        return sorted({episode.rollout_id for episode in self.restarts})
-
-    def committed_count(self, scope: Collection[str] | None) -> int:
-        """Episodes a commit of `scope` continues: the scope's size, or the parked count less
-        the restarts."""
-        if scope is not None:
-            return len(scope)
-        return max(0, self.episode_count - len(self.excluded()))
-
-
-class CommitOutcome(StrictModel):
-    """Every participant's commit reply, or its failure, for one checkpoint."""
-
-    checkpoint_id: str
-    ok: bool
-    scope: list[str] | None
-    excluded: list[str] = Field(
-        default_factory=list, description="Rollouts left out of the scope (restarts)."
-    )
-    manifests: dict[str, Manifest] = Field(default_factory=dict)
-    manifest_paths: dict[str, str] = Field(default_factory=dict)
-    listed: dict[str, list[str]] = Field(
-        default_factory=dict,
-        description="By instance, the rollouts a participant's commit listed "
-        "(`CommitReply.rollout_ids`: a NeMo Gym participant, whose restore must name them).",
-    )
-    record_count: int = 0
-    bytes: int = 0
-    failures: list[Failure] = Field(default_factory=list)
-
-    @property
-    def attempt(self) -> int | None:
-        attempts = {manifest.attempt for manifest in self.manifests.values()}
-        return max(attempts) if attempts else None
-
-
-class ResumeOutcome(StrictModel):
-    """Which participants reopened admission, and which could not be reached."""
-
-    checkpoint_id: str
-    resumed: list[str] = Field(default_factory=list)
-    failures: list[Failure] = Field(default_factory=list)
-
-
-class LostWork(StrictModel):
-    """What one participant's retire said it had done after a checkpoint (`RetireReply.lost`)."""
-
-    since: str | None = Field(description="The checkpoint the counts start from.")
-    counts: WorkCounts
-
-
-class RetireOutcome(StrictModel):
-    """Which participants stopped the retired attempt's work, and which failed to."""
-
-    operation_id: str
-    attempt: int
-    retired: list[EpisodeId] = Field(default_factory=list)
-    failures: list[Failure] = Field(default_factory=list)
-    lost: dict[str, LostWork] = Field(
-        default_factory=dict,
-        description="By instance: the work each participant that counts work reported lost.",
-    )
-    finished_known: bool = Field(
-        default=False,
-        description="Whether later stages were told which rollouts finished (every "
-        "participant of a role in `finished_from` retired and said).",
-    )
-
-
-class ForgetOutcome(StrictModel):
-    """How many retire marks each participant dropped, or why it could not."""
-
-    operation_id: str
-    forgotten: int = 0
-    failures: list[Failure] = Field(default_factory=list)
-
-
-class RestoreOutcome(StrictModel):
-    """Whether every participant installed the records under the new attempt (all or nothing)."""
-
-    checkpoint_id: str
-    attempt: int
-    ok: bool
-    restored: dict[str, int] = Field(
-        default_factory=dict, description="Records installed per instance."
-    )
-    episodes: list[EpisodeId] = Field(default_factory=list)
-    kept: dict[str, WorkCounts] = Field(
-        default_factory=dict,
-        description="By instance: the work the installed records hold (`RestoreReply.kept`).",
-    )
-    failures: list[Failure] = Field(default_factory=list)
-    retired: RetireOutcome | None = Field(
-        default=None, description="Set when the restore failed and the attempt was retired."
-    )
-    resumed: ResumeOutcome | None = None
-
-
-class StatusOutcome(StrictModel):
-    """Every participant's `/status` reply, or its failure."""
-
-    statuses: list[StatusReply] = Field(default_factory=list)
-    failures: list[Failure] = Field(default_factory=list)
-
-
-class CheckpointDurations(StrictModel):
-    """How long each stage of one checkpoint took, and how long episodes were paused."""
-
-    prepare_seconds: float = 0.0
-    commit_seconds: float = 0.0
-    pause_seconds: float = Field(default=0.0, description="First prepare to resume done.")
-    total_seconds: float = 0.0
-
-
-class CheckpointResult(StrictModel):
-    """The outcome of a whole `Coordinator.checkpoint()`: published or failed, with counts."""
-
-    checkpoint_id: str
-    ok: bool
-    reason: str = Field(
-        description="CamelCase: Published, Committed, NotReady, PrepareFailed, CommitFailed, "
-        "PublishFailed."
-    )
-    message: str
-    attempt: int | None = None
-    prepare: PrepareOutcome
-    commit: CommitOutcome | None = None
-    resume: ResumeOutcome | None = None
-    published: str | None = Field(default=None, description="Path of checkpoint.json.")
-    durations: CheckpointDurations = Field(default_factory=CheckpointDurations)
+LOST_ON_RENEW: Final = frozenset(
+    {
+        ErrorCode.STALE_CHECKPOINT,
+        ErrorCode.UNKNOWN_CHECKPOINT,
+        ErrorCode.WRONG_PHASE,
+        ErrorCode.CONFLICTING_CHECKPOINT,
+    }
+)
+"""A prepared participant's refusals of a renew that say it no longer holds the checkpoint.
+Ours says `stale_checkpoint` or `unknown_checkpoint`; one that speaks NeMo Gym's dialect says
+`invalid_phase` (none open: a restarted process) or `checkpoint_conflict` (another one open),
+read as `wrong_phase` and `conflicting_checkpoint` (docs/protocol.md, "The NeMo Gym dialect").
+Our participants never refuse a renew of the open checkpoint with those two."""
 
 
 # --- the coordinator ------------------------------------------------------------------------
@@ -274,12 +122,7 @@ class Coordinator:
         self._clock = clock
         self._renew_interval = renew_interval
         self._call_timeout = call_timeout
-        self._missed_call_seconds = missed_call_seconds
-        self._missed: set[str] = set()
-        """Participants that did not answer by a call's deadline (hung, frozen, gone): every
-        later call of this coordinator waits for them `missed_call_seconds` at most, so an
-        abort or a cleanup after a failed restore never waits a whole call timeout again on
-        the participant that caused it."""
+        self._fan_out = FanOut(missed_call_seconds)
         self._on_progress = on_progress
 
     @property
@@ -294,54 +137,11 @@ class Coordinator:
     def _stage(self, roles: Collection[Role]) -> list[ParticipantClient]:
         return [p for p in self._participants if p.role in roles]
 
-    async def _fan_out(
-        self,
-        participants: Sequence[ParticipantClient],
-        call: Callable[[ParticipantClient], Awaitable[_T]],
-    ) -> dict[str, _T | ParticipantError]:
-        """Call every participant at once; a failure is a value, so the others still finish."""
-        results: dict[str, _T | ParticipantError] = {}
-
-        async def one(participant: ParticipantClient) -> None:
-            instance = participant.instance
-            try:
-                results[instance] = await self._call_bounded(participant, call)
-            except ParticipantError as error:
-                results[instance] = error
-                if error.code in _MISSED:
-                    self._missed.add(instance)
-            except Exception as error:
-                logger.exception("call to %s failed unexpectedly", instance)
-                results[instance] = ParticipantError(
-                    ErrorCode.INTERNAL, f"{type(error).__name__}: {error}", instance
-                )
-
-        async with anyio.create_task_group() as group:
-            for participant in participants:
-                group.start_soon(one, participant)
-        return results
-
-    async def _call_bounded(
-        self, participant: ParticipantClient, call: Callable[[ParticipantClient], Awaitable[_T]]
-    ) -> _T:
-        """The call; for a participant that already missed a deadline here, cut at
-        `missed_call_seconds`."""
-        if participant.instance not in self._missed:
-            return await call(participant)
-        with anyio.move_on_after(self._missed_call_seconds):
-            return await call(participant)
-        raise ParticipantError(
-            ErrorCode.UNRESPONSIVE,
-            f"no answer within {self._missed_call_seconds:g}s (it already missed a deadline of "
-            "this checkpoint or recovery, so it is not waited for in full again)",
-            participant.instance,
-        )
-
     # status -----------------------------------------------------------------------------------
 
     async def status(self, deadline_ts: float) -> StatusOutcome:
         results = await self._fan_out(self._participants, lambda p: p.status(deadline_ts))
-        replies, failures = _split(self._participants, results)
+        replies, failures = split(self._participants, results)
         return StatusOutcome(statuses=replies, failures=failures)
 
     # prepare ----------------------------------------------------------------------------------
@@ -434,10 +234,7 @@ class Coordinator:
                 continue
             results = await self._fan_out(targets, lambda p: p.renew(request))
             for instance, result in results.items():
-                if isinstance(result, ParticipantError) and result.code in (
-                    ErrorCode.STALE_CHECKPOINT,
-                    ErrorCode.UNKNOWN_CHECKPOINT,
-                ):
+                if isinstance(result, ParticipantError) and result.code in LOST_ON_RENEW:
                     lost.append(Failure.of(result))
                 elif isinstance(result, ParticipantError):
                     logger.warning("renew of %s failed: %s", instance, result)
@@ -476,7 +273,7 @@ class Coordinator:
         )
         self._progress(f"commit: {len(self._participants)} participant(s)")
         results = await self._fan_out(self._participants, lambda p: p.commit(request))
-        replies, failures = _split(self._participants, results)
+        replies, failures = split(self._participants, results)
         manifests = {reply.manifest.instance: reply.manifest for reply in replies}
         return CommitOutcome(
             checkpoint_id=checkpoint_id,
@@ -525,7 +322,7 @@ class Coordinator:
     async def _resume_all(self, checkpoint_id: str, deadline_ts: float) -> ResumeOutcome:
         request = ResumeRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
         results = await self._fan_out(self._participants, lambda p: p.resume(request))
-        _, failures = _split(self._participants, results)
+        _, failures = split(self._participants, results)
         failed = {failure.instance for failure in failures}
         return ResumeOutcome(
             checkpoint_id=checkpoint_id,
@@ -567,45 +364,17 @@ class Coordinator:
             attempt=attempt,
             rollout_ids=rollout_ids,
         )
-        rewired = peers or {}
-        adopting = frozenset(adopted)
-        named = listed or {}
-
-        def restore(participant: ParticipantClient) -> Awaitable[RestoreReply]:
-            update: dict[str, object] = {}
-            records = named.get(participant.instance)
-            if records is not None:
-                in_scope = set(records) if rollout_ids is None else set(records) & set(rollout_ids)
-                update["rollout_ids"] = sorted(in_scope)
-            wiring = rewired.get(participant.instance)
-            if wiring is not None:
-                update["peers"] = dict(wiring)
-            if participant.instance in adopting:
-                update["index"] = int(participant.instance.rsplit("-", 1)[1])
-            return participant.restore(request.model_copy(update=update) if update else request)
-
+        restore = _restore_each(request, peers or {}, frozenset(adopted), listed or {})
         self._progress(f"restore {checkpoint_id} under attempt {attempt}")
         results = await self._fan_out(self._participants, restore)
-        restored: dict[str, int] = {}
-        kept: dict[str, dict[str, int]] = {}
-        episodes: dict[EpisodeId, None] = {}
-        failures: list[Failure] = []
-        for participant in self._participants:
-            result = results[participant.instance]
-            if isinstance(result, ParticipantError):
-                failures.append(Failure.of(result))
-            else:
-                restored[participant.instance] = result.record_count
-                episodes.update(dict.fromkeys(result.restored))
-                if result.kept is not None:
-                    kept[participant.instance] = dict(result.kept)
+        restored, episodes, kept, failures = _restored(self._participants, results)
         if not failures:
             return RestoreOutcome(
                 checkpoint_id=checkpoint_id,
                 attempt=attempt,
                 ok=True,
                 restored=restored,
-                episodes=list(episodes),
+                episodes=episodes,
                 kept=kept,
             )
         self._progress(
@@ -620,7 +389,7 @@ class Coordinator:
             attempt=attempt,
             ok=False,
             restored=restored,
-            episodes=list(episodes),
+            episodes=episodes,
             failures=failures,
             retired=retired,
             resumed=resumed,
@@ -670,7 +439,7 @@ class Coordinator:
                 return await participant.retire(asked)
 
             results = await self._fan_out(stage, retire_one)
-            replies, stage_failures = _split(stage, results)
+            replies, stage_failures = split(stage, results)
             retired.extend(episode for reply in replies for episode in reply.retired)
             failures.extend(stage_failures)
             for participant in stage:
@@ -698,7 +467,7 @@ class Coordinator:
             operation_id=op, deadline_ts=deadline_ts, rollout_ids=sorted(set(rollout_ids))
         )
         results = await self._fan_out(self._participants, lambda p: p.forget(request))
-        replies, failures = _split(self._participants, results)
+        replies, failures = split(self._participants, results)
         return ForgetOutcome(
             operation_id=op, forgotten=sum(r.forgotten for r in replies), failures=failures
         )
@@ -723,125 +492,70 @@ class Coordinator:
         it the caller publishes (the operator does, in one status patch). Participants are
         resumed on every path, also when this coroutine is cancelled.
         """
-        started = self._clock()
-        resumed: ResumeOutcome | None = None
-        try:
-            prepare = await self.prepare(checkpoint_id, started + prepare_timeout, scope=scope)
-            prepared_at = self._clock()
-            if not prepare.ready:
-                resumed = await self._resume_now(checkpoint_id)
-                reason = "PrepareFailed" if prepare.failures else "NotReady"
-                return self._result(
-                    checkpoint_id,
-                    reason,
-                    _prepare_message(prepare),
-                    prepare,
-                    None,
-                    resumed,
-                    None,
-                    (started, prepared_at, prepared_at),
-                )
-            commit = await self.commit(
-                checkpoint_id,
-                prepared_at + commit_timeout,
-                prepare.scope(scope),
-                excluded=prepare.excluded(),
-            )
-            committed_at = self._clock()
-            times = (started, prepared_at, committed_at)
-            if not commit.ok:
-                resumed = await self._resume_now(checkpoint_id)
-                message = "; ".join(str(f) for f in commit.failures)
-                return self._result(
-                    checkpoint_id, "CommitFailed", message, prepare, commit, resumed, None, times
-                )
-            published: str | None = None
-            if publish_dir is not None:
-                durations = (prepared_at - started, committed_at - prepared_at)
-                try:
-                    path = await anyio.to_thread.run_sync(
-                        lambda: _publish(
-                            publish_dir,
-                            set_name,
-                            checkpoint_id,
-                            prepare,
-                            commit,
-                            durations,
-                            trainer_step,
-                            self._clock(),
-                        )
-                    )
-                except (storage.StorageError, storage.RecordsInvalid, ValueError) as error:
-                    resumed = await self._resume_now(checkpoint_id)
-                    return self._result(
-                        checkpoint_id,
-                        "PublishFailed",
-                        str(error),
-                        prepare,
-                        commit,
-                        resumed,
-                        None,
-                        times,
-                    )
-                published = str(path)
-                self._progress(f"published {path}")
-            resumed = await self._resume_now(checkpoint_id, aborting=False)
-            reason = "Published" if published is not None else "Committed"
-            message = (
-                f"{prepare.committed_count(commit.scope)} episodes in {commit.record_count} "
-                f"records ({commit.bytes} bytes) from {len(commit.manifests)} participants"
-            )
-            return self._result(
-                checkpoint_id, reason, message, prepare, commit, resumed, published, times
-            )
-        except BaseException:
-            if resumed is None:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(self._call_timeout):
-                    await self.resume(checkpoint_id, self._clock() + self._call_timeout)
-            raise
-
-    async def _resume_now(self, checkpoint_id: str, *, aborting: bool = True) -> ResumeOutcome:
-        """Resume everyone at once, shielded from cancellation (`abort` when the checkpoint
-        will not be published)."""
-        deadline = self._clock() + self._call_timeout
-        step = self.abort if aborting else self.resume
-        with anyio.CancelScope(shield=True):
-            outcome = await step(checkpoint_id, deadline)
-        return outcome
-
-    def _result(
-        self,
-        checkpoint_id: str,
-        reason: str,
-        message: str,
-        prepare: PrepareOutcome,
-        commit: CommitOutcome | None,
-        resumed: ResumeOutcome | None,
-        published: str | None,
-        times: tuple[float, float, float],
-    ) -> CheckpointResult:
-        started, prepared_at, committed_at = times
-        finished = self._clock()
-        ok = reason in ("Published", "Committed")
-        if resumed is not None and resumed.failures:
-            message += "; resume failed on " + ", ".join(f.instance for f in resumed.failures)
-        return CheckpointResult(
-            checkpoint_id=checkpoint_id,
-            ok=ok,
-            reason=reason,
-            message=message,
-            attempt=commit.attempt if commit is not None else None,
-            prepare=prepare,
-            commit=commit,
-            resume=resumed,
-            published=published,
-            durations=CheckpointDurations(
-                prepare_seconds=prepared_at - started,
-                commit_seconds=committed_at - prepared_at,
-                pause_seconds=finished - started,
-                total_seconds=finished - started,
-            ),
+        composed = ComposedCheckpoint(
+            self,
+            checkpoint_id,
+            clock=self._clock,
+            call_timeout=self._call_timeout,
+            progress=self._progress,
         )
+        return await composed.run(
+            prepare_timeout=prepare_timeout,
+            commit_timeout=commit_timeout,
+            scope=scope,
+            publish_dir=publish_dir,
+            set_name=set_name,
+            trainer_step=trainer_step,
+        )
+
+
+def _restore_each(
+    request: RestoreRequest,
+    rewired: Mapping[str, Mapping[Role, str]],
+    adopting: frozenset[str],
+    named: Mapping[str, Collection[str]],
+) -> Callable[[ParticipantClient], Awaitable[RestoreReply]]:
+    """Each participant's restore: `request`, narrowed to the rollouts its commit listed, with
+    its new peers, and with its index where it is an adopted standby (see
+    `Coordinator.restore`)."""
+    rollout_ids = request.rollout_ids
+
+    def restore(participant: ParticipantClient) -> Awaitable[RestoreReply]:
+        update: dict[str, object] = {}
+        records = named.get(participant.instance)
+        if records is not None:
+            in_scope = set(records) if rollout_ids is None else set(records) & set(rollout_ids)
+            update["rollout_ids"] = sorted(in_scope)
+        wiring = rewired.get(participant.instance)
+        if wiring is not None:
+            update["peers"] = dict(wiring)
+        if participant.instance in adopting:
+            update["index"] = int(participant.instance.rsplit("-", 1)[1])
+        return participant.restore(request.model_copy(update=update) if update else request)
+
+    return restore
+
+
+def _restored(
+    participants: Sequence[ParticipantClient],
+    results: Mapping[str, RestoreReply | ParticipantError],
+) -> tuple[dict[str, int], list[EpisodeId], dict[str, dict[str, int]], list[Failure]]:
+    """Records installed and work kept per instance, the episodes restored, and the failures,
+    in participant order."""
+    restored: dict[str, int] = {}
+    kept: dict[str, dict[str, int]] = {}
+    episodes: dict[EpisodeId, None] = {}
+    failures: list[Failure] = []
+    for participant in participants:
+        result = results[participant.instance]
+        if isinstance(result, ParticipantError):
+            failures.append(Failure.of(result))
+        else:
+            restored[participant.instance] = result.record_count
+            episodes.update(dict.fromkeys(result.restored))
+            if result.kept is not None:
+                kept[participant.instance] = dict(result.kept)
+    return restored, list(episodes), kept, failures
 
 
 def _finished(
@@ -863,21 +577,6 @@ def _finished(
 
 
 RETIRE_ORDER_ROLES: tuple[Role, ...] = tuple(role for stage in RETIRE_ORDER for role in stage)
-
-
-def _split(
-    participants: Sequence[ParticipantClient], results: dict[str, _T | ParticipantError]
-) -> tuple[list[_T], list[Failure]]:
-    """Replies and failures in participant order (stable output for people and tests)."""
-    replies: list[_T] = []
-    failures: list[Failure] = []
-    for participant in participants:
-        result = results[participant.instance]
-        if isinstance(result, ParticipantError):
-            failures.append(Failure.of(result))
-        else:
-            replies.append(result)
-    return replies, failures
 
 
 async def _prepare(participant: ParticipantClient, request: PrepareRequest) -> PrepareReply:
@@ -935,64 +634,4 @@ def _prepare_outcome(
         blocker_count=blocker_count,
         restarts=list(restarts.values()),
         failures=failures,
-    )
-
-
-def _prepare_message(prepare: PrepareOutcome) -> str:
-    where = prepare.stopped_at.value if prepare.stopped_at is not None else "?"
-    if prepare.failures:
-        return f"prepare failed at {where}: " + "; ".join(str(f) for f in prepare.failures)
-    shown = ", ".join(str(episode) for episode in prepare.blockers[:10])
-    return (
-        f"{prepare.blocker_count} episodes of {where} were not parked by the prepare "
-        f"deadline (first: {shown})"
-    )
-
-
-def _publish(
-    root: Path,
-    set_name: str,
-    checkpoint_id: str,
-    prepare: PrepareOutcome,
-    commit: CommitOutcome,
-    durations: tuple[float, float],
-    trainer_step: int | None,
-    now: float,
-) -> Path:
-    """Check each participant's manifest is where we publish, then write checkpoint.json."""
-    entries: list[PublishedParticipant] = []
-    for instance, manifest in sorted(commit.manifests.items()):
-        relative = commit.manifest_paths[instance]
-        on_disk = storage.read_manifest((root / relative).parent)
-        if on_disk != manifest:
-            raise storage.RecordsInvalid(
-                f"the manifest of {instance} at {root / relative} differs from its commit reply; "
-                "is the publish directory the participants' ROLLOUT_CHECKPOINT_ROOT?"
-            )
-        entries.append(
-            PublishedParticipant(
-                instance=instance,
-                role=manifest.role,
-                manifest_path=relative,
-                records_sha256=manifest.records_sha256,
-                record_count=manifest.record_count,
-                bytes=manifest.bytes,
-                rollout_ids=commit.listed.get(instance),
-            )
-        )
-    attempt = commit.attempt
-    return storage.write_checkpoint_manifest(
-        root,
-        CheckpointManifest(
-            set_name=set_name,
-            checkpoint_id=checkpoint_id,
-            attempt=attempt if attempt is not None else 0,
-            published_ts=now,
-            rollout_ids=commit.scope or [],
-            restarts=len(prepare.restarts),
-            participants=entries,
-            trainer_step=trainer_step,
-            prepare_seconds=max(durations[0], 0.0),
-            commit_seconds=max(durations[1], 0.0),
-        ),
     )

@@ -35,8 +35,10 @@ Retire cancels an episode only before its final cleanup starts and then waits un
 ended; the cleanup itself runs shielded, so a retire reply means the episode's sessions are
 closed.
 
-`RuntimeParticipant` implements the control plane's `Participant` contract over one runtime, so
-a server gets the whole protocol by describing its steps.
+`EpisodeRuntime` keeps two concerns in parts it owns: the restored boundaries waiting for their
+attempt (`_RestoredBoundaries`) and the work done since the last checkpoint (`_WorkSince`, what a
+retire may count as lost). `RuntimeParticipant` implements the control plane's `Participant`
+contract over one runtime, so a server gets the whole protocol by describing its steps.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from collections.abc import (
     Iterator,
     Mapping,
     Sequence,
+    ValuesView,
 )
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
@@ -203,6 +206,21 @@ class Restored:
     active_seconds: float
     encoded: EncodedRecord | None = None
     """Its record, encoded when it was installed (`EpisodeRuntime.install`)."""
+
+    @classmethod
+    def of(cls, record: Record, attempt: int) -> Restored:
+        """A validated record's boundary, to be continued by `attempt`."""
+        data = BoundaryData.model_validate(record.data)
+        return cls(
+            rollout_id=record.rollout_id,
+            key=record.key,
+            attempt=attempt,
+            produced_by=record.attempt,
+            boundary=Boundary(data.step, data.state),
+            digest=data.digest,
+            steps=data.steps,
+            active_seconds=data.active_seconds,
+        )
 
     @property
     def id(self) -> EpisodeId:
@@ -390,54 +408,39 @@ class EpisodeRuntime:
         self.clock = clock
         self.observer = observer
         self._live: dict[tuple[str, str], Episode] = {}
-        self._restored: dict[tuple[str, str], Restored] = {}
+        self._ids = _IdSet()
+        """The (rollout, attempt) ids of live and restored episodes with their set digest,
+        kept as they come and go, so a prepare reads them instead of scanning."""
+        self._restored = _RestoredBoundaries(self._ids)
         self._admission_open = True
         self._opened = anyio.Event()
         self._opened.set()
         self._changed = anyio.Event()
         self.epoch = 0
-        self._ids = _IdSet()
-        """The (rollout, attempt) ids of live and restored episodes with their set digest,
-        kept as they come and go, so a prepare reads them instead of scanning."""
+        """Incremented every time admission closes: lets a step tell a checkpoint happened."""
         self._blocking = 0
         """Episodes (live or already ended) inside a wait step or cleanup; 0: no live episode
         blocks a checkpoint, which `park` then knows without a scan."""
-        """Incremented every time admission closes: lets a step tell a checkpoint happened."""
         self._retired_attempts: set[int] = set()
         self._retired: set[tuple[str, int]] = set()
-        self._progress: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()
-        """(rollout, key) -> (attempt, steps completed) of every episode that completed a step
-        since `forget_progress` (the last checkpoint): what a retire may count as lost."""
-        self._ended: OrderedDict[tuple[str, int], None] = OrderedDict()
-        """(rollout, attempt) of the episodes that ended since `forget_progress`."""
-        self._cancelled: set[tuple[str, int]] = set()
-        """(rollout, attempt) of the episodes a retire cancelled: they ended without finishing."""
+        self._work = _WorkSince()
 
     # --- progress since the last checkpoint (work accounting) ------------------------------
 
     def progress(self, attempt: int) -> dict[tuple[str, str], int]:
         """Steps completed by the episodes of `attempt` that made progress since the last
         `forget_progress`, live or ended, by (rollout, key)."""
-        return {ident: steps for ident, (a, steps) in self._progress.items() if a == attempt}
+        return self._work.progress(attempt)
 
     def ended_since(self, attempt: int) -> set[str]:
         """Rollouts of `attempt` whose episodes ended since the last `forget_progress`, except
         those a retire cancelled (an episode in its final cleanup is not cancelled: it ends
         on its own while the retire waits, and counts as ended)."""
-        return {rid for rid, a in self._ended if a == attempt and (rid, a) not in self._cancelled}
+        return self._work.ended_since(attempt)
 
     def forget_progress(self) -> None:
         """A checkpoint now holds every episode's state: progress counts from here."""
-        self._progress.clear()
-        self._ended.clear()
-        self._cancelled.clear()
-
-    def _progressed(self, episode: Episode) -> None:
-        ident = (episode.rollout_id, episode.key)
-        self._progress[ident] = (episode.attempt, episode.steps_completed)
-        self._progress.move_to_end(ident)
-        while len(self._progress) > MAX_PROGRESS_KEPT:
-            self._progress.popitem(last=False)
+        self._work.forget()
 
     # --- admission ------------------------------------------------------------------------
 
@@ -520,20 +523,9 @@ class EpisodeRuntime:
         existing = self._live.get((rollout_id, key))
         if existing is not None:
             raise EpisodeExists(existing)
-        restored = self._restored.get((rollout_id, key))
+        restored = self._restored.claim(rollout_id, key, attempt, digest)
         episode: Episode
-        if restored is not None and restored.attempt > attempt:
-            raise StaleAttempt(
-                f"{rollout_id} was restored under attempt {restored.attempt}; "
-                f"the call names attempt {attempt}"
-            )
-        if restored is not None and restored.attempt == attempt:
-            if digest is not None and restored.digest is not None and digest != restored.digest:
-                raise TaskMismatch(
-                    f"{rollout_id}: the task does not match the one its checkpoint recorded"
-                )
-            del self._restored[(rollout_id, key)]
-            self._ids.remove(restored.id)
+        if restored is not None:
             episode = Episode(
                 self,
                 rollout_id,
@@ -546,11 +538,6 @@ class EpisodeRuntime:
                 active_seconds=restored.active_seconds,
             )
         else:
-            if restored is not None:
-                # an older attempt's leftover (its attempt was never continued): superseded
-                log.warning("dropping restored %s superseded by attempt %d", restored.id, attempt)
-                del self._restored[(rollout_id, key)]
-                self._ids.remove(restored.id)
             episode = Episode(self, rollout_id, attempt, key, first, digest)
         episode.reached(self.kind)
         self._live[(rollout_id, key)] = episode
@@ -571,17 +558,14 @@ class EpisodeRuntime:
         if self._live.get((episode.rollout_id, episode.key)) is episode:
             del self._live[(episode.rollout_id, episode.key)]
             self._ids.remove(episode._id)
-            self._ended[(episode.rollout_id, episode.attempt)] = None
-            while len(self._ended) > MAX_PROGRESS_KEPT:
-                self._ended.popitem(last=False)
+            self._work.ended(episode.rollout_id, episode.attempt)
         episode.closed = True
         episode.ended.set()
         self._notify()
 
     def drop_restored(self, rollout_id: str, key: str = "") -> Restored | None:
-        restored = self._restored.pop((rollout_id, key), None)
+        restored = self._restored.drop(rollout_id, key)
         if restored is not None:
-            self._ids.remove(restored.id)
             self._notify()
         return restored
 
@@ -642,7 +626,9 @@ class EpisodeRuntime:
             episode.boundary = boundary
             episode.steps_completed += 1
             episode.reached(self.kind)
-            self._progressed(episode)
+            self._work.progressed(
+                episode.rollout_id, episode.key, episode.attempt, episode.steps_completed
+            )
             self._notify()
             return boundary
 
@@ -765,53 +751,20 @@ class EpisodeRuntime:
 
     def release_outside(self, scope: frozenset[str]) -> list[EpisodeId]:
         """Drop restored boundaries the commit scope does not continue."""
-        released = [k for k, r in self._restored.items() if r.rollout_id not in scope]
-        ids = _unique(self._restored[k].id for k in released)
-        for k in released:
-            self._ids.remove(self._restored.pop(k).id)
-        if released:
+        ids = self._restored.release_outside(scope)
+        if ids:
             self._notify()
         return ids
 
     def validate(self, records: Sequence[Record]) -> None:
         """Raise `ValueError` naming the first record this runtime cannot install."""
-        seen: set[tuple[str, str]] = set()
-        for i, record in enumerate(records):
-            if record.kind != self.kind:
-                raise ValueError(f"record {i}: kind {record.kind!r}, expected {self.kind!r}")
-            try:
-                BoundaryData.model_validate(record.data)
-            except ValidationError as exc:
-                raise ValueError(f"record {i} ({record.rollout_id}): {exc}") from exc
-            ident = (record.rollout_id, record.key)
-            if ident in seen:
-                raise ValueError(f"record {i}: duplicate boundary for {record.rollout_id}")
-            seen.add(ident)
+        _validate(records, self.kind)
 
     def install(self, records: Iterable[Record], attempt: int) -> list[EpisodeId]:
         """Install validated records under `attempt`; they wait for that attempt to claim them."""
-        installed: list[EpisodeId] = []
-        for record in records:
-            data = BoundaryData.model_validate(record.data)
-            restored = Restored(
-                rollout_id=record.rollout_id,
-                key=record.key,
-                attempt=attempt,
-                produced_by=record.attempt,
-                boundary=Boundary(data.step, data.state),
-                digest=data.digest,
-                steps=data.steps,
-                active_seconds=data.active_seconds,
-            )
-            restored.encode(self.kind)
-            replaced = self._restored.get((record.rollout_id, record.key))
-            if replaced is not None:
-                self._ids.remove(replaced.id)
-            self._restored[(record.rollout_id, record.key)] = restored
-            self._ids.add(restored.id)
-            installed.append(restored.id)
+        installed = self._restored.install(records, attempt, self.kind)
         self._notify()
-        return _unique(installed)
+        return installed
 
     async def retire(self, attempt: int, rollout_ids: frozenset[str] | None) -> list[EpisodeId]:
         """Stop `attempt`'s episodes (None: all), wait until they have ended, refuse them after.
@@ -831,7 +784,7 @@ class EpisodeRuntime:
         ]
         for episode in targets:
             if not episode.cleanup_started:
-                self._cancelled.add((episode.rollout_id, episode.attempt))
+                self._work.cancelled(episode.rollout_id, episode.attempt)
                 episode.cancel()
         for episode in targets:
             while not episode.ended.is_set():
@@ -840,14 +793,7 @@ class EpisodeRuntime:
                     self.end(episode)
                     break
                 await changed.wait()
-        dropped = [
-            k
-            for k, r in self._restored.items()
-            if r.attempt == attempt and (rollout_ids is None or r.rollout_id in rollout_ids)
-        ]
-        retired = [ep.id for ep in targets] + [self._restored[k].id for k in dropped]
-        for k in dropped:
-            self._ids.remove(self._restored.pop(k).id)
+        retired = [ep.id for ep in targets] + self._restored.retire(attempt, rollout_ids)
         self._notify()
         if rollout_ids is not None:
             retired.extend(EpisodeId(rollout_id=rid, attempt=attempt) for rid in rollout_ids)
@@ -880,6 +826,139 @@ class EpisodeRuntime:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = anyio.Event()
+
+
+class _WorkSince:
+    """The work done since the last checkpoint (what a retire may count as lost), bounded."""
+
+    def __init__(self) -> None:
+        self._progress: OrderedDict[tuple[str, str], tuple[int, int]] = OrderedDict()
+        """(rollout, key) -> (attempt, steps completed) of every episode that completed a step
+        since `forget` (the last checkpoint): what a retire may count as lost."""
+        self._ended: OrderedDict[tuple[str, int], None] = OrderedDict()
+        """(rollout, attempt) of the episodes that ended since `forget`."""
+        self._cancelled: set[tuple[str, int]] = set()
+        """(rollout, attempt) of the episodes a retire cancelled: they ended without finishing."""
+
+    def progress(self, attempt: int) -> dict[tuple[str, str], int]:
+        return {ident: steps for ident, (a, steps) in self._progress.items() if a == attempt}
+
+    def ended_since(self, attempt: int) -> set[str]:
+        return {rid for rid, a in self._ended if a == attempt and (rid, a) not in self._cancelled}
+
+    def forget(self) -> None:
+        self._progress.clear()
+        self._ended.clear()
+        self._cancelled.clear()
+
+    def progressed(self, rollout_id: str, key: str, attempt: int, steps: int) -> None:
+        ident = (rollout_id, key)
+        self._progress[ident] = (attempt, steps)
+        self._progress.move_to_end(ident)
+        while len(self._progress) > MAX_PROGRESS_KEPT:
+            self._progress.popitem(last=False)
+
+    def ended(self, rollout_id: str, attempt: int) -> None:
+        self._ended[(rollout_id, attempt)] = None
+        while len(self._ended) > MAX_PROGRESS_KEPT:
+            self._ended.popitem(last=False)
+
+    def cancelled(self, rollout_id: str, attempt: int) -> None:
+        self._cancelled.add((rollout_id, attempt))
+
+
+def _validate(records: Sequence[Record], kind: str) -> None:
+    """Raise `ValueError` naming the first record a runtime of `kind` cannot install."""
+    seen: set[tuple[str, str]] = set()
+    for i, record in enumerate(records):
+        if record.kind != kind:
+            raise ValueError(f"record {i}: kind {record.kind!r}, expected {kind!r}")
+        try:
+            BoundaryData.model_validate(record.data)
+        except ValidationError as exc:
+            raise ValueError(f"record {i} ({record.rollout_id}): {exc}") from exc
+        ident = (record.rollout_id, record.key)
+        if ident in seen:
+            raise ValueError(f"record {i}: duplicate boundary for {record.rollout_id}")
+        seen.add(ident)
+
+
+class _RestoredBoundaries:
+    """The boundaries a restore installed, by (rollout, key), until their attempt claims them
+    (`claim`), a commit scope or a retire drops them; their ids are kept in the runtime's id
+    set (`_IdSet`) as they come and go."""
+
+    def __init__(self, ids: _IdSet) -> None:
+        self._by_key: dict[tuple[str, str], Restored] = {}
+        self._ids = ids
+
+    def get(self, ident: tuple[str, str]) -> Restored | None:
+        return self._by_key.get(ident)
+
+    def values(self) -> ValuesView[Restored]:
+        return self._by_key.values()
+
+    def claim(self, rollout_id: str, key: str, attempt: int, digest: str | None) -> Restored | None:
+        """The boundary `attempt` continues, taken out; None when it starts afresh (an older
+        attempt's leftover is dropped then). Raises `StaleAttempt` or `TaskMismatch` before
+        anything changes."""
+        restored = self._by_key.get((rollout_id, key))
+        if restored is None:
+            return None
+        if restored.attempt > attempt:
+            raise StaleAttempt(
+                f"{rollout_id} was restored under attempt {restored.attempt}; "
+                f"the call names attempt {attempt}"
+            )
+        if restored.attempt == attempt:
+            if digest is not None and restored.digest is not None and digest != restored.digest:
+                raise TaskMismatch(
+                    f"{rollout_id}: the task does not match the one its checkpoint recorded"
+                )
+            self.drop(rollout_id, key)
+            return restored
+        # an older attempt's leftover (its attempt was never continued): superseded
+        log.warning("dropping restored %s superseded by attempt %d", restored.id, attempt)
+        self.drop(rollout_id, key)
+        return None
+
+    def drop(self, rollout_id: str, key: str) -> Restored | None:
+        restored = self._by_key.pop((rollout_id, key), None)
+        if restored is not None:
+            self._ids.remove(restored.id)
+        return restored
+
+    def release_outside(self, scope: frozenset[str]) -> list[EpisodeId]:
+        released = [k for k, r in self._by_key.items() if r.rollout_id not in scope]
+        ids = _unique(self._by_key[k].id for k in released)
+        for k in released:
+            self._ids.remove(self._by_key.pop(k).id)
+        return ids
+
+    def install(self, records: Iterable[Record], attempt: int, kind: str) -> list[EpisodeId]:
+        installed: list[EpisodeId] = []
+        for record in records:
+            restored = Restored.of(record, attempt)
+            restored.encode(kind)
+            replaced = self._by_key.get((record.rollout_id, record.key))
+            if replaced is not None:
+                self._ids.remove(replaced.id)
+            self._by_key[(record.rollout_id, record.key)] = restored
+            self._ids.add(restored.id)
+            installed.append(restored.id)
+        return _unique(installed)
+
+    def retire(self, attempt: int, rollout_ids: frozenset[str] | None) -> list[EpisodeId]:
+        """Drop the boundaries of `attempt` (of `rollout_ids`); their ids, in install order."""
+        dropped = [
+            k
+            for k, r in self._by_key.items()
+            if r.attempt == attempt and (rollout_ids is None or r.rollout_id in rollout_ids)
+        ]
+        retired = [self._by_key[k].id for k in dropped]
+        for k in dropped:
+            self._ids.remove(self._by_key.pop(k).id)
+        return retired
 
 
 class _IdSet:

@@ -26,13 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi import FastAPI, Query, Request
 
 from ._control import ControlPlane
 from ._counters import StepCounters
 from ._episodes import EpisodeRuntime, RuntimeParticipant
 from ._settings import ControlSettings
 from ._wire import Role
+from .model_api import ChatBody, CompletionBody, decode_body
 
 REQUEST_HEADER = "X-Rollout-Request"
 ATTEMPT_HEADER = "X-Rollout-Attempt"
@@ -86,7 +87,9 @@ class FakeModel:
     attempt. It answers `POST /v1/completions {"prompt", ...}` with
     `{"choices": [{"text": reply(prompt), ...}]}` and `POST /v1/chat/completions {"messages"}`
     with the reply as the assistant's message (the prompt is then the messages' `role: content`
-    lines). `reply` must be a pure function of the prompt (default `echo_reply`).
+    lines). `reply` must be a pure function of the prompt (default `echo_reply`). It reads its
+    requests as the reference model server does (`rollout_protocol.model_api`): a bad one is
+    refused with 422 `invalid_request` naming the field, never answered.
 
     A call naming its episode (`X-Rollout-Request: <rollout_id>/<key>`, `X-Rollout-Attempt`)
     is counted at `GET /stats` as step `call@<key>` of that rollout and attempt (the shape of
@@ -134,27 +137,22 @@ class FakeModel:
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> dict[str, Any]:
-            body = await _json_object(request)
-            text = await model._answer(request, str(body.get("prompt", "")), counters)
+            body = decode_body(await request.body(), CompletionBody)
+            text = await model._answer(request, body.prompt, counters)
             return {
                 "object": "text_completion",
-                "model": str(body.get("model", "fake")),
+                "model": body.model or "fake",
                 "choices": [{"index": 0, "text": text, "finish_reason": "stop"}],
             }
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> dict[str, Any]:
-            body = await _json_object(request)
-            messages = body.get("messages", [])
-            prompt = "\n".join(
-                f"{m.get('role', '')}: {m.get('content', '')}"
-                for m in messages
-                if isinstance(m, dict)
-            )
+            body = decode_body(await request.body(), ChatBody)
+            prompt = "\n".join(f"{m.role}: {m.text}" for m in body.messages)
             text = await model._answer(request, prompt, counters)
             return {
                 "object": "chat.completion",
-                "model": str(body.get("model", "fake")),
+                "model": body.model or "fake",
                 "choices": [
                     {
                         "index": 0,
@@ -303,13 +301,3 @@ def _named(headers: Mapping[str, str]) -> tuple[str, str, int] | None:
     except ValueError:
         return None
     return (rollout_id, key, number) if rollout_id and number >= 0 else None
-
-
-async def _json_object(request: Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except ValueError:
-        body = None
-    if not isinstance(body, dict):
-        raise HTTPException(400, "the body must be a JSON object")
-    return body

@@ -16,10 +16,13 @@ that two of them (status, commit) extend with participant-specific fields; the r
 here ignore unknown fields when read and name the extensions our participants add.
 
 A codec maps in four directions: on the participant side a Gym request to ours
-(`to_ours_request`) and our reply to Gym's (`to_gym_reply`); on the coordinator side our request
-to Gym's (`to_gym_request`) and Gym's reply to ours (`to_ours_reply`). What cannot be said in
-the other dialect raises `Unmappable`, which each side answers with `unsupported` (or
-`invalid_request` for a Gym request our participants cannot honour), never silently dropped.
+(`to_ours_request`) and our reply to Gym's (`to_gym_reply`, which also reads the Gym request);
+on the coordinator side our request to Gym's (`to_gym_request`) and Gym's reply to ours
+(`to_ours_reply`). What cannot be said in the other dialect raises `Unmappable`, which each
+side answers with `unsupported` (or `invalid_request` for a Gym request our participants cannot
+honour), never silently dropped. Refusals map by code (`gym_error`, `our_error`), and on the
+participant side by the participant's state where Gym's code depends on it
+(`participant_refusal`).
 docs/protocol.md lists every field both ways and what cannot map.
 """
 
@@ -49,6 +52,7 @@ from ._routes import (
 from ._wire import (
     HTTP_STATUS,
     MAX_BLOCKERS_REPORTED,
+    ROLLOUT_ID_PATTERN,
     CommitReply,
     CommitRequest,
     EpisodeId,
@@ -59,6 +63,7 @@ from ._wire import (
     Phase,
     PrepareReply,
     PrepareRequest,
+    ProtocolError,
     RenewReply,
     RenewRequest,
     RestoreReply,
@@ -332,13 +337,23 @@ GYM_ERROR_CODES: dict[ErrorCode, tuple[str, int]] = {
     ErrorCode.ADMISSION_CLOSED: ("admission_closed", 409),
     ErrorCode.STORAGE_FAILED: ("invalid_checkpoint_state", 422),
     ErrorCode.RECORDS_INVALID: ("invalid_checkpoint_state", 422),
+    ErrorCode.RECORDS_UNREACHABLE: ("invalid_checkpoint_state", 422),
     ErrorCode.UNAUTHORIZED: ("unauthorized", 401),
 }
 """Our codes Gym has, with Gym's code and status (`errors.py` at the pinned commit). A renew or
 commit of a checkpoint that is not open (`unknown_checkpoint`) is what Gym refuses as
-`invalid_phase` (no checkpoint is active, or another phase). `invalid_request` is answered in
+`invalid_phase` while none is open, and as `checkpoint_conflict` while another one is, which
+our participants say by their state (`participant_refusal`). `invalid_request` is answered in
 FastAPI's validation form (`gym_error`); every other code has no Gym name and passes with ours
-and our status, in Gym's body."""
+and our status, in Gym's body. A restore that finds no manifest (`records_unreachable`) is
+Gym's `invalid_checkpoint_state` worded as Gym's store words it (`GYM_MISSING_MANIFEST`), so it
+reads back as `records_unreachable`."""
+
+GYM_MISSING_MANIFEST = "missing manifest"
+"""How Gym's store begins its refusal of a restore that finds no manifest at the pinned commit
+(`invalid_checkpoint_state`, "missing manifest <path>"): of Gym's `invalid_checkpoint_state`
+refusals, the one that is our `records_unreachable` (the records are not on the storage this
+participant sees, not damaged), which the operator's recovery handles apart."""
 
 OUR_ERROR_CODES: dict[str, ErrorCode] = {
     "stale_checkpoint": ErrorCode.STALE_CHECKPOINT,
@@ -363,6 +378,8 @@ def gym_error(code: ErrorCode, detail: str) -> tuple[int, dict[str, Any]]:
     if code is ErrorCode.INVALID_REQUEST:
         item = GymValidationItem(type="value_error", loc=["body"], msg=detail)
         return GYM_VALIDATION_STATUS, {"detail": [item.model_dump()]}
+    if code is ErrorCode.RECORDS_UNREACHABLE and not detail.startswith(GYM_MISSING_MANIFEST):
+        detail = f"{GYM_MISSING_MANIFEST}: {detail}"
     name, status = GYM_ERROR_CODES.get(code, (code.value, HTTP_STATUS[code]))
     return status, GymErrorBody(error=GymErrorDetail(code=name, detail=detail)).model_dump()
 
@@ -396,6 +413,8 @@ def our_error(status: int, body: bytes) -> tuple[ErrorCode, str]:
             for item in validation.detail
         )
         return ErrorCode.INVALID_REQUEST, detail or f"HTTP {status}"
+    if error.code == "invalid_checkpoint_state" and error.detail.startswith(GYM_MISSING_MANIFEST):
+        return ErrorCode.RECORDS_UNREACHABLE, error.detail
     code = OUR_ERROR_CODES.get(error.code)
     if code is None:
         try:
@@ -420,6 +439,19 @@ class ServerSide:
     attempt: Callable[[], int] = lambda: 0
     """The participant's attempt now: what a Gym restore that names no episode restores under
     (Gym continues each named episode as its next attempt; naming none, no attempt moves)."""
+    open_checkpoint: Callable[[], str | None] = lambda: None
+    """The checkpoint open here now (prepared, committed or restored), if any: what decides
+    Gym's code for a renew or commit of another id (`participant_refusal`)."""
+
+
+def participant_refusal(error: ProtocolError, side: ServerSide) -> ProtocolError:
+    """Our participant's refusal as Gym's participant gives it. Ours refuses a renew or commit
+    of an id that is not open as `unknown_checkpoint` whether another checkpoint is open or none
+    is; Gym's `_admit` says `checkpoint_conflict` when another is open, and `invalid_phase` when
+    none is (what `gym_error` says of `unknown_checkpoint`)."""
+    if error.code is ErrorCode.UNKNOWN_CHECKPOINT and side.open_checkpoint() is not None:
+        return ProtocolError(ErrorCode.CONFLICTING_CHECKPOINT, error.detail)
+    return error
 
 
 @dataclass(frozen=True)
@@ -555,7 +587,9 @@ def _prepare_in(gym: GymCheckpointRequest, side: ServerSide) -> PrepareRequest:
     return PrepareRequest(checkpoint_id=gym.checkpoint_id, deadline_ts=gym.deadline_ts)
 
 
-def _prepare_out(reply: PrepareReply, request: PrepareRequest, side: ServerSide) -> GymPrepareReply:
+def _prepare_out(
+    reply: PrepareReply, request: GymCheckpointRequest, side: ServerSide
+) -> GymPrepareReply:
     return GymPrepareReply(
         phase=reply.phase,
         report=GymReport(
@@ -592,7 +626,7 @@ def _renew_in(gym: GymCheckpointRequest, side: ServerSide) -> RenewRequest:
     return RenewRequest(checkpoint_id=gym.checkpoint_id, deadline_ts=gym.deadline_ts)
 
 
-def _renew_out(reply: RenewReply, request: RenewRequest, side: ServerSide) -> GymRenewReply:
+def _renew_out(reply: RenewReply, request: GymCheckpointRequest, side: ServerSide) -> GymRenewReply:
     return GymRenewReply(lease_expires_at=reply.lease_expires_ts)
 
 
@@ -620,7 +654,7 @@ def _commit_in(gym: GymCommitRequest, side: ServerSide) -> CommitRequest:
     )
 
 
-def _commit_out(reply: CommitReply, request: CommitRequest, side: ServerSide) -> GymCommitReply:
+def _commit_out(reply: CommitReply, request: GymCommitRequest, side: ServerSide) -> GymCommitReply:
     manifest = reply.manifest
     return GymCommitReply(
         phase=Phase.COMMITTED,
@@ -720,7 +754,9 @@ def _restore_in(gym: GymRestoreRequest, side: ServerSide) -> RestoreRequest:
     )
 
 
-def _restore_out(reply: RestoreReply, request: RestoreRequest, side: ServerSide) -> GymRestoreReply:
+def _restore_out(
+    reply: RestoreReply, request: GymRestoreRequest, side: ServerSide
+) -> GymRestoreReply:
     return GymRestoreReply(
         phase=Phase.RESTORED,
         source_checkpoint_id=request.checkpoint_id,
@@ -772,7 +808,9 @@ def _resume_in(gym: GymCheckpointRequest, side: ServerSide) -> ResumeRequest:
     return ResumeRequest(checkpoint_id=gym.checkpoint_id, deadline_ts=gym.deadline_ts)
 
 
-def _resume_out(reply: ResumeReply, request: ResumeRequest, side: ServerSide) -> GymResumeReply:
+def _resume_out(
+    reply: ResumeReply, request: GymCheckpointRequest, side: ServerSide
+) -> GymResumeReply:
     # our reply does not say whether the resume replayed an earlier one (Gym's `idempotent`)
     return GymResumeReply(phase=reply.phase, idempotent=False)
 
@@ -796,10 +834,10 @@ def _retire_in(gym: GymRetireRequest, side: ServerSide) -> RetireRequest:
     )
 
 
-def _retire_out(reply: RetireReply, request: RetireRequest, side: ServerSide) -> GymRetireReply:
+def _retire_out(reply: RetireReply, request: GymRetireRequest, side: ServerSide) -> GymRetireReply:
     # Gym answers with the episodes asked, in the order asked
     return GymRetireReply(
-        retired=[capture_key(rid, request.attempt) for rid in request.rollout_ids or []]
+        retired=[capture_key(e.rollout_id, e.attempt) for e in request.episode_ids]
     )
 
 
@@ -823,13 +861,17 @@ def _retire_read(gym: GymRetireReply, request: RetireRequest, side: ClientSide) 
 
 
 def _forget_in(gym: GymForgetRequest, side: ServerSide) -> ForgetRequest:
+    # Gym's forget takes any strings; one that is not a rollout id of ours was never retired
+    # here, so there is nothing of it to forget (as in Gym, which forgets no mark it lacks)
+    rollout_ids = [rid for rid in gym.rollout_ids if re.fullmatch(ROLLOUT_ID_PATTERN, rid)]
     return ForgetRequest(
-        operation_id=gym.checkpoint_id, deadline_ts=gym.deadline_ts, rollout_ids=gym.rollout_ids
+        operation_id=gym.checkpoint_id, deadline_ts=gym.deadline_ts, rollout_ids=rollout_ids
     )
 
 
-def _forget_out(reply: ForgetReply, request: ForgetRequest, side: ServerSide) -> GymForgetReply:
-    return GymForgetReply(forgotten=sorted(set(request.rollout_ids)))
+def _forget_out(reply: ForgetReply, request: GymForgetRequest, side: ServerSide) -> GymForgetReply:
+    # Gym answers with the rollouts asked, sorted
+    return GymForgetReply(forgotten=sorted(request.rollout_ids))
 
 
 def _forget_send(request: ForgetRequest, side: ClientSide) -> GymForgetRequest:
@@ -854,6 +896,7 @@ class GymCodec:
     reply: type[GymReplyModel]
     to_ours_request: Callable[[Any, ServerSide], Any]
     to_gym_reply: Callable[[Any, Any, ServerSide], GymReplyModel]
+    """(our reply, the Gym request it answers, side) -> Gym's reply."""
     to_gym_request: Callable[[Any, ClientSide], GymRequestModel | None]
     to_ours_reply: Callable[[Any, Any, ClientSide], BaseModel]
 

@@ -6,7 +6,9 @@ promise rests on what that route does before it plays anything, in a fixed order
 and then another attempt than the one this process runs (both before any cached result: a retired
 attempt is never answered from a cache), answer a finished episode's result again without a step,
 attach a repeated call to the live episode instead of starting a second one, and only then begin
-(or continue a restored) episode; the runtime's errors leave as the protocol's error replies.
+(or continue a restored) episode; the runtime's errors leave as the protocol's error replies. The
+rollout id and attempt are checked first, where they enter: one the wire cannot carry (not the
+rollout id pattern, a negative attempt) is a 422 `invalid_request` naming the field.
 Every server used to write these lines itself, and one order mistake answers a retired attempt.
 `RunRoute` does them; the server hands it the request and its episode function.
 """
@@ -19,7 +21,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from ._control import ControlPlane
 from ._episodes import (
@@ -34,7 +36,8 @@ from ._episodes import (
     StaleAttempt,
     TaskMismatch,
 )
-from ._wire import ErrorCode, ProtocolError, task_digest
+from ._http import describe_validation
+from ._wire import EpisodeId, ErrorCode, ProtocolError, task_digest
 
 __all__ = ["RunRoute"]
 
@@ -166,6 +169,7 @@ class RunRoute(Generic[R]):
         """Answer one `/run`: refuse it, answer it from the finished reply, attach it to the
         live episode, or begin (or continue) the episode at `first` and `play` it."""
         rid, attempt = request.rollout_id, request.attempt
+        _valid_episode_id(rid, attempt)
         self._check(rid, attempt)
         digest = task_digest(_task_json(request.task))
         finished = self._finished.get((rid, attempt))
@@ -238,6 +242,14 @@ class RunRoute(Generic[R]):
     def _observe(self, episode: Episode, event: str) -> None:
         if self.runtime.observer is not None:
             self.runtime.observer(episode, RUN_STEP, event)
+
+
+def _valid_episode_id(rollout_id: str, attempt: int) -> None:
+    """Refuse, as 422 `invalid_request` naming the field, an id the runtime could not record."""
+    try:
+        EpisodeId(rollout_id=rollout_id, attempt=attempt)
+    except ValidationError as error:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, describe_validation(error)) from None
 
 
 def _task_json(task: Any) -> dict[str, Any]:

@@ -364,11 +364,6 @@ def records_digest(digests: Iterable[bytes]) -> str:
     return hashlib.sha256(b"".join(digests)).hexdigest()
 
 
-def encode_records(records: Sequence[Record]) -> bytes:
-    """The records file's content: one JSON object per line, in the order given."""
-    return b"".join([encode_record(record).line for record in records])
-
-
 def write_records(
     directory: Path,
     *,

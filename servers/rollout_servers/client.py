@@ -36,7 +36,15 @@ import httpx
 from pydantic import BaseModel, ConfigDict, JsonValue
 from rollout_protocol import ErrorBody, ErrorCode, tracing
 
-from .taskfile import DEFAULT_MAX_ROW_BYTES, Row, RowError, RowFile, RowOptions, scan_rows
+from .taskfile import (
+    DEFAULT_MAX_ROW_BYTES,
+    Row,
+    RowError,
+    RowFile,
+    RowOptions,
+    is_stream,
+    scan_rows,
+)
 from .taskfile import rollout_id as row_rollout_id
 from .tasks import Task, sample_tasks
 from .topology import (
@@ -585,30 +593,40 @@ def row_options(args: argparse.Namespace) -> RowOptions:
     )
 
 
-async def collect(args: argparse.Namespace) -> int:
+def checked_rows(args: argparse.Namespace) -> RowFile | None:
+    """Check a parsed command line before any server is asked for anything, and scan its rows
+    file, when it names one (reading a pipe to its end; opening a FIFO waits for its writer)."""
     if args.concurrency < 1:
         raise SystemExit(
             f"rollout-collect: --concurrency must be at least 1, not {args.concurrency}"
         )
-    rows: RowFile | None = None
     if args.tasks_file is not None:
-        # the whole file is checked before any server is asked for anything
+        if is_stream(args.tasks_file):
+            sys.stderr.write(
+                f"rollout-collect: reading the rows from the pipe {args.tasks_file} until its "
+                "writer closes it (a FIFO waits for a writer first); no episode starts before\n"
+            )
+            sys.stderr.flush()
         try:
-            rows = scan_rows(args.tasks_file, row_options(args))
+            return scan_rows(args.tasks_file, row_options(args))
         except RowError as error:
             raise SystemExit(f"rollout-collect: {error}") from error
-    elif args.tasks < 0:
+    if args.tasks < 0:
         raise SystemExit(f"rollout-collect: --tasks must not be negative, not {args.tasks}")
-    else:
-        parser = build_parser()
-        given = [
-            option
-            for option in ("id_field", "rollouts_per_row", "seed_field", "max_row_bytes")
-            if getattr(args, option) != parser.get_default(option)
-        ]
-        if given:
-            names = ", ".join("--" + option.replace("_", "-") for option in given)
-            raise SystemExit(f"rollout-collect: {names} only apply with --tasks-file")
+    parser = build_parser()
+    given = [
+        option
+        for option in ("id_field", "rollouts_per_row", "seed_field", "max_row_bytes")
+        if getattr(args, option) != parser.get_default(option)
+    ]
+    if given:
+        names = ", ".join("--" + option.replace("_", "-") for option in given)
+        raise SystemExit(f"rollout-collect: {names} only apply with --tasks-file")
+    return None
+
+
+async def collect(args: argparse.Namespace, rows: RowFile | None) -> int:
+    """Run the episodes of a command line that `checked_rows` accepted (`rows`, its rows file)."""
     if args.rollout_set is not None:
         from .discovery import rollout_set_topology
 
@@ -692,6 +710,15 @@ async def _collect(args: argparse.Namespace, topology: Topology, rows: RowFile |
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        rows = checked_rows(args)
+    except KeyboardInterrupt:  # waiting on a FIFO without a writer, or reading a slow pipe
+        sys.stderr.write("rollout-collect: interrupted before the rows were read\n")
+        raise SystemExit(130) from None
     tracing.configure("rollout-collect")
-    code = anyio.run(collect, args)
+    try:
+        code = anyio.run(collect, args, rows)
+    finally:
+        if rows is not None:
+            rows.close()
     raise SystemExit(code)

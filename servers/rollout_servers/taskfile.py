@@ -11,21 +11,28 @@ canonical JSON (the one `task_digest` computes, so the same row gets the same id
 Rollout ids are `<prefix><row id>-<k>` for k in 0..K-1; each rollout's seed is derived from
 (the run's seed, the row id, k), so ids and seeds are stable across runs and restarts.
 
-The file is read twice, streaming: `scan_rows` validates every line before any episode starts
-(JSON objects only, bounded size, ids that fit the protocol's rollout id pattern, no duplicate
-ids, not empty) and keeps only the ids; `RowFile.rows` then yields the rows again, lazily, while
-their episodes run, checking that each line still has the id the scan saw. Memory grows with
-the number of rows (their ids), never with the size of the file.
+The file is opened once and read once, as a stream, so a pipe, a FIFO or a process substitution
+(`<(...)`, a `/dev/fd/N` path) works as well as a regular file: `scan_rows` validates every line
+before any episode starts (JSON objects only, bounded size, ids that fit the protocol's rollout
+id pattern, no duplicate ids, not empty) and keeps only the ids; `RowFile.rows` then yields the
+rows again, lazily, while their episodes run, from a seekable source it holds open: a regular
+file's own descriptor (each line checked to still have the id the scan saw), or else a private
+unnamed temporary file the scan copied the stream's lines into. Memory grows with the number of
+rows (their ids), never with the size of the file; only a stream costs disk, its own size.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from types import TracebackType
+from typing import IO, Any, Self
 
 from rollout_protocol import ROLLOUT_ID_PATTERN, task_digest
 
@@ -85,34 +92,45 @@ def rollout_seed(seed: int, row_id: str, sample: int) -> int:
     return int(stable_fraction("rollout-seed", seed, row_id, sample) * SEED_RANGE)
 
 
-def read_rows(path: Path, options: RowOptions) -> Iterator[Row]:
-    """Every row of the file in order, validated; raises `RowError` at the first bad line,
-    a duplicate id, or a file without rows."""
+def read_rows(
+    path: Path, stream: IO[bytes], options: RowOptions, copy: IO[bytes] | None = None
+) -> Iterator[Row]:
+    """Every row of `stream` (the file at `path`, which the messages name) in order, validated;
+    raises `RowError` at the first bad line, a duplicate id, or a file without rows. Every line
+    read is also written to `copy`, when given."""
     seen: dict[str, int] = {}
     try:
-        with path.open("rb") as stream:
-            for line, data in _objects(path, stream, options.max_row_bytes):
-                row_id = _row_id(path, line, data, options)
-                first = seen.setdefault(row_id, line)
-                if first != line:
-                    how = "" if options.id_field else " (the rows are identical)"
-                    raise RowError(
-                        f"{path} line {line}: row id {row_id!r} is also line {first}'s{how}"
-                    )
-                yield Row(line, row_id, data)
+        for line, data in _objects(path, stream, options.max_row_bytes, copy):
+            row_id = _row_id(path, line, data, options)
+            first = seen.setdefault(row_id, line)
+            if first != line:
+                how = "" if options.id_field else " (the rows are identical)"
+                raise RowError(f"{path} line {line}: row id {row_id!r} is also line {first}'s{how}")
+            yield Row(line, row_id, data)
     except OSError as error:
         raise RowError(f"cannot read the rows file: {error}") from error
     if not seen:
         raise RowError(f"{path}: no rows (the file is empty or has only blank lines)")
 
 
+def is_stream(path: Path) -> bool:
+    """Whether `path` is a pipe or FIFO (a process substitution's `/dev/fd/N` included): read
+    until its writer closes it, and opening a FIFO waits for a writer, as `cat` does."""
+    try:
+        return stat.S_ISFIFO(path.stat().st_mode)
+    except (OSError, ValueError):
+        return False
+
+
 @dataclass(frozen=True)
 class RowFile:
-    """A rows file that `scan_rows` validated: its row ids by line, and the options."""
+    """A rows file that `scan_rows` validated: its row ids by line, the options, and the open
+    seekable source its rows are read again from (close it with `close` or a `with` block)."""
 
     path: Path
     options: RowOptions
     ids: dict[int, str]
+    source: IO[bytes]
 
     @property
     def episodes_total(self) -> int:
@@ -120,10 +138,14 @@ class RowFile:
         return len(self.ids) * self.options.rollouts_per_row
 
     def rows(self) -> Iterator[Row]:
-        """The rows, read again from the file as they are needed, each checked to have the id
-        the scan saw on its line."""
+        """The rows, read again from the source as they are needed (one pass at a time), each
+        checked to have the id the scan saw on its line."""
         count = 0
-        for row in read_rows(self.path, self.options):
+        try:
+            self.source.seek(0)
+        except OSError as error:
+            raise RowError(f"cannot read the rows file: {error}") from error
+        for row in read_rows(self.path, self.source, self.options):
             if self.ids.get(row.line) != row.row_id:
                 raise RowError(f"{self.path} line {row.line}: the file changed while running")
             count += 1
@@ -139,17 +161,58 @@ class RowFile:
             return row.data
         return row.data | {field: rollout_seed(self.options.seed, row.row_id, sample)}
 
+    def close(self) -> None:
+        """Close the source (a stream's copy is deleted with it)."""
+        self.source.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
 
 def scan_rows(path: Path, options: RowOptions) -> RowFile:
-    """Validate the whole file (see `read_rows`) and keep its row ids."""
-    return RowFile(path, options, {row.line: row.row_id for row in read_rows(path, options)})
+    """Open the file once, validate all of it (see `read_rows`) and keep its row ids and a
+    source to read the rows again from: the file itself when it is a regular file, else a copy
+    of the stream's lines (a pipe, a FIFO or a character device can be read only once)."""
+    try:
+        stream = path.open("rb")
+    except OSError as error:
+        raise RowError(f"cannot read the rows file: {error}") from error
+    try:
+        regular = stat.S_ISREG(os.fstat(stream.fileno()).st_mode)
+        # the source outlives this call (the RowFile closes it); a regular file is its own
+        # source, so nothing renamed over it later is read
+        source = stream if regular else tempfile.TemporaryFile()  # noqa: SIM115
+    except OSError as error:
+        stream.close()
+        raise RowError(f"cannot copy the rows of {path}: {error}") from error
+    try:
+        copy = None if regular else source
+        ids = {row.line: row.row_id for row in read_rows(path, stream, options, copy)}
+    except BaseException:
+        source.close()
+        raise
+    finally:
+        if not regular:
+            stream.close()
+    return RowFile(path, options, ids, source)
 
 
 # --- one line ---------------------------------------------------------------------------------
 
 
-def _objects(path: Path, stream: IO[bytes], limit: int) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, object) for every non-blank line, without reading a line past `limit`."""
+def _objects(
+    path: Path, stream: IO[bytes], limit: int, copy: IO[bytes] | None
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for every non-blank line, without reading a line past `limit`;
+    each line read is written to `copy` too, when given."""
     line = 0
     while True:
         raw = stream.readline(limit + 1)
@@ -158,6 +221,8 @@ def _objects(path: Path, stream: IO[bytes], limit: int) -> Iterator[tuple[int, d
         line += 1
         if len(raw) > limit and not raw.endswith(b"\n"):
             raise RowError(f"{path} line {line}: longer than {limit} bytes")
+        if copy is not None:
+            copy.write(raw)
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as error:

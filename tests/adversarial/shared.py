@@ -14,6 +14,7 @@ import httpx
 from rollout_operator.decide.resources import participant_pod
 from rollout_operator.model import api
 from rollout_protocol import API_PREFIX, ControlPlane, ControlSettings, ErrorBody, ErrorCode, Role
+from testsupport import builders
 from testsupport.controlplane import served
 from testsupport.fakecluster import FakeCluster
 
@@ -99,28 +100,14 @@ def set_cluster(obj: dict[str, Any], checkpoints: Sequence[str] = ()) -> FakeClu
 def ready_checkpoint(obj: dict[str, Any], name: str) -> dict[str, Any]:
     """A Ready RolloutCheckpoint of the set `obj`."""
     meta = obj["metadata"]
-    return {
-        "apiVersion": api.API_VERSION,
-        "kind": "RolloutCheckpoint",
-        "metadata": {
-            "name": name,
-            "namespace": meta["namespace"],
-            "creationTimestamp": "2026-11-29T12:00:00Z",
-        },
-        "spec": {"rolloutSet": meta["name"], "trigger": "Manual"},
-        "status": {
-            "phase": "Ready",
-            "completedAt": "2026-11-29T12:00:01Z",
-            "conditions": [
-                {
-                    "type": "Ready",
-                    "status": "True",
-                    "reason": "Published",
-                    "lastTransitionTime": "2026-11-29T12:00:01Z",
-                }
-            ],
-        },
-    }
+    done = "2026-11-29T12:00:01Z"
+    return builders.checkpoint_body(
+        name,
+        set_name=meta["name"],
+        namespace=meta["namespace"],
+        created="2026-11-29T12:00:00Z",
+        status=builders.checkpoint_status("Ready", at=done, completed=done),
+    )
 
 
 BAD_PATHS = {

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 from rollout_operator.cluster.storage import StorageLocator
-from rollout_operator.decide.policy import Note
+from rollout_operator.decide.policy.views import Note
 from rollout_operator.flows.policypass import checkpoint_deleted, set_deleted
 from rollout_operator.model import api
 from rollout_operator.model.api import ROLLOUT_CHECKPOINT_PLURAL

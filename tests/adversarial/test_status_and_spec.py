@@ -23,7 +23,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 from rollout_operator.cluster.storage import StorageLocator
-from rollout_operator.decide.policy import checkpoint_views
+from rollout_operator.decide.policy.views import checkpoint_views
 from rollout_operator.decide.resources import STORAGE_VOLUME_NAME, reserved_volume_notes
 from rollout_operator.decide.setstatus import latest_repair
 from rollout_operator.flows.checkpointrepairs import (
@@ -37,6 +37,7 @@ from rollout_operator.model import api
 from rollout_operator.model.settings import MAX_DIFFBASE_FIELD_BYTES, compact_essence
 from rollout_protocol import ControlPlane
 from shared import checkpoint, pod_settings, serve, set_object
+from testsupport import builders
 from testsupport.fakecluster import FakeCluster
 from testsupport.participants import FakeParticipant
 from testsupport.policy import Run, rollout_set, seeded
@@ -128,18 +129,14 @@ async def test_a_failed_checkpoint_whose_records_verify_is_ready_again_unless_a_
     obj = set_object("team-a", UID, tmp_path)
     await _published(tmp_path, obj, "c1")
     at = (datetime.now(UTC) - timedelta(minutes=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
-    raw = {
-        "apiVersion": api.API_VERSION,
-        "kind": "RolloutCheckpoint",
-        "metadata": {"name": "c1", "namespace": "team-a", "generation": 1, "creationTimestamp": at},
-        "spec": {"rolloutSet": "math", "trigger": "Manual"},
-        "status": {
-            "phase": "Failed",
-            "conditions": [
-                {"type": "Failed", "status": "True", "reason": reason, "lastTransitionTime": at}
-            ],
-        },
-    }
+    raw = builders.checkpoint_body(
+        "c1",
+        set_name="math",
+        namespace="team-a",
+        generation=1,
+        created=at,
+        status=builders.checkpoint_status("Failed", at=at, type_="Failed", reason=reason),
+    )
     cluster = FakeCluster()
     cluster.put(obj)
     cluster.put(raw)
@@ -252,19 +249,9 @@ def _view(name: str, phase: str | None, completed: int, set_name: str = "math") 
     )
     status: dict[str, Any] = {}
     if phase is not None:
-        ready = "True" if phase in ("Ready", "Resuming") else "False"
-        status = {
-            "phase": phase,
-            "completedAt": at if phase == "Ready" else None,
-            "conditions": [
-                {"type": "Ready", "status": ready, "reason": "X", "lastTransitionTime": at}
-            ],
-        }
-    return {
-        "metadata": {"name": name, "namespace": "ns", "creationTimestamp": at},
-        "spec": {"rolloutSet": set_name, "trigger": "Manual"},
-        "status": status,
-    }
+        done = at if phase == "Ready" else None
+        status = builders.checkpoint_status(phase, at=at, completed=done, reason="X")
+    return builders.checkpoint_body(name, set_name=set_name, created=at, status=status)
 
 
 def _latest_of(latest: str | None, *raw: dict[str, Any]) -> dict[str, Any] | None:

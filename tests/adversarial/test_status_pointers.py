@@ -15,11 +15,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from rollout_operator.cluster.leases import CheckpointLeases, holder_of, lease_name
-from rollout_operator.flows.checkpoint import CheckpointFlow
-from rollout_operator.flows.recovery import RecoveryFlow
+from rollout_operator.flows.checkpoint.slot import why_wait
+from rollout_operator.flows.recovery.pods import restorable_checkpoint
+from rollout_operator.flows.recovery.restore import invalidate, still_restorable
 from rollout_operator.model import api
 from rollout_operator.model.api import ROLLOUT_CHECKPOINT_PLURAL, ROLLOUT_SET_PLURAL
+from testsupport import builders
 from testsupport.fakecluster import FakeCluster
+from testsupport.recovery import context_over
 
 NS = "team"
 SET = "math"
@@ -42,21 +45,15 @@ def _set(status: dict[str, Any]) -> dict[str, Any]:
 
 def _checkpoint(name: str, phase: str, *, of: str = SET, minute: int = 0) -> dict[str, Any]:
     at = f"2026-11-29T12:{minute:02d}:00Z"
-    ready = "True" if phase in ("Ready", "Resuming") else "False"
-    return {
-        "apiVersion": api.API_VERSION,
-        "kind": "RolloutCheckpoint",
-        "metadata": {"name": name, "namespace": NS, "generation": 1, "creationTimestamp": at},
-        "spec": {"rolloutSet": of, "trigger": "Manual"},
-        "status": {
-            "phase": phase,
-            "attempt": 1,
-            "completedAt": at if phase == "Ready" else None,
-            "conditions": [
-                {"type": "Ready", "status": ready, "reason": "X", "lastTransitionTime": at}
-            ],
-        },
-    }
+    completed = at if phase == "Ready" else None
+    return builders.checkpoint_body(
+        name,
+        set_name=of,
+        namespace=NS,
+        generation=1,
+        created=at,
+        status=builders.checkpoint_status(phase, at=at, completed=completed, reason="X", attempt=1),
+    )
 
 
 def holding(obj: dict[str, Any], checkpoints: Sequence[dict[str, Any]]) -> FakeCluster:
@@ -118,9 +115,9 @@ async def test_a_recovery_never_restores_another_sets_checkpoint_written_into_it
     )
     kube = cluster.kube()
     events = Events()
-    flow = RecoveryFlow(kube, on_transition=events)
+    context = context_over(cluster, events=events)
     rset = api.RolloutSet.model_validate(await kube.get_set(NS, SET))
-    repaired = await flow._still_restorable(rset)
+    repaired = await still_restorable(context, rset)
     assert repaired.status.recovery is not None
     assert repaired.status.recovery.checkpoint == "mine"
     assert stored(cluster, ROLLOUT_SET_PLURAL, SET)["status"]["recovery"]["checkpoint"] == "mine"
@@ -135,9 +132,9 @@ async def test_a_restore_failure_never_marks_another_sets_checkpoint_invalid() -
     cluster = holding(_recovering("theirs"), [theirs])
     before = stored(cluster, ROLLOUT_CHECKPOINT_PLURAL, "theirs")
     kube = cluster.kube()
-    flow = RecoveryFlow(kube)
+    context = context_over(cluster)
     rset = api.RolloutSet.model_validate(await kube.get_set(NS, SET))
-    await flow._invalidate(rset, "theirs", "sha256 mismatch")
+    await invalidate(context, rset, "theirs", "sha256 mismatch")
     assert stored(cluster, ROLLOUT_CHECKPOINT_PLURAL, "theirs") == before
 
 
@@ -155,9 +152,9 @@ async def test_a_recovery_restores_the_newest_ready_checkpoint_not_a_written_lat
             ],
         )
         kube = cluster.kube()
-        flow = RecoveryFlow(kube)
+        context = context_over(cluster)
         rset = api.RolloutSet.model_validate(await kube.get_set(NS, SET))
-        assert await flow._restorable_checkpoint(rset) == "mine", written
+        assert await restorable_checkpoint(context, rset) == "mine", written
 
 
 async def test_a_cleared_active_checkpoint_does_not_start_a_second_checkpoint() -> None:
@@ -186,8 +183,7 @@ async def test_a_cleared_active_checkpoint_does_not_start_a_second_checkpoint() 
     # a user clears `activeCheckpoint` (`kubectl patch --subresource=status`)
     cluster.update(ROLLOUT_SET_PLURAL, NS, SET, lambda s: s["status"].pop("activeCheckpoint", None))
     rset = api.RolloutSet.model_validate(await kube.get_set(NS, SET))
-    flow = CheckpointFlow(kube)
-    assert flow._why_wait(rset) is None, "the set itself lets a checkpoint start"
+    assert why_wait(rset) is None, "the set itself lets a checkpoint start"
     assert await CheckpointLeases(kube).take(rset, "next", 600) == "running"
     assert holder_of(stored(cluster, "leases", lease_name(SET))) == "running"
     # with nothing running, `next` takes the slot over (one compare-and-swap)

@@ -17,6 +17,7 @@ from typing import Any
 
 from kubernetes_asyncio import client as k8s
 from rollout_operator.model import api
+from testsupport import builders
 from testsupport.operator_fixtures import Resources, condition
 
 from devcluster.waiting import wait_for
@@ -63,12 +64,7 @@ def counter_set(
 
 
 def manual_checkpoint(name: str, set_name: str) -> dict[str, Any]:
-    return {
-        "apiVersion": api.API_VERSION,
-        "kind": api.ROLLOUT_CHECKPOINT_KIND,
-        "metadata": {"name": name},
-        "spec": {"rolloutSet": set_name},
-    }
+    return builders.checkpoint_body(name, set_name=set_name, namespace=None, trigger=None)
 
 
 def rfc3339(when: datetime) -> str:

@@ -12,6 +12,7 @@ import pytest
 from pydantic import ValidationError
 from rollout_operator.cluster.kube import Kube
 from rollout_operator.model import api, crdgen
+from testsupport import builders
 
 from devcluster.cluster import Cluster
 from harness.objects import wait_established
@@ -176,12 +177,13 @@ def test_storage_is_immutable(crds: Cluster, namespace: str) -> None:
 
 def test_short_names_category_and_printer_columns(crds: Cluster, namespace: str) -> None:
     assert create(crds, namespace, rollout_set())[0] == 0
-    checkpoint = {
-        "apiVersion": api.API_VERSION,
-        "kind": "RolloutCheckpoint",
-        "metadata": {"name": "math-rl-step-1"},
-        "spec": {"rolloutSet": "math-rl", "trigger": "TrainerCheckpoint", "trainerStep": 1},
-    }
+    checkpoint = builders.checkpoint_body(
+        "math-rl-step-1",
+        set_name="math-rl",
+        namespace=None,
+        trigger="TrainerCheckpoint",
+        trainerStep=1,
+    )
     assert create(crds, namespace, checkpoint)[0] == 0
     sets = crds.kubectl("get", "rset", "-n", namespace).stdout.splitlines()
     header = [
@@ -215,12 +217,9 @@ def test_short_names_category_and_printer_columns(crds: Cluster, namespace: str)
 
 def test_checkpoint_rules(crds: Cluster, namespace: str) -> None:
     def checkpoint(name: str, **spec: Any) -> dict[str, Any]:
-        return {
-            "apiVersion": api.API_VERSION,
-            "kind": "RolloutCheckpoint",
-            "metadata": {"name": name},
-            "spec": {"rolloutSet": "math-rl", **spec},
-        }
+        return builders.checkpoint_body(
+            name, set_name="math-rl", namespace=None, **{"trigger": None, **spec}
+        )
 
     code, stderr = create(crds, namespace, checkpoint("no-step", trigger="TrainerCheckpoint"))
     assert code != 0
@@ -251,12 +250,7 @@ async def test_a_sets_checkpoints_are_listed_by_the_api_server(
     (every policy pass) is filtered by the API server, unlabelled ones included."""
 
     def checkpoint(name: str, set_name: str) -> dict[str, Any]:
-        return {
-            "apiVersion": api.API_VERSION,
-            "kind": "RolloutCheckpoint",
-            "metadata": {"name": name},
-            "spec": {"rolloutSet": set_name},
-        }
+        return builders.checkpoint_body(name, set_name=set_name, namespace=None, trigger=None)
 
     for name, set_name in [("a-1", "set-a"), ("a-2", "set-a"), ("b-1", "set-b")]:
         assert create(crds, namespace, checkpoint(name, set_name))[0] == 0

@@ -27,6 +27,7 @@ import yaml
 from policy_support import WAIT, counter_set, wait_condition, when
 from rollout_operator.decide import queue
 from rollout_operator.model import api
+from rollout_operator.model.reasons import Reason
 from test_policy_servers import (
     SET,
     check_continued,
@@ -233,7 +234,7 @@ async def test_preemption_saves_the_episodes_yields_the_gpu_and_resumes(
         resumed = await wait_attempt_2(resources)
         await check_continued(running, resources, storage_dir, ckpt)
 
-    assert condition(resumed, "Preempted")["reason"] == queue.Reason.READMITTED  # type: ignore[index]
+    assert condition(resumed, "Preempted")["reason"] == Reason.READMITTED  # type: ignore[index]
     assert condition(resumed, "Recovering")["reason"] == "Restored"  # type: ignore[index]
     assert resumed["status"]["restarts"] == 0
     assert resumed["status"]["latestCheckpoint"] == ckpt["metadata"]["name"]

@@ -28,7 +28,8 @@ from policy_support import (
     wait_ready,
     when,
 )
-from rollout_operator.decide.policy import ANNOTATION_DEADLINE_OUTCOME, save_reserve_seconds
+from rollout_operator.decide.policy.deadline import save_reserve_seconds
+from rollout_operator.decide.policy.views import ANNOTATION_DEADLINE_OUTCOME
 from rollout_protocol import read_records
 from testsupport.operator_fixtures import (
     OperatorProcess,

@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 import httpx
 from policy_support import WAIT, patch_set, wait_condition, wait_ready, when
-from rollout_operator.decide.policy import EVICTION_COMMIT_MARGIN_SECONDS
+from rollout_operator.decide.policy.eviction import EVICTION_COMMIT_MARGIN_SECONDS
 from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
 from rollout_servers.discovery import rollout_set_topology
 from testsupport.operator_fixtures import (

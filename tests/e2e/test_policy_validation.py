@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 from rollout_operator.model import api
+from testsupport import builders
 
 from devcluster.cluster import Cluster
 from harness.objects import apply_crds
@@ -35,12 +36,9 @@ def policy_set(policy: dict[str, Any], recovery: dict[str, Any] | None = None) -
 
 
 def trainer_checkpoint(spec: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "apiVersion": api.API_VERSION,
-        "kind": api.ROLLOUT_CHECKPOINT_KIND,
-        "metadata": {"name": "refused"},
-        "spec": {"rolloutSet": "math-rl", **spec},
-    }
+    return builders.checkpoint_body(
+        "refused", set_name="math-rl", namespace=None, **{"trigger": None, **spec}
+    )
 
 
 REFUSED: dict[str, tuple[dict[str, Any], type[BaseModel], list[str]]] = {

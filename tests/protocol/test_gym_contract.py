@@ -210,6 +210,67 @@ async def test_our_participant_refuses_as_gym_does(tmp_path: Path) -> None:
         _valid(upstream.UpstreamValidationBody, unknown.json(), "our refusal of an extra field")
 
 
+@pytest.mark.anyio
+async def test_a_gym_forget_of_ids_never_retired_forgets_nothing_as_gym_does(
+    tmp_path: Path,
+) -> None:
+    """Gym's forget takes any strings (`rollout_ids: list[str]`) and answers them, sorted: a
+    rollout id ours cannot carry (`../x`, 10,000 characters, a NUL) was never retired here, so
+    there is nothing of it to forget; the rollout ids beside it are forgotten as asked."""
+    hostile = ["../x", "r" * 10_000, "r\x00x"]
+    async with _our_participant(tmp_path) as http:
+        _reply(await _send(http, "retire"), "retire")  # a mark of r1 to forget
+        replied = _reply(await _send(http, "forget", rollout_ids=[*hostile, "r1"]), "forget")
+        assert replied == {"forgotten": sorted([*hostile, "r1"])}
+        only = _reply(
+            await _send(http, "forget", checkpoint_id="f2", rollout_ids=hostile), "forget"
+        )
+        assert only == {"forgotten": sorted(hostile)}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("operation", ["renew", "commit"])
+async def test_a_renew_or_commit_of_another_id_conflicts_as_in_gym(
+    tmp_path: Path, operation: str
+) -> None:
+    """Gym's `_admit`: another checkpoint open is `checkpoint_conflict`, none open is
+    `invalid_phase` (ours says `unknown_checkpoint` of both)."""
+    async with _our_participant(tmp_path) as http:
+        other = {"checkpoint_id": "c2", "checkpoint_dir": "c2"} if operation == "commit" else {}
+        none_open = await _send(http, operation, **(other or {"checkpoint_id": "c2"}))
+        _refusal(none_open, "invalid_phase")
+        _reply(await _send(http, "prepare"), "prepare")  # c1 prepared
+        conflict = await _send(http, operation, **(other or {"checkpoint_id": "c2"}))
+        _refusal(conflict, "checkpoint_conflict")
+        assert "'c2'" in conflict.json()["error"]["detail"]
+
+
+@pytest.mark.anyio
+async def test_a_gym_restore_without_a_manifest_is_gyms_invalid_checkpoint_state(
+    tmp_path: Path,
+) -> None:
+    """Gym's store refuses a restore that finds no manifest as `invalid_checkpoint_state`,
+    "missing manifest <path>"; ours says it so, and our client reads it back as
+    `records_unreachable` (the records are not on this storage, not damaged), from our
+    participant as from Gym's own wording."""
+    async with _our_participant(tmp_path) as http:
+        refused = await _send(http, "restore", checkpoint_id="c7", checkpoint_dir="c7")
+        _refusal(refused, "invalid_checkpoint_state")
+        detail = refused.json()["error"]["detail"]
+        assert detail.startswith("missing manifest: no manifest at "), detail
+    (gyms,) = [
+        item
+        for item in _fixture("errors")
+        if item["body"].get("error", {}).get("code") == "invalid_checkpoint_state"
+    ]
+    for status, body in ((refused.status_code, refused.json()), (gyms["status"], gyms["body"])):
+        error = {"status": status, "body": body}
+        async with _upstream_client(UpstreamParticipant(error=error)) as client:
+            with pytest.raises(ParticipantError) as read:
+                await client.prepare(PrepareRequest(checkpoint_id="c1", deadline_ts=_deadline()))
+        assert (read.value.code, read.value.status_code) == (ErrorCode.RECORDS_UNREACHABLE, 422)
+
+
 # --- our client, against a participant that speaks only Gym's dialect -------------------------
 
 

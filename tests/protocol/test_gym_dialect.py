@@ -114,6 +114,7 @@ def test_error_codes_map_both_ways() -> None:
         ErrorCode.ADMISSION_CLOSED: ("admission_closed", 409),
         ErrorCode.STORAGE_FAILED: ("invalid_checkpoint_state", 422),
         ErrorCode.RECORDS_INVALID: ("invalid_checkpoint_state", 422),
+        ErrorCode.RECORDS_UNREACHABLE: ("invalid_checkpoint_state", 422),  # "missing manifest"
         ErrorCode.UNAUTHORIZED: ("unauthorized", 401),
     }
     for code in ErrorCode:
@@ -389,11 +390,13 @@ async def test_a_gym_only_participant_answers_gym_json(tmp_path: Path) -> None:
         }
         early = await _gym(http, "restore", **restore)
         assert (early.status_code, early.json()["error"]["code"]) == (409, "invalid_phase")
-        # a renew of a checkpoint that is not the open one: our `unknown_checkpoint`, said as
-        # Gym's `invalid_phase` (docs/protocol.md: Gym says `checkpoint_conflict` when another
-        # one is open, which our code does not tell apart)
+        # a renew of a checkpoint that is not the open one while c1 is: our
+        # `unknown_checkpoint`, said as Gym's `_admit` says it, `checkpoint_conflict`
         unknown = await _gym(http, "renew", checkpoint_id="c9")
-        assert (unknown.status_code, unknown.json()["error"]["code"]) == (409, "invalid_phase")
+        assert (unknown.status_code, unknown.json()["error"]["code"]) == (
+            409,
+            "checkpoint_conflict",
+        )
         resumed = await _gym(http, "resume", checkpoint_id="c1")
         assert resumed.json() == {"phase": "idle", "idempotent": False}
         stale = await _gym(http, "prepare", checkpoint_id="c1")

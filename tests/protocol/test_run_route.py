@@ -1,6 +1,7 @@
 """`RunRoute`, the SDK's `/run` duties (docs/sdk.md, section 2), over real HTTP: the order of the
 refusals (a retired attempt refused although its result is kept), a repeated `/run` attached to
-the live episode whose steps run once, mismatched attempts and tasks refused, errors mapped.
+the live episode whose steps run once, mismatched attempts and tasks refused, errors mapped, and
+ids the wire cannot carry refused as the protocol's 422.
 
 The server is a small app on the public SDK served on a loopback port in this event loop
 (`rollout_protocol.conformance.serve_app`); its one step waits on an event the test sets, so
@@ -278,6 +279,34 @@ async def test_errors_leave_as_the_protocols_replies(tmp_path: Path) -> None:
         # shutting down: 503 before anything else, even for a kept result
         server.draining = True
         assert refused(await post_run(app, "r-bug")) == (503, "admission_closed")
+
+
+@pytest.mark.parametrize(
+    ("rollout_id", "attempt", "field"),
+    [
+        ("../x", 0, "rollout_id"),
+        ("r" * 10_000, 0, "rollout_id"),
+        ("r\x00x", 0, "rollout_id"),
+        ("", 0, "rollout_id"),
+        ("r-1", -1, "attempt"),
+    ],
+    ids=["dot-dot-slash", "10000-chars", "nul", "empty", "negative-attempt"],
+)
+async def test_an_id_the_wire_cannot_carry_is_a_422_naming_it(
+    tmp_path: Path, rollout_id: str, attempt: int, field: str
+) -> None:
+    """The server's own body model takes any string (as the guide's does): `RunRoute` checks
+    the id where it enters, before any duty or the runtime, and answers the protocol's 422
+    naming the field, without echoing the id; nothing begins."""
+    async with served(tmp_path) as (server, app):
+        server.release.set()
+        reply = await post_run(app, rollout_id, attempt=attempt)
+        assert refused(reply) == (422, "invalid_request")
+        detail = reply.json()["error"]["detail"]
+        assert detail.startswith(f"{field}: "), detail
+        assert len(detail) < 200
+        assert server.step_runs == 0
+        assert server.runtime.find(rollout_id) is None
 
 
 @pytest.mark.parametrize(

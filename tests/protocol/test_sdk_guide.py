@@ -14,11 +14,14 @@ also run with its snapshot hook taken out (the object kept beside the runtime on
 the recipe warns of), which the kit must fail. The fresh-environment test builds the SDK's
 distribution (`protocol/`) alone, installs it with its `kit` extra and pytest into a new virtual
 environment (from the package index; pip's cache makes it about 15 s) and runs the same files
-there: nothing else of this project is importable in it.
+there: nothing else of this project is importable in it. The minimal server as printed,
+imported and served in process, refuses requests it cannot play (a rollout id the wire cannot
+carry, a task without its question) as the protocol's 422 naming the field.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -27,6 +30,10 @@ import sys
 import zipfile
 from pathlib import Path
 from typing import Any
+
+import pytest
+from rollout_protocol import ControlSettings, Role
+from rollout_protocol.conformance import serve_app
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "sdk.md"
@@ -202,3 +209,52 @@ def test_the_sdk_installs_alone_and_runs_the_guides_server(tmp_path: Path) -> No
     write_guide_files(files)
     run_the_guides_tests_under_pytest(python, files, clean)
     run_the_guides_tests_alone(python, files, clean)
+
+
+def import_guide_server(directory: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The guide's `minimal_server.py`, as printed, imported as the module `minimal_server` (in
+    `sys.modules` for the test: FastAPI resolves its annotations there)."""
+    write_guide_files(directory)
+    spec = importlib.util.spec_from_file_location("minimal_server", directory / "minimal_server.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "minimal_server", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("rollout_id", "task", "detail"),
+    [
+        ("../x", {"question": "1+1?"}, "rollout_id: "),
+        ("r" * 10_000, {"question": "1+1?"}, "rollout_id: "),
+        ("r\x00x", {"question": "1+1?"}, "rollout_id: "),
+        ("r-1", {"prompt": "1+1?"}, "task.question: a string is required"),
+        ("r-1", {"question": None}, "task.question: a string is required"),
+    ],
+    ids=["dot-dot-slash", "10000-chars", "nul", "no-question", "null-question"],
+)
+async def test_the_guides_server_refuses_what_it_cannot_play_as_a_422(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    rollout_id: str,
+    task: dict[str, Any],
+    detail: str,
+) -> None:
+    """A careless or hostile `/run` to the guide's server as printed: the protocol's error body,
+    422 `invalid_request` naming the field, never a bare 500 (which rollout-collect would
+    re-issue under the next attempt); the model (an unreachable address) is never called."""
+    server = import_guide_server(tmp_path, monkeypatch)
+    token = "guide-token"
+    settings = ControlSettings(
+        Role.ENVIRONMENT, set_name="guide", checkpoint_root=tmp_path / "ck", token=token
+    )
+    app = server.build_app(settings, "http://127.0.0.1:9")
+    async with serve_app(app, role=Role.ENVIRONMENT, token=token) as served:
+        body = {"rollout_id": rollout_id, "attempt": 0, "task": task}
+        reply = await served.client.post("/run", json=body, timeout=RUN_TIMEOUT_S)
+    assert reply.status_code == 422, reply.text[:300]
+    error = reply.json()["error"]
+    assert error["code"] == "invalid_request"
+    assert error["detail"].startswith(detail), error["detail"]

@@ -1,6 +1,7 @@
-"""The one place tests build RolloutSets from: a manifest as `kubectl apply` takes it
-(`set_body`) or the operator's model of it (`rollout_set`), with its participants' pod templates
-(`participant`, `container`).
+"""The one place tests build RolloutSets and RolloutCheckpoints from: a manifest as `kubectl apply`
+takes it (`set_body`, `checkpoint_body`) or the operator's model of it (`rollout_set`,
+`rollout_checkpoint`), with a set's participants' pod templates (`participant`, `container`) and
+a checkpoint's status as its flow leaves it (`checkpoint_status`, `condition`).
 
 Each test says only what it is about (its roles and replicas, a status, a policy); everything
 else is the same small valid set everywhere: one control port per container, storage on an
@@ -9,7 +10,7 @@ else is the same small valid set everywhere: one control port per container, sto
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,3 +103,88 @@ def rollout_set(**fields: Any) -> api.RolloutSet:
     """`set_body(**fields)` as the operator's model (validated as the API server's schema
     would)."""
     return api.RolloutSet.model_validate(set_body(**fields))
+
+
+def condition(
+    type_: str, status: bool, reason: str, at: str, message: str | None = None
+) -> dict[str, Any]:
+    """One `metav1.Condition` as the API server stores it (`at`: its lastTransitionTime)."""
+    built: dict[str, Any] = {
+        "type": type_,
+        "status": "True" if status else "False",
+        "reason": reason,
+        "lastTransitionTime": at,
+    }
+    if message is not None:
+        built["message"] = message
+    return built
+
+
+def checkpoint_status(
+    phase: str,
+    *,
+    at: str,
+    completed: str | None = None,
+    type_: str = "Ready",
+    holds: bool | None = None,
+    reason: str = "Published",
+    **fields: Any,
+) -> dict[str, Any]:
+    """A checkpoint's `status` in `phase` with one condition `type_` that changed `at` (true when
+    `holds`; by default a Ready condition holds from phase Resuming on, any other one holds),
+    `completedAt` when given, and `fields` by their API names (`attempt=2`)."""
+    if holds is None:
+        holds = phase in ("Ready", "Resuming") if type_ == "Ready" else True
+    status: dict[str, Any] = {"phase": phase}
+    if completed is not None:
+        status["completedAt"] = completed
+    status["conditions"] = [condition(type_, holds, reason, at)]
+    status.update(fields)
+    return status
+
+
+def checkpoint_body(
+    name: str = "ck",
+    *,
+    set_name: str = "rl",
+    namespace: str | None = "ns",
+    trigger: str | None = "Manual",
+    created: str | None = None,
+    deleted: str | None = None,
+    generation: int | None = None,
+    labels: Mapping[str, str] | None = None,
+    finalizers: Sequence[str] | None = None,
+    status: Mapping[str, Any] | None = None,
+    **spec: Any,
+) -> dict[str, Any]:
+    """A RolloutCheckpoint manifest of the set `set_name`; `spec` adds spec fields by their API
+    names (`trainerStep=1`). `created` and `deleted` are the creation and deletion timestamps
+    of an object as the API server stores it; a None leaves its field out (`namespace=None`
+    for a manifest `kubectl create -n` places, `trigger=None` for the API's default)."""
+    metadata: dict[str, Any] = {"name": name}
+    if namespace is not None:
+        metadata["namespace"] = namespace
+    if generation is not None:
+        metadata["generation"] = generation
+    if created is not None:
+        metadata["creationTimestamp"] = created
+    if deleted is not None:
+        metadata["deletionTimestamp"] = deleted
+    if labels is not None:
+        metadata["labels"] = dict(labels)
+    if finalizers is not None:
+        metadata["finalizers"] = list(finalizers)
+    body: dict[str, Any] = {
+        "apiVersion": api.API_VERSION,
+        "kind": api.ROLLOUT_CHECKPOINT_KIND,
+        "metadata": metadata,
+        "spec": {"rolloutSet": set_name, **({"trigger": trigger} if trigger else {}), **spec},
+    }
+    if status is not None:
+        body["status"] = dict(status)
+    return body
+
+
+def rollout_checkpoint(**fields: Any) -> api.RolloutCheckpoint:
+    """`checkpoint_body(**fields)` as the operator's model."""
+    return api.RolloutCheckpoint.model_validate(checkpoint_body(**fields))

@@ -24,6 +24,7 @@ from rollout_protocol import (
     Role,
 )
 
+from testsupport import builders
 from testsupport.fakecluster import FakeCluster
 
 NS = "team"
@@ -88,13 +89,9 @@ def set_cluster(trigger: str, pods: list[dict[str, Any]]) -> FakeCluster:
     for pod in pods:
         cluster.put(pod)
     cluster.put(
-        {
-            "apiVersion": api.API_VERSION,
-            "kind": "RolloutCheckpoint",
-            "metadata": {"name": CKPT, "namespace": NS, "generation": 1},
-            "spec": {"rolloutSet": SET, "trigger": trigger},
-            "status": {},
-        }
+        builders.checkpoint_body(
+            CKPT, set_name=SET, namespace=NS, generation=1, trigger=trigger, status={}
+        )
     )
     return cluster
 

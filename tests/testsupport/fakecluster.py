@@ -42,7 +42,12 @@ from rollout_operator.cluster.cache import (
 )
 from rollout_operator.cluster.kube import Kube
 from rollout_operator.cluster.rest import JSON, MERGE_PATCH, ApiError
-from rollout_operator.model.api import GROUP, ROLLOUT_CHECKPOINT_PLURAL, ROLLOUT_SET_PLURAL
+from rollout_operator.model.api import (
+    GROUP,
+    ROLLOUT_CHECKPOINT_PLURAL,
+    ROLLOUT_SET_PLURAL,
+    namespace_or_default,
+)
 
 WITH_STATUS = frozenset({ROLLOUT_SET_PLURAL, ROLLOUT_CHECKPOINT_PLURAL, "pods", "workloads"})
 """Kinds whose status is a subresource (written only through `/status`)."""
@@ -194,7 +199,9 @@ class FakeCluster:
         kubelet would together."""
         plural = _plural_of(obj)
         meta = obj.get("metadata") or {}
-        namespace = None if plural in CLUSTER_SCOPED else str(meta.get("namespace") or "default")
+        namespace = (
+            None if plural in CLUSTER_SCOPED else namespace_or_default(meta.get("namespace"))
+        )
         key = (plural, namespace, str(meta["name"]))
         stored = copy.deepcopy(dict(obj))
         old = self.objects.get(key)

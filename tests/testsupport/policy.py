@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout_operator.cluster.storage import StorageLocator
-from rollout_operator.decide.policy import Note
+from rollout_operator.decide.policy.views import Note
 from rollout_operator.flows.policypass import PolicyPass
 from rollout_operator.flows.state import LoggedNotes
 from rollout_operator.model import api

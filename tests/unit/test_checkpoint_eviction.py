@@ -14,9 +14,11 @@ from typing import cast
 
 import pytest
 from rollout_operator.cluster.leases import holder_of, lease_name
-from rollout_operator.decide.policy import EVICTION_COMMIT_MARGIN_SECONDS, parse_time
-from rollout_operator.flows.checkpoint import CheckpointFlow, Reason
+from rollout_operator.decide.policy.eviction import EVICTION_COMMIT_MARGIN_SECONDS
+from rollout_operator.decide.policy.views import parse_time
+from rollout_operator.flows.checkpoint import CheckpointFlow
 from rollout_operator.model import api
+from rollout_operator.model.reasons import Reason
 from rollout_protocol import (
     HttpParticipantClient,
 )

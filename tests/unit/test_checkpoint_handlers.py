@@ -21,6 +21,7 @@ from rollout_operator.handlers.rolloutcheckpoint import checkpoint_event
 from rollout_operator.handlers.runtime import MEMO_STATE
 from rollout_operator.model import api
 from rollout_operator.model.settings import DIFF_BASE_KINDS, DIFFBASE_KEY, CompactDiffBaseStorage
+from testsupport import builders
 
 PLURAL_OF_KIND = {
     api.ROLLOUT_SET_KIND: api.ROLLOUT_SET_PLURAL,
@@ -66,12 +67,9 @@ def test_the_diff_base_is_built_for_exactly_the_kinds_with_change_handlers() -> 
 
 def test_the_diff_base_of_a_kind_without_change_handlers_is_empty() -> None:
     storage = CompactDiffBaseStorage(prefix=api.GROUP, key=DIFFBASE_KEY, v1=False)
-    checkpoint = {
-        "apiVersion": api.API_VERSION,
-        "kind": api.ROLLOUT_CHECKPOINT_KIND,
-        "metadata": {"name": "ck", "labels": {"a": "b"}},
-        "spec": {"rolloutSet": "rl"},
-    }
+    checkpoint = builders.checkpoint_body(
+        "ck", set_name="rl", namespace=None, trigger=None, labels={"a": "b"}
+    )
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": {"x": 1}}
     rollout_set = {
         "apiVersion": api.API_VERSION,
@@ -88,16 +86,14 @@ def test_the_diff_base_of_a_kind_without_change_handlers_is_empty() -> None:
 
 
 def checkpoint_body(phase: str | None, *, deleting: bool = False) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": "ck", "namespace": "ns", "finalizers": [api.RECORDS_FINALIZER]}
-    if deleting:
-        meta["deletionTimestamp"] = "2026-12-01T10:00:00Z"
-    return {
-        "apiVersion": api.API_VERSION,
-        "kind": api.ROLLOUT_CHECKPOINT_KIND,
-        "metadata": meta,
-        "spec": {"rolloutSet": "rl"},
-        "status": {"phase": phase} if phase else {},
-    }
+    return builders.checkpoint_body(
+        "ck",
+        set_name="rl",
+        trigger=None,
+        finalizers=[api.RECORDS_FINALIZER],
+        deleted="2026-12-01T10:00:00Z" if deleting else None,
+        status={"phase": phase} if phase else {},
+    )
 
 
 async def test_only_events_that_change_what_a_loop_reads_wake_it() -> None:

@@ -14,8 +14,8 @@ from typing import Any, cast
 
 import pytest
 from rollout_operator.cluster.leases import CheckpointLeases
-from rollout_operator.decide.policy import parse_time
-from rollout_operator.flows.checkpoint import PHASES, CheckpointFailed, FlowSettings, Reason
+from rollout_operator.decide.policy.views import parse_time
+from rollout_operator.flows.checkpoint import PHASES, CheckpointFailed, FlowSettings
 from rollout_operator.flows.checkpoint.commit import commit, publish
 from rollout_operator.flows.checkpoint.context import CheckpointContext, CheckpointRun
 from rollout_operator.flows.checkpoint.flow import phase_of, slot_taken_at
@@ -25,6 +25,7 @@ from rollout_operator.flows.phases import run_phases
 from rollout_operator.flows.state import CoordinatedPods
 from rollout_operator.model import api
 from rollout_operator.model.api import ROLLOUT_SET_PLURAL, CheckpointPhase
+from rollout_operator.model.reasons import Reason
 from rollout_protocol import Coordinator, ErrorCode, HttpParticipantClient
 from testsupport.checkpointflow import (
     CKPT,

@@ -21,7 +21,7 @@ import anyio
 import pytest
 from rollout_operator.cluster.leases import lease_name, micro_time
 from rollout_operator.cluster.rest import ApiError
-from rollout_operator.decide.policy import parse_time
+from rollout_operator.decide.policy.views import parse_time
 from rollout_operator.decide.resources import set_dir
 from rollout_operator.flows.checkpoint import CheckpointFlow, FlowSettings
 from rollout_operator.model import api

@@ -388,6 +388,40 @@ async def test_a_prepared_participant_losing_the_checkpoint_ends_prepare_early(
             assert cluster.fake(role).admission_open
 
 
+async def test_a_restarted_gym_participant_ends_prepare_early(tmp_path: Path) -> None:
+    """A participant that speaks only the NeMo Gym dialect and restarted after it prepared
+    remembers no checkpoint: Gym refuses the renew as `invalid_phase` (none open), which is
+    read back as `wrong_phase`, not `unknown_checkpoint`. It has lost the checkpoint all the
+    same, and the prepare ends there instead of parking the later stages to their deadline."""
+    members = _members(tmp_path, gym_roles={Role.ENVIRONMENT})
+    restarted = _members(tmp_path, gym_roles={Role.ENVIRONMENT})[Role.ENVIRONMENT]
+    members[Role.MODEL].fake.park_gate = anyio.Event()  # never set: parks until its deadline
+    async with _in_process(members) as cluster, AsyncExitStack() as stack:
+        client = await stack.enter_async_context(aiohttp.ClientSession())
+        served = await stack.enter_async_context(
+            serve_app(restarted.app, role=Role.ENVIRONMENT, token=TOKEN)
+        )
+        fresh = HttpParticipantClient(
+            Role.ENVIRONMENT, served.target.base_url, token=TOKEN, client=client
+        )
+
+        async def environment_restarts() -> None:
+            cluster.spy(Role.ENVIRONMENT).inner = fresh  # the same address, a new process
+
+        members[Role.MODEL].fake.on_park = environment_restarts
+        with anyio.fail_after(WAIT):
+            result = await _coordinator(cluster, renew_interval=0.02).checkpoint(
+                "ck-1", prepare_timeout=120, commit_timeout=5
+            )
+        assert not result.ok
+        assert result.reason == "PrepareFailed"
+        assert result.prepare.stopped_at is Role.MODEL
+        assert [(f.instance, f.code) for f in result.prepare.failures] == [
+            ("environment-0", ErrorCode.WRONG_PHASE)
+        ]
+        assert cluster.calls("commit") == []
+
+
 async def test_a_failed_commit_reports_the_reason_and_everyone_resumes(tmp_path: Path) -> None:
     members = _members(tmp_path, roots={Role.AGENT: None})
     async with _in_process(members) as cluster:

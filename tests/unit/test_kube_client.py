@@ -13,17 +13,14 @@ from typing import Any
 
 import pytest
 from rollout_operator.cluster.kube import ApiError, Conflict
+from testsupport import builders
 from testsupport.fakecluster import FakeCluster
 
 pytestmark = pytest.mark.unit
 
 
 def checkpoint(name: str, set_name: str) -> dict[str, Any]:
-    return {
-        "kind": "RolloutCheckpoint",
-        "metadata": {"name": name, "namespace": "ns"},
-        "spec": {"rolloutSet": set_name},
-    }
+    return builders.checkpoint_body(name, set_name=set_name, trigger=None)
 
 
 def rollout_set(name: str = "s", **status: Any) -> dict[str, Any]:

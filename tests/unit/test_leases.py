@@ -35,13 +35,13 @@ def _set() -> dict[str, Any]:
 
 
 def _checkpoint(name: str, phase: str | None) -> dict[str, Any]:
-    return {
-        "apiVersion": api.API_VERSION,
-        "kind": "RolloutCheckpoint",
-        "metadata": {"name": name, "namespace": NS, "creationTimestamp": "2026-12-01T00:00:00Z"},
-        "spec": {"rolloutSet": SET, "trigger": "Manual"},
-        "status": {} if phase is None else {"phase": phase},
-    }
+    return builders.checkpoint_body(
+        name,
+        set_name=SET,
+        namespace=NS,
+        created="2026-12-01T00:00:00Z",
+        status={} if phase is None else {"phase": phase},
+    )
 
 
 @pytest.fixture

@@ -29,12 +29,11 @@ def value(name: str, **labels: str) -> float | None:
 
 
 def checkpoint(set_name: str, phase: str, **status: Any) -> RolloutCheckpoint:
-    return RolloutCheckpoint.model_validate(
-        {
-            "metadata": {"name": unique("ckpt"), "namespace": NAMESPACE},
-            "spec": {"rolloutSet": set_name, "trigger": "Manual"},
-            "status": {"phase": phase, **status},
-        }
+    return builders.rollout_checkpoint(
+        name=unique("ckpt"),
+        set_name=set_name,
+        namespace=NAMESPACE,
+        status={"phase": phase, **status},
     )
 
 

@@ -11,9 +11,9 @@ from typing import Any
 import yaml
 from rollout_operator.decide.resources import control_port, participant_pod
 from rollout_operator.decide.setplan import PodView
-from rollout_operator.flows.recovery import Reason as RecoveryReason
 from rollout_operator.flows.recovery import detect_loss
 from rollout_operator.model import api
+from rollout_operator.model.reasons import Reason
 from rollout_protocol import Role
 from rollout_servers.servers.backends import BuiltinBackend, builtin_completion
 from rollout_servers.servers.generation import Continuation, GenRequest, Progress
@@ -77,7 +77,7 @@ def test_a_running_pod_with_a_dead_container_is_lost_and_says_which() -> None:
     assert pod.problem == "Running: container inference exited with code 137 (OOMKilled)"
     loss = detect_loss(model_set(), [pod], {}, set())
     assert loss is not None
-    assert loss.reason == RecoveryReason.POD_FAILED
+    assert loss.reason == Reason.POD_FAILED
     assert "container inference exited with code 137" in loss.message
 
 
@@ -95,7 +95,7 @@ def test_a_container_stopping_in_a_deleted_pod_leaves_the_eviction_checkpoint_al
     assert detect_loss(model_set(), [pod], {}, set(), frozenset({pod.name})) is None
     loss = detect_loss(model_set(), [pod], {}, set())
     assert loss is not None
-    assert loss.reason == RecoveryReason.POD_DELETED
+    assert loss.reason == Reason.POD_DELETED
 
 
 # --- the manifests ------------------------------------------------------------------------------

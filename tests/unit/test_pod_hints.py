@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from rollout_operator.flows.setpass import mark_covered_pods
 from rollout_operator.model import api
-from testsupport.builders import rollout_set, set_body
+from testsupport.builders import checkpoint_body, rollout_set, set_body
 from testsupport.fakecluster import FakeCluster
 
 NS = "ns"
@@ -39,11 +39,8 @@ def pod(name: str, created: str, *, standby: bool = False) -> dict[str, Any]:
 
 
 def ready_checkpoint() -> dict[str, Any]:
-    return {
-        "metadata": {"name": "ck", "namespace": NS},
-        "spec": {"rolloutSet": "rl"},
-        "status": {"phase": "Ready", "startedAt": STARTED, "completedAt": COMPLETED},
-    }
+    status = {"phase": "Ready", "startedAt": STARTED, "completedAt": COMPLETED}
+    return checkpoint_body("ck", set_name="rl", namespace=NS, trigger=None, status=status)
 
 
 @pytest.mark.parametrize("hints", [False, True])

@@ -13,7 +13,8 @@ import anyio
 import pytest
 from rollout_operator.cluster.objects import eviction_holds
 from rollout_operator.cluster.storage import StorageLocator
-from rollout_operator.decide.policy import ANNOTATION_DEADLINE_OUTCOME, Note, Reason, resume_due
+from rollout_operator.decide.policy.suspend import resume_due
+from rollout_operator.decide.policy.views import ANNOTATION_DEADLINE_OUTCOME, Note
 from rollout_operator.flows.policypass import (
     CheckpointBusy,
     checkpoint_deleted,
@@ -24,6 +25,8 @@ from rollout_operator.flows.policypass import (
 )
 from rollout_operator.flows.recovery import RecoveryFlow, start_resume
 from rollout_operator.model import api
+from rollout_operator.model.reasons import Reason
+from testsupport import builders
 from testsupport.fakecluster import FakeCluster
 from testsupport.policy import NS, T0, Run, rollout_set, seeded, stamp
 
@@ -88,26 +91,17 @@ def add_checkpoint(
     """A checkpoint as it stands once done (it replaces one of that name)."""
     status: dict[str, Any] = {}
     if outcome is not None:
-        status = {
-            "phase": outcome,
-            "completedAt": stamp(completed),
-            "conditions": [
-                {
-                    "type": outcome,
-                    "status": "True",
-                    "reason": "Published" if outcome == "Ready" else "PrepareTimeout",
-                    "lastTransitionTime": stamp(completed),
-                }
-            ],
-        }
+        status = builders.checkpoint_status(
+            outcome,
+            at=stamp(completed),
+            completed=stamp(completed),
+            type_=outcome,
+            reason="Published" if outcome == "Ready" else "PrepareTimeout",
+        )
     stored = cluster.put(
-        {
-            "kind": api.ROLLOUT_CHECKPOINT_KIND,
-            "apiVersion": api.API_VERSION,
-            "metadata": {"name": name, "namespace": NS, "creationTimestamp": stamp(created)},
-            "spec": {"rolloutSet": "math", "trigger": "Manual"},
-            "status": status,
-        }
+        builders.checkpoint_body(
+            name, set_name="math", namespace=NS, created=stamp(created), status=status
+        )
     )
     if outcome == "Ready" and cluster.get(api.ROLLOUT_SET_PLURAL, NS, "math") is not None:
         # As the set's pass does once a checkpoint is Ready: the set's latestCheckpoint

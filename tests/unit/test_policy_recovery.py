@@ -9,12 +9,11 @@ from typing import Any, cast
 
 import pytest
 from rollout_operator.cluster.kube import Kube
-from rollout_operator.decide.policy import RESUMED_REASON
-from rollout_operator.decide.setplan import PodView, Reason, plan_attempt, set_conditions
-from rollout_operator.flows.recovery import Reason as RecoveryReason
+from rollout_operator.decide.setplan import PodView, plan_attempt, set_conditions
 from rollout_operator.flows.recovery import RecoveryFlow, detect_loss
 from rollout_operator.model import api
 from rollout_operator.model.api import ROLLOUT_SET_PLURAL
+from rollout_operator.model.reasons import Reason
 from rollout_protocol import (
     Coordinator,
     HttpParticipantClient,
@@ -70,7 +69,7 @@ def test_a_terminating_pod_is_lost_unless_its_eviction_checkpoint_holds_it() -> 
     pods = [model_pod(terminating=True)]
     loss = detect_loss(rollout_set(), pods, {}, set())
     assert loss is not None
-    assert loss.reason == RecoveryReason.POD_DELETED
+    assert loss.reason == Reason.POD_DELETED
     assert detect_loss(rollout_set(), pods, {}, set(), frozenset({"rl-model-0-a2"})) is None
 
 
@@ -153,10 +152,10 @@ def set_in_last_recovery_step(reason: str) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("reason", "restarts"),
     [
-        (RESUMED_REASON, 2),
-        (RecoveryReason.POD_DELETED, 3),
-        (RecoveryReason.POD_FAILED, 3),
-        (RecoveryReason.NODE_LOST, 3),
+        (Reason.RESUMED, 2),
+        (Reason.POD_DELETED, 3),
+        (Reason.POD_FAILED, 3),
+        (Reason.NODE_LOST, 3),
     ],
     ids=["resume", "pod-deleted", "pod-failed", "node-lost"],
 )
@@ -178,5 +177,5 @@ async def test_a_resume_is_not_a_restart_but_a_loss_is(reason: str, restarts: in
     conditions = {c["type"]: c for c in status["conditions"]}
     assert conditions["Ready"]["status"] == "True"
     assert conditions["Recovering"]["status"] == "False"
-    assert conditions["Recovering"]["reason"] == RecoveryReason.RESTORED
+    assert conditions["Recovering"]["reason"] == Reason.RESTORED
     assert f"recovered from {reason}" in conditions["Recovering"]["message"]

@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 from rollout_operator.decide import queue
-from rollout_operator.decide.policy import Note, Reason
+from rollout_operator.decide.policy.views import Note
 from rollout_operator.decide.resources import participant_pod
 from rollout_operator.flows.queuepass import QueuePass, WorkloadNotCreated
 from rollout_operator.model import api
+from rollout_operator.model.reasons import Reason
 from testsupport.fakecluster import FakeCluster
 from testsupport.policy import NS, T0, Run, rollout_set, seeded, stamp
 
@@ -154,7 +155,7 @@ def test_a_new_queued_set_gets_a_workload_with_one_pod_set_per_role_and_is_held(
     assert meta["labels"][api.LABEL_SET] == "math"
     assert meta["ownerReferences"][0]["uid"] == "uid-1"
     assert meta["name"] == queue.workload_name(as_set(body))
-    assert conditions(plan)["QuotaPending"][:2] == (True, queue.Reason.WORKLOAD_CREATED)
+    assert conditions(plan)["QuotaPending"][:2] == (True, Reason.WORKLOAD_CREATED)
 
 
 def test_a_missing_priority_class_creates_nothing_and_says_so(storage: Path) -> None:
@@ -169,7 +170,7 @@ def test_a_missing_priority_class_creates_nothing_and_says_so(storage: Path) -> 
     )
     assert plan.create is None
     status, reason, message = conditions(plan)["QuotaPending"]
-    assert (status, reason) == (True, queue.Reason.PRIORITY_CLASS_NOT_FOUND)
+    assert (status, reason) == (True, Reason.PRIORITY_CLASS_NOT_FOUND)
     assert "nope" in message
     assert plan.notes[0].warning
 
@@ -192,7 +193,7 @@ def test_admission_starts_the_set_with_the_flavors_placement(storage: Path) -> N
     assert plan.suspend is False
     assert plan.placement is not None
     status, reason, message = conditions(plan)["QuotaPending"]
-    assert (status, reason) == (False, queue.Reason.ADMITTED)
+    assert (status, reason) == (False, Reason.ADMITTED)
     assert "gpus" in message
     assert "model: default/h100" in message
     # The pods the set's pass creates then carry the flavors' selector and tolerations.
@@ -285,7 +286,7 @@ def test_readmission_resumes_and_clears_preempted(storage: Path) -> None:
     readmitted = workload(*ADMITTED, ("Evicted", "False", "QuotaReserved", ""), admission=ADMISSION)
     plan = decide(body, readmitted)
     assert plan.suspend is False
-    assert conditions(plan)["Preempted"][:2] == (False, queue.Reason.READMITTED)
+    assert conditions(plan)["Preempted"][:2] == (False, Reason.READMITTED)
 
 
 def test_without_the_label_the_set_is_not_held(storage: Path) -> None:
@@ -427,7 +428,7 @@ async def test_preemption_end_to_end_on_the_fake_api_server(storage: Path) -> No
     kueue_writes(cluster, name, *ADMITTED, ("Evicted", "False", "QuotaReserved", ""))
     await both()
     assert stored()["spec"]["suspend"] is False
-    assert condition("Preempted")["reason"] == queue.Reason.READMITTED
+    assert condition("Preempted")["reason"] == Reason.READMITTED
     assert (condition("Suspended")["status"], condition("Suspended")["reason"]) == (
         "False",
         Reason.RESUMED,

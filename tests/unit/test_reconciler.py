@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rollout_operator.cluster.kube import Kube
-from rollout_operator.decide.policy import Note
+from rollout_operator.decide.policy.views import Note
 from rollout_operator.flows.reconciler import policy_pass, set_pass
 from rollout_operator.flows.recovery import RecoveryWaits
 from rollout_operator.flows.state import OperatorState

@@ -10,22 +10,17 @@ and check what the step wrote, which Events it posted and which calls it made.
 
 from __future__ import annotations
 
-import time
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import Any
 
 import pytest
-from rollout_operator.cluster.statuswriter import SetStatusWriter
 from rollout_operator.decide.setplan import plan_attempt
 from rollout_operator.flows.phases import run_phases
 from rollout_operator.flows.recovery import (
     CHECKPOINT_RECORDS_INVALID,
     CHECKPOINT_RECORDS_UNREACHABLE,
     PHASES,
-    Reason,
-    RecoveryContext,
     RecoveryFailed,
-    RecoveryWaits,
 )
 from rollout_operator.flows.recovery.backoff import back_off, on_failed_try
 from rollout_operator.flows.recovery.flow import phase_of
@@ -39,10 +34,11 @@ from rollout_operator.model.api import (
     ROLLOUT_SET_PLURAL,
     RecoveryPhase,
 )
-from rollout_operator.model.owners import StatusOwner
-from rollout_protocol import Coordinator, ErrorCode, Failure, HttpParticipantClient
+from rollout_operator.model.reasons import Reason
+from rollout_protocol import ErrorCode, Failure
 from testsupport import builders
 from testsupport.fakecluster import FakeCluster
+from testsupport.recovery import context_over
 from testsupport.scripted import Scripted
 from testsupport.setplan import running
 
@@ -88,46 +84,13 @@ def recovering(phase: str, **recovery: Any) -> FakeCluster:
 
 
 def ready_checkpoint(name: str) -> dict[str, Any]:
-    return {
-        "apiVersion": api.API_VERSION,
-        "kind": "RolloutCheckpoint",
-        "metadata": {"name": name, "namespace": NS, "generation": 1, "creationTimestamp": STAMP},
-        "spec": {"rolloutSet": SET, "trigger": "Manual"},
-        "status": {
-            "phase": "Ready",
-            "attempt": 2,
-            "completedAt": STAMP,
-            "conditions": [
-                {
-                    "type": "Ready",
-                    "status": "True",
-                    "reason": "Published",
-                    "lastTransitionTime": STAMP,
-                }
-            ],
-        },
-    }
-
-
-def context_over(
-    cluster: FakeCluster, participant: Scripted | None = None, events: Events | None = None
-) -> RecoveryContext:
-    kube = cluster.kube()
-
-    async def coordinator(
-        rset: api.RolloutSet,
-    ) -> tuple[Coordinator, list[HttpParticipantClient]]:
-        assert participant is not None, "this step calls no participant"
-        clients = [cast(HttpParticipantClient, participant)]
-        return Coordinator(clients), clients
-
-    return RecoveryContext(
-        kube=kube,
-        writer=SetStatusWriter(kube, StatusOwner.RECOVERY),
-        clock=time.time,
-        waits=RecoveryWaits(retire_seconds=1.0, restore_floor_seconds=5.0),
-        coordinator=coordinator,
-        on_transition=events,
+    return builders.checkpoint_body(
+        name,
+        set_name=SET,
+        namespace=NS,
+        generation=1,
+        created=STAMP,
+        status=builders.checkpoint_status("Ready", at=STAMP, completed=STAMP, attempt=2),
     )
 
 

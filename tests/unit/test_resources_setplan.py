@@ -7,7 +7,6 @@ from typing import Any
 
 from rollout_operator.decide.setplan import (
     PodView,
-    Reason,
     attempt_instances,
     describe_spec_change,
     plan_attempt,
@@ -15,6 +14,7 @@ from rollout_operator.decide.setplan import (
 )
 from rollout_operator.model import api
 from rollout_operator.model.conditions import ConditionUpdate
+from rollout_operator.model.reasons import Reason
 from rollout_protocol import Role
 from testsupport.setplan import make_set, running, start_all, views
 

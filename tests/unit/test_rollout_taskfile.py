@@ -1,14 +1,22 @@
 """The user's own tasks (`rollout-collect --tasks-file`): rows, ids, seeds and the errors.
 
-Rows files are real files under `tmp_path`; the client runs against a fake environment (an httpx
-transport, the layer below the client), as in `test_rollout_client.py`.
+Rows files are real files under `tmp_path`, FIFOs and pipes (read once, as streams; what a user
+sees while `rollout-collect` waits for a FIFO's writer is checked on the CLI run as a process);
+the client runs against a fake environment (an httpx transport, the layer below the client), as
+in `test_rollout_client.py`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
-from collections.abc import Iterator
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -389,3 +397,151 @@ def test_a_concurrency_below_one_is_refused(tmp_path: Path) -> None:
     path = write_rows(tmp_path / "rows.jsonl", ROWS)
     with pytest.raises(SystemExit, match="--concurrency must be at least 1"):
         main(["--tasks-file", str(path), "--concurrency", "0", "--out", str(tmp_path / "o")])
+
+
+# --- pipes, FIFOs and process substitution: the file is read once, as a stream ----------------
+
+STREAM_WAIT_S = 60.0
+"""How long a test waits for a reader that should not block (it fails, never hangs, past it)."""
+
+
+def _unblock_fifo(path: Path) -> None:
+    """Give a reader blocked on opening the FIFO `path` a writer that closes at once (EOF)."""
+    with contextlib.suppress(OSError):
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def _read_within_deadline(fifo: Path, read: Callable[[], list[EpisodeSpec]]) -> list[EpisodeSpec]:
+    """`read()` in a thread; past the deadline the FIFO it is stuck opening gets a writer that
+    closes at once (so no thread stays blocked after the test), and the test fails."""
+    box: list[list[EpisodeSpec] | BaseException] = []
+
+    def run() -> None:
+        try:
+            box.append(read())
+        except BaseException as error:  # handed to the test's thread
+            box.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(STREAM_WAIT_S)
+    blocked = thread.is_alive()
+    while thread.is_alive():
+        _unblock_fifo(fifo)
+        thread.join(0.1)
+    assert not blocked, "the reader blocked opening the FIFO again"
+    (outcome,) = box
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
+
+
+def test_a_fifo_written_once_is_read_once(tmp_path: Path) -> None:
+    """The writer writes the rows and closes: the scan reads them, and the episodes come from
+    what it read, without opening the FIFO a second time (there is no second writer)."""
+    fifo = tmp_path / "rows.fifo"
+    os.mkfifo(fifo)
+    text = "".join(json.dumps(row) + "\n" for row in ROWS)
+    writer = threading.Thread(target=fifo.write_text, args=(text,), daemon=True)
+    writer.start()
+
+    def read() -> list[EpisodeSpec]:
+        rows = scan_rows(fifo, RowOptions(id_field="id"))
+        specs = list(row_episodes(rows))
+        rows.close()
+        return specs
+
+    specs = _read_within_deadline(fifo, read)
+    writer.join(STREAM_WAIT_S)
+    assert [spec.rollout_id for spec in specs] == ["cave-1-0", "7-0", "cave-3-0"]
+    assert [spec.row.line for spec in specs if spec.row] == [1, 2, 3]
+
+
+def test_a_process_substitution_is_read_once(tmp_path: Path) -> None:
+    """`--tasks-file <(cat rows.jsonl)` names a pipe as `/dev/fd/N`: its rows, read once, are
+    the episodes (a second open finds the pipe drained: "no rows")."""
+    reader, writer = os.pipe()
+    try:
+        os.write(writer, "".join(json.dumps(row) + "\n" for row in ROWS).encode())
+        os.close(writer)
+        rows = scan_rows(Path(f"/dev/fd/{reader}"), RowOptions(id_field="id"))
+        specs = list(row_episodes(rows))
+        rows.close()
+    finally:
+        os.close(reader)
+    assert [spec.wire_task()["prompt"] for spec in specs] == [row["prompt"] for row in ROWS]
+    assert rows.episodes_total == 3
+
+
+def test_a_bad_row_in_a_pipe_is_refused_with_its_line(tmp_path: Path) -> None:
+    """The bounds hold for a stream as for a file: the message names the pipe and the line."""
+    reader, writer = os.pipe()
+    try:
+        os.write(writer, ('{"id": "a"}\n' + "x" * 100 + "\n").encode())
+        os.close(writer)
+        message = scan_error(Path(f"/dev/fd/{reader}"), RowOptions(id_field="id", max_row_bytes=64))
+    finally:
+        os.close(reader)
+    assert message == f"/dev/fd/{reader} line 2: longer than 64 bytes"
+
+
+def _collect_on(fifo: Path, out: Path) -> subprocess.Popen[str]:
+    command = [str(Path(sys.executable).with_name("rollout-collect")), "--tasks-file", str(fifo)]
+    return subprocess.Popen(
+        [*command, "--environment", "http://127.0.0.1:9", "--out", str(out)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        # Ctrl-C is SIGINT's default action even where the test runner ignores it (a shell's
+        # background job), which a child would inherit
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
+def _first_stderr_line(process: subprocess.Popen[str]) -> str:
+    """The process's first stderr line; past the deadline it is killed and the test fails."""
+    stderr = process.stderr
+    assert stderr is not None
+    lines: list[str] = []
+    thread = threading.Thread(target=lambda: lines.append(stderr.readline()))
+    thread.start()
+    thread.join(STREAM_WAIT_S)
+    if thread.is_alive() or not lines or not lines[0]:
+        process.kill()
+        process.wait()
+        thread.join()
+        pytest.fail("rollout-collect said nothing while it waited for the FIFO's writer")
+    return lines[0]
+
+
+def test_the_cli_waits_for_a_fifos_writer_saying_so_then_reads_it(tmp_path: Path) -> None:
+    """A FIFO without a writer: like `cat`, rollout-collect waits for one to open it, and says
+    on stderr that it reads a pipe until its writer closes it; then it reads what is written
+    (here a bad row, refused with its line, so no environment is needed)."""
+    fifo = tmp_path / "rows.fifo"
+    os.mkfifo(fifo)
+    process = _collect_on(fifo, tmp_path / "out.jsonl")
+    first = _first_stderr_line(process)
+    assert first == (
+        f"rollout-collect: reading the rows from the pipe {fifo} until its writer closes it "
+        "(a FIFO waits for a writer first); no episode starts before\n"
+    )
+    fifo.write_text("[]\n")
+    _, rest = process.communicate(timeout=STREAM_WAIT_S)
+    assert process.returncode == 1
+    assert rest == f"rollout-collect: {fifo} line 1: a row must be a JSON object, not an array\n"
+
+
+def test_the_cli_interrupted_while_waiting_for_a_writer_says_so(tmp_path: Path) -> None:
+    """Ctrl-C while the FIFO has no writer: one line and exit status 130, no traceback."""
+    fifo = tmp_path / "rows.fifo"
+    os.mkfifo(fifo)
+    process = _collect_on(fifo, tmp_path / "out.jsonl")
+    _first_stderr_line(process)
+    process.send_signal(signal.SIGINT)
+    _, rest = process.communicate(timeout=STREAM_WAIT_S)
+    assert (process.returncode, rest) == (
+        130,
+        "rollout-collect: interrupted before the rows were read\n",
+    )

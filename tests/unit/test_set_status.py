@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from rollout_operator.decide.policy import checkpoint_views
+from rollout_operator.decide.policy.views import checkpoint_views
 from rollout_operator.decide.setstatus import RECENT_DURATIONS, REPAIRED, checkpoint_fields
 from rollout_operator.model import api
 from testsupport import builders
@@ -25,27 +25,20 @@ def at(minute: int) -> str:
 def checkpoint(
     name: str, phase: str, minute: int, *, total: float = 2.0, deleting: bool = False
 ) -> dict[str, Any]:
-    ready = phase in ("Ready", "Resuming")
-    meta: dict[str, Any] = {"name": name, "namespace": "ns", "creationTimestamp": at(minute)}
-    if deleting:
-        meta["deletionTimestamp"] = at(minute + 30)
-    return {
-        "metadata": meta,
-        "spec": {"rolloutSet": "math", "trigger": "Manual"},
-        "status": {
-            "phase": phase,
-            "completedAt": at(minute + 1) if phase in ("Ready", "Failed") else None,
-            "durations": {"totalSeconds": total},
-            "conditions": [
-                {
-                    "type": "Ready",
-                    "status": "True" if ready else "False",
-                    "reason": "X",
-                    "lastTransitionTime": at(minute),
-                }
-            ],
-        },
-    }
+    completed = at(minute + 1) if phase in ("Ready", "Failed") else None
+    return builders.checkpoint_body(
+        name,
+        set_name="math",
+        created=at(minute),
+        deleted=at(minute + 30) if deleting else None,
+        status=builders.checkpoint_status(
+            phase,
+            at=at(minute),
+            completed=completed,
+            reason="X",
+            durations={"totalSeconds": total},
+        ),
+    )
 
 
 def rollout_set(**status: Any) -> api.RolloutSet:

@@ -33,7 +33,7 @@ from typing import Any, Final, Protocol
 
 import anyio
 
-from ..model.api import CHECKPOINT_SET_FIELD, LABEL_SET
+from ..model.api import CHECKPOINT_SET_FIELD, LABEL_SET, namespace_or_default
 
 SETS: Final = "rollout_sets"
 CHECKPOINTS: Final = "rollout_checkpoints"
@@ -128,7 +128,7 @@ def index_entries(
     (`handlers/indexes.py`) and the unit tests' fake cluster, which feeds a `ClusterCache` as
     the watches would."""
     meta = obj.get("metadata") or {}
-    namespace, name = str(meta.get("namespace") or "default"), str(meta.get("name") or "")
+    namespace, name = namespace_or_default(meta.get("namespace")), str(meta.get("name") or "")
     seen = Seen.of(obj)
     if kind == SETS:
         return {set_key(namespace, name): seen}, (namespace, name)
@@ -300,7 +300,7 @@ class ClusterCache:
     def saw(self, kind: str, obj: Mapping[str, Any], *, set_name: str | None = None) -> None:
         """Remember an object a write of this process returned (until the watch catches up)."""
         meta = obj.get("metadata") or {}
-        namespace, name = str(meta.get("namespace") or "default"), str(meta.get("name") or "")
+        namespace, name = namespace_or_default(meta.get("namespace")), str(meta.get("name") or "")
         if not name:
             return
         self._written[(kind, namespace, name)] = _Written(

@@ -33,7 +33,13 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 from ..decide.resources import owner_reference
-from ..model.api import CHECKPOINT_FINISHED, CHECKPOINT_RUNNING, RolloutCheckpoint, RolloutSet
+from ..model.api import (
+    CHECKPOINT_FINISHED,
+    CHECKPOINT_RUNNING,
+    RolloutCheckpoint,
+    RolloutSet,
+    namespace_or_default,
+)
 from .kube import Conflict, Kube
 
 logger = logging.getLogger(__name__)
@@ -158,7 +164,7 @@ class CheckpointLeases:
     async def take(self, rset: RolloutSet, checkpoint: str, duration_seconds: int) -> str | None:
         """Hold the set's slot for `checkpoint`: None once held, else the checkpoint that
         holds it."""
-        namespace = rset.metadata.namespace or "default"
+        namespace = namespace_or_default(rset.metadata.namespace)
         key = (namespace, rset.metadata.name)
         lease = self._known.get(key) or await self._read(key)
         for _ in range(MAX_TRIES):

@@ -21,14 +21,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final
 
-from ..decide.policy import (
-    CheckpointView,
-    SetView,
-    TerminatingPod,
-    checkpoint_views,
-    eviction_checkpoint_name,
-)
-from ..decide.policy import eviction_holds as _eviction_holds
+from ..decide.policy.eviction import TerminatingPod, eviction_checkpoint_name
+from ..decide.policy.eviction import eviction_holds as _eviction_holds
+from ..decide.policy.views import CheckpointView, SetView, checkpoint_views
 from ..decide.resources import (
     attempt_selector,
     control_token_secret,
@@ -39,7 +34,7 @@ from ..decide.resources import (
     token_from_secret,
 )
 from ..decide.setplan import AttemptPlan, PodView, plan_attempt
-from ..model.api import LABEL_ATTEMPT, RolloutSet
+from ..model.api import LABEL_ATTEMPT, RolloutSet, namespace_or_default
 from .kube import ApiError, Kube
 
 logger = logging.getLogger(__name__)
@@ -108,7 +103,7 @@ def _controlled_by(obj: dict[str, Any], rset: RolloutSet) -> bool:
 async def ensure_control_token(kube: Kube, rset: RolloutSet) -> str:
     """The set's control token, creating its Secret once. Never replaced while it exists:
     running participants hold the token they were started with."""
-    namespace = rset.metadata.namespace or "default"
+    namespace = namespace_or_default(rset.metadata.namespace)
     name = secret_name(rset.metadata.name)
     secret = await kube.get_secret(namespace, name)
     if secret is None:
@@ -135,7 +130,7 @@ async def read_control_token(kube: Kube, namespace: str, set_name: str) -> str |
 
 
 async def ensure_services(kube: Kube, rset: RolloutSet) -> None:
-    namespace = rset.metadata.namespace or "default"
+    namespace = namespace_or_default(rset.metadata.namespace)
     for participant in rset.spec.participants:
         try:
             await kube.create_service(namespace, role_service(rset, participant))
@@ -171,7 +166,7 @@ async def reconcile_pods(
     Idempotent: pods that exist (in any state) are left alone, so call it on every pod event
     until `outcome.plan.complete`. A spec changed under running pods creates nothing.
     """
-    namespace = rset.metadata.namespace or "default"
+    namespace = namespace_or_default(rset.metadata.namespace)
     name = rset.metadata.name
     if pods is None:
         pods = await observe_pods(kube, namespace, name)
@@ -199,7 +194,7 @@ async def delete_attempt_pods(
     kube: Kube, rset: RolloutSet, attempt: int, *, grace_seconds: int | None = None
 ) -> list[str]:
     """Delete every pod of `attempt`; returns the names a delete was sent for."""
-    namespace = rset.metadata.namespace or "default"
+    namespace = namespace_or_default(rset.metadata.namespace)
     pods = await kube.list_pods(namespace, attempt_selector(rset.metadata.name, attempt))
     deleted: list[str] = []
     for pod in pods:
@@ -218,8 +213,8 @@ async def eviction_holds(
     kube: Kube, rset: RolloutSet, *, clock: Callable[[], datetime] = lambda: datetime.now(UTC)
 ) -> frozenset[str]:
     """The terminating participant pods whose loss a recovery must not act on yet (their
-    eviction checkpoint runs or is about to; see `policy.eviction_holds`)."""
-    namespace = rset.metadata.namespace or "default"
+    eviction checkpoint runs or is about to; see `policy.eviction.eviction_holds`)."""
+    namespace = namespace_or_default(rset.metadata.namespace)
     pods = await kube.list_pods(namespace, set_selector(rset.metadata.name))
     terminating = [
         t for t in (TerminatingPod.from_pod(p, LABEL_ATTEMPT) for p in pods) if t is not None

@@ -26,7 +26,7 @@ from typing import Any, Final
 
 from pydantic import BaseModel
 
-from ..model.api import RolloutSet, RolloutSetStatus, dump
+from ..model.api import RolloutSet, RolloutSetStatus, dump, namespace_or_default
 from ..model.owners import StatusOwner, check_owner
 from .kube import Conflict, Kube
 
@@ -82,7 +82,7 @@ class SetStatusWriter:
         set since): `Conflict` otherwise. `delta_only` leaves out what the stored status shows
         already. Returns the written set, or None when there was nothing to write."""
         if isinstance(obj, RolloutSet):
-            namespace = obj.metadata.namespace or "default"
+            namespace = namespace_or_default(obj.metadata.namespace)
             name = obj.metadata.name
             version = obj.metadata.resource_version
             status = obj.status
@@ -116,7 +116,7 @@ class SetStatusWriter:
         it from the API server already, see `Kube.patch_set_status`) and write what `build`
         makes of it, up to `tries` writes. Returns the written set; raises `SetGone` when the
         set was deleted, `Conflict` when every try lost."""
-        namespace = rset.metadata.namespace or "default"
+        namespace = namespace_or_default(rset.metadata.namespace)
         for _ in range(tries):
             try:
                 written = await self.write(rset, build(rset))

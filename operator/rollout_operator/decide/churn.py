@@ -6,7 +6,7 @@ window (`recovery.windowSeconds`) against `recovery.maxRestarts`, spaced out exp
 past the bound recovery stops (`RecoveryLimitReached`) until the spec changes or the user sets
 the `checkpoint.rollout.dev/retry-recovery` annotation to a new value.
 
-Pure: the recovery flow (`recovery.py`) reads the set and acts on the decision.
+Pure: the recovery flow (`flows/recovery/`) reads the set and acts on the decision.
 """
 
 from __future__ import annotations

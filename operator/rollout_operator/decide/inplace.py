@@ -9,7 +9,7 @@ Peer wiring follows without replacing callers: a kept pod whose callee was repla
 callee's new URL in its restore call (`RestoreRequest.peers`) and re-wires before anything is
 installed. A participant that cannot re-wire refuses, and the recovery falls back to Recreate.
 
-Everything here is pure (no I/O): the recovery flow (`recovery.py`) observes pods and acts.
+Everything here is pure (no I/O): the recovery flow (`flows/recovery/`) observes pods and acts.
 """
 
 from __future__ import annotations

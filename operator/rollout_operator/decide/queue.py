@@ -16,10 +16,10 @@ do, as Kueue's own Job integration would for a `batch/v1` Job:
   `spec.suspend: false` in one patch: the set starts, or resumes under attempt + 1 from the
   suspend checkpoint;
 - evicted (preempted, a lost quota, a deactivated workload): `spec.suspend: true`, so the policy
-  takes the suspend checkpoint and releases the pods (`policy.suspend_decision`); once none of the
-  set's pods is left, clear the Workload's quota reservation, as an integration must for Kueue to
-  requeue it (`QuotaReserved=False` reason `Pending`, no `status.admission`, `Admitted=False`,
-  `Requeued`);
+  takes the suspend checkpoint and releases the pods (`policy.suspend.suspend_decision`); once
+  none of the set's pods is left, clear the Workload's quota reservation, as an integration must
+  for Kueue to requeue it (`QuotaReserved=False` reason `Pending`, no `status.admission`,
+  `Admitted=False`, `Requeued`);
 - otherwise it waits, and says why: `QuotaPending` (Kueue's own message) and `Preempted` (the
   preemptor as Kueue names it, then what the suspend checkpoint kept).
 
@@ -48,7 +48,8 @@ from ..model.api import (
     format_time,
 )
 from ..model.conditions import truncate
-from .policy import ConditionChange, Note
+from ..model.reasons import Reason
+from .policy.views import ConditionChange, Note
 from .resources import ANNOTATION_KUEUE_PLACEMENT, owner_reference
 
 LABEL_QUEUE: Final = LABEL_KUEUE_QUEUE
@@ -77,17 +78,6 @@ EVICTED: Final = "Evicted"
 REQUEUED: Final = "Requeued"
 REQUEUE_REASONS: Final = frozenset({"Preempted", "NodeFailures"})
 """Evictions after which Kueue's own integrations mark the Workload `Requeued=True`."""
-
-
-class Reason:
-    """Reasons of the set's `QuotaPending` and `Preempted` conditions."""
-
-    ADMITTED: Final = "Admitted"
-    PENDING: Final = "Pending"
-    WORKLOAD_CREATED: Final = "WorkloadCreated"
-    PRIORITY_CLASS_NOT_FOUND: Final = "PriorityClassNotFound"
-    SAVING: Final = "Saving"
-    READMITTED: Final = "Readmitted"
 
 
 def queue_of(rset: RolloutSet) -> str | None:

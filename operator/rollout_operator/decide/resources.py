@@ -40,6 +40,7 @@ from ..model.api import (
     RolloutSet,
     RolloutSetSpec,
     dump,
+    namespace_or_default,
 )
 
 STORAGE_VOLUME_NAME: Final = "rollout-checkpoints"
@@ -104,7 +105,7 @@ def set_dir(rset: RolloutSet) -> str:
     the operator which records on a volume are this set's and nothing else."""
     if not rset.metadata.uid:
         raise ValueError(f"RolloutSet {rset.metadata.name} has no uid; read it from the API")
-    namespace = rset.metadata.namespace or "default"
+    namespace = namespace_or_default(rset.metadata.namespace)
     return set_storage_dir(namespace, rset.metadata.name, rset.metadata.uid)
 
 

@@ -29,6 +29,7 @@ from ..model.api import (
     SetConditionType,
 )
 from ..model.conditions import ConditionUpdate, is_true
+from ..model.reasons import Reason
 from .queue import queue_holds, queue_of
 from .resources import (
     PEERS,
@@ -43,24 +44,6 @@ from .resources import (
 
 MAX_LISTED: Final = 5
 """How many pods a condition message names before it says "and N more"."""
-
-
-class Reason:
-    """Condition reasons of a RolloutSet (CamelCase, stable: alerts and scripts match them)."""
-
-    ALL_READY: Final = "AllParticipantsReady"
-    STARTING: Final = "PodsStarting"
-    NOT_STARTING: Final = "PodsNotStarting"
-    FAILED: Final = "PodsFailed"
-    LOST: Final = "PodsLost"
-    CREATE_FAILED: Final = "PodCreationFailed"
-    SPEC_CHANGE_REFUSED: Final = "SpecChangeRefused"
-    SUSPENDED: Final = "Suspended"
-    AS_EXPECTED: Final = "AsExpected"
-    ATTEMPT_READY: Final = "AttemptReady"
-    DEADLINE_EXCEEDED: Final = "ProgressDeadlineExceeded"
-    RECOVERY_LIMIT: Final = "RecoveryLimitReached"
-    """Participants were lost too often: recovery stopped (`churn`)."""
 
 
 def _parse_time(value: object) -> datetime | None:

@@ -26,7 +26,7 @@ from datetime import UTC
 from typing import Any, Final
 
 from ..model.api import CHECKPOINT_RUNNING, CheckpointPhase, RolloutSet, format_time
-from .policy import CheckpointView
+from .policy.views import CheckpointView
 
 REPAIRED: Final = "StatusRepaired"
 """Event and condition reason: status contradicted the cluster and was written back."""

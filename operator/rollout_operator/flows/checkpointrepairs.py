@@ -63,6 +63,7 @@ from ..model.api import (
     RolloutCheckpointStatus,
     RolloutSet,
     dump,
+    namespace_or_default,
 )
 from ..model.conditions import set_condition
 
@@ -214,7 +215,7 @@ async def repair_failed_checkpoint(
     failed = ckpt.status.phase is CheckpointPhase.FAILED or failed_reason(ckpt) is not None
     if not failed or failed_reason(ckpt) in VERDICTS_AFTER_RESTORE:
         return None
-    namespace = ckpt.metadata.namespace or "default"
+    namespace = namespace_or_default(ckpt.metadata.namespace)
     root = locator.root(namespace, rset.spec.storage)
     if root is None:
         return None
@@ -252,7 +253,7 @@ async def repair_published_checkpoint(
     only when the manifests are all there."""
     if ckpt.status.phase not in RESET_PHASES:
         return None
-    namespace = ckpt.metadata.namespace or "default"
+    namespace = namespace_or_default(ckpt.metadata.namespace)
     name = ckpt.metadata.name
     raw_set = await kube.get_set(namespace, ckpt.spec.rollout_set)
     raw_ckpt = await kube.get_checkpoint(namespace, name)

@@ -1,8 +1,8 @@
 """The checkpoint policy, carried out against the API (the Kubernetes side of `policy`).
 
 - `PolicyPass.run(namespace, name)`: one look at a set. It reads the set, its pods and its
-  RolloutCheckpoints, lets `policy.plan` decide, and then acts in an order chosen so that a crash
-  between any two steps leaves nothing a later pass could not finish: checkpoints are created
+  RolloutCheckpoints, lets `policy.plan.plan` decide, and then acts in an order chosen so that a
+  crash between any two steps leaves nothing a later pass could not finish: checkpoints are created
   first (deterministic names, so a repeat gets "exists"), then a settled deadline is recorded
   (an annotation on the set), then the set's status (conditions, `saveReserveSeconds`,
   `lastTrainerStep`) in one patch with a resourceVersion precondition, and
@@ -51,17 +51,15 @@ from pydantic import ValidationError
 from ..cluster.kube import ApiError, Conflict, Kube
 from ..cluster.statuswriter import SetStatusWriter
 from ..cluster.storage import StorageLocator
-from ..decide.policy import (
+from ..decide.policy.eviction import TerminatingPod, eviction_decision
+from ..decide.policy.plan import PolicyPlan, plan
+from ..decide.policy.suspend import SuspendAction
+from ..decide.policy.views import (
     ANNOTATION_DEADLINE_OUTCOME,
     Create,
     Note,
-    PolicyPlan,
     SetView,
-    SuspendAction,
-    TerminatingPod,
     checkpoint_views,
-    eviction_decision,
-    plan,
 )
 from ..decide.resources import owner_reference, set_selector
 from ..model.api import (
@@ -75,6 +73,7 @@ from ..model.api import (
     ROLLOUT_CHECKPOINT_KIND,
     RecoveryPhase,
     RolloutSet,
+    namespace_or_default,
 )
 from ..model.conditions import ConditionUpdate, merge_conditions, same_but_generation
 from ..model.owners import StatusOwner
@@ -129,7 +128,7 @@ def checkpoint_manifest(rset: RolloutSet, create: Create) -> dict[str, Any]:
 
 async def create_checkpoint(kube: Kube, rset: RolloutSet, create: Create) -> bool:
     """Create it; False when it exists already (a repeat after a crash or a second event)."""
-    namespace = rset.metadata.namespace or "default"
+    namespace = namespace_or_default(rset.metadata.namespace)
     if not await kube.create_checkpoint(namespace, checkpoint_manifest(rset, create)):
         return False
     logger.info("set %s: created checkpoint %s (%s)", rset.metadata.name, create.name, create.why)
@@ -161,7 +160,7 @@ class PassOutcome:
 
 
 class PolicyPass:
-    """One look at one set: decide with `policy.plan`, then act (see the module docstring).
+    """One look at one set: decide with `policy.plan.plan`, then act (see the module docstring).
 
     `logged_notes` is the process's record of the notes it logged (`OperatorState`,
     docs/design.md#611-the-operators-in-process-state): each distinct note is logged once, while
@@ -188,7 +187,7 @@ class PolicyPass:
     async def _note(self, rset: RolloutSet, note: Note) -> None:
         # A pass repeats its notes until the cause goes (an invalid trainer-step annotation
         # stays until someone fixes it): log each distinct one once.
-        namespace = rset.metadata.namespace or "default"
+        namespace = namespace_or_default(rset.metadata.namespace)
         if self._logged_notes.first_time(namespace, rset.metadata.name, note.reason, note.message):
             log = logger.warning if note.warning else logger.info
             log("set %s: %s: %s", rset.metadata.name, note.reason, note.message)
@@ -247,8 +246,8 @@ class PolicyPass:
         other through their own events).
 
         A resume only clears Suspended (reason `Resumed`) and wakes the set's loop, which starts
-        the resume's recovery itself (`policy.resume_due`): the recovery is the one writer of
-        `status.recovery` and of the conditions it drives."""
+        the resume's recovery itself (`policy.suspend.resume_due`): the recovery is the one writer
+        of `status.recovery` and of the conditions it drives."""
         status = rset.status
         changes: dict[str, Any] = {}
         if status.save_reserve_seconds != decided.reserve:
@@ -268,7 +267,7 @@ class PolicyPass:
     async def _release(self, rset: RolloutSet, pods: Sequence[Mapping[str, Any]]) -> None:
         """Delete every participant pod of the set (the Suspended condition is already True,
         so their deletion is taken neither for an eviction nor for a loss)."""
-        namespace = rset.metadata.namespace or "default"
+        namespace = namespace_or_default(rset.metadata.namespace)
         deleted = []
         for pod in pods:
             meta = pod.get("metadata") or {}
@@ -299,7 +298,7 @@ class PolicyPass:
     async def _remove_records(
         self, rset: RolloutSet, checkpoint: str, raw: Mapping[str, Any] | None = None
     ) -> None:
-        namespace = rset.metadata.namespace or "default"
+        namespace = namespace_or_default(rset.metadata.namespace)
         root = self._locator.root(namespace, rset.spec.storage)
         if root is None:
             return  # reported when the object is deleted (retention or by hand)
@@ -336,7 +335,7 @@ async def start_eviction_checkpoint(
     terminating = TerminatingPod.from_pod(pod, LABEL_ATTEMPT)
     if not set_name or terminating is None or terminating.deletion <= clock():
         return None
-    namespace = meta.get("namespace") or "default"
+    namespace = namespace_or_default(meta.get("namespace"))
     raw = await kube.get_set(namespace, set_name)
     if raw is None:
         return None
@@ -372,7 +371,7 @@ async def checkpoint_deleted(
     the latest, and no recovery restores it: `setstatus.newest_ready`)."""
     meta = ckpt.get("metadata") or {}
     name = str(meta.get("name"))
-    namespace = meta.get("namespace") or "default"
+    namespace = namespace_or_default(meta.get("namespace"))
     set_name = (ckpt.get("spec") or {}).get("rolloutSet")
     raw = await kube.get_set(namespace, set_name) if isinstance(set_name, str) else None
     if raw is None:
@@ -411,7 +410,7 @@ async def keep_records_finalizer(kube: Kube, ckpt: Mapping[str, Any]) -> bool:
         return False
     try:
         added = await kube.set_checkpoint_finalizers(
-            meta.get("namespace") or "default",
+            namespace_or_default(meta.get("namespace")),
             str(meta.get("name")),
             [*finalizers, RECORDS_FINALIZER],
             resource_version=str(meta.get("resourceVersion") or ""),
@@ -480,7 +479,7 @@ async def set_deleted(
     reach, a removal that failed) is a `RecordsNotRemoved` Warning naming it, and the returned
     outcome says so: nothing is reported removed that is still there."""
     rset = RolloutSet.model_validate(rset_raw)
-    namespace = rset.metadata.namespace or "default"
+    namespace = namespace_or_default(rset.metadata.namespace)
     remaining = await kube.list_checkpoints(namespace, rset.metadata.name)
     for ckpt in remaining:
         if not (ckpt.get("metadata") or {}).get("deletionTimestamp"):

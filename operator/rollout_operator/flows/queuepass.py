@@ -30,7 +30,7 @@ from pydantic import ValidationError
 
 from ..cluster.kube import ApiError, Conflict, Kube
 from ..cluster.statuswriter import SetStatusWriter
-from ..decide.policy import ConditionChange, Note
+from ..decide.policy.views import ConditionChange, Note
 from ..decide.queue import (
     ANNOTATION_PLACEMENT,
     EXTERNAL_FRAMEWORK,
@@ -48,7 +48,7 @@ from ..decide.queue import (
     workload_name,
 )
 from ..decide.resources import set_selector
-from ..model.api import RolloutSet, SetConditionType
+from ..model.api import RolloutSet, SetConditionType, namespace_or_default
 from ..model.conditions import ConditionUpdate, merge_conditions, same_but_generation
 from ..model.owners import StatusOwner
 
@@ -132,7 +132,7 @@ class QueuePass:
         return QueueOutcome(plan=plan)
 
     async def _act(self, rset: RolloutSet, plan: QueuePlan) -> None:
-        namespace, name = rset.metadata.namespace or "default", rset.metadata.name
+        namespace, name = namespace_or_default(rset.metadata.namespace), rset.metadata.name
         if plan.create is not None:
             try:
                 created = await self._kube.create_workload(namespace, plan.create)

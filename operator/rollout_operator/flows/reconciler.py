@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 
 from ..cluster.kube import Kube
 from ..cluster.storage import StorageLocator
-from ..decide.policy import Note
+from ..decide.policy.views import Note
 from ..decide.setstatus import Repair
 from ..model.api import RolloutSet
 from .passloop import Next

@@ -59,7 +59,7 @@ from ..decide.resources import (
     set_dir,
     set_selector,
 )
-from ..model.api import LABEL_INDEX, LABEL_ROLE, RolloutSet
+from ..model.api import LABEL_INDEX, LABEL_ROLE, RolloutSet, namespace_or_default
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class RecordsRemover:
         Raises `RemovalPending` while a cleanup pod works or a participant's checkpoint is open."""
         scope = None if checkpoints is None else tuple(dict.fromkeys(checkpoints))
         what = _what(rset, scope)
-        namespace = rset.metadata.namespace or "default"
+        namespace = namespace_or_default(rset.metadata.namespace)
         root = self._locator.root(namespace, rset.spec.storage)
         if root is not None:
             return await remove_here(root, rset, scope)
@@ -126,7 +126,7 @@ class RecordsRemover:
         self, rset: RolloutSet, scope: tuple[str, ...] | None, what: str
     ) -> RecordsRemoval | None:
         """Ask every live participant pod; None when none answered (none runs, or all failed)."""
-        namespace = rset.metadata.namespace or "default"
+        namespace = namespace_or_default(rset.metadata.namespace)
         urls = _participant_urls(
             rset, await self._kube.list_pods(namespace, set_selector(rset.metadata.name))
         )
@@ -166,7 +166,7 @@ class RecordsRemover:
     async def _through_pod(
         self, rset: RolloutSet, scope: tuple[str, ...] | None, what: str, image: str
     ) -> RecordsRemoval:
-        namespace = rset.metadata.namespace or "default"
+        namespace = namespace_or_default(rset.metadata.namespace)
         manifest = cleanup_pod(rset, scope, image)
         name = manifest["metadata"]["name"]
         # Listed by its label, not read by name: the `list` the chart grants for pods already

@@ -45,7 +45,7 @@ from ..cluster.objects import (
     reconcile_pods,
 )
 from ..cluster.statuswriter import SetStatusWriter
-from ..decide.policy import checkpoint_views, parse_time
+from ..decide.policy.views import checkpoint_views, parse_time
 from ..decide.queue import queue_holds
 from ..decide.resources import (
     reserved_volume_notes,
@@ -71,6 +71,7 @@ from ..model.api import (
     RolloutSetStatus,
     SetConditionType,
     StandbyStatus,
+    namespace_or_default,
 )
 from ..model.conditions import ConditionUpdate, merge_conditions, utcnow
 from ..model.owners import StatusOwner
@@ -234,7 +235,7 @@ async def _checkpoint_changes(
     kube: Kube, rset: RolloutSet, latest_written: LatestWritten
 ) -> tuple[dict[str, Any], Repair | None, list[dict[str, Any]]]:
     """The set's checkpoint fields (`setstatus`), the Repair to report, and the checkpoints."""
-    namespace = rset.metadata.namespace or "default"
+    namespace = namespace_or_default(rset.metadata.namespace)
     listed = await kube.list_checkpoints(namespace, rset.metadata.name)
     last = latest_written.last(namespace, rset.metadata.name)
     fields, repair = checkpoint_fields(rset, checkpoint_views(listed), last)
@@ -257,7 +258,7 @@ async def mark_covered_pods(
     started, completed = parse_time(status.get("startedAt")), status.get("completedAt")
     if started is None or not isinstance(completed, str):
         return
-    namespace = rset.metadata.namespace or "default"
+    namespace = namespace_or_default(rset.metadata.namespace)
     hints = {ANNOTATION_LATEST_CHECKPOINT: latest, ANNOTATION_LATEST_CHECKPOINT_TIME: completed}
     for pod in await kube.list_pods(namespace, set_selector(rset.metadata.name)):
         meta = pod.get("metadata") or {}
@@ -286,7 +287,7 @@ async def keep_standbys(
     """Start and drop standby pods as `plan_standbys` says (`plan`: the running attempt's, or
     None while it is not up); returns what the status shows. Creation errors are logged: the
     set runs without the standby and shows fewer ready."""
-    namespace = rset.metadata.namespace or "default"
+    namespace = namespace_or_default(rset.metadata.namespace)
     listed = await kube.list_pods(namespace, set_selector(rset.metadata.name))
     standbys = standby_views(listed, rset.metadata.name)
     if not standbys and not rset.spec.standby.wanted():

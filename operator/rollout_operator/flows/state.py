@@ -22,6 +22,7 @@ from typing import Any, Final
 
 from ..cluster.objects import OwnedObjects
 from ..metrics import SetTransitions
+from ..model.api import namespace_or_default
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ NOTES_LOGGED: Final = 1024
 
 
 def _key(namespace: str | None, name: str) -> SetKey:
-    return (namespace or "default", name)
+    return (namespace_or_default(namespace), name)
 
 
 class Wakeups:

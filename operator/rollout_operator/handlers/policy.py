@@ -29,7 +29,7 @@ import kopf
 
 from ..cluster.kube import ApiError
 from ..cluster.storage import StorageLocator
-from ..decide.policy import Note
+from ..decide.policy.views import Note
 from ..decide.queue import KUEUE_GROUP, KUEUE_VERSION, WORKLOADS
 from ..flows.passloop import STOP_BACKOFF_SECONDS, Next, PassLoop, Stopped
 from ..flows.policypass import CheckpointBusy, set_deleted, start_eviction_checkpoint
@@ -40,6 +40,7 @@ from ..model.api import (
     ROLLOUT_SET_PLURAL,
     VERSION,
     RolloutSet,
+    namespace_or_default,
 )
 from .events import post_set_event
 from .runtime import kube_of, options_of, state_of
@@ -77,7 +78,7 @@ async def policy_loop(
     """Run the set's checkpoint policy until the set is deleted or the operator stops
     (`passloop`: it returns by itself within `STOP_BACKOFF_SECONDS`, so Kopf never has to
     cancel it)."""
-    namespace = namespace or "default"
+    namespace = namespace_or_default(namespace)
     state = state_of(memo)
     with state.policy_loops.registered(namespace, name) as event:
         waits = PassLoop(stopped, wake=event)

@@ -65,7 +65,7 @@ import kopf
 from .. import metrics
 from ..cluster.kube import ApiError, Kube
 from ..cluster.storage import StorageLocator
-from ..decide.policy import Note
+from ..decide.policy.views import Note
 from ..flows.checkpoint import TERMINAL, CheckpointFlow
 from ..flows.passloop import TRANSIENT
 from ..flows.policypass import keep_records_finalizer, release_deleted_checkpoint
@@ -78,6 +78,7 @@ from ..model.api import (
     CheckpointPhase,
     RolloutCheckpoint,
     RolloutSet,
+    namespace_or_default,
 )
 from .events import post_set_event
 from .policy import wake_policy
@@ -157,9 +158,11 @@ async def run_checkpoint(
 
         async def work() -> None:
             try:
-                with state_of(memo).checkpoints.flow_running(namespace or "default", name):
+                with state_of(memo).checkpoints.flow_running(namespace_or_default(namespace), name):
                     phases.append(
-                        await flow.run(namespace or "default", name, abort_when_cancelled=_aborts)
+                        await flow.run(
+                            namespace_or_default(namespace), name, abort_when_cancelled=_aborts
+                        )
                     )
             except Exception as error:  # raised below, outside the task group's wrapping
                 failures.append(error)
@@ -183,7 +186,7 @@ async def run_checkpoint(
         return  # deleted, or handed over (the daemon was cancelled before the flow ended)
     phase = phases[0]
     logger.info("checkpoint %s ended %s", name, phase)
-    ended = await metrics.checkpoint_ended(kube, namespace or "default", name)
+    ended = await metrics.checkpoint_ended(kube, namespace_or_default(namespace), name)
     if ended is not None and ended.status.phase is CheckpointPhase.READY:
         kopf.event(
             body, type="Normal", reason="Completed", message=metrics.completion_message(ended)
@@ -191,7 +194,7 @@ async def run_checkpoint(
     rollout_set = body.get("spec", {}).get("rolloutSet")
     if isinstance(rollout_set, str):
         wake(memo, namespace, rollout_set)
-        await _until_stopped(kube, stopped, namespace or "default", name, rollout_set)
+        await _until_stopped(kube, stopped, namespace_or_default(namespace), name, rollout_set)
 
 
 def _without_kopf_finalizer(handler_id: str, registry: kopf.OperatorRegistry) -> None:
@@ -242,7 +245,7 @@ async def checkpoint_event(
 ) -> None:
     """The records finalizer, and a wake of the set's loops when what they read of the
     checkpoint changed (see the module docstring)."""
-    namespace = namespace or "default"
+    namespace = namespace_or_default(namespace)
     set_name = spec.get(CHECKPOINT_SET_FIELD)
     state = state_of(memo)
     deleting = body.meta.get("deletionTimestamp") is not None

@@ -33,6 +33,7 @@ from ..model.api import (
     ROLLOUT_SET_PLURAL,
     VERSION,
     RolloutSet,
+    namespace_or_default,
 )
 from ..model.conditions import utcnow
 from .events import post_set_event
@@ -98,7 +99,9 @@ def _latest_written_elsewhere(
     namespace: str | None, name: str, status: kopf.Status, memo: kopf.Memo, **_: Any
 ) -> bool:
     written = state_of(memo).latest_written
-    return written.written_elsewhere(namespace or "default", name, status.get("latestCheckpoint"))
+    return written.written_elsewhere(
+        namespace_or_default(namespace), name, status.get("latestCheckpoint")
+    )
 
 
 @kopf.on.event(GROUP, VERSION, ROLLOUT_SET_PLURAL, when=_latest_written_elsewhere, id="latest")
@@ -197,7 +200,7 @@ async def reconcile_loop(
 ) -> None:
     """Reconcile the set until it is deleted or the operator stops (`passloop`: it returns by
     itself within `STOP_BACKOFF_SECONDS`, so Kopf never has to cancel it)."""
-    namespace = namespace or "default"
+    namespace = namespace_or_default(namespace)
     state = state_of(memo)
     with state.set_loops.registered(namespace, name) as event:
         waits = PassLoop(stopped, wake=event)

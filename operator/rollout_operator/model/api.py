@@ -978,6 +978,16 @@ class RolloutSetStatus(StatusModel):
     )
 
 
+DEFAULT_NAMESPACE: Final = "default"
+"""Where the API server puts a namespaced object whose manifest names no namespace."""
+
+
+def namespace_or_default(namespace: object) -> str:
+    """The namespace an object's metadata (or a Kopf event) names; `DEFAULT_NAMESPACE` when it
+    names none, as the API server reads it."""
+    return str(namespace) if namespace else DEFAULT_NAMESPACE
+
+
 class ObjectMeta(BaseModel):
     """The part of `metav1.ObjectMeta` the operator reads."""
 

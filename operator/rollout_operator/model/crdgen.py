@@ -375,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sys.stdout.write(diff)
             names = ", ".join(sorted(stale))
             print(
-                f"crdgen: {names} out of date with rollout_operator/api.py; run `make crds`",
+                f"crdgen: {names} out of date with rollout_operator/model/api.py; run `make crds`",
                 file=sys.stderr,
             )
             return 1

@@ -2,7 +2,11 @@
 
 Only what the plugin exchanges: varints, length-delimited fields (strings, nested messages,
 map entries) and the field numbers of the API's `api.proto`. Decoding skips fields it does not
-know, as protobuf readers do, so a newer kubelet's additions pass through.
+know, as protobuf readers do, so a newer kubelet's additions pass through. It is bounded as a
+peer's input must be: a varint is at most 10 bytes, every length is checked against the bytes
+left, strings must be UTF-8 (proto3's rule), and a message is read in one pass over views of
+the request (no copies), so its time is linear in its size; anything else raises `DecodeError`
+naming the message and field (docs/kind.md, "GPUs").
 """
 
 from __future__ import annotations
@@ -42,48 +46,125 @@ def _bool_field(number: int, value: bool) -> bytes:
     return _key(number, _VARINT) + _varint(1) if value else b""
 
 
-def _read_varint(data: bytes, offset: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if offset >= len(data):
-            raise ValueError("truncated varint")
-        byte = data[offset]
-        offset += 1
-        value |= (byte & 0x7F) << shift
+class DecodeError(ValueError):
+    """Bytes that are not a valid message of the type read; the text says where and why."""
+
+
+_MAX_VARINT_BYTES = 10
+"""A varint holds at most 64 bits: 10 bytes of 7 (protobuf's encoding guide)."""
+_MAX_FIELD_NUMBER = (1 << 29) - 1
+
+
+def _read_varint(data: memoryview, offset: int, where: str) -> tuple[int, int]:
+    """The varint at `offset` and the offset after it; at most 10 bytes are read."""
+    value = 0
+    for index in range(_MAX_VARINT_BYTES):
+        if offset + index >= len(data):
+            raise DecodeError(f"{where}: the varint at byte {offset} is cut off")
+        byte = data[offset + index]
+        value |= (byte & 0x7F) << (7 * index)
         if not byte & 0x80:
-            return value, offset
-        shift += 7
+            if value >> 64:
+                raise DecodeError(f"{where}: the varint at byte {offset} is over 64 bits")
+            return value, offset + index + 1
+    raise DecodeError(f"{where}: the varint at byte {offset} is longer than 10 bytes")
 
 
-def fields(data: bytes) -> Iterator[tuple[int, int | bytes]]:
-    """(field number, value) of each field in `data`: an int for varints, bytes otherwise."""
+def _fields(data: bytes | memoryview, where: str) -> Iterator[tuple[int, int, int | memoryview]]:
+    """(field number, wire type, value) of each field in `data`, in order: an int for varints
+    and fixed-size fields, a view into `data` (no copy) for length-delimited ones. One pass over
+    `data`; every length is checked against what is left of it."""
+    view = memoryview(data)
     offset = 0
-    while offset < len(data):
-        key, offset = _read_varint(data, offset)
+    while offset < len(view):
+        key, offset = _read_varint(view, offset, where)
         number, wire_type = key >> 3, key & 7
+        if not 1 <= number <= _MAX_FIELD_NUMBER:
+            raise DecodeError(f"{where}: field number {number} is out of range")
         if wire_type == _VARINT:
-            value, offset = _read_varint(data, offset)
-            yield number, value
-        elif wire_type == _LEN:
-            length, offset = _read_varint(data, offset)
-            if offset + length > len(data):
-                raise ValueError("truncated field")
-            yield number, data[offset : offset + length]
-            offset += length
+            value, offset = _read_varint(view, offset, where)
+            yield number, wire_type, value
+            continue
+        if wire_type == _LEN:
+            length, offset = _read_varint(view, offset, where)
         elif wire_type in (_I64, _I32):
-            size = 8 if wire_type == _I64 else 4
-            yield number, data[offset : offset + size]
-            offset += size
+            length = 8 if wire_type == _I64 else 4
         else:
-            raise ValueError(f"unsupported wire type {wire_type}")
+            raise DecodeError(
+                f"{where}: field {number} has wire type {wire_type}, unused in proto3"
+            )
+        if length > len(view) - offset:
+            raise DecodeError(
+                f"{where}: field {number} says {length} bytes, {len(view) - offset} are left"
+            )
+        chunk = view[offset : offset + length]
+        offset += length
+        yield number, wire_type, chunk if wire_type == _LEN else int.from_bytes(chunk, "little")
 
 
-def _strings(data: bytes, number: int) -> list[str]:
-    return [v.decode() for n, v in fields(data) if n == number and isinstance(v, bytes)]
+def _int32(value: int) -> int:
+    """A varint read as protobuf's `int32`: its low 32 bits, two's complement."""
+    return ((value & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000
 
 
-def _messages(data: bytes, number: int) -> list[bytes]:
-    return [v for n, v in fields(data) if n == number and isinstance(v, bytes)]
+def _text(value: memoryview, where: str, name: str) -> str:
+    try:
+        return str(value, "utf-8")
+    except UnicodeDecodeError as error:
+        raise DecodeError(f"{where}.{name}: not valid UTF-8 (byte {error.start})") from None
+
+
+@dataclass
+class _Read:
+    """The fields of one message that its reader asked for, by number."""
+
+    strings: dict[int, list[str]]
+    """Each occurrence, in order (a singular field's value is the last)."""
+    messages: dict[int, list[memoryview]]
+    """Each occurrence, in order (a singular field's value is all of them merged)."""
+    varints: dict[int, int]
+    """The last occurrence of each, as protobuf keeps it."""
+
+    def text(self, number: int) -> str:
+        """A singular string field: its last occurrence, "" when absent."""
+        values = self.strings[number]
+        return values[-1] if values else ""
+
+
+def _read(
+    data: bytes | memoryview,
+    where: str,
+    *,
+    strings: Mapping[int, str] | None = None,
+    messages: Sequence[int] = (),
+    varints: Sequence[int] = (),
+) -> _Read:
+    """One message's fields: `strings` (number to name, for the error) decoded as UTF-8, as
+    proto3 requires; any other field, and a known one with another wire type, skipped as an
+    unknown field (protobuf's rule), so a newer kubelet's additions pass through."""
+    names = strings or {}
+    read = _Read({n: [] for n in names}, {n: [] for n in messages}, {})
+    for number, wire_type, value in _fields(data, where):
+        if isinstance(value, int):
+            if wire_type == _VARINT and number in varints:
+                read.varints[number] = value
+        elif number in names:
+            read.strings[number].append(_text(value, where, names[number]))
+        elif number in read.messages:
+            read.messages[number].append(value)
+    return read
+
+
+def decode_empty(data: bytes) -> None:
+    """`Empty` (the request of `GetDevicePluginOptions` and `ListAndWatch`): checked to be
+    well-formed, any field in it skipped."""
+    for _ in _fields(data, "Empty"):
+        pass
+
+
+def decode_pre_start_request(data: bytes) -> list[str]:
+    """PreStartContainerRequest: the device ids."""
+    return _read(data, "PreStartContainerRequest", strings={1: "devices_ids"}).strings[1]
 
 
 @dataclass(frozen=True)
@@ -97,8 +178,8 @@ class DevicePluginOptions:
         )
 
     @classmethod
-    def decode(cls, data: bytes) -> DevicePluginOptions:
-        values = dict(fields(data))
+    def decode(cls, data: bytes | memoryview) -> DevicePluginOptions:
+        values = _read(data, "DevicePluginOptions", varints=(1, 2)).varints
         return cls(bool(values.get(1, 0)), bool(values.get(2, 0)))
 
 
@@ -119,13 +200,17 @@ class RegisterRequest:
 
     @classmethod
     def decode(cls, data: bytes) -> RegisterRequest:
-        text = {n: v.decode() for n, v in fields(data) if n in (1, 2, 3) and isinstance(v, bytes)}
-        options = _messages(data, 4)
+        read = _read(
+            data,
+            "RegisterRequest",
+            strings={1: "version", 2: "endpoint", 3: "resource_name"},
+            messages=(4,),
+        )
         return cls(
-            text.get(1, ""),
-            text.get(2, ""),
-            text.get(3, ""),
-            DevicePluginOptions.decode(options[0]) if options else DevicePluginOptions(),
+            read.text(1),
+            read.text(2),
+            read.text(3),
+            DevicePluginOptions.decode(b"".join(read.messages[4])),
         )
 
 
@@ -138,9 +223,9 @@ class Device:
         return _string_field(1, self.id) + _string_field(2, self.health)
 
     @classmethod
-    def decode(cls, data: bytes) -> Device:
-        text = {n: v.decode() for n, v in fields(data) if n in (1, 2) and isinstance(v, bytes)}
-        return cls(text.get(1, ""), text.get(2, ""))
+    def decode(cls, data: bytes | memoryview) -> Device:
+        read = _read(data, "Device", strings={1: "ID", 2: "health"})
+        return cls(read.text(1), read.text(2))
 
 
 def encode_list_and_watch(devices: Sequence[Device]) -> bytes:
@@ -148,13 +233,15 @@ def encode_list_and_watch(devices: Sequence[Device]) -> bytes:
     return b"".join(_bytes_field(1, device.encode()) for device in devices)
 
 
-def decode_list_and_watch(data: bytes) -> list[Device]:
-    return [Device.decode(item) for item in _messages(data, 1)]
-
-
 def decode_allocate_request(data: bytes) -> list[list[str]]:
     """AllocateRequest: the device ids of each container request, in order."""
-    return [_strings(item, 1) for item in _messages(data, 1)]
+    containers = _read(data, "AllocateRequest", messages=(1,)).messages[1]
+    return [
+        _read(
+            item, f"AllocateRequest.container_requests[{index}]", strings={1: "devices_ids"}
+        ).strings[1]
+        for index, item in enumerate(containers)
+    ]
 
 
 def encode_allocate_request(containers: Sequence[Sequence[str]]) -> bytes:
@@ -177,21 +264,41 @@ def encode_allocate_response(containers: Sequence[Mapping[str, str]]) -> bytes:
 
 def decode_allocate_response(data: bytes) -> list[dict[str, str]]:
     out = []
-    for item in _messages(data, 1):
+    containers = _read(data, "AllocateResponse", messages=(1,)).messages[1]
+    for index, item in enumerate(containers):
+        where = f"AllocateResponse.container_responses[{index}]"
         envs = {}
-        for entry in _messages(item, 1):
-            text = {n: v.decode() for n, v in fields(entry) if isinstance(v, bytes)}
-            envs[text.get(1, "")] = text.get(2, "")
+        for entry in _read(item, where, messages=(1,)).messages[1]:
+            read = _read(entry, f"{where}.envs", strings={1: "key", 2: "value"})
+            envs[read.text(1)] = read.text(2)
         out.append(envs)
     return out
 
 
-def decode_preferred_request(data: bytes) -> list[tuple[list[str], list[str], int]]:
-    """PreferredAllocationRequest: (available, must include, size) per container."""
+@dataclass(frozen=True)
+class PreferredRequest:
+    """One ContainerPreferredAllocationRequest."""
+
+    available: list[str]
+    must_include: list[str]
+    size: int
+    """`allocation_size`, an `int32`: negative when a peer sent it so."""
+
+
+def decode_preferred_request(data: bytes) -> list[PreferredRequest]:
+    """PreferredAllocationRequest: one request per container, in order."""
+    containers = _read(data, "PreferredAllocationRequest", messages=(1,)).messages[1]
     out = []
-    for item in _messages(data, 1):
-        size = next((v for n, v in fields(item) if n == 3 and isinstance(v, int)), 0)
-        out.append((_strings(item, 1), _strings(item, 2), size))
+    for index, item in enumerate(containers):
+        read = _read(
+            item,
+            f"PreferredAllocationRequest.container_requests[{index}]",
+            strings={1: "available_deviceIDs", 2: "must_include_deviceIDs"},
+            varints=(3,),
+        )
+        out.append(
+            PreferredRequest(read.strings[1], read.strings[2], _int32(read.varints.get(3, 0)))
+        )
     return out
 
 

@@ -27,17 +27,21 @@ from typing import Any
 
 from pydantic import ValidationError
 from rollout_protocol import ErrorCode, ProtocolError
+from rollout_protocol.model_api import (
+    ChatBody,
+    ChatMessage,
+    JsonOutOfBounds,
+    ResponsesBody,
+    chosen_tool,
+    json_or_text,
+)
 
 from ..tasks import CalculatorError, calculate
 from .generation import (
-    ChatBody,
-    ChatMessage,
     Done,
     GenRequest,
     Piece,
-    ResponsesBody,
     ToolSpec,
-    chosen_tool,
 )
 
 CALL_OPEN = "<tool_call>"
@@ -99,11 +103,11 @@ def builtin_prompt(messages: Sequence[dict[str, Any]]) -> str:
         if message["role"] == "tool" and "RESULT:" not in text:
             text = f"RESULT: {_tool_result(text, sent.get(str(message.get('tool_call_id'))))}"
         for call in message.get("tool_calls") or ():
-            sent[str(call.get("id"))] = _json_or_text(call["function"]["arguments"])
+            sent[str(call.get("id"))] = json_or_text(call["function"]["arguments"])
         for call in message.get("tool_calls") or ():
             function = call["function"]
             text += f" {CALL_OPEN} " + json.dumps(
-                {"name": function["name"], "arguments": _json_or_text(function["arguments"])}
+                {"name": function["name"], "arguments": json_or_text(function["arguments"])}
             )
             text += f" {CALL_CLOSE}"
         lines.append(f"{message['role']}: {text.strip()}")
@@ -115,23 +119,13 @@ def _tool_result(text: str, arguments: Any) -> str:
     objects (NeMo Gym's resources servers do): the first integer field of one is the result,
     and an answer without a number (an acknowledgement such as `{"success": true}`) stands for
     the integer the call sent. Anything else is read as it is."""
-    try:
-        answer = json.loads(text)
-    except ValueError:
-        return text
+    answer = json_or_text(text)
     if not isinstance(answer, dict):
         return text
     for value in (*answer.values(), *(arguments.values() if isinstance(arguments, dict) else ())):
         if type(value) is int:
             return str(value)
     return text
-
-
-def _json_or_text(arguments: str) -> Any:
-    try:
-        return json.loads(arguments)
-    except ValueError:
-        return arguments
 
 
 def chat_generation(body: ChatBody) -> GenRequest:
@@ -180,7 +174,7 @@ def responses_messages(body: ResponsesBody) -> list[dict[str, Any]]:
                 "type": "function",
                 "function": {
                     "name": _field(item, "name", where),
-                    "arguments": _field(item, "arguments", where),
+                    "arguments": _bounded(_field(item, "arguments", where), where + ".arguments"),
                 },
             }
             last = messages[-1] if messages else None
@@ -190,7 +184,7 @@ def responses_messages(body: ResponsesBody) -> list[dict[str, Any]]:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
-            text = _item_text(output, where + ".output")
+            text = _bounded(_item_text(output, where + ".output"), where + ".output")
             messages.append(
                 {"role": "tool", "tool_call_id": _field(item, "call_id", where), "content": text}
             )
@@ -217,6 +211,16 @@ def _field(item: dict[str, Any], name: str, where: str) -> str:
     if not isinstance(value, str) or (not value and name != "arguments"):
         raise _invalid(f"{where}.{name}", "a non-empty string is required")
     return value
+
+
+def _bounded(text: str, where: str) -> str:
+    """A field that may hold JSON (a call's arguments, a tool's answer), refused when it holds
+    JSON past the decoder's bounds (`rollout_protocol.model_api`)."""
+    try:
+        json_or_text(text)
+    except JsonOutOfBounds as error:
+        raise _invalid(where, str(error)) from None
+    return text
 
 
 def _item_text(content: Any, where: str) -> str:
@@ -416,7 +420,10 @@ class ToolCallParser:
                 events += self._head()
                 self._buffer = keep
             else:
-                parsed = _json_or_text(region.strip())
+                try:
+                    parsed = json_or_text(region.strip())
+                except JsonOutOfBounds:
+                    parsed = None  # not a call the model wrote: its text, as it is
                 name = parsed.get("name") if isinstance(parsed, dict) else None
                 if not isinstance(name, str):
                     return self._text(CALL_OPEN + region + CALL_CLOSE)

@@ -49,7 +49,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -73,6 +73,13 @@ from rollout_protocol import (
     StepMode,
     TaskMismatch,
 )
+from rollout_protocol.model_api import (
+    ChatBody,
+    ChatMessage,
+    CompletionBody,
+    ResponsesBody,
+    decode_body,
+)
 
 from . import agent_api
 from .backends import TOKEN, Backend, BuiltinBackend, OpenAIBackend, wanted_logprobs
@@ -84,9 +91,6 @@ from .common import (
 )
 from .generation import (
     DELIVERED_KIND,
-    ChatBody,
-    ChatMessage,
-    CompletionBody,
     Continuation,
     Delivered,
     DeliveredData,
@@ -97,13 +101,10 @@ from .generation import (
     Item,
     Piece,
     Progress,
-    ResponsesBody,
     TokenLogprob,
 )
 
 log = logging.getLogger(__name__)
-
-_M = TypeVar("_M", bound=BaseModel)
 
 REQUEST_HEADER = "X-Rollout-Request"
 ATTEMPT_HEADER = "X-Rollout-Attempt"
@@ -342,7 +343,7 @@ class ModelServer(RolloutServer):
             }
 
         async def completions(request: Request) -> Response:
-            body = await _json_body(request, CompletionBody)
+            body = decode_body(await request.body(), CompletionBody)
             gen = GenRequest(
                 kind="completion",
                 body=body.model_dump(exclude_none=True),
@@ -354,7 +355,7 @@ class ModelServer(RolloutServer):
             return await server.respond(gen, _identity(request, server.attempt, gen))
 
         async def chat(request: Request) -> Response:
-            body = await _json_body(request, ChatBody)
+            body = decode_body(await request.body(), ChatBody)
             if body.uses_tools:
                 gen = agent_api.chat_generation(body)
             else:
@@ -370,7 +371,7 @@ class ModelServer(RolloutServer):
             return await server.respond(gen, _identity(request, server.attempt, gen))
 
         async def responses(request: Request) -> Response:
-            body = await _json_body(request, ResponsesBody)
+            body = decode_body(await request.body(), ResponsesBody)
             gen = agent_api.responses_generation(body)
             return await server.respond(gen, _identity(request, server.attempt, gen))
 
@@ -1049,14 +1050,3 @@ def _openapi_extra(body: type[BaseModel], *, prefixed: bool = False) -> dict[str
     if prefixed:
         extra["parameters"] = [capture, *extra["parameters"]]
     return extra
-
-
-async def _json_body(request: Request, model: type[_M]) -> _M:
-    try:
-        return model.model_validate_json(await request.body())
-    except ValidationError as error:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
-            for e in error.errors()[:5]
-        )
-        raise ProtocolError(ErrorCode.INVALID_REQUEST, problems) from None

@@ -11,7 +11,7 @@ public surface for the handlers and the tests.
 
 from __future__ import annotations
 
-from .context import IN_FLIGHT, TERMINAL, CheckpointFailed, FlowSettings, Reason
+from .context import IN_FLIGHT, TERMINAL, CheckpointFailed, FlowSettings
 from .flow import PHASES, CheckpointFlow
 
 __all__ = [
@@ -21,5 +21,4 @@ __all__ = [
     "CheckpointFailed",
     "CheckpointFlow",
     "FlowSettings",
-    "Reason",
 ]

@@ -23,10 +23,10 @@ from ...model.api import (
     RolloutCheckpoint,
 )
 from ...model.conditions import set_condition
+from ...model.reasons import Reason
 from .context import (
     CheckpointFailed,
     CheckpointRun,
-    Reason,
     describe,
     enter_phase,
     failure_reason,

@@ -38,8 +38,10 @@ from ...model.api import (
     RolloutCheckpointStatus,
     RolloutSet,
     dump,
+    namespace_or_default,
 )
 from ...model.conditions import MAX_FAILURE_CHARS, set_condition, truncate
+from ...model.reasons import Reason
 from ..state import CoordinatedPods
 from ..watching import NoLongerHolds, while_holding
 
@@ -50,28 +52,6 @@ TERMINAL: Final = CHECKPOINT_FINISHED
 IN_FLIGHT: Final = CHECKPOINT_RUNNING
 """Phases entered while holding the set's slot; a restarted operator continues them."""
 _T = TypeVar("_T")
-
-
-class Reason:
-    """Condition reasons of a RolloutCheckpoint (CamelCase, stable)."""
-
-    QUEUED: Final = "Queued"
-    PREPARING: Final = "Preparing"
-    PREPARED: Final = "AllParked"
-    NOT_PARKED: Final = "PrepareTimeout"
-    COMMITTED: Final = "RecordsWritten"
-    PUBLISHED: Final = "Published"
-    SET_NOT_FOUND: Final = "SetNotFound"
-    SET_NOT_READY: Final = "SetNotReady"
-    PARTICIPANT_LOST: Final = "ParticipantLost"
-    PARTICIPANT_UNRESPONSIVE: Final = "ParticipantUnresponsive"
-    ABORTED: Final = "Aborted"
-    PREPARE_FAILED: Final = "PrepareFailed"
-    COMMIT_FAILED: Final = "CommitFailed"
-    LEASE_LAPSED: Final = "LeaseLapsed"
-    INVALID: Final = "InvalidCheckpoint"
-    GRACE_PERIOD_TOO_SHORT: Final = "GracePeriodTooShort"
-    UNMANAGED_WORKERS: Final = "UnmanagedWorkers"
 
 
 class CheckpointFailed(Exception):
@@ -260,14 +240,6 @@ class CheckpointRun:
         return self.context.clock()
 
 
-def namespace_of(ckpt: RolloutCheckpoint) -> str:
-    return ckpt.metadata.namespace or "default"
-
-
-def now_ts(clock: Callable[[], float]) -> datetime:
-    return datetime.fromtimestamp(clock(), UTC).replace(microsecond=0)
-
-
 def set_lost(rset: RolloutSet, attempt: int | None) -> str | None:
     """Why the set no longer runs the checkpoint's attempt (None while it does)."""
     status = rset.status
@@ -329,7 +301,7 @@ async def _patch_status(
         body["status"].setdefault(key, [])
     with tracing.span("write status", attributes={"rollout.phase": str(status.phase)}):
         await context.kube.patch_checkpoint_status(
-            namespace_of(ckpt), ckpt.metadata.name, body["status"]
+            namespace_or_default(ckpt.metadata.namespace), ckpt.metadata.name, body["status"]
         )
 
 
@@ -419,7 +391,7 @@ async def while_set_holds(
     docs/design.md#66-one-checkpoint-at-a-time). The set is looked at on each of its events
     (from the watch: no request).
     """
-    namespace = namespace_of(ckpt)
+    namespace = namespace_or_default(ckpt.metadata.namespace)
     kube = context.kube
 
     async def lost() -> str | None:

@@ -43,7 +43,8 @@ from rollout_protocol import Coordinator, HttpParticipantClient, tracing
 from ...cluster.kube import Kube
 from ...cluster.leases import CheckpointLeases
 from ...cluster.objects import read_control_token
-from ...model.api import CheckpointPhase, RolloutCheckpoint, RolloutSet, Trigger
+from ...model.api import CheckpointPhase, RolloutCheckpoint, RolloutSet, namespace_or_default
+from ...model.reasons import Reason
 from ..checkpointrepairs import repair_published_checkpoint
 from ..phases import PhaseTable, run_phases
 from ..state import CoordinatedPods
@@ -56,7 +57,6 @@ from .context import (
     CheckpointRun,
     FlowSettings,
     OnTransition,
-    Reason,
     UnwrittenPhases,
     abort,
     enter_phase,
@@ -67,7 +67,7 @@ from .context import (
 )
 from .prepare import begin, prepare
 from .resume import resume
-from .slot import held_slot, release_slot, take_operator_slot, take_slot, why_wait
+from .slot import held_slot, release_slot, take_operator_slot, take_slot
 
 
 def phase_of(run: CheckpointRun, ckpt: RolloutCheckpoint) -> CheckpointPhase | None:
@@ -153,10 +153,6 @@ class CheckpointFlow:
         self._participants_factory = participants_factory or http_participants
         self._slots = slots
 
-    def _why_wait(self, rset: RolloutSet, trigger: Trigger = Trigger.MANUAL) -> str | None:
-        """None when the checkpoint may start now; else why it waits (`slot.why_wait`)."""
-        return why_wait(rset, trigger)
-
     async def _read(self, namespace: str, name: str) -> RolloutCheckpoint | None:
         obj = await self._context.kube.get_checkpoint(namespace, name)
         return None if obj is None else RolloutCheckpoint.model_validate(obj)
@@ -223,7 +219,7 @@ class CheckpointFlow:
     ) -> CheckpointPhase | None:
         context = self._context
         kube = context.kube
-        namespace = ckpt.metadata.namespace or "default"
+        namespace = namespace_or_default(ckpt.metadata.namespace)
         # Running: in a running phase, or (its phases unwritten yet) holding the set's Lease as
         # this process took it, when an earlier run of this process stopped on an error.
         in_flight = ckpt.status.phase in IN_FLIGHT or (

@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 
 from rollout_protocol import tracing
 
-from ...decide.policy import PrepareDeadline, TerminatingPod, eviction_prepare_deadline
+from ...decide.policy.eviction import PrepareDeadline, TerminatingPod, eviction_prepare_deadline
 from ...decide.resources import set_selector
 from ...decide.workers import unmanaged_workers
 from ...model.api import (
@@ -27,15 +27,15 @@ from ...model.api import (
     RolloutCheckpoint,
     Trigger,
     format_time,
+    namespace_or_default,
 )
+from ...model.reasons import Reason
 from .context import (
     CheckpointFailed,
     CheckpointRun,
-    Reason,
     describe,
     enter_phase,
     failure_reason,
-    namespace_of,
     while_set_holds,
 )
 
@@ -123,14 +123,16 @@ async def prepare(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpo
 async def prepare_deadline(run: CheckpointRun, ckpt: RolloutCheckpoint) -> PrepareDeadline:
     """`prepareTimeoutSeconds` from the start (when the checkpoint took the set's Lease); for
     an Eviction checkpoint no later than the evicted pods' grace period allows
-    (`policy.eviction_prepare_deadline`). The pods are read now, not when the checkpoint was
-    created: it may have queued, and a drain may have evicted more pods since."""
+    (`policy.eviction.eviction_prepare_deadline`). The pods are read now, not when the checkpoint
+    was created: it may have queued, and a drain may have evicted more pods since."""
     rset = run.rset
     now = datetime.fromtimestamp(run.slot_taken, UTC)
     timeout = rset.spec.checkpoint_policy.prepare_timeout_seconds
     terminating: list[TerminatingPod] = []
     if ckpt.spec.trigger is Trigger.EVICTION:
-        pods = await run.kube.list_pods(namespace_of(ckpt), set_selector(rset.metadata.name))
+        pods = await run.kube.list_pods(
+            namespace_or_default(ckpt.metadata.namespace), set_selector(rset.metadata.name)
+        )
         terminating = [t for t in (TerminatingPod.from_pod(p, LABEL_ATTEMPT) for p in pods) if t]
     return eviction_prepare_deadline(now, timeout, terminating, rset.status.attempt)
 
@@ -143,7 +145,7 @@ async def refuse_unmanaged_workers(run: CheckpointRun) -> None:
     checkpoint whose participants are all known asks none of them (16 calls fewer per
     checkpoint of a 16-pod set)."""
     participants = run.rset.status.participants
-    namespace = namespace_of_set(run)
+    namespace = namespace_or_default(run.rset.metadata.namespace)
     coordinated = run.context.coordinated
     if coordinated is not None and coordinated.known(
         namespace, [(p.pod, p.address or "") for p in participants]
@@ -164,7 +166,3 @@ async def refuse_unmanaged_workers(run: CheckpointRun) -> None:
                 if f"{p.role.value}-{p.index}" in answered
             ],
         )
-
-
-def namespace_of_set(run: CheckpointRun) -> str:
-    return run.rset.metadata.namespace or "default"

@@ -21,16 +21,11 @@ from ...model.api import (
     RolloutSet,
     SetConditionType,
     Trigger,
+    namespace_or_default,
 )
 from ...model.conditions import find_condition
-from .context import (
-    CheckpointContext,
-    CheckpointFailed,
-    Reason,
-    enter_phase,
-    namespace_of,
-    set_lost,
-)
+from ...model.reasons import Reason
+from .context import CheckpointContext, CheckpointFailed, enter_phase, set_lost
 
 UNQUEUED_TRIGGERS: Final = frozenset({Trigger.EVICTION, Trigger.DEADLINE})
 """Checkpoints with a hard deadline of their own: never queued behind the operator's limit."""
@@ -79,7 +74,7 @@ async def take_slot(context: CheckpointContext, ckpt: RolloutCheckpoint) -> Roll
     over (`leases`). Waiting is bounded by the set's prepare and restore timeouts; it wakes
     on the set's events (a recovery ending, a checkpoint finishing)."""
     kube, settings, clock = context.kube, context.settings, context.clock
-    namespace = namespace_of(ckpt)
+    namespace = namespace_or_default(ckpt.metadata.namespace)
     me = ckpt.metadata.name
     deadline: float | None = None
     queued_reason = ""
@@ -129,7 +124,9 @@ async def held_slot(context: CheckpointContext, ckpt: RolloutCheckpoint) -> Roll
     """After an operator restart in a running phase: the slot is still ours (nobody takes
     over a checkpoint that is not finished), so only check that the set and the attempt the
     checkpoint captures are still there."""
-    raw = await context.kube.get_set(namespace_of(ckpt), ckpt.spec.rollout_set)
+    raw = await context.kube.get_set(
+        namespace_or_default(ckpt.metadata.namespace), ckpt.spec.rollout_set
+    )
     if raw is None:
         raise CheckpointFailed(
             Reason.SET_NOT_FOUND,
@@ -143,7 +140,9 @@ async def held_slot(context: CheckpointContext, ckpt: RolloutCheckpoint) -> Roll
 
 
 async def release_slot(context: CheckpointContext, ckpt: RolloutCheckpoint) -> None:
-    await context.leases.release(namespace_of(ckpt), ckpt.spec.rollout_set, ckpt.metadata.name)
+    await context.leases.release(
+        namespace_or_default(ckpt.metadata.namespace), ckpt.spec.rollout_set, ckpt.metadata.name
+    )
 
 
 def lease_seconds(context: CheckpointContext, rset: RolloutSet) -> int:

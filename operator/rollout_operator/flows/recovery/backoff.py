@@ -19,13 +19,14 @@ from ...model.api import (
     RestorePolicy,
     RolloutSet,
     SetConditionType,
+    namespace_or_default,
 )
 from ...model.conditions import (
     ConditionUpdate,
 )
+from ...model.reasons import Reason
 from .context import (
     MAX_BACKOFF_SECONDS,
-    Reason,
     RecoveryContext,
     RecoveryFailed,
     logger,
@@ -53,7 +54,7 @@ async def try_failed(
     BackingOff until the next one; past maxRestarts, Degraded and None (the run ends)."""
     if rset is None:
         return None
-    namespace = rset.metadata.namespace or "default"
+    namespace = namespace_or_default(rset.metadata.namespace)
     fresh = await read_set(context, namespace, rset.metadata.name)
     if fresh is None or fresh.status.recovery is None:
         return fresh

@@ -20,7 +20,6 @@ from rollout_protocol import Coordinator, HttpParticipantClient
 from ...cluster.kube import Conflict, Kube
 from ...cluster.objects import read_control_token
 from ...cluster.statuswriter import SetGone, SetStatusWriter
-from ...decide.setplan import Reason as SetReason
 from ...model.api import (
     RecoveryPhase,
     RecoveryStatus,
@@ -28,8 +27,10 @@ from ...model.api import (
     RolloutCheckpoint,
     RolloutSet,
     SetConditionType,
+    namespace_or_default,
 )
 from ...model.conditions import ConditionUpdate, merge_conditions, truncate, utcnow
+from ...model.reasons import Reason
 from ...model.settings import DEFAULT_RESTORE_FLOOR_SECONDS, DEFAULT_RETIRE_SECONDS
 
 # One logger for the whole recovery, named as the flow (its lines read the same from every step).
@@ -48,31 +49,6 @@ COUNT_RETIRE_SECONDS: Final = 5.0
 """How long a Recreate recovery waits for the pods it is about to delete to retire the lost
 attempt, only so that they report the work it loses (`lastRecovery`); one that does not
 answer by then is deleted anyway and its work is listed as uncounted."""
-
-
-class Reason:
-    """Reasons on the set's Recovering condition (CamelCase, stable)."""
-
-    POD_FAILED: Final = "PodFailed"
-    POD_DELETED: Final = "PodDeleted"
-    NODE_LOST: Final = "NodeLost"
-    RECOVERED: Final = "Recovered"
-    RESTORED: Final = "Restored"
-    NO_CHECKPOINT: Final = "NoCheckpoint"
-    SIBLING_RESTART: Final = "SiblingRestart"
-    RESTORE_FAILED: Final = "RestoreFailed"
-    PODS_NOT_READY: Final = "ReplacementPodsNotReady"
-    RESTARTS_EXHAUSTED: Final = "MaxRestartsExceeded"
-    IN_PLACE_FALLBACK: Final = "InPlaceFallback"
-    REPLACEMENT_LOST: Final = "ReplacementPodLost"
-    RECOVERY_LIMIT: Final = SetReason.RECOVERY_LIMIT
-    CHECKPOINT_INVALID: Final = "CheckpointInvalid"
-    """The restored checkpoint's records failed verification: the next try restores an older
-    Ready checkpoint, or starts fresh."""
-    CHECKPOINT_UNREACHABLE: Final = "CheckpointUnreachable"
-    """A participant found no records of the restored checkpoint on the storage it sees (they
-    were on a volume only a lost node had): the next try restores an older Ready checkpoint,
-    or starts fresh, instead of waiting for that storage to come back."""
 
 
 CHECKPOINT_RECORDS_INVALID: Final = RestoreVerdict.RECORDS_INVALID.value
@@ -142,10 +118,6 @@ def recovery_of(rset: RolloutSet) -> RecoveryStatus:
     recovery = rset.status.recovery
     assert recovery is not None, "a recovery step runs only while status.recovery is set"
     return recovery
-
-
-def namespace_of(rset: RolloutSet) -> str:
-    return rset.metadata.namespace or "default"
 
 
 def phase_seconds_until(recovery: RecoveryStatus, now: datetime) -> dict[str, float]:
@@ -230,7 +202,7 @@ async def read_checkpoint(
     """The RolloutCheckpoint `name` of this set; None when there is none, or when the name
     is another set's (a name read from status may have been written by hand: the flow
     never restores, nor marks invalid, a checkpoint of another set)."""
-    raw = await context.kube.get_checkpoint(namespace_of(rset), name)
+    raw = await context.kube.get_checkpoint(namespace_or_default(rset.metadata.namespace), name)
     if raw is None:
         return None
     ckpt = RolloutCheckpoint.model_validate(raw)
@@ -241,7 +213,9 @@ async def http_coordinator(
     kube: Kube, rset: RolloutSet
 ) -> tuple[Coordinator, list[HttpParticipantClient]]:
     """The coordinator over every participant of the set's status, over HTTP."""
-    token = await read_control_token(kube, namespace_of(rset), rset.metadata.name)
+    token = await read_control_token(
+        kube, namespace_or_default(rset.metadata.namespace), rset.metadata.name
+    )
     if token is None:
         raise RecoveryFailed("TokenMissing", "the set's control-token Secret is missing")
     participants = [

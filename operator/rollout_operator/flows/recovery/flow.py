@@ -27,9 +27,10 @@ from ...cluster.kube import Kube
 from ...cluster.objects import eviction_holds
 from ...cluster.statuswriter import SetStatusWriter
 from ...decide.churn import ChurnDecision
-from ...decide.policy import RESUMED_REASON, resume_due
-from ...model.api import RecoveryPhase, RolloutSet, format_time
+from ...decide.policy.suspend import resume_due
+from ...model.api import RecoveryPhase, RolloutSet, format_time, namespace_or_default
 from ...model.owners import StatusOwner
+from ...model.reasons import Reason
 from ..phases import FailureHandler, PhaseTable, run_phases
 from .backoff import back_off, on_failed_try
 from .context import (
@@ -43,8 +44,8 @@ from .context import (
     read_set,
 )
 from .loss import Loss, detect_loss, observe
-from .pods import restorable_checkpoint, start_pods
-from .restore import invalidate, restore, resume, still_restorable
+from .pods import start_pods
+from .restore import restore, resume
 from .start import churn, start
 from .stopping import stop_attempt
 
@@ -143,25 +144,14 @@ class RecoveryFlow:
             if ended is not None:
                 root.set_attribute("rollout.attempt", ended.status.attempt or 0)
 
-    # The steps' parts that tests call on a flow, with the flow's context.
-
-    async def _restorable_checkpoint(self, rset: RolloutSet) -> str | None:
-        return await restorable_checkpoint(self._context, rset)
-
-    async def _still_restorable(self, rset: RolloutSet) -> RolloutSet:
-        return await still_restorable(self._context, rset)
-
-    async def _invalidate(self, rset: RolloutSet, name: str, detail: str) -> None:
-        await invalidate(self._context, rset, name, detail)
-
 
 async def start_resume(kube: Kube, flow: RecoveryFlow, rset: RolloutSet, live_pods: int) -> bool:
-    """Start the recovery of a resume when one is due (`policy.resume_due`: the policy cleared
-    Suspended and none of the set's pods runs); whether it started."""
+    """Start the recovery of a resume when one is due (`policy.suspend.resume_due`: the policy
+    cleared Suspended and none of the set's pods runs); whether it started."""
     if not resume_due(rset, live_pods):
         return False
     # Read again before a new attempt's pods are created: a suspend written meanwhile wins.
-    namespace, name = rset.metadata.namespace or "default", rset.metadata.name
+    namespace, name = namespace_or_default(rset.metadata.namespace), rset.metadata.name
     raw = await kube.get_set(namespace, name, fresh=True)
     if raw is None:
         return False
@@ -174,7 +164,7 @@ async def start_resume(kube: Kube, flow: RecoveryFlow, rset: RolloutSet, live_po
         "into fresh pods"
     )
     logger.info("set %s: %s", name, message)
-    await flow.start(rset, Loss(RESUMED_REASON, message))
+    await flow.start(rset, Loss(Reason.RESUMED, message))
     return True
 
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from ...cluster.kube import Kube
 from ...decide.resources import set_selector
 from ...decide.setplan import Instance, PodView, attempt_instances
-from ...model.api import RolloutSet, SetConditionType
+from ...model.api import RolloutSet, SetConditionType, namespace_or_default
 from ...model.conditions import is_true
-from .context import Reason
+from ...model.reasons import Reason
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def find_losses(
 
 async def observe(kube: Kube, rset: RolloutSet) -> tuple[list[PodView], dict[str, str], set[str]]:
     """The set's pods, the node of each, and which of those nodes are not Ready."""
-    namespace = rset.metadata.namespace or "default"
+    namespace = namespace_or_default(rset.metadata.namespace)
     raw = await kube.list_pods(namespace, set_selector(rset.metadata.name))
     views = [v for v in (PodView.from_pod(p) for p in raw) if v is not None]
     nodes_of = {

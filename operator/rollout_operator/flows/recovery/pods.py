@@ -16,7 +16,7 @@ from ...cluster.objects import (
     reconcile_pods,
 )
 from ...decide.inplace import instance_name
-from ...decide.policy import checkpoint_views
+from ...decide.policy.views import checkpoint_views
 from ...decide.resources import set_selector
 from ...decide.setplan import PodView, attempt_instances
 from ...decide.setstatus import newest_ready
@@ -29,10 +29,11 @@ from ...model.api import (
     RecoveryPhase,
     RolloutSet,
     TargetLevel,
+    namespace_or_default,
 )
+from ...model.reasons import Reason
 from .context import (
     POLL_SECONDS,
-    Reason,
     RecoveryContext,
     RecoveryFailed,
     logger,
@@ -61,7 +62,7 @@ async def adopt_standbys(context: RecoveryContext, rset: RolloutSet) -> RolloutS
         return rset
     if await restorable_checkpoint(context, rset) is None:
         return rset
-    namespace = rset.metadata.namespace or "default"
+    namespace = namespace_or_default(rset.metadata.namespace)
     raw = await context.kube.list_pods(namespace, set_selector(rset.metadata.name))
     views, nodes_of, lost_nodes = await observe(context.kube, rset)
     present = {(p.role, p.index) for p in views if p.attempt == target}
@@ -118,7 +119,7 @@ async def start_pods(context: RecoveryContext, rset: RolloutSet) -> RolloutSet:
     deadline = try_deadline(rset)
     while True:
         pods = await observe_pods(
-            context.kube, rset.metadata.namespace or "default", rset.metadata.name
+            context.kube, namespace_or_default(rset.metadata.namespace), rset.metadata.name
         )
         outcome = await reconcile_pods(context.kube, rset, target, pods)
         plan = outcome.plan
@@ -144,9 +145,11 @@ async def start_pods(context: RecoveryContext, rset: RolloutSet) -> RolloutSet:
             )
         # The pods' events end the wait (the cache's view of them costs no request).
         await context.kube.cache.wait_for_change(
-            rset.metadata.namespace or "default", rset.metadata.name, POLL_SECONDS
+            namespace_or_default(rset.metadata.namespace), rset.metadata.name, POLL_SECONDS
         )
-        fresh = await read_set(context, rset.metadata.namespace or "default", rset.metadata.name)
+        fresh = await read_set(
+            context, namespace_or_default(rset.metadata.namespace), rset.metadata.name
+        )
         if fresh is None:
             raise RecoveryFailed("SetDeleted", "the RolloutSet was deleted")
         if fresh.status.recovery is None:
@@ -185,7 +188,7 @@ async def restorable_checkpoint(context: RecoveryContext, rset: RolloutSet) -> s
     status was written."""
     if rset.spec.recovery.target_level is TargetLevel.SIBLING:
         return None
-    namespace = rset.metadata.namespace or "default"
+    namespace = namespace_or_default(rset.metadata.namespace)
     listed = await context.kube.list_checkpoints(namespace, rset.metadata.name)
     newest = newest_ready(checkpoint_views(listed))
     name = newest.name if newest is not None else None

@@ -19,7 +19,6 @@ from pydantic import ValidationError
 from ...cluster.kube import Conflict, Kube
 from ...cluster.objects import observe_pods
 from ...cluster.statuswriter import SetStatusWriter
-from ...decide.policy import RESUMED_REASON
 from ...decide.setstatus import NOT_AN_INTERFACE, REPAIRED, Repair, finished_attempt
 from ...model.api import (
     RecoveryPhase,
@@ -35,6 +34,7 @@ from ...model.conditions import (
     utcnow,
 )
 from ...model.owners import StatusOwner
+from ...model.reasons import Reason
 from .context import logger
 from .loss import find_losses, observe
 
@@ -74,7 +74,7 @@ async def repair_false_recovery(kube: Kube, namespace: str, name: str) -> Repair
         recovery is None
         or recovery.phase is not RecoveryPhase.STOPPING_ATTEMPT
         or recovery.tries
-        or recovery.reason == RESUMED_REASON
+        or recovery.reason == Reason.RESUMED
         or rset.spec.suspend
         or is_true(status.conditions, SetConditionType.SUSPENDED.value)
     ):

@@ -24,7 +24,6 @@ from rollout_protocol import (
 
 from ...cluster.kube import ApiError
 from ...decide.inplace import adopted_instances, instance_name, rewiring
-from ...decide.policy import RESUMED_REASON
 from ...decide.setplan import attempt_instances
 from ...decide.setstatus import NOT_AN_INTERFACE, REPAIRED
 from ...decide.workloss import total_work, work_loss
@@ -38,6 +37,7 @@ from ...model.api import (
     SetConditionType,
     TargetLevel,
     dump,
+    namespace_or_default,
 )
 from ...model.conditions import (
     ConditionUpdate,
@@ -46,12 +46,12 @@ from ...model.conditions import (
     truncate,
     utcnow,
 )
+from ...model.reasons import Reason
 from ..watching import NoLongerHolds, while_holding
 from .context import (
     CHECKPOINT_RECORDS_INVALID,
     CHECKPOINT_RECORDS_UNREACHABLE,
     POLL_SECONDS,
-    Reason,
     RecoveryContext,
     RecoveryFailed,
     logger,
@@ -74,7 +74,7 @@ def counts_as_restart(recovery: RecoveryStatus) -> bool:
     a recovery too (fresh pods restore the latest checkpoint under attempt + 1), but nothing
     was lost: it advances the attempt and says `Resumed`/`Restored` in the conditions, and
     leaves `restarts` alone (a queueing system may suspend and resume a set many times)."""
-    return recovery.reason != RESUMED_REASON
+    return recovery.reason != Reason.RESUMED
 
 
 _T = TypeVar("_T")
@@ -245,7 +245,7 @@ async def while_pods_hold(
 
     async def next_look() -> None:
         await context.kube.cache.wait_for_change(
-            rset.metadata.namespace or "default", rset.metadata.name, POLL_SECONDS
+            namespace_or_default(rset.metadata.namespace), rset.metadata.name, POLL_SECONDS
         )
 
     try:
@@ -312,7 +312,7 @@ async def invalidate(
     phase Failed), so no later recovery tries it again, retention treats its records as
     garbage, and the set's pass moves `latestCheckpoint` to the newest other Ready
     checkpoint."""
-    namespace = rset.metadata.namespace or "default"
+    namespace = namespace_or_default(rset.metadata.namespace)
     ckpt = await read_checkpoint(context, rset, name)
     if ckpt is not None:
         message = truncate(f"restore refused it, not restorable: {detail}", 1000)

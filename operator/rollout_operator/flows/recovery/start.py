@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from ...decide.churn import ChurnDecision, decide, kept_starts
-from ...decide.policy import RESUMED_REASON
 from ...model.api import (
     ANNOTATION_RETRY_RECOVERY,
     MAX_RECOVERY_STARTS,
@@ -28,23 +27,19 @@ from ...model.conditions import (
     ConditionUpdate,
     utcnow,
 )
-from .context import (
-    Reason,
-    RecoveryContext,
-    logger,
-    patch,
-)
+from ...model.reasons import Reason
+from .context import RecoveryContext, logger, patch
 from .loss import Loss
 
 
 async def start(context: RecoveryContext, rset: RolloutSet, loss: Loss) -> RolloutSet:
     """Record the loss: from now on the recovery owns the set's pods and conditions.
 
-    A resume after suspend (`Loss` with reason `Resumed`, see `policy.resume_due`) starts
+    A resume after suspend (`Loss` with reason `Resumed`, see `policy.suspend.resume_due`) starts
     the same way, but no pod is left to keep (Recreate) and it is not counted against
     `maxRestarts` (a queueing system may suspend and resume a set many times)."""
     attempt = rset.status.attempt or 1
-    resume = loss.reason == RESUMED_REASON
+    resume = loss.reason == Reason.RESUMED
     policy = RestorePolicy.RECREATE if resume else rset.spec.recovery.restore_policy
     now = utcnow()
     recovery = RecoveryStatus(

@@ -35,16 +35,17 @@ from ...model.api import (
     RestorePolicy,
     RolloutSet,
     SetConditionType,
+    namespace_or_default,
 )
 from ...model.conditions import (
     ConditionUpdate,
     utcnow,
 )
+from ...model.reasons import Reason
 from .context import (
     COUNT_RETIRE_SECONDS,
     STOP_GRACE_SECONDS,
     InPlaceRefused,
-    Reason,
     RecoveryContext,
     logger,
     patch,
@@ -122,7 +123,7 @@ async def count_before_deleting(context: RecoveryContext, rset: RolloutSet) -> l
     if not survivors:
         return []
     token = await read_control_token(
-        context.kube, rset.metadata.namespace or "default", rset.metadata.name
+        context.kube, namespace_or_default(rset.metadata.namespace), rset.metadata.name
     )
     if token is None:
         return []
@@ -159,7 +160,7 @@ async def keep_survivors(context: RecoveryContext, rset: RolloutSet) -> RolloutS
     plan = plan_in_place(rset, source, target, pods, set(lost))
     if plan.refused is not None:
         raise InPlaceRefused(plan.refused)
-    namespace = rset.metadata.namespace or "default"
+    namespace = namespace_or_default(rset.metadata.namespace)
     token = await read_control_token(context.kube, namespace, rset.metadata.name)
     if token is None:
         raise InPlaceRefused("the set's control-token Secret is missing")
