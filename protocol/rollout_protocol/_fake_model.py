@@ -65,6 +65,11 @@ class ModelCall:
         return None if self.rollout_id is None else f"{self.rollout_id}/{self.key}"
 
 
+class UnnamedModelCall(LookupError):
+    """What `FakeModel.wait_held` raises as soon as a call without the episode headers arrives:
+    the server under test does not name its episodes, so no hold can catch its calls."""
+
+
 @dataclass
 class _Hold:
     attempt: int | None
@@ -220,8 +225,9 @@ class FakeModel:
     async def wait_held(self, request: str, deadline_ts: float) -> None:
         """Return once a hold caught the call naming `request` (the call waits); raise
         TimeoutError at `deadline_ts` (unix seconds) saying which call never came and why, or
-        LookupError as soon as a call without the episode headers arrives (no hold can catch
-        such a call: the server under test does not name its episodes)."""
+        `UnnamedModelCall` (a LookupError) as soon as a call without the episode headers
+        arrives (no hold can catch such a call: the server under test does not name its
+        episodes)."""
         arrived = self._arrived[request]
         with anyio.move_on_after(max(0.0, deadline_ts - time.time())):
             async with anyio.create_task_group() as group:
@@ -234,7 +240,7 @@ class FakeModel:
                 await arrived.wait()
                 group.cancel_scope.cancel()
         if not arrived.is_set() and self._unnamed.is_set():
-            raise LookupError(
+            raise UnnamedModelCall(
                 f"waiting for the model call {request}, the model got a call without "
                 "X-Rollout-Request/X-Rollout-Attempt: no hold can catch it"
             )

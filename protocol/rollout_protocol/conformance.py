@@ -69,7 +69,11 @@ Each `Target` names the control dialect the kit speaks to it (`dialect=`, ours b
 `Dialect.GYM` for a participant that mounts NeMo Gym's): every rule is checked through it.
 
 Every failure is a `ConformanceError` naming the rule, who is at fault (the participant unless
-it says the driver) and, where the kit knows, what to change.
+it says the driver) and, where the kit knows, what to change. A participant whose control routes
+answer 404 (no `plane.install(app)`) fails `control.mounted`, whichever check reached it first.
+The step rules read every participant's own counters: each participant that holds the held
+episodes (its commit wrote their records), and at least one that is not a model, must count
+their steps (a model's counted calls do not stand in for them).
 
 This module is the kit's public surface only; the kit itself is the private package
 `rollout_protocol._conformance`, one module per concern: the report (`report`: rules and
@@ -95,6 +99,7 @@ from ._conformance.report import (
     AUTH,
     BODIES,
     CONFLICTING,
+    CONTROL_MOUNTED,
     DRIVER_HOLDS,
     LEASE,
     MODEL_HEADERS,
@@ -130,17 +135,19 @@ from ._conformance.report import (
 # and the rule of `check_crash_restore(..., restarting=True)`.
 from ._conformance.report import DRIVER as DRIVER
 from ._conformance.report import DRIVER_MISTAKE as DRIVER_MISTAKE
+from ._conformance.report import MODEL_CALLER as MODEL_CALLER
 from ._conformance.report import PARTICIPANT as PARTICIPANT
 from ._conformance.report import STEPS_RESTARTED as STEPS_RESTARTED
 from ._conformance.restore import check_restore_all_or_nothing
 from ._conformance.serving import ServedApp, serve_app, start_app
 from ._conformance.workers import check_workers, rollout_ids_per_worker
-from ._fake_model import FakeModel, ModelCall, echo_reply
+from ._fake_model import FakeModel, ModelCall, UnnamedModelCall, echo_reply
 
 __all__ = [
     "AUTH",
     "BODIES",
     "CONFLICTING",
+    "CONTROL_MOUNTED",
     "DRIVER_HOLDS",
     "LEASE",
     "MODEL_HEADERS",
@@ -175,6 +182,7 @@ __all__ = [
     "ServedApp",
     "StepHoldingDriver",
     "Target",
+    "UnnamedModelCall",
     "base_rollout_id",
     "check_auth",
     "check_conflicting_ids",

@@ -1,16 +1,22 @@
-"""docs/sdk.md is enough on its own: its minimal server, extracted from the page, passes the
-conformance kit, from this checkout and from the `rollout-protocol` wheel installed alone.
+"""docs/sdk.md is enough on its own: its servers, extracted from the page, pass the conformance
+kit, from this checkout and from the `rollout-protocol` wheel installed alone.
 
 The page marks a file's block with `<!-- file: NAME -->` before a fenced python block; each file
-is one block, printed whole, and the server's is the page's first python block, so what a reader
-copies is complete. `minimal_server.py` is the server and `test_minimal_server.py` its kit run
-(with the kit's fake model, no debug hooks); both are run as they stand on the page, as a
-process (`python test_minimal_server.py`), so what the guide shows is what runs. The
-fresh-environment test builds the SDK's distribution (`protocol/`) alone, installs it with its
-`kit` extra into a new virtual environment (from the package index; pip's cache makes it about
-15 s) and runs the same files there: nothing else of this project is importable in it. The
-server as printed, imported and served in process, refuses requests it cannot play (a rollout id
-the wire cannot carry, a task without its question) as the protocol's 422 naming the field.
+is one block, printed whole, and the minimal server's is the page's first python block, so what
+a reader copies is complete. `minimal_server.py` is the minimal server and
+`test_minimal_server.py` its kit run (with the kit's fake model, no debug hooks);
+`object_server.py` is the recipe for environments that live in a Python object and
+`test_object_server.py` its kit run. The files are run as they stand on the page, as processes:
+under pytest (`python -m pytest test_minimal_server.py test_object_server.py`, with nothing but
+what the files declare: anyio's plugin and their `@pytest.mark.anyio`), and alone
+(`python test_minimal_server.py`), so what the guide shows is what runs. The recipe's server is
+also run with its snapshot hook taken out (the object kept beside the runtime only, the design
+the recipe warns of), which the kit must fail. The fresh-environment test builds the SDK's
+distribution (`protocol/`) alone, installs it with its `kit` extra and pytest into a new virtual
+environment (from the package index; pip's cache makes it about 15 s) and runs the same files
+there: nothing else of this project is importable in it. The minimal server as printed,
+imported and served in process, refuses requests it cannot play (a rollout id the wire cannot
+carry, a task without its question) as the protocol's 422 naming the field.
 """
 
 from __future__ import annotations
@@ -33,7 +39,13 @@ ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "sdk.md"
 FILE_BLOCK = re.compile(r"<!-- file: (?P<name>[\w.]+) -->\n```python\n(?P<code>.*?)```", re.S)
 PYTHON_BLOCK = re.compile(r"```python\n(?P<code>.*?)```", re.S)
-PASSED = "the minimal server passes the conformance kit"
+PASSED = {
+    "test_minimal_server.py": "the minimal server passes the conformance kit",
+    "test_object_server.py": "the object server passes the conformance kit",
+}
+FILES = {"minimal_server.py", "test_minimal_server.py", "object_server.py", "test_object_server.py"}
+SNAPSHOT_LOAD = 'return CalculatorSession.load(state["snapshot"])'
+"""The line of `object_server.take_session` that rebuilds a session from its snapshot."""
 RUN_TIMEOUT_S = 120
 RUFF = (sys.executable, "-m", "ruff", "check", "--isolated", "--no-cache")
 
@@ -56,9 +68,10 @@ def write_guide_files(directory: Path) -> None:
         (directory / name).write_text(code)
 
 
-def run_the_guides_test(python: str, directory: Path, env: dict[str, str]) -> None:
-    done = subprocess.run(
-        [python, "test_minimal_server.py"],
+def run_in(python: str, directory: Path, env: dict[str, str], *args: str) -> Any:
+    """`python *args` in `directory`; the finished process (`subprocess.CompletedProcess`)."""
+    return subprocess.run(
+        [python, *args],
         cwd=directory,
         env=env,
         capture_output=True,
@@ -66,21 +79,29 @@ def run_the_guides_test(python: str, directory: Path, env: dict[str, str]) -> No
         timeout=RUN_TIMEOUT_S,
         check=False,
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    assert PASSED in done.stdout
 
 
-def test_the_guide_holds_the_minimal_server_and_its_test() -> None:
-    assert set(guide_files()) == {"minimal_server.py", "test_minimal_server.py"}
+def run_the_guides_tests_alone(python: str, directory: Path, env: dict[str, str]) -> None:
+    for test_file, passed in PASSED.items():
+        done = run_in(python, directory, env, test_file)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+        assert passed in done.stdout
+
+
+def run_the_guides_tests_under_pytest(python: str, directory: Path, env: dict[str, str]) -> None:
+    done = run_in(python, directory, env, "-m", "pytest", "-q", "-p", "no:cacheprovider", *PASSED)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    assert re.search(rf"\b{len(PASSED)} passed\b", done.stdout), done.stdout[-3000:]
+
+
+def test_the_guide_holds_its_servers_and_their_tests() -> None:
+    assert set(guide_files()) == FILES
 
 
 def test_the_guides_first_snippet_is_the_whole_server() -> None:
     """Each file is printed as one block (nothing is stitched together from pieces), and the
     page's first python block is the server, so the first snippet a reader meets runs as is."""
-    assert {name: len(parts) for name, parts in guide_blocks().items()} == {
-        "minimal_server.py": 1,
-        "test_minimal_server.py": 1,
-    }
+    assert {name: len(parts) for name, parts in guide_blocks().items()} == dict.fromkeys(FILES, 1)
     first = PYTHON_BLOCK.search(GUIDE.read_text())
     assert first is not None
     assert first["code"] == guide_files()["minimal_server.py"]
@@ -104,9 +125,32 @@ def test_every_snippet_of_the_guide_defines_what_it_uses(tmp_path: Path) -> None
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_the_guides_minimal_server_passes_the_kit(tmp_path: Path) -> None:
+def test_the_guides_servers_pass_the_kit_under_pytest(tmp_path: Path) -> None:
+    """The guide's test files as a reader runs them: pytest with anyio's plugin, no options
+    (the directory has no configuration of its own, so nothing is run for them)."""
     write_guide_files(tmp_path)
-    run_the_guides_test(sys.executable, tmp_path, dict(os.environ))
+    run_the_guides_tests_under_pytest(sys.executable, tmp_path, dict(os.environ))
+
+
+def test_the_guides_servers_pass_the_kit_alone(tmp_path: Path) -> None:
+    write_guide_files(tmp_path)
+    run_the_guides_tests_alone(sys.executable, tmp_path, dict(os.environ))
+
+
+def test_the_object_kept_beside_the_runtime_fails_the_kit(tmp_path: Path) -> None:
+    """The recipe's server without its snapshot hook (a session the cache lost starts afresh):
+    the restored episodes lose what their sessions computed, and the kit says so."""
+    write_guide_files(tmp_path)
+    server = tmp_path / "object_server.py"
+    code = server.read_text()
+    assert code.count(SNAPSHOT_LOAD) == 1
+    fresh = 'return CalculatorSession(state["snapshot"]["question"])'
+    server.write_text(code.replace(SNAPSHOT_LOAD, fresh))
+    done = run_in(sys.executable, tmp_path, dict(os.environ), "test_object_server.py")
+    assert done.returncode != 0, done.stdout[-3000:]
+    assert "[state.in-boundary] an episode continued after the crash" in done.stderr, done.stderr[
+        -6000:
+    ]
 
 
 def test_the_sdk_installs_alone_and_runs_the_guides_server(tmp_path: Path) -> None:
@@ -132,7 +176,16 @@ def test_the_sdk_installs_alone_and_runs_the_guides_server(tmp_path: Path) -> No
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = str(venv / "bin" / "python")
     subprocess.run(
-        [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", f"{wheel}[kit]"],
+        [
+            python,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            f"{wheel}[kit]",
+            "pytest",
+        ],
         check=True,
         timeout=300,
     )
@@ -154,7 +207,8 @@ def test_the_sdk_installs_alone_and_runs_the_guides_server(tmp_path: Path) -> No
     files = tmp_path / "guide"
     files.mkdir()
     write_guide_files(files)
-    run_the_guides_test(python, files, clean)
+    run_the_guides_tests_under_pytest(python, files, clean)
+    run_the_guides_tests_alone(python, files, clean)
 
 
 def import_guide_server(directory: Path, monkeypatch: pytest.MonkeyPatch) -> Any:

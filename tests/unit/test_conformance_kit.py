@@ -586,6 +586,26 @@ class NoObserver(Conforming):
         self.plane = ControlPlane(self.participant, settings)
 
 
+class NotMounted(Conforming):
+    """Breaks `control.mounted`: never calls `plane.install(app)`, so no control route exists."""
+
+    def mount(self, app: FastAPI) -> None:
+        pass
+
+
+class OneTurn(Conforming):
+    """Conforming, with episodes of one step: each ends after its first model call, before the
+    second one (`<rollout_id>/1`) that `ModelDriver` holds."""
+
+    async def run_step(
+        self, episode: Episode, step: str, one: Callable[[], Awaitable[Boundary]]
+    ) -> None:
+        async def only() -> Boundary:
+            return Boundary("done", (await one()).state)
+
+        await super().run_step(episode, step, only)
+
+
 class InProcessDriver:
     """The kit's `EpisodeDriver` over one in-process fake: a crash drops the app (no shutdown),
     a restart builds a fresh one from the same settings under the new attempt."""
@@ -709,6 +729,47 @@ class ModelDriver(InProcessDriver):
         await super().close()
         if self.model is not None:
             await self.model.stop()
+
+
+class BystanderDriver(ModelDriver):
+    """`ModelDriver`'s group with a third participant that holds no episode of its own (a
+    resources server whose sessions its caller rebuilds, as the Gym adapter's is): a control
+    plane over an empty runtime, whose counters stay empty. It crashes and restarts with the
+    others."""
+
+    def __init__(self, group: TaskGroup, fake: type[Conforming], settings: ControlSettings):
+        super().__init__(group, fake, settings)
+        self.bystander: ServedApp | None = None
+
+    async def restart(self, attempt: int) -> None:
+        await super().restart(attempt)
+        settings = replace(self.settings, role=Role.RESOURCES, attempt=attempt)
+        counters = StepCounters(Role.RESOURCES)
+        participant = RuntimeParticipant(Role.RESOURCES, EpisodeRuntime(), work_counter=None)
+        app = FastAPI()
+
+        @app.get("/stats")
+        async def stats(
+            rollout_id: list[str] = Query(default_factory=list),  # noqa: B008
+        ) -> dict[str, Any]:
+            return counters.snapshot(rollout_id, False)
+
+        ControlPlane(participant, settings).install(app)
+        self.bystander = await start_app(self.group, app, role=Role.RESOURCES, token=TOKEN)
+
+    def participants(self) -> list[kit.Target]:
+        assert self.bystander is not None
+        return [*super().participants(), self.bystander.target]
+
+    async def crash(self) -> None:
+        assert self.bystander is not None
+        await super().crash()
+        await self.bystander.crash()
+
+    async def close(self) -> None:
+        await super().close()
+        if self.bystander is not None:
+            await self.bystander.stop()
 
 
 class RearmingDriver(ModelDriver):
@@ -1008,6 +1069,92 @@ async def test_a_runtime_without_observer_is_the_participants_fault(tmp_path: Pa
     assert caught.value.rule == kit.STEPS
     assert caught.value.fault == kit.PARTICIPANT
     assert "observer=counters.observe" in str(caught.value)
+
+
+@pytest.mark.anyio
+async def test_a_runtime_without_observer_fails_with_the_fake_model_in_the_group(
+    tmp_path: Path,
+) -> None:
+    """The fake model's counted calls are not the environment's steps: with it in the group,
+    an environment whose runtime has no observer still fails the step rules, saying why (the
+    same group with the conforming environment passes: `Conforming` above, with the model)."""
+    with anyio.fail_after(30), pytest.raises(ConformanceError) as caught:
+        await _crash_restore_with_model(NoObserver, tmp_path)
+    assert caught.value.rule == kit.STEPS, caught.value
+    assert caught.value.fault == kit.PARTICIPANT
+    assert str(caught.value).startswith(
+        "[steps.no-rerun] environment-0 must count its own steps of the mid-way episodes"
+    )
+    assert "its episode runtime has no observer" in caught.value.observed
+    assert caught.value.fix is not None
+    assert "observer=counters.observe" in caught.value.fix
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("dialect", list(Dialect), ids=lambda dialect: dialect.value)
+async def test_a_control_plane_not_installed_is_named(tmp_path: Path, dialect: Dialect) -> None:
+    """No `plane.install(app)`: the first call of the kit (the status route) says the control
+    plane is not mounted and how to mount it, not that the workers are unmanaged."""
+    with anyio.fail_after(30), pytest.raises(ConformanceError) as caught:
+        await _whole_kit(NotMounted, tmp_path, dialect)
+    assert caught.value.rule == kit.CONTROL_MOUNTED, caught.value
+    assert str(caught.value).startswith(
+        f"[control.mounted] environment-0 must serve the control routes of the {dialect.value} "
+        "dialect"
+    )
+    assert "HTTP 404" in caught.value.observed
+    assert "the control plane is not mounted" in caught.value.observed
+    assert caught.value.fix is not None
+    assert caught.value.fix.startswith("call plane.install(app) on the app you serve")
+
+
+@pytest.mark.anyio
+async def test_a_participant_that_holds_no_episode_counts_nothing(tmp_path: Path) -> None:
+    """The own-steps rule asks its steps of a participant that holds the episodes (it
+    committed their records), not of one that holds none: that group passes."""
+    with anyio.fail_after(30):
+        await _crash_restore_with_model(Conforming, tmp_path, BystanderDriver)
+
+
+@pytest.mark.anyio
+async def test_unnamed_model_calls_are_the_servers_fault_without_model_given(
+    tmp_path: Path,
+) -> None:
+    """The fake model is in the group but not passed as `model=`: the driver's wait for the
+    held call gives up on a call without the episode headers, and the kit blames the server
+    and names the headers, not the driver."""
+    with anyio.fail_after(30), pytest.raises(ConformanceError) as caught:
+        async with _driver(UnnamedModelCalls, tmp_path, ModelDriver) as driver:
+            await kit.check_crash_restore(
+                driver, checkpoint_root=tmp_path, rollout_ids=["r-0", "r-1"], timeout_s=WAIT
+            )
+    assert caught.value.rule == kit.MODEL_HEADERS, caught.value
+    assert caught.value.fault == kit.MODEL_CALLER
+    assert caught.value.fault.startswith("the server that calls the model")
+    assert "without X-Rollout-Request/X-Rollout-Attempt" in caught.value.observed
+    assert caught.value.fix is not None
+    assert "X-Rollout-Request: <rollout_id>/<turn> and X-Rollout-Attempt" in caught.value.fix
+
+
+@pytest.mark.anyio
+async def test_an_episode_that_ends_before_its_hold_stops_the_wait(tmp_path: Path) -> None:
+    """Episodes of one turn never make the held call `<rollout_id>/1`: the kit gives up the
+    driver's wait as soon as they finish (not at its 60 s default deadline) and says why."""
+
+    async def crash_restore() -> None:  # the kit's own timeout_s: 60 s
+        async with _driver(OneTurn, tmp_path, ModelDriver) as driver:
+            assert isinstance(driver, ModelDriver)
+            await kit.check_crash_restore(
+                driver, checkpoint_root=tmp_path, rollout_ids=["r-0"], model=driver.fake_model
+            )
+
+    with anyio.fail_after(30), pytest.raises(ConformanceError) as caught:
+        await crash_restore()
+    assert caught.value.rule == kit.STEPS, caught.value
+    assert caught.value.fault == kit.DRIVER
+    assert caught.value.observed == "finished before they were held: ['r-0']"
+    assert caught.value.fix is not None
+    assert "a task of at least two turns" in caught.value.fix
 
 
 class HoldsNothing(InProcessDriver):

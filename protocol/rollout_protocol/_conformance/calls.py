@@ -28,7 +28,7 @@ from .._wire import (
     Role,
     StatusReply,
 )
-from .report import ConformanceError
+from .report import CONTROL_MOUNTED, ConformanceError
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,32 @@ class _Conn:
         return self.target.base_url.rstrip("/") + path
 
     async def status(self, rule: str) -> StatusReply:
-        return await _ok(rule, "GET /status", self.participant.status(self.deadline()))
+        """The participant's status; a status route that is not there at all (404 without the
+        protocol's error body) is `control.mounted`, whatever rule asked."""
+        try:
+            return await self.participant.status(self.deadline())
+        except ParticipantError as error:
+            if error.status_code == 404 and error.code is ErrorCode.INTERNAL:
+                raise _not_mounted(self.target, error) from error
+            raise _failed(rule, "GET /status", error) from error
+
+
+def _not_mounted(target: Target, error: ParticipantError) -> ConformanceError:
+    """`control.mounted`: the target answers no control route of the dialect the kit speaks."""
+    gym = target.dialect is Dialect.GYM
+    return ConformanceError(
+        CONTROL_MOUNTED,
+        f"{target.name} must serve the control routes of the {target.dialect.value} dialect "
+        f"at {target.base_url} (its status route first)",
+        f"{error.detail} (no such route: the control plane is not mounted)",
+        fix="call plane.install(app) on the app you serve (docs/sdk.md, section 5)"
+        + (
+            ", with ControlSettings(dialects=(Dialect.GYM,)) for NeMo Gym's dialect"
+            if gym
+            else "; a participant that mounts only NeMo Gym's dialect is a "
+            "Target(..., dialect=Dialect.GYM)"
+        ),
+    )
 
 
 @asynccontextmanager
@@ -109,11 +134,15 @@ async def _ok(rule: str, what: str, call: Awaitable[_T]) -> _T:
     try:
         return await call
     except ParticipantError as error:
-        raise ConformanceError(
-            rule,
-            f"{what} must succeed",
-            f"{error.code.value} (HTTP {error.status_code}): {error.detail}",
-        ) from error
+        raise _failed(rule, what, error) from error
+
+
+def _failed(rule: str, what: str, error: ParticipantError) -> ConformanceError:
+    return ConformanceError(
+        rule,
+        f"{what} must succeed",
+        f"{error.code.value} (HTTP {error.status_code}): {error.detail}",
+    )
 
 
 async def _refused(rule: str, what: str, call: Awaitable[BaseModel], code: ErrorCode) -> None:

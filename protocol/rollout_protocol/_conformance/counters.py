@@ -1,5 +1,6 @@
 """The step counters a participant serves (`GET /stats?rollout_id=...`, the shape of
-`StepCounters.snapshot`) and the rules checked on them: `steps.no-rerun`, `steps.indexed`,
+`StepCounters.snapshot`) and the rules checked on them: every participant but a model counts
+its own steps, `steps.no-rerun`, `steps.indexed`,
 `steps.once-per-attempt`, `run.repeat-one-episode`, `run.repeat-live` while held,
 `model.headers` on a model's counts and `workers.restore-all`.
 """
@@ -22,6 +23,7 @@ from .._workers import owner
 from .calls import _Conn, _expect
 from .report import (
     DRIVER,
+    MODEL_CALLER,
     MODEL_HEADERS,
     RUN_ONE,
     STEPS,
@@ -126,10 +128,56 @@ def _check_model_counts(
                 f"attempt {attempt} by the checkpoint (it records only calls that name their "
                 "episode)",
                 f"its counters for them: {before[conn.target.name]}",
-                fault="the participant that calls the model",
+                fault=MODEL_CALLER,
                 fix="send X-Rollout-Request: <rollout_id>/<turn> and X-Rollout-Attempt: "
                 "<attempt> on every model call",
             )
+
+
+def _check_own_steps(
+    conns: Sequence[_Conn],
+    before: Mapping[str, _Counts],
+    rids: Sequence[str],
+    attempt: int,
+    records: Mapping[str, int],
+) -> None:
+    """The step rules (`steps.no-rerun`, `run.repeat-one-episode`, `steps.once-per-attempt`)
+    read each participant's own steps, so by the checkpoint every participant that holds the
+    mid-way episodes (`records`: target name -> records its commit wrote) must have counted
+    steps of them, and so must at least one participant that is not a model. A model's
+    counters hold the calls it served (the kit's `FakeModel` counts `call@<key>`), never an
+    episode's own steps: they cannot stand in for a participant whose runtime has no observer.
+    A participant that holds no episode of its own (a Gym resources server, whose sessions the
+    environment rebuilds) has nothing to count."""
+
+    def counted(conn: _Conn) -> bool:
+        return any(_ran(before[conn.target.name], rid, attempt) for rid in rids)
+
+    for conn in conns:
+        held = records.get(conn.target.name, 0)
+        if held > 0 and not counted(conn):
+            raise _uncounted(conn, before, rids, attempt, f"its commit wrote {held} records")
+    others = [conn for conn in conns if conn.target.role is not Role.MODEL]
+    if others and not any(counted(conn) for conn in others):
+        raise _uncounted(others[0], before, rids, attempt, "no participant but a model counted any")
+
+
+def _uncounted(
+    conn: _Conn, before: Mapping[str, _Counts], rids: Sequence[str], attempt: int, why: str
+) -> ConformanceError:
+    """The step rules cannot read `conn`'s own steps of the episodes (`_check_own_steps`)."""
+    return ConformanceError(
+        STEPS,
+        f"{conn.target.name} must count its own steps of the mid-way episodes {rids} under "
+        f"attempt {attempt} at GET {conn.target.stats_path} by the checkpoint: the step rules "
+        "(steps.no-rerun, run.repeat-one-episode, steps.once-per-attempt) read them there, "
+        "and a model's counted calls are not the episode's steps",
+        f"its counters for them: {before[conn.target.name]} ({why}); the kit cannot count its "
+        "steps (its episode runtime has no observer, or its stats route serves other counters)",
+        fix="create the EpisodeRuntime with observer=counters.observe (counters = "
+        "StepCounters(role)) and serve counters.snapshot(rollout_ids, False) at GET /stats "
+        "(docs/sdk.md, section 4)",
+    )
 
 
 def _step_events(counts: _Counts, rollout_id: str, attempt: int) -> dict[str, tuple[int, int]]:

@@ -28,6 +28,7 @@ from .counters import (
     _check_model_counts,
     _check_once,
     _check_one_episode,
+    _check_own_steps,
     _check_restarted,
     _check_restored_workers,
     _compare_counts,
@@ -38,7 +39,12 @@ from .counters import (
     _watch_repeats,
 )
 from .drivers import EpisodeDriver, _run_all, _run_refused
-from .model import _check_driver_holds, _check_fake_model_headers, _check_prompts
+from .model import (
+    _check_driver_holds,
+    _check_fake_model_headers,
+    _check_prompts,
+    _check_unnamed_wait,
+)
 from .report import (
     DRIVER,
     PARTICIPANT,
@@ -66,6 +72,8 @@ class _FirstRuns:
     crashed: bool = False
     failures: dict[str, str] = field(default_factory=dict)
     finished: list[str] = field(default_factory=list)
+    ended: anyio.Event = field(default_factory=anyio.Event)
+    """Set when a first run ends (answered or failed) before the crash: nothing holds it."""
 
 
 _VOLATILE_KEYS = ("rollout_id", "attempt", "continued_from", "continued")
@@ -207,9 +215,11 @@ async def _checkpoint_then_crash(run: _CrashRun) -> None:
             except Exception as error:
                 if not runs.crashed:
                     runs.failures[rid] = f"{type(error).__name__}: {error}"
+                    runs.ended.set()
             else:
                 if not runs.crashed:
                     runs.finished.append(rid)
+                    runs.ended.set()
 
         async def repeated_run(rid: str) -> None:
             repeat = repeats[rid]
@@ -243,6 +253,12 @@ async def _checkpoint_then_crash(run: _CrashRun) -> None:
                     coordinator, conns, run.cid, rids, run.call_timeout_s, run.restarting
                 )
                 before = run.before
+                records = {
+                    conn.target.name: run.commit.manifests[status.instance].record_count
+                    for conn, status in zip(conns, statuses, strict=True)
+                    if status.instance in run.commit.manifests
+                }
+                _check_own_steps(conns, before, rids, attempt, records)
                 _check_one_episode(held_counts, before, repeated, attempt, workers)
                 _check_model_counts(conns, before, rids, attempt)
                 if model is not None:
@@ -271,23 +287,43 @@ async def _checkpoint_then_crash(run: _CrashRun) -> None:
 
 async def _wait_mid_episode(run: _CrashRun, runs: _FirstRuns, model_calls_from: int) -> None:
     """Stage 1: the driver's `wait_mid_episode`, its own deadline first (its message is the
-    diagnostic); then every episode must still be running."""
+    diagnostic); once an episode ends (answered or failed: nothing can hold it any more) the
+    wait is given up `driver_grace_s` later, unless the driver says first what it waited for.
+    Then every episode must still be running."""
     rids, attempt, model = run.rids, run.attempt, run.model
     mid_deadline = time.time() + run.timeout_s
-    try:  # the driver's own deadline comes first: its message is the diagnostic
-        with anyio.move_on_after(run.timeout_s + run.driver_grace_s) as waited:
-            await run.driver.wait_mid_episode(rids, mid_deadline)
-    except Exception as error:
-        if model is not None:  # a server that names no call cannot be held
-            _check_fake_model_headers(model, model_calls_from, rids, attempt, False)
+    raised: Exception | None = None
+    returned = False
+    with anyio.move_on_after(run.timeout_s + run.driver_grace_s):
+        async with anyio.create_task_group() as watching:
+
+            async def episode_ended() -> None:
+                await runs.ended.wait()
+                ended_by = anyio.current_time() + run.driver_grace_s
+                watching.cancel_scope.deadline = min(watching.cancel_scope.deadline, ended_by)
+
+            watching.start_soon(episode_ended)
+            try:  # the driver's own deadline comes first: its message is the diagnostic
+                await run.driver.wait_mid_episode(rids, mid_deadline)
+            except Exception as error:
+                raised = error
+            else:
+                returned = True
+            watching.cancel_scope.cancel()
+    if model is not None:  # a server that names no call cannot be held
+        _check_fake_model_headers(model, model_calls_from, rids, attempt, False)
+    if raised is not None:
+        _check_unnamed_wait(raised, rids, attempt)
         raise ConformanceError(
             STEPS,
             f"episodes {rids} must reach the middle under attempt {attempt}",
-            f"wait_mid_episode raised {type(error).__name__}: {error}; episode "
+            f"wait_mid_episode raised {type(raised).__name__}: {raised}; episode "
             f"failures: {runs.failures}",
             fault=f"{DRIVER}, or the participant if the episodes failed",
-        ) from error
-    if waited.cancelled_caught:
+        ) from raised
+    if not returned and runs.ended.is_set():
+        _episode_ended_unheld(run, runs)
+    if not returned:
         raise ConformanceError(
             STEPS,
             f"episodes {rids} must reach the middle under attempt {attempt}",
@@ -301,6 +337,28 @@ async def _wait_mid_episode(run: _CrashRun, runs: _FirstRuns, model_calls_from: 
         not runs.failures and not runs.finished,
         "episodes must stay mid-way until the crash",
         f"failed: {runs.failures}, finished: {runs.finished}",
+    )
+
+
+def _episode_ended_unheld(run: _CrashRun, runs: _FirstRuns) -> None:
+    """Stage 1, given up: an episode ended while `wait_mid_episode` still waited for it to be
+    held. A failed one is the participant's; one that finished had nothing the driver holds
+    (an episode of one turn never makes the call `<rollout_id>/1`)."""
+    expected = (
+        f"episodes {run.rids} must stay mid-way under attempt {run.attempt} until the crash "
+        f"(wait_mid_episode was given up {run.driver_grace_s}s after one ended: nothing can "
+        "hold it any more)"
+    )
+    if runs.failures:
+        raise ConformanceError(STEPS, expected, f"failed before they were held: {runs.failures}")
+    raise ConformanceError(
+        STEPS,
+        expected,
+        f"finished before they were held: {runs.finished}",
+        fault=DRIVER,
+        fix="hold a call every episode makes before its end: give the driver a task of at "
+        "least two turns, or hold an earlier call (with the kit's FakeModel, hold "
+        "'<rollout_id>/<key>' of a call the episode still makes)",
     )
 
 

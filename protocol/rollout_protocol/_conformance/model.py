@@ -7,15 +7,43 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .._fake_model import FakeModel
+from .._fake_model import FakeModel, UnnamedModelCall
 from .report import (
     DRIVER_HOLDS,
     DRIVER_MISTAKE,
+    MODEL_CALLER,
     MODEL_HEADERS,
     MODEL_PROMPTS,
     UNINTERRUPTED_SUFFIX,
     ConformanceError,
 )
+
+_HEADERS_FIX = (
+    "send X-Rollout-Request: <rollout_id>/<turn> and X-Rollout-Attempt: <attempt> on every "
+    "model call (docs/sdk.md, section 3)"
+)
+
+
+def _check_unnamed_wait(error: BaseException, rids: Sequence[str], attempt: int) -> None:
+    """`model.headers` when the driver's wait for a held call gave up because the kit's
+    `FakeModel` got a call without the episode headers (`UnnamedModelCall`, raised by
+    `wait_held`, possibly wrapped by the driver): the server's fault, not the driver's."""
+    seen: list[BaseException] = [error]
+    while seen:
+        current = seen.pop()
+        if isinstance(current, UnnamedModelCall):
+            raise ConformanceError(
+                MODEL_HEADERS,
+                f"every model call of the episodes {rids} must name its episode (under "
+                f"attempt {attempt})",
+                f"the kit's FakeModel got a call without X-Rollout-Request/X-Rollout-Attempt "
+                f"while the driver waited for a held call: {current}",
+                fault=MODEL_CALLER,
+                fix=_HEADERS_FIX,
+            ) from error
+        if isinstance(current, BaseExceptionGroup):
+            seen.extend(current.exceptions)
+        seen.extend(e for e in (current.__cause__, current.__context__) if e is not None)
 
 
 def _check_fake_model_headers(
@@ -34,9 +62,8 @@ def _check_fake_model_headers(
             f"{len(unnamed)} calls without X-Rollout-Request/X-Rollout-Attempt"
             + (f" (first prompt {unnamed[0].prompt[:120]!r})" if unnamed else "")
             + (f"; no named call of {silent}" if silent else ""),
-            fault="the participant that calls the model",
-            fix="send X-Rollout-Request: <rollout_id>/<turn> and X-Rollout-Attempt: "
-            "<attempt> on every model call (docs/sdk.md, section 3)",
+            fault=MODEL_CALLER,
+            fix=_HEADERS_FIX,
         )
 
 

@@ -15,6 +15,7 @@ from .._wire import (
     ErrorBody,
 )
 
+CONTROL_MOUNTED = "control.mounted"
 PHASES_REPLAY = "phases.replay"
 PHASES_RESUME = "phases.resume-idle"
 STALE = "ids.stale"
@@ -46,6 +47,8 @@ DRIVER_HOLDS = "driver.holds"
 
 
 RULES: Mapping[str, str] = {
+    CONTROL_MOUNTED: "the participant serves the control routes of the dialect the kit speaks "
+    "(ControlPlane.install(app)): its status route answers, not 404",
     PHASES_REPLAY: "prepare -> prepared -> commit -> committed; a retried prepare, commit or "
     "restore of the same checkpoint id answers the first reply again",
     PHASES_RESUME: "resume returns to idle from every phase and closes the checkpoint",
@@ -122,6 +125,7 @@ RULES: Mapping[str, str] = {
 PARTICIPANT = "the participant"
 DRIVER = "the driver (your EpisodeDriver, not the server)"
 DRIVER_MISTAKE = "the kit's driver: your test's mistake, not the server's"
+MODEL_CALLER = "the server that calls the model (the participant under test), not the driver"
 
 
 class ConformanceError(AssertionError):
