@@ -235,17 +235,19 @@ class GymEpisodes:
     def deadline(self) -> float:
         return time.time() + self.settings.step_timeout_s
 
+    async def _post(
+        self, path: str, body: Any, cookies: Mapping[str, str], deadline_ts: float
+    ) -> GymReply:
+        """A call to the resources server (raises `PeerUnavailable` past Gym's retries)."""
+        url = self.peers["resources"] + path
+        return await post(self.http, url, body, deadline_ts=deadline_ts, cookies=cookies)
+
     async def resources(
         self, path: str, body: Any, cookies: Mapping[str, str], deadline_ts: float
     ) -> GymReply:
+        """A step's call to the resources server; unreachable, it fails the step."""
         try:
-            return await post(
-                self.http,
-                self.peers["resources"] + path,
-                body,
-                deadline_ts=deadline_ts,
-                cookies=cookies,
-            )
+            return await self._post(path, body, cookies, deadline_ts)
         except PeerUnavailable as exc:
             raise ProtocolError(ErrorCode.INTERNAL, f"resources server: {exc}") from exc
 
@@ -321,13 +323,7 @@ class GymEpisodes:
     ) -> GymReply:
         """One call of a rebuild; an unreachable server fails the rebuild, named by `where`."""
         try:
-            return await post(
-                self.http,
-                self.peers["resources"] + path,
-                body,
-                deadline_ts=deadline,
-                cookies=cookies,
-            )
+            return await self._post(path, body, cookies, deadline)
         except PeerUnavailable as exc:
             raise RebuildFailed(f"{where}: {exc}") from exc
 
