@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from rollout_gym import SUPPORTED_GYM_RELEASES
 from rollout_servers.tasks import Task, calculate
 
 from devcluster.waiting import wait_for_sync
@@ -62,9 +63,9 @@ INCREMENT_TOOL: dict[str, Any] = {
 """The counter's tool as its released dataset (`data/example.jsonl`) declares it."""
 
 
-GYM_RELEASES = ("0.4", "0.7")
-"""The nemo-gym releases the adapter supports (`rollout_gym.SUPPORTED_GYM_RELEASES`), each with
-its environment (`gym/build-venv.sh <release>`)."""
+GYM_RELEASES = SUPPORTED_GYM_RELEASES
+"""The nemo-gym releases the adapter supports, each with its environment
+(`gym/build-venv.sh <release>`)."""
 
 
 @functools.cache
