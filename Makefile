@@ -27,7 +27,7 @@ help:
 	@echo "make kueue-binaries    build Kueue's controller (pinned sigs.k8s.io/kueue; cached per machine)"
 	@echo "make node-binaries     build the container node (kubelet, kube-proxy, containerd, CNI; cached)"
 	@echo "make engine            build llama.cpp's llama-server for the engine tests (cached per machine)"
-	@echo "make gym-venv          build the NeMo Gym environment (Python >= 3.12, nemo-gym, the SDK, the adapter; cached)"
+	@echo "make gym-venv          build the NeMo Gym environments (nemo-gym 0.4 and 0.7, the SDK, the adapter; cached)"
 	@echo "make demo-containers   the demo on a container node: servers in containers, operator by Helm"
 	@echo "make image             build the project's image from the Dockerfile with buildah (cached per inputs)"
 	@echo "make cluster           start a devcluster in .devcluster/ and print the KUBECONFIG line"
@@ -50,14 +50,18 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-# The NeMo Gym environment (docs/gym.md): Python >= 3.12 with nemo-gym from PyPI, pinned by
-# gym/requirements.txt and gym/constraints.txt, plus this checkout's SDK and Gym adapter; cached
-# in ~/.cache/rollout-gym/ by a digest of those inputs (gym/build-venv.sh). The tests and the Gym
-# pods on devcluster run its interpreter (.bin/gym-venv/bin/python). Cold: about 2.5-3 minutes.
+# The NeMo Gym environments (docs/gym.md, "Gym releases"), one per release the adapter supports:
+# nemo-gym 0.4 on Python >= 3.12 (gym/requirements.txt, gym/constraints.txt; .bin/gym-venv) and
+# 0.7 on Python 3.13 (gym/requirements-0.7.txt, gym/constraints-0.7.txt; .bin/gym-venv-0.7), each
+# with this checkout's SDK and Gym adapter; cached in ~/.cache/rollout-gym/ by a digest of those
+# inputs (gym/build-venv.sh). The tests run the adapter on both; the Gym pods on devcluster run
+# 0.4's interpreter (.bin/gym-venv/bin/python). Cold: about 2-2.5 minutes each.
 gym-venv:
 	@mkdir -p .bin
-	@dir="$$(gym/build-venv.sh | tail -n 1)" && ln -sfn "$$dir" .bin/gym-venv \
-	  && echo "[gym] environment in $$dir (linked as .bin/gym-venv)"
+	@dir="$$(gym/build-venv.sh 0.4 | tail -n 1)" && ln -sfn "$$dir" .bin/gym-venv \
+	  && echo "[gym] nemo-gym 0.4 environment in $$dir (linked as .bin/gym-venv)"
+	@dir="$$(gym/build-venv.sh 0.7 | tail -n 1)" && ln -sfn "$$dir" .bin/gym-venv-0.7 \
+	  && echo "[gym] nemo-gym 0.7 environment in $$dir (linked as .bin/gym-venv-0.7)"
 
 cluster-binaries:
 	@mkdir -p .bin

@@ -7,9 +7,14 @@ servers, unmodified, from the `nemo-gym` package) as checkpointed participants o
 - `rollout-gym environment|resources` (`rollout_gym.cli`): the two pods' commands.
 
 A distribution of its own, `rollout-gym` (gym/pyproject.toml): it needs Python >= 3.12 and
-nemo-gym, which the SDK (`rollout-protocol`) must not require of its users.
+nemo-gym 0.4 or 0.7, which the SDK (`rollout-protocol`) must not require of its users.
 """
 
 from .environment import GymSettings, RebuildFailed, Strategy, build_app
 
-__all__ = ["GymSettings", "RebuildFailed", "Strategy", "build_app"]
+SUPPORTED_GYM_RELEASES = ("0.4", "0.7")
+"""The nemo-gym releases (major.minor) the adapter is built and tested against (docs/gym.md,
+"Gym releases"); gym/pyproject.toml's pin allows these only, and `rollout-gym` refuses to
+start on any other."""
+
+__all__ = ["SUPPORTED_GYM_RELEASES", "GymSettings", "RebuildFailed", "Strategy", "build_app"]

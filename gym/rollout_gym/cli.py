@@ -10,12 +10,13 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
 
 import uvicorn
 from rollout_protocol import ControlSettings, Role
 from rollout_protocol.serving import DrainingServer
 
-from . import environment, resources
+from . import SUPPORTED_GYM_RELEASES, environment, resources
 
 
 def _peers() -> dict[str, str]:
@@ -25,6 +26,24 @@ def _peers() -> dict[str, str]:
         if url:
             found[role.value] = url.rstrip("/")
     return found
+
+
+def gym_release_refusal() -> str | None:
+    """Why this process cannot run the adapter, or None: the installed nemo-gym must be one of
+    `SUPPORTED_GYM_RELEASES` (an environment installed without pip's resolver, or with the pin
+    overridden, may hold another)."""
+    try:
+        installed = version("nemo-gym")
+    except PackageNotFoundError:
+        return "nemo-gym is not installed; install nemo-gym 0.4 or 0.7 (docs/gym.md)"
+    release = ".".join(installed.split(".")[:2])
+    if release in SUPPORTED_GYM_RELEASES:
+        return None
+    supported = " and ".join(SUPPORTED_GYM_RELEASES)
+    return (
+        f"nemo-gym {installed} is installed, and this adapter supports nemo-gym {supported} "
+        'only (docs/gym.md, "Gym releases"): install one of them'
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -55,6 +74,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     res.add_argument("--name", required=True, help="the server's Gym instance name")
     args = parser.parse_args(argv)
+    refusal = gym_release_refusal()
+    if refusal is not None:
+        sys.exit(f"rollout-gym: {refusal}")
     peers = _peers()
 
     if args.command == "environment":

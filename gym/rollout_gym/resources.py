@@ -18,8 +18,11 @@ which parks at once and records nothing, so checkpoints and restores include the
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 import uuid
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -43,10 +46,19 @@ MODEL_SERVER_NAME = "policy_model"
 
 def server_class(entry: str) -> Any:
     """`module:Class` of an installed Gym resources server, e.g.
-    `resources_servers.example_session_state_mgmt.app:StatefulCounterResourcesServer`."""
+    `resources_servers.example_session_state_mgmt.app:StatefulCounterResourcesServer`.
+
+    Gym runs a server as a script in its own folder (`python app.py`), so a server may import
+    the modules beside it by their bare names (calendar's `from utils import ...`): the
+    module's folder goes first on `sys.path` before it is imported, as Python puts a script's."""
     module_name, _, class_name = entry.partition(":")
     if not class_name:
         raise ValueError(f"{entry!r}: expected module:Class")
+    spec = importlib.util.find_spec(module_name)
+    if spec is not None and spec.origin is not None and spec.has_location:
+        folder = str(Path(spec.origin).parent)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
     return getattr(importlib.import_module(module_name), class_name)
 
 

@@ -149,12 +149,14 @@ if _typing.TYPE_CHECKING:
         RetireOutcome,
         StatusOutcome,
     )
+    from ._gym import gym_rollout_id
     from ._runs import RunRoute
 
 
 _LAZY_MODULES: _typing.Final[dict[str, frozenset[str]]] = {
     "._control": frozenset({"ControlPlane"}),
     "._runs": frozenset({"RunRoute"}),
+    "._gym": frozenset({"gym_rollout_id"}),
     "._client": frozenset(
         {
             "MAX_ERROR_REPLY_BYTES",
@@ -301,6 +303,7 @@ __all__ = [
     "TaskMismatch",
     "checkpoint_base",
     "encode_record",
+    "gym_rollout_id",
     "published_checkpoints",
     "read_checkpoint_manifest",
     "read_manifest",

@@ -104,11 +104,15 @@ class Unmappable(ValueError):
 # --- episode ids and capture keys -------------------------------------------------------------
 
 
-def _gym_rollout_id(rollout_id: str) -> str:
-    """`rollout_id` as Gym accepts it, or `Unmappable`: Gym's pattern has no `:`, and Gym
-    reserves the suffix `-a<N>` for capture keys, so such a rollout id has no Gym episode."""
+def gym_rollout_id(rollout_id: str) -> str:
+    """`rollout_id` as Gym accepts it (`EpisodeId.rollout_id` in nemo-gym 0.7), or `Unmappable`
+    (a `ValueError`): Gym's pattern has no `:`, and Gym reserves the suffix `-a<N>` for capture
+    keys, so such a rollout id has no Gym episode."""
     if not re.match(GYM_ID_PATTERN, rollout_id):
-        raise Unmappable(f"rollout id {rollout_id!r} does not match Gym's {GYM_ID_PATTERN}")
+        raise Unmappable(
+            f"rollout id {rollout_id!r} does not match Gym's {GYM_ID_PATTERN} (a letter or digit, "
+            "then letters, digits and ._-; no ':')"
+        )
     if _ATTEMPT_SUFFIX.match(rollout_id):
         raise Unmappable(
             f"rollout id {rollout_id!r} ends with -a<N>, which Gym reserves for capture keys"
@@ -119,7 +123,7 @@ def _gym_rollout_id(rollout_id: str) -> str:
 def capture_key(rollout_id: str, attempt: int) -> str:
     """Gym's capture key of an episode: the rollout id at attempt 0, `<rollout_id>-a<N>` at
     attempt N >= 1 (`EpisodeId.capture_key` in Gym)."""
-    _gym_rollout_id(rollout_id)
+    gym_rollout_id(rollout_id)
     return rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}"
 
 
@@ -512,12 +516,12 @@ def _one_attempt(episodes: Sequence[GymEpisodeId], what: str) -> int:
 
 
 def _gym_episodes(rollout_ids: Iterable[str], attempt: int) -> list[GymEpisodeId]:
-    return [GymEpisodeId(rollout_id=_gym_rollout_id(r), attempt=attempt) for r in rollout_ids]
+    return [GymEpisodeId(rollout_id=gym_rollout_id(r), attempt=attempt) for r in rollout_ids]
 
 
 def _episodes_in(gym: Sequence[GymEpisodeId]) -> list[str]:
     """The rollout ids of Gym episodes, each checked against Gym's reserved suffix."""
-    return list(dict.fromkeys(_gym_rollout_id(e.rollout_id) for e in gym))
+    return list(dict.fromkeys(gym_rollout_id(e.rollout_id) for e in gym))
 
 
 # --- per-route mappings -----------------------------------------------------------------------

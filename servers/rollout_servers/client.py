@@ -503,6 +503,13 @@ def build_parser() -> argparse.ArgumentParser:
         "default: a digest of the row's canonical JSON",
     )
     parser.add_argument(
+        "--gym",
+        action="store_true",
+        help="with --tasks-file: the rows are a NeMo Gym dataset (flat or materialized rows): "
+        "row ids as Gym gives them (task_id, problem_id, instance_id, else the row's position) "
+        "and rollout ids Gym accepts (no ':', no -a<N> ending)",
+    )
+    parser.add_argument(
         "--rollouts-per-row",
         type=int,
         default=1,
@@ -590,6 +597,7 @@ def row_options(args: argparse.Namespace) -> RowOptions:
         seed_field=args.seed_field or None,
         prefix=args.prefix or "",
         max_row_bytes=args.max_row_bytes,
+        gym=args.gym,
     )
 
 
@@ -616,7 +624,7 @@ def checked_rows(args: argparse.Namespace) -> RowFile | None:
     parser = build_parser()
     given = [
         option
-        for option in ("id_field", "rollouts_per_row", "seed_field", "max_row_bytes")
+        for option in ("id_field", "gym", "rollouts_per_row", "seed_field", "max_row_bytes")
         if getattr(args, option) != parser.get_default(option)
     ]
     if given:

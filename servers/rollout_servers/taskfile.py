@@ -8,6 +8,11 @@ docs/sdk.md "The payload"); with no seed field the row is sent exactly as it is.
 
 A row's id is the value of a named field (`--id-field`) or, when none is named, a digest of its
 canonical JSON (the one `task_digest` computes, so the same row gets the same id in any run).
+With `--gym` the rows are a NeMo Gym dataset and their ids are Gym's (`gym_row_id`, as
+nemo-gym 0.7's `materialize_task` derives them): a materialized row's `task_id.task_id`, else the
+first of `task_id`, `problem_id`, `instance_id`, else `_ng_task_index`, else the row's position,
+so identical rows (a Gym environment's example file) are told apart by position as Gym does;
+and every rollout id must also be one Gym accepts (`gym_rollout_id`: no `:`, no `-a<N>` ending).
 Rollout ids are `<prefix><row id>-<k>` for k in 0..K-1; each rollout's seed is derived from
 (the run's seed, the row id, k), so ids and seeds are stable across runs and restarts.
 
@@ -34,7 +39,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
 
-from rollout_protocol import ROLLOUT_ID_PATTERN, task_digest
+from rollout_protocol import ROLLOUT_ID_PATTERN, gym_rollout_id, task_digest
 
 from .tasks import stable_fraction
 
@@ -47,6 +52,13 @@ DIGEST_ID_CHARS = 16
 
 SEED_RANGE = 2**31
 """Derived seeds lie in [0, SEED_RANGE), like the shipped tasks' (`sample_tasks`)."""
+
+GYM_ID_FIELDS = ("task_id", "problem_id", "instance_id")
+"""The fields a flat Gym row's task id is read from, first present first (nemo-gym 0.7's
+`materialize_task`)."""
+
+GYM_TASK_INDEX_FIELD = "_ng_task_index"
+"""The task index Gym's collector writes into a row; the id of a row without an id field."""
 
 
 class RowError(ValueError):
@@ -64,8 +76,12 @@ class RowOptions:
     seed_field: str | None = "seed"
     prefix: str = ""
     max_row_bytes: int = DEFAULT_MAX_ROW_BYTES
+    gym: bool = False
+    """The rows are a NeMo Gym dataset: Gym's row ids (`gym_row_id`) and rollout ids."""
 
     def __post_init__(self) -> None:
+        if self.gym and self.id_field is not None:
+            raise RowError("--gym takes a Gym dataset's row ids as Gym gives them: no --id-field")
         if self.rollouts_per_row < 1:
             raise RowError(f"rollouts per row must be at least 1, not {self.rollouts_per_row}")
         if self.max_row_bytes < 2:
@@ -100,12 +116,21 @@ def read_rows(
     read is also written to `copy`, when given."""
     seen: dict[str, int] = {}
     try:
-        for line, data in _objects(path, stream, options.max_row_bytes, copy):
-            row_id = _row_id(path, line, data, options)
+        for position, (line, data) in enumerate(
+            _objects(path, stream, options.max_row_bytes, copy)
+        ):
+            row_id = _row_id(path, line, position, data, options)
             first = seen.setdefault(row_id, line)
             if first != line:
-                how = "" if options.id_field else " (the rows are identical)"
-                raise RowError(f"{path} line {line}: row id {row_id!r} is also line {first}'s{how}")
+                how = (
+                    " (the rows are identical)"
+                    if options.id_field is None and not options.gym
+                    else ""
+                )
+                raise RowError(
+                    f"{path} line {line}: row id {row_id!r} is also line {first}'s{how}; rows "
+                    "with one id would make the same rollout ids (repeats: --rollouts-per-row)"
+                )
             yield Row(line, row_id, data)
     except OSError as error:
         raise RowError(f"cannot read the rows file: {error}") from error
@@ -240,9 +265,38 @@ def _objects(
         yield line, value
 
 
-def _row_id(path: Path, line: int, data: dict[str, Any], options: RowOptions) -> str:
-    """The row's id, checked so that every rollout id made from it fits the protocol."""
-    if options.id_field is None:
+def gym_row_id(data: dict[str, Any], position: int) -> str:
+    """The task id NeMo Gym 0.7 gives a row (`materialize_task`, `_trajectory_identity`): a
+    materialized row's (`{"task_id": {"taskset", "task_id"}, "task_input": ...}`) own; a flat
+    row's first `GYM_ID_FIELDS` value that is not null, as a string; else its `_ng_task_index`
+    (a non-negative integer), else its position among the rows, from 0. Raises `ValueError` for
+    a row Gym refuses: a `task_id` object outside a materialized row, or one without a task id."""
+    task_id = data.get("task_id")
+    if isinstance(task_id, dict):
+        if "task_input" not in data:
+            raise ValueError("its task_id is an object but it has no task_input (not a Gym row)")
+        inner = task_id.get("task_id")
+        if not isinstance(inner, str) or not inner:
+            raise ValueError("a materialized row's task_id.task_id must be a non-empty string")
+        return inner
+    found = next((data[key] for key in GYM_ID_FIELDS if data.get(key) is not None), None)
+    if found is not None:
+        return str(found)
+    index = data.get(GYM_TASK_INDEX_FIELD)
+    if isinstance(index, int) and not isinstance(index, bool) and index >= 0:
+        return str(index)
+    return str(position)
+
+
+def _row_id(path: Path, line: int, position: int, data: dict[str, Any], options: RowOptions) -> str:
+    """The row's id, checked so that every rollout id made from it fits the protocol (and,
+    for a Gym dataset, Gym's rule)."""
+    if options.gym:
+        try:
+            row_id = gym_row_id(data, position)
+        except ValueError as error:
+            raise RowError(f"{path} line {line}: {error}") from error
+    elif options.id_field is None:
         row_id = task_digest(data)[:DIGEST_ID_CHARS]
     else:
         if options.id_field not in data:
@@ -267,6 +321,14 @@ def _row_id(path: Path, line: int, data: dict[str, Any], options: RowOptions) ->
             f"must match {ROLLOUT_ID_PATTERN}: a letter or digit, then at most 127 of "
             "letters, digits and ._:-)"
         )
+    if options.gym:
+        try:
+            gym_rollout_id(last)
+        except ValueError as error:
+            raise RowError(
+                f"{path} line {line}: row id {row_id!r} makes a rollout id that NeMo Gym "
+                f"refuses: {error}"
+            ) from error
     return row_id
 
 

@@ -1,14 +1,16 @@
 """The conformance kit (`rollout_protocol.conformance`) against the NeMo Gym adapter
 (`rollout-gym`, docs/gym.md) with each session strategy, and its negative control.
 
-Every Gym part is real and runs as a process on the Gym environment's interpreter (Python >= 3.12,
-nemo-gym 0.4.0 from PyPI): the released stateful counter (`example_session_state_mgmt`, whose
-sessions live in the server's memory behind a cookie) hosted by `rollout-gym resources`, and the
-adapter, `rollout-gym environment`, playing Gym's `simple_agent` loop against it. The model is
-the project's model server (`rollout-server model --debug-hooks`), whose built-in backend calls
-`increment_counter` with each step's value. The counter's own verify rewards 1.0 only when the
-session's count is the initial count plus every increment: a tool call lost or doubled, or a
-session that silently started empty, shows in the reward.
+Every test runs once on each Gym release the adapter supports (`GYM_RELEASES`: nemo-gym 0.4.0 on
+Python >= 3.12 and 0.7.0 on Python 3.13, from PyPI; the `release` fixture). Every Gym part is real
+and runs as a process on that release's environment: the released stateful counter
+(`example_session_state_mgmt`, whose sessions live in the server's memory behind a cookie)
+hosted by `rollout-gym resources`, and the adapter, `rollout-gym environment`, playing Gym's
+`simple_agent` loop against it. The model is the project's model server (`rollout-server model
+--debug-hooks`), whose built-in backend calls `increment_counter` with each step's value. The
+counter's own verify rewards 1.0 only when the session's count is the initial count plus every
+increment: a tool call lost or doubled, or a session that silently started empty, shows in the
+reward.
 
 The driver holds each episode after its first model call and first tool call, at the third
 token of its second model call, so the kit's checkpoint records a session with one increment in
@@ -30,7 +32,10 @@ counter's memory. Then, under the next attempt:
 - the operator's peer addresses, in the Gym config of the hosted server, resolve through Gym's
   own lookup;
 - a counter restarted under a live session (no restore) fails the episode instead of letting it
-  go on with the empty session Gym would serve its old cookie.
+  go on with the empty session Gym would serve its old cookie;
+- a released server that imports the modules beside it by bare name (calendar's `utils`) is
+  hosted as Gym runs it, from its own folder;
+- the adapter refuses to start on a nemo-gym release it does not support.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from rollout_protocol.conformance import (
 from testsupport.gym_processes import (
     COUNTER,
     COUNTER_NAME,
+    GYM_RELEASES,
     SNAPSHOT_COUNTER,
     GymProcess,
     counter_row,
@@ -72,11 +78,20 @@ from testsupport.server_processes import (
 
 LEASE_GRACE_S = 1.0
 WEATHER = "resources_servers.example_single_tool_call.app:SimpleWeatherResourcesServer"
+CALENDAR = "resources_servers.calendar.app:CalendarResourcesServer"
+"""Gym's calendar, whose app imports the module beside it by bare name (`from utils import`)."""
 TASK = two_step_task(1)
 
 
 def row() -> dict[str, Any]:
     return counter_row(TASK)
+
+
+@pytest.fixture(params=GYM_RELEASES)
+def release(request: pytest.FixtureRequest) -> str:
+    """Each test, on each Gym release the adapter supports."""
+    value: str = request.param
+    return value
 
 
 class GymDriver:
@@ -88,12 +103,14 @@ class GymDriver:
         http: httpx.AsyncClient,
         *,
         strategy: str,
+        release: str,
         server: str = COUNTER,
         rebuild: bool = True,
         server_after_crash: str | None = None,
     ) -> None:
         self.root, self.http = root, http
         self.strategy, self.server, self.rebuild = strategy, server, rebuild
+        self.release = release
         self.server_after_crash = server_after_crash or server
         self.model: ServerProcess | None = None
         self.resources: GymProcess | None = None
@@ -157,6 +174,7 @@ class GymDriver:
             "resources",
             ["--server", server, "--name", COUNTER_NAME],
             attempt=attempt,
+            release=self.release,
         )
         self.env = GymProcess.start(
             self.root,
@@ -175,6 +193,7 @@ class GymDriver:
             ],
             attempt=attempt,
             env={"ROLLOUT_GYM_REBUILD": "on" if self.rebuild else "off"},
+            release=self.release,
         )
         if self.first_attempt is None:
             self.first_attempt = attempt
@@ -200,7 +219,7 @@ async def run_kit(tmp_path: Path, *, restarting: bool = False, **kwargs: Any) ->
     return driver
 
 
-async def test_gym_adapter_keeps_the_participant_rules(tmp_path: Path) -> None:
+async def test_gym_adapter_keeps_the_participant_rules(tmp_path: Path, release: str) -> None:
     """The single-participant rules on an idle adapter and an idle hosted Gym server."""
     for kind, args in (
         (
@@ -209,7 +228,7 @@ async def test_gym_adapter_keeps_the_participant_rules(tmp_path: Path) -> None:
         ),
         ("resources", ["--server", COUNTER, "--name", COUNTER_NAME]),
     ):
-        process = GymProcess.start(tmp_path / kind, kind, args, attempt=0)
+        process = GymProcess.start(tmp_path / kind, kind, args, attempt=0, release=release)
         role = Role.ENVIRONMENT if kind == "environment" else Role.RESOURCES
         try:
             await check_participant(
@@ -225,8 +244,10 @@ async def test_gym_adapter_keeps_the_participant_rules(tmp_path: Path) -> None:
     ("strategy", "server"),
     [("replay", COUNTER), ("snapshot", SNAPSHOT_COUNTER)],
 )
-async def test_gym_adapter_passes_the_kit(tmp_path: Path, strategy: str, server: str) -> None:
-    driver = await run_kit(tmp_path, strategy=strategy, server=server)
+async def test_gym_adapter_passes_the_kit(
+    tmp_path: Path, release: str, strategy: str, server: str
+) -> None:
+    driver = await run_kit(tmp_path, release=release, strategy=strategy, server=server)
     # what the kit compared, from the Gym counter's own verify: every episode rewarded 1.0
     rewards = {key: result["reward"] for key, result in driver.results.items()}
     restored = {k: v for k, v in rewards.items() if k[1] == 1 and "uninterrupted" not in k[0]}
@@ -236,12 +257,12 @@ async def test_gym_adapter_passes_the_kit(tmp_path: Path, strategy: str, server:
     assert continued == [0] * len(restored), driver.results
 
 
-async def test_gym_adapter_passes_the_kit_restarting(tmp_path: Path) -> None:
+async def test_gym_adapter_passes_the_kit_restarting(tmp_path: Path, release: str) -> None:
     """`restart` keeps nothing of a session and says so: its prepare lists every episode as a
     restart (the checkpoint's, and the set's, work-loss count), and the restored group plays
     each again from its start (the kit's `restarting` mode: `steps.restarted` for
     `steps.no-rerun`), with the reward of its uninterrupted twin."""
-    driver = await run_kit(tmp_path, strategy="restart", restarting=True)
+    driver = await run_kit(tmp_path, release=release, strategy="restart", restarting=True)
     rewards = {key: result["reward"] for key, result in driver.results.items()}
     restarted = {k: v for k, v in rewards.items() if k[1] == 1 and "uninterrupted" not in k[0]}
     assert restarted, rewards
@@ -249,36 +270,36 @@ async def test_gym_adapter_passes_the_kit_restarting(tmp_path: Path) -> None:
     assert {driver.results[key]["continued_from"] for key in restarted} == {None}, driver.results
 
 
-async def test_restart_fails_the_kit_without_its_mode(tmp_path: Path) -> None:
+async def test_restart_fails_the_kit_without_its_mode(tmp_path: Path, release: str) -> None:
     """The same restarts, checked as if they were captured: `steps.no-rerun` names them."""
     with pytest.raises(ConformanceError) as failed:
-        await run_kit(tmp_path, strategy="restart")
+        await run_kit(tmp_path, release=release, strategy="restart")
     assert failed.value.rule == "steps.no-rerun", failed.value
     assert "restarts ['kit-episode-0@0', 'kit-episode-1@0']" in str(failed.value), failed.value
 
 
-async def test_gym_adapter_without_the_rebuild_fails_the_kit(tmp_path: Path) -> None:
+async def test_gym_adapter_without_the_rebuild_fails_the_kit(tmp_path: Path, release: str) -> None:
     """The negative control: the restored episodes run on the restarted counter's empty
     sessions (Gym accepts the old cookie), and the kit sees the reward differ from the twin's."""
     with pytest.raises(ConformanceError) as failed:
-        await run_kit(tmp_path, strategy="replay", rebuild=False)
+        await run_kit(tmp_path, release=release, strategy="replay", rebuild=False)
     assert failed.value.rule == "state.in-boundary", failed.value
 
 
 async def test_a_replay_that_does_not_reproduce_the_session_fails_the_restore(
-    tmp_path: Path,
+    tmp_path: Path, release: str
 ) -> None:
     """The restore replays the recorded increment into a server that answers it otherwise (the
     counter replaced after the crash by Gym's weather example, which has no `increment_counter`
     and answers 404): the restore fails and says which call differed and what to do."""
     with pytest.raises(ConformanceError) as failed:
-        await run_kit(tmp_path, strategy="replay", server_after_crash=WEATHER)
+        await run_kit(tmp_path, release=release, strategy="replay", server_after_crash=WEATHER)
     message = str(failed.value)
     assert "replayed call 0 (/increment_counter) answered 404" in message, message
     assert "declare the snapshot or restart strategy" in message, message
 
 
-def test_peer_addresses_become_gyms_server_config() -> None:
+def test_peer_addresses_become_gyms_server_config(release: str) -> None:
     """The operator's peer address of the model, in the Gym config the hosted server's
     `ServerClient` gets, resolves through Gym's own lookup (nemo-gym's
     `get_first_server_config_dict`) to that address, and the server's own name to itself."""
@@ -294,7 +315,11 @@ def test_peer_addresses_become_gyms_server_config() -> None:
         "json.dump(found, sys.stdout)\n"
     )
     done = subprocess.run(
-        [str(gym_python()), "-c", script], capture_output=True, text=True, timeout=60, check=False
+        [str(gym_python(release)), "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     found = json.loads(done.stdout)
@@ -303,13 +328,13 @@ def test_peer_addresses_become_gyms_server_config() -> None:
 
 
 async def test_a_resources_server_restarted_under_a_session_fails_the_episode(
-    tmp_path: Path,
+    tmp_path: Path, release: str
 ) -> None:
     """The counter restarted within the attempt (no checkpoint, no restore): Gym would serve the
     episode's old cookie an empty session. The episode's next call sees another process answer
     (`X-Rollout-Gym-Instance`) and the episode fails with a message that says so."""
     async with httpx.AsyncClient() as http:
-        driver = GymDriver(tmp_path, http, strategy="replay")
+        driver = GymDriver(tmp_path, http, strategy="replay", release=release)
         try:
             await driver.restart(0)
             env, counter, model = driver._running()
@@ -332,6 +357,7 @@ async def test_a_resources_server_restarted_under_a_session_fails_the_episode(
                     ["--server", COUNTER, "--name", COUNTER_NAME],
                     attempt=0,
                     port=port,
+                    release=release,
                 )
                 await debug.release("finish", "lone")
         finally:
@@ -339,3 +365,25 @@ async def test_a_resources_server_restarted_under_a_session_fails_the_episode(
     [reply] = replies
     assert reply.status_code == 500, reply.text
     assert "the resources server restarted since its Gym session was opened" in reply.text
+
+
+def test_a_server_that_imports_the_modules_beside_it_is_hosted(
+    tmp_path: Path, release: str
+) -> None:
+    """Gym runs a server as a script in its folder; hosted by module, calendar's `app` still
+    finds its `utils` (the adapter puts the server's folder on the path), with no path set by
+    the user."""
+    process = GymProcess.start(
+        tmp_path,
+        "resources",
+        ["--server", CALENDAR, "--name", "calendar"],
+        attempt=0,
+        release=release,
+    )
+    try:
+        assert httpx.get(process.url + "/healthz", timeout=10).status_code == 200
+        # Gym's own route of the hosted server answers: a session opens
+        reply = httpx.post(process.url + "/seed_session", json={}, timeout=10)
+        assert reply.status_code == 200, reply.text
+    finally:
+        process.stop()

@@ -1,9 +1,11 @@
-"""NeMo Gym's servers and the Gym adapter as processes, run by the Gym virtual environment's
-interpreter (Python >= 3.12 with nemo-gym from PyPI, `make gym-venv`; docs/gym.md).
+"""NeMo Gym's servers and the Gym adapter as processes, run by a Gym virtual environment's
+interpreter (nemo-gym 0.4 on Python >= 3.12, or 0.7 on Python 3.13, from PyPI; `make gym-venv`;
+docs/gym.md).
 
 The tests run on the project's own venv (Python 3.11), which has no nemo-gym: everything of Gym
-runs in processes started with `gym_python()`, the interpreter of the environment
-`gym/build-venv.sh` builds or finds cached for this checkout's sources. A process is ready when
+runs in processes started with `gym_python(release)`, the interpreter of the environment
+`gym/build-venv.sh <release>` builds or finds cached for this checkout's sources; the adapter's
+tests run on each of `GYM_RELEASES`. A process is ready when
 its `/healthz` answers 200 (polled with a deadline); `kill()` is SIGKILL to its process group.
 
 Tasks are rows of a Gym dataset for the released stateful counter
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from rollout_gym import SUPPORTED_GYM_RELEASES
 from rollout_servers.tasks import Task, calculate
 
 from devcluster.waiting import wait_for_sync
@@ -60,11 +63,17 @@ INCREMENT_TOOL: dict[str, Any] = {
 """The counter's tool as its released dataset (`data/example.jsonl`) declares it."""
 
 
+GYM_RELEASES = SUPPORTED_GYM_RELEASES
+"""The nemo-gym releases the adapter supports, each with its environment
+(`gym/build-venv.sh <release>`)."""
+
+
 @functools.cache
-def gym_python() -> Path:
-    """The Gym environment's interpreter for this checkout (built once per machine, cached)."""
+def gym_python(release: str = GYM_RELEASES[0]) -> Path:
+    """The interpreter of the Gym environment of `release` for this checkout (built once per
+    machine, cached)."""
     done = subprocess.run(
-        [str(REPO / "gym" / "build-venv.sh")],
+        [str(REPO / "gym" / "build-venv.sh"), release],
         capture_output=True,
         text=True,
         timeout=BUILD_TIMEOUT_S,
@@ -111,8 +120,10 @@ class GymProcess:
         attempt: int,
         env: Mapping[str, str] | None = None,
         port: int | None = None,
+        release: str = GYM_RELEASES[0],
     ) -> GymProcess:
-        """Started and answering `/healthz`; on `port` (a restart's) or a free one."""
+        """Started and answering `/healthz`, on the Gym environment of `release`; on `port` (a
+        restart's) or a free one."""
         port = port or free_port()
         url = f"http://127.0.0.1:{port}"
         root.mkdir(parents=True, exist_ok=True)
@@ -121,7 +132,7 @@ class GymProcess:
         # the test venv's variables must not leak into the other interpreter
         full.pop("VIRTUAL_ENV", None)
         full.update(PYTHONPATH=path, ROLLOUT_LEASE_GRACE_SECONDS="1", **(env or {}))
-        command = [str(gym_python()), "-m", "rollout_gym.cli", kind]
+        command = [str(gym_python(release)), "-m", "rollout_gym.cli", kind]
         command += ["--host", "127.0.0.1", "--port", str(port), "--drain-seconds", "1", *args]
         with (root / f"gym-{kind}-{attempt}-{port}.log").open("ab") as log:
             process = subprocess.Popen(

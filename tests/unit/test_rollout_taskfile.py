@@ -237,6 +237,90 @@ def test_a_file_changed_after_the_scan_stops_the_run(tmp_path: Path) -> None:
         list(row_episodes(rows))
 
 
+# --- NeMo Gym's rows (--gym) ------------------------------------------------------------------
+
+DEAL = {
+    "responses_create_params": {"input": [{"role": "user", "content": "Deal me in."}]},
+    "agent_ref": {"type": "responses_api_agents", "name": "blackjack_gymnasium_agent"},
+}
+"""A row of blackjack's example file in nemo-gym 0.7 (`environments/blackjack/data/
+example.jsonl`): five identical rows, each a new game, told apart by position."""
+
+
+def test_gym_rows_are_identified_as_gym_identifies_them(tmp_path: Path) -> None:
+    """nemo-gym 0.7's `materialize_task`: a materialized row's own task id; a flat row's first
+    of task_id, problem_id, instance_id that is not null; its `_ng_task_index`; its position."""
+    rows = [
+        {"task_id": {"taskset": "math", "task_id": "q-17"}, "task_input": {"question": "1+1"}},
+        {"problem_id": 12, "question": "2+2"},
+        {"task_id": None, "instance_id": "django__django-11099", "problem_id": None},
+        {"task_id": "t.3", "problem_id": "ignored"},
+        {"_ng_task_index": 40, "question": "3+3"},
+        DEAL,
+    ]
+    path = write_rows(tmp_path / "rows.jsonl", rows, blank_after=2)
+    file = scan_rows(path, RowOptions(gym=True, rollouts_per_row=2, seed_field=None))
+    # positions count rows, not lines: the blank line moves line numbers only
+    expected = ["q-17", "12", "django__django-11099", "t.3", "40", "5"]
+    assert list(file.ids.values()) == expected
+    specs = list(row_episodes(file))
+    assert [spec.rollout_id for spec in specs[:2]] == ["q-17-0", "q-17-1"]
+    assert specs[0].task == rows[0]  # sent as the row is
+
+
+def test_identical_gym_rows_are_told_apart_by_position(tmp_path: Path) -> None:
+    """Blackjack's example file: refused by digest (one id), read with --gym as Gym reads it."""
+    path = write_rows(tmp_path / "example.jsonl", [DEAL] * 5)
+    assert "line 2: row id" in scan_error(path, RowOptions())
+    file = scan_rows(path, RowOptions(gym=True, prefix="bj."))
+    assert [spec.rollout_id for spec in row_episodes(file)] == [f"bj.{i}-0" for i in range(5)]
+    assert file.episodes_total == 5
+
+
+def test_gym_rows_with_one_explicit_id_name_both_lines(tmp_path: Path) -> None:
+    path = write_rows(tmp_path / "rows.jsonl", [{"task_id": "a"}, DEAL, {"problem_id": "a"}])
+    message = scan_error(path, RowOptions(gym=True))
+    assert "line 3: row id 'a' is also line 1's" in message, message
+    assert "--rollouts-per-row" in message, message
+    # an explicit id that is another row's position is the same rollout ids too
+    path = write_rows(tmp_path / "rows.jsonl", [{"task_id": "1"}, DEAL])
+    assert "line 2: row id '1' is also line 1's" in scan_error(path, RowOptions(gym=True))
+
+
+def test_a_rollout_id_gym_refuses_is_refused_up_front_with_the_rule(tmp_path: Path) -> None:
+    """Ours allow `:` in rollout ids; nemo-gym 0.7's `EpisodeId` does not (nor an `-a<N>`
+    ending, its capture keys'): a Gym dataset's ids are checked against Gym's rule."""
+    row = {"instance_id": "astropy:12907", "question": "?"}
+    path = write_rows(tmp_path / "rows.jsonl", [row])
+    assert scan_rows(path, RowOptions(id_field="instance_id")).ids == {1: "astropy:12907"}
+    path = write_rows(tmp_path / "rows.jsonl", [DEAL, row])
+    message = scan_error(path, RowOptions(gym=True))
+    assert "line 2: row id 'astropy:12907' makes a rollout id that NeMo Gym refuses" in message
+    assert "no ':'" in message, message
+    # the prefix is part of the rollout id
+    path = write_rows(tmp_path / "rows.jsonl", [DEAL])
+    assert "no ':'" in scan_error(path, RowOptions(gym=True, prefix="run:1."))
+
+
+def test_a_gym_task_id_object_without_task_input_is_refused(tmp_path: Path) -> None:
+    path = write_rows(tmp_path / "rows.jsonl", [{"task_id": {"taskset": "s", "task_id": "x"}}])
+    assert "line 1: its task_id is an object but it has no task_input" in scan_error(
+        path, RowOptions(gym=True)
+    )
+    path = write_rows(tmp_path / "rows.jsonl", [{"task_id": {"taskset": "s"}, "task_input": {}}])
+    assert "task_id.task_id must be a non-empty string" in scan_error(path, RowOptions(gym=True))
+
+
+def test_the_cli_takes_gym_rows_without_an_id_field(tmp_path: Path) -> None:
+    path = write_rows(tmp_path / "rows.jsonl", [DEAL])
+    out = str(tmp_path / "results.jsonl")
+    argv = ["--tasks-file", str(path), "--gym", "--id-field", "id", "--out", out]
+    with pytest.raises(SystemExit, match=r"rollout-collect: --gym takes .* no --id-field"):
+        main(argv)
+    with pytest.raises(SystemExit, match="--gym only apply with --tasks-file"):
+        main(["--tasks", "3", "--gym", "--out", out])
+
+
 # --- the CLI ----------------------------------------------------------------------------------
 
 
