@@ -1,99 +1,68 @@
-"""The protocol and operator packages keep small surfaces: no class over 450 lines in either, and
-no function over 80 lines: in the control plane, the coordinator and the episode runtime, each
-split by concern into parts it owns (docs/protocol.md names them), and in every other module of
-both packages but the conformance suite's (`rollout_protocol._conformance`). Counted with `ast`,
-from the first line of a definition (its decorators excluded) to its last."""
+"""Small surfaces everywhere: no class over 450 lines and no function over 80 in the operator
+(`rollout_operator`), the protocol (`rollout_protocol`, its conformance kit included), the
+reference servers (`rollout_servers`) and the NeMo Gym adapter (`rollout_gym`), with no
+exception. A class or function that grows past its limit is split by concern into parts it
+owns. Counted with `ast`, from the first line of a definition (its decorators excluded) to its
+last."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+from types import ModuleType
 
+import rollout_gym
 import rollout_operator
 import rollout_protocol
+import rollout_servers
 
-_PACKAGE = Path(rollout_protocol.__file__).parent
-_OPERATOR = Path(rollout_operator.__file__).parent
+_PACKAGES = (rollout_operator, rollout_protocol, rollout_servers, rollout_gym)
 _MAX_CLASS_LINES = 450
 _MAX_FUNCTION_LINES = 80
-_SPLIT = ("_control", "_coordinator", "_episodes")
-"""The modules (and their `<name>_*.py` parts) held to the function limit."""
-_UNCOUNTED = ("_conformance",)
-"""Folders of the protocol package not held to the function limit."""
+
+Definition = ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
+_KINDS = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 
-def _definitions(path: Path) -> list[ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef]:
-    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    kinds = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-    return [node for node in ast.walk(tree) if isinstance(node, kinds)]
+def _lines(node: Definition) -> int:
+    assert node.end_lineno is not None
+    return node.end_lineno - node.lineno + 1
 
 
-def _lines(node: ast.AST) -> int:
-    end = getattr(node, "end_lineno", None)
-    assert end is not None
-    return int(end) - int(getattr(node, "lineno", end)) + 1
+def _definitions(package: ModuleType) -> list[tuple[str, Definition]]:
+    """Every class and function (nested ones too) of the package's modules, each named by its
+    place (`<package>/<module path>:<line> <name>`)."""
+    root = Path(str(package.__file__)).parent
+    modules = sorted(root.rglob("*.py"))
+    assert len(modules) > 1, f"the package's modules were not found under {root}"
+    found: list[tuple[str, Definition]] = []
+    for path in modules:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        found.extend(
+            (f"{root.name}/{path.relative_to(root)}:{node.lineno} {node.name}", node)
+            for node in ast.walk(tree)
+            if isinstance(node, _KINDS)
+        )
+    return found
 
 
-def test_no_protocol_class_is_over_450_lines() -> None:
-    modules = sorted(_PACKAGE.rglob("*.py"))
-    assert len(modules) > 20, f"the package's modules were not found under {_PACKAGE}"
+def _all_definitions() -> list[tuple[str, Definition]]:
+    return [found for package in _PACKAGES for found in _definitions(package)]
+
+
+def test_no_class_is_over_450_lines() -> None:
     too_long = [
-        f"{path.relative_to(_PACKAGE)}:{node.lineno} {node.name}: {_lines(node)} lines"
-        for path in modules
-        for node in _definitions(path)
+        f"{place}: {_lines(node)} lines"
+        for place, node in _all_definitions()
         if isinstance(node, ast.ClassDef) and _lines(node) > _MAX_CLASS_LINES
     ]
     assert not too_long, f"classes over {_MAX_CLASS_LINES} lines: {too_long}"
 
 
-def test_no_function_of_the_split_modules_is_over_80_lines() -> None:
-    modules = sorted(
-        path
-        for path in _PACKAGE.glob("*.py")
-        if path.stem in _SPLIT or path.stem.startswith(tuple(f"{name}_" for name in _SPLIT))
-    )
-    assert {path.stem for path in modules} >= set(_SPLIT)
+def test_no_function_is_over_80_lines() -> None:
     too_long = [
-        f"{path.name}:{node.lineno} {node.name}: {_lines(node)} lines"
-        for path in modules
-        for node in _definitions(path)
+        f"{place}: {_lines(node)} lines"
+        for place, node in _all_definitions()
         if not isinstance(node, ast.ClassDef) and _lines(node) > _MAX_FUNCTION_LINES
     ]
-    assert not too_long, f"functions over {_MAX_FUNCTION_LINES} lines: {too_long}"
-
-
-def _functions_over_limit(package: Path, modules: list[Path]) -> list[str]:
-    return [
-        f"{package.name}/{path.relative_to(package)}:{node.lineno} {node.name}: "
-        f"{_lines(node)} lines"
-        for path in modules
-        for node in _definitions(path)
-        if not isinstance(node, ast.ClassDef) and _lines(node) > _MAX_FUNCTION_LINES
-    ]
-
-
-def test_no_operator_class_is_over_450_lines() -> None:
-    modules = sorted(_OPERATOR.rglob("*.py"))
-    assert len(modules) > 20, f"the package's modules were not found under {_OPERATOR}"
-    too_long = [
-        f"{path.relative_to(_OPERATOR)}:{node.lineno} {node.name}: {_lines(node)} lines"
-        for path in modules
-        for node in _definitions(path)
-        if isinstance(node, ast.ClassDef) and _lines(node) > _MAX_CLASS_LINES
-    ]
-    assert not too_long, f"classes over {_MAX_CLASS_LINES} lines: {too_long}"
-
-
-def test_no_function_of_the_operator_or_the_protocol_is_over_80_lines() -> None:
-    operator = sorted(_OPERATOR.rglob("*.py"))
-    protocol = sorted(
-        path
-        for path in _PACKAGE.rglob("*.py")
-        if not set(path.relative_to(_PACKAGE).parts) & set(_UNCOUNTED)
-    )
-    assert len(operator) > 20, f"the package's modules were not found under {_OPERATOR}"
-    assert len(protocol) > 20, f"the package's modules were not found under {_PACKAGE}"
-    too_long = _functions_over_limit(_OPERATOR, operator) + _functions_over_limit(
-        _PACKAGE, protocol
-    )
     assert not too_long, f"functions over {_MAX_FUNCTION_LINES} lines: {too_long}"

@@ -180,10 +180,16 @@ async def check_crash_restore(
         restarting=restarting,
     )
     await _checkpoint_then_crash(run)  # 1-3
-    await driver.restart(run.attempt + 1)
-    _check_driver_holds(model)
-    targets = list(driver.participants())
-    async with _connect(targets, call_timeout_s) as conns:
+    await _restart_then_restore(run)  # 3-9
+
+
+async def _restart_then_restore(run: _CrashRun) -> None:
+    """Stages 3-9: the crashed group restarted under N + 1, the checkpoint restored, and the
+    restored episodes run to their end, repeated, compared and retired."""
+    await run.driver.restart(run.attempt + 1)
+    _check_driver_holds(run.model)
+    targets = list(run.driver.participants())
+    async with _connect(targets, run.call_timeout_s) as conns:
         coordinator, workers = await _restore_after_crash(run, targets, conns)  # 4
         results, after = await _finish_restored(run, conns, workers)  # 5-6
         await _repeat_finished(run, conns, workers, results, after)  # 7
@@ -209,32 +215,6 @@ async def _checkpoint_then_crash(run: _CrashRun) -> None:
         _expect(STEPS, len(attempts) == 1, "the group must run one attempt", sorted(attempts))
         run.attempt = attempt = attempts.pop()
 
-        async def first_run(rid: str) -> None:
-            try:
-                await driver.run_episode(rid, attempt)
-            except Exception as error:
-                if not runs.crashed:
-                    runs.failures[rid] = f"{type(error).__name__}: {error}"
-                    runs.ended.set()
-            else:
-                if not runs.crashed:
-                    runs.finished.append(rid)
-                    runs.ended.set()
-
-        async def repeated_run(rid: str) -> None:
-            repeat = repeats[rid]
-            try:
-                result = await driver.run_episode(rid, attempt)
-            except RunRefused as refusal:
-                repeat.outcome = f"refused: {refusal}"
-            except Exception as error:
-                repeat.outcome = f"the driver raised {type(error).__name__}: {error}"
-                repeat.driver_error = True
-            else:
-                repeat.outcome = f"answered before the episode ended: {str(result)[:300]}"
-            if not runs.crashed:
-                repeat.done.set()
-
         coordinator = Coordinator(
             [conn.participant for conn in conns], call_timeout=run.call_timeout_s
         )
@@ -242,13 +222,13 @@ async def _checkpoint_then_crash(run: _CrashRun) -> None:
         async with anyio.create_task_group() as episodes:
             try:
                 for rid in rids:
-                    episodes.start_soon(first_run, rid)
+                    episodes.start_soon(_first_run, driver, runs, rid, attempt)
                 await _wait_mid_episode(run, runs, model_calls_from)
                 held_counts = {c.target.name: await _counters(c, repeated) for c in conns}
                 # The repeated /run goes out before the checkpoint, whose round trips to the
                 # same servers give it time to be refused (a window that grows with their load).
                 for rid in repeated:
-                    episodes.start_soon(repeated_run, rid)
+                    episodes.start_soon(_repeated_run, driver, runs, repeats[rid], rid, attempt)
                 run.before, run.commit = await _checkpoint(
                     coordinator, conns, run.cid, rids, run.call_timeout_s, run.restarting
                 )
@@ -283,6 +263,37 @@ async def _checkpoint_then_crash(run: _CrashRun) -> None:
             episodes.cancel_scope.cancel()
         if broke is not None:
             raise broke
+
+
+async def _first_run(driver: EpisodeDriver, runs: _FirstRuns, rid: str, attempt: int) -> None:
+    """Stage 1: the first `/run` of `rid`, its end before the crash noted in `runs`."""
+    try:
+        await driver.run_episode(rid, attempt)
+    except Exception as error:
+        if not runs.crashed:
+            runs.failures[rid] = f"{type(error).__name__}: {error}"
+            runs.ended.set()
+    else:
+        if not runs.crashed:
+            runs.finished.append(rid)
+            runs.ended.set()
+
+
+async def _repeated_run(
+    driver: EpisodeDriver, runs: _FirstRuns, repeat: _Repeat, rid: str, attempt: int
+) -> None:
+    """Stage 2: the repeated `/run` of held `rid`; how it ended is noted in `repeat`."""
+    try:
+        result = await driver.run_episode(rid, attempt)
+    except RunRefused as refusal:
+        repeat.outcome = f"refused: {refusal}"
+    except Exception as error:
+        repeat.outcome = f"the driver raised {type(error).__name__}: {error}"
+        repeat.driver_error = True
+    else:
+        repeat.outcome = f"answered before the episode ended: {str(result)[:300]}"
+    if not runs.crashed:
+        repeat.done.set()
 
 
 async def _wait_mid_episode(run: _CrashRun, runs: _FirstRuns, model_calls_from: int) -> None:

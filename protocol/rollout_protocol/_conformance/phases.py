@@ -13,6 +13,7 @@ import anyio.to_thread
 from pydantic import BaseModel
 
 from .._wire import (
+    CommitReply,
     CommitRequest,
     ErrorCode,
     Phase,
@@ -46,95 +47,101 @@ async def check_phases(target: Target, *, call_timeout_s: float = 10.0) -> tuple
     restore of the same (id, attempt) is stale. Returns (checkpoint id, attempt it captured).
     """
     async with _connect([target], call_timeout_s) as (conn,):
-        p = conn.participant
         before = await _expect_idle(conn, PHASES_REPLAY, "before the check")
         cid = _new_id("phases")
-        first = await _prepared(conn, PHASES_REPLAY, cid, conn.deadline())
-        await _phase_is(conn, PHASES_REPLAY, Phase.PREPARED, cid, "after a ready prepare")
-        await _replayed(
-            f"a retried prepare of {cid}",
-            p.prepare(PrepareRequest(checkpoint_id=cid, deadline_ts=conn.deadline())),
-            first,
-        )
-        renewed = await _ok(
-            PHASES_REPLAY,
-            f"renew of {cid}",
-            p.renew(RenewRequest(checkpoint_id=cid, deadline_ts=conn.deadline())),
-        )
-        _expect(
-            PHASES_REPLAY,
-            renewed.phase is Phase.PREPARED,
-            f"renew of {cid} must keep phase prepared",
-            renewed.phase.value,
-        )
-        commit = CommitRequest(checkpoint_id=cid, deadline_ts=conn.deadline())
-        committed = await _ok(PHASES_REPLAY, f"commit of {cid}", p.commit(commit))
-        _expect(
-            PHASES_REPLAY,
-            committed.phase is Phase.COMMITTED,
-            f"commit of {cid} must answer phase committed",
-            committed.phase.value,
-        )
-        await _phase_is(conn, PHASES_REPLAY, Phase.COMMITTED, cid, "after a commit")
-        await _replayed(
-            f"a retried commit of {cid}",
-            p.commit(CommitRequest(checkpoint_id=cid, deadline_ts=conn.deadline())),
-            committed,
-        )
-        await _replayed(
-            f"a late retried prepare of {cid} (after its commit)",
-            p.prepare(PrepareRequest(checkpoint_id=cid, deadline_ts=conn.deadline())),
-            first,
-        )
+        committed = await _commit_replayed(conn, cid)
         await _resume(conn, PHASES_RESUME, cid)
         await _expect_idle(conn, PHASES_RESUME, f"after the resume of committed {cid}")
-
         attempt = max(before.attempt, committed.manifest.attempt) + 1
-        # the rollouts the commit listed (a Gym participant's restore names them; ours: None)
-        named = committed.rollout_ids
-        restore = RestoreRequest(
-            checkpoint_id=cid, attempt=attempt, rollout_ids=named, deadline_ts=conn.deadline()
-        )
-        restored = await _ok(
-            PHASES_REPLAY, f"restore of {cid} under attempt {attempt}", p.restore(restore)
-        )
-        _expect(
-            PHASES_REPLAY,
-            restored.phase is Phase.RESTORED
-            and restored.record_count == committed.manifest.record_count,
-            f"restore of {cid} must answer phase restored with the "
-            f"{committed.manifest.record_count} committed records",
-            f"phase {restored.phase.value}, {restored.record_count} records",
-        )
-        await _phase_is(conn, PHASES_REPLAY, Phase.RESTORED, cid, "after a restore")
-        await _replayed(
-            f"a retried restore of {cid}",
-            p.restore(
-                RestoreRequest(
-                    checkpoint_id=cid,
-                    attempt=attempt,
-                    rollout_ids=named,
-                    deadline_ts=conn.deadline(),
-                )
-            ),
-            restored,
-        )
+        await _restore_replayed(conn, cid, committed, attempt)
         await _resume(conn, PHASES_RESUME, cid)
         await _expect_idle(conn, PHASES_RESUME, f"after the resume of restored {cid}")
         await _refused(
             STALE,
             f"a restore of {cid} under attempt {attempt} after it was restored and resumed",
-            p.restore(
-                RestoreRequest(
-                    checkpoint_id=cid,
-                    attempt=attempt,
-                    rollout_ids=named,
-                    deadline_ts=conn.deadline(),
-                )
-            ),
+            conn.participant.restore(_restore_request(conn, cid, committed, attempt)),
             ErrorCode.STALE_CHECKPOINT,
         )
         return cid, committed.manifest.attempt
+
+
+async def _commit_replayed(conn: _Conn, cid: str) -> CommitReply:
+    """Prepare, a retried prepare, renew, commit, a retried commit and a late prepare: each
+    retry answered as the first call was, the phase prepared then committed."""
+    p = conn.participant
+    first = await _prepared(conn, PHASES_REPLAY, cid, conn.deadline())
+    await _phase_is(conn, PHASES_REPLAY, Phase.PREPARED, cid, "after a ready prepare")
+    await _replayed(
+        f"a retried prepare of {cid}",
+        p.prepare(PrepareRequest(checkpoint_id=cid, deadline_ts=conn.deadline())),
+        first,
+    )
+    renewed = await _ok(
+        PHASES_REPLAY,
+        f"renew of {cid}",
+        p.renew(RenewRequest(checkpoint_id=cid, deadline_ts=conn.deadline())),
+    )
+    _expect(
+        PHASES_REPLAY,
+        renewed.phase is Phase.PREPARED,
+        f"renew of {cid} must keep phase prepared",
+        renewed.phase.value,
+    )
+    commit = CommitRequest(checkpoint_id=cid, deadline_ts=conn.deadline())
+    committed = await _ok(PHASES_REPLAY, f"commit of {cid}", p.commit(commit))
+    _expect(
+        PHASES_REPLAY,
+        committed.phase is Phase.COMMITTED,
+        f"commit of {cid} must answer phase committed",
+        committed.phase.value,
+    )
+    await _phase_is(conn, PHASES_REPLAY, Phase.COMMITTED, cid, "after a commit")
+    await _replayed(
+        f"a retried commit of {cid}",
+        p.commit(CommitRequest(checkpoint_id=cid, deadline_ts=conn.deadline())),
+        committed,
+    )
+    await _replayed(
+        f"a late retried prepare of {cid} (after its commit)",
+        p.prepare(PrepareRequest(checkpoint_id=cid, deadline_ts=conn.deadline())),
+        first,
+    )
+    return committed
+
+
+def _restore_request(conn: _Conn, cid: str, committed: CommitReply, attempt: int) -> RestoreRequest:
+    """A restore of the committed checkpoint under `attempt`, naming the rollouts the commit
+    listed (a Gym participant's restore names them; ours: None)."""
+    return RestoreRequest(
+        checkpoint_id=cid,
+        attempt=attempt,
+        rollout_ids=committed.rollout_ids,
+        deadline_ts=conn.deadline(),
+    )
+
+
+async def _restore_replayed(conn: _Conn, cid: str, committed: CommitReply, attempt: int) -> None:
+    """The committed checkpoint restored under `attempt` with all its records, phase restored,
+    and a retried restore answered as the first."""
+    p = conn.participant
+    restore = _restore_request(conn, cid, committed, attempt)
+    restored = await _ok(
+        PHASES_REPLAY, f"restore of {cid} under attempt {attempt}", p.restore(restore)
+    )
+    _expect(
+        PHASES_REPLAY,
+        restored.phase is Phase.RESTORED
+        and restored.record_count == committed.manifest.record_count,
+        f"restore of {cid} must answer phase restored with the "
+        f"{committed.manifest.record_count} committed records",
+        f"phase {restored.phase.value}, {restored.record_count} records",
+    )
+    await _phase_is(conn, PHASES_REPLAY, Phase.RESTORED, cid, "after a restore")
+    await _replayed(
+        f"a retried restore of {cid}",
+        p.restore(_restore_request(conn, cid, committed, attempt)),
+        restored,
+    )
 
 
 async def _phase_is(conn: _Conn, rule: str, phase: Phase, cid: str, when: str) -> None:

@@ -34,27 +34,26 @@ the held response at once. The last response delivered to each rollout is kept (
 too: it may have been on the wire while its caller parked, and the caller's replay must get it
 without generating it again.
 
-This module holds the participant (cuts, held and delivered responses) and the routes; the
-request bodies and generation types are in `generation.py`, the two backends in `backends.py`,
-the agent APIs' request mapping and response writing in `agent_api.py`.
+This module holds the participant (cuts, held and delivered responses), the generation and the
+routes; the request bodies and generation types are in `generation.py`, the two backends in
+`backends.py`, the reply bodies and event streams written from a generation in
+`model_replies.py`, the agent APIs' request mapping and response writing in `agent_api.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import re
-import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Final
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectSendStream
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 from rollout_protocol import (
     ROLLOUT_ID_PATTERN,
@@ -82,7 +81,7 @@ from rollout_protocol.model_api import (
 )
 
 from . import agent_api
-from .backends import TOKEN, Backend, BuiltinBackend, OpenAIBackend, wanted_logprobs
+from .backends import Backend, BuiltinBackend, OpenAIBackend, wanted_logprobs
 from .common import (
     Outcome,
     RolloutServer,
@@ -103,6 +102,7 @@ from .generation import (
     Progress,
     TokenLogprob,
 )
+from .model_replies import Replies
 
 log = logging.getLogger(__name__)
 
@@ -294,6 +294,8 @@ class ModelServer(RolloutServer):
         progress since the last checkpoint: what a retire counts as lost (`lost_work`; the
         latest `_REQUESTS_KEPT`)."""
         super().__init__(options, **kwargs)
+        self.replies = Replies(options.model_name)
+        """Writes the OpenAI-compatible reply of each request from its generation's items."""
         if options.backend == "builtin":
             self.backend: Backend = BuiltinBackend(
                 options.token_latency_ms / 1000.0, options.mistake_rate
@@ -393,177 +395,7 @@ class ModelServer(RolloutServer):
         gone = anyio.Event()
         """Set when a streaming consumer went away (a plain reply's caller waits to the end)."""
         self.spawn(self._produce, gen, ident, send, gone)
-        created = int(time.time())
-        if gen.templated is not None:
-            return await self._respond_agent(gen, receive, created, gone)
-        rid = f"{'chatcmpl' if gen.kind == 'chat' else 'cmpl'}-{gen.digest[:24]}"
-        if not gen.stream:
-            async with receive:
-                async for item in receive:
-                    if isinstance(item, Failed):
-                        raise item.error
-                    if isinstance(item, Done):
-                        return JSONResponse(self._full_reply(gen, item, rid, created))
-            raise ProtocolError(ErrorCode.INTERNAL, "generation ended without a result")
-        first = await receive.receive()
-        if isinstance(first, Failed):
-            await receive.aclose()
-            raise first.error
-        return StreamingResponse(
-            self._sse(gen, first, receive, rid, created, gone), media_type="text/event-stream"
-        )
-
-    async def _respond_agent(
-        self,
-        gen: GenRequest,
-        receive: MemoryObjectReceiveStream[Item],
-        created: int,
-        gone: anyio.Event,
-    ) -> Response:
-        """A tool chat or a Responses request: its calls parsed out of the generated text."""
-        model = self.options.model_name
-        responses = gen.kind == "responses"
-        rid = f"resp_{gen.digest[:24]}" if responses else f"chatcmpl-{gen.digest[:24]}"
-        if not gen.stream:
-            async with receive:
-                async for item in receive:
-                    if isinstance(item, Failed):
-                        raise item.error
-                    if isinstance(item, Done):
-                        if responses:
-                            reply = agent_api.responses_reply(gen, item, rid, created, model)
-                        else:
-                            usage = self._usage(gen, item)
-                            reply = agent_api.chat_reply(gen, item, rid, created, model, usage)
-                        return JSONResponse(reply)
-            raise ProtocolError(ErrorCode.INTERNAL, "generation ended without a result")
-        first = await receive.receive()
-        if isinstance(first, Failed):
-            await receive.aclose()
-            raise first.error
-
-        async def lines() -> AsyncIterator[str]:
-            out = agent_api.writer(gen, rid, created, model)
-            with _setting(gone):
-                async with receive:
-                    for line in out.start():
-                        yield line
-                    item: Item = first
-                    while True:
-                        if isinstance(item, Failed):
-                            written = out.failed(item.error)
-                        elif isinstance(item, Done):
-                            written = out.done(item)
-                        else:
-                            written = out.piece(item)
-                        for line in written:
-                            yield line
-                        if not isinstance(item, Piece):
-                            return
-                        try:
-                            item = await receive.receive()
-                        except anyio.EndOfStream:
-                            return
-
-        return StreamingResponse(lines(), media_type="text/event-stream")
-
-    @staticmethod
-    def _usage(gen: GenRequest, done: Done) -> dict[str, int]:
-        prompt = len(TOKEN.findall(gen.prompt_text))
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": done.tokens,
-            "total_tokens": prompt + done.tokens,
-        }
-
-    async def _sse(
-        self,
-        gen: GenRequest,
-        first: Item,
-        receive: MemoryObjectReceiveStream[Item],
-        rid: str,
-        created: int,
-        gone: anyio.Event,
-    ) -> AsyncIterator[str]:
-        with _setting(gone):
-            async for chunk in self._sse_chunks(gen, first, receive, rid, created):
-                yield chunk
-
-    async def _sse_chunks(
-        self,
-        gen: GenRequest,
-        first: Item,
-        receive: MemoryObjectReceiveStream[Item],
-        rid: str,
-        created: int,
-    ) -> AsyncIterator[str]:
-        async with receive:
-            item: Item | None = first
-            while item is not None:
-                if isinstance(item, Failed):
-                    yield f"data: {item.error.body().model_dump_json()}\n\n"
-                    return
-                yield f"data: {json.dumps(self._chunk(gen, item, rid, created))}\n\n"
-                if isinstance(item, Done):
-                    yield "data: [DONE]\n\n"
-                    return
-                try:
-                    item = await receive.receive()
-                except anyio.EndOfStream:
-                    item = None
-
-    def _chunk(self, gen: GenRequest, item: Piece | Done, rid: str, created: int) -> dict[str, Any]:
-        text = item.text if isinstance(item, Piece) else ""
-        reason = item.finish_reason if isinstance(item, Done) else None
-        if gen.kind == "completion":
-            logprobs = item.logprobs if isinstance(item, Piece) else None
-            choice: dict[str, Any] = {
-                "index": 0,
-                "text": text,
-                "logprobs": _logprobs_json(logprobs)
-                if logprobs is not None and wanted_logprobs(gen) is not None
-                else None,
-            }
-            obj = "text_completion"
-        else:
-            choice = {"index": 0, "delta": {"role": "assistant", "content": text}}
-            obj = "chat.completion.chunk"
-        choice["finish_reason"] = reason
-        return {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": self.options.model_name,
-            "choices": [choice],
-        }
-
-    def _full_reply(self, gen: GenRequest, done: Done, rid: str, created: int) -> dict[str, Any]:
-        usage = {
-            "prompt_tokens": len(TOKEN.findall(gen.prompt_text)),
-            "completion_tokens": done.tokens,
-            "total_tokens": len(TOKEN.findall(gen.prompt_text)) + done.tokens,
-        }
-        if gen.kind == "completion":
-            choice: dict[str, Any] = {
-                "index": 0,
-                "text": done.text,
-                "logprobs": _logprobs_json(done.logprobs)
-                if done.logprobs is not None and wanted_logprobs(gen) is not None
-                else None,
-            }
-            obj = "text_completion"
-        else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": done.text}}
-            obj = "chat.completion"
-        choice["finish_reason"] = done.finish_reason
-        return {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": self.options.model_name,
-            "choices": [choice],
-            "usage": usage,
-        }
+        return await self.replies.write(gen, receive, gone)
 
     # --- generation ---------------------------------------------------------------------------
 
@@ -897,16 +729,6 @@ def _token_count(piece: Piece) -> int:
     return 1 if piece.text else 0
 
 
-def _logprobs_json(logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
-    """The completions API's (legacy) logprobs object."""
-    return {
-        "tokens": [t for t, _ in logprobs],
-        "token_logprobs": [lp for _, lp in logprobs],
-        "top_logprobs": None,
-        "text_offset": None,
-    }
-
-
 def _chat_prompt(messages: Sequence[ChatMessage]) -> str:
     return "\n".join(f"{m.role}: {m.text}" for m in messages)
 
@@ -945,15 +767,6 @@ class _Audience:
     async def abandoned(self) -> None:
         while self.present > 0:
             await self._changed.wait()
-
-
-@contextlib.contextmanager
-def _setting(event: anyio.Event) -> Iterator[None]:
-    """Set `event` however the block ends (the stream finished, failed or was cancelled)."""
-    try:
-        yield
-    finally:
-        event.set()
 
 
 async def _offer(send: MemoryObjectSendStream[Item], item: Item) -> None:
