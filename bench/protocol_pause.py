@@ -29,7 +29,7 @@ coordinator saw it), next to the fan-out to that role's instances.
 The commit is broken down by part on the same bytes, in this process: encoding the records
 (building and serialising each one, and its digest: inside the commit before records were encoded
 ahead, at each episode's boundary since), collecting the encoded records of the largest participant,
-and `storage.write_records` of every participant's records in parallel (the records file, the
+and `_storage.write_records` of every participant's records in parallel (the records file, the
 manifest and their fsyncs); the rest of the commit is HTTP, the control plane and scheduling. Where
 pause / floor is above 2.0, the part furthest above its share of the floor is printed as what
 dominates.

@@ -81,7 +81,7 @@ class Participant(ABC):
         """The records of parked (and still-unclaimed restored) episodes in `scope` (None: all)."""
 
     def export_encoded(self, scope: frozenset[str] | None) -> Sequence[EncodedRecord]:
-        """`export`, each record with its line encoded (`storage.encode_record`): what a commit
+        """`export`, each record with its line encoded (`_storage.encode_record`): what a commit
         writes. The default encodes `export()` here, inside the checkpoint's pause; a
         participant that encodes its records when they change (as `RuntimeParticipant` does,
         at every boundary) returns those, and its commit only writes bytes."""

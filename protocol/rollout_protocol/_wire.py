@@ -426,7 +426,7 @@ class Manifest(StrictModel):
     """Written last, next to the records file; its presence means the records are complete.
 
     `schema_version` is the records format: 2 names the records file by the sha256 of its
-    lines' sha256 digests (records encoded ahead, see `storage.records_digest`); 1, written
+    lines' sha256 digests (records encoded ahead, see `_storage.records_digest`); 1, written
     before encode-ahead, by the sha256 of the whole file. Both are read."""
 
     schema_version: Literal[1, 2] = 2
