@@ -349,8 +349,9 @@ def _watch(
         WORKER_LOST_EXIT,
     )
     for process in processes:
-        if process.is_alive():
-            _signal(process, signal.SIGKILL)
+        _signal(process, signal.SIGKILL)
+    for process in processes:
+        process.join(_STOP_WAIT_S)  # reaped before the pod ends: no worker outlives it
     directory.remove()
     sys.stderr.flush()
     os._exit(WORKER_LOST_EXIT)
