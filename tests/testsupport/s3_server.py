@@ -12,21 +12,30 @@ The fixtures are a pytest plugin, registered for every folder by `pytest_plugins
   addressing, plain HTTP on loopback); `s3_bucket.write_credentials(folder)` writes the files a
   mounted credentials Secret holds and `s3_bucket.env(...)` the `ROLLOUT_STORAGE_S3_*` variables a
   participant pod gets (docs/install.md, "Records in a bucket").
+- `s3_network`: a `FakeNetwork` (testsupport/fake_network.py) in front of the server for one test,
+  whose faults (slow, 500, 503 SlowDown, 507 full, dropped) the test switches on and off;
+  `s3_bucket.through(s3_network)` is the bucket reached through it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from obstore.store import S3Store
 
 from devcluster import s3
 from devcluster.s3 import S3Credentials, S3Server
+from testsupport.fake_network import FakeNetwork
+
+if TYPE_CHECKING:  # obstore declares these for type checkers only
+    from obstore.store import ClientConfig, RetryConfig
 
 READY_TIMEOUT_S = 30.0
 """How long the server may take to answer its health endpoint (it starts in well under 1 s)."""
@@ -38,8 +47,12 @@ def s3_store(
     credentials: S3Credentials,
     prefix: str = "",
     region: str = s3.REGION,
+    *,
+    client_options: ClientConfig | None = None,
+    retry_config: RetryConfig | None = None,
 ) -> S3Store:
-    """An `obstore` store on `bucket` at `endpoint` (path-style, HTTP allowed: loopback only)."""
+    """An `obstore` store on `bucket` at `endpoint` (path-style, HTTP allowed: loopback only);
+    `client_options` are added to those (e.g. a `timeout`), `retry_config` replaces obstore's."""
     return S3Store(
         bucket,
         prefix=prefix or None,
@@ -48,7 +61,8 @@ def s3_store(
         access_key_id=credentials.access_key_id,
         secret_access_key=credentials.secret_access_key,
         virtual_hosted_style_request=False,
-        client_options={"allow_http": True},
+        client_options={"allow_http": True, **(client_options or {})},
+        retry_config=retry_config,
     )
 
 
@@ -58,17 +72,33 @@ class S3Bucket:
 
     server: S3Server
     name: str
+    endpoint: str
+    """Where clients reach it: the server itself, or a `FakeNetwork` in front (`through`)."""
 
-    @property
-    def endpoint(self) -> str:
-        return self.server.endpoint
+    def through(self, network: FakeNetwork) -> S3Bucket:
+        """The same bucket reached through `network` (its faults apply to every request)."""
+        return dataclasses.replace(self, endpoint=network.url)
 
     @property
     def credentials(self) -> S3Credentials:
         return self.server.credentials
 
-    def store(self, prefix: str = "") -> S3Store:
-        return s3_store(self.endpoint, self.name, self.credentials, prefix, self.server.region)
+    def store(
+        self,
+        prefix: str = "",
+        *,
+        client_options: ClientConfig | None = None,
+        retry_config: RetryConfig | None = None,
+    ) -> S3Store:
+        return s3_store(
+            self.endpoint,
+            self.name,
+            self.credentials,
+            prefix,
+            self.server.region,
+            client_options=client_options,
+            retry_config=retry_config,
+        )
 
     def write_credentials(self, folder: Path) -> Path:
         """The files of a mounted credentials Secret (`accessKeyId`, `secretAccessKey`) in
@@ -112,6 +142,15 @@ def s3_bucket(s3_server: S3Server) -> Iterator[S3Bucket]:
     name = f"test-{secrets.token_hex(6)}"
     s3_server.create_bucket(name)
     try:
-        yield S3Bucket(s3_server, name)
+        yield S3Bucket(s3_server, name, s3_server.endpoint)
     finally:
         s3_server.remove_bucket(name)
+
+
+@pytest.fixture
+def s3_network(s3_server: S3Server) -> Iterator[FakeNetwork]:
+    network = FakeNetwork(s3_server.endpoint).start()
+    try:
+        yield network
+    finally:
+        network.close()
