@@ -125,8 +125,8 @@ class BucketError(StorageError):
     """The bucket refused or failed a request, or did not answer in time.
 
     `reason` is one of `unreachable`, `timeout`, `throttled`, `server_error`, `full`,
-    `credentials`, `no_bucket`, `refused`; the message says what failed on which key, with the HTTP status
-    and the S3 error code, never the server's response body or a credential."""
+    `credentials`, `no_bucket`, `refused`; the message says what failed on which key, with the
+    HTTP status and the S3 error code, never the server's response body or a credential."""
 
     def __init__(self, reason: str, message: str, key: str = "") -> None:
         Exception.__init__(self, message)
