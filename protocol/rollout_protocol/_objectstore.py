@@ -69,7 +69,7 @@ from ._wire import (
 )
 
 if TYPE_CHECKING:
-    from obstore.store import ObjectStore
+    from obstore.store import ObjectStore, S3Config
 
 ADDRESSING_STYLES: Final = ("path", "virtual")
 ACCESS_KEY_FILE: Final = "accessKeyId"
@@ -288,15 +288,18 @@ def _client(config: BucketConfig, credentials: _Credentials, timeout: float) -> 
         parts = urlsplit(endpoint)
         endpoint = f"{parts.scheme}://{config.bucket}.{parts.netloc}"
     seconds = max(timeout, 0.001)
-    token = credentials.session_token
+    settings: S3Config = {
+        "endpoint": endpoint,
+        "region": config.region,
+        "access_key_id": credentials.access_key_id,
+        "secret_access_key": credentials.secret_access_key,
+        "virtual_hosted_style_request": config.addressing == "virtual",
+    }
+    if credentials.session_token is not None:
+        settings["session_token"] = credentials.session_token
     return S3Store(
         config.bucket,
-        endpoint=endpoint,
-        region=config.region,
-        access_key_id=credentials.access_key_id,
-        secret_access_key=credentials.secret_access_key,
-        **({"session_token": token} if token is not None else {}),
-        virtual_hosted_style_request=config.addressing == "virtual",
+        config=settings,
         client_options={
             "allow_http": endpoint.startswith("http://"),
             "timeout": timedelta(seconds=seconds),
