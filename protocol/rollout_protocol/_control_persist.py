@@ -91,6 +91,11 @@ class PersistOperations:
         except (storage.StorageError, storage.UnsafePath) as error:
             logger.error("%s: persist of %s failed: %s", core.settings.instance, cid, error)
             outcome = ProtocolError(ErrorCode.STORAGE_FAILED, str(error))
+        except Exception as error:  # a bug, not storage: the plane's other tasks go on
+            logger.exception("%s: persist of %s failed", core.settings.instance, cid)
+            outcome = ProtocolError(
+                ErrorCode.INTERNAL, f"persist failed: {type(error).__name__}: {error}"
+            )
         finally:
             if cut.abandoned:
                 outcome = _discarded(cid)

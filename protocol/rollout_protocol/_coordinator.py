@@ -1,14 +1,16 @@
 """The checkpoint coordinator, independent of Kubernetes.
 
-It drives the participants through prepare, commit, publish and resume, and through an
-all-or-nothing restore, in the orders of docs/design.md#44-order (prepare and retire in stages,
+It drives the participants through prepare, commit, publish and resume (or, persisting after
+the resume, prepare, the cut, resume, persist and publish), and through an all-or-nothing
+restore, in the orders of docs/design.md#44-order (prepare and retire in stages,
 callers before callees; commit, restore and resume to everyone at once). The steps are separate
 methods because the operator persists its state between them (to survive its own restart);
 `checkpoint()` composes them for callers without an operator (the CLI, Slurm jobs, tests).
 
 The coordinator is the steps; its parts are modules of their own: the outcome models the steps
 return (`_coordinator_outcomes.py`, importable from here as before), the fan-out of calls to
-participants (`_coordinator_calls.py`), and the composed checkpoint (`_coordinator_checkpoint.py`).
+participants (`_coordinator_calls.py`), the cut's commit and the persist and discard that follow
+it (`_coordinator_persist.py`), and the composed checkpoint (`_coordinator_checkpoint.py`).
 
 Participants are reached through the small `ParticipantClient` protocol; `HttpParticipantClient`
 is the real one. Every step returns an outcome model (pydantic, so it can be stored as JSON) that
