@@ -524,10 +524,27 @@ class BucketStore:
     ) -> Manifest:
         """The records object, then the manifest created once (`If-None-Match: *`); a retry
         with the same records finds its manifest and returns it, a different one is refused."""
-        base = instance_key(self.config, set_dir, checkpoint_id, instance)
-        manifest, lines = storage.manifest_for(
-            encoded, role=role, instance=instance, checkpoint_id=checkpoint_id, attempt=attempt
+        manifest = storage.records_manifest(
+            role=role,
+            instance=instance,
+            checkpoint_id=checkpoint_id,
+            attempt=attempt,
+            encoded=encoded,
         )
+        self.write_held(set_dir, checkpoint_id, instance, manifest, [item.line for item in encoded])
+        return manifest
+
+    def write_held(
+        self,
+        set_dir: str,
+        checkpoint_id: str,
+        instance: str,
+        manifest: Manifest,
+        lines: Sequence[bytes],
+    ) -> None:
+        """Records whose manifest was made before (at a cut): the records object, then the
+        manifest created once."""
+        base = instance_key(self.config, set_dir, checkpoint_id, instance)
         self._put(base + manifest.records_file, b"".join(lines), create=False)
         key = base + MANIFEST_NAME
         if not self._put(key, storage.manifest_bytes(manifest), create=True):
@@ -539,7 +556,6 @@ class BucketStore:
                     f"in bucket {self.where}",
                     key,
                 )
-        return manifest
 
     def _existing(self, key: str, parse: Callable[[bytes, object], _T], limit: int) -> _T | None:
         try:
@@ -654,6 +670,16 @@ class BucketStore:
             kept=shown[:MAX_KEPT_LISTED],
             kept_count=len(shown),
         )
+
+    def remove_instance(self, set_dir: str, checkpoint_id: str, instance: str) -> bool:
+        """One participant's keys of a checkpoint, its manifest first (what a persist that
+        failed or was discarded wrote); another participant's keys and `checkpoint.json` stay."""
+        checkpoint = checkpoint_key(self.config, set_dir, checkpoint_id)
+        keys = self._list(instance_key(self.config, set_dir, checkpoint_id, instance))
+        kinds = {key: _own_key(key[len(checkpoint) :], whole_set=False) for key in keys}
+        self._delete([key for key, kind in kinds.items() if kind == "manifest"])
+        self._delete([key for key, kind in kinds.items() if kind == "records"])
+        return bool(keys)
 
     def _remove_below(self, base: str, *, whole_set: bool) -> tuple[bool, list[str]]:
         """Remove the protocol's keys below `base` (a checkpoint's prefix, or a set's); whether

@@ -364,6 +364,30 @@ def records_digest(digests: Iterable[bytes]) -> str:
     return hashlib.sha256(b"".join(digests)).hexdigest()
 
 
+def records_manifest(
+    *,
+    role: Role,
+    instance: str,
+    checkpoint_id: str,
+    attempt: int,
+    encoded: Sequence[EncodedRecord],
+) -> Manifest:
+    """The manifest `write_records` writes for these records, made without I/O: one digest over
+    the records' digests. A cut answers with it before a byte is written (`write_held`)."""
+    sha256 = records_digest([item.digest for item in encoded])
+    return Manifest(
+        schema_version=RECORDS_FORMAT,
+        role=role,
+        instance=instance,
+        checkpoint_id=checkpoint_id,
+        attempt=attempt,
+        records_file=f"records-{sha256}.jsonl",
+        records_sha256=sha256,
+        record_count=len(encoded),
+        bytes=sum(len(item.line) for item in encoded),
+    )
+
+
 def write_records(
     directory: Path,
     *,
@@ -378,23 +402,32 @@ def write_records(
 
     `encoded` are records encoded ahead (`encode_record`), written as they are; without it,
     `records` are encoded here. Either way the file is records format 2 (`RECORDS_FORMAT`).
+    See `write_held` for how the files are made durable.
+    """
+    if encoded is None:
+        encoded = [encode_record(record) for record in records]
+    manifest = records_manifest(
+        role=role, instance=instance, checkpoint_id=checkpoint_id, attempt=attempt, encoded=encoded
+    )
+    write_held(directory, manifest, [item.line for item in encoded])
+    return manifest
+
+
+def write_held(directory: Path, manifest: Manifest, lines: Sequence[bytes]) -> None:
+    """Durably write records whose manifest was made before (`records_manifest`, at a cut), then
+    that manifest.
 
     Both files are written under temporary names and fsynced; then the records file gets its
     digest name, the manifest is created (create-if-absent) and one directory fsync makes both
     names durable before this returns. A crash before that fsync can leave a manifest whose
     records file is missing on a filesystem that reorders directory updates; readers refuse
-    that as incomplete, and no caller has been told the commit succeeded.
+    that as incomplete, and no caller has been told the commit succeeded. A crash before the
+    manifest exists leaves no manifest: not a checkpoint, which no restore reads.
 
-    Retrying with the same records is a no-op that returns the same manifest; a manifest that
-    already exists with different content is never replaced (`StorageError` with EEXIST).
+    Retrying with the same records is a no-op; a manifest that already exists with different
+    content is never replaced (`StorageError` with EEXIST).
     """
     make_dirs(directory)
-    if encoded is None:
-        encoded = [encode_record(record) for record in records]
-    manifest, lines = manifest_for(
-        encoded, role=role, instance=instance, checkpoint_id=checkpoint_id, attempt=attempt
-    )
-    records_file = manifest.records_file
     records_temp = _write_temp_lines(directory, lines)
     try:
         manifest_temp = _write_temp(directory, manifest_bytes(manifest))
@@ -403,7 +436,7 @@ def write_records(
         raise
     try:
         try:
-            os.replace(records_temp, directory / records_file)
+            os.replace(records_temp, directory / manifest.records_file)
         except OSError as error:
             raise StorageError("cannot rename records into", directory, error) from error
         try:
@@ -422,28 +455,6 @@ def write_records(
                 directory / MANIFEST_NAME,
                 OSError(errno.EEXIST, "a manifest with other content already exists"),
             )
-    return manifest
-
-
-def manifest_for(
-    encoded: Sequence[EncodedRecord], *, role: Role, instance: str, checkpoint_id: str, attempt: int
-) -> tuple[Manifest, list[bytes]]:
-    """The manifest of these records (records format 2) and the records file's lines: what every
-    store writes, a volume (`write_records`) or a bucket (`rollout_protocol._objectstore`)."""
-    lines = [item.line for item in encoded]
-    sha256 = records_digest([item.digest for item in encoded])
-    manifest = Manifest(
-        schema_version=RECORDS_FORMAT,
-        role=role,
-        instance=instance,
-        checkpoint_id=checkpoint_id,
-        attempt=attempt,
-        records_file=f"records-{sha256}.jsonl",
-        records_sha256=sha256,
-        record_count=len(lines),
-        bytes=sum(map(len, lines)),
-    )
-    return manifest, lines
 
 
 def manifest_bytes(manifest: Manifest | CheckpointManifest) -> bytes:
@@ -760,6 +771,31 @@ def remove_checkpoint_files(root: Path, set_dir: str, checkpoint_id: str) -> Rem
     return Removal(found=True, kept=tuple(kept))
 
 
+def remove_instance_files(root: Path, set_dir: str, checkpoint_id: str, instance: str) -> Removal:
+    """Delete one participant's files of a checkpoint (its manifest first, durably), then its
+    folder and the checkpoint's folder when they are left empty: what a persist that failed or
+    was discarded wrote. Like `remove_checkpoint_files`, only what this module writes, never
+    through a symlink; another participant's files and `checkpoint.json` are never touched."""
+    parts = check_set_dir(set_dir)
+    check_name("checkpoint id", checkpoint_id, CHECKPOINT_ID_PATTERN)
+    check_name("instance", instance, INSTANCE_PATTERN)
+    with contextlib.ExitStack() as opened:
+        fds, base, state = _walk_real_dirs(opened, Path(root), (*parts, checkpoint_id))
+        if state is None:
+            return Removal(found=False)
+        if state is False:
+            return Removal(found=True, kept=(base,))
+        try:
+            if _lstat_mode_at(fds[-1], instance) == 0:
+                return Removal(found=False)
+            kept = _remove_instance_dir(fds[-1], instance, base / instance)
+            if not kept:
+                _remove_dir(fds[-2], checkpoint_id)  # only when no one else's files are there
+        except OSError as error:
+            raise StorageError("cannot remove", base / instance, error) from error
+    return Removal(found=True, kept=tuple(kept))
+
+
 def remove_set_files(root: Path, set_dir: str) -> Removal:
     """Delete the records of every checkpoint of a set (it was deleted), then its directory and
     the parents below `root` that are left empty; like `remove_checkpoint_files`, only what this
@@ -989,6 +1025,14 @@ def _empty_instance_dir(directory: int, path: Path) -> list[Path]:
     return kept
 
 
+def _lstat_mode_at(directory: int, name: str) -> int:
+    """The mode of `name` in an open directory, not following a symlink; 0 when absent."""
+    try:
+        return os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return 0
+
+
 def _lstat_mode(path: Path) -> int:
     try:
         return os.lstat(path).st_mode
@@ -1033,6 +1077,17 @@ class RecordsStore(Protocol):
         """Durably store one participant's records, then its manifest (never replaced)."""
         ...
 
+    def write_held(
+        self,
+        set_dir: str,
+        checkpoint_id: str,
+        instance: str,
+        manifest: Manifest,
+        lines: Sequence[bytes],
+    ) -> None:
+        """`write_records` for records whose manifest was made at a cut (`records_manifest`)."""
+        ...
+
     def read_records(
         self, set_dir: str, checkpoint_id: str, instance: str
     ) -> tuple[Manifest, list[Record]]:
@@ -1047,6 +1102,11 @@ class RecordsStore(Protocol):
         self, set_dir: str, checkpoint_ids: Sequence[str], *, whole_set: bool = False
     ) -> RemoveReply:
         """See `remove_records`."""
+        ...
+
+    def remove_instance(self, set_dir: str, checkpoint_id: str, instance: str) -> bool:
+        """Remove one participant's records of a checkpoint (a persist that failed or was
+        discarded), manifest first; whether any were there."""
         ...
 
     def write_checkpoint_manifest(self, manifest: CheckpointManifest) -> str:
@@ -1092,6 +1152,16 @@ class VolumeStore:
             encoded=encoded,
         )
 
+    def write_held(
+        self,
+        set_dir: str,
+        checkpoint_id: str,
+        instance: str,
+        manifest: Manifest,
+        lines: Sequence[bytes],
+    ) -> None:
+        write_held(checkpoint_dir(self.root, set_dir, checkpoint_id, instance), manifest, lines)
+
     def read_records(
         self, set_dir: str, checkpoint_id: str, instance: str
     ) -> tuple[Manifest, list[Record]]:
@@ -1105,6 +1175,9 @@ class VolumeStore:
         self, set_dir: str, checkpoint_ids: Sequence[str], *, whole_set: bool = False
     ) -> RemoveReply:
         return remove_records(self.root, set_dir, checkpoint_ids, whole_set=whole_set)
+
+    def remove_instance(self, set_dir: str, checkpoint_id: str, instance: str) -> bool:
+        return remove_instance_files(self.root, set_dir, checkpoint_id, instance).found
 
     def write_checkpoint_manifest(self, manifest: CheckpointManifest) -> str:
         return str(write_checkpoint_manifest(self.root, manifest))
