@@ -295,3 +295,39 @@ async def test_a_checkpoint_not_in_the_bucket_is_records_unreachable(
     body = ErrorBody.model_validate_json(response.content)
     assert body.error.code is ErrorCode.RECORDS_UNREACHABLE, body
     assert "no manifest at team/demo/uid-1/ck/environment-0/manifest.json" in body.error.detail
+
+
+async def test_a_persist_to_a_failing_bucket_fails_by_its_deadline_and_leaves_no_manifest(
+    s3_bucket: S3Bucket, s3_network: FakeNetwork, tmp_path: Path
+) -> None:
+    """After the cut and the resume, the episodes run on while the persist meets the failing
+    bucket; the persist fails with its reason by its deadline, and nothing it wrote stays."""
+    bucket = s3_bucket.through(s3_network)
+    fake = FakeParticipant(rollouts=["r1", "r2"])
+    async with _serve(ControlPlane(fake, _settings(bucket, tmp_path / "creds"))) as client:
+        prepared = await _post(client, "prepare", checkpoint_id="ck", deadline_ts=time.time() + 10)
+        assert prepared.status_code == 200, prepared.text
+        s3_network.fail(SLOW_DOWN, methods={"PUT"}, path_contains="manifest")
+        cut = await _post(
+            client,
+            "commit",
+            checkpoint_id="ck",
+            deadline_ts=time.time() + 10,
+            persist_after_resume=True,
+        )
+        assert cut.status_code == 200, cut.text
+        assert not CommitReply.model_validate_json(cut.content).durable
+        resumed = await _post(client, "resume", checkpoint_id="ck", deadline_ts=time.time() + 10)
+        assert resumed.status_code == 200, resumed.text
+        assert fake.admission_open, "the episodes run on while the records are persisted"
+
+        deadline = time.time() + DEADLINE_S
+        persisted = await _post(client, "persist", checkpoint_id="ck", deadline_ts=deadline)
+        detail = _failed(persisted, deadline)
+
+        assert "still being written" in detail or "throttles requests" in detail, detail
+        assert s3_network.faulted("503 SlowDown"), "the manifest's create met the throttle"
+        s3_network.heal()
+        discarded = await _post(client, "discard", checkpoint_id="ck", deadline_ts=time.time() + 10)
+        assert discarded.status_code == 200, discarded.text
+    assert _keys(s3_bucket) == [], "no records and no manifest of a failed persist stay"
