@@ -3,8 +3,9 @@
 The four reference servers run as processes with the `ROLLOUT_STORAGE_S3_*` environment a pod of
 such a set gets (no checkpoint volume at all) against the real S3 server of `make s3-server`.
 An episode is checkpointed between its agent turns (cut, resume, then persisted to the bucket)
-and published there (the no-operator path: `checkpoint.json` last), every process is killed, and fresh processes under attempt 1
-restore from the bucket alone; the episode then finishes with the answer of an uninterrupted
+and published there (the no-operator path: `checkpoint.json` last), every process is killed,
+and fresh processes under attempt 1 restore from the bucket alone; the episode then finishes with
+the answer of an uninterrupted
 run, without repeating what it completed before the crash. Finally `rollout-records remove`, as
 a cleanup pod runs it, removes the checkpoint's keys from the bucket and only those.
 """
