@@ -5,9 +5,9 @@ such a set gets (no checkpoint volume at all) against the real S3 server of `mak
 An episode is checkpointed between its agent turns (cut, resume, then persisted to the bucket)
 and published there (the no-operator path: `checkpoint.json` last), every process is killed,
 and fresh processes under attempt 1 restore from the bucket alone; the episode then finishes with
-the answer of an uninterrupted
-run, without repeating what it completed before the crash. Finally `rollout-records remove`, as
-a cleanup pod runs it, removes the checkpoint's keys from the bucket and only those.
+the answer of an uninterrupted run, without repeating what it completed before the crash.
+Finally `rollout-records remove`, as a cleanup pod runs it, removes the checkpoint's keys from
+the bucket and only those.
 """
 
 from __future__ import annotations
