@@ -250,7 +250,14 @@ def test_wrong_credentials_name_the_folder_never_the_secret_and_rotation_is_pick
     with pytest.raises(BucketError, match=f"{folder}/secretAccessKey is missing"):
         _write(store, "ck-1", _records("r1"))
 
-    s3_bucket.write_credentials(folder)  # the Secret rotated back: the next call reads it
+    s3_bucket.write_credentials(folder)
+    (folder / "sessionToken").write_text("a-token-from-another-session\n")
+    with pytest.raises(BucketError, match="InvalidToken") as expired:
+        _write(store, "ck-1", _records("r1"))  # the optional token is read and sent
+    assert expired.value.reason == "credentials"
+    assert "a-token-from-another-session" not in str(expired.value)
+
+    (folder / "sessionToken").unlink()  # the Secret rotated back: the next call reads it
     _write(store, "ck-1", _records("r1"))
     assert store.read_records(SET_DIR, "ck-1", "environment-0")[1][0].rollout_id == "r1"
 
