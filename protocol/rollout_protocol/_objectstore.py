@@ -417,7 +417,7 @@ class BucketStore:
                 raise _NotFound(key) from None
             if not failure.retryable:
                 raise self._error(what, shown, failure)
-            pause = random.uniform(0, min(_MAX_BACKOFF, _FIRST_BACKOFF * 2**attempt))
+            pause = random.uniform(0, min(_MAX_BACKOFF, _FIRST_BACKOFF * 2 ** min(attempt, 16)))
             if self.clock() + pause >= deadline:
                 break
             time.sleep(pause)
