@@ -8,6 +8,7 @@ tests/adversarial/test_bucket_faults.py.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from rollout_protocol import (
     bucket_from_env,
     encode_record,
 )
+from rollout_protocol import _records_cli as records_cli
 from testsupport.s3_server import S3Bucket
 
 SET_DIR = "team/train/uid-1"
@@ -296,3 +298,33 @@ def test_the_bucket_settings_come_from_the_environment_with_errors_naming_the_va
             allow_unauthenticated=True,
             environ={**env, "ROLLOUT_CHECKPOINT_ROOT": str(tmp_path)},
         )
+
+
+def test_rollout_records_removes_from_the_bucket_of_its_environment(
+    s3_bucket: S3Bucket,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`rollout-records remove` without `--root`, as a cleanup pod of a bucket set runs it."""
+    folder = tmp_path / "creds"
+    store = _store(s3_bucket, folder)
+    _write(store, "ck-1", _records("r1"))
+    args = ["remove", "--set-dir", SET_DIR, "--checkpoint", "ck-1"]
+
+    assert records_cli.main(args) == 2, "neither --root nor a bucket: a usage error"
+    assert "give --root (a volume) or set the ROLLOUT_STORAGE_S3_*" in capsys.readouterr().err
+
+    for name, value in s3_bucket.env(folder, prefix=PREFIX).items():
+        monkeypatch.setenv(name, value)
+    (folder / "secretAccessKey").write_text("a-wrong-secret")
+    assert records_cli.main(args) == 1
+    refused = capsys.readouterr()
+    assert f"check the credentials in {folder}" in refused.err
+    assert "a-wrong-secret" not in refused.err + refused.out
+    assert s3_bucket.credentials.access_key_id not in refused.err + refused.out
+
+    s3_bucket.write_credentials(folder)
+    assert records_cli.main(args) == 0
+    assert json.loads(capsys.readouterr().out)["removed"] == ["ck-1"]
+    assert _keys(s3_bucket) == []
