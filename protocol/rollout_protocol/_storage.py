@@ -39,6 +39,12 @@ Records format 2 (the manifest's `schema_version`) names the records file by the
 lines' digests (`records_digest`), so a commit never hashes the whole file either; restore reads
 format 1 (the digest of the whole file, written before encode-ahead) as well.
 
+A set's records live on a volume or in an S3-API bucket: `RecordsStore` is the seam the control
+plane, the coordinator and `rollout-records` write, read, publish and remove through;
+`VolumeStore` is this module behind it, `rollout_protocol._objectstore.BucketStore` the bucket
+(the same layout below a key prefix, and the same verification: `records_manifest`,
+`check_manifest`, `verify_records` and the parsers here serve both).
+
 The functions here block on disk I/O; the control plane runs them in a worker thread.
 """
 
