@@ -493,10 +493,10 @@ def crash(*_args):
 
 storage._create_once = crash
 encoded = [encode_record(Record(kind="boundary", rollout_id=f"r{i}", attempt=0)) for i in range(3)]
-manifest = storage.records_manifest(
-    role=Role.AGENT, instance="agent-0", checkpoint_id="ck-1", attempt=0, encoded=encoded
+storage.write_records(
+    Path(sys.argv[1]), role=Role.AGENT, instance="agent-0", checkpoint_id="ck-1", attempt=0,
+    encoded=encoded,
 )
-storage.write_held(Path(sys.argv[1]), manifest, [item.line for item in encoded])
 """
 
 
