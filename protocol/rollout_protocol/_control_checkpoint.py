@@ -163,8 +163,9 @@ class CheckpointOperations:
         encoded: list[storage.EncodedRecord],
         rollout_ids: list[str],
     ) -> CommitReply:
-        """Hold the records' lines (immutable bytes, encoded ahead) and answer with the manifest
-        they will have; refused (`persist_backlog`) past the bound on held bytes."""
+        """Hold the records as encoded ahead (their lines and digests: immutable bytes) and
+        answer with the manifest they will have; refused (`persist_backlog`) past the bound on
+        held bytes."""
         core, cid = self._core, request.checkpoint_id
         settings = core.settings
         manifest = storage.records_manifest(
@@ -183,9 +184,8 @@ class CheckpointOperations:
             rollout_ids=rollout_ids,
             durable=False,
         )
-        lines = tuple(item.line for item in encoded)
         expires = request.deadline_ts + settings.lease_grace_seconds
-        core.cuts.hold(HeldCut(reply=reply, lines=lines, expires_ts=expires))
+        core.cuts.hold(HeldCut(reply=reply, encoded=tuple(encoded), expires_ts=expires))
         return reply
 
     async def _write(

@@ -76,8 +76,8 @@ class PersistOperations:
     async def _write(self, cut: HeldCut) -> None:
         """The persist's write, in a worker thread; ends the cut whatever happens."""
         core, cid = self._core, cut.checkpoint_id
-        lines = cut.lines
-        assert lines is not None, "a cut is written once, while it holds its records"
+        encoded = cut.encoded
+        assert encoded is not None, "a cut is written once, while it holds its records"
         manifest = cut.reply.manifest
         settings = core.settings
         outcome: CommitReply | ProtocolError = ProtocolError(
@@ -89,16 +89,26 @@ class PersistOperations:
                 span.set_attribute("rollout.records", manifest.record_count)
                 # a bucket retries until the cut's lease, past which it is discarded anyway
                 store = core.require_store("persist", cut.expires_ts)
-                await anyio.to_thread.run_sync(
-                    lambda: store.write_held(
-                        settings.storage_dir, cid, settings.instance, manifest, lines
+                written = await anyio.to_thread.run_sync(
+                    lambda: store.write_records(
+                        settings.storage_dir,
+                        cid,
+                        settings.instance,
+                        role=manifest.role,
+                        attempt=manifest.attempt,
+                        encoded=encoded,
                     ),
                     abandon_on_cancel=True,
+                )
+            if written != manifest:  # the same records give the same manifest
+                raise storage.RecordsInvalid(
+                    f"the records written for {cid} have manifest {written.records_sha256}, "
+                    f"not the {manifest.records_sha256} the cut answered"
                 )
             outcome = cut.reply.model_copy(update={"durable": True})
         except ProtocolError as error:  # no storage for records
             outcome = error
-        except (storage.StorageError, storage.UnsafePath) as error:
+        except (storage.StorageError, storage.UnsafePath, storage.RecordsInvalid) as error:
             logger.error("%s: persist of %s failed: %s", core.settings.instance, cid, error)
             outcome = ProtocolError(ErrorCode.STORAGE_FAILED, str(error))
         except Exception as error:  # a bug, not storage: the plane's other tasks go on

@@ -17,6 +17,7 @@ import anyio
 
 from ._phases import REMEMBERED
 from ._settings import MAX_RETIRE_MARKS
+from ._storage import EncodedRecord
 from ._wire import (
     CommitReply,
     ErrorCode,
@@ -232,12 +233,13 @@ persist has not finished; a second is the usual most)."""
 @dataclass(eq=False)
 class HeldCut:
     """The records one cut fixed, held until a persist writes them (docs/protocol.md, "Persist
-    after resume"). `lines` are the records' encoded lines (immutable bytes, shared with the
-    participant's own encodings until its episodes move on); `reply` is the cut's answer, whose
-    manifest is the one a persist writes to the participant's records store."""
+    after resume"). `encoded` are the records as encoded at their boundaries: a write uses only
+    their lines and digests, immutable bytes shared with the participant's own encodings until
+    its episodes move on; `reply` is the cut's answer, whose manifest is the one a persist of
+    them writes to the participant's records store."""
 
     reply: CommitReply
-    lines: tuple[bytes, ...] | None
+    encoded: tuple[EncodedRecord, ...] | None
     expires_ts: float
     """The cut's lease: a persist that has not begun by then (or a write still running, whose
     callers all gave up) is discarded by the participant itself."""
@@ -253,7 +255,7 @@ class HeldCut:
 
     @property
     def held_bytes(self) -> int:
-        return self.reply.manifest.bytes if self.lines is not None else 0
+        return self.reply.manifest.bytes if self.encoded is not None else 0
 
 
 class HeldCuts:
@@ -272,7 +274,7 @@ class HeldCuts:
     def room(self, checkpoint_id: str, size: int) -> None:
         """Refuse a cut of `size` bytes that would pass the bound while other cuts are held (a
         lone cut is always taken: it holds what the participant holds anyway)."""
-        held = [cut for cut in self.cuts.values() if cut.lines is not None]
+        held = [cut for cut in self.cuts.values() if cut.encoded is not None]
         if not held:
             return
         total = sum(cut.held_bytes for cut in held)
@@ -293,7 +295,7 @@ class HeldCuts:
     def end(self, cut: HeldCut, outcome: CommitReply | ProtocolError) -> None:
         """The cut ended (durable, failed, discarded or lapsed): its bytes are released and its
         outcome is what a later persist of it answers."""
-        cut.lines = None
+        cut.encoded = None
         cut.outcome = outcome
         if self.cuts.get(cut.checkpoint_id) is cut:
             del self.cuts[cut.checkpoint_id]

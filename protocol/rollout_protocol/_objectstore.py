@@ -531,21 +531,10 @@ class BucketStore:
             attempt=attempt,
             encoded=encoded,
         )
-        self.write_held(set_dir, checkpoint_id, instance, manifest, [item.line for item in encoded])
-        return manifest
-
-    def write_held(
-        self,
-        set_dir: str,
-        checkpoint_id: str,
-        instance: str,
-        manifest: Manifest,
-        lines: Sequence[bytes],
-    ) -> None:
-        """Records whose manifest was made before (at a cut): the records object, then the
-        manifest created once."""
         base = instance_key(self.config, set_dir, checkpoint_id, instance)
-        self._put(base + manifest.records_file, b"".join(lines), create=False)
+        self._put(
+            base + manifest.records_file, b"".join(item.line for item in encoded), create=False
+        )
         key = base + MANIFEST_NAME
         if not self._put(key, storage.manifest_bytes(manifest), create=True):
             existing = self._existing(key, storage.parse_manifest, MAX_MANIFEST_BYTES)
@@ -556,6 +545,7 @@ class BucketStore:
                     f"in bucket {self.where}",
                     key,
                 )
+        return manifest
 
     def _existing(self, key: str, parse: Callable[[bytes, object], _T], limit: int) -> _T | None:
         try:

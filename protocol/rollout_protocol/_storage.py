@@ -379,7 +379,8 @@ def records_manifest(
     encoded: Sequence[EncodedRecord],
 ) -> Manifest:
     """The manifest `write_records` writes for these records, made without I/O: one digest over
-    the records' digests. A cut answers with it before a byte is written (`write_held`)."""
+    the records' digests. A cut answers with it before a byte is written (docs/protocol.md,
+    "Persist after resume")."""
     sha256 = records_digest([item.digest for item in encoded])
     return Manifest(
         schema_version=RECORDS_FORMAT,
@@ -408,32 +409,27 @@ def write_records(
 
     `encoded` are records encoded ahead (`encode_record`), written as they are; without it,
     `records` are encoded here. Either way the file is records format 2 (`RECORDS_FORMAT`).
-    See `write_held` for how the files are made durable.
-    """
-    if encoded is None:
-        encoded = [encode_record(record) for record in records]
-    manifest = records_manifest(
-        role=role, instance=instance, checkpoint_id=checkpoint_id, attempt=attempt, encoded=encoded
-    )
-    write_held(directory, manifest, [item.line for item in encoded])
-    return manifest
-
-
-def write_held(directory: Path, manifest: Manifest, lines: Sequence[bytes]) -> None:
-    """Durably write records whose manifest was made before (`records_manifest`, at a cut), then
-    that manifest.
 
     Both files are written under temporary names and fsynced; then the records file gets its
     digest name, the manifest is created (create-if-absent) and one directory fsync makes both
     names durable before this returns. A crash before that fsync can leave a manifest whose
     records file is missing on a filesystem that reorders directory updates; readers refuse
-    that as incomplete, and no caller has been told the commit succeeded. A crash before the
-    manifest exists leaves no manifest: not a checkpoint, which no restore reads.
+    that as incomplete, and no caller has been told the commit succeeded.
 
-    Retrying with the same records is a no-op; a manifest that already exists with different
-    content is never replaced (`StorageError` with EEXIST).
+    Retrying with the same records is a no-op that returns the same manifest; a manifest that
+    already exists with different content is never replaced (`StorageError` with EEXIST). A
+    cut's persist writes through here too, after its manifest was answered
+    (`records_manifest`): the same records give the same manifest. A crash before the manifest
+    exists leaves no manifest: not a checkpoint, which no restore reads.
     """
     make_dirs(directory)
+    if encoded is None:
+        encoded = [encode_record(record) for record in records]
+    lines = [item.line for item in encoded]
+    manifest = records_manifest(
+        role=role, instance=instance, checkpoint_id=checkpoint_id, attempt=attempt, encoded=encoded
+    )
+    records_file = manifest.records_file
     records_temp = _write_temp_lines(directory, lines)
     try:
         manifest_temp = _write_temp(directory, manifest_bytes(manifest))
@@ -442,7 +438,7 @@ def write_held(directory: Path, manifest: Manifest, lines: Sequence[bytes]) -> N
         raise
     try:
         try:
-            os.replace(records_temp, directory / manifest.records_file)
+            os.replace(records_temp, directory / records_file)
         except OSError as error:
             raise StorageError("cannot rename records into", directory, error) from error
         try:
@@ -461,6 +457,7 @@ def write_held(directory: Path, manifest: Manifest, lines: Sequence[bytes]) -> N
                 directory / MANIFEST_NAME,
                 OSError(errno.EEXIST, "a manifest with other content already exists"),
             )
+    return manifest
 
 
 def manifest_bytes(manifest: Manifest | CheckpointManifest) -> bytes:
@@ -1083,17 +1080,6 @@ class RecordsStore(Protocol):
         """Durably store one participant's records, then its manifest (never replaced)."""
         ...
 
-    def write_held(
-        self,
-        set_dir: str,
-        checkpoint_id: str,
-        instance: str,
-        manifest: Manifest,
-        lines: Sequence[bytes],
-    ) -> None:
-        """`write_records` for records whose manifest was made at a cut (`records_manifest`)."""
-        ...
-
     def read_records(
         self, set_dir: str, checkpoint_id: str, instance: str
     ) -> tuple[Manifest, list[Record]]:
@@ -1157,16 +1143,6 @@ class VolumeStore:
             attempt=attempt,
             encoded=encoded,
         )
-
-    def write_held(
-        self,
-        set_dir: str,
-        checkpoint_id: str,
-        instance: str,
-        manifest: Manifest,
-        lines: Sequence[bytes],
-    ) -> None:
-        write_held(checkpoint_dir(self.root, set_dir, checkpoint_id, instance), manifest, lines)
 
     def read_records(
         self, set_dir: str, checkpoint_id: str, instance: str

@@ -28,6 +28,7 @@ from rollout_protocol import (
     Capability,
     CommitReply,
     CommitRequest,
+    ControlConfigError,
     ControlPlane,
     ControlSettings,
     Coordinator,
@@ -492,10 +493,10 @@ def crash(*_args):
 
 storage._create_once = crash
 encoded = [encode_record(Record(kind="boundary", rollout_id=f"r{i}", attempt=0)) for i in range(3)]
-manifest = storage.records_manifest(
-    role=Role.AGENT, instance="agent-0", checkpoint_id="ck-1", attempt=0, encoded=encoded
+storage.write_records(
+    Path(sys.argv[1]), role=Role.AGENT, instance="agent-0", checkpoint_id="ck-1", attempt=0,
+    encoded=encoded,
 )
-storage.write_held(Path(sys.argv[1]), manifest, [item.line for item in encoded])
 """
 
 
@@ -547,3 +548,25 @@ async def test_a_durable_commit_answers_a_persist_with_itself(tmp_path: Path) ->
             persisted = await coordinator.persist("ck-1", time.time() + 5)
         assert persisted.ok, persisted.failures
         assert persisted.manifests == committed.manifests
+
+
+# --- versioning and settings -----------------------------------------------------------------
+
+
+def test_a_commit_that_does_not_ask_for_the_cut_carries_no_new_field() -> None:
+    """An older participant refuses unknown fields: a commit the old way must not carry one."""
+    old_way = CommitRequest(checkpoint_id="ck-1", deadline_ts=time.time() + 5)
+    assert "persist_after_resume" not in old_way.model_dump_json(exclude_none=True)
+    cut = CommitRequest(
+        checkpoint_id="ck-1", deadline_ts=time.time() + 5, persist_after_resume=True
+    )
+    assert '"persist_after_resume":true' in cut.model_dump_json(exclude_none=True)
+
+
+def test_the_held_bytes_bound_comes_from_the_pod_environment() -> None:
+    env = {"ROLLOUT_CONTROL_TOKEN": "t", "ROLLOUT_MAX_HELD_BYTES": "1048576"}
+    assert ControlSettings.from_env(Role.AGENT, environ=env).max_held_bytes == 1048576
+    default = ControlSettings.from_env(Role.AGENT, environ={"ROLLOUT_CONTROL_TOKEN": "t"})
+    assert default.max_held_bytes == 256 * 1024 * 1024
+    with pytest.raises(ControlConfigError, match="ROLLOUT_MAX_HELD_BYTES"):
+        ControlSettings.from_env(Role.AGENT, environ={**env, "ROLLOUT_MAX_HELD_BYTES": "-1"})
