@@ -110,7 +110,6 @@ class ControlPlane:
         self._checkpoints = CheckpointOperations(core)
         self._restores = RestoreOperation(core)
         self._retires = RetireOperations(core)
-        self._removals = core.removals
         self._watchdog_scope: anyio.CancelScope | None = None
         self.router = ControlRouter(self, self._handlers(), clock).build()
 
