@@ -20,7 +20,8 @@ TEST_WORKERS ?= 2
 .PHONY: kind kind-down kind-packages kind-e2e-docker help venv gym-venv cluster-binaries kueue-binaries s3-server node-packages node-binaries engine image lint test test-unit test-protocol test-e2e test-adversarial demo demo-containers cluster cluster-down crds bench bench-fleet bench-requests clean kind-e2e kind-e2e-down
 
 help:
-	@echo "make demo              run the demo on a local devcluster (add DEMO_ARGS=--keep to leave it up)"
+	@echo "make demo              run the demo on a local devcluster (add DEMO_ARGS=--keep to leave it up;"
+	@echo "                       S3=1: with an S3 server and a bucket on loopback)"
 	@echo "make test              lint, type-check and run every test (unit, protocol, e2e)"
 	@echo "make test-unit         only the fast tests"
 	@echo "make test-adversarial  only the hostile inputs and fault timings (tests/adversarial)"
@@ -32,7 +33,7 @@ help:
 	@echo "make gym-venv          build the NeMo Gym environments (nemo-gym 0.4 and 0.7, the SDK, the adapter; cached)"
 	@echo "make demo-containers   the demo on a container node: servers in containers, operator by Helm"
 	@echo "make image             build the project's image from the Dockerfile with buildah (cached per inputs)"
-	@echo "make cluster           start a devcluster in .devcluster/ and print the KUBECONFIG line"
+	@echo "make cluster           start a devcluster in .devcluster/ and print the KUBECONFIG line (S3=1: and an S3 server)"
 	@echo "make cluster-down      stop it"
 	@echo "make kind              a kind cluster (1 control plane + KIND_WORKERS=2 workers), the operator by Helm"
 	@echo "make kind-down         remove it, with everything it put on the machine"
@@ -143,16 +144,17 @@ test-adversarial: venv cluster-binaries s3-server
 test: venv cluster-binaries kueue-binaries s3-server node-binaries engine image gym-venv lint
 	$(VENV)/bin/pytest -n $(TEST_WORKERS) --ignore=tests/kind $(PYTEST_ARGS)
 
-demo: venv cluster-binaries
-	$(PY) -m harness.demo $(DEMO_ARGS)
+# S3=1: the cluster also runs an S3 server on loopback with a bucket (devcluster/s3.py).
+demo: venv cluster-binaries $(if $(S3),s3-server)
+	$(PY) -m harness.demo $(if $(S3),--s3) $(DEMO_ARGS)
 
 # The same scenario on the container node: the servers as containers of the project's image, the
 # operator installed by Helm as a pod of it (first run: make node-binaries and make image build).
 demo-containers: venv cluster-binaries node-binaries image
 	$(PY) -m harness.demo --node-runtime containerd $(DEMO_ARGS)
 
-cluster: venv cluster-binaries
-	$(PY) -m devcluster up --dir .devcluster
+cluster: venv cluster-binaries $(if $(S3),s3-server)
+	$(PY) -m devcluster up --dir .devcluster $(if $(S3),--s3)
 
 cluster-down: venv
 	$(PY) -m devcluster down --dir .devcluster

@@ -11,11 +11,17 @@ records in a bucket need (docs/install.md, "Records in a bucket").
 access key and secret, given in its environment rather than on its command line, and returns
 once its health endpoint answers; `S3Server.create_bucket` makes a bucket (a folder of the data
 directory, which the posix backend serves as one); `S3Server.stop` ends it. The object-storage
-tests (tests/testsupport/s3_server.py) and the devcluster bucket demo use it alike.
+tests (tests/testsupport/s3_server.py) use it so.
+
+`start_for_cluster` (`python -m devcluster up --s3`, `Cluster.start(s3_bucket=...)`) starts one
+for a devcluster: recorded in its state like its other processes, with a bucket created and its
+credentials as the files a mounted Secret holds (`credentials_secret` makes that Secret); `down`
+stops it and removes its data.
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import secrets
@@ -26,12 +32,20 @@ import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from devcluster.errors import DevclusterError
-from devcluster.paths import REPO_ROOT
+from devcluster.paths import REPO_ROOT, Layout
 from devcluster.ports import pick_free
 from devcluster.procs import is_alive, spawn, stop_groups
+from devcluster.state import (
+    MARKER_ENV,
+    ClusterState,
+    ProcessRecord,
+    S3State,
+    read_state,
+    write_state,
+)
 from devcluster.waiting import wait_for_sync
 
 REGION: Final = "us-east-1"
@@ -39,6 +53,10 @@ HEALTH_PATH: Final = "/health"
 _PORT_TRIES: Final = 3
 """How many ports `start` tries when the one it picked was taken before the server bound it."""
 _PORT_TAKEN: Final = "address already in use"
+DEFAULT_BUCKET: Final = "rollout"
+"""The bucket `up --s3` creates."""
+CREDENTIAL_FILES: Final = ("accessKeyId", "secretAccessKey")
+"""A credentials Secret's keys, as files where it is mounted (docs/install.md)."""
 _BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 """S3's bucket naming rules (lowercase letters, digits, dots and hyphens; 3-63 characters)."""
 
@@ -75,6 +93,18 @@ class S3Credentials:
 
     def __repr__(self) -> str:
         return f"S3Credentials(access_key_id={self.access_key_id!r}, secret_access_key=<hidden>)"
+
+    def write(self, folder: Path) -> Path:
+        """The files a mounted credentials Secret holds (`accessKeyId`, `secretAccessKey`) in
+        `folder`, readable by the owner only; returns `folder`."""
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for file, value in zip(
+            CREDENTIAL_FILES, (self.access_key_id, self.secret_access_key), strict=True
+        ):
+            path = folder / file
+            path.touch(mode=0o600)
+            path.write_text(value, encoding="utf-8")
+        return folder
 
 
 @dataclass
@@ -200,3 +230,53 @@ def start(
             tries += 1
             if tries >= _PORT_TRIES or _PORT_TAKEN not in str(error):
                 raise
+
+
+def start_for_cluster(
+    root: Path, bucket: str = DEFAULT_BUCKET, *, timeout: float = 30.0
+) -> S3State:
+    """Starts an S3 server for the devcluster in `root` (`up --s3`): its data and credential
+    files under `<root>/s3/`, its log with the cluster's, the process recorded in the cluster's
+    state (so `down` stops it and removes `<root>/s3/`), `bucket` created."""
+    layout = Layout(root.resolve())
+    state = read_state(layout.state_file)
+    if state is None:
+        raise DevclusterError(f"no devcluster state in {layout.root}; start the cluster first")
+    if state.s3 is not None:
+        raise DevclusterError(f"the devcluster in {layout.root} has an S3 server already")
+    folder = layout.root / "s3"
+    server = start(
+        folder / "data",
+        layout.log("s3-server"),
+        extra_env={MARKER_ENV: state.cluster_id},
+        timeout=timeout,
+    )
+    record = ProcessRecord(name="s3-server", pid=server.pid, log=server.log)
+    s3 = S3State(endpoint=server.endpoint, bucket=bucket, region=server.region, dir=folder)
+    write_state(
+        layout.state_file,
+        state.model_copy(update={"processes": [*state.processes, record], "s3": s3}),
+    )
+    server.credentials.write(s3.credentials_dir)
+    server.create_bucket(bucket)
+    return s3
+
+
+def remove_data(state: ClusterState) -> None:
+    """`down`, once every process is stopped: the S3 server's buckets and credential files."""
+    if state.s3 is not None:
+        shutil.rmtree(state.s3.dir, ignore_errors=True)
+
+
+def credentials_secret(s3: S3State, namespace: str, name: str) -> dict[str, Any]:
+    """A Secret holding the credentials of the cluster's S3 server, for a set's storage."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name, "namespace": namespace},
+        "type": "Opaque",
+        "data": {
+            file: base64.b64encode((s3.credentials_dir / file).read_bytes()).decode()
+            for file in CREDENTIAL_FILES
+        },
+    }

@@ -103,15 +103,7 @@ class S3Bucket:
     def write_credentials(self, folder: Path) -> Path:
         """The files of a mounted credentials Secret (`accessKeyId`, `secretAccessKey`) in
         `folder`, readable by the owner only; returns `folder`."""
-        folder.mkdir(parents=True, exist_ok=True)
-        for file, value in (
-            ("accessKeyId", self.credentials.access_key_id),
-            ("secretAccessKey", self.credentials.secret_access_key),
-        ):
-            path = folder / file
-            path.write_text(value, encoding="utf-8")
-            path.chmod(0o600)
-        return folder
+        return self.credentials.write(folder)
 
     def env(self, credentials_dir: Path, prefix: str = "") -> dict[str, str]:
         """The `ROLLOUT_STORAGE_S3_*` environment of a participant pod on this bucket."""
