@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Collection
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -570,3 +571,40 @@ def test_the_held_bytes_bound_comes_from_the_pod_environment() -> None:
     assert default.max_held_bytes == 256 * 1024 * 1024
     with pytest.raises(ControlConfigError, match="ROLLOUT_MAX_HELD_BYTES"):
         ControlSettings.from_env(Role.AGENT, environ={**env, "ROLLOUT_MAX_HELD_BYTES": "-1"})
+
+
+async def test_a_persist_slower_than_its_deadline_fails_the_call_and_a_retry_gets_the_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slow storage: the call answers `storage_failed` at its deadline while the write goes on
+    (its bytes still held and counted); a retried persist waits for the same write and answers
+    durable once it ends."""
+    members = _members(tmp_path)
+    slow = threading.Event()
+    write = storage.write_records
+
+    def slow_write(*args: Any, **kwargs: Any) -> Any:
+        if not slow.wait(timeout=WAIT):  # a fake of a slow volume, below the control plane
+            raise AssertionError("the test never let the write go on")
+        return write(*args, **kwargs)
+
+    async with _served(members) as rset:
+        coordinator = rset.coordinator()
+        agent = rset.clients[Role.AGENT]
+        with anyio.fail_after(WAIT):
+            cut = await _cut(coordinator, "ck-1")
+            await coordinator.resume("ck-1", time.time() + 5)
+            monkeypatch.setattr(storage, "write_records", slow_write)
+            with pytest.raises(ParticipantError) as late:
+                await agent.persist(
+                    PersistRequest(checkpoint_id="ck-1", deadline_ts=time.time() + 0.3)
+                )
+            assert late.value.code is ErrorCode.STORAGE_FAILED
+            assert "still being written" in late.value.detail
+            assert (await agent.status(time.time() + 5)).held_bytes == cut.manifests[
+                "agent-0"
+            ].bytes, "held until the write ends"
+            slow.set()
+            persisted = await coordinator.persist("ck-1", time.time() + 5, cut=cut)
+        assert persisted.ok, persisted.failures
+        assert (await agent.status(time.time() + 5)).held_bytes == 0
