@@ -21,9 +21,11 @@ manifest (digest, size, count, schema) before anything is returned.
 
 Retries: obstore's own retries are off. Each request is retried here on what can pass (the
 endpoint unreachable, a timeout, 5xx, 503 SlowDown, 429) with exponential backoff and full
-jitter, and never past the call's deadline: each try gets a client whose timeout is the time
-left, and whose credentials are read again from the mounted Secret's folder (so rotated keys
-are picked up). What cannot pass (credentials refused, the bucket full, another 4xx) fails at
+jitter, within the call's deadline: a retry gets a new client whose timeout is the time left
+(a call's first tries share one client, made with the time left then, so a later request can
+pass the deadline by what the earlier ones took; the control plane answers by the deadline
+whatever the bucket does), and the credentials are read again from the mounted Secret's folder
+on every try (so rotated keys are picked up). What cannot pass (credentials refused, the bucket full, another 4xx) fails at
 once.
 
 Errors never carry obstore's text, which holds the server's response body (an S3 error body can
@@ -385,16 +387,33 @@ class BucketStore:
     deadline_ts: float | None = None
     budget_seconds: float = DEFAULT_BUDGET_SECONDS
     clock: Callable[[], float] = time.time
+    _reused: tuple[_Credentials, ObjectStore] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+    """The client of this call's last try, reused by the next request's first try while the
+    credentials are the same (a client costs milliseconds to make and its connection is kept)."""
 
     @property
     def where(self) -> str:
         return f"{self.config.url} at {self.config.endpoint}"
 
+    def _client_for(self, credentials: _Credentials, left: float, *, retry: bool) -> ObjectStore:
+        """A request's first try reuses the call's client (its timeout is the time that was
+        left when it was made, so a later request may pass the deadline by what the earlier
+        ones took); a retry gets a new client whose timeout is the time left now."""
+        reused = self._reused
+        if not retry and reused is not None and reused[0] == credentials:
+            return reused[1]
+        client = _client(self.config, credentials, left)
+        self._reused = (credentials, client)
+        return client
+
     # one request, retried within the deadline ----------------------------------------------
 
     def _request(self, what: str, key: str, call: Callable[[ObjectStore], _T]) -> _T:
-        """`call` with a fresh client, retried while it fails in a way that can pass and the
-        deadline allows; `_NotFound` / `_Exists` for a 404 / a taken conditional create."""
+        """`call` with a client (`_client_for`), retried while it fails in a way that can pass
+        and the deadline allows; `_NotFound` / `_Exists` for a 404 / a taken conditional
+        create."""
         from obstore.exceptions import AlreadyExistsError, BaseError, PreconditionError
 
         deadline = (
@@ -408,7 +427,7 @@ class BucketStore:
                 break
             credentials = read_credentials(self.config.credentials_dir)
             try:
-                return call(_client(self.config, credentials, left))
+                return call(self._client_for(credentials, left, retry=attempt > 0))
             except (AlreadyExistsError, PreconditionError):
                 raise _Exists(key) from None
             except (BaseError, OSError) as error:
