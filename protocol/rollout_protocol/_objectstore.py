@@ -25,8 +25,8 @@ jitter, within the call's deadline: a retry gets a new client whose timeout is t
 (a call's first tries share one client, made with the time left then, so a later request can
 pass the deadline by what the earlier ones took; the control plane answers by the deadline
 whatever the bucket does), and the credentials are read again from the mounted Secret's folder
-on every try (so rotated keys are picked up). What cannot pass (credentials refused, the bucket full, another 4xx) fails at
-once.
+on every try (so rotated keys are picked up). What cannot pass (credentials refused, the bucket
+full, another 4xx) fails at once.
 
 Errors never carry obstore's text, which holds the server's response body (an S3 error body can
 name the access key): a `BucketError` says what failed, on which key, with the HTTP status and
