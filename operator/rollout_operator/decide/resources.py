@@ -39,12 +39,17 @@ from ..model.api import (
     PodTemplate,
     RolloutSet,
     RolloutSetSpec,
+    StorageSpec,
     dump,
     namespace_or_default,
 )
 
 STORAGE_VOLUME_NAME: Final = "rollout-checkpoints"
-"""The pod volume the operator adds for spec.storage; templates must not use this name."""
+"""The pod volume the operator adds for spec.storage (the set's volume, or for a bucket the
+Secret with its credentials); templates must not use this name."""
+CREDENTIALS_MOUNT: Final = "/var/run/secrets/checkpoint.rollout.dev/storage"
+"""Where a bucket set's credentials Secret is mounted, read-only, in every participant container
+(`ROLLOUT_STORAGE_S3_CREDENTIALS_DIR`)."""
 
 
 def reserved_volume_notes(rset: RolloutSet) -> list[str]:
@@ -83,7 +88,14 @@ ENV_INDEX: Final = "ROLLOUT_INDEX"
 ENV_ATTEMPT: Final = "ROLLOUT_ATTEMPT"
 ENV_CHECKPOINT_ROOT: Final = "ROLLOUT_CHECKPOINT_ROOT"
 ENV_SET_DIR: Final = "ROLLOUT_SET_DIR"
-"""The set's own directory under the checkpoint root (`set_dir`)."""
+"""The set's own directory under the checkpoint root (`set_dir`); for a bucket, the key path
+below the prefix."""
+ENV_S3_ENDPOINT: Final = "ROLLOUT_STORAGE_S3_ENDPOINT"
+ENV_S3_BUCKET: Final = "ROLLOUT_STORAGE_S3_BUCKET"
+ENV_S3_PREFIX: Final = "ROLLOUT_STORAGE_S3_PREFIX"
+ENV_S3_REGION: Final = "ROLLOUT_STORAGE_S3_REGION"
+ENV_S3_ADDRESSING: Final = "ROLLOUT_STORAGE_S3_ADDRESSING"
+ENV_S3_CREDENTIALS_DIR: Final = "ROLLOUT_STORAGE_S3_CREDENTIALS_DIR"
 ENV_CONTROL_TOKEN: Final = "ROLLOUT_CONTROL_TOKEN"
 ENV_POD_IP: Final = "ROLLOUT_POD_IP"
 ENV_STANDBY: Final = "ROLLOUT_STANDBY"
@@ -251,7 +263,7 @@ def _operator_env(
         {"name": ENV_ROLE, "value": role.value},
         {"name": ENV_INDEX, "value": str(index)},
         {"name": ENV_ATTEMPT, "value": str(attempt)},
-        {"name": ENV_CHECKPOINT_ROOT, "value": rset.spec.storage.path},
+        *_storage_env(rset.spec.storage),
         {"name": ENV_SET_DIR, "value": set_dir(rset)},
         {
             "name": ENV_CONTROL_TOKEN,
@@ -265,8 +277,39 @@ def _operator_env(
     return env
 
 
+def _storage_env(storage: StorageSpec) -> list[dict[str, Any]]:
+    """Where the participants keep records: the volume's mount path, or the bucket (its
+    credentials are files in `CREDENTIALS_MOUNT`, never env values)."""
+    if storage.s3 is None:
+        return [{"name": ENV_CHECKPOINT_ROOT, "value": storage.path}]
+    s3 = storage.s3
+    return [
+        {"name": ENV_S3_ENDPOINT, "value": s3.endpoint},
+        {"name": ENV_S3_BUCKET, "value": s3.bucket},
+        {"name": ENV_S3_PREFIX, "value": s3.prefix},
+        {"name": ENV_S3_REGION, "value": s3.region},
+        {"name": ENV_S3_ADDRESSING, "value": s3.addressing_style.value},
+        {"name": ENV_S3_CREDENTIALS_DIR, "value": CREDENTIALS_MOUNT},
+    ]
+
+
+def storage_volume(storage: StorageSpec) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The pod volume and the container mount of spec.storage: the set's volume at its path,
+    or a bucket's credentials Secret, read-only, at `CREDENTIALS_MOUNT`."""
+    if storage.s3 is not None:
+        volume = {"name": STORAGE_VOLUME_NAME, "secret": {"secretName": storage.s3.secret_name}}
+        mount = {"name": STORAGE_VOLUME_NAME, "mountPath": CREDENTIALS_MOUNT, "readOnly": True}
+        return volume, mount
+    if storage.volume is None or storage.path is None:  # the API refuses it (one backend)
+        raise ValueError("spec.storage has neither a volume with a path nor a bucket")
+    return (
+        {"name": STORAGE_VOLUME_NAME, **storage.volume},
+        {"name": STORAGE_VOLUME_NAME, "mountPath": storage.path},
+    )
+
+
 def _container(
-    container: Mapping[str, Any], env: list[dict[str, Any]], mount_path: str
+    container: Mapping[str, Any], env: list[dict[str, Any]], mount: dict[str, Any]
 ) -> dict[str, Any]:
     """The template container plus our env (first, so template values may use `$(VAR)` on
     them; template entries with our names are dropped) and the storage mount."""
@@ -276,7 +319,7 @@ def _container(
     mounts = [
         m for m in container.get("volumeMounts") or [] if m.get("name") != STORAGE_VOLUME_NAME
     ]
-    out["volumeMounts"] = [*mounts, {"name": STORAGE_VOLUME_NAME, "mountPath": mount_path}]
+    out["volumeMounts"] = [*mounts, dict(mount)]
     return out
 
 
@@ -307,9 +350,10 @@ def participant_pod(
 
     spec: dict[str, Any] = dict(template["spec"])
     env = _operator_env(rset, role, index, attempt, peer_urls)
-    spec["containers"] = [_container(c, env, rset.spec.storage.path) for c in spec["containers"]]
+    volume, mount = storage_volume(rset.spec.storage)
+    spec["containers"] = [_container(c, env, mount) for c in spec["containers"]]
     volumes = [v for v in spec.get("volumes") or [] if v.get("name") != STORAGE_VOLUME_NAME]
-    spec["volumes"] = [*volumes, {"name": STORAGE_VOLUME_NAME, **rset.spec.storage.volume}]
+    spec["volumes"] = [*volumes, volume]
     spec["restartPolicy"] = "Never"
     spec.setdefault("hostname", f"{role.value}-{index}")
     spec.setdefault("subdomain", service_name(set_name, role))
@@ -412,6 +456,8 @@ def cleanup_pod(
     and pull secrets): a hostPath volume is reached only on the node the pod lands on. Not owned
     by the set (a set deleted in the foreground would take it before it ran); the operator
     deletes it once it has read its result from the termination message and exit code."""
+    if rset.spec.storage.volume is None:
+        raise ValueError("a bucket's keys are removed by the operator itself, not a cleanup pod")
     first = dump(rset.spec.participants[0].template).get("spec") or {}
     command = [
         "rollout-records",
