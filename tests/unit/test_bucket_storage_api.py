@@ -80,6 +80,9 @@ def test_a_bucket_is_accepted_with_the_defaults_the_crd_gives() -> None:
         ({"s3": {**BUCKET, "prefix": "/a"}}, "RULE_S3_PREFIX"),
         ({"s3": {**BUCKET, "prefix": "a//b"}}, "RULE_S3_PREFIX"),
         ({"s3": {**BUCKET, "prefix": "a/"}}, "RULE_S3_PREFIX"),
+        ({"s3": {**BUCKET, "prefix": "a/./b"}}, "RULE_S3_PREFIX"),
+        ({"s3": {**BUCKET, "prefix": "a/-b"}}, "RULE_S3_PREFIX"),
+        ({"s3": {**BUCKET, "prefix": "a b"}}, "RULE_S3_PREFIX"),
     ],
 )
 def test_the_models_refuse_what_the_cel_rules_refuse(storage: dict[str, Any], message: str) -> None:
@@ -98,6 +101,10 @@ def test_the_models_refuse_what_the_cel_rules_refuse(storage: dict[str, Any], me
         ("endpoint", "http://user:password@127.0.0.1:9000"),
         ("bucket", "Rollouts"),
         ("bucket", "ab"),
+        ("bucket", "under_score"),
+        ("bucket", "b" * 64),
+        ("endpoint", "http://127.0.0.1:9000/path"),
+        ("region", "US-EAST-1"),
         ("region", "us east"),
         ("addressingStyle", "dns"),
         ("secretName", "Bucket_Creds"),
@@ -109,7 +116,7 @@ def test_bad_bucket_fields_are_refused(field: str, value: str) -> None:
 
 
 def test_a_shared_prefix_and_an_empty_one_are_fine() -> None:
-    for prefix in ("", "rollouts", "team-a/rl.v2/(x)"):
+    for prefix in ("", "rollouts", "team-a/rl.v2/_x"):
         assert api.RolloutSet.model_validate(bucket_set(prefix=prefix)).spec.storage.s3
 
 

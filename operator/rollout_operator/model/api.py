@@ -206,24 +206,21 @@ RULE_STORAGE_VOLUME_PATH: Final = Rule(
     message="storage.path is where storage.volume is mounted: set path with volume, and leave "
     "it out with s3 (a bucket is reached over its endpoint, not mounted)",
 )
-S3_PREFIX_PATTERN: Final = r"^[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*$"
-"""A key prefix: '/'-separated segments of the characters S3 calls safe for keys, no empty
-segment (no leading, trailing or doubled '/')."""
+S3_PREFIX_PATTERN: Final = r"^[A-Za-z0-9_][A-Za-z0-9._-]*(/[A-Za-z0-9_][A-Za-z0-9._-]*)*$"
+"""A key prefix: '/'-separated names of letters, digits, '.', '_' and '-', none starting with
+'.' or '-' (so no '.' or '..' segment) and none empty (no leading, trailing or doubled '/'): the
+prefixes the participants' bucket store takes."""
 RULE_S3_PREFIX: Final = Rule(
-    cel=f"!has(self.prefix) || self.prefix == '' || (self.prefix.matches(\"{S3_PREFIX_PATTERN}\")"
-    f" && !self.prefix.matches('{STORAGE_PATH_DOT_SEGMENT}'))",
-    message="s3.prefix must be '/'-separated segments of letters, digits and !_.*'()- with no "
-    "empty, '.' or '..' segment and no leading or trailing '/': keys are "
+    cel=f"!has(self.prefix) || self.prefix == '' || self.prefix.matches('{S3_PREFIX_PATTERN}')",
+    message="s3.prefix must be names of letters, digits, '.', '_' and '-' joined by '/', none "
+    "starting with '.' or '-', with no leading or trailing '/': keys are "
     "<prefix>/<namespace>/<set>/<uid>/..., and removal relies on every set's keys being apart",
 )
 
 
 def s3_prefix_refused(prefix: str) -> bool:
-    """The Python side of `RULE_S3_PREFIX` (the same patterns as the CEL rule)."""
-    return prefix != "" and (
-        re.search(S3_PREFIX_PATTERN, prefix) is None
-        or re.search(STORAGE_PATH_DOT_SEGMENT, prefix) is not None
-    )
+    """The Python side of `RULE_S3_PREFIX` (the same pattern as the CEL rule)."""
+    return prefix != "" and re.search(S3_PREFIX_PATTERN, prefix) is None
 
 
 def storage_path_refused(path: str) -> bool:
@@ -472,16 +469,17 @@ class S3Storage(ApiModel):
     the records; the participants reach it over `endpoint` with the credentials of `secretName`."""
 
     endpoint: str = Field(
-        pattern=r"^https?://[^/?#@\s]+(/[^?#\s]*)?$",
+        pattern=r"^https?://[^/?#@\s]+/?$",
         max_length=2048,
         description="The S3 API's URL, for example https://s3.us-east-1.amazonaws.com, "
         "https://storage.googleapis.com or http://minio.storage.svc:9000 "
-        "(ROLLOUT_STORAGE_S3_ENDPOINT). No credentials in it: they come from secretName.",
+        "(ROLLOUT_STORAGE_S3_ENDPOINT): scheme, host and port, no path. No credentials in it: "
+        "they come from secretName.",
     )
     bucket: str = Field(
-        pattern=r"^[a-z0-9][a-z0-9._-]*[a-z0-9]$",
+        pattern=r"^[a-z0-9][a-z0-9.-]*[a-z0-9]$",
         min_length=3,
-        max_length=222,
+        max_length=63,
         description="The bucket (ROLLOUT_STORAGE_S3_BUCKET); it must exist: the operator and "
         "the participants never create or delete buckets.",
     )
@@ -494,7 +492,7 @@ class S3Storage(ApiModel):
     )
     region: str = Field(
         default="us-east-1",
-        pattern=r"^[A-Za-z0-9_-]+$",
+        pattern=r"^[a-z0-9][a-z0-9-]*$",
         max_length=64,
         description="The region requests are signed for (ROLLOUT_STORAGE_S3_REGION); GCS and "
         "MinIO accept us-east-1 (or auto for GCS).",
