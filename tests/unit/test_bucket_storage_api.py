@@ -61,7 +61,8 @@ def credentials(**data: str) -> dict[str, Any]:
 
 def test_a_bucket_is_accepted_with_the_defaults_the_crd_gives() -> None:
     storage = api.RolloutSet.model_validate(bucket_set()).spec.storage
-    assert storage.volume is None and storage.path is None
+    assert storage.volume is None
+    assert storage.path is None
     assert storage.s3 is not None
     assert storage.s3.region == "us-east-1"
     assert storage.s3.addressing_style is api.AddressingStyle.PATH
@@ -178,10 +179,37 @@ def test_a_volume_sets_pods_are_built_as_before() -> None:
     assert {"name": resources.STORAGE_VOLUME_NAME, "emptyDir": {}} in pod["spec"]["volumes"]
 
 
-def test_no_cleanup_pod_and_no_volume_for_a_bucket() -> None:
+def test_a_buckets_cleanup_pod_mounts_the_secret_and_names_no_root() -> None:
     rset = api.RolloutSet.model_validate(bucket_set())
-    with pytest.raises(ValueError, match="removed by the operator itself"):
-        resources.cleanup_pod(rset, None, "image")
+    pod = resources.cleanup_pod(rset, ("ckpt-1",), "rollout-operator:dev")
+    [container] = pod["spec"]["containers"]
+    assert container["command"] == [
+        "rollout-records",
+        "remove",
+        "--set-dir",
+        f"{NS}/rl/uid-1",
+        "--termination-log",
+        "/dev/termination-log",
+        "--checkpoint",
+        "ckpt-1",
+    ]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["ROLLOUT_STORAGE_S3_BUCKET"] == "rollouts"
+    assert env["ROLLOUT_STORAGE_S3_CREDENTIALS_DIR"] == resources.CREDENTIALS_MOUNT
+    assert container["volumeMounts"] == [
+        {
+            "name": resources.STORAGE_VOLUME_NAME,
+            "mountPath": resources.CREDENTIALS_MOUNT,
+            "readOnly": True,
+        }
+    ]
+    assert pod["spec"]["volumes"] == [
+        {"name": resources.STORAGE_VOLUME_NAME, "secret": {"secretName": "bucket-creds"}}
+    ]
+
+
+def test_the_operator_sees_no_volume_of_a_bucket_set() -> None:
+    rset = api.RolloutSet.model_validate(bucket_set())
     locator = StorageLocator(claims_dir=None)
     assert locator.root(NS, rset.spec.storage) is None
     assert locator.describe(NS, rset.spec.storage) == (

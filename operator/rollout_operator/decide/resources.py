@@ -449,31 +449,29 @@ def cleanup_pod(
     rset: RolloutSet, checkpoints: tuple[str, ...] | None, image: str
 ) -> dict[str, Any]:
     """A short-lived pod that mounts the set's volume and removes records with `rollout-records`
-    (the same code as a participant's `remove`), for when no participant of the set runs.
+    (the same code as a participant's `remove`), for when no participant of the set runs. For a
+    bucket it mounts the bucket's credentials Secret and gets the participants' bucket env
+    instead, and `rollout-records` (without `--root`) removes the set's keys from the bucket.
 
     It runs as the set's participants do (the first template's pod `securityContext`, so it may
     delete what they wrote) and where they may run (their node selector, affinity, tolerations
     and pull secrets): a hostPath volume is reached only on the node the pod lands on. Not owned
     by the set (a set deleted in the foreground would take it before it ran); the operator
     deletes it once it has read its result from the termination message and exit code."""
-    if rset.spec.storage.volume is None:
-        raise ValueError("a bucket's keys are removed by the operator itself, not a cleanup pod")
     first = dump(rset.spec.participants[0].template).get("spec") or {}
-    command = [
-        "rollout-records",
-        "remove",
-        "--root",
-        CLEANUP_MOUNT,
-        "--set-dir",
-        set_dir(rset),
-        "--termination-log",
-        "/dev/termination-log",
-    ]
+    storage = rset.spec.storage
+    command = ["rollout-records", "remove"]
+    if storage.s3 is None:
+        command += ["--root", CLEANUP_MOUNT]
+    command += ["--set-dir", set_dir(rset), "--termination-log", "/dev/termination-log"]
     if checkpoints is None:
         command.append("--whole-set")
     else:
         for checkpoint in checkpoints:
             command += ["--checkpoint", checkpoint]
+    volume, mount = storage_volume(storage)
+    if storage.s3 is None:
+        mount = {**mount, "mountPath": CLEANUP_MOUNT}
     spec: dict[str, Any] = {key: first[key] for key in _POD_SCHEDULING if key in first}
     if "securityContext" in first:
         spec["securityContext"] = first["securityContext"]
@@ -488,7 +486,8 @@ def cleanup_pod(
                 "name": "remove-records",
                 "image": image,
                 "command": command,
-                "volumeMounts": [{"name": STORAGE_VOLUME_NAME, "mountPath": CLEANUP_MOUNT}],
+                "env": _storage_env(storage) if storage.s3 is not None else [],
+                "volumeMounts": [mount],
                 "terminationMessagePolicy": "File",
                 "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
                 "securityContext": {
@@ -499,7 +498,7 @@ def cleanup_pod(
                 },
             }
         ],
-        volumes=[{"name": STORAGE_VOLUME_NAME, **rset.spec.storage.volume}],
+        volumes=[volume],
     )
     metadata: dict[str, Any] = {
         "name": cleanup_pod_name(rset, checkpoints),
