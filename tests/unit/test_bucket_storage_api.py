@@ -213,7 +213,8 @@ def test_the_operator_sees_no_volume_of_a_bucket_set() -> None:
     locator = StorageLocator(claims_dir=None)
     assert locator.root(NS, rset.spec.storage) is None
     assert locator.describe(NS, rset.spec.storage) == (
-        "bucket rollouts/team-a/rl at http://127.0.0.1:9000"
+        "bucket rollouts/team-a/rl at http://127.0.0.1:9000 (only the pods that mount Secret "
+        "bucket-creds hold its credentials)"
     )
 
 

@@ -19,18 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from ..model.api import StorageSpec
+from ..model.api import S3Storage, StorageSpec
 
 STORAGE_DIR_ENV: Final = "ROLLOUT_OPERATOR_STORAGE_DIR"
 DEFAULT_STORAGE_DIR: Final = "/var/lib/rollout-operator/storage"
 CLEANUP_IMAGE_ENV: Final = "ROLLOUT_CLEANUP_IMAGE"
 
 
-def bucket_description(storage: StorageSpec) -> str:
-    """A bucket set's storage in words (endpoint, bucket, prefix; never its Secret's content)."""
-    if storage.s3 is None:
-        return "no bucket"
-    s3 = storage.s3
+def bucket_description(s3: S3Storage) -> str:
+    """A bucket in words (endpoint, bucket, prefix; never its Secret's content)."""
     where = f"{s3.bucket}/{s3.prefix}" if s3.prefix else s3.bucket
     return f"bucket {where} at {s3.endpoint}"
 
@@ -69,9 +66,12 @@ class StorageLocator:
 
     def describe(self, namespace: str, storage: StorageSpec) -> str:
         """Where the records are, in words, for a message asking a person to remove them."""
-        volume = storage.volume
-        if volume is None:
-            return bucket_description(storage)
+        if storage.s3 is not None:
+            return (
+                f"{bucket_description(storage.s3)} (only the pods that mount Secret "
+                f"{storage.s3.secret_name} hold its credentials)"
+            )
+        volume = storage.volume or {}
         claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
         if claim:
             return (
