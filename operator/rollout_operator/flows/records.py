@@ -10,7 +10,8 @@ the removal goes through whatever mounts it, in this order:
 2. **The set's participants**: every live participant pod gets the `remove` control call, which
    removes the named checkpoints below the participant's own set directory (a request names
    checkpoints, never a path). Every pod is asked, because a hostPath volume differs per node;
-   a participant whose checkpoint is open refuses, and the removal is tried again shortly.
+   a participant whose checkpoint is open refuses, and the removal is tried again shortly. A
+   bucket is the same for every pod, so one participant that answers is enough there.
 3. **A cleanup pod** in the set's namespace, when no participant answers (a suspended, deleted
    or crash-looping set): it mounts the set's volume and runs `rollout-records remove`, the
    same removal code, from `$ROLLOUT_CLEANUP_IMAGE`; its result is read from its termination
@@ -157,9 +158,16 @@ class RecordsRemover:
                     else:
                         failures.append(str(error))
 
-        async with anyio.create_task_group() as group:
+        if rset.spec.storage.s3 is not None:
+            # One bucket for every pod: the first participant that answers removed it all.
             for role, index, url in urls:
-                group.start_soon(ask, role, index, url)
+                await ask(role, index, url)
+                if replies or busy:
+                    break
+        else:
+            async with anyio.create_task_group() as group:
+                for role, index, url in urls:
+                    group.start_soon(ask, role, index, url)
         if busy:
             raise RemovalPending(f"{what}: {busy[0]}")
         if failures:
