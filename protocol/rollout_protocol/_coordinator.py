@@ -28,6 +28,7 @@ from typing import Final
 import anyio
 from anyio.abc import TaskGroup
 
+from . import _storage as storage
 from ._client import ParticipantClient, ParticipantError
 from ._coordinator_calls import FanOut, split
 from ._coordinator_checkpoint import ComposedCheckpoint
@@ -481,16 +482,17 @@ class Coordinator:
         prepare_timeout: float,
         commit_timeout: float,
         scope: Collection[str] | None = None,
-        publish_dir: Path | None = None,
+        publish_dir: Path | storage.RecordsStore | None = None,
         set_name: str = "local",
         trainer_step: int | None = None,
     ) -> CheckpointResult:
         """prepare -> (not ready: resume, fail) -> commit -> publish -> resume.
 
-        With `publish_dir` (the checkpoint root as this process sees it) the checkpoint
-        manifest is written last, after every participant's manifest was found there; without
-        it the caller publishes (the operator does, in one status patch). Participants are
-        resumed on every path, also when this coroutine is cancelled.
+        With `publish_dir` (the checkpoint root as this process sees it, or the participants'
+        records store: a `BucketStore`) the checkpoint manifest is written last, after every
+        participant's manifest was found there; without it the caller publishes (the operator
+        does, in one status patch). Participants are resumed on every path, also when this
+        coroutine is cancelled.
         """
         composed = ComposedCheckpoint(
             self,
@@ -503,7 +505,9 @@ class Coordinator:
             prepare_timeout=prepare_timeout,
             commit_timeout=commit_timeout,
             scope=scope,
-            publish_dir=publish_dir,
+            publish_to=(
+                storage.VolumeStore(publish_dir) if isinstance(publish_dir, Path) else publish_dir
+            ),
             set_name=set_name,
             trainer_step=trainer_step,
         )
