@@ -103,6 +103,7 @@ _CREDENTIAL_CODES: Final = frozenset(
         "AccessDenied",
         "AllAccessDisabled",
         "InvalidClientTokenId",
+        "XAdminUserNotFound",
     }
 )
 _FULL_CODES: Final = frozenset(
@@ -124,8 +125,8 @@ class BucketError(StorageError):
     """The bucket refused or failed a request, or did not answer in time.
 
     `reason` is one of `unreachable`, `timeout`, `throttled`, `server_error`, `full`,
-    `credentials`, `refused`; the message says what failed on which key, with the HTTP status
-    and the S3 error code, never the server's response body or a credential."""
+    `credentials`, `no_bucket`, `refused`; the message says what failed on which key, with the
+    HTTP status and the S3 error code, never the server's response body or a credential."""
 
     def __init__(self, reason: str, message: str, key: str = "") -> None:
         Exception.__init__(self, message)
@@ -287,13 +288,14 @@ def _client(config: BucketConfig, credentials: _Credentials, timeout: float) -> 
         parts = urlsplit(endpoint)
         endpoint = f"{parts.scheme}://{config.bucket}.{parts.netloc}"
     seconds = max(timeout, 0.001)
+    token = credentials.session_token
     return S3Store(
         config.bucket,
         endpoint=endpoint,
         region=config.region,
         access_key_id=credentials.access_key_id,
         secret_access_key=credentials.secret_access_key,
-        session_token=credentials.session_token,
+        **({"session_token": token} if token is not None else {}),
         virtual_hosted_style_request=config.addressing == "virtual",
         client_options={
             "allow_http": endpoint.startswith("http://"),
@@ -323,6 +325,8 @@ class _Failure:
 
 
 _REASONS: Final = {
+    "missing": "no such key",
+    "no_bucket": "the bucket does not exist",
     "unreachable": "the endpoint is unreachable",
     "timeout": "the request timed out",
     "throttled": "the server throttles requests",
@@ -334,15 +338,22 @@ _REASONS: Final = {
 
 
 def _classify(error: Exception) -> _Failure:
+    """What a failed request was. Only a 404 for the key itself (`NoSuchKey`, or no body, as
+    for a HEAD) is `missing`: a 404 for the bucket, or for an unknown access key (some servers
+    answer so), is not a missing checkpoint."""
     text = str(error)
     status_match = _STATUS.search(text)
     code_match = _S3_CODE.search(text)
     status = int(status_match.group(1)) if status_match else None
     code = code_match.group(1) if code_match else None
-    if code in _CREDENTIAL_CODES or status in (401, 403):
-        reason = "credentials"
+    if status == 404 and code in (None, "NoSuchKey"):
+        reason = "missing"
+    elif status == 404 and code == "NoSuchBucket":
+        reason = "no_bucket"
     elif code in _FULL_CODES or status == 507:
         reason = "full"
+    elif code in _CREDENTIAL_CODES or status in (401, 403):
+        reason = "credentials"
     elif code == "SlowDown" or status in (429, 503):
         reason = "throttled"
     elif status is not None and 500 <= status < 600 and status != 501:
@@ -395,12 +406,12 @@ class BucketStore:
             credentials = read_credentials(self.config.credentials_dir)
             try:
                 return call(_client(self.config, credentials, left))
-            except FileNotFoundError:
-                raise _NotFound(key) from None
             except (AlreadyExistsError, PreconditionError):
                 raise _Exists(key) from None
             except (BaseError, OSError) as error:
                 failure = _classify(error)
+            if failure.reason == "missing":
+                raise _NotFound(key) from None
             if not failure.retryable:
                 raise self._error(what, shown, failure)
             pause = random.uniform(0, min(_MAX_BACKOFF, _FIRST_BACKOFF * 2**attempt))
