@@ -2,10 +2,12 @@
 and a real S3 server on loopback (`s3_bucket`, tests/testsupport/s3_server.py): no folder is
 shared between its pods and the operator.
 
-Two sets share the bucket and its key prefix. The first checkpoints, retention keeps exactly its
-`keepLatest` newest checkpoints' keys, its participant is killed and the new attempt restores
-the latest checkpoint's records from the bucket, and deleting the set removes every key of its
-own and none of the other set's (docs/design.md#65-retention-and-records).
+Two sets share the bucket and its key prefix. Created before their credentials Secret, they say
+which Secret they need and start no pod; once it exists they run. The first checkpoints,
+retention keeps exactly its `keepLatest` newest checkpoints' keys, its participant is killed and
+the new attempt restores the latest checkpoint's records from the bucket, and deleting the set
+removes every key of its own and none of the other set's
+(docs/design.md#65-retention-and-records).
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ from typing import Any
 
 import httpx
 from obstore.store import S3Store
-from policy_support import WAIT, counter_set, create_checkpoint, manual_checkpoint, wait_ready
+from policy_support import (
+    WAIT,
+    counter_set,
+    create_checkpoint,
+    manual_checkpoint,
+    wait_condition,
+    wait_ready,
+)
 from testsupport.operator_fixtures import (
     OperatorProcess,
     Resources,
@@ -103,6 +112,16 @@ async def test_a_bucket_set_checkpoints_retains_recovers_and_removes_only_its_ow
     tmp_path: Path,
 ) -> None:
     store = s3_bucket.store()
+    # The neighbour shares the bucket and the prefix; its name extends the first set's.
+    for name in ("bkt", "bkt2"):
+        (tmp_path / name).mkdir()
+        kubectl_apply(cluster, namespace, bucket_set(name, s3_bucket, tmp_path / name))
+    # No Secret yet: the set says which one it needs, and starts no pod.
+    blocked = await wait_condition(
+        resources, "bkt", "Degraded", reason="StorageSecretInvalid", status="True"
+    )
+    assert f"secret {namespace}/{SECRET}" in blocked["message"]
+    assert (await resources.core.list_namespaced_pod(namespace)).items == []
     await resources.core.create_namespaced_secret(
         namespace,
         {
@@ -113,10 +132,6 @@ async def test_a_bucket_set_checkpoints_retains_recovers_and_removes_only_its_ow
             },
         },
     )
-    # The neighbour shares the bucket and the prefix; its name extends the first set's.
-    for name in ("bkt", "bkt2"):
-        (tmp_path / name).mkdir()
-        kubectl_apply(cluster, namespace, bucket_set(name, s3_bucket, tmp_path / name))
     for name in ("bkt", "bkt2"):
         await resources.wait_set("Ready", lambda o: is_true(o, "Ready"), WAIT, name=name)
     await create_checkpoint(resources, manual_checkpoint("n1", "bkt2"))
