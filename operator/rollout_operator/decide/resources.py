@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Final
 
-from rollout_protocol import Role, set_storage_dir
+from rollout_protocol import S3_ENV_PREFIX, Role, set_storage_dir
 
 from ..model.api import (
     ANNOTATION_SPEC_HASH,
@@ -90,12 +90,13 @@ ENV_CHECKPOINT_ROOT: Final = "ROLLOUT_CHECKPOINT_ROOT"
 ENV_SET_DIR: Final = "ROLLOUT_SET_DIR"
 """The set's own directory under the checkpoint root (`set_dir`); for a bucket, the key path
 below the prefix."""
-ENV_S3_ENDPOINT: Final = "ROLLOUT_STORAGE_S3_ENDPOINT"
-ENV_S3_BUCKET: Final = "ROLLOUT_STORAGE_S3_BUCKET"
-ENV_S3_PREFIX: Final = "ROLLOUT_STORAGE_S3_PREFIX"
-ENV_S3_REGION: Final = "ROLLOUT_STORAGE_S3_REGION"
-ENV_S3_ADDRESSING: Final = "ROLLOUT_STORAGE_S3_ADDRESSING"
-ENV_S3_CREDENTIALS_DIR: Final = "ROLLOUT_STORAGE_S3_CREDENTIALS_DIR"
+ENV_S3_ENDPOINT: Final = f"{S3_ENV_PREFIX}ENDPOINT"
+ENV_S3_BUCKET: Final = f"{S3_ENV_PREFIX}BUCKET"
+ENV_S3_PREFIX: Final = f"{S3_ENV_PREFIX}PREFIX"
+ENV_S3_REGION: Final = f"{S3_ENV_PREFIX}REGION"
+ENV_S3_ADDRESSING: Final = f"{S3_ENV_PREFIX}ADDRESSING"
+ENV_S3_CREDENTIALS_DIR: Final = f"{S3_ENV_PREFIX}CREDENTIALS_DIR"
+"""A bucket set's storage, as the participants read it (`rollout_protocol.bucket_from_env`)."""
 ENV_CONTROL_TOKEN: Final = "ROLLOUT_CONTROL_TOKEN"
 ENV_POD_IP: Final = "ROLLOUT_POD_IP"
 ENV_STANDBY: Final = "ROLLOUT_STANDBY"
