@@ -414,6 +414,11 @@ class Kube:
             self._secrets[(namespace, name)] = secret
         return secret
 
+    async def read_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A Secret read now and never remembered: a user's Secret (a bucket's credentials),
+        of which this process keeps no copy beyond the call that needs it."""
+        return await self._get(api_path("secrets", namespace=namespace, name=name))
+
     async def create_secret(self, namespace: str, manifest: Mapping[str, Any]) -> bool:
         created = await self._create_if_absent(api_path("secrets", namespace=namespace), manifest)
         if created is not None:
