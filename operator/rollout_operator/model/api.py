@@ -1083,7 +1083,6 @@ class CheckpointPhase(StrEnum):
     QUEUED = "Queued"
     PREPARING = "Preparing"
     COMMITTING = "Committing"
-    PUBLISHING = "Publishing"
     RESUMING = "Resuming"
     READY = "Ready"
     FAILED = "Failed"
@@ -1093,7 +1092,6 @@ CHECKPOINT_RUNNING: Final = frozenset(
     {
         CheckpointPhase.PREPARING,
         CheckpointPhase.COMMITTING,
-        CheckpointPhase.PUBLISHING,
         CheckpointPhase.RESUMING,
     }
 )
@@ -1165,8 +1163,8 @@ class RolloutCheckpointStatus(StatusModel):
     )
     phase: CheckpointPhase | None = Field(
         default=None,
-        description="Pending, Queued, Preparing, Committing, Publishing, Resuming, Ready or "
-        "Failed; persisted so a restarted operator continues or fails it cleanly.",
+        description="Pending, Queued, Preparing, Committing, Resuming, Ready or Failed; "
+        "persisted so a restarted operator continues or fails it cleanly.",
     )
     attempt: int | None = Field(
         default=None, ge=1, description="The attempt whose state the checkpoint captured."

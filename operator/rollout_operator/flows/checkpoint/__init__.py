@@ -3,9 +3,10 @@ as a table of phase steps.
 
 One module per group of phases, each step a function of the run (`context.CheckpointRun`) and
 the checkpoint: `slot` (Pending and Queued: the operator's and the set's slots), `prepare`
-(the deadline, then Preparing), `commit` (Committing and Publishing: the commit point),
-`resume` (Resuming); `flow` holds `CheckpointFlow`, which takes the slot and runs the table
-with the runner the recovery shares (`flows/phases.py`). This package's names are the flow's
+(the deadline, then Preparing), `commit` (Committing, ending in the publish: the commit point),
+`resume` (Resuming, then Ready); `flow` holds the table (Ready and Failed included, and how a
+failed step ends) and `CheckpointFlow`, which runs it with the runner the recovery shares
+(`flows/phases.py`). This package's names are the flow's
 public surface for the handlers and the tests.
 """
 

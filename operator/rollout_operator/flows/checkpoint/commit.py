@@ -1,12 +1,11 @@
-"""Phases Committing and Publishing of the checkpoint flow: the participants write their
-records, then one status patch makes the checkpoint restorable (docs/design.md#61-checkpoint,
-steps 4-5).
+"""Phase Committing of the checkpoint flow: the participants write their records, then one
+status patch makes the checkpoint restorable (docs/design.md#61-checkpoint, steps 4-5).
 
-`commit` enters Committing in memory and commits at once (every episode waits while the
-participants commit; an API round trip first would only lengthen that), with the scope the
-prepare parked; the phase is written only if it lasts over a second (`context.UnwrittenPhases`):
-a restart before it is written finds Preparing (or no phase and the Lease its own) and replays
-prepare and commit, whose replies the participants cache. `publish` is the commit point:
+`commit` commits at once with the scope the prepare parked (every episode waits while the
+participants commit; the prepare entered Committing in memory, written only if it lasts over a
+second: `context.UnwrittenPhases`). A run that continues a Committing checkpoint (an operator
+restart) has no prepare outcome and parks again first; the participants replay their replies.
+It ends with `publish`, the commit point:
 `Committed` and `Ready` True with every participant's manifest, counts and durations, and the
 phase Resuming, in one write. Nothing before it is restorable; nothing after it takes Ready
 back."""
@@ -28,35 +27,23 @@ from .context import (
     CheckpointFailed,
     CheckpointRun,
     describe,
-    enter_phase,
     failure_reason,
     while_set_holds,
     write_status,
 )
+from .prepare import park
+from .slot import joined
 
 
 async def commit(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoint:
-    """Commit what the prepare parked to every participant at once, Committing entered
-    (written late, if at all); the outcome is `run.committed`."""
-    prepared = run.prepared
-    assert prepared is not None, "a commit follows this run's prepare"
+    """Commit what the prepare parked to every participant at once, then publish: the
+    checkpoint Resuming and Ready in one write (`publish`). A run that continues a Committing
+    checkpoint (an operator restart) parks again first; the participants replay the prepare."""
+    prepared = run.prepared or await park(run, ckpt)
+    coordinator = await joined(run, ckpt)
     run.scope = scope = prepared.scope(ckpt.spec.episodes)
     commit_started = run.now()
     commit_deadline = run.now() + run.settings.commit_timeout_seconds
-    coordinator = run.coordinator
-    await enter_phase(
-        run.context,
-        ckpt,
-        CheckpointPhase.COMMITTING,
-        defer=run.writes,
-        condition=(
-            CheckpointConditionType.PREPARED,
-            True,
-            Reason.PREPARED,
-            f"{prepared.episode_count} episode(s) parked, {len(prepared.restarts)} restart",
-        ),
-        restarts=len(prepared.restarts),
-    )
     with tracing.span("commit"):
         outcome = await while_set_holds(
             run.context,
@@ -70,7 +57,7 @@ async def commit(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoi
         reason = failure_reason(outcome.failures) or Reason.COMMIT_FAILED
         raise CheckpointFailed(reason, f"commit failed: {describe(outcome.failures)}")
     run.committed = outcome
-    return ckpt
+    return await publish(run, ckpt)
 
 
 async def publish(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoint:

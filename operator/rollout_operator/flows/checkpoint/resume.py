@@ -3,25 +3,29 @@ step 6).
 
 The checkpoint is Ready already (published); the resume only reopens admission, and is skipped
 when the set lost the checkpoint's attempt meanwhile (its recovery retires those pods). A
-participant the resume misses resumes itself when its lease lapses. The step records the
-pause and total durations; the flow then releases the slot and writes the terminal Ready.
+participant the resume misses resumes itself when its lease lapses. The step releases the slot
+and writes the terminal Ready with the pause and total durations.
 """
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from rollout_protocol import tracing
 
-from ...model.api import CheckpointDurations, RolloutCheckpoint
-from .context import CheckpointRun, describe, logger, set_lost
+from ...model.api import CheckpointDurations, CheckpointPhase, RolloutCheckpoint
+from .context import CheckpointRun, describe, enter_phase, logger, set_lost
+from .slot import joined, release_slot
 
 
 async def resume(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoint:
-    """Resume every participant, then note the pause and total durations in memory (the
-    terminal write carries them)."""
+    """Resume every participant, release the set's slot, and write Ready with the pause and
+    total durations."""
+    coordinator = await joined(run, ckpt)
     resume_started = run.now()
     if set_lost(run.rset, ckpt.status.attempt) is None:
         with tracing.span("resume"):
-            resumed = await run.coordinator.resume(
+            resumed = await coordinator.resume(
                 ckpt.metadata.name, run.now() + run.settings.resume_timeout_seconds
             )
         if resumed.failures:
@@ -34,12 +38,15 @@ async def resume(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoi
     total = run.now() - run.started
     pause = (durations.prepare_seconds or 0) + (durations.commit_seconds or 0)
     pause += run.now() - resume_started
-    ckpt.status = ckpt.status.model_copy(
-        update={
-            "durations": durations.model_copy(
-                update={"pause_seconds": round(pause, 3), "total_seconds": round(total, 3)}
-            )
-        }
+    durations = durations.model_copy(
+        update={"pause_seconds": round(pause, 3), "total_seconds": round(total, 3)}
     )
-    run.resumed = True
+    await release_slot(run.context, ckpt)
+    await enter_phase(
+        run.context,
+        ckpt,
+        CheckpointPhase.READY,
+        durations=durations,
+        completed_at=datetime.now(UTC),
+    )
     return ckpt
