@@ -35,13 +35,14 @@ from ...model.api import (
     CHECKPOINT_RUNNING,
     CheckpointConditionType,
     CheckpointPhase,
+    ConditionStatus,
     RolloutCheckpoint,
     RolloutCheckpointStatus,
     RolloutSet,
     namespace_or_default,
 )
 from ...model.checkpointowners import CheckpointOwner
-from ...model.conditions import MAX_FAILURE_CHARS, set_condition, truncate
+from ...model.conditions import MAX_FAILURE_CHARS, find_condition, set_condition, truncate
 from ...model.reasons import Reason
 from ..state import CoordinatedPods
 from ..watching import NoLongerHolds, while_holding
@@ -74,6 +75,9 @@ written (docs/design.md#61-checkpoint, "Phases written late")."""
 @dataclass(frozen=True)
 class FlowSettings:
     commit_timeout_seconds: float = 120.0
+    persist_timeout_seconds: float = 120.0
+    """How long the participants may take to make the cut's records durable after the resume;
+    a persist still writing then fails the checkpoint."""
     resume_timeout_seconds: float = 30.0
     abort_timeout_seconds: float = 10.0
     """An abort resumes what it can reach by then; a participant it missed resumes itself when
@@ -243,7 +247,9 @@ class CheckpointRun:
     prepare_seconds: float = 0.0
     scope: list[str] | None = None
     """The commit scope (None: every parked episode but the restarts)."""
-    committed: CommitOutcome | None = None
+    cut: CommitOutcome | None = None
+    """The cut's outcome: which participants hold records in memory, and the manifests they
+    promised (a run that continues a Persisting checkpoint has none: every participant is asked)."""
     commit_seconds: float = 0.0
 
     @property
@@ -261,6 +267,13 @@ class CheckpointRun:
 
     def now(self) -> float:
         return self.context.clock()
+
+
+def published(ckpt: RolloutCheckpoint) -> bool:
+    """Whether the checkpoint was published (Ready True): never taken back. The flow publishes
+    with its terminal Ready write; an earlier operator published before the resume."""
+    ready = find_condition(ckpt.status.conditions, CheckpointConditionType.READY.value)
+    return ready is not None and ready.status is ConditionStatus.TRUE
 
 
 def set_lost(rset: RolloutSet, attempt: int | None) -> str | None:
@@ -286,6 +299,7 @@ def failure_reason(failures: list[Failure]) -> str:
         return Reason.PARTICIPANT_UNRESPONSIVE
     if ErrorCode.INTERNAL in codes or not codes <= {
         ErrorCode.STORAGE_FAILED,
+        ErrorCode.PERSIST_BACKLOG,
         ErrorCode.WRONG_PHASE,
         ErrorCode.CONFLICTING_CHECKPOINT,
         ErrorCode.DEADLINE_PASSED,
@@ -434,19 +448,42 @@ async def while_set_holds(
 
 
 async def abort(
-    context: CheckpointContext, coordinator: Coordinator, ckpt: RolloutCheckpoint
+    context: CheckpointContext,
+    coordinator: Coordinator,
+    ckpt: RolloutCheckpoint,
+    *,
+    cut: CommitOutcome | None = None,
 ) -> None:
-    """Resume every participant at once (one hung participant does not hold the others)."""
+    """Resume every participant at once (one hung participant does not hold the others); when
+    a cut may be held (`cut`, or a Resuming or Persisting checkpoint whose cut this run did not
+    see), every participant that holds it releases the bytes and removes what its persist
+    wrote (`Coordinator.discard`), so nothing half-written stays."""
+    name = ckpt.metadata.name
     with anyio.CancelScope(shield=True), tracing.span("abort"):
         outcome = await coordinator.abort(
-            ckpt.metadata.name, context.clock() + context.settings.abort_timeout_seconds
+            name, context.clock() + context.settings.abort_timeout_seconds
         )
+        discarded = None
+        if cut is not None or ckpt.status.phase in CUT_HELD:
+            discarded = await coordinator.discard(
+                name, context.clock() + context.settings.abort_timeout_seconds, cut=cut
+            )
     if outcome.failures:
         logger.warning(
             "abort of %s: resume failed on %s (their lease resumes them)",
-            ckpt.metadata.name,
+            name,
             describe(outcome.failures),
         )
+    if discarded is not None and discarded.failures:
+        logger.warning(
+            "abort of %s: discard failed on %s (their lease drops the held records)",
+            name,
+            describe(discarded.failures),
+        )
+
+
+CUT_HELD: Final = frozenset({CheckpointPhase.RESUMING, CheckpointPhase.PERSISTING})
+"""Phases in which participants may hold a cut's records."""
 
 
 def http_participants(rset: RolloutSet, token: str) -> list[HttpParticipantClient]:

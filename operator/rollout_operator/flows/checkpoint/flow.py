@@ -3,11 +3,12 @@ table, and how a run ends.
 
 The protocol itself is `rollout_protocol.Coordinator`; the flow adds what only an operator has:
 the phase persisted in `status.phase`, so a restarted operator continues where the last one
-stopped (the intermediate phases, Preparing and Committing, only once they last over a second:
+stopped (the intermediate phases, Preparing to Persisting, only once they last over a second:
 before that a successor continues from the set's Lease, which names the checkpoint and when it
-started, and from the participants, which replay prepare and commit; `context.UnwrittenPhases`);
-one checkpoint per set at a time (the set's Lease, `leases.CheckpointLeases`); and publication
-as one status patch (`Ready=True` with every participant's manifest). The flow writes only its
+started, and from the participants, which replay prepare and the cut; `context.UnwrittenPhases`);
+one checkpoint per set at a time (the set's Lease, `leases.CheckpointLeases`, held until the
+records are durable); and publication as one status patch (`Ready=True` with every
+participant's durable manifest). The flow writes only its
 own checkpoint's status: the set's pass derives `latestCheckpoint`, the recent durations and the
 pods' latest-checkpoint annotations from the checkpoints once this one is Ready
 (docs/design.md#69-who-writes-the-sets-status).
@@ -15,10 +16,10 @@ pods' latest-checkpoint annotations from the checkpoints once this one is Ready
 `CheckpointFlow.run` runs `PHASES` with the runner the recovery shares (`flows/phases.py`); the
 next step is the persisted phase alone (`phase_of`), and each step writes the phase that
 follows it: Pending and Queued `begin` (the slots, `slot.py`; Queued while they are busy, then
-Preparing), Preparing `prepare` (Committing), Committing `commit` (the publish: Resuming with
-Ready True), Resuming `resume` (Ready, after the slot's release), Ready and Failed `finished`.
-A failed step ends in `end_failed`: before publish it aborts (every participant resumed) and
-writes Failed.
+Preparing), Preparing `prepare` (Committing), Committing `commit` (the cut: Resuming),
+Resuming `resume` (Persisting), Persisting `persist` (the publish: Ready, after the slot's
+release), Ready and Failed `finished`. A failed step ends in `end_failed`: before publish it
+aborts (every participant resumed, a held cut discarded) and writes Failed.
 
 What the flow reads (its checkpoint, the set, the set's pods) comes from the watches
 (`cache.ClusterCache`), and a step waits on the set's events, not on polls: the critical path
@@ -27,8 +28,10 @@ costs the Lease's take and release, the status writes and their Events.
 Why continuing is safe: prepare, commit and restore replies are cached per checkpoint id by the
 participants and replayed on retry, so repeating the step an operator died in returns what it
 would have returned. If the participants' lease lapsed meanwhile they resumed by themselves,
-the id is stale there, and the checkpoint ends Failed with a reason; it is never Ready unless
-every commit (records fsynced, manifest written last) succeeded.
+the id is stale there, and the checkpoint ends Failed with a reason. After the resume the cut
+cannot be asked again (the id is stale), but the persist can: a participant answers its
+durable reply again, or says it lost the records, and the checkpoint fails. It is never Ready
+unless every participant's records are durable (records fsynced, manifest written last).
 """
 
 from __future__ import annotations
@@ -63,9 +66,11 @@ from .context import (
     abort,
     enter_phase,
     logger,
+    published,
     write_failed,
     write_status,
 )
+from .persist import persist
 from .prepare import begin, prepare
 from .resume import resume
 from .slot import release_slot
@@ -86,24 +91,22 @@ async def end_failed(
     run: CheckpointRun, ckpt: RolloutCheckpoint, error: Exception
 ) -> RolloutCheckpoint:
     """How a failed step (`CheckpointFailed`) ends the run: before publish, abort (every
-    participant resumed) and write Failed; after it, Ready stays (records complete and
-    published: never taken back). The set's slot is released either way."""
+    participant resumed, a held cut discarded) and write Failed; a published checkpoint stays
+    Ready (records complete and published: never taken back). The set's slot is released
+    either way."""
     assert isinstance(error, CheckpointFailed)
     context = run.context
-    published = ckpt.status.phase in PUBLISHED
-    if run.coordinator is not None and not published:
-        await abort(context, run.coordinator, ckpt)
-    await release_slot(context, ckpt)
-    if published:
+    if published(ckpt):
+        await release_slot(context, ckpt)
         logger.warning("checkpoint %s: %s", ckpt.metadata.name, error.message)
         await enter_phase(context, ckpt, CheckpointPhase.READY, completed_at=datetime.now(UTC))
-    else:
-        await write_failed(context, ckpt, error)
+        return ckpt
+    if run.coordinator is not None:
+        await abort(context, run.coordinator, ckpt, cut=run.cut)
+    await release_slot(context, ckpt)
+    await write_failed(context, ckpt, error)
     return ckpt
 
-
-PUBLISHED: Final = frozenset({CheckpointPhase.RESUMING, CheckpointPhase.READY})
-"""Phases of a checkpoint whose publish was written: it ends Ready whatever follows."""
 
 PHASES: Final = PhaseTable[CheckpointPhase, CheckpointRun, RolloutCheckpoint](
     steps=MappingProxyType(
@@ -113,6 +116,7 @@ PHASES: Final = PhaseTable[CheckpointPhase, CheckpointRun, RolloutCheckpoint](
             CheckpointPhase.PREPARING: prepare,
             CheckpointPhase.COMMITTING: commit,
             CheckpointPhase.RESUMING: resume,
+            CheckpointPhase.PERSISTING: persist,
             CheckpointPhase.READY: finished,
             CheckpointPhase.FAILED: finished,
         }
@@ -122,8 +126,8 @@ PHASES: Final = PhaseTable[CheckpointPhase, CheckpointRun, RolloutCheckpoint](
 )
 """The checkpoint's phases and the step of each; each step writes the phase that follows it
 (Pending and Queued: Queued while the slots are busy, then Preparing; Preparing: Committing;
-Committing: Resuming, the publish; Resuming: Ready), and a failed step ends in Failed
-(`end_failed`)."""
+Committing, the cut: Resuming; Resuming: Persisting; Persisting: Ready, the publish), and a
+failed step ends in Failed (`end_failed`)."""
 
 
 class CheckpointFlow:
@@ -248,13 +252,8 @@ class CheckpointFlow:
             # Deleted: participants must not stay paused until their leases lapse, and the
             # set's slot must be free for the next checkpoint. Bounded, so a hung participant
             # never holds the deletion.
-            coordinator = run.coordinator
-            if (
-                coordinator is not None
-                and ckpt.status.phase not in PUBLISHED
-                and abort_when_cancelled()
-            ):
-                await self._abort_deleted(coordinator, ckpt)
+            if run.coordinator is not None and not published(ckpt) and abort_when_cancelled():
+                await self._abort_deleted(run, run.coordinator, ckpt)
             raise
         finally:
             if run.holds_operator_slot:
@@ -264,7 +263,9 @@ class CheckpointFlow:
                 await participant.aclose()
         return ckpt.status.phase
 
-    async def _abort_deleted(self, coordinator: Coordinator, ckpt: RolloutCheckpoint) -> None:
+    async def _abort_deleted(
+        self, run: CheckpointRun, coordinator: Coordinator, ckpt: RolloutCheckpoint
+    ) -> None:
         """A checkpoint deleted before it was published: every participant resumed, the slot
         freed and Failed written, bounded, shielded from the cancellation. (An operator that
         stops hands the checkpoint over instead: cancelled without aborting, see
@@ -275,7 +276,7 @@ class CheckpointFlow:
             anyio.move_on_after(context.settings.abort_timeout_seconds + 5.0),
         ):
             logger.warning("checkpoint %s cancelled: aborting it", ckpt.metadata.name)
-            await abort(context, coordinator, ckpt)
+            await abort(context, coordinator, ckpt, cut=run.cut)
             await release_slot(context, ckpt)
             # Its id is stale on every participant now: it can never be published.
             await write_failed(

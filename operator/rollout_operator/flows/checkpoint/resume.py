@@ -1,10 +1,12 @@
-"""Phase Resuming of the checkpoint flow: the participants go on (docs/design.md#61-checkpoint,
-step 6).
+"""Phase Resuming of the checkpoint flow: the participants go on right after the cut
+(docs/design.md#61-checkpoint, step 5).
 
-The checkpoint is Ready already (published); the resume only reopens admission, and is skipped
-when the set lost the checkpoint's attempt meanwhile (its recovery retires those pods). A
-participant the resume misses resumes itself when its lease lapses. The step releases the slot
-and writes the terminal Ready with the pause and total durations.
+The resume reopens admission, and is skipped when the set lost the checkpoint's attempt
+meanwhile (its recovery retires those pods; the persist then fails the checkpoint). A
+participant the resume misses resumes itself when its lease lapses. The step counts the pause
+(prepare, cut and resume) and enters Persisting, in memory, written only if it lasts over a
+second (`context.UnwrittenPhases`). A checkpoint that an earlier operator published before its
+resume (Ready True in phase Resuming) has its records durable already: it goes to Ready.
 """
 
 from __future__ import annotations
@@ -14,13 +16,12 @@ from datetime import UTC, datetime
 from rollout_protocol import tracing
 
 from ...model.api import CheckpointDurations, CheckpointPhase, RolloutCheckpoint
-from .context import CheckpointRun, describe, enter_phase, logger, set_lost
+from .context import CheckpointRun, describe, enter_phase, logger, published, set_lost
 from .slot import joined, release_slot
 
 
 async def resume(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoint:
-    """Resume every participant, release the set's slot, and write Ready with the pause and
-    total durations."""
+    """Resume every participant, count the pause, and enter Persisting."""
     coordinator = await joined(run, ckpt)
     resume_started = run.now()
     if set_lost(run.rset, ckpt.status.attempt) is None:
@@ -30,23 +31,26 @@ async def resume(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoi
             )
         if resumed.failures:
             logger.warning(
-                "checkpoint %s is Ready but resume failed on %s (their lease resumes them)",
+                "checkpoint %s: resume failed on %s (their lease resumes them)",
                 ckpt.metadata.name,
                 describe(resumed.failures),
             )
     durations = ckpt.status.durations or CheckpointDurations()
-    total = run.now() - run.started
     pause = (durations.prepare_seconds or 0) + (durations.commit_seconds or 0)
     pause += run.now() - resume_started
-    durations = durations.model_copy(
-        update={"pause_seconds": round(pause, 3), "total_seconds": round(total, 3)}
-    )
-    await release_slot(run.context, ckpt)
+    durations = durations.model_copy(update={"pause_seconds": round(pause, 3)})
+    if published(ckpt):
+        durations.total_seconds = round(run.now() - run.started, 3)
+        await release_slot(run.context, ckpt)
+        await enter_phase(
+            run.context,
+            ckpt,
+            CheckpointPhase.READY,
+            durations=durations,
+            completed_at=datetime.now(UTC),
+        )
+        return ckpt
     await enter_phase(
-        run.context,
-        ckpt,
-        CheckpointPhase.READY,
-        durations=durations,
-        completed_at=datetime.now(UTC),
+        run.context, ckpt, CheckpointPhase.PERSISTING, defer=run.writes, durations=durations
     )
     return ckpt

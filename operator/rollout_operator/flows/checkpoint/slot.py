@@ -36,6 +36,7 @@ from .context import (
     CheckpointRun,
     enter_phase,
     http_participants,
+    published,
     set_lost,
 )
 
@@ -216,7 +217,7 @@ async def held_slot(context: CheckpointContext, ckpt: RolloutCheckpoint) -> Roll
         )
     rset = RolloutSet.model_validate(raw)
     lost = set_lost(rset, ckpt.status.attempt)
-    if lost is not None and ckpt.status.phase is not CheckpointPhase.RESUMING:
+    if lost is not None and not published(ckpt):
         raise CheckpointFailed(Reason.PARTICIPANT_LOST, lost)
     return rset
 
@@ -233,6 +234,7 @@ def lease_seconds(context: CheckpointContext, rset: RolloutSet) -> int:
     return int(
         rset.spec.checkpoint_policy.prepare_timeout_seconds
         + settings.commit_timeout_seconds
+        + settings.persist_timeout_seconds
         + settings.resume_timeout_seconds
         + settings.lease_margin_seconds
     )
