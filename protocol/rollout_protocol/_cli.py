@@ -117,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--episode", action="append", default=None, help="restrict the commit scope; repeatable"
     )
     checkpoint.add_argument("--trainer-step", type=int, default=None)
+    checkpoint.add_argument(
+        "--persist-before-resume",
+        action="store_true",
+        help="write the records inside the pause (the old way); by default participants that "
+        "can cut, resume, then persist (docs/protocol.md, 'Persist after resume')",
+    )
     restore = sub.add_parser("restore", parents=[common], help="restore a published checkpoint")
     restore.add_argument("--checkpoint-id", help="default: the latest published checkpoint")
     restore.add_argument("--attempt", type=int, help="default: the checkpoint's attempt + 1")
@@ -276,6 +282,7 @@ async def _checkpoint(
             publish_dir=args.dir,
             set_name=set_name,
             trainer_step=args.trainer_step,
+            persist_after_resume=not args.persist_before_resume,
         )
         if not result.ok:
             tracing.failed(result.reason, result.message)
@@ -286,6 +293,11 @@ async def _checkpoint(
     console.progress(
         f"checkpoint {checkpoint_id} {result.reason.lower()}: {result.message}; "
         f"paused {result.durations.pause_seconds:.3f}s"
+        + (
+            f", durable {result.durations.persist_seconds:.3f}s after the cut"
+            if result.durations.persist_seconds
+            else ""
+        )
     )
     return EXIT_OK
 

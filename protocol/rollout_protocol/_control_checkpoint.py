@@ -1,5 +1,6 @@
-"""The checkpoint routes of a control plane: prepare, renew, commit and resume (abort), and the
-lease watchdog that resumes by itself when the coordinator stops renewing.
+"""The checkpoint routes of a control plane: prepare, renew, commit (or the cut, whose records a
+persist writes after the resume: `_control_persist.py`) and resume (abort), and the lease
+watchdog that resumes by itself when the coordinator stops renewing.
 
 Held apart from `ControlPlane` (`_control.py`), which owns one `CheckpointOperations` and
 delegates its public `prepare`, `renew`, `commit` and `resume` to it: this is the part of the
@@ -19,6 +20,7 @@ from pydantic_core import PydanticSerializationError
 from . import _storage as storage
 from . import tracing
 from ._control_core import PlaneCore, checkpoint_directory, logger, storage_io
+from ._control_state import HeldCut
 from ._participant import ParkState, episodes_digest
 from ._wire import (
     MAX_BLOCKERS_REPORTED,
@@ -35,6 +37,13 @@ from ._wire import (
     ResumeReply,
     ResumeRequest,
 )
+
+
+def _manifest_path(root: Path, directory: Path) -> str:
+    """Where a participant's manifest is, relative to the checkpoint root (a commit reply's
+    `manifest_path`)."""
+    return str((directory / storage.MANIFEST_NAME).relative_to(root).as_posix())
+
 
 _PARK_OVERRUN_SECONDS = 2.0
 """How long past its deadline a participant's `park` may run before the call is failed."""
@@ -113,6 +122,9 @@ class CheckpointOperations:
             )
 
     async def commit(self, request: CommitRequest) -> CommitReply:
+        """Write the scope's records durably, or, asked to persist after the resume, cut: fix
+        them as bytes held in memory and answer with the manifest a persist will write
+        (`_cut`, docs/protocol.md, "Persist after resume")."""
         core = self._core
         async with core.lock:
             cid = request.checkpoint_id
@@ -131,19 +143,61 @@ class CheckpointOperations:
                         # released like state outside an explicit scope: the rollouts left in
                         scope = frozenset(item.record.rollout_id for item in encoded)
                 encoding.set_attribute("rollout.records", len(encoded))
-            directory, manifest = await self._write(root, request, encoded)
+            rollout_ids = sorted({item.record.rollout_id for item in encoded})
+            if request.persist_after_resume:
+                reply = self._cut(root, request, encoded, rollout_ids)
+            else:
+                directory, manifest = await self._write(root, request, encoded)
+                reply = CommitReply(
+                    checkpoint_id=cid,
+                    phase=Phase.COMMITTED,
+                    manifest=manifest,
+                    manifest_path=_manifest_path(root, directory),
+                    rollout_ids=rollout_ids,
+                )
+                core.cuts.remember(cid, reply)  # a persist of it answers this again
             if scope is not None:
                 core.participant.release_outside(scope)
             core.checkpointed(cid, [item.record for item in encoded])
-            reply = CommitReply(
-                checkpoint_id=cid,
-                phase=Phase.COMMITTED,
-                manifest=manifest,
-                manifest_path=str((directory / storage.MANIFEST_NAME).relative_to(root).as_posix()),
-                rollout_ids=sorted({item.record.rollout_id for item in encoded}),
-            )
             core.machine.end_commit(reply)
             return reply
+
+    def _cut(
+        self,
+        root: Path,
+        request: CommitRequest,
+        encoded: list[storage.EncodedRecord],
+        rollout_ids: list[str],
+    ) -> CommitReply:
+        """Hold the records' lines (immutable bytes, encoded ahead) and answer with the manifest
+        they will have; refused (`persist_backlog`) past the bound on held bytes."""
+        core, cid = self._core, request.checkpoint_id
+        settings = core.settings
+        manifest = storage.records_manifest(
+            role=settings.role,
+            instance=settings.instance,
+            checkpoint_id=cid,
+            attempt=core.attempt,
+            encoded=encoded,
+        )
+        core.cuts.room(cid, manifest.bytes)
+        ahead = self._directory
+        if ahead is not None and ahead.checkpoint_id == cid and ahead.path is not None:
+            directory = ahead.path
+        else:  # not made yet (or it failed): the persist makes it
+            directory = checkpoint_directory(root, settings.storage_dir, cid, settings.instance)
+        reply = CommitReply(
+            checkpoint_id=cid,
+            phase=Phase.COMMITTED,
+            manifest=manifest,
+            manifest_path=_manifest_path(root, directory),
+            rollout_ids=rollout_ids,
+            durable=False,
+        )
+        lines = tuple(item.line for item in encoded)
+        expires = request.deadline_ts + settings.lease_grace_seconds
+        core.cuts.hold(HeldCut(reply=reply, directory=directory, lines=lines, expires_ts=expires))
+        return reply
 
     async def _write(
         self, root: Path, request: CommitRequest, encoded: list[storage.EncodedRecord]

@@ -4,8 +4,8 @@
 checkpoint operations (`_control_checkpoint.py`), restore and standby identity
 (`_control_restore.py`), retire, forget and remove (`_control_retire.py`). One object holds who
 this participant is (its settings and attempt), its phase machine and lease, the lock every
-control operation takes, its retire marks and removal claims: a standby's identity a restore
-takes, or an attempt it installs, is then seen at once by every route and by `/status`.
+control operation takes, its retire marks, removal claims and held cuts: a standby's identity a
+restore takes, or an attempt it installs, is then seen at once by every route and by `/status`.
 
 Calls into the participant are guarded here (an exception becomes `internal`, the work
 accounting never fails a call), and storage I/O under the lock is bounded by the request's
@@ -29,7 +29,7 @@ import anyio.to_thread
 from anyio.abc import TaskGroup
 
 from . import _storage as storage
-from ._control_state import CollectorHold, RemovalClaims, RetireMarks
+from ._control_state import CollectorHold, HeldCuts, RemovalClaims, RetireMarks
 from ._participant import Participant
 from ._phases import PhaseMachine
 from ._settings import ControlSettings
@@ -66,6 +66,8 @@ class PlaneCore:
         """The plane's task group while it runs (`ControlPlane.running`)."""
         self.removals = RemovalClaims()
         self.collector = CollectorHold()
+        self.cuts = HeldCuts(settings.max_held_bytes)
+        """Records held by cuts until their persist (`_control_persist.py`)."""
 
     def extend_lease(self, deadline_ts: float) -> None:
         self.machine.extend_lease(deadline_ts + self.settings.lease_grace_seconds)

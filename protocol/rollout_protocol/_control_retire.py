@@ -109,6 +109,15 @@ class RetireOperations:
                     f"checkpoint {open_id} is open ({machine.phase.value}); its records "
                     "cannot be removed until it closes",
                 )
+            held = [
+                cid for cid in core.cuts.cuts if request.whole_set or cid in request.checkpoint_ids
+            ]
+            if held:
+                raise ProtocolError(
+                    ErrorCode.CONFLICTING_CHECKPOINT,
+                    f"the records of checkpoint {held[0]} are held for a persist here; discard "
+                    "it (or let its persist end) before removing them",
+                )
             claim = core.removals.claim(request.checkpoint_ids, whole_set=request.whole_set)
         set_dir = core.settings.storage_dir
 

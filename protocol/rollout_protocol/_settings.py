@@ -34,6 +34,11 @@ MAX_DEADLINE_SECONDS = 6 * 3600.0
 is refused, so every lease a call opens lapses within it plus the lease grace."""
 MAX_RETIRE_MARKS = 100_000
 """Default bound of per-rollout retire marks of the running attempt (`ROLLOUT_MAX_RETIRE_MARKS`)."""
+MAX_HELD_BYTES = 256 * 1024 * 1024
+"""Default bound of the record bytes a participant holds for cuts whose persist has not finished
+(`ROLLOUT_MAX_HELD_BYTES`): a cut that would hold more while another is held is refused
+(`persist_backlog`). A lone cut is always taken, whatever its size (docs/protocol.md, "Persist
+after resume")."""
 
 
 class ControlConfigError(ValueError):
@@ -61,6 +66,7 @@ class ControlSettings:
     max_body_bytes: int = MAX_BODY_BYTES
     max_deadline_seconds: float = MAX_DEADLINE_SECONDS
     max_retire_marks: int = MAX_RETIRE_MARKS
+    max_held_bytes: int = MAX_HELD_BYTES
     dialects: tuple[Dialect, ...] = (Dialect.ROLLOUT,)
     """The wire dialects the control plane mounts (`ROLLOUT_CONTROL_DIALECTS`, comma separated:
     `rollout`, `gym` or both): ours under `/checkpoint/v1`, NeMo Gym's under `/ng-control/v1`."""
@@ -121,6 +127,8 @@ class ControlSettings:
             )
         if self.max_retire_marks < 1:
             raise ControlConfigError(f"max_retire_marks must be >= 1, got {self.max_retire_marks}")
+        if self.max_held_bytes < 0:
+            raise ControlConfigError(f"max_held_bytes must be >= 0, got {self.max_held_bytes}")
         if self.workers < 1 or self.unmanaged_workers < 1:
             raise ControlConfigError("workers must be >= 1")
         if self.worker is not None and not 0 <= self.worker < self.workers:
@@ -172,6 +180,7 @@ class ControlSettings:
                 "ROLLOUT_MAX_DEADLINE_SECONDS",
             ),
             max_retire_marks=_int_from_env(env, "ROLLOUT_MAX_RETIRE_MARKS", MAX_RETIRE_MARKS),
+            max_held_bytes=_int_from_env(env, "ROLLOUT_MAX_HELD_BYTES", MAX_HELD_BYTES),
             dialects=_dialects_from_env(env.get("ROLLOUT_CONTROL_DIALECTS")),
             **_workers_from_env(env),
         )

@@ -364,6 +364,30 @@ def records_digest(digests: Iterable[bytes]) -> str:
     return hashlib.sha256(b"".join(digests)).hexdigest()
 
 
+def records_manifest(
+    *,
+    role: Role,
+    instance: str,
+    checkpoint_id: str,
+    attempt: int,
+    encoded: Sequence[EncodedRecord],
+) -> Manifest:
+    """The manifest `write_records` writes for these records, made without I/O: one digest over
+    the records' digests. A cut answers with it before a byte is written (`write_held`)."""
+    sha256 = records_digest([item.digest for item in encoded])
+    return Manifest(
+        schema_version=RECORDS_FORMAT,
+        role=role,
+        instance=instance,
+        checkpoint_id=checkpoint_id,
+        attempt=attempt,
+        records_file=f"records-{sha256}.jsonl",
+        records_sha256=sha256,
+        record_count=len(encoded),
+        bytes=sum(len(item.line) for item in encoded),
+    )
+
+
 def write_records(
     directory: Path,
     *,
@@ -378,33 +402,32 @@ def write_records(
 
     `encoded` are records encoded ahead (`encode_record`), written as they are; without it,
     `records` are encoded here. Either way the file is records format 2 (`RECORDS_FORMAT`).
+    See `write_held` for how the files are made durable.
+    """
+    if encoded is None:
+        encoded = [encode_record(record) for record in records]
+    manifest = records_manifest(
+        role=role, instance=instance, checkpoint_id=checkpoint_id, attempt=attempt, encoded=encoded
+    )
+    write_held(directory, manifest, [item.line for item in encoded])
+    return manifest
+
+
+def write_held(directory: Path, manifest: Manifest, lines: Sequence[bytes]) -> None:
+    """Durably write records whose manifest was made before (`records_manifest`, at a cut), then
+    that manifest.
 
     Both files are written under temporary names and fsynced; then the records file gets its
     digest name, the manifest is created (create-if-absent) and one directory fsync makes both
     names durable before this returns. A crash before that fsync can leave a manifest whose
     records file is missing on a filesystem that reorders directory updates; readers refuse
-    that as incomplete, and no caller has been told the commit succeeded.
+    that as incomplete, and no caller has been told the commit succeeded. A crash before the
+    manifest exists leaves no manifest: not a checkpoint, which no restore reads.
 
-    Retrying with the same records is a no-op that returns the same manifest; a manifest that
-    already exists with different content is never replaced (`StorageError` with EEXIST).
+    Retrying with the same records is a no-op; a manifest that already exists with different
+    content is never replaced (`StorageError` with EEXIST).
     """
     make_dirs(directory)
-    if encoded is None:
-        encoded = [encode_record(record) for record in records]
-    lines = [item.line for item in encoded]
-    sha256 = records_digest([item.digest for item in encoded])
-    records_file = f"records-{sha256}.jsonl"
-    manifest = Manifest(
-        schema_version=RECORDS_FORMAT,
-        role=role,
-        instance=instance,
-        checkpoint_id=checkpoint_id,
-        attempt=attempt,
-        records_file=records_file,
-        records_sha256=sha256,
-        record_count=len(lines),
-        bytes=sum(map(len, lines)),
-    )
     records_temp = _write_temp_lines(directory, lines)
     try:
         manifest_temp = _write_temp(directory, _manifest_bytes(manifest))
@@ -413,7 +436,7 @@ def write_records(
         raise
     try:
         try:
-            os.replace(records_temp, directory / records_file)
+            os.replace(records_temp, directory / manifest.records_file)
         except OSError as error:
             raise StorageError("cannot rename records into", directory, error) from error
         try:
@@ -432,7 +455,6 @@ def write_records(
                 directory / MANIFEST_NAME,
                 OSError(errno.EEXIST, "a manifest with other content already exists"),
             )
-    return manifest
 
 
 def _manifest_bytes(manifest: Manifest | CheckpointManifest) -> bytes:
@@ -723,6 +745,31 @@ def remove_checkpoint_files(root: Path, set_dir: str, checkpoint_id: str) -> Rem
     return Removal(found=True, kept=tuple(kept))
 
 
+def remove_instance_files(root: Path, set_dir: str, checkpoint_id: str, instance: str) -> Removal:
+    """Delete one participant's files of a checkpoint (its manifest first, durably), then its
+    folder and the checkpoint's folder when they are left empty: what a persist that failed or
+    was discarded wrote. Like `remove_checkpoint_files`, only what this module writes, never
+    through a symlink; another participant's files and `checkpoint.json` are never touched."""
+    parts = check_set_dir(set_dir)
+    _check_name("checkpoint id", checkpoint_id, CHECKPOINT_ID_PATTERN)
+    _check_name("instance", instance, INSTANCE_PATTERN)
+    with contextlib.ExitStack() as opened:
+        fds, base, state = _walk_real_dirs(opened, Path(root), (*parts, checkpoint_id))
+        if state is None:
+            return Removal(found=False)
+        if state is False:
+            return Removal(found=True, kept=(base,))
+        try:
+            if _lstat_mode_at(fds[-1], instance) == 0:
+                return Removal(found=False)
+            kept = _remove_instance_dir(fds[-1], instance, base / instance)
+            if not kept:
+                _remove_dir(fds[-2], checkpoint_id)  # only when no one else's files are there
+        except OSError as error:
+            raise StorageError("cannot remove", base / instance, error) from error
+    return Removal(found=True, kept=tuple(kept))
+
+
 def remove_set_files(root: Path, set_dir: str) -> Removal:
     """Delete the records of every checkpoint of a set (it was deleted), then its directory and
     the parents below `root` that are left empty; like `remove_checkpoint_files`, only what this
@@ -950,6 +997,14 @@ def _empty_instance_dir(directory: int, path: Path) -> list[Path]:
         else:
             kept.append(path / entry.name)
     return kept
+
+
+def _lstat_mode_at(directory: int, name: str) -> int:
+    """The mode of `name` in an open directory, not following a symlink; 0 when absent."""
+    try:
+        return os.stat(name, dir_fd=directory, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return 0
 
 
 def _lstat_mode(path: Path) -> int:
