@@ -96,7 +96,9 @@ class Scripted:
         self.calls.append(("commit", request.checkpoint_id))
         if self.commit_fails is not None:
             raise ParticipantError(self.commit_fails, "the scripted commit fails", self.instance)
-        return self._reply(request.checkpoint_id, durable=not (self.holds and request.persist_after_resume))
+        return self._reply(
+            request.checkpoint_id, durable=not (self.holds and request.persist_after_resume)
+        )
 
     async def persist(self, request: PersistRequest) -> CommitReply:
         self.calls.append(("persist", request.checkpoint_id))

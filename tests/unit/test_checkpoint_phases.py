@@ -19,6 +19,7 @@ from rollout_operator.flows.checkpoint import PHASES, CheckpointFailed, FlowSett
 from rollout_operator.flows.checkpoint.commit import commit
 from rollout_operator.flows.checkpoint.context import CheckpointContext, CheckpointRun
 from rollout_operator.flows.checkpoint.flow import phase_of
+from rollout_operator.flows.checkpoint.persist import persist
 from rollout_operator.flows.checkpoint.prepare import begin, prepare
 from rollout_operator.flows.checkpoint.resume import resume
 from rollout_operator.flows.phases import run_phases
@@ -95,6 +96,7 @@ async def test_the_next_step_is_the_persisted_phase_and_every_phase_has_one() ->
         "Preparing",
         "Committing",
         "Resuming",
+        "Persisting",
         "Ready",
         "Failed",
     }, "Publishing is not a phase: the publish is one write (docs/design.md#61-checkpoint)"
@@ -102,7 +104,7 @@ async def test_the_next_step_is_the_persisted_phase_and_every_phase_has_one() ->
 
 async def test_the_table_runs_a_checkpoint_from_pending_to_ready() -> None:
     cluster = ready_cluster()
-    participant = Scripted()
+    participant = Scripted(holds=True)
     run, ckpt = await a_run(cluster, participant)
     assert await run_phases(PHASES, run, ckpt) is None
     assert ckpt.status.phase is CheckpointPhase.READY
@@ -111,6 +113,7 @@ async def test_the_table_runs_a_checkpoint_from_pending_to_ready() -> None:
         "prepare",
         "commit",
         "resume",
+        "persist",
     ]
     assert checkpoint_status(cluster)["phase"] == "Ready"
     assert condition(cluster, "Ready")["status"] == "True"
@@ -136,6 +139,7 @@ async def test_a_restart_in_committing_parks_again_then_commits() -> None:
     await commit(run, ckpt)
     assert [op for op, _ in participant.calls] == ["prepare", "commit"]
     assert checkpoint_status(cluster)["phase"] == "Resuming"
+    assert "Ready" not in {c["type"] for c in checkpoint_status(cluster)["conditions"]}
 
 
 # --- Pending: begin ---------------------------------------------------------------------------
@@ -254,55 +258,85 @@ async def test_a_failed_commit_ends_the_flow_with_its_reason() -> None:
     with pytest.raises(CheckpointFailed) as failed:
         await commit(run, ckpt)
     assert failed.value.reason == Reason.COMMIT_FAILED
-    assert run.committed is None
+    assert run.cut is not None
+    assert not run.cut.ok
 
 
-async def test_commit_publishes_the_checkpoint_in_one_write() -> None:
+async def test_the_cut_enters_resuming_and_publishes_nothing() -> None:
     cluster = ready_cluster()
-    participant = Scripted(parked=("r1", "r2"))
+    participant = Scripted(parked=("r1", "r2"), holds=True)
     run, ckpt = await a_run(cluster, participant)
     for step in (begin, prepare):
         await step(run, ckpt)
-    written = len(cluster.requests)
     await commit(run, ckpt)
-    writes = [r for r in cluster.requests[written:] if r.verb != "get"]
-    assert len(writes) == 1, writes
+    assert participant.called("commit") == [CKPT]
+    assert run.cut is not None
+    assert run.cut.held == ["model-0"], "the records are held in memory, not durable"
     status = checkpoint_status(cluster)
     assert status["phase"] == "Resuming"
     assert status["episodes"] == 2
-    (published,) = status["participants"]
-    assert published["instance"] == "model-0"
-    assert published["recordsSha256"] == RECORDS_SHA256
-    assert condition(cluster, "Prepared")["status"] == "True"
-    assert condition(cluster, "Committed")["status"] == "True"
-    assert condition(cluster, "Ready")["reason"] == Reason.PUBLISHED
-    assert participant.called("resume") == [], "publish resumes nothing"
+    assert status["durations"]["commitSeconds"] >= 0
+    assert status["participants"] == [], "nothing is published before the persist"
+    assert "Ready" not in {c["type"] for c in status["conditions"]}
+    assert participant.called("resume") == participant.called("persist") == []
 
 
-# --- Resuming ---------------------------------------------------------------------------------
+# --- Resuming and Persisting ------------------------------------------------------------------
 
 
-async def test_resume_resumes_the_participants_counts_the_pause_and_writes_ready() -> None:
+async def test_resume_resumes_the_participants_counts_the_pause_and_writes_persisting() -> None:
     cluster = ready_cluster()
     in_phase(cluster, "Resuming", durations={"prepareSeconds": 1.5, "commitSeconds": 0.5})
-    participant = Scripted()
+    participant = Scripted(holds=True)
     run, ckpt = await a_run(cluster, participant, in_flight=True)
     assert phase_of(run, ckpt) is CheckpointPhase.RESUMING
     await resume(run, ckpt)
     assert participant.called("resume") == [CKPT]
+    assert participant.called("persist") == []
     durations = ckpt.status.durations
     assert durations is not None
     assert durations.pause_seconds is not None
     assert durations.pause_seconds >= 2.0
-    assert checkpoint_status(cluster)["phase"] == "Ready"
+    assert checkpoint_status(cluster)["phase"] == "Persisting"
 
 
 async def test_resume_leaves_the_pods_of_a_lost_attempt_to_the_recovery() -> None:
     cluster = ready_cluster()
-    in_phase(cluster, "Resuming")
+    participant = Scripted(holds=True)
+    run, ckpt = await a_run(cluster, participant)
+    for step in (begin, prepare, commit):
+        await step(run, ckpt)
     cluster.update(ROLLOUT_SET_PLURAL, NS, SET, lambda s: s["status"].update({"attempt": 4}))
-    participant = Scripted()
-    run, ckpt = await a_run(cluster, participant, in_flight=True)
+    run.rset.status.attempt = 4  # as the set's watch shows it
     await resume(run, ckpt)
     assert participant.called("resume") == []
-    assert checkpoint_status(cluster)["phase"] == "Ready"
+    assert checkpoint_status(cluster)["phase"] == "Persisting", "the persist fails it"
+    # A successor that finds it so fails it at once: its records are not durable.
+    successor, ckpt = await a_run(cluster, participant, in_flight=True)
+    with pytest.raises(CheckpointFailed) as failed:
+        await persist(successor, ckpt)
+    assert failed.value.reason == Reason.PARTICIPANT_LOST
+    assert participant.called("persist") == []
+
+
+async def test_persist_publishes_ready_in_one_write() -> None:
+    cluster = ready_cluster()
+    participant = Scripted(parked=("r1", "r2"), holds=True)
+    run, ckpt = await a_run(cluster, participant)
+    for step in (begin, prepare, commit, resume):
+        await step(run, ckpt)
+    written = len(cluster.requests)
+    await persist(run, ckpt)
+    assert participant.called("persist") == [CKPT]
+    writes = [r for r in cluster.requests[written:] if r.verb != "get" and r.plural != "leases"]
+    assert len(writes) == 1, writes
+    status = checkpoint_status(cluster)
+    assert status["phase"] == "Ready"
+    assert status["episodes"] == 2
+    (published,) = status["participants"]
+    assert published["instance"] == "model-0"
+    assert published["recordsSha256"] == RECORDS_SHA256
+    assert condition(cluster, "Committed")["status"] == "True"
+    assert condition(cluster, "Ready")["reason"] == Reason.PUBLISHED
+    durations = status["durations"]
+    assert {"prepareSeconds", "commitSeconds", "pauseSeconds", "persistSeconds"} <= set(durations)

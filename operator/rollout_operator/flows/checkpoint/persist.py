@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from rollout_protocol import CommitOutcome, tracing
+from rollout_protocol import CommitOutcome, ErrorCode, Failure, tracing
 
 from ...model.api import (
     CheckpointConditionType,
@@ -55,13 +55,26 @@ async def persist(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpo
             lambda: coordinator.persist(ckpt.metadata.name, deadline, cut=cut),
         )
     if not outcome.ok:
-        reason = failure_reason(outcome.failures) or Reason.PERSIST_FAILED
+        reason = persist_reason(outcome.failures)
         raise CheckpointFailed(
             reason,
             "persist failed after the episodes resumed (they ran on; the held records are "
             f"released): {describe(outcome.failures)}",
         )
     return await publish(run, ckpt, outcome, run.now() - started)
+
+
+def persist_reason(failures: list[Failure]) -> str:
+    """A failed persist's reason: a participant that lost the held records with its process
+    (`unknown_checkpoint`) or that is gone is lost; one whose storage refused or was still
+    writing at the deadline, or whose written manifest is not the one its cut promised
+    (`internal`, the coordinator's check), failed to persist."""
+    codes = {failure.code for failure in failures}
+    if ErrorCode.UNKNOWN_CHECKPOINT in codes:
+        return Reason.PARTICIPANT_LOST
+    if codes <= {ErrorCode.INTERNAL, ErrorCode.STORAGE_FAILED}:
+        return Reason.PERSIST_FAILED
+    return failure_reason(failures) or Reason.PERSIST_FAILED
 
 
 async def publish(

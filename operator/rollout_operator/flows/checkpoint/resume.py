@@ -4,9 +4,10 @@
 The resume reopens admission, and is skipped when the set lost the checkpoint's attempt
 meanwhile (its recovery retires those pods; the persist then fails the checkpoint). A
 participant the resume misses resumes itself when its lease lapses. The step counts the pause
-(prepare, cut and resume) and enters Persisting, in memory, written only if it lasts over a
-second (`context.UnwrittenPhases`). A checkpoint that an earlier operator published before its
-resume (Ready True in phase Resuming) has its records durable already: it goes to Ready.
+(prepare, cut and resume) and writes Persisting (at once: outside the pause it costs the
+episodes nothing, and a successor must find it, since a resumed id cannot be cut again). A
+checkpoint that an earlier operator published before its resume (Ready True in phase Resuming)
+has its records durable already: it goes to Ready.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ async def resume(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoi
             completed_at=datetime.now(UTC),
         )
         return ckpt
-    await enter_phase(
-        run.context, ckpt, CheckpointPhase.PERSISTING, defer=run.writes, durations=durations
-    )
+    # Written at once: the episodes run again, so the request costs them nothing, and a
+    # successor that finds Persisting asks the persist again (the cut can no longer be: the
+    # id is stale once resumed).
+    await enter_phase(run.context, ckpt, CheckpointPhase.PERSISTING, durations=durations)
     return ckpt
