@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+import anyio
 from rollout_protocol import CommitOutcome, ErrorCode, Failure, tracing
 
 from ...model.api import (
@@ -48,11 +49,20 @@ async def persist(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpo
     started = run.now()
     deadline = started + run.settings.persist_timeout_seconds
     cut = run.cut
-    with tracing.span("persist"):
+    # The participants answer by the deadline (still writing: `storage_failed`); one that does
+    # not answer at all is not waited for longer than a second past it.
+    with tracing.span("persist"), anyio.move_on_after(deadline - started + 1.0) as bounded:
         outcome = await while_set_holds(
             run.context,
             ckpt,
             lambda: coordinator.persist(ckpt.metadata.name, deadline, cut=cut),
+        )
+    if bounded.cancelled_caught:
+        raise CheckpointFailed(
+            Reason.PERSIST_FAILED,
+            "the participants did not make the records durable within "
+            f"{run.settings.persist_timeout_seconds:g}s after the resume (storage slow or "
+            "hung); the episodes ran on, the held records are released",
         )
     if not outcome.ok:
         reason = persist_reason(outcome.failures)
