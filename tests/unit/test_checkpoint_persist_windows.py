@@ -15,6 +15,7 @@ counts a checkpoint that is not Ready:
 - a second checkpoint asked while one persists waits Queued until the first is Ready, so a
   participant holds one checkpoint's records at a time;
 - the deadline checkpoint's reserve measures the cut and the persist, not the pause alone;
+- retention and the set's latest checkpoint count Ready checkpoints only;
 - storage that refuses (full, read-only) or hangs: the episodes were resumed first, the
   checkpoint ends Failed with a reason at its deadline, and the held records are discarded.
 """
@@ -27,6 +28,7 @@ from typing import Any, cast
 
 import anyio
 from rollout_operator.decide.policy.deadline import save_reserve_seconds
+from rollout_operator.decide.policy.retention import retention
 from rollout_operator.decide.policy.views import checkpoint_views
 from rollout_operator.decide.setstatus import newest_ready
 from rollout_operator.flows.checkpoint import CheckpointFlow, FlowSettings
@@ -270,3 +272,37 @@ async def test_storage_that_hangs_fails_the_checkpoint_at_its_deadline() -> None
     failed = condition(cluster, "Failed")
     assert failed["reason"] == Reason.PERSIST_FAILED
     assert "within 0.1s after the resume" in failed["message"]
+
+
+def test_retention_neither_counts_nor_deletes_a_persisting_checkpoint() -> None:
+    def checkpoint(name: str, phase: str, completed: str | None) -> dict[str, Any]:
+        body = builders.checkpoint_body(
+            name, set_name=SET, namespace=NS, generation=1, trigger="Manual", status={}
+        )
+        ready = phase == "Ready"
+        body["status"] = {"phase": phase}
+        if completed is not None:
+            body["status"]["completedAt"] = completed
+        if ready:
+            body["status"]["conditions"] = [
+                {
+                    "type": "Ready",
+                    "status": "True",
+                    "reason": "Published",
+                    "message": "",
+                    "lastTransitionTime": completed,
+                }
+            ]
+        return body
+
+    views = checkpoint_views(
+        [
+            checkpoint("a", "Ready", "2026-01-01T00:00:00Z"),
+            checkpoint("b", "Ready", "2026-01-01T00:01:00Z"),
+            checkpoint("c", "Persisting", None),
+        ]
+    )
+    assert retention(views, keep_latest=1, protected=[]) == ["a"]
+    newest = newest_ready(views)
+    assert newest is not None
+    assert newest.name == "b", "the latest is the newest Ready one, not the persisting one"
