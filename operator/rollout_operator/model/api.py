@@ -1191,8 +1191,8 @@ class CheckpointPhase(StrEnum):
     QUEUED = "Queued"
     PREPARING = "Preparing"
     COMMITTING = "Committing"
-    PUBLISHING = "Publishing"
     RESUMING = "Resuming"
+    PERSISTING = "Persisting"
     READY = "Ready"
     FAILED = "Failed"
 
@@ -1201,12 +1201,12 @@ CHECKPOINT_RUNNING: Final = frozenset(
     {
         CheckpointPhase.PREPARING,
         CheckpointPhase.COMMITTING,
-        CheckpointPhase.PUBLISHING,
         CheckpointPhase.RESUMING,
+        CheckpointPhase.PERSISTING,
     }
 )
-"""Phases of a checkpoint that holds its set's slot and has closed the participants' admission;
-a restarted operator continues them."""
+"""Phases of a checkpoint that holds its set's slot and has closed the participants' admission
+(or, Persisting, holds their cut records); a restarted operator continues them."""
 CHECKPOINT_FINISHED: Final = frozenset({CheckpointPhase.READY, CheckpointPhase.FAILED})
 
 
@@ -1255,10 +1255,19 @@ class CheckpointDurations(StatusModel):
         default=None, ge=0, description="Prepare: until every episode parked."
     )
     commit_seconds: float | None = Field(
-        default=None, ge=0, description="Commit: writing every participant's records."
+        default=None,
+        ge=0,
+        description="The cut: every participant fixing its records (writing them, for a "
+        "participant that persists inside the pause).",
     )
     pause_seconds: float | None = Field(
         default=None, ge=0, description="Admission closed: prepare start to resume done."
+    )
+    persist_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        description="After the resume: until every participant's records and manifest were "
+        "durable and verified.",
     )
     total_seconds: float | None = Field(
         default=None, ge=0, description="Creation of the checkpoint to its outcome."
@@ -1273,7 +1282,7 @@ class RolloutCheckpointStatus(StatusModel):
     )
     phase: CheckpointPhase | None = Field(
         default=None,
-        description="Pending, Queued, Preparing, Committing, Publishing, Resuming, Ready or "
+        description="Pending, Queued, Preparing, Committing, Resuming, Persisting, Ready or "
         "Failed; persisted so a restarted operator continues or fails it cleanly.",
     )
     attempt: int | None = Field(
