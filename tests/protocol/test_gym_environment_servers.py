@@ -1,0 +1,250 @@
+"""nemo-gym 0.7's released environments, their servers hosted from their own YAML, checkpointed
+through a crash (docs/gym.md, "Environment servers").
+
+nemo-gym 0.7 (on Python 3.13, `make gym-venv`) ships each environment as a Gym YAML
+(`environments/<name>/config.yaml`) with three servers: its resources server, a stock agent
+(`simple_agent`, `gymnasium_agent`) and a `legacy_agent` environment server that relays `/run`
+to the agent. Every one runs here as a process of the 0.7 environment, hosted by `rollout-gym`
+from that YAML as released (`--config environments/<name>/config.yaml --name <instance>`): the
+resources server and the agent as participants that record nothing (`rollout-gym resources`,
+`--role agent` for the agent), the environment server as the set's environment
+(`rollout-gym environment-server`), which plays each `/run` as the protocol's steps. The model
+is the project's model server (`rollout-server model --debug-hooks`), which the stock agent
+reaches as `/ng-rollout/<capture key>/v1/responses`. Nothing has an API key or a GPU.
+
+The conformance kit's crash test, in its `restarting` mode, on each environment: every episode
+is held at the third token of its agent's first model call (inside the agent's one call, which
+cannot be continued), the checkpoint lists it as a restart (the work lost, counted), every
+process is SIGKILLed, and under the next attempt every episode is played once from its start,
+with the reward of its uninterrupted twin (the released resources server's own verify).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rollout_protocol import Role
+from rollout_protocol.conformance import RunRefused, Target, check_crash_restore
+from testsupport.gym_processes import GymProcess, gym_python
+from testsupport.server_processes import (
+    STOP_TIMEOUT_S,
+    TOKEN,
+    Debug,
+    ServerProcess,
+    two_step_task,
+)
+
+RELEASE = "0.7"
+"""Environment servers are nemo-gym 0.7's (0.4 has none)."""
+COUNTER_YAML = (
+    "resources_servers/example_session_state_mgmt/configs/example_session_state_mgmt.yaml"
+)
+"""The released stateful counter's YAML: its resources server, `simple_agent` and a
+`legacy_agent` environment server."""
+COUNTER_SERVERS = (
+    "example_session_state_mgmt_resources_server",
+    "example_session_state_mgmt_simple_agent",
+    "example_session_state_mgmt_environment_server",
+)
+"""Its instances: resources server, agent, environment server."""
+TASK = two_step_task(1)
+WEATHER_YAML = "environments/example_single_tool_call/config.yaml"
+"""The released weather environment: its resources server (whose seed and close follow 0.7's
+session contract), `simple_agent` and a `legacy_agent` environment server."""
+TURN_SERVER = "weather_single_agent_turn"
+TURN_YAML = f"""\
+{TURN_SERVER}:
+  environment_servers:
+    single_agent_turn:
+      entrypoint: app.py
+      resources_server: {{type: resources_servers, name: example_single_tool_call}}
+      agent_server: {{type: responses_api_agents, name: example_single_tool_call_simple_agent}}
+      resources_tool_transports: [direct_http]
+      cleanup_timeout_seconds: 180
+"""
+"""A `single_agent_turn` environment server for the weather environment, as Gym's own
+`single_agent_turn.yaml` gives one (its `???` references filled in)."""
+
+
+def first_row(environment: str) -> dict[str, Any]:
+    """The first row of the environment's shipped example data, as the 0.7 install has it."""
+    script = (
+        "import json, sys\n"
+        "from rollout_gym.gym_config import gym_root\n"
+        "for folder in ('environments', 'resources_servers'):\n"
+        f"    path = gym_root() / folder / {environment!r} / 'data' / 'example.jsonl'\n"
+        "    if path.is_file():\n"
+        "        sys.stdout.write(path.read_text().splitlines()[0])\n"
+        "        break\n"
+    )
+    done = subprocess.run(
+        [str(gym_python(RELEASE)), "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout, f"no example data for {environment}"
+    row: dict[str, Any] = json.loads(done.stdout)
+    return row
+
+
+class EnvironmentDriver:
+    """The kit's `EpisodeDriver` for one released environment's servers and the model."""
+
+    def __init__(
+        self,
+        root: Path,
+        http: httpx.AsyncClient,
+        configs: Sequence[str],
+        servers: tuple[str, str, str],
+        row: dict[str, Any],
+        *,
+        hold_turn: int,
+    ) -> None:
+        self.root, self.http = root, http
+        self.configs, self.servers, self.row = configs, servers, row
+        self.hold_turn = hold_turn
+        """The model call (0: the first) each episode is held in, at its third token."""
+        self.model: ServerProcess | None = None
+        self.gym: dict[Role, GymProcess] = {}
+        self.first_attempt: int | None = None
+        self.armed: set[str] = set()
+        self.results: dict[tuple[str, int], dict[str, Any]] = {}
+
+    def participants(self) -> Sequence[Target]:
+        assert self.model is not None, "not started"
+        found = [Target(self.model.url, Role.MODEL, TOKEN)]
+        return found + [Target(p.url, role, TOKEN) for role, p in self.gym.items()]
+
+    async def run_episode(self, rollout_id: str, attempt: int) -> Any:
+        assert self.model is not None, "not started"
+        if attempt == self.first_attempt and rollout_id not in self.armed:
+            self.armed.add(rollout_id)  # armed once, before the episode can reach it
+            if self.hold_turn == 0:
+                await Debug(self.http, self.model.url).arm("token", rollout_id, index=2)
+            else:
+                await Debug(self.http, self.model.url).arm("finish", rollout_id)
+        body = {"rollout_id": rollout_id, "attempt": attempt, "task": self.row}
+        env = self.gym[Role.ENVIRONMENT]
+        reply = await self.http.post(env.url + "/run", json=body, timeout=120)
+        result = RunRefused.reply(reply)
+        self.results[(rollout_id, attempt)] = result
+        # what the twins share: the verify's reward and the answer (ids and cookies differ)
+        output = result["result"].get("response", {}).get("output")
+        return {"reward": result["reward"], "output": output}
+
+    async def wait_mid_episode(self, rollout_ids: Sequence[str], deadline_ts: float) -> None:
+        """Each episode is inside its agent's call, held at the third token of its model call
+        `hold_turn` (with `hold_turn` 1: after its first model call and tool call)."""
+        assert self.model is not None, "not started"
+        model = Debug(self.http, self.model.url)
+        for rid in rollout_ids:
+            if self.hold_turn == 0:
+                await model.paused("token", rid)
+                continue
+            await model.paused("finish", rid)
+            await model.arm("token", rid, index=2)
+            await model.release("finish", rid)
+            await model.paused("token", rid)
+
+    async def crash(self) -> None:
+        for process in self.gym.values():
+            process.kill()
+        assert self.model is not None, "not started"
+        os.killpg(self.model.process.pid, signal.SIGKILL)
+        self.model.process.wait(timeout=STOP_TIMEOUT_S)
+
+    async def restart(self, attempt: int) -> None:
+        self.stop()  # never leave an earlier group running behind the new one
+        self.model = ServerProcess.start(
+            self.root, Role.MODEL, "--debug-hooks", "--token-latency-ms", "0", attempt=attempt
+        )
+        resources, agent, environment = self.servers
+        peers = {"ROLLOUT_PEER_MODEL_URL": self.model.url}
+        self.gym = {}
+        for role, kind, name, extra in (
+            (Role.RESOURCES, "resources", resources, []),
+            (Role.AGENT, "resources", agent, ["--role", "agent"]),
+            (Role.ENVIRONMENT, "environment-server", environment, []),
+        ):
+            process = GymProcess.start(
+                self.root,
+                kind,
+                [*(f"--config={c}" for c in self.configs), "--name", name, *extra],
+                attempt=attempt,
+                env=peers,
+                release=RELEASE,
+            )
+            self.gym[role] = process
+            peers[f"ROLLOUT_PEER_{role.value.upper()}_URL"] = process.url
+        if self.first_attempt is None:
+            self.first_attempt = attempt
+
+    def stop(self) -> None:
+        for process in self.gym.values():
+            process.stop()
+        if self.model is not None and self.model.process.poll() is None:
+            self.model.stop()
+
+
+async def test_single_agent_turn_is_checkpointed_at_its_protocol_steps(tmp_path: Path) -> None:
+    """nemo-gym 0.7's `single_agent_turn` in front of the released weather environment (its
+    resources server and `simple_agent` from the environment's own YAML): every episode is held
+    inside its agent call after its two seeds, checkpointed (listed as a restart: the agent's
+    call cannot be continued), SIGKILLed with every server; under the next attempt each is
+    played once from its start (the kit's `restarting` mode: its seeds run again) with the
+    reward of its uninterrupted twin (the weather server's own verify). The restarted episode
+    closed the sessions the lost attempt opened: the weather server refuses to seed a closed
+    id again, and the lost attempt's ids were opened on a server that died, so the close
+    reached a fresh server and is checked on the restarted one directly."""
+    turn_yaml = tmp_path / "single_agent_turn.yaml"
+    turn_yaml.write_text(TURN_YAML)
+    servers = ("example_single_tool_call", "example_single_tool_call_simple_agent", TURN_SERVER)
+    async with httpx.AsyncClient() as http:
+        driver = EnvironmentDriver(
+            tmp_path,
+            http,
+            [WEATHER_YAML, str(turn_yaml)],
+            servers,
+            first_row("example_single_tool_call"),
+            hold_turn=0,
+        )
+        try:
+            await driver.restart(0)
+            await check_crash_restore(
+                driver, checkpoint_root=tmp_path / "checkpoints", restarting=True
+            )
+            restarted = sorted(
+                key for key in driver.results if key[1] == 1 and "uninterrupted" not in key[0]
+            )
+            assert restarted, driver.results
+            resources = driver.gym[Role.RESOURCES].url
+            for rollout_id, _ in restarted:
+                # the lost attempt's session was closed by the restarted episode: seeding it
+                # again is refused; the restarted attempt's own session was closed at its end
+                for attempt in (0, 1):
+                    key = rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}"
+                    seed = {
+                        "resources_session_id": f"{key}.resources",
+                        "episode_id": {"rollout_id": rollout_id, "attempt": attempt},
+                        "task_id": {"taskset": TURN_SERVER, "task_id": rollout_id},
+                        "task_data": {},
+                    }
+                    again = await http.post(resources + "/seed_session", json=seed, timeout=30)
+                    assert again.status_code >= 400, (attempt, again.status_code, again.text)
+                    assert "already closed" in again.text, again.text
+        finally:
+            driver.stop()
+    for key in restarted:
+        result = driver.results[key]
+        assert result["continued_from"] is None, result
+        assert result["reward"] == driver.results[(f"{key[0]}-uninterrupted", 1)]["reward"]
