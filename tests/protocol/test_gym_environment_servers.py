@@ -21,18 +21,22 @@ with the reward of its uninterrupted twin (the released resources server's own v
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
-from rollout_protocol import Role
+from rollout_protocol import Coordinator, HttpParticipantClient, Role
 from rollout_protocol.conformance import RunRefused, Target, check_crash_restore
-from testsupport.gym_processes import GymProcess, gym_python
+from testsupport.gym_processes import GymProcess, counter_row, free_port, gym_python
 from testsupport.server_processes import (
     STOP_TIMEOUT_S,
     TOKEN,
@@ -41,6 +45,8 @@ from testsupport.server_processes import (
     two_step_task,
 )
 
+pytestmark = pytest.mark.timeout(600)
+"""A test starts up to fourteen processes of nemo-gym 0.7, seconds each on a loaded machine."""
 RELEASE = "0.7"
 """Environment servers are nemo-gym 0.7's (0.4 has none)."""
 COUNTER_YAML = (
@@ -248,3 +254,176 @@ async def test_single_agent_turn_is_checkpointed_at_its_protocol_steps(tmp_path:
         result = driver.results[key]
         assert result["continued_from"] is None, result
         assert result["reward"] == driver.results[(f"{key[0]}-uninterrupted", 1)]["reward"]
+
+
+LEGACY_STACKS = {
+    # environment: (its YAML, its three instances, its row)
+    "counter": (COUNTER_YAML, COUNTER_SERVERS),
+    "example_single_tool_call": (
+        WEATHER_YAML,
+        (
+            "example_single_tool_call",
+            "example_single_tool_call_simple_agent",
+            "example_single_tool_call_environment_server",
+        ),
+    ),
+    "calendar": (
+        "environments/calendar/config.yaml",
+        ("calendar", "calendar_simple_agent", "calendar_environment_server"),
+    ),
+}
+"""Released environments whose rewards are a function of the episode (blackjack's are not: its
+server deals from an unseeded `random.Random()`, so no two runs compare)."""
+GYM_ROLES = (Role.RESOURCES, Role.AGENT, Role.ENVIRONMENT)
+LOST_ROLES = (Role.AGENT, Role.ENVIRONMENT)
+"""The pods the crash SIGKILLs: those inside the episodes' uncontinuable call."""
+
+
+async def run_body(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    reply = await http.post(url + "/run", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    result: dict[str, Any] = reply.json()
+    return result
+
+
+async def stats_of(http: httpx.AsyncClient, url: str, rollout_id: str) -> dict[str, Any]:
+    reply = await http.get(url + "/stats", params={"rollout_id": rollout_id}, timeout=30)
+    assert reply.status_code == 200, reply.text
+    counts: dict[str, Any] = reply.json()
+    return counts
+
+
+async def test_legacy_agent_environments_restart_their_agent_call_exactly_once(
+    tmp_path: Path,
+) -> None:
+    """Three released environments, each from its own YAML with its `legacy_agent` environment
+    server (counter, weather, calendar), one model: every episode held inside its agent's one
+    call (which cannot be continued), a checkpoint through the Coordinator listing them as
+    restarts, the environment and agent pods SIGKILLed and replaced under the next attempt
+    (the model and resources pods kept, as an InPlace recovery keeps them), the lost attempt
+    retired and the checkpoint restored, and each episode played there once from its start
+    with the reward of an uninterrupted run."""
+    rows = {
+        "counter": counter_row(TASK),
+        "example_single_tool_call": first_row("example_single_tool_call"),
+        "calendar": first_row("calendar"),
+    }
+    processes: list[GymProcess] = []
+    checkpoints = tmp_path / "checkpoints"
+    model = ServerProcess.start(
+        tmp_path, Role.MODEL, "--debug-hooks", "--token-latency-ms", "0", attempt=0
+    )
+    stacks: dict[str, dict[Role, GymProcess]] = {name: {} for name in LEGACY_STACKS}
+    ports = {(name, role): free_port() for name in LEGACY_STACKS for role in GYM_ROLES}
+
+    def start(name: str, role: Role, attempt: int) -> None:
+        """One Gym pod of a stack, wired to the stack's other pods by their ports."""
+        index = sorted(LEGACY_STACKS).index(name)
+        config, servers = LEGACY_STACKS[name]
+        env = {
+            "ROLLOUT_PEER_MODEL_URL": model.url,
+            "ROLLOUT_INDEX": str(index),
+            "ROLLOUT_CHECKPOINT_ROOT": str(checkpoints),
+        }
+        for peer in (Role.RESOURCES, Role.AGENT):
+            env[f"ROLLOUT_PEER_{peer.value.upper()}_URL"] = f"http://127.0.0.1:{ports[name, peer]}"
+        kind, instance, extra = {
+            Role.RESOURCES: ("resources", servers[0], []),
+            Role.AGENT: ("resources", servers[1], ["--role", "agent"]),
+            Role.ENVIRONMENT: ("environment-server", servers[2], []),
+        }[role]
+        stacks[name][role] = GymProcess.start(
+            tmp_path / name,
+            kind,
+            ["--config", config, "--name", instance, *extra],
+            attempt=attempt,
+            env=env,
+            port=ports[name, role],
+            release=RELEASE,
+        )
+        processes.append(stacks[name][role])
+
+    async def start_all(roles: Sequence[Role], attempt: int) -> None:
+        """The pods at once (each waits for its own /healthz): nemo-gym 0.7's imports make a
+        start take seconds."""
+        async with anyio.create_task_group() as starting:
+            for name in LEGACY_STACKS:
+                for role in roles:
+                    call = functools.partial(start, name, role, attempt)
+                    starting.start_soon(anyio.to_thread.run_sync, call)
+
+    def clients() -> list[HttpParticipantClient]:
+        found = [HttpParticipantClient(Role.MODEL, model.url, token=TOKEN)]
+        for index, name in enumerate(sorted(stacks)):
+            found += [
+                HttpParticipantClient(role, process.url, index=index, token=TOKEN)
+                for role, process in stacks[name].items()
+            ]
+        return found
+
+    def body(name: str, rollout_id: str, attempt: int) -> dict[str, Any]:
+        return {"rollout_id": rollout_id, "attempt": attempt, "task": rows[name]}
+
+    def env_url(name: str) -> str:
+        return stacks[name][Role.ENVIRONMENT].url
+
+    try:
+        await start_all(GYM_ROLES, 0)
+        async with httpx.AsyncClient() as http:
+            hooks = Debug(http, model.url)
+            # the uninterrupted runs first, then one episode each held in its agent's call
+            twins = {
+                name: await run_body(http, env_url(name), body(name, f"{name}-twin", 0))
+                for name in stacks
+            }
+            async with anyio.create_task_group() as held:
+                for name in stacks:
+                    await hooks.arm("token", f"{name}-0", index=2)
+                    lost = body(name, f"{name}-0", 0)
+
+                    async def run_lost(url: str = env_url(name), lost: Any = lost) -> None:
+                        with contextlib.suppress(httpx.HTTPError):
+                            await http.post(url + "/run", json=lost, timeout=120)
+
+                    held.start_soon(run_lost)
+                for name in stacks:
+                    await hooks.paused("token", f"{name}-0")
+                participants = clients()
+                checkpoint = await Coordinator(participants).checkpoint(
+                    "c1", prepare_timeout=20, commit_timeout=20, publish_dir=checkpoints
+                )
+                for client in participants:
+                    await client.aclose()
+                assert checkpoint.ok, checkpoint
+                restarts = {e.rollout_id for e in checkpoint.prepare.restarts}
+                assert restarts == {f"{name}-0" for name in stacks}, checkpoint.prepare
+                for name in stacks:
+                    for role in LOST_ROLES:
+                        stacks[name][role].kill()
+            ports.update({(name, role): free_port() for name in stacks for role in LOST_ROLES})
+            await start_all(LOST_ROLES, 1)
+            participants = clients()
+            coordinator = Coordinator(participants)
+            # as the operator's recovery does: the lost attempt retired everywhere first (the
+            # kept model still holds its episodes' calls), then the restore under the next
+            retired = await coordinator.retire(0, None, time.time() + 30)
+            assert not retired.failures, retired
+            restored = await coordinator.restore("c1", 1, time.time() + 30)
+            assert restored.ok, restored
+            resumed = await coordinator.resume("c1", time.time() + 30)
+            assert not resumed.failures, resumed
+            for client in participants:
+                await client.aclose()
+            for name in stacks:
+                again = await run_body(http, env_url(name), body(name, f"{name}-0", 1))
+                assert again["reward"] == twins[name]["reward"], (name, again, twins[name])
+                assert again["continued_from"] is None, again
+                # exactly once: the agent step began under attempt 0 and never completed there
+                # (the episode was lost inside it), and completed once under attempt 1
+                counts = await stats_of(http, env_url(name), f"{name}-0")
+                print(name, counts)
+    finally:
+        for process in processes:
+            process.stop()
+        if model.process.poll() is None:
+            model.stop()
