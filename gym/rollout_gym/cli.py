@@ -67,9 +67,7 @@ def _hosted_app(args: argparse.Namespace, peers: dict[str, str]) -> Any:
             )
         if args.server is None and spec is None:
             sys.exit("rollout-gym resources: give --server module:Class or --config")
-        gym_app = resources.build_gym_app(
-            args.server, args.name, args.host, args.port, peers, spec
-        )
+        gym_app = resources.build_gym_app(args.server, args.name, args.host, args.port, peers, spec)
     except gym_config.GymConfigError as exc:
         sys.exit(f"rollout-gym {args.command}: {exc}")
     role = Role(args.role)

@@ -44,6 +44,7 @@ from rollout_protocol import (
     ControlPlane,
     ControlSettings,
     Episode,
+    EpisodeId,
     EpisodeRuntime,
     ErrorCode,
     ParkState,
@@ -97,7 +98,8 @@ class EpisodeServerParticipant(RuntimeParticipant):
 
     async def park(self, deadline_ts: float) -> ParkState:
         state = await super().park(deadline_ts)
-        keep, lost = [], list(state.restarts)
+        keep: list[EpisodeId] = []
+        lost = list(state.restarts)
         for episode_id in state.parked:
             live = self.runtime.find(episode_id.rollout_id)
             step = live.boundary.step if live is not None else None

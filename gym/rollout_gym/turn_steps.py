@@ -23,7 +23,7 @@ is a step with its results in the boundary, and the ids are derived from the cap
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final
 
 import httpx
@@ -257,6 +257,10 @@ class TurnSteps:
 
     # -- one episode -------------------------------------------------------------------------
 
+    def _runner(self, step: str, episode: Episode) -> Callable[[], Awaitable[Boundary]]:
+        method: Callable[[Episode], Awaitable[Boundary]] = getattr(self, step)
+        return lambda: method(episode)
+
     async def play(self, episode: Episode) -> dict[str, Any]:
         if episode.continued_from is not None and episode.boundary.step == "seed_agent":
             await self.reseed_resources(episode)
@@ -266,7 +270,6 @@ class TurnSteps:
             if step not in STEPS:
                 raise ProtocolError(ErrorCode.INTERNAL, f"unknown step {step!r}")
             mode = StepMode.REPLAY if step == "agent" else StepMode.WAIT
-            run = getattr(self, step)
-            await self.runtime.step(episode, step, mode, lambda run=run: run(episode))
+            await self.runtime.step(episode, step, mode, self._runner(step, episode))
         result: dict[str, Any] = episode.boundary.state["result"]
         return result

@@ -34,6 +34,7 @@ from typing import Any
 
 import anyio
 import httpx
+import pytest
 from rollout_protocol import Coordinator, HttpParticipantClient, Role
 from rollout_protocol.conformance import RunRefused, Target, check_crash_restore
 from testsupport.gym_processes import GymProcess, counter_row, free_port, gym_python
