@@ -415,14 +415,18 @@ async def test_legacy_agent_environments_restart_their_agent_call_exactly_once(
             assert not resumed.failures, resumed
             for client in participants:
                 await client.aclose()
+            for name in stacks:  # the kept model's hooks: the next attempt is not held
+                await hooks.release("token", f"{name}-0")
             for name in stacks:
                 again = await run_body(http, env_url(name), body(name, f"{name}-0", 1))
                 assert again["reward"] == twins[name]["reward"], (name, again, twins[name])
                 assert again["continued_from"] is None, again
-                # exactly once: the agent step began under attempt 0 and never completed there
-                # (the episode was lost inside it), and completed once under attempt 1
+                # exactly once: played once from its start under attempt 1 (the attempt-0
+                # play was lost inside the agent's call, with the pod that ran it)
                 counts = await stats_of(http, env_url(name), f"{name}-0")
-                print(name, counts)
+                steps = counts["rollouts"][f"{name}-0"]
+                assert set(steps) == {"1"}, counts
+                assert steps["1"]["agent"] == {"started": 1, "completed": 1}, counts
     finally:
         for process in processes:
             process.stop()
