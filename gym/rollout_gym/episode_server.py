@@ -31,7 +31,6 @@ without having their handles: a restarted episode first closes its earlier attem
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Final
@@ -56,17 +55,13 @@ from rollout_protocol import (
     StepMode,
 )
 
-from ._peers import make_client
+from ._peers import make_client, shown
 from .environment import RunRequest
 from .gym_config import ServerSpec
 from .turn_steps import TurnSteps, capture_key
 
-log = logging.getLogger("rollout_gym.episode_server")
-
 PROTOCOLS: Final = ("legacy_agent", "single_agent_turn")
 """The released environment servers (implementations) this module checkpoints."""
-MAX_SHOWN: Final = 300
-"""Characters of a Gym reply an error message shows."""
 CAPTURE_FIELD: Final = "_ng_rollout_id"
 """The legacy `/run` body's field that names the capture key (nemo-gym 0.7's
 `BaseRunRequest.capture_rollout_id`)."""
@@ -82,10 +77,6 @@ class EpisodeResult(BaseModel):
     result: dict[str, Any]
     """What the released protocol answered: the agent's `/run` reply (`legacy_agent`), or the
     resources server's verify reply (`single_agent_turn`)."""
-
-
-def _shown(text: str) -> str:
-    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN] + "..."
 
 
 class EpisodeServerParticipant(RuntimeParticipant):
@@ -127,7 +118,7 @@ class LegacySteps:
         if not reply.is_success:
             raise ProtocolError(
                 ErrorCode.INTERNAL,
-                f"{self.spec.name}: /run answered {reply.status_code}: {_shown(reply.text)}",
+                f"{self.spec.name}: /run answered {reply.status_code}: {shown(reply.text)}",
             )
         return Boundary("done", {**episode.boundary.state, "result": reply.json()})
 

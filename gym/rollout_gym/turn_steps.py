@@ -29,11 +29,9 @@ from typing import Any, Final
 import httpx
 from rollout_protocol import Boundary, Episode, EpisodeRuntime, ErrorCode, ProtocolError, StepMode
 
-from ._peers import GymReply, PeerUnavailable, post
+from ._peers import GymReply, PeerUnavailable, post, shown
 from .gym_config import ServerSpec
 
-MAX_SHOWN: Final = 300
-"""Characters of a Gym reply an error message shows."""
 STEPS: Final = (
     "close_earlier",
     "seed_resources",
@@ -55,10 +53,6 @@ def session_ids(rollout_id: str, attempt: int) -> dict[str, str]:
     """The resources and agent session ids of one attempt, derived from its capture key."""
     key = capture_key(rollout_id, attempt)
     return {"resources": f"{key}.resources", "agent": f"{key}.agent"}
-
-
-def _shown(text: str) -> str:
-    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN] + "..."
 
 
 def task_parts(task: Mapping[str, Any], taskset: str, rollout_id: str) -> dict[str, Any]:
@@ -124,7 +118,7 @@ class TurnSteps:
         if not reply.ok:
             raise ProtocolError(
                 ErrorCode.INTERNAL,
-                f"{self.names[peer]}: {path} answered {reply.status}: {_shown(reply.text)}",
+                f"{self.names[peer]}: {path} answered {reply.status}: {shown(reply.text)}",
             )
         return reply
 
