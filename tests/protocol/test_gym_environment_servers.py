@@ -50,6 +50,8 @@ pytestmark = pytest.mark.timeout(600)
 """A test starts up to fourteen processes of nemo-gym 0.7, seconds each on a loaded machine."""
 RELEASE = "0.7"
 """Environment servers are nemo-gym 0.7's (0.4 has none)."""
+GYM_ROLES = (Role.RESOURCES, Role.AGENT, Role.ENVIRONMENT)
+"""The roles of an environment's Gym pods (the model is the project's)."""
 COUNTER_YAML = (
     "resources_servers/example_session_state_mgmt/configs/example_session_state_mgmt.yaml"
 )
@@ -176,23 +178,37 @@ class EnvironmentDriver:
             self.root, Role.MODEL, "--debug-hooks", "--token-latency-ms", "0", attempt=attempt
         )
         resources, agent, environment = self.servers
+        ports = {role: free_port() for role in GYM_ROLES}
         peers = {"ROLLOUT_PEER_MODEL_URL": self.model.url}
+        peers.update(
+            {
+                f"ROLLOUT_PEER_{r.value.upper()}_URL": f"http://127.0.0.1:{p}"
+                for r, p in ports.items()
+            }
+        )
         self.gym = {}
-        for role, kind, name, extra in (
-            (Role.RESOURCES, "resources", resources, []),
-            (Role.AGENT, "resources", agent, ["--role", "agent"]),
-            (Role.ENVIRONMENT, "environment-server", environment, []),
-        ):
-            process = GymProcess.start(
+
+        def start(role: Role, kind: str, name: str, extra: Sequence[str]) -> None:
+            self.gym[role] = GymProcess.start(
                 self.root,
                 kind,
                 [*(f"--config={c}" for c in self.configs), "--name", name, *extra],
                 attempt=attempt,
                 env=peers,
+                port=ports[role],
                 release=RELEASE,
             )
-            self.gym[role] = process
-            peers[f"ROLLOUT_PEER_{role.value.upper()}_URL"] = process.url
+
+        # the three at once (each waits for its own /healthz): nemo-gym 0.7's imports make a
+        # start take seconds
+        async with anyio.create_task_group() as starting:
+            for role, kind, name, extra in (
+                (Role.RESOURCES, "resources", resources, []),
+                (Role.AGENT, "resources", agent, ["--role", "agent"]),
+                (Role.ENVIRONMENT, "environment-server", environment, []),
+            ):
+                call = functools.partial(start, role, kind, name, extra)
+                starting.start_soon(anyio.to_thread.run_sync, call)
         if self.first_attempt is None:
             self.first_attempt = attempt
 
@@ -275,7 +291,6 @@ LEGACY_STACKS = {
 }
 """Released environments whose rewards are a function of the episode (blackjack's are not: its
 server deals from an unseeded `random.Random()`, so no two runs compare)."""
-GYM_ROLES = (Role.RESOURCES, Role.AGENT, Role.ENVIRONMENT)
 LOST_ROLES = (Role.AGENT, Role.ENVIRONMENT)
 """The pods the crash SIGKILLs: those inside the episodes' uncontinuable call."""
 
