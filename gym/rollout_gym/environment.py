@@ -32,10 +32,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 from fastapi import FastAPI, Query
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from rollout_protocol import (
     Boundary,
     ControlPlane,
@@ -55,6 +55,7 @@ from rollout_protocol import (
 )
 
 from ._peers import GymReply, PeerUnavailable, make_client, post
+from .episode import EpisodeRequest, EpisodeResponse, answer, legacy
 
 log = logging.getLogger("rollout_gym.environment")
 
@@ -111,6 +112,19 @@ class RunRequest(BaseModel):
     task: dict[str, Any]
 
 
+def _shape(body: Any) -> str:
+    typed = isinstance(body, EpisodeRequest) or (isinstance(body, dict) and "episode_id" in body)
+    return "0.7" if typed else "0.4"
+
+
+RunBody = Annotated[
+    Annotated[RunRequest, Tag("0.4")] | Annotated[EpisodeRequest, Tag("0.7")],
+    Discriminator(_shape),
+]
+"""`POST /run` in either release's shape: nemo-gym 0.7's typed episode when it names an
+`episode_id`, else 0.4's `{rollout_id, attempt, task}`."""
+
+
 class RunResult(BaseModel):
     """`POST /run`'s reply: the fields `rollout-collect` reads, the Gym verify's reward, and the
     session's cookies (for reading the resources server's own state of the episode)."""
@@ -123,6 +137,15 @@ class RunResult(BaseModel):
     answer: str | None
     continued_from: int | None = None
     session: dict[str, str] = Field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Played:
+    """One finished episode: the 0.4-shaped reply and the resources server's verify answer
+    (the typed reply's `result`, docs/gym.md, "The typed episode")."""
+
+    result: RunResult
+    verification: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -173,6 +196,30 @@ def _added_usage(total: Any, more: Any) -> Any:
 
 def _shown(text: str) -> str:
     return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN] + "..."
+
+
+def peer_retryable(status: int) -> bool:
+    """Whether a peer's error status may change on another try (NeMo Gym's own rule for its
+    servers' dependencies: 408, 425, 429 and every 5xx)."""
+    return status in (408, 425, 429) or status >= 500
+
+
+def refused(what: str, reply: GymReply) -> ProtocolError:
+    """The episode's error for a peer's error answer to one of the loop's own calls (docs/gym.md,
+    "Errors and failures"): a status that may change is `internal` (the set's recovery plays the
+    episode again); any other 4xx no restore changes: `unsupported` for a route the peer does not
+    have (404, 405), `invalid_request` for a task it refuses, and the episode ends at once."""
+    said = f"{what} answered {reply.status}: {_shown(reply.text)}"
+    if peer_retryable(reply.status):
+        return ProtocolError(ErrorCode.INTERNAL, said)
+    code = ErrorCode.UNSUPPORTED if reply.status in (404, 405) else ErrorCode.INVALID_REQUEST
+    return ProtocolError(code, f"{said} (a refusal no restore changes)")
+
+
+def unreachable(what: str, exc: PeerUnavailable) -> ProtocolError:
+    """The episode's error for a peer that stayed unreachable until the step's deadline: a lost
+    peer, which the set's recovery replaces."""
+    return ProtocolError(ErrorCode.UNREACHABLE, f"{what}: {exc}")
 
 
 class GymParticipant(RuntimeParticipant):
@@ -249,17 +296,13 @@ class GymEpisodes:
         try:
             return await self._post(path, body, cookies, deadline_ts)
         except PeerUnavailable as exc:
-            raise ProtocolError(ErrorCode.INTERNAL, f"resources server: {exc}") from exc
+            raise unreachable("resources server", exc) from exc
 
     async def snapshot_of(self, cookies: Mapping[str, str]) -> Any:
         export = self.settings.snapshot_export
         reply = await self.resources(export, {}, cookies, self.deadline())
         if not reply.ok:
-            raise ProtocolError(
-                ErrorCode.INTERNAL,
-                f"resources server: {export} answered {reply.status}: "
-                f"{_shown(reply.text)} (the snapshot strategy needs it; docs/gym.md)",
-            )
+            raise refused(f"resources server: {export} (the snapshot strategy needs it)", reply)
         return reply.json().get("snapshot")
 
     def same_server(self, episode: Episode, session: Mapping[str, Any], reply: GymReply) -> None:
@@ -368,9 +411,7 @@ class GymEpisodes:
         state = episode.boundary.state
         reply = await self.resources("/seed_session", state["task"], {}, self.deadline())
         if not reply.ok:  # simple_agent raises for status here
-            raise ProtocolError(
-                ErrorCode.INTERNAL, f"seed_session answered {reply.status}: {_shown(reply.text)}"
-            )
+            raise refused("seed_session", reply)
         session: dict[str, Any] = {
             "cookies": dict(reply.cookies),
             "calls": [],
@@ -397,11 +438,9 @@ class GymEpisodes:
                 headers=headers,
             )
         except PeerUnavailable as exc:
-            raise ProtocolError(ErrorCode.INTERNAL, f"model: {exc}") from exc
+            raise unreachable("model", exc) from exc
         if not reply.ok:  # simple_agent: model calls are expected to work
-            raise ProtocolError(
-                ErrorCode.INTERNAL, f"model answered {reply.status}: {_shown(reply.text)}"
-            )
+            raise refused("model", reply)
         response = reply.json()
         output = list(response.get("output") or [])
         turn = state["turn"] + 1
@@ -475,11 +514,10 @@ class GymEpisodes:
         reply = await self.resources("/verify", body, state["session"]["cookies"], self.deadline())
         self.same_server(episode, state["session"], reply)
         if not reply.ok:
-            raise ProtocolError(
-                ErrorCode.INTERNAL, f"verify answered {reply.status}: {_shown(reply.text)}"
-            )
-        reward = float(reply.json().get("reward", 0.0))
-        return Boundary("done", {**state, "reward": reward})
+            raise refused("verify", reply)
+        verification = reply.json()
+        reward = float(verification.get("reward", 0.0))
+        return Boundary("done", {**state, "reward": reward, "verification": verification})
 
     # -- one episode --------------------------------------------------------------------------
 
@@ -515,7 +553,7 @@ class GymEpisodes:
             while len(self.sessions) > MAX_SESSIONS_KEPT:
                 self.sessions.popitem(last=False)
 
-    async def play(self, episode: Episode) -> RunResult:
+    async def play(self, episode: Episode) -> Played:
         """One episode from its boundary to `done`, a step at a time."""
         self.claim(episode)
         runtime = self.runtime
@@ -534,7 +572,7 @@ class GymEpisodes:
                 await runtime.step(episode, "verify", StepMode.WAIT, lambda: self.verify(episode))
         state = episode.boundary.state
         self.served(episode)
-        return RunResult(
+        result = RunResult(
             rollout_id=episode.rollout_id,
             attempt=episode.attempt,
             reward=state["reward"],
@@ -544,6 +582,7 @@ class GymEpisodes:
             continued_from=episode.continued_from,
             session=state["session"]["cookies"],
         )
+        return Played(result, state["verification"])
 
 
 def _first_boundary(task: dict[str, Any]) -> Boundary:
@@ -566,12 +605,22 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
 
     app = FastAPI(lifespan=lifespan)
     app.state.draining = False
-    runs = RunRoute[RunResult](plane, runtime, draining=lambda: app.state.draining)
+    runs = RunRoute[Played](plane, runtime, draining=lambda: app.state.draining)
 
-    @app.post("/run")
-    async def run(request: RunRequest) -> RunResult:
-        """Every /run duty is the RunRoute's (docs/sdk.md, section 2)."""
-        return await runs.run(request, episodes.play, first=_first_boundary(request.task))
+    @app.post("/run", response_model=None)
+    async def run(request: RunBody) -> RunResult | EpisodeResponse:
+        """Every /run duty is the RunRoute's (docs/sdk.md, section 2), for both shapes."""
+        if isinstance(request, EpisodeRequest):
+            return await answer(
+                runs,
+                request,
+                episodes.play,
+                first=_first_boundary,
+                result=lambda played: played.verification,
+            )
+        shaped = legacy(request.rollout_id, request.attempt, request.task)
+        played = await runs.run(shaped, episodes.play, first=_first_boundary(shaped.row))
+        return played.result
 
     @app.get("/stats")
     async def stats(rollout_id: list[str] | None = Query(default=None)) -> dict[str, Any]:  # noqa: B008
