@@ -20,6 +20,10 @@ accepting the old cookie (its signing key is derived from its name), so a contin
 would silently run on an empty session. The adapter never lets that happen: the session is
 rebuilt by the declared strategy (`Strategy`) while the restore installs the episode, and a
 rebuild that fails fails the restore.
+
+`/run` takes nemo-gym 0.4's request and 0.7's typed episode (`rollout_gym.episode`) on one
+`RunRoute`. A peer's error answer to the loop's own calls is final unless it may change
+(`refused`), so a missing route ends the episode at once instead of waiting for a restore.
 """
 
 from __future__ import annotations
@@ -103,8 +107,9 @@ class GymSettings:
 
 
 class RunRequest(BaseModel):
-    """`POST /run`: the task is one row of a Gym dataset (`responses_create_params` and the
-    fields the resources server's verify reads)."""
+    """`POST /run` in nemo-gym 0.4's shape: the task is one row of a Gym dataset
+    (`responses_create_params` and the fields the resources server's verify reads), flat or
+    materialized (`rollout_gym.episode.legacy`)."""
 
     model_config = ConfigDict(extra="forbid")
     rollout_id: str = Field(min_length=1)
