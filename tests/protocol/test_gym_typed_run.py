@@ -235,3 +235,55 @@ async def test_a_gym_resume_and_a_recovery_never_run_two_attempts(
     under_1 = stats["rollouts"][rid]["1"]
     assert "seed" not in under_1, stats  # continued from the checkpoint, not started again
     assert under_1["run"]["started"] == 1, stats
+
+
+async def test_an_in_place_recovery_ends_the_live_attempt_before_the_next_runs(
+    tmp_path: Path, release: str
+) -> None:
+    """The operator's InPlace recovery: the processes stay, attempt 0 is retired in them (its
+    live episode stopped) and the checkpoint restored under attempt 1. Attempt 0's typed call
+    ends as a non-terminal failure (`cancelled`), so Gym's resume re-sends it as attempt 1,
+    which continues the checkpointed episode; until the restore, attempt 1 is refused."""
+    rid = "typed-1"
+    async with httpx.AsyncClient(timeout=WAIT_S) as http, aiohttp.ClientSession() as session:
+        driver = GymDriver(tmp_path, http, strategy="replay", release=release)
+        try:
+            await driver.restart(0)
+            env, _, model = driver._running()
+            await Debug(http, model.url).arm("finish", rid)
+            first: list[httpx.Response] = []
+            async with anyio.create_task_group() as group:
+
+                async def attempt_0() -> None:
+                    first.append(await http.post(env.url + "/run", json=typed_body(rid, 0)))
+
+                group.start_soon(attempt_0)
+                await driver.wait_mid_episode([rid], time.time() + WAIT_S)
+                recovery = coordinator(driver, session)
+                checkpoint = await recovery.checkpoint(
+                    "typed-ckpt", prepare_timeout=20, commit_timeout=20
+                )
+                assert checkpoint.ok, checkpoint.message
+                retired = await recovery.retire(0, None, time.time() + WAIT_S)
+                assert not retired.failures, retired.failures
+                await Debug(http, model.url).release("token", rid)
+            between = await http.post(env.url + "/run", json=typed_body(rid, 1))
+            restored = await recovery.restore("typed-ckpt", 1, time.time() + WAIT_S)
+            assert restored.ok, restored.failures
+            resumed = await recovery.resume("typed-ckpt", time.time() + WAIT_S)
+            assert not resumed.failures
+            again = await http.post(env.url + "/run", json=typed_body(rid, 1))
+            stats = (await http.get(env.url + "/stats", params={"rollout_id": rid})).json()
+        finally:
+            driver.stop()
+    replies = [first[0], between, again]
+    assert [reply.status_code for reply in replies] == [200] * 3, [r.text for r in replies]
+    seen = gym_collector([], [reply.json() for reply in replies])
+    ended, refused = seen["replies"][0]["failure"], seen["replies"][1]["failure"]
+    assert (ended["terminal"], ended["failure_kind"]) == (False, "cancelled"), ended
+    assert seen["records"][0]["_ng_failure_terminal"] is False, seen["records"][0]
+    assert refused["terminal"] is False, refused
+    assert seen["replies"][2]["result"]["reward"] == 1.0, seen["replies"][2]
+    under_1 = stats["rollouts"][rid]["1"]
+    assert "seed" not in under_1, stats  # continued from the checkpoint
+    assert under_1["run"]["started"] == 1, stats
