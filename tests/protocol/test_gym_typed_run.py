@@ -111,25 +111,25 @@ async def test_a_typed_episode_from_gyms_collector(tmp_path: Path, release: str)
         )
         started.append(counter)
 
-        def environment(resources_url: str) -> GymProcess:
+        def environment(resources_url: str, step_timeout_s: float) -> GymProcess:
             args = ["--model-url", model.url, "--resources-url", resources_url]
-            args += ["--step-timeout-seconds", "2"]
+            args += ["--step-timeout-seconds", str(step_timeout_s)]
             env = GymProcess.start(tmp_path, "environment", args, attempt=0, release=release)
             started.append(env)
             return env
 
-        env = environment(counter.url)
-        refusing = environment(model.url)  # the model server has no /seed_session: 404
-        lost = environment(f"http://127.0.0.1:{free_port()}")  # nothing listens there
+        env = environment(counter.url, 2 * WAIT_S)
+        # the model server has no /seed_session (404); a wait for its restore would outlast
+        # the test's own deadline for the call
+        refusing = environment(model.url, 2 * WAIT_S)
+        lost = environment(f"http://127.0.0.1:{free_port()}", 2)  # nothing listens there
         async with httpx.AsyncClient(timeout=WAIT_S) as http:
             replies = [(await http.post(env.url + "/run", json=body)) for body in requests]
             materialized_04 = await http.post(
                 env.url + "/run",
                 json={"rollout_id": "flat-0", "attempt": 0, "task": rows[0]},
             )
-            begun = time.monotonic()
             refused = await http.post(refusing.url + "/run", json=requests[0])
-            refused_s = time.monotonic() - begun
             refused_04 = await http.post(
                 refusing.url + "/run", json={"rollout_id": "flat-1", "attempt": 0, "task": row()}
             )
@@ -148,13 +148,12 @@ async def test_a_typed_episode_from_gyms_collector(tmp_path: Path, release: str)
         assert "failure" not in reply, reply
         assert reply["result"]["reward"] == 1.0, reply  # the counter's own verify
         assert record["reward"] == 1.0, record
-    # a refusal no restore changes: terminal at once (the step deadline, 2 s, is not waited)
+    # a refusal no restore changes: terminal, answered at once
     assert refusal["failure"]["terminal"] is True, refusal
     assert refusal["failure"]["stage"] == "seed", refusal
     assert refusal["failure"]["failure_kind"] == "rollout_gym:unsupported", refusal
     assert "seed_session answered 404" in refusal["failure"]["failure_reason"], refusal
     assert seen["records"][2]["_ng_failure_terminal"] is True, seen["records"][2]
-    assert refused_s < 2.0, refused_s
     # a lost peer: not terminal, so a resume re-sends it as its next attempt
     assert lost_peer["failure"]["terminal"] is False, lost_peer
     assert lost_peer["failure"]["failure_kind"] == "transport_unreachable", lost_peer
