@@ -51,11 +51,17 @@ def release(request: pytest.FixtureRequest) -> str:
     return value
 
 
-def gym_collector(rows: list[dict[str, Any]], replies: list[Any]) -> dict[str, Any]:
-    """What nemo-gym 0.7.0's collector sends for `rows` and makes of `replies`."""
+def gym_collector(
+    rows: list[dict[str, Any]], replies: list[Any], ran: list[tuple[int, Any]] | None = None
+) -> dict[str, Any]:
+    """What nemo-gym 0.7.0's collector sends for `rows`, makes of `replies` and, given what
+    each row's call `ran` into (its reply, or None for none), sends on `--resume`."""
+    given: dict[str, Any] = {"rows": rows, "replies": replies}
+    if ran is not None:
+        given["ran"] = ran
     done = subprocess.run(
         [str(gym_python("0.7")), str(COLLECTOR)],
-        input=json.dumps({"rows": rows, "replies": replies}),
+        input=json.dumps(given),
         capture_output=True,
         text=True,
         timeout=120,
@@ -66,17 +72,19 @@ def gym_collector(rows: list[dict[str, Any]], replies: list[Any]) -> dict[str, A
     return found
 
 
-def collector_row(task_id: str, index: int, attempt: int = 0, **task_input: Any) -> dict[str, Any]:
+def collector_row(
+    task_id: str, index: int, rollout_id: str | None = None, **task_input: Any
+) -> dict[str, Any]:
     """A materialized row as 0.7.0's collector keeps it: the task's envelope, its indices and,
-    on a resume's retry, the attempt it stamps (the number of the rollout's failures)."""
+    when given, the explicit rollout id (else Gym's `<task index>-<rollout index>`)."""
     data: dict[str, Any] = {
         "task_id": {"taskset": TASKSET, "task_id": task_id},
         "task_input": task_input or row(),
         "_ng_task_index": index,
         "_ng_rollout_index": 0,
     }
-    if attempt:
-        data["_ng_attempt_index"] = attempt
+    if rollout_id is not None:
+        data["_ng_rollout_id"] = rollout_id
     return data
 
 
@@ -95,6 +103,7 @@ async def test_a_typed_episode_from_gyms_collector(tmp_path: Path, release: str)
         "task_data": {k: v for k, v in row().items() if k != "responses_create_params"},
     }
     rows = [collector_row("t0", 0), collector_row("t1", 1, **canonical)]
+    rows += [collector_row("t2", 2), collector_row("t3", 3)]
     requests = gym_collector(rows, [])["requests"]
     expected = typed_body("0-0", 0)
     expected["task"]["task_id"]["task_id"] = "t0"
@@ -124,23 +133,23 @@ async def test_a_typed_episode_from_gyms_collector(tmp_path: Path, release: str)
         refusing = environment(model.url, 2 * WAIT_S)
         lost = environment(f"http://127.0.0.1:{free_port()}", 2)  # nothing listens there
         async with httpx.AsyncClient(timeout=WAIT_S) as http:
-            replies = [(await http.post(env.url + "/run", json=body)) for body in requests]
+            replies = [(await http.post(env.url + "/run", json=body)) for body in requests[:2]]
             materialized_04 = await http.post(
                 env.url + "/run",
                 json={"rollout_id": "flat-0", "attempt": 0, "task": rows[0]},
             )
-            refused = await http.post(refusing.url + "/run", json=requests[0])
+            refused = await http.post(refusing.url + "/run", json=requests[2])
             refused_04 = await http.post(
                 refusing.url + "/run", json={"rollout_id": "flat-1", "attempt": 0, "task": row()}
             )
-            unreachable = await http.post(lost.url + "/run", json=requests[1])
+            unreachable = await http.post(lost.url + "/run", json=requests[3])
     finally:
         for process in started:
             process.stop()
         model.stop()
     bodies = [reply.json() for reply in (*replies, refused, unreachable)]
     assert [reply.status_code for reply in (*replies, refused, unreachable)] == [200] * 4, bodies
-    seen = gym_collector([], bodies)
+    seen = gym_collector(rows, bodies, ran=list(enumerate(bodies)))
     played, refusal, lost_peer = seen["replies"][:2], seen["replies"][2], seen["replies"][3]
     for request, reply, record in zip(requests, played, seen["records"], strict=False):
         assert reply["episode_id"] == request["episode_id"], reply
@@ -159,6 +168,9 @@ async def test_a_typed_episode_from_gyms_collector(tmp_path: Path, release: str)
     assert lost_peer["failure"]["failure_kind"] == "transport_unreachable", lost_peer
     assert lost_peer["failure"]["stage"] == "seed", lost_peer
     assert seen["records"][3]["_ng_failure_terminal"] is False, seen["records"][3]
+    # Gym's own resume: the lost peer's rollout again as attempt 1, never the refused one
+    resent = {**requests[3], "episode_id": {"rollout_id": "3-0", "attempt": 1}}
+    assert seen["resumed"] == [resent], seen["resumed"]
     # the 0.4 shape: a materialized row played as its task_input; the refusal a final code
     assert materialized_04.status_code == 200, materialized_04.text
     assert materialized_04.json()["reward"] == 1.0, materialized_04.text
@@ -244,6 +256,9 @@ async def test_an_in_place_recovery_ends_the_live_attempt_before_the_next_runs(
     ends as a non-terminal failure (`cancelled`), so Gym's resume re-sends it as attempt 1,
     which continues the checkpointed episode; until the restore, attempt 1 is refused."""
     rid = "typed-1"
+    rows = [collector_row(rid, 0, rollout_id=rid)]
+    [request_0] = gym_collector(rows, [])["requests"]
+    assert request_0 == typed_body(rid, 0), request_0
     async with httpx.AsyncClient(timeout=WAIT_S) as http, aiohttp.ClientSession() as session:
         driver = GymDriver(tmp_path, http, strategy="replay", release=release)
         try:
@@ -254,7 +269,7 @@ async def test_an_in_place_recovery_ends_the_live_attempt_before_the_next_runs(
             async with anyio.create_task_group() as group:
 
                 async def attempt_0() -> None:
-                    first.append(await http.post(env.url + "/run", json=typed_body(rid, 0)))
+                    first.append(await http.post(env.url + "/run", json=request_0))
 
                 group.start_soon(attempt_0)
                 await driver.wait_mid_episode([rid], time.time() + WAIT_S)
@@ -266,23 +281,28 @@ async def test_an_in_place_recovery_ends_the_live_attempt_before_the_next_runs(
                 retired = await recovery.retire(0, None, time.time() + WAIT_S)
                 assert not retired.failures, retired.failures
                 await Debug(http, model.url).release("token", rid)
-            between = await http.post(env.url + "/run", json=typed_body(rid, 1))
+            # Gym's resume of what attempt 0's call answered: the rollout as attempt 1
+            resume = gym_collector(rows, [first[0].json()], ran=[(0, first[0].json())])
+            [request_1] = resume["resumed"]
+            assert request_1["episode_id"] == {"rollout_id": rid, "attempt": 1}, request_1
+            between = await http.post(env.url + "/run", json=request_1)
             restored = await recovery.restore("typed-ckpt", 1, time.time() + WAIT_S)
             assert restored.ok, restored.failures
             resumed = await recovery.resume("typed-ckpt", time.time() + WAIT_S)
             assert not resumed.failures
-            again = await http.post(env.url + "/run", json=typed_body(rid, 1))
+            again = await http.post(env.url + "/run", json=request_1)
             stats = (await http.get(env.url + "/stats", params={"rollout_id": rid})).json()
         finally:
             driver.stop()
-    replies = [first[0], between, again]
-    assert [reply.status_code for reply in replies] == [200] * 3, [r.text for r in replies]
-    seen = gym_collector([], [reply.json() for reply in replies])
-    ended, refused = seen["replies"][0]["failure"], seen["replies"][1]["failure"]
+    ended = resume["replies"][0]["failure"]
     assert (ended["terminal"], ended["failure_kind"]) == (False, "cancelled"), ended
-    assert seen["records"][0]["_ng_failure_terminal"] is False, seen["records"][0]
-    assert refused["terminal"] is False, refused
-    assert seen["replies"][2]["result"]["reward"] == 1.0, seen["replies"][2]
+    assert resume["records"][0]["_ng_failure_terminal"] is False, resume["records"][0]
+    replies = [between, again]
+    assert [reply.status_code for reply in replies] == [200] * 2, [r.text for r in replies]
+    seen = gym_collector([], [reply.json() for reply in replies])
+    refused = seen["replies"][0]["failure"]
+    assert (refused["terminal"], refused["stage"]) == (False, "admission"), refused
+    assert seen["replies"][1]["result"]["reward"] == 1.0, seen["replies"][1]
     under_1 = stats["rollouts"][rid]["1"]
     assert "seed" not in under_1, stats  # continued from the checkpoint
     assert under_1["run"]["started"] == 1, stats
