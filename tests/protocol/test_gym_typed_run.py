@@ -4,8 +4,9 @@
 The other side is nemo-gym 0.7.0's own code, run by the 0.7 environment's interpreter
 (`testsupport/gym_collector.py`): its rollout collector builds each request from a collector row
 (`_episode_request_body`), and parses each reply as 0.7.0's `SingleAgentTurnResponse` and into
-the record it stores (`_episode_record`, whose `_ng_failure_terminal` decides whether a
-`--resume` re-sends the rollout as its next attempt). Every Gym part is real and runs as a
+the record it stores (`_episode_record`), and its `--resume` reads those records back from the
+files it writes (`_load_from_cache`) to say which rollouts it sends again, as which attempt.
+Every Gym part is real and runs as a
 process: the released stateful counter hosted by `rollout-gym resources`, the adapter, and the
 project's model server.
 
@@ -15,11 +16,14 @@ project's model server.
 - a peer that refuses for good (a resources "server" without `/seed_session`: 404) ends the
   episode at once as a terminal failure at stage `seed`, which 0.7.0's collector never resumes;
   in 0.4's shape, a code `rollout-collect` does not wait on;
-- a lost peer (nothing listening) is a non-terminal failure, which a resume re-sends;
+- a lost peer (nothing listening) is a non-terminal failure, which Gym's resume re-sends as
+  attempt 1, and the refusal it never re-sends;
 - a Gym resume and an operator recovery never make two live attempts of one rollout: while
   attempt 0 is live, attempt 1 is refused before anything begins; after the recovery (a
   checkpoint, every process SIGKILLed, the set restored under attempt 1) attempt 0 is refused
-  and attempt 1 continues the checkpointed episode, rewarded as if uninterrupted.
+  and attempt 1 continues the checkpointed episode, rewarded as if uninterrupted; in an InPlace
+  recovery the retire ends attempt 0's live call as a non-terminal failure, Gym's resume
+  re-sends it as attempt 1, refused until the restore and continued after it.
 """
 
 from __future__ import annotations
