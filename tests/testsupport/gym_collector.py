@@ -41,7 +41,8 @@ def resumed(rows: list[Any], ran: list[Any]) -> list[Any]:
     with tempfile.TemporaryDirectory() as folder:
         output = Path(folder) / "rollouts.jsonl"
         materialized_path_for(output).write_text("".join(json.dumps(r) + "\n" for r in rows))
-        done, failed = [], []
+        done: list[str] = []
+        failed: list[str] = []
         for index, reply in ran:
             if reply is None:
                 record = _agent_request_failure_row(ConnectionError("no reply"), None)
