@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -150,7 +151,17 @@ class Played:
     (the typed reply's `result`, docs/gym.md, "The typed episode")."""
 
     result: RunResult
-    verification: dict[str, Any]
+    verified: bytes
+    """The verify answer as compressed JSON: `RunRoute` keeps the replies of the last 10,000
+    finished episodes, and a verify answer carries the episode's whole request and response."""
+
+    @classmethod
+    def of(cls, result: RunResult, verification: Any) -> Played:
+        return cls(result, zlib.compress(json.dumps(verification).encode()))
+
+    def verification(self) -> dict[str, Any]:
+        value: dict[str, Any] = json.loads(zlib.decompress(self.verified))
+        return value
 
 
 @dataclass(frozen=True)
@@ -587,7 +598,7 @@ class GymEpisodes:
             continued_from=episode.continued_from,
             session=state["session"]["cookies"],
         )
-        return Played(result, state["verification"])
+        return Played.of(result, state["verification"])
 
 
 def _first_boundary(task: dict[str, Any]) -> Boundary:
@@ -621,7 +632,7 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
                 request,
                 episodes.play,
                 first=_first_boundary,
-                result=lambda played: played.verification,
+                result=Played.verification,
             )
         shaped = legacy(request.rollout_id, request.attempt, request.task)
         played = await runs.run(shaped, episodes.play, first=_first_boundary(shaped.row))

@@ -6,12 +6,13 @@ plays. The same models against 0.7.0's own code and servers: tests/protocol/test
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 from rollout_gym._peers import GymReply
-from rollout_gym.environment import refused
+from rollout_gym.environment import Played, RunResult, refused
 from rollout_gym.episode import (
     EpisodeFailure,
     EpisodeIdentity,
@@ -130,3 +131,22 @@ def test_a_materialized_task_in_the_04_shape_is_unwrapped() -> None:
     with pytest.raises(ProtocolError) as refused_row:
         legacy("r", 0, {"task_id": {"taskset": "counter"}, "task_input": flat})
     assert refused_row.value.code is ErrorCode.INVALID_REQUEST
+
+
+def test_a_finished_episodes_verify_answer_is_kept_compressed() -> None:
+    """`RunRoute` keeps 10,000 finished replies: the verify answer (the episode's whole request
+    and response) is kept as compressed JSON, and read back whole for a repeated typed call."""
+    outputs = [
+        {"type": "message", "content": [{"text": f"step {i}: " + "x" * 200}]} for i in range(50)
+    ]
+    verification = {
+        "reward": 1.0,
+        "response": {"output": outputs},
+        "responses_create_params": PARAMS,
+    }
+    result = RunResult(
+        rollout_id="r", attempt=0, reward=1.0, steps=50, tool_calls=49, answer="done"
+    )
+    played = Played.of(result, verification)
+    assert played.verification() == verification
+    assert len(played.verified) * 10 < len(json.dumps(verification))
