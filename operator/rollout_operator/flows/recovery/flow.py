@@ -120,11 +120,13 @@ class RecoveryFlow:
         """Whether this loss may start a recovery now (`start.churn`)."""
         return await churn(self._context, rset, loss)
 
-    async def run(self, namespace: str, name: str) -> None:
-        """Run the set's recovery from its persisted phase until none is left."""
+    async def run(self, namespace: str, name: str) -> bool:
+        """Run the set's recovery from its persisted phase until none is left; whether a step
+        ran (none does for a set without a recovery, or whose tries are exhausted)."""
         rset = await read_set(self._context, namespace, name)
-        if rset is None or rset.status.recovery is None:
-            return
+        if rset is None or phase_of(self._context, rset) is None:
+            return False
+        assert rset.status.recovery is not None
         recovery = rset.status.recovery
         # One trace per recovery: its id derives from the set's uid and the recovery's start,
         # so an operator that continues the recovery after a restart adds to the same trace.
@@ -143,6 +145,7 @@ class RecoveryFlow:
             ended = await run_phases(PHASES, self._context, rset)
             if ended is not None:
                 root.set_attribute("rollout.attempt", ended.status.attempt or 0)
+        return True
 
 
 async def start_resume(kube: Kube, flow: RecoveryFlow, rset: RolloutSet, live_pods: int) -> bool:
@@ -173,13 +176,13 @@ class RecoveryLook:
     """What one look at a set did: ran a recovery, or asks to look again at `retry_at`."""
 
     ran: bool
+    """A step of the recovery ran (its status written: the pass looks again from it)."""
     retry_at: datetime | None = None
 
 
 async def recover_if_needed(
     kube: Kube,
-    namespace: str,
-    name: str,
+    rset: RolloutSet,
     *,
     on_transition: OnTransition | None = None,
     waits: RecoveryWaits = DEFAULT_WAITS,
@@ -187,19 +190,16 @@ async def recover_if_needed(
     """One look at the set: continue a recovery, or start one when a participant was lost
     (unless the set lost participants too often: see `churn`).
 
-    Says whether a recovery ran, and when to look again when one has to wait its turn.
+    `rset` is the set as the pass read it. Says whether a recovery ran, and when to look again
+    when one has to wait its turn.
     """
-    raw = await kube.get_set(namespace, name)
-    if raw is None or (raw.get("metadata") or {}).get("deletionTimestamp"):
-        return RecoveryLook(ran=False)
-    rset = RolloutSet.model_validate(raw)
+    namespace, name = namespace_or_default(rset.metadata.namespace), rset.metadata.name
     flow = RecoveryFlow(kube, on_transition=on_transition, waits=waits)
     if rset.status.recovery is None:
         pods, nodes_of, lost_nodes = await observe(kube, rset)
         live = sum(1 for p in pods if not (p.terminating or p.finished))
         if await start_resume(kube, flow, rset, live):
-            await flow.run(namespace, name)
-            return RecoveryLook(ran=True)
+            return RecoveryLook(ran=await flow.run(namespace, name))
         terminating = any(p.terminating for p in pods)
         held = await eviction_holds(kube, rset) if terminating else frozenset()
         loss = detect_loss(rset, pods, nodes_of, lost_nodes, held)
@@ -224,5 +224,4 @@ async def recover_if_needed(
                 return RecoveryLook(ran=False, retry_at=decision.not_before)
             logger.warning("set %s lost a participant: %s", name, loss.message)
             await flow.start(rset, loss)
-    await flow.run(namespace, name)
-    return RecoveryLook(ran=True)
+    return RecoveryLook(ran=await flow.run(namespace, name))
