@@ -31,7 +31,7 @@ from ...decide.policy.suspend import resume_due
 from ...model.api import RecoveryPhase, RolloutSet, format_time, namespace_or_default
 from ...model.owners import StatusOwner
 from ...model.reasons import Reason
-from ..phases import FailureHandler, PhaseTable, run_phases
+from ..phases import FailureHandler, PhaseTable, run_step
 from .backoff import back_off, on_failed_try
 from .context import (
     DEFAULT_WAITS,
@@ -42,6 +42,7 @@ from .context import (
     http_coordinator,
     logger,
     read_set,
+    recovery_of,
 )
 from .loss import Loss, detect_loss, observe
 from .pods import start_pods
@@ -59,13 +60,28 @@ def phase_of(context: RecoveryContext, rset: RolloutSet) -> RecoveryPhase | None
     return recovery.phase
 
 
+def trace_key(rset: RolloutSet) -> str:
+    """The key of the recovery's one trace: the set's uid and the recovery's start, so the
+    phases of every pass (and of an operator that continues it after a restart) join it."""
+    recovery = rset.status.recovery
+    assert recovery is not None, "a recovery's trace is keyed by the recovery"
+    namespace = namespace_or_default(rset.metadata.namespace)
+    return (
+        f"recovery/{rset.metadata.uid or namespace + '/' + rset.metadata.name}/"
+        f"{format_time(recovery.started_at)}"
+    )
+
+
 def phase_span(
     context: RecoveryContext, rset: RolloutSet, phase: RecoveryPhase
 ) -> AbstractContextManager[object]:
-    """Each phase in a span of the recovery's trace."""
-    recovery = rset.status.recovery
-    target = recovery.target_attempt if recovery is not None else 0
-    return tracing.span(phase.value, attributes={"rollout.target_attempt": target})
+    """Each phase in a span of the recovery's trace, under its root (sent when it ends)."""
+    recovery = recovery_of(rset)
+    return tracing.span(
+        phase.value,
+        attributes={"rollout.target_attempt": recovery.target_attempt},
+        context=tracing.keyed_parent(trace_key(rset)),
+    )
 
 
 PHASES: Final = PhaseTable[RecoveryPhase, RecoveryContext, RolloutSet](
@@ -121,30 +137,36 @@ class RecoveryFlow:
         return await churn(self._context, rset, loss)
 
     async def run(self, namespace: str, name: str) -> bool:
-        """Run the set's recovery from its persisted phase until none is left; whether a step
-        ran (none does for a set without a recovery, or whose tries are exhausted)."""
+        """Read the set and run one step of its recovery (`step`)."""
         rset = await read_set(self._context, namespace, name)
-        if rset is None or phase_of(self._context, rset) is None:
-            return False
-        assert rset.status.recovery is not None
+        return rset is not None and await self.step(rset)
+
+    async def step(self, rset: RolloutSet) -> bool:
+        """Run the step of the recovery's persisted phase once: it persists the phase that
+        follows, and the set's loop passes again at once (the recovery advances one phase per
+        pass). Whether a step ran (none does for a set without a recovery, or whose tries are
+        exhausted). When the recovery ends, its trace's root span is sent, from its start."""
         recovery = rset.status.recovery
-        # One trace per recovery: its id derives from the set's uid and the recovery's start,
-        # so an operator that continues the recovery after a restart adds to the same trace.
-        with tracing.root_span(
-            f"recovery {namespace}/{name}",
-            key=f"recovery/{rset.metadata.uid or namespace + '/' + name}/"
-            f"{format_time(recovery.started_at)}",
-            attributes={
-                "rollout.set": name,
-                "rollout.namespace": namespace,
-                "rollout.from_attempt": recovery.from_attempt,
-                "rollout.reason": recovery.reason or "",
-                "rollout.continued_from": recovery.phase.value,
-            },
-        ) as root:
-            ended = await run_phases(PHASES, self._context, rset)
-            if ended is not None:
-                root.set_attribute("rollout.attempt", ended.status.attempt or 0)
+        if recovery is None or phase_of(self._context, rset) is None:
+            return False
+        ended = await run_step(PHASES, self._context, rset)
+        if ended is None or phase_of(self._context, ended) is None:
+            namespace = namespace_or_default(rset.metadata.namespace)
+            name = rset.metadata.name
+            with tracing.root_span(
+                f"recovery {namespace}/{name}",
+                key=trace_key(rset),
+                keyed_span=True,
+                start_time_ns=int(recovery.started_at.timestamp() * 1e9),
+                attributes={
+                    "rollout.set": name,
+                    "rollout.namespace": namespace,
+                    "rollout.from_attempt": recovery.from_attempt,
+                    "rollout.reason": recovery.reason or "",
+                    "rollout.attempt": ended.status.attempt or 0 if ended is not None else 0,
+                },
+            ):
+                pass
         return True
 
 
@@ -223,5 +245,5 @@ async def recover_if_needed(
             if decision.not_before is not None:
                 return RecoveryLook(ran=False, retry_at=decision.not_before)
             logger.warning("set %s lost a participant: %s", name, loss.message)
-            await flow.start(rset, loss)
-    return RecoveryLook(ran=await flow.run(namespace, name))
+            rset = await flow.start(rset, loss)
+    return RecoveryLook(ran=await flow.step(rset))
