@@ -88,3 +88,13 @@ async def test_each_pass_runs_one_recovery_phase_persists_it_and_passes_again_at
     assert "recovery" not in status
     assert status["attempt"] == 3
     assert transitions == [Reason.NO_CHECKPOINT]
+
+    # Attempt 3 has no pod on this API server: its participant is lost. The pass that sees it
+    # starts the next recovery, persists its first phase, and leaves that phase to the next pass.
+    assert await one_pass(), "a recovery started: the loop passes again at once"
+    recovery = stored_status(cluster)["recovery"]
+    assert (recovery["phase"], recovery["fromAttempt"], recovery["targetAttempt"]) == (
+        "StoppingAttempt",
+        3,
+        4,
+    )

@@ -198,7 +198,8 @@ class RecoveryLook:
     """What one look at a set did: ran a recovery, or asks to look again at `retry_at`."""
 
     ran: bool
-    """A step of the recovery ran (its status written: the pass looks again from it)."""
+    """The recovery started, or ran a step (its phase persisted: the loop passes again at once
+    and goes on from it)."""
     retry_at: datetime | None = None
 
 
@@ -209,8 +210,9 @@ async def recover_if_needed(
     on_transition: OnTransition | None = None,
     waits: RecoveryWaits = DEFAULT_WAITS,
 ) -> RecoveryLook:
-    """One look at the set: continue a recovery, or start one when a participant was lost
-    (unless the set lost participants too often: see `churn`).
+    """One look at the set: run one phase of its recovery, or start one when a participant was
+    lost (unless the set lost participants too often: see `churn`), which persists its first
+    phase for the next pass to run.
 
     `rset` is the set as the pass read it. Says whether a recovery ran, and when to look again
     when one has to wait its turn.
@@ -221,7 +223,7 @@ async def recover_if_needed(
         pods, nodes_of, lost_nodes = await observe(kube, rset)
         live = sum(1 for p in pods if not (p.terminating or p.finished))
         if await start_resume(kube, flow, rset, live):
-            return RecoveryLook(ran=await flow.run(namespace, name))
+            return RecoveryLook(ran=True)
         terminating = any(p.terminating for p in pods)
         held = await eviction_holds(kube, rset) if terminating else frozenset()
         loss = detect_loss(rset, pods, nodes_of, lost_nodes, held)
@@ -245,5 +247,6 @@ async def recover_if_needed(
             if decision.not_before is not None:
                 return RecoveryLook(ran=False, retry_at=decision.not_before)
             logger.warning("set %s lost a participant: %s", name, loss.message)
-            rset = await flow.start(rset, loss)
+            await flow.start(rset, loss)
+            return RecoveryLook(ran=True)  # its first phase persisted: the next pass runs it
     return RecoveryLook(ran=await flow.step(rset))
