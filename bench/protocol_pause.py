@@ -40,6 +40,14 @@ saves against resuming stage by stage (three), and each call's median as the coo
 and next to it the checkpoint bytes per episode against the participants' resident memory (what a
 process-level snapshot, CRIU-style, would have to write instead).
 
+Each round takes one checkpoint the old way (records written and fsynced inside the pause) and
+one the new way (persist after resume: the cut inside the pause, then the resume, then the
+persist; docs/protocol.md, "Persist after resume"), alternating which goes first, so both see
+the same episodes and machine. The new way is printed against the floor of its sequential calls
+alone (no write is left in its pause: six round trips, and the same calls as the fan-outs they
+are; target <= 1.5), with the time from the cut to every record durable and the bytes the cut
+held.
+
 Prints tables; asserts nothing. Run: `.venv/bin/python bench/protocol_pause.py [--episodes N]`.
 """
 
@@ -57,7 +65,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -69,13 +77,17 @@ import httpx
 from rollout_protocol import (
     PREPARE_ORDER,
     Boundary,
+    CheckpointResult,
     CommitReply,
     CommitRequest,
     Coordinator,
+    DiscardReply,
+    DiscardRequest,
     EpisodeRuntime,
     ForgetReply,
     ForgetRequest,
     HttpParticipantClient,
+    PersistRequest,
     PrepareReply,
     PrepareRequest,
     Record,
@@ -108,6 +120,10 @@ SERVER = str(Path(sys.executable).with_name("rollout-server"))
 ROLES = (Role.ENVIRONMENT, Role.AGENT, Role.MODEL, Role.RESOURCES)
 EPISODES_PER_REPLICA = 4000
 """The default replicas per role: a lane's environment holds two sockets per held episode."""
+OLD, NEW = "old", "new"
+WAYS = (OLD, NEW)
+"""The old way commits (writes and fsyncs) inside the pause; the new way cuts inside it and
+persists after the resume (docs/protocol.md, "Persist after resume")."""
 Server = tuple[Role, int]
 """A server process: its role and its index among that role's replicas."""
 
@@ -349,7 +365,7 @@ async def run_trainer(environment: str, ids: list[str], failures: Path) -> None:
 async def bench(episodes: int, repeats: int, replicas: int, root: Path) -> None:
     calls: dict[tuple[str, Role], list[float]] = defaultdict(list)
     spans: Spans = defaultdict(list)
-    current = [0]
+    current = [""]
     with servers(root, replicas=replicas) as procs:
         urls = {server: url for server, (url, _) in procs.items()}
         ids = [f"b{i:05d}" for i in range(episodes)]
@@ -424,29 +440,35 @@ async def bench(episodes: int, repeats: int, replicas: int, root: Path) -> None:
                         for (role, index), url in urls.items()
                     ]
                     coordinator = Coordinator(participants, call_timeout=120)
-                    pauses, results, trips, fan_outs = [], [], [], []
+                    trips, fan_outs = [], []
+                    results: dict[str, list[CheckpointResult]] = {way: [] for way in WAYS}
                     stage_trips: dict[Role, list[float]] = defaultdict(list)
                     everyone = list(urls.values())
                     by_role = {
                         role: [u for (r, _), u in urls.items() if r is role] for role in ROLES
                     }
                     for n in range(repeats):
-                        current[0] = n
                         for role, members in by_role.items():
                             stage_trips[role] += await round_trips(control, members, 5)
                         # round trips sampled next to every checkpoint, so the baseline sees
                         # the same machine state as the pause it is compared with
                         trips += await round_trips(control, [urls[(Role.RESOURCES, 0)]], 10)
                         fan_outs += await round_trips(control, everyone, 10)
-                        result = await coordinator.checkpoint(
-                            f"bench-{n}", prepare_timeout=60, commit_timeout=60
-                        )
-                        if not result.ok:
-                            raise SystemExit(
-                                f"checkpoint failed: {result.reason}: {result.message}"
+                        # the two ways alternate (in turned order every other round), so
+                        # both see the same machine
+                        for way in WAYS if n % 2 == 0 else WAYS[::-1]:
+                            current[0] = f"{way}-{n}"
+                            result = await coordinator.checkpoint(
+                                f"bench-{way}-{n}",
+                                prepare_timeout=60,
+                                commit_timeout=60,
+                                persist_after_resume=way == NEW,
                             )
-                        pauses.append(result.durations.pause_seconds)
-                        results.append(result)
+                            if not result.ok:
+                                raise SystemExit(
+                                    f"{way} checkpoint failed: {result.reason}: {result.message}"
+                                )
+                            results[way].append(result)
                     trips += await round_trips(control, [urls[(Role.RESOURCES, 0)]], 10)
                     fan_outs += await round_trips(control, everyone, 10)
                     rtt = statistics.median(trips)
@@ -454,7 +476,7 @@ async def bench(episodes: int, repeats: int, replicas: int, root: Path) -> None:
                 rss = {server: rss_bytes(pid) for server, (_, pid) in procs.items()}
                 cpu = {server: cpu_seconds(pid) for server, (_, pid) in procs.items()}
 
-        last = results[-1]
+        last = results[OLD][-1]
         assert last.commit is not None
         manifests = {m.instance: m for m in last.commit.manifests.values()}
         sizes = [m.bytes for m in manifests.values()]
@@ -470,14 +492,14 @@ async def bench(episodes: int, repeats: int, replicas: int, root: Path) -> None:
         floor_calls = write_s + sum(stage_rtt.values()) + 2 * rtt_all
         stages = {
             (op, role): statistics.median(
-                max(end for _, end in spans[(n, op, role)])
-                - min(start for start, _ in spans[(n, op, role)])
+                max(end for _, end in spans[(f"{OLD}-{n}", op, role)])
+                - min(start for start, _ in spans[(f"{OLD}-{n}", op, role)])
                 for n in range(repeats)
             )
             for op in ("prepare",)
             for role in ROLES
         }
-        pause = statistics.median(pauses)
+        pause = statistics.median(r.durations.pause_seconds for r in results[OLD])
         parts = commit_parts(root / "checkpoints", last.commit.manifest_paths, repeats)
 
     total = sum(sizes)
@@ -486,8 +508,9 @@ async def bench(episodes: int, repeats: int, replicas: int, root: Path) -> None:
         f"loopback), {repeats} checkpoints"
     )
     print(f"(episodes reached their hold points {live_after:.1f}s after starting)\n")
-    prepare = statistics.median(r.durations.prepare_seconds for r in results)
-    commit = statistics.median(r.durations.commit_seconds for r in results)
+    print("the old way (records written inside the pause); the new way is compared after it:\n")
+    prepare = statistics.median(r.durations.prepare_seconds for r in results[OLD])
+    commit = statistics.median(r.durations.commit_seconds for r in results[OLD])
     saved = (STAGED_RESUME_CALLS - 1) * rtt
     rows = [
         ("pause (prepare start -> resumed)", pause),
@@ -555,8 +578,16 @@ async def bench(episodes: int, repeats: int, replicas: int, root: Path) -> None:
     print(f"{'participant':<14}" + "".join(f"{op:>10}" for op in ("prepare", "commit", "resume")))
     for role in ROLES:
         cells = "".join(
-            f"{statistics.median(calls[(op, role)]):>10.4f}"
+            f"{statistics.median(calls[(f'{op}/{OLD}', role)]):>10.4f}"
             for op in ("prepare", "commit", "resume")
+        )
+        print(f"{role.value:<14}{cells}")
+    print("\nthe same, the new way (commit: the cut; persist: after the resume):")
+    new_ops = ("prepare", "commit", "resume", "persist")
+    print(f"{'participant':<14}" + "".join(f"{op:>10}" for op in new_ops))
+    for role in ROLES:
+        cells = "".join(
+            f"{statistics.median(calls[(f'{op}/{NEW}', role)]):>10.4f}" for op in new_ops
         )
         print(f"{role.value:<14}{cells}")
     print()
@@ -578,7 +609,9 @@ async def bench(episodes: int, repeats: int, replicas: int, root: Path) -> None:
         f"\ncheckpoint bytes per episode {total / episodes:.0f} B vs resident memory per episode "
         f"{rss_total / episodes:.0f} B: a process snapshot writes {rss_total / total:.0f}x more"
     )
+    new = _new_way(results[NEW], stage_rtt, rtt, rtt_all, pause, floor_calls)
     summary = {
+        "new_way": new,
         "episodes": episodes,
         "replicas": replicas,
         "pause_s": pause,
@@ -620,8 +653,72 @@ async def _wait_held(
             return reply
 
 
-Spans = dict[tuple[int, str, Role], list[tuple[float, float]]]
-"""(checkpoint number, operation, role) -> (sent, replied) of each instance's call."""
+Spans = dict[tuple[str, str, Role], list[tuple[float, float]]]
+"""(checkpoint, as `<way>-<number>`; operation; role) -> (sent, replied) of each instance's
+call."""
+
+
+def _new_way(
+    results: Sequence[CheckpointResult],
+    stage_rtt: Mapping[Role, float],
+    rtt: float,
+    rtt_all: float,
+    old_pause: float,
+    old_floor_calls: float,
+) -> dict[str, float]:
+    """Print the new way (cut, resume, persist) against the old one and the floor of its
+    sequential calls alone (no write: the persist is after the resume); return its numbers."""
+
+    def median(values: Iterable[float]) -> float:
+        return statistics.median(list(values))
+
+    pause = median(r.durations.pause_seconds for r in results)
+    prepare = median(r.durations.prepare_seconds for r in results)
+    cut = median(r.durations.commit_seconds for r in results)
+    durable = median(r.durations.persist_seconds for r in results)
+    floor_rtt = SEQUENTIAL_CALLS * rtt
+    floor_calls = sum(stage_rtt.values()) + 2 * rtt_all
+    held = [
+        max(m.bytes for m in r.commit.manifests.values()) for r in results if r.commit is not None
+    ]
+    total = [r.commit.bytes for r in results if r.commit is not None]
+    print("\nthe new way: cut inside the pause, resume, then persist (median seconds):")
+    rows = [
+        ("pause (prepare start -> resumed)", pause),
+        ("  prepare, 4 stages in order", prepare),
+        ("  the cut, fanned out", cut),
+        ("  resume, all at once", max(0.0, pause - prepare - cut)),
+        ("cut -> every record durable", durable),
+        (f"floor: {SEQUENTIAL_CALLS} RTT, no write", floor_rtt),
+        ("floor: the calls as fan-outs, no write", floor_calls),
+    ]
+    for label, value in rows:
+        print(f"  {label:<40}{value:>10.4f}")
+    print(f"  {'ratio pause / 6 RTT':<40}{pause / floor_rtt:>10.2f}")
+    print(
+        f"  {'ratio pause / the calls as fan-outs':<40}{pause / floor_calls:>10.2f}"
+        "   (target <= 1.5)"
+    )
+    print(
+        f"  {'the old way, same run: pause':<40}{old_pause:>10.4f}"
+        f"   ({old_pause / old_floor_calls:.2f} x its floor with the write)"
+    )
+    print(
+        f"  held at the cut: {max(held)} bytes in the largest participant, {max(total)} in all "
+        "(released once durable)"
+    )
+    return {
+        "pause_s": pause,
+        "prepare_s": prepare,
+        "cut_s": cut,
+        "cut_to_durable_s": durable,
+        "floor_rtt_s": floor_rtt,
+        "floor_calls_s": floor_calls,
+        "ratio_floor_rtt": pause / floor_rtt,
+        "ratio_floor_calls": pause / floor_calls,
+        "held_bytes_largest": max(held),
+        "held_bytes_total": max(total),
+    }
 
 
 class TimedParticipant:
@@ -633,7 +730,7 @@ class TimedParticipant:
         inner: HttpParticipantClient,
         calls: dict[tuple[str, Role], list[float]],
         spans: Spans,
-        current: list[int],
+        current: list[str],
     ) -> None:
         self.inner = inner
         self.calls = calls
@@ -652,7 +749,8 @@ class TimedParticipant:
         started = time.perf_counter()
         reply = await call
         ended = time.perf_counter()
-        self.calls[(operation, self.role)].append(ended - started)
+        way = self.current[0].split("-", 1)[0]
+        self.calls[(f"{operation}/{way}", self.role)].append(ended - started)
         self.spans[(self.current[0], operation, self.role)].append((started, ended))
         return reply
 
@@ -679,6 +777,12 @@ class TimedParticipant:
 
     async def forget(self, request: ForgetRequest) -> ForgetReply:
         return await self.inner.forget(request)
+
+    async def persist(self, request: PersistRequest) -> CommitReply:
+        return await self._timed("persist", self.inner.persist(request))
+
+    async def discard(self, request: DiscardRequest) -> DiscardReply:
+        return await self.inner.discard(request)
 
 
 def main() -> None:

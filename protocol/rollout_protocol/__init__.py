@@ -21,7 +21,8 @@ This package is its own distribution, `rollout-protocol` (protocol/pyproject.tom
 pydantic, httpx, anyio, FastAPI/Starlette and opentelemetry-api only. aiohttp
 (`HttpParticipantClient`, imported at its first call: the `client` extra) and uvicorn
 (`rollout_protocol.serving`, the conformance kit: the `serve` and `kit` extras) are needed only by
-what uses them; `import rollout_protocol` imports neither. It never imports the operator or the
+what uses them; `import rollout_protocol` imports neither. obstore (the `s3` extra) is imported only
+when records go to an S3-API bucket (`BucketStore`). It never imports the operator or the
 reference servers; everything not listed in `__all__` (and the public submodules `conformance`,
 `serving`, `tracing` and `model_api`) is private.
 
@@ -49,10 +50,15 @@ from ._episodes import (
     StepMode,
     TaskMismatch,
 )
+from ._objectstore import BucketConfig, BucketConfigError, BucketError, BucketStore
 from ._participant import EpisodeCounts, ParkState, Participant
 from ._routes import (
     COMMIT,
+    CONTROL_ROUTES,
+    DISCARD,
     FORGET,
+    PERSIST,
+    PERSIST_ROUTES,
     PREPARE,
     REMOVE,
     RENEW,
@@ -64,13 +70,15 @@ from ._routes import (
     Dialect,
     Route,
 )
-from ._settings import ControlConfigError, ControlSettings
+from ._settings import S3_ENV_PREFIX, ControlConfigError, ControlSettings, bucket_from_env
 from ._storage import (
     EncodedRecord,
     RecordsInvalid,
     RecordsMissing,
+    RecordsStore,
     Removal,
     StorageError,
+    VolumeStore,
     checkpoint_base,
     encode_record,
     published_checkpoints,
@@ -92,9 +100,12 @@ from ._wire import (
     RESUME_ORDER,
     RETIRE_ORDER,
     ROLLOUT_ID_PATTERN,
+    Capability,
     CheckpointManifest,
     CommitReply,
     CommitRequest,
+    DiscardReply,
+    DiscardRequest,
     EpisodeId,
     ErrorBody,
     ErrorCode,
@@ -103,6 +114,7 @@ from ._wire import (
     ForgetRequest,
     Manifest,
     MultiProcess,
+    PersistRequest,
     Phase,
     PrepareReply,
     PrepareRequest,
@@ -140,6 +152,7 @@ if _typing.TYPE_CHECKING:
         CheckpointResult,
         CommitOutcome,
         Coordinator,
+        DiscardOutcome,
         Failure,
         ForgetOutcome,
         LostWork,
@@ -173,6 +186,7 @@ _LAZY_MODULES: _typing.Final[dict[str, frozenset[str]]] = {
             "CheckpointResult",
             "CommitOutcome",
             "Coordinator",
+            "DiscardOutcome",
             "Failure",
             "ForgetOutcome",
             "LostWork",
@@ -210,12 +224,16 @@ __all__ = [
     "API_PREFIX",
     "CHECKPOINT_ID_PATTERN",
     "COMMIT",
+    "CONTROL_ROUTES",
+    "DISCARD",
     "FORGET",
     "MAX_ERROR_REPLY_BYTES",
     "MAX_INSTANCE_INDEX",
     "MAX_KEPT_LISTED",
     "MAX_REPLY_BYTES",
     "MAX_SMALL_REPLY_BYTES",
+    "PERSIST",
+    "PERSIST_ROUTES",
     "PREPARE",
     "PREPARE_ORDER",
     "REMOVE",
@@ -227,10 +245,16 @@ __all__ = [
     "RETIRE_ORDER",
     "ROLLOUT_ID_PATTERN",
     "ROUTES",
+    "S3_ENV_PREFIX",
     "STATUS",
     "STEPS_COUNTER",
     "AttemptRetired",
     "Boundary",
+    "BucketConfig",
+    "BucketConfigError",
+    "BucketError",
+    "BucketStore",
+    "Capability",
     "CheckpointDurations",
     "CheckpointManifest",
     "CheckpointResult",
@@ -242,6 +266,9 @@ __all__ = [
     "ControlSettings",
     "Coordinator",
     "Dialect",
+    "DiscardOutcome",
+    "DiscardReply",
+    "DiscardRequest",
     "EncodedRecord",
     "Episode",
     "EpisodeCancelled",
@@ -266,6 +293,7 @@ __all__ = [
     "Participant",
     "ParticipantClient",
     "ParticipantError",
+    "PersistRequest",
     "Phase",
     "PrepareOutcome",
     "PrepareReply",
@@ -275,6 +303,7 @@ __all__ = [
     "Record",
     "RecordsInvalid",
     "RecordsMissing",
+    "RecordsStore",
     "Removal",
     "RemoveReply",
     "RemoveRequest",
@@ -301,6 +330,8 @@ __all__ = [
     "StepMode",
     "StorageError",
     "TaskMismatch",
+    "VolumeStore",
+    "bucket_from_env",
     "checkpoint_base",
     "encode_record",
     "gym_rollout_id",

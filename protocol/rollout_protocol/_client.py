@@ -35,8 +35,10 @@ from . import _gym as gym
 from . import tracing
 from ._routes import (
     COMMIT,
+    DISCARD,
     FORGET,
     GYM_CAPABILITIES_PATH,
+    PERSIST,
     PREPARE,
     REMOVE,
     RENEW,
@@ -52,10 +54,13 @@ from ._routes import (
 from ._wire import (
     CommitReply,
     CommitRequest,
+    DiscardReply,
+    DiscardRequest,
     ErrorBody,
     ErrorCode,
     ForgetReply,
     ForgetRequest,
+    PersistRequest,
     PrepareReply,
     PrepareRequest,
     RemoveReply,
@@ -113,6 +118,14 @@ class ParticipantClient(Protocol):
     async def retire(self, request: RetireRequest) -> RetireReply: ...
 
     async def forget(self, request: ForgetRequest) -> ForgetReply: ...
+
+    async def persist(self, request: PersistRequest) -> CommitReply:
+        """Write a cut's records after the resume (the capability `persist_after_resume`)."""
+        ...
+
+    async def discard(self, request: DiscardRequest) -> DiscardReply:
+        """Release a cut's records and remove what its persist wrote."""
+        ...
 
 
 @functools.cache
@@ -336,6 +349,12 @@ class HttpParticipantClient:
 
     async def forget(self, request: ForgetRequest) -> ForgetReply:
         return await self.call(FORGET, request, request.deadline_ts)
+
+    async def persist(self, request: PersistRequest) -> CommitReply:
+        return await self.call(PERSIST, request, request.deadline_ts)
+
+    async def discard(self, request: DiscardRequest) -> DiscardReply:
+        return await self.call(DISCARD, request, request.deadline_ts)
 
     async def remove(self, request: RemoveRequest) -> RemoveReply:
         """Remove checkpoints' records through this participant (the operator's retention; not

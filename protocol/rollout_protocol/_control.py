@@ -14,7 +14,8 @@ behind it.
 
 `ControlPlane` is the public face and owner of its parts, each in a module of its own by
 concern, all sharing one `PlaneCore` (`_control_core.py`: identity, phase machine, lease, lock,
-marks): the checkpoint operations and the lease watchdog (`_control_checkpoint.py`), restore and
+marks): the checkpoint operations and the lease watchdog (`_control_checkpoint.py`), the persist
+after the resume of a cut's records (`_control_persist.py`), restore and
 standby identity (`_control_restore.py`), retire, forget and remove (`_control_retire.py`), and
 the HTTP endpoints built from the route table (`_control_routes.py`).
 """
@@ -36,6 +37,7 @@ from starlette.exceptions import HTTPException
 from . import tracing
 from ._control_checkpoint import CheckpointOperations
 from ._control_core import PlaneCore
+from ._control_persist import PersistOperations
 from ._control_restore import RestoreOperation
 from ._control_retire import RetireOperations
 from ._control_routes import ControlRouter, Handler, authorize
@@ -50,7 +52,9 @@ from ._http import (
 from ._participant import Participant
 from ._routes import (
     COMMIT,
+    DISCARD,
     FORGET,
+    PERSIST,
     PREPARE,
     REMOVE,
     RENEW,
@@ -61,10 +65,14 @@ from ._routes import (
 )
 from ._settings import ControlConfigError, ControlSettings
 from ._wire import (
+    Capability,
     CommitReply,
     CommitRequest,
+    DiscardReply,
+    DiscardRequest,
     ForgetReply,
     ForgetRequest,
+    PersistRequest,
     Phase,
     PrepareReply,
     PrepareRequest,
@@ -108,9 +116,9 @@ class ControlPlane:
             )
         self._core = core = PlaneCore(participant, settings, clock)
         self._checkpoints = CheckpointOperations(core)
+        self._persists = PersistOperations(core)
         self._restores = RestoreOperation(core)
         self._retires = RetireOperations(core)
-        self._removals = core.removals
         self._watchdog_scope: anyio.CancelScope | None = None
         self.router = ControlRouter(self, self._handlers(), clock).build()
 
@@ -190,6 +198,7 @@ class ControlPlane:
             self._watchdog_scope = group.cancel_scope
             core.background = group
             group.start_soon(self._checkpoints.watchdog)
+            group.start_soon(self._persists.watchdog)
             try:
                 yield self
             finally:
@@ -246,6 +255,8 @@ class ControlPlane:
             retired_attempts=core.marks.whole_attempts(),
             multi_process=settings.multi_process,
             workers=max(settings.workers, settings.unmanaged_workers),
+            capabilities=[Capability.PERSIST_AFTER_RESUME],
+            held_bytes=core.cuts.held_bytes(),
         )
 
     # operations (each held by the part of the plane that owns its concern) --------------------
@@ -258,6 +269,16 @@ class ControlPlane:
 
     async def commit(self, request: CommitRequest) -> CommitReply:
         return await self._checkpoints.commit(request)
+
+    async def persist(self, request: PersistRequest) -> CommitReply:
+        """After a cut and the resume: write and fsync the held records, then the manifest
+        (docs/protocol.md, "Persist after resume"). Takes no lock: episodes and the next
+        checkpoint go on meanwhile."""
+        return await self._persists.persist(request)
+
+    async def discard(self, request: DiscardRequest) -> DiscardReply:
+        """Release a cut's records and remove what its persist wrote here."""
+        return await self._persists.discard(request)
 
     async def restore(self, request: RestoreRequest) -> RestoreReply:
         """Verify and install a checkpoint's records under a new attempt.
@@ -321,4 +342,6 @@ class ControlPlane:
             RETIRE.name: self.retire,
             FORGET.name: self.forget,
             REMOVE.name: self.remove,
+            PERSIST.name: self.persist,
+            DISCARD.name: self.discard,
         }

@@ -1,5 +1,6 @@
-"""The checkpoint routes of a control plane: prepare, renew, commit and resume (abort), and the
-lease watchdog that resumes by itself when the coordinator stops renewing.
+"""The checkpoint routes of a control plane: prepare, renew, commit (or the cut, whose records a
+persist writes after the resume: `_control_persist.py`) and resume (abort), and the lease
+watchdog that resumes by itself when the coordinator stops renewing.
 
 Held apart from `ControlPlane` (`_control.py`), which owns one `CheckpointOperations` and
 delegates its public `prepare`, `renew`, `commit` and `resume` to it: this is the part of the
@@ -18,7 +19,8 @@ from pydantic_core import PydanticSerializationError
 
 from . import _storage as storage
 from . import tracing
-from ._control_core import PlaneCore, checkpoint_directory, logger, storage_io
+from ._control_core import PlaneCore, logger, manifest_location, storage_io
+from ._control_state import HeldCut
 from ._participant import ParkState, episodes_digest
 from ._wire import (
     MAX_BLOCKERS_REPORTED,
@@ -113,6 +115,9 @@ class CheckpointOperations:
             )
 
     async def commit(self, request: CommitRequest) -> CommitReply:
+        """Write the scope's records durably, or, asked to persist after the resume, cut: fix
+        them as bytes held in memory and answer with the manifest a persist will write
+        (`_cut`, docs/protocol.md, "Persist after resume")."""
         core = self._core
         async with core.lock:
             cid = request.checkpoint_id
@@ -120,7 +125,7 @@ class CheckpointOperations:
             core.extend_lease(request.deadline_ts)
             if cached is not None:
                 return cached
-            root = core.require_root("commit")
+            store = core.require_store("commit", request.deadline_ts)
             scope = None if request.rollout_ids is None else frozenset(request.rollout_ids)
             excluded = frozenset(request.excluded_rollout_ids or ())
             with tracing.span("encode") as encoding:
@@ -131,42 +136,84 @@ class CheckpointOperations:
                         # released like state outside an explicit scope: the rollouts left in
                         scope = frozenset(item.record.rollout_id for item in encoded)
                 encoding.set_attribute("rollout.records", len(encoded))
-            directory, manifest = await self._write(root, request, encoded)
+            rollout_ids = sorted({item.record.rollout_id for item in encoded})
+            where = manifest_location(core.settings.storage_dir, cid, core.settings.instance)
+            if request.persist_after_resume:
+                reply = self._cut(where, request, encoded, rollout_ids)
+            else:
+                manifest = await self._write(store, request, encoded)
+                reply = CommitReply(
+                    checkpoint_id=cid,
+                    phase=Phase.COMMITTED,
+                    manifest=manifest,
+                    manifest_path=where,
+                    rollout_ids=rollout_ids,
+                )
+                core.cuts.remember(cid, reply)  # a persist of it answers this again
             if scope is not None:
                 core.participant.release_outside(scope)
             core.checkpointed(cid, [item.record for item in encoded])
-            reply = CommitReply(
-                checkpoint_id=cid,
-                phase=Phase.COMMITTED,
-                manifest=manifest,
-                manifest_path=str((directory / storage.MANIFEST_NAME).relative_to(root).as_posix()),
-                rollout_ids=sorted({item.record.rollout_id for item in encoded}),
-            )
             core.machine.end_commit(reply)
             return reply
 
+    def _cut(
+        self,
+        manifest_path: str,
+        request: CommitRequest,
+        encoded: list[storage.EncodedRecord],
+        rollout_ids: list[str],
+    ) -> CommitReply:
+        """Hold the records as encoded ahead (their lines and digests: immutable bytes) and
+        answer with the manifest they will have; refused (`persist_backlog`) past the bound on
+        held bytes."""
+        core, cid = self._core, request.checkpoint_id
+        settings = core.settings
+        manifest = storage.records_manifest(
+            role=settings.role,
+            instance=settings.instance,
+            checkpoint_id=cid,
+            attempt=core.attempt,
+            encoded=encoded,
+        )
+        core.cuts.room(cid, manifest.bytes)
+        reply = CommitReply(
+            checkpoint_id=cid,
+            phase=Phase.COMMITTED,
+            manifest=manifest,
+            manifest_path=manifest_path,
+            rollout_ids=rollout_ids,
+            durable=False,
+        )
+        expires = request.deadline_ts + settings.lease_grace_seconds
+        core.cuts.hold(HeldCut(reply=reply, encoded=tuple(encoded), expires_ts=expires))
+        return reply
+
     async def _write(
-        self, root: Path, request: CommitRequest, encoded: list[storage.EncodedRecord]
-    ) -> tuple[Path, Manifest]:
+        self,
+        store: storage.RecordsStore,
+        request: CommitRequest,
+        encoded: list[storage.EncodedRecord],
+    ) -> Manifest:
         """Write a commit's records (bounded by its deadline); a storage error fails it."""
         core, cid = self._core, request.checkpoint_id
+        settings = core.settings
         try:
             with tracing.span("write"), core.storage_deadline("commit", request.deadline_ts):
-                directory = await self._commit_directory(root, cid)
+                await self._directory_made(cid)
                 manifest = await storage_io(
-                    lambda: storage.write_records(
-                        directory,
-                        role=core.settings.role,
-                        instance=core.settings.instance,
-                        checkpoint_id=cid,
+                    lambda: store.write_records(
+                        settings.storage_dir,
+                        cid,
+                        settings.instance,
+                        role=settings.role,
                         attempt=core.attempt,
                         encoded=encoded,
                     )
                 )
         except storage.StorageError as error:
-            logger.error("%s: commit %s failed: %s", core.settings.instance, cid, error)
+            logger.error("%s: commit %s failed: %s", settings.instance, cid, error)
             raise ProtocolError(ErrorCode.STORAGE_FAILED, str(error)) from error
-        return directory, manifest
+        return manifest
 
     async def resume(self, request: ResumeRequest) -> ResumeReply:
         core = self._core
@@ -237,7 +284,7 @@ class CheckpointOperations:
         root = core.settings.checkpoint_root
         background = core.background
         if root is None or background is None:
-            return
+            return  # no volume (a bucket has no directories), or no task group
         if self._directory is not None and self._directory.checkpoint_id == checkpoint_id:
             return
         ahead = _AheadDirectory(checkpoint_id, anyio.Event())
@@ -262,15 +309,11 @@ class CheckpointOperations:
 
         background.start_soon(create)
 
-    async def _commit_directory(self, root: Path, checkpoint_id: str) -> Path:
-        """The directory this commit writes to, made ahead where the prepare could."""
+    async def _directory_made(self, checkpoint_id: str) -> None:
+        """Wait for the directory made ahead for this commit, where the prepare made one."""
         ahead = self._directory
         if ahead is not None and ahead.checkpoint_id == checkpoint_id:
             await ahead.done.wait()
-            if ahead.path is not None:
-                return ahead.path
-        settings = self._core.settings
-        return checkpoint_directory(root, settings.storage_dir, checkpoint_id, settings.instance)
 
     def _closed(self, committed: bool) -> None:
         """The open checkpoint closed (resume or lease lapse): collect garbage again, and forget

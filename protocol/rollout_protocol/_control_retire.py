@@ -99,7 +99,7 @@ class RetireOperations:
         """See `ControlPlane.remove`: checked and claimed under the lock, deleted outside it."""
         core = self._core
         refuse_passed(request.deadline_ts, core.clock())
-        root = core.require_root("remove")
+        store = core.require_store("remove", request.deadline_ts)
         async with core.lock:
             machine = core.machine
             open_id = machine.checkpoint_id if machine.phase is not Phase.IDLE else None
@@ -109,6 +109,15 @@ class RetireOperations:
                     f"checkpoint {open_id} is open ({machine.phase.value}); its records "
                     "cannot be removed until it closes",
                 )
+            held = [
+                cid for cid in core.cuts.cuts if request.whole_set or cid in request.checkpoint_ids
+            ]
+            if held:
+                raise ProtocolError(
+                    ErrorCode.CONFLICTING_CHECKPOINT,
+                    f"the records of checkpoint {held[0]} are held for a persist here; discard "
+                    "it (or let its persist end) before removing them",
+                )
             claim = core.removals.claim(request.checkpoint_ids, whole_set=request.whole_set)
         set_dir = core.settings.storage_dir
 
@@ -116,8 +125,8 @@ class RetireOperations:
             if not core.removals.begin(claim):
                 return None  # the call gave up before this thread began: delete nothing
             try:
-                return storage.remove_records(
-                    root, set_dir, request.checkpoint_ids, whole_set=request.whole_set
+                return store.remove_records(
+                    set_dir, request.checkpoint_ids, whole_set=request.whole_set
                 )
             finally:
                 core.removals.end(claim)

@@ -1,6 +1,6 @@
-"""A control plane's HTTP endpoints: one per route of `_routes.ROUTES` in each mounted dialect
-(ours under `/checkpoint/v1`, NeMo Gym's under `/ng-control/v1`, mapped by `_gym`), plus Gym's
-capabilities, each checking the control token before it parses a body.
+"""A control plane's HTTP endpoints: one per route of `_routes.CONTROL_ROUTES` in each mounted
+dialect (ours under `/checkpoint/v1`, NeMo Gym's under `/ng-control/v1`, mapped by `_gym`), plus
+Gym's capabilities, each checking the control token before it parses a body.
 
 The route table in `_routes.py` stays the one declaration that both the client and this server
 are built from; this module only turns it into endpoints that call the plane's operations (by
@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from . import tracing
 from ._http import gym_error_response, json_reply, parse_body, request_body_schema
-from ._routes import GYM_CAPABILITIES_PATH, ROUTES, Dialect, Route
+from ._routes import CONTROL_ROUTES, GYM_CAPABILITIES_PATH, ROUTES, Dialect, Route
 from ._settings import ControlSettings
 from ._wire import ErrorCode, ProtocolError
 
@@ -78,7 +78,7 @@ class ControlRouter:
             # start (docs/operations.md, "What a server start costs").
             from . import _gym as gym
         for dialect in dialects:
-            for route in ROUTES:
+            for route in CONTROL_ROUTES:
                 path = route.path_in(dialect)
                 if path is None:
                     continue

@@ -1,19 +1,25 @@
 """What the control plane keeps beside its phase machine, each bounded: the retire marks (which
 rollouts of the running attempt must never run again here), the garbage collector held off
-during a checkpoint, and the claims of checkpoints whose records are being removed.
+during a checkpoint, the claims of checkpoints whose records are being removed, and the records
+held by cuts until their persist (`HeldCuts`).
 """
 
 from __future__ import annotations
 
 import gc
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
+import anyio
+
+from ._phases import REMEMBERED
 from ._settings import MAX_RETIRE_MARKS
+from ._storage import EncodedRecord
 from ._wire import (
+    CommitReply,
     ErrorCode,
     ProtocolError,
 )
@@ -215,3 +221,90 @@ class RemovalClaims:
         self._ids.subtract(claim.checkpoint_ids)
         self._ids += Counter()  # drop the ids now at zero
         self._whole_set -= claim.whole_set
+
+
+# --- records held by cuts until their persist -----------------------------------------------
+
+MAX_HELD_CUTS = 8
+"""At most this many cuts held at once, whatever their bytes (each is one checkpoint whose
+persist has not finished; a second is the usual most)."""
+
+
+@dataclass(eq=False)
+class HeldCut:
+    """The records one cut fixed, held until a persist writes them (docs/protocol.md, "Persist
+    after resume"). `encoded` are the records as encoded at their boundaries: a write uses only
+    their lines and digests, immutable bytes shared with the participant's own encodings until
+    its episodes move on; `reply` is the cut's answer, whose manifest is the one a persist of
+    them writes to the participant's records store."""
+
+    reply: CommitReply
+    encoded: tuple[EncodedRecord, ...] | None
+    expires_ts: float
+    """The cut's lease: a persist that has not begun by then (or a write still running, whose
+    callers all gave up) is discarded by the participant itself."""
+    done: anyio.Event = field(default_factory=anyio.Event)
+    writing: bool = False
+    abandoned: bool = False
+    """Discarded (or its lease lapsed) while its write ran: the write's files are removed."""
+    outcome: CommitReply | ProtocolError | None = None
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.reply.checkpoint_id
+
+    @property
+    def held_bytes(self) -> int:
+        return self.reply.manifest.bytes if self.encoded is not None else 0
+
+
+class HeldCuts:
+    """The cuts a participant holds, bounded in bytes and count, and the outcome of each ended
+    one (a durable reply to replay, or the refusal to repeat), the newest `REMEMBERED`."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.cuts: dict[str, HeldCut] = {}
+        self.ended: OrderedDict[str, CommitReply | ProtocolError] = OrderedDict()
+        self.changed = anyio.Event()
+
+    def held_bytes(self) -> int:
+        return sum(cut.held_bytes for cut in self.cuts.values())
+
+    def room(self, checkpoint_id: str, size: int) -> None:
+        """Refuse a cut of `size` bytes that would pass the bound while other cuts are held (a
+        lone cut is always taken: it holds what the participant holds anyway)."""
+        held = [cut for cut in self.cuts.values() if cut.encoded is not None]
+        if not held:
+            return
+        total = sum(cut.held_bytes for cut in held)
+        if total + size > self.max_bytes or len(held) >= MAX_HELD_CUTS:
+            names = ", ".join(sorted(cut.checkpoint_id for cut in held))
+            raise ProtocolError(
+                ErrorCode.PERSIST_BACKLOG,
+                f"checkpoint {checkpoint_id!r} would hold {size} bytes of records beside "
+                f"{total} bytes held for {len(held)} checkpoint(s) not yet persisted ({names}); "
+                f"the bound is {self.max_bytes} bytes (ROLLOUT_MAX_HELD_BYTES) and "
+                f"{MAX_HELD_CUTS} checkpoints: persist or discard those first",
+            )
+
+    def hold(self, cut: HeldCut) -> None:
+        self.cuts[cut.checkpoint_id] = cut
+        self.changed.set()
+
+    def end(self, cut: HeldCut, outcome: CommitReply | ProtocolError) -> None:
+        """The cut ended (durable, failed, discarded or lapsed): its bytes are released and its
+        outcome is what a later persist of it answers."""
+        cut.encoded = None
+        cut.outcome = outcome
+        if self.cuts.get(cut.checkpoint_id) is cut:
+            del self.cuts[cut.checkpoint_id]
+        self.remember(cut.checkpoint_id, outcome)
+        cut.done.set()
+        self.changed.set()
+
+    def remember(self, checkpoint_id: str, outcome: CommitReply | ProtocolError) -> None:
+        self.ended[checkpoint_id] = outcome
+        self.ended.move_to_end(checkpoint_id)
+        while len(self.ended) > REMEMBERED:
+            self.ended.popitem(last=False)

@@ -1,14 +1,16 @@
 """The checkpoint coordinator, independent of Kubernetes.
 
-It drives the participants through prepare, commit, publish and resume, and through an
-all-or-nothing restore, in the orders of docs/design.md#44-order (prepare and retire in stages,
+It drives the participants through prepare, commit, publish and resume (or, persisting after
+the resume, prepare, the cut, resume, persist and publish), and through an all-or-nothing
+restore, in the orders of docs/design.md#44-order (prepare and retire in stages,
 callers before callees; commit, restore and resume to everyone at once). The steps are separate
 methods because the operator persists its state between them (to survive its own restart);
 `checkpoint()` composes them for callers without an operator (the CLI, Slurm jobs, tests).
 
 The coordinator is the steps; its parts are modules of their own: the outcome models the steps
 return (`_coordinator_outcomes.py`, importable from here as before), the fan-out of calls to
-participants (`_coordinator_calls.py`), and the composed checkpoint (`_coordinator_checkpoint.py`).
+participants (`_coordinator_calls.py`), the cut's commit and the persist and discard that follow
+it (`_coordinator_persist.py`), and the composed checkpoint (`_coordinator_checkpoint.py`).
 
 Participants are reached through the small `ParticipantClient` protocol; `HttpParticipantClient`
 is the real one. Every step returns an outcome model (pydantic, so it can be stored as JSON) that
@@ -28,6 +30,7 @@ from typing import Final
 import anyio
 from anyio.abc import TaskGroup
 
+from . import _storage as storage
 from ._client import ParticipantClient, ParticipantError
 from ._coordinator_calls import FanOut, split
 from ._coordinator_checkpoint import ComposedCheckpoint
@@ -35,6 +38,7 @@ from ._coordinator_outcomes import (
     CheckpointDurations,
     CheckpointResult,
     CommitOutcome,
+    DiscardOutcome,
     Failure,
     ForgetOutcome,
     LostWork,
@@ -44,6 +48,7 @@ from ._coordinator_outcomes import (
     RetireOutcome,
     StatusOutcome,
 )
+from ._coordinator_persist import commit_or_cut, commit_outcome, discard_cut, persist_cut
 from ._wire import (
     MAX_BLOCKERS_REPORTED,
     MAX_FINISHED_LISTED,
@@ -69,6 +74,7 @@ __all__ = [
     "CheckpointResult",
     "CommitOutcome",
     "Coordinator",
+    "DiscardOutcome",
     "Failure",
     "ForgetOutcome",
     "LostWork",
@@ -261,35 +267,61 @@ class Coordinator:
         scope: Collection[str] | None,
         *,
         excluded: Collection[str] = (),
+        persist_after_resume: bool = False,
     ) -> CommitOutcome:
         """Commit everywhere at once with the given scope (see `PrepareOutcome.scope`), leaving
-        out `excluded` (`PrepareOutcome.excluded`)."""
+        out `excluded` (`PrepareOutcome.excluded`).
+
+        With `persist_after_resume`, the cut: each participant that can fixes its records in
+        memory and answers at once with the manifest a `persist` will write (its instance is
+        then in `CommitOutcome.held`); one that cannot (an older SDK, NeMo Gym's dialect)
+        commits durably, as without it (docs/protocol.md, "Persist after resume").
+        """
         rollout_ids = None if scope is None else sorted(set(scope))
         request = CommitRequest(
             checkpoint_id=checkpoint_id,
             deadline_ts=deadline_ts,
             rollout_ids=rollout_ids,
             excluded_rollout_ids=sorted(set(excluded)) or None,
+            persist_after_resume=True if persist_after_resume else None,
         )
-        self._progress(f"commit: {len(self._participants)} participant(s)")
-        results = await self._fan_out(self._participants, lambda p: p.commit(request))
+        what = "cut" if persist_after_resume else "commit"
+        self._progress(f"{what}: {len(self._participants)} participant(s)")
+        results = await self._fan_out(self._participants, lambda p: commit_or_cut(p, request))
         replies, failures = split(self._participants, results)
-        manifests = {reply.manifest.instance: reply.manifest for reply in replies}
-        return CommitOutcome(
-            checkpoint_id=checkpoint_id,
-            ok=not failures,
-            scope=rollout_ids,
-            excluded=request.excluded_rollout_ids or [],
-            manifests=manifests,
-            manifest_paths={reply.manifest.instance: reply.manifest_path for reply in replies},
-            listed={
-                reply.manifest.instance: reply.rollout_ids
-                for reply in replies
-                if reply.rollout_ids is not None
-            },
-            record_count=sum(m.record_count for m in manifests.values()),
-            bytes=sum(m.bytes for m in manifests.values()),
-            failures=failures,
+        return commit_outcome(
+            checkpoint_id,
+            rollout_ids,
+            request.excluded_rollout_ids or [],
+            replies,
+            failures,
+            held=[reply.manifest.instance for reply in replies if not reply.durable],
+        )
+
+    async def persist(
+        self, checkpoint_id: str, deadline_ts: float, *, cut: CommitOutcome | None = None
+    ) -> CommitOutcome:
+        """After the cut and the resume: every participant that holds the cut's records writes
+        and fsyncs them and its manifest; the outcome is a durable commit's (`held` empty).
+
+        With `cut` (the commit's outcome) only the instances it holds are asked, each
+        persisted manifest is checked against the one its cut promised, and the instances
+        that committed durably already keep their manifests from it (an older participant
+        has no persist to ask). Without it every participant is asked; ours answer their
+        durable commit again. Idempotent: a persist asked again replays its durable reply.
+        """
+        return await persist_cut(
+            self._fan_out, self._participants, checkpoint_id, deadline_ts, cut, self._progress
+        )
+
+    async def discard(
+        self, checkpoint_id: str, deadline_ts: float, *, cut: CommitOutcome | None = None
+    ) -> DiscardOutcome:
+        """A cut that will not be published: every participant that holds its records (those
+        `cut` holds; without it, every participant) releases them and removes what a persist
+        of them wrote. Best effort, like an abort."""
+        return await discard_cut(
+            self._fan_out, self._participants, checkpoint_id, deadline_ts, cut, self._progress
         )
 
     # resume -----------------------------------------------------------------------------------
@@ -481,16 +513,20 @@ class Coordinator:
         prepare_timeout: float,
         commit_timeout: float,
         scope: Collection[str] | None = None,
-        publish_dir: Path | None = None,
+        publish_dir: Path | storage.RecordsStore | None = None,
         set_name: str = "local",
         trainer_step: int | None = None,
+        persist_after_resume: bool = False,
     ) -> CheckpointResult:
-        """prepare -> (not ready: resume, fail) -> commit -> publish -> resume.
+        """prepare -> (not ready: resume, fail) -> commit -> publish -> resume; with
+        `persist_after_resume`, prepare -> cut -> resume -> persist -> publish, so the pause
+        holds no write (docs/protocol.md, "Persist after resume").
 
-        With `publish_dir` (the checkpoint root as this process sees it) the checkpoint
-        manifest is written last, after every participant's manifest was found there; without
-        it the caller publishes (the operator does, in one status patch). Participants are
-        resumed on every path, also when this coroutine is cancelled.
+        With `publish_dir` (the checkpoint root as this process sees it, or the participants'
+        records store: a `BucketStore`) the checkpoint manifest is written last, after every
+        participant's manifest was found there; without it the caller publishes (the operator
+        does, in one status patch). Participants are resumed on every path, also when this
+        coroutine is cancelled, and a cut that is not published is discarded.
         """
         composed = ComposedCheckpoint(
             self,
@@ -503,9 +539,12 @@ class Coordinator:
             prepare_timeout=prepare_timeout,
             commit_timeout=commit_timeout,
             scope=scope,
-            publish_dir=publish_dir,
+            publish_to=(
+                storage.VolumeStore(publish_dir) if isinstance(publish_dir, Path) else publish_dir
+            ),
             set_name=set_name,
             trainer_step=trainer_step,
+            persist_after_resume=persist_after_resume,
         )
 
 

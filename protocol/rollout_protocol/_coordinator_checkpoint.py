@@ -1,5 +1,7 @@
-"""The composed checkpoint: prepare -> (not ready: resume, fail) -> commit -> publish -> resume,
-for callers without an operator (the CLI, Slurm jobs, tests; `Coordinator.checkpoint`).
+"""The composed checkpoint, for callers without an operator (the CLI, Slurm jobs, tests;
+`Coordinator.checkpoint`): prepare -> (not ready: resume, fail) -> commit -> publish -> resume,
+or, persisting after the resume, prepare -> cut -> resume -> persist -> publish (a failed cut or
+persist discards the held records; docs/protocol.md, "Persist after resume").
 
 Held apart from the `Coordinator` (`_coordinator.py`), whose steps it composes through their
 public form (`CheckpointSteps`): the operator runs the same steps one by one, persisting its
@@ -11,7 +13,6 @@ included, resumes them exactly once.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from pathlib import Path
 from typing import Protocol
 
 import anyio
@@ -22,13 +23,15 @@ from ._coordinator_outcomes import (
     CheckpointDurations,
     CheckpointResult,
     CommitOutcome,
+    DiscardOutcome,
     PrepareOutcome,
     ResumeOutcome,
 )
 from ._wire import CheckpointManifest, PublishedParticipant
 
 _Times = tuple[float, float, float]
-"""When the checkpoint started, its prepare ended and its commit ended (clock seconds)."""
+"""When the checkpoint started, its prepare ended and its commit (or cut) ended (clock
+seconds)."""
 
 
 class CheckpointSteps(Protocol):
@@ -45,7 +48,16 @@ class CheckpointSteps(Protocol):
         scope: Collection[str] | None,
         *,
         excluded: Collection[str] = (),
+        persist_after_resume: bool = False,
     ) -> CommitOutcome: ...
+
+    async def persist(
+        self, checkpoint_id: str, deadline_ts: float, *, cut: CommitOutcome | None = None
+    ) -> CommitOutcome: ...
+
+    async def discard(
+        self, checkpoint_id: str, deadline_ts: float, *, cut: CommitOutcome | None = None
+    ) -> DiscardOutcome: ...
 
     async def resume(self, checkpoint_id: str, deadline_ts: float) -> ResumeOutcome: ...
 
@@ -70,6 +82,10 @@ class ComposedCheckpoint:
         self._call_timeout = call_timeout
         self._progress = progress
         self._resumed: ResumeOutcome | None = None
+        self._resumed_at: float | None = None
+        self._cut: CommitOutcome | None = None
+        """The cut whose records participants hold until persisted or discarded."""
+        self._discarded: DiscardOutcome | None = None
 
     async def run(
         self,
@@ -77,9 +93,10 @@ class ComposedCheckpoint:
         prepare_timeout: float,
         commit_timeout: float,
         scope: Collection[str] | None,
-        publish_dir: Path | None,
+        publish_to: storage.RecordsStore | None,
         set_name: str,
         trainer_step: int | None,
+        persist_after_resume: bool = False,
     ) -> CheckpointResult:
         """See `Coordinator.checkpoint`."""
         cid = self._checkpoint_id
@@ -92,30 +109,46 @@ class ComposedCheckpoint:
                 times = (started, prepared_at, prepared_at)
                 return await self._failed(reason, _prepare_message(prepare), prepare, None, times)
             commit = await self._steps.commit(
-                cid, prepared_at + commit_timeout, prepare.scope(scope), excluded=prepare.excluded()
+                cid,
+                prepared_at + commit_timeout,
+                prepare.scope(scope),
+                excluded=prepare.excluded(),
+                persist_after_resume=persist_after_resume,
             )
             times = (started, prepared_at, self._clock())
+            if commit.held:
+                self._cut = commit
             if not commit.ok:
                 message = "; ".join(str(f) for f in commit.failures)
                 return await self._failed("CommitFailed", message, prepare, commit, times)
+            if commit.held:
+                self._resumed = await self._resume_now(aborting=False)
+                commit = await self._steps.persist(cid, self._clock() + commit_timeout, cut=commit)
+                if not commit.ok:
+                    message = "; ".join(str(f) for f in commit.failures)
+                    return await self._failed("PersistFailed", message, prepare, commit, times)
             published: str | None = None
-            if publish_dir is not None:
+            if publish_to is not None:
                 try:
                     published = await self._publish(
-                        publish_dir, set_name, trainer_step, prepare, commit, times
+                        publish_to, set_name, trainer_step, prepare, commit, times
                     )
                 except (storage.StorageError, storage.RecordsInvalid, ValueError) as error:
                     return await self._failed("PublishFailed", str(error), prepare, commit, times)
             return await self._succeeded(prepare, commit, published, times)
         except BaseException:
-            if self._resumed is None:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(self._call_timeout):
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self._call_timeout):
+                if self._resumed is None:
                     await self._steps.resume(cid, self._clock() + self._call_timeout)
+                if self._cut is not None and self._discarded is None:
+                    await self._steps.discard(
+                        cid, self._clock() + self._call_timeout, cut=self._cut
+                    )
             raise
 
     async def _publish(
         self,
-        publish_dir: Path,
+        publish_to: storage.RecordsStore,
         set_name: str,
         trainer_step: int | None,
         prepare: PrepareOutcome,
@@ -127,7 +160,7 @@ class ComposedCheckpoint:
         durations = (prepared_at - started, committed_at - prepared_at)
         path = await anyio.to_thread.run_sync(
             lambda: _publish(
-                publish_dir,
+                publish_to,
                 set_name,
                 self._checkpoint_id,
                 prepare,
@@ -138,7 +171,7 @@ class ComposedCheckpoint:
             )
         )
         self._progress(f"published {path}")
-        return str(path)
+        return path
 
     async def _succeeded(
         self,
@@ -147,7 +180,8 @@ class ComposedCheckpoint:
         published: str | None,
         times: _Times,
     ) -> CheckpointResult:
-        self._resumed = await self._resume_now(aborting=False)
+        if self._resumed is None:
+            self._resumed = await self._resume_now(aborting=False)
         reason = "Published" if published is not None else "Committed"
         message = (
             f"{prepare.committed_count(commit.scope)} episodes in {commit.record_count} "
@@ -163,8 +197,15 @@ class ComposedCheckpoint:
         commit: CommitOutcome | None,
         times: _Times,
     ) -> CheckpointResult:
-        """Abort: resume everyone, and say why the checkpoint will not be published."""
-        self._resumed = await self._resume_now(aborting=True)
+        """Abort: resume everyone (unless resumed after a cut already), discard a cut's held
+        records, and say why the checkpoint will not be published."""
+        if self._resumed is None:
+            self._resumed = await self._resume_now(aborting=True)
+        if self._cut is not None:
+            with anyio.CancelScope(shield=True):
+                self._discarded = await self._steps.discard(
+                    self._checkpoint_id, self._clock() + self._call_timeout, cut=self._cut
+                )
         return self._result(reason, message, prepare, commit, None, times)
 
     async def _resume_now(self, *, aborting: bool) -> ResumeOutcome:
@@ -174,6 +215,7 @@ class ComposedCheckpoint:
         step = self._steps.abort if aborting else self._steps.resume
         with anyio.CancelScope(shield=True):
             outcome = await step(self._checkpoint_id, deadline)
+        self._resumed_at = self._clock()
         return outcome
 
     def _result(
@@ -187,6 +229,7 @@ class ComposedCheckpoint:
     ) -> CheckpointResult:
         started, prepared_at, committed_at = times
         finished = self._clock()
+        resumed_at = self._resumed_at if self._resumed_at is not None else finished
         ok = reason in ("Published", "Committed")
         resumed = self._resumed
         if resumed is not None and resumed.failures:
@@ -200,11 +243,13 @@ class ComposedCheckpoint:
             prepare=prepare,
             commit=commit,
             resume=resumed,
+            discard=self._discarded,
             published=published,
             durations=CheckpointDurations(
                 prepare_seconds=prepared_at - started,
                 commit_seconds=committed_at - prepared_at,
-                pause_seconds=finished - started,
+                pause_seconds=resumed_at - started,
+                persist_seconds=(finished - committed_at) if self._cut is not None else 0.0,
                 total_seconds=finished - started,
             ),
         )
@@ -222,7 +267,7 @@ def _prepare_message(prepare: PrepareOutcome) -> str:
 
 
 def _publish(
-    root: Path,
+    store: storage.RecordsStore,
     set_name: str,
     checkpoint_id: str,
     prepare: PrepareOutcome,
@@ -230,16 +275,17 @@ def _publish(
     durations: tuple[float, float],
     trainer_step: int | None,
     now: float,
-) -> Path:
+) -> str:
     """Check each participant's manifest is where we publish, then write checkpoint.json."""
     entries: list[PublishedParticipant] = []
     for instance, manifest in sorted(commit.manifests.items()):
         relative = commit.manifest_paths[instance]
-        on_disk = storage.read_manifest((root / relative).parent)
-        if on_disk != manifest:
+        stored = store.read_manifest(relative)
+        if stored != manifest:
             raise storage.RecordsInvalid(
-                f"the manifest of {instance} at {root / relative} differs from its commit reply; "
-                "is the publish directory the participants' ROLLOUT_CHECKPOINT_ROOT?"
+                f"the manifest of {instance} at {relative} in {store.where} differs from its "
+                "commit reply; is the publish store the participants' (their "
+                "ROLLOUT_CHECKPOINT_ROOT or bucket)?"
             )
         entries.append(
             PublishedParticipant(
@@ -253,8 +299,7 @@ def _publish(
             )
         )
     attempt = commit.attempt
-    return storage.write_checkpoint_manifest(
-        root,
+    return store.write_checkpoint_manifest(
         CheckpointManifest(
             set_name=set_name,
             checkpoint_id=checkpoint_id,

@@ -106,11 +106,36 @@ class CommitOutcome(StrictModel):
     record_count: int = 0
     bytes: int = 0
     failures: list[Failure] = Field(default_factory=list)
+    held: list[str] = Field(
+        default_factory=list,
+        description="Instances whose records are held in memory by a cut (`commit(..., "
+        "persist_after_resume=True)`), not yet durable: `manifests` holds the manifests a "
+        "persist will write. Every other instance with a manifest is durable. Empty once "
+        "persisted, and for a commit inside the pause.",
+    )
+
+    @property
+    def durable(self) -> bool:
+        """Every manifest here is on storage (nothing is held for a persist)."""
+        return not self.held
 
     @property
     def attempt(self) -> int | None:
         attempts = {manifest.attempt for manifest in self.manifests.values()}
         return max(attempts) if attempts else None
+
+
+class DiscardOutcome(StrictModel):
+    """Which participants released a cut's records and removed what its persist wrote."""
+
+    checkpoint_id: str
+    discarded: list[str] = Field(
+        default_factory=list, description="Instances that held records of the cut."
+    )
+    removed: list[str] = Field(
+        default_factory=list, description="Instances that removed files of the checkpoint."
+    )
+    failures: list[Failure] = Field(default_factory=list)
 
 
 class ResumeOutcome(StrictModel):
@@ -186,8 +211,16 @@ class CheckpointDurations(StrictModel):
     """How long each stage of one checkpoint took, and how long episodes were paused."""
 
     prepare_seconds: float = 0.0
-    commit_seconds: float = 0.0
+    commit_seconds: float = Field(
+        default=0.0,
+        description="The commit inside the pause (with a persist after the resume: the cut).",
+    )
     pause_seconds: float = Field(default=0.0, description="First prepare to resume done.")
+    persist_seconds: float = Field(
+        default=0.0,
+        description="The cut's end to every record durable (the persist after the resume); 0 "
+        "when the commit wrote them inside the pause.",
+    )
     total_seconds: float = 0.0
 
 
@@ -198,12 +231,19 @@ class CheckpointResult(StrictModel):
     ok: bool
     reason: str = Field(
         description="CamelCase: Published, Committed, NotReady, PrepareFailed, CommitFailed, "
-        "PublishFailed."
+        "PersistFailed, PublishFailed."
     )
     message: str
     attempt: int | None = None
     prepare: PrepareOutcome
-    commit: CommitOutcome | None = None
+    commit: CommitOutcome | None = Field(
+        default=None,
+        description="The durable commit: with a persist after the resume, the persist's outcome "
+        "(the cut's when the persist was never reached).",
+    )
     resume: ResumeOutcome | None = None
+    discard: DiscardOutcome | None = Field(
+        default=None, description="Set when a cut's records were discarded (a failed checkpoint)."
+    )
     published: str | None = Field(default=None, description="Path of checkpoint.json.")
     durations: CheckpointDurations = Field(default_factory=CheckpointDurations)

@@ -25,10 +25,13 @@ from ._wire import (
     HTTP_STATUS,
     CommitReply,
     CommitRequest,
+    DiscardReply,
+    DiscardRequest,
     ErrorBody,
     ErrorCode,
     ForgetReply,
     ForgetRequest,
+    PersistRequest,
     PrepareReply,
     PrepareRequest,
     RemoveReply,
@@ -155,7 +158,32 @@ COMMIT: Route[CommitRequest, CommitReply] = Route(
         ErrorCode.WRONG_PHASE,
         ErrorCode.STORAGE_FAILED,
     },
-    "Write the records of the scope, then the manifest.",
+    "Write the records of the scope, then the manifest (or, asked to persist after the resume, "
+    "hold them in memory and answer with the manifest they will have).",
+)
+PERSIST: Route[PersistRequest, CommitReply] = Route(
+    "persist",
+    "POST",
+    PersistRequest,
+    CommitReply,
+    _EVERY_BODY
+    | {
+        ErrorCode.UNKNOWN_CHECKPOINT,
+        ErrorCode.STALE_CHECKPOINT,
+        ErrorCode.STORAGE_FAILED,
+    },
+    "After the resume: write and fsync the records a cut holds, then the manifest; answer "
+    "when durable. Replayed once durable.",
+    in_gym=False,
+)
+DISCARD: Route[DiscardRequest, DiscardReply] = Route(
+    "discard",
+    "POST",
+    DiscardRequest,
+    DiscardReply,
+    _EVERY_BODY | {ErrorCode.STORAGE_FAILED},
+    "Drop the records a cut holds and remove what a persist of them wrote here.",
+    in_gym=False,
 )
 RESTORE: Route[RestoreRequest, RestoreReply] = Route(
     "restore",
@@ -224,5 +252,12 @@ ROUTES: tuple[Route[Any, Any], ...] = (
     FORGET,
     REMOVE,
 )
-"""Every control operation, in the order of docs/protocol.md's route table (`remove` last: it is the
-operator's, for retention, and touches no episode)."""
+"""The control operations of docs/protocol.md's route table, in its order (`remove` last: it is
+the operator's, for retention, and touches no episode)."""
+
+PERSIST_ROUTES: tuple[Route[Any, Any], ...] = (PERSIST, DISCARD)
+"""The two calls of the capability `persist_after_resume` (docs/protocol.md, "Persist after
+resume"), ours only: after a cut and the resume, write the held records, or drop them."""
+
+CONTROL_ROUTES: tuple[Route[Any, Any], ...] = ROUTES + PERSIST_ROUTES
+"""Every route a control plane mounts (each in the dialects that have it)."""

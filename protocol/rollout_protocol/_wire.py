@@ -96,6 +96,20 @@ class Phase(StrEnum):
     RESTORED = "restored"
 
 
+class Capability(StrEnum):
+    """An optional part of the protocol a participant takes part in (`StatusReply.capabilities`).
+
+    A coordinator never needs to ask before it uses one: a request that asks for a capability
+    carries a field a participant without it refuses as unknown before doing anything
+    (`invalid_request` naming the field), and the coordinator sends it again without the field
+    (docs/protocol.md, "Persist after resume")."""
+
+    PERSIST_AFTER_RESUME = "persist_after_resume"
+    """A commit that asks for it (`CommitRequest.persist_after_resume`) fixes the records as
+    bytes held in memory and answers at once (`CommitReply.durable` false); `persist` writes
+    them after the resume, `discard` drops them."""
+
+
 class MultiProcess(StrEnum):
     """How a participant pod's server runs its worker processes (`StatusReply.multi_process`)."""
 
@@ -133,6 +147,9 @@ class ErrorCode(StrEnum):
     """The request body is larger than the participant accepts (`ROLLOUT_MAX_BODY_BYTES`)."""
     LIMIT_EXCEEDED = "limit_exceeded"
     """A bounded table is full (retire marks): free entries first (`forget`), then retry."""
+    PERSIST_BACKLOG = "persist_backlog"
+    """Commit only: a cut would hold more than the participant's bound on records held for
+    persists not yet finished (`ROLLOUT_MAX_HELD_BYTES`); persist or discard those first."""
     NOT_FOUND = "not_found"
     UNSUPPORTED = "unsupported"
     """The participant does not implement an optional capability the call needs (re-wiring)."""
@@ -162,6 +179,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.ADMISSION_CLOSED: 503,
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
     ErrorCode.LIMIT_EXCEEDED: 429,
+    ErrorCode.PERSIST_BACKLOG: 429,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.UNSUPPORTED: 501,
     ErrorCode.INTERNAL: 500,
@@ -258,6 +276,22 @@ class CommitRequest(ControlRequest):
         description="Rollouts left out of the scope (the prepare's restarts): not written, "
         "their restored state released. Sent only when not empty.",
     )
+    persist_after_resume: Literal[True] | None = Field(
+        default=None,
+        description="The cut: fix the records as bytes held in memory and answer at once with "
+        "the manifest they will have (`CommitReply.durable` false); `persist` writes them after "
+        "the resume. Sent only when asked (a participant without the capability refuses the "
+        "field, and is committed again without it).",
+    )
+
+
+class PersistRequest(ControlRequest):
+    """Write and fsync the records a cut holds, then the manifest; answer when durable."""
+
+
+class DiscardRequest(ControlRequest):
+    """Drop the records a cut holds and remove what a persist of them wrote (the checkpoint will
+    not be published)."""
 
 
 class RestoreRequest(ControlRequest):
@@ -387,6 +421,16 @@ class StatusReply(StrictModel):
         "operator refuses to checkpoint the set).",
     )
     workers: int = Field(default=1, ge=1, description="The server's worker processes.")
+    capabilities: list[Capability] = Field(
+        default_factory=list,
+        description="Optional parts of the protocol this participant takes part in "
+        "(`persist_after_resume`).",
+    )
+    held_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="Bytes of records held by cuts whose persist has not finished.",
+    )
 
 
 class PrepareReply(StrictModel):
@@ -502,6 +546,20 @@ class CommitReply(StrictModel):
         'keeps them with the checkpoint for the restore (docs/protocol.md, "The NeMo Gym '
         'dialect").',
     )
+    durable: bool = Field(
+        default=True,
+        description="True: the records and the manifest are on storage (fsynced). False: a cut "
+        "(`CommitRequest.persist_after_resume`): the records are held in memory and `manifest` "
+        "is the manifest a `persist` will write at `manifest_path`.",
+    )
+
+
+class DiscardReply(StrictModel):
+    """Whether a cut of the checkpoint was held here, and whether files of it were removed."""
+
+    checkpoint_id: CheckpointId
+    discarded: bool = Field(description="Records of a cut were held here and are released.")
+    removed: bool = Field(description="Files a persist of it wrote here were removed.")
 
 
 class RestoreReply(StrictModel):

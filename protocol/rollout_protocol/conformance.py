@@ -10,10 +10,14 @@ the participant client is aiohttp's):
 
 * `check_participant(target, checkpoint_root=..., lease_grace_seconds=...)` runs every
   single-participant check in order: `auth.every-route`, `bodies.strict`, `phases.replay` and
-  `phases.resume-idle`, `ids.stale`, `ids.conflicting`, `restore.all-or-nothing` (on the records
+  `phases.resume-idle`, `ids.stale`, `ids.conflicting`, `persist.durable-unchanged` and
+  `persist.discard` (a participant that announces `persist_after_resume`: a cut, the resume,
+  the persist of exactly the cut's records; a discarded cut),
+  `restore.all-or-nothing` (on the records
   the phases check committed) and `lease.auto-resume`. Each check is also a function of its own
   (`check_auth`, `check_strict_bodies`, `check_phases`, `check_stale_ids`,
-  `check_conflicting_ids`, `check_lease_auto_resume`, `check_restore_all_or_nothing`).
+  `check_conflicting_ids`, `check_persist_after_resume`, `check_lease_auto_resume`,
+  `check_restore_all_or_nothing`).
   The participant must be idle, have a checkpoint root (`ROLLOUT_CHECKPOINT_ROOT`, the same
   directory as `checkpoint_root` here) and be dedicated to the kit: the phases check restores
   into it, which moves it to the next attempt.
@@ -77,8 +81,8 @@ their steps (a model's counted calls do not stand in for them).
 
 This module is the kit's public surface only; the kit itself is the private package
 `rollout_protocol._conformance`, one module per concern: the report (`report`: rules and
-errors), the connections (`calls`), the scenarios by group (`refusals`, `phases`, `workers`,
-`lease`, `restore`, `park`, `crash`, with `drivers`, `counters` and `model` for the crash
+errors), the connections (`calls`), the scenarios by group (`refusals`, `phases`, `persist`,
+`workers`, `lease`, `restore`, `park`, `crash`, with `drivers`, `counters` and `model` for the crash
 scenarios), the single-participant runner (`participant`) and in-process serving (`serving`).
 The kit imports nothing beyond
 the contract's own dependencies, uvicorn (which serves in-process apps) and aiohttp (the
@@ -93,6 +97,7 @@ from ._conformance.drivers import EpisodeDriver, StepHoldingDriver
 from ._conformance.lease import check_lease_auto_resume
 from ._conformance.park import check_park_all, check_workers_park_all
 from ._conformance.participant import check_participant
+from ._conformance.persist import check_persist_after_resume
 from ._conformance.phases import check_conflicting_ids, check_phases, check_stale_ids
 from ._conformance.refusals import check_auth, check_strict_bodies
 from ._conformance.report import (
@@ -104,6 +109,8 @@ from ._conformance.report import (
     LEASE,
     MODEL_HEADERS,
     MODEL_PROMPTS,
+    PERSIST_DISCARD,
+    PERSIST_DURABLE,
     PHASES_REPLAY,
     PHASES_RESUME,
     RESTORE,
@@ -152,6 +159,8 @@ __all__ = [
     "LEASE",
     "MODEL_HEADERS",
     "MODEL_PROMPTS",
+    "PERSIST_DISCARD",
+    "PERSIST_DURABLE",
     "PHASES_REPLAY",
     "PHASES_RESUME",
     "RESTORE",
@@ -190,6 +199,7 @@ __all__ = [
     "check_lease_auto_resume",
     "check_park_all",
     "check_participant",
+    "check_persist_after_resume",
     "check_phases",
     "check_restore_all_or_nothing",
     "check_stale_ids",

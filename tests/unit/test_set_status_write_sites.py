@@ -2,9 +2,11 @@
 (docs/design.md#6-the-operator, "one pass, one snapshot, one write").
 
 A call sends the set's status when it calls a sending method of the set's writer
-(`cluster.statuswriter.SetStatusWriter`: `write`, `write_retrying`, `write_pass`) on a writer
-(`SetStatusWriter(...)` itself, or a name or attribute called `writer`/`_writer`), or the API
-call underneath (`patch_set_status`, the writer's own). The set's reconcile loop (the
+(`cluster.statuswriter.SetStatusWriter`: `write`, `write_retrying`, `write_pass`) on a writer:
+`SetStatusWriter(...)` itself, or a name or attribute called `writer`/`_writer` in a module
+that imports `SetStatusWriter` (a module that imports the RolloutCheckpoint's writer as well
+would be ambiguous, and fails here); or the API call underneath (`patch_set_status`, the
+writer's own). The set's reconcile loop (the
 repairs, the set pass, `flows/reconciler.py`) sends from exactly one call site: its stages
 return deltas and the pass writes them once. Any new site fails here.
 """
@@ -34,27 +36,31 @@ SET_STATUS_SENDERS = {
 """Every call site in operator/ that sends a set's status, by module and function."""
 
 
-def _is_writer(node: ast.expr) -> bool:
+def _is_writer(node: ast.expr, named_writers: bool) -> bool:
     if isinstance(node, ast.Call):
         return isinstance(node.func, ast.Name) and node.func.id == "SetStatusWriter"
     if isinstance(node, ast.Name):
-        return node.id.lstrip("_") == "writer"
+        return named_writers and node.id.lstrip("_") == "writer"
     if isinstance(node, ast.Attribute):
-        return node.attr.lstrip("_") == "writer"
+        return named_writers and node.attr.lstrip("_") == "writer"
     return False
 
 
-def _sends(node: ast.AST) -> bool:
-    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
-        return False
-    return node.func.attr in SENDING and _is_writer(node.func.value)
+def _imported(tree: ast.Module) -> set[str]:
+    return {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
 
 
 class _Senders(ast.NodeVisitor):
     """Counts the sending calls by the function that holds them (the innermost one)."""
 
-    def __init__(self, module: str) -> None:
+    def __init__(self, module: str, named_writers: bool) -> None:
         self.module = module
+        self.named_writers = named_writers
         self.functions: list[str] = ["<module>"]
         self.found: dict[tuple[str, str], int] = {}
 
@@ -67,7 +73,12 @@ class _Senders(ast.NodeVisitor):
     visit_AsyncFunctionDef = _function
 
     def visit_Call(self, node: ast.Call) -> None:
-        if _sends(node):
+        func = node.func
+        if (
+            isinstance(func, ast.Attribute)
+            and func.attr in SENDING
+            and _is_writer(func.value, self.named_writers)
+        ):
             site = (self.module, self.functions[-1])
             self.found[site] = self.found.get(site, 0) + 1
         self.generic_visit(node)
@@ -81,8 +92,12 @@ def senders() -> dict[tuple[str, str], int]:
         module = path.relative_to(OPERATOR).as_posix()
         if module == "cluster/statuswriter.py":
             continue
-        visitor = _Senders(module)
-        visitor.visit(ast.parse(path.read_text()))
+        tree = ast.parse(path.read_text())
+        imported = _imported(tree)
+        sets = "SetStatusWriter" in imported
+        assert not (sets and "CheckpointStatusWriter" in imported), f"{module}: which writer?"
+        visitor = _Senders(module, named_writers=sets)
+        visitor.visit(tree)
         found.update(visitor.found)
     return found
 

@@ -20,6 +20,7 @@ from .._coordinator import CommitOutcome, Coordinator
 from .._fake_model import FakeModel
 from .._routes import Dialect
 from .._wire import (
+    Capability,
     ErrorCode,
     Phase,
 )
@@ -48,6 +49,7 @@ from .model import (
 from .report import (
     DRIVER,
     PARTICIPANT,
+    PERSIST_DURABLE,
     PHASES_RESUME,
     RESTORE,
     RUN_ATTEMPT,
@@ -230,7 +232,13 @@ async def _checkpoint_then_crash(run: _CrashRun) -> None:
                 for rid in repeated:
                     episodes.start_soon(_repeated_run, driver, runs, repeats[rid], rid, attempt)
                 run.before, run.commit = await _checkpoint(
-                    coordinator, conns, run.cid, rids, run.call_timeout_s, run.restarting
+                    coordinator,
+                    conns,
+                    run.cid,
+                    rids,
+                    run.call_timeout_s,
+                    run.restarting,
+                    cut=all(Capability.PERSIST_AFTER_RESUME in s.capabilities for s in statuses),
                 )
                 before = run.before
                 records = {
@@ -578,8 +586,13 @@ async def _checkpoint(
     rids: Sequence[str],
     call_timeout_s: float,
     restarting: bool = False,
+    *,
+    cut: bool = False,
 ) -> tuple[dict[str, _Counts], CommitOutcome]:
-    """prepare, commit (scope: the rollouts), read the counters while parked, resume.
+    """prepare, commit (scope: the rollouts), read the counters while parked, resume. With
+    `cut` (every participant announces `persist_after_resume`) the commit is the cut and its
+    records are persisted after the resume (`persist.durable-unchanged`): the crash then
+    restores what the persist wrote.
 
     Participants that all speak NeMo Gym's dialect are checkpointed without a requested scope
     (Gym's prepare lists no episodes to agree one from): every parked episode, which must be
@@ -619,7 +632,9 @@ async def _checkpoint(
                 f"scope {scope}, {prepared.episode_count} parked, "
                 f"restarts {sorted(str(e) for e in prepared.restarts)}",
             )
-        commit = await coordinator.commit(cid, time.time() + call_timeout_s, scope)
+        commit = await coordinator.commit(
+            cid, time.time() + call_timeout_s, scope, persist_after_resume=cut
+        )
         _expect(
             STEPS,
             commit.ok,
@@ -636,4 +651,20 @@ async def _checkpoint(
         f"resume of {cid} must succeed everywhere",
         "; ".join(str(failure) for failure in resumed.failures),
     )
+    if commit.held:
+        commit = await _persisted(coordinator, cid, commit, call_timeout_s)
     return before, commit
+
+
+async def _persisted(
+    coordinator: Coordinator, cid: str, cut: CommitOutcome, call_timeout_s: float
+) -> CommitOutcome:
+    """The persist of a cut after the resume: durable, with the manifests the cut answered."""
+    persisted = await coordinator.persist(cid, time.time() + call_timeout_s, cut=cut)
+    _expect(
+        PERSIST_DURABLE,
+        persisted.ok and persisted.manifests == cut.manifests,
+        f"the persist of {cid} after the resume must make durable the manifests its cut answered",
+        "; ".join(str(f) for f in persisted.failures) or "other manifests",
+    )
+    return persisted

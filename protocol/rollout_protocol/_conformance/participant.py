@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .calls import Target, _connect
 from .lease import check_lease_auto_resume
+from .persist import check_persist_after_resume
 from .phases import check_conflicting_ids, check_phases, check_stale_ids
 from .refusals import check_auth, check_strict_bodies
 from .report import RESTORE
@@ -34,6 +35,9 @@ async def check_participant(
     cid, captured = await check_phases(target, call_timeout_s=call_timeout_s)
     await check_stale_ids(target, call_timeout_s=call_timeout_s)
     await check_conflicting_ids(target, call_timeout_s=call_timeout_s)
+    await check_persist_after_resume(
+        target, checkpoint_root=checkpoint_root, call_timeout_s=call_timeout_s
+    )
     async with _connect([target], call_timeout_s) as (conn,):
         attempt = max((await conn.status(RESTORE)).attempt, captured) + 1
     await check_restore_all_or_nothing(

@@ -13,7 +13,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from .. import _gym as gym
-from .._routes import GYM_CAPABILITIES_PATH, ROUTES, Dialect, Route
+from .._routes import CONTROL_ROUTES, GYM_CAPABILITIES_PATH, Dialect, Route
 from .._wire import (
     ErrorCode,
 )
@@ -53,7 +53,7 @@ def _request_model(route: Route[Any, Any], dialect: Dialect) -> type[BaseModel] 
 
 def _dialect_routes(dialect: Dialect) -> list[Route[Any, Any]]:
     """The routes of the table that `dialect` has."""
-    return [route for route in ROUTES if route.path_in(dialect) is not None]
+    return [route for route in CONTROL_ROUTES if route.path_in(dialect) is not None]
 
 
 def _example_body(
@@ -137,7 +137,8 @@ async def _expect_refusal(
 
 
 async def check_auth(target: Target, *, call_timeout_s: float = 10.0) -> None:
-    """`auth.every-route`: every route of `ROUTES` refuses a missing or wrong token with 401.
+    """`auth.every-route`: every route a plane mounts (`CONTROL_ROUTES`) refuses a missing or wrong
+    token with 401.
 
     Without a token the body is not even JSON, with a wrong token it is well-formed (with a
     passed deadline, so a route that lets it through does nothing): both must be 401 with code

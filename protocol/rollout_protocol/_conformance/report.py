@@ -44,6 +44,8 @@ WORKERS_PARK = "workers.park-all"
 WORKERS_RESTORE = "workers.restore-all"
 WORKERS_REPEAT = "workers.repeat-run"
 DRIVER_HOLDS = "driver.holds"
+PERSIST_DURABLE = "persist.durable-unchanged"
+PERSIST_DISCARD = "persist.discard"
 
 
 RULES: Mapping[str, str] = {
@@ -116,6 +118,13 @@ RULES: Mapping[str, str] = {
     DRIVER_HOLDS: "the kit's driver (your test, not the server) holds model calls of the first "
     "attempt only: a hold armed after the crash would block a restored episode or an "
     "uninterrupted twin forever",
+    PERSIST_DURABLE: "a participant that announces persist_after_resume answers a commit asking "
+    "for the cut at once, not durable, with the manifest its persist will write; after the "
+    "resume its persist answers durable with that same manifest, the records on storage verify "
+    "against it (so they are the records as they were at the cut: nothing an episode did after "
+    "the cut is in them), and a retried persist answers the same",
+    PERSIST_DISCARD: "a discarded cut is released: a persist of it is refused with "
+    "stale_checkpoint and no manifest of it exists",
 }
 
 
