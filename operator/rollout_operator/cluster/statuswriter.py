@@ -102,6 +102,7 @@ class PassStatus:
         self._whole: set[str] = set()
         self.events: list[tuple[str, str]] = []
         self.requeue = False
+        self._parsed: RolloutSet | None = None
 
     @property
     def raw(self) -> dict[str, Any]:
@@ -110,8 +111,11 @@ class PassStatus:
 
     @property
     def rset(self) -> RolloutSet:
-        """The set parsed, with the changes added so far (`ValidationError` if invalid)."""
-        return RolloutSet.model_validate(self.raw)
+        """The set parsed, with the changes added so far (`ValidationError` if invalid); parsed
+        once per change, as every stage reads it."""
+        if self._parsed is None:
+            self._parsed = RolloutSet.model_validate(self.raw)
+        return self._parsed
 
     @property
     def changed(self) -> bool:
@@ -129,6 +133,8 @@ class PassStatus:
                 if isinstance(value, BaseModel) and key in checked:
                     checked[key] = replacing(self._shown.get(key), checked[key])
             check_owner(delta.owner, RolloutSetStatus.model_validate(self._shown), checked)
+        if body:
+            self._parsed = None
         for key, value in body.items():
             self._body[key] = value
             if isinstance(delta.changes[key], BaseModel):
