@@ -52,9 +52,11 @@ __all__ = [
     "configure",
     "failed",
     "headers",
+    "keyed_parent",
     "root_span",
     "server_span",
     "span",
+    "span_id_of",
     "trace_id_of",
 ]
 
@@ -82,6 +84,9 @@ _PROPAGATOR: Final = TraceContextTextMapPropagator()
 """W3C trace context (`traceparent`, `tracestate`), whatever `OTEL_PROPAGATORS` says."""
 _ROOT_TRACE_ID: ContextVar[int | None] = ContextVar("rollout_root_trace_id", default=None)
 """The trace id `configure`'s id generator gives the root span being started (`root_span`)."""
+_ROOT_SPAN_ID: ContextVar[int | None] = ContextVar("rollout_root_span_id", default=None)
+"""The span id it gives a keyed root span whose children were started before it
+(`root_span(..., keyed_span=True)`, `keyed_parent`)."""
 _NO_SDK = (
     "OTEL_EXPORTER_OTLP_ENDPOINT is set but the OpenTelemetry SDK is not installed: no traces "
     "are exported. pip install 'rollout-protocol[tracing]' (opentelemetry-sdk and "
@@ -92,6 +97,24 @@ _NO_SDK = (
 def trace_id_of(key: str) -> int:
     """The 128-bit trace id `root_span` derives from `key` (never the invalid id 0)."""
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:16], "big") or 1
+
+
+def span_id_of(key: str) -> int:
+    """The 64-bit span id of a keyed root span (`keyed_parent`), derived from `key`."""
+    return int.from_bytes(hashlib.sha256(b"span:" + key.encode()).digest()[:8], "big") or 1
+
+
+def keyed_parent(key: str) -> Context:
+    """A context whose parent is the keyed root span of `key` (`root_span(key=key,
+    keyed_span=True)`): the spans of work spread over many calls (a recovery's phases, one per
+    pass of its loop) join one trace under one root, which is ended when the work is done."""
+    parent = trace.SpanContext(
+        trace_id=trace_id_of(key),
+        span_id=span_id_of(key),
+        is_remote=True,
+        trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED),
+    )
+    return trace.set_span_in_context(trace.NonRecordingSpan(parent))
 
 
 def configure(
@@ -175,6 +198,10 @@ def _keyed_ids() -> IdGenerator:
             keyed = _ROOT_TRACE_ID.get()
             return keyed if keyed is not None else super().generate_trace_id()
 
+        def generate_span_id(self) -> int:
+            keyed = _ROOT_SPAN_ID.get()
+            return keyed if keyed is not None else super().generate_span_id()
+
     return KeyedIds()
 
 
@@ -243,17 +270,28 @@ span machinery costs about 8 us a span on the development machine, this about 0.
 
 
 def root_span(
-    name: str, *, key: str | None = None, attributes: Attributes | None = None
+    name: str,
+    *,
+    key: str | None = None,
+    attributes: Attributes | None = None,
+    keyed_span: bool = False,
+    start_time_ns: int | None = None,
 ) -> AbstractContextManager[Span]:
     """A span that starts a trace (whatever span is current), with the id `trace_id_of(key)`
     under `configure`'s provider (a random one without `key`); current inside the block, ended
-    (and marked as an error by an exception) when it leaves."""
+    (and marked as an error by an exception) when it leaves. With `keyed_span` (and a `key`)
+    its span id is `span_id_of(key)`: the parent of the spans started under `keyed_parent(key)`
+    before it, from `start_time_ns` on."""
     if _off():
         return _NOTHING
     token = _ROOT_TRACE_ID.set(None if key is None else trace_id_of(key))
+    span_token = _ROOT_SPAN_ID.set(span_id_of(key) if keyed_span and key is not None else None)
     try:
-        root = _TRACER.start_span(name, context=Context(), attributes=attributes)
+        root = _TRACER.start_span(
+            name, context=Context(), attributes=attributes, start_time=start_time_ns
+        )
     finally:
+        _ROOT_SPAN_ID.reset(span_token)
         _ROOT_TRACE_ID.reset(token)
     return trace.use_span(root, end_on_exit=True)
 

@@ -8,7 +8,7 @@ lost); the recovery's repair (`recovery.repair_unfinished_recovery`) starts the 
 from StoppingAttempt under a fresh attempt. A set that finished its recovery (`createdAttempt`,
 `lastRecovery.attempt`) still has an attempt written by hand repaired from its pods.
 
-The repairs run as each set pass runs them (`reconciler.SET_REPAIRS`, in order) and the `Kube`
+The repairs run as each set pass runs them (`reconciler.plan_repairs`, in order) and the `Kube`
 client runs for real; the API server below them is the unit
 tests' `testsupport.fakecluster.FakeCluster` (status writes keep the resourceVersion
 precondition) holding the set and its pods. The same fault on a
@@ -19,12 +19,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from rollout_operator.cluster.statuswriter import PassStatus, SetStatusWriter
 from rollout_operator.decide.setstatus import REPAIRED, Repair
-from rollout_operator.flows.reconciler import SET_REPAIRS
+from rollout_operator.flows.reconciler import plan_repairs
 from rollout_operator.flows.recovery import RECOVERY_RESTARTED
 from rollout_operator.flows.setpass import repair_set_attempt
 from rollout_operator.model import api
 from rollout_operator.model.api import ROLLOUT_SET_PLURAL
+from rollout_operator.model.owners import StatusOwner
 from testsupport.fakecluster import FakeCluster
 
 NS = "team"
@@ -49,9 +51,21 @@ def set_status(cluster: FakeCluster) -> dict[str, Any]:
     return status
 
 
+def stored_set(cluster: FakeCluster) -> api.RolloutSet:
+    obj = cluster.get(ROLLOUT_SET_PLURAL, NS, SET)
+    assert obj is not None, "the set is gone"
+    return api.RolloutSet.model_validate(obj)
+
+
 async def run_repairs(cluster: FakeCluster) -> Repair | None:
-    """The set pass's repairs in their order; the one repair that wrote (at most one may)."""
-    repaired = [r for repair in SET_REPAIRS if (r := await repair(cluster.kube(), NS, SET))]
+    """The set pass's repairs in their order over one read of the set, written as the pass
+    writes them; the one repair that wrote (at most one may)."""
+    obj = cluster.get(ROLLOUT_SET_PLURAL, NS, SET)
+    assert obj is not None, "the set is gone"
+    draft = PassStatus(obj)
+    await plan_repairs(cluster.kube(), draft)
+    await SetStatusWriter(cluster.kube(), StatusOwner.SET_PASS).write_pass(draft)
+    repaired = [Repair(reason, message) for reason, message in draft.events]
     assert len(repaired) <= 1, repaired
     return repaired[0] if repaired else None
 
@@ -111,7 +125,7 @@ async def test_pods_of_an_unfinished_recovery_are_not_adopted_when_its_record_is
     from those pods: the set went Ready without a restore."""
     cluster = set_with_pods(rollout_set({"attempt": 1, "createdAttempt": 1}), pod_attempt=2)
     # The set pass's own repair leaves these pods to the recovery: it writes nothing.
-    assert await repair_set_attempt(cluster.kube(), NS, SET) is None
+    assert await repair_set_attempt(cluster.kube(), stored_set(cluster)) is None
     assert "recovery" not in set_status(cluster)
     repaired = await run_repairs(cluster)
 

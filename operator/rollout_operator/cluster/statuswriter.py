@@ -17,11 +17,18 @@ has no other way to remove `status.recovery`); a model is written whole (`replac
 stored object has and the model no longer has is sent as null, so a field set back to None goes
 (a recovery's `checkpoint` when its next try starts fresh); a list replaces the stored list.
 Events are the flows' business and are posted after the write returns.
+
+A pass of the set's loop (docs/design.md#6-the-operator, "one pass, one snapshot, one write")
+collects its stages' changes in a `PassStatus` over the one snapshot it read: each stage returns
+a `SetDelta` (its owner, its changes, its Events, whether to requeue) computed from the set as
+the stages before it left it, the delta is checked against the owner table as it is added, and
+`SetStatusWriter.write_pass` sends the merged changes once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from pydantic import BaseModel
@@ -59,6 +66,93 @@ def replacing(stored: Any, written: Any) -> Any:
     patch = {key: replacing(stored.get(key), value) for key, value in written.items()}
     patch.update({key: None for key in stored if key not in written})
     return patch
+
+
+@dataclass(frozen=True)
+class SetDelta:
+    """What one stage of a pass changes in the set's status, computed from the pass's snapshot
+    (as the stages before it left it): `changes` in wire names (values models or wire values),
+    the Warning Events (reason, message) to post once the write landed, and whether the loop
+    should run another pass at once."""
+
+    owner: StatusOwner
+    changes: Mapping[str, Any] = field(default_factory=dict)
+    events: tuple[tuple[str, str], ...] = ()
+    requeue: bool = False
+    delta_only: bool = False
+    """Leave out what the status shows already (the set pass writes its whole view)."""
+
+
+def _without_nulls(value: Any) -> Any:
+    """`value` as the stored object holds it after a merge patch: nulls in objects removed."""
+    if isinstance(value, Mapping):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    return value
+
+
+class PassStatus:
+    """The set's status as one pass changes it: the snapshot the pass read, and the deltas of
+    its stages merged over it in order. `rset` is the set as the stages so far left it (what
+    the next stage computes from); nothing is sent before `SetStatusWriter.write_pass`."""
+
+    def __init__(self, obj: Mapping[str, Any]) -> None:
+        self.snapshot = obj
+        self._shown: dict[str, Any] = dict(obj.get("status") or {})
+        self._body: dict[str, Any] = {}
+        self._whole: set[str] = set()
+        self.events: list[tuple[str, str]] = []
+        self.requeue = False
+        self._parsed: RolloutSet | None = None
+
+    @property
+    def raw(self) -> dict[str, Any]:
+        """The set in its wire form, with the changes added so far."""
+        return {**self.snapshot, "status": dict(self._shown)}
+
+    @property
+    def rset(self) -> RolloutSet:
+        """The set parsed, with the changes added so far (`ValidationError` if invalid); parsed
+        once per change, as every stage reads it."""
+        if self._parsed is None:
+            self._parsed = RolloutSet.model_validate(self.raw)
+        return self._parsed
+
+    @property
+    def changed(self) -> bool:
+        return bool(self._body)
+
+    def add(self, delta: SetDelta) -> None:
+        """Merge `delta` over the status as the stages so far left it; `ForeignStatusWrite`
+        when it sets a field or condition its owner does not own."""
+        body = {key: wire(value) for key, value in delta.changes.items()}
+        if delta.delta_only:
+            body = {key: value for key, value in body.items() if self._shown.get(key) != value}
+        if body:
+            checked = dict(body)
+            for key, value in delta.changes.items():
+                if isinstance(value, BaseModel) and key in checked:
+                    checked[key] = replacing(self._shown.get(key), checked[key])
+            check_owner(delta.owner, RolloutSetStatus.model_validate(self._shown), checked)
+        if body:
+            self._parsed = None
+        for key, value in body.items():
+            self._body[key] = value
+            if isinstance(delta.changes[key], BaseModel):
+                self._whole.add(key)
+            if value is None:
+                self._shown.pop(key, None)
+            else:
+                self._shown[key] = _without_nulls(value)
+        self.events.extend(delta.events)
+        self.requeue = self.requeue or delta.requeue
+
+    def body(self) -> dict[str, Any]:
+        """The one merge patch over the snapshot: models replace the stored object whole."""
+        stored = self.snapshot.get("status") or {}
+        return {
+            key: replacing(stored.get(key), value) if key in self._whole else value
+            for key, value in self._body.items()
+        }
 
 
 class SetStatusWriter:
@@ -101,9 +195,22 @@ class SetStatusWriter:
             if isinstance(value, BaseModel) and key in body:
                 body[key] = replacing(shown.get(key), body[key])
         check_owner(self.owner, status, body)
-        return await self._kube.patch_set_status(
-            namespace, name, body, resource_version=resource_version or version
-        )
+        return await self._send(namespace, name, body, resource_version or version)
+
+    async def write_pass(self, draft: PassStatus) -> dict[str, Any] | None:
+        """Send the pass's merged changes (each checked against its owner as it was added),
+        only if the set is still at the snapshot's resourceVersion (`Conflict` otherwise).
+        Returns the written set, or None when no stage changed anything."""
+        if not draft.changed:
+            return None
+        meta = draft.snapshot["metadata"]
+        namespace = namespace_or_default(meta.get("namespace"))
+        return await self._send(namespace, meta["name"], draft.body(), meta.get("resourceVersion"))
+
+    async def _send(
+        self, namespace: str, name: str, body: dict[str, Any], version: str | None
+    ) -> dict[str, Any]:
+        return await self._kube.patch_set_status(namespace, name, body, resource_version=version)
 
     async def write_retrying(
         self,
@@ -130,4 +237,12 @@ class SetStatusWriter:
         raise Conflict(f"set {rset.metadata.name}: {tries} status writes lost to others")
 
 
-__all__ = ["CONFLICT_TRIES", "SetGone", "SetStatusWriter", "replacing", "wire"]
+__all__ = [
+    "CONFLICT_TRIES",
+    "PassStatus",
+    "SetDelta",
+    "SetGone",
+    "SetStatusWriter",
+    "replacing",
+    "wire",
+]

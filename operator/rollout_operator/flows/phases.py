@@ -5,8 +5,9 @@ restarts continues where the last one stopped (docs/design.md#61-checkpoint,
 docs/design.md#62-recovery). Each flow declares a `PhaseTable`: which phase an object is in
 now (`phase_of`, read from its status and, for the checkpoint, from what this run has done in
 memory), and one step per phase, a function of the flow's context and the object that returns
-the object as it left it. `run_phases` switches on the phase in one place and runs steps until
-none is left. A step writes the phase that follows it; the table decides nothing else.
+the object as it left it. `run_step` switches on the phase in one place and runs its step once
+(the recovery: one phase per pass of the set's loop); `run_phases` runs steps until none is
+left (the checkpoint). A step writes the phase that follows it; the table decides nothing else.
 
 A step may end the run by returning None (the object is gone, or needs a person); a table may
 name an exception type that a step raises to end only its try (`on_failure`: the recovery's
@@ -64,6 +65,26 @@ class PhaseTable(Generic[PhaseT, ContextT, ObjectT]):
             raise LookupError(f"no step for phase {phase.value!r}") from None
 
 
+async def run_step(
+    table: PhaseTable[PhaseT, ContextT, ObjectT], context: ContextT, obj: ObjectT
+) -> ObjectT | None:
+    """Run the step of the object's phase once (a flow that advances one phase per pass of its
+    loop); the object as the step left it, its next phase written, or None when the step
+    ended the flow. An object in no phase is returned as it is."""
+    phase = table.phase_of(context, obj)
+    if phase is None:
+        return obj
+    step = table.step(phase)
+    with table.span(context, obj, phase):
+        if table.on_failure is None:
+            return await step(context, obj)
+        try:
+            return await step(context, obj)
+        except table.on_failure.catches as error:
+            # The try ends; the handler goes on from the object as the step found it.
+            return await table.on_failure.handle(context, obj, error)
+
+
 async def run_phases(
     table: PhaseTable[PhaseT, ContextT, ObjectT], context: ContextT, obj: ObjectT
 ) -> ObjectT | None:
@@ -71,18 +92,7 @@ async def run_phases(
     the object as the last step left it."""
     current: ObjectT | None = obj
     while current is not None:
-        entered = current
-        phase = table.phase_of(context, entered)
-        if phase is None:
-            return entered
-        step = table.step(phase)
-        with table.span(context, entered, phase):
-            if table.on_failure is None:
-                current = await step(context, entered)
-                continue
-            try:
-                current = await step(context, entered)
-            except table.on_failure.catches as error:
-                # The try ends; the handler goes on from the object as the step found it.
-                current = await table.on_failure.handle(context, entered, error)
+        if table.phase_of(context, current) is None:
+            return current
+        current = await run_step(table, context, current)
     return None

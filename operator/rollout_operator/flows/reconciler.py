@@ -21,15 +21,18 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+from pydantic import ValidationError
+
 from ..cluster.kube import Kube
+from ..cluster.statuswriter import PassStatus, SetDelta
 from ..cluster.storage import StorageLocator
 from ..decide.policy.views import Note
-from ..decide.setstatus import Repair
 from ..model.api import RolloutSet
 from .passloop import Next
 from .policypass import PolicyPass
 from .queuepass import QueuePass
 from .recovery import (
+    RecoveryLook,
     RecoveryWaits,
     recover_if_needed,
     repair_false_recovery,
@@ -45,9 +48,10 @@ TransitionSink = Callable[[RolloutSet, str, str, bool], Awaitable[None]]
 NoteSink = Callable[[RolloutSet, Note], Awaitable[None]]
 """Told of each policy or queue note, on every pass."""
 
-SetRepair = Callable[[Kube, str, str], Awaitable[Repair | None]]
-"""A repair of the set's status (docs/design.md#610-status-written-by-hand): it writes as the
-owner of what it repairs and returns what it wrote back, or None."""
+SetRepair = Callable[[Kube, RolloutSet], Awaitable[SetDelta | None]]
+"""A repair of the set's status (docs/design.md#610-status-written-by-hand): from the pass's
+snapshot (as the repairs before it left it), the owner's delta that writes back what it
+repairs, with its Event; None when there is nothing to repair."""
 
 SET_REPAIRS: tuple[SetRepair, ...] = (
     repair_unfinished_recovery,
@@ -59,6 +63,23 @@ recovery or a pass acting on an attempt no pod runs would start a second attempt
 first, and a recovery nobody lost a participant for would stop every running pod. The first two
 look at pods of an attempt the status does not name (disjoint cases: above or within the last
 attempt the set finished bringing up); the third at a recorded recovery."""
+
+
+async def plan_repairs(kube: Kube, draft: PassStatus) -> None:
+    """Add the repairs' deltas to the pass's status, in `SET_REPAIRS` order (each sees the
+    set as the ones before it left it)."""
+    for repair in SET_REPAIRS:
+        delta = await repair(kube, draft.rset)
+        if delta is not None:
+            draft.add(delta)
+
+
+def _valid(draft: PassStatus) -> RolloutSet | None:
+    """The pass's set parsed; None when its spec is invalid (the set pass reports it)."""
+    try:
+        return draft.rset
+    except ValidationError:
+        return None
 
 
 async def set_pass(
@@ -73,19 +94,29 @@ async def set_pass(
     post_warning: WarningSink,
     on_transition: TransitionSink,
 ) -> Next:
-    """One pass of the set's reconcile loop: repairs, recovery, then the set's pass.
+    """One pass of the set's reconcile loop over one read of the set: the repairs' deltas, then
+    (when no repair changed anything) a look by the recovery, then the set pass, whose write
+    sends every delta at once; the Events after the write.
 
-    `warned` holds the (reason, message) of the Warning Events the calling loop posted already:
-    the set pass's warnings are posted once per loop, a repair's every time it repairs."""
-    for repair in SET_REPAIRS:
-        repaired = await repair(kube, namespace, name)
-        if repaired is not None:
-            raw = await kube.get_set(namespace, name)
-            if raw is not None:
-                post_warning(RolloutSet.model_validate(raw), repaired.reason, repaired.message)
-    look = await recover_if_needed(
-        kube, namespace, name, on_transition=on_transition, waits=recovery_waits
-    )
+    A repair ends its pass with the set pass (the next pass, at once, lets the recovery see the
+    repaired status); a recovery that ran a step ends its pass too (its phase persisted, the
+    next pass goes on from it). `warned` holds the (reason, message) of the Warning Events the
+    calling loop posted already: the set pass's warnings are posted once per loop, a repair's
+    every time it repairs."""
+    snapshot = await kube.get_set(namespace, name)
+    if snapshot is None or (snapshot.get("metadata") or {}).get("deletionTimestamp"):
+        return Next()
+    draft = PassStatus(snapshot)
+    rset = _valid(draft)
+    look = RecoveryLook(ran=False)
+    if rset is not None:
+        await plan_repairs(kube, draft)
+        if not draft.changed:
+            look = await recover_if_needed(
+                kube, rset, on_transition=on_transition, waits=recovery_waits
+            )
+            if look.ran:
+                return Next(again=True)
     outcome = await reconcile_set(
         kube,
         namespace,
@@ -93,15 +124,18 @@ async def set_pass(
         owned_objects=state.owned_objects,
         latest_written=state.latest_written,
         max_replicas_per_role=max_replicas_per_role,
+        draft=draft,
     )
-    for reason, message in outcome.warnings:
-        if (reason, message) not in warned:
-            warned.add((reason, message))
-            raw = await kube.get_set(namespace, name)
-            if raw is not None:
-                post_warning(RolloutSet.model_validate(raw), reason, message)
+    shown = _valid(draft)
+    if shown is not None and not outcome.conflict:
+        for reason, message in draft.events:
+            post_warning(shown, reason, message)
+        for reason, message in outcome.warnings:
+            if (reason, message) not in warned:
+                warned.add((reason, message))
+                post_warning(shown, reason, message)
     times = [t for t in (outcome.recheck_at, look.retry_at) if t is not None]
-    return Next(again=outcome.conflict, at=min(times) if times else None)
+    return Next(again=outcome.conflict or draft.requeue, at=min(times) if times else None)
 
 
 async def policy_pass(

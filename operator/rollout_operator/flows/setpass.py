@@ -45,7 +45,7 @@ from ..cluster.objects import (
     observe_pods,
     reconcile_pods,
 )
-from ..cluster.statuswriter import SetStatusWriter
+from ..cluster.statuswriter import PassStatus, SetDelta, SetStatusWriter
 from ..decide.policy.views import checkpoint_views, parse_time
 from ..decide.queue import queue_holds
 from ..decide.resources import (
@@ -150,24 +150,19 @@ def spec_over_limits(rset: RolloutSet, max_replicas_per_role: int) -> SetBlocked
     return None
 
 
-async def repair_set_attempt(kube: Kube, namespace: str, name: str) -> Repair | None:
+async def repair_set_attempt(kube: Kube, rset: RolloutSet) -> SetDelta | None:
     """Write back the attempt the set's live pods run when status says another one.
 
     Only while no recovery runs (a recovery moves pods between attempts on purpose). A set
     without live pods (new, suspended, every pod lost) shows no attempt; status stands. Pods of
     an attempt above the last one the set finished bringing up (`finished_attempt`) are not
     adopted: a recovery created them and never restored them, and the recovery's own repair
-    (`recovery.repair_unfinished_recovery`) starts it again."""
-    raw = await kube.get_set(namespace, name)
-    if raw is None or (raw.get("metadata") or {}).get("deletionTimestamp"):
-        return None
-    try:
-        rset = RolloutSet.model_validate(raw)
-    except ValidationError:
-        return None  # the pass reports an invalid spec
+    (`recovery.repair_unfinished_recovery`) starts it again. Returns the repair as the set
+    pass's delta over the pass's snapshot, its Event with it."""
     status = rset.status
     if status.recovery is not None:
         return None
+    namespace, name = namespace_or_default(rset.metadata.namespace), rset.metadata.name
     running = {pod.attempt for pod in await observe_pods(kube, namespace, name) if pod.live}
     if not running or max(running) > finished_attempt(rset):
         return None
@@ -180,10 +175,6 @@ async def repair_set_attempt(kube: Kube, namespace: str, name: str) -> Repair | 
         patch["createdAttempt"] = attempt
     if not patch:
         return None
-    try:
-        await SetStatusWriter(kube, StatusOwner.SET_PASS).write(rset, patch)
-    except Conflict:
-        return None  # someone wrote meanwhile; the next pass looks again
     written = ", ".join(f"{key} {value}" for key, value in sorted(patch.items()))
     message = (
         f"status said attempt {status.attempt} (createdAttempt {status.created_attempt}), but "
@@ -191,7 +182,7 @@ async def repair_set_attempt(kube: Kube, namespace: str, name: str) -> Repair | 
         f"pods; {NOT_AN_INTERFACE}"
     )
     logger.warning("RolloutSet %s/%s: %s", namespace, name, message)
-    return Repair(REPAIRED, message)
+    return SetDelta(StatusOwner.SET_PASS, patch, events=((REPAIRED, message),), requeue=True)
 
 
 @dataclass(frozen=True)
@@ -204,13 +195,11 @@ class ReconcileOutcome:
     """(reason, message) of Warning Events to post once (the caller deduplicates)."""
 
 
-async def _write_status(
-    kube: Kube, obj: dict[str, Any], changes: dict[str, Any]
-) -> ReconcileOutcome | None:
-    """Patch the keys of `changes` that differ, as the set pass (`SetStatusWriter`); None when
-    written or nothing to write, the conflict outcome when the write lost a race."""
+async def _write_status(kube: Kube, draft: PassStatus) -> ReconcileOutcome | None:
+    """Send the pass's status (`SetStatusWriter.write_pass`: every stage's delta, merged); None
+    when written or nothing to write, the conflict outcome when the write lost a race."""
     try:
-        await SetStatusWriter(kube, StatusOwner.SET_PASS).write(obj, changes, delta_only=True)
+        await SetStatusWriter(kube, StatusOwner.SET_PASS).write_pass(draft)
     except Conflict:
         return ReconcileOutcome(conflict=True)
     return None
@@ -319,23 +308,32 @@ async def reconcile_set(
     latest_written: LatestWritten,
     now: datetime | None = None,
     max_replicas_per_role: int = MAX_REPLICAS,
+    draft: PassStatus | None = None,
 ) -> ReconcileOutcome:
     """One reconcile pass of a RolloutSet: token, Services, pods of the attempt, status.
+
+    `draft`: the status of the set's whole pass (`flows/reconciler.py`), its snapshot and the
+    deltas of the stages before this one (the repairs); the set is read here when not given.
+    The set pass adds its delta, and sends the merged status in the pass's one write.
 
     `owned_objects` and `latest_written` are the process's memory of earlier passes
     (`OperatorState`, docs/design.md#611-the-operators-in-process-state): which sets' token and
     Services were ensured lately, and which `latestCheckpoint` each set's pass last wrote."""
-    obj = await kube.get_set(namespace, name)
-    if obj is None or (obj.get("metadata") or {}).get("deletionTimestamp"):
-        return ReconcileOutcome()
+    if draft is None:
+        snapshot = await kube.get_set(namespace, name)
+        if snapshot is None or (snapshot.get("metadata") or {}).get("deletionTimestamp"):
+            return ReconcileOutcome()
+        draft = PassStatus(snapshot)
+    obj = draft.raw
     try:
         rset = _validated(obj)
         await _ensure_startable(kube, rset, owned_objects, max_replicas_per_role)
     except SetBlocked as blocked:
         generation = obj["metadata"].get("generation")
         blocked_changes = _blocked_status(obj, generation, blocked.reason, blocked.message)
+        draft.add(SetDelta(StatusOwner.SET_PASS, blocked_changes, delta_only=True))
         recheck = blocked.recheck_seconds
-        return await _write_status(kube, obj, blocked_changes) or ReconcileOutcome(
+        return await _write_status(kube, draft) or ReconcileOutcome(
             recheck_at=None if recheck is None else (now or utcnow()) + timedelta(seconds=recheck)
         )
     pods = await observe_pods(kube, namespace, name)
@@ -348,7 +346,7 @@ async def reconcile_set(
     else:
         changes, outcome = await _attempt_changes(kube, obj, rset, pods, now or utcnow())
     return await _write_pass(
-        kube, obj, rset, changes, outcome, latest_written=latest_written, key=(namespace, name)
+        kube, draft, rset, changes, outcome, latest_written=latest_written, key=(namespace, name)
     )
 
 
@@ -428,7 +426,7 @@ async def _attempt_changes(
 
 async def _write_pass(
     kube: Kube,
-    obj: dict[str, Any],
+    draft: PassStatus,
     rset: RolloutSet,
     changes: dict[str, Any],
     outcome: ReconcileOutcome,
@@ -440,7 +438,8 @@ async def _write_pass(
     namespace, name = key
     fields, repair, listed = await _checkpoint_changes(kube, rset, latest_written)
     changes.update(fields)
-    conflict = await _write_status(kube, obj, changes)
+    draft.add(SetDelta(StatusOwner.SET_PASS, changes, delta_only=True))
+    conflict = await _write_status(kube, draft)
     if conflict is not None:
         return conflict
     latest = fields.get("latestCheckpoint", rset.status.latest_checkpoint)

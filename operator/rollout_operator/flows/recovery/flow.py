@@ -31,7 +31,7 @@ from ...decide.policy.suspend import resume_due
 from ...model.api import RecoveryPhase, RolloutSet, format_time, namespace_or_default
 from ...model.owners import StatusOwner
 from ...model.reasons import Reason
-from ..phases import FailureHandler, PhaseTable, run_phases
+from ..phases import FailureHandler, PhaseTable, run_step
 from .backoff import back_off, on_failed_try
 from .context import (
     DEFAULT_WAITS,
@@ -42,6 +42,7 @@ from .context import (
     http_coordinator,
     logger,
     read_set,
+    recovery_of,
 )
 from .loss import Loss, detect_loss, observe
 from .pods import start_pods
@@ -59,13 +60,28 @@ def phase_of(context: RecoveryContext, rset: RolloutSet) -> RecoveryPhase | None
     return recovery.phase
 
 
+def trace_key(rset: RolloutSet) -> str:
+    """The key of the recovery's one trace: the set's uid and the recovery's start, so the
+    phases of every pass (and of an operator that continues it after a restart) join it."""
+    recovery = rset.status.recovery
+    assert recovery is not None, "a recovery's trace is keyed by the recovery"
+    namespace = namespace_or_default(rset.metadata.namespace)
+    return (
+        f"recovery/{rset.metadata.uid or namespace + '/' + rset.metadata.name}/"
+        f"{format_time(recovery.started_at)}"
+    )
+
+
 def phase_span(
     context: RecoveryContext, rset: RolloutSet, phase: RecoveryPhase
 ) -> AbstractContextManager[object]:
-    """Each phase in a span of the recovery's trace."""
-    recovery = rset.status.recovery
-    target = recovery.target_attempt if recovery is not None else 0
-    return tracing.span(phase.value, attributes={"rollout.target_attempt": target})
+    """Each phase in a span of the recovery's trace, under its root (sent when it ends)."""
+    recovery = recovery_of(rset)
+    return tracing.span(
+        phase.value,
+        attributes={"rollout.target_attempt": recovery.target_attempt},
+        context=tracing.keyed_parent(trace_key(rset)),
+    )
 
 
 PHASES: Final = PhaseTable[RecoveryPhase, RecoveryContext, RolloutSet](
@@ -120,29 +136,38 @@ class RecoveryFlow:
         """Whether this loss may start a recovery now (`start.churn`)."""
         return await churn(self._context, rset, loss)
 
-    async def run(self, namespace: str, name: str) -> None:
-        """Run the set's recovery from its persisted phase until none is left."""
+    async def run(self, namespace: str, name: str) -> bool:
+        """Read the set and run one step of its recovery (`step`)."""
         rset = await read_set(self._context, namespace, name)
-        if rset is None or rset.status.recovery is None:
-            return
+        return rset is not None and await self.step(rset)
+
+    async def step(self, rset: RolloutSet) -> bool:
+        """Run the step of the recovery's persisted phase once: it persists the phase that
+        follows, and the set's loop passes again at once (the recovery advances one phase per
+        pass). Whether a step ran (none does for a set without a recovery, or whose tries are
+        exhausted). When the recovery ends, its trace's root span is sent, from its start."""
         recovery = rset.status.recovery
-        # One trace per recovery: its id derives from the set's uid and the recovery's start,
-        # so an operator that continues the recovery after a restart adds to the same trace.
-        with tracing.root_span(
-            f"recovery {namespace}/{name}",
-            key=f"recovery/{rset.metadata.uid or namespace + '/' + name}/"
-            f"{format_time(recovery.started_at)}",
-            attributes={
-                "rollout.set": name,
-                "rollout.namespace": namespace,
-                "rollout.from_attempt": recovery.from_attempt,
-                "rollout.reason": recovery.reason or "",
-                "rollout.continued_from": recovery.phase.value,
-            },
-        ) as root:
-            ended = await run_phases(PHASES, self._context, rset)
-            if ended is not None:
-                root.set_attribute("rollout.attempt", ended.status.attempt or 0)
+        if recovery is None or phase_of(self._context, rset) is None:
+            return False
+        ended = await run_step(PHASES, self._context, rset)
+        if ended is None or phase_of(self._context, ended) is None:
+            namespace = namespace_or_default(rset.metadata.namespace)
+            name = rset.metadata.name
+            with tracing.root_span(
+                f"recovery {namespace}/{name}",
+                key=trace_key(rset),
+                keyed_span=True,
+                start_time_ns=int(recovery.started_at.timestamp() * 1e9),
+                attributes={
+                    "rollout.set": name,
+                    "rollout.namespace": namespace,
+                    "rollout.from_attempt": recovery.from_attempt,
+                    "rollout.reason": recovery.reason or "",
+                    "rollout.attempt": ended.status.attempt or 0 if ended is not None else 0,
+                },
+            ):
+                pass
+        return True
 
 
 async def start_resume(kube: Kube, flow: RecoveryFlow, rset: RolloutSet, live_pods: int) -> bool:
@@ -173,32 +198,31 @@ class RecoveryLook:
     """What one look at a set did: ran a recovery, or asks to look again at `retry_at`."""
 
     ran: bool
+    """The recovery started, or ran a step (its phase persisted: the loop passes again at once
+    and goes on from it)."""
     retry_at: datetime | None = None
 
 
 async def recover_if_needed(
     kube: Kube,
-    namespace: str,
-    name: str,
+    rset: RolloutSet,
     *,
     on_transition: OnTransition | None = None,
     waits: RecoveryWaits = DEFAULT_WAITS,
 ) -> RecoveryLook:
-    """One look at the set: continue a recovery, or start one when a participant was lost
-    (unless the set lost participants too often: see `churn`).
+    """One look at the set: run one phase of its recovery, or start one when a participant was
+    lost (unless the set lost participants too often: see `churn`), which persists its first
+    phase for the next pass to run.
 
-    Says whether a recovery ran, and when to look again when one has to wait its turn.
+    `rset` is the set as the pass read it. Says whether a recovery ran, and when to look again
+    when one has to wait its turn.
     """
-    raw = await kube.get_set(namespace, name)
-    if raw is None or (raw.get("metadata") or {}).get("deletionTimestamp"):
-        return RecoveryLook(ran=False)
-    rset = RolloutSet.model_validate(raw)
+    namespace, name = namespace_or_default(rset.metadata.namespace), rset.metadata.name
     flow = RecoveryFlow(kube, on_transition=on_transition, waits=waits)
     if rset.status.recovery is None:
         pods, nodes_of, lost_nodes = await observe(kube, rset)
         live = sum(1 for p in pods if not (p.terminating or p.finished))
         if await start_resume(kube, flow, rset, live):
-            await flow.run(namespace, name)
             return RecoveryLook(ran=True)
         terminating = any(p.terminating for p in pods)
         held = await eviction_holds(kube, rset) if terminating else frozenset()
@@ -224,5 +248,5 @@ async def recover_if_needed(
                 return RecoveryLook(ran=False, retry_at=decision.not_before)
             logger.warning("set %s lost a participant: %s", name, loss.message)
             await flow.start(rset, loss)
-    await flow.run(namespace, name)
-    return RecoveryLook(ran=True)
+            return RecoveryLook(ran=True)  # its first phase persisted: the next pass runs it
+    return RecoveryLook(ran=await flow.step(rset))

@@ -6,26 +6,26 @@
 - `repair_unfinished_recovery`: a `status.recovery` removed while the recovery ran (its pods
   of the new attempt were never restored) is started again, instead of those pods being adopted.
 
-Both write as the recovery (`StatusOwner.RECOVERY`) and run in the set's loop before the
-recovery would act on such a status (`flows/reconciler.py`).
+Both run in the set's loop before the recovery would act on such a status
+(`flows/reconciler.py`), over the pass's snapshot: each returns its repair as a delta of the
+recovery (`StatusOwner.RECOVERY`), which the pass writes with the rest of its status.
 """
 
 from __future__ import annotations
 
 from typing import Any, Final
 
-from pydantic import ValidationError
-
-from ...cluster.kube import Conflict, Kube
+from ...cluster.kube import Kube
 from ...cluster.objects import observe_pods
-from ...cluster.statuswriter import SetStatusWriter
-from ...decide.setstatus import NOT_AN_INTERFACE, REPAIRED, Repair, finished_attempt
+from ...cluster.statuswriter import SetDelta
+from ...decide.setstatus import NOT_AN_INTERFACE, REPAIRED, finished_attempt
 from ...model.api import (
     RecoveryPhase,
     RecoveryStatus,
     RestorePolicy,
     RolloutSet,
     SetConditionType,
+    namespace_or_default,
 )
 from ...model.conditions import (
     ConditionUpdate,
@@ -43,18 +43,7 @@ RECOVERY_RESTARTED: Final = "RecoveryRestarted"
 starts again (`repair_unfinished_recovery`)."""
 
 
-async def _live_set(kube: Kube, namespace: str, name: str) -> RolloutSet | None:
-    """The set, unless it is gone, being deleted or invalid (the set pass reports that)."""
-    raw = await kube.get_set(namespace, name)
-    if raw is None or (raw.get("metadata") or {}).get("deletionTimestamp"):
-        return None
-    try:
-        return RolloutSet.model_validate(raw)
-    except ValidationError:
-        return None
-
-
-async def repair_false_recovery(kube: Kube, namespace: str, name: str) -> Repair | None:
+async def repair_false_recovery(kube: Kube, rset: RolloutSet) -> SetDelta | None:
     """Remove a `status.recovery` that no lost participant explains
     (docs/design.md#610-status-written-by-hand).
 
@@ -65,9 +54,6 @@ async def repair_false_recovery(kube: Kube, namespace: str, name: str) -> Repair
     that loss stays visible until the recovery acts: the pod is gone, finished, terminating or
     on a NotReady node. One that has not tried yet, shows no such loss and no pod of a later
     attempt is removed, with an Event; anything else is left to the recovery flow."""
-    rset = await _live_set(kube, namespace, name)
-    if rset is None:
-        return None
     status = rset.status
     recovery = status.recovery
     if (
@@ -99,15 +85,11 @@ async def repair_false_recovery(kube: Kube, namespace: str, name: str) -> Repair
             [ConditionUpdate.of(SetConditionType.RECOVERING.value, False, REPAIRED, message)],
             observed_generation=rset.metadata.generation,
         )
-    try:
-        await SetStatusWriter(kube, StatusOwner.RECOVERY).write(rset, body)
-    except Conflict:
-        return None  # written meanwhile; the next pass looks again
-    logger.warning("RolloutSet %s/%s: %s", namespace, name, message)
-    return Repair(REPAIRED, message)
+    logger.warning("RolloutSet %s/%s: %s", rset.metadata.namespace, rset.metadata.name, message)
+    return SetDelta(StatusOwner.RECOVERY, body, events=((REPAIRED, message),), requeue=True)
 
 
-async def repair_unfinished_recovery(kube: Kube, namespace: str, name: str) -> Repair | None:
+async def repair_unfinished_recovery(kube: Kube, rset: RolloutSet) -> SetDelta | None:
     """Start the recovery again when its `status.recovery` was removed while it ran.
 
     Pods of an attempt above the last one the set finished bringing up (`finished_attempt`)
@@ -118,9 +100,9 @@ async def repair_unfinished_recovery(kube: Kube, namespace: str, name: str) -> R
     (`running + 1`): every pod of the attempts in between is stopped, fresh pods restore the
     newest Ready checkpoint, as after a failed try. Recreate, whatever the spec says: which pods
     an InPlace try kept is not known any more."""
-    rset = await _live_set(kube, namespace, name)
-    if rset is None or rset.status.recovery is not None:
+    if rset.status.recovery is not None:
         return None
+    namespace, name = namespace_or_default(rset.metadata.namespace), rset.metadata.name
     running = {pod.attempt for pod in await observe_pods(kube, namespace, name) if pod.live}
     if not running or max(running) <= finished_attempt(rset):
         return None  # no recovery was cut short; the set pass adopts the running attempt
@@ -154,11 +136,10 @@ async def repair_unfinished_recovery(kube: Kube, namespace: str, name: str) -> R
         ],
         observed_generation=rset.metadata.generation,
     )
-    try:
-        await SetStatusWriter(kube, StatusOwner.RECOVERY).write(
-            rset, {"recovery": recovery, "conditions": conditions}
-        )
-    except Conflict:
-        return None  # someone wrote meanwhile; the next pass looks again
     logger.warning("RolloutSet %s/%s: %s", namespace, name, message)
-    return Repair(REPAIRED, message)
+    return SetDelta(
+        StatusOwner.RECOVERY,
+        {"recovery": recovery, "conditions": conditions},
+        events=((REPAIRED, message),),
+        requeue=True,
+    )
