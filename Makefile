@@ -7,6 +7,7 @@ PY := $(VENV)/bin/python
 BIN_LINK := .bin/devcluster
 NODE_BIN_LINK := .bin/devcluster-node
 KUEUE_LINK := .bin/kueue
+S3_LINK := .bin/s3
 # Debian packages the container node runs (runc, kube-proxy's iptables and conntrack, the test
 # image's busybox); `make node-binaries` installs those missing with apt-get.
 NODE_DEBS := runc iptables nftables conntrack busybox-static
@@ -16,21 +17,23 @@ PYTEST_ARGS ?=
 # the container-node tests run whole on one worker (tests/conftest.py).
 TEST_WORKERS ?= 2
 
-.PHONY: kind kind-down kind-packages kind-e2e-docker help venv gym-venv cluster-binaries kueue-binaries node-packages node-binaries engine image lint test test-unit test-protocol test-e2e test-adversarial demo demo-containers cluster cluster-down crds bench bench-fleet bench-requests clean kind-e2e kind-e2e-down
+.PHONY: kind kind-down kind-packages kind-e2e-docker help venv gym-venv cluster-binaries kueue-binaries s3-server node-packages node-binaries engine image lint test test-unit test-protocol test-e2e test-adversarial demo demo-containers cluster cluster-down crds bench bench-fleet bench-requests clean kind-e2e kind-e2e-down
 
 help:
-	@echo "make demo              run the demo on a local devcluster (add DEMO_ARGS=--keep to leave it up)"
+	@echo "make demo              run the demo on a local devcluster (add DEMO_ARGS=--keep to leave it up;"
+	@echo "                       S3=1: with an S3 server and a bucket on loopback)"
 	@echo "make test              lint, type-check and run every test (unit, protocol, e2e)"
 	@echo "make test-unit         only the fast tests"
 	@echo "make test-adversarial  only the hostile inputs and fault timings (tests/adversarial)"
 	@echo "make cluster-binaries  build the pinned control-plane binaries (cached per machine)"
 	@echo "make kueue-binaries    build Kueue's controller (pinned sigs.k8s.io/kueue; cached per machine)"
+	@echo "make s3-server         build the S3-compatible server the object-storage tests use (pinned versitygw; cached)"
 	@echo "make node-binaries     build the container node (kubelet, kube-proxy, containerd, CNI; cached)"
 	@echo "make engine            build llama.cpp's llama-server for the engine tests (cached per machine)"
 	@echo "make gym-venv          build the NeMo Gym environments (nemo-gym 0.4 and 0.7, the SDK, the adapter; cached)"
 	@echo "make demo-containers   the demo on a container node: servers in containers, operator by Helm"
 	@echo "make image             build the project's image from the Dockerfile with buildah (cached per inputs)"
-	@echo "make cluster           start a devcluster in .devcluster/ and print the KUBECONFIG line"
+	@echo "make cluster           start a devcluster in .devcluster/ and print the KUBECONFIG line (S3=1: and an S3 server)"
 	@echo "make cluster-down      stop it"
 	@echo "make kind              a kind cluster (1 control plane + KIND_WORKERS=2 workers), the operator by Helm"
 	@echo "make kind-down         remove it, with everything it put on the machine"
@@ -76,6 +79,14 @@ kueue-binaries:
 	@mkdir -p .bin
 	@dir="$$(devcluster/build-kueue.sh | tail -n 1)" && ln -sfn "$$dir" $(KUEUE_LINK)
 
+# The S3-compatible server (versitygw at the pin in devcluster/go/s3, its posix backend) that the
+# object-storage tests start on loopback (tests/testsupport/s3_server.py) and the bucket demo runs;
+# cached per machine like the above.
+s3-server:
+	@mkdir -p .bin
+	@bindir="$$(devcluster/build-s3.sh | tail -n 1)" && ln -sfn "$$bindir" $(S3_LINK) \
+	  && echo "[devcluster] S3 server in $$bindir (linked as $(S3_LINK))"
+
 # The container node (`python -m devcluster up --node-runtime containerd`): its Debian packages
 # when missing, then kubelet, kube-proxy, containerd and the CNI plugins from pinned Go modules.
 node-packages:
@@ -114,35 +125,36 @@ lint: venv
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-test-unit: venv cluster-binaries
+test-unit: venv cluster-binaries s3-server
 	$(VENV)/bin/pytest -m unit $(PYTEST_ARGS)
 
-test-protocol: venv engine
+test-protocol: venv engine s3-server
 	$(VENV)/bin/pytest -m protocol $(PYTEST_ARGS)
 
-test-e2e: venv cluster-binaries kueue-binaries node-binaries
+test-e2e: venv cluster-binaries kueue-binaries s3-server node-binaries
 	$(VENV)/bin/pytest -m e2e $(PYTEST_ARGS)
 
 # tests/adversarial is collected by plain `pytest` (make test) too; its API-server cases are e2e.
-test-adversarial: venv cluster-binaries
+test-adversarial: venv cluster-binaries s3-server
 	$(VENV)/bin/pytest -m adversarial $(PYTEST_ARGS)
 
 # tests/kind is not in `make test`: 6 minutes warm on two cores (8.5 under load) against a
 # budget of about 4, and 10-16 cold minutes against cold CI's 10 left; `make kind-e2e` runs it
 # (docs/kind.md, "Why tests/kind is not in make test: the floor").
-test: venv cluster-binaries kueue-binaries node-binaries engine image gym-venv lint
+test: venv cluster-binaries kueue-binaries s3-server node-binaries engine image gym-venv lint
 	$(VENV)/bin/pytest -n $(TEST_WORKERS) --ignore=tests/kind $(PYTEST_ARGS)
 
-demo: venv cluster-binaries
-	$(PY) -m harness.demo $(DEMO_ARGS)
+# S3=1: the cluster also runs an S3 server on loopback with a bucket (devcluster/s3.py).
+demo: venv cluster-binaries $(if $(S3),s3-server)
+	$(PY) -m harness.demo $(if $(S3),--s3) $(DEMO_ARGS)
 
 # The same scenario on the container node: the servers as containers of the project's image, the
 # operator installed by Helm as a pod of it (first run: make node-binaries and make image build).
 demo-containers: venv cluster-binaries node-binaries image
 	$(PY) -m harness.demo --node-runtime containerd $(DEMO_ARGS)
 
-cluster: venv cluster-binaries
-	$(PY) -m devcluster up --dir .devcluster
+cluster: venv cluster-binaries $(if $(S3),s3-server)
+	$(PY) -m devcluster up --dir .devcluster $(if $(S3),--s3)
 
 cluster-down: venv
 	$(PY) -m devcluster down --dir .devcluster

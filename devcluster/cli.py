@@ -84,6 +84,19 @@ def _parser() -> argparse.ArgumentParser:
         "RolloutSet registered as an external framework (devcluster/kueue.py)",
     )
 
+    up.add_argument(
+        "--s3",
+        action="store_true",
+        help="also start an S3 server on loopback (`make s3-server`) with a bucket, its "
+        "credentials as files in DIR/s3/credentials/ (devcluster/s3.py); `down` removes its data",
+    )
+    up.add_argument(
+        "--s3-bucket",
+        default=None,
+        metavar="NAME",
+        help="the bucket `--s3` creates (default: rollout)",
+    )
+
     down = sub.add_parser("down", help="stop every process of a cluster")
     with_dir(down)
 
@@ -195,6 +208,14 @@ def main(argv: list[str] | None = None) -> int:
                 from devcluster.cluster import Cluster
 
                 kueue.start(Cluster.attach(root), progress=_progress)
+            if args.s3 or args.s3_bucket:
+                from devcluster import s3
+
+                started = s3.start_for_cluster(root, args.s3_bucket or s3.DEFAULT_BUCKET)
+                _progress(
+                    f"S3 server at {started.endpoint} (path-style, region {started.region}), "
+                    f"bucket {started.bucket}, credentials in {started.credentials_dir}"
+                )
             print(f"export KUBECONFIG={Layout(root.resolve()).kubeconfig}")
         elif args.command == "down":
             controlplane.down(root)
@@ -245,6 +266,9 @@ def _status(root: Path) -> None:
         print(f"  node       {node.name} (containerd) at {node.node_ip}, pods {node.pod_cidr}")
         print(f"  containerd {node.containerd_socket} (namespace k8s.io)")
         print(f"  netns      {node.netns} (nsenter --net={node.netns} ...)")
+    if state.s3 is not None:
+        print(f"  s3         {state.s3.endpoint} bucket {state.s3.bucket}")
+        print(f"  s3 keys    {state.s3.credentials_dir}")
     for record in state.processes:
         mark = "running" if record.pid in alive else "stopped"
         print(f"  {record.name:<24} pid {record.pid:<8} {mark:<8} {record.log}")

@@ -9,14 +9,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
-from devcluster import containernode, controlplane
+from devcluster import containernode, controlplane, s3
 from devcluster.admin import AgentAdmin
 from devcluster.config import DEFAULT_NODES, NodeSpec
 from devcluster.errors import DevclusterError
 from devcluster.paths import Layout
 from devcluster.pki import ca_context
 from devcluster.procs import marked_processes
-from devcluster.state import ClusterState, ContainerNodeState, NodeRuntime, read_state
+from devcluster.state import ClusterState, ContainerNodeState, NodeRuntime, S3State, read_state
 
 
 class Cluster:
@@ -38,10 +38,13 @@ class Cluster:
         timings: dict[str, float] | None = None,
         node_runtime: NodeRuntime = "process",
         images: Sequence[Path] = (),
+        s3_bucket: str | None = None,
     ) -> Cluster:
         """`node_runtime="containerd"`: one real kubelet node (containerd, runc, kube-proxy, a
         CNI bridge in its own network namespace) instead of the process node agent; `images`
-        (OCI/Docker archives) are imported into its containerd before the kubelet starts."""
+        (OCI/Docker archives) are imported into its containerd before the kubelet starts.
+        `s3_bucket`: also an S3 server on loopback with that bucket (devcluster/s3.py; `stop`
+        removes its data)."""
         state = controlplane.up(
             root,
             nodes=nodes,
@@ -52,6 +55,13 @@ class Cluster:
             node_runtime=node_runtime,
             images=images,
         )
+        if s3_bucket is not None:
+            try:
+                s3.start_for_cluster(state.dir, s3_bucket)
+            except BaseException:
+                controlplane.down(state.dir, progress=lambda _message: None)
+                raise
+            state = read_state(Layout(state.dir).state_file) or state
         return cls(state)
 
     @classmethod
@@ -82,6 +92,11 @@ class Cluster:
     @property
     def dir(self) -> Path:
         return self.state.dir
+
+    @property
+    def s3(self) -> S3State | None:
+        """The cluster's S3 server (endpoint, bucket, credential files), if it started one."""
+        return self.state.s3
 
     @property
     def kubeconfig(self) -> Path:

@@ -22,7 +22,7 @@ from pathlib import Path
 import anyio
 import httpx
 
-from devcluster import containernode, kubeconfig, pki
+from devcluster import containernode, kubeconfig, pki, s3
 from devcluster.config import DEFAULT_NODES, AgentConfig, NodeSpec
 from devcluster.errors import DevclusterError
 from devcluster.ipranges import free_octet
@@ -582,6 +582,7 @@ def _stop(
     if stragglers:
         progress(f"killed stragglers carrying {MARKER_ENV}={state.cluster_id}: {stragglers}")
     containernode.teardown(layout, state, progress)
+    s3.remove_data(state)
     for file in layout.pod_groups.glob("*") if layout.pod_groups.exists() else []:
         file.unlink(missing_ok=True)
     progress(f"stopped {len(records)} processes of cluster {state.cluster_id} in {layout.root}")

@@ -124,4 +124,5 @@ class Layout:
             self.etcd_data,
             self.root / "run",
             self.root / "node",
+            self.root / "s3",
         )

@@ -75,6 +75,23 @@ class ContainerNodeState(BaseModel):
         return self.run_dir / "containerd.sock"
 
 
+class S3State(BaseModel):
+    """The S3 server a cluster started (`up --s3`, devcluster/s3.py): where it listens, its
+    bucket and the folder holding its data and credential files, removed by `down`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    endpoint: str
+    bucket: str
+    region: str
+    dir: Path = Field(description="data/ (the buckets), credentials/ (accessKeyId, ...)")
+
+    @property
+    def credentials_dir(self) -> Path:
+        """The files a mounted credentials Secret holds: `accessKeyId`, `secretAccessKey`."""
+        return self.dir / "credentials"
+
+
 class ClusterState(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -89,6 +106,7 @@ class ClusterState(BaseModel):
     processes: list[ProcessRecord] = Field(default_factory=list)
     node_runtime: NodeRuntime = "process"
     container_node: ContainerNodeState | None = None
+    s3: S3State | None = None
 
     @property
     def apiserver_host(self) -> str:

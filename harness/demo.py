@@ -41,6 +41,7 @@ from rollout_servers.discovery import rollout_set_topology
 from devcluster.cluster import Cluster
 from devcluster.image import ProjectImage, build_project_image
 from devcluster.kube import open_api
+from devcluster.s3 import DEFAULT_BUCKET
 from devcluster.waiting import wait_for
 from harness import helm
 from harness.measures import (
@@ -527,6 +528,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="containerd: a real kubelet runs the servers as containers of the project's image "
         "and the operator is installed by Helm (`make demo-containers`)",
     )
+    parser.add_argument(
+        "--s3",
+        action="store_true",
+        help="the devcluster also runs an S3 server on loopback with a bucket "
+        "(`make s3-server`; devcluster/s3.py), stopped and its data removed with the cluster",
+    )
     args = parser.parse_args(argv)
 
     root = args.dir or Path(tempfile.mkdtemp(prefix="rollout-demo-"))
@@ -535,6 +542,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         namespace="demo", workdir=root / "demo", episodes=args.episodes, seed=args.seed
     )
     containers = args.node_runtime == "containerd"
+    s3_bucket = DEFAULT_BUCKET if args.s3 else None
     keep = False
     code = 1
     with sigterm_as_interrupt():
@@ -562,14 +570,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                     node_runtime="containerd",
                     images=[image.archive],
                     timeout=180.0,
+                    s3_bucket=s3_bucket,
                 )
             else:
                 _say(
                     f"starting devcluster in {root / 'cluster'} (etcd, kube-apiserver, scheduler, "
                     "controller-manager, node agent: gpu-0 with 8 GPUs, cpu-0)"
                 )
-                cluster = Cluster.start(root / "cluster", progress=None)
+                cluster = Cluster.start(root / "cluster", progress=None, s3_bucket=s3_bucket)
             _say(f"devcluster up in {time.monotonic() - started:.1f}s; applying crds/")
+            if cluster.s3 is not None:
+                _say(
+                    f"S3 server at {cluster.s3.endpoint}, bucket {cluster.s3.bucket}, "
+                    f"credentials in {cluster.s3.credentials_dir}"
+                )
             apply_crds(cluster)
             report = anyio.run(run_scenario, cluster, scenario, _say)
             for line in summary(report):

@@ -25,8 +25,9 @@ is costly (Kueue's controller) is one unit too, so it starts once.
 Fixtures that more than one folder uses and that are not about the cluster itself are plugins in
 the `testsupport` package, registered here by `pytest_plugins` (pytest reads it only in this,
 the root conftest): `testsupport.operator_fixtures` (`operator`, `storage_dir`, `resources`, for
-`e2e/` and `adversarial/`). Shared helpers that are not fixtures are imported from `testsupport`
-modules; no test module imports another.
+`e2e/` and `adversarial/`) and `testsupport.s3_server` (`s3_server`, `s3_bucket`: a real S3
+server on loopback and a fresh bucket per test, for every folder). Shared helpers that are not
+fixtures are imported from `testsupport` modules; no test module imports another.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from devcluster.cluster import Cluster
 from devcluster.testing import e2e_cluster, namespace_name
 from harness.objects import create_namespace, delete_namespace
 
-pytest_plugins = ["testsupport.operator_fixtures"]
+pytest_plugins = ["testsupport.operator_fixtures", "testsupport.s3_server"]
 
 _MARK_BY_FOLDER = {
     "unit": pytest.mark.unit,

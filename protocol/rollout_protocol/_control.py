@@ -119,7 +119,6 @@ class ControlPlane:
         self._persists = PersistOperations(core)
         self._restores = RestoreOperation(core)
         self._retires = RetireOperations(core)
-        self._removals = core.removals
         self._watchdog_scope: anyio.CancelScope | None = None
         self.router = ControlRouter(self, self._handlers(), clock).build()
 

@@ -92,6 +92,15 @@ def _old_checkpoints(root: Path, template: Path, count: int) -> list[str]:
     return ids
 
 
+async def _prepared_again(client: httpx.AsyncClient, checkpoint_id: str) -> bool:
+    """Prepare `checkpoint_id`: True once let in, False while its removal still refuses it."""
+    reply = await post(client, "prepare", checkpoint_id=checkpoint_id)
+    if _conflict(reply) and "being removed" in reply.json()["error"]["detail"]:
+        return False
+    assert reply.status_code == 200, reply.text
+    return True
+
+
 def _conflict(reply: httpx.Response) -> bool:
     return (
         reply.status_code == 409
@@ -230,8 +239,16 @@ async def test_a_removal_on_a_slow_volume_refuses_its_ids_and_holds_up_no_prepar
                 assert box[0].json()["removed"] == ["gone"]
             # the thread ends on its own once the storage answers; then the id is free again
             await _until(lambda: not _manifest(root, "gone").parent.exists(), "removal ended")
-            await _until(lambda: not plane._removals.covers("gone"), "the claim was given back")
-        await checkpoint(client, "gone")
+            # once the claim is given back, a prepare of the id is let in again
+            await wait_for(
+                lambda: _prepared_again(client, "gone"),
+                timeout=WAIT,
+                what="the claim was given back",
+                interval=0.001,
+            )
+            for route in ("commit", "resume"):
+                reply = await post(client, route, checkpoint_id="gone")
+                assert reply.status_code == 200, f"{route}: {reply.text}"
     await _restores(root, "gone", ["r1"], attempt=2)
 
 

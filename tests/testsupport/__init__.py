@@ -18,4 +18,6 @@ no test module imports another, and nothing edits `sys.path`.
 - `operator_fixtures`: the operator as a process and the custom resources of a test namespace
   (e2e and adversarial tests); its fixtures are a plugin that `tests/conftest.py` registers with
   `pytest_plugins`.
+- `s3_server`: a real S3 server on loopback (`make s3-server`) and a fresh bucket per test, for
+  the object-storage tests of every folder; its fixtures are a plugin too.
 """
