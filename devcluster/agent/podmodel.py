@@ -136,17 +136,31 @@ class HostPathVolumeSource(K8s):
     type: str | None = None
 
 
+class KeyToPath(K8s):
+    key: str
+    path: str
+
+
+class SecretVolumeSource(K8s):
+    secret_name: str
+    optional: bool | None = None
+    items: list[KeyToPath] | None = None
+
+
 class Volume(K8s):
     model_config = ConfigDict(extra="allow")
 
     name: str
     host_path: HostPathVolumeSource | None = None
     projected: dict[str, Any] | None = None
+    secret: SecretVolumeSource | None = None
 
     def kind(self) -> str:
         """The volume source's field name (`emptyDir`, `configMap`, ...), for error messages."""
         if self.host_path is not None:
             return "hostPath"
+        if self.secret is not None:
+            return "secret"
         if self.projected is not None:
             return "projected"
         return next(iter(self.model_extra or {}), "unknown")

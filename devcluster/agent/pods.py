@@ -32,7 +32,7 @@ from devcluster.agent.ipam import LoopbackIpam
 from devcluster.agent.nodes import NodeKeeper
 from devcluster.agent.podmodel import Container, Pod
 from devcluster.agent.probes import run_probe
-from devcluster.agent.volumes import prepare_volumes
+from devcluster.agent.volumes import prepare_volumes, secret_volume_env
 from devcluster.paths import Layout
 
 log = logging.getLogger("devcluster.agent.pods")
@@ -534,6 +534,7 @@ class PodWorker:
         allocatable = self.node.spec.capacity()
         pod_env = await container_env(self.pod, run.spec, self.ip, allocatable, self.rt.reader)
         env = {**self.rt.base_env, "HOSTNAME": self.pod.metadata.name, **pod_env}
+        env = await secret_volume_env(self.pod, run.spec, env, self.rt.reader, self.workdir)
         argv = command_line(run.spec, env)
         if "/" not in argv[0] and fleet_kind(self.pod) is None:
             found = shutil.which(argv[0], path=env.get("PATH", ""))

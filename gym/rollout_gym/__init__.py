@@ -3,6 +3,8 @@ servers, unmodified, from the `nemo-gym` package) as checkpointed participants o
 
 - `rollout_gym.environment`: Gym's `simple_agent` loop as SDK steps, with the Gym session of each
   episode rebuilt after a restore by the declared `Strategy`;
+- `rollout_gym.episode`: nemo-gym 0.7's typed episode (`EpisodeId`, a materialized task in;
+  `result` or `EpisodeFailure` out) on the environment's `/run`, beside 0.4's request;
 - `rollout_gym.resources`: a Gym resources server hosted without Ray, beside a control plane;
 - `rollout-gym environment|resources` (`rollout_gym.cli`): the two pods' commands.
 

@@ -30,8 +30,15 @@ MAX_REPLY_BYTES: Final = 16 * 1024 * 1024
 """The most the adapter reads of one Gym reply."""
 INSTANCE_HEADER: Final = "X-Rollout-Gym-Instance"
 """Set by `rollout-gym resources` on every answer: the process that holds the sessions."""
+MAX_SHOWN: Final = 300
+"""Characters of a Gym reply an error message shows."""
 CANCELLED_BODIES: Final = frozenset({'"CancelledError()"', "CancelledError()"})
 """What Gym's exception middleware writes for a request cancelled inside the server."""
+
+
+def shown(text: str) -> str:
+    """A Gym reply's `text`, cut to `MAX_SHOWN` characters for an error message."""
+    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN] + "..."
 
 
 class PeerUnavailable(Exception):

@@ -1,7 +1,7 @@
-"""`rollout-gym environment|resources`: the two pods of a Gym environment in a RolloutSet
-(docs/gym.md). Settings come from the variables the operator sets (`ROLLOUT_*`, the peers'
-URLs) and these arguments; both serve with the SDK's `DrainingServer` (SIGTERM: unready, control
-plane kept up for `--drain-seconds`).
+"""`rollout-gym environment|resources|environment-server`: the pods of a Gym environment in a
+RolloutSet (docs/gym.md). Settings come from the variables the operator sets (`ROLLOUT_*`, the
+peers' URLs) and these arguments; all serve with the SDK's `DrainingServer` (SIGTERM: unready,
+control plane kept up for `--drain-seconds`).
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ import os
 import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 import uvicorn
 from rollout_protocol import ControlSettings, Role
 from rollout_protocol.serving import DrainingServer
 
-from . import SUPPORTED_GYM_RELEASES, environment, resources
+from . import SUPPORTED_GYM_RELEASES, environment, episode_server, gym_config, resources
 
 
 def _peers() -> dict[str, str]:
@@ -46,10 +47,37 @@ def gym_release_refusal() -> str | None:
     )
 
 
+def _hosted_app(args: argparse.Namespace, peers: dict[str, str]) -> Any:
+    """`resources` and `environment-server`: a released Gym server, from `module:Class` or its
+    instance in Gym's YAML (docs/gym.md, "Servers from Gym's YAML")."""
+    spec = None
+    try:
+        if args.config:
+            spec = gym_config.server_spec(gym_config.load(args.config), args.name)
+        if args.command == "environment-server":
+            if spec is None or spec.server_type != "environment_servers":
+                sys.exit(
+                    f"rollout-gym environment-server: --name {args.name} must be an instance "
+                    "of environment_servers in the --config files"
+                )
+            gym_app = resources.build_gym_app(None, args.name, args.host, args.port, peers, spec)
+            control = ControlSettings.from_env(Role.ENVIRONMENT)
+            return episode_server.build_app(
+                control, spec, gym_app, peers, args.step_timeout_seconds
+            )
+        if args.server is None and spec is None:
+            sys.exit("rollout-gym resources: give --server module:Class or --config")
+        gym_app = resources.build_gym_app(args.server, args.name, args.host, args.port, peers, spec)
+    except gym_config.GymConfigError as exc:
+        sys.exit(f"rollout-gym {args.command}: {exc}")
+    role = Role(args.role)
+    return resources.build_app(ControlSettings.from_env(role), gym_app, role)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="rollout-gym", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("environment", "resources"):
+    for name in ("environment", "resources", "environment-server"):
         p = sub.add_parser(name)
         p.add_argument("--host", default=os.environ.get("ROLLOUT_POD_IP", "127.0.0.1"))
         p.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
@@ -65,14 +93,32 @@ def main(argv: Sequence[str] | None = None) -> None:
     env.add_argument("--snapshot-import", default="/import_session")
     env.add_argument("--model-url", help="default: ROLLOUT_PEER_MODEL_URL")
     env.add_argument("--resources-url", help="default: ROLLOUT_PEER_RESOURCES_URL")
+    for name in ("resources", "environment-server"):
+        hosted = sub.choices[name]
+        hosted.add_argument(
+            "--config",
+            action="append",
+            default=[],
+            help="a Gym YAML (repeatable; Gym's config_paths, relative to the nemo-gym install "
+            "or here): the instance --name is hosted with its block",
+        )
+        hosted.add_argument("--name", required=True, help="the server's Gym instance name")
     res = sub.choices["resources"]
     res.add_argument(
         "--server",
-        required=True,
-        help="module:Class of an installed Gym resources server, e.g. "
-        "resources_servers.example_session_state_mgmt.app:StatefulCounterResourcesServer",
+        help="module:Class of an installed Gym server, e.g. "
+        "resources_servers.example_session_state_mgmt.app:StatefulCounterResourcesServer "
+        "(default with --config: the class the instance's module defines)",
     )
-    res.add_argument("--name", required=True, help="the server's Gym instance name")
+    res.add_argument(
+        "--role",
+        choices=[Role.RESOURCES.value, Role.AGENT.value],
+        default=Role.RESOURCES.value,
+        help="the set's role this pod serves (a Gym agent server: agent)",
+    )
+    sub.choices["environment-server"].add_argument(
+        "--step-timeout-seconds", type=float, default=300.0
+    )
     args = parser.parse_args(argv)
     refusal = gym_release_refusal()
     if refusal is not None:
@@ -98,8 +144,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         app = environment.build_app(ControlSettings.from_env(Role.ENVIRONMENT), settings)
     else:
-        gym_app = resources.build_gym_app(args.server, args.name, args.host, args.port, peers)
-        app = resources.build_app(ControlSettings.from_env(Role.RESOURCES), gym_app)
+        app = _hosted_app(args, peers)
 
     def drain() -> None:
         app.state.draining = True

@@ -20,6 +20,10 @@ accepting the old cookie (its signing key is derived from its name), so a contin
 would silently run on an empty session. The adapter never lets that happen: the session is
 rebuilt by the declared strategy (`Strategy`) while the restore installs the episode, and a
 rebuild that fails fails the restore.
+
+`/run` takes nemo-gym 0.4's request and 0.7's typed episode (`rollout_gym.episode`) on one
+`RunRoute`. A peer's error answer to the loop's own calls is final unless it may change
+(`refused`), so a missing route ends the episode at once instead of waiting for a restore.
 """
 
 from __future__ import annotations
@@ -27,15 +31,16 @@ from __future__ import annotations
 import json
 import logging
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 from fastapi import FastAPI, Query
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from rollout_protocol import (
     Boundary,
     ControlPlane,
@@ -55,6 +60,7 @@ from rollout_protocol import (
 )
 
 from ._peers import GymReply, PeerUnavailable, make_client, post
+from .episode import EpisodeRequest, EpisodeResponse, answer, legacy
 
 log = logging.getLogger("rollout_gym.environment")
 
@@ -102,13 +108,27 @@ class GymSettings:
 
 
 class RunRequest(BaseModel):
-    """`POST /run`: the task is one row of a Gym dataset (`responses_create_params` and the
-    fields the resources server's verify reads)."""
+    """`POST /run` in nemo-gym 0.4's shape: the task is one row of a Gym dataset
+    (`responses_create_params` and the fields the resources server's verify reads), flat or
+    materialized (`rollout_gym.episode.legacy`)."""
 
     model_config = ConfigDict(extra="forbid")
     rollout_id: str = Field(min_length=1)
     attempt: int = Field(ge=0)
     task: dict[str, Any]
+
+
+def _shape(body: Any) -> str:
+    typed = isinstance(body, EpisodeRequest) or (isinstance(body, dict) and "episode_id" in body)
+    return "0.7" if typed else "0.4"
+
+
+RunBody = Annotated[
+    Annotated[RunRequest, Tag("0.4")] | Annotated[EpisodeRequest, Tag("0.7")],
+    Discriminator(_shape),
+]
+"""`POST /run` in either release's shape: nemo-gym 0.7's typed episode when it names an
+`episode_id`, else 0.4's `{rollout_id, attempt, task}`."""
 
 
 class RunResult(BaseModel):
@@ -123,6 +143,25 @@ class RunResult(BaseModel):
     answer: str | None
     continued_from: int | None = None
     session: dict[str, str] = Field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Played:
+    """One finished episode: the 0.4-shaped reply and the resources server's verify answer
+    (the typed reply's `result`, docs/gym.md, "The typed episode")."""
+
+    result: RunResult
+    verified: bytes
+    """The verify answer as compressed JSON: `RunRoute` keeps the replies of the last 10,000
+    finished episodes, and a verify answer carries the episode's whole request and response."""
+
+    @classmethod
+    def of(cls, result: RunResult, verification: Any) -> Played:
+        return cls(result, zlib.compress(json.dumps(verification).encode()))
+
+    def verification(self) -> dict[str, Any]:
+        value: dict[str, Any] = json.loads(zlib.decompress(self.verified))
+        return value
 
 
 @dataclass(frozen=True)
@@ -173,6 +212,30 @@ def _added_usage(total: Any, more: Any) -> Any:
 
 def _shown(text: str) -> str:
     return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN] + "..."
+
+
+def peer_retryable(status: int) -> bool:
+    """Whether a peer's error status may change on another try (NeMo Gym's own rule for its
+    servers' dependencies: 408, 425, 429 and every 5xx)."""
+    return status in (408, 425, 429) or status >= 500
+
+
+def refused(what: str, reply: GymReply) -> ProtocolError:
+    """The episode's error for a peer's error answer to one of the loop's own calls (docs/gym.md,
+    "Errors and failures"): a status that may change is `internal` (the set's recovery plays the
+    episode again); any other 4xx no restore changes: `unsupported` for a route the peer does not
+    have (404, 405), `invalid_request` for a task it refuses, and the episode ends at once."""
+    said = f"{what} answered {reply.status}: {_shown(reply.text)}"
+    if peer_retryable(reply.status):
+        return ProtocolError(ErrorCode.INTERNAL, said)
+    code = ErrorCode.UNSUPPORTED if reply.status in (404, 405) else ErrorCode.INVALID_REQUEST
+    return ProtocolError(code, f"{said} (a refusal no restore changes)")
+
+
+def unreachable(what: str, exc: PeerUnavailable) -> ProtocolError:
+    """The episode's error for a peer that stayed unreachable until the step's deadline: a lost
+    peer, which the set's recovery replaces."""
+    return ProtocolError(ErrorCode.UNREACHABLE, f"{what}: {exc}")
 
 
 class GymParticipant(RuntimeParticipant):
@@ -249,17 +312,13 @@ class GymEpisodes:
         try:
             return await self._post(path, body, cookies, deadline_ts)
         except PeerUnavailable as exc:
-            raise ProtocolError(ErrorCode.INTERNAL, f"resources server: {exc}") from exc
+            raise unreachable("resources server", exc) from exc
 
     async def snapshot_of(self, cookies: Mapping[str, str]) -> Any:
         export = self.settings.snapshot_export
         reply = await self.resources(export, {}, cookies, self.deadline())
         if not reply.ok:
-            raise ProtocolError(
-                ErrorCode.INTERNAL,
-                f"resources server: {export} answered {reply.status}: "
-                f"{_shown(reply.text)} (the snapshot strategy needs it; docs/gym.md)",
-            )
+            raise refused(f"resources server: {export} (the snapshot strategy needs it)", reply)
         return reply.json().get("snapshot")
 
     def same_server(self, episode: Episode, session: Mapping[str, Any], reply: GymReply) -> None:
@@ -368,9 +427,7 @@ class GymEpisodes:
         state = episode.boundary.state
         reply = await self.resources("/seed_session", state["task"], {}, self.deadline())
         if not reply.ok:  # simple_agent raises for status here
-            raise ProtocolError(
-                ErrorCode.INTERNAL, f"seed_session answered {reply.status}: {_shown(reply.text)}"
-            )
+            raise refused("seed_session", reply)
         session: dict[str, Any] = {
             "cookies": dict(reply.cookies),
             "calls": [],
@@ -397,11 +454,9 @@ class GymEpisodes:
                 headers=headers,
             )
         except PeerUnavailable as exc:
-            raise ProtocolError(ErrorCode.INTERNAL, f"model: {exc}") from exc
+            raise unreachable("model", exc) from exc
         if not reply.ok:  # simple_agent: model calls are expected to work
-            raise ProtocolError(
-                ErrorCode.INTERNAL, f"model answered {reply.status}: {_shown(reply.text)}"
-            )
+            raise refused("model", reply)
         response = reply.json()
         output = list(response.get("output") or [])
         turn = state["turn"] + 1
@@ -475,11 +530,10 @@ class GymEpisodes:
         reply = await self.resources("/verify", body, state["session"]["cookies"], self.deadline())
         self.same_server(episode, state["session"], reply)
         if not reply.ok:
-            raise ProtocolError(
-                ErrorCode.INTERNAL, f"verify answered {reply.status}: {_shown(reply.text)}"
-            )
-        reward = float(reply.json().get("reward", 0.0))
-        return Boundary("done", {**state, "reward": reward})
+            raise refused("verify", reply)
+        verification = reply.json()
+        reward = float(verification.get("reward", 0.0))
+        return Boundary("done", {**state, "reward": reward, "verification": verification})
 
     # -- one episode --------------------------------------------------------------------------
 
@@ -515,7 +569,7 @@ class GymEpisodes:
             while len(self.sessions) > MAX_SESSIONS_KEPT:
                 self.sessions.popitem(last=False)
 
-    async def play(self, episode: Episode) -> RunResult:
+    async def play(self, episode: Episode) -> Played:
         """One episode from its boundary to `done`, a step at a time."""
         self.claim(episode)
         runtime = self.runtime
@@ -534,7 +588,7 @@ class GymEpisodes:
                 await runtime.step(episode, "verify", StepMode.WAIT, lambda: self.verify(episode))
         state = episode.boundary.state
         self.served(episode)
-        return RunResult(
+        result = RunResult(
             rollout_id=episode.rollout_id,
             attempt=episode.attempt,
             reward=state["reward"],
@@ -544,6 +598,7 @@ class GymEpisodes:
             continued_from=episode.continued_from,
             session=state["session"]["cookies"],
         )
+        return Played.of(result, state["verification"])
 
 
 def _first_boundary(task: dict[str, Any]) -> Boundary:
@@ -566,12 +621,22 @@ def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
 
     app = FastAPI(lifespan=lifespan)
     app.state.draining = False
-    runs = RunRoute[RunResult](plane, runtime, draining=lambda: app.state.draining)
+    runs = RunRoute[Played](plane, runtime, draining=lambda: app.state.draining)
 
-    @app.post("/run")
-    async def run(request: RunRequest) -> RunResult:
-        """Every /run duty is the RunRoute's (docs/sdk.md, section 2)."""
-        return await runs.run(request, episodes.play, first=_first_boundary(request.task))
+    @app.post("/run", response_model=None)
+    async def run(request: RunBody) -> RunResult | EpisodeResponse:
+        """Every /run duty is the RunRoute's (docs/sdk.md, section 2), for both shapes."""
+        if isinstance(request, EpisodeRequest):
+            return await answer(
+                runs,
+                request,
+                episodes.play,
+                first=_first_boundary,
+                result=Played.verification,
+            )
+        shaped = legacy(request.rollout_id, request.attempt, request.task)
+        played = await runs.run(shaped, episodes.play, first=_first_boundary(shaped.row))
+        return played.result
 
     @app.get("/stats")
     async def stats(rollout_id: list[str] | None = Query(default=None)) -> dict[str, Any]:  # noqa: B008

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 import uuid
 from collections.abc import Mapping
@@ -38,27 +39,37 @@ from rollout_protocol import (
     StepCounters,
 )
 
+from .gym_config import ServerSpec, peer_config, server_class_of
+
 INSTANCE_HEADER = "X-Rollout-Gym-Instance"
 """Names the hosting process on every answer (a new value after any restart)."""
+GYM_CONFIG_VARIABLE = "NEMO_GYM_CONFIG_DICT"
+"""Where Gym's head process puts the global config for the servers it spawns (nemo-gym 0.4 and
+0.7 read it before any command-line parse)."""
+OBSERVABILITY_KEY = "observability_enabled"
+"""nemo-gym 0.7's global switch for the `/ng-rollout/<capture key>/` prefix on model calls."""
 MODEL_SERVER_NAME = "policy_model"
 """The name Gym configs give the policy model (`model_server: {name: policy_model}`)."""
 
 
 def server_class(entry: str) -> Any:
-    """`module:Class` of an installed Gym resources server, e.g.
-    `resources_servers.example_session_state_mgmt.app:StatefulCounterResourcesServer`.
+    """`module:Class` of an installed Gym server, e.g.
+    `resources_servers.example_session_state_mgmt.app:StatefulCounterResourcesServer`, or a
+    module alone (`environment_servers.legacy_agent.app`): the one Gym server class it defines.
 
     Gym runs a server as a script in its own folder (`python app.py`), so a server may import
     the modules beside it by their bare names (calendar's `from utils import ...`): the
     module's folder goes first on `sys.path` before it is imported, as Python puts a script's."""
-    module_name, _, class_name = entry.partition(":")
-    if not class_name:
+    module_name, colon, class_name = entry.partition(":")
+    if colon and not class_name:
         raise ValueError(f"{entry!r}: expected module:Class")
     spec = importlib.util.find_spec(module_name)
     if spec is not None and spec.origin is not None and spec.has_location:
         folder = str(Path(spec.origin).parent)
         if folder not in sys.path:
             sys.path.insert(0, folder)
+    if not class_name:
+        return server_class_of(module_name)
     return getattr(importlib.import_module(module_name), class_name)
 
 
@@ -68,36 +79,65 @@ def _host_port(url: str) -> dict[str, Any]:
 
 
 def gym_global_config(
-    name: str, host: str, port: int, peers: Mapping[str, str], model_name: str = MODEL_SERVER_NAME
+    name: str,
+    host: str,
+    port: int,
+    peers: Mapping[str, str],
+    model_name: str = MODEL_SERVER_NAME,
+    spec: ServerSpec | None = None,
 ) -> dict[str, Any]:
     """Gym's global config as its `ServerClient` reads it (three levels: instance name, server
-    type, implementation), from the operator's peer addresses instead of a head server."""
+    type, implementation), from the operator's peer addresses instead of a head server: the
+    hosted instance itself, the model as `model_name`, and every server `spec` (the instance's
+    YAML block) names, at its role's peer (`gym_config.peer_config`)."""
+    server_type = spec.server_type if spec is not None else "resources_servers"
     config: dict[str, Any] = {
-        name: {
-            "resources_servers": {"hosted": {"host": host, "port": port, "entrypoint": "app.py"}}
-        }
+        name: {server_type: {"hosted": {"host": host, "port": port, "entrypoint": "app.py"}}}
     }
     if "model" in peers:
         config[model_name] = {
             "responses_api_models": {"rollout_model": {**_host_port(peers["model"])}}
         }
+    if spec is not None:
+        config.update(peer_config(spec, peers))
+        # nemo-gym 0.7 carries a run's capture key to the model (and resources) servers as
+        # `/ng-rollout/<capture key>/...` only with this set: the model role names the episode
+        # by it (docs/servers.md), so an agent's model calls are cut and held at a checkpoint
+        config[OBSERVABILITY_KEY] = True
     return config
 
 
-def build_gym_app(entry: str, name: str, host: str, port: int, peers: Mapping[str, str]) -> Any:
-    """The Gym server's own app, set up as `run_webserver` sets it up, less Ray."""
+def build_gym_app(
+    entry: str | None,
+    name: str,
+    host: str,
+    port: int,
+    peers: Mapping[str, str],
+    spec: ServerSpec | None = None,
+) -> Any:
+    """The Gym server's own app, set up as `run_webserver` sets it up, less Ray: the class
+    `entry` names (`module:Class`), else the one `spec`'s module defines, constructed with
+    `spec`'s YAML block (docs/gym.md, "Servers from Gym's YAML") and its own name and address."""
     from nemo_gym.config_types import BaseServerConfig
     from nemo_gym.server_utils import ServerClient
     from omegaconf import OmegaConf
 
-    cls = server_class(entry)
+    if entry is not None:
+        cls = server_class(entry)
+    elif spec is not None:
+        cls = server_class(spec.module)
+    else:
+        raise ValueError("a Gym server needs module:Class (--server) or its YAML (--config)")
     config_cls = cls.model_fields["config"].annotation
-    config = config_cls.model_validate(
-        {"name": name, "host": host, "port": port, "entrypoint": "app.py"}
-    )
+    block = dict(spec.config) if spec is not None else {"entrypoint": "app.py"}
+    config = config_cls.model_validate({**block, "name": name, "host": host, "port": port})
+    global_config = OmegaConf.create(gym_global_config(name, host, port, peers, spec=spec))
+    # as Gym's head process hands a server it spawns its config: a server that calls others
+    # (an environment server, an agent) reads it for its HTTP client instead of parsing argv
+    os.environ[GYM_CONFIG_VARIABLE] = OmegaConf.to_yaml(global_config)
     client = ServerClient(
         head_server_config=BaseServerConfig(host=host, port=port),
-        global_config_dict=OmegaConf.create(gym_global_config(name, host, port, peers)),
+        global_config_dict=global_config,
     )
     server = cls(config=config, server_client=client)
     app = server.setup_webserver()
@@ -106,13 +146,13 @@ def build_gym_app(entry: str, name: str, host: str, port: int, peers: Mapping[st
     return app
 
 
-def build_app(settings: ControlSettings, gym_app: Any) -> FastAPI:
+def build_app(settings: ControlSettings, gym_app: Any, role: Role = Role.RESOURCES) -> FastAPI:
     """The pod's app: the control plane, `/stats` and `/healthz` in an app of their own, and
     every other path handed to the Gym app, mounted at the root with its own middleware and
     error handlers (its 422 bodies are tool outputs a model reads: they stay Gym's)."""
-    counters = StepCounters(Role.RESOURCES)
+    counters = StepCounters(role)
     runtime = EpisodeRuntime(observer=counters.observe)
-    participant = RuntimeParticipant(Role.RESOURCES, runtime, work_counter=None)
+    participant = RuntimeParticipant(role, runtime, work_counter=None)
     plane = ControlPlane(participant, settings)
     app = FastAPI()
     app.state.draining = False

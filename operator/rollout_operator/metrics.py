@@ -52,6 +52,12 @@ CHECKPOINT_PAUSE = Histogram(
     ["namespace", "set", "trigger", "outcome"],
     buckets=PAUSE_BUCKETS,
 )
+CHECKPOINT_PERSIST = Histogram(
+    "rollout_checkpoint_persist_seconds",
+    "Time after the resume until every participant's records were durable (Ready checkpoints).",
+    ["namespace", "set", "trigger", "outcome"],
+    buckets=DURATION_BUCKETS,
+)
 CHECKPOINT_BYTES = Counter(
     "rollout_checkpoint_bytes",
     "Bytes of records written by Ready checkpoints.",
@@ -161,6 +167,8 @@ def observe_checkpoint(ckpt: RolloutCheckpoint) -> bool:
         CHECKPOINT_DURATION.labels(**labels).observe(seconds)
     if status.durations is not None and status.durations.pause_seconds is not None:
         CHECKPOINT_PAUSE.labels(**labels).observe(status.durations.pause_seconds)
+    if status.durations is not None and status.durations.persist_seconds is not None:
+        CHECKPOINT_PERSIST.labels(**labels).observe(status.durations.persist_seconds)
     if status.phase is CheckpointPhase.READY:
         written = sum(p.bytes or 0 for p in status.participants)
         CHECKPOINT_BYTES.labels(namespace=namespace, set=set_name).inc(written)
@@ -188,12 +196,14 @@ def completion_message(ckpt: RolloutCheckpoint) -> str:
     status = ckpt.status
     durations = status.durations
     pause = durations.pause_seconds if durations is not None else None
+    persist = durations.persist_seconds if durations is not None else None
     total = checkpoint_seconds(ckpt)
     parts = [
         f"participants resumed; {status.episodes or 0} episode(s) continue from it, "
         f"{status.restarts or 0} restart",
         f"took {total:.3f}s" if total is not None else "",
         f"admission closed {pause:.3f}s" if pause is not None else "",
+        f"durable {persist:.3f}s after the resume" if persist is not None else "",
     ]
     return "; ".join(part for part in parts if part)
 

@@ -21,7 +21,8 @@ This package is its own distribution, `rollout-protocol` (protocol/pyproject.tom
 pydantic, httpx, anyio, FastAPI/Starlette and opentelemetry-api only. aiohttp
 (`HttpParticipantClient`, imported at its first call: the `client` extra) and uvicorn
 (`rollout_protocol.serving`, the conformance kit: the `serve` and `kit` extras) are needed only by
-what uses them; `import rollout_protocol` imports neither. It never imports the operator or the
+what uses them; `import rollout_protocol` imports neither. obstore (the `s3` extra) is imported only
+when records go to an S3-API bucket (`BucketStore`). It never imports the operator or the
 reference servers; everything not listed in `__all__` (and the public submodules `conformance`,
 `serving`, `tracing` and `model_api`) is private.
 
@@ -49,6 +50,7 @@ from ._episodes import (
     StepMode,
     TaskMismatch,
 )
+from ._objectstore import BucketConfig, BucketConfigError, BucketError, BucketStore
 from ._participant import EpisodeCounts, ParkState, Participant
 from ._routes import (
     COMMIT,
@@ -68,13 +70,15 @@ from ._routes import (
     Dialect,
     Route,
 )
-from ._settings import ControlConfigError, ControlSettings
+from ._settings import S3_ENV_PREFIX, ControlConfigError, ControlSettings, bucket_from_env
 from ._storage import (
     EncodedRecord,
     RecordsInvalid,
     RecordsMissing,
+    RecordsStore,
     Removal,
     StorageError,
+    VolumeStore,
     checkpoint_base,
     encode_record,
     published_checkpoints,
@@ -93,6 +97,7 @@ from ._wire import (
     MAX_INSTANCE_INDEX,
     MAX_KEPT_LISTED,
     PREPARE_ORDER,
+    RESTORE_CODES,
     RESUME_ORDER,
     RETIRE_ORDER,
     ROLLOUT_ID_PATTERN,
@@ -235,16 +240,22 @@ __all__ = [
     "REMOVE",
     "RENEW",
     "RESTORE",
+    "RESTORE_CODES",
     "RESUME",
     "RESUME_ORDER",
     "RETIRE",
     "RETIRE_ORDER",
     "ROLLOUT_ID_PATTERN",
     "ROUTES",
+    "S3_ENV_PREFIX",
     "STATUS",
     "STEPS_COUNTER",
     "AttemptRetired",
     "Boundary",
+    "BucketConfig",
+    "BucketConfigError",
+    "BucketError",
+    "BucketStore",
     "Capability",
     "CheckpointDurations",
     "CheckpointManifest",
@@ -294,6 +305,7 @@ __all__ = [
     "Record",
     "RecordsInvalid",
     "RecordsMissing",
+    "RecordsStore",
     "Removal",
     "RemoveReply",
     "RemoveRequest",
@@ -320,6 +332,8 @@ __all__ = [
     "StepMode",
     "StorageError",
     "TaskMismatch",
+    "VolumeStore",
+    "bucket_from_env",
     "checkpoint_base",
     "encode_record",
     "gym_rollout_id",

@@ -27,6 +27,8 @@ from . import _storage as storage
 from . import tracing
 from ._client import HttpParticipantClient, _default_session
 from ._coordinator import Coordinator, StatusOutcome
+from ._objectstore import BucketStore
+from ._settings import S3_ENV_PREFIX, ControlConfigError, bucket_from_env
 from ._wire import CHECKPOINT_ID_PATTERN, Role, StatusReply
 
 EXIT_OK = 0
@@ -92,7 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ROLE=URL",
         help="a participant's base URL; repeat for each (ROLE-INDEX=URL to name the index)",
     )
-    common.add_argument("--dir", type=Path, help="the checkpoint root the participants share")
+    common.add_argument(
+        "--dir",
+        type=Path,
+        help="the checkpoint root the participants share (without it: the bucket of the "
+        f"{S3_ENV_PREFIX}* variables, when set)",
+    )
     common.add_argument("--set", dest="set_name", help="set name (default: the participants')")
     common.add_argument(
         "--token-env",
@@ -162,8 +169,12 @@ async def run(
     try:
         specs = parse_participants(args.participant)
         token = _token(args, env)
-        if args.command in ("checkpoint", "restore") and args.dir is None:
-            raise UsageError(f"{args.command} needs --dir (the participants' checkpoint root)")
+        args.store = _records_store(args.dir, env)
+        if args.command in ("checkpoint", "restore") and args.store is None:
+            raise UsageError(
+                f"{args.command} needs --dir (the participants' checkpoint root) or the "
+                f"{S3_ENV_PREFIX}* variables (their bucket)"
+            )
     except UsageError as error:
         console.progress(f"error: {error}")
         return EXIT_USAGE
@@ -253,10 +264,10 @@ def _print_status(args: argparse.Namespace, statuses: StatusOutcome, console: _C
         "participants": [s.model_dump(mode="json") for s in statuses.statuses],
         "failures": [f.model_dump(mode="json") for f in statuses.failures],
     }
-    if args.dir is not None:
+    if args.store is not None:
         names = {s.set_name for s in statuses.statuses if s.set_name is not None}
         set_name = args.set_name or (names.pop() if len(names) == 1 else "local")
-        published = storage.published_checkpoints(args.dir, set_name)
+        published = args.store.published_checkpoints(set_name)
         payload["published"] = [m.checkpoint_id for m in published]
     console.summary(payload)
     return EXIT_OK if not statuses.failures else EXIT_FAILED
@@ -268,7 +279,7 @@ async def _checkpoint(
     checkpoint_id = args.checkpoint_id or time.strftime(f"{set_name}-%Y%m%d-%H%M%S", time.gmtime())
     if re.fullmatch(CHECKPOINT_ID_PATTERN, checkpoint_id) is None:
         raise UsageError(f"--checkpoint-id {checkpoint_id!r} must match {CHECKPOINT_ID_PATTERN}")
-    console.progress(f"checkpoint {checkpoint_id} of set {set_name} into {args.dir}")
+    console.progress(f"checkpoint {checkpoint_id} of set {set_name} into {args.store.where}")
     with tracing.root_span(
         f"checkpoint {set_name}/{checkpoint_id}",
         key=f"checkpoint/{set_name}/{checkpoint_id}",
@@ -279,7 +290,7 @@ async def _checkpoint(
             prepare_timeout=args.prepare_timeout,
             commit_timeout=args.commit_timeout,
             scope=args.episode,
-            publish_dir=args.dir,
+            publish_dir=args.store,
             set_name=set_name,
             trainer_step=args.trainer_step,
             persist_after_resume=not args.persist_before_resume,
@@ -310,11 +321,11 @@ async def _restore(
     console: _Console,
 ) -> int:
     if args.checkpoint_id is not None:
-        published = storage.read_checkpoint_manifest(args.dir, set_name, args.checkpoint_id)
+        published = args.store.read_checkpoint_manifest(set_name, args.checkpoint_id)
     else:
-        all_published = storage.published_checkpoints(args.dir, set_name)
+        all_published = args.store.published_checkpoints(set_name)
         if not all_published:
-            raise UsageError(f"no published checkpoint of set {set_name} under {args.dir}")
+            raise UsageError(f"no published checkpoint of set {set_name} in {args.store.where}")
         published = all_published[-1]
     recorded = {entry.instance for entry in published.participants}
     given = {status.instance for status in statuses}
@@ -366,6 +377,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     # uvloop where installed: the pause includes this process's share of nine control calls
     uvloop = importlib.util.find_spec("uvloop") is not None
     return anyio.run(functools.partial(run, arguments), backend_options={"use_uvloop": uvloop})
+
+
+def _records_store(root: Path | None, env: Mapping[str, str]) -> storage.RecordsStore | None:
+    """The participants' records store: the volume at `--dir`, else the bucket the
+    `ROLLOUT_STORAGE_S3_*` variables name; None when neither is given."""
+    if root is not None:
+        return storage.VolumeStore(root)
+    try:
+        bucket = bucket_from_env(env)
+    except ControlConfigError as error:
+        raise UsageError(str(error)) from None
+    return BucketStore(bucket) if bucket is not None else None
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pydantic_core import PydanticSerializationError
 
 from . import _storage as storage
 from . import tracing
-from ._control_core import PlaneCore, checkpoint_directory, logger, storage_io
+from ._control_core import PlaneCore, logger, manifest_location, storage_io
 from ._control_state import HeldCut
 from ._participant import ParkState, episodes_digest
 from ._routes import Dialect
@@ -38,13 +38,6 @@ from ._wire import (
     ResumeReply,
     ResumeRequest,
 )
-
-
-def _manifest_path(root: Path, directory: Path) -> str:
-    """Where a participant's manifest is, relative to the checkpoint root (a commit reply's
-    `manifest_path`)."""
-    return str((directory / storage.MANIFEST_NAME).relative_to(root).as_posix())
-
 
 _PARK_OVERRUN_SECONDS = 2.0
 """How long past its deadline a participant's `park` may run before the call is failed."""
@@ -133,7 +126,7 @@ class CheckpointOperations:
             core.extend_lease(request.deadline_ts)
             if cached is not None:
                 return cached
-            root = core.require_root("commit")
+            store = core.require_store("commit", request.deadline_ts)
             scope = None if request.rollout_ids is None else frozenset(request.rollout_ids)
             excluded = frozenset(request.excluded_rollout_ids or ())
             with tracing.span("encode") as encoding:
@@ -145,15 +138,16 @@ class CheckpointOperations:
                         scope = frozenset(item.record.rollout_id for item in encoded)
                 encoding.set_attribute("rollout.records", len(encoded))
             rollout_ids = self._listed(encoded)
+            where = manifest_location(core.settings.storage_dir, cid, core.settings.instance)
             if request.persist_after_resume:
-                reply = self._cut(root, request, encoded, rollout_ids)
+                reply = self._cut(where, request, encoded, rollout_ids)
             else:
-                directory, manifest = await self._write(root, request, encoded)
+                manifest = await self._write(store, request, encoded)
                 reply = CommitReply(
                     checkpoint_id=cid,
                     phase=Phase.COMMITTED,
                     manifest=manifest,
-                    manifest_path=_manifest_path(root, directory),
+                    manifest_path=where,
                     rollout_ids=rollout_ids,
                 )
                 core.cuts.remember(cid, reply)  # a persist of it answers this again
@@ -173,7 +167,7 @@ class CheckpointOperations:
 
     def _cut(
         self,
-        root: Path,
+        manifest_path: str,
         request: CommitRequest,
         encoded: list[storage.EncodedRecord],
         rollout_ids: list[str] | None,
@@ -191,46 +185,44 @@ class CheckpointOperations:
             encoded=encoded,
         )
         core.cuts.room(cid, manifest.bytes)
-        ahead = self._directory
-        if ahead is not None and ahead.checkpoint_id == cid and ahead.path is not None:
-            directory = ahead.path
-        else:  # not made yet (or it failed): the persist makes it
-            directory = checkpoint_directory(root, settings.storage_dir, cid, settings.instance)
         reply = CommitReply(
             checkpoint_id=cid,
             phase=Phase.COMMITTED,
             manifest=manifest,
-            manifest_path=_manifest_path(root, directory),
+            manifest_path=manifest_path,
             rollout_ids=rollout_ids,
             durable=False,
         )
         expires = request.deadline_ts + settings.lease_grace_seconds
-        held = HeldCut(reply=reply, directory=directory, encoded=tuple(encoded), expires_ts=expires)
-        core.cuts.hold(held)
+        core.cuts.hold(HeldCut(reply=reply, encoded=tuple(encoded), expires_ts=expires))
         return reply
 
     async def _write(
-        self, root: Path, request: CommitRequest, encoded: list[storage.EncodedRecord]
-    ) -> tuple[Path, Manifest]:
+        self,
+        store: storage.RecordsStore,
+        request: CommitRequest,
+        encoded: list[storage.EncodedRecord],
+    ) -> Manifest:
         """Write a commit's records (bounded by its deadline); a storage error fails it."""
         core, cid = self._core, request.checkpoint_id
+        settings = core.settings
         try:
             with tracing.span("write"), core.storage_deadline("commit", request.deadline_ts):
-                directory = await self._commit_directory(root, cid)
+                await self._directory_made(cid)
                 manifest = await storage_io(
-                    lambda: storage.write_records(
-                        directory,
-                        role=core.settings.role,
-                        instance=core.settings.instance,
-                        checkpoint_id=cid,
+                    lambda: store.write_records(
+                        settings.storage_dir,
+                        cid,
+                        settings.instance,
+                        role=settings.role,
                         attempt=core.attempt,
                         encoded=encoded,
                     )
                 )
         except storage.StorageError as error:
-            logger.error("%s: commit %s failed: %s", core.settings.instance, cid, error)
+            logger.error("%s: commit %s failed: %s", settings.instance, cid, error)
             raise ProtocolError(ErrorCode.STORAGE_FAILED, str(error)) from error
-        return directory, manifest
+        return manifest
 
     async def resume(self, request: ResumeRequest) -> ResumeReply:
         core = self._core
@@ -301,7 +293,7 @@ class CheckpointOperations:
         root = core.settings.checkpoint_root
         background = core.background
         if root is None or background is None:
-            return
+            return  # no volume (a bucket has no directories), or no task group
         if self._directory is not None and self._directory.checkpoint_id == checkpoint_id:
             return
         ahead = _AheadDirectory(checkpoint_id, anyio.Event())
@@ -326,15 +318,11 @@ class CheckpointOperations:
 
         background.start_soon(create)
 
-    async def _commit_directory(self, root: Path, checkpoint_id: str) -> Path:
-        """The directory this commit writes to, made ahead where the prepare could."""
+    async def _directory_made(self, checkpoint_id: str) -> None:
+        """Wait for the directory made ahead for this commit, where the prepare made one."""
         ahead = self._directory
         if ahead is not None and ahead.checkpoint_id == checkpoint_id:
             await ahead.done.wait()
-            if ahead.path is not None:
-                return ahead.path
-        settings = self._core.settings
-        return checkpoint_directory(root, settings.storage_dir, checkpoint_id, settings.instance)
 
     def _closed(self, committed: bool) -> None:
         """The open checkpoint closed (resume or lease lapse): collect garbage again, and forget

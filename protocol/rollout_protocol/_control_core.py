@@ -30,9 +30,10 @@ from anyio.abc import TaskGroup
 
 from . import _storage as storage
 from ._control_state import CollectorHold, HeldCuts, RemovalClaims, RetireMarks
+from ._objectstore import BucketError
 from ._participant import Participant
 from ._phases import PhaseMachine
-from ._settings import ControlSettings
+from ._settings import S3_ENV_PREFIX, ControlSettings
 from ._wire import ErrorCode, ProtocolError, Record
 
 logger = logging.getLogger(f"{__package__}._control")
@@ -112,14 +113,16 @@ class PlaneCore:
             return None
         return {name: max(0, int(amount)) for name, amount in counts.items()}
 
-    def require_root(self, operation: str) -> Path:
-        root = self.settings.checkpoint_root
-        if root is None:
+    def require_store(self, operation: str, deadline_ts: float) -> storage.RecordsStore:
+        """Where records go for a call ending at `deadline_ts`: the set's bucket or volume."""
+        store = self.settings.records_store(deadline_ts)
+        if store is None:
             raise ProtocolError(
                 ErrorCode.STORAGE_FAILED,
-                f"{operation} needs a checkpoint root; ROLLOUT_CHECKPOINT_ROOT is not set",
+                f"{operation} needs storage for records: set ROLLOUT_CHECKPOINT_ROOT (a volume) "
+                f"or the {S3_ENV_PREFIX}* variables (a bucket)",
             )
-        return root
+        return store
 
     @contextmanager
     def storage_deadline(self, operation: str, deadline_ts: float) -> Iterator[None]:
@@ -133,6 +136,13 @@ class PlaneCore:
             logger.error(
                 "%s: %s: storage did not answer by the deadline", self.settings.instance, operation
             )
+            bucket = self.settings.bucket
+            if bucket is not None:
+                raise BucketError(
+                    "timeout",
+                    f"{operation}: bucket {bucket.url} at {bucket.endpoint} did not answer by "
+                    "the call's deadline",
+                ) from None
             raise storage.StorageError(
                 f"{operation}: storage did not answer by the call's deadline at",
                 self.settings.checkpoint_root or Path("."),
@@ -145,8 +155,10 @@ async def storage_io(call: Callable[[], _T]) -> _T:
     return await anyio.to_thread.run_sync(call, abandon_on_cancel=True)
 
 
-def checkpoint_directory(root: Path, set_name: str, checkpoint_id: str, instance: str) -> Path:
+def manifest_location(set_dir: str, checkpoint_id: str, instance: str) -> str:
+    """Where an instance's manifest is below the store's root; a name that is not a plain
+    name is the request's fault (`invalid_request`)."""
     try:
-        return storage.checkpoint_dir(root, set_name, checkpoint_id, instance)
+        return storage.manifest_path(set_dir, checkpoint_id, instance)
     except storage.UnsafePath as error:
         raise ProtocolError(ErrorCode.INVALID_REQUEST, str(error)) from error

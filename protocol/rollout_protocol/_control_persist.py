@@ -32,6 +32,9 @@ from ._wire import (
     ProtocolError,
 )
 
+_REMOVE_SECONDS = 30.0
+"""How long removing what a failed persist wrote may retry (a bucket) when no call waits."""
+
 
 class PersistOperations:
     """`persist` and `discard` of one plane, and the watchdog of its cuts' leases."""
@@ -76,6 +79,7 @@ class PersistOperations:
         encoded = cut.encoded
         assert encoded is not None, "a cut is written once, while it holds its records"
         manifest = cut.reply.manifest
+        settings = core.settings
         outcome: CommitReply | ProtocolError = ProtocolError(
             ErrorCode.STALE_CHECKPOINT,
             f"the persist of checkpoint {cid!r} was stopped with its participant's control plane",
@@ -83,12 +87,14 @@ class PersistOperations:
         try:
             with tracing.span("persist") as span:
                 span.set_attribute("rollout.records", manifest.record_count)
+                # a bucket retries until the cut's lease, past which it is discarded anyway
+                store = core.require_store("persist", cut.expires_ts)
                 written = await anyio.to_thread.run_sync(
-                    lambda: storage.write_records(
-                        cut.directory,
+                    lambda: store.write_records(
+                        settings.storage_dir,
+                        cid,
+                        settings.instance,
                         role=manifest.role,
-                        instance=manifest.instance,
-                        checkpoint_id=cid,
                         attempt=manifest.attempt,
                         encoded=encoded,
                     ),
@@ -100,6 +106,8 @@ class PersistOperations:
                     f"not the {manifest.records_sha256} the cut answered"
                 )
             outcome = cut.reply.model_copy(update={"durable": True})
+        except ProtocolError as error:  # no storage for records
+            outcome = error
         except (storage.StorageError, storage.UnsafePath, storage.RecordsInvalid) as error:
             logger.error("%s: persist of %s failed: %s", core.settings.instance, cid, error)
             outcome = ProtocolError(ErrorCode.STORAGE_FAILED, str(error))
@@ -195,8 +203,10 @@ class PersistOperations:
         """Remove this instance's files of a checkpoint (bounded by `deadline_ts` when given):
         whether any were there. A restore of the checkpoint is refused meanwhile."""
         core = self._core
-        root = core.settings.checkpoint_root
-        if root is None:
+        store = core.settings.records_store(
+            deadline_ts if deadline_ts is not None else core.clock() + _REMOVE_SECONDS
+        )
+        if store is None:
             return False
         set_dir, instance = core.settings.storage_dir, core.settings.instance
         claim = core.removals.claim([checkpoint_id], whole_set=False)
@@ -205,7 +215,7 @@ class PersistOperations:
             if not core.removals.begin(claim):
                 return False
             try:
-                return storage.remove_instance_files(root, set_dir, checkpoint_id, instance).found
+                return store.remove_instance(set_dir, checkpoint_id, instance)
             finally:
                 core.removals.end(claim)
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from . import _storage as storage
 from . import tracing
-from ._control_core import PlaneCore, checkpoint_directory, logger, storage_io
+from ._control_core import PlaneCore, logger, manifest_location, storage_io
 from ._phases import RestoreShape
 from ._settings import ControlSettings
 from ._wire import (
@@ -186,7 +186,7 @@ class RestoreOperation:
         """The records of `request.source_instance` (else `instance`), read within the call's
         deadline and checked to be this role's."""
         core = self._core
-        root = core.require_root("restore")
+        store = core.require_store("restore", request.deadline_ts)
         role = core.settings.role
         source = request.source_instance or instance
         if not source.startswith(f"{role.value}-"):
@@ -194,15 +194,12 @@ class RestoreOperation:
                 ErrorCode.INVALID_REQUEST,
                 f"source_instance {source!r} is not a {role.value} instance",
             )
-        directory = checkpoint_directory(
-            root, core.settings.storage_dir, request.checkpoint_id, source
-        )
+        set_dir, cid = core.settings.storage_dir, request.checkpoint_id
+        where = manifest_location(set_dir, cid, source)
         try:
             with core.storage_deadline("restore", request.deadline_ts):
                 manifest, records = await storage_io(
-                    lambda: storage.read_records(
-                        directory, expect_checkpoint_id=request.checkpoint_id
-                    )
+                    lambda: store.read_records(set_dir, cid, source)
                 )
         except storage.RecordsMissing as error:
             raise ProtocolError(ErrorCode.RECORDS_UNREACHABLE, str(error)) from error
@@ -213,6 +210,6 @@ class RestoreOperation:
         if manifest.role is not role:
             raise ProtocolError(
                 ErrorCode.RECORDS_INVALID,
-                f"records in {directory} belong to role {manifest.role.value}, not {role.value}",
+                f"records at {where} belong to role {manifest.role.value}, not {role.value}",
             )
         return records

@@ -99,7 +99,7 @@ class RetireOperations:
         """See `ControlPlane.remove`: checked and claimed under the lock, deleted outside it."""
         core = self._core
         refuse_passed(request.deadline_ts, core.clock())
-        root = core.require_root("remove")
+        store = core.require_store("remove", request.deadline_ts)
         async with core.lock:
             machine = core.machine
             open_id = machine.checkpoint_id if machine.phase is not Phase.IDLE else None
@@ -125,8 +125,8 @@ class RetireOperations:
             if not core.removals.begin(claim):
                 return None  # the call gave up before this thread began: delete nothing
             try:
-                return storage.remove_records(
-                    root, set_dir, request.checkpoint_ids, whole_set=request.whole_set
+                return store.remove_records(
+                    set_dir, request.checkpoint_ids, whole_set=request.whole_set
                 )
             finally:
                 core.removals.end(claim)

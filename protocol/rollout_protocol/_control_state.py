@@ -11,7 +11,6 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import anyio
@@ -237,10 +236,9 @@ class HeldCut:
     after resume"). `encoded` are the records as encoded at their boundaries: a write uses only
     their lines and digests, immutable bytes shared with the participant's own encodings until
     its episodes move on; `reply` is the cut's answer, whose manifest is the one a persist of
-    them writes into `directory`."""
+    them writes to the participant's records store."""
 
     reply: CommitReply
-    directory: Path
     encoded: tuple[EncodedRecord, ...] | None
     expires_ts: float
     """The cut's lease: a persist that has not begun by then (or a write still running, whose

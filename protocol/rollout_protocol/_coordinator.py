@@ -30,6 +30,7 @@ from typing import Final
 import anyio
 from anyio.abc import TaskGroup
 
+from . import _storage as storage
 from ._client import ParticipantClient, ParticipantError
 from ._coordinator_calls import FanOut, split
 from ._coordinator_checkpoint import ComposedCheckpoint
@@ -512,7 +513,7 @@ class Coordinator:
         prepare_timeout: float,
         commit_timeout: float,
         scope: Collection[str] | None = None,
-        publish_dir: Path | None = None,
+        publish_dir: Path | storage.RecordsStore | None = None,
         set_name: str = "local",
         trainer_step: int | None = None,
         persist_after_resume: bool = False,
@@ -521,11 +522,11 @@ class Coordinator:
         `persist_after_resume`, prepare -> cut -> resume -> persist -> publish, so the pause
         holds no write (docs/protocol.md, "Persist after resume").
 
-        With `publish_dir` (the checkpoint root as this process sees it) the checkpoint
-        manifest is written last, after every participant's manifest was found there; without
-        it the caller publishes (the operator does, in one status patch). Participants are
-        resumed on every path, also when this coroutine is cancelled, and a cut that is not
-        published is discarded.
+        With `publish_dir` (the checkpoint root as this process sees it, or the participants'
+        records store: a `BucketStore`) the checkpoint manifest is written last, after every
+        participant's manifest was found there; without it the caller publishes (the operator
+        does, in one status patch). Participants are resumed on every path, also when this
+        coroutine is cancelled, and a cut that is not published is discarded.
         """
         composed = ComposedCheckpoint(
             self,
@@ -538,7 +539,9 @@ class Coordinator:
             prepare_timeout=prepare_timeout,
             commit_timeout=commit_timeout,
             scope=scope,
-            publish_dir=publish_dir,
+            publish_to=(
+                storage.VolumeStore(publish_dir) if isinstance(publish_dir, Path) else publish_dir
+            ),
             set_name=set_name,
             trainer_step=trainer_step,
             persist_after_resume=persist_after_resume,

@@ -13,7 +13,6 @@ included, resumes them exactly once.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from pathlib import Path
 from typing import Protocol
 
 import anyio
@@ -94,7 +93,7 @@ class ComposedCheckpoint:
         prepare_timeout: float,
         commit_timeout: float,
         scope: Collection[str] | None,
-        publish_dir: Path | None,
+        publish_to: storage.RecordsStore | None,
         set_name: str,
         trainer_step: int | None,
         persist_after_resume: bool = False,
@@ -129,10 +128,10 @@ class ComposedCheckpoint:
                     message = "; ".join(str(f) for f in commit.failures)
                     return await self._failed("PersistFailed", message, prepare, commit, times)
             published: str | None = None
-            if publish_dir is not None:
+            if publish_to is not None:
                 try:
                     published = await self._publish(
-                        publish_dir, set_name, trainer_step, prepare, commit, times
+                        publish_to, set_name, trainer_step, prepare, commit, times
                     )
                 except (storage.StorageError, storage.RecordsInvalid, ValueError) as error:
                     return await self._failed("PublishFailed", str(error), prepare, commit, times)
@@ -149,7 +148,7 @@ class ComposedCheckpoint:
 
     async def _publish(
         self,
-        publish_dir: Path,
+        publish_to: storage.RecordsStore,
         set_name: str,
         trainer_step: int | None,
         prepare: PrepareOutcome,
@@ -161,7 +160,7 @@ class ComposedCheckpoint:
         durations = (prepared_at - started, committed_at - prepared_at)
         path = await anyio.to_thread.run_sync(
             lambda: _publish(
-                publish_dir,
+                publish_to,
                 set_name,
                 self._checkpoint_id,
                 prepare,
@@ -172,7 +171,7 @@ class ComposedCheckpoint:
             )
         )
         self._progress(f"published {path}")
-        return str(path)
+        return path
 
     async def _succeeded(
         self,
@@ -268,7 +267,7 @@ def _prepare_message(prepare: PrepareOutcome) -> str:
 
 
 def _publish(
-    root: Path,
+    store: storage.RecordsStore,
     set_name: str,
     checkpoint_id: str,
     prepare: PrepareOutcome,
@@ -276,16 +275,17 @@ def _publish(
     durations: tuple[float, float],
     trainer_step: int | None,
     now: float,
-) -> Path:
+) -> str:
     """Check each participant's manifest is where we publish, then write checkpoint.json."""
     entries: list[PublishedParticipant] = []
     for instance, manifest in sorted(commit.manifests.items()):
         relative = commit.manifest_paths[instance]
-        on_disk = storage.read_manifest((root / relative).parent)
-        if on_disk != manifest:
+        stored = store.read_manifest(relative)
+        if stored != manifest:
             raise storage.RecordsInvalid(
-                f"the manifest of {instance} at {root / relative} differs from its commit reply; "
-                "is the publish directory the participants' ROLLOUT_CHECKPOINT_ROOT?"
+                f"the manifest of {instance} at {relative} in {store.where} differs from its "
+                "commit reply; is the publish store the participants' (their "
+                "ROLLOUT_CHECKPOINT_ROOT or bucket)?"
             )
         entries.append(
             PublishedParticipant(
@@ -299,8 +299,7 @@ def _publish(
             )
         )
     attempt = commit.attempt
-    return storage.write_checkpoint_manifest(
-        root,
+    return store.write_checkpoint_manifest(
         CheckpointManifest(
             set_name=set_name,
             checkpoint_id=checkpoint_id,

@@ -1,4 +1,5 @@
-"""`rollout-records`: remove a set's checkpoint records from a volume, by checkpoint name.
+"""`rollout-records`: remove a set's checkpoint records from a volume or a bucket, by
+checkpoint name.
 
 The operator runs it in a short-lived cleanup pod that mounts a set's volume when no participant
 of the set runs to remove records itself (a suspended, deleted or crash-looping set,
@@ -6,6 +7,11 @@ docs/design.md#65-retention-and-records); a person can run it by hand on a node 
 the volume. It removes exactly what the `remove` control operation removes (`remove_records`: the
 protocol's own files below the set's directory, never through a symlink) and prints the same reply,
 as JSON, on stdout and into the container's termination message, where the operator reads it.
+
+With `--root`, the records are on the volume mounted there; without it, in the S3-API bucket the
+`ROLLOUT_STORAGE_S3_*` variables name (the participants' own variables, with the Secret's folder
+mounted as in their pods): the same removal (`BucketStore.remove_records`), of the set's own keys
+only.
 
 Exit status: 0 when everything named is gone (removed or absent), 3 when entries were left in
 place (named in the reply), 1 when the storage refused, 2 for a bad command line.
@@ -18,7 +24,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ._storage import StorageError, UnsafePath, remove_records
+from ._objectstore import BucketStore
+from ._settings import S3_ENV_PREFIX, ControlConfigError, bucket_from_env
+from ._storage import RecordsStore, StorageError, UnsafePath, VolumeStore
 
 EXIT_KEPT = 3
 """Something was left in place (a file the protocol did not write): named in the reply."""
@@ -33,7 +41,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     remove = sub.add_parser("remove", help="remove named checkpoints, or the whole set's records")
-    remove.add_argument("--root", required=True, type=Path, help="the volume's mount point")
+    remove.add_argument(
+        "--root",
+        type=Path,
+        help=f"the volume's mount point (without it: the bucket of the {S3_ENV_PREFIX}* variables)",
+    )
     remove.add_argument(
         "--set-dir", required=True, help="the set's directory below it (<namespace>/<set>/<uid>)"
     )
@@ -55,11 +67,28 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if not args.root.is_dir():
-        print(f"rollout-records: {args.root} is not a directory", file=sys.stderr)
-        return 1
+    store: RecordsStore
+    if args.root is not None:
+        if not args.root.is_dir():
+            print(f"rollout-records: {args.root} is not a directory", file=sys.stderr)
+            return 1
+        store = VolumeStore(args.root)
+    else:
+        try:
+            bucket = bucket_from_env()
+        except ControlConfigError as error:
+            print(f"rollout-records: {error}", file=sys.stderr)
+            return 2
+        if bucket is None:
+            print(
+                f"rollout-records: give --root (a volume) or set the {S3_ENV_PREFIX}* "
+                "variables (a bucket)",
+                file=sys.stderr,
+            )
+            return 2
+        store = BucketStore(bucket)
     try:
-        reply = remove_records(args.root, args.set_dir, args.checkpoint, whole_set=args.whole_set)
+        reply = store.remove_records(args.set_dir, args.checkpoint, whole_set=args.whole_set)
     except UnsafePath as error:
         print(f"rollout-records: {error}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ the variable.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import multiprocessing
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _storage as storage
+from ._objectstore import BucketConfig, BucketConfigError, BucketStore
 from ._routes import (
     Dialect,
 )
@@ -56,6 +58,9 @@ class ControlSettings:
     set_dir: str | None = None
     """The set's directory under the checkpoint root (`<namespace>/<set>/<uid>` from the
     operator, see `set_storage_dir`); None: the set name, as without an operator."""
+    bucket: BucketConfig | None = None
+    """The set's records in an S3-API bucket instead of below `checkpoint_root`
+    (`ROLLOUT_STORAGE_S3_*`, see `bucket_from_env`), under the same `set_dir`."""
     attempt: int = 0
     standby: bool = False
     """A standby (`ROLLOUT_STANDBY=1`): a warm spare in no attempt that a recovery adopts for a
@@ -115,6 +120,11 @@ class ControlSettings:
                 storage.check_set_dir(self.set_dir)
             except storage.UnsafePath as error:
                 raise ControlConfigError(f"ROLLOUT_SET_DIR: {error}") from None
+        if self.bucket is not None and self.checkpoint_root is not None:
+            raise ControlConfigError(
+                "records go to a volume (ROLLOUT_CHECKPOINT_ROOT) or a bucket "
+                f"({S3_ENV_PREFIX}*), not both: unset one"
+            )
         if not (math.isfinite(self.lease_grace_seconds) and self.lease_grace_seconds > 0):
             raise ControlConfigError(
                 f"lease_grace_seconds must be a positive number, got {self.lease_grace_seconds}"
@@ -168,6 +178,7 @@ class ControlSettings:
             set_name=env.get("ROLLOUT_SET") or "local",
             checkpoint_root=Path(root) if root is not None else None,
             set_dir=env.get("ROLLOUT_SET_DIR") or None,
+            bucket=bucket_from_env(env),
             attempt=_int_from_env(env, "ROLLOUT_ATTEMPT", 0),
             standby=env.get("ROLLOUT_STANDBY", "") in ("1", "true"),
             token=env.get("ROLLOUT_CONTROL_TOKEN") or None,
@@ -201,6 +212,58 @@ class ControlSettings:
     def storage_dir(self) -> str:
         """Where this set's checkpoints go under the checkpoint root."""
         return self.set_dir if self.set_dir is not None else self.set_name
+
+    def records_store(self, deadline_ts: float) -> storage.RecordsStore | None:
+        """Where this participant's records go: its bucket (each request retried until
+        `deadline_ts`), else the volume at its checkpoint root; None when it has neither."""
+        if self.bucket is not None:
+            return BucketStore(self.bucket, deadline_ts=deadline_ts)
+        if self.checkpoint_root is not None:
+            return storage.VolumeStore(self.checkpoint_root)
+        return None
+
+
+S3_ENV_PREFIX = "ROLLOUT_STORAGE_S3_"
+"""The variables of a set whose records are in an S3-API bucket (docs/operations.md)."""
+
+
+def bucket_from_env(env: Mapping[str, str] | None = None) -> BucketConfig | None:
+    """The bucket the `ROLLOUT_STORAGE_S3_*` variables name, or None when none is set:
+    `ENDPOINT` (an http or https URL), `BUCKET`, `PREFIX` (may be empty), `REGION` (default
+    us-east-1), `ADDRESSING` (`path`, the default, or `virtual`), and `CREDENTIALS_DIR` (the
+    folder where the Secret is mounted: `accessKeyId`, `secretAccessKey`, optional
+    `sessionToken`, read again on every call). A bad or missing value is a
+    `ControlConfigError` naming the variable."""
+    env = os.environ if env is None else env
+    names = ("ENDPOINT", "BUCKET", "PREFIX", "REGION", "ADDRESSING", "CREDENTIALS_DIR")
+    values = {name: env.get(S3_ENV_PREFIX + name, "") for name in names}
+    if not any(values.values()):
+        return None
+    missing = [
+        S3_ENV_PREFIX + name
+        for name in ("ENDPOINT", "BUCKET", "CREDENTIALS_DIR")
+        if not values[name]
+    ]
+    if missing:
+        raise ControlConfigError(
+            f"records in a bucket need {', '.join(missing)} (set with the other "
+            f"{S3_ENV_PREFIX}* variables)"
+        )
+    if importlib.util.find_spec("obstore") is None:
+        raise ControlConfigError(
+            f"records in a bucket ({S3_ENV_PREFIX}*) need obstore: install rollout-protocol[s3]"
+        )
+    try:
+        return BucketConfig(
+            endpoint=values["ENDPOINT"],
+            bucket=values["BUCKET"],
+            credentials_dir=Path(values["CREDENTIALS_DIR"]),
+            prefix=values["PREFIX"],
+            region=values["REGION"] or "us-east-1",
+            addressing=values["ADDRESSING"] or "path",
+        )
+    except BucketConfigError as error:
+        raise ControlConfigError(f"{S3_ENV_PREFIX}{error.setting.upper()}: {error}") from None
 
 
 WORKER_ENV = "ROLLOUT_WORKER"

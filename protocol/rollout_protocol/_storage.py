@@ -39,6 +39,12 @@ Records format 2 (the manifest's `schema_version`) names the records file by the
 lines' digests (`records_digest`), so a commit never hashes the whole file either; restore reads
 format 1 (the digest of the whole file, written before encode-ahead) as well.
 
+A set's records live on a volume or in an S3-API bucket: `RecordsStore` is the seam the control
+plane, the coordinator and `rollout-records` write, read, publish and remove through;
+`VolumeStore` is this module behind it, `rollout_protocol._objectstore.BucketStore` the bucket
+(the same layout below a key prefix, and the same verification: `records_manifest`,
+`check_manifest`, `verify_records` and the parsers here serve both).
+
 The functions here block on disk I/O; the control plane runs them in a worker thread.
 """
 
@@ -54,7 +60,7 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Final, Protocol
 
 from pydantic import ValidationError
 
@@ -115,7 +121,7 @@ class UnsafePath(ValueError):
 # --- paths ----------------------------------------------------------------------------------
 
 
-def _check_name(kind: str, value: str, pattern: str) -> None:
+def check_name(kind: str, value: str, pattern: str) -> None:
     if re.fullmatch(pattern, value) is None:
         raise UnsafePath(f"{kind} {value!r} is not a plain name matching {pattern}")
 
@@ -128,7 +134,7 @@ def check_set_dir(set_dir: str) -> tuple[str, ...]:
             f"set directory {set_dir!r} has {len(parts)} segments, at most {MAX_SET_DIR_DEPTH}"
         )
     for part in parts:
-        _check_name(f"set directory {set_dir!r}: segment", part, CHECKPOINT_ID_PATTERN)
+        check_name(f"set directory {set_dir!r}: segment", part, CHECKPOINT_ID_PATTERN)
     return parts
 
 
@@ -147,7 +153,7 @@ def checkpoint_base(root: Path, set_dir: str, checkpoint_id: str) -> Path:
 
     `set_dir` is the set name, or the set's directory (`set_storage_dir`)."""
     parts = check_set_dir(set_dir)
-    _check_name("checkpoint id", checkpoint_id, CHECKPOINT_ID_PATTERN)
+    check_name("checkpoint id", checkpoint_id, CHECKPOINT_ID_PATTERN)
     base = Path(root).joinpath(*parts, checkpoint_id)
     _check_inside(Path(root), base)
     return base
@@ -155,7 +161,7 @@ def checkpoint_base(root: Path, set_dir: str, checkpoint_id: str) -> Path:
 
 def checkpoint_dir(root: Path, set_dir: str, checkpoint_id: str, instance: str) -> Path:
     """`<root>/<set_dir>/<checkpoint_id>/<instance>/`, refusing anything that would escape root."""
-    _check_name("instance", instance, INSTANCE_PATTERN)
+    check_name("instance", instance, INSTANCE_PATTERN)
     directory = checkpoint_base(root, set_dir, checkpoint_id) / instance
     _check_inside(Path(root), directory)
     return directory
@@ -426,7 +432,7 @@ def write_records(
     records_file = manifest.records_file
     records_temp = _write_temp_lines(directory, lines)
     try:
-        manifest_temp = _write_temp(directory, _manifest_bytes(manifest))
+        manifest_temp = _write_temp(directory, manifest_bytes(manifest))
     except StorageError:
         _discard(records_temp)
         raise
@@ -454,7 +460,8 @@ def write_records(
     return manifest
 
 
-def _manifest_bytes(manifest: Manifest | CheckpointManifest) -> bytes:
+def manifest_bytes(manifest: Manifest | CheckpointManifest) -> bytes:
+    """A manifest as it is stored: indented JSON and a newline."""
     return manifest.model_dump_json(indent=2).encode() + b"\n"
 
 
@@ -522,7 +529,7 @@ def _read_bounded(directory: Path, name: str, limit: int, *, exact: int | None =
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):  # replaced between the lstat and the open
             raise RecordsInvalid(f"{path} is not a regular file but {_kind(info.st_mode)}")
-        _check_size(path, info.st_size, limit, exact)
+        check_size(path, info.st_size, limit, exact)
         chunks: list[bytes] = []
         left = limit + 1
         while left > 0:
@@ -536,11 +543,11 @@ def _read_bounded(directory: Path, name: str, limit: int, *, exact: int | None =
     finally:
         os.close(fd)
     raw = b"".join(chunks)
-    _check_size(path, len(raw), limit, exact)
+    check_size(path, len(raw), limit, exact)
     return raw
 
 
-def _check_size(path: Path, size: int, limit: int, exact: int | None) -> None:
+def check_size(path: object, size: int, limit: int, exact: int | None) -> None:
     if exact is not None and size != exact:
         raise RecordsInvalid(f"records file {path} has {size} bytes, the manifest says {exact}")
     if size > limit:
@@ -566,31 +573,49 @@ def read_manifest(directory: Path) -> Manifest:
         raise RecordsMissing(
             f"no manifest at {path}: the commit never finished, or its storage is not this one"
         ) from error
+    return parse_manifest(raw, path)
+
+
+def parse_manifest(raw: bytes, where: object) -> Manifest:
+    """A participant's manifest from its stored bytes; `RecordsInvalid` names `where` (its path
+    or key) when they are not one."""
     try:
         return Manifest.model_validate_json(raw)
     except ValidationError as error:
-        raise RecordsInvalid(f"manifest {path} is malformed: {_first_error(error)}") from error
+        raise RecordsInvalid(f"manifest {where} is malformed: {_first_error(error)}") from error
 
 
-def read_records(directory: Path, *, expect_checkpoint_id: str) -> tuple[Manifest, list[Record]]:
-    """Read and fully verify one participant's records; nothing is returned unless all check."""
-    manifest = read_manifest(directory)
+def check_manifest(manifest: Manifest, where: object, *, expect_checkpoint_id: str) -> None:
+    """Refuse a manifest of another checkpoint, or one whose records file is not named by its
+    digest (`where` names its folder or prefix in the message)."""
     if manifest.checkpoint_id != expect_checkpoint_id:
         raise RecordsInvalid(
-            f"manifest in {directory} is for checkpoint {manifest.checkpoint_id!r}, "
+            f"manifest in {where} is for checkpoint {manifest.checkpoint_id!r}, "
             f"expected {expect_checkpoint_id!r}"
         )
     match = _RECORDS_NAME.fullmatch(manifest.records_file)
     if match is None or match.group(1) != manifest.records_sha256:
         raise RecordsInvalid(
-            f"manifest in {directory} names records file {manifest.records_file!r}, "
+            f"manifest in {where} names records file {manifest.records_file!r}, "
             f"expected records-{manifest.records_sha256}.jsonl"
         )
+
+
+def read_records(directory: Path, *, expect_checkpoint_id: str) -> tuple[Manifest, list[Record]]:
+    """Read and fully verify one participant's records; nothing is returned unless all check."""
+    manifest = read_manifest(directory)
+    check_manifest(manifest, directory, expect_checkpoint_id=expect_checkpoint_id)
     path = directory / manifest.records_file
     try:
         raw = _read_bounded(directory, manifest.records_file, manifest.bytes, exact=manifest.bytes)
     except FileNotFoundError as error:
         raise RecordsInvalid(f"records file {path} named by the manifest is missing") from error
+    return manifest, verify_records(manifest, raw, path)
+
+
+def verify_records(manifest: Manifest, raw: bytes, path: object) -> list[Record]:
+    """The records of a records file's bytes, verified against its manifest (digest, size,
+    count, schema) before any is returned; `path` names the file or object in messages."""
     if manifest.schema_version == 1:
         # written before encode-ahead: the digest is the whole file's, lines split universally
         actual = hashlib.sha256(raw).hexdigest()
@@ -617,7 +642,7 @@ def read_records(directory: Path, *, expect_checkpoint_id: str) -> tuple[Manifes
             raise RecordsInvalid(
                 f"records file {path} line {number} is not a record: {_first_error(error)}"
             ) from error
-    return manifest, records
+    return records
 
 
 def _first_error(error: ValidationError) -> str:
@@ -637,7 +662,7 @@ def write_checkpoint_manifest(root: Path, manifest: CheckpointManifest) -> Path:
     """
     base = checkpoint_base(root, manifest.set_name, manifest.checkpoint_id)
     make_dirs(base)
-    if not _publish_once(base, CHECKPOINT_MANIFEST_NAME, _manifest_bytes(manifest)):
+    if not _publish_once(base, CHECKPOINT_MANIFEST_NAME, manifest_bytes(manifest)):
         existing = _existing_checkpoint_manifest(base / CHECKPOINT_MANIFEST_NAME)
         if existing != manifest:
             raise StorageError(
@@ -666,13 +691,20 @@ def read_checkpoint_manifest(root: Path, set_name: str, checkpoint_id: str) -> C
             f"checkpoint {checkpoint_id!r} of set {set_name!r} was never published "
             f"(no {path}); it must not be restored"
         ) from error
+    return parse_checkpoint_manifest(raw, path, set_name, checkpoint_id)
+
+
+def parse_checkpoint_manifest(
+    raw: bytes, where: object, set_name: str, checkpoint_id: str
+) -> CheckpointManifest:
+    """A published checkpoint from its stored bytes, checked to be the one looked for."""
     try:
         manifest = CheckpointManifest.model_validate_json(raw)
     except ValidationError as error:
-        raise RecordsInvalid(f"{path} is malformed: {_first_error(error)}") from error
+        raise RecordsInvalid(f"{where} is malformed: {_first_error(error)}") from error
     if manifest.set_name != set_name or manifest.checkpoint_id != checkpoint_id:
         raise RecordsInvalid(
-            f"{path} describes {manifest.set_name}/{manifest.checkpoint_id}, "
+            f"{where} describes {manifest.set_name}/{manifest.checkpoint_id}, "
             f"expected {set_name}/{checkpoint_id}"
         )
     return manifest
@@ -726,7 +758,7 @@ def remove_checkpoint_files(root: Path, set_dir: str, checkpoint_id: str) -> Rem
     when the volume changes while this runs (see `_walk_real_dirs`); what is not ours is kept
     and named in the result."""
     parts = check_set_dir(set_dir)
-    _check_name("checkpoint id", checkpoint_id, CHECKPOINT_ID_PATTERN)
+    check_name("checkpoint id", checkpoint_id, CHECKPOINT_ID_PATTERN)
     with contextlib.ExitStack() as opened:
         fds, base, state = _walk_real_dirs(opened, Path(root), (*parts, checkpoint_id))
         if state is None:
@@ -748,8 +780,8 @@ def remove_instance_files(root: Path, set_dir: str, checkpoint_id: str, instance
     was discarded wrote. Like `remove_checkpoint_files`, only what this module writes, never
     through a symlink; another participant's files and `checkpoint.json` are never touched."""
     parts = check_set_dir(set_dir)
-    _check_name("checkpoint id", checkpoint_id, CHECKPOINT_ID_PATTERN)
-    _check_name("instance", instance, INSTANCE_PATTERN)
+    check_name("checkpoint id", checkpoint_id, CHECKPOINT_ID_PATTERN)
+    check_name("instance", instance, INSTANCE_PATTERN)
     with contextlib.ExitStack() as opened:
         fds, base, state = _walk_real_dirs(opened, Path(root), (*parts, checkpoint_id))
         if state is None:
@@ -1009,3 +1041,131 @@ def _lstat_mode(path: Path) -> int:
         return os.lstat(path).st_mode
     except FileNotFoundError:
         return 0
+
+
+# --- the store: a volume here, or a bucket (`rollout_protocol._objectstore`) ----------------
+
+
+def manifest_path(set_dir: str, checkpoint_id: str, instance: str) -> str:
+    """`<set_dir>/<checkpoint_id>/<instance>/manifest.json`: where a participant's manifest is
+    below its store's root (a volume's mount, a bucket's prefix); a commit reply names it."""
+    check_set_dir(set_dir)
+    check_name("checkpoint id", checkpoint_id, CHECKPOINT_ID_PATTERN)
+    check_name("instance", instance, INSTANCE_PATTERN)
+    return f"{set_dir}/{checkpoint_id}/{instance}/{MANIFEST_NAME}"
+
+
+class RecordsStore(Protocol):
+    """Where a set's checkpoint records live: a volume (`VolumeStore`) or an S3-API bucket
+    (`rollout_protocol._objectstore.BucketStore`), with the same layout below its root and the
+    same guarantees (docs/design.md, "Records and retention"): records first, the manifest
+    created once and last, reads bounded and verified before anything is returned, removal of
+    the protocol's own files or objects only. Its calls block; run them in a worker thread."""
+
+    @property
+    def where(self) -> str:
+        """The store in words, for messages (a mount point; a bucket, prefix and endpoint)."""
+        ...
+
+    def write_records(
+        self,
+        set_dir: str,
+        checkpoint_id: str,
+        instance: str,
+        *,
+        role: Role,
+        attempt: int,
+        encoded: Sequence[EncodedRecord],
+    ) -> Manifest:
+        """Durably store one participant's records, then its manifest (never replaced)."""
+        ...
+
+    def read_records(
+        self, set_dir: str, checkpoint_id: str, instance: str
+    ) -> tuple[Manifest, list[Record]]:
+        """One participant's verified records; `RecordsMissing` when its manifest is absent."""
+        ...
+
+    def read_manifest(self, manifest_path: str) -> Manifest:
+        """The manifest at `manifest_path` (as a commit reply names it)."""
+        ...
+
+    def remove_records(
+        self, set_dir: str, checkpoint_ids: Sequence[str], *, whole_set: bool = False
+    ) -> RemoveReply:
+        """See `remove_records`."""
+        ...
+
+    def remove_instance(self, set_dir: str, checkpoint_id: str, instance: str) -> bool:
+        """Remove one participant's records of a checkpoint (a persist that failed or was
+        discarded), manifest first; whether any were there."""
+        ...
+
+    def write_checkpoint_manifest(self, manifest: CheckpointManifest) -> str:
+        """Publish `checkpoint.json`, created once and last; where it is."""
+        ...
+
+    def read_checkpoint_manifest(self, set_name: str, checkpoint_id: str) -> CheckpointManifest:
+        """A published checkpoint; `RecordsInvalid` when never published or malformed."""
+        ...
+
+    def published_checkpoints(self, set_name: str) -> list[CheckpointManifest]:
+        """Every published checkpoint of a set, oldest first."""
+        ...
+
+
+@dataclass(frozen=True)
+class VolumeStore:
+    """Records on a mounted volume at `root`: the functions of this module."""
+
+    root: Path
+
+    @property
+    def where(self) -> str:
+        return str(self.root)
+
+    def write_records(
+        self,
+        set_dir: str,
+        checkpoint_id: str,
+        instance: str,
+        *,
+        role: Role,
+        attempt: int,
+        encoded: Sequence[EncodedRecord],
+    ) -> Manifest:
+        directory = checkpoint_dir(self.root, set_dir, checkpoint_id, instance)
+        return write_records(
+            directory,
+            role=role,
+            instance=instance,
+            checkpoint_id=checkpoint_id,
+            attempt=attempt,
+            encoded=encoded,
+        )
+
+    def read_records(
+        self, set_dir: str, checkpoint_id: str, instance: str
+    ) -> tuple[Manifest, list[Record]]:
+        directory = checkpoint_dir(self.root, set_dir, checkpoint_id, instance)
+        return read_records(directory, expect_checkpoint_id=checkpoint_id)
+
+    def read_manifest(self, manifest_path: str) -> Manifest:
+        return read_manifest((self.root / manifest_path).parent)
+
+    def remove_records(
+        self, set_dir: str, checkpoint_ids: Sequence[str], *, whole_set: bool = False
+    ) -> RemoveReply:
+        return remove_records(self.root, set_dir, checkpoint_ids, whole_set=whole_set)
+
+    def remove_instance(self, set_dir: str, checkpoint_id: str, instance: str) -> bool:
+        return remove_instance_files(self.root, set_dir, checkpoint_id, instance).found
+
+    def write_checkpoint_manifest(self, manifest: CheckpointManifest) -> str:
+        return str(write_checkpoint_manifest(self.root, manifest))
+
+    def read_checkpoint_manifest(self, set_name: str, checkpoint_id: str) -> CheckpointManifest:
+        return read_checkpoint_manifest(self.root, set_name, checkpoint_id)
+
+    def published_checkpoints(self, set_name: str) -> list[CheckpointManifest]:
+        return published_checkpoints(self.root, set_name)

@@ -187,6 +187,19 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.UNRESPONSIVE: 504,
 }
 
+RESTORE_CODES: frozenset[ErrorCode] = frozenset(
+    {
+        ErrorCode.ATTEMPT_RETIRED,
+        ErrorCode.ATTEMPT_MISMATCH,
+        ErrorCode.ADMISSION_CLOSED,
+        ErrorCode.UNREACHABLE,
+        ErrorCode.INTERNAL,
+    }
+)
+"""The `/run` answers that mean "this attempt's servers are gone, replaced or restored": the
+rollout is played again under the set's next attempt (docs/sdk.md, section 2). A trainer client
+waits for that attempt and re-issues the call; any other code ends the episode for good."""
+
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -34,7 +34,7 @@ from typing import IO, Any
 import anyio
 import httpx
 from pydantic import BaseModel, ConfigDict, JsonValue
-from rollout_protocol import ErrorBody, ErrorCode, tracing
+from rollout_protocol import RESTORE_CODES, ErrorBody, ErrorCode, tracing
 
 from .taskfile import (
     DEFAULT_MAX_ROW_BYTES,
@@ -56,17 +56,6 @@ from .topology import (
 )
 
 log = logging.getLogger(__name__)
-
-# codes that mean "this attempt's servers are gone or replaced": wait for the next attempt
-_RESTORE_CODES = frozenset(
-    {
-        ErrorCode.ATTEMPT_RETIRED,
-        ErrorCode.ATTEMPT_MISMATCH,
-        ErrorCode.ADMISSION_CLOSED,
-        ErrorCode.UNREACHABLE,
-        ErrorCode.INTERNAL,
-    }
-)
 
 
 DEFAULT_RESTORE_TIMEOUT_S = 600.0
@@ -227,7 +216,7 @@ class RolloutClient:
                         return self._result(spec, reply)
                     else:
                         code, detail = _error_of(reply)
-                        if code not in _RESTORE_CODES:
+                        if code not in RESTORE_CODES:
                             raise EpisodeFailed(spec.rollout_id, f"{code}: {detail}")
                         why = f"{code}: {detail}"
                 log.info(

@@ -62,6 +62,9 @@ def rollout_set(name: str = "math-rl", **spec_overrides: Any) -> dict[str, Any]:
     }
 
 
+BUCKET = {"endpoint": "http://127.0.0.1:9000", "bucket": "rollouts", "secretName": "creds"}
+
+
 def create(cluster: Cluster, namespace: str, obj: dict[str, Any]) -> tuple[int, str]:
     result = cluster.kubectl(
         "create", "-n", namespace, "-f", "-", input=json.dumps(obj), check=False
@@ -88,6 +91,14 @@ def mutated(change: str) -> dict[str, Any]:
         spec["participants"][0]["template"]["spec"]["restartPolicy"] = "Always"
     elif change == "storage path with ..":
         spec["storage"] = {"path": "/tmp/../etc", "volume": {"emptyDir": {}}}
+    elif change == "storage with a volume and a bucket":
+        spec["storage"]["s3"] = BUCKET
+    elif change == "storage with neither a volume nor a bucket":
+        spec["storage"] = {"path": "/tmp/ckpt"}
+    elif change == "a bucket with a path":
+        spec["storage"] = {"path": "/tmp/ckpt", "s3": BUCKET}
+    elif change == "a bucket prefix with ..":
+        spec["storage"] = {"s3": {**BUCKET, "prefix": "team/../other"}}
     elif change == "unknown restorePolicy":
         spec["recovery"] = {"restorePolicy": "Keep"}
     elif change == "standby of a missing role":
@@ -116,6 +127,10 @@ BAD_SPECS = {
     "standby of a missing role": api.RULE_STANDBY_ROLES.message,
     "standby over 16": "less than or equal to 16",
     "unknown restorePolicy": 'Unsupported value: "Keep": supported values: "Recreate", "InPlace"',
+    "storage with a volume and a bucket": api.RULE_STORAGE_ONE_BACKEND.message,
+    "storage with neither a volume nor a bucket": api.RULE_STORAGE_ONE_BACKEND.message,
+    "a bucket with a path": api.RULE_STORAGE_VOLUME_PATH.message,
+    "a bucket prefix with ..": api.RULE_S3_PREFIX.message,
 }
 
 
@@ -173,6 +188,55 @@ def test_storage_is_immutable(crds: Cluster, namespace: str) -> None:
     crds.kubectl(
         "patch", "rset", "math-rl", "-n", namespace, "--type=merge", "-p", json.dumps(allowed)
     )
+
+
+def test_a_bucket_is_accepted_defaulted_like_the_models_and_immutable(
+    crds: Cluster, namespace: str
+) -> None:
+    obj = rollout_set(storage={"s3": BUCKET})
+    code, stderr = create(crds, namespace, obj)
+    assert code == 0, stderr
+    got = json.loads(crds.kubectl("get", "rset", "math-rl", "-n", namespace, "-o", "json").stdout)
+    parsed = api.RolloutSetSpec.model_validate(obj["spec"])
+    assert got["spec"]["storage"] == api.dump(parsed.storage)
+    assert got["spec"]["storage"]["s3"]["region"] == "us-east-1"
+    assert got["spec"]["storage"]["s3"]["addressingStyle"] == "path"
+    for patch in (
+        {"spec": {"storage": {"s3": {"prefix": "elsewhere"}}}},
+        {"spec": {"storage": {"s3": {"secretName": "other-creds"}}}},
+        {"spec": {"storage": {"s3": None, "path": "/tmp/c", "volume": {"emptyDir": {}}}}},
+    ):
+        result = crds.kubectl(
+            "patch",
+            "rset",
+            "math-rl",
+            "-n",
+            namespace,
+            "--type=merge",
+            "-p",
+            json.dumps(patch),
+            check=False,
+        )
+        assert result.returncode != 0, patch
+        assert api.RULE_STORAGE_IMMUTABLE.message in result.stderr
+
+
+def test_a_volume_cannot_become_a_bucket(crds: Cluster, namespace: str) -> None:
+    assert create(crds, namespace, rollout_set())[0] == 0
+    patch = {"spec": {"storage": {"path": None, "volume": None, "s3": BUCKET}}}
+    result = crds.kubectl(
+        "patch",
+        "rset",
+        "math-rl",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        json.dumps(patch),
+        check=False,
+    )
+    assert result.returncode != 0
+    assert api.RULE_STORAGE_IMMUTABLE.message in result.stderr
 
 
 def test_short_names_category_and_printer_columns(crds: Cluster, namespace: str) -> None:

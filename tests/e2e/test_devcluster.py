@@ -318,6 +318,62 @@ async def test_pods_devcluster_cannot_run_fail_with_a_reason_and_the_agent_keeps
     await wait_for_pod(core, namespace, "fine", is_ready, "to become Ready after the failures")
 
 
+SECRET_READER = r"""
+import json, os, pathlib
+folder = pathlib.Path(os.environ["CREDS_DIR"])
+files = {p.name: p.read_text() for p in folder.iterdir()}
+out = pathlib.Path(os.environ["OUT_DIR"]) / (os.environ["POD_NAME"] + ".json")
+out.write_text(json.dumps({"dir": str(folder), "files": files, "below": os.environ["KEY_FILE"]}))
+"""
+
+
+async def test_a_secret_volume_is_found_through_the_env_that_names_its_mount_path(
+    namespace: str, kube: Any, shared_dir: Path
+) -> None:
+    """A process has no mount namespace: the Secret's keys are written into the pod's own
+    folder and env values naming the mount path name that folder; a missing Secret leaves the
+    container waiting until it exists, as the kubelet does."""
+    core: Any = client.CoreV1Api(kube)
+    mount = "/var/run/secrets/example.dev/creds"
+    manifest = process_pod(
+        "reads-secret",
+        ["python", "-c", SECRET_READER],
+        env={"OUT_DIR": str(shared_dir), "CREDS_DIR": mount, "KEY_FILE": f"{mount}/accessKeyId"},
+        host_paths=[str(shared_dir)],
+    )
+    manifest["spec"]["volumes"].append({"name": "creds", "secret": {"secretName": "bucket"}})
+    manifest["spec"]["containers"][0]["volumeMounts"].append(
+        {"name": "creds", "mountPath": mount, "readOnly": True}
+    )
+    await core.create_namespaced_pod(namespace, manifest)
+
+    def waiting_for_the_secret(p: Any) -> bool:
+        statuses = p.status.container_statuses or []
+        waiting = statuses[0].state.waiting if statuses else None
+        return waiting is not None and waiting.reason == "CreateContainerConfigError"
+
+    pod = await wait_for_pod(
+        core, namespace, "reads-secret", waiting_for_the_secret, "to wait for its Secret"
+    )
+    assert 'secret "bucket" not found' in pod.status.container_statuses[0].state.waiting.message
+    await core.create_namespaced_secret(
+        namespace,
+        {
+            "metadata": {"name": "bucket"},
+            "stringData": {"accessKeyId": "AK", "secretAccessKey": "S"},
+        },
+    )
+
+    def succeeded(p: Any) -> bool:
+        return bool(p.status.phase == "Succeeded")
+
+    await wait_for_pod(core, namespace, "reads-secret", succeeded, "to read its Secret and exit")
+    record = await pod_record(shared_dir, "reads-secret")
+    assert record["files"] == {"accessKeyId": "AK", "secretAccessKey": "S"}
+    assert record["dir"] != mount
+    assert record["below"] == f"{record['dir']}/accessKeyId"
+
+
 async def test_lose_node_kills_its_processes_and_marks_it_not_ready(
     cluster: Cluster, namespace: str, kube: Any, shared_dir: Path
 ) -> None:

@@ -56,6 +56,7 @@ def set_body(
     participants: list[dict[str, Any]] | None = None,
     storage: str | Path = "/ckpt",
     volume: Mapping[str, Any] | None = None,
+    bucket: Mapping[str, Any] | None = None,
     uid: str | None = "u",
     generation: int | None = None,
     labels: Mapping[str, str] | None = None,
@@ -66,7 +67,8 @@ def set_body(
 ) -> dict[str, Any]:
     """A RolloutSet manifest: `roles` maps each role to its replicas (default one model), or
     `participants` gives the entries whole; `spec` adds or replaces top-level spec fields by
-    their API names (`progressDeadlineSeconds=60`, `standby={...}`)."""
+    their API names (`progressDeadlineSeconds=60`, `standby={...}`); `bucket` makes the storage
+    an S3-API bucket (`spec.storage.s3`) instead of the volume."""
     if participants is None:
         participants = [
             participant(role, replicas, port=port)
@@ -90,7 +92,9 @@ def set_body(
             "storage": {
                 "path": str(storage),
                 "volume": dict(volume) if volume is not None else {"emptyDir": {}},
-            },
+            }
+            if bucket is None
+            else {"s3": dict(bucket)},
             **spec,
         },
     }

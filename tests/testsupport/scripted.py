@@ -2,20 +2,26 @@
 and the recovery flows (tests/unit/test_checkpoint_phases.py, test_recovery_phases.py).
 
 `Scripted` answers every control call the operator's flows make from what the test set on it
-(which episodes are parked, whether a commit or restore fails) and journals each call, so a
+(which episodes are parked, whether a commit, persist or restore fails, whether a cut is held
+in memory until its persist) and journals each call, so a
 test of one step can say which calls that step made and nothing else. It is handed to a real
 `rollout_protocol.Coordinator`, which the steps drive.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from rollout_protocol import (
     CommitReply,
     CommitRequest,
+    DiscardReply,
+    DiscardRequest,
     EpisodeId,
     ErrorCode,
     Manifest,
     ParticipantError,
+    PersistRequest,
     Phase,
     PrepareReply,
     PrepareRequest,
@@ -44,7 +50,14 @@ class Scripted:
         blockers: tuple[str, ...] = (),
         commit_fails: ErrorCode | None = None,
         restore_fails: ErrorCode | None = None,
+        holds: bool = False,
+        persist_fails: ErrorCode | None = None,
+        persisting: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        """`holds`: a participant that can persist after the resume (a cut asked of it is held
+        in memory until `persist`); else it commits durably, as an older SDK does.
+        `persisting`: awaited inside each persist, before it answers (a test's storage that is
+        slow, or a clock it advances)."""
         self.role = role
         self.instance = f"{role.value}-{index}"
         self.attempt = attempt
@@ -52,6 +65,9 @@ class Scripted:
         self.blockers = blockers
         self.commit_fails = commit_fails
         self.restore_fails = restore_fails
+        self.holds = holds
+        self.persist_fails = persist_fails
+        self.persisting = persisting
         self.calls: list[tuple[str, str]] = []
 
     def called(self, operation: str) -> list[str]:
@@ -80,21 +96,39 @@ class Scripted:
         self.calls.append(("commit", request.checkpoint_id))
         if self.commit_fails is not None:
             raise ParticipantError(self.commit_fails, "the scripted commit fails", self.instance)
+        return self._reply(
+            request.checkpoint_id, durable=not (self.holds and request.persist_after_resume)
+        )
+
+    async def persist(self, request: PersistRequest) -> CommitReply:
+        self.calls.append(("persist", request.checkpoint_id))
+        if self.persisting is not None:
+            await self.persisting()
+        if self.persist_fails is not None:
+            raise ParticipantError(self.persist_fails, "the scripted persist fails", self.instance)
+        return self._reply(request.checkpoint_id, durable=True)
+
+    async def discard(self, request: DiscardRequest) -> DiscardReply:
+        self.calls.append(("discard", request.checkpoint_id))
+        return DiscardReply(checkpoint_id=request.checkpoint_id, discarded=True, removed=False)
+
+    def _reply(self, checkpoint_id: str, *, durable: bool) -> CommitReply:
         records = f"records-{RECORDS_SHA256}.jsonl"
         return CommitReply(
-            checkpoint_id=request.checkpoint_id,
+            durable=durable,
+            checkpoint_id=checkpoint_id,
             phase=Phase.COMMITTED,
             manifest=Manifest(
                 role=self.role,
                 instance=self.instance,
-                checkpoint_id=request.checkpoint_id,
+                checkpoint_id=checkpoint_id,
                 attempt=self.attempt,
                 records_file=records,
                 records_sha256=RECORDS_SHA256,
                 record_count=len(self.parked),
                 bytes=100,
             ),
-            manifest_path=f"{request.checkpoint_id}/{self.instance}/manifest.json",
+            manifest_path=f"{checkpoint_id}/{self.instance}/manifest.json",
         )
 
     async def restore(self, request: RestoreRequest) -> RestoreReply:

@@ -16,9 +16,10 @@ import pytest
 from rollout_operator.cluster.leases import CheckpointLeases
 from rollout_operator.decide.policy.views import parse_time
 from rollout_operator.flows.checkpoint import PHASES, CheckpointFailed, FlowSettings
-from rollout_operator.flows.checkpoint.commit import commit, publish
+from rollout_operator.flows.checkpoint.commit import commit
 from rollout_operator.flows.checkpoint.context import CheckpointContext, CheckpointRun
-from rollout_operator.flows.checkpoint.flow import phase_of, slot_taken_at
+from rollout_operator.flows.checkpoint.flow import phase_of
+from rollout_operator.flows.checkpoint.persist import persist
 from rollout_operator.flows.checkpoint.prepare import begin, prepare
 from rollout_operator.flows.checkpoint.resume import resume
 from rollout_operator.flows.phases import run_phases
@@ -26,7 +27,7 @@ from rollout_operator.flows.state import CoordinatedPods
 from rollout_operator.model import api
 from rollout_operator.model.api import ROLLOUT_SET_PLURAL, CheckpointPhase
 from rollout_operator.model.reasons import Reason
-from rollout_protocol import Coordinator, ErrorCode, HttpParticipantClient
+from rollout_protocol import ErrorCode, HttpParticipantClient
 from testsupport.checkpointflow import (
     CKPT,
     NS,
@@ -46,10 +47,11 @@ async def a_run(
     cluster: FakeCluster,
     participant: Scripted,
     *,
-    continued: bool = False,
+    in_flight: bool = False,
     coordinated: CoordinatedPods | None = None,
 ) -> tuple[CheckpointRun, api.RolloutCheckpoint]:
-    """A run of the flow over `CKPT` as the driver makes one once the slot is taken."""
+    """A run of the flow over `CKPT` as the driver makes one: `in_flight` when it finds the
+    checkpoint running (an operator restart); its one participant is `participant`."""
     kube = cluster.kube()
     context = CheckpointContext(
         kube=kube,
@@ -57,16 +59,10 @@ async def a_run(
         clock=time.time,
         leases=CheckpointLeases(kube),
         coordinated=coordinated,
+        participants_factory=lambda rset, token: [cast(HttpParticipantClient, participant)],
     )
-    rset = api.RolloutSet.model_validate(await kube.get_set(NS, SET))
     ckpt = api.RolloutCheckpoint.model_validate(await kube.get_checkpoint(NS, CKPT))
-    coordinator = Coordinator([cast(HttpParticipantClient, participant)])
-    now = time.time()
-    slot_taken = slot_taken_at(None, ckpt, continued, now)
-    run = CheckpointRun(
-        context, rset, coordinator, started=now, continued=continued, slot_taken=slot_taken
-    )
-    return run, ckpt
+    return CheckpointRun(context, began=time.time(), in_flight=in_flight), ckpt
 
 
 def ready_cluster(trigger: str = "Manual") -> FakeCluster:
@@ -87,48 +83,63 @@ def in_phase(cluster: FakeCluster, phase: str, **status: object) -> None:
 # --- the table --------------------------------------------------------------------------------
 
 
-async def test_each_phase_runs_its_step_and_a_continued_commit_prepares_again() -> None:
+async def test_the_next_step_is_the_persisted_phase_and_every_phase_has_one() -> None:
     run, ckpt = await a_run(ready_cluster(), Scripted())
-    assert phase_of(run, ckpt) is CheckpointPhase.PENDING
-    ckpt.status.phase = CheckpointPhase.QUEUED
-    assert phase_of(run, ckpt) is CheckpointPhase.PENDING, "Queued waited for the slot only"
-    # An operator restart in Committing: the prepare's outcome is not persisted, so the run
-    # prepares again (the participants replay it) against the deadline in status.
-    ckpt.status.phase = CheckpointPhase.COMMITTING
-    ckpt.status.deadline = whole_seconds(time.time() + 60)
-    run.continued = True
-    assert phase_of(run, ckpt) is CheckpointPhase.PREPARING
-    for phase in (CheckpointPhase.READY, CheckpointPhase.FAILED):
+    assert phase_of(run, ckpt) is CheckpointPhase.PENDING, "no phase yet"
+    for phase in CheckpointPhase:
         ckpt.status.phase = phase
-        assert phase_of(run, ckpt) is None
-    ckpt.status.phase = CheckpointPhase.RESUMING
-    assert phase_of(run, ckpt) is CheckpointPhase.RESUMING
-    run.resumed = True
-    assert phase_of(run, ckpt) is None
-    assert set(PHASES.steps) == {
-        CheckpointPhase.PENDING,
-        CheckpointPhase.PREPARING,
-        CheckpointPhase.COMMITTING,
-        CheckpointPhase.PUBLISHING,
-        CheckpointPhase.RESUMING,
-    }
+        assert phase_of(run, ckpt) is phase, "only the persisted phase decides"
+    assert set(PHASES.steps) == set(CheckpointPhase), "every phase has its step"
+    assert {p.value for p in CheckpointPhase} == {
+        "Pending",
+        "Queued",
+        "Preparing",
+        "Committing",
+        "Resuming",
+        "Persisting",
+        "Ready",
+        "Failed",
+    }, "Publishing is not a phase: the publish is one write (docs/design.md#61-checkpoint)"
 
 
-async def test_the_table_runs_a_checkpoint_from_pending_to_resumed() -> None:
+async def test_the_table_runs_a_checkpoint_from_pending_to_ready() -> None:
     cluster = ready_cluster()
-    participant = Scripted()
+    participant = Scripted(holds=True)
     run, ckpt = await a_run(cluster, participant)
-    ended = await run_phases(PHASES, run, ckpt)
-    assert ended is not None
-    assert ended.status.phase is CheckpointPhase.RESUMING
+    assert await run_phases(PHASES, run, ckpt) is None
+    assert ckpt.status.phase is CheckpointPhase.READY
     assert [op for op, _ in participant.calls] == [
         "status",
         "prepare",
         "commit",
         "resume",
+        "persist",
     ]
-    assert checkpoint_status(cluster)["phase"] == "Resuming"
+    assert checkpoint_status(cluster)["phase"] == "Ready"
     assert condition(cluster, "Ready")["status"] == "True"
+
+
+async def test_a_failed_step_ends_in_failed_through_the_table() -> None:
+    cluster = ready_cluster()
+    participant = Scripted(commit_fails=ErrorCode.STORAGE_FAILED)
+    run, ckpt = await a_run(cluster, participant)
+    assert await run_phases(PHASES, run, ckpt) is None
+    assert checkpoint_status(cluster)["phase"] == "Failed"
+    assert condition(cluster, "Failed")["reason"] == Reason.COMMIT_FAILED
+    assert participant.called("resume") == [CKPT], "the abort resumed the participant"
+
+
+async def test_a_restart_in_committing_parks_again_then_commits() -> None:
+    """The prepare's outcome is not persisted: the Committing step of a run that continues one
+    asks the participants again (they replay their reply) against the deadline in status."""
+    cluster = ready_cluster()
+    in_phase(cluster, "Committing", deadline=api.format_time(whole_seconds(time.time() + 60)))
+    participant = Scripted()
+    run, ckpt = await a_run(cluster, participant, in_flight=True)
+    await commit(run, ckpt)
+    assert [op for op, _ in participant.calls] == ["prepare", "commit"]
+    assert checkpoint_status(cluster)["phase"] == "Resuming"
+    assert "Ready" not in {c["type"] for c in checkpoint_status(cluster)["conditions"]}
 
 
 # --- Pending: begin ---------------------------------------------------------------------------
@@ -190,17 +201,19 @@ async def test_begin_refuses_an_eviction_with_no_grace_left() -> None:
 # --- Preparing --------------------------------------------------------------------------------
 
 
-async def test_prepare_keeps_what_parked_and_writes_nothing() -> None:
+async def test_prepare_keeps_what_parked_and_writes_committing() -> None:
+    """(Written at once here: a run without a task group for late writes; written late is
+    test_checkpoint_unwritten_phases.)"""
     cluster = ready_cluster()
     participant = Scripted(parked=("r1", "r2"))
     run, ckpt = await a_run(cluster, participant)
     await begin(run, ckpt)
-    written = len(cluster.requests)
     await prepare(run, ckpt)
     assert run.prepared is not None
     assert run.prepared.episode_count == 2
     assert participant.called("prepare") == [CKPT]
-    assert not [r for r in cluster.requests[written:] if r.verb != "get"], "no write"
+    assert checkpoint_status(cluster)["phase"] == "Committing"
+    assert condition(cluster, "Prepared")["status"] == "True"
     assert phase_of(run, ckpt) is CheckpointPhase.COMMITTING
 
 
@@ -215,7 +228,7 @@ async def test_a_continued_prepare_uses_the_deadline_and_start_in_status() -> No
         deadline=api.format_time(deadline),
     )
     participant = Scripted()
-    run, ckpt = await a_run(cluster, participant, continued=True)
+    run, ckpt = await a_run(cluster, participant, in_flight=True)
     assert phase_of(run, ckpt) is CheckpointPhase.PREPARING, "no second begin"
     await prepare(run, ckpt)
     assert run.prepare_seconds >= 30, "the pause counts from the first prepare"
@@ -234,22 +247,7 @@ async def test_a_prepare_with_a_blocker_fails_not_parked_with_the_blockers() -> 
     assert run.prepared is None
 
 
-# --- Committing and Publishing ----------------------------------------------------------------
-
-
-async def test_commit_enters_committing_and_keeps_the_outcome() -> None:
-    cluster = ready_cluster()
-    participant = Scripted()
-    run, ckpt = await a_run(cluster, participant)
-    await begin(run, ckpt)
-    await prepare(run, ckpt)
-    await commit(run, ckpt)
-    assert checkpoint_status(cluster)["phase"] == "Committing"
-    assert condition(cluster, "Prepared")["status"] == "True"
-    assert run.committed is not None
-    assert run.committed.ok
-    assert participant.called("commit") == [CKPT]
-    assert phase_of(run, ckpt) is CheckpointPhase.PUBLISHING
+# --- Committing: commit and publish ----------------------------------------------------------
 
 
 async def test_a_failed_commit_ends_the_flow_with_its_reason() -> None:
@@ -260,54 +258,85 @@ async def test_a_failed_commit_ends_the_flow_with_its_reason() -> None:
     with pytest.raises(CheckpointFailed) as failed:
         await commit(run, ckpt)
     assert failed.value.reason == Reason.COMMIT_FAILED
-    assert run.committed is None
+    assert run.cut is not None
+    assert not run.cut.ok
 
 
-async def test_publish_makes_the_checkpoint_ready_in_one_write() -> None:
+async def test_the_cut_enters_resuming_and_publishes_nothing() -> None:
     cluster = ready_cluster()
-    participant = Scripted(parked=("r1", "r2"))
+    participant = Scripted(parked=("r1", "r2"), holds=True)
+    run, ckpt = await a_run(cluster, participant)
+    for step in (begin, prepare):
+        await step(run, ckpt)
+    await commit(run, ckpt)
+    assert participant.called("commit") == [CKPT]
+    assert run.cut is not None
+    assert run.cut.held == ["model-0"], "the records are held in memory, not durable"
+    status = checkpoint_status(cluster)
+    assert status["phase"] == "Resuming"
+    assert status["episodes"] == 2
+    assert status["durations"]["commitSeconds"] >= 0
+    assert status["participants"] == [], "nothing is published before the persist"
+    assert "Ready" not in {c["type"] for c in status["conditions"]}
+    assert participant.called("resume") == participant.called("persist") == []
+
+
+# --- Resuming and Persisting ------------------------------------------------------------------
+
+
+async def test_resume_resumes_the_participants_counts_the_pause_and_writes_persisting() -> None:
+    cluster = ready_cluster()
+    in_phase(cluster, "Resuming", durations={"prepareSeconds": 1.5, "commitSeconds": 0.5})
+    participant = Scripted(holds=True)
+    run, ckpt = await a_run(cluster, participant, in_flight=True)
+    assert phase_of(run, ckpt) is CheckpointPhase.RESUMING
+    await resume(run, ckpt)
+    assert participant.called("resume") == [CKPT]
+    assert participant.called("persist") == []
+    durations = ckpt.status.durations
+    assert durations is not None
+    assert durations.pause_seconds is not None
+    assert durations.pause_seconds >= 2.0
+    assert checkpoint_status(cluster)["phase"] == "Persisting"
+
+
+async def test_resume_leaves_the_pods_of_a_lost_attempt_to_the_recovery() -> None:
+    cluster = ready_cluster()
+    participant = Scripted(holds=True)
     run, ckpt = await a_run(cluster, participant)
     for step in (begin, prepare, commit):
         await step(run, ckpt)
+    cluster.update(ROLLOUT_SET_PLURAL, NS, SET, lambda s: s["status"].update({"attempt": 4}))
+    run.rset.status.attempt = 4  # as the set's watch shows it
+    await resume(run, ckpt)
+    assert participant.called("resume") == []
+    assert checkpoint_status(cluster)["phase"] == "Persisting", "the persist fails it"
+    # A successor that finds it so fails it at once: its records are not durable.
+    successor, ckpt = await a_run(cluster, participant, in_flight=True)
+    with pytest.raises(CheckpointFailed) as failed:
+        await persist(successor, ckpt)
+    assert failed.value.reason == Reason.PARTICIPANT_LOST
+    assert participant.called("persist") == []
+
+
+async def test_persist_publishes_ready_in_one_write() -> None:
+    cluster = ready_cluster()
+    participant = Scripted(parked=("r1", "r2"), holds=True)
+    run, ckpt = await a_run(cluster, participant)
+    for step in (begin, prepare, commit, resume):
+        await step(run, ckpt)
     written = len(cluster.requests)
-    await publish(run, ckpt)
-    writes = [r for r in cluster.requests[written:] if r.verb != "get"]
+    await persist(run, ckpt)
+    assert participant.called("persist") == [CKPT]
+    writes = [r for r in cluster.requests[written:] if r.verb != "get" and r.plural != "leases"]
     assert len(writes) == 1, writes
     status = checkpoint_status(cluster)
-    assert status["phase"] == "Resuming"
+    assert status["phase"] == "Ready"
     assert status["episodes"] == 2
     (published,) = status["participants"]
     assert published["instance"] == "model-0"
     assert published["recordsSha256"] == RECORDS_SHA256
     assert condition(cluster, "Committed")["status"] == "True"
     assert condition(cluster, "Ready")["reason"] == Reason.PUBLISHED
-    assert participant.called("resume") == [], "publish resumes nothing"
-
-
-# --- Resuming ---------------------------------------------------------------------------------
-
-
-async def test_resume_resumes_the_participants_and_counts_the_pause() -> None:
-    cluster = ready_cluster()
-    in_phase(cluster, "Resuming", durations={"prepareSeconds": 1.5, "commitSeconds": 0.5})
-    participant = Scripted()
-    run, ckpt = await a_run(cluster, participant, continued=True)
-    assert phase_of(run, ckpt) is CheckpointPhase.RESUMING
-    await resume(run, ckpt)
-    assert participant.called("resume") == [CKPT]
-    assert run.resumed
-    durations = ckpt.status.durations
-    assert durations is not None
-    assert durations.pause_seconds is not None
-    assert durations.pause_seconds >= 2.0
-
-
-async def test_resume_leaves_the_pods_of_a_lost_attempt_to_the_recovery() -> None:
-    cluster = ready_cluster()
-    in_phase(cluster, "Resuming")
-    cluster.update(ROLLOUT_SET_PLURAL, NS, SET, lambda s: s["status"].update({"attempt": 4}))
-    participant = Scripted()
-    run, ckpt = await a_run(cluster, participant, continued=True)
-    await resume(run, ckpt)
-    assert participant.called("resume") == []
-    assert run.resumed
+    durations = status["durations"]
+    assert {"prepareSeconds", "commitSeconds", "pauseSeconds", "persistSeconds"} <= set(durations)

@@ -1,19 +1,21 @@
 """Intermediate checkpoint phases are written only once they last over a second
 (docs/design.md#61-checkpoint, `context.UnwrittenPhases`).
 
-A fast checkpoint's status is written twice (published, then Ready), with the Published Event
-only; a slow prepare still shows Preparing (and its Event) once the delay passed; and a
-successor operator that finds the set's Lease its own but no phase written continues the
-checkpoint with the start and prepare deadline the first run had, taken from the Lease. A
-checkpoint whose publish write was refused (an API server restarting) after every participant
-committed is continued by the next run, never taken for a published one whose status was reset:
-its pause counts from the first prepare. The API server is `FakeCluster`, below the real `Kube`;
-the participant is `Scripted`, committing real records where a test needs them on storage.
+A fast checkpoint's status is written twice (Persisting once the episodes resumed, then Ready),
+with the Published Event only; a slow prepare still shows Preparing (and its Event) once the
+delay passed; and a successor operator that finds the set's Lease its own but no phase written
+continues the checkpoint with the start and prepare deadline the first run had, taken from the
+Lease. A checkpoint whose publish write was refused (an API server restarting) after every
+participant persisted is continued by the next run from Persisting (the participants replay
+their durable reply), never cut again nor taken for a published one whose status was reset. The
+API server is `FakeCluster`, below the real `Kube`; the participant is `Scripted`, committing
+real records where a test needs them on storage.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -29,6 +31,7 @@ from rollout_protocol import (
     CommitReply,
     CommitRequest,
     HttpParticipantClient,
+    PersistRequest,
     PrepareReply,
     PrepareRequest,
     checkpoint_base,
@@ -103,7 +106,7 @@ async def test_a_fast_checkpoint_writes_its_status_twice_and_posts_one_event() -
     events: list[str] = []
     ended = await flow(cluster, Held(held=False), events).run(NS, CKPT)
     assert ended is api.CheckpointPhase.READY
-    assert phases_written(cluster) == ["Resuming", "Ready"]
+    assert phases_written(cluster) == ["Persisting", "Ready"]
     assert events == ["Published"]
     status = checkpoint_status(cluster)
     # The published write carries what the unwritten phases set.
@@ -136,7 +139,7 @@ async def test_a_phase_that_lasts_is_written_with_its_event() -> None:
     assert ended == [api.CheckpointPhase.READY]
     written = phases_written(cluster)
     assert written[0] == "Preparing"
-    assert written[-2:] == ["Resuming", "Ready"]
+    assert written[-2:] == ["Persisting", "Ready"]
 
 
 async def test_a_successor_continues_from_the_lease_when_no_phase_was_written() -> None:
@@ -166,26 +169,22 @@ async def test_a_successor_continues_from_the_lease_when_no_phase_was_written() 
     assert cluster.count("create", "leases") == 0, "the Lease was its own already"
 
 
-class Committing(Scripted):
-    """A participant that commits real records, fsynced, under the set's volume at `root`,
-    and journals when its first prepare came (admission closed then)."""
+class Persisting(Scripted):
+    """A participant that cuts in memory and, on persist, writes real records, fsynced, under
+    the set's volume at `root` (asked again, it answers the manifest it wrote); `on_persist`
+    runs after each write."""
 
-    def __init__(self, root: Path, set_folder: str) -> None:
-        super().__init__(parked=())
+    def __init__(self, root: Path, set_folder: str, on_persist: Callable[[], None]) -> None:
+        super().__init__(parked=(), holds=True)
         self.root = root
         self.set_folder = set_folder
-        self.first_prepare: float | None = None
-
-    async def prepare(self, request: PrepareRequest) -> PrepareReply:
-        if self.first_prepare is None:
-            self.first_prepare = time.time()
-        return await super().prepare(request)
+        self.on_persist = on_persist
 
     async def commit(self, request: CommitRequest) -> CommitReply:
+        # The cut promises the manifest the persist will write (the coordinator checks it).
         reply = await super().commit(request)
-        folder = checkpoint_base(self.root, self.set_folder, request.checkpoint_id)
         manifest = storage.write_records(
-            folder / self.instance,
+            self.root / "promised" / request.checkpoint_id,
             role=self.role,
             instance=self.instance,
             checkpoint_id=request.checkpoint_id,
@@ -193,16 +192,31 @@ class Committing(Scripted):
         )
         return reply.model_copy(update={"manifest": manifest})
 
+    async def persist(self, request: PersistRequest) -> CommitReply:
+        reply = await super().persist(request)
+        folder = checkpoint_base(self.root, self.set_folder, request.checkpoint_id)
+        if not (folder / self.instance).is_dir():
+            manifest = storage.write_records(
+                folder / self.instance,
+                role=self.role,
+                instance=self.instance,
+                checkpoint_id=request.checkpoint_id,
+                attempt=self.attempt,
+            )
+            self.written = reply.model_copy(update={"manifest": manifest})
+        self.on_persist()
+        return self.written
+
 
 @pytest.mark.parametrize("next_run", ["same operator", "successor operator"])
-async def test_a_publish_refused_after_the_commit_is_continued_not_repaired(
+async def test_a_publish_refused_after_the_persist_is_continued_not_repaired(
     tmp_path: Path, next_run: str
 ) -> None:
-    """The API server refuses the publish write (it restarts): every participant committed,
-    so all manifests are on storage, but nothing was published and no phase was written. The
-    next run (this operator's, or a successor's with nothing in memory) continues it: prepare
-    and commit replayed, published with its durations, the pause counted from the first
-    prepare; never repaired as a published checkpoint whose status was reset."""
+    """The API server refuses the publish write (it restarts): every participant persisted, so
+    all manifests are on storage, but nothing was published. The next run (this operator's, or
+    a successor's with nothing in memory) continues it from Persisting: the persist asked again
+    and published with its durations; never cut again (the id is stale once resumed), never
+    repaired as a published checkpoint whose status was reset."""
     cluster = ready_cluster()
 
     def on_the_volume(obj: dict[str, Any]) -> None:
@@ -211,31 +225,40 @@ async def test_a_publish_refused_after_the_commit_is_continued_not_repaired(
     cluster.update(api.ROLLOUT_SET_PLURAL, NS, SET, on_the_volume)
     raw_set = cluster.get(api.ROLLOUT_SET_PLURAL, NS, SET)
     assert raw_set is not None
-    participant = Committing(tmp_path, set_dir(api.RolloutSet.model_validate(raw_set)))
+
+    def refuse_the_publish() -> None:
+        if len(participant.called("persist")) == 1:
+            cluster.refuse(
+                "patch", api.ROLLOUT_CHECKPOINT_PLURAL, status=503, message="restarting", name=CKPT
+            )
+
+    participant = Persisting(
+        tmp_path, set_dir(api.RolloutSet.model_validate(raw_set)), refuse_the_publish
+    )
     events: list[str] = []
     first = flow(cluster, participant, events)
-    cluster.refuse(
-        "patch", api.ROLLOUT_CHECKPOINT_PLURAL, status=503, message="restarting", name=CKPT
-    )
     with pytest.raises(ApiError):
         await first.run(NS, CKPT)
-    assert participant.called("commit") == [CKPT]
-    assert participant.called("resume") == []
-    assert checkpoint_status(cluster) == {}, "nothing was written"
+    assert [op for op, _ in participant.calls] == [
+        "status",
+        "prepare",
+        "commit",
+        "resume",
+        "persist",
+    ]
+    assert checkpoint_status(cluster)["phase"] == "Persisting", "the publish was not written"
     assert (checkpoint_base(tmp_path, participant.set_folder, CKPT) / "model-0").is_dir()
 
-    second_run_began = time.time()
     again = first if next_run == "same operator" else flow(cluster, participant, events)
     ended = await again.run(NS, CKPT)
 
     assert ended is api.CheckpointPhase.READY
     assert events == ["Published"], "continued and published, not repaired"
-    assert participant.called("prepare") == [CKPT, CKPT]
-    assert participant.called("commit") == [CKPT, CKPT]
-    assert participant.called("resume") == [CKPT]
+    assert participant.called("commit") == [CKPT], "never cut again"
+    assert participant.called("persist") == [CKPT, CKPT]
     status = checkpoint_status(cluster)
-    assert participant.first_prepare is not None
-    assert status["durations"]["pauseSeconds"] >= second_run_began - participant.first_prepare
+    assert status["durations"]["pauseSeconds"] > 0
+    assert status["durations"]["persistSeconds"] >= 0
     assert status["durations"]["totalSeconds"] >= status["durations"]["pauseSeconds"]
     assert [p["instance"] for p in status["participants"]] == ["model-0"]
     holder = (cluster.get("leases", NS, lease_name(SET)) or {}).get("spec", {})

@@ -115,7 +115,9 @@ flows/checkpoint/, flows/recovery/, handlers/) and with Kopf.
 - apiGroups: [""]
   resources: [services]
   verbs: [create]
-# The per-set control-token Secret: created once, read by the checkpoint and recovery flows.
+# The per-set control-token Secret: created once, read by the checkpoint and recovery flows. A
+# bucket set's credentials Secret is only read to check its keys exist (the operator never uses
+# them: the participants and cleanup pods that mount it remove the set's keys).
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get, create]

@@ -328,10 +328,20 @@ class Kube:
         return obj
 
     async def patch_checkpoint_status(
-        self, namespace: str, name: str, status: Mapping[str, Any]
+        self, namespace: str, name: str, status: Mapping[str, Any], *, resource_version: str | None
     ) -> dict[str, Any]:
-        """Merge-patch a RolloutCheckpoint's status subresource (lists in it replace)."""
-        obj = await self._merge(_checkpoints(namespace, name, "status"), {"status": dict(status)})
+        """Merge-patch a RolloutCheckpoint's status subresource (lists in it replace); with
+        `resource_version`, only if unchanged since (else `Conflict`). Written only by
+        `checkpointstatus.CheckpointStatusWriter`."""
+        body: dict[str, Any] = {"status": dict(status)}
+        if resource_version is not None:
+            body["metadata"] = {"resourceVersion": resource_version}
+        try:
+            obj = await self._merge(_checkpoints(namespace, name, "status"), body)
+        except ApiError as error:
+            if error.status == 409:
+                raise Conflict(error.message) from error
+            raise
         self.cache.saw(CHECKPOINTS, obj, set_name=_checkpoint_set(obj))
         return obj
 
@@ -413,6 +423,11 @@ class Kube:
         else:
             self._secrets[(namespace, name)] = secret
         return secret
+
+    async def read_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A Secret read now and never remembered: a user's Secret (a bucket's credentials),
+        of which this process keeps no copy beyond the call that needs it."""
+        return await self._get(api_path("secrets", namespace=namespace, name=name))
 
     async def create_secret(self, namespace: str, manifest: Mapping[str, Any]) -> bool:
         created = await self._create_if_absent(api_path("secrets", namespace=namespace), manifest)

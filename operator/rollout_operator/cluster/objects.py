@@ -5,6 +5,7 @@ checkpoint flow:
 
 - `ensure_control_token` / `read_control_token`: the per-set token Secret;
 - `ensure_services`: one Service per role;
+- `check_storage_secret`: a bucket set's credentials Secret exists with its keys;
 - `observe_pods`: the set's pods as `PodView`s;
 - `reconcile_pods(kube, rset, attempt)`: create the pods of an attempt that can be created now
   (peers known); call it again on every pod event until the plan is complete;
@@ -39,17 +40,22 @@ from .kube import ApiError, Kube
 
 logger = logging.getLogger(__name__)
 
+STORAGE_SECRET_INVALID: Final = "StorageSecretInvalid"
+"""Reason of Degraded for a bucket set whose credentials Secret is missing or lacks a key."""
 CLIENT_ERRORS: Final = frozenset({400, 403, 422})
 """API refusals caused by the spec (an invalid template, a quota): reported, not retried fast."""
 
 
 class SetBlocked(Exception):
-    """The set cannot be reconciled until a person acts; becomes Degraded with this reason."""
+    """The set cannot be reconciled until a person acts; becomes Degraded with this reason.
+    `recheck_seconds`: look again this soon without an event on the set (what the person fixes
+    is another object, such as a Secret), else at the loop's resync."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, *, recheck_seconds: float | None = None) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
+        self.recheck_seconds = recheck_seconds
 
 
 # --- owned objects ------------------------------------------------------------------------------
@@ -127,6 +133,43 @@ async def read_control_token(kube: Kube, namespace: str, set_name: str) -> str |
     this process already read, when it did (a token is never replaced while its Secret exists)."""
     secret = await kube.get_secret(namespace, secret_name(set_name), remembered=True)
     return None if secret is None else token_from_secret(secret)
+
+
+STORAGE_SECRET_KEYS: Final = ("accessKeyId", "secretAccessKey")
+"""The keys a bucket set's credentials Secret must hold (`sessionToken` is optional)."""
+STORAGE_SECRET_RECHECK_SECONDS: Final = 15.0
+"""How soon a set blocked on its bucket's Secret looks again (a person creates the Secret)."""
+
+
+async def check_storage_secret(kube: Kube, rset: RolloutSet) -> None:
+    """SetBlocked `StorageSecretInvalid` when a bucket set's credentials Secret is missing or
+    lacks a key (participants would fail to mount it or to sign a request). Only key names
+    are looked at; the Secret is not remembered and nothing of its content is reported."""
+    s3 = rset.spec.storage.s3
+    if s3 is None:
+        return
+    namespace = namespace_or_default(rset.metadata.namespace)
+    secret = await kube.read_secret(namespace, s3.secret_name)
+    data = (secret or {}).get("data") or {}
+    missing = [key for key in STORAGE_SECRET_KEYS if not data.get(key)]
+    if not missing:
+        return
+    keys = " and ".join(STORAGE_SECRET_KEYS)
+    problem = (
+        f"has no {' and no '.join(missing)}"
+        if len(missing) < len(STORAGE_SECRET_KEYS)
+        else "does not exist or is empty"
+    )
+    raise SetBlocked(
+        STORAGE_SECRET_INVALID,
+        f"secret {namespace}/{s3.secret_name} (spec.storage.s3.secretName) {problem}: the "
+        f"participants sign their requests to bucket {s3.bucket} with its {keys} (and "
+        "sessionToken for temporary credentials); no pod was created. Create the Secret, for "
+        f"example kubectl create secret generic {s3.secret_name} -n {namespace} "
+        "--from-literal=accessKeyId=... --from-literal=secretAccessKey=... (docs/install.md, "
+        '"Records in a bucket")',
+        recheck_seconds=STORAGE_SECRET_RECHECK_SECONDS,
+    )
 
 
 async def ensure_services(kube: Kube, rset: RolloutSet) -> None:

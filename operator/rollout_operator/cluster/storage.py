@@ -6,7 +6,9 @@ removes them (retention, finalizers; see `flows.records`) itself where it sees t
 same folder the pods write), a `persistentVolumeClaim` at
 `$ROLLOUT_OPERATOR_STORAGE_DIR/<namespace>/<claimName>` (the chart's `storage.claims`). Anywhere
 else it asks the set's participants, or starts a cleanup pod of `$ROLLOUT_CLEANUP_IMAGE` (the
-chart sets the operator's own image) that mounts the volume.
+chart sets the operator's own image) that mounts the volume. A set whose records are in an S3-API
+bucket has no volume here (`root` is None): the operator removes its keys over the bucket's
+endpoint itself (`flows.records`).
 """
 
 from __future__ import annotations
@@ -17,11 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from ..model.api import StorageSpec
+from ..model.api import S3Storage, StorageSpec
 
 STORAGE_DIR_ENV: Final = "ROLLOUT_OPERATOR_STORAGE_DIR"
 DEFAULT_STORAGE_DIR: Final = "/var/lib/rollout-operator/storage"
 CLEANUP_IMAGE_ENV: Final = "ROLLOUT_CLEANUP_IMAGE"
+
+
+def bucket_description(s3: S3Storage) -> str:
+    """A bucket in words (endpoint, bucket, prefix; never its Secret's content)."""
+    where = f"{s3.bucket}/{s3.prefix}" if s3.prefix else s3.bucket
+    return f"bucket {where} at {s3.endpoint}"
 
 
 @dataclass(frozen=True)
@@ -41,8 +49,11 @@ class StorageLocator:
         )
 
     def root(self, namespace: str, storage: StorageSpec) -> Path | None:
-        """The folder that is the volume's root here, or None when this process cannot see it."""
+        """The folder that is the volume's root here, or None when this process cannot see it
+        (or the set keeps its records in a bucket)."""
         volume = storage.volume
+        if volume is None:
+            return None
         claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
         if isinstance(claim, str) and claim and self.claims_dir is not None:
             mounted = self.claims_dir / namespace / claim
@@ -55,7 +66,12 @@ class StorageLocator:
 
     def describe(self, namespace: str, storage: StorageSpec) -> str:
         """Where the records are, in words, for a message asking a person to remove them."""
-        volume = storage.volume
+        if storage.s3 is not None:
+            return (
+                f"{bucket_description(storage.s3)} (only the pods that mount Secret "
+                f"{storage.s3.secret_name} hold its credentials)"
+            )
+        volume = storage.volume or {}
         claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
         if claim:
             return (

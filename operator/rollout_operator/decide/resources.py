@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Final
 
-from rollout_protocol import Role, set_storage_dir
+from rollout_protocol import S3_ENV_PREFIX, Role, set_storage_dir
 
 from ..model.api import (
     ANNOTATION_SPEC_HASH,
@@ -39,12 +39,17 @@ from ..model.api import (
     PodTemplate,
     RolloutSet,
     RolloutSetSpec,
+    StorageSpec,
     dump,
     namespace_or_default,
 )
 
 STORAGE_VOLUME_NAME: Final = "rollout-checkpoints"
-"""The pod volume the operator adds for spec.storage; templates must not use this name."""
+"""The pod volume the operator adds for spec.storage (the set's volume, or for a bucket the
+Secret with its credentials); templates must not use this name."""
+CREDENTIALS_MOUNT: Final = "/var/run/secrets/checkpoint.rollout.dev/storage"
+"""Where a bucket set's credentials Secret is mounted, read-only, in every participant container
+(`ROLLOUT_STORAGE_S3_CREDENTIALS_DIR`)."""
 
 
 def reserved_volume_notes(rset: RolloutSet) -> list[str]:
@@ -83,7 +88,15 @@ ENV_INDEX: Final = "ROLLOUT_INDEX"
 ENV_ATTEMPT: Final = "ROLLOUT_ATTEMPT"
 ENV_CHECKPOINT_ROOT: Final = "ROLLOUT_CHECKPOINT_ROOT"
 ENV_SET_DIR: Final = "ROLLOUT_SET_DIR"
-"""The set's own directory under the checkpoint root (`set_dir`)."""
+"""The set's own directory under the checkpoint root (`set_dir`); for a bucket, the key path
+below the prefix."""
+ENV_S3_ENDPOINT: Final = f"{S3_ENV_PREFIX}ENDPOINT"
+ENV_S3_BUCKET: Final = f"{S3_ENV_PREFIX}BUCKET"
+ENV_S3_PREFIX: Final = f"{S3_ENV_PREFIX}PREFIX"
+ENV_S3_REGION: Final = f"{S3_ENV_PREFIX}REGION"
+ENV_S3_ADDRESSING: Final = f"{S3_ENV_PREFIX}ADDRESSING"
+ENV_S3_CREDENTIALS_DIR: Final = f"{S3_ENV_PREFIX}CREDENTIALS_DIR"
+"""A bucket set's storage, as the participants read it (`rollout_protocol.bucket_from_env`)."""
 ENV_CONTROL_TOKEN: Final = "ROLLOUT_CONTROL_TOKEN"
 ENV_POD_IP: Final = "ROLLOUT_POD_IP"
 ENV_STANDBY: Final = "ROLLOUT_STANDBY"
@@ -251,7 +264,7 @@ def _operator_env(
         {"name": ENV_ROLE, "value": role.value},
         {"name": ENV_INDEX, "value": str(index)},
         {"name": ENV_ATTEMPT, "value": str(attempt)},
-        {"name": ENV_CHECKPOINT_ROOT, "value": rset.spec.storage.path},
+        *_storage_env(rset.spec.storage),
         {"name": ENV_SET_DIR, "value": set_dir(rset)},
         {
             "name": ENV_CONTROL_TOKEN,
@@ -265,8 +278,39 @@ def _operator_env(
     return env
 
 
+def _storage_env(storage: StorageSpec) -> list[dict[str, Any]]:
+    """Where the participants keep records: the volume's mount path, or the bucket (its
+    credentials are files in `CREDENTIALS_MOUNT`, never env values)."""
+    if storage.s3 is None:
+        return [{"name": ENV_CHECKPOINT_ROOT, "value": storage.path}]
+    s3 = storage.s3
+    return [
+        {"name": ENV_S3_ENDPOINT, "value": s3.endpoint},
+        {"name": ENV_S3_BUCKET, "value": s3.bucket},
+        {"name": ENV_S3_PREFIX, "value": s3.prefix},
+        {"name": ENV_S3_REGION, "value": s3.region},
+        {"name": ENV_S3_ADDRESSING, "value": s3.addressing_style.value},
+        {"name": ENV_S3_CREDENTIALS_DIR, "value": CREDENTIALS_MOUNT},
+    ]
+
+
+def storage_volume(storage: StorageSpec) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The pod volume and the container mount of spec.storage: the set's volume at its path,
+    or a bucket's credentials Secret, read-only, at `CREDENTIALS_MOUNT`."""
+    if storage.s3 is not None:
+        volume = {"name": STORAGE_VOLUME_NAME, "secret": {"secretName": storage.s3.secret_name}}
+        mount = {"name": STORAGE_VOLUME_NAME, "mountPath": CREDENTIALS_MOUNT, "readOnly": True}
+        return volume, mount
+    if storage.volume is None or storage.path is None:  # the API refuses it (one backend)
+        raise ValueError("spec.storage has neither a volume with a path nor a bucket")
+    return (
+        {"name": STORAGE_VOLUME_NAME, **storage.volume},
+        {"name": STORAGE_VOLUME_NAME, "mountPath": storage.path},
+    )
+
+
 def _container(
-    container: Mapping[str, Any], env: list[dict[str, Any]], mount_path: str
+    container: Mapping[str, Any], env: list[dict[str, Any]], mount: dict[str, Any]
 ) -> dict[str, Any]:
     """The template container plus our env (first, so template values may use `$(VAR)` on
     them; template entries with our names are dropped) and the storage mount."""
@@ -276,7 +320,7 @@ def _container(
     mounts = [
         m for m in container.get("volumeMounts") or [] if m.get("name") != STORAGE_VOLUME_NAME
     ]
-    out["volumeMounts"] = [*mounts, {"name": STORAGE_VOLUME_NAME, "mountPath": mount_path}]
+    out["volumeMounts"] = [*mounts, dict(mount)]
     return out
 
 
@@ -307,9 +351,10 @@ def participant_pod(
 
     spec: dict[str, Any] = dict(template["spec"])
     env = _operator_env(rset, role, index, attempt, peer_urls)
-    spec["containers"] = [_container(c, env, rset.spec.storage.path) for c in spec["containers"]]
+    volume, mount = storage_volume(rset.spec.storage)
+    spec["containers"] = [_container(c, env, mount) for c in spec["containers"]]
     volumes = [v for v in spec.get("volumes") or [] if v.get("name") != STORAGE_VOLUME_NAME]
-    spec["volumes"] = [*volumes, {"name": STORAGE_VOLUME_NAME, **rset.spec.storage.volume}]
+    spec["volumes"] = [*volumes, volume]
     spec["restartPolicy"] = "Never"
     spec.setdefault("hostname", f"{role.value}-{index}")
     spec.setdefault("subdomain", service_name(set_name, role))
@@ -405,7 +450,9 @@ def cleanup_pod(
     rset: RolloutSet, checkpoints: tuple[str, ...] | None, image: str
 ) -> dict[str, Any]:
     """A short-lived pod that mounts the set's volume and removes records with `rollout-records`
-    (the same code as a participant's `remove`), for when no participant of the set runs.
+    (the same code as a participant's `remove`), for when no participant of the set runs. For a
+    bucket it mounts the bucket's credentials Secret and gets the participants' bucket env
+    instead, and `rollout-records` (without `--root`) removes the set's keys from the bucket.
 
     It runs as the set's participants do (the first template's pod `securityContext`, so it may
     delete what they wrote) and where they may run (their node selector, affinity, tolerations
@@ -413,21 +460,19 @@ def cleanup_pod(
     by the set (a set deleted in the foreground would take it before it ran); the operator
     deletes it once it has read its result from the termination message and exit code."""
     first = dump(rset.spec.participants[0].template).get("spec") or {}
-    command = [
-        "rollout-records",
-        "remove",
-        "--root",
-        CLEANUP_MOUNT,
-        "--set-dir",
-        set_dir(rset),
-        "--termination-log",
-        "/dev/termination-log",
-    ]
+    storage = rset.spec.storage
+    command = ["rollout-records", "remove"]
+    if storage.s3 is None:
+        command += ["--root", CLEANUP_MOUNT]
+    command += ["--set-dir", set_dir(rset), "--termination-log", "/dev/termination-log"]
     if checkpoints is None:
         command.append("--whole-set")
     else:
         for checkpoint in checkpoints:
             command += ["--checkpoint", checkpoint]
+    volume, mount = storage_volume(storage)
+    if storage.s3 is None:
+        mount = {**mount, "mountPath": CLEANUP_MOUNT}
     spec: dict[str, Any] = {key: first[key] for key in _POD_SCHEDULING if key in first}
     if "securityContext" in first:
         spec["securityContext"] = first["securityContext"]
@@ -442,7 +487,8 @@ def cleanup_pod(
                 "name": "remove-records",
                 "image": image,
                 "command": command,
-                "volumeMounts": [{"name": STORAGE_VOLUME_NAME, "mountPath": CLEANUP_MOUNT}],
+                "env": _storage_env(storage) if storage.s3 is not None else [],
+                "volumeMounts": [mount],
                 "terminationMessagePolicy": "File",
                 "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
                 "securityContext": {
@@ -453,7 +499,7 @@ def cleanup_pod(
                 },
             }
         ],
-        volumes=[{"name": STORAGE_VOLUME_NAME, **rset.spec.storage.volume}],
+        volumes=[volume],
     )
     metadata: dict[str, Any] = {
         "name": cleanup_pod_name(rset, checkpoints),

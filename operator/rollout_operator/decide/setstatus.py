@@ -36,7 +36,7 @@ NOT_AN_INTERFACE: Final = (
 )
 RESET_PHASES: Final = frozenset({None, CheckpointPhase.PENDING, CheckpointPhase.QUEUED})
 """Phases of a checkpoint that has not started (or whose status was reset)."""
-PUBLISHING_PHASES: Final = frozenset({CheckpointPhase.PUBLISHING, CheckpointPhase.RESUMING})
+PUBLISHING_PHASES: Final = frozenset({CheckpointPhase.RESUMING, CheckpointPhase.PERSISTING})
 """Phases of a checkpoint whose Ready=True is written while its participants resume."""
 RECENT_DURATIONS: Final = 20
 """How many recent checkpoint durations the set keeps (the deadline reserve is built on them)."""

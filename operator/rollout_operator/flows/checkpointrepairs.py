@@ -48,6 +48,7 @@ from rollout_protocol import (
     read_records,
 )
 
+from ..cluster.checkpointstatus import CheckpointStatusWriter, status_body
 from ..cluster.kube import Kube
 from ..cluster.leases import CheckpointLeases
 from ..cluster.storage import StorageLocator
@@ -62,9 +63,9 @@ from ..model.api import (
     RolloutCheckpoint,
     RolloutCheckpointStatus,
     RolloutSet,
-    dump,
     namespace_or_default,
 )
+from ..model.checkpointowners import CheckpointOwner
 from ..model.conditions import set_condition
 
 logger = logging.getLogger(__name__)
@@ -228,10 +229,20 @@ async def repair_failed_checkpoint(
         f"committed the checkpoint: its {len(manifests)} participant manifests and records on "
         f"storage verify; repaired to Ready, its records kept; {NOT_AN_INTERFACE}"
     )
-    status = _ready_again(ckpt, manifests, root, message)
-    body = dump(status)
-    body.setdefault("blockers", [])
-    await kube.patch_checkpoint_status(namespace, name, body)
+    body = status_body(_ready_again(ckpt, manifests, root, message))
+
+    def still_failed(stored: RolloutCheckpoint) -> Mapping[str, Any] | None:
+        # Written only over a status that still says Failed (the proof is storage's).
+        failed = stored.status.phase is CheckpointPhase.FAILED or failed_reason(stored)
+        return body if failed else None
+
+    if (
+        await CheckpointStatusWriter(kube, CheckpointOwner.REPAIR).write_retrying(
+            ckpt, still_failed
+        )
+        is None
+    ):
+        return None
     logger.warning("RolloutCheckpoint %s/%s: %s", namespace, name, message)
     return Repair(REPAIRED, f"checkpoint {name}: {message}")
 

@@ -1,4 +1,4 @@
-"""Removing a set's checkpoint records wherever its volume is (`RecordsRemover`).
+"""Removing a set's checkpoint records wherever its volume or bucket is (`RecordsRemover`).
 
 Retention and the finalizers remove the records of checkpoints that go
 (docs/design.md#65-retention-and-records). Records live on the set's own volume, which the
@@ -10,12 +10,18 @@ the removal goes through whatever mounts it, in this order:
 2. **The set's participants**: every live participant pod gets the `remove` control call, which
    removes the named checkpoints below the participant's own set directory (a request names
    checkpoints, never a path). Every pod is asked, because a hostPath volume differs per node;
-   a participant whose checkpoint is open refuses, and the removal is tried again shortly.
+   a participant whose checkpoint is open refuses, and the removal is tried again shortly. A
+   bucket is the same for every pod, so one participant that answers is enough there.
 3. **A cleanup pod** in the set's namespace, when no participant answers (a suspended, deleted
    or crash-looping set): it mounts the set's volume and runs `rollout-records remove`, the
    same removal code, from `$ROLLOUT_CLEANUP_IMAGE`; its result is read from its termination
    message and exit code, and the pod is deleted. Until it has finished, `RemovalPending` asks
    the caller to look again (a finalizer retries).
+
+A set whose records are in an S3-API bucket goes the same way, from the second step: the operator
+never holds the bucket's credentials, so its participants (which mount the Secret) remove the keys,
+or a cleanup pod that mounts the Secret and runs `rollout-records remove` on the bucket
+(docs/design.md#65-retention-and-records).
 
 Every way removes only the protocol's own files, never through a symlink
 (`rollout_protocol.remove_records`), and says honestly what stayed: a `RecordsRemoval` whose
@@ -116,7 +122,7 @@ class RecordsRemover:
             f"{what} not removed: no participant of the set runs to remove them, the operator "
             f"cannot reach {self._locator.describe(namespace, rset.spec.storage)}, and no "
             f"cleanup image is configured ({CLEANUP_IMAGE_ENV}); delete "
-            f"<volume>/{_folder(rset, scope)} by hand"
+            f"{_folder(rset, scope)} by hand"
         )
         return RecordsRemoval(message, not_removed=message)
 
@@ -152,9 +158,16 @@ class RecordsRemover:
                     else:
                         failures.append(str(error))
 
-        async with anyio.create_task_group() as group:
+        if rset.spec.storage.s3 is not None:
+            # One bucket for every pod: the first participant that answers removed it all.
             for role, index, url in urls:
-                group.start_soon(ask, role, index, url)
+                await ask(role, index, url)
+                if replies or busy:
+                    break
+        else:
+            async with anyio.create_task_group() as group:
+                for role, index, url in urls:
+                    group.start_soon(ask, role, index, url)
         if busy:
             raise RemovalPending(f"{what}: {busy[0]}")
         if failures:
@@ -191,7 +204,7 @@ class RecordsRemover:
             message = (
                 f"{what} not removed: cleanup pod {name} did not finish within "
                 f"{CLEANUP_GIVE_UP_SECONDS:g}s ({_waiting(pod)}); delete "
-                f"<volume>/{_folder(rset, scope)} by hand"
+                f"{_folder(rset, scope)} by hand"
             )
             return RecordsRemoval(message, not_removed=message)
         raise RemovalPending(f"cleanup pod {name} is {status.get('phase') or 'Pending'}")
@@ -224,7 +237,13 @@ def _what(rset: RolloutSet, scope: tuple[str, ...] | None) -> str:
 
 
 def _folder(rset: RolloutSet, scope: tuple[str, ...] | None) -> str:
-    return set_dir(rset) if scope is None or len(scope) != 1 else f"{set_dir(rset)}/{scope[0]}"
+    """What a person deletes by hand: the folder on the volume, or the keys in the bucket."""
+    below = set_dir(rset) if scope is None or len(scope) != 1 else f"{set_dir(rset)}/{scope[0]}"
+    s3 = rset.spec.storage.s3
+    if s3 is None:
+        return f"<volume>/{below}"
+    prefix = f"{s3.prefix}/" if s3.prefix else ""
+    return f"the keys below s3://{s3.bucket}/{prefix}{below}/ (endpoint {s3.endpoint})"
 
 
 def _participant_urls(

@@ -26,7 +26,7 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from types import MappingProxyType
 from typing import Any, Final
 
@@ -39,6 +39,7 @@ from ..cluster.objects import (
     OwnedObjects,
     PodsOutcome,
     SetBlocked,
+    check_storage_secret,
     ensure_control_token,
     ensure_services,
     observe_pods,
@@ -333,7 +334,10 @@ async def reconcile_set(
     except SetBlocked as blocked:
         generation = obj["metadata"].get("generation")
         blocked_changes = _blocked_status(obj, generation, blocked.reason, blocked.message)
-        return await _write_status(kube, obj, blocked_changes) or ReconcileOutcome()
+        recheck = blocked.recheck_seconds
+        return await _write_status(kube, obj, blocked_changes) or ReconcileOutcome(
+            recheck_at=None if recheck is None else (now or utcnow()) + timedelta(seconds=recheck)
+        )
     pods = await observe_pods(kube, namespace, name)
     recovery = rset.status.recovery
     if recovery is not None:
@@ -374,6 +378,7 @@ async def _ensure_startable(
         over = spec_over_limits(rset, max_replicas_per_role) or missing_peers(rset)
         if over is not None:
             raise over
+        await check_storage_secret(kube, rset)
     if not owned_objects.fresh(rset):
         await ensure_control_token(kube, rset)
         await ensure_services(kube, rset)

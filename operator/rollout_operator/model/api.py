@@ -182,10 +182,10 @@ needs (or what the kernel shows there)."""
 STORAGE_PATH_TOP_LEVEL: Final = r"^/(tmp|var|home|root|opt|srv|mnt|media)$"
 """Top-level directories themselves (below them is fine): mounting over them hides the image's."""
 RULE_STORAGE_PATH: Final = Rule(
-    cel=f"self.path.matches('{STORAGE_PATH_CLEAN}')"
+    cel=f"!has(self.path) || (self.path.matches('{STORAGE_PATH_CLEAN}')"
     f" && !self.path.matches('{STORAGE_PATH_DOT_SEGMENT}')"
     f" && !self.path.matches('{STORAGE_PATH_SYSTEM}')"
-    f" && !self.path.matches('{STORAGE_PATH_TOP_LEVEL}')",
+    f" && !self.path.matches('{STORAGE_PATH_TOP_LEVEL}'))",
     message="storage.path must be a clean absolute path (no '.', '..' or empty segments, no "
     "trailing slash) that is neither '/' nor a system directory (/proc, /sys, /dev, /etc, /bin, "
     "/sbin, /lib*, /usr, /boot, /run and below) nor a top-level directory itself (/tmp, /var, "
@@ -193,6 +193,34 @@ RULE_STORAGE_PATH: Final = Rule(
     "hides what the image has there, and the root every participant writes records under; use "
     "a folder of its own such as /checkpoints",
 )
+
+
+RULE_STORAGE_ONE_BACKEND: Final = Rule(
+    cel="has(self.volume) != has(self.s3)",
+    message="storage takes exactly one backend: volume (with path) or s3 (a bucket), not both "
+    "and not neither; every participant writes its records to the one place a restore reads "
+    "them from",
+)
+RULE_STORAGE_VOLUME_PATH: Final = Rule(
+    cel="has(self.volume) == has(self.path)",
+    message="storage.path is where storage.volume is mounted: set path with volume, and leave "
+    "it out with s3 (a bucket is reached over its endpoint, not mounted)",
+)
+S3_PREFIX_PATTERN: Final = r"^[A-Za-z0-9_][A-Za-z0-9._-]*(/[A-Za-z0-9_][A-Za-z0-9._-]*)*$"
+"""A key prefix: '/'-separated names of letters, digits, '.', '_' and '-', none starting with
+'.' or '-' (so no '.' or '..' segment) and none empty (no leading, trailing or doubled '/'): the
+prefixes the participants' bucket store takes."""
+RULE_S3_PREFIX: Final = Rule(
+    cel=f"!has(self.prefix) || self.prefix == '' || self.prefix.matches('{S3_PREFIX_PATTERN}')",
+    message="s3.prefix must be names of letters, digits, '.', '_' and '-' joined by '/', none "
+    "starting with '.' or '-', with no leading or trailing '/': keys are "
+    "<prefix>/<namespace>/<set>/<uid>/..., and removal relies on every set's keys being apart",
+)
+
+
+def s3_prefix_refused(prefix: str) -> bool:
+    """The Python side of `RULE_S3_PREFIX` (the same pattern as the CEL rule)."""
+    return prefix != "" and re.search(S3_PREFIX_PATTERN, prefix) is None
 
 
 def storage_path_refused(path: str) -> bool:
@@ -428,36 +456,116 @@ class ParticipantSpec(ApiModel):
         return self
 
 
+class AddressingStyle(StrEnum):
+    """How a bucket is addressed: in the URL path (MinIO, most S3-compatible servers) or as a
+    host name (`<bucket>.<endpoint host>`, AWS's virtual-hosted style)."""
+
+    PATH = "path"
+    VIRTUAL = "virtual"
+
+
+class S3Storage(ApiModel):
+    """An S3-API bucket (AWS S3, GCS through its S3-compatible endpoint, MinIO, Ceph) that holds
+    the records; the participants reach it over `endpoint` with the credentials of `secretName`."""
+
+    endpoint: str = Field(
+        pattern=r"^https?://[^/?#@\s]+/?$",
+        max_length=2048,
+        description="The S3 API's URL, for example https://s3.us-east-1.amazonaws.com, "
+        "https://storage.googleapis.com or http://minio.storage.svc:9000 "
+        "(ROLLOUT_STORAGE_S3_ENDPOINT): scheme, host and port, no path. No credentials in it: "
+        "they come from secretName.",
+    )
+    bucket: str = Field(
+        pattern=r"^[a-z0-9][a-z0-9.-]*[a-z0-9]$",
+        min_length=3,
+        max_length=63,
+        description="The bucket (ROLLOUT_STORAGE_S3_BUCKET); it must exist: the operator and "
+        "the participants never create or delete buckets.",
+    )
+    prefix: str = Field(
+        default="",
+        max_length=512,
+        description="A key prefix, without leading or trailing '/' (ROLLOUT_STORAGE_S3_PREFIX). "
+        "Keys are <prefix>/<namespace>/<set>/<uid>/<checkpoint>/<role>-<index>/...; sets may "
+        "share a prefix, each removes only its own keys.",
+    )
+    region: str = Field(
+        default="us-east-1",
+        pattern=r"^[a-z0-9][a-z0-9-]*$",
+        max_length=64,
+        description="The region requests are signed for (ROLLOUT_STORAGE_S3_REGION); GCS and "
+        "MinIO accept us-east-1 (or auto for GCS).",
+    )
+    addressing_style: AddressingStyle = Field(
+        default=AddressingStyle.PATH,
+        description="path: https://<endpoint>/<bucket>/<key> (MinIO, most self-hosted "
+        "servers); virtual: https://<bucket>.<endpoint host>/<key> (the style AWS S3 prefers) "
+        "(ROLLOUT_STORAGE_S3_ADDRESSING).",
+    )
+    secret_name: str = Field(
+        pattern=DNS_SUBDOMAIN_PATTERN,
+        max_length=253,
+        description="A Secret in the set's namespace with keys accessKeyId and secretAccessKey "
+        "(and sessionToken for temporary credentials), mounted read-only into every "
+        "participant pod (ROLLOUT_STORAGE_S3_CREDENTIALS_DIR) and read by the operator when "
+        "it removes the set's keys. Its content is never copied into a status, an Event, a "
+        "log line or a metric. A missing Secret or key: condition Degraded, reason "
+        "StorageSecretInvalid.",
+    )
+
+    @model_validator(mode="after")
+    def _check_prefix(self) -> S3Storage:
+        if s3_prefix_refused(self.prefix):
+            raise ValueError(RULE_S3_PREFIX.message)
+        return self
+
+
 class StorageSpec(ApiModel):
-    """Where checkpoint records are written; the same volume is mounted in every participant."""
+    """Where checkpoint records are written: a volume mounted at the same path in every
+    participant, or an S3-API bucket every participant reaches over the network."""
 
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
                 RULE_STORAGE_IMMUTABLE.schema(),
+                RULE_STORAGE_ONE_BACKEND.schema(),
+                RULE_STORAGE_VOLUME_PATH.schema(),
                 RULE_STORAGE_PATH.schema(),
             ]
         }
     )
 
-    path: str = Field(
+    path: str | None = Field(
+        default=None,
         pattern=r"^/",
         max_length=1024,
-        description="The mount path in every participant container and the checkpoint root "
-        "(ROLLOUT_CHECKPOINT_ROOT). Records go to <path>/<namespace>/<set>/<uid>/<checkpoint>/"
-        "<role>-<index>/ (ROLLOUT_SET_DIR is <namespace>/<set>/<uid>). Not / or a system "
-        "directory.",
+        description="With volume: the mount path in every participant container and the "
+        "checkpoint root (ROLLOUT_CHECKPOINT_ROOT). Records go to <path>/<namespace>/<set>/"
+        "<uid>/<checkpoint>/<role>-<index>/ (ROLLOUT_SET_DIR is <namespace>/<set>/<uid>). Not "
+        "/ or a system directory. Not set with s3.",
     )
-    volume: dict[str, Any] = Field(
+    volume: dict[str, Any] | None = Field(
+        default=None,
         min_length=1,
         description="A Volume source (for example persistentVolumeClaim with a ReadWriteMany "
         "claim, or hostPath on devcluster), mounted at path in every participant pod.",
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
     )
+    s3: S3Storage | None = Field(
+        default=None,
+        description="An S3-API bucket instead of a volume: no folder shared between nodes is "
+        "needed, so a set survives the loss of a node without a ReadWriteMany volume.",
+        json_schema_extra={"x-kubernetes-validations": [RULE_S3_PREFIX.schema()]},
+    )
 
     @model_validator(mode="after")
-    def _check_path(self) -> StorageSpec:
-        if storage_path_refused(self.path):
+    def _check_backend(self) -> StorageSpec:
+        if (self.volume is None) == (self.s3 is None):
+            raise ValueError(RULE_STORAGE_ONE_BACKEND.message)
+        if (self.volume is None) != (self.path is None):
+            raise ValueError(RULE_STORAGE_VOLUME_PATH.message)
+        if self.path is not None and storage_path_refused(self.path):
             raise ValueError(RULE_STORAGE_PATH.message)
         return self
 
@@ -595,7 +703,7 @@ class RolloutSetSpec(ApiModel):
     )
     storage: StorageSpec = Field(
         description="Where checkpoint records go: a volume mounted at the same path in every "
-        "participant pod. Immutable."
+        "participant pod (path and volume), or an S3-API bucket (s3). Immutable."
     )
     checkpoint_policy: CheckpointPolicy = Field(
         default_factory=CheckpointPolicy,
@@ -1083,8 +1191,8 @@ class CheckpointPhase(StrEnum):
     QUEUED = "Queued"
     PREPARING = "Preparing"
     COMMITTING = "Committing"
-    PUBLISHING = "Publishing"
     RESUMING = "Resuming"
+    PERSISTING = "Persisting"
     READY = "Ready"
     FAILED = "Failed"
 
@@ -1093,12 +1201,12 @@ CHECKPOINT_RUNNING: Final = frozenset(
     {
         CheckpointPhase.PREPARING,
         CheckpointPhase.COMMITTING,
-        CheckpointPhase.PUBLISHING,
         CheckpointPhase.RESUMING,
+        CheckpointPhase.PERSISTING,
     }
 )
-"""Phases of a checkpoint that holds its set's slot and has closed the participants' admission;
-a restarted operator continues them."""
+"""Phases of a checkpoint that holds its set's slot and has closed the participants' admission
+(or, Persisting, holds their cut records); a restarted operator continues them."""
 CHECKPOINT_FINISHED: Final = frozenset({CheckpointPhase.READY, CheckpointPhase.FAILED})
 
 
@@ -1147,10 +1255,19 @@ class CheckpointDurations(StatusModel):
         default=None, ge=0, description="Prepare: until every episode parked."
     )
     commit_seconds: float | None = Field(
-        default=None, ge=0, description="Commit: writing every participant's records."
+        default=None,
+        ge=0,
+        description="The cut: every participant fixing its records (writing them, for a "
+        "participant that persists inside the pause).",
     )
     pause_seconds: float | None = Field(
         default=None, ge=0, description="Admission closed: prepare start to resume done."
+    )
+    persist_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        description="After the resume: until every participant's records and manifest were "
+        "durable and verified.",
     )
     total_seconds: float | None = Field(
         default=None, ge=0, description="Creation of the checkpoint to its outcome."
@@ -1165,7 +1282,7 @@ class RolloutCheckpointStatus(StatusModel):
     )
     phase: CheckpointPhase | None = Field(
         default=None,
-        description="Pending, Queued, Preparing, Committing, Publishing, Resuming, Ready or "
+        description="Pending, Queued, Preparing, Committing, Resuming, Persisting, Ready or "
         "Failed; persisted so a restarted operator continues or fails it cleanly.",
     )
     attempt: int | None = Field(

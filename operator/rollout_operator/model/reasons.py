@@ -85,6 +85,8 @@ class Reason:
     ABORTED: Final = "Aborted"
     PREPARE_FAILED: Final = "PrepareFailed"
     COMMIT_FAILED: Final = "CommitFailed"
+    PERSIST_FAILED: Final = "PersistFailed"
+    PERSIST_BACKLOG: Final = "PersistBacklog"
     LEASE_LAPSED: Final = "LeaseLapsed"
     INVALID: Final = "InvalidCheckpoint"
     GRACE_PERIOD_TOO_SHORT: Final = "GracePeriodTooShort"

@@ -1,28 +1,23 @@
-"""Phases Committing and Publishing of the checkpoint flow: the participants write their
-records, then one status patch makes the checkpoint restorable (docs/design.md#61-checkpoint,
-steps 4-5).
+"""Phase Committing of the checkpoint flow: the cut (docs/design.md#61-checkpoint, step 4).
 
-`commit` enters Committing in memory and commits at once (every episode waits while the
-participants commit; an API round trip first would only lengthen that), with the scope the
-prepare parked; the phase is written only if it lasts over a second (`context.UnwrittenPhases`):
-a restart before it is written finds Preparing (or no phase and the Lease its own) and replays
-prepare and commit, whose replies the participants cache. `publish` is the commit point:
-`Committed` and `Ready` True with every participant's manifest, counts and durations, and the
-phase Resuming, in one write. Nothing before it is restorable; nothing after it takes Ready
-back."""
+`commit` asks every participant at once to fix the records of what the prepare parked, with
+its scope (`Coordinator.commit(..., persist_after_resume=True)`): a participant that can
+persist after the resume keeps them as immutable bytes in memory and answers with the manifest
+it will write; one that cannot (an older SDK, NeMo Gym's dialect) commits durably, as before.
+Every episode waits while this runs, so nothing is written to the API server first: the
+prepare entered Committing in memory (written only if it lasts over a second:
+`context.UnwrittenPhases`), and the cut enters Resuming the same way, with the episodes it
+holds and the prepare's and the cut's durations. A run that continues a Committing checkpoint
+(an operator restart) has no prepare outcome and parks again first; the participants replay
+their replies. Nothing here is restorable: the checkpoint is Ready only once every record is
+durable (`persist`).
+"""
 
 from __future__ import annotations
 
-from rollout_protocol import tracing
+from rollout_protocol import CommitOutcome, ErrorCode, tracing
 
-from ...model.api import (
-    CheckpointConditionType,
-    CheckpointDurations,
-    CheckpointParticipant,
-    CheckpointPhase,
-    RolloutCheckpoint,
-)
-from ...model.conditions import set_condition
+from ...model.api import CheckpointDurations, CheckpointPhase, RolloutCheckpoint
 from ...model.reasons import Reason
 from .context import (
     CheckpointFailed,
@@ -31,97 +26,58 @@ from .context import (
     enter_phase,
     failure_reason,
     while_set_holds,
-    write_status,
 )
+from .prepare import park
+from .slot import joined
 
 
 async def commit(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoint:
-    """Commit what the prepare parked to every participant at once, Committing entered
-    (written late, if at all); the outcome is `run.committed`."""
-    prepared = run.prepared
-    assert prepared is not None, "a commit follows this run's prepare"
+    """The cut on every participant at once (`run.cut`), then Resuming entered."""
+    prepared = run.prepared or await park(run, ckpt)
+    coordinator = await joined(run, ckpt)
     run.scope = scope = prepared.scope(ckpt.spec.episodes)
     commit_started = run.now()
-    commit_deadline = run.now() + run.settings.commit_timeout_seconds
-    coordinator = run.coordinator
-    await enter_phase(
-        run.context,
-        ckpt,
-        CheckpointPhase.COMMITTING,
-        defer=run.writes,
-        condition=(
-            CheckpointConditionType.PREPARED,
-            True,
-            Reason.PREPARED,
-            f"{prepared.episode_count} episode(s) parked, {len(prepared.restarts)} restart",
-        ),
-        restarts=len(prepared.restarts),
-    )
+    commit_deadline = commit_started + run.settings.commit_timeout_seconds
     with tracing.span("commit"):
         outcome = await while_set_holds(
             run.context,
             ckpt,
             lambda: coordinator.commit(
-                ckpt.metadata.name, commit_deadline, scope, excluded=prepared.excluded()
+                ckpt.metadata.name,
+                commit_deadline,
+                scope,
+                excluded=prepared.excluded(),
+                persist_after_resume=True,
             ),
         )
     run.commit_seconds = run.now() - commit_started
+    run.cut = outcome
     if not outcome.ok:
-        reason = failure_reason(outcome.failures) or Reason.COMMIT_FAILED
-        raise CheckpointFailed(reason, f"commit failed: {describe(outcome.failures)}")
-    run.committed = outcome
+        raise CheckpointFailed(*cut_failed(outcome))
+    await enter_phase(
+        run.context,
+        ckpt,
+        CheckpointPhase.RESUMING,
+        defer=run.writes,
+        episodes=prepared.committed_count(scope),
+        attempt=outcome.attempt or run.rset.status.attempt,
+        durations=CheckpointDurations(
+            prepare_seconds=round(run.prepare_seconds, 3),
+            commit_seconds=round(run.commit_seconds, 3),
+        ),
+    )
     return ckpt
 
 
-async def publish(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoint:
-    """One status patch makes the checkpoint restorable; then the set points at it."""
-    prepared, committed = run.prepared, run.committed
-    assert prepared is not None, "a publish follows this run's prepare"
-    assert committed is not None, "a publish follows this run's commit"
-    episodes = prepared.committed_count(run.scope)
-    with tracing.span("publish"):
-        participants = [
-            CheckpointParticipant(
-                instance=instance,
-                manifest=committed.manifest_paths[instance],
-                records_sha256=manifest.records_sha256,
-                record_count=manifest.record_count,
-                bytes=manifest.bytes,
-                rollout_ids=committed.listed.get(instance),
-            )
-            for instance, manifest in sorted(committed.manifests.items())
-        ]
-        message = (
-            f"{episodes} episode(s) committed by {len(participants)} participant(s), "
-            f"{committed.bytes} bytes"
+def cut_failed(outcome: CommitOutcome) -> tuple[str, str]:
+    """The reason and message of a cut that failed; a participant that holds too many cut
+    records still unpersisted (`persist_backlog`) says which, and how much."""
+    codes = {failure.code for failure in outcome.failures}
+    if ErrorCode.PERSIST_BACKLOG in codes:
+        return (
+            Reason.PERSIST_BACKLOG,
+            "a participant still holds the records of earlier checkpoints that are not durable "
+            f"yet and this cut would pass its bound: {describe(outcome.failures)}",
         )
-        status = ckpt.status.model_copy(
-            update={
-                "phase": CheckpointPhase.RESUMING,
-                "episodes": episodes,
-                "participants": participants,
-                "attempt": committed.attempt or run.rset.status.attempt,
-                "durations": CheckpointDurations(
-                    prepare_seconds=round(run.prepare_seconds, 3),
-                    commit_seconds=round(run.commit_seconds, 3),
-                    total_seconds=round(run.now() - run.started, 3),
-                ),
-            }
-        )
-        generation = ckpt.metadata.generation
-        for type_, reason in (
-            (CheckpointConditionType.COMMITTED, Reason.COMMITTED),
-            (CheckpointConditionType.READY, Reason.PUBLISHED),
-        ):
-            status.conditions = set_condition(
-                status.conditions,
-                type_.value,
-                True,
-                reason,
-                message,
-                observed_generation=generation,
-            )
-        await write_status(run.context, ckpt, status)
-        if run.context.on_transition is not None:
-            await run.context.on_transition(ckpt, Reason.PUBLISHED, message)
-    return ckpt
+    reason = failure_reason(outcome.failures) or Reason.COMMIT_FAILED
+    return reason, f"commit failed: {describe(outcome.failures)}"

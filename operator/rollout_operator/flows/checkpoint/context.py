@@ -27,20 +27,22 @@ from rollout_protocol import (
     tracing,
 )
 
-from ...cluster.kube import ApiError, Kube
+from ...cluster.checkpointstatus import CheckpointStatusWriter, status_body
+from ...cluster.kube import ApiError, Conflict, Kube
 from ...cluster.leases import CheckpointLeases
 from ...model.api import (
     CHECKPOINT_FINISHED,
     CHECKPOINT_RUNNING,
     CheckpointConditionType,
     CheckpointPhase,
+    ConditionStatus,
     RolloutCheckpoint,
     RolloutCheckpointStatus,
     RolloutSet,
-    dump,
     namespace_or_default,
 )
-from ...model.conditions import MAX_FAILURE_CHARS, set_condition, truncate
+from ...model.checkpointowners import CheckpointOwner
+from ...model.conditions import MAX_FAILURE_CHARS, find_condition, set_condition, truncate
 from ...model.reasons import Reason
 from ..state import CoordinatedPods
 from ..watching import NoLongerHolds, while_holding
@@ -73,6 +75,9 @@ written (docs/design.md#61-checkpoint, "Phases written late")."""
 @dataclass(frozen=True)
 class FlowSettings:
     commit_timeout_seconds: float = 120.0
+    persist_timeout_seconds: float = 120.0
+    """How long the participants may take to make the cut's records durable after the resume;
+    a persist still writing then fails the checkpoint."""
     resume_timeout_seconds: float = 30.0
     abort_timeout_seconds: float = 10.0
     """An abort resumes what it can reach by then; a participant it missed resumes itself when
@@ -158,7 +163,7 @@ class UnwrittenPhases:
                     # Shielded: a write once sent lands before any later one (`settle`).
                     with anyio.CancelScope(shield=True):
                         await _patch_status(context, ckpt, ckpt.status)
-                except (ApiError, OSError, TimeoutError) as error:
+                except (ApiError, Conflict, OSError, TimeoutError) as error:
                     logger.warning(
                         "checkpoint %s: phase %s not written yet (%s); again in %.0fs",
                         ckpt.metadata.name,
@@ -195,23 +200,43 @@ class CheckpointContext:
     unwritten: UnwrittenPhases = field(default_factory=UnwrittenPhases)
     coordinated: CoordinatedPods | None = None
     """The pods known to coordinate their workers (`OperatorState`); None: ask every time."""
+    participants_factory: Callable[[RolloutSet, str], list[HttpParticipantClient]] | None = None
+    """The coordinator's clients of a set (None: `http_participants`)."""
+    slots: anyio.Semaphore | None = None
+    """The operator's checkpoints that may run at once (None: no limit)."""
+
+    @property
+    def writer(self) -> CheckpointStatusWriter:
+        """The one writer of the checkpoint's status, as its flow."""
+        return CheckpointStatusWriter(self.kube, CheckpointOwner.FLOW)
 
 
 @dataclass
 class CheckpointRun:
-    """One run of the flow over one checkpoint, from the slot to the resume.
+    """One run of the flow over one checkpoint, from the slot to its terminal phase.
 
-    `continued`: the run found the checkpoint in a running phase, or holding the set's Lease
-    with no phase written (an operator restart, a status write that failed); its prepare
-    deadline and start time come from status then, or from the Lease. The rest is what the
-    steps learned, in the order they learn it."""
+    `in_flight`: the run found the checkpoint in a running phase, or holding the set's Lease as
+    this process took it; it goes on with the slot it holds (`slot.joined`) instead of taking
+    one. `continued`: besides, the Lease was taken before this run began (an operator restart, a
+    status write that failed); its prepare deadline and start time come from status then, or
+    from the Lease. The set, the coordinator and when the slot was taken are known once the run
+    holds the slot (`slot.attach`); the rest is what the steps learned, in the order they learn
+    it (not persisted: a restarted operator replays prepare and commit, whose replies the
+    participants cache)."""
 
     context: CheckpointContext
-    rset: RolloutSet
-    coordinator: Coordinator
-    started: float
-    continued: bool
-    slot_taken: float
+    began: float
+    in_flight: bool = False
+    writes: anyio.abc.TaskGroup | None = None
+    """Where the run's deferred phase writes run (`UnwrittenPhases`); None: written at once."""
+    attached: RolloutSet | None = None
+    """The set the run holds the slot of (None: not yet)."""
+    coordinator: Coordinator | None = None
+    participants: list[HttpParticipantClient] = field(default_factory=list)
+    holds_operator_slot: bool = False
+    started: float = 0.0
+    continued: bool = False
+    slot_taken: float = 0.0
     """When the checkpoint took the set's Lease (its `acquireTime`): the prepare deadline and
     `startedAt` count from here, so a successor that finds no phase written computes the same."""
     deadline_ts: float | None = None
@@ -222,11 +247,15 @@ class CheckpointRun:
     prepare_seconds: float = 0.0
     scope: list[str] | None = None
     """The commit scope (None: every parked episode but the restarts)."""
-    committed: CommitOutcome | None = None
+    cut: CommitOutcome | None = None
+    """The cut's outcome: which participants hold records in memory, and the manifests they
+    promised (a run that continues a Persisting checkpoint has none: every participant is asked)."""
     commit_seconds: float = 0.0
-    resumed: bool = False
-    writes: anyio.abc.TaskGroup | None = None
-    """Where the run's deferred phase writes run (`UnwrittenPhases`); None: written at once."""
+
+    @property
+    def rset(self) -> RolloutSet:
+        assert self.attached is not None, "a step after the slot knows its set"
+        return self.attached
 
     @property
     def kube(self) -> Kube:
@@ -238,6 +267,13 @@ class CheckpointRun:
 
     def now(self) -> float:
         return self.context.clock()
+
+
+def published(ckpt: RolloutCheckpoint) -> bool:
+    """Whether the checkpoint was published (Ready True): never taken back. The flow publishes
+    with its terminal Ready write; an earlier operator published before the resume."""
+    ready = find_condition(ckpt.status.conditions, CheckpointConditionType.READY.value)
+    return ready is not None and ready.status is ConditionStatus.TRUE
 
 
 def set_lost(rset: RolloutSet, attempt: int | None) -> str | None:
@@ -263,6 +299,7 @@ def failure_reason(failures: list[Failure]) -> str:
         return Reason.PARTICIPANT_UNRESPONSIVE
     if ErrorCode.INTERNAL in codes or not codes <= {
         ErrorCode.STORAGE_FAILED,
+        ErrorCode.PERSIST_BACKLOG,
         ErrorCode.WRONG_PHASE,
         ErrorCode.CONFLICTING_CHECKPOINT,
         ErrorCode.DEADLINE_PASSED,
@@ -295,14 +332,9 @@ async def write_status(
 async def _patch_status(
     context: CheckpointContext, ckpt: RolloutCheckpoint, status: RolloutCheckpointStatus
 ) -> None:
-    body = {"status": dump(status)}
-    # Lists in a merge patch replace; fields that became unset must be sent as null.
-    for key in ("blockers", "participants"):
-        body["status"].setdefault(key, [])
+    body = status_body(status)
     with tracing.span("write status", attributes={"rollout.phase": str(status.phase)}):
-        await context.kube.patch_checkpoint_status(
-            namespace_or_default(ckpt.metadata.namespace), ckpt.metadata.name, body["status"]
-        )
+        await context.writer.write_retrying(ckpt, lambda stored: body)
 
 
 async def enter_phase(
@@ -416,19 +448,42 @@ async def while_set_holds(
 
 
 async def abort(
-    context: CheckpointContext, coordinator: Coordinator, ckpt: RolloutCheckpoint
+    context: CheckpointContext,
+    coordinator: Coordinator,
+    ckpt: RolloutCheckpoint,
+    *,
+    cut: CommitOutcome | None = None,
 ) -> None:
-    """Resume every participant at once (one hung participant does not hold the others)."""
+    """Resume every participant at once (one hung participant does not hold the others); when
+    a cut may be held (`cut`, or a Resuming or Persisting checkpoint whose cut this run did not
+    see), every participant that holds it releases the bytes and removes what its persist
+    wrote (`Coordinator.discard`), so nothing half-written stays."""
+    name = ckpt.metadata.name
     with anyio.CancelScope(shield=True), tracing.span("abort"):
         outcome = await coordinator.abort(
-            ckpt.metadata.name, context.clock() + context.settings.abort_timeout_seconds
+            name, context.clock() + context.settings.abort_timeout_seconds
         )
+        discarded = None
+        if cut is not None or ckpt.status.phase in CUT_HELD:
+            discarded = await coordinator.discard(
+                name, context.clock() + context.settings.abort_timeout_seconds, cut=cut
+            )
     if outcome.failures:
         logger.warning(
             "abort of %s: resume failed on %s (their lease resumes them)",
-            ckpt.metadata.name,
+            name,
             describe(outcome.failures),
         )
+    if discarded is not None and discarded.failures:
+        logger.warning(
+            "abort of %s: discard failed on %s (their lease drops the held records)",
+            name,
+            describe(discarded.failures),
+        )
+
+
+CUT_HELD: Final = frozenset({CheckpointPhase.RESUMING, CheckpointPhase.PERSISTING})
+"""Phases in which participants may hold a cut's records."""
 
 
 def http_participants(rset: RolloutSet, token: str) -> list[HttpParticipantClient]:

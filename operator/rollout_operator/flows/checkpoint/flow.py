@@ -3,19 +3,23 @@ table, and how a run ends.
 
 The protocol itself is `rollout_protocol.Coordinator`; the flow adds what only an operator has:
 the phase persisted in `status.phase`, so a restarted operator continues where the last one
-stopped (the intermediate phases, Preparing and Committing, only once they last over a second:
+stopped (the intermediate phases, Preparing to Persisting, only once they last over a second:
 before that a successor continues from the set's Lease, which names the checkpoint and when it
-started, and from the participants, which replay prepare and commit; `context.UnwrittenPhases`);
-one checkpoint per set at a time (the set's Lease, `leases.CheckpointLeases`); and publication
-as one status patch (`Ready=True` with every participant's manifest). The flow writes only its
+started, and from the participants, which replay prepare and the cut; `context.UnwrittenPhases`);
+one checkpoint per set at a time (the set's Lease, `leases.CheckpointLeases`, held until the
+records are durable); and publication as one status patch (`Ready=True` with every
+participant's durable manifest). The flow writes only its
 own checkpoint's status: the set's pass derives `latestCheckpoint`, the recent durations and the
 pods' latest-checkpoint annotations from the checkpoints once this one is Ready
 (docs/design.md#69-who-writes-the-sets-status).
 
-`CheckpointFlow.run` takes the slots (`slot.py`), builds the coordinator and runs `PHASES` with
-the runner the recovery shares (`flows/phases.py`): Pending `begin`, Preparing `prepare`,
-Committing `commit`, Publishing `publish`, Resuming `resume`. Then it releases the slot and
-writes Ready; a failure before publish aborts (every participant resumed) and writes Failed.
+`CheckpointFlow.run` runs `PHASES` with the runner the recovery shares (`flows/phases.py`); the
+next step is the persisted phase alone (`phase_of`), and each step writes the phase that
+follows it: Pending and Queued `begin` (the slots, `slot.py`; Queued while they are busy, then
+Preparing), Preparing `prepare` (Committing), Committing `commit` (the cut: Resuming),
+Resuming `resume` (Persisting), Persisting `persist` (the publish: Ready, after the slot's
+release), Ready and Failed `finished`. A failed step ends in `end_failed`: before publish it
+aborts (every participant resumed, a held cut discarded) and writes Failed.
 
 What the flow reads (its checkpoint, the set, the set's pods) comes from the watches
 (`cache.ClusterCache`), and a step waits on the set's events, not on polls: the critical path
@@ -24,8 +28,10 @@ costs the Lease's take and release, the status writes and their Events.
 Why continuing is safe: prepare, commit and restore replies are cached per checkpoint id by the
 participants and replayed on retry, so repeating the step an operator died in returns what it
 would have returned. If the participants' lease lapsed meanwhile they resumed by themselves,
-the id is stale there, and the checkpoint ends Failed with a reason; it is never Ready unless
-every commit (records fsynced, manifest written last) succeeded.
+the id is stale there, and the checkpoint ends Failed with a reason. After the resume the cut
+cannot be asked again (the id is stale), but the persist can: a participant answers its
+durable reply again, or says it lost the records, and the checkpoint fails. It is never Ready
+unless every participant's records are durable (records fsynced, manifest written last).
 """
 
 from __future__ import annotations
@@ -42,13 +48,12 @@ from rollout_protocol import Coordinator, HttpParticipantClient, tracing
 
 from ...cluster.kube import Kube
 from ...cluster.leases import CheckpointLeases
-from ...cluster.objects import read_control_token
 from ...model.api import CheckpointPhase, RolloutCheckpoint, RolloutSet, namespace_or_default
 from ...model.reasons import Reason
 from ..checkpointrepairs import repair_published_checkpoint
-from ..phases import PhaseTable, run_phases
+from ..phases import FailureHandler, PhaseTable, run_phases
 from ..state import CoordinatedPods
-from .commit import commit, publish
+from .commit import commit
 from .context import (
     IN_FLIGHT,
     TERMINAL,
@@ -60,63 +65,69 @@ from .context import (
     UnwrittenPhases,
     abort,
     enter_phase,
-    http_participants,
     logger,
+    published,
     write_failed,
     write_status,
 )
+from .persist import persist
 from .prepare import begin, prepare
 from .resume import resume
-from .slot import held_slot, release_slot, take_operator_slot, take_slot
+from .slot import release_slot
 
 
-def phase_of(run: CheckpointRun, ckpt: RolloutCheckpoint) -> CheckpointPhase | None:
-    """The step to run next: the persisted phase, read with what this run did in memory.
-
-    Committing and Publishing are persisted, but their steps need this run's prepare and commit
-    outcomes: a run that continues in them (an operator restart) prepares again first, and the
-    participants replay their replies. Resuming is the published checkpoint's only step left.
-    """
-    phase = ckpt.status.phase
-    if phase in TERMINAL:
-        return None
-    if phase is CheckpointPhase.RESUMING:
-        return None if run.resumed else CheckpointPhase.RESUMING
-    if run.committed is not None:
-        return CheckpointPhase.PUBLISHING
-    if run.prepared is not None:
-        return CheckpointPhase.COMMITTING
-    if run.deadline_ts is None and not (run.continued and ckpt.status.deadline is not None):
-        return CheckpointPhase.PENDING
-    return CheckpointPhase.PREPARING
+def phase_of(run: CheckpointRun, ckpt: RolloutCheckpoint) -> CheckpointPhase:
+    """The step to run next: the checkpoint's phase as persisted (or, for Preparing and
+    Committing, entered to be written late: `context.UnwrittenPhases`); none yet is Pending."""
+    return ckpt.status.phase or CheckpointPhase.PENDING
 
 
-def slot_taken_at(
-    held_since: float | None, ckpt: RolloutCheckpoint, in_flight: bool, now: float
-) -> float:
-    """When the checkpoint took the set's Lease, which starts its prepare and pause: the
-    Lease's `acquireTime` as this process knows it; for a run continued from a written phase
-    without it, `startedAt` (whole seconds); else now (this run takes the Lease)."""
-    if held_since is not None:
-        return held_since
-    if in_flight and ckpt.status.started_at is not None:
-        return ckpt.status.started_at.timestamp()
-    return now
+async def finished(run: CheckpointRun, ckpt: RolloutCheckpoint) -> None:
+    """Ready and Failed: nothing is left to run."""
+    return None
+
+
+async def end_failed(
+    run: CheckpointRun, ckpt: RolloutCheckpoint, error: Exception
+) -> RolloutCheckpoint:
+    """How a failed step (`CheckpointFailed`) ends the run: before publish, abort (every
+    participant resumed, a held cut discarded) and write Failed; a published checkpoint stays
+    Ready (records complete and published: never taken back). The set's slot is released
+    either way."""
+    assert isinstance(error, CheckpointFailed)
+    context = run.context
+    if published(ckpt):
+        await release_slot(context, ckpt)
+        logger.warning("checkpoint %s: %s", ckpt.metadata.name, error.message)
+        await enter_phase(context, ckpt, CheckpointPhase.READY, completed_at=datetime.now(UTC))
+        return ckpt
+    if run.coordinator is not None:
+        await abort(context, run.coordinator, ckpt, cut=run.cut)
+    await release_slot(context, ckpt)
+    await write_failed(context, ckpt, error)
+    return ckpt
 
 
 PHASES: Final = PhaseTable[CheckpointPhase, CheckpointRun, RolloutCheckpoint](
     steps=MappingProxyType(
         {
             CheckpointPhase.PENDING: begin,
+            CheckpointPhase.QUEUED: begin,
             CheckpointPhase.PREPARING: prepare,
             CheckpointPhase.COMMITTING: commit,
-            CheckpointPhase.PUBLISHING: publish,
             CheckpointPhase.RESUMING: resume,
+            CheckpointPhase.PERSISTING: persist,
+            CheckpointPhase.READY: finished,
+            CheckpointPhase.FAILED: finished,
         }
     ),
     phase_of=phase_of,
+    on_failure=FailureHandler(CheckpointFailed, end_failed),
 )
-"""The checkpoint's phases and the step of each (Queued waits for the slot, before the table)."""
+"""The checkpoint's phases and the step of each; each step writes the phase that follows it
+(Pending and Queued: Queued while the slots are busy, then Preparing; Preparing: Committing;
+Committing, the cut: Resuming; Resuming: Persisting; Persisting: Ready, the publish), and a
+failed step ends in Failed (`end_failed`)."""
 
 
 class CheckpointFlow:
@@ -149,9 +160,9 @@ class CheckpointFlow:
             on_transition=on_transition,
             unwritten=UnwrittenPhases(seconds=settings.phase_write_seconds),
             coordinated=coordinated,
+            participants_factory=participants_factory,
+            slots=slots,
         )
-        self._participants_factory = participants_factory or http_participants
-        self._slots = slots
 
     async def _read(self, namespace: str, name: str) -> RolloutCheckpoint | None:
         obj = await self._context.kube.get_checkpoint(namespace, name)
@@ -218,7 +229,6 @@ class CheckpointFlow:
         writes: anyio.abc.TaskGroup,
     ) -> CheckpointPhase | None:
         context = self._context
-        kube = context.kube
         namespace = namespace_or_default(ckpt.metadata.namespace)
         # Running: in a running phase, or (its phases unwritten yet) holding the set's Lease as
         # this process took it, when an earlier run of this process stopped on an error.
@@ -228,85 +238,34 @@ class CheckpointFlow:
         # A status reset by a user must never run a published checkpoint again (class 2).
         repaired = None
         if not in_flight:
-            repaired = await repair_published_checkpoint(kube, context.leases, ckpt)
+            repaired = await repair_published_checkpoint(context.kube, context.leases, ckpt)
         if repaired is not None:
             status, repair = repaired
             await write_status(context, ckpt, status)
             if context.on_transition is not None:
                 await context.on_transition(ckpt, repair.reason, repair.message)
             return ckpt.status.phase
-        began = started = context.clock()
-        if in_flight and ckpt.status.started_at is not None:
-            started = min(started, ckpt.status.started_at.timestamp())
-        coordinator: Coordinator | None = None
-        participants: list[HttpParticipantClient] = []
-        published = False
-        holds_operator_slot = False
+        run = CheckpointRun(context, began=context.clock(), in_flight=in_flight, writes=writes)
         try:
-            with tracing.span("slot"):
-                holds_operator_slot = await take_operator_slot(
-                    context, self._slots, ckpt, in_flight
-                )
-                rset = await (held_slot(context, ckpt) if in_flight else take_slot(context, ckpt))
-            # The prepare starts when the checkpoint took the Lease: for a run that continues
-            # one whose phase was never written (an operator restart within its first second),
-            # that is the earlier run's start, and its prepare deadline is the same.
-            held_since = context.leases.held_since(namespace, ckpt.spec.rollout_set, ckpt)
-            slot_taken = slot_taken_at(held_since, ckpt, in_flight, context.clock())
-            started = min(started, slot_taken)
-            # A Lease taken before this run began (a millisecond's margin for the Lease's
-            # microsecond times) is an earlier run's: one that stopped before any phase was
-            # written (an operator restart, a status write refused in an API outage).
-            taken_earlier = held_since is not None and held_since < began - 0.001
-            participants = await self._participants(namespace, rset)
-            coordinator = Coordinator(participants)
-            run = CheckpointRun(
-                context,
-                rset,
-                coordinator,
-                started=started,
-                slot_taken=slot_taken,
-                continued=ckpt.status.phase in IN_FLIGHT or taken_earlier,
-                writes=writes,
-            )
             await run_phases(PHASES, run, ckpt)
-            published = True
-            await release_slot(context, ckpt)
-            await enter_phase(context, ckpt, CheckpointPhase.READY, completed_at=datetime.now(UTC))
         except anyio.get_cancelled_exc_class():
             # Deleted: participants must not stay paused until their leases lapse, and the
             # set's slot must be free for the next checkpoint. Bounded, so a hung participant
             # never holds the deletion.
-            if coordinator is not None and not published and abort_when_cancelled():
-                await self._abort_deleted(coordinator, ckpt)
+            if run.coordinator is not None and not published(ckpt) and abort_when_cancelled():
+                await self._abort_deleted(run, run.coordinator, ckpt)
             raise
-        except CheckpointFailed as failed:
-            published = published or ckpt.status.phase is CheckpointPhase.RESUMING
-            await self._end_failed(coordinator, ckpt, failed, published=published)
         finally:
-            if holds_operator_slot:
-                assert self._slots is not None
-                self._slots.release()
-            for participant in participants:
+            if run.holds_operator_slot:
+                assert context.slots is not None
+                context.slots.release()
+            for participant in run.participants:
                 await participant.aclose()
         return ckpt.status.phase
 
-    async def _participants(self, namespace: str, rset: RolloutSet) -> list[HttpParticipantClient]:
-        """The coordinator's clients: one per participant of the set, with its token."""
-        token = await read_control_token(self._context.kube, namespace, rset.metadata.name)
-        if token is None:
-            raise CheckpointFailed(
-                Reason.SET_NOT_READY,
-                f"the control-token Secret of set {rset.metadata.name} is missing",
-            )
-        participants = self._participants_factory(rset, token)
-        if not participants:
-            raise CheckpointFailed(
-                Reason.SET_NOT_READY, f"set {rset.metadata.name} shows no participant address"
-            )
-        return participants
-
-    async def _abort_deleted(self, coordinator: Coordinator, ckpt: RolloutCheckpoint) -> None:
+    async def _abort_deleted(
+        self, run: CheckpointRun, coordinator: Coordinator, ckpt: RolloutCheckpoint
+    ) -> None:
         """A checkpoint deleted before it was published: every participant resumed, the slot
         freed and Failed written, bounded, shielded from the cancellation. (An operator that
         stops hands the checkpoint over instead: cancelled without aborting, see
@@ -317,7 +276,7 @@ class CheckpointFlow:
             anyio.move_on_after(context.settings.abort_timeout_seconds + 5.0),
         ):
             logger.warning("checkpoint %s cancelled: aborting it", ckpt.metadata.name)
-            await abort(context, coordinator, ckpt)
+            await abort(context, coordinator, ckpt, cut=run.cut)
             await release_slot(context, ckpt)
             # Its id is stale on every participant now: it can never be published.
             await write_failed(
@@ -329,23 +288,3 @@ class CheckpointFlow:
                     "every participant was resumed",
                 ),
             )
-
-    async def _end_failed(
-        self,
-        coordinator: Coordinator | None,
-        ckpt: RolloutCheckpoint,
-        failed: CheckpointFailed,
-        *,
-        published: bool,
-    ) -> None:
-        """How a failed step ends the run: before publish, abort and write Failed; after it,
-        Ready stays (records complete and published: never taken back)."""
-        context = self._context
-        if coordinator is not None and not published:
-            await abort(context, coordinator, ckpt)
-        await release_slot(context, ckpt)
-        if published:
-            logger.warning("checkpoint %s: %s", ckpt.metadata.name, failed.message)
-            await enter_phase(context, ckpt, CheckpointPhase.READY, completed_at=datetime.now(UTC))
-        else:
-            await write_failed(context, ckpt, failed)

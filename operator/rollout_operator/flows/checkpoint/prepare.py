@@ -1,21 +1,23 @@
 """Phases Pending (and Queued) and Preparing of the checkpoint flow: the prepare deadline, then
 every participant parks its episodes at a boundary (docs/design.md#61-checkpoint, steps 2-3).
 
-`begin` runs once per checkpoint, after the slot is taken: it fixes the deadline (an Eviction's
+`begin` takes the slots (`slot.take_slots`, Queued written while they are busy), then fixes
+the deadline (an Eviction's
 is no later than the evicted pods' grace allows), refuses a set whose pods run unmanaged workers
 before anything pauses, and enters Preparing with the attempt, start time and deadline, written
 only if the phase lasts over a second (`context.UnwrittenPhases`). Both count from when the
 checkpoint took the set's Lease (`run.slot_taken`), so a successor that finds the Lease its own but
 no phase written computes the same ones. `prepare` asks the participants to park, stage by
-stage; a restarted operator finds Preparing (or Committing, whose prepare replies the
-participants replay) and runs it again against the deadline in status.
+stage (`park`), and enters Committing; a restarted operator finds Preparing (or Committing,
+whose step parks again: the participants replay their replies) and asks again against the
+deadline in status.
 """
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from rollout_protocol import tracing
+from rollout_protocol import Coordinator, PrepareOutcome, tracing
 
 from ...decide.policy.eviction import PrepareDeadline, TerminatingPod, eviction_prepare_deadline
 from ...decide.resources import set_selector
@@ -38,10 +40,13 @@ from .context import (
     failure_reason,
     while_set_holds,
 )
+from .slot import joined, take_slots
 
 
 async def begin(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoint:
-    """Fix the prepare deadline, refuse unmanaged workers, and write Preparing."""
+    """Take the slots (Queued written while waiting), fix the prepare deadline, refuse
+    unmanaged workers, and write Preparing."""
+    coordinator = await take_slots(run, ckpt)
     rset = run.rset
     deadline = await prepare_deadline(run, ckpt)
     run.deadline_ts = deadline.at.timestamp()
@@ -54,7 +59,7 @@ async def begin(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoin
             "recentCheckpointSeconds); the recovery restores the latest Ready "
             "checkpoint instead",
         )
-    await refuse_unmanaged_workers(run)
+    await refuse_unmanaged_workers(run, coordinator)
     await enter_phase(
         run.context,
         ckpt,
@@ -75,12 +80,37 @@ async def begin(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoin
 
 
 async def prepare(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoint:
-    """Park every participant's episodes by the deadline; what parked is `run.prepared`."""
+    """Park every participant's episodes by the deadline, then enter Committing (written
+    late, if at all: `context.UnwrittenPhases`)."""
+    prepared = await park(run, ckpt)
+    await enter_phase(
+        run.context,
+        ckpt,
+        CheckpointPhase.COMMITTING,
+        defer=run.writes,
+        condition=(
+            CheckpointConditionType.PREPARED,
+            True,
+            Reason.PREPARED,
+            f"{prepared.episode_count} episode(s) parked, {len(prepared.restarts)} restart",
+        ),
+        restarts=len(prepared.restarts),
+    )
+    return ckpt
+
+
+async def park(run: CheckpointRun, ckpt: RolloutCheckpoint) -> PrepareOutcome:
+    """The prepare itself: what parked is `run.prepared`; a run that continues one (an
+    operator restart in Preparing or Committing) asks again against the deadline in status,
+    and the participants replay their replies."""
+    coordinator = await joined(run, ckpt)
     if run.deadline_ts is not None:
         deadline_ts = run.deadline_ts
-    else:
-        assert ckpt.status.deadline is not None, "a continued prepare has its deadline in status"
+    elif ckpt.status.deadline is not None:
         deadline_ts = ckpt.status.deadline.timestamp()
+    else:
+        # A running phase without a deadline (a status written by hand): the one it would get.
+        deadline_ts = (await prepare_deadline(run, ckpt)).at.timestamp()
     prepare_started = run.now()
     if run.continued:
         # An operator restart (or an API outage) mid-checkpoint: admission closed when
@@ -90,7 +120,6 @@ async def prepare(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpo
     # A deadline that passed while the operator was down: a prepare that completed then
     # is replayed at once; one that did not gets one more second, then times out.
     until = max(deadline_ts, run.now() + 1)
-    coordinator = run.coordinator
     with tracing.span("prepare"):
         outcome = await while_set_holds(
             run.context,
@@ -117,7 +146,7 @@ async def prepare(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpo
             blockers=outcome,
         )
     run.prepared = outcome
-    return ckpt
+    return outcome
 
 
 async def prepare_deadline(run: CheckpointRun, ckpt: RolloutCheckpoint) -> PrepareDeadline:
@@ -137,7 +166,7 @@ async def prepare_deadline(run: CheckpointRun, ckpt: RolloutCheckpoint) -> Prepa
     return eviction_prepare_deadline(now, timeout, terminating, rset.status.attempt)
 
 
-async def refuse_unmanaged_workers(run: CheckpointRun) -> None:
+async def refuse_unmanaged_workers(run: CheckpointRun, coordinator: Coordinator) -> None:
     """Fail before anything is paused when a pod runs workers nobody coordinates. A
     participant that does not answer its status is left to the prepare (it fails there).
 
@@ -151,7 +180,7 @@ async def refuse_unmanaged_workers(run: CheckpointRun) -> None:
         namespace, [(p.pod, p.address or "") for p in participants]
     ):
         return
-    outcome = await run.coordinator.status(run.now() + run.settings.abort_timeout_seconds)
+    outcome = await coordinator.status(run.now() + run.settings.abort_timeout_seconds)
     pods = {f"{p.role.value}-{p.index}": p.pod for p in participants}
     refused = unmanaged_workers(outcome.statuses, pods)
     if refused is not None:

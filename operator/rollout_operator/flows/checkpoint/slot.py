@@ -4,7 +4,9 @@ Two slots (docs/design.md#66-one-checkpoint-at-a-time): one of the operator's
 `--max-concurrent-checkpoints` (an in-process semaphore; Eviction and Deadline checkpoints never
 wait for it) and the set's Lease, taken only while the set is Ready (or, for an Eviction, while
 its participants still answer). A checkpoint that waits says why in phase Queued. A restarted
-operator that finds its checkpoint running holds the Lease already (`held_slot`).
+operator that finds its checkpoint running holds the Lease already (`held_slot`, through
+`joined`). Once the slot is held, `attach` gives the run its set, its coordinator and when the
+slot was taken.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from __future__ import annotations
 from typing import Final
 
 import anyio
+from rollout_protocol import Coordinator, HttpParticipantClient
 
+from ...cluster.objects import read_control_token
 from ...model.api import (
     CheckpointConditionType,
     CheckpointPhase,
@@ -25,24 +29,103 @@ from ...model.api import (
 )
 from ...model.conditions import find_condition
 from ...model.reasons import Reason
-from .context import CheckpointContext, CheckpointFailed, enter_phase, set_lost
+from .context import (
+    IN_FLIGHT,
+    CheckpointContext,
+    CheckpointFailed,
+    CheckpointRun,
+    enter_phase,
+    http_participants,
+    published,
+    set_lost,
+)
 
 UNQUEUED_TRIGGERS: Final = frozenset({Trigger.EVICTION, Trigger.DEADLINE})
 """Checkpoints with a hard deadline of their own: never queued behind the operator's limit."""
 
 
-async def take_operator_slot(
-    context: CheckpointContext,
-    slots: anyio.Semaphore | None,
-    ckpt: RolloutCheckpoint,
-    in_flight: bool,
-) -> bool:
+async def take_slots(run: CheckpointRun, ckpt: RolloutCheckpoint) -> Coordinator:
+    """The slots of a run that holds none yet (one of the operator's, then the set's Lease),
+    then its set and coordinator (`attach`); a run in flight goes on with its own (`joined`)."""
+    if not run.in_flight:
+        context = run.context
+        run.holds_operator_slot = await take_operator_slot(context, ckpt)
+        await attach(run, ckpt, await take_slot(context, ckpt))
+    return await joined(run, ckpt)
+
+
+async def joined(run: CheckpointRun, ckpt: RolloutCheckpoint) -> Coordinator:
+    """The run's coordinator; a run that continues a running checkpoint (an operator restart)
+    attaches to the slot it holds first (`held_slot`)."""
+    if run.coordinator is None:
+        await attach(run, ckpt, await held_slot(run.context, ckpt))
+    assert run.coordinator is not None
+    return run.coordinator
+
+
+async def attach(run: CheckpointRun, ckpt: RolloutCheckpoint, rset: RolloutSet) -> None:
+    """The run holds the set's slot: when it took it, when the checkpoint started, whether an
+    earlier run took it, and the coordinator over the set's participants."""
+    context = run.context
+    namespace = namespace_or_default(ckpt.metadata.namespace)
+    # The prepare starts when the checkpoint took the Lease: for a run that continues one whose
+    # phase was never written (an operator restart within its first second), that is the
+    # earlier run's start, and its prepare deadline is the same.
+    held_since = context.leases.held_since(namespace, ckpt.spec.rollout_set, ckpt)
+    run.slot_taken = slot_taken_at(held_since, ckpt, run.in_flight, context.clock())
+    started = run.began
+    if run.in_flight and ckpt.status.started_at is not None:
+        started = min(started, ckpt.status.started_at.timestamp())
+    run.started = min(started, run.slot_taken)
+    # A Lease taken before this run began (a millisecond's margin for the Lease's microsecond
+    # times) is an earlier run's: one that stopped before any phase was written (an operator
+    # restart, a status write refused in an API outage).
+    taken_earlier = held_since is not None and held_since < run.began - 0.001
+    run.continued = ckpt.status.phase in IN_FLIGHT or taken_earlier
+    run.participants = await participants_of(context, namespace, rset)
+    run.coordinator = Coordinator(run.participants)
+    run.attached = rset
+
+
+def slot_taken_at(
+    held_since: float | None, ckpt: RolloutCheckpoint, in_flight: bool, now: float
+) -> float:
+    """When the checkpoint took the set's Lease, which starts its prepare and pause: the
+    Lease's `acquireTime` as this process knows it; for a run continued from a written phase
+    without it, `startedAt` (whole seconds); else now (this run takes the Lease)."""
+    if held_since is not None:
+        return held_since
+    if in_flight and ckpt.status.started_at is not None:
+        return ckpt.status.started_at.timestamp()
+    return now
+
+
+async def participants_of(
+    context: CheckpointContext, namespace: str, rset: RolloutSet
+) -> list[HttpParticipantClient]:
+    """The coordinator's clients: one per participant of the set, with its token."""
+    token = await read_control_token(context.kube, namespace, rset.metadata.name)
+    if token is None:
+        raise CheckpointFailed(
+            Reason.SET_NOT_READY,
+            f"the control-token Secret of set {rset.metadata.name} is missing",
+        )
+    participants = (context.participants_factory or http_participants)(rset, token)
+    if not participants:
+        raise CheckpointFailed(
+            Reason.SET_NOT_READY, f"set {rset.metadata.name} shows no participant address"
+        )
+    return participants
+
+
+async def take_operator_slot(context: CheckpointContext, ckpt: RolloutCheckpoint) -> bool:
     """Wait, Queued, for one of the operator's checkpoint slots; True once one is held.
 
     Not for a checkpoint already running (an operator restart found it prepared: its
     participants are paused now) nor for one with a hard deadline (an evicted pod's grace
     period, a must-save-by time): those run at once, beside the limit."""
-    if slots is None or in_flight or ckpt.spec.trigger in UNQUEUED_TRIGGERS:
+    slots = context.slots
+    if slots is None or ckpt.spec.trigger in UNQUEUED_TRIGGERS:
         return False
     try:
         slots.acquire_nowait()
@@ -134,7 +217,7 @@ async def held_slot(context: CheckpointContext, ckpt: RolloutCheckpoint) -> Roll
         )
     rset = RolloutSet.model_validate(raw)
     lost = set_lost(rset, ckpt.status.attempt)
-    if lost is not None and ckpt.status.phase is not CheckpointPhase.RESUMING:
+    if lost is not None and not published(ckpt):
         raise CheckpointFailed(Reason.PARTICIPANT_LOST, lost)
     return rset
 
@@ -151,6 +234,7 @@ def lease_seconds(context: CheckpointContext, rset: RolloutSet) -> int:
     return int(
         rset.spec.checkpoint_policy.prepare_timeout_seconds
         + settings.commit_timeout_seconds
+        + settings.persist_timeout_seconds
         + settings.resume_timeout_seconds
         + settings.lease_margin_seconds
     )

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 from rollout_protocol import (
     ErrorCode,
     Failure,
 )
 
+from ...cluster.checkpointstatus import CheckpointStatusWriter
 from ...cluster.kube import ApiError
 from ...decide.inplace import adopted_instances, instance_name, rewiring
 from ...decide.setplan import attempt_instances
@@ -33,12 +34,14 @@ from ...model.api import (
     LastRecovery,
     RecoveryPhase,
     RecoveryStatus,
+    RolloutCheckpoint,
     RolloutSet,
     SetConditionType,
     TargetLevel,
     dump,
     namespace_or_default,
 )
+from ...model.checkpointowners import CheckpointOwner
 from ...model.conditions import (
     ConditionUpdate,
     is_true,
@@ -312,30 +315,31 @@ async def invalidate(
     phase Failed), so no later recovery tries it again, retention treats its records as
     garbage, and the set's pass moves `latestCheckpoint` to the newest other Ready
     checkpoint."""
-    namespace = namespace_or_default(rset.metadata.namespace)
     ckpt = await read_checkpoint(context, rset, name)
     if ckpt is not None:
         message = truncate(f"restore refused it, not restorable: {detail}", 1000)
-        conditions = ckpt.status.conditions
-        for type_, status in (
-            (CheckpointConditionType.READY, False),
-            (CheckpointConditionType.FAILED, True),
-        ):
-            conditions = set_condition(
-                conditions,
-                type_.value,
-                status,
-                verdict,
-                message,
-                observed_generation=ckpt.metadata.generation,
-            )
-        await context.kube.patch_checkpoint_status(
-            namespace,
-            name,
-            {
+
+        def refused(stored: RolloutCheckpoint) -> dict[str, Any]:
+            conditions = stored.status.conditions
+            for type_, status in (
+                (CheckpointConditionType.READY, False),
+                (CheckpointConditionType.FAILED, True),
+            ):
+                conditions = set_condition(
+                    conditions,
+                    type_.value,
+                    status,
+                    verdict,
+                    message,
+                    observed_generation=stored.metadata.generation,
+                )
+            return {
                 "phase": CheckpointPhase.FAILED.value,
                 "conditions": [dump(c) for c in conditions],
-            },
+            }
+
+        await CheckpointStatusWriter(context.kube, CheckpointOwner.VERDICT).write_retrying(
+            ckpt, refused
         )
     logger.warning("set %s: checkpoint %s is not restorable: %s", rset.metadata.name, name, detail)
 
