@@ -22,6 +22,7 @@ from . import tracing
 from ._control_core import PlaneCore, logger, manifest_location, storage_io
 from ._control_state import HeldCut
 from ._participant import ParkState, episodes_digest
+from ._routes import Dialect
 from ._wire import (
     MAX_BLOCKERS_REPORTED,
     CommitReply,
@@ -136,7 +137,7 @@ class CheckpointOperations:
                         # released like state outside an explicit scope: the rollouts left in
                         scope = frozenset(item.record.rollout_id for item in encoded)
                 encoding.set_attribute("rollout.records", len(encoded))
-            rollout_ids = sorted({item.record.rollout_id for item in encoded})
+            rollout_ids = self._listed(encoded)
             where = manifest_location(core.settings.storage_dir, cid, core.settings.instance)
             if request.persist_after_resume:
                 reply = self._cut(where, request, encoded, rollout_ids)
@@ -156,12 +157,20 @@ class CheckpointOperations:
             core.machine.end_commit(reply)
             return reply
 
+    def _listed(self, encoded: list[storage.EncodedRecord]) -> list[str] | None:
+        """The rollouts a commit reply lists (`CommitReply.rollout_ids`), only where NeMo Gym's
+        dialect is mounted: its reply is the one that carries them (ours never serializes the
+        field), and listing thousands of ids is a pass over them inside the pause."""
+        if Dialect.GYM not in self._core.settings.dialects:
+            return None
+        return sorted({item.record.rollout_id for item in encoded})
+
     def _cut(
         self,
         manifest_path: str,
         request: CommitRequest,
         encoded: list[storage.EncodedRecord],
-        rollout_ids: list[str],
+        rollout_ids: list[str] | None,
     ) -> CommitReply:
         """Hold the records as encoded ahead (their lines and digests: immutable bytes) and
         answer with the manifest they will have; refused (`persist_backlog`) past the bound on
