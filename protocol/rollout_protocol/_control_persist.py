@@ -85,7 +85,7 @@ class PersistOperations:
             f"the persist of checkpoint {cid!r} was stopped with its participant's control plane",
         )
         try:
-            with tracing.span("persist") as span:
+            with tracing.span("write") as span:
                 span.set_attribute("rollout.records", manifest.record_count)
                 # a bucket retries until the cut's lease, past which it is discarded anyway
                 store = core.require_store("persist", cut.expires_ts)

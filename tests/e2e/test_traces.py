@@ -7,8 +7,8 @@ environment) and the four reference servers (the same variable in their pod temp
 docs/operations.md tells users to set it). On a 4-pod set on devcluster the test checkpoints
 once and checks the checkpoint's span tree: one trace, whose id is derived from the
 RolloutCheckpoint's uid; the operator's phases under its root; under each protocol phase exactly
-one client span per participant call; under each call the participant's own spans (for commit:
-encode, write and the fsyncs). Then it SIGKILLs the model pod and checks the recovery's trace:
+one client span per participant call; under each call the participant's own spans (the commit
+is the cut: encode; the persist after the resume: write and the fsyncs). Then it SIGKILLs the model pod and checks the recovery's trace:
 its phases, and the restore and resume calls with the participants' verify / install / reopen.
 """
 
@@ -145,8 +145,9 @@ async def test_one_trace_per_checkpoint_and_per_recovery_across_five_processes(
                 calls_complete(in_trace(got, trace_id), op, own)
                 for op, own in (
                     ("prepare", ("park",)),
-                    ("commit", ("encode", "write", "fsync")),
+                    ("commit", ("encode",)),
                     ("resume", ()),
+                    ("persist", ("write", "fsync")),
                 )
             )
         ),
@@ -160,17 +161,20 @@ async def test_one_trace_per_checkpoint_and_per_recovery_across_five_processes(
     assert [r.name for r in roots] == [f"checkpoint {namespace}/traced"], "one root, one trace"
     (root,) = roots
     assert root.service == "rollout-operator"
-    writes = [s for s in children(trace, root) if s.name == "write status"]
+    writes = sorted(
+        (s for s in descendants(trace, root) if s.name == "write status"), key=lambda s: s.end_ns
+    )
     assert writes[-1].attributes["rollout.phase"] == "Ready", "its last status write"
     assert {s.service for s in trace} == {"rollout-operator", *PARTICIPANT_SERVICES}
     phases = {s.name: s for s in children(trace, root)}
-    assert {"slot", "prepare", "commit", "publish", "resume"} <= set(phases), sorted(phases)
-    assert phases["prepare"].end_ns <= phases["commit"].start_ns
-    assert phases["commit"].end_ns <= phases["publish"].start_ns
-    assert phases["publish"].end_ns <= phases["resume"].start_ns
+    order = ["prepare", "commit", "resume", "persist", "publish"]
+    assert {"slot", *order} <= set(phases), sorted(phases)
+    for earlier, later in zip(order, order[1:]):  # the pause is the cut; durable after it
+        assert phases[earlier].end_ns <= phases[later].start_ns, (earlier, later)
     check_calls(trace, phases["prepare"], "prepare", ("park",))
-    check_calls(trace, phases["commit"], "commit", ("encode", "write", "fsync"))
+    check_calls(trace, phases["commit"], "commit", ("encode",))
     check_calls(trace, phases["resume"], "resume", ("reopen",))
+    check_calls(trace, phases["persist"], "persist", ("write", "fsync"))
     assert not [s for s in trace if s.error], "nothing failed"
 
     # --- one recovery ------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Final
 
 import anyio
-from rollout_protocol import Coordinator, HttpParticipantClient
+from rollout_protocol import Coordinator, HttpParticipantClient, tracing
 
 from ...cluster.objects import read_control_token
 from ...model.api import (
@@ -49,8 +49,10 @@ async def take_slots(run: CheckpointRun, ckpt: RolloutCheckpoint) -> Coordinator
     then its set and coordinator (`attach`); a run in flight goes on with its own (`joined`)."""
     if not run.in_flight:
         context = run.context
-        run.holds_operator_slot = await take_operator_slot(context, ckpt)
-        await attach(run, ckpt, await take_slot(context, ckpt))
+        with tracing.span("slot"):
+            run.holds_operator_slot = await take_operator_slot(context, ckpt)
+            rset = await take_slot(context, ckpt)
+        await attach(run, ckpt, rset)
     return await joined(run, ckpt)
 
 
