@@ -52,6 +52,8 @@ from ._routes import (
     Route,
 )
 from ._wire import (
+    CAPABILITIES_HEADER,
+    Capability,
     CommitReply,
     CommitRequest,
     DiscardReply,
@@ -280,7 +282,11 @@ class HttpParticipantClient:
         self._dialect = self._fixed_dialect
         self._instance = f"{self._role.value}-{index}"
         self._base_url = base_url.rstrip("/")
-        self._headers = {"Accept-Encoding": "identity"}
+        # the capabilities whose reply fields this client reads (docs/protocol.md)
+        self._headers = {
+            "Accept-Encoding": "identity",
+            CAPABILITIES_HEADER: ",".join(cap.value for cap in Capability),
+        }
         if token is not None:
             self._headers["Authorization"] = f"Bearer {token}"
         self._json_headers = {**self._headers, "Content-Type": "application/json"}

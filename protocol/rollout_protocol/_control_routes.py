@@ -22,7 +22,7 @@ from . import tracing
 from ._http import gym_error_response, json_reply, parse_body, request_body_schema
 from ._routes import CONTROL_ROUTES, GYM_CAPABILITIES_PATH, ROUTES, Dialect, Route
 from ._settings import ControlSettings
-from ._wire import ErrorCode, ProtocolError
+from ._wire import CAPABILITIES_HEADER, ErrorCode, ProtocolError, fields_unread_by
 
 if TYPE_CHECKING:
     from . import _gym as gym
@@ -131,7 +131,8 @@ class ControlRouter:
                 request.headers,
                 attributes={"rollout.instance": plane.settings.instance},
             ):
-                return json_reply(await handler(body))
+                unread = fields_unread_by(request.headers.get(CAPABILITIES_HEADER))
+                return json_reply(await handler(body), unread=unread)
 
         return endpoint
 

@@ -78,8 +78,12 @@ def _inline_refs(schema: dict[str, Any]) -> dict[str, Any]:
     return resolved
 
 
-def json_reply(model: BaseModel) -> Response:
-    return Response(content=model.model_dump_json(), media_type="application/json")
+def json_reply(model: BaseModel, *, unread: frozenset[str] = frozenset()) -> Response:
+    """`model` as a JSON reply, without the fields in `unread` (those the caller would refuse:
+    `_wire.fields_unread_by`)."""
+    return Response(
+        content=model.model_dump_json(exclude=set(unread) or None), media_type="application/json"
+    )
 
 
 def gym_error_response(error: ProtocolError) -> Response:

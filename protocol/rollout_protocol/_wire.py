@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
     BaseModel,
@@ -108,6 +109,28 @@ class Capability(StrEnum):
     """A commit that asks for it (`CommitRequest.persist_after_resume`) fixes the records as
     bytes held in memory and answers at once (`CommitReply.durable` false); `persist` writes
     them after the resume, `discard` drops them."""
+
+
+CAPABILITIES_HEADER: Final = "Rollout-Capabilities"
+"""The request header in which a coordinator names the capabilities whose reply fields it reads
+(comma-separated `Capability` values). A participant leaves a capability's fields
+(`CAPABILITY_REPLY_FIELDS`) out of its replies to a coordinator that does not name it: an older
+coordinator reads replies strictly and refuses a field it does not know (docs/protocol.md,
+"Persist after resume")."""
+
+CAPABILITY_REPLY_FIELDS: Final[Mapping[Capability, frozenset[str]]] = {
+    Capability.PERSIST_AFTER_RESUME: frozenset({"capabilities", "held_bytes", "durable"}),
+}
+"""The reply fields each capability added (`StatusReply.capabilities` and `held_bytes`,
+`CommitReply.durable`)."""
+
+
+def fields_unread_by(header: str | None) -> frozenset[str]:
+    """The reply fields a coordinator that sent `CAPABILITIES_HEADER` as `header` does not read."""
+    named = {part.strip() for part in (header or "").split(",")}
+    return frozenset().union(
+        *(fields for cap, fields in CAPABILITY_REPLY_FIELDS.items() if cap.value not in named)
+    )
 
 
 class MultiProcess(StrEnum):

@@ -22,6 +22,7 @@ from typing import Any
 
 import aiohttp
 import anyio
+import httpx
 import pytest
 from fastapi import FastAPI
 from rollout_protocol import (
@@ -57,6 +58,7 @@ from rollout_protocol import (
     StatusReply,
 )
 from rollout_protocol import _storage as storage
+from rollout_protocol._wire import API_PREFIX, CAPABILITY_REPLY_FIELDS
 from rollout_protocol.conformance import serve_app
 from testsupport.participants import FakeParticipant
 
@@ -562,6 +564,33 @@ def test_a_commit_that_does_not_ask_for_the_cut_carries_no_new_field() -> None:
         checkpoint_id="ck-1", deadline_ts=time.time() + 5, persist_after_resume=True
     )
     assert '"persist_after_resume":true' in cut.model_dump_json(exclude_none=True)
+
+
+async def test_an_older_coordinator_reads_a_new_participants_replies(tmp_path: Path) -> None:
+    """An older coordinator (an operator not yet upgraded) names no capability and reads replies
+    strictly: a new participant leaves the capabilities' reply fields out of what it answers
+    it, and answers them to a coordinator that names them."""
+    new_fields = frozenset().union(*CAPABILITY_REPLY_FIELDS.values())
+    old_status = set(StatusReply.model_fields) - new_fields
+    old_commit = set(CommitReply.model_fields) - new_fields
+    member = _members(tmp_path)[Role.AGENT]
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    async with serve_app(member.app, role=Role.AGENT, token=TOKEN) as served:
+        url = served.target.base_url + API_PREFIX
+        async with httpx.AsyncClient(timeout=WAIT) as http:
+            status = (await http.get(f"{url}/status", headers=auth)).json()
+            assert set(status) <= old_status, set(status) - old_status
+            body = {"checkpoint_id": "ck-1", "deadline_ts": time.time() + 5}
+            prepared = await http.post(f"{url}/prepare", json=body, headers=auth)
+            assert prepared.status_code == 200, prepared.text
+            committed = await http.post(f"{url}/commit", json=body, headers=auth)
+            assert committed.status_code == 200, committed.text
+            assert set(committed.json()) <= old_commit, set(committed.json()) - old_commit
+            await http.post(f"{url}/resume", json=body, headers=auth)
+            named = {**auth, "Rollout-Capabilities": Capability.PERSIST_AFTER_RESUME.value}
+            status = (await http.get(f"{url}/status", headers=named)).json()
+    assert status["capabilities"] == [Capability.PERSIST_AFTER_RESUME.value]
+    assert status["held_bytes"] == 0
 
 
 def test_the_held_bytes_bound_comes_from_the_pod_environment() -> None:
