@@ -59,15 +59,13 @@ from rollout_protocol import (
     StepMode,
 )
 
-from ._peers import GymReply, PeerUnavailable, make_client, post
+from ._peers import GymReply, PeerUnavailable, make_client, post, shown
 from .episode import EpisodeRequest, EpisodeResponse, answer, legacy
 
 log = logging.getLogger("rollout_gym.environment")
 
 MAX_SESSIONS_KEPT: Final = 50_000
 """Finished rollouts whose Gym session `GET /gym/sessions` can still name."""
-MAX_SHOWN: Final = 300
-"""Characters of a tool output a mismatch message shows."""
 
 
 class Strategy(StrEnum):
@@ -210,10 +208,6 @@ def _added_usage(total: Any, more: Any) -> Any:
     return summed
 
 
-def _shown(text: str) -> str:
-    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN] + "..."
-
-
 def peer_retryable(status: int) -> bool:
     """Whether a peer's error status may change on another try (NeMo Gym's own rule for its
     servers' dependencies: 408, 425, 429 and every 5xx)."""
@@ -225,7 +219,7 @@ def refused(what: str, reply: GymReply) -> ProtocolError:
     "Errors and failures"): a status that may change is `internal` (the set's recovery plays the
     episode again); any other 4xx no restore changes: `unsupported` for a route the peer does not
     have (404, 405), `invalid_request` for a task it refuses, and the episode ends at once."""
-    said = f"{what} answered {reply.status}: {_shown(reply.text)}"
+    said = f"{what} answered {reply.status}: {shown(reply.text)}"
     if peer_retryable(reply.status):
         return ProtocolError(ErrorCode.INTERNAL, said)
     code = ErrorCode.UNSUPPORTED if reply.status in (404, 405) else ErrorCode.INVALID_REQUEST
@@ -396,7 +390,7 @@ class GymEpisodes:
         path = self.settings.snapshot_import
         done = await self._rebuild_call(rollout_id, path, {"snapshot": snapshot}, cookies, deadline)
         if not done.ok:
-            raise RebuildFailed(f"{rollout_id}: {path} answered {done.status}: {_shown(done.text)}")
+            raise RebuildFailed(f"{rollout_id}: {path} answered {done.status}: {shown(done.text)}")
         return dict(done.cookies)
 
     async def _replay_calls(
@@ -414,8 +408,8 @@ class GymEpisodes:
             if (again.status, again.text) != (call["status"], call["output"]):
                 raise RebuildFailed(
                     f"{rollout_id}: replayed call {index} ({call['path']}) answered "
-                    f"{again.status} {_shown(again.text)!r}, the record says {call['status']} "
-                    f"{_shown(call['output'])!r}: the resources server does not reproduce the "
+                    f"{again.status} {shown(again.text)!r}, the record says {call['status']} "
+                    f"{shown(call['output'])!r}: the resources server does not reproduce the "
                     "session (not deterministic, or another server or version); declare the "
                     "snapshot or restart strategy for it (docs/gym.md)"
                 )
