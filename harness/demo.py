@@ -35,13 +35,15 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import httpx
+from rollout_protocol import BucketConfig, BucketStore
 from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
 from rollout_servers.discovery import rollout_set_topology
 
 from devcluster.cluster import Cluster
 from devcluster.image import ProjectImage, build_project_image
 from devcluster.kube import open_api
-from devcluster.s3 import DEFAULT_BUCKET
+from devcluster.s3 import DEFAULT_BUCKET, credentials_secret
+from devcluster.state import S3State
 from devcluster.waiting import wait_for
 from harness import helm
 from harness.measures import (
@@ -49,6 +51,7 @@ from harness.measures import (
     Redone,
     StatsTracker,
     Timeline,
+    bucket_checkpoint_records,
     checkpoint_records,
     generation_prefixes,
     measure_redone,
@@ -71,6 +74,23 @@ from harness.objects import (
 from harness.operatorprocess import OperatorProcess, sigterm_as_interrupt
 
 Say = Callable[[str], None]
+
+BUCKET_PREFIX = "demo"
+"""With `--s3`: the key prefix of the set's records in the cluster's bucket."""
+BUCKET_SECRET = "demo-bucket-credentials"
+"""With `--s3`: the Secret holding the S3 server's credentials, named by `spec.storage.s3`."""
+
+
+def bucket_config(bucket: S3State, prefix: str) -> BucketConfig:
+    """How this process reads the set's records in the cluster's bucket (the participants get
+    the same from `spec.storage.s3`)."""
+    return BucketConfig(
+        endpoint=bucket.endpoint,
+        bucket=bucket.bucket,
+        credentials_dir=bucket.credentials_dir,
+        prefix=prefix,
+        region=bucket.region,
+    )
 
 
 def _quiet(_message: str) -> None:
@@ -118,6 +138,9 @@ class Scenario:
     keep_release: bool = False
     """With `operator_image`: leave the Helm release installed at the end (`--keep`), so the
     operator pod goes on running the kept set; otherwise it is uninstalled."""
+    bucket: S3State | None = None
+    """The set keeps its records in this bucket of the cluster's S3 server (`--s3`), through
+    `spec.storage.s3` and a Secret of the server's credentials, instead of on the volume."""
     standby: dict[str, int] | None = None
     """`spec.standby` of the set (e.g. {"model": 1}); the episodes start once every standby is
     Ready too, so the kill's recovery can adopt one."""
@@ -243,6 +266,23 @@ def _apply_example_set(cluster: Cluster, scenario: Scenario, storage_dir: Path, 
     if scenario.standby:
         spec["standby"] = dict(scenario.standby)
     manifest = example_set(storage_dir, extra_args={"model": model_args}, spec=spec)
+    if scenario.bucket is not None:
+        bucket = scenario.bucket
+        kubectl_apply(
+            cluster,
+            scenario.namespace,
+            credentials_secret(bucket, scenario.namespace, BUCKET_SECRET),
+        )
+        manifest["spec"]["storage"] = {
+            "s3": {
+                "endpoint": bucket.endpoint,
+                "bucket": bucket.bucket,
+                "prefix": BUCKET_PREFIX,
+                "region": bucket.region,
+                "secretName": BUCKET_SECRET,
+            }
+        }
+        say(f"records in s3://{bucket.bucket}/{BUCKET_PREFIX} (Secret {BUCKET_SECRET})")
     kubectl_apply(cluster, scenario.namespace, manifest)
     say(
         f"applied examples/rolloutset.yaml (recovery.targetLevel {scenario.target_level}, "
@@ -371,11 +411,15 @@ async def _drive(
         for result in results:
             out.write(result.model_dump_json() + "\n")
     (scenario.workdir / "stats.json").write_text(json.dumps(tracker.last, indent=1))
-    records = (
-        checkpoint_records(storage_dir, SET_NAME, checkpoint["metadata"]["name"])
-        if scenario.target_level == "turn"
-        else {}
-    )
+    records: dict[str, list[Any]] = {}
+    if scenario.target_level == "turn" and scenario.bucket is not None:
+        set_dir = f"{namespace}/{SET_NAME}/{final_set['metadata']['uid']}"
+        store = BucketStore(bucket_config(scenario.bucket, BUCKET_PREFIX))
+        records = await anyio.to_thread.run_sync(
+            lambda: bucket_checkpoint_records(store, set_dir, checkpoint)
+        )
+    elif scenario.target_level == "turn":
+        records = checkpoint_records(storage_dir, SET_NAME, checkpoint["metadata"]["name"])
     redone = measure_redone(tracker, results, 1, generation_prefixes(records))
     return ScenarioReport(
         scenario=scenario,
@@ -578,6 +622,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "controller-manager, node agent: gpu-0 with 8 GPUs, cpu-0)"
                 )
                 cluster = Cluster.start(root / "cluster", progress=None, s3_bucket=s3_bucket)
+                scenario.bucket = cluster.s3
             _say(f"devcluster up in {time.monotonic() - started:.1f}s; applying crds/")
             if cluster.s3 is not None:
                 _say(

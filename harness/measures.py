@@ -24,6 +24,7 @@ from typing import Any, Final
 import anyio
 import httpx
 from kubernetes_asyncio import client as k8s
+from rollout_protocol import BucketStore
 from rollout_protocol import _storage as storage
 from rollout_servers.client import EpisodeResult
 
@@ -176,6 +177,18 @@ def checkpoint_records(storage_root: Path, set_name: str, checkpoint: str) -> di
         _, records = storage.read_records(directory, expect_checkpoint_id=checkpoint)
         out[directory.name] = records
     return out
+
+
+def bucket_checkpoint_records(
+    store: BucketStore, set_dir: str, checkpoint: Mapping[str, Any]
+) -> dict[str, list[Any]]:
+    """The records of a published checkpoint in a bucket, per participant instance (verified
+    digests); blocks, so call it in a worker thread."""
+    name = checkpoint["metadata"]["name"]
+    return {
+        participant["instance"]: store.read_records(set_dir, name, participant["instance"])[1]
+        for participant in checkpoint["status"]["participants"]
+    }
 
 
 def generation_prefixes(records: Mapping[str, list[Any]]) -> dict[str, int]:
