@@ -8,12 +8,14 @@ docs/operations.md tells users to set it). On a 4-pod set on devcluster the test
 once and checks the checkpoint's span tree: one trace, whose id is derived from the
 RolloutCheckpoint's uid; the operator's phases under its root; under each protocol phase exactly
 one client span per participant call; under each call the participant's own spans (the commit
-is the cut: encode; the persist after the resume: write and the fsyncs). Then it SIGKILLs the model pod and checks the recovery's trace:
-its phases, and the restore and resume calls with the participants' verify / install / reopen.
+is the cut: encode; the persist after the resume: write and the fsyncs). Then it SIGKILLs the
+model pod and checks the recovery's trace: its phases, and the restore and resume calls with the
+participants' verify / install / reopen.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Iterator
@@ -169,7 +171,7 @@ async def test_one_trace_per_checkpoint_and_per_recovery_across_five_processes(
     phases = {s.name: s for s in children(trace, root)}
     order = ["prepare", "commit", "resume", "persist", "publish"]
     assert {"slot", *order} <= set(phases), sorted(phases)
-    for earlier, later in zip(order, order[1:]):  # the pause is the cut; durable after it
+    for earlier, later in itertools.pairwise(order):  # the pause is the cut; durable after it
         assert phases[earlier].end_ns <= phases[later].start_ns, (earlier, later)
     check_calls(trace, phases["prepare"], "prepare", ("park",))
     check_calls(trace, phases["commit"], "commit", ("encode",))
