@@ -131,7 +131,7 @@ class ControlRouter:
                 request.headers,
                 attributes={"rollout.instance": plane.settings.instance},
             ):
-                unread = fields_unread_by(request.headers.get(CAPABILITIES_HEADER))
+                unread = fields_unread_by(request.headers.get(CAPABILITIES_HEADER), body)
                 return json_reply(await handler(body), unread=unread)
 
         return endpoint

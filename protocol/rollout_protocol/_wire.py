@@ -125,9 +125,12 @@ CAPABILITY_REPLY_FIELDS: Final[Mapping[Capability, frozenset[str]]] = {
 `CommitReply.durable`)."""
 
 
-def fields_unread_by(header: str | None) -> frozenset[str]:
-    """The reply fields a coordinator that sent `CAPABILITIES_HEADER` as `header` does not read."""
+def fields_unread_by(header: str | None, request: object = None) -> frozenset[str]:
+    """The reply fields a coordinator does not read: those of the capabilities it names neither
+    in `CAPABILITIES_HEADER` (`header`) nor by asking for them in `request` (a commit with
+    `persist_after_resume` reads `durable`)."""
     named = {part.strip() for part in (header or "").split(",")}
+    named |= {cap.value for cap in Capability if getattr(request, cap.value, None)}
     return frozenset().union(
         *(fields for cap, fields in CAPABILITY_REPLY_FIELDS.items() if cap.value not in named)
     )
