@@ -1,17 +1,17 @@
 """An API server outage is weather, not an error (docs/operations.md#failure-modes, class 11).
 
 While a checkpoint waits in prepare (an episode held inside the agent's tool call), the
-kube-apiserver is stopped; the episode is released while it is down, so the checkpoint flow
-has to persist its next phase and cannot. Once the flow has noticed, the API server starts
-again. The operator rides it out: no traceback in its log (connection errors are retried with
-one line each), the checkpoint becomes Ready, its reported pause covers the whole time the
-participants were paused, and every episode finishes.
+kube-apiserver is stopped; the episode is released while it is down. The cut and the resume
+need no API server (the phases inside the pause are written late), so the episodes run on; the
+flow's first write after the resume, phase Persisting, cannot land (docs/protocol.md, "Persist
+after resume"). Once the flow has noticed, the API server starts again. The operator rides it
+out: no traceback and no failed daemon run in its log (connection errors are retried with one
+line each), the checkpoint becomes Ready, and every episode finishes.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import anyio
@@ -66,14 +66,10 @@ async def test_a_restarting_api_server_is_ridden_out(
             )
             await wait_phase(http, agent["address"], "preparing", "the agent to be preparing")
             log_before = operator.log.read_text(errors="replace")
-            down_for: list[float] = []
 
             def outage() -> None:
                 """The API server is down: let the episode park, and wait until the flow
-                tried to go on (its next status write failed). The participants are paused
-                for all of it: prepared before it began, resumed only after the flow can write
-                status again; so this window is a lower bound of the true pause."""
-                down_since = time.monotonic()
+                tried to go on after the resume (its Persisting write failed)."""
                 with httpx.Client(timeout=10) as sync:
                     reply = sync.post(
                         agent["address"] + "/debug/release",
@@ -83,10 +79,16 @@ async def test_a_restarting_api_server_is_ridden_out(
 
                 def noticed() -> bool:
                     text = operator.log.read_text(errors="replace")[len(log_before) :]
-                    return "Traceback" in text or "failed temporarily" in text
+                    return any(
+                        line in text
+                        for line in (
+                            "Persisting not written yet",
+                            "Traceback",
+                            "failed temporarily",
+                        )
+                    )
 
                 wait_for_sync(noticed, 60, "the checkpoint flow to hit the outage", interval=0.2)
-                down_for.append(time.monotonic() - down_since)
 
             await anyio.to_thread.run_sync(
                 lambda: cluster.restart("kube-apiserver", while_down=outage)
@@ -95,10 +97,10 @@ async def test_a_restarting_api_server_is_ridden_out(
                 "calm", "Ready or Failed", phase_is("Ready", "Failed"), 90
             )
     assert is_true(ckpt, "Ready"), ckpt["status"]
-    # The old flow reported only its last daemon run (0.077 s against a 13.5 s pause).
-    assert ckpt["status"]["durations"]["pauseSeconds"] >= down_for[0]
     assert not [o for o in outcomes if isinstance(o, EpisodeFailed)], outcomes
     assert len(outcomes) == len(specs)
 
     during = operator.log.read_text(errors="replace")[len(log_before) :]
     assert "Traceback" not in during, during[-4000:]
+    assert "failed temporarily" not in during, "the flow rode the outage out in its run"
+    assert "Persisting not written yet" in during, "the outage met the write after the resume"

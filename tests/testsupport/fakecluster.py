@@ -189,6 +189,10 @@ class FakeCluster:
 
         self._refusals.append(_Refusal(matches, status, message, times))
 
+    def heal(self) -> None:
+        """Refuse nothing more: the API server is back."""
+        self._refusals.clear()
+
     def count(self, verb: str, plural: str) -> int:
         return sum(1 for r in self.requests if r.verb == verb and r.plural == plural)
 

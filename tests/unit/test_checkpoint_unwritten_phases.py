@@ -71,7 +71,12 @@ class Held(Scripted):
 
 
 def flow(
-    cluster: FakeCluster, participant: Scripted, events: list[str], *, delay: float = 1.0
+    cluster: FakeCluster,
+    participant: Scripted,
+    events: list[str],
+    *,
+    delay: float = 1.0,
+    persist_timeout: float = 120.0,
 ) -> CheckpointFlow:
     async def posted(ckpt: api.RolloutCheckpoint, reason: str, message: str) -> None:
         events.append(reason)
@@ -81,7 +86,7 @@ def flow(
 
     return CheckpointFlow(
         cluster.kube(),
-        settings=FlowSettings(phase_write_seconds=delay),
+        settings=FlowSettings(phase_write_seconds=delay, persist_timeout_seconds=persist_timeout),
         participants_factory=participants,
         on_transition=posted,
     )
@@ -212,11 +217,12 @@ class Persisting(Scripted):
 async def test_a_publish_refused_after_the_persist_is_continued_not_repaired(
     tmp_path: Path, next_run: str
 ) -> None:
-    """The API server refuses the publish write (it restarts): every participant persisted, so
-    all manifests are on storage, but nothing was published. The next run (this operator's, or
-    a successor's with nothing in memory) continues it from Persisting: the persist asked again
-    and published with its durations; never cut again (the id is stale once resumed), never
-    repaired as a published checkpoint whose status was reset."""
+    """The API server refuses the publish write for longer than the run rides out an outage
+    (the persist timeout): every participant persisted, so all manifests are on storage, but
+    nothing was published. The next run (this operator's, or a successor's with nothing in
+    memory) continues it from Persisting: the persist asked again and published with its
+    durations; never cut again (the id is stale once resumed), never repaired as a published
+    checkpoint whose status was reset."""
     cluster = ready_cluster()
 
     def on_the_volume(obj: dict[str, Any]) -> None:
@@ -229,16 +235,22 @@ async def test_a_publish_refused_after_the_persist_is_continued_not_repaired(
     def refuse_the_publish() -> None:
         if len(participant.called("persist")) == 1:
             cluster.refuse(
-                "patch", api.ROLLOUT_CHECKPOINT_PLURAL, status=503, message="restarting", name=CKPT
+                "patch",
+                api.ROLLOUT_CHECKPOINT_PLURAL,
+                status=503,
+                message="restarting",
+                name=CKPT,
+                times=100,
             )
 
     participant = Persisting(
         tmp_path, set_dir(api.RolloutSet.model_validate(raw_set)), refuse_the_publish
     )
     events: list[str] = []
-    first = flow(cluster, participant, events)
+    first = flow(cluster, participant, events, persist_timeout=1.5)
     with pytest.raises(ApiError):
         await first.run(NS, CKPT)
+    cluster.heal()
     assert [op for op, _ in participant.calls] == [
         "status",
         "prepare",

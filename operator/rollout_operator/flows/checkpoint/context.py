@@ -337,6 +337,31 @@ async def _patch_status(
         await context.writer.write_retrying(ckpt, lambda stored: body)
 
 
+async def riding_out_outages(
+    run: CheckpointRun, ckpt: RolloutCheckpoint, what: str, call: Callable[[], Awaitable[_T]]
+) -> _T:
+    """`call()` (a write to the API server), tried again every `DEFER_SECONDS` while the API
+    server is unreachable or answers an error, for up to the persist timeout. After the resume
+    the pause cannot be taken again (the participants' checkpoint id is spent, their cut is
+    held), so a write there rides out an API outage instead of ending the run
+    (docs/operations.md#failure-modes)."""
+    until = run.now() + run.settings.persist_timeout_seconds
+    while True:
+        try:
+            return await call()
+        except (ApiError, OSError, TimeoutError) as error:
+            if run.now() + DEFER_SECONDS > until:
+                raise
+            logger.warning(
+                "checkpoint %s: %s not written yet (%s); again in %.0fs",
+                ckpt.metadata.name,
+                what,
+                error,
+                DEFER_SECONDS,
+            )
+            await anyio.sleep(DEFER_SECONDS)
+
+
 async def enter_phase(
     context: CheckpointContext,
     ckpt: RolloutCheckpoint,

@@ -37,6 +37,7 @@ from .context import (
     CheckpointRun,
     describe,
     failure_reason,
+    riding_out_outages,
     while_set_holds,
     write_status,
 )
@@ -137,8 +138,10 @@ async def publish(
                 observed_generation=generation,
             )
         # The terminal phase is the last write (handlers/rolloutcheckpoint.py): the slot first.
-        await release_slot(run.context, ckpt)
-        await write_status(run.context, ckpt, status)
+        await riding_out_outages(run, ckpt, "the slot", lambda: release_slot(run.context, ckpt))
+        await riding_out_outages(
+            run, ckpt, "phase Ready", lambda: write_status(run.context, ckpt, status)
+        )
         if run.context.on_transition is not None:
             await run.context.on_transition(ckpt, Reason.PUBLISHED, message)
     return ckpt

@@ -17,7 +17,15 @@ from datetime import UTC, datetime
 from rollout_protocol import tracing
 
 from ...model.api import CheckpointDurations, CheckpointPhase, RolloutCheckpoint
-from .context import CheckpointRun, describe, enter_phase, logger, published, set_lost
+from .context import (
+    CheckpointRun,
+    describe,
+    enter_phase,
+    logger,
+    published,
+    riding_out_outages,
+    set_lost,
+)
 from .slot import joined, release_slot
 
 
@@ -42,17 +50,27 @@ async def resume(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoi
     durations = durations.model_copy(update={"pause_seconds": round(pause, 3)})
     if published(ckpt):
         durations.total_seconds = round(run.now() - run.started, 3)
-        await release_slot(run.context, ckpt)
-        await enter_phase(
-            run.context,
+        await riding_out_outages(run, ckpt, "the slot", lambda: release_slot(run.context, ckpt))
+        await riding_out_outages(
+            run,
             ckpt,
-            CheckpointPhase.READY,
-            durations=durations,
-            completed_at=datetime.now(UTC),
+            "phase Ready",
+            lambda: enter_phase(
+                run.context,
+                ckpt,
+                CheckpointPhase.READY,
+                durations=durations,
+                completed_at=datetime.now(UTC),
+            ),
         )
         return ckpt
     # Written at once: the episodes run again, so the request costs them nothing, and a
     # successor that finds Persisting asks the persist again (the cut can no longer be: the
     # id is stale once resumed).
-    await enter_phase(run.context, ckpt, CheckpointPhase.PERSISTING, durations=durations)
+    await riding_out_outages(
+        run,
+        ckpt,
+        "phase Persisting",
+        lambda: enter_phase(run.context, ckpt, CheckpointPhase.PERSISTING, durations=durations),
+    )
     return ckpt
