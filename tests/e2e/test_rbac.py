@@ -363,7 +363,6 @@ def run_case(cluster: Cluster, grant: Grant, folder: Path) -> Outcome:
         log = folder / "operator.log"
         with operator_process(kubeconfig, log, [namespace], graceful=False) as op:
             if grant.step == "queue":
-                play_kueue_objects(cluster)
                 apply(cluster, namespace, queued_probe_set(storage))
             elif grant.step != "start":
                 apply(cluster, namespace, probe_set(storage))
@@ -418,7 +417,9 @@ PROBE_PRIORITY = "rbac-probe-priority"
 
 
 def play_kueue_objects(cluster: Cluster) -> None:
-    """The cluster-scoped Kueue objects the queued probe names (idempotent; cases share them)."""
+    """The cluster-scoped Kueue objects the queued probe names. Idempotent, but applied once
+    before the cases start: two concurrent applies of a new object race (both read it absent,
+    one create then fails with AlreadyExists)."""
     objects = [
         {
             "apiVersion": "kueue.x-k8s.io/v1beta2",
@@ -516,6 +517,8 @@ async def test_each_verb_removed_fails_with_403(
     cases = [g for g in GRANTS if g.step == step]
     outcomes: list[Outcome] = []
     limiter = anyio.CapacityLimiter(CONCURRENT_CASES)
+    if step == "queue":
+        await anyio.to_thread.run_sync(play_kueue_objects, cluster)
 
     async def one(grant: Grant) -> None:
         outcome = await anyio.to_thread.run_sync(
@@ -523,9 +526,18 @@ async def test_each_verb_removed_fails_with_403(
         )
         outcomes.append(outcome)
 
-    async with anyio.create_task_group() as group:
-        for grant in cases:
-            group.start_soon(one, grant)
+    try:
+        async with anyio.create_task_group() as group:
+            for grant in cases:
+                group.start_soon(one, grant)
+    finally:
+        if step == "queue":
+            cluster.kubectl(
+                "delete",
+                f"resourceflavors.kueue.x-k8s.io/{PROBE_FLAVOR}",
+                f"workloadpriorityclasses.kueue.x-k8s.io/{PROBE_PRIORITY}",
+                "--ignore-not-found",
+            )
     for o in sorted(outcomes, key=lambda o: -o.seconds):
         print(f"{o.grant.verb} {o.grant.resource}: 403 after {o.seconds:.1f}s")
     missing = [o for o in outcomes if not o.seen]
