@@ -207,7 +207,7 @@ class CheckpointOperations:
         core, cid = self._core, request.checkpoint_id
         settings = core.settings
         try:
-            with tracing.span("write"), core.storage_deadline("commit", request.deadline_ts):
+            with tracing.span("write"), core.storage_deadline("commit", request.deadline_ts, store):
                 await self._directory_made(cid)
                 manifest = await storage_io(
                     lambda: store.write_records(

@@ -30,7 +30,7 @@ from anyio.abc import TaskGroup
 
 from . import _storage as storage
 from ._control_state import CollectorHold, HeldCuts, RemovalClaims, RetireMarks
-from ._objectstore import BucketError
+from ._objectstore import BucketError, BucketStore
 from ._participant import Participant
 from ._phases import PhaseMachine
 from ._settings import S3_ENV_PREFIX, ControlSettings
@@ -125,10 +125,12 @@ class PlaneCore:
         return store
 
     @contextmanager
-    def storage_deadline(self, operation: str, deadline_ts: float) -> Iterator[None]:
+    def storage_deadline(
+        self, operation: str, deadline_ts: float, store: storage.RecordsStore
+    ) -> Iterator[None]:
         """Bound the storage I/O of a call holding the lock by the call's deadline: past it the
-        call fails (`storage_failed`), the lock is freed, and the worker thread is left to
-        finish on its own (its result is dropped)."""
+        call fails (`storage_failed`, saying what the bucket's tries met so far), the lock is
+        freed, and the worker thread is left to finish on its own (its result is dropped)."""
         try:
             with anyio.fail_after(max(0.0, deadline_ts - self.clock())):
                 yield
@@ -136,12 +138,12 @@ class PlaneCore:
             logger.error(
                 "%s: %s: storage did not answer by the deadline", self.settings.instance, operation
             )
-            bucket = self.settings.bucket
-            if bucket is not None:
+            if isinstance(store, BucketStore):
+                reason, seen = store.seen_so_far()
+                outcome = "had no success" if seen else "did not answer"
                 raise BucketError(
-                    "timeout",
-                    f"{operation}: bucket {bucket.url} at {bucket.endpoint} did not answer by "
-                    "the call's deadline",
+                    reason,
+                    f"{operation}: bucket {store.where} {outcome} by the call's deadline{seen}",
                 ) from None
             raise storage.StorageError(
                 f"{operation}: storage did not answer by the call's deadline at",

@@ -222,7 +222,7 @@ class PersistOperations:
         try:
             if deadline_ts is None:
                 return await anyio.to_thread.run_sync(remove)
-            with core.storage_deadline("discard", deadline_ts):
+            with core.storage_deadline("discard", deadline_ts, store):
                 return await storage_io(remove)
         except (storage.StorageError, storage.UnsafePath) as error:
             raise ProtocolError(ErrorCode.STORAGE_FAILED, str(error)) from error

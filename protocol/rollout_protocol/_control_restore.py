@@ -197,7 +197,7 @@ class RestoreOperation:
         set_dir, cid = core.settings.storage_dir, request.checkpoint_id
         where = manifest_location(set_dir, cid, source)
         try:
-            with core.storage_deadline("restore", request.deadline_ts):
+            with core.storage_deadline("restore", request.deadline_ts, store):
                 manifest, records = await storage_io(
                     lambda: store.read_records(set_dir, cid, source)
                 )

@@ -132,7 +132,7 @@ class RetireOperations:
                 core.removals.end(claim)
 
         try:
-            with core.storage_deadline("remove", request.deadline_ts):
+            with core.storage_deadline("remove", request.deadline_ts, store):
                 reply = await storage_io(remove_all)
         except storage.StorageError as error:
             raise ProtocolError(ErrorCode.STORAGE_FAILED, str(error)) from error

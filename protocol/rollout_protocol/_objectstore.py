@@ -41,6 +41,7 @@ import itertools
 import random
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -370,6 +371,21 @@ def _classify(error: Exception) -> _Failure:
     return _Failure(reason, status, code)
 
 
+def _what_the_tries_saw(failures: Sequence[_Failure]) -> tuple[str, str]:
+    """The reason and the message's tail for a request whose tries all failed until the
+    deadline. A try's timeout is often only the deadline cutting the last try short (its client
+    waits no longer than the time left), so a timeout is the reason only when no try failed
+    otherwise; the tail names each kind of failure with its count, in the order first seen."""
+    if not failures:
+        return "timeout", ""
+    counts = Counter(failure.describe() for failure in failures)
+    other = [failure for failure in failures if failure.reason != "timeout"]
+    reason = (other or failures)[-1].reason
+    tries = "try" if len(failures) == 1 else "tries"
+    seen = ", ".join(f"{what} ({n})" if n > 1 else what for what, n in counts.items())
+    return reason, f" after {len(failures)} {tries}: {seen}"
+
+
 class _NotFound(Exception):
     """The server answered 404 for a key."""
 
@@ -392,6 +408,11 @@ class BucketStore:
     )
     """The client of this call's last try, reused by the next request's first try while the
     credentials are the same (a client costs milliseconds to make and its connection is kept)."""
+    _failed_tries: list[_Failure] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
+    """The failed tries of the request in flight (a caller whose own deadline passed first
+    reads them, `seen_so_far`, to say what the bucket did)."""
 
     @property
     def where(self) -> str:
@@ -420,7 +441,8 @@ class BucketStore:
             self.deadline_ts if self.deadline_ts is not None else self.clock() + self.budget_seconds
         )
         shown = _relative(self.config, key)
-        failure: _Failure | None = None
+        failures: list[_Failure] = []
+        self._failed_tries = failures
         for attempt in itertools.count():
             left = deadline - self.clock()
             if left <= 0:
@@ -432,6 +454,7 @@ class BucketStore:
                 raise _Exists(key) from None
             except (BaseError, OSError) as error:
                 failure = _classify(error)
+                failures.append(failure)
             if failure.reason == "missing":
                 raise _NotFound(key) from None
             if not failure.retryable:
@@ -440,12 +463,17 @@ class BucketStore:
             if self.clock() + pause >= deadline:
                 break
             time.sleep(pause)
-        last = f"; last: {failure.describe()}" if failure is not None else ""
+        reason, seen = _what_the_tries_saw(failures)
         raise BucketError(
-            "timeout" if failure is None else failure.reason,
-            f"{what} {shown} in bucket {self.where}: no success by the call's deadline{last}",
+            reason,
+            f"{what} {shown} in bucket {self.where}: no success by the call's deadline{seen}",
             shown,
         )
+
+    def seen_so_far(self) -> tuple[str, str]:
+        """The reason and message tail (`_what_the_tries_saw`) of the request in flight, for a
+        caller that stopped waiting on it (read from another thread: a copy of the list)."""
+        return _what_the_tries_saw(list(self._failed_tries))
 
     def _error(self, what: str, key: str, failure: _Failure) -> BucketError:
         message = f"{what} {key} in bucket {self.where}: {failure.describe()}"

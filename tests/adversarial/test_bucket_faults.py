@@ -13,6 +13,7 @@ Secret's folder, never a key.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -264,6 +265,34 @@ async def test_a_restore_retries_inside_its_deadline_then_fails_as_storage_never
         again, _ = await _restore(client)
         assert again.status_code == 200, again.text
         assert RestoreReply.model_validate_json(again.content).record_count == 2
+
+
+async def test_a_restore_whose_last_try_the_deadline_cuts_names_what_the_tries_before_met(
+    s3_bucket: S3Bucket, s3_network: FakeNetwork, tmp_path: Path
+) -> None:
+    """Two tries dropped, then every try slow: the last try times out only because the
+    deadline cuts it short, so the failure names the unreachable endpoint the tries met, and
+    the timeout after it, each with its count."""
+    folder = tmp_path / "creds"
+    await _committed(s3_bucket, folder)
+    s3_network.drop(methods={"GET"}, times=2)
+    s3_network.slow(30.0, methods={"GET"})
+    fresh = FakeParticipant()
+    plane = ControlPlane(fresh, _settings(s3_bucket.through(s3_network), folder, attempt=1))
+    async with _serve(plane) as client:
+        response, deadline = await _restore(client)
+
+    detail = _failed(response, deadline)
+    # the slow try ends at the deadline: as a timeout the store saw (3 tries) or, when the
+    # call's own deadline comes first, still in flight (2 tries); either way the drops show
+    shown = re.search(r"no success by the call's deadline after (\d) tries: (.*)", detail)
+    assert shown is not None, detail
+    tries, seen = shown.groups()
+    assert (tries, seen) in {
+        ("3", "the endpoint is unreachable (2), the request timed out"),
+        ("2", "the endpoint is unreachable (2)"),
+    }, detail
+    assert fresh.install_calls == 0
 
 
 async def test_a_throttled_restore_succeeds_once_the_throttle_passes(
