@@ -66,7 +66,9 @@ from testsupport.gym_processes import (
     SNAPSHOT_COUNTER,
     GymProcess,
     counter_row,
+    free_port,
     gym_python,
+    stop_together,
 )
 from testsupport.server_processes import (
     STOP_TIMEOUT_S,
@@ -169,41 +171,50 @@ class GymDriver:
         )
         first = self.first_attempt is None
         server = self.server if first else self.server_after_crash
-        self.resources = GymProcess.start(
-            self.root,
-            "resources",
-            ["--server", server, "--name", COUNTER_NAME],
-            attempt=attempt,
-            release=self.release,
-        )
-        self.env = GymProcess.start(
-            self.root,
-            "environment",
-            [
-                "--strategy",
-                self.strategy,
-                "--model-url",
-                self.model.url,
-                "--resources-url",
-                self.resources.url,
-                "--step-timeout-seconds",
-                "30",
-                "--rebuild-timeout-seconds",
-                "20",
-            ],
-            attempt=attempt,
-            env={"ROLLOUT_GYM_REBUILD": "on" if self.rebuild else "off"},
-            release=self.release,
-        )
+        resources_port = free_port()
+
+        def start_resources() -> None:
+            self.resources = GymProcess.start(
+                self.root,
+                "resources",
+                ["--server", server, "--name", COUNTER_NAME],
+                attempt=attempt,
+                port=resources_port,
+                release=self.release,
+            )
+
+        def start_env(model_url: str) -> None:
+            self.env = GymProcess.start(
+                self.root,
+                "environment",
+                [
+                    "--strategy",
+                    self.strategy,
+                    "--model-url",
+                    model_url,
+                    "--resources-url",
+                    f"http://127.0.0.1:{resources_port}",
+                    "--step-timeout-seconds",
+                    "30",
+                    "--rebuild-timeout-seconds",
+                    "20",
+                ],
+                attempt=attempt,
+                env={"ROLLOUT_GYM_REBUILD": "on" if self.rebuild else "off"},
+                release=self.release,
+            )
+
+        # the two Gym servers at once (each waits for its own /healthz; the adapter reaches the
+        # counter only per episode): a Gym start is seconds of imports
+        async with anyio.create_task_group() as starting:
+            starting.start_soon(anyio.to_thread.run_sync, start_resources)
+            starting.start_soon(anyio.to_thread.run_sync, start_env, self.model.url)
         if self.first_attempt is None:
             self.first_attempt = attempt
 
     def stop(self) -> None:
-        for process in (self.env, self.resources):
-            if process is not None:
-                process.stop()
-        if self.model is not None and self.model.process.poll() is None:
-            self.model.stop()
+        model = self.model if self.model is not None and self.model.process.poll() is None else None
+        stop_together([self.env, self.resources, model])
 
 
 async def run_kit(tmp_path: Path, *, restarting: bool = False, **kwargs: Any) -> GymDriver:

@@ -37,7 +37,13 @@ import httpx
 import pytest
 from rollout_protocol import Coordinator, HttpParticipantClient, Role
 from rollout_protocol.conformance import RunRefused, Target, check_crash_restore
-from testsupport.gym_processes import GymProcess, counter_row, free_port, gym_python
+from testsupport.gym_processes import (
+    GymProcess,
+    counter_row,
+    free_port,
+    gym_python,
+    stop_together,
+)
 from testsupport.server_processes import (
     STOP_TIMEOUT_S,
     TOKEN,
@@ -213,10 +219,8 @@ class EnvironmentDriver:
             self.first_attempt = attempt
 
     def stop(self) -> None:
-        for process in self.gym.values():
-            process.stop()
-        if self.model is not None and self.model.process.poll() is None:
-            self.model.stop()
+        model = self.model if self.model is not None and self.model.process.poll() is None else None
+        stop_together([*self.gym.values(), model])
 
 
 async def test_single_agent_turn_is_checkpointed_at_its_protocol_steps(tmp_path: Path) -> None:
@@ -443,7 +447,4 @@ async def test_legacy_agent_environments_restart_their_agent_call_exactly_once(
                 assert set(steps) == {"1"}, counts
                 assert steps["1"]["agent"] == {"started": 1, "completed": 1}, counts
     finally:
-        for process in processes:
-            process.stop()
-        if model.process.poll() is None:
-            model.stop()
+        stop_together([*processes, model if model.process.poll() is None else None])

@@ -28,6 +28,7 @@ project's model server.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import time
@@ -40,7 +41,14 @@ import httpx
 import pytest
 from rollout_protocol import Coordinator, HttpParticipantClient, Role
 from test_gym_adapter import GymDriver, row
-from testsupport.gym_processes import COUNTER, COUNTER_NAME, GYM_RELEASES, GymProcess, gym_python
+from testsupport.gym_processes import (
+    COUNTER,
+    COUNTER_NAME,
+    GYM_RELEASES,
+    GymProcess,
+    gym_python,
+    stop_together,
+)
 from testsupport.server_processes import TOKEN, Debug, ServerProcess, free_port
 
 COLLECTOR = Path(__file__).resolve().parents[1] / "testsupport" / "gym_collector.py"
@@ -113,29 +121,41 @@ async def test_a_typed_episode_from_gyms_collector(tmp_path: Path, release: str)
     expected["task"]["task_id"]["task_id"] = "t0"
     assert requests[0] == expected, requests  # the shape the tests below send
     model = ServerProcess.start(tmp_path, Role.MODEL, "--token-latency-ms", "0", attempt=0)
-    started: list[GymProcess] = []
+    started: dict[str, GymProcess] = {}
+    counter_url = f"http://127.0.0.1:{free_port()}"
     try:
-        counter = GymProcess.start(
-            tmp_path,
-            "resources",
-            ["--server", COUNTER, "--name", COUNTER_NAME],
-            attempt=0,
-            release=release,
-        )
-        started.append(counter)
 
-        def environment(resources_url: str, step_timeout_s: float) -> GymProcess:
+        def start_counter() -> None:
+            started["counter"] = GymProcess.start(
+                tmp_path,
+                "resources",
+                ["--server", COUNTER, "--name", COUNTER_NAME],
+                attempt=0,
+                port=int(counter_url.rsplit(":", 1)[1]),
+                release=release,
+            )
+
+        def environment(name: str, resources_url: str, step_timeout_s: float) -> None:
             args = ["--model-url", model.url, "--resources-url", resources_url]
             args += ["--step-timeout-seconds", str(step_timeout_s)]
-            env = GymProcess.start(tmp_path, "environment", args, attempt=0, release=release)
-            started.append(env)
-            return env
+            started[name] = GymProcess.start(
+                tmp_path, "environment", args, attempt=0, release=release
+            )
 
-        env = environment(counter.url, 2 * WAIT_S)
-        # the model server has no /seed_session (404); a wait for its restore would outlast
-        # the test's own deadline for the call
-        refusing = environment(model.url, 2 * WAIT_S)
-        lost = environment(f"http://127.0.0.1:{free_port()}", 2)  # nothing listens there
+        # the four at once (each waits for its own /healthz; an environment reaches its
+        # resources server only per episode): a Gym start is seconds of imports
+        async with anyio.create_task_group() as starting:
+            starting.start_soon(anyio.to_thread.run_sync, start_counter)
+            for name, resources_url, step_timeout_s in (
+                ("env", counter_url, 2 * WAIT_S),
+                # the model server has no /seed_session (404); a wait for its restore would
+                # outlast the test's own deadline for the call
+                ("refusing", model.url, 2 * WAIT_S),
+                ("lost", f"http://127.0.0.1:{free_port()}", 2),  # nothing listens there
+            ):
+                call = functools.partial(environment, name, resources_url, step_timeout_s)
+                starting.start_soon(anyio.to_thread.run_sync, call)
+        env, refusing, lost = started["env"], started["refusing"], started["lost"]
         async with httpx.AsyncClient(timeout=WAIT_S) as http:
             replies = [(await http.post(env.url + "/run", json=body)) for body in requests[:2]]
             materialized_04 = await http.post(
@@ -148,9 +168,7 @@ async def test_a_typed_episode_from_gyms_collector(tmp_path: Path, release: str)
             )
             unreachable = await http.post(lost.url + "/run", json=requests[3])
     finally:
-        for process in started:
-            process.stop()
-        model.stop()
+        stop_together([*started.values(), model])
     bodies = [reply.json() for reply in (*replies, refused, unreachable)]
     assert [reply.status_code for reply in (*replies, refused, unreachable)] == [200] * 4, bodies
     seen = gym_collector(rows, bodies, ran=list(enumerate(bodies)))

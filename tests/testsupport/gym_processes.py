@@ -22,10 +22,11 @@ import functools
 import os
 import signal
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from rollout_gym import SUPPORTED_GYM_RELEASES
@@ -169,6 +170,19 @@ class GymProcess:
             self.process.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             self.kill()
+
+
+class Stoppable(Protocol):
+    def stop(self) -> Any: ...
+
+
+def stop_together(processes: Iterable[Stoppable | None]) -> None:
+    """Stop each of `processes` (None: nothing to stop) at once: each one's graceful stop waits
+    on its own drain, so one after another would add those waits up."""
+    live = [process for process in processes if process is not None]
+    with ThreadPoolExecutor(max_workers=max(1, len(live))) as pool:
+        for done in [pool.submit(process.stop) for process in live]:
+            done.result()
 
 
 def counter_value(resources_url: str, cookies: Mapping[str, str]) -> int:
