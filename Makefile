@@ -12,6 +12,10 @@ S3_LINK := .bin/s3
 # image's busybox); `make node-binaries` installs those missing with apt-get.
 NODE_DEBS := runc iptables nftables conntrack busybox-static
 ENGINE_LINK := .bin/engines
+# apt-get under one lock (the script's own file, so nothing is left behind): `make test` builds
+# two targets at a time, and two of them may install Debian packages (dpkg takes one at a time;
+# a second apt-get would fail on its lock).
+APT_INSTALL := flock -w 1800 devcluster/apt-install.sh devcluster/apt-install.sh
 PYTEST_ARGS ?=
 # `make test` runs the suite on this many pytest-xdist workers (TEST_WORKERS=0: one process);
 # the container-node tests run whole on one worker (tests/conftest.py).
@@ -92,7 +96,7 @@ s3-server:
 node-packages:
 	@missing=""; for pkg in $(NODE_DEBS); do dpkg-query -W -f='$${Status}' $$pkg 2>/dev/null | grep -q 'ok installed' || missing+=" $$pkg"; done; \
 	  if [ -n "$$missing" ]; then echo "[devcluster] installing Debian packages:$$missing"; \
-	    apt-get install -y -qq --no-install-recommends $$missing >/dev/null || { apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing; }; fi
+	    $(APT_INSTALL) $$missing; fi
 
 node-binaries: cluster-binaries node-packages
 	@bindir="$$(devcluster/build-node-binaries.sh | tail -n 1)" && ln -sfn "$$bindir" $(NODE_BIN_LINK) \
@@ -113,8 +117,7 @@ image:
 	@# runc: tests/containers runs a container of the image with buildah (oci isolation)
 	@command -v buildah >/dev/null && command -v mmdebstrap >/dev/null && command -v runc >/dev/null || { \
 	  echo "[image] installing buildah, mmdebstrap and runc (Debian packages)"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-	    buildah mmdebstrap runc >/dev/null; }
+	  $(APT_INSTALL) buildah mmdebstrap runc; }
 	@mkdir -p .bin
 	@dir="$$(image/build.sh | tail -n 1)" && ln -sfn "$$dir" .bin/image \
 	  && echo "[image] archive in $$dir (linked as .bin/image)"
@@ -141,7 +144,12 @@ test-adversarial: venv cluster-binaries s3-server
 # tests/kind is not in `make test`: 6 minutes warm on two cores (8.5 under load) against a
 # budget of about 4, and 10-16 cold minutes against cold CI's 10 left; `make kind-e2e` runs it
 # (docs/kind.md, "Why tests/kind is not in make test: the floor").
-test: venv cluster-binaries kueue-binaries s3-server node-binaries engine image gym-venv lint
+# Its builds run two at a time (each is cached per machine; cold on two cores they took 33
+# minutes so, about 45 one after another), then lint, then the suite.
+TEST_BUILDS := venv cluster-binaries kueue-binaries s3-server node-binaries engine image gym-venv
+test:
+	@$(MAKE) --no-print-directory -j2 $(TEST_BUILDS)
+	@$(MAKE) --no-print-directory lint
 	$(VENV)/bin/pytest -n $(TEST_WORKERS) --ignore=tests/kind $(PYTEST_ARGS)
 
 # S3=1: the cluster also runs an S3 server on loopback with a bucket (devcluster/s3.py).
@@ -191,7 +199,7 @@ export KIND_WORKERS
 kind-packages:
 	@missing=""; for pkg in $(KIND_DEBS); do dpkg-query -W -f='$${Status}' $$pkg 2>/dev/null | grep -q 'ok installed' || missing+=" $$pkg"; done; \
 	  if [ -n "$$missing" ]; then echo "[kind] installing Debian packages:$$missing"; \
-	    apt-get install -y -qq --no-install-recommends $$missing >/dev/null || { apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing; }; fi
+	    $(APT_INSTALL) $$missing; fi
 
 kind: venv cluster-binaries
 	@if docker info >/dev/null 2>&1 && [ -z "$$KIND_PODMAN" ]; then kind/up-docker.sh; \
