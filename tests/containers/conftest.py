@@ -128,14 +128,18 @@ def operator_release(
         yield provider_namespace
     finally:
         print(diagnostics(container_provider, provider_namespace))
-        # The set goes first (its finalizers need the operator), then the release.
-        container_provider.kubectl(
-            "delete",
-            "rolloutset",
-            "--all",
-            "-n",
-            provider_namespace,
-            "--timeout=120s",
-            check=False,
-        )
-        helm(container_provider, "uninstall", RELEASE, "--namespace", provider_namespace)
+        # The set goes first (its finalizers need the operator), then the release, always: a
+        # release left behind keeps its cluster-wide ClusterRole and every later install fails.
+        try:
+            container_provider.kubectl(
+                "delete",
+                "rolloutset",
+                "--all",
+                "-n",
+                provider_namespace,
+                "--timeout=120s",
+                check=False,
+                timeout=150.0,  # past kubectl's own --timeout, so kubectl says what it waited on
+            )
+        finally:
+            helm(container_provider, "uninstall", RELEASE, "--namespace", provider_namespace)
