@@ -122,7 +122,8 @@ async def test_a_typed_episode_from_gyms_collector(tmp_path: Path, release: str)
     assert requests[0] == expected, requests  # the shape the tests below send
     model = ServerProcess.start(tmp_path, Role.MODEL, "--token-latency-ms", "0", attempt=0)
     started: dict[str, GymProcess] = {}
-    counter_url = f"http://127.0.0.1:{free_port()}"
+    counter_port = free_port()
+    counter_url = f"http://127.0.0.1:{counter_port}"
     try:
 
         def start_counter() -> None:
@@ -131,7 +132,7 @@ async def test_a_typed_episode_from_gyms_collector(tmp_path: Path, release: str)
                 "resources",
                 ["--server", COUNTER, "--name", COUNTER_NAME],
                 attempt=0,
-                port=int(counter_url.rsplit(":", 1)[1]),
+                port=counter_port,
                 release=release,
             )
 
