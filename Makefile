@@ -94,9 +94,7 @@ s3-server:
 # The container node (`python -m devcluster up --node-runtime containerd`): its Debian packages
 # when missing, then kubelet, kube-proxy, containerd and the CNI plugins from pinned Go modules.
 node-packages:
-	@missing=""; for pkg in $(NODE_DEBS); do dpkg-query -W -f='$${Status}' $$pkg 2>/dev/null | grep -q 'ok installed' || missing+=" $$pkg"; done; \
-	  if [ -n "$$missing" ]; then echo "[devcluster] installing Debian packages:$$missing"; \
-	    $(APT_INSTALL) $$missing; fi
+	@$(APT_INSTALL) devcluster $(NODE_DEBS)
 
 node-binaries: cluster-binaries node-packages
 	@bindir="$$(devcluster/build-node-binaries.sh | tail -n 1)" && ln -sfn "$$bindir" $(NODE_BIN_LINK) \
@@ -117,7 +115,7 @@ image:
 	@# runc: tests/containers runs a container of the image with buildah (oci isolation)
 	@command -v buildah >/dev/null && command -v mmdebstrap >/dev/null && command -v runc >/dev/null || { \
 	  echo "[image] installing buildah, mmdebstrap and runc (Debian packages)"; \
-	  $(APT_INSTALL) buildah mmdebstrap runc; }
+	  $(APT_INSTALL) image buildah mmdebstrap runc; }
 	@mkdir -p .bin
 	@dir="$$(image/build.sh | tail -n 1)" && ln -sfn "$$dir" .bin/image \
 	  && echo "[image] archive in $$dir (linked as .bin/image)"
@@ -197,9 +195,7 @@ KIND_WORKERS ?= 2
 export KIND_WORKERS
 
 kind-packages:
-	@missing=""; for pkg in $(KIND_DEBS); do dpkg-query -W -f='$${Status}' $$pkg 2>/dev/null | grep -q 'ok installed' || missing+=" $$pkg"; done; \
-	  if [ -n "$$missing" ]; then echo "[kind] installing Debian packages:$$missing"; \
-	    $(APT_INSTALL) $$missing; fi
+	@$(APT_INSTALL) kind $(KIND_DEBS)
 
 kind: venv cluster-binaries
 	@if docker info >/dev/null 2>&1 && [ -z "$$KIND_PODMAN" ]; then kind/up-docker.sh; \
