@@ -65,9 +65,10 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -105,6 +106,8 @@ from rollout_protocol import (
 )
 from rollout_protocol import _storage as storage
 from rollout_servers.tasks import sample_tasks
+
+from devcluster import s3
 
 _Reply = TypeVar("_Reply")
 
@@ -362,11 +365,24 @@ async def run_trainer(environment: str, ids: list[str], failures: Path) -> None:
             runs.start_soon(run, shards[i % len(shards)], body)
 
 
-async def bench(episodes: int, repeats: int, replicas: int, root: Path) -> None:
-    calls: dict[tuple[str, Role], list[float]] = defaultdict(list)
-    spans: Spans = defaultdict(list)
-    current = [""]
-    with servers(root, replicas=replicas) as procs:
+@dataclass
+class HeldEpisodes:
+    """A group of servers with live episodes held at their hold points (`held_episodes`)."""
+
+    urls: dict[Server, str]
+    pids: dict[Server, int]
+    live_after: float
+    """Seconds from starting the episodes to every one held."""
+
+
+@asynccontextmanager
+async def held_episodes(
+    root: Path, episodes: int, replicas: int, environment: Mapping[str, str] | None = None
+) -> AsyncIterator[HeldEpisodes]:
+    """The servers (`servers`, their files under `root`) with `episodes` live episodes started by
+    a trainer process per lane and held until the block ends: a third of each lane's episodes at
+    each hold point (between agent turns, mid-generation, inside a replay-mode verification)."""
+    with servers(root, replicas=replicas, environment=environment) as procs:
         urls = {server: url for server, (url, _) in procs.items()}
         ids = [f"b{i:05d}" for i in range(episodes)]
         lanes = {lane: ids[lane::replicas] for lane in range(replicas)}
@@ -406,9 +422,9 @@ async def bench(episodes: int, repeats: int, replicas: int, root: Path) -> None:
             started = time.perf_counter()
             with ExitStack() as trainers:
                 for lane, members in lanes.items():
-                    environment = urls[(Role.ENVIRONMENT, lane)]
+                    environment_url = urls[(Role.ENVIRONMENT, lane)]
                     log = root / f"trainer-{lane}.log"
-                    trainers.enter_context(trainer(environment, members, failures, log))
+                    trainers.enter_context(trainer(environment_url, members, failures, log))
                 budget = time.monotonic() + 60 + HOLD_SECONDS_PER_EPISODE * episodes
                 for (role, lane), members in groups.items():
                     point, _ = holds[role]
@@ -422,59 +438,66 @@ async def bench(episodes: int, repeats: int, replicas: int, root: Path) -> None:
                             f"episodes did not reach their hold points: {reply.text}\n"
                             f"/run calls that ended early: {ended}\n{logs}"
                         )
-                live_after = time.perf_counter() - started
+                yield HeldEpisodes(
+                    urls,
+                    {server: pid for server, (_, pid) in procs.items()},
+                    time.perf_counter() - started,
+                )
 
-                # no connection limit: every participant's prepare parks on its connection
-                unlimited = aiohttp.TCPConnector(limit=0)
-                timeout = aiohttp.ClientTimeout(total=120)
-                async with aiohttp.ClientSession(connector=unlimited, timeout=timeout) as control:
-                    participants = [
-                        TimedParticipant(
-                            HttpParticipantClient(
-                                role, url, index=index, token=TOKEN, client=control
-                            ),
-                            calls,
-                            spans,
-                            current,
+
+async def bench(episodes: int, repeats: int, replicas: int, root: Path) -> None:
+    calls: dict[tuple[str, Role], list[float]] = defaultdict(list)
+    spans: Spans = defaultdict(list)
+    current = [""]
+    async with held_episodes(root, episodes, replicas) as held:
+        urls, live_after = held.urls, held.live_after
+        # no connection limit: every participant's prepare parks on its connection
+        unlimited = aiohttp.TCPConnector(limit=0)
+        timeout = aiohttp.ClientTimeout(total=120)
+        async with aiohttp.ClientSession(connector=unlimited, timeout=timeout) as control:
+            participants = [
+                TimedParticipant(
+                    HttpParticipantClient(role, url, index=index, token=TOKEN, client=control),
+                    calls,
+                    spans,
+                    current,
+                )
+                for (role, index), url in urls.items()
+            ]
+            coordinator = Coordinator(participants, call_timeout=120)
+            trips, fan_outs = [], []
+            results: dict[str, list[CheckpointResult]] = {way: [] for way in WAYS}
+            stage_trips: dict[Role, list[float]] = defaultdict(list)
+            everyone = list(urls.values())
+            by_role = {role: [u for (r, _), u in urls.items() if r is role] for role in ROLES}
+            for n in range(repeats):
+                for role, members in by_role.items():
+                    stage_trips[role] += await round_trips(control, members, 5)
+                # round trips sampled next to every checkpoint, so the baseline sees
+                # the same machine state as the pause it is compared with
+                trips += await round_trips(control, [urls[(Role.RESOURCES, 0)]], 10)
+                fan_outs += await round_trips(control, everyone, 10)
+                # the two ways alternate (in turned order every other round), so
+                # both see the same machine
+                for way in WAYS if n % 2 == 0 else WAYS[::-1]:
+                    current[0] = f"{way}-{n}"
+                    result = await coordinator.checkpoint(
+                        f"bench-{way}-{n}",
+                        prepare_timeout=60,
+                        commit_timeout=60,
+                        persist_after_resume=way == NEW,
+                    )
+                    if not result.ok:
+                        raise SystemExit(
+                            f"{way} checkpoint failed: {result.reason}: {result.message}"
                         )
-                        for (role, index), url in urls.items()
-                    ]
-                    coordinator = Coordinator(participants, call_timeout=120)
-                    trips, fan_outs = [], []
-                    results: dict[str, list[CheckpointResult]] = {way: [] for way in WAYS}
-                    stage_trips: dict[Role, list[float]] = defaultdict(list)
-                    everyone = list(urls.values())
-                    by_role = {
-                        role: [u for (r, _), u in urls.items() if r is role] for role in ROLES
-                    }
-                    for n in range(repeats):
-                        for role, members in by_role.items():
-                            stage_trips[role] += await round_trips(control, members, 5)
-                        # round trips sampled next to every checkpoint, so the baseline sees
-                        # the same machine state as the pause it is compared with
-                        trips += await round_trips(control, [urls[(Role.RESOURCES, 0)]], 10)
-                        fan_outs += await round_trips(control, everyone, 10)
-                        # the two ways alternate (in turned order every other round), so
-                        # both see the same machine
-                        for way in WAYS if n % 2 == 0 else WAYS[::-1]:
-                            current[0] = f"{way}-{n}"
-                            result = await coordinator.checkpoint(
-                                f"bench-{way}-{n}",
-                                prepare_timeout=60,
-                                commit_timeout=60,
-                                persist_after_resume=way == NEW,
-                            )
-                            if not result.ok:
-                                raise SystemExit(
-                                    f"{way} checkpoint failed: {result.reason}: {result.message}"
-                                )
-                            results[way].append(result)
-                    trips += await round_trips(control, [urls[(Role.RESOURCES, 0)]], 10)
-                    fan_outs += await round_trips(control, everyone, 10)
-                    rtt = statistics.median(trips)
-                    rtt_all = statistics.median(fan_outs)
-                rss = {server: rss_bytes(pid) for server, (_, pid) in procs.items()}
-                cpu = {server: cpu_seconds(pid) for server, (_, pid) in procs.items()}
+                    results[way].append(result)
+            trips += await round_trips(control, [urls[(Role.RESOURCES, 0)]], 10)
+            fan_outs += await round_trips(control, everyone, 10)
+            rtt = statistics.median(trips)
+            rtt_all = statistics.median(fan_outs)
+        rss = {server: rss_bytes(pid) for server, pid in held.pids.items()}
+        cpu = {server: cpu_seconds(pid) for server, pid in held.pids.items()}
 
         last = results[OLD][-1]
         assert last.commit is not None
@@ -631,6 +654,121 @@ async def bench(episodes: int, repeats: int, replicas: int, root: Path) -> None:
         "resume_round_trips_saved": STAGED_RESUME_CALLS - 1,
     }
     print(json.dumps(summary))
+
+
+STORAGES = ("volume", "bucket")
+BUCKET_TARGET = 1.1
+"""The new way's pause on a bucket over its pause on a volume: the cut writes nothing, so the
+storage behind it should not show in the pause."""
+
+
+async def compare_storage(episodes: int, repeats: int, replicas: int, root: Path) -> None:
+    """The pause and the time to durable on a bucket against a volume, in one run: two groups of
+    servers with the same held episodes, one writing to a folder of this machine's disk, one to a
+    bucket of the S3 server `make s3-server` builds (versitygw on loopback, devcluster/s3.py);
+    each round takes one checkpoint of every storage and way, in an order turned every round so
+    that none always goes first."""
+    s3_root = root / "s3"
+    server = s3.start(s3_root / "data", root / "s3-server.log")
+    try:
+        server.create_bucket("bench")
+        credentials = server.credentials.write(s3_root / "credentials")
+        bucket_env = server.participant_env("bench", credentials)
+        results: dict[tuple[str, str], list[CheckpointResult]] = defaultdict(list)
+        fan_outs: dict[str, list[float]] = defaultdict(list)
+        async with (
+            held_episodes(root / "volume", episodes, replicas) as volume,
+            held_episodes(root / "bucket", episodes, replicas, bucket_env) as bucket,
+        ):
+            groups = {"volume": volume, "bucket": bucket}
+            unlimited = aiohttp.TCPConnector(limit=0)
+            timeout = aiohttp.ClientTimeout(total=120)
+            async with aiohttp.ClientSession(connector=unlimited, timeout=timeout) as control:
+                coordinators = {
+                    storage: Coordinator(
+                        [
+                            HttpParticipantClient(role, url, index=i, token=TOKEN, client=control)
+                            for (role, i), url in group.urls.items()
+                        ],
+                        call_timeout=120,
+                    )
+                    for storage, group in groups.items()
+                }
+                combos = [(storage, way) for storage in STORAGES for way in WAYS]
+                for n in range(repeats):
+                    for storage, group in groups.items():
+                        fan_outs[storage] += await round_trips(
+                            control, list(group.urls.values()), 5
+                        )
+                    turn = n % len(combos)
+                    for storage, way in combos[turn:] + combos[:turn]:
+                        result = await coordinators[storage].checkpoint(
+                            f"compare-{storage}-{way}-{n}",
+                            prepare_timeout=60,
+                            commit_timeout=60,
+                            persist_after_resume=way == NEW,
+                        )
+                        if not result.ok:
+                            raise SystemExit(
+                                f"{way} checkpoint on the {storage} failed: "
+                                f"{result.reason}: {result.message}"
+                            )
+                        results[(storage, way)].append(result)
+    finally:
+        server.stop()
+    _print_storage_comparison(episodes, replicas, repeats, results, fan_outs)
+
+
+def _print_storage_comparison(
+    episodes: int,
+    replicas: int,
+    repeats: int,
+    results: Mapping[tuple[str, str], Sequence[CheckpointResult]],
+    fan_outs: Mapping[str, Sequence[float]],
+) -> None:
+    def median(values: Iterable[float]) -> float:
+        return statistics.median(list(values))
+
+    pause = {key: median(r.durations.pause_seconds for r in rs) for key, rs in results.items()}
+    commit = {key: median(r.durations.commit_seconds for r in rs) for key, rs in results.items()}
+    durable = {
+        key: median(
+            r.durations.pause_seconds if key[1] == OLD else r.durations.persist_seconds for r in rs
+        )
+        for key, rs in results.items()
+    }
+    print(
+        f"\n{episodes} live episodes per storage ({replicas} server(s) per role each, loopback), "
+        f"{repeats} checkpoints of each storage and way, median seconds:\n"
+    )
+    print(f"{'':<12}{'':<8}{'pause':>10}{'commit/cut':>12}{'to durable':>12}{'fan-out':>10}")
+    for where in STORAGES:
+        for way in WAYS:
+            key = (where, way)
+            print(
+                f"{where:<12}{way:<8}{pause[key]:>10.4f}{commit[key]:>12.4f}"
+                f"{durable[key]:>12.4f}{median(fan_outs[where]):>10.4f}"
+            )
+    ratios = {way: pause[("bucket", way)] / pause[("volume", way)] for way in WAYS}
+    print(
+        "\n(to durable: the old way's records are durable when its pause ends; the new way's "
+        "from the cut to every record durable, after the resume)"
+    )
+    print(
+        f"pause on the bucket / on the volume: old way {ratios[OLD]:.2f}, new way "
+        f"{ratios[NEW]:.2f} (target for the new way <= {BUCKET_TARGET}; "
+        f"{'met' if ratios[NEW] <= BUCKET_TARGET else 'missed'})"
+    )
+    print(
+        json.dumps(
+            {
+                "episodes": episodes,
+                "pause_s": {f"{s}/{w}": pause[(s, w)] for s, w in pause},
+                "to_durable_s": {f"{s}/{w}": durable[(s, w)] for s, w in durable},
+                "ratio_bucket_volume": ratios,
+            }
+        )
+    )
 
 
 async def _wait_held(
@@ -794,6 +932,13 @@ def main() -> None:
         type=int,
         help=f"servers per role (default: one per {EPISODES_PER_REPLICA:,} episodes)",
     )
+    parser.add_argument(
+        "--storage",
+        choices=("volume", "compare"),
+        default="volume",
+        help="volume: the pause against its floor (the default); compare: on a bucket of a "
+        "local S3 server against a volume, in one run",
+    )
     parser.add_argument("--trainer", metavar="URL", help=argparse.SUPPRESS)
     parser.add_argument("--failures", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("ids", nargs="*", help=argparse.SUPPRESS)
@@ -803,7 +948,8 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="protocol-pause-") as tmp:
         replicas = args.replicas or max(1, -(-args.episodes // EPISODES_PER_REPLICA))
-        anyio.run(bench, args.episodes, args.repeats, replicas, Path(tmp))
+        run = compare_storage if args.storage == "compare" else bench
+        anyio.run(run, args.episodes, args.repeats, replicas, Path(tmp))
 
 
 if __name__ == "__main__":

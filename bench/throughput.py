@@ -7,12 +7,16 @@ do). The trainer is the real `RolloutClient` in this process, running the same s
 (`episode_specs(--episodes, --seed)`) at `--concurrency` in every run. Runs alternate
 without / with / with / without (`--pairs` times; the ABBA order cancels a machine that drifts
 linearly); during a "with" run a `Coordinator` in this process takes a checkpoint every
-`--interval` seconds and publishes it to disk, as `rollout-coordinate checkpoint` would.
+`--interval` seconds and publishes it to disk, as `rollout-coordinate checkpoint` would. The
+runs with checkpoints take them both ways, in runs of their own: the old way (records written
+and fsynced inside the pause) and the new way (the cut inside the pause, the records persisted
+after the resume; docs/protocol.md, "Persist after resume"). One block of runs is none, old,
+new, new, old, none (`--pairs` blocks), so a machine that drifts linearly favours no kind.
 
   throughput   episodes / wall seconds of the run (the same episodes in every run)
   ratio        with / without, summed over the runs of each kind; target >= 0.99
 
-A production interval is 60 s or more; the bench scales it down (15 s by default) so that a run
+A production interval is 60 s or more; the bench scales it down (5 s by default) so that a run
 holds several checkpoints and the whole bench stays under a few minutes. The cost per
 checkpoint does not scale with the interval, so the printed ratio is a pessimistic estimate of
 the 60 s one; the table also shows that one (the loss scaled by interval / 60).
@@ -45,7 +49,7 @@ from unittest.mock import patch
 
 import aiohttp
 import anyio
-from protocol_pause import TOKEN, servers
+from protocol_pause import NEW, OLD, TOKEN, WAYS, servers
 from rollout_protocol import (
     Boundary,
     Coordinator,
@@ -69,11 +73,15 @@ MIN_CHECKPOINTS = 3
 class Run:
     """One pass over the seeded episodes, with or without interval checkpoints."""
 
-    checkpoints: bool
+    way: str | None
+    """How checkpoints were taken in the run (`OLD`, `NEW`), None for a run without any."""
     seconds: float = 0.0
     episodes: int = 0
     reward_sum: float = 0.0
     pauses: list[float] = field(default_factory=list)
+    durable: list[float] = field(default_factory=list)
+    """Seconds from the start of each checkpoint to its records durable (the pause, the old
+    way; the pause and the persist after it, the new way)."""
     prepares: list[float] = field(default_factory=list)
     commits: list[float] = field(default_factory=list)
     stages: dict[str, list[float]] = field(default_factory=dict)
@@ -86,14 +94,15 @@ class Run:
 
 async def one_run(
     n: int,
-    with_checkpoints: bool,
+    way: str | None,
     args: argparse.Namespace,
     urls: dict[Role, str],
     checkpoint_root: Path,
     control: aiohttp.ClientSession,
 ) -> Run:
-    """Run the seeded episodes once; with checkpoints, take one every `args.interval` seconds."""
-    run = Run(checkpoints=with_checkpoints)
+    """Run the seeded episodes once; with a `way`, take a checkpoint that way every
+    `args.interval` seconds."""
+    run = Run(way=way)
     specs = [
         EpisodeSpec(rollout_id=f"t{n}-{spec.rollout_id}", task=spec.task)
         for spec in episode_specs(args.episodes, args.seed)
@@ -123,10 +132,12 @@ async def one_run(
                 commit_timeout=30,
                 publish_dir=checkpoint_root,
                 set_name="throughput",
+                persist_after_resume=way == NEW,
             )
             if not result.ok:
                 raise SystemExit(f"checkpoint failed: {result.reason}: {result.message}")
             run.pauses.append(result.durations.pause_seconds)
+            run.durable.append(result.durations.pause_seconds + result.durations.persist_seconds)
             run.prepares.append(result.durations.prepare_seconds)
             run.commits.append(result.durations.commit_seconds)
             # "prepare <role>: ..." starts a stage; the next message ends it
@@ -138,7 +149,7 @@ async def one_run(
 
     started = time.perf_counter()
     async with anyio.create_task_group() as group:
-        if with_checkpoints:
+        if way is not None:
             group.start_soon(checkpoints)
         results = await client.run_all(specs)
         run.seconds = time.perf_counter() - started
@@ -153,23 +164,21 @@ async def one_run(
 
 async def bench(args: argparse.Namespace, root: Path) -> None:
     extra = {Role.MODEL: ["--token-latency-ms", str(args.token_latency_ms)]}
-    order = [False, True, True, False] * args.pairs
+    order = [None, OLD, NEW, NEW, OLD, None] * args.pairs
     runs: list[Run] = []
     with servers(root, extra) as procs:
         urls = {role: url for (role, _), (url, _) in procs.items()}
         async with aiohttp.ClientSession() as control:
-            for n, with_checkpoints in enumerate(order):
-                run = await one_run(n, with_checkpoints, args, urls, root / "checkpoints", control)
+            for n, way in enumerate(order):
+                run = await one_run(n, way, args, urls, root / "checkpoints", control)
                 runs.append(run)
-                kind = "with" if with_checkpoints else "without"
+                kind = way or "without"
                 print(
                     f"run {n} {kind:<8} {run.seconds:7.1f} s  {run.per_second:6.2f} episodes/s  "
                     f"{len(run.pauses)} checkpoints",
                     file=sys.stderr,
                 )
-    short = [
-        n for n, run in enumerate(runs) if run.checkpoints and len(run.pauses) < MIN_CHECKPOINTS
-    ]
+    short = [n for n, run in enumerate(runs) if run.way and len(run.pauses) < MIN_CHECKPOINTS]
     if short:
         raise SystemExit(
             f"run(s) {short} with checkpoints took fewer than {MIN_CHECKPOINTS} (the run was "
@@ -266,53 +275,107 @@ async def step_latency(steps: int = 20_000) -> None:
     print()
 
 
-def report(args: argparse.Namespace, runs: list[Run]) -> None:
-    without = [run for run in runs if not run.checkpoints]
-    with_ = [run for run in runs if run.checkpoints]
+ROLES = ("environment", "model", "agent", "resources")
 
-    def rate(group: list[Run]) -> float:
-        return sum(run.episodes for run in group) / sum(run.seconds for run in group)
 
+@dataclass
+class WayColumn:
+    """The runs with checkpoints taken one way, summed and against the runs without."""
+
+    per_second: float
+    checkpoints: int
+    pause: list[float]
+    prepare: list[float]
+    stages: dict[str, list[float]]
+    commit: list[float]
+    durable: list[float]
+    paused_share: float
+    ratio: float
+    pairs: list[float]
+    """Each run with checkpoints against the run without them in its half of the block."""
+    at_production: float
+
+
+def rate(group: list[Run]) -> float:
+    return sum(run.episodes for run in group) / sum(run.seconds for run in group)
+
+
+def way_column(args: argparse.Namespace, with_: list[Run], without: list[Run]) -> WayColumn:
     ratio = rate(with_) / rate(without)
     pauses = [pause for run in with_ for pause in run.pauses]
-    per_run_ratio = [w.per_second / o.per_second for w, o in zip(with_, without, strict=True)]
-    at_production = 1 - (1 - ratio) * args.interval / PRODUCTION_INTERVAL_S
+    return WayColumn(
+        per_second=rate(with_),
+        checkpoints=len(pauses),
+        pause=pauses,
+        prepare=[p for r in with_ for p in r.prepares],
+        stages={role: [d for r in with_ for d in r.stages.get(role, [])] for role in ROLES},
+        commit=[c for r in with_ for c in r.commits],
+        durable=[d for r in with_ for d in r.durable],
+        paused_share=sum(pauses) / sum(r.seconds for r in with_),
+        ratio=ratio,
+        pairs=[w.per_second / o.per_second for w, o in zip(with_, without, strict=True)],
+        at_production=1 - (1 - ratio) * args.interval / PRODUCTION_INTERVAL_S,
+    )
+
+
+def report(args: argparse.Namespace, runs: list[Run]) -> None:
+    without = [run for run in runs if run.way is None]
+    old, new = (way_column(args, [r for r in runs if r.way == way], without) for way in WAYS)
     print(
         f"\n{args.episodes} seeded episodes per run at concurrency {args.concurrency}, "
-        f"model {args.token_latency_ms:g} ms/token, {len(runs)} runs (ABBA), checkpoint every "
-        f"{args.interval:g} s in the runs with\n"
+        f"model {args.token_latency_ms:g} ms/token, {len(runs)} runs (none, old, new, new, old, "
+        f"none), a checkpoint every {args.interval:g} s in the runs with; old: records written "
+        "inside the pause, new: persisted after the resume\n"
     )
-    print(f"{'':<40}{'value':>12}")
     rows = [
-        ("episodes/s without checkpoints", f"{rate(without):.3f}"),
-        ("episodes/s with checkpoints", f"{rate(with_):.3f}"),
-        ("checkpoints taken", f"{len(pauses)}"),
-        ("pause per checkpoint, median s", median(pauses)),
-        ("  prepare (parking at boundaries)", median([p for r in with_ for p in r.prepares])),
+        ("episodes/s with checkpoints", f"{old.per_second:.3f}", f"{new.per_second:.3f}"),
+        ("checkpoints taken", f"{old.checkpoints}", f"{new.checkpoints}"),
+        ("pause per checkpoint, median s", median(old.pause), median(new.pause)),
+        ("  prepare (parking at boundaries)", median(old.prepare), median(new.prepare)),
         *(
-            (f"    stage {role}", median([d for r in with_ for d in r.stages.get(role, [])]))
-            for role in ("environment", "model", "agent", "resources")
+            (f"    stage {role}", median(old.stages[role]), median(new.stages[role]))
+            for role in ROLES
         ),
-        ("  commit", median([c for r in with_ for c in r.commits])),
-        ("paused share of the runs with", f"{sum(pauses) / sum(r.seconds for r in with_):.4f}"),
-        ("ratio with / without", f"{ratio:.4f}"),
-        ("  per ABBA pair (with / without)", " ".join(f"{r:.3f}" for r in per_run_ratio)),
-        ("  spread of the pairs (max - min)", f"{max(per_run_ratio) - min(per_run_ratio):.3f}"),
-        (f"ratio scaled to a {PRODUCTION_INTERVAL_S:g} s interval", f"{at_production:.4f}"),
+        ("  commit (the new way: the cut)", median(old.commit), median(new.commit)),
+        ("start -> records durable, median s", median(old.durable), median(new.durable)),
+        ("paused share of the runs with", f"{old.paused_share:.4f}", f"{new.paused_share:.4f}"),
+        ("ratio with / without", f"{old.ratio:.4f}", f"{new.ratio:.4f}"),
+        (
+            "  each run against its none",
+            " ".join(f"{r:.3f}" for r in old.pairs),
+            " ".join(f"{r:.3f}" for r in new.pairs),
+        ),
+        (
+            f"ratio scaled to a {PRODUCTION_INTERVAL_S:g} s interval",
+            f"{old.at_production:.4f}",
+            f"{new.at_production:.4f}",
+        ),
     ]
-    for label, value in rows:
-        print(f"{label:<40}{value:>12}")
-    print(f"(target: with / without >= 0.99; {'met' if ratio >= 0.99 else 'missed'})\n")
+    print(f"{'episodes/s without checkpoints':<40}{rate(without):>12.3f}")
+    print(f"{'':<40}{'old way':>12}{'new way':>12}")
+    for label, old_value, new_value in rows:
+        print(f"{label:<40}{old_value:>12}{new_value:>12}")
+    verdict = {
+        way: "met" if column.ratio >= 0.99 else "missed"
+        for way, column in zip(WAYS, (old, new), strict=True)
+    }
+    print(f"(target: with / without >= 0.99; old way {verdict[OLD]}, new way {verdict[NEW]})\n")
     print(
         json.dumps(
             {
                 "without_per_s": rate(without),
-                "with_per_s": rate(with_),
-                "ratio": ratio,
-                "ratio_at_60s": at_production,
-                "checkpoints": len(pauses),
-                "pause_median_s": statistics.median(pauses) if pauses else None,
-                "pair_ratios": per_run_ratio,
+                **{
+                    way: {
+                        "per_s": column.per_second,
+                        "ratio": column.ratio,
+                        "ratio_at_60s": column.at_production,
+                        "checkpoints": column.checkpoints,
+                        "pause_median_s": statistics.median(column.pause),
+                        "durable_median_s": statistics.median(column.durable),
+                        "run_ratios": column.pairs,
+                    }
+                    for way, column in zip(WAYS, (old, new), strict=True)
+                },
             }
         )
     )
@@ -324,8 +387,8 @@ def median(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--interval", type=float, default=15.0, help="seconds between checkpoints")
-    parser.add_argument("--pairs", type=int, default=1, help="ABBA blocks (4 runs each)")
+    parser.add_argument("--interval", type=float, default=5.0, help="seconds between checkpoints")
+    parser.add_argument("--pairs", type=int, default=1, help="blocks of 6 runs (ABCCBA)")
     parser.add_argument("--episodes", type=int, default=2000, help="episodes per run")
     parser.add_argument("--concurrency", type=int, default=128)
     parser.add_argument("--seed", type=int, default=14)

@@ -141,6 +141,22 @@ class S3Server:
             raise DevclusterError(f"{name!r} is not a valid S3 bucket name")
         shutil.rmtree(self.data_dir / name, ignore_errors=True)
 
+    def participant_env(
+        self, bucket: str, credentials_dir: Path, *, prefix: str = "", endpoint: str = ""
+    ) -> dict[str, str]:
+        """The `ROLLOUT_STORAGE_S3_*` environment of a participant on `bucket` of this server
+        (docs/install.md, "Records in a bucket"), its credentials the files in
+        `credentials_dir` (`S3Credentials.write`); `endpoint` where it is reached some other way
+        than directly (a fault proxy in front)."""
+        return {
+            "ROLLOUT_STORAGE_S3_ENDPOINT": endpoint or self.endpoint,
+            "ROLLOUT_STORAGE_S3_BUCKET": bucket,
+            "ROLLOUT_STORAGE_S3_PREFIX": prefix,
+            "ROLLOUT_STORAGE_S3_REGION": self.region,
+            "ROLLOUT_STORAGE_S3_ADDRESSING": "path",
+            "ROLLOUT_STORAGE_S3_CREDENTIALS_DIR": str(credentials_dir),
+        }
+
     def stop(self, grace_seconds: float = 10.0) -> None:
         """SIGTERM to its process group, SIGKILL after `grace_seconds`; reaps it."""
         stop_groups([self.process.pid], grace_seconds)

@@ -107,14 +107,9 @@ class S3Bucket:
 
     def env(self, credentials_dir: Path, prefix: str = "") -> dict[str, str]:
         """The `ROLLOUT_STORAGE_S3_*` environment of a participant pod on this bucket."""
-        return {
-            "ROLLOUT_STORAGE_S3_ENDPOINT": self.endpoint,
-            "ROLLOUT_STORAGE_S3_BUCKET": self.name,
-            "ROLLOUT_STORAGE_S3_PREFIX": prefix,
-            "ROLLOUT_STORAGE_S3_REGION": self.server.region,
-            "ROLLOUT_STORAGE_S3_ADDRESSING": "path",
-            "ROLLOUT_STORAGE_S3_CREDENTIALS_DIR": str(credentials_dir),
-        }
+        return self.server.participant_env(
+            self.name, credentials_dir, prefix=prefix, endpoint=self.endpoint
+        )
 
 
 @pytest.fixture(scope="session")
