@@ -71,6 +71,7 @@ from ._routes import (
     Route,
 )
 from ._settings import S3_ENV_PREFIX, ControlConfigError, ControlSettings, bucket_from_env
+from ._stages import SEQUENTIAL_STAGES, PrepareStages, prepare_stages
 from ._storage import (
     EncodedRecord,
     RecordsInvalid,
@@ -248,6 +249,7 @@ __all__ = [
     "ROLLOUT_ID_PATTERN",
     "ROUTES",
     "S3_ENV_PREFIX",
+    "SEQUENTIAL_STAGES",
     "STATUS",
     "STEPS_COUNTER",
     "AttemptRetired",
@@ -300,6 +302,7 @@ __all__ = [
     "PrepareOutcome",
     "PrepareReply",
     "PrepareRequest",
+    "PrepareStages",
     "ProtocolError",
     "PublishedParticipant",
     "Record",
@@ -337,6 +340,7 @@ __all__ = [
     "checkpoint_base",
     "encode_record",
     "gym_rollout_id",
+    "prepare_stages",
     "published_checkpoints",
     "read_checkpoint_manifest",
     "read_manifest",

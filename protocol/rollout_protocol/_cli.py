@@ -29,6 +29,7 @@ from ._client import HttpParticipantClient, _default_session
 from ._coordinator import Coordinator, StatusOutcome
 from ._objectstore import BucketStore
 from ._settings import S3_ENV_PREFIX, ControlConfigError, bucket_from_env
+from ._stages import PrepareStages
 from ._wire import CHECKPOINT_ID_PATTERN, Role, StatusReply
 
 EXIT_OK = 0
@@ -226,7 +227,8 @@ async def _command(
         return EXIT_FAILED
     set_name = _check_participants(args, statuses.statuses, specs)
     if args.command == "checkpoint":
-        return await _checkpoint(args, coordinator, set_name, console)
+        stages = coordinator.stages(statuses.statuses)
+        return await _checkpoint(args, coordinator, set_name, stages, console)
     return await _restore(args, coordinator, set_name, statuses.statuses, console)
 
 
@@ -274,7 +276,11 @@ def _print_status(args: argparse.Namespace, statuses: StatusOutcome, console: _C
 
 
 async def _checkpoint(
-    args: argparse.Namespace, coordinator: Coordinator, set_name: str, console: _Console
+    args: argparse.Namespace,
+    coordinator: Coordinator,
+    set_name: str,
+    stages: PrepareStages,
+    console: _Console,
 ) -> int:
     checkpoint_id = args.checkpoint_id or time.strftime(f"{set_name}-%Y%m%d-%H%M%S", time.gmtime())
     if re.fullmatch(CHECKPOINT_ID_PATTERN, checkpoint_id) is None:
@@ -294,6 +300,7 @@ async def _checkpoint(
             set_name=set_name,
             trainer_step=args.trainer_step,
             persist_after_resume=not args.persist_before_resume,
+            stages=stages,
         )
         if not result.ok:
             tracing.failed(result.reason, result.message)

@@ -257,6 +257,7 @@ class ControlPlane:
             workers=max(settings.workers, settings.unmanaged_workers),
             capabilities=[Capability.PERSIST_AFTER_RESUME],
             held_bytes=core.cuts.held_bytes(),
+            waits_on=None if settings.waits_on is None else list(settings.waits_on),
         )
 
     # operations (each held by the part of the plane that owns its concern) --------------------

@@ -49,6 +49,7 @@ from ._coordinator_outcomes import (
     StatusOutcome,
 )
 from ._coordinator_persist import commit_or_cut, commit_outcome, discard_cut, persist_cut
+from ._stages import SEQUENTIAL_STAGES, PrepareStages, prepare_stages
 from ._wire import (
     MAX_BLOCKERS_REPORTED,
     MAX_FINISHED_LISTED,
@@ -67,6 +68,7 @@ from ._wire import (
     RetireReply,
     RetireRequest,
     Role,
+    StatusReply,
 )
 
 __all__ = [
@@ -152,10 +154,26 @@ class Coordinator:
 
     # prepare ----------------------------------------------------------------------------------
 
+    def stages(self, statuses: Collection[StatusReply]) -> PrepareStages:
+        """The prepare's stages from the waits the participants declared in `statuses` (a
+        participant without a status there declared nothing; `_stages.prepare_stages`)."""
+        declared = {status.instance: status.waits_on for status in statuses}
+        return prepare_stages(
+            (participant.role, declared.get(participant.instance))
+            for participant in self._participants
+        )
+
     async def prepare(
-        self, checkpoint_id: str, deadline_ts: float, *, scope: Collection[str] | None = None
+        self,
+        checkpoint_id: str,
+        deadline_ts: float,
+        *,
+        scope: Collection[str] | None = None,
+        stages: PrepareStages = SEQUENTIAL_STAGES,
     ) -> PrepareOutcome:
-        """Prepare stage by stage in PREPARE_ORDER, stopping at the first stage not ready.
+        """Prepare stage by stage (`stages`: by default one role per stage in PREPARE_ORDER;
+        `stages()` makes fewer from what the participants declared), stopping at the first
+        stage not ready.
 
         The replies carry counts and digests; with `scope` (a requested commit scope) they
         also list the parked episodes among it, so `PrepareOutcome.scope` can intersect it.
@@ -180,24 +198,26 @@ class Coordinator:
             group.start_soon(
                 self._renew_while_preparing, checkpoint_id, deadline_ts, prepared, lost, over, group
             )
-            for role in PREPARE_ORDER:
-                stage = self._stage((role,))
+            for roles in stages:
+                stage = self._stage(roles)
                 if not stage:
                     continue
-                current = role
-                self._progress(f"prepare {role.value}: {len(stage)} participant(s)")
+                current = stage[0].role
+                names = "+".join(role.value for role in roles)
+                self._progress(f"prepare {names}: {len(stage)} participant(s)")
                 results = await self._fan_out(stage, lambda p: _prepare(p, request))
-                stage_ready = True
+                not_ready: list[Role] = []
                 for participant in stage:
                     result = results[participant.instance]
                     if isinstance(result, ParticipantError):
                         failures.append(Failure.of(result))
-                        stage_ready = False
+                        not_ready.append(participant.role)
                     else:
                         replies[participant.instance] = result
-                        stage_ready = stage_ready and result.ready
-                if not stage_ready:
-                    stopped_at = role
+                        if not result.ready:
+                            not_ready.append(participant.role)
+                if not_ready:
+                    stopped_at = min(not_ready, key=PREPARE_ORDER.index)
                     break
                 prepared.extend(stage)
             # the renew loop may already be runnable; the event stops it from renewing anyone
@@ -517,10 +537,12 @@ class Coordinator:
         set_name: str = "local",
         trainer_step: int | None = None,
         persist_after_resume: bool = False,
+        stages: PrepareStages = SEQUENTIAL_STAGES,
     ) -> CheckpointResult:
         """prepare -> (not ready: resume, fail) -> commit -> publish -> resume; with
         `persist_after_resume`, prepare -> cut -> resume -> persist -> publish, so the pause
-        holds no write (docs/protocol.md, "Persist after resume").
+        holds no write (docs/protocol.md, "Persist after resume"). The prepare goes in
+        `stages` (see `prepare`).
 
         With `publish_dir` (the checkpoint root as this process sees it, or the participants'
         records store: a `BucketStore`) the checkpoint manifest is written last, after every
@@ -545,6 +567,7 @@ class Coordinator:
             set_name=set_name,
             trainer_step=trainer_step,
             persist_after_resume=persist_after_resume,
+            stages=stages,
         )
 
 

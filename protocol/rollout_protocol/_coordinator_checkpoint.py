@@ -27,6 +27,7 @@ from ._coordinator_outcomes import (
     PrepareOutcome,
     ResumeOutcome,
 )
+from ._stages import SEQUENTIAL_STAGES, PrepareStages
 from ._wire import CheckpointManifest, PublishedParticipant
 
 _Times = tuple[float, float, float]
@@ -38,7 +39,12 @@ class CheckpointSteps(Protocol):
     """The coordinator's steps a composed checkpoint runs."""
 
     async def prepare(
-        self, checkpoint_id: str, deadline_ts: float, *, scope: Collection[str] | None = None
+        self,
+        checkpoint_id: str,
+        deadline_ts: float,
+        *,
+        scope: Collection[str] | None = None,
+        stages: PrepareStages = SEQUENTIAL_STAGES,
     ) -> PrepareOutcome: ...
 
     async def commit(
@@ -97,12 +103,15 @@ class ComposedCheckpoint:
         set_name: str,
         trainer_step: int | None,
         persist_after_resume: bool = False,
+        stages: PrepareStages = SEQUENTIAL_STAGES,
     ) -> CheckpointResult:
         """See `Coordinator.checkpoint`."""
         cid = self._checkpoint_id
         started = self._clock()
         try:
-            prepare = await self._steps.prepare(cid, started + prepare_timeout, scope=scope)
+            prepare = await self._steps.prepare(
+                cid, started + prepare_timeout, scope=scope, stages=stages
+            )
             prepared_at = self._clock()
             if not prepare.ready:
                 reason = "PrepareFailed" if prepare.failures else "NotReady"

@@ -11,7 +11,7 @@ import math
 import multiprocessing
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,9 +91,19 @@ class ControlSettings:
     """Worker processes this server's own process manager runs without `serve_workers`
     (`WEB_CONCURRENCY`, which uvicorn and gunicorn read for `--workers`): above 1 the status
     route says `multi_process: unmanaged` and the operator refuses to checkpoint the set."""
+    waits_on: tuple[Role, ...] | None = None
+    """The roles this participant calls from wait-mode steps, declared by its server's code
+    (`StatusReply.waits_on`): a prepare parks it before them, and parks roles nobody waits on
+    together (docs/design.md#44-order). None: not declared, taken as every role after it in
+    prepare order."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
+        if self.waits_on is not None:
+            waits = tuple(dict.fromkeys(Role(role) for role in self.waits_on))
+            if self.role in waits:
+                raise ControlConfigError(f"waits_on: a {self.role.value} cannot wait on itself")
+            object.__setattr__(self, "waits_on", waits)
         try:
             dialects = tuple(dict.fromkeys(Dialect(d) for d in self.dialects))
         except ValueError:
@@ -164,8 +174,10 @@ class ControlSettings:
         index: int | None = None,
         allow_unauthenticated: bool = False,
         environ: Mapping[str, str] | None = None,
+        waits_on: Collection[Role] | None = None,
     ) -> ControlSettings:
-        """Settings from the variables the operator puts into every participant pod.
+        """Settings from the variables the operator puts into every participant pod, and the
+        roles the server's code waits on (`waits_on`, not a variable: it is what the code does).
 
         `ROLLOUT_SET_DIR` (set by the operator) is the set's directory under the checkpoint
         root; without it (a participant run by hand) records go under the set name."""
@@ -193,6 +205,7 @@ class ControlSettings:
             max_retire_marks=_int_from_env(env, "ROLLOUT_MAX_RETIRE_MARKS", MAX_RETIRE_MARKS),
             max_held_bytes=_int_from_env(env, "ROLLOUT_MAX_HELD_BYTES", MAX_HELD_BYTES),
             dialects=_dialects_from_env(env.get("ROLLOUT_CONTROL_DIALECTS")),
+            waits_on=None if waits_on is None else tuple(waits_on),
             **_workers_from_env(env),
         )
 

@@ -110,6 +110,12 @@ class Capability(StrEnum):
     bytes held in memory and answers at once (`CommitReply.durable` false); `persist` writes
     them after the resume, `discard` drops them."""
 
+    DECLARED_WAITS = "declared_waits"
+    """The status says which roles the participant waits on (`StatusReply.waits_on`), so a
+    prepare may park the roles nobody waits on in one stage (docs/design.md#44-order). Shown by
+    that field alone, never listed in `StatusReply.capabilities`: a coordinator that reads the
+    list knows only the values of its own release."""
+
 
 CAPABILITIES_HEADER: Final = "Rollout-Capabilities"
 """The request header in which a coordinator names the capabilities whose reply fields it reads
@@ -120,9 +126,10 @@ coordinator reads replies strictly and refuses a field it does not know (docs/pr
 
 CAPABILITY_REPLY_FIELDS: Final[Mapping[Capability, frozenset[str]]] = {
     Capability.PERSIST_AFTER_RESUME: frozenset({"capabilities", "held_bytes", "durable"}),
+    Capability.DECLARED_WAITS: frozenset({"waits_on"}),
 }
 """The reply fields each capability added (`StatusReply.capabilities` and `held_bytes`,
-`CommitReply.durable`)."""
+`CommitReply.durable`; `StatusReply.waits_on`)."""
 
 
 def fields_unread_by(header: str | None, request: object = None) -> frozenset[str]:
@@ -469,6 +476,13 @@ class StatusReply(StrictModel):
         default=0,
         ge=0,
         description="Bytes of records held by cuts whose persist has not finished.",
+    )
+    waits_on: list[Role] | None = Field(
+        default=None,
+        max_length=len(Role),
+        description="The roles this participant calls from wait-mode steps (its callees that "
+        "must still admit calls while it parks); null: not declared, taken as every role after "
+        "it in prepare order (docs/design.md#44-order).",
     )
 
 

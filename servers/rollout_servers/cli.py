@@ -24,7 +24,7 @@ import resource
 import sys
 from collections.abc import Mapping, Sequence
 
-from rollout_protocol import ControlConfigError, ControlSettings, Role
+from rollout_protocol import ControlConfigError, Role
 from rollout_protocol.workers import WorkerApp, declared_workers, serve_workers
 
 from .servers.common import RolloutServer, ServerOptions, serve
@@ -205,10 +205,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     workers = worker_count(args)
     if workers > 1:
         try:
-            settings = ControlSettings.from_env(
-                Role(args.role), index=args.index, allow_unauthenticated=args.allow_unauthenticated
-            )
-            make_server(args)  # the same start-up checks as one process, before any worker
+            # the same start-up checks as one process, before any worker; the main process's
+            # plane answers for the pod with the server's settings (its declared waits included)
+            settings = make_server(args).settings
         except (ControlConfigError, ValueError) as error:
             raise SystemExit(f"rollout-server {args.role}: {error}") from None
         _raise_open_files_limit()

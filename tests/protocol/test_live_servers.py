@@ -19,6 +19,7 @@ import anyio
 import httpx
 from rollout_protocol import (
     API_PREFIX,
+    CheckpointResult,
     Coordinator,
     EpisodeId,
     ErrorCode,
@@ -148,6 +149,93 @@ async def test_stuck_wait_step_blocks_prepare_and_resume_reopens(shared_cluster:
             assert (await run_ok(http, cluster, "after-stuck", 0, task))["answer"] is not None
             await resources.release("verify", stuck)
     assert results[stuck]["answer"] == reference["answer"]
+
+
+async def test_declared_waits_park_the_environment_and_the_model_in_one_stage(
+    shared_cluster: Cluster,
+) -> None:
+    """The reference servers declare whom they wait on (docs/design.md#44-order), so a prepare
+    parks the environment and the model together, then the agent, then the resources; an
+    episode mid-generation and one inside a wait-mode verification are still checkpointed, and
+    both finish as they do without a checkpoint."""
+    cluster = shared_cluster
+    cut, verifying = "stages-cut", "stages-verify"
+    tasks = {cut: two_step_task(13), verifying: two_step_task(14, verify="wait")}
+    async with httpx.AsyncClient(timeout=60) as http, aiohttp.ClientSession() as session:
+        reference = {
+            rid: await run_ok(http, cluster, f"ref-{rid}", 0, t) for rid, t in tasks.items()
+        }
+        # a client that does not name the capability is not sent the field (docs/protocol.md)
+        assert "waits_on" not in await control_status(http, cluster, Role.ENVIRONMENT)
+        progress: list[str] = []
+        first_stage = anyio.Event()
+
+        def on_progress(message: str) -> None:
+            progress.append(message)
+            if message.startswith("prepare environment+model:"):
+                first_stage.set()
+
+        coordinator = cluster.coordinator(session, on_progress=on_progress)
+        statuses = (await coordinator.status(deadline(20))).statuses
+        assert {s.role: s.waits_on for s in statuses} == {
+            Role.ENVIRONMENT: [Role.AGENT, Role.RESOURCES],
+            Role.AGENT: [Role.RESOURCES],
+            Role.MODEL: [],
+            Role.RESOURCES: [],
+        }
+        stages = coordinator.stages(statuses)
+        assert stages == ((Role.ENVIRONMENT, Role.MODEL), (Role.AGENT,), (Role.RESOURCES,))
+        model, resources = debug(http, cluster, Role.MODEL), debug(http, cluster, Role.RESOURCES)
+        await model.arm("token", cut, 2)
+        await resources.arm("verify", verifying)
+        results: dict[str, Any] = {}
+
+        async def episode(rid: str) -> None:
+            results[rid] = await run_ok(http, cluster, rid, 0, tasks[rid])
+
+        checkpointed: list[CheckpointResult] = []
+        done = anyio.Event()
+
+        async def checkpoint() -> None:
+            checkpointed.append(
+                await coordinator.checkpoint(
+                    "ckpt-stages",
+                    prepare_timeout=30,
+                    commit_timeout=30,
+                    stages=stages,
+                    persist_after_resume=True,
+                )
+            )
+            done.set()
+
+        async with anyio.create_task_group() as group:
+            for rid in tasks:
+                group.start_soon(episode, rid)
+            await model.paused("token", cut)
+            await resources.paused("verify", verifying)
+            group.start_soon(checkpoint)
+            # released while the first stage parks: the environment waits for it, the resources
+            # still admit it
+            with anyio.fail_after(20):
+                await first_stage.wait()
+            await resources.release("verify", verifying)
+            with anyio.fail_after(40):
+                await done.wait()
+            await model.release("token", cut)
+        [result] = checkpointed
+        assert result.ok, (result.reason, result.message)
+        stage_lines = [m.split(":")[0] for m in progress if m.startswith("prepare ")]
+        assert stage_lines == [
+            "prepare environment+model",
+            "prepare agent",
+            "prepare resources",
+        ], progress
+    for rid in tasks:
+        assert (results[rid]["answer"], results[rid]["reward"], results[rid]["steps"]) == (
+            reference[rid]["answer"],
+            reference[rid]["reward"],
+            reference[rid]["steps"],
+        ), rid
 
 
 async def test_open_checkpoint_holds_finished_work_until_resume(shared_cluster: Cluster) -> None:

@@ -53,11 +53,13 @@ class Scripted:
         holds: bool = False,
         persist_fails: ErrorCode | None = None,
         persisting: Callable[[], Awaitable[None]] | None = None,
+        waits_on: tuple[Role, ...] | None = None,
     ) -> None:
         """`holds`: a participant that can persist after the resume (a cut asked of it is held
         in memory until `persist`); else it commits durably, as an older SDK does.
         `persisting`: awaited inside each persist, before it answers (a test's storage that is
-        slow, or a clock it advances)."""
+        slow, or a clock it advances). `waits_on`: the roles its status says it waits on
+        (None: it says nothing, as an older SDK)."""
         self.role = role
         self.instance = f"{role.value}-{index}"
         self.attempt = attempt
@@ -68,6 +70,7 @@ class Scripted:
         self.holds = holds
         self.persist_fails = persist_fails
         self.persisting = persisting
+        self.waits_on = waits_on
         self.calls: list[tuple[str, str]] = []
 
     def called(self, operation: str) -> list[str]:
@@ -77,7 +80,11 @@ class Scripted:
     async def status(self, deadline_ts: float) -> StatusReply:
         self.calls.append(("status", ""))
         return StatusReply(
-            role=self.role, instance=self.instance, attempt=self.attempt, phase=Phase.IDLE
+            role=self.role,
+            instance=self.instance,
+            attempt=self.attempt,
+            phase=Phase.IDLE,
+            waits_on=None if self.waits_on is None else list(self.waits_on),
         )
 
     async def prepare(self, request: PrepareRequest) -> PrepareReply:

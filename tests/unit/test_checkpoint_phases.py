@@ -27,7 +27,7 @@ from rollout_operator.flows.state import CoordinatedPods
 from rollout_operator.model import api
 from rollout_operator.model.api import ROLLOUT_SET_PLURAL, CheckpointPhase
 from rollout_operator.model.reasons import Reason
-from rollout_protocol import ErrorCode, HttpParticipantClient
+from rollout_protocol import ErrorCode, HttpParticipantClient, Role
 from testsupport.checkpointflow import (
     CKPT,
     NS,
@@ -49,9 +49,11 @@ async def a_run(
     *,
     in_flight: bool = False,
     coordinated: CoordinatedPods | None = None,
+    others: tuple[Scripted, ...] = (),
 ) -> tuple[CheckpointRun, api.RolloutCheckpoint]:
     """A run of the flow over `CKPT` as the driver makes one: `in_flight` when it finds the
-    checkpoint running (an operator restart); its one participant is `participant`."""
+    checkpoint running (an operator restart); its participants are `participant` and
+    `others` (those the set's status lists too: `with_participants`)."""
     kube = cluster.kube()
     context = CheckpointContext(
         kube=kube,
@@ -59,7 +61,9 @@ async def a_run(
         clock=time.time,
         leases=CheckpointLeases(kube),
         coordinated=coordinated,
-        participants_factory=lambda rset, token: [cast(HttpParticipantClient, participant)],
+        participants_factory=lambda rset, token: [
+            cast(HttpParticipantClient, p) for p in (participant, *others)
+        ],
     )
     ckpt = api.RolloutCheckpoint.model_validate(await kube.get_checkpoint(NS, CKPT))
     return CheckpointRun(context, began=time.time(), in_flight=in_flight), ckpt
@@ -185,6 +189,49 @@ async def test_pods_that_said_they_coordinate_their_workers_are_not_asked_again(
     run, ckpt = await a_run(cluster, third, coordinated=coordinated)
     await begin(run, ckpt)
     assert third.called("status") == [""]
+
+
+def with_participants(cluster: FakeCluster, *roles: Role) -> None:
+    """The set's status lists a Ready participant of each of `roles` besides its model."""
+
+    def add(obj: dict[str, Any]) -> None:
+        obj["status"]["participants"] += [
+            {
+                "role": role.value,
+                "index": 0,
+                "pod": f"math-{role.value}-0-a3",
+                "ready": True,
+                "address": f"http://10.0.1.{n}:8000",
+            }
+            for n, role in enumerate(roles)
+        ]
+
+    cluster.update(api.ROLLOUT_SET_PLURAL, NS, SET, add)
+
+
+async def test_begin_learns_the_prepare_stages_from_the_waits_the_pods_declared() -> None:
+    """Roles nobody waits on are parked in one stage; what a pod declared is remembered with
+    it, so a later checkpoint of the same pods has the same stages without asking; a pod that
+    declared nothing keeps one role per stage (docs/design.md#44-order)."""
+    cluster = ready_cluster()
+    with_participants(cluster, Role.ENVIRONMENT)
+    coordinated = CoordinatedPods()
+    env, model = Scripted(Role.ENVIRONMENT, waits_on=()), Scripted(waits_on=())
+    run, ckpt = await a_run(cluster, model, coordinated=coordinated, others=(env,))
+    await begin(run, ckpt)
+    assert run.stages == ((Role.ENVIRONMENT, Role.MODEL),)
+    env, model = Scripted(Role.ENVIRONMENT, waits_on=()), Scripted(waits_on=())
+    run, ckpt = await a_run(cluster, model, coordinated=coordinated, others=(env,))
+    await begin(run, ckpt)
+    assert env.called("status") == model.called("status") == [], "known: not asked again"
+    assert run.stages == ((Role.ENVIRONMENT, Role.MODEL),), "remembered with the pods"
+    await prepare(run, ckpt)
+    assert env.called("prepare") == model.called("prepare") == [CKPT]
+
+    env = Scripted(Role.ENVIRONMENT)  # an older SDK: says nothing
+    run, ckpt = await a_run(cluster, Scripted(waits_on=()), others=(env,))
+    await begin(run, ckpt)
+    assert run.stages == ((Role.ENVIRONMENT,), (Role.MODEL,))
 
 
 async def test_begin_refuses_an_eviction_with_no_grace_left() -> None:

@@ -16,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Collection, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
+
+from rollout_protocol import Role
 
 from ..cluster.objects import OwnedObjects
 from ..metrics import SetTransitions
@@ -176,21 +178,30 @@ class CoordinatedPods:
     `restartPolicy: Never`), so the answer holds per pod, by namespace, name and address (a pod
     created again under the same name gets a new identity here unless it also got the same
     address, and runs the same template then). Written and read by the checkpoint flow
-    (`flows/checkpoint/prepare.py`, `refuse_unmanaged_workers`): a checkpoint asks only when a
+    (`flows/checkpoint/prepare.py`, `check_participants`): a checkpoint asks only when a
     participant is not known here, i.e. the first checkpoint of each attempt. Bounded: past
     `limit` pods the oldest is forgotten (and asked again)."""
 
     def __init__(self, limit: int = COORDINATED_REMEMBERED) -> None:
         self._limit = limit
-        self._known: dict[tuple[str, str, str], None] = {}
+        self._known: dict[tuple[str, str, str], tuple[Role, ...] | None] = {}
+        """(namespace, pod, address) -> the roles the pod said it waits on (None: it did not
+        say; docs/design.md#44-order)."""
 
     def known(self, namespace: str, pods: list[tuple[str, str]]) -> bool:
         """Whether every (pod, address) of `pods` said so already."""
         return all((namespace, pod, address) in self._known for pod, address in pods)
 
-    def remember(self, namespace: str, pods: list[tuple[str, str]]) -> None:
-        for pod, address in pods:
-            self._known[(namespace, pod, address)] = None
+    def waits_on(self, namespace: str, pod: str, address: str) -> tuple[Role, ...] | None:
+        """The roles a known pod said it waits on; None: it did not say, or is not known."""
+        return self._known.get((namespace, pod, address))
+
+    def remember(
+        self, namespace: str, pods: list[tuple[str, str, Collection[Role] | None]]
+    ) -> None:
+        """Each (pod, address, the roles it said it waits on) as coordinated."""
+        for pod, address, waits in pods:
+            self._known[(namespace, pod, address)] = None if waits is None else tuple(waits)
         while len(self._known) > self._limit:
             del self._known[next(iter(self._known))]
 

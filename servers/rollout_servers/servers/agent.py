@@ -86,6 +86,7 @@ class CloseReply(WireModel):
 
 class AgentServer(RolloutServer):
     role = Role.AGENT
+    waits_on = (Role.RESOURCES,)  # tools not declared idempotent (docs/servers.md)
     record_kind = "session"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -347,6 +347,10 @@ class RolloutServer:
     """Base of the four reference servers. Subclasses add routes and episode logic."""
 
     role: Role
+    waits_on: tuple[Role, ...]
+    """The roles this server calls from wait-mode steps (a tool call it waits for, the final
+    cleanup), declared in its status so a prepare parks it before them and roles nobody waits
+    on together (docs/design.md#44-order)."""
     record_kind = "boundary"
     work_counter: str | None = STEPS_COUNTER
     """How the participant reports its episodes' steps in restore and retire replies (work
@@ -377,6 +381,7 @@ class RolloutServer:
             index=options.index,
             allow_unauthenticated=options.allow_unauthenticated,
             environ=environ,
+            waits_on=self.waits_on,
         )
         self.plane = ControlPlane(self.participant, self.settings)
         self.draining = False

@@ -66,6 +66,7 @@ class RunResult(WireModel):
 
 class EnvironmentServer(RolloutServer):
     role = Role.ENVIRONMENT
+    waits_on = (Role.AGENT, Role.RESOURCES)  # the final cleanup closes both; verify: wait
     record_kind = "boundary"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -276,6 +276,7 @@ class ModelParticipant(RuntimeParticipant):
 
 class ModelServer(RolloutServer):
     role = Role.MODEL
+    waits_on = ()
     record_kind = "generation"
 
     def __init__(self, options: ServerOptions, **kwargs: Any) -> None:

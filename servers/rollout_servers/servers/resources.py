@@ -129,6 +129,7 @@ class CloseReply(WireModel):
 
 class ResourcesServer(RolloutServer):
     role = Role.RESOURCES
+    waits_on = ()
     record_kind = "session"
     work_counter = None
     """Its seeds, tool calls and verifications are steps of the environment's and the agent's

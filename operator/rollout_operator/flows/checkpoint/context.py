@@ -18,12 +18,14 @@ from typing import Any, Final, TypeVar
 import anyio
 import anyio.abc
 from rollout_protocol import (
+    SEQUENTIAL_STAGES,
     CommitOutcome,
     Coordinator,
     ErrorCode,
     Failure,
     HttpParticipantClient,
     PrepareOutcome,
+    PrepareStages,
     tracing,
 )
 
@@ -243,6 +245,9 @@ class CheckpointRun:
     """The prepare deadline this run computed (None: status holds it, from an earlier run)."""
     bound: str = ""
     """Why the prepare deadline is earlier than `prepareTimeoutSeconds` (an eviction), if so."""
+    stages: PrepareStages = SEQUENTIAL_STAGES
+    """The prepare's stages, from the waits the participants declared (`prepare.check_participants`;
+    a run that continues one prepares one role per stage: the participants replay their replies)."""
     prepared: PrepareOutcome | None = None
     prepare_seconds: float = 0.0
     scope: list[str] | None = None

@@ -4,7 +4,8 @@ every participant parks its episodes at a boundary (docs/design.md#61-checkpoint
 `begin` takes the slots (`slot.take_slots`, Queued written while they are busy), then fixes
 the deadline (an Eviction's
 is no later than the evicted pods' grace allows), refuses a set whose pods run unmanaged workers
-before anything pauses, and enters Preparing with the attempt, start time and deadline, written
+before anything pauses and learns the prepare's stages from the waits the participants declared
+(docs/design.md#44-order), and enters Preparing with the attempt, start time and deadline, written
 only if the phase lasts over a second (`context.UnwrittenPhases`). Both count from when the
 checkpoint took the set's Lease (`run.slot_taken`), so a successor that finds the Lease its own but
 no phase written computes the same ones. `prepare` asks the participants to park, stage by
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from rollout_protocol import Coordinator, PrepareOutcome, tracing
+from rollout_protocol import Coordinator, PrepareOutcome, prepare_stages, tracing
 
 from ...decide.policy.eviction import PrepareDeadline, TerminatingPod, eviction_prepare_deadline
 from ...decide.resources import set_selector
@@ -45,7 +46,7 @@ from .slot import joined, take_slots
 
 async def begin(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoint:
     """Take the slots (Queued written while waiting), fix the prepare deadline, refuse
-    unmanaged workers, and write Preparing."""
+    unmanaged workers and learn the prepare's stages, and write Preparing."""
     coordinator = await take_slots(run, ckpt)
     rset = run.rset
     deadline = await prepare_deadline(run, ckpt)
@@ -59,7 +60,7 @@ async def begin(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoin
             "recentCheckpointSeconds); the recovery restores the latest Ready "
             "checkpoint instead",
         )
-    await refuse_unmanaged_workers(run, coordinator)
+    await check_participants(run, coordinator)
     await enter_phase(
         run.context,
         ckpt,
@@ -124,7 +125,9 @@ async def park(run: CheckpointRun, ckpt: RolloutCheckpoint) -> PrepareOutcome:
         outcome = await while_set_holds(
             run.context,
             ckpt,
-            lambda: coordinator.prepare(ckpt.metadata.name, until, scope=ckpt.spec.episodes),
+            lambda: coordinator.prepare(
+                ckpt.metadata.name, until, scope=ckpt.spec.episodes, stages=run.stages
+            ),
         )
     run.prepare_seconds = run.now() - prepare_started
     if outcome.failures:
@@ -166,32 +169,37 @@ async def prepare_deadline(run: CheckpointRun, ckpt: RolloutCheckpoint) -> Prepa
     return eviction_prepare_deadline(now, timeout, terminating, rset.status.attempt)
 
 
-async def refuse_unmanaged_workers(run: CheckpointRun, coordinator: Coordinator) -> None:
-    """Fail before anything is paused when a pod runs workers nobody coordinates. A
-    participant that does not answer its status is left to the prepare (it fails there).
+async def check_participants(run: CheckpointRun, coordinator: Coordinator) -> None:
+    """Before anything is paused: fail when a pod runs workers nobody coordinates, and set the
+    prepare's stages from the roles each participant said it waits on (`run.stages`,
+    docs/design.md#44-order). A participant that does not answer its status is left to the
+    prepare (it fails there) and counts as declaring nothing.
 
-    Asked once per pod: the pods that answered are remembered (`CoordinatedPods`), and a
-    checkpoint whose participants are all known asks none of them (16 calls fewer per
-    checkpoint of a 16-pod set)."""
+    Asked once per pod: the pods that answered are remembered with what they declared
+    (`CoordinatedPods`), and a checkpoint whose participants are all known asks none of them
+    (16 calls fewer per checkpoint of a 16-pod set)."""
     participants = run.rset.status.participants
     namespace = namespace_or_default(run.rset.metadata.namespace)
     coordinated = run.context.coordinated
-    if coordinated is not None and coordinated.known(
-        namespace, [(p.pod, p.address or "") for p in participants]
-    ):
-        return
-    outcome = await coordinator.status(run.now() + run.settings.abort_timeout_seconds)
-    pods = {f"{p.role.value}-{p.index}": p.pod for p in participants}
-    refused = unmanaged_workers(outcome.statuses, pods)
-    if refused is not None:
-        raise CheckpointFailed(Reason.UNMANAGED_WORKERS, refused)
-    if coordinated is not None:
-        answered = {status.instance for status in outcome.statuses}
+    pods = [(p.pod, p.address or "") for p in participants]
+    if coordinated is None or not coordinated.known(namespace, pods):
+        outcome = await coordinator.status(run.now() + run.settings.abort_timeout_seconds)
+        by_instance = {f"{p.role.value}-{p.index}": p.pod for p in participants}
+        refused = unmanaged_workers(outcome.statuses, by_instance)
+        if refused is not None:
+            raise CheckpointFailed(Reason.UNMANAGED_WORKERS, refused)
+        if coordinated is None:
+            run.stages = coordinator.stages(outcome.statuses)
+            return
+        answered = {status.instance: status.waits_on for status in outcome.statuses}
         coordinated.remember(
             namespace,
             [
-                (p.pod, p.address or "")
+                (p.pod, p.address or "", answered[f"{p.role.value}-{p.index}"])
                 for p in participants
                 if f"{p.role.value}-{p.index}" in answered
             ],
         )
+    run.stages = prepare_stages(
+        (p.role, coordinated.waits_on(namespace, p.pod, p.address or "")) for p in participants
+    )
