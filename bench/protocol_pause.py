@@ -54,6 +54,7 @@ Prints tables; asserts nothing. Run: `.venv/bin/python bench/protocol_pause.py [
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import selectors
@@ -77,6 +78,8 @@ import anyio
 import httpx
 from rollout_protocol import (
     PREPARE_ORDER,
+    S3_ENV_PREFIX,
+    SEQUENTIAL_STAGES,
     Boundary,
     CheckpointResult,
     CommitReply,
@@ -123,10 +126,12 @@ SERVER = str(Path(sys.executable).with_name("rollout-server"))
 ROLES = (Role.ENVIRONMENT, Role.AGENT, Role.MODEL, Role.RESOURCES)
 EPISODES_PER_REPLICA = 4000
 """The default replicas per role: a lane's environment holds two sockets per held episode."""
-OLD, NEW = "old", "new"
-WAYS = (OLD, NEW)
+OLD, NEW, STAGED = "old", "new", "staged"
+WAYS = (OLD, NEW, STAGED)
 """The old way commits (writes and fsyncs) inside the pause; the new way cuts inside it and
-persists after the resume (docs/protocol.md, "Persist after resume")."""
+persists after the resume (docs/protocol.md, "Persist after resume"); both prepare in the four
+stages of `PREPARE_ORDER`. The staged way is the new way with the prepare's stages from the
+waits the servers declare (docs/protocol.md, "Prepare stages"): what the operator runs."""
 Server = tuple[Role, int]
 """A server process: its role and its index among that role's replicas."""
 
@@ -148,6 +153,7 @@ def servers(
     """The servers as processes, `replicas` of each role wired in lanes (with `extra`
     arguments per role, `environment` added to theirs); yields (role, index) -> (url, pid);
     stops them on exit. bench/tracing.py starts its two groups with this too."""
+    root.mkdir(parents=True, exist_ok=True)
     lanes = range(replicas)
     url = {(role, i): f"http://127.0.0.1:{free_port()}" for role in ROLES for i in lanes}
 
@@ -168,6 +174,8 @@ def servers(
         ROLLOUT_LEASE_GRACE_SECONDS="120",
     )
     env.update(environment or {})
+    if any(name.startswith(S3_ENV_PREFIX) for name in env):
+        del env["ROLLOUT_CHECKPOINT_ROOT"]  # a set's storage is a volume or a bucket, not both
     processes: dict[Server, subprocess.Popen[bytes]] = {}
     try:
         for (role, i), address in url.items():
@@ -183,12 +191,16 @@ def servers(
                     start_new_session=True,
                 )
         deadline = time.monotonic() + 60 + 5 * len(url)
-        for (role, _), process in processes.items():
-            _wait_ready(role, process, deadline)
+        for (role, i), process in processes.items():
+            try:
+                _wait_ready(role, process, deadline)
+            except RuntimeError as error:
+                raise RuntimeError(f"{error}:\n{_tail(root / f'{role.value}-{i}.log')}") from None
         yield {server: (url[server], process.pid) for server, process in processes.items()}
     finally:
         for process in processes.values():
-            os.killpg(process.pid, signal.SIGINT)
+            with contextlib.suppress(ProcessLookupError):  # one that exited at its start
+                os.killpg(process.pid, signal.SIGINT)
         for process in processes.values():
             try:
                 process.wait(timeout=20)
@@ -465,27 +477,33 @@ async def bench(episodes: int, repeats: int, replicas: int, root: Path) -> None:
                 for (role, index), url in urls.items()
             ]
             coordinator = Coordinator(participants, call_timeout=120)
+            declared = coordinator.stages((await coordinator.status(time.time() + 60)).statuses)
             trips, fan_outs = [], []
             results: dict[str, list[CheckpointResult]] = {way: [] for way in WAYS}
             stage_trips: dict[Role, list[float]] = defaultdict(list)
+            declared_trips: dict[tuple[Role, ...], list[float]] = defaultdict(list)
             everyone = list(urls.values())
             by_role = {role: [u for (r, _), u in urls.items() if r is role] for role in ROLES}
             for n in range(repeats):
                 for role, members in by_role.items():
                     stage_trips[role] += await round_trips(control, members, 5)
+                for roles in declared:
+                    members = [u for role in roles for u in by_role[role]]
+                    declared_trips[roles] += await round_trips(control, members, 5)
                 # round trips sampled next to every checkpoint, so the baseline sees
                 # the same machine state as the pause it is compared with
                 trips += await round_trips(control, [urls[(Role.RESOURCES, 0)]], 10)
                 fan_outs += await round_trips(control, everyone, 10)
-                # the two ways alternate (in turned order every other round), so
-                # both see the same machine
-                for way in WAYS if n % 2 == 0 else WAYS[::-1]:
+                # the ways take turns going first, so every way sees the same machine
+                turn = n % len(WAYS)
+                for way in WAYS[turn:] + WAYS[:turn]:
                     current[0] = f"{way}-{n}"
                     result = await coordinator.checkpoint(
                         f"bench-{way}-{n}",
                         prepare_timeout=60,
                         commit_timeout=60,
-                        persist_after_resume=way == NEW,
+                        persist_after_resume=way != OLD,
+                        stages=declared if way == STAGED else SEQUENTIAL_STAGES,
                     )
                     if not result.ok:
                         raise SystemExit(
@@ -632,9 +650,33 @@ async def bench(episodes: int, repeats: int, replicas: int, root: Path) -> None:
         f"\ncheckpoint bytes per episode {total / episodes:.0f} B vs resident memory per episode "
         f"{rss_total / episodes:.0f} B: a process snapshot writes {rss_total / total:.0f}x more"
     )
-    new = _new_way(results[NEW], stage_rtt, rtt, rtt_all, pause, floor_calls)
+    new = _new_way(
+        "the new way: cut inside the pause, resume, then persist (median seconds)",
+        results[NEW],
+        list(stage_rtt.values()),
+        (rtt, rtt_all),
+        pause,
+        floor_calls,
+    )
+    staged = _new_way(
+        "the same with the declared stages, "
+        + ", ".join("+".join(r.value for r in roles) for roles in declared)
+        + " (median seconds)",
+        results[STAGED],
+        [statistics.median(declared_trips[roles]) for roles in declared],
+        (rtt, rtt_all),
+        pause,
+        floor_calls,
+    )
+    print(
+        f"  the declared stages against the four, same run: pause {staged['pause_s']:.4f} / "
+        f"{new['pause_s']:.4f} = {staged['pause_s'] / new['pause_s']:.2f}, prepare "
+        f"{staged['prepare_s']:.4f} / {new['prepare_s']:.4f} = "
+        f"{staged['prepare_s'] / new['prepare_s']:.2f}"
+    )
     summary = {
         "new_way": new,
+        "staged_way": staged,
         "episodes": episodes,
         "replicas": replicas,
         "pause_s": pause,
@@ -657,6 +699,9 @@ async def bench(episodes: int, repeats: int, replicas: int, root: Path) -> None:
 
 
 STORAGES = ("volume", "bucket")
+COMPARED = (OLD, STAGED)
+"""The ways the storage comparison takes: records written inside the pause, and the way the
+operator checkpoints (persisted after the resume, the declared stages)."""
 BUCKET_TARGET = 1.1
 """The new way's pause on a bucket over its pause on a volume: the cut writes nothing, so the
 storage behind it should not show in the pause."""
@@ -694,7 +739,13 @@ async def compare_storage(episodes: int, repeats: int, replicas: int, root: Path
                     )
                     for storage, group in groups.items()
                 }
-                combos = [(storage, way) for storage in STORAGES for way in WAYS]
+                declared = {
+                    storage: coordinator.stages(
+                        (await coordinator.status(time.time() + 60)).statuses
+                    )
+                    for storage, coordinator in coordinators.items()
+                }
+                combos = [(storage, way) for storage in STORAGES for way in COMPARED]
                 for n in range(repeats):
                     for storage, group in groups.items():
                         fan_outs[storage] += await round_trips(
@@ -706,7 +757,8 @@ async def compare_storage(episodes: int, repeats: int, replicas: int, root: Path
                             f"compare-{storage}-{way}-{n}",
                             prepare_timeout=60,
                             commit_timeout=60,
-                            persist_after_resume=way == NEW,
+                            persist_after_resume=way != OLD,
+                            stages=declared[storage] if way == STAGED else SEQUENTIAL_STAGES,
                         )
                         if not result.ok:
                             raise SystemExit(
@@ -743,21 +795,21 @@ def _print_storage_comparison(
     )
     print(f"{'':<12}{'':<8}{'pause':>10}{'commit/cut':>12}{'to durable':>12}{'fan-out':>10}")
     for where in STORAGES:
-        for way in WAYS:
+        for way in COMPARED:
             key = (where, way)
             print(
                 f"{where:<12}{way:<8}{pause[key]:>10.4f}{commit[key]:>12.4f}"
                 f"{durable[key]:>12.4f}{median(fan_outs[where]):>10.4f}"
             )
-    ratios = {way: pause[("bucket", way)] / pause[("volume", way)] for way in WAYS}
+    ratios = {way: pause[("bucket", way)] / pause[("volume", way)] for way in COMPARED}
     print(
         "\n(to durable: the old way's records are durable when its pause ends; the new way's "
         "from the cut to every record durable, after the resume)"
     )
     print(
         f"pause on the bucket / on the volume: old way {ratios[OLD]:.2f}, new way "
-        f"{ratios[NEW]:.2f} (target for the new way <= {BUCKET_TARGET}; "
-        f"{'met' if ratios[NEW] <= BUCKET_TARGET else 'missed'})"
+        f"{ratios[STAGED]:.2f} (target for the new way <= {BUCKET_TARGET}; "
+        f"{'met' if ratios[STAGED] <= BUCKET_TARGET else 'missed'})"
     )
     print(
         json.dumps(
@@ -797,15 +849,19 @@ call."""
 
 
 def _new_way(
+    title: str,
     results: Sequence[CheckpointResult],
-    stage_rtt: Mapping[Role, float],
-    rtt: float,
-    rtt_all: float,
+    stage_fan_outs: Sequence[float],
+    trips: tuple[float, float],
     old_pause: float,
     old_floor_calls: float,
 ) -> dict[str, float]:
-    """Print the new way (cut, resume, persist) against the old one and the floor of its
-    sequential calls alone (no write: the persist is after the resume); return its numbers."""
+    """Print a way that cuts, resumes, then persists against the old one and the floor of its
+    sequential calls alone (no write: the persist is after the resume): a fan-out per prepare
+    stage (`stage_fan_outs`), the cut and the resume; `trips`: one round trip and one fan-out
+    to every participant. Returns its numbers."""
+    rtt, rtt_all = trips
+    calls = len(stage_fan_outs) + 2
 
     def median(values: Iterable[float]) -> float:
         return statistics.median(list(values))
@@ -814,25 +870,25 @@ def _new_way(
     prepare = median(r.durations.prepare_seconds for r in results)
     cut = median(r.durations.commit_seconds for r in results)
     durable = median(r.durations.persist_seconds for r in results)
-    floor_rtt = SEQUENTIAL_CALLS * rtt
-    floor_calls = sum(stage_rtt.values()) + 2 * rtt_all
+    floor_rtt = calls * rtt
+    floor_calls = sum(stage_fan_outs) + 2 * rtt_all
     held = [
         max(m.bytes for m in r.commit.manifests.values()) for r in results if r.commit is not None
     ]
     total = [r.commit.bytes for r in results if r.commit is not None]
-    print("\nthe new way: cut inside the pause, resume, then persist (median seconds):")
+    print(f"\n{title}:")
     rows = [
         ("pause (prepare start -> resumed)", pause),
-        ("  prepare, 4 stages in order", prepare),
+        (f"  prepare, {len(stage_fan_outs)} stages in order", prepare),
         ("  the cut, fanned out", cut),
         ("  resume, all at once", max(0.0, pause - prepare - cut)),
         ("cut -> every record durable", durable),
-        (f"floor: {SEQUENTIAL_CALLS} RTT, no write", floor_rtt),
+        (f"floor: {calls} RTT, no write", floor_rtt),
         ("floor: the calls as fan-outs, no write", floor_calls),
     ]
     for label, value in rows:
         print(f"  {label:<40}{value:>10.4f}")
-    print(f"  {'ratio pause / 6 RTT':<40}{pause / floor_rtt:>10.2f}")
+    print(f"  {f'ratio pause / {calls} RTT':<40}{pause / floor_rtt:>10.2f}")
     print(
         f"  {'ratio pause / the calls as fan-outs':<40}{pause / floor_calls:>10.2f}"
         "   (target <= 1.5)"

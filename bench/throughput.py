@@ -9,8 +9,9 @@ without / with / with / without (`--pairs` times; the ABBA order cancels a machi
 linearly); during a "with" run a `Coordinator` in this process takes a checkpoint every
 `--interval` seconds and publishes it to disk, as `rollout-coordinate checkpoint` would. The
 runs with checkpoints take them both ways, in runs of their own: the old way (records written
-and fsynced inside the pause) and the new way (the cut inside the pause, the records persisted
-after the resume; docs/protocol.md, "Persist after resume"). One block of runs is none, old,
+and fsynced inside the pause, the prepare in four stages) and the new way (the cut inside the
+pause, the records persisted after the resume, the prepare in the stages the servers declare;
+docs/protocol.md, "Persist after resume" and "Prepare stages"). One block of runs is none, old,
 new, new, old, none (`--pairs` blocks), so a machine that drifts linearly favours no kind.
 
   throughput   episodes / wall seconds of the run (the same episodes in every run)
@@ -49,8 +50,9 @@ from unittest.mock import patch
 
 import aiohttp
 import anyio
-from protocol_pause import NEW, OLD, TOKEN, WAYS, servers
+from protocol_pause import OLD, STAGED, TOKEN, servers
 from rollout_protocol import (
+    SEQUENTIAL_STAGES,
     Boundary,
     Coordinator,
     Episode,
@@ -64,6 +66,12 @@ from rollout_servers.client import EpisodeFailed, EpisodeSpec, RolloutClient, ep
 from rollout_servers.topology import StaticTopology
 
 PRODUCTION_INTERVAL_S = 60.0
+NEW = STAGED
+WAYS = (OLD, NEW)
+"""The old way (records written inside the pause, the prepare in four stages) and the new way
+(records persisted after the resume, the prepare in the stages the servers declare): how the
+operator took checkpoints before and takes them now (docs/protocol.md, "Persist after resume",
+"Prepare stages")."""
 MIN_CHECKPOINTS = 3
 """A run "with" checkpoints that took fewer is refused: on a quiet machine 400 episodes ran in
 10 s, under one 15 s interval, and the bench printed a ratio of two runs without any."""
@@ -85,7 +93,8 @@ class Run:
     prepares: list[float] = field(default_factory=list)
     commits: list[float] = field(default_factory=list)
     stages: dict[str, list[float]] = field(default_factory=dict)
-    """Seconds of each prepare stage (by role), from the coordinator's progress messages."""
+    """Seconds of each prepare stage (by its roles: `environment+model`), from the coordinator's
+    progress messages."""
 
     @property
     def per_second(self) -> float:
@@ -117,6 +126,9 @@ async def one_run(
         on_progress=lambda message: marks.append((time.perf_counter(), message)),
     )
     finished = anyio.Event()
+    stages = SEQUENTIAL_STAGES
+    if way == NEW:
+        stages = coordinator.stages((await coordinator.status(time.time() + 30)).statuses)
 
     async def checkpoints() -> None:
         taken = 0
@@ -133,6 +145,7 @@ async def one_run(
                 publish_dir=checkpoint_root,
                 set_name="throughput",
                 persist_after_resume=way == NEW,
+                stages=stages if way == NEW else SEQUENTIAL_STAGES,
             )
             if not result.ok:
                 raise SystemExit(f"checkpoint failed: {result.reason}: {result.message}")
@@ -275,9 +288,6 @@ async def step_latency(steps: int = 20_000) -> None:
     print()
 
 
-ROLES = ("environment", "model", "agent", "resources")
-
-
 @dataclass
 class WayColumn:
     """The runs with checkpoints taken one way, summed and against the runs without."""
@@ -308,7 +318,10 @@ def way_column(args: argparse.Namespace, with_: list[Run], without: list[Run]) -
         checkpoints=len(pauses),
         pause=pauses,
         prepare=[p for r in with_ for p in r.prepares],
-        stages={role: [d for r in with_ for d in r.stages.get(role, [])] for role in ROLES},
+        stages={
+            name: [d for r in with_ for d in r.stages[name]]
+            for name in dict.fromkeys(name for r in with_ for name in r.stages)
+        },
         commit=[c for r in with_ for c in r.commits],
         durable=[d for r in with_ for d in r.durable],
         paused_share=sum(pauses) / sum(r.seconds for r in with_),
@@ -333,8 +346,12 @@ def report(args: argparse.Namespace, runs: list[Run]) -> None:
         ("pause per checkpoint, median s", median(old.pause), median(new.pause)),
         ("  prepare (parking at boundaries)", median(old.prepare), median(new.prepare)),
         *(
-            (f"    stage {role}", median(old.stages[role]), median(new.stages[role]))
-            for role in ROLES
+            (
+                f"    stage {name}",
+                median(old.stages.get(name, [])),
+                median(new.stages.get(name, [])),
+            )
+            for name in dict.fromkeys([*old.stages, *new.stages])
         ),
         ("  commit (the new way: the cut)", median(old.commit), median(new.commit)),
         ("start -> records durable, median s", median(old.durable), median(new.durable)),
