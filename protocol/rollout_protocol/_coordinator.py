@@ -158,10 +158,7 @@ class Coordinator:
         """The prepare's stages from the waits the participants declared in `statuses` (a
         participant without a status there declared nothing; `_stages.prepare_stages`)."""
         declared = {status.instance: status.waits_on for status in statuses}
-        return prepare_stages(
-            (participant.role, declared.get(participant.instance))
-            for participant in self._participants
-        )
+        return prepare_stages((p.role, declared.get(p.instance)) for p in self._participants)
 
     async def prepare(
         self,
@@ -203,21 +200,10 @@ class Coordinator:
                 if not stage:
                     continue
                 current = stage[0].role
-                names = "+".join(role.value for role in roles)
-                self._progress(f"prepare {names}: {len(stage)} participant(s)")
+                self._progress(f"prepare {'+'.join(roles)}: {len(stage)} participant(s)")
                 results = await self._fan_out(stage, lambda p: _prepare(p, request))
-                not_ready: list[Role] = []
-                for participant in stage:
-                    result = results[participant.instance]
-                    if isinstance(result, ParticipantError):
-                        failures.append(Failure.of(result))
-                        not_ready.append(participant.role)
-                    else:
-                        replies[participant.instance] = result
-                        if not result.ready:
-                            not_ready.append(participant.role)
-                if not_ready:
-                    stopped_at = min(not_ready, key=PREPARE_ORDER.index)
+                stopped_at = _first_not_ready(stage, results, replies, failures)
+                if stopped_at is not None:
                     break
                 prepared.extend(stage)
             # the renew loop may already be runnable; the event stops it from renewing anyone
@@ -569,6 +555,27 @@ class Coordinator:
             persist_after_resume=persist_after_resume,
             stages=stages,
         )
+
+
+def _first_not_ready(
+    stage: Sequence[ParticipantClient],
+    results: Mapping[str, PrepareReply | ParticipantError],
+    replies: dict[str, PrepareReply],
+    failures: list[Failure],
+) -> Role | None:
+    """A prepare stage's replies into `replies` and its failures into `failures`; the first role
+    in prepare order with an instance that failed or is not ready, or None when all are."""
+    not_ready: list[Role] = []
+    for participant in stage:
+        result = results[participant.instance]
+        if isinstance(result, ParticipantError):
+            failures.append(Failure.of(result))
+            not_ready.append(participant.role)
+        else:
+            replies[participant.instance] = result
+            if not result.ready:
+                not_ready.append(participant.role)
+    return min(not_ready, key=PREPARE_ORDER.index, default=None)
 
 
 def _restore_each(
