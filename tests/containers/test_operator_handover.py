@@ -5,10 +5,11 @@
 - the operator's pod deleted (as `kubectl delete pod` or a node drain would) while the
   checkpoint commits: the environment container answered prepare and is then frozen through
   containerd (SIGSTOP to its main process), so its commit call hangs in Committing until the
-  new operator pod runs, and is thawed then;
+  new operator pod holds the leader Lease (the old operator has stopped), and is thawed then;
 - the operator's pod evicted (the Eviction API, as a drain does) while the eviction checkpoint
-  of a participant pod evicted just before is preparing: the new operator pod finishes that
-  checkpoint before the participant's grace period ends, and the recovery restores it.
+  of a participant pod evicted just before is preparing: once the new operator pod holds the
+  leader Lease the tool call is let go, the new pod finishes that checkpoint before the
+  participant's grace period ends, and the recovery restores it.
 
 The operator runs as the chart installs it (one replica, the `Recreate` strategy) and the four
 reference servers as containers of the image. A checkpoint is held in Preparing by an episode
@@ -52,6 +53,18 @@ SET = "math-rl"
 CHECKPOINT = "during-upgrade"
 COMMITTING = "during-commit"
 EPISODES = 4
+HANDOVER_BOUND_S = 30 + 30
+"""The longest the new operator pod may take to start working (docs/install.md, "Upgrade"): the
+old pod's graceful stop (the chart's terminationGracePeriodSeconds, 30 s) and, were it killed
+then without releasing the leader Lease, that Lease's lapse (30 s)."""
+PREPARE_TIMEOUT_S = 60 + HANDOVER_BOUND_S
+"""The set's prepareTimeoutSeconds: the example's 60 s and the handover bound. The participants
+stay prepared until the prepare deadline plus their lease grace (docs/protocol.md, "Lease";
+docs/install.md, "Upgrade"), and a participant frozen before the commit reached it holds only
+that lease, so it outlasts a handover at its bound."""
+TAKEOVER_WAIT_S = HANDOVER_BOUND_S + 30
+"""How long a test waits for the new pod to hold the leader Lease: the bound, with room for a
+loaded machine."""
 
 
 def operator_pods(cluster: ContainerClusterProvider, namespace: str) -> list[dict[str, Any]]:
@@ -77,7 +90,10 @@ async def ready_set(
     cluster: ContainerClusterProvider, namespace: str, storage: Path
 ) -> dict[str, Any]:
     """The example set, its agent with debug hooks, Ready; returns it."""
-    kubectl_apply(cluster, namespace, example_set(storage, extra_args=HOLD_IN_TOOL_ARGS))
+    policy = {"checkpointPolicy": {"prepareTimeoutSeconds": PREPARE_TIMEOUT_S}}
+    kubectl_apply(
+        cluster, namespace, example_set(storage, extra_args=HOLD_IN_TOOL_ARGS, spec=policy)
+    )
 
     def ready() -> bool:
         obj = get_json(cluster, "rolloutset", SET, "-n", namespace)
@@ -94,6 +110,19 @@ def replaced(cluster: ContainerClusterProvider, namespace: str, before: dict[str
         and condition(p, "Ready").get("status") == "True"
         for p in operator_pods(cluster, namespace)
     )
+
+
+def took_over(cluster: ContainerClusterProvider, namespace: str, before: dict[str, Any]) -> bool:
+    """A new operator pod (not `before`) holds the leader Lease: the old operator has stopped,
+    and only the new one works from now on (docs/install.md, "Upgrade").
+
+    A deleted or evicted pod is replaced at once and the new pod is Ready while the old one
+    still stops (docs/design.md#68-the-operators-own-life: its flows get 4 s to finish), so
+    Ready alone does not say which operator finishes a checkpoint let go then."""
+    args = before["spec"]["containers"][0].get("args") or []
+    lease_namespace, lease = args[args.index("--leader-lease") + 1].split("/")
+    holder = get_json(cluster, "lease", lease, "-n", lease_namespace)["spec"].get("holderIdentity")
+    return bool(holder) and holder != before["metadata"]["name"]
 
 
 @dataclass
@@ -212,6 +241,12 @@ async def test_operator_pod_deleted_while_a_checkpoint_commits_hands_it_to_the_n
                 "delete", "pod", before["metadata"]["name"], "-n", namespace, "--wait=false"
             )
             await wait(lambda: replaced(cluster, namespace, before), 180, "a new operator pod")
+            # Thawed only once the old operator has stopped, so the new pod finishes the commit.
+            await wait(
+                lambda: took_over(cluster, namespace, before),
+                TAKEOVER_WAIT_S,
+                "the new operator pod to hold the leader Lease",
+            )
             assert checkpoint_phase(cluster, namespace, COMMITTING) == "Committing", (
                 "stopping is not aborting"
             )
@@ -259,6 +294,12 @@ async def test_operator_evicted_while_an_eviction_checkpoint_prepares_finishes_i
         grace_ends = terminating["metadata"]["deletionTimestamp"]
         evict(cluster, namespace, before["metadata"]["name"])
         await wait(lambda: replaced(cluster, namespace, before), 60, "a new operator pod Ready")
+        # Let go only once the old operator has stopped, so the new pod finishes the checkpoint.
+        await wait(
+            lambda: took_over(cluster, namespace, before),
+            TAKEOVER_WAIT_S,
+            "the new operator pod to hold the leader Lease",
+        )
         assert eviction_phase() == "Preparing", "stopping is not aborting"
         assert await held.hooks.release("tool", held.rollout_id) == 1
         await wait(

@@ -47,8 +47,9 @@ two are handled differently:
 - **The operator stops** (SIGTERM: its pod deleted, `helm upgrade`, a drain): stopping is not
   aborting. The flow gets `HANDOVER_SECONDS` to finish (a commit, publish and resume take well
   under a second); one still running then is cancelled *without* aborting, exactly as if the
-  operator had been killed: its phase is in status, the participants stay prepared under
-  their leases, and the next operator continues it from there
+  operator had been killed: its phase is in status (one let go after its cut writes phase
+  Resuming first, since its participants may be resumed already: `CheckpointFlow`), the
+  participants stay prepared under their leases, and the next operator continues it from there
   (docs/design.md#68-the-operators-own-life, docs/install.md "Upgrade"). Aborting would throw away a
   checkpoint that was about to be Ready and make the participants restart their parked work, to save
   only the successor's start-up time.

@@ -96,6 +96,12 @@ class FlowSettings:
     """Added to the longest a checkpoint's steps may take to make the Lease's duration."""
     phase_write_seconds: float = DEFER_SECONDS
     """How long an intermediate phase may stay unwritten (`UnwrittenPhases`)."""
+    handover_write_seconds: float = 5.0
+    """How long an operator that stops after a checkpoint's cut may take to write phase
+    Resuming for its successor (docs/design.md#68-the-operators-own-life). The write starts
+    when the flow is let go (`HANDOVER_SECONDS`, 4 s after the stop) and so ends before Kopf
+    stops waiting for the checkpoint's daemon (its `cancellation_backoff` and
+    `cancellation_timeout`, 10 s after the stop: `handlers/rolloutcheckpoint.py`)."""
 
 
 OnTransition = Callable[[RolloutCheckpoint, str, str], Awaitable[None]]

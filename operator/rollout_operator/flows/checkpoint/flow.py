@@ -29,9 +29,12 @@ Why continuing is safe: prepare, commit and restore replies are cached per check
 participants and replayed on retry, so repeating the step an operator died in returns what it
 would have returned. If the participants' lease lapsed meanwhile they resumed by themselves,
 the id is stale there, and the checkpoint ends Failed with a reason. After the resume the cut
-cannot be asked again (the id is stale), but the persist can: a participant answers its
-durable reply again, or says it lost the records, and the checkpoint fails. It is never Ready
-unless every participant's records are durable (records fsynced, manifest written last).
+cannot be asked again (the id is stale), so an operator that stops after the cut writes
+Resuming (entered in memory only) before it lets the checkpoint go (`_hand_over_resuming`),
+and its successor resumes and persists instead of preparing again. The persist can be asked
+again: a participant answers its durable reply again, or says it lost the records, and the
+checkpoint fails. It is never Ready unless every participant's records are durable (records
+fsynced, manifest written last).
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import anyio
 import anyio.abc
 from rollout_protocol import Coordinator, HttpParticipantClient, tracing
 
-from ...cluster.kube import Kube
+from ...cluster.kube import ApiError, Conflict, Kube
 from ...cluster.leases import CheckpointLeases
 from ...model.api import CheckpointPhase, RolloutCheckpoint, RolloutSet, namespace_or_default
 from ...model.reasons import Reason
@@ -249,11 +252,14 @@ class CheckpointFlow:
         try:
             await run_phases(PHASES, run, ckpt)
         except anyio.get_cancelled_exc_class():
-            # Deleted: participants must not stay paused until their leases lapse, and the
-            # set's slot must be free for the next checkpoint. Bounded, so a hung participant
-            # never holds the deletion.
-            if run.coordinator is not None and not published(ckpt) and abort_when_cancelled():
-                await self._abort_deleted(run, run.coordinator, ckpt)
+            if abort_when_cancelled():
+                # Deleted: participants must not stay paused until their leases lapse, and the
+                # set's slot must be free for the next checkpoint. Bounded, so a hung
+                # participant never holds the deletion.
+                if run.coordinator is not None and not published(ckpt):
+                    await self._abort_deleted(run, run.coordinator, ckpt)
+            elif ckpt.status.phase is CheckpointPhase.RESUMING:
+                await self._hand_over_resuming(ckpt)
             raise
         finally:
             if run.holds_operator_slot:
@@ -262,6 +268,41 @@ class CheckpointFlow:
             for participant in run.participants:
                 await participant.aclose()
         return ckpt.status.phase
+
+    async def _hand_over_resuming(self, ckpt: RolloutCheckpoint) -> None:
+        """The operator stops (its flow let go without an abort) after the cut, in phase
+        Resuming, which was entered in memory only (written late, `context.UnwrittenPhases`):
+        the resume may already have reached the participants, and their checkpoint id is
+        spent then, so a successor that found the phase before it (Committing, or none) and
+        prepared again would be refused the id as stale and fail a checkpoint whose cut every
+        participant holds. Resuming is written now, shielded and bounded, and the successor
+        resumes (a resume of a spent id is answered) and persists the held cut
+        (docs/design.md#68-the-operators-own-life)."""
+        context = self._context
+        name = ckpt.metadata.name
+        with (
+            anyio.CancelScope(shield=True),
+            anyio.move_on_after(context.settings.handover_write_seconds) as bounded,
+        ):
+            try:
+                await write_status(context, ckpt, ckpt.status)
+            except (ApiError, Conflict, OSError, TimeoutError) as error:
+                logger.warning(
+                    "checkpoint %s: the operator stops after the cut and could not write phase "
+                    "Resuming for the next one (%s)",
+                    name,
+                    error,
+                )
+                return
+        if bounded.cancelled_caught:
+            logger.warning(
+                "checkpoint %s: the operator stops after the cut and could not write phase "
+                "Resuming for the next one within %gs",
+                name,
+                context.settings.handover_write_seconds,
+            )
+            return
+        logger.info("checkpoint %s: the operator stops after the cut; phase Resuming written", name)
 
     async def _abort_deleted(
         self, run: CheckpointRun, coordinator: Coordinator, ckpt: RolloutCheckpoint
