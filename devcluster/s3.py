@@ -20,6 +20,9 @@ in the same process, so stopping it stops the server). The multi-node suite runs
 the kind cluster's namespace, on that namespace's end of the link to this machine: this
 machine reaches it through the link and the cluster's pods through the nodes' network there
 (tests/kind/conftest.py, docs/kind.md). The endpoint and the health check follow the host.
+With `access_log`, the server writes one line per request there (S3's server access log
+format: the bucket, the time, the caller's address, the operation, the key, the status), which
+shows who reached it.
 
 `start_for_cluster` (`python -m devcluster up --s3`, `Cluster.start(s3_bucket=...)`) starts one
 for a devcluster: recorded in its state like its other processes, with a bucket created and its
@@ -151,6 +154,8 @@ class S3Server:
     region: str = REGION
     host: str = LOOPBACK
     """The address it listens on (loopback, or an address inside a network namespace)."""
+    access_log: Path | None = None
+    """Where it logs each request (`start(access_log=...)`), if anywhere."""
 
     @property
     def endpoint(self) -> str:
@@ -221,6 +226,7 @@ def _start_once(
     host: str,
     port: int,
     launcher: Sequence[str],
+    access_log: Path | None,
     credentials: S3Credentials,
     extra_env: Mapping[str, str],
     timeout: float,
@@ -241,11 +247,12 @@ def _start_once(
         "--health",
         HEALTH_PATH,
         "--quiet",
+        *(("--access-log", access_log) if access_log is not None else ()),
         "posix",
         data_dir,
     ]
     child = spawn(argv, log, env, cwd=data_dir)
-    server = S3Server(child, port, data_dir, log, credentials, host=host)
+    server = S3Server(child, port, data_dir, log, credentials, host=host, access_log=access_log)
 
     def serving() -> bool:
         if child.poll() is not None:
@@ -268,6 +275,7 @@ def start(
     *,
     host: str = LOOPBACK,
     launcher: Sequence[str] = (),
+    access_log: Path | None = None,
     extra_env: Mapping[str, str] | None = None,
     timeout: float = 30.0,
 ) -> S3Server:
@@ -279,7 +287,8 @@ def start(
     caller created, with `launcher` the argv prefix that runs the server there
     (`network_namespace_launcher`); the launcher must exec the server, not fork it, so that
     `S3Server.stop` ends it. The port is one free on this machine's loopback; taken in the
-    namespace (the server then exits with "address already in use"), another is tried."""
+    namespace (the server then exits with "address already in use"), another is tried.
+    `access_log`: a file the server appends one line per request to (`S3Server.access_log`)."""
     try:
         ipaddress.ip_address(host)
     except ValueError:
@@ -301,6 +310,7 @@ def start(
                 host,
                 port,
                 launcher,
+                access_log,
                 credentials,
                 extra_env or {},
                 timeout,

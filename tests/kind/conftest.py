@@ -18,8 +18,9 @@
   run inside the cluster's network namespace (`nsenter --net=`), listening on that namespace's
   end of the link to this machine (`KIND_LINK_NETNS` of kind/env.sh, 10.215.0.2): this machine
   reaches it through the link, the pods through the nodes' network in the namespace, and no
-  node has its data (a bucket is the only place records put there live). Stopped, and its data
-  removed, at the module's end.
+  node has its data (a bucket is the only place records put there live). Its access log
+  (`S3Server.access_log`) names the caller of every request. Stopped, and its data removed, at
+  the module's end.
 - `kind_bucket`: a new empty bucket of that server for one test and its credentials as the
   Secret `BUCKET_SECRET` in the test's namespace: (the bucket, the Secret's name); the bucket is
   removed with everything in it afterwards.
@@ -182,6 +183,7 @@ def kind_s3_server(
         root / "s3-server.log",
         host=link_address_in_netns(),
         launcher=s3.network_namespace_launcher(Path("/run/netns") / kind_provider.netns),
+        access_log=root / "access.log",
         timeout=S3_READY_TIMEOUT,
     )
     try:

@@ -60,7 +60,7 @@ from testsupport.operator_fixtures import (
     phases,
     wait_phase,
 )
-from testsupport.s3_server import S3Bucket
+from testsupport.s3_server import S3Bucket, requests_logged
 from testsupport.trainer import collected, start_collecting, stop
 
 from devcluster.image import ProjectImage
@@ -700,6 +700,26 @@ def test_records_only_the_lost_worker_had_are_given_up_and_the_set_starts_fresh(
 BUCKET_PREFIX = "kind/records"
 
 
+def pod_ips(cluster: PodmanKindProvider, namespace: str, attempt: int) -> set[str]:
+    """The addresses of the set's pods of `attempt`."""
+    pods = get_json(
+        cluster,
+        "pods",
+        "-n",
+        namespace,
+        "-l",
+        f"checkpoint.rollout.dev/set={SET},checkpoint.rollout.dev/attempt={attempt}",
+    )["items"]
+    return {p["status"]["podIP"] for p in pods if p["status"].get("podIP")}
+
+
+def node_ip(cluster: PodmanKindProvider, node: str) -> str:
+    """The node's InternalIP (its container's address on the podman network)."""
+    addresses = get_json(cluster, "node", node)["status"]["addresses"]
+    [found] = [a["address"] for a in addresses if a["type"] == "InternalIP"]
+    return str(found)
+
+
 def bucket_keys(bucket: S3Bucket, below: str) -> list[str]:
     """Every key of the bucket below `below` (listed from this machine, through the link)."""
     return sorted(meta["path"] for batch in obstore.list(bucket.store(), below) for meta in batch)
@@ -743,6 +763,10 @@ async def test_a_whole_worker_lost_restores_the_set_on_the_other_worker_from_a_b
     rset = get_json(cluster, "rolloutset", SET, "-n", namespace)
     set_keys = f"{BUCKET_PREFIX}/{namespace}/{SET}/{rset['metadata']['uid']}/"
     agent = participants_by_role(rset)["agent"][0]["address"]
+    # Where requests from each worker come from, as the S3 server sees them: its pods' addresses,
+    # or its node's when the node masquerades them.
+    lost_side = pod_ips(cluster, namespace, 1) | {node_ip(cluster, lost_worker)}
+    staying_side = {node_ip(cluster, operator_on)}
 
     # One episode of the trainer's first wave (rollout-collect's ids: `episode_specs`) whose
     # task takes the calculator, so it has a second turn: held at the boundary before that turn
@@ -829,3 +853,23 @@ async def test_a_whole_worker_lost_restores_the_set_on_the_other_worker_from_a_b
     assert held_result["continued"], held_result
     continued = [item for item in done if item["continued"]]
     assert all(item["attempt"] == attempt for item in continued), continued
+
+    # The pods reached the bucket themselves, through the cluster's network: the checkpoint was
+    # written from the lost worker and read back, for the restore, from the surviving one.
+    assert bucket.server.access_log is not None
+    logged = [
+        r
+        for r in requests_logged(bucket.server.access_log)
+        if r.bucket == bucket.name and r.key.startswith(f"{set_keys}{name}/")
+    ]
+    seen: dict[str, dict[str, int]] = {}
+    for r in logged:
+        seen.setdefault(r.operation, {}).setdefault(r.remote, 0)
+        seen[r.operation][r.remote] += 1
+    print("bucket requests for the checkpoint (operation: caller: count):", json.dumps(seen))
+    staying_side |= pod_ips(cluster, namespace, attempt)
+    puts = {r.remote for r in logged if r.operation == "s3_PutObject"}
+    gets = {r.remote for r in logged if r.operation == "s3_GetObject" and r.status == 200}
+    assert puts, logged
+    assert puts <= lost_side, (puts, lost_side)
+    assert gets & staying_side, (gets, staying_side)

@@ -15,7 +15,7 @@ from pathlib import Path
 import obstore
 import pytest
 from obstore.exceptions import AlreadyExistsError, GenericError, PermissionDeniedError
-from testsupport.s3_server import S3Bucket, s3_store
+from testsupport.s3_server import S3Bucket, requests_logged, s3_store
 
 from devcluster import s3
 from devcluster.errors import DevclusterError
@@ -79,7 +79,13 @@ def test_a_launcher_runs_the_server_listening_on_the_host_given(tmp_path: Path) 
     # 127.0.0.2 is loopback too, but not where the server listens by default: the endpoint and
     # the health check `start` waits on follow the host. `env` stands for `nsenter --net=...`
     # (tests/kind/conftest.py): a launcher that execs the server in its own process.
-    server = s3.start(tmp_path / "data", tmp_path / "s3.log", host="127.0.0.2", launcher=("env",))
+    server = s3.start(
+        tmp_path / "data",
+        tmp_path / "s3.log",
+        host="127.0.0.2",
+        launcher=("env",),
+        access_log=tmp_path / "access.log",
+    )
     try:
         assert server.endpoint == f"http://127.0.0.2:{server.port}"
         assert Path(f"/proc/{server.pid}/exe").resolve() == s3.find_s3_server().resolve()
@@ -90,6 +96,13 @@ def test_a_launcher_runs_the_server_listening_on_the_host_given(tmp_path: Path) 
     finally:
         server.stop()
     assert not is_alive(server.pid)
+    # One line per request, naming the bucket, the caller's address, the operation and the key.
+    logged = requests_logged(tmp_path / "access.log")
+    assert [(r.bucket, r.operation, r.key, r.status) for r in logged] == [
+        ("launched", "s3_PutObject", "key", 200),
+        ("launched", "s3_GetObject", "key", 200),
+    ]
+    assert all(r.remote.startswith("127.") for r in logged), logged
 
 
 def test_a_host_that_is_not_an_address_is_refused(tmp_path: Path) -> None:
