@@ -217,10 +217,10 @@ KIND_KEEP ?=
 KIND_TESTS := tests/containers/test_helm_operator.py tests/containers/test_rolloutset_containers.py
 
 # Without Docker: the multi-node suite (tests/kind) on the podman kind cluster it starts and
-# removes itself (docs/kind.md).
+# removes itself (docs/kind.md), with the S3 server its bucket scenario runs in the cluster (s3-server).
 kind-e2e: venv cluster-binaries
 	@if docker info >/dev/null 2>&1 && [ -z "$$KIND_PODMAN" ]; then $(MAKE) --no-print-directory kind-e2e-docker; \
-	  else $(MAKE) --no-print-directory node-binaries image kind-packages && $(VENV)/bin/pytest -m kind tests/kind $(PYTEST_ARGS); fi
+	  else $(MAKE) --no-print-directory node-binaries image kind-packages s3-server && $(VENV)/bin/pytest -m kind tests/kind $(PYTEST_ARGS); fi
 
 kind-e2e-docker: venv cluster-binaries
 	$(KIND) create cluster --name $(KIND_CLUSTER) --wait 120s

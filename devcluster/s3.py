@@ -7,11 +7,22 @@ static access key, path-style addressing, ListObjectsV2, DeleteObject(s) and con
 (`If-None-Match: *` answered 412 when the key exists, atomically per key), which is what a set's
 records in a bucket need (docs/install.md, "Records in a bucket").
 
-`start` runs it as one process (its own session) on a free loopback port with a fresh random
-access key and secret, given in its environment rather than on its command line, and returns
-once its health endpoint answers; `S3Server.create_bucket` makes a bucket (a folder of the data
+`start` runs it as one process (its own session) on a free port with a fresh random access key
+and secret, given in its environment rather than on its command line, and returns once its
+health endpoint answers; `S3Server.create_bucket` makes a bucket (a folder of the data
 directory, which the posix backend serves as one); `S3Server.stop` ends it. The object-storage
-tests (tests/testsupport/s3_server.py) use it so.
+tests (tests/testsupport/s3_server.py) use it so, on loopback.
+
+It listens on loopback unless `start` is given another `host`: an address of a network
+namespace the caller made, whose processes are to reach the server, with a `launcher` that runs
+it there (`network_namespace_launcher`: `nsenter --net=<namespace> --`, which execs the server
+in the same process, so stopping it stops the server). The multi-node suite runs it so inside
+the kind cluster's namespace, on that namespace's end of the link to this machine: this
+machine reaches it through the link and the cluster's pods through the nodes' network there
+(tests/kind/conftest.py, docs/kind.md). The endpoint and the health check follow the host.
+With `access_log`, the server writes one line per request there (S3's server access log
+format: the bucket, the time, the caller's address, the operation, the key, the status), which
+shows who reached it.
 
 `start_for_cluster` (`python -m devcluster up --s3`, `Cluster.start(s3_bucket=...)`) starts one
 for a devcluster: recorded in its state like its other processes, with a bucket created and its
@@ -22,6 +33,7 @@ stops it and removes its data.
 from __future__ import annotations
 
 import base64
+import ipaddress
 import os
 import re
 import secrets
@@ -29,7 +41,7 @@ import shutil
 import subprocess
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -49,6 +61,8 @@ from devcluster.state import (
 from devcluster.waiting import wait_for_sync
 
 REGION: Final = "us-east-1"
+LOOPBACK: Final = "127.0.0.1"
+"""Where `start` listens unless given another host."""
 HEALTH_PATH: Final = "/health"
 _PORT_TRIES: Final = 3
 """How many ports `start` tries when the one it picked was taken before the server bound it."""
@@ -94,6 +108,27 @@ class S3Credentials:
     def __repr__(self) -> str:
         return f"S3Credentials(access_key_id={self.access_key_id!r}, secret_access_key=<hidden>)"
 
+    def secret(self, namespace: str, name: str) -> dict[str, Any]:
+        """A Secret `namespace/name` holding these credentials under the keys a set's storage
+        reads (`accessKeyId`, `secretAccessKey`: docs/install.md, "Records in a bucket")."""
+        values = (self.access_key_id, self.secret_access_key)
+        return {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": name, "namespace": namespace},
+            "type": "Opaque",
+            "data": {
+                key: base64.b64encode(value.encode()).decode()
+                for key, value in zip(CREDENTIAL_FILES, values, strict=True)
+            },
+        }
+
+    @classmethod
+    def read(cls, folder: Path) -> S3Credentials:
+        """The credentials `write` wrote to `folder`."""
+        key, secret = ((folder / file).read_text(encoding="utf-8") for file in CREDENTIAL_FILES)
+        return cls(access_key_id=key, secret_access_key=secret)
+
     def write(self, folder: Path) -> Path:
         """The files a mounted credentials Secret holds (`accessKeyId`, `secretAccessKey`) in
         `folder`, readable by the owner only; returns `folder`."""
@@ -117,10 +152,14 @@ class S3Server:
     log: Path
     credentials: S3Credentials
     region: str = REGION
+    host: str = LOOPBACK
+    """The address it listens on (loopback, or an address inside a network namespace)."""
+    access_log: Path | None = None
+    """Where it logs each request (`start(access_log=...)`), if anywhere."""
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return _url(self.host, self.port)
 
     @property
     def pid(self) -> int:
@@ -163,9 +202,27 @@ class S3Server:
         self.process.wait(timeout=grace_seconds)
 
 
-def _healthy(port: int) -> bool:
+def _url(host: str, port: int) -> str:
+    """`http://host:port`, an IPv6 address in brackets."""
+    address = ipaddress.ip_address(host)
+    return f"http://{host if address.version == 4 else f'[{host}]'}:{port}"
+
+
+def _listen(host: str, port: int) -> str:
+    """versitygw's `--port`: `host:port`, an IPv6 address in brackets."""
+    return _url(host, port).removeprefix("http://")
+
+
+def network_namespace_launcher(netns: Path) -> tuple[str, ...]:
+    """The `launcher` that runs the server inside the network namespace `netns` (a path such as
+    `/run/netns/<name>`): `nsenter --net=<netns> --` (not `ip netns exec`, which remounts /sys);
+    nsenter enters the namespace and execs the server, so the process started is the server."""
+    return ("nsenter", f"--net={netns}", "--")
+
+
+def _healthy(host: str, port: int) -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{HEALTH_PATH}", timeout=2) as reply:
+        with urllib.request.urlopen(_url(host, port) + HEALTH_PATH, timeout=2) as reply:
             return bool(reply.status == 200)
     except (urllib.error.URLError, OSError):
         return False
@@ -182,7 +239,10 @@ def _start_once(
     binary: Path,
     data_dir: Path,
     log: Path,
+    host: str,
     port: int,
+    launcher: Sequence[str],
+    access_log: Path | None,
     credentials: S3Credentials,
     extra_env: Mapping[str, str],
     timeout: float,
@@ -194,29 +254,31 @@ def _start_once(
         "ROOT_SECRET_ACCESS_KEY": credentials.secret_access_key,
     }
     argv: list[str | Path] = [
+        *launcher,
         binary,
         "--port",
-        f"127.0.0.1:{port}",
+        _listen(host, port),
         "--region",
         REGION,
         "--health",
         HEALTH_PATH,
         "--quiet",
+        *(("--access-log", access_log) if access_log is not None else ()),
         "posix",
         data_dir,
     ]
     child = spawn(argv, log, env, cwd=data_dir)
-    server = S3Server(child, port, data_dir, log, credentials)
+    server = S3Server(child, port, data_dir, log, credentials, host=host, access_log=access_log)
 
     def serving() -> bool:
         if child.poll() is not None:
             raise DevclusterError(
                 f"the S3 server exited with code {child.returncode}:\n{_log_tail(log)}"
             )
-        return _healthy(port)
+        return _healthy(host, port)
 
     try:
-        wait_for_sync(serving, timeout, f"the S3 server on 127.0.0.1:{port}", interval=0.05)
+        wait_for_sync(serving, timeout, f"the S3 server on {server.endpoint}", interval=0.05)
     except BaseException:
         server.stop(grace_seconds=2.0)
         raise
@@ -227,12 +289,28 @@ def start(
     data_dir: Path,
     log: Path,
     *,
+    host: str = LOOPBACK,
+    launcher: Sequence[str] = (),
+    access_log: Path | None = None,
     extra_env: Mapping[str, str] | None = None,
     timeout: float = 30.0,
 ) -> S3Server:
-    """Starts the S3 server over `data_dir` (created if missing) on a free loopback port with
+    """Starts the S3 server over `data_dir` (created if missing) on a free port of `host` with
     fresh credentials, its output appended to `log`, `extra_env` added to its (otherwise minimal)
-    environment; returns once it answers."""
+    environment; returns once it answers on `host`.
+
+    `host` is an IP address: loopback (the default), or an address of a network namespace the
+    caller created, with `launcher` the argv prefix that runs the server there
+    (`network_namespace_launcher`); the launcher must exec the server, not fork it, so that
+    `S3Server.stop` ends it. The port is one free on this machine's loopback; taken in the
+    namespace (the server then exits with "address already in use"), another is tried.
+    `access_log`: a file the server appends one line per request to (`S3Server.access_log`)."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise DevclusterError(
+            f"the S3 server's host must be an IP address (its endpoint names it), not {host!r}"
+        ) from None
     binary = find_s3_server()
     data_dir.mkdir(parents=True, exist_ok=True)
     credentials = S3Credentials.generate()
@@ -241,7 +319,18 @@ def start(
     while True:
         port = pick_free(taken)
         try:
-            return _start_once(binary, data_dir, log, port, credentials, extra_env or {}, timeout)
+            return _start_once(
+                binary,
+                data_dir,
+                log,
+                host,
+                port,
+                launcher,
+                access_log,
+                credentials,
+                extra_env or {},
+                timeout,
+            )
         except DevclusterError as error:
             tries += 1
             if tries >= _PORT_TRIES or _PORT_TAKEN not in str(error):
@@ -286,13 +375,4 @@ def remove_data(state: ClusterState) -> None:
 
 def credentials_secret(s3: S3State, namespace: str, name: str) -> dict[str, Any]:
     """A Secret holding the credentials of the cluster's S3 server, for a set's storage."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {"name": name, "namespace": namespace},
-        "type": "Opaque",
-        "data": {
-            file: base64.b64encode((s3.credentials_dir / file).read_bytes()).decode()
-            for file in CREDENTIAL_FILES
-        },
-    }
+    return S3Credentials.read(s3.credentials_dir).secret(namespace, name)

@@ -14,17 +14,33 @@
 - `shared_storage`: a folder of the host folder every node mounts at `/rollout-shared` (a
   cluster filesystem, as GPU nodes share one), writable by the image's user: (path on this
   machine, path in the nodes).
+- `kind_s3_server` (module): the S3 server of `make s3-server` (versitygw, devcluster/s3.py)
+  run inside the cluster's network namespace (`nsenter --net=`), listening on that namespace's
+  end of the link to this machine (`KIND_LINK_NETNS` of kind/env.sh, 10.215.0.2): this machine
+  reaches it through the link, the pods through the nodes' network in the namespace, and no
+  node has its data (a bucket is the only place records put there live). Its access log
+  (`S3Server.access_log`) names the caller of every request. Stopped, and its data removed, at
+  the module's end.
+- `kind_bucket`: a new empty bucket of that server for one test and its credentials as the
+  Secret `BUCKET_SECRET` in the test's namespace: (the bucket, the Secret's name); the bucket is
+  removed with everything in it afterwards.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import secrets
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from testsupport.s3_server import S3Bucket
 
+from devcluster import s3
 from devcluster.image import ProjectImage, build_project_image
 from devcluster.paths import REPO_ROOT
 from devcluster.testing import namespace_name
@@ -39,6 +55,19 @@ docs/kind.md); two work too, a lost worker then started again before each scenar
 Not `KIND_WORKERS`: the Makefile exports that (2) for `make kind`."""
 UP_TIMEOUT = 1800
 """A cold `kind/up.sh` builds kind's tools and the node image first (minutes on two cores)."""
+BUCKET_SECRET = "bucket-credentials"
+S3_READY_TIMEOUT = 30.0
+"""How long the S3 server may take to answer its health endpoint (well under 1 s here)."""
+
+
+def link_address_in_netns() -> str:
+    """The cluster namespace's end of its link to this machine (`KIND_LINK_NETNS`, kind/env.sh):
+    an address inside a network namespace the run created, reachable from here and from the
+    nodes' network."""
+    env_sh = (REPO_ROOT / "kind" / "env.sh").read_text(encoding="utf-8")
+    found = re.search(r'^KIND_LINK_NETNS="([0-9.]+)"$', env_sh, re.MULTILINE)
+    assert found, "kind/env.sh sets no KIND_LINK_NETNS"
+    return found.group(1)
 
 
 @pytest.fixture(scope="session")
@@ -141,3 +170,38 @@ def shared_storage(kind_state: Path, kind_namespace: str) -> tuple[Path, Path]:
     host.mkdir(parents=True)
     host.chmod(0o1777)
     return host, SHARED_IN_NODE / kind_namespace
+
+
+@pytest.fixture(scope="module")
+def kind_s3_server(
+    kind_provider: PodmanKindProvider, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[s3.S3Server]:
+    root = tmp_path_factory.mktemp("kind-s3")
+    data = root / "data"
+    server = s3.start(
+        data,
+        root / "s3-server.log",
+        host=link_address_in_netns(),
+        launcher=s3.network_namespace_launcher(Path("/run/netns") / kind_provider.netns),
+        access_log=root / "access.log",
+        timeout=S3_READY_TIMEOUT,
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(data, ignore_errors=True)
+
+
+@pytest.fixture
+def kind_bucket(
+    kind_s3_server: s3.S3Server, kind_provider: PodmanKindProvider, kind_namespace: str
+) -> Iterator[tuple[S3Bucket, str]]:
+    name = f"kind-{secrets.token_hex(6)}"
+    kind_s3_server.create_bucket(name)
+    try:
+        secret = kind_s3_server.credentials.secret(kind_namespace, BUCKET_SECRET)
+        kind_provider.kubectl("apply", "-f", "-", input=json.dumps(secret))
+        yield S3Bucket(kind_s3_server, name, kind_s3_server.endpoint), BUCKET_SECRET
+    finally:
+        kind_s3_server.remove_bucket(name)

@@ -1,7 +1,7 @@
 """What only several nodes show: the kind cluster of `make kind` (one control plane, three
 workers, each worker with 4 `nvidia.com/gpu` a real kubelet allocates through the device
 plugin), the operator installed by Helm, the example RolloutSet as containers of the image,
-checkpoint records on a host folder every node mounts (docs/kind.md).
+checkpoint records on a host folder every node mounts, or in an S3-API bucket (docs/kind.md).
 
 Each scenario runs on two workers (`worker_pair`: the one it loses, drains or fills, and the one
 that stays); the set and the operator may run only on those two (a required node affinity), so
@@ -22,6 +22,10 @@ for the next scenarios, which take the workers still up (docs/kind.md, "The mult
   from the NotReady node, its successor starts on the surviving worker, takes the leader Lease
   and carries the checkpoint on; once the tool call is let go the checkpoint ends (Ready) and
   every episode finishes exactly once.
+- A whole worker lost with the set's records in a bucket only (versitygw inside the cluster's
+  network namespace, no folder shared between nodes): the new attempt on the other worker is
+  restored from the checkpoint the pods wrote to the bucket, and an episode held mid-run across
+  the checkpoint and the loss continues from it there (not started fresh), every episode once.
 - Records on storage only the lost worker had (a node-local hostPath): the recovery on the other
   worker finds the checkpoint's records missing there, marks the checkpoint Ready=False and
   starts the set fresh under a new attempt instead of waiting for the node, and the trainer
@@ -44,9 +48,11 @@ from typing import Any, NamedTuple
 
 import anyio
 import httpx
+import obstore
 import pytest
 from rollout_servers.client import EpisodeFailed, EpisodeResult, RolloutClient, episode_specs
 from rollout_servers.discovery import rollout_set_topology
+from rollout_servers.tasks import Task
 from testsupport.operator_fixtures import (
     HOLD_IN_TOOL_ARGS,
     Debug,
@@ -54,6 +60,7 @@ from testsupport.operator_fixtures import (
     phases,
     wait_phase,
 )
+from testsupport.s3_server import S3Bucket, requests_logged
 from testsupport.trainer import collected, start_collecting, stop
 
 from devcluster.image import ProjectImage
@@ -248,11 +255,11 @@ def remove_operator(cluster: PodmanKindProvider, namespace: str, *, tail: int) -
     helm(cluster, "uninstall", RELEASE, "--namespace", namespace)
 
 
-def set_running_on_the_lost_worker(scene: Scene, records: Path) -> None:
-    """The example set (records in `records`) Ready at attempt 1, every participant on the
-    worker the scenario will lose or drain."""
+def set_running_on_the_lost_worker(scene: Scene, rollout_set: dict[str, Any]) -> None:
+    """The set (the example set, its storage where the scenario puts its records) Ready at
+    attempt 1, every participant on the worker the scenario will lose or drain."""
     cluster, namespace, lost_worker = scene.cluster, scene.namespace, scene.workers.loses
-    apply(cluster, namespace, preferring(example_set(records), lost_worker, scene.workers))
+    apply(cluster, namespace, preferring(rollout_set, lost_worker, scene.workers))
     wait_for_sync(lambda: set_ready(cluster, namespace), 300, "the RolloutSet Ready at attempt 1")
     placed = set_pods(cluster, namespace, 1)
     assert sorted(placed) == ["agent", "environment", "model", "resources"]
@@ -301,7 +308,7 @@ def test_a_whole_worker_lost_moves_the_set_to_the_other_worker_from_shared_recor
     cluster, namespace = operator_scene.cluster, operator_scene.namespace
     operator_on, lost_worker = operator_scene.workers
     host_records = operator_scene.host_records
-    set_running_on_the_lost_worker(operator_scene, operator_scene.node_records)
+    set_running_on_the_lost_worker(operator_scene, example_set(operator_scene.node_records))
 
     out = tmp_path / "episodes.jsonl"
     recovering: list[dict[str, Any]] = []
@@ -367,7 +374,7 @@ def test_a_drained_worker_checkpoints_its_set_before_the_pods_go_and_the_set_mov
 ) -> None:
     cluster, namespace = operator_scene.cluster, operator_scene.namespace
     operator_on, lost_worker = operator_scene.workers
-    set_running_on_the_lost_worker(operator_scene, operator_scene.node_records)
+    set_running_on_the_lost_worker(operator_scene, example_set(operator_scene.node_records))
 
     out = tmp_path / "episodes.jsonl"
     with collecting(operator_scene, out) as collect:
@@ -646,7 +653,7 @@ def test_records_only_the_lost_worker_had_are_given_up_and_the_set_starts_fresh(
     # there, no other node sees.
     node_local = Path("/var/lib/rollout-node-records") / namespace
     cluster.make_writable_folder(node_local)
-    set_running_on_the_lost_worker(operator_scene, node_local)
+    set_running_on_the_lost_worker(operator_scene, example_set(node_local))
 
     out = tmp_path / "episodes.jsonl"
     name = "local-only"
@@ -688,3 +695,173 @@ def test_records_only_the_lost_worker_had_are_given_up_and_the_set_starts_fresh(
     assert len(ids) == EPISODES, output[-2000:]
     assert len(set(ids)) == EPISODES, "an episode finished twice"
     assert not any(item["continued"] for item in done if item["attempt"] == attempt), done
+
+
+BUCKET_PREFIX = "kind/records"
+
+
+def pod_ips(cluster: PodmanKindProvider, namespace: str, attempt: int) -> set[str]:
+    """The addresses of the set's pods of `attempt`."""
+    pods = get_json(
+        cluster,
+        "pods",
+        "-n",
+        namespace,
+        "-l",
+        f"checkpoint.rollout.dev/set={SET},checkpoint.rollout.dev/attempt={attempt}",
+    )["items"]
+    return {p["status"]["podIP"] for p in pods if p["status"].get("podIP")}
+
+
+def bucket_keys(bucket: S3Bucket, below: str) -> list[str]:
+    """Every key of the bucket below `below` (listed from this machine, through the link)."""
+    return sorted(meta["path"] for batch in obstore.list(bucket.store(), below) for meta in batch)
+
+
+def bucket_records(bucket: S3Bucket, below: str) -> dict[str, dict[str, Any]]:
+    """rollout id -> its record (`data`: the session's step and state) in the one records file
+    below `below` (one participant instance's folder of a checkpoint)."""
+    [records] = [
+        key for key in bucket_keys(bucket, below) if key.rsplit("/", 1)[-1].startswith("records-")
+    ]
+    lines = bytes(obstore.get(bucket.store(), records).bytes()).decode().splitlines()
+    return {
+        entry["rollout_id"]: entry["data"]
+        for entry in (json.loads(line) for line in lines if line.strip())
+    }
+
+
+async def test_a_whole_worker_lost_restores_the_set_on_the_other_worker_from_a_bucket(
+    kind_bucket: tuple[S3Bucket, str], operator_scene: Scene, tmp_path: Path
+) -> None:
+    # `kind_bucket` first: set up before the operator, so it is removed after it (the set is
+    # deleted while the operator runs, and its keys removed from the bucket, before the bucket).
+    cluster, namespace = operator_scene.cluster, operator_scene.namespace
+    operator_on, lost_worker = operator_scene.workers
+    bucket, secret = kind_bucket
+    # The set's records only in the bucket: no volume, no folder any two nodes share. The agent
+    # serves its debug hooks, so one episode can be held between two turns.
+    rollout_set = example_set(operator_scene.node_records, extra_args={"agent": ["--debug-hooks"]})
+    rollout_set["spec"]["storage"] = {
+        "s3": {
+            "endpoint": bucket.endpoint,
+            "bucket": bucket.name,
+            "prefix": BUCKET_PREFIX,
+            "region": bucket.server.region,
+            "addressingStyle": "path",
+            "secretName": secret,
+        }
+    }
+    await anyio.to_thread.run_sync(set_running_on_the_lost_worker, operator_scene, rollout_set)
+    rset = get_json(cluster, "rolloutset", SET, "-n", namespace)
+    set_keys = f"{BUCKET_PREFIX}/{namespace}/{SET}/{rset['metadata']['uid']}/"
+    agent = participants_by_role(rset)["agent"][0]["address"]
+    # The S3 server sees the pods' own addresses (kind/up.sh's pod network does not masquerade).
+    first_pods = pod_ips(cluster, namespace, 1)
+
+    # One episode of the trainer's first wave (rollout-collect's ids: `episode_specs`) whose
+    # task takes the calculator, so it has a second turn: held at the boundary before that turn
+    # (a boundary: it does not hold the checkpoint up), it is mid-run when the checkpoint is
+    # taken and still unfinished when the worker is lost.
+    seed = 17
+    specs = episode_specs(EPISODES, seed)
+    held = next(
+        spec.rollout_id
+        for spec in specs[:CONCURRENCY]
+        if isinstance(spec.task, Task) and spec.task.steps
+    )
+    out = tmp_path / "episodes.jsonl"
+    name = "before-worker-loss-bucket"
+    recovering: list[dict[str, Any]] = []
+    async with httpx.AsyncClient() as http:
+        hooks = Debug(http, agent)
+        await hooks.arm("turn", held, index=1)
+        with collecting(operator_scene, out, seed=seed) as collect:
+            await hooks.paused("turn", held, limit_s=120)
+            await anyio.to_thread.run_sync(checkpoint_taken, operator_scene, name)
+            assert held not in {item["rollout_id"] for item in collected(out)}
+            assert len(collected(out)) < EPISODES, "every episode finished before the loss"
+
+            # The checkpoint is in the bucket (the pods on the lost worker wrote it there), the
+            # held session in it at its second turn.
+            stored = bucket_keys(bucket, f"{set_keys}{name}/")
+            for instance in ("agent-0", "environment-0", "model-0", "resources-0"):
+                assert f"{set_keys}{name}/{instance}/manifest.json" in stored, stored
+            at_checkpoint = bucket_records(bucket, f"{set_keys}{name}/agent-0/")[held]
+            assert (at_checkpoint["step"], at_checkpoint["state"]["turn"]) == ("model", 1)
+
+            cluster.kill_node(lost_worker)
+
+            def recovered() -> bool:
+                obj = get_json(cluster, "rolloutset", SET, "-n", namespace)
+                if condition(obj, "Recovering").get("status") == "True":
+                    recovering.append(obj)
+                status = obj.get("status") or {}
+                return (
+                    (status.get("attempt") or 1) > 1
+                    and condition(obj, "Ready").get("status") == "True"
+                    and status.get("latestCheckpoint") == name
+                )
+
+            await anyio.to_thread.run_sync(
+                lambda: wait_for_sync(
+                    recovered, 420, f"the RolloutSet Ready under a new attempt from {name}"
+                )
+            )
+            output, _ = await anyio.to_thread.run_sync(lambda: collect.communicate(timeout=600))
+            assert collect.returncode == 0, output[-4000:]
+
+    obj = get_json(cluster, "rolloutset", SET, "-n", namespace)
+    attempt = obj["status"]["attempt"]
+    restored = condition(obj, "Recovering")
+    print(
+        "lost worker Ready:", json.dumps(condition(get_json(cluster, "node", lost_worker), "Ready"))
+    )
+    print("lastRecovery:", json.dumps(obj["status"].get("lastRecovery")))
+    print("Recovering:", json.dumps(restored))
+    # The loss was seen as a lost node, and the new attempt runs whole on the surviving worker,
+    # restored from the checkpoint in the bucket, which is still Ready (its records reachable
+    # from there: contrast the records scenario, where they are not).
+    assert recovering, "the set was never seen Recovering"
+    loss = recovering[0]["status"].get("recovery") or {}
+    assert loss.get("reason") == "NodeLost", loss
+    assert lost_worker in loss.get("message", ""), loss
+    assert set(set_pods(cluster, namespace, attempt).values()) == {operator_on}
+    assert restored.get("reason") == "Restored", restored
+    assert f"restored checkpoint {name}" in restored.get("message", ""), restored
+    ckpt = get_json(cluster, "rolloutcheckpoint", name, "-n", namespace)
+    assert ckpt["status"].get("phase") == "Ready", ckpt["status"]
+    # Every episode exactly once; the held one (and any other the checkpoint had mid-run that
+    # had not finished at the loss) continued under the new attempt from what the checkpoint
+    # recorded, not started fresh.
+    done = collected(out)
+    ids = [item["rollout_id"] for item in done]
+    assert len(ids) == EPISODES, output[-2000:]
+    assert len(set(ids)) == EPISODES, "an episode finished twice"
+    [held_result] = [item for item in done if item["rollout_id"] == held]
+    print("held episode:", json.dumps(held_result))
+    assert held_result["attempt"] == attempt, held_result
+    assert held_result["continued"], held_result
+    continued = [item for item in done if item["continued"]]
+    assert all(item["attempt"] == attempt for item in continued), continued
+
+    # The pods reached the bucket themselves, through the cluster's network: the checkpoint was
+    # written by the four pods on the lost worker, and read back, for the restore, by each of
+    # the new attempt's four on the surviving one.
+    assert bucket.server.access_log is not None
+    logged = [
+        r
+        for r in requests_logged(bucket.server.access_log)
+        if r.bucket == bucket.name and r.key.startswith(f"{set_keys}{name}/")
+    ]
+    seen: dict[str, dict[str, int]] = {}
+    for r in logged:
+        seen.setdefault(r.operation, {}).setdefault(r.remote, 0)
+        seen[r.operation][r.remote] += 1
+    print("bucket requests for the checkpoint (operation: caller: count):", json.dumps(seen))
+    restoring_pods = pod_ips(cluster, namespace, attempt)
+    puts = {r.remote for r in logged if r.operation == "s3_PutObject"}
+    gets = {r.remote for r in logged if r.operation == "s3_GetObject" and r.status == 200}
+    assert len(first_pods) == len(restoring_pods) == 4, (first_pods, restoring_pods)
+    assert puts == first_pods, (puts, first_pods)
+    assert restoring_pods <= gets, (gets, restoring_pods)

@@ -9,11 +9,17 @@ they published a manifest, so this is checked against the real server, not assum
 
 from __future__ import annotations
 
+import base64
+from pathlib import Path
+
 import obstore
 import pytest
 from obstore.exceptions import AlreadyExistsError, GenericError, PermissionDeniedError
-from testsupport.s3_server import S3Bucket, s3_store
+from testsupport.s3_server import S3Bucket, requests_logged, s3_store
 
+from devcluster import s3
+from devcluster.errors import DevclusterError
+from devcluster.procs import is_alive
 from devcluster.s3 import S3Credentials, S3Server
 
 
@@ -67,3 +73,51 @@ def test_a_removed_bucket_is_gone(s3_server: S3Server) -> None:
 
     with pytest.raises(GenericError, match="NoSuchBucket"):
         _keys(store)
+
+
+def test_a_launcher_runs_the_server_listening_on_the_host_given(tmp_path: Path) -> None:
+    # 127.0.0.2 is loopback too, but not where the server listens by default: the endpoint and
+    # the health check `start` waits on follow the host. `env` stands for `nsenter --net=...`
+    # (tests/kind/conftest.py): a launcher that execs the server in its own process.
+    server = s3.start(
+        tmp_path / "data",
+        tmp_path / "s3.log",
+        host="127.0.0.2",
+        launcher=("env",),
+        access_log=tmp_path / "access.log",
+    )
+    try:
+        assert server.endpoint == f"http://127.0.0.2:{server.port}"
+        assert Path(f"/proc/{server.pid}/exe").resolve() == s3.find_s3_server().resolve()
+        server.create_bucket("launched")
+        store = s3_store(server.endpoint, "launched", server.credentials)
+        obstore.put(store, "key", b"data", mode="create")
+        assert bytes(obstore.get(store, "key").bytes()) == b"data"
+    finally:
+        server.stop()
+    assert not is_alive(server.pid)
+    # One line per request, naming the bucket, the caller's address, the operation and the key.
+    logged = requests_logged(tmp_path / "access.log")
+    assert [(r.bucket, r.operation, r.key, r.status) for r in logged] == [
+        ("launched", "s3_PutObject", "key", 200),
+        ("launched", "s3_GetObject", "key", 200),
+    ]
+    assert all(r.remote.startswith("127.") for r in logged), logged
+
+
+def test_a_host_that_is_not_an_address_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(DevclusterError, match="must be an IP address"):
+        s3.start(tmp_path / "data", tmp_path / "s3.log", host="localhost")
+    assert not (tmp_path / "data").exists()
+
+
+def test_credentials_as_a_secret_and_back_from_its_files(tmp_path: Path) -> None:
+    credentials = S3Credentials.generate()
+    assert S3Credentials.read(credentials.write(tmp_path / "files")) == credentials
+    secret = credentials.secret("team-a", "bucket-creds")
+    assert secret["metadata"] == {"name": "bucket-creds", "namespace": "team-a"}
+    decoded = {key: base64.b64decode(value).decode() for key, value in secret["data"].items()}
+    assert decoded == {
+        "accessKeyId": credentials.access_key_id,
+        "secretAccessKey": credentials.secret_access_key,
+    }

@@ -15,17 +15,21 @@ The fixtures are a pytest plugin, registered for every folder by `pytest_plugins
 - `s3_network`: a `FakeNetwork` (testsupport/fake_network.py) in front of the server for one test,
   whose faults (slow, 500, 503 SlowDown, 507 full, dropped) the test switches on and off;
   `s3_bucket.through(s3_network)` is the bucket reached through it.
+
+`requests_logged(path)` reads the access log of a server started with `access_log` (who asked
+for what: the multi-node suite checks that the cluster's pods reached its bucket).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import secrets
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import pytest
 from obstore.store import S3Store
@@ -39,6 +43,38 @@ if TYPE_CHECKING:  # obstore declares these for type checkers only
 
 READY_TIMEOUT_S = 30.0
 """How long the server may take to answer its health endpoint (it starts in well under 1 s)."""
+_LOGGED = re.compile(
+    r"^\S+ (?P<bucket>\S+) \[[^\]]*\] (?P<remote>\S+) \S+ \S+ (?P<operation>\S+) (?P<key>\S+) "
+    r"\S+ (?P<status>\d{3}) "
+)
+"""A line of versitygw's access log (S3's server access log format): bucket owner, bucket,
+[time], remote address, requester, request id, operation, key, request URI, HTTP status, ..."""
+
+
+class LoggedRequest(NamedTuple):
+    """One request in the S3 server's access log."""
+
+    bucket: str
+    remote: str
+    """The caller's address, as the server saw it."""
+    operation: str
+    """e.g. `s3_PutObject`, `s3_GetObject`, `s3_ListObjectsV2`."""
+    key: str
+    """`-` when the request names no key."""
+    status: int
+
+
+def requests_logged(access_log: Path) -> list[LoggedRequest]:
+    """The requests the server logged so far (its opening line, and any that is not a request's,
+    left out)."""
+    if not access_log.exists():
+        return []
+    found = (_LOGGED.match(line) for line in access_log.read_text(errors="replace").splitlines())
+    return [
+        LoggedRequest(m["bucket"], m["remote"], m["operation"], m["key"], int(m["status"]))
+        for m in found
+        if m is not None
+    ]
 
 
 def s3_store(
