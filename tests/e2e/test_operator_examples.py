@@ -40,6 +40,7 @@ from testsupport.operator_fixtures import (
 )
 
 from devcluster.cluster import Cluster
+from devcluster.waiting import wait_for
 from harness.measures import checkpoint_records
 
 EPISODES = 24
@@ -109,6 +110,16 @@ async def test_examples_checkpoint_then_model_pod_killed_mid_generation(
 
             group.start_soon(run_episodes)
             await Debug(http, model["address"]).paused("token", held)
+            # Every episode begun at the environment first: a `/run` that reaches it after its
+            # prepare is parked at its first boundary and written, but not counted in the
+            # checkpoint's episodes (docs/design.md section 10, "A checkpoint's episode count")
+            environment = participants_by_role(ready)["environment"][0]["address"]
+
+            async def all_begun() -> bool:
+                begun = (await stats(http, environment, token)).get("rollouts") or {}
+                return all(spec.rollout_id in begun for spec in specs)
+
+            await wait_for(all_begun, 60, "every episode begun at the environment")
 
             # A checkpoint while episodes run (one of them held mid-generation).
             name = "math-rl-running"
