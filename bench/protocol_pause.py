@@ -40,13 +40,17 @@ saves against resuming stage by stage (three), and each call's median as the coo
 and next to it the checkpoint bytes per episode against the participants' resident memory (what a
 process-level snapshot, CRIU-style, would have to write instead).
 
-Each round takes one checkpoint the old way (records written and fsynced inside the pause) and
-one the new way (persist after resume: the cut inside the pause, then the resume, then the
-persist; docs/protocol.md, "Persist after resume"), alternating which goes first, so both see
-the same episodes and machine. The new way is printed against the floor of its sequential calls
-alone (no write is left in its pause: six round trips, and the same calls as the fan-outs they
-are; target <= 1.5), with the time from the cut to every record durable and the bytes the cut
-held.
+Each round takes one checkpoint three ways, each going first in turn, so all see the same
+episodes and machine: the old way (records written and fsynced inside the pause), the new way
+(persist after resume: the cut inside the pause, then the resume, then the persist;
+docs/protocol.md, "Persist after resume"), both in the four prepare stages, and the new way in
+the stages the servers declare (docs/protocol.md, "Prepare stages"), as the operator takes it.
+The new ways are printed against the floor of their sequential calls alone (no write is left in
+their pause: their round trips, and the same calls as the fan-outs they are; target <= 1.5),
+with the time from the cut to every record durable and the bytes the cut held.
+
+`--storage compare` instead holds the episodes twice, on a volume and on a bucket of a local S3
+server, and prints the pause on each, the old way and the operator's (`compare_storage`).
 
 Prints tables; asserts nothing. Run: `.venv/bin/python bench/protocol_pause.py [--episodes N]`.
 """
