@@ -29,7 +29,7 @@ from rollout_protocol import (
     Role,
 )
 from rollout_protocol import _storage as storage
-from rollout_servers.tasks import shipped_tasks
+from rollout_servers.tasks import Task, shipped_tasks
 from testsupport.server_processes import (
     AUTH,
     SERVER,
@@ -49,6 +49,24 @@ from testsupport.server_processes import (
 
 def debug(http: httpx.AsyncClient, cluster: Cluster, role: Role) -> Debug:
     return Debug(http, cluster.url(role))
+
+
+async def references(
+    http: httpx.AsyncClient, cluster: Cluster, tasks: dict[str, Task]
+) -> dict[str, Any]:
+    """Each task run uninterrupted first (as `ref-<rollout id>`): what its episode must end as."""
+    return {rid: await run_ok(http, cluster, f"ref-{rid}", 0, t) for rid, t in tasks.items()}
+
+
+def assert_as_uninterrupted(results: dict[str, Any], reference: dict[str, Any]) -> None:
+    """Every episode ended with the answer, reward and steps of its uninterrupted run."""
+    for rid, ref in reference.items():
+        got = results[rid]
+        assert (got["answer"], got["reward"], got["steps"]) == (
+            ref["answer"],
+            ref["reward"],
+            ref["steps"],
+        ), rid
 
 
 async def test_retire_cancels_before_cleanup_and_never_interrupts_it(
@@ -162,9 +180,7 @@ async def test_declared_waits_park_the_environment_and_the_model_in_one_stage(
     cut, verifying = "stages-cut", "stages-verify"
     tasks = {cut: two_step_task(13), verifying: two_step_task(14, verify="wait")}
     async with httpx.AsyncClient(timeout=60) as http, aiohttp.ClientSession() as session:
-        reference = {
-            rid: await run_ok(http, cluster, f"ref-{rid}", 0, t) for rid, t in tasks.items()
-        }
+        reference = await references(http, cluster, tasks)
         # a client that does not name the capability is not sent the field (docs/protocol.md)
         assert "waits_on" not in await control_status(http, cluster, Role.ENVIRONMENT)
         progress: list[str] = []
@@ -230,12 +246,7 @@ async def test_declared_waits_park_the_environment_and_the_model_in_one_stage(
             "prepare agent",
             "prepare resources",
         ], progress
-    for rid in tasks:
-        assert (results[rid]["answer"], results[rid]["reward"], results[rid]["steps"]) == (
-            reference[rid]["answer"],
-            reference[rid]["reward"],
-            reference[rid]["steps"],
-        ), rid
+    assert_as_uninterrupted(results, reference)
 
 
 async def test_open_checkpoint_holds_finished_work_until_resume(shared_cluster: Cluster) -> None:
@@ -245,9 +256,7 @@ async def test_open_checkpoint_holds_finished_work_until_resume(shared_cluster: 
     response, verdict = "hold-response", "hold-verdict"
     tasks = {response: two_step_task(11), verdict: two_step_task(12, verify="replay")}
     async with httpx.AsyncClient(timeout=60) as http, aiohttp.ClientSession() as session:
-        reference = {
-            rid: await run_ok(http, cluster, f"ref-{rid}", 0, t) for rid, t in tasks.items()
-        }
+        reference = await references(http, cluster, tasks)
         env, model, resources = (
             debug(http, cluster, role) for role in (Role.ENVIRONMENT, Role.MODEL, Role.RESOURCES)
         )
@@ -284,12 +293,7 @@ async def test_open_checkpoint_holds_finished_work_until_resume(shared_cluster: 
             assert not results, "a result left while the checkpoint was open"
             assert not (await coordinator.resume("ckpt-hold", deadline(20))).failures
 
-    for rid in tasks:
-        assert (results[rid]["answer"], results[rid]["reward"], results[rid]["steps"]) == (
-            reference[rid]["answer"],
-            reference[rid]["reward"],
-            reference[rid]["steps"],
-        ), rid
+    assert_as_uninterrupted(results, reference)
     records = _records(cluster, commit.manifest_paths)
     env_record = records[Role.ENVIRONMENT][verdict]
     assert env_record.data["step"] == "verify", "the held verification leaked into the records"
