@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -255,6 +255,26 @@ def remove_operator(cluster: PodmanKindProvider, namespace: str, *, tail: int) -
     helm(cluster, "uninstall", RELEASE, "--namespace", namespace)
 
 
+def recovered_from(
+    cluster: PodmanKindProvider, namespace: str, name: str, recovering: list[dict[str, Any]]
+) -> Callable[[], bool]:
+    """Whether the set is Ready under a new attempt restored from checkpoint `name`; each look
+    that finds it Recovering is kept in `recovering`."""
+
+    def recovered() -> bool:
+        obj = get_json(cluster, "rolloutset", SET, "-n", namespace)
+        if condition(obj, "Recovering").get("status") == "True":
+            recovering.append(obj)
+        status = obj.get("status") or {}
+        return (
+            (status.get("attempt") or 1) > 1
+            and condition(obj, "Ready").get("status") == "True"
+            and status.get("latestCheckpoint") == name
+        )
+
+    return recovered
+
+
 def set_running_on_the_lost_worker(scene: Scene, rollout_set: dict[str, Any]) -> None:
     """The set (the example set, its storage where the scenario puts its records) Ready at
     attempt 1, every participant on the worker the scenario will lose or drain."""
@@ -321,17 +341,7 @@ def test_a_whole_worker_lost_moves_the_set_to_the_other_worker_from_shared_recor
 
         cluster.kill_node(lost_worker)
 
-        def recovered() -> bool:
-            obj = get_json(cluster, "rolloutset", SET, "-n", namespace)
-            if condition(obj, "Recovering").get("status") == "True":
-                recovering.append(obj)
-            status = obj.get("status") or {}
-            return (
-                (status.get("attempt") or 1) > 1
-                and condition(obj, "Ready").get("status") == "True"
-                and status.get("latestCheckpoint") == name
-            )
-
+        recovered = recovered_from(cluster, namespace, name, recovering)
         wait_for_sync(recovered, 420, "the RolloutSet Ready under a new attempt from " + name)
         output, _ = collect.communicate(timeout=600)
         assert collect.returncode == 0, output[-4000:]
@@ -792,17 +802,7 @@ async def test_a_whole_worker_lost_restores_the_set_on_the_other_worker_from_a_b
 
             cluster.kill_node(lost_worker)
 
-            def recovered() -> bool:
-                obj = get_json(cluster, "rolloutset", SET, "-n", namespace)
-                if condition(obj, "Recovering").get("status") == "True":
-                    recovering.append(obj)
-                status = obj.get("status") or {}
-                return (
-                    (status.get("attempt") or 1) > 1
-                    and condition(obj, "Ready").get("status") == "True"
-                    and status.get("latestCheckpoint") == name
-                )
-
+            recovered = recovered_from(cluster, namespace, name, recovering)
             await anyio.to_thread.run_sync(
                 lambda: wait_for_sync(
                     recovered, 420, f"the RolloutSet Ready under a new attempt from {name}"
