@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rollout_operator.cluster.kube import Kube
+from rollout_operator.decide import queue
 from rollout_operator.decide.policy.views import Note
 from rollout_operator.flows.reconciler import policy_pass, set_pass
 from rollout_operator.flows.recovery import RecoveryWaits
@@ -128,3 +129,30 @@ async def test_a_set_pass_writes_the_status_at_most_once_and_not_when_nothing_ch
     assert shown is not None
     assert shown["status"]["createdAttempt"] == 1
     assert await one_pass() == 0, "a steady set: nothing written"
+
+
+async def test_a_policy_pass_writes_the_queues_and_the_policys_status_in_one_patch(
+    tmp_path: Path,
+) -> None:
+    """A queued set seen first: the queue pass creates its Workload and holds the set
+    (`spec.suspend`), and the policy pass acts on the hold in the same pass; their conditions
+    go out in one status patch, against the set as the hold left it."""
+    body = rollout_set(tmp_path)
+    body["metadata"]["labels"] = {queue.LABEL_QUEUE: "team-q"}
+    cluster = seeded(body)
+    kube = cluster.kube()
+    notes: list[Note] = []
+
+    async def note(_rset: RolloutSet, found: Note) -> None:
+        notes.append(found)
+
+    before = _status_writes(cluster)
+    await policy_pass(kube, NS, "math", state=OperatorState(), on_note=note)
+    assert _status_writes(cluster) == before + 1
+    shown = cluster.get(api.ROLLOUT_SET_PLURAL, NS, "math")
+    assert shown is not None
+    assert shown["spec"]["suspend"] is True, "the queue pass holds the set"
+    conditions = {c["type"]: c["status"] for c in shown["status"]["conditions"]}
+    assert conditions[api.SetConditionType.QUOTA_PENDING.value] == "True"
+    assert conditions[api.SetConditionType.SUSPENDED.value] == "True"
+    assert _names(cluster, "workloads") == {queue.workload_name(RolloutSet.model_validate(shown))}

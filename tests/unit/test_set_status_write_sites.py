@@ -27,10 +27,9 @@ SET_LOOP = ("flows/reconciler.py", "flows/setpass.py", "flows/recovery/repair.py
 
 SET_STATUS_SENDERS = {
     ("flows/setpass.py", "_write_status"): 1,
-    # The policy loop and the recovery's steps write on their own still (docs/design.md
-    # section 10): each from one function.
-    ("flows/policypass.py", "_write_status"): 1,
-    ("flows/queuepass.py", "_write_conditions"): 1,
+    # The policy loop's stages (the queue pass, the policy pass) write in one write per pass.
+    ("flows/stagedpass.py", "run_stages"): 1,
+    # The recovery's steps write on their own still (docs/design.md section 10).
     ("flows/recovery/context.py", "patch"): 1,
 }
 """Every call site in operator/ that sends a set's status, by module and function."""
@@ -105,6 +104,15 @@ def senders() -> dict[tuple[str, str], int]:
 def test_the_sets_loop_sends_the_sets_status_from_exactly_one_call_site() -> None:
     in_loop = {site: n for site, n in senders().items() if site[0] in SET_LOOP}
     assert in_loop == {("flows/setpass.py", "_write_status"): 1}, in_loop
+
+
+def test_the_policy_loop_sends_the_sets_status_from_exactly_one_call_site() -> None:
+    in_loop = {
+        site: n
+        for site, n in senders().items()
+        if site[0] in ("flows/policypass.py", "flows/queuepass.py", "flows/stagedpass.py")
+    }
+    assert in_loop == {("flows/stagedpass.py", "run_stages"): 1}, in_loop
 
 
 def test_no_new_call_site_sends_a_sets_status() -> None:

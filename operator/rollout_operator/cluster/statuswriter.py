@@ -121,6 +121,19 @@ class PassStatus:
     def changed(self) -> bool:
         return bool(self._body)
 
+    def rebase(self, written: Mapping[str, Any]) -> None:
+        """The pass wrote the set itself (its spec or metadata, with the snapshot's
+        resourceVersion as precondition, or an annotation): `written`, as the API server
+        returned it, becomes the snapshot the changes are merged over and sent against."""
+        self.snapshot = written
+        self._shown = dict(written.get("status") or {})
+        for key, value in self._body.items():
+            if value is None:
+                self._shown.pop(key, None)
+            else:
+                self._shown[key] = _without_nulls(value)
+        self._parsed = None
+
     def add(self, delta: SetDelta) -> None:
         """Merge `delta` over the status as the stages so far left it; `ForeignStatusWrite`
         when it sets a field or condition its owner does not own."""

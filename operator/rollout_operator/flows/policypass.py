@@ -1,12 +1,14 @@
 """The checkpoint policy, carried out against the API (the Kubernetes side of `policy`).
 
-- `PolicyPass.run(namespace, name)`: one look at a set. It reads the set, its pods and its
-  RolloutCheckpoints, lets `policy.plan.plan` decide, and then acts in an order chosen so that a
-  crash between any two steps leaves nothing a later pass could not finish: checkpoints are created
-  first (deterministic names, so a repeat gets "exists"), then a settled deadline is recorded
-  (an annotation on the set), then the set's status (conditions, `saveReserveSeconds`,
-  `lastTrainerStep`) in one patch with a resourceVersion precondition, and
-  only then pods are deleted (a suspend's release) and old checkpoints removed.
+- `PolicyPass`: one look at a set, the second stage of the policy loop's pass (`stagedpass`:
+  one read of the set, one status write shared with the queue pass; `run` is a pass of this
+  stage alone). It reads the set's pods and RolloutCheckpoints, lets `policy.plan.plan` decide,
+  and then acts in an order chosen so that a crash between any two steps leaves nothing a later
+  pass could not finish: checkpoints are created first (deterministic names, so a repeat gets
+  "exists"), then a settled deadline is recorded (an annotation on the set), then the set's
+  status (conditions, `saveReserveSeconds`, `lastTrainerStep`) goes out in the pass's one patch
+  with a resourceVersion precondition, and only then (`finish`) pods are deleted (a suspend's
+  release) and old checkpoints removed.
 - `start_eviction_checkpoint(pod)`: a participant pod got a deletion timestamp.
 - `checkpoint_deleted` / `set_deleted`: what the finalizers do: remove records (the set's pass
   then repoints `latestCheckpoint`). A checkpoint's finalizer is the operator's own
@@ -49,7 +51,7 @@ import anyio
 from pydantic import ValidationError
 
 from ..cluster.kube import ApiError, Conflict, Kube
-from ..cluster.statuswriter import SetStatusWriter
+from ..cluster.statuswriter import PassStatus, SetDelta
 from ..cluster.storage import StorageLocator
 from ..decide.policy.eviction import TerminatingPod, eviction_decision
 from ..decide.policy.plan import PolicyPlan, plan
@@ -79,6 +81,7 @@ from ..model.conditions import ConditionUpdate, merge_conditions, same_but_gener
 from ..model.owners import StatusOwner
 from .checkpointrepairs import parse_creation, records_proven, repair_failed_checkpoint
 from .records import RecordsRemover, RemovalPending, remove_here
+from .stagedpass import run_stages
 from .state import LoggedNotes
 
 logger = logging.getLogger(__name__)
@@ -177,12 +180,12 @@ class PolicyPass:
         wake_set: Callable[[str, str], None] | None = None,
     ) -> None:
         self._kube = kube
-        self._writer = SetStatusWriter(kube, StatusOwner.POLICY)
         self._logged_notes = logged_notes
         self._locator = locator or StorageLocator.from_env()
         self._clock = clock
         self._on_note = on_note
         self._wake_set = wake_set
+        self._planned: _Planned | None = None
 
     async def _note(self, rset: RolloutSet, note: Note) -> None:
         # A pass repeats its notes until the cause goes (an invalid trainer-step annotation
@@ -195,13 +198,25 @@ class PolicyPass:
             await self._on_note(rset, note)
 
     async def run(self, namespace: str, name: str) -> PassOutcome:
-        raw = await self._kube.get_set(namespace, name)
-        if raw is None or (raw.get("metadata") or {}).get("deletionTimestamp"):
-            return PassOutcome()
-        try:
-            rset = RolloutSet.model_validate(raw)
-        except ValidationError:
-            return PassOutcome()  # the reconciler reports an invalid spec (InvalidSpec)
+        """One pass of this stage alone: read, plan, write, finish."""
+        outcome = await run_stages(self._kube, namespace, name, [self])
+        decided = self.plan_made
+        return PassOutcome(
+            wake_at=None if decided is None or outcome.again else decided.wake_at,
+            again=outcome.again,
+            plan=decided,
+        )
+
+    @property
+    def plan_made(self) -> PolicyPlan | None:
+        """What `policy.plan.plan` decided in this pass."""
+        return None if self._planned is None else self._planned.decided
+
+    async def plan(self, draft: PassStatus) -> bool:
+        """Decide; create the checkpoints and record a settled deadline (the draft rebased on
+        the annotated set), and add the status's delta (conditions, reserve, trainer step)."""
+        rset = draft.rset
+        namespace, name = namespace_or_default(rset.metadata.namespace), rset.metadata.name
         pods = await self._kube.list_pods(namespace, set_selector(name))
         listed = await self._kube.list_checkpoints(namespace, name)
         # Before retention sees it: a Failed status on a checkpoint every participant
@@ -213,6 +228,7 @@ class PolicyPass:
         live = sum(1 for p in pods if _live(p))
         view = SetView.from_set(rset, live_pods=live)
         decided = plan(view, checkpoints, self._clock())
+        self._planned = _Planned(rset, decided, tuple(pods), tuple(listed))
 
         for create in decided.creates:
             await create_checkpoint(self._kube, rset, create)
@@ -221,11 +237,18 @@ class PolicyPass:
                 namespace, name, ANNOTATION_DEADLINE_OUTCOME, decided.settle.to_annotation()
             )
             # The status below was decided knowing this annotation: write it on top of it.
-            rset.metadata.resource_version = version or rset.metadata.resource_version
-        try:
-            await self._write_status(rset, decided)
-        except Conflict:
-            return PassOutcome(again=True, plan=decided)
+            draft.rebase(_annotated(draft.snapshot, decided.settle.to_annotation(), version))
+        draft.add(SetDelta(StatusOwner.POLICY, _status_changes(draft.rset, decided)))
+        return True
+
+    async def finish(self) -> None:
+        """Once the status is written: a suspend's pods released (or a resume's set woken),
+        retention's deletions, a Failed checkpoint's records removed, the notes."""
+        if self._planned is None:
+            return
+        rset, decided = self._planned.rset, self._planned.decided
+        pods, listed = self._planned.pods, self._planned.listed
+        namespace, name = namespace_or_default(rset.metadata.namespace), rset.metadata.name
         if decided.suspend is SuspendAction.RELEASE:
             await self._release(rset, pods)
         elif decided.suspend is SuspendAction.RESUME and self._wake_set is not None:
@@ -238,31 +261,6 @@ class PolicyPass:
             await self._remove_records(rset, failed, by_name.get(failed))
         for note in decided.notes:
             await self._note(rset, note)
-        return PassOutcome(wake_at=decided.wake_at, plan=decided)
-
-    async def _write_status(self, rset: RolloutSet, decided: PolicyPlan) -> None:
-        """Its conditions (Suspended, DeadlineSaved), reserve and trainer step: one patch, only
-        if something changed (an unchanged status is never written, so passes do not wake each
-        other through their own events).
-
-        A resume only clears Suspended (reason `Resumed`) and wakes the set's loop, which starts
-        the resume's recovery itself (`policy.suspend.resume_due`): the recovery is the one writer
-        of `status.recovery` and of the conditions it drives."""
-        status = rset.status
-        changes: dict[str, Any] = {}
-        if status.save_reserve_seconds != decided.reserve:
-            changes["saveReserveSeconds"] = decided.reserve
-        if decided.last_trainer_step is not None:
-            changes["lastTrainerStep"] = decided.last_trainer_step
-        updates = [
-            ConditionUpdate.of(c.type, c.status, c.reason, c.message) for c in decided.conditions
-        ]
-        merged = merge_conditions(
-            status.conditions, updates, observed_generation=rset.metadata.generation
-        )
-        if updates and not same_but_generation(merged, status.conditions):
-            changes["conditions"] = merged
-        await self._writer.write(rset, changes)
 
     async def _release(self, rset: RolloutSet, pods: Sequence[Mapping[str, Any]]) -> None:
         """Delete every participant pod of the set (the Suspended condition is already True,
@@ -320,6 +318,51 @@ class PolicyPass:
             logger.info("set %s: failed checkpoint: %s", rset.metadata.name, removal.outcome)
         if removal.not_removed is not None:
             await self._note(rset, Note("RecordsNotRemoved", removal.not_removed, True))
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """What a pass's plan left for its finish."""
+
+    rset: RolloutSet
+    decided: PolicyPlan
+    pods: tuple[Mapping[str, Any], ...]
+    listed: tuple[Mapping[str, Any], ...]
+
+
+def _annotated(snapshot: Mapping[str, Any], outcome: str, version: str | None) -> dict[str, Any]:
+    """The set as the settled deadline's annotation left it (`Kube.annotate_set` returns only
+    its resourceVersion)."""
+    meta = dict(snapshot.get("metadata") or {})
+    meta["annotations"] = {**(meta.get("annotations") or {}), ANNOTATION_DEADLINE_OUTCOME: outcome}
+    if version is not None:
+        meta["resourceVersion"] = version
+    return {**snapshot, "metadata": meta}
+
+
+def _status_changes(rset: RolloutSet, decided: PolicyPlan) -> dict[str, Any]:
+    """The policy's part of the set's status: its conditions (Suspended, DeadlineSaved),
+    reserve and trainer step, only what changed (an unchanged status is never written, so
+    passes do not wake each other through their own events).
+
+    A resume only clears Suspended (reason `Resumed`) and wakes the set's loop, which starts
+    the resume's recovery itself (`policy.suspend.resume_due`): the recovery is the one writer
+    of `status.recovery` and of the conditions it drives."""
+    status = rset.status
+    changes: dict[str, Any] = {}
+    if status.save_reserve_seconds != decided.reserve:
+        changes["saveReserveSeconds"] = decided.reserve
+    if decided.last_trainer_step is not None:
+        changes["lastTrainerStep"] = decided.last_trainer_step
+    updates = [
+        ConditionUpdate.of(c.type, c.status, c.reason, c.message) for c in decided.conditions
+    ]
+    merged = merge_conditions(
+        status.conditions, updates, observed_generation=rset.metadata.generation
+    )
+    if updates and not same_but_generation(merged, status.conditions):
+        changes["conditions"] = merged
+    return changes
 
 
 # --- eviction -----------------------------------------------------------------------------------

@@ -1,19 +1,23 @@
 """A Kueue-queued RolloutSet, carried out against the API (`decide.queue` decides).
 
-`QueuePass.run(namespace, name)`: one look at a set labelled `kueue.x-k8s.io/queue-name` (a set
-without the label returns at once, untouched). It reads the set, its pods and its Workload from
-the watches (and, from the API server, for a Workload still to create, the WorkloadPriorityClass
-the set names; for an admitted one, its ResourceFlavors), lets `queue.decide` decide, and acts in
-an order that a crash between two steps leaves for the next pass to finish (the Workload is
-read from the operator's watch of Workloads, `cache.WORKLOADS`, like the set and its pods):
+`QueuePass`: one look at a set labelled `kueue.x-k8s.io/queue-name` (a set without the label is
+left untouched), the first stage of the policy loop's pass (`stagedpass`: one read of the set,
+one status write shared with the policy pass; `run` is a pass of this stage alone). It reads
+the set's pods and its Workload from the watches (and, from the API server, for a Workload still
+to create, the WorkloadPriorityClass the set names; for an admitted one, its ResourceFlavors),
+lets `queue.decide` decide, and acts in an order that a crash between two steps leaves for the
+next pass to finish (the Workload is read from the operator's watch of Workloads,
+`cache.WORKLOADS`, like the set and its pods):
 
 1. the Workload is created (a deterministic name: a repeat gets "exists");
 2. `spec.suspend` (with the admitted placement) is patched on the set with a resourceVersion
    precondition: holding a set, or starting and resuming it once Kueue admitted it, is the
    policy's existing suspend and resume (checkpoint first, pods released; attempt + 1 after);
-3. the set's `QuotaPending` and `Preempted` conditions are written (only when they changed);
-4. an evicted Workload whose set released every pod has its quota reservation cleared, which
-   is what Kueue waits for before it requeues the Workload and gives the quota to the preemptor.
+3. the set's `QuotaPending` and `Preempted` conditions are written (only when they changed),
+   in the pass's one status write;
+4. (`finish`, after that write) an evicted Workload whose set released every pod has its quota
+   reservation cleared, which is what Kueue waits for before it requeues the Workload and gives
+   the quota to the preemptor.
 
 A lost race (409) returns `again`; the set's loop then passes again at once.
 """
@@ -26,10 +30,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from pydantic import ValidationError
-
-from ..cluster.kube import ApiError, Conflict, Kube
-from ..cluster.statuswriter import SetStatusWriter
+from ..cluster.kube import ApiError, Kube
+from ..cluster.statuswriter import PassStatus, SetDelta
 from ..decide.policy.views import ConditionChange, Note
 from ..decide.queue import (
     ANNOTATION_PLACEMENT,
@@ -51,6 +53,7 @@ from ..decide.resources import set_selector
 from ..model.api import RolloutSet, SetConditionType, namespace_or_default
 from ..model.conditions import ConditionUpdate, merge_conditions, same_but_generation
 from ..model.owners import StatusOwner
+from .stagedpass import run_stages
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +73,8 @@ class QueueOutcome:
 
 
 class QueuePass:
-    """One look at one queued set (see the module docstring)."""
+    """One look at one queued set (see the module docstring): a stage of the policy loop's
+    pass (`stagedpass`), or a pass of its own (`run`)."""
 
     def __init__(
         self,
@@ -84,17 +88,27 @@ class QueuePass:
         self._clock = clock
         self._on_note = on_note
         self._wake_set = wake_set
+        self._planned: tuple[RolloutSet, QueuePlan] | None = None
+        self._refused: WorkloadNotCreated | None = None
 
     async def run(self, namespace: str, name: str) -> QueueOutcome:
-        raw = await self._kube.get_set(namespace, name)
-        if raw is None or (raw.get("metadata") or {}).get("deletionTimestamp"):
-            return QueueOutcome()
-        try:
-            rset = RolloutSet.model_validate(raw)
-        except ValidationError:
-            return QueueOutcome()  # the reconciler reports an invalid spec (InvalidSpec)
+        """One pass of this stage alone: read, plan, write, finish."""
+        outcome = await run_stages(self._kube, namespace, name, [self])
+        return QueueOutcome(again=outcome.again, plan=self.plan_made)
+
+    @property
+    def plan_made(self) -> QueuePlan | None:
+        """What `queue.decide` decided in this pass; None for a set without the label."""
+        return None if self._planned is None else self._planned[1]
+
+    async def plan(self, draft: PassStatus) -> bool:
+        """Decide, create the Workload and patch `spec.suspend` (the draft rebased on the
+        patched set), and add the conditions' delta. False when the API server refused the
+        Workload: the set stays held, and the policy does not plan on it in this pass."""
+        rset = draft.rset
         if queue_of(rset) is None:
-            return QueueOutcome()
+            return True
+        namespace, name = namespace_or_default(rset.metadata.namespace), rset.metadata.name
         pods = await self._kube.list_pods(namespace, set_selector(name))
         view = QueueSetView.from_set(rset, pods_left=pods_left(pods))
         found = await self._kube.get_workload(namespace, name, workload_name(rset))
@@ -125,23 +139,16 @@ class QueuePass:
             flavors=flavors,
             now=self._clock(),
         )
-        try:
-            await self._act(rset, plan)
-        except Conflict:
-            return QueueOutcome(again=True, plan=plan)
-        return QueueOutcome(plan=plan)
-
-    async def _act(self, rset: RolloutSet, plan: QueuePlan) -> None:
-        namespace, name = namespace_or_default(rset.metadata.namespace), rset.metadata.name
+        self._planned = (rset, plan)
         if plan.create is not None:
             try:
                 created = await self._kube.create_workload(namespace, plan.create)
             except ApiError as error:
                 # The set stays held (`queue.queue_holds`); say why and what to do.
-                await self._write_conditions(
-                    rset, not_created(error), rset.metadata.resource_version
-                )
-                raise WorkloadNotCreated(str(error)) from error
+                self._add_conditions(draft, not_created(error))
+                self._refused = WorkloadNotCreated(str(error))
+                self._refused.__cause__ = error
+                return False
             if created:
                 logger.info(
                     "set %s: created Workload %s in LocalQueue %s",
@@ -149,13 +156,14 @@ class QueuePass:
                     plan.create["metadata"]["name"],
                     queue_of(rset),
                 )
-        version = rset.metadata.resource_version
         if plan.suspend is not None:
             body: dict[str, Any] = {"spec": {"suspend": plan.suspend}}
             if plan.placement is not None:
                 body["metadata"] = {"annotations": {ANNOTATION_PLACEMENT: plan.placement}}
-            patched = await self._kube.patch_set(namespace, name, body, resource_version=version)
-            version = (patched.get("metadata") or {}).get("resourceVersion") or version
+            version = rset.metadata.resource_version
+            draft.rebase(
+                await self._kube.patch_set(namespace, name, body, resource_version=version)
+            )
             logger.info(
                 "set %s: %s (Kueue)",
                 name,
@@ -165,30 +173,43 @@ class QueuePass:
             # each other quickly may leave no spec change for Kopf to report).
             if self._wake_set is not None:
                 self._wake_set(namespace, name)
-        await self._write_conditions(rset, plan, version)
+        self._add_conditions(draft, plan)
+        return True
+
+    async def finish(self) -> None:
+        """Once the conditions are written: an evicted Workload's quota handed back, the
+        notes; a refused Workload raised (`WorkloadNotCreated`: the loop retries)."""
+        if self._refused is not None:
+            raise self._refused
+        if self._planned is None:
+            return
+        rset, plan = self._planned
         if plan.release is not None:
+            namespace = namespace_or_default(rset.metadata.namespace)
             workload = workload_name(rset)
             await self._kube.patch_workload_status(namespace, workload, plan.release)
-            logger.info("set %s: quota of Workload %s handed back to Kueue", name, workload)
+            logger.info(
+                "set %s: quota of Workload %s handed back to Kueue", rset.metadata.name, workload
+            )
         for note in plan.notes:
             if self._on_note is not None:
                 await self._on_note(rset, note)
 
-    async def _write_conditions(
-        self, rset: RolloutSet, plan: QueuePlan, version: str | None
-    ) -> None:
+    @staticmethod
+    def _add_conditions(draft: PassStatus, plan: QueuePlan) -> None:
+        """The queue's conditions (`QuotaPending`, `Preempted`) as a delta, only when they
+        changed."""
         updates = [
             ConditionUpdate.of(c.type, c.status, c.reason, c.message) for c in plan.conditions
         ]
         if not updates:
             return
+        rset = draft.rset
         current = rset.status.conditions
         merged = merge_conditions(current, updates, observed_generation=rset.metadata.generation)
         if same_but_generation(merged, current):
             return
-        await SetStatusWriter(self._kube, StatusOwner.QUEUE).write(
-            rset, {"conditions": merged}, resource_version=version
-        )
+        draft.add(SetDelta(StatusOwner.QUEUE, {"conditions": merged}))
 
 
 class WorkloadNotCreated(Exception):

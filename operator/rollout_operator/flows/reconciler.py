@@ -9,7 +9,7 @@ flows it composes live (docs/design.md#60-layers, "Loops, not event handlers"):
   `repair_set_attempt`), then the recovery (`recovery.recover_if_needed`), then the set's pass
   (`setpass.reconcile_set`), in one task;
 - `policy_pass`: the queue pass (`queuepass.QueuePass`), then the checkpoint policy's pass
-  (`policypass.PolicyPass`).
+  (`policypass.PolicyPass`), as the stages of one read and one write (`stagedpass`).
 
 This module may import the five flows (it is not one of them: the import-linter contract keeps
 only those independent of each other). The process's memory comes in as the `OperatorState`
@@ -39,6 +39,7 @@ from .recovery import (
     repair_unfinished_recovery,
 )
 from .setpass import reconcile_set, repair_set_attempt
+from .stagedpass import PassStage, run_stages
 from .state import OperatorState
 
 WarningSink = Callable[[RolloutSet, str, str], None]
@@ -141,20 +142,24 @@ async def set_pass(
 async def policy_pass(
     kube: Kube, namespace: str, name: str, *, state: OperatorState, on_note: NoteSink
 ) -> Next:
-    """One pass of the set's policy loop: a Kueue-queued set's queue pass first (its admission
-    or eviction becomes `spec.suspend`, which the policy pass acts on in the same pass; a set
+    """One pass of the set's policy loop over one read of the set and with one status write
+    (`stagedpass.run_stages`): a Kueue-queued set's queue pass first (its admission or
+    eviction becomes `spec.suspend`, which the policy pass acts on in the same pass; a set
     without the queue label is untouched), then the checkpoint policy's pass. Both wake the
     set's reconcile loop when it must create pods."""
     wake_set = state.set_loops.wake
-    queued = await QueuePass(kube, on_note=on_note, wake_set=wake_set).run(namespace, name)
-    outcome = await PolicyPass(
+    policy = PolicyPass(
         kube,
         logged_notes=state.logged_notes,
         on_note=on_note,
         wake_set=wake_set,
         locator=StorageLocator.from_env(),
-    ).run(namespace, name)
-    return Next(again=outcome.again or queued.again, at=outcome.wake_at)
+    )
+    stages: list[PassStage] = [QueuePass(kube, on_note=on_note, wake_set=wake_set), policy]
+    outcome = await run_stages(kube, namespace, name, stages)
+    decided = policy.plan_made
+    wake_at = None if decided is None or outcome.again else decided.wake_at
+    return Next(again=outcome.again, at=wake_at)
 
 
 __all__ = [
