@@ -1,15 +1,18 @@
-"""The order of the passes in each per-set loop: what one wake of a loop runs.
+"""What the operator's daemons run: one wake of each per-set loop, and one checkpoint's run.
 
 The Kopf daemons (`handlers/rolloutset.py` `reconcile_loop`, `handlers/policy.py`
-`policy_loop`) only wire a `PassLoop` to these functions; the order is decided here, where the
-flows it composes live (docs/design.md#60-layers, "Loops, not event handlers"):
+`policy_loop`, `handlers/rolloutcheckpoint.py` `run_checkpoint`) only wire Kopf to these
+functions; the order of the passes, and what a stop does to a checkpoint under way, are decided
+here, where the flows they compose live (docs/design.md#60-layers, "Loops, not event handlers"):
 
 - `set_pass`: the owners' repairs of a status written by hand (`SET_REPAIRS`: the recovery's
   `repair_unfinished_recovery` and `repair_false_recovery`, the set pass's
   `repair_set_attempt`), then the recovery (`recovery.recover_if_needed`), then the set's pass
   (`setpass.reconcile_set`), in one task;
 - `policy_pass`: the queue pass (`queuepass.QueuePass`), then the checkpoint policy's pass
-  (`policypass.PolicyPass`), as the stages of one read and one write (`stagedpass`).
+  (`policypass.PolicyPass`), as the stages of one read and one write (`stagedpass`);
+- `checkpoint_run`: a RolloutCheckpoint's flow (`checkpoint.CheckpointFlow`), and its stop:
+  aborted when the checkpoint is deleted, handed over when the operator exits.
 
 This module may import the five flows (it is not one of them: the import-linter contract keeps
 only those independent of each other). The process's memory comes in as the `OperatorState`
@@ -19,15 +22,20 @@ needs no Kopf.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
+import anyio
 from pydantic import ValidationError
 
 from ..cluster.kube import Kube
+from ..cluster.leases import CheckpointLeases
 from ..cluster.statuswriter import PassStatus, SetDelta
 from ..cluster.storage import StorageLocator
 from ..decide.policy.views import Note
-from ..model.api import RolloutSet
+from ..model.api import CheckpointPhase, RolloutCheckpoint, RolloutSet
+from .checkpoint import CheckpointFlow
 from .passloop import Next
 from .policypass import PolicyPass
 from .queuepass import QueuePass
@@ -41,6 +49,8 @@ from .recovery import (
 from .setpass import reconcile_set, repair_set_attempt
 from .stagedpass import PassStage, run_stages
 from .state import OperatorState
+
+logger = logging.getLogger(__name__)
 
 WarningSink = Callable[[RolloutSet, str, str], None]
 """Posts a Warning Event (reason, message) on the set."""
@@ -162,12 +172,105 @@ async def policy_pass(
     return Next(again=outcome.again, at=wake_at)
 
 
+class CheckpointStop(Protocol):
+    """What a checkpoint's run needs of its daemon's stop (Kopf's `stopped` kwarg): whether and
+    why it was stopped, and a wait for it."""
+
+    def is_set(self) -> bool: ...
+
+    def wait(self) -> Awaitable[object]: ...
+
+    @property
+    def deleted(self) -> bool:
+        """The checkpoint is being deleted: its flow is aborted at once."""
+        ...
+
+    @property
+    def operator_exiting(self) -> bool:
+        """The operator stops: its flow is handed over after `handover_seconds`."""
+        ...
+
+
+CheckpointTransitionSink = Callable[[RolloutCheckpoint, str, str], Awaitable[None]]
+"""Posts the Event of a checkpoint's transition (the checkpoint, its reason, its message)."""
+
+
+async def checkpoint_run(
+    kube: Kube,
+    namespace: str,
+    name: str,
+    *,
+    state: OperatorState,
+    stop: CheckpointStop,
+    handover_seconds: float,
+    slots: anyio.Semaphore | None,
+    leases: CheckpointLeases | None,
+    on_transition: CheckpointTransitionSink,
+) -> CheckpointPhase | None:
+    """Run one RolloutCheckpoint's flow (`checkpoint.CheckpointFlow`) until it ends or its
+    daemon is stopped; the one place that decides what a stop does to a flow under way:
+
+    - the checkpoint deleted: the flow is cancelled at once and aborts (every participant
+      resumed, the set's slot released, Failed with reason Aborted);
+    - the operator exiting: the flow gets `handover_seconds` to finish, then is cancelled
+      without an abort, its phase left for the next operator (one let go after its cut writes
+      Resuming first: docs/design.md#68-the-operators-own-life);
+    - any other stop (another operator took over through peering): the flow runs on until it
+      ends, as before the stop.
+
+    Returns the phase the flow ended in; None when it was aborted or handed over (or the
+    checkpoint is gone). The flow's errors are raised as they are, for the daemon's retry."""
+    flow = CheckpointFlow(
+        kube,
+        on_transition=on_transition,
+        slots=slots,
+        leases=leases,
+        coordinated=state.coordinated_pods,
+    )
+    phases: list[CheckpointPhase | None] = []
+    failures: list[Exception] = []
+    async with anyio.create_task_group() as group:
+
+        async def cancel_when_stopped() -> None:
+            await stop.wait()
+            if stop.deleted:
+                group.cancel_scope.cancel()
+            elif stop.operator_exiting:
+                await anyio.sleep(handover_seconds)  # the flow's own end cancels this first
+                logger.info(
+                    "checkpoint %s: the operator stops; left in its phase for the next one", name
+                )
+                group.cancel_scope.cancel()
+
+        async def work() -> None:
+            try:
+                with state.checkpoints.flow_running(namespace, name):
+                    phases.append(
+                        await flow.run(namespace, name, abort_when_cancelled=lambda: stop.deleted)
+                    )
+            except Exception as error:  # raised below, outside the task group's wrapping
+                failures.append(error)
+            finally:
+                group.cancel_scope.cancel()
+
+        group.start_soon(cancel_when_stopped)
+        group.start_soon(work)
+    if failures:
+        raise failures[0]
+    if stop.deleted or not phases:
+        return None  # aborted, or handed over (cancelled before the flow ended)
+    return phases[0]
+
+
 __all__ = [
     "SET_REPAIRS",
+    "CheckpointStop",
+    "CheckpointTransitionSink",
     "NoteSink",
     "SetRepair",
     "TransitionSink",
     "WarningSink",
+    "checkpoint_run",
     "policy_pass",
     "set_pass",
 ]

@@ -39,7 +39,8 @@ terminal) and two more watch events (docs/operations.md, "API requests and opera
 checkpoint").
 
 Kopf also stops the daemon when the checkpoint is deleted or the operator shuts down, and the
-two are handled differently:
+two are handled differently (decided in one place, `flows.reconciler.checkpoint_run`, which
+builds and runs the flow; the daemon hands it Kopf's stop and why):
 
 - **Deleted**: the daemon cancels the flow at once; a checkpoint that was not published yet is
   aborted (every participant resumed, the set's slot released, the checkpoint Failed with
@@ -58,18 +59,19 @@ two are handled differently:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Awaitable
 from typing import Any, Final
 
-import anyio
 import kopf
 
 from .. import metrics
 from ..cluster.kube import ApiError, Kube
 from ..cluster.storage import StorageLocator
 from ..decide.policy.views import Note
-from ..flows.checkpoint import TERMINAL, CheckpointFlow
+from ..flows.checkpoint import TERMINAL
 from ..flows.passloop import TRANSIENT
 from ..flows.policypass import keep_records_finalizer, release_deleted_checkpoint
+from ..flows.reconciler import checkpoint_run
 from ..model.api import (
     CHECKPOINT_SET_FIELD,
     GROUP,
@@ -102,6 +104,27 @@ def _stopped_because(stopped: kopf.DaemonStopped, why: kopf.DaemonStoppingReason
     return stopped.reason is not None and bool(stopped.reason & why)
 
 
+class _DaemonStop:
+    """Kopf's `stopped` flag as the checkpoint's run reads it (`reconciler.CheckpointStop`)."""
+
+    def __init__(self, stopped: kopf.DaemonStopped) -> None:
+        self._stopped = stopped
+
+    def is_set(self) -> bool:
+        return self._stopped.is_set()
+
+    def wait(self) -> Awaitable[object]:
+        return self._stopped.wait()
+
+    @property
+    def deleted(self) -> bool:
+        return _stopped_because(self._stopped, _ABORTS)
+
+    @property
+    def operator_exiting(self) -> bool:
+        return _stopped_because(self._stopped, _HANDS_OVER)
+
+
 def _unfinished(status: kopf.Status, **_: Any) -> bool:
     return status.get("phase") not in {phase.value for phase in TERMINAL}
 
@@ -131,63 +154,31 @@ async def run_checkpoint(
         kopf.event(body, type=kind, reason=reason, message=message)
 
     kube = kube_of(memo, kwargs)
-    flow = CheckpointFlow(
-        kube,
-        on_transition=event,
-        slots=checkpoint_slots_of(memo),
-        leases=leases_of(memo),
-        coordinated=state_of(memo).coordinated_pods,
-    )
-    phases: list[CheckpointPhase | None] = []
-    failures: list[Exception] = []
-
-    def _aborts() -> bool:
-        return _stopped_because(stopped, _ABORTS)
-
-    async with anyio.create_task_group() as group:
-
-        async def cancel_when_stopped() -> None:
-            await stopped.wait()
-            if _aborts():
-                group.cancel_scope.cancel()
-            elif _stopped_because(stopped, _HANDS_OVER):
-                await anyio.sleep(HANDOVER_SECONDS)  # the flow's own end cancels this first
-                logger.info(
-                    "checkpoint %s: the operator stops; left in its phase for the next one", name
-                )
-                group.cancel_scope.cancel()
-
-        async def work() -> None:
-            try:
-                with state_of(memo).checkpoints.flow_running(namespace_or_default(namespace), name):
-                    phases.append(
-                        await flow.run(
-                            namespace_or_default(namespace), name, abort_when_cancelled=_aborts
-                        )
-                    )
-            except Exception as error:  # raised below, outside the task group's wrapping
-                failures.append(error)
-            finally:
-                group.cancel_scope.cancel()
-
-        group.start_soon(cancel_when_stopped)
-        group.start_soon(work)
-    if failures:
-        if isinstance(failures[0], TRANSIENT):
-            # The API server restarting, the network: weather, not a bug. One line, then Kopf
-            # restarts the daemon after the delay and the flow continues from its phase.
-            delay = min(30.0, 2.0 ** min(retry + 1, 5))
-            error = failures[0]
-            raise kopf.TemporaryError(
-                f"checkpoint {name}: {type(error).__name__}: {error}; retrying in {delay:.0f}s",
-                delay=delay,
-            )
-        raise failures[0]
-    if _aborts() or not phases:
+    namespace = namespace_or_default(namespace)
+    try:
+        phase = await checkpoint_run(
+            kube,
+            namespace,
+            name,
+            state=state_of(memo),
+            stop=_DaemonStop(stopped),
+            handover_seconds=HANDOVER_SECONDS,
+            slots=checkpoint_slots_of(memo),
+            leases=leases_of(memo),
+            on_transition=event,
+        )
+    except TRANSIENT as error:
+        # The API server restarting, the network: weather, not a bug. One line, then Kopf
+        # restarts the daemon after the delay and the flow continues from its phase.
+        delay = min(30.0, 2.0 ** min(retry + 1, 5))
+        raise kopf.TemporaryError(
+            f"checkpoint {name}: {type(error).__name__}: {error}; retrying in {delay:.0f}s",
+            delay=delay,
+        ) from error
+    if phase is None:
         return  # deleted, or handed over (the daemon was cancelled before the flow ended)
-    phase = phases[0]
     logger.info("checkpoint %s ended %s", name, phase)
-    ended = await metrics.checkpoint_ended(kube, namespace_or_default(namespace), name)
+    ended = await metrics.checkpoint_ended(kube, namespace, name)
     if ended is not None and ended.status.phase is CheckpointPhase.READY:
         kopf.event(
             body, type="Normal", reason="Completed", message=metrics.completion_message(ended)
@@ -195,7 +186,7 @@ async def run_checkpoint(
     rollout_set = body.get("spec", {}).get("rolloutSet")
     if isinstance(rollout_set, str):
         wake(memo, namespace, rollout_set)
-        await _until_stopped(kube, stopped, namespace_or_default(namespace), name, rollout_set)
+        await _until_stopped(kube, stopped, namespace, name, rollout_set)
 
 
 def _without_kopf_finalizer(handler_id: str, registry: kopf.OperatorRegistry) -> None:
