@@ -3,18 +3,25 @@ the unit tests of the checkpoint flow (tests/unit/test_checkpoint_eviction.py an
 test_checkpoint_slots.py): `set_cluster` (the set `math` of one model participant, its pods, its
 token Secret and the checkpoint `CKPT`), `mark_ready`, `evicted_pod`, the checkpoint's status
 and conditions, `kept_to_its_own` (the flow touched only its own objects), and `NotParking`, a
-participant that journals each prepare's deadline and never parks."""
+participant that journals each prepare's deadline and never parks; `served_participant`, the
+set's model participant as a real control plane served on loopback."""
 
 from __future__ import annotations
 
 import base64
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
+from fastapi import FastAPI
 from rollout_operator.decide.resources import TOKEN_KEY, secret_name
 from rollout_operator.model import api
 from rollout_operator.model.api import ROLLOUT_CHECKPOINT_PLURAL, ROLLOUT_SET_PLURAL
 from rollout_protocol import (
+    ControlPlane,
+    ControlSettings,
     EpisodeId,
     Phase,
     PrepareReply,
@@ -23,14 +30,18 @@ from rollout_protocol import (
     ResumeRequest,
     Role,
 )
+from rollout_protocol.conformance import serve_app
 
 from testsupport import builders
 from testsupport.fakecluster import FakeCluster
+from testsupport.participants import FakeParticipant
 
 NS = "team"
 SET = "math"
 CKPT = "math-evict-a3"
 PREPARE_TIMEOUT = 300
+TOKEN = "token"
+"""The set's control token in `set_cluster`'s Secret."""
 
 
 def whole_seconds(ts: float) -> datetime:
@@ -83,7 +94,7 @@ def set_cluster(trigger: str, pods: list[dict[str, Any]]) -> FakeCluster:
             "apiVersion": "v1",
             "kind": "Secret",
             "metadata": {"name": secret_name(SET), "namespace": NS},
-            "data": {TOKEN_KEY: base64.b64encode(b"token").decode()},
+            "data": {TOKEN_KEY: base64.b64encode(TOKEN.encode()).decode()},
         }
     )
     for pod in pods:
@@ -178,3 +189,20 @@ def evicted_pod(killed_at: datetime, grace: int = 30) -> dict[str, Any]:
         },
         "status": {"phase": "Running"},
     }
+
+
+@asynccontextmanager
+async def served_participant(root: Path) -> AsyncIterator[tuple[FakeParticipant, str]]:
+    """The set's model participant (attempt 3, one episode) as a real control plane over a
+    `FakeParticipant`, served on loopback, its records under `root`; yields it and its URL."""
+    fake = FakeParticipant(Role.MODEL, rollouts=["r1"], attempt=3)
+    plane = ControlPlane(
+        fake,
+        ControlSettings(
+            role=Role.MODEL, set_name=SET, checkpoint_root=root, token=TOKEN, attempt=3
+        ),
+    )
+    app = FastAPI()
+    plane.install(app)
+    async with serve_app(app, role=Role.MODEL, token=TOKEN) as served:
+        yield fake, served.target.base_url

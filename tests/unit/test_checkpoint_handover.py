@@ -16,22 +16,19 @@ served on loopback), reached through `HttpParticipantClient`; its records land u
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import Callable
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import cast
 
 import aiohttp
 import anyio
 import pytest
-from fastapi import FastAPI
 from rollout_operator.flows.checkpoint import CheckpointFlow, FlowSettings
 from rollout_operator.model import api
 from rollout_protocol import (
     CommitReply,
     CommitRequest,
-    ControlPlane,
-    ControlSettings,
     HttpParticipantClient,
     PersistRequest,
     PrepareReply,
@@ -43,14 +40,18 @@ from rollout_protocol import (
     Role,
     StatusReply,
 )
-from rollout_protocol.conformance import serve_app
-from testsupport.checkpointflow import CKPT, NS, SET, checkpoint_status, condition, mark_ready
+from testsupport.checkpointflow import (
+    CKPT,
+    NS,
+    TOKEN,
+    checkpoint_status,
+    condition,
+    mark_ready,
+    served_participant,
+)
 from testsupport.checkpointflow import set_cluster as checkpoint_cluster
 from testsupport.fakecluster import FakeCluster
-from testsupport.participants import FakeParticipant
 
-TOKEN = "token"
-"""The set's control token in `checkpointflow.set_cluster`'s Secret."""
 WAIT = 30.0
 """Upper bound for a whole scenario; reaching it is a failure, not a delay."""
 
@@ -103,22 +104,6 @@ class Journaled:
         await self.inner.aclose()
 
 
-@asynccontextmanager
-async def participant(root: Path) -> AsyncIterator[tuple[FakeParticipant, str]]:
-    """The set's model participant (attempt 3, one episode), served; yields it and its URL."""
-    fake = FakeParticipant(Role.MODEL, rollouts=["r1"], attempt=3)
-    plane = ControlPlane(
-        fake,
-        ControlSettings(
-            role=Role.MODEL, set_name=SET, checkpoint_root=root, token=TOKEN, attempt=3
-        ),
-    )
-    app = FastAPI()
-    plane.install(app)
-    async with serve_app(app, role=Role.MODEL, token=TOKEN) as served:
-        yield fake, served.target.base_url
-
-
 def operator(
     cluster: FakeCluster,
     clients: Callable[[], Journaled],
@@ -145,7 +130,7 @@ async def test_an_operator_stopped_after_the_resume_writes_resuming_and_its_succ
 ) -> None:
     journal: list[str] = []
     async with AsyncExitStack() as stack:
-        _, url = await stack.enter_async_context(participant(tmp_path))
+        _, url = await stack.enter_async_context(served_participant(tmp_path))
         session = await stack.enter_async_context(aiohttp.ClientSession())
 
         def client() -> Journaled:
