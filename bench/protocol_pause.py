@@ -80,6 +80,11 @@ from typing import TypeVar
 import aiohttp
 import anyio
 import httpx
+
+# The test support package's delegating participant client (as bench/engine_relay.py imports
+# its server processes).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
 from rollout_protocol import (
     PREPARE_ORDER,
     S3_ENV_PREFIX,
@@ -89,30 +94,20 @@ from rollout_protocol import (
     CommitReply,
     CommitRequest,
     Coordinator,
-    DiscardReply,
-    DiscardRequest,
     EpisodeRuntime,
-    ForgetReply,
-    ForgetRequest,
     HttpParticipantClient,
     PersistRequest,
     PrepareReply,
     PrepareRequest,
     Record,
-    RenewReply,
-    RenewRequest,
-    RestoreReply,
-    RestoreRequest,
     ResumeReply,
     ResumeRequest,
-    RetireReply,
-    RetireRequest,
     Role,
-    StatusReply,
     encode_record,
 )
 from rollout_protocol import _storage as storage
 from rollout_servers.tasks import sample_tasks
+from testsupport.delegating import Delegating
 
 from devcluster import s3
 
@@ -919,7 +914,7 @@ def _new_way(
     }
 
 
-class TimedParticipant:
+class TimedParticipant(Delegating[HttpParticipantClient]):
     """A participant client that records how long each prepare, commit and resume took, and
     when each was sent and answered (`spans`, under the checkpoint number in `current[0]`)."""
 
@@ -930,18 +925,10 @@ class TimedParticipant:
         spans: Spans,
         current: list[str],
     ) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.calls = calls
         self.spans = spans
         self.current = current
-
-    @property
-    def role(self) -> Role:
-        return self.inner.role
-
-    @property
-    def instance(self) -> str:
-        return self.inner.instance
 
     async def _timed(self, operation: str, call: Awaitable[_Reply]) -> _Reply:
         started = time.perf_counter()
@@ -952,35 +939,17 @@ class TimedParticipant:
         self.spans[(self.current[0], operation, self.role)].append((started, ended))
         return reply
 
-    async def status(self, deadline_ts: float) -> StatusReply:
-        return await self.inner.status(deadline_ts)
-
     async def prepare(self, request: PrepareRequest) -> PrepareReply:
         return await self._timed("prepare", self.inner.prepare(request))
-
-    async def renew(self, request: RenewRequest) -> RenewReply:
-        return await self.inner.renew(request)
 
     async def commit(self, request: CommitRequest) -> CommitReply:
         return await self._timed("commit", self.inner.commit(request))
 
-    async def restore(self, request: RestoreRequest) -> RestoreReply:
-        return await self.inner.restore(request)
-
     async def resume(self, request: ResumeRequest) -> ResumeReply:
         return await self._timed("resume", self.inner.resume(request))
 
-    async def retire(self, request: RetireRequest) -> RetireReply:
-        return await self.inner.retire(request)
-
-    async def forget(self, request: ForgetRequest) -> ForgetReply:
-        return await self.inner.forget(request)
-
     async def persist(self, request: PersistRequest) -> CommitReply:
         return await self._timed("persist", self.inner.persist(request))
-
-    async def discard(self, request: DiscardRequest) -> DiscardReply:
-        return await self.inner.discard(request)
 
 
 def main() -> None:

@@ -138,9 +138,13 @@ class CheckpointOperations:
                         scope = frozenset(item.record.rollout_id for item in encoded)
                 encoding.set_attribute("rollout.records", len(encoded))
             rollout_ids = self._listed(encoded)
+            # what the records hold, not what the prepare counted: a /run that arrived after
+            # the prepare replied is parked at its first boundary and written too
+            # (docs/protocol.md, "Commit scope")
+            episodes = core.participant.committed_episodes(encoded)
             where = manifest_location(core.settings.storage_dir, cid, core.settings.instance)
             if request.persist_after_resume:
-                reply = self._cut(where, request, encoded, rollout_ids)
+                reply = self._cut(where, request, encoded, rollout_ids, episodes)
             else:
                 manifest = await self._write(store, request, encoded)
                 reply = CommitReply(
@@ -149,6 +153,7 @@ class CheckpointOperations:
                     manifest=manifest,
                     manifest_path=where,
                     rollout_ids=rollout_ids,
+                    committed_episodes=episodes,
                 )
                 core.cuts.remember(cid, reply)  # a persist of it answers this again
             if scope is not None:
@@ -171,6 +176,7 @@ class CheckpointOperations:
         request: CommitRequest,
         encoded: list[storage.EncodedRecord],
         rollout_ids: list[str] | None,
+        episodes: int | None,
     ) -> CommitReply:
         """Hold the records as encoded ahead (their lines and digests: immutable bytes) and
         answer with the manifest they will have; refused (`persist_backlog`) past the bound on
@@ -192,6 +198,7 @@ class CheckpointOperations:
             manifest_path=manifest_path,
             rollout_ids=rollout_ids,
             durable=False,
+            committed_episodes=episodes,
         )
         expires = request.deadline_ts + settings.lease_grace_seconds
         core.cuts.hold(HeldCut(reply=reply, encoded=tuple(encoded), expires_ts=expires))

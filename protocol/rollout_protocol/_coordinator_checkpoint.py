@@ -193,7 +193,7 @@ class ComposedCheckpoint:
             self._resumed = await self._resume_now(aborting=False)
         reason = "Published" if published is not None else "Committed"
         message = (
-            f"{prepare.committed_count(commit.scope)} episodes in {commit.record_count} "
+            f"{commit.episode_count(prepare)} episodes in {commit.record_count} "
             f"records ({commit.bytes} bytes) from {len(commit.manifests)} participants"
         )
         return self._result(reason, message, prepare, commit, published, times)

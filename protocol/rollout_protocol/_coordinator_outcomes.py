@@ -105,6 +105,12 @@ class CommitOutcome(StrictModel):
     )
     record_count: int = 0
     bytes: int = 0
+    committed_episodes: dict[str, int] = Field(
+        default_factory=dict,
+        description="By instance: the episodes its records hold (`CommitReply."
+        "committed_episodes`); an instance that did not say (an older participant, one "
+        "spoken to in NeMo Gym's dialect) is not here.",
+    )
     failures: list[Failure] = Field(default_factory=list)
     held: list[str] = Field(
         default_factory=list,
@@ -113,6 +119,20 @@ class CommitOutcome(StrictModel):
         "persist will write. Every other instance with a manifest is durable. Empty once "
         "persisted, and for a commit inside the pause.",
     )
+
+    def episode_count(self, prepared: PrepareOutcome) -> int:
+        """Episodes the records hold, the checkpoint's count: the largest role's (its
+        instances summed), as `PrepareOutcome.episode_count` counts, when every participant
+        said; else (an older participant, NeMo Gym's dialect) what the prepare counted less
+        the restarts (`PrepareOutcome.committed_count`), which misses a `/run` that reached a
+        participant after its prepare replied (docs/protocol.md, "Commit scope")."""
+        if not self.manifests or set(self.manifests) - set(self.committed_episodes):
+            return prepared.committed_count(self.scope)
+        by_role: dict[str, int] = {}
+        for instance, count in self.committed_episodes.items():
+            role = instance.rsplit("-", 1)[0]
+            by_role[role] = by_role.get(role, 0) + count
+        return max(by_role.values())
 
     @property
     def durable(self) -> bool:

@@ -66,9 +66,20 @@ def commit_outcome(
         },
         record_count=sum(m.record_count for m in manifests.values()),
         bytes=sum(m.bytes for m in manifests.values()),
+        committed_episodes=_committed_episodes(replies),
         failures=failures,
         held=held or [],
     )
+
+
+def _committed_episodes(replies: Sequence[CommitReply]) -> dict[str, int]:
+    """By instance, the episodes each reply says its records hold (`committed_episodes`); one
+    that does not say (an older participant, NeMo Gym's dialect) is absent."""
+    return {
+        reply.manifest.instance: reply.committed_episodes
+        for reply in replies
+        if reply.committed_episodes is not None
+    }
 
 
 def _reply_of(outcome: CommitOutcome, instance: str) -> CommitReply:
@@ -80,6 +91,7 @@ def _reply_of(outcome: CommitOutcome, instance: str) -> CommitReply:
         manifest=manifest,
         manifest_path=outcome.manifest_paths[instance],
         rollout_ids=outcome.listed.get(instance),
+        committed_episodes=outcome.committed_episodes.get(instance),
     )
 
 
@@ -114,8 +126,16 @@ async def persist_cut(
                 )
             )
         else:
-            listed = cut.listed.get(reply.manifest.instance)
-            persisted.append(reply.model_copy(update={"rollout_ids": listed}))
+            instance = reply.manifest.instance
+            persisted.append(
+                reply.model_copy(
+                    update={
+                        "rollout_ids": cut.listed.get(instance),
+                        # the cut's count: the same records (their manifest is the one promised)
+                        "committed_episodes": cut.committed_episodes.get(instance),
+                    }
+                )
+            )
     outcome = commit_outcome(
         checkpoint_id,
         cut.scope,

@@ -1086,6 +1086,12 @@ class RuntimeParticipant(Participant):
     def export_encoded(self, scope: frozenset[str] | None) -> list[EncodedRecord]:
         return self.runtime.export_encoded(scope)
 
+    def committed_episodes(self, records: Sequence[EncodedRecord]) -> int | None:
+        """The rollouts of the runtime's own records among them (a server may add records of
+        another kind, such as the model's delivered responses, which are no episode)."""
+        kind = self.runtime.kind
+        return len({item.record.rollout_id for item in records if item.record.kind == kind})
+
     def release_outside(self, scope: frozenset[str]) -> None:
         self.runtime.release_outside(scope)
 

@@ -87,6 +87,13 @@ class Participant(ABC):
         at every boundary) returns those, and its commit only writes bytes."""
         return [encode_record(record) for record in self.export(scope)]
 
+    def committed_episodes(self, records: Sequence[EncodedRecord]) -> int | None:
+        """How many episodes a commit's `records` (those `export_encoded` gave, within the
+        commit's scope) hold: `CommitReply.committed_episodes`, what the checkpoint counts
+        (docs/protocol.md, "Commit scope"). None (the default): not said, and the coordinator
+        counts the checkpoint from the prepare replies. Called inside the pause."""
+        return None
+
     @abstractmethod
     def release_outside(self, scope: frozenset[str]) -> None:
         """Drop restored-but-unclaimed state of rollouts the commit scope leaves out."""

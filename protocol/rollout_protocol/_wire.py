@@ -116,6 +116,12 @@ class Capability(StrEnum):
     that field alone, never listed in `StatusReply.capabilities`: a coordinator that reads the
     list knows only the values of its own release."""
 
+    COMMITTED_EPISODES = "committed_episodes"
+    """A commit (or cut, or persist) reply says how many episodes its records hold
+    (`CommitReply.committed_episodes`), so a checkpoint's count is what was written, not what the
+    prepare counted (docs/protocol.md, "Commit scope"). Shown by that field alone, as
+    `declared_waits`."""
+
 
 CAPABILITIES_HEADER: Final = "Rollout-Capabilities"
 """The request header in which a coordinator names the capabilities whose reply fields it reads
@@ -127,9 +133,12 @@ coordinator reads replies strictly and refuses a field it does not know (docs/pr
 CAPABILITY_REPLY_FIELDS: Final[Mapping[Capability, frozenset[str]]] = {
     Capability.PERSIST_AFTER_RESUME: frozenset({"capabilities", "held_bytes", "durable"}),
     Capability.DECLARED_WAITS: frozenset({"waits_on"}),
+    Capability.COMMITTED_EPISODES: frozenset({"committed_episodes"}),
 }
 """The reply fields each capability added (`StatusReply.capabilities` and `held_bytes`,
-`CommitReply.durable`; `StatusReply.waits_on`)."""
+`CommitReply.durable`; `StatusReply.waits_on`; `CommitReply.committed_episodes`).
+A field's name is left out of every reply of the call it is unread by, so it is never the name
+of a field an older coordinator reads in another reply (`PrepareReply.episode_count`)."""
 
 
 def fields_unread_by(header: str | None, request: object = None) -> frozenset[str]:
@@ -604,6 +613,15 @@ class CommitReply(StrictModel):
         description="True: the records and the manifest are on storage (fsynced). False: a cut "
         "(`CommitRequest.persist_after_resume`): the records are held in memory and `manifest` "
         "is the manifest a `persist` will write at `manifest_path`.",
+    )
+    committed_episodes: int | None = Field(
+        default=None,
+        ge=0,
+        description="Episodes whose records this commit wrote (or this cut holds): the distinct "
+        "rollouts of its records. It can exceed the prepare's count: a `/run` that reached the "
+        "participant after its prepare replied is parked at its first boundary and written "
+        "too. Sent only to a coordinator that names `committed_episodes` (capability); None: "
+        "not said (an older participant).",
     )
 
 

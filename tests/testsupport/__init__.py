@@ -4,6 +4,8 @@ no test module imports another, and nothing edits `sys.path`.
 
 - `fakecluster`: `FakeCluster`, the one fake API server of the unit tests.
 - `participants`: `FakeParticipant`, an in-process participant (unit and adversarial tests).
+- `delegating`: `Delegating`, a participant client that passes every call to the one it wraps,
+  the base of the unit tests' spies and journals and of bench/protocol_pause.py's timings.
 - `policy`: the checkpoint policy's pass over a `FakeCluster` (`Run`) and the set it runs on
   (`rollout_set`, `seeded`): unit tests of the policy and adversarial tests of status and spec.
 - `setplan`: builders for planning an attempt's pods without a cluster (set plan and InPlace

@@ -54,12 +54,15 @@ class Scripted:
         persist_fails: ErrorCode | None = None,
         persisting: Callable[[], Awaitable[None]] | None = None,
         waits_on: tuple[Role, ...] | None = None,
+        committed: int | None = None,
     ) -> None:
         """`holds`: a participant that can persist after the resume (a cut asked of it is held
         in memory until `persist`); else it commits durably, as an older SDK does.
         `persisting`: awaited inside each persist, before it answers (a test's storage that is
         slow, or a clock it advances). `waits_on`: the roles its status says it waits on
-        (None: it says nothing, as an older SDK)."""
+        (None: it says nothing, as an older SDK). `committed`: the episodes its commit replies
+        say its records hold (`CommitReply.committed_episodes`; None: not said, as an older
+        SDK)."""
         self.role = role
         self.instance = f"{role.value}-{index}"
         self.attempt = attempt
@@ -71,6 +74,7 @@ class Scripted:
         self.persist_fails = persist_fails
         self.persisting = persisting
         self.waits_on = waits_on
+        self.committed = committed
         self.calls: list[tuple[str, str]] = []
 
     def called(self, operation: str) -> list[str]:
@@ -136,6 +140,7 @@ class Scripted:
                 bytes=100,
             ),
             manifest_path=f"{checkpoint_id}/{self.instance}/manifest.json",
+            committed_episodes=self.committed,
         )
 
     async def restore(self, request: RestoreRequest) -> RestoreReply:

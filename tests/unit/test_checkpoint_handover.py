@@ -33,12 +33,9 @@ from rollout_protocol import (
     PersistRequest,
     PrepareReply,
     PrepareRequest,
-    RenewReply,
-    RenewRequest,
     ResumeReply,
     ResumeRequest,
     Role,
-    StatusReply,
 )
 from testsupport.checkpointflow import (
     CKPT,
@@ -50,39 +47,26 @@ from testsupport.checkpointflow import (
     served_participant,
 )
 from testsupport.checkpointflow import set_cluster as checkpoint_cluster
+from testsupport.delegating import Delegating
 from testsupport.fakecluster import FakeCluster
 
 WAIT = 30.0
 """Upper bound for a whole scenario; reaching it is a failure, not a delay."""
 
 
-class Journaled:
+class Journaled(Delegating[HttpParticipantClient]):
     """The participant's client as the flow uses it, journaling each call; with
     `reply_lost`, a resume reaches the participant and its reply never comes back (the
     operator is told to stop while it waits for it)."""
 
     def __init__(self, inner: HttpParticipantClient, journal: list[str]) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.journal = journal
         self.reply_lost: anyio.Event | None = None
-
-    @property
-    def role(self) -> Role:
-        return self.inner.role
-
-    @property
-    def instance(self) -> str:
-        return self.inner.instance
-
-    async def status(self, deadline_ts: float) -> StatusReply:
-        return await self.inner.status(deadline_ts)
 
     async def prepare(self, request: PrepareRequest) -> PrepareReply:
         self.journal.append("prepare")
         return await self.inner.prepare(request)
-
-    async def renew(self, request: RenewRequest) -> RenewReply:
-        return await self.inner.renew(request)
 
     async def commit(self, request: CommitRequest) -> CommitReply:
         self.journal.append("commit")

@@ -328,6 +328,32 @@ async def test_the_cut_enters_resuming_and_publishes_nothing() -> None:
     assert participant.called("resume") == participant.called("persist") == []
 
 
+async def test_the_episodes_are_what_the_cut_says_its_records_hold() -> None:
+    """A `/run` that reached the environment after its prepare replied is written by the cut:
+    the checkpoint counts the cut's episodes, not the prepare's (docs/protocol.md, "Commit
+    scope"); a participant that does not say (an older SDK) is counted from the prepare."""
+    cluster = ready_cluster()
+    environment = Scripted(Role.ENVIRONMENT, parked=("r1", "r2"), holds=True, committed=3)
+    model = Scripted(parked=("r1",), holds=True, committed=1)
+    run, ckpt = await a_run(cluster, environment, others=(model,))
+    for step in (begin, prepare, commit):
+        await step(run, ckpt)
+    assert run.prepared is not None
+    assert run.prepared.episode_count == 2
+    assert checkpoint_status(cluster)["episodes"] == 3
+    await resume(run, ckpt)
+    await persist(run, ckpt)
+    status = checkpoint_status(cluster)
+    assert (status["phase"], status["episodes"]) == ("Ready", 3)
+
+    older = ready_cluster()
+    silent = Scripted(parked=("r1",), holds=True)
+    run, ckpt = await a_run(older, environment, others=(silent,))
+    for step in (begin, prepare, commit):
+        await step(run, ckpt)
+    assert checkpoint_status(older)["episodes"] == 2, "from the prepare: model-0 said nothing"
+
+
 # --- Resuming and Persisting ------------------------------------------------------------------
 
 

@@ -53,11 +53,11 @@ from rollout_protocol import (
     RetireReply,
     RetireRequest,
     Role,
-    StatusReply,
 )
 from rollout_protocol import _cli as coordination_cli
 from rollout_protocol import _storage as storage
 from rollout_protocol.conformance import serve_app
+from testsupport.delegating import Delegating
 from testsupport.participants import FakeParticipant
 
 TOKEN = "coordination-test-token"
@@ -72,27 +72,16 @@ ROLLOUTS: dict[Role, list[str]] = {
 }
 
 
-class Spy:
+class Spy(Delegating[ParticipantClient]):
     """Wraps a participant client, journaling the coordinator's calls in the order they start."""
 
     def __init__(self, inner: ParticipantClient, journal: list[tuple[str, str]]) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.journal = journal
         self.renewed = anyio.Event()
 
-    @property
-    def role(self) -> Role:
-        return self.inner.role
-
-    @property
-    def instance(self) -> str:
-        return self.inner.instance
-
     def _log(self, operation: str) -> None:
         self.journal.append((self.instance, operation))
-
-    async def status(self, deadline_ts: float) -> StatusReply:
-        return await self.inner.status(deadline_ts)
 
     async def prepare(self, request: PrepareRequest) -> PrepareReply:
         self._log("prepare")

@@ -38,28 +38,21 @@ from rollout_protocol import (
     DiscardReply,
     DiscardRequest,
     ErrorCode,
-    ForgetReply,
-    ForgetRequest,
     HttpParticipantClient,
     ParticipantError,
     PersistRequest,
     PrepareReply,
     PrepareRequest,
     RemoveRequest,
-    RenewReply,
-    RenewRequest,
-    RestoreReply,
-    RestoreRequest,
     ResumeReply,
     ResumeRequest,
-    RetireReply,
-    RetireRequest,
     Role,
     StatusReply,
 )
 from rollout_protocol import _storage as storage
 from rollout_protocol._wire import API_PREFIX, CAPABILITY_REPLY_FIELDS
 from rollout_protocol.conformance import serve_app
+from testsupport.delegating import Delegating
 from testsupport.participants import FakeParticipant
 
 TOKEN = "persist-test-token"
@@ -77,50 +70,27 @@ def anyio_backend() -> str:
 pytestmark = pytest.mark.anyio
 
 
-class Journal:
+class Journal(Delegating[HttpParticipantClient]):
     """Wraps a participant client, journaling the calls in the order they start."""
 
     def __init__(self, inner: HttpParticipantClient, journal: list[tuple[str, str]]) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.journal = journal
-
-    @property
-    def role(self) -> Role:
-        return self.inner.role
-
-    @property
-    def instance(self) -> str:
-        return self.inner.instance
 
     def _log(self, operation: str) -> None:
         self.journal.append((self.instance, operation))
-
-    async def status(self, deadline_ts: float) -> StatusReply:
-        return await self.inner.status(deadline_ts)
 
     async def prepare(self, request: PrepareRequest) -> PrepareReply:
         self._log("prepare")
         return await self.inner.prepare(request)
 
-    async def renew(self, request: RenewRequest) -> RenewReply:
-        return await self.inner.renew(request)
-
     async def commit(self, request: CommitRequest) -> CommitReply:
         self._log("commit")
         return await self.inner.commit(request)
 
-    async def restore(self, request: RestoreRequest) -> RestoreReply:
-        return await self.inner.restore(request)
-
     async def resume(self, request: ResumeRequest) -> ResumeReply:
         self._log("resume")
         return await self.inner.resume(request)
-
-    async def retire(self, request: RetireRequest) -> RetireReply:
-        return await self.inner.retire(request)
-
-    async def forget(self, request: ForgetRequest) -> ForgetReply:
-        return await self.inner.forget(request)
 
     async def persist(self, request: PersistRequest) -> CommitReply:
         self._log("persist")

@@ -17,6 +17,9 @@ from typing import cast
 import httpx
 from rollout_protocol import (
     API_PREFIX,
+    Capability,
+    CommitOutcome,
+    CommitReply,
     ControlPlane,
     ControlSettings,
     Coordinator,
@@ -31,6 +34,8 @@ from rollout_protocol import (
 )
 from rollout_protocol import _storage as storage
 from rollout_protocol._coordinator import PrepareOutcome, _prepare_outcome
+from rollout_protocol._coordinator_persist import commit_outcome
+from rollout_protocol._wire import fields_unread_by
 from testsupport.controlplane import served
 from testsupport.participants import FakeParticipant
 
@@ -155,3 +160,43 @@ async def test_a_participant_before_counts_is_asked_again_without_the_scope() ->
     assert [r.rollout_ids for r in old.requests] == [["b", "z"], None]
     assert outcome.scope(["b", "z"]) == ["b"], "intersected with what it listed"
     assert outcome.episode_count == 3
+
+
+def test_the_checkpoint_counts_what_the_commit_replies_say_the_records_hold() -> None:
+    """A `/run` after a participant's prepare is written by a commit of the whole set: the
+    count is the commit replies' (`committed_episodes`), by role as the prepare's, and the
+    prepare's only where a participant did not say (an older SDK)."""
+    prepared = _prepare_outcome(
+        "ck", dict([_reply("environment-0", 5), _reply("environment-1", 4)]), [], None, []
+    )
+
+    def commit(**counts: int | None) -> CommitOutcome:
+        replies = [
+            CommitReply(
+                checkpoint_id="ck",
+                phase=Phase.COMMITTED,
+                manifest=storage.records_manifest(
+                    role=Role(instance.rsplit("_", 1)[0]),
+                    instance=instance.replace("_", "-"),
+                    checkpoint_id="ck",
+                    attempt=0,
+                    encoded=[],
+                ),
+                manifest_path=f"ck/{instance}/manifest.json",
+                committed_episodes=count,
+            )
+            for instance, count in counts.items()
+        ]
+        return commit_outcome("ck", None, [], replies, [])
+
+    assert prepared.episode_count == 9
+    said = commit(environment_0=6, environment_1=4, model_0=2)
+    assert said.episode_count(prepared) == 10
+    older = commit(environment_0=6, environment_1=None, model_0=2)
+    assert older.episode_count(prepared) == 9
+    # a field an older coordinator does not read is left out of every reply to it, so its name
+    # is never one an older coordinator reads elsewhere (the prepare reply's count)
+    unread = fields_unread_by(None)
+    assert "committed_episodes" in unread
+    assert "episode_count" not in unread
+    assert "committed_episodes" not in fields_unread_by(Capability.COMMITTED_EPISODES.value)

@@ -394,6 +394,10 @@ class RolloutServer:
         self.stats.observe(episode, name, event)
         if event == "held":
             self.hooks.notify("held", episode.rollout_id)
+        elif event == "started" and name == "run":
+            # `RunRoute` registered the episode (its run is the step "run"): a test can tell
+            # that a /run arrived, also while admission is closed and no step can start
+            self.hooks.notify("begun", episode.rollout_id)
 
     # --- to override --------------------------------------------------------------------------
 

@@ -7,7 +7,9 @@ it will write; one that cannot (an older SDK, NeMo Gym's dialect) commits durabl
 Every episode waits while this runs, so nothing is written to the API server first: the
 prepare entered Committing in memory (written only if it lasts over a second:
 `context.UnwrittenPhases`), and the cut enters Resuming the same way, with the episodes it
-holds and the prepare's and the cut's durations. A run that continues a Committing checkpoint
+holds (what the cut's replies say their records hold, which a `/run` that reached a participant
+after its prepare replied adds to: docs/protocol.md, "Commit scope") and the prepare's and the
+cut's durations. A run that continues a Committing checkpoint
 (an operator restart) has no prepare outcome and parks again first; the participants replay
 their replies. Nothing here is restorable: the checkpoint is Ready only once every record is
 durable (`persist`).
@@ -59,7 +61,7 @@ async def commit(run: CheckpointRun, ckpt: RolloutCheckpoint) -> RolloutCheckpoi
         ckpt,
         CheckpointPhase.RESUMING,
         defer=run.writes,
-        episodes=prepared.committed_count(scope),
+        episodes=outcome.episode_count(prepared),
         attempt=outcome.attempt or run.rset.status.attempt,
         durations=CheckpointDurations(
             prepare_seconds=round(run.prepare_seconds, 3),
