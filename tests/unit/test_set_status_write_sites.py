@@ -24,10 +24,13 @@ OPERATOR = Path(__file__).resolve().parents[2] / "operator" / "rollout_operator"
 SENDING = frozenset({"write", "write_retrying", "write_pass"})
 SET_LOOP = ("flows/reconciler.py", "flows/setpass.py", "flows/recovery/repair.py")
 """The modules of the set's loop outside the recovery's steps."""
+POLICY_LOOP = ("flows/policypass.py", "flows/queuepass.py")
+"""The modules of the policy loop."""
+PASS = ("flows/stagedpass.py", "run_stages")
+"""The one call site of both loops: the staged pass's write."""
 
 SET_STATUS_SENDERS = {
-    ("flows/setpass.py", "_write_status"): 1,
-    # The policy loop's stages (the queue pass, the policy pass) write in one write per pass.
+    # Both per-set loops: their stages' deltas in one write per pass.
     ("flows/stagedpass.py", "run_stages"): 1,
     # The recovery's steps write on their own still (docs/design.md section 10).
     ("flows/recovery/context.py", "patch"): 1,
@@ -101,18 +104,11 @@ def senders() -> dict[tuple[str, str], int]:
     return found
 
 
-def test_the_sets_loop_sends_the_sets_status_from_exactly_one_call_site() -> None:
-    in_loop = {site: n for site, n in senders().items() if site[0] in SET_LOOP}
-    assert in_loop == {("flows/setpass.py", "_write_status"): 1}, in_loop
-
-
-def test_the_policy_loop_sends_the_sets_status_from_exactly_one_call_site() -> None:
-    in_loop = {
-        site: n
-        for site, n in senders().items()
-        if site[0] in ("flows/policypass.py", "flows/queuepass.py", "flows/stagedpass.py")
-    }
-    assert in_loop == {("flows/stagedpass.py", "run_stages"): 1}, in_loop
+def test_both_loops_send_the_sets_status_from_exactly_one_call_site() -> None:
+    found = senders()
+    in_loops = {site: n for site, n in found.items() if site[0] in SET_LOOP + POLICY_LOOP}
+    assert in_loops == {}, f"the loops' stages return deltas, they send nothing: {in_loops}"
+    assert found.get(PASS) == 1, found
 
 
 def test_no_new_call_site_sends_a_sets_status() -> None:

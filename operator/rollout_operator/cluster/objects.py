@@ -73,7 +73,7 @@ class OwnedObjects:
     ensured at once. Process memory only: a restarted operator ensures everything again.
 
     The process's one instance is part of its `OperatorState` (`flows/state.py`); the set's
-    pass (`flows.setpass.reconcile_set`) is handed it, and is its only writer and reader."""
+    pass (`flows.setpass.SetPass`) is handed it, and is its only writer and reader."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock

@@ -81,7 +81,7 @@ from ..model.conditions import ConditionUpdate, merge_conditions, same_but_gener
 from ..model.owners import StatusOwner
 from .checkpointrepairs import parse_creation, records_proven, repair_failed_checkpoint
 from .records import RecordsRemover, RemovalPending, remove_here
-from .stagedpass import run_stages
+from .stagedpass import parsed, run_stages
 from .state import LoggedNotes
 
 logger = logging.getLogger(__name__)
@@ -215,7 +215,9 @@ class PolicyPass:
     async def plan(self, draft: PassStatus) -> bool:
         """Decide; create the checkpoints and record a settled deadline (the draft rebased on
         the annotated set), and add the status's delta (conditions, reserve, trainer step)."""
-        rset = draft.rset
+        rset = parsed(draft)
+        if rset is None:
+            return False  # the set pass reports an invalid spec (InvalidSpec)
         namespace, name = namespace_or_default(rset.metadata.namespace), rset.metadata.name
         pods = await self._kube.list_pods(namespace, set_selector(name))
         listed = await self._kube.list_checkpoints(namespace, name)

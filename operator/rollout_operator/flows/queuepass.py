@@ -53,7 +53,7 @@ from ..decide.resources import set_selector
 from ..model.api import RolloutSet, SetConditionType, namespace_or_default
 from ..model.conditions import ConditionUpdate, merge_conditions, same_but_generation
 from ..model.owners import StatusOwner
-from .stagedpass import run_stages
+from .stagedpass import parsed, run_stages
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,9 @@ class QueuePass:
         """Decide, create the Workload and patch `spec.suspend` (the draft rebased on the
         patched set), and add the conditions' delta. False when the API server refused the
         Workload: the set stays held, and the policy does not plan on it in this pass."""
-        rset = draft.rset
+        rset = parsed(draft)
+        if rset is None:
+            return False  # the set pass reports an invalid spec (InvalidSpec)
         if queue_of(rset) is None:
             return True
         namespace, name = namespace_or_default(rset.metadata.namespace), rset.metadata.name

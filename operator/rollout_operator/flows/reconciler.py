@@ -8,7 +8,7 @@ here, where the flows they compose live (docs/design.md#60-layers, "Loops, not e
 - `set_pass`: the owners' repairs of a status written by hand (`SET_REPAIRS`: the recovery's
   `repair_unfinished_recovery` and `repair_false_recovery`, the set pass's
   `repair_set_attempt`), then the recovery (`recovery.recover_if_needed`), then the set's pass
-  (`setpass.reconcile_set`), in one task;
+  (`setpass.SetPass`), as the stages of one read and one write (`stagedpass`), in one task;
 - `policy_pass`: the queue pass (`queuepass.QueuePass`), then the checkpoint policy's pass
   (`policypass.PolicyPass`), as the stages of one read and one write (`stagedpass`);
 - `checkpoint_run`: a RolloutCheckpoint's flow (`checkpoint.CheckpointFlow`), and its stop:
@@ -27,7 +27,6 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import anyio
-from pydantic import ValidationError
 
 from ..cluster.kube import Kube
 from ..cluster.leases import CheckpointLeases
@@ -46,8 +45,8 @@ from .recovery import (
     repair_false_recovery,
     repair_unfinished_recovery,
 )
-from .setpass import reconcile_set, repair_set_attempt
-from .stagedpass import PassStage, run_stages
+from .setpass import SetPass, repair_set_attempt
+from .stagedpass import PassStage, parsed, run_stages
 from .state import OperatorState
 
 logger = logging.getLogger(__name__)
@@ -85,11 +84,31 @@ async def plan_repairs(kube: Kube, draft: PassStatus) -> None:
             draft.add(delta)
 
 
-def _valid(draft: PassStatus) -> RolloutSet | None:
-    """The pass's set parsed; None when its spec is invalid (the set pass reports it)."""
-    try:
-        return draft.rset
-    except ValidationError:
+class RepairsThenRecovery:
+    """The first stage of the set's pass (`stagedpass`): the repairs' deltas (`SET_REPAIRS`),
+    then, when none changed anything, one look by the recovery (`recovery.recover_if_needed`).
+    A recovery that ran (started, or ran one phase, persisted by its own writes) ends the
+    pass's planning: the loop passes again at once and goes on from it."""
+
+    def __init__(self, kube: Kube, *, on_transition: TransitionSink, waits: RecoveryWaits) -> None:
+        self._kube = kube
+        self._on_transition = on_transition
+        self._waits = waits
+        self.look = RecoveryLook(ran=False)
+
+    async def plan(self, draft: PassStatus) -> bool:
+        rset = parsed(draft)
+        if rset is None:
+            return True  # the set pass reports the invalid spec
+        await plan_repairs(self._kube, draft)
+        if draft.changed:
+            return True
+        self.look = await recover_if_needed(
+            self._kube, rset, on_transition=self._on_transition, waits=self._waits
+        )
+        return not self.look.ran
+
+    async def finish(self) -> None:
         return None
 
 
@@ -105,48 +124,40 @@ async def set_pass(
     post_warning: WarningSink,
     on_transition: TransitionSink,
 ) -> Next:
-    """One pass of the set's reconcile loop over one read of the set: the repairs' deltas, then
-    (when no repair changed anything) a look by the recovery, then the set pass, whose write
-    sends every delta at once; the Events after the write.
+    """One pass of the set's reconcile loop over one read of the set (`stagedpass.run_stages`):
+    the repairs' deltas, then (when no repair changed anything) a look by the recovery, then
+    the set pass (`setpass.SetPass`); one write sends every delta at once; the Events after
+    the write.
 
     A repair ends its pass with the set pass (the next pass, at once, lets the recovery see the
     repaired status); a recovery that ran a step ends its pass too (its phase persisted, the
     next pass goes on from it). `warned` holds the (reason, message) of the Warning Events the
     calling loop posted already: the set pass's warnings are posted once per loop, a repair's
     every time it repairs."""
-    snapshot = await kube.get_set(namespace, name)
-    if snapshot is None or (snapshot.get("metadata") or {}).get("deletionTimestamp"):
-        return Next()
-    draft = PassStatus(snapshot)
-    rset = _valid(draft)
-    look = RecoveryLook(ran=False)
-    if rset is not None:
-        await plan_repairs(kube, draft)
-        if not draft.changed:
-            look = await recover_if_needed(
-                kube, rset, on_transition=on_transition, waits=recovery_waits
-            )
-            if look.ran:
-                return Next(again=True)
-    outcome = await reconcile_set(
+    first = RepairsThenRecovery(kube, on_transition=on_transition, waits=recovery_waits)
+    set_stage = SetPass(
         kube,
-        namespace,
-        name,
         owned_objects=state.owned_objects,
         latest_written=state.latest_written,
         max_replicas_per_role=max_replicas_per_role,
-        draft=draft,
     )
-    shown = _valid(draft)
-    if shown is not None and not outcome.conflict:
+    ran = await run_stages(kube, namespace, name, [first, set_stage])
+    draft = ran.draft
+    if draft is None:
+        return Next()
+    if first.look.ran:
+        return Next(again=True)
+    outcome = set_stage.outcome
+    shown = parsed(draft)
+    if shown is not None and not ran.again:
         for reason, message in draft.events:
             post_warning(shown, reason, message)
         for reason, message in outcome.warnings:
             if (reason, message) not in warned:
                 warned.add((reason, message))
                 post_warning(shown, reason, message)
-    times = [t for t in (outcome.recheck_at, look.retry_at) if t is not None]
-    return Next(again=outcome.conflict or draft.requeue, at=min(times) if times else None)
+    times = [t for t in (outcome.recheck_at, first.look.retry_at) if t is not None]
+    return Next(again=ran.again or draft.requeue, at=min(times) if times else None)
 
 
 async def policy_pass(
@@ -267,6 +278,7 @@ __all__ = [
     "CheckpointStop",
     "CheckpointTransitionSink",
     "NoteSink",
+    "RepairsThenRecovery",
     "SetRepair",
     "TransitionSink",
     "WarningSink",

@@ -4,7 +4,8 @@ The operations on the objects a RolloutSet owns (the token Secret, Services, obs
 and deleting an attempt's pods) are in `cluster.objects`, shared with the recovery and checkpoint
 flows. Here:
 
-- `reconcile_set`: one pass of the RolloutSet reconciler (what the Kopf daemon runs). It also
+- `SetPass`: the set's pass, the last stage of the set loop's pass (`flows/reconciler.py`,
+  `stagedpass`; `reconcile_set` runs it alone). It also
   derives the set's checkpoint fields from its checkpoints (`setstatus`) and, once a checkpoint
   is Ready, writes the latest-checkpoint hints on the pods it covers (`mark_covered_pods`),
   where the set's `checkpointPolicy.podHints` asks for them.
@@ -14,7 +15,7 @@ flows. Here:
   attempt no pod runs would take the running pods for lost.
 
 While `status.recovery` is set the recovery flow owns pod creation and the Ready, Progressing
-and Degraded conditions; `reconcile_set` then only refreshes `status.participants` (with the
+and Degraded conditions; the set pass then only refreshes `status.participants` (with the
 pods of the recovery's target attempt). The status is written through
 `cluster.statuswriter.SetStatusWriter` as the set pass, which owns the fields
 docs/design.md#69-who-writes-the-sets-status lists for it.
@@ -34,7 +35,7 @@ from pydantic import ValidationError
 from rollout_protocol import Role
 
 from .. import metrics
-from ..cluster.kube import ApiError, Conflict, Kube
+from ..cluster.kube import ApiError, Kube
 from ..cluster.objects import (
     OwnedObjects,
     PodsOutcome,
@@ -45,7 +46,7 @@ from ..cluster.objects import (
     observe_pods,
     reconcile_pods,
 )
-from ..cluster.statuswriter import PassStatus, SetDelta, SetStatusWriter
+from ..cluster.statuswriter import PassStatus, SetDelta
 from ..decide.policy.views import checkpoint_views, parse_time
 from ..decide.queue import queue_holds
 from ..decide.resources import (
@@ -76,6 +77,7 @@ from ..model.api import (
 )
 from ..model.conditions import ConditionUpdate, merge_conditions, utcnow
 from ..model.owners import StatusOwner
+from .stagedpass import run_stages
 from .state import LatestWritten
 
 logger = logging.getLogger(__name__)
@@ -195,16 +197,6 @@ class ReconcileOutcome:
     """(reason, message) of Warning Events to post once (the caller deduplicates)."""
 
 
-async def _write_status(kube: Kube, draft: PassStatus) -> ReconcileOutcome | None:
-    """Send the pass's status (`SetStatusWriter.write_pass`: every stage's delta, merged); None
-    when written or nothing to write, the conflict outcome when the write lost a race."""
-    try:
-        await SetStatusWriter(kube, StatusOwner.SET_PASS).write_pass(draft)
-    except Conflict:
-        return ReconcileOutcome(conflict=True)
-    return None
-
-
 def _blocked_status(
     obj: dict[str, Any], generation: int | None, reason: str, message: str
 ) -> dict[str, Any]:
@@ -308,46 +300,110 @@ async def reconcile_set(
     latest_written: LatestWritten,
     now: datetime | None = None,
     max_replicas_per_role: int = MAX_REPLICAS,
-    draft: PassStatus | None = None,
 ) -> ReconcileOutcome:
-    """One reconcile pass of a RolloutSet: token, Services, pods of the attempt, status.
+    """One reconcile pass of a RolloutSet alone (no repairs, no recovery: `SetPass` as the one
+    stage of a pass, `stagedpass.run_stages`): token, Services, pods of the attempt, status."""
+    stage = SetPass(
+        kube,
+        owned_objects=owned_objects,
+        latest_written=latest_written,
+        now=now,
+        max_replicas_per_role=max_replicas_per_role,
+    )
+    ran = await run_stages(kube, namespace, name, [stage])
+    return ReconcileOutcome(conflict=True) if ran.again else stage.outcome
 
-    `draft`: the status of the set's whole pass (`flows/reconciler.py`), its snapshot and the
-    deltas of the stages before this one (the repairs); the set is read here when not given.
-    The set pass adds its delta, and sends the merged status in the pass's one write.
+
+@dataclass(frozen=True)
+class _Written:
+    """What the set pass does once its status is written: remember the latest checkpoint it
+    wrote, hint the pods that checkpoint covers, report a repair."""
+
+    rset: RolloutSet
+    latest: str | None
+    listed: list[dict[str, Any]]
+    repair: Repair | None
+
+
+class SetPass:
+    """The set's pass, a stage of its loop's pass (`stagedpass`, after the repairs and the
+    recovery's look: `flows/reconciler.py`): token, Services, pods of the attempt, and the
+    status that shows them, as its delta over the pass's draft.
 
     `owned_objects` and `latest_written` are the process's memory of earlier passes
     (`OperatorState`, docs/design.md#611-the-operators-in-process-state): which sets' token and
-    Services were ensured lately, and which `latestCheckpoint` each set's pass last wrote."""
-    if draft is None:
-        snapshot = await kube.get_set(namespace, name)
-        if snapshot is None or (snapshot.get("metadata") or {}).get("deletionTimestamp"):
-            return ReconcileOutcome()
-        draft = PassStatus(snapshot)
-    obj = draft.raw
-    try:
-        rset = _validated(obj)
-        await _ensure_startable(kube, rset, owned_objects, max_replicas_per_role)
-    except SetBlocked as blocked:
-        generation = obj["metadata"].get("generation")
-        blocked_changes = _blocked_status(obj, generation, blocked.reason, blocked.message)
-        draft.add(SetDelta(StatusOwner.SET_PASS, blocked_changes, delta_only=True))
-        recheck = blocked.recheck_seconds
-        return await _write_status(kube, draft) or ReconcileOutcome(
-            recheck_at=None if recheck is None else (now or utcnow()) + timedelta(seconds=recheck)
-        )
-    pods = await observe_pods(kube, namespace, name)
-    recovery = rset.status.recovery
-    if recovery is not None:
-        # The recovery owns the attempt: the pass only shows its participants.
-        plan = plan_attempt(rset, recovery.target_attempt, pods)
-        changes: dict[str, Any] = {"participants": plan.participants}
-        outcome = ReconcileOutcome()
-    else:
-        changes, outcome = await _attempt_changes(kube, obj, rset, pods, now or utcnow())
-    return await _write_pass(
-        kube, draft, rset, changes, outcome, latest_written=latest_written, key=(namespace, name)
-    )
+    Services were ensured lately, and which `latestCheckpoint` each set's pass last wrote.
+    `outcome` is the pass's outcome once it planned (its `conflict` is the caller's to set)."""
+
+    def __init__(
+        self,
+        kube: Kube,
+        *,
+        owned_objects: OwnedObjects,
+        latest_written: LatestWritten,
+        now: datetime | None = None,
+        max_replicas_per_role: int = MAX_REPLICAS,
+    ) -> None:
+        self._kube = kube
+        self._owned_objects = owned_objects
+        self._latest_written = latest_written
+        self._now = now
+        self._max_replicas_per_role = max_replicas_per_role
+        self._written: _Written | None = None
+        self.outcome = ReconcileOutcome()
+
+    async def plan(self, draft: PassStatus) -> bool:
+        """Add the set pass's delta (a blocked set's conditions, or everything it owns)."""
+        kube = self._kube
+        obj = draft.raw
+        namespace = namespace_or_default(obj["metadata"].get("namespace"))
+        name = obj["metadata"]["name"]
+        try:
+            rset = _validated(obj)
+            await _ensure_startable(kube, rset, self._owned_objects, self._max_replicas_per_role)
+        except SetBlocked as blocked:
+            generation = obj["metadata"].get("generation")
+            blocked_changes = _blocked_status(obj, generation, blocked.reason, blocked.message)
+            draft.add(SetDelta(StatusOwner.SET_PASS, blocked_changes, delta_only=True))
+            recheck = blocked.recheck_seconds
+            now = self._now or utcnow()
+            self.outcome = ReconcileOutcome(
+                recheck_at=None if recheck is None else now + timedelta(seconds=recheck)
+            )
+            return False
+        pods = await observe_pods(kube, namespace, name)
+        recovery = rset.status.recovery
+        if recovery is not None:
+            # The recovery owns the attempt: the pass only shows its participants.
+            plan = plan_attempt(rset, recovery.target_attempt, pods)
+            changes: dict[str, Any] = {"participants": plan.participants}
+            outcome = ReconcileOutcome()
+        else:
+            changes, outcome = await _attempt_changes(kube, obj, rset, pods, self._now or utcnow())
+        fields, repair, listed = await _checkpoint_changes(kube, rset, self._latest_written)
+        changes.update(fields)
+        draft.add(SetDelta(StatusOwner.SET_PASS, changes, delta_only=True))
+        latest = fields.get("latestCheckpoint", rset.status.latest_checkpoint)
+        self._written = _Written(rset, latest, listed, repair)
+        if repair is not None:
+            outcome = dataclasses.replace(
+                outcome, warnings=(*outcome.warnings, (repair.reason, repair.message))
+            )
+        self.outcome = outcome
+        return True
+
+    async def finish(self) -> None:
+        """Once the status is written: the latest checkpoint remembered, the pods' hints."""
+        if self._written is None:
+            return
+        rset, latest = self._written.rset, self._written.latest
+        namespace = namespace_or_default(rset.metadata.namespace)
+        self._latest_written.record(namespace, rset.metadata.name, latest)
+        await mark_covered_pods(self._kube, rset, latest, self._written.listed)
+        if self._written.repair is not None:
+            logger.warning(
+                "RolloutSet %s/%s: %s", namespace, rset.metadata.name, self._written.repair.message
+            )
 
 
 def _validated(obj: dict[str, Any]) -> RolloutSet:
@@ -422,31 +478,3 @@ async def _attempt_changes(
     changes["standby"] = standby
     warnings = tuple((RESERVED_VOLUME, note) for note in reserved_volume_notes(rset))
     return changes, ReconcileOutcome(recheck_at=health.recheck_at, warnings=warnings)
-
-
-async def _write_pass(
-    kube: Kube,
-    draft: PassStatus,
-    rset: RolloutSet,
-    changes: dict[str, Any],
-    outcome: ReconcileOutcome,
-    *,
-    latest_written: LatestWritten,
-    key: tuple[str, str],
-) -> ReconcileOutcome:
-    """Write the pass's status with the checkpoint fields; then the pods' hints."""
-    namespace, name = key
-    fields, repair, listed = await _checkpoint_changes(kube, rset, latest_written)
-    changes.update(fields)
-    draft.add(SetDelta(StatusOwner.SET_PASS, changes, delta_only=True))
-    conflict = await _write_status(kube, draft)
-    if conflict is not None:
-        return conflict
-    latest = fields.get("latestCheckpoint", rset.status.latest_checkpoint)
-    latest_written.record(namespace, name, latest)
-    await mark_covered_pods(kube, rset, latest, listed)
-    if repair is not None:
-        logger.warning("RolloutSet %s/%s: %s", namespace, name, repair.message)
-        warnings = (*outcome.warnings, (repair.reason, repair.message))
-        return dataclasses.replace(outcome, warnings=warnings)
-    return outcome

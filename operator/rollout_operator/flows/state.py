@@ -120,7 +120,7 @@ class LatestWritten:
     """Per set, the `status.latestCheckpoint` its pass last wrote (or found right) in this
     process; a shown value that differs was written by someone else.
 
-    Written by the set's pass (`flows.setpass.reconcile_set`, after each status write); read by
+    Written by the set's pass (`flows.setpass.SetPass`, after each status write); read by
     the same pass (`setstatus.checkpoint_fields`: whether to report the repair of a value
     written by hand) and by the `latest` event filter (`handlers/rolloutset.py`), which wakes
     the set's loop when the shown value is not this one. Empty after a restart: nothing is then

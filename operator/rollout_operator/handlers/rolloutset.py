@@ -1,6 +1,6 @@
 """RolloutSet handlers: one reconcile loop per set, woken by everything that concerns it.
 
-A Kopf daemon per RolloutSet runs `flows.setpass.reconcile_set` whenever it is woken (spec change,
+A Kopf daemon per RolloutSet runs `flows.reconciler.set_pass` whenever it is woken (spec change,
 resume, a pod event of the set) and otherwise at the next progress deadline or every
 `--resync-seconds` (default 300). One loop per set means one writer per set in this process: no
 two passes of the same set overlap, and a burst of pod events collapses into one pass.
