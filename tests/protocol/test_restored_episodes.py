@@ -36,6 +36,19 @@ from testsupport.server_processes import (
 )
 
 
+def assert_as_uninterrupted(
+    results: dict[str, dict[str, Any]], reference: dict[str, dict[str, Any]]
+) -> None:
+    """Every episode's answer, reward and steps are its uninterrupted run's."""
+    for rid, ref in reference.items():
+        got = results[rid]
+        assert (got["answer"], got["reward"], got["steps"]) == (
+            ref["answer"],
+            ref["reward"],
+            ref["steps"],
+        ), rid
+
+
 async def test_second_crash_continues_and_scope_releases(make_cluster: Any) -> None:
     cluster: Cluster = make_cluster()
     cluster.start(0)
@@ -94,13 +107,7 @@ async def test_second_crash_continues_and_scope_releases(make_cluster: Any) -> N
         results = {rid: await run_ok(http, cluster, rid, 2, task) for rid, task in tasks.items()}
         after = await all_stats(http, cluster)
 
-    for rid in tasks:
-        got, ref = results[rid], reference[rid]
-        assert (got["answer"], got["reward"], got["steps"]) == (
-            ref["answer"],
-            ref["reward"],
-            ref["steps"],
-        ), rid
+    assert_as_uninterrupted(results, reference)
     assert results[kept]["continued_from"] == 1  # attempt 1 exported it again, unclaimed
     assert results[dropped]["continued_from"] is None
     done_in_0 = completed_steps(before[Role.AGENT], kept, 0)
@@ -167,12 +174,6 @@ async def test_a_run_after_the_prepare_is_counted_and_continued(make_cluster: An
         assert not (await coordinator.resume(cid, deadline(30))).failures
         results = {rid: await run_ok(http, cluster, rid, 1, task) for rid, task in tasks.items()}
 
-    for rid in tasks:
-        got, ref = results[rid], reference[rid]
-        assert (got["answer"], got["reward"], got["steps"]) == (
-            ref["answer"],
-            ref["reward"],
-            ref["steps"],
-        ), rid
+    assert_as_uninterrupted(results, reference)
     assert results[late]["continued_from"] == 0  # its record of attempt 0, not a fresh start
     assert results[early]["continued_from"] == 0
