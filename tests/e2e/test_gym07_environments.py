@@ -1,5 +1,5 @@
 """Three of nemo-gym 0.7.0's released environments under the operator, each from its own Gym
-YAML: `examples/gym-0.7-environments/rolloutsets.yaml` as its comment says to apply it on
+YAML: the sets of `examples/gym-0.7-environments/` as their comment says to apply them on
 devcluster (docs/gym.md, "nemo-gym 0.7's environment servers").
 
 The three sets run at once, one operator: the weather tool call (`example_single_tool_call`,
@@ -64,9 +64,10 @@ from harness.objects import with_storage
 pytestmark = pytest.mark.timeout(600)
 """Nine nemo-gym 0.7 pods start at once (seconds each: its imports), then three again."""
 RELEASE = "0.7"
-MANIFEST = REPO / "examples" / "gym-0.7-environments" / "rolloutsets.yaml"
+EXAMPLES = REPO / "examples" / "gym-0.7-environments"
+MANIFESTS = ("weather.yaml", "calendar.yaml", "workplace.yaml")
 ROWS = {
-    # set: its environment's shipped example rows, under the nemo-gym install
+    # set (its manifest's, in order): its environment's shipped example rows, under the install
     "gym07-weather": "resources_servers/example_single_tool_call/data/example.jsonl",
     "gym07-calendar": "environments/calendar/data/example.jsonl",
     "gym07-workplace": "environments/workplace_assistant/data/example.jsonl",
@@ -96,14 +97,19 @@ def gym_sets(storage: Path) -> list[dict[str, Any]]:
     """The example's sets with the 0.7 environment's path put in, as its comment says, the
     storage moved to this test's folder and the models' pause points on."""
     venv = str(gym_python(RELEASE).parent.parent)
-    text = MANIFEST.read_text().replace("/opt/gym-venv-0.7", venv)
-    sets = [with_storage(doc, storage) for doc in yaml.safe_load_all(text) if doc]
+    sets = [
+        with_storage(
+            yaml.safe_load((EXAMPLES / name).read_text().replace("/opt/gym-venv-0.7", venv)),
+            storage,
+        )
+        for name in MANIFESTS
+    ]
     for rset in sets:
         for participant in rset["spec"]["participants"]:
             if participant["role"] == "model":
                 container = participant["template"]["spec"]["containers"][0]
                 container["args"] = [*container["args"], "--debug-hooks"]
-    assert sorted(s["metadata"]["name"] for s in sets) == sorted(ROWS)
+    assert [s["metadata"]["name"] for s in sets] == list(ROWS)
     return sets
 
 
@@ -178,8 +184,10 @@ async def checkpoint_kill_recover(
 def check_set(run: SetRun) -> None:
     """Every episode exactly once, with its uninterrupted run's results; the lost work
     counted."""
-    assert run.checkpoint is not None and run.recovered is not None, run.name
-    assert run.reference is not None and run.env_stats is not None, run.name
+    assert run.checkpoint is not None, run.name
+    assert run.recovered is not None, run.name
+    assert run.reference is not None, run.name
+    assert run.env_stats is not None, run.name
     ckpt, recovered = run.checkpoint["status"], run.recovered["status"]
     # the held episode was inside its agent's one call: listed as a restart, nothing captured
     assert ckpt["attempt"] == 1, ckpt
@@ -227,9 +235,9 @@ async def test_released_gym_07_environments_checkpoint_kill_recover(
     resources: Resources,
     storage_dir: Path,
 ) -> None:
-    """Weather, calendar and the workplace assistant from their own YAML, three sets at once: a checkpoint
-    mid-episode, the environment pod SIGKILLed, Ready under attempt 2, every episode once with
-    its uninterrupted run's results."""
+    """Weather, calendar and the workplace assistant from their own YAML, three sets at once: a
+    checkpoint mid-episode, the environment pod SIGKILLed, Ready under attempt 2, every episode
+    once with its uninterrupted run's results."""
     root = gym_root()
     sets = gym_sets(storage_dir)
     cluster.kubectl(
