@@ -166,7 +166,8 @@ async def checkpoint_kill_recover(
                 # its episode is still unfinished at the loss (its agent's call then answers a
                 # dead relay, and the episode is played again under attempt 2)
                 await model.release("token", held)
-                run.recovered = await recovered_under(resources, 2, 240, run.name)
+                recovered = await recovered_under(resources, 2, 240, run.name)
+                run.recovered = recovered
 
         # the same rows, uninterrupted, on the recovered set: the reference results
         reference = [EpisodeSpec(f"ref-{s.rollout_id}", s.task) for s in run.episodes]
@@ -174,7 +175,7 @@ async def checkpoint_kill_recover(
             run.reference = await RolloutClient(topology, concurrency=len(reference)).run_all(
                 reference
             )
-        env_a2 = participants_by_role(run.recovered)["environment"][0]["address"]
+        env_a2 = participants_by_role(recovered)["environment"][0]["address"]
         ids = [s.rollout_id for s in run.episodes]
         reply = await http.get(env_a2 + "/stats", params={"rollout_id": ids})
         assert reply.status_code == 200, reply.text
