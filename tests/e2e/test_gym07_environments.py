@@ -1,25 +1,33 @@
-"""Three of nemo-gym 0.7.0's released environments under the operator, each from its own Gym
+"""Four of nemo-gym 0.7.0's released environments under the operator, each from its own Gym
 YAML: the sets of `examples/gym-0.7-environments/` as their comment says to apply them on
 devcluster (docs/gym.md, "nemo-gym 0.7's environment servers").
 
-The three sets run at once, one operator: the weather tool call (`example_single_tool_call`,
+The four sets run at once, one operator: the weather tool call (`example_single_tool_call`,
 `simple_agent`), calendar (`simple_agent`; its server imports `utils` from its own folder, and
-the manifest sets no path for it) and the workplace assistant (`simple_agent`, 27 tools on a
-per-session company state). Each has the project's model
+the manifest sets no path for it), the workplace assistant (`simple_agent`, 27 tools on a
+per-session company state) and the stateful counter (`example_session_state_mgmt`, its
+`simple_agent` and `legacy_agent` from the counter's own YAML). Each has the project's model
 server and three pods of the nemo-gym 0.7 environment (`make gym-venv`, `.bin/gym-venv-0.7`): the
 resources server, the stock agent and the `legacy_agent` environment server, all hosted by
-`rollout-gym` from `environments/<env>/config.yaml`. Nothing needs an API key or a GPU. The
-episodes are the environment's shipped rows (its `data/example.jsonl`, read as `rollout-collect
---gym --tasks-file` reads them) sent by the project's client.
+`rollout-gym` from the environment's YAML. Nothing needs an API key or a GPU. The episodes are
+rows sent by the project's client as `rollout-collect --gym --tasks-file` reads them: the
+environment's shipped `data/example.jsonl`, and for the counter this checkout's counter rows
+(`examples/gym-environment/tasks.jsonl`: the model server's arithmetic questions with the
+counter's `increment_counter` tool). The project's model answers the shipped rows' prompts with
+filler (reward 0.0), but plays the counter's rows with one increment per step: the counter's
+own verify rewards 1.0 exactly when no increment was lost or doubled, so there the reward
+itself says every tool call was counted once across the checkpoint and the loss.
 
 Per set: one episode is held at the third token of its first model call (inside its agent's
 call, so provably mid-episode); a RolloutCheckpoint is applied and becomes Ready, listing the
 episodes inside their agent's call as restarts (the stock agent's loop cannot be continued);
 the environment pod is SIGKILLed; the set is Ready under attempt 2 (InPlace: only the lost pod
-replaced) with `lastRecovery.episodesRestarted` equal to the checkpoint's restarts. Then every
-episode finished exactly once (one result each, and in the attempt-2 environment's own step
-counters one completed agent call for each episode finished there, none for the others), with
-the reward, tool calls and answer of an uninterrupted run of its row on the recovered set.
+replaced, the kept agent's call of the lost attempt retired) with the checkpoint restored and
+`lastRecovery.episodesRestarted` equal to the checkpoint's restarts. Then every episode
+finished exactly once (one result each, and in the attempt-2 environment's own step counters
+one agent call started and completed for each episode finished there, none for the others,
+and nothing of another attempt), with the reward, tool calls and answer of an uninterrupted
+run of its row on the recovered set; every counter episode rewarded 1.0.
 
 Not among them: blackjack (its server deals from an unseeded `random.Random()`, so no two runs of
 a row compare), Wordle (its server needs word lists that `generate_data.py` downloads first),
@@ -62,19 +70,24 @@ from devcluster.cluster import Cluster
 from harness.objects import with_storage
 
 pytestmark = pytest.mark.timeout(600)
-"""Nine nemo-gym 0.7 pods start at once (seconds each: its imports), then three again."""
+"""Twelve nemo-gym 0.7 pods start at once (seconds each: its imports), then four again."""
 RELEASE = "0.7"
 EXAMPLES = REPO / "examples" / "gym-0.7-environments"
-MANIFESTS = ("weather.yaml", "calendar.yaml", "workplace.yaml")
+MANIFESTS = ("weather.yaml", "calendar.yaml", "workplace.yaml", "counter.yaml")
 ROWS = {
-    # set (its manifest's, in order): its environment's shipped example rows, under the install
-    "gym07-weather": "resources_servers/example_single_tool_call/data/example.jsonl",
-    "gym07-calendar": "environments/calendar/data/example.jsonl",
-    "gym07-workplace": "environments/workplace_assistant/data/example.jsonl",
+    # set (its manifest's, in order): its rows, under the nemo-gym install (an absolute path
+    # stays itself under `root / path`)
+    "gym07-weather": Path("resources_servers/example_single_tool_call/data/example.jsonl"),
+    "gym07-calendar": Path("environments/calendar/data/example.jsonl"),
+    "gym07-workplace": Path("environments/workplace_assistant/data/example.jsonl"),
+    "gym07-counter": REPO / "examples" / "gym-environment" / "tasks.jsonl",
 }
+REWARDS = {"gym07-counter": 1.0}
+"""The reward of every episode of a set whose rows the project's model plays (the counter's
+verify: every increment once); the others' rows it answers with filler (docs/servers.md)."""
 HELD_AT_TOKEN = 2
 READY_S = 240
-"""Nine Gym pods starting at once on a loaded machine: tens of seconds each."""
+"""Twelve Gym pods starting at once on a loaded machine: tens of seconds each."""
 
 
 def gym_root() -> Path:
@@ -114,7 +127,7 @@ def gym_sets(storage: Path) -> list[dict[str, Any]]:
 
 
 def shipped_episodes(root: Path, name: str, prefix: str) -> list[EpisodeSpec]:
-    """The environment's example rows as `rollout-collect --gym --tasks-file` reads them."""
+    """The set's rows as `rollout-collect --gym --tasks-file` reads them."""
     rows = scan_rows(root / ROWS[name], RowOptions(gym=True, prefix=prefix))
     return list(row_episodes(rows))
 
@@ -197,6 +210,10 @@ def check_set(run: SetRun) -> None:
     assert recovered["restarts"] == 1, recovered
     assert recovered["latestCheckpoint"] == run.checkpoint["metadata"]["name"], recovered
     assert recovered["lastRecovery"]["episodesRestarted"] == ckpt["restarts"], recovered
+    # restored from that checkpoint (not restarted without one), the lost attempt retired
+    assert recovered["lastRecovery"]["checkpoint"] == run.checkpoint["metadata"]["name"]
+    assert recovered["lastRecovery"]["restorePolicy"] == "InPlace", recovered
+    assert (recovered["lastRecovery"]["kept"], recovered["lastRecovery"]["replaced"]) == (3, 1)
     pods = sorted(p["pod"] for p in recovered["participants"])
     assert pods == sorted(
         f"{run.name}-{role}-0-a{2 if role == 'environment' else 1}"
@@ -211,12 +228,17 @@ def check_set(run: SetRun) -> None:
     held = run.episodes[0].rollout_id
     assert (results[held].attempt, results[held].continued_from) == (2, None), results[held]
     for rid, got in results.items():
-        # exactly once: the attempt-2 environment completed one agent call for each episode
-        # finished there and none for those finished under attempt 1 (before the loss)
-        steps = run.env_stats["rollouts"].get(rid, {}).get("2", {})
+        # exactly once: the attempt-2 environment started and completed one agent call for
+        # each episode finished there and none for those finished under attempt 1 (before the
+        # loss), and played nothing of another attempt
+        attempts = run.env_stats["rollouts"].get(rid, {})
+        assert set(attempts) <= {"2"}, (rid, got, attempts)
+        steps = attempts.get("2", {})
         done = {step: int(events.get("completed", 0)) for step, events in steps.items()}
         assert done.get("agent", 0) == (1 if got.attempt == 2 else 0), (rid, got, done)
         assert done.get("run", 0) == (1 if got.attempt == 2 else 0), (rid, got, done)
+        if got.attempt == 2:
+            assert steps["agent"] == {"started": 1, "completed": 1}, (rid, got, steps)
         assert got.attempt in (1, 2), got
 
     refs = {r.rollout_id: r for r in run.reference if isinstance(r, EpisodeResult)}
@@ -227,6 +249,9 @@ def check_set(run: SetRun) -> None:
             got,
             ref,
         )
+        if run.name in REWARDS:  # not a filler answer's 0.0: the tool calls counted once
+            assert got.reward == REWARDS[run.name], (got, ref)
+            assert got.steps >= 1, got
 
 
 async def test_released_gym_07_environments_checkpoint_kill_recover(
@@ -236,9 +261,10 @@ async def test_released_gym_07_environments_checkpoint_kill_recover(
     resources: Resources,
     storage_dir: Path,
 ) -> None:
-    """Weather, calendar and the workplace assistant from their own YAML, three sets at once: a
-    checkpoint mid-episode, the environment pod SIGKILLed, Ready under attempt 2, every episode
-    once with its uninterrupted run's results."""
+    """Weather, calendar, the workplace assistant and the counter from their own YAML, four
+    sets at once: a checkpoint mid-episode, the environment pod SIGKILLed, Ready under attempt
+    2, every episode once with its uninterrupted run's results, every counter episode rewarded
+    1.0."""
     root = gym_root()
     sets = gym_sets(storage_dir)
     cluster.kubectl(
