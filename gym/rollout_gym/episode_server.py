@@ -73,6 +73,11 @@ class EpisodeResult(BaseModel):
     rollout_id: str
     attempt: int
     reward: float
+    steps: int
+    """The tool calls in the agent's response (its `function_call` output items): the steps the
+    episode took, as `rollout-collect` reports them (a reply without it is unreadable to it)."""
+    answer: str | None = None
+    """The text of the agent's last message (its `output_text` parts), null without one."""
     continued_from: int | None = None
     result: dict[str, Any]
     """What the released protocol answered: the agent's `/run` reply (`legacy_agent`), or the
@@ -133,11 +138,39 @@ def _first_boundary(task: Mapping[str, Any], first: str) -> Boundary:
     return Boundary(first, {"task": dict(task)})
 
 
+def _output(result: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The output items of the response in a protocol's answer (none without one)."""
+    response = result.get("response")
+    output = response.get("output") if isinstance(response, Mapping) else None
+    return [i for i in output if isinstance(i, Mapping)] if isinstance(output, list) else []
+
+
+def tool_calls(result: Mapping[str, Any]) -> int:
+    """The `function_call` items of the response in a protocol's answer."""
+    return sum(1 for item in _output(result) if item.get("type") == "function_call")
+
+
+def answer(result: Mapping[str, Any]) -> str | None:
+    """The text of the last `message` item of the response in a protocol's answer."""
+    messages = [i for i in _output(result) if i.get("type") == "message"]
+    if not messages:
+        return None
+    content = messages[-1].get("content")
+    parts = content if isinstance(content, list) else []
+    return "".join(
+        str(part.get("text", ""))
+        for part in parts
+        if isinstance(part, Mapping) and part.get("type") == "output_text"
+    )
+
+
 def _result(episode: Episode, result: Mapping[str, Any]) -> EpisodeResult:
     return EpisodeResult(
         rollout_id=episode.rollout_id,
         attempt=episode.attempt,
         reward=float(result.get("reward", 0.0)),
+        steps=tool_calls(result),
+        answer=answer(result),
         continued_from=episode.continued_from,
         result=dict(result),
     )
