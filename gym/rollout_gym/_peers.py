@@ -9,6 +9,11 @@ inside the server (a server shutting down, a client that went away) with HTTP 50
 `CancelledError()`; `simple_agent` would hand that body to the model as the tool's output. The
 adapter recognises it and treats it as the peer being unavailable, never as a tool's answer.
 
+A peer's error answer to a call the protocol needs, and a peer that stays unreachable, become the
+episode's error here (`refused`, `unreachable`), one rule for every caller: the `simple_agent`
+loop (`rollout_gym.environment`) and the released environment servers' steps
+(`rollout_gym.episode_server`, `rollout_gym.turn_steps`); docs/gym.md, "Errors and failures".
+
 Every reply is read bounded (`MAX_REPLY_BYTES`).
 """
 
@@ -23,6 +28,7 @@ from typing import Any, Final
 
 import anyio
 import httpx
+from rollout_protocol import ErrorCode, ProtocolError
 
 RETRY_SECONDS: Final = 0.5
 """Gym's pause between two tries of a call whose connection failed."""
@@ -34,6 +40,10 @@ MAX_SHOWN: Final = 300
 """Characters of a Gym reply an error message shows."""
 CANCELLED_BODIES: Final = frozenset({'"CancelledError()"', "CancelledError()"})
 """What Gym's exception middleware writes for a request cancelled inside the server."""
+MAY_CHANGE: Final = frozenset({408, 409, 425, 429})
+"""The 4xx statuses another try may change (docs/gym.md, "Errors and failures"): nemo-gym 0.7's
+rule for an environment server's dependencies (408, 425, 429), and 409, which this project's own
+servers answer for a call of another attempt than theirs, a state the set's recovery ends."""
 
 
 def shown(text: str) -> str:
@@ -61,6 +71,31 @@ class GymReply:
     @property
     def ok(self) -> bool:
         return 200 <= self.status < 300
+
+
+def peer_retryable(status: int) -> bool:
+    """Whether a peer's error status may change on another try: `MAY_CHANGE` and every 5xx
+    (a 500 included: Gym's servers answer it for whatever their handler raised)."""
+    return status in MAY_CHANGE or status >= 500
+
+
+def refused(what: str, reply: GymReply) -> ProtocolError:
+    """The episode's error for a peer's error answer (`what`: the step and the peer's call) to a
+    call the protocol needs (docs/gym.md, "Errors and failures"): a status that may change is
+    `internal` (the set's recovery plays the episode again); any other 4xx no restore changes:
+    `unsupported` for a route the peer does not have (404, 405), `invalid_request` for a task it
+    refuses, and the episode ends at once."""
+    said = f"{what} answered {reply.status}: {shown(reply.text)}"
+    if peer_retryable(reply.status):
+        return ProtocolError(ErrorCode.INTERNAL, said)
+    code = ErrorCode.UNSUPPORTED if reply.status in (404, 405) else ErrorCode.INVALID_REQUEST
+    return ProtocolError(code, f"{said} (a refusal no restore changes)")
+
+
+def unreachable(what: str, exc: PeerUnavailable) -> ProtocolError:
+    """The episode's error for a peer that stayed unreachable until the step's deadline: a lost
+    peer, which the set's recovery replaces."""
+    return ProtocolError(ErrorCode.UNREACHABLE, f"{what}: {exc}")
 
 
 def make_client(timeout: float) -> httpx.AsyncClient:

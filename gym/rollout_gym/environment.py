@@ -59,7 +59,7 @@ from rollout_protocol import (
     StepMode,
 )
 
-from ._peers import GymReply, PeerUnavailable, make_client, post, shown
+from ._peers import GymReply, PeerUnavailable, make_client, post, refused, shown, unreachable
 from .episode import EpisodeRequest, EpisodeResponse, answer, legacy
 
 log = logging.getLogger("rollout_gym.environment")
@@ -206,30 +206,6 @@ def _added_usage(total: Any, more: Any) -> Any:
         "reasoning_tokens": 0,
     }
     return summed
-
-
-def peer_retryable(status: int) -> bool:
-    """Whether a peer's error status may change on another try (NeMo Gym's own rule for its
-    servers' dependencies: 408, 425, 429 and every 5xx)."""
-    return status in (408, 425, 429) or status >= 500
-
-
-def refused(what: str, reply: GymReply) -> ProtocolError:
-    """The episode's error for a peer's error answer to one of the loop's own calls (docs/gym.md,
-    "Errors and failures"): a status that may change is `internal` (the set's recovery plays the
-    episode again); any other 4xx no restore changes: `unsupported` for a route the peer does not
-    have (404, 405), `invalid_request` for a task it refuses, and the episode ends at once."""
-    said = f"{what} answered {reply.status}: {shown(reply.text)}"
-    if peer_retryable(reply.status):
-        return ProtocolError(ErrorCode.INTERNAL, said)
-    code = ErrorCode.UNSUPPORTED if reply.status in (404, 405) else ErrorCode.INVALID_REQUEST
-    return ProtocolError(code, f"{said} (a refusal no restore changes)")
-
-
-def unreachable(what: str, exc: PeerUnavailable) -> ProtocolError:
-    """The episode's error for a peer that stayed unreachable until the step's deadline: a lost
-    peer, which the set's recovery replaces."""
-    return ProtocolError(ErrorCode.UNREACHABLE, f"{what}: {exc}")
 
 
 class GymParticipant(RuntimeParticipant):

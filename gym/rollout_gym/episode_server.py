@@ -55,7 +55,7 @@ from rollout_protocol import (
     StepMode,
 )
 
-from ._peers import make_client, shown
+from ._peers import GymReply, make_client, refused
 from .environment import RunRequest
 from .gym_config import ServerSpec
 from .turn_steps import TurnSteps, capture_key
@@ -121,10 +121,11 @@ class LegacySteps:
         body = {**task, CAPTURE_FIELD: capture_key(episode.rollout_id, episode.attempt)}
         reply = await self.gym.post("/run", json=body, timeout=None)
         if not reply.is_success:
-            raise ProtocolError(
-                ErrorCode.INTERNAL,
-                f"{self.spec.name}: /run answered {reply.status_code}: {shown(reply.text)}",
-            )
+            # the relay answers with the agent's status and body (an agent's 500 included,
+            # which stays a status that may change: docs/gym.md, "Errors and failures")
+            agent = self.spec.config["agent_server"]["name"]
+            what = f"step agent: agent {agent} (relayed by {self.spec.name}): /run"
+            raise refused(what, GymReply(reply.status_code, reply.text, {}))
         return Boundary("done", {**episode.boundary.state, "result": reply.json()})
 
     async def play(self, episode: Episode) -> dict[str, Any]:

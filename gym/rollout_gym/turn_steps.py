@@ -29,7 +29,7 @@ from typing import Any, Final
 import httpx
 from rollout_protocol import Boundary, Episode, EpisodeRuntime, ErrorCode, ProtocolError, StepMode
 
-from ._peers import GymReply, PeerUnavailable, post, shown
+from ._peers import GymReply, PeerUnavailable, post, refused, unreachable
 from .gym_config import ServerSpec
 
 STEPS: Final = (
@@ -101,25 +101,30 @@ class TurnSteps:
         }
 
     async def _call(
-        self, peer: str, path: str, body: Any, cookies: Mapping[str, str] | None = None
+        self,
+        step: str,
+        peer: str,
+        path: str,
+        body: Any,
+        cookies: Mapping[str, str] | None = None,
     ) -> GymReply:
-        """One protocol call; an unreachable peer or an error status fails the step."""
-        url = self.urls[peer] + path
+        """One protocol call of `step`; a peer unreachable until the step's deadline, or an
+        error status, fails the step as the `simple_agent` loop's calls do (docs/gym.md,
+        "Errors and failures"): a lost peer waits for the set's recovery, a refusal no restore
+        changes ends the episode at once."""
+        what = f"step {step}: {peer} {self.names[peer]}"
         try:
             reply = await post(
                 self.http,
-                url,
+                self.urls[peer] + path,
                 body,
                 deadline_ts=time.time() + self.step_timeout_s,
                 cookies=cookies,
             )
         except PeerUnavailable as exc:
-            raise ProtocolError(ErrorCode.INTERNAL, f"{self.names[peer]}: {exc}") from exc
+            raise unreachable(what, exc) from exc
         if not reply.ok:
-            raise ProtocolError(
-                ErrorCode.INTERNAL,
-                f"{self.names[peer]}: {path} answered {reply.status}: {shown(reply.text)}",
-            )
+            raise refused(f"{what}: {path}", reply)
         return reply
 
     @staticmethod
@@ -135,11 +140,13 @@ class TurnSteps:
             ids = session_ids(episode.rollout_id, attempt)
             gym_id = {"rollout_id": episode.rollout_id, "attempt": attempt}
             await self._call(
+                "close_earlier",
                 "agent",
                 "/v1/agent_sessions/close",
                 {"agent_session_id": ids["agent"], "episode_id": gym_id},
             )
             await self._call(
+                "close_earlier",
                 "resources",
                 "/close_session",
                 {"resources_session_id": ids["resources"], "episode_id": gym_id},
@@ -162,16 +169,18 @@ class TurnSteps:
             "episode_id": {"rollout_id": episode.rollout_id, "attempt": episode.attempt},
             "ids": session_ids(episode.rollout_id, episode.attempt),
         }
-        reply = await self._call("resources", "/seed_session", self._seed_body(state))
+        reply = await self._call(
+            "seed_resources", "resources", "/seed_session", self._seed_body(state)
+        )
+        # a seed outside 0.7's session contract fails every episode alike: final, as in Gym
+        # (docs/gym.md, "Errors and failures")
+        what = f"step seed_resources: resources {self.names['resources']}"
         if not reply.cookies:
-            raise ProtocolError(
-                ErrorCode.INTERNAL, f"{self.names['resources']}: seed set no session cookie"
-            )
+            raise ProtocolError(ErrorCode.UNSUPPORTED, f"{what}: seed set no session cookie")
         seeded = reply.json()
         if seeded.get("resources_session_id") != state["ids"]["resources"]:
             raise ProtocolError(
-                ErrorCode.INTERNAL,
-                f"{self.names['resources']}: seed answered another resources_session_id",
+                ErrorCode.UNSUPPORTED, f"{what}: seed answered another resources_session_id"
             )
         return Boundary("seed_agent", {**state, "resources_cookies": reply.cookies})
 
@@ -180,7 +189,8 @@ class TurnSteps:
         recorded id and episode (the same session, or the same seeded state on a restarted
         server), and the cookies it answers recorded."""
         state = episode.boundary.state
-        reply = await self._call("resources", "/seed_session", self._seed_body(state))
+        body = self._seed_body(state)
+        reply = await self._call("seed_resources", "resources", "/seed_session", body)
         cookies = {**state["resources_cookies"], **reply.cookies}
         self.runtime.advance(
             episode, Boundary(episode.boundary.step, {**state, "resources_cookies": cookies})
@@ -205,7 +215,7 @@ class TurnSteps:
             "task_id": state["task"]["task_id"],
             "tool_accesses": accesses,
         }
-        reply = await self._call("agent", "/v1/agent_sessions", body)
+        reply = await self._call("seed_agent", "agent", "/v1/agent_sessions", body)
         return Boundary("agent", {**state, "agent_cookies": reply.cookies})
 
     async def agent(self, episode: Episode) -> Boundary:
@@ -213,15 +223,17 @@ class TurnSteps:
         and cuts them at a checkpoint)."""
         state = episode.boundary.state
         path = f"/ng-rollout/{capture_key(episode.rollout_id, episode.attempt)}/v1/responses"
-        reply = await self._call("agent", path, state["task"]["params"], state["agent_cookies"])
-        cookies = {**state["agent_cookies"], **reply.cookies}
+        sent = state["agent_cookies"]
+        reply = await self._call("agent", "agent", path, state["task"]["params"], sent)
+        cookies = {**sent, **reply.cookies}
         answered = {**state, "agent_cookies": cookies, "response": reply.json()}
         return Boundary("close_agent", answered)
 
     async def close_agent(self, episode: Episode) -> Boundary:
         state = episode.boundary.state
         body = {"agent_session_id": state["ids"]["agent"], "episode_id": self._episode_id(state)}
-        reply = await self._call("agent", "/v1/agent_sessions/close", body, state["agent_cookies"])
+        cookies = state["agent_cookies"]
+        reply = await self._call("close_agent", "agent", "/v1/agent_sessions/close", body, cookies)
         closed = reply.json()
         cookies = closed.get("resources_cookies") or state["resources_cookies"]
         observations = closed.get("agent_observations")
@@ -236,7 +248,8 @@ class TurnSteps:
             "responses_create_params": state["task"]["params"],
             "response": state["response"],
         }
-        reply = await self._call("resources", "/verify", body, state["resources_cookies"])
+        cookies = state["resources_cookies"]
+        reply = await self._call("verify", "resources", "/verify", body, cookies)
         result = {**reply.json(), "ng_agent_observations": state.get("observations")}
         return Boundary("close_resources", {**state, "result": result})
 
@@ -246,7 +259,8 @@ class TurnSteps:
             "resources_session_id": state["ids"]["resources"],
             "episode_id": self._episode_id(state),
         }
-        await self._call("resources", "/close_session", body, state["resources_cookies"])
+        cookies = state["resources_cookies"]
+        await self._call("close_resources", "resources", "/close_session", body, cookies)
         return Boundary("done", state)
 
     # -- one episode -------------------------------------------------------------------------

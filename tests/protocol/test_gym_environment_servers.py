@@ -17,6 +17,10 @@ is held at the third token of its agent's first model call (inside the agent's o
 cannot be continued), the checkpoint lists it as a restart (the work lost, counted), every
 process is SIGKILLed, and under the next attempt every episode is played once from its start,
 with the reward of its uninterrupted twin (the released resources server's own verify).
+
+And the released `legacy_agent` relay in front of an agent that refuses a row or raised: the
+environment server's `/run` error is the one its agent's status calls for (docs/gym.md, "Errors
+and failures").
 """
 
 from __future__ import annotations
@@ -35,8 +39,10 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from rollout_protocol import Coordinator, HttpParticipantClient, Role
-from rollout_protocol.conformance import RunRefused, Target, check_crash_restore
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from rollout_protocol import RESTORE_CODES, Coordinator, ErrorCode, HttpParticipantClient, Role
+from rollout_protocol.conformance import RunRefused, Target, check_crash_restore, serve_app
 from testsupport.gym_processes import (
     GymProcess,
     counter_row,
@@ -448,3 +454,51 @@ async def test_legacy_agent_environments_restart_their_agent_call_exactly_once(
                 assert steps["1"]["agent"] == {"started": 1, "completed": 1}, counts
     finally:
         stop_together([*processes, model if model.process.poll() is None else None])
+
+
+async def test_legacy_agents_refusal_ends_the_episode_and_its_500_waits(tmp_path: Path) -> None:
+    """The released `legacy_agent` relay in front of an agent that refuses the row (a 422, as
+    FastAPI answers a body it cannot read) and one whose handler raised (Gym's 500): the
+    environment server's `/run` answers the first with `invalid_request`, a code
+    `rollout-collect` does not wait on, naming the step, the agent and its answer, and the
+    second with `internal`, which it waits on (docs/gym.md, "Errors and failures")."""
+    answers = {"refuse": (422, {"detail": "row refused"}), "raise": (500, "FileNotFoundError()")}
+    agent = FastAPI()
+
+    @agent.post("/run")
+    async def run(request: Request) -> JSONResponse:
+        status, body = answers[(await request.json())["kind"]]
+        return JSONResponse(body, status_code=status)
+
+    async with serve_app(agent, role=Role.AGENT, token=TOKEN) as served:
+        env = {"ROLLOUT_PEER_AGENT_URL": served.target.base_url}
+        start = functools.partial(
+            GymProcess.start,
+            tmp_path,
+            "environment-server",
+            ["--config", COUNTER_YAML, "--name", COUNTER_SERVERS[2]],
+            attempt=0,
+            env=env,
+            release=RELEASE,
+        )
+        environment = await anyio.to_thread.run_sync(start)
+        try:
+            async with httpx.AsyncClient(base_url=environment.url, timeout=60) as http:
+                found = {}
+                for kind in answers:
+                    body = {"rollout_id": kind, "attempt": 0, "task": {"kind": kind}}
+                    reply = await http.post("/run", json=body)
+                    found[kind] = (reply.status_code, reply.json()["error"])
+        finally:
+            stop_together([environment])
+    refused, raised = found["refuse"], found["raise"]
+    assert refused[1]["code"] == ErrorCode.INVALID_REQUEST.value, refused
+    assert ErrorCode.INVALID_REQUEST not in RESTORE_CODES
+    agent_name = COUNTER_SERVERS[1]
+    assert (
+        f"step agent: agent {agent_name} (relayed by {COUNTER_SERVERS[2]}): /run answered 422"
+        in (refused[1]["detail"])
+    ), refused
+    assert "row refused" in refused[1]["detail"], refused
+    assert raised[1]["code"] == ErrorCode.INTERNAL.value, raised
+    assert ErrorCode.INTERNAL in RESTORE_CODES

@@ -77,7 +77,10 @@ def test_a_long_reason_is_cut_to_gyms_bound() -> None:
         (422, ErrorCode.INVALID_REQUEST),
         (400, ErrorCode.INVALID_REQUEST),
         (408, ErrorCode.INTERNAL),
+        (409, ErrorCode.INTERNAL),  # this project's servers: a call of another attempt
+        (425, ErrorCode.INTERNAL),
         (429, ErrorCode.INTERNAL),
+        (500, ErrorCode.INTERNAL),
         (503, ErrorCode.INTERNAL),
     ],
 )
