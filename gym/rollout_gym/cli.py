@@ -61,7 +61,9 @@ def _hosted_app(args: argparse.Namespace, peers: dict[str, str]) -> Any:
                     "of environment_servers in the --config files"
                 )
             gym_app = resources.build_gym_app(None, args.name, args.host, args.port, peers, spec)
-            control = ControlSettings.from_env(Role.ENVIRONMENT)
+            control = ControlSettings.from_env(
+                Role.ENVIRONMENT, waits_on=episode_server.WAITS_ON.get(spec.implementation)
+            )
             return episode_server.build_app(
                 control, spec, gym_app, peers, args.step_timeout_seconds
             )
@@ -71,7 +73,8 @@ def _hosted_app(args: argparse.Namespace, peers: dict[str, str]) -> Any:
     except gym_config.GymConfigError as exc:
         sys.exit(f"rollout-gym {args.command}: {exc}")
     role = Role(args.role)
-    return resources.build_app(ControlSettings.from_env(role), gym_app, role)
+    control = ControlSettings.from_env(role, waits_on=resources.WAITS_ON)
+    return resources.build_app(control, gym_app, role)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -142,7 +145,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             # the tests' negative control only (docs/gym.md): never set it in a real set
             rebuild=os.environ.get("ROLLOUT_GYM_REBUILD", "on") != "off",
         )
-        app = environment.build_app(ControlSettings.from_env(Role.ENVIRONMENT), settings)
+        control = ControlSettings.from_env(Role.ENVIRONMENT, waits_on=environment.WAITS_ON)
+        app = environment.build_app(control, settings)
     else:
         app = _hosted_app(args, peers)
 

@@ -575,6 +575,11 @@ def _first_boundary(task: dict[str, Any]) -> Boundary:
     return Boundary("seed", {"task": task, "turn": 0, "tools": 0, "outputs": [], "pending": []})
 
 
+WAITS_ON: Final[tuple[Role, ...]] = (Role.RESOURCES,)
+"""The roles the episode's wait-mode steps call (docs/design.md#44-order): the seed, the tool
+calls and the verify go to the resources server; the model calls are replayed."""
+
+
 def build_app(control: ControlSettings, settings: GymSettings) -> FastAPI:
     """The adapter's environment: episode runtime, participant, control plane, `/run`."""
     counters = StepCounters(Role.ENVIRONMENT)

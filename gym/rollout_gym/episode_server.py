@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from types import MappingProxyType
 from typing import Any, Final
 
 import httpx
@@ -62,6 +63,16 @@ from .turn_steps import TurnSteps, capture_key
 
 PROTOCOLS: Final = ("legacy_agent", "single_agent_turn")
 """The released environment servers (implementations) this module checkpoints."""
+WAITS_ON: Final[Mapping[str, tuple[Role, ...]]] = MappingProxyType(
+    {
+        # one step, the relayed agent call, replayed (listed as a restart): no wait-mode step
+        "legacy_agent": (),
+        # the seeds, the closes and the verify are wait-mode calls to both
+        "single_agent_turn": (Role.AGENT, Role.RESOURCES),
+    }
+)
+"""Per environment server, the roles its wait-mode steps call (docs/design.md#44-order): a
+prepare parks the environment before them, and together with the roles nobody waits on."""
 CAPTURE_FIELD: Final = "_ng_rollout_id"
 """The legacy `/run` body's field that names the capture key (nemo-gym 0.7's
 `BaseRunRequest.capture_rollout_id`)."""

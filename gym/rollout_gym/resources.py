@@ -24,7 +24,7 @@ import sys
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Query, Request, Response
@@ -41,6 +41,9 @@ from rollout_protocol import (
 
 from .gym_config import ServerSpec, peer_config, server_class_of
 
+WAITS_ON: Final[tuple[Role, ...]] = ()
+"""A hosted server has no episodes of its own and parks at once: it waits on nobody
+(docs/design.md#44-order), whatever its Gym code calls while it serves a request."""
 INSTANCE_HEADER = "X-Rollout-Gym-Instance"
 """Names the hosting process on every answer (a new value after any restart)."""
 GYM_CONFIG_VARIABLE = "NEMO_GYM_CONFIG_DICT"

@@ -41,7 +41,14 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from rollout_protocol import RESTORE_CODES, Coordinator, ErrorCode, HttpParticipantClient, Role
+from rollout_protocol import (
+    RESTORE_CODES,
+    Coordinator,
+    ErrorCode,
+    HttpParticipantClient,
+    Role,
+    StatusReply,
+)
 from rollout_protocol.conformance import RunRefused, Target, check_crash_restore, serve_app
 from testsupport.gym_processes import (
     GymProcess,
@@ -253,6 +260,20 @@ async def test_single_agent_turn_is_checkpointed_at_its_protocol_steps(tmp_path:
         )
         try:
             await driver.restart(0)
+            declared = await statuses(
+                [
+                    HttpParticipantClient(t.role, t.base_url, token=TOKEN)
+                    for t in driver.participants()
+                ]
+            )
+            # the environment's seeds, closes and verify wait on both; the rest on nobody: the
+            # kit prepares in the stages that makes, environment and model first
+            assert {status.role: status.waits_on for status in declared} == {
+                Role.ENVIRONMENT: [Role.AGENT, Role.RESOURCES],
+                Role.AGENT: [],
+                Role.RESOURCES: [],
+                Role.MODEL: [],
+            }
             await check_crash_restore(
                 driver, checkpoint_root=tmp_path / "checkpoints", restarting=True
             )
@@ -277,10 +298,10 @@ async def test_single_agent_turn_is_checkpointed_at_its_protocol_steps(tmp_path:
                     assert "already closed" in again.text, again.text
         finally:
             driver.stop()
-    for key in restarted:
-        result = driver.results[key]
+    for played in restarted:
+        result = driver.results[played]
         assert result["continued_from"] is None, result
-        assert result["reward"] == driver.results[(f"{key[0]}-uninterrupted", 1)]["reward"]
+        assert result["reward"] == driver.results[(f"{played[0]}-uninterrupted", 1)]["reward"]
 
 
 LEGACY_STACKS = {
@@ -303,6 +324,11 @@ LEGACY_STACKS = {
 server deals from an unseeded `random.Random()`, so no two runs compare)."""
 LOST_ROLES = (Role.AGENT, Role.ENVIRONMENT)
 """The pods the crash SIGKILLs: those inside the episodes' uncontinuable call."""
+
+
+async def statuses(clients: Sequence[HttpParticipantClient]) -> list[StatusReply]:
+    """Each participant's status (with the roles it declared it waits on)."""
+    return [await client.status(time.time() + 30) for client in clients]
 
 
 async def run_body(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -415,8 +441,17 @@ async def test_legacy_agent_environments_restart_their_agent_call_exactly_once(
                 for name in stacks:
                     await hooks.paused("token", f"{name}-0")
                 participants = clients()
-                checkpoint = await Coordinator(participants).checkpoint(
-                    "c1", prepare_timeout=20, commit_timeout=20, publish_dir=checkpoints
+                coordinator = Coordinator(participants)
+                # as the operator prepares them: in the stages the pods declared (a
+                # `legacy_agent` environment waits on nobody: its agent call is replayed)
+                stages = coordinator.stages(await statuses(participants))
+                assert stages == ((Role.ENVIRONMENT, Role.MODEL, Role.AGENT, Role.RESOURCES),)
+                checkpoint = await coordinator.checkpoint(
+                    "c1",
+                    prepare_timeout=20,
+                    commit_timeout=20,
+                    publish_dir=checkpoints,
+                    stages=stages,
                 )
                 for client in participants:
                     await client.aclose()

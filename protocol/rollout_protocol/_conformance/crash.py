@@ -19,6 +19,7 @@ import anyio.to_thread
 from .._coordinator import CommitOutcome, Coordinator
 from .._fake_model import FakeModel
 from .._routes import Dialect
+from .._stages import SEQUENTIAL_STAGES, PrepareStages
 from .._wire import (
     Capability,
     ErrorCode,
@@ -239,6 +240,7 @@ async def _checkpoint_then_crash(run: _CrashRun) -> None:
                     run.call_timeout_s,
                     run.restarting,
                     cut=all(Capability.PERSIST_AFTER_RESUME in s.capabilities for s in statuses),
+                    stages=coordinator.stages(statuses),
                 )
                 before = run.before
                 records = {
@@ -588,11 +590,15 @@ async def _checkpoint(
     restarting: bool = False,
     *,
     cut: bool = False,
+    stages: PrepareStages = SEQUENTIAL_STAGES,
 ) -> tuple[dict[str, _Counts], CommitOutcome]:
     """prepare, commit (scope: the rollouts), read the counters while parked, resume. With
     `cut` (every participant announces `persist_after_resume`) the commit is the cut and its
     records are persisted after the resume (`persist.durable-unchanged`): the crash then
-    restores what the persist wrote.
+    restores what the persist wrote. The prepare runs in `stages`, the ones the participants'
+    declared waits make (`Coordinator.stages`), as an operator prepares them: a server that
+    leaves out a role it waits on from wait-mode steps may fail `steps` here with its episodes
+    parked in the wrong order (docs/protocol.md, "Prepare stages").
 
     Participants that all speak NeMo Gym's dialect are checkpointed without a requested scope
     (Gym's prepare lists no episodes to agree one from): every parked episode, which must be
@@ -601,7 +607,7 @@ async def _checkpoint(
     gym_only = all(conn.target.dialect is Dialect.GYM for conn in conns)
     try:
         prepared = await coordinator.prepare(
-            cid, time.time() + call_timeout_s, scope=None if gym_only else rids
+            cid, time.time() + call_timeout_s, scope=None if gym_only else rids, stages=stages
         )
         _expect(
             STEPS,
