@@ -80,13 +80,20 @@ def trace_key(rset: RolloutSet) -> str:
 def phase_span(
     context: RecoveryContext, run: RecoveryPass, phase: RecoveryPhase
 ) -> AbstractContextManager[object]:
-    """Each phase in a span of the recovery's trace, under its root (sent when it ends)."""
-    rset = run.rset
-    recovery = recovery_of(rset)
-    return tracing.span(
+    """Each phase in one span of the recovery's trace, under its root (sent when it ends). A
+    phase whose step waits over several passes (StartingPods, BackingOff) is one span too: a
+    pass that only waits sends none, and the pass that leaves the phase sends one from the
+    phase's start (its persisted start is whole seconds: never before the second after it,
+    so the spans stay in the phases' order)."""
+    recovery = recovery_of(run.rset)
+    entered = (recovery.phase_started_at or recovery.started_at).timestamp()
+    start = min(time.time(), entered + 1.0)
+    return tracing.span_if(
         phase.value,
+        sent=lambda: run.retry_at is None,
         attributes={"rollout.target_attempt": recovery.target_attempt},
-        context=tracing.keyed_parent(trace_key(rset)),
+        context=tracing.keyed_parent(trace_key(run.rset)),
+        start_time_ns=int(start * 1e9),
     )
 
 
