@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import cast
 
 from rollout_operator.cluster.kube import Kube
@@ -21,7 +22,7 @@ from rollout_operator.flows.recovery import (
     RecoveryWaits,
     start_resume,
 )
-from rollout_operator.flows.recovery.context import OnTransition, RecoveryPass
+from rollout_operator.flows.recovery.context import RecoveryPass
 from rollout_operator.flows.recovery.flow import phase_of
 from rollout_operator.model import api
 from rollout_operator.model.owners import StatusOwner
@@ -31,6 +32,16 @@ from testsupport.fakecluster import FakeCluster
 from testsupport.scripted import Scripted
 
 PassStep = Callable[[RecoveryContext, RecoveryPass], Awaitable[RecoveryPass | None]]
+OnTransition = Callable[[api.RolloutSet, str, str, bool], Awaitable[None]]
+"""Told of each transition's Event (the set, its reason, its message, whether a warning)."""
+
+
+@dataclass(frozen=True)
+class EventsContext(RecoveryContext):
+    """A recovery's context with where `written` posts the transitions' Events (the operator's
+    set loop posts them itself, after its pass's write)."""
+
+    events: OnTransition | None = None
 
 
 def context_over(
@@ -45,12 +56,12 @@ def context_over(
         clients = [cast(HttpParticipantClient, participant)]
         return Coordinator(clients), clients
 
-    return RecoveryContext(
+    return EventsContext(
         kube=kube,
         clock=time.time,
         waits=RecoveryWaits(retire_seconds=1.0, restore_floor_seconds=5.0),
         coordinator=coordinator,
-        on_transition=events,
+        events=events,
     )
 
 
@@ -65,8 +76,10 @@ async def _pass_over(context: RecoveryContext, rset: api.RolloutSet) -> Recovery
 async def _write(context: RecoveryContext, run: RecoveryPass) -> api.RolloutSet:
     stored = await SetStatusWriter(context.kube, StatusOwner.RECOVERY).write_pass(run.draft)
     written = run.rset if stored is None else api.RolloutSet.model_validate(stored)
-    for reason, message, warn in run.transitions:
-        await context.transition(written, reason, message, warn)
+    events = context.events if isinstance(context, EventsContext) else None
+    if events is not None:
+        for reason, message, warn in run.transitions:
+            await events(written, reason, message, warn)
     return written
 
 

@@ -107,9 +107,7 @@ class RepairsThenRecovery:
         if draft.changed:
             return True
         self._draft = draft
-        self.look = await recover_if_needed(
-            self._kube, draft, on_transition=self._on_transition, waits=self._waits
-        )
+        self.look = await recover_if_needed(self._kube, draft, waits=self._waits)
         return not self.look.ran
 
     async def finish(self) -> None:

@@ -91,9 +91,6 @@ class InPlaceRefused(Exception):
     """An InPlace recovery cannot keep its survivors safely; the try falls back to Recreate."""
 
 
-OnTransition = Callable[[RolloutSet, str, str, bool], Awaitable[None]]
-"""Posts the Event of a transition (the set, its reason, its message, whether a warning)."""
-
 CoordinatorFactory = Callable[
     [RolloutSet], Awaitable[tuple[Coordinator, list[HttpParticipantClient]]]
 ]
@@ -108,12 +105,6 @@ class RecoveryContext:
     clock: Callable[[], float]
     waits: RecoveryWaits
     coordinator: CoordinatorFactory
-    on_transition: OnTransition | None = None
-
-    async def transition(self, rset: RolloutSet, reason: str, message: str, warn: bool) -> None:
-        """Post the transition's Event (once the status that records it was written)."""
-        if self.on_transition is not None:
-            await self.on_transition(rset, reason, message, warn)
 
 
 def recovery_of(rset: RolloutSet) -> RecoveryStatus:

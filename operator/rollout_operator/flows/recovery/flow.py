@@ -37,7 +37,6 @@ from ..phases import FailureHandler, PhaseTable, run_step
 from .backoff import back_off, on_failed_try
 from .context import (
     DEFAULT_WAITS,
-    OnTransition,
     RecoveryContext,
     RecoveryFailed,
     RecoveryPass,
@@ -122,7 +121,6 @@ class RecoveryFlow:
         kube: Kube,
         *,
         clock: Callable[[], float] = time.time,
-        on_transition: OnTransition | None = None,
         waits: RecoveryWaits = DEFAULT_WAITS,
     ) -> None:
         self._kube = kube
@@ -131,7 +129,6 @@ class RecoveryFlow:
             clock=clock,
             waits=waits,
             coordinator=self._coordinator,
-            on_transition=on_transition,
         )
 
     async def _coordinator(
@@ -218,7 +215,6 @@ async def recover_if_needed(
     kube: Kube,
     draft: PassStatus,
     *,
-    on_transition: OnTransition | None = None,
     waits: RecoveryWaits = DEFAULT_WAITS,
 ) -> RecoveryLook:
     """One look at the set: run one phase of its recovery, or start one when a participant was
@@ -229,7 +225,7 @@ async def recover_if_needed(
     again when one has to wait, and the transitions to post after the pass's write.
     """
     run = RecoveryPass(draft)
-    ran = await look(kube, run, RecoveryFlow(kube, on_transition=on_transition, waits=waits))
+    ran = await look(kube, run, RecoveryFlow(kube, waits=waits))
     return RecoveryLook(ran=ran, retry_at=run.retry_at, transitions=tuple(run.transitions))
 
 
