@@ -65,18 +65,19 @@ def context_over(
     )
 
 
-async def _pass_over(context: RecoveryContext, rset: api.RolloutSet) -> RecoveryPass:
-    raw = await context.kube.get_set(
-        api.namespace_or_default(rset.metadata.namespace), rset.metadata.name
-    )
+async def _pass_over(kube: Kube, rset: api.RolloutSet) -> RecoveryPass:
+    raw = await kube.get_set(api.namespace_or_default(rset.metadata.namespace), rset.metadata.name)
     assert raw is not None, "the set is stored"
     return RecoveryPass(PassStatus(raw))
 
 
-async def _write(context: RecoveryContext, run: RecoveryPass) -> api.RolloutSet:
-    stored = await SetStatusWriter(context.kube, StatusOwner.RECOVERY).write_pass(run.draft)
+async def _write(
+    kube: Kube, run: RecoveryPass, events: OnTransition | None = None
+) -> api.RolloutSet:
+    stored = await SetStatusWriter(kube, StatusOwner.RECOVERY).write_pass(run.draft)
     written = run.rset if stored is None else api.RolloutSet.model_validate(stored)
-    events = context.events if isinstance(context, EventsContext) else None
+    for then in run.after_write:
+        then()
     if events is not None:
         for reason, message, warn in run.transitions:
             await events(written, reason, message, warn)
@@ -88,9 +89,10 @@ async def written(
 ) -> api.RolloutSet | None:
     """Run `step` over one pass of the stored set `rset`, write what it added, post its
     transitions; the set as written, or None when the step ended the recovery's run."""
-    run = await _pass_over(context, rset)
+    run = await _pass_over(context.kube, rset)
     ended = await step(context, run)
-    shown = await _write(context, run)
+    events = context.events if isinstance(context, EventsContext) else None
+    shown = await _write(context.kube, run, events)
     return None if ended is None else shown
 
 
@@ -109,14 +111,13 @@ async def flow_pass(flow: RecoveryFlow, cluster: FakeCluster, namespace: str, na
     assert raw is not None, "the set is stored"
     run = RecoveryPass(PassStatus(raw))
     ran = await flow.step(run)
-    await _write(flow.context, run)
+    await _write(cluster.kube(), run)
     return ran
 
 
 async def start_resume_written(kube: Kube, rset: api.RolloutSet, live_pods: int) -> bool:
     """`recovery.start_resume` over one pass of the stored set, written."""
-    context = RecoveryFlow(kube).context
-    run = await _pass_over(context, rset)
+    run = await _pass_over(kube, rset)
     started = await start_resume(kube, run, live_pods)
-    await _write(context, run)
+    await _write(kube, run)
     return started

@@ -90,7 +90,8 @@ class RepairsThenRecovery:
     which adds its step's changes to the pass's draft. A recovery that ran (started, or ran one
     phase) ends the pass's planning: the pass writes what it added, and the loop passes again at
     once (or, while its step waits, at the time it asks for) and goes on from it. Its `finish`
-    posts the recovery's transitions, after the pass's write."""
+    posts the recovery's transitions, after the pass's write (and sends an ended recovery's
+    trace root)."""
 
     def __init__(self, kube: Kube, *, on_transition: TransitionSink, waits: RecoveryWaits) -> None:
         self._kube = kube
@@ -111,11 +112,13 @@ class RepairsThenRecovery:
         return not self.look.ran
 
     async def finish(self) -> None:
-        if self._draft is None or not self.look.transitions:
+        if self._draft is None:
             return
         written = self._draft.rset
         for reason, message, warn in self.look.transitions:
             await self._on_transition(written, reason, message, warn)
+        for then in self.look.after_write:
+            then()
 
 
 async def set_pass(

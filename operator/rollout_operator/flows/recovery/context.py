@@ -140,12 +140,13 @@ Transition = tuple[str, str, bool]
 class RecoveryPass:
     """What one pass of the set's loop does with the recovery: the pass's draft of the set's
     status (`PassStatus`), to which the step adds its changes as deltas of the recovery; the
-    transitions whose Events follow the pass's write; and, for a step that waits, when to look
-    again (the pods' events wake the loop before that)."""
+    transitions whose Events follow the pass's write, and what else may only follow it; and,
+    for a step that waits, when to look again (the pods' events wake the loop before that)."""
 
     def __init__(self, draft: PassStatus) -> None:
         self.draft = draft
         self.transitions: list[Transition] = []
+        self.after_write: list[Callable[[], None]] = []
         self.retry_at: datetime | None = None
 
     @property

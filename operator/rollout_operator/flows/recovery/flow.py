@@ -18,7 +18,7 @@ in. It adds its changes there and writes nothing; the pass sends them in its one
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
@@ -137,10 +137,6 @@ class RecoveryFlow:
         """The coordinator over the set's participants (over HTTP; a test passes its own)."""
         return await http_coordinator(self._kube, rset)
 
-    @property
-    def context(self) -> RecoveryContext:
-        return self._context
-
     async def step(self, run: RecoveryPass) -> bool:
         """Run the step of the recovery's persisted phase once over the pass: it adds the
         phase that follows (the pass writes it, and the set's loop passes again at once: the
@@ -155,21 +151,43 @@ class RecoveryFlow:
         if ended is None or phase_of(self._context, ended) is None:
             namespace = namespace_or_default(rset.metadata.namespace)
             name = rset.metadata.name
-            with tracing.root_span(
-                f"recovery {namespace}/{name}",
-                key=trace_key(rset),
-                keyed_span=True,
-                start_time_ns=int(recovery.started_at.timestamp() * 1e9),
-                attributes={
-                    "rollout.set": name,
-                    "rollout.namespace": namespace,
-                    "rollout.from_attempt": recovery.from_attempt,
-                    "rollout.reason": recovery.reason or "",
-                    "rollout.attempt": ended.rset.status.attempt or 0 if ended is not None else 0,
-                },
-            ):
-                pass
+            run.after_write.append(
+                TraceRoot(
+                    name=f"recovery {namespace}/{name}",
+                    key=trace_key(rset),
+                    start_time_ns=int(recovery.started_at.timestamp() * 1e9),
+                    attributes={
+                        "rollout.set": name,
+                        "rollout.namespace": namespace,
+                        "rollout.from_attempt": recovery.from_attempt,
+                        "rollout.reason": recovery.reason or "",
+                        "rollout.attempt": run.rset.status.attempt or 0 if ended else 0,
+                    },
+                ).send
+            )
         return True
+
+
+@dataclass(frozen=True)
+class TraceRoot:
+    """The root span of an ended recovery's trace, keyed by the recovery: the phases' spans of
+    every pass joined it already (`phase_span`). Sent after the pass's write that ends the
+    recovery, so a write that lost a race (the step runs again) sends none."""
+
+    name: str
+    key: str
+    start_time_ns: int
+    attributes: Mapping[str, str | int]
+
+    def send(self) -> None:
+        with tracing.root_span(
+            self.name,
+            key=self.key,
+            keyed_span=True,
+            start_time_ns=self.start_time_ns,
+            attributes=dict(self.attributes),
+        ):
+            pass
 
 
 async def start_resume(kube: Kube, run: RecoveryPass, live_pods: int) -> bool:
@@ -209,6 +227,9 @@ class RecoveryLook:
     `retry_at` or the set's next event)."""
     retry_at: datetime | None = None
     transitions: tuple[Transition, ...] = ()
+    after_write: tuple[Callable[[], None], ...] = ()
+    """What may only follow the pass's write, after the transitions' Events (an ended
+    recovery's trace root)."""
 
 
 async def recover_if_needed(
@@ -226,7 +247,12 @@ async def recover_if_needed(
     """
     run = RecoveryPass(draft)
     ran = await look(kube, run, RecoveryFlow(kube, waits=waits))
-    return RecoveryLook(ran=ran, retry_at=run.retry_at, transitions=tuple(run.transitions))
+    return RecoveryLook(
+        ran=ran,
+        retry_at=run.retry_at,
+        transitions=tuple(run.transitions),
+        after_write=tuple(run.after_write),
+    )
 
 
 async def look(kube: Kube, run: RecoveryPass, flow: RecoveryFlow) -> bool:
