@@ -30,8 +30,8 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Final
 
@@ -57,6 +57,7 @@ __all__ = [
     "server_span",
     "span",
     "span_id_of",
+    "span_if",
     "trace_id_of",
 ]
 
@@ -312,6 +313,34 @@ def span(
     if only_in_trace and not trace.get_current_span().get_span_context().is_valid:
         return _NOTHING
     return _TRACER.start_as_current_span(name, context=context, kind=kind, attributes=attributes)
+
+
+@contextmanager
+def span_if(
+    name: str,
+    *,
+    sent: Callable[[], bool],
+    attributes: Attributes | None = None,
+    context: Context | None = None,
+    start_time_ns: int | None = None,
+) -> Iterator[Span]:
+    """A child span like `span`, from `start_time_ns` on (now without one), ended and sent only
+    when `sent()` says so as the block leaves (or when the block raised): work that turned out
+    to be part of a span a later block ends (a step that waits and runs again) leaves none."""
+    if _off():
+        yield trace.INVALID_SPAN
+        return
+    started = _TRACER.start_span(
+        name, context=context, attributes=attributes, start_time=start_time_ns
+    )
+    with trace.use_span(started, end_on_exit=False):
+        try:
+            yield started
+        except BaseException:
+            started.end()
+            raise
+    if sent():
+        started.end()
 
 
 def failed(reason: str, message: str) -> None:

@@ -23,6 +23,7 @@ from rollout_operator.model.api import ROLLOUT_CHECKPOINT_PLURAL, ROLLOUT_SET_PL
 from testsupport import builders
 from testsupport.fakecluster import FakeCluster
 from testsupport.recovery import context_over
+from testsupport.recovery import written as pass_written
 
 NS = "team"
 SET = "math"
@@ -117,7 +118,8 @@ async def test_a_recovery_never_restores_another_sets_checkpoint_written_into_it
     events = Events()
     context = context_over(cluster, events=events)
     rset = api.RolloutSet.model_validate(await kube.get_set(NS, SET))
-    repaired = await still_restorable(context, rset)
+    repaired = await pass_written(still_restorable, context, rset)
+    assert repaired is not None
     assert repaired.status.recovery is not None
     assert repaired.status.recovery.checkpoint == "mine"
     assert stored(cluster, ROLLOUT_SET_PLURAL, SET)["status"]["recovery"]["checkpoint"] == "mine"

@@ -23,12 +23,12 @@ from rollout_operator.flows.policypass import (
     set_deleted,
     start_eviction_checkpoint,
 )
-from rollout_operator.flows.recovery import RecoveryFlow, start_resume
 from rollout_operator.model import api
 from rollout_operator.model.reasons import Reason
 from testsupport import builders
 from testsupport.fakecluster import FakeCluster
 from testsupport.policy import NS, T0, Run, rollout_set, seeded, stamp
+from testsupport.recovery import start_resume_written
 
 
 class Sent:
@@ -228,7 +228,7 @@ async def test_resume_clears_suspended_and_the_sets_loop_starts_the_recovery(
 
     kube = cluster.kube()
     rset = api.RolloutSet.model_validate(stored_set(cluster))
-    assert await start_resume(kube, RecoveryFlow(kube), rset, live_pods=0)
+    assert await start_resume_written(kube, rset, live_pods=0)
     status = stored_set(cluster)["status"]
     recovery = status["recovery"]
     assert (recovery["fromAttempt"], recovery["targetAttempt"]) == (3, 4)
@@ -239,7 +239,7 @@ async def test_resume_clears_suspended_and_the_sets_loop_starts_the_recovery(
     assert condition(cluster, "Recovering")["reason"] == "Resumed"
     assert status["recoveryStarts"] == [stamp(-50)], "a resume is not a loss: not counted"
     rset = api.RolloutSet.model_validate(stored_set(cluster))
-    assert not await start_resume(kube, RecoveryFlow(kube), rset, live_pods=0), "once"
+    assert not await start_resume_written(kube, rset, live_pods=0), "once"
 
 
 def test_a_resume_is_due_once_and_only_without_running_pods(storage: Path) -> None:

@@ -24,6 +24,7 @@ from rollout_protocol import (
 )
 from testsupport import builders
 from testsupport.fakecluster import FakeCluster
+from testsupport.recovery import flow_pass
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 
@@ -163,7 +164,7 @@ async def test_a_resume_is_not_a_restart_but_a_loss_is(reason: str, restarts: in
     cluster = FakeCluster()  # the one set; status patches keep the resourceVersion precondition
     cluster.put(set_in_last_recovery_step(reason))
     participant = Resumable()
-    await ResumingFlow(cluster.kube(), participant).run("ns", "rl")
+    await flow_pass(ResumingFlow(cluster.kube(), participant), cluster, "ns", "rl")
 
     written = cluster.get(ROLLOUT_SET_PLURAL, "ns", "rl")
     assert written is not None

@@ -15,14 +15,15 @@ from typing import Any
 
 import pytest
 from rollout_operator.decide.setplan import plan_attempt
-from rollout_operator.flows.phases import run_phases
 from rollout_operator.flows.recovery import (
     CHECKPOINT_RECORDS_INVALID,
     CHECKPOINT_RECORDS_UNREACHABLE,
     PHASES,
+    RecoveryContext,
     RecoveryFailed,
 )
 from rollout_operator.flows.recovery.backoff import back_off, on_failed_try
+from rollout_operator.flows.recovery.context import RecoveryPass
 from rollout_operator.flows.recovery.flow import phase_of
 from rollout_operator.flows.recovery.pods import start_pods
 from rollout_operator.flows.recovery.restore import not_restorable, restore, resume
@@ -38,7 +39,7 @@ from rollout_operator.model.reasons import Reason
 from rollout_protocol import ErrorCode, Failure
 from testsupport import builders
 from testsupport.fakecluster import FakeCluster
-from testsupport.recovery import context_over
+from testsupport.recovery import PassStep, context_over, passes_to_end, written
 from testsupport.scripted import Scripted
 from testsupport.setplan import running
 
@@ -54,6 +55,15 @@ class Events:
 
     async def __call__(self, rset: api.RolloutSet, reason: str, message: str, warn: bool) -> None:
         self.posted.append((reason, warn))
+
+
+def failing(error: RecoveryFailed) -> PassStep:
+    """The table's failure handler, for a try that failed with `error`, as a step."""
+
+    async def step(context: RecoveryContext, run: RecoveryPass) -> RecoveryPass | None:
+        return await on_failed_try(context, run, error)
+
+    return step
 
 
 def recovering(phase: str, **recovery: Any) -> FakeCluster:
@@ -137,7 +147,7 @@ async def test_the_table_runs_a_recovery_without_a_checkpoint_to_its_end() -> No
     """Restoring without a checkpoint, then Resuming: a fresh start under attempt 3."""
     cluster = recovering("Restoring")
     events = Events()
-    ended = await run_phases(PHASES, context_over(cluster, events=events), await the_set(cluster))
+    ended = await passes_to_end(context_over(cluster, events=events), await the_set(cluster))
     assert ended is not None
     assert ended.status.recovery is None
     assert ended.status.attempt == 3
@@ -155,7 +165,7 @@ async def test_recreate_deletes_the_lost_attempts_pods_and_starts_the_try() -> N
         cluster.put(running(manifest, "127.0.2.1"))
     assert pods_of(cluster, 2), "a pod of the lost attempt runs"
     before = datetime.now(UTC).replace(microsecond=0)
-    rset = await stop_attempt(context_over(cluster), rset)
+    rset = await written(stop_attempt, context_over(cluster), rset)
     assert pods_of(cluster, 2) == []
     recovery = stored_status(cluster)["recovery"]
     assert recovery["phase"] == "StartingPods"
@@ -170,7 +180,7 @@ async def test_recreate_deletes_the_lost_attempts_pods_and_starts_the_try() -> N
 async def test_in_place_with_nothing_kept_falls_back_to_recreate_and_says_why() -> None:
     cluster = recovering("StoppingAttempt", restorePolicy="InPlace")
     events = Events()
-    rset = await stop_attempt(context_over(cluster, events=events), await the_set(cluster))
+    rset = await written(stop_attempt, context_over(cluster, events=events), await the_set(cluster))
     assert rset.status.recovery is not None
     assert rset.status.recovery.restore_policy is api.RestorePolicy.RECREATE
     assert rset.status.recovery.fallback
@@ -187,7 +197,7 @@ async def test_starting_pods_waits_for_the_target_attempt_then_picks_the_checkpo
     rset = await the_set(cluster)
     for manifest in plan_attempt(rset, 3, []).to_create:
         cluster.put(running(manifest, "127.0.3.1"))
-    rset = await start_pods(context_over(cluster), rset)
+    rset = await written(start_pods, context_over(cluster), rset)
     recovery = stored_status(cluster)["recovery"]
     assert recovery["phase"] == "Restoring"
     assert recovery["checkpoint"] == "rl-old"
@@ -200,7 +210,7 @@ async def test_starting_pods_creates_them_and_fails_the_try_at_its_deadline() ->
     long_ago = datetime.now(UTC) - timedelta(hours=1)
     cluster = recovering("StartingPods", nextTryAt=api.format_time(long_ago))
     with pytest.raises(RecoveryFailed) as failed:
-        await start_pods(context_over(cluster), await the_set(cluster))
+        await written(start_pods, context_over(cluster), await the_set(cluster))
     assert failed.value.reason == Reason.PODS_NOT_READY
     assert "not Ready within restoreTimeoutSeconds" in failed.value.message
     assert pods_of(cluster, 3) == ["rl-model-0-a3"], "the replacement pod was created"
@@ -233,7 +243,7 @@ async def test_restore_restores_the_checkpoint_under_the_target_attempt() -> Non
     cluster.put(ready_checkpoint("rl-old"))
     with_participant(cluster)
     participant = Scripted(parked=("r1", "r2"))
-    rset = await restore(context_over(cluster, participant), await the_set(cluster))
+    rset = await written(restore, context_over(cluster, participant), await the_set(cluster))
     assert participant.called("restore") == ["rl-old"]
     assert participant.called("resume") == [], "Resuming resumes"
     assert rset.status.recovery is not None
@@ -270,7 +280,7 @@ async def test_records_refused_or_not_found_make_the_checkpoint_not_restorable(
     with_participant(cluster)
     participant = Scripted(restore_fails=refusal)
     with pytest.raises(RecoveryFailed) as failed:
-        await restore(context_over(cluster, participant), await the_set(cluster))
+        await written(restore, context_over(cluster, participant), await the_set(cluster))
     assert failed.value.reason == reason
     assert says in failed.value.message
     assert "rl-old" in failed.value.message
@@ -312,7 +322,7 @@ async def test_resume_ends_the_recovery_under_the_target_attempt() -> None:
     with_participant(cluster)
     participant = Scripted()
     events = Events()
-    rset = await resume(context_over(cluster, participant, events), await the_set(cluster))
+    rset = await written(resume, context_over(cluster, participant, events), await the_set(cluster))
     assert rset is not None
     assert participant.called("resume") == ["rl-old"]
     status = stored_status(cluster)
@@ -333,7 +343,7 @@ async def test_a_failed_try_backs_off_and_the_next_runs_under_a_newer_attempt() 
     events = Events()
     context = context_over(cluster, events=events)
     failed = RecoveryFailed(Reason.RESTORE_FAILED, "the restore failed")
-    rset = await on_failed_try(context, await the_set(cluster), failed)
+    rset = await written(failing(failed), context, await the_set(cluster))
     assert rset is not None
     assert rset.status.recovery is not None
     assert rset.status.recovery.phase is RecoveryPhase.BACKING_OFF
@@ -346,7 +356,7 @@ async def test_a_failed_try_backs_off_and_the_next_runs_under_a_newer_attempt() 
         SET,
         lambda s: s["status"]["recovery"].update(nextTryAt=STAMP),
     )
-    rset = await back_off(context, await the_set(cluster))
+    rset = await written(back_off, context, await the_set(cluster))
     assert rset.status.recovery is not None
     assert rset.status.recovery.phase is RecoveryPhase.STOPPING_ATTEMPT
     assert rset.status.recovery.target_attempt == 4
@@ -360,12 +370,12 @@ async def test_an_unrestorable_checkpoint_is_not_a_counted_try_and_the_last_try_
     events = Events()
     context = context_over(cluster, events=events)
     invalid = RecoveryFailed(reason, "records failed verification or are not there")
-    rset = await on_failed_try(context, await the_set(cluster), invalid)
+    rset = await written(failing(invalid), context, await the_set(cluster))
     assert events.posted == [(reason, True)], "a Warning Event says why"
     assert rset is not None
     assert rset.status.recovery is not None
     assert rset.status.recovery.tries == 3, "not counted"
     lost = RecoveryFailed(Reason.REPLACEMENT_LOST, "a replacement pod was lost")
-    assert await on_failed_try(context, rset, lost) is None
+    assert await written(failing(lost), context, rset) is None
     degraded = conditions(cluster)["Degraded"]
     assert (degraded["status"], degraded["reason"]) == ("True", Reason.RESTARTS_EXHAUSTED)

@@ -6,9 +6,9 @@ A call sends the set's status when it calls a sending method of the set's writer
 `SetStatusWriter(...)` itself, or a name or attribute called `writer`/`_writer` in a module
 that imports `SetStatusWriter` (a module that imports the RolloutCheckpoint's writer as well
 would be ambiguous, and fails here); or the API call underneath (`patch_set_status`, the
-writer's own). The set's reconcile loop (the
-repairs, the set pass, `flows/reconciler.py`) sends from exactly one call site: its stages
-return deltas and the pass writes them once. Any new site fails here.
+writer's own). Both per-set loops (the repairs, the recovery's steps, the set pass, the queue
+and the policy) send from exactly one call site: their stages add deltas to the pass's draft
+and the pass writes them once. Any new site fails here.
 """
 
 from __future__ import annotations
@@ -22,8 +22,14 @@ pytestmark = pytest.mark.unit
 
 OPERATOR = Path(__file__).resolve().parents[2] / "operator" / "rollout_operator"
 SENDING = frozenset({"write", "write_retrying", "write_pass"})
-SET_LOOP = ("flows/reconciler.py", "flows/setpass.py", "flows/recovery/repair.py")
-"""The modules of the set's loop outside the recovery's steps."""
+RECOVERY = OPERATOR / "flows" / "recovery"
+SET_LOOP = (
+    "flows/reconciler.py",
+    "flows/setpass.py",
+    *sorted(p.relative_to(OPERATOR).as_posix() for p in RECOVERY.glob("*.py")),
+)
+"""The modules of the set's loop: the reconciler, the set pass, the recovery (its repairs and
+its steps)."""
 POLICY_LOOP = ("flows/policypass.py", "flows/queuepass.py")
 """The modules of the policy loop."""
 PASS = ("flows/stagedpass.py", "run_stages")
@@ -32,8 +38,6 @@ PASS = ("flows/stagedpass.py", "run_stages")
 SET_STATUS_SENDERS = {
     # Both per-set loops: their stages' deltas in one write per pass.
     ("flows/stagedpass.py", "run_stages"): 1,
-    # The recovery's steps write on their own still (docs/design.md section 10).
-    ("flows/recovery/context.py", "patch"): 1,
 }
 """Every call site in operator/ that sends a set's status, by module and function."""
 
@@ -113,6 +117,15 @@ def test_both_loops_send_the_sets_status_from_exactly_one_call_site() -> None:
 
 def test_no_new_call_site_sends_a_sets_status() -> None:
     assert senders() == SET_STATUS_SENDERS
+
+
+def test_the_recovery_neither_holds_nor_imports_a_writer_of_the_sets_status() -> None:
+    """The recovery's steps add their changes to the pass's draft; no module of the recovery
+    makes a `SetStatusWriter`, nor can it name one."""
+    assert len(SET_LOOP) > 3, "the recovery's modules are counted"
+    for path in sorted(RECOVERY.glob("*.py")):
+        imported = _imported(ast.parse(path.read_text()))
+        assert "SetStatusWriter" not in imported, path.name
 
 
 def test_only_the_writer_calls_the_api_that_sends_the_sets_status() -> None:

@@ -177,3 +177,39 @@ def test_rollout_collect_starts_the_trace_of_its_batch(recorder: Recorder, tmp_p
     assert sorted(s.name for s in runs) == ["run r0-00000", "run r0-00001"]
     sent = {h["traceparent"].split("-")[2] for h in recorder.seen}
     assert sent == {s.span_id for s in runs}, "each /run names its own span as the parent"
+
+
+SPANS_IF = """
+from rollout_protocol import tracing
+
+print(tracing.configure("probe"))
+with tracing.root_span("recovery r", key="recovery/uid-1"):
+    with tracing.span_if("waits", sent=lambda: False):
+        with tracing.span("inside the wait"):
+            pass
+    with tracing.span_if("leaves", sent=lambda: True, start_time_ns=1_000_000_000):
+        pass
+"""
+
+
+def test_a_span_sent_only_if_its_block_says_so_and_from_the_start_it_is_given() -> None:
+    """`span_if`: a block that says its span is not to be sent (a recovery step that waits for
+    a later pass) leaves none; one that says so sends it, from the start it was given."""
+    with otlp_receiver() as receiver:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint
+        done = subprocess.run(
+            [sys.executable, "-c", SPANS_IF],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        assert done.stdout.split() == ["True"], done.stderr
+        spans = receiver.spans()
+    by_name = {s.name: s for s in spans}
+    assert "waits" not in by_name
+    leaves, root = by_name["leaves"], by_name["recovery r"]
+    assert leaves.parent_id == root.span_id
+    assert leaves.start_ns == 1_000_000_000

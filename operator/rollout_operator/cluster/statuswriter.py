@@ -8,9 +8,9 @@ for its owner (`model.owners.StatusOwner`). The writer:
   `ForeignStatusWrite`): two owners of one field would undo each other's writes;
 - puts every value in its wire form with one function (`wire`, built on `model.api.dump`);
 - writes one merge patch with the resourceVersion the changes were computed from, so a lost
-  race is a `Conflict`, never a silently overwritten field; `write_retrying` re-reads and
-  writes again (the recovery's transitions, which must land), `write` leaves the retry to the
-  flow's loop (a pass that decides again from what won).
+  race is a `Conflict`, never a silently overwritten field; `write` and `write_pass` leave the
+  retry to the flow's loop (a pass that decides again from what won), `write_retrying`
+  re-reads and writes again (no flow of the operator uses it now).
 
 Explicit nulls: a top-level field set to None is sent as null, which deletes it (a merge patch
 has no other way to remove `status.recovery`); a model is written whole (`replacing`): what the
@@ -123,8 +123,10 @@ class PassStatus:
 
     def rebase(self, written: Mapping[str, Any]) -> None:
         """The pass wrote the set itself (its spec or metadata, with the snapshot's
-        resourceVersion as precondition, or an annotation): `written`, as the API server
-        returned it, becomes the snapshot the changes are merged over and sent against."""
+        resourceVersion as precondition, or an annotation), or read it again from the API
+        server (the recovery, before it acts on a loss or a resume): `written`, as the API
+        server returned it, becomes the snapshot the changes are merged over and sent
+        against."""
         self.snapshot = written
         self._shown = dict(written.get("status") or {})
         for key, value in self._body.items():

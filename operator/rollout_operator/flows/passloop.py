@@ -26,8 +26,8 @@ from ..cluster.kube import ApiError
 T = TypeVar("T")
 
 STOP_GRACE_SECONDS: Final = 3.0
-"""How long a pass under way may still run after the stop (a few API calls; a recovery waiting
-for pods is cut short and continues from its persisted phase)."""
+"""How long a pass under way may still run after the stop (a few API calls; a recovery's restore
+or resume call is cut short and continues from its persisted phase)."""
 STOP_BACKOFF_SECONDS: Final = 5.0
 """The daemons' `cancellation_backoff`: longer than the grace, so the loop has returned by
 itself before Kopf would cancel it."""

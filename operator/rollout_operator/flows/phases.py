@@ -7,7 +7,8 @@ now (`phase_of`, read from its status and, for the checkpoint, from what this ru
 memory), and one step per phase, a function of the flow's context and the object that returns
 the object as it left it. `run_step` switches on the phase in one place and runs its step once
 (the recovery: one phase per pass of the set's loop); `run_phases` runs steps until none is
-left (the checkpoint). A step writes the phase that follows it; the table decides nothing else.
+left (the checkpoint). A step writes the phase that follows it (the recovery's object is the
+pass of the set's loop, whose one write carries it); the table decides nothing else.
 
 A step may end the run by returning None (the object is gone, or needs a person); a table may
 name an exception type that a step raises to end only its try (`on_failure`: the recovery's

@@ -86,14 +86,18 @@ async def plan_repairs(kube: Kube, draft: PassStatus) -> None:
 
 class RepairsThenRecovery:
     """The first stage of the set's pass (`stagedpass`): the repairs' deltas (`SET_REPAIRS`),
-    then, when none changed anything, one look by the recovery (`recovery.recover_if_needed`).
-    A recovery that ran (started, or ran one phase, persisted by its own writes) ends the
-    pass's planning: the loop passes again at once and goes on from it."""
+    then, when none changed anything, one look by the recovery (`recovery.recover_if_needed`),
+    which adds its step's changes to the pass's draft. A recovery that ran (started, or ran one
+    phase) ends the pass's planning: the pass writes what it added, and the loop passes again at
+    once (or, while its step waits, at the time it asks for) and goes on from it. Its `finish`
+    posts the recovery's transitions, after the pass's write (and sends an ended recovery's
+    trace root)."""
 
     def __init__(self, kube: Kube, *, on_transition: TransitionSink, waits: RecoveryWaits) -> None:
         self._kube = kube
         self._on_transition = on_transition
         self._waits = waits
+        self._draft: PassStatus | None = None
         self.look = RecoveryLook(ran=False)
 
     async def plan(self, draft: PassStatus) -> bool:
@@ -103,13 +107,18 @@ class RepairsThenRecovery:
         await plan_repairs(self._kube, draft)
         if draft.changed:
             return True
-        self.look = await recover_if_needed(
-            self._kube, rset, on_transition=self._on_transition, waits=self._waits
-        )
+        self._draft = draft
+        self.look = await recover_if_needed(self._kube, draft, waits=self._waits)
         return not self.look.ran
 
     async def finish(self) -> None:
-        return None
+        if self._draft is None:
+            return
+        written = self._draft.rset
+        for reason, message, warn in self.look.transitions:
+            await self._on_transition(written, reason, message, warn)
+        for then in self.look.after_write:
+            then()
 
 
 async def set_pass(
@@ -130,10 +139,10 @@ async def set_pass(
     the write.
 
     A repair ends its pass with the set pass (the next pass, at once, lets the recovery see the
-    repaired status); a recovery that ran a step ends its pass too (its phase persisted, the
-    next pass goes on from it). `warned` holds the (reason, message) of the Warning Events the
-    calling loop posted already: the set pass's warnings are posted once per loop, a repair's
-    every time it repairs."""
+    repaired status); a recovery that ran a step ends its pass too (its phase written by the
+    pass, the next pass goes on from it: at once, or when its waiting step asked). `warned`
+    holds the (reason, message) of the Warning Events the calling loop posted already: the set
+    pass's warnings are posted once per loop, a repair's every time it repairs."""
     first = RepairsThenRecovery(kube, on_transition=on_transition, waits=recovery_waits)
     set_stage = SetPass(
         kube,
@@ -146,7 +155,7 @@ async def set_pass(
     if draft is None:
         return Next()
     if first.look.ran:
-        return Next(again=True)
+        return Next(again=ran.again or draft.requeue, at=first.look.retry_at)
     outcome = set_stage.outcome
     shown = parsed(draft)
     if shown is not None and not ran.again:

@@ -2,9 +2,10 @@
 as a table of phase steps.
 
 `detect_loss` says whether the set's current attempt lost a participant (a pod that failed,
-was deleted, or sits on a node that is NotReady). `RecoveryFlow.run` then drives
-`status.recovery` through its phases, persisting each before acting, so an operator restart
-continues the recovery instead of starting a second one:
+was deleted, or sits on a node that is NotReady). `RecoveryFlow.step` then drives
+`status.recovery` through its phases, one per pass of the set's loop, each added to the pass's
+one write (`context.RecoveryPass`), so an operator restart continues the recovery instead of
+starting a second one:
 
     StoppingAttempt -> StartingPods -> Restoring -> Resuming -> (done: attempt = target)
     a failed try: BackingOff -> StoppingAttempt (target + 1) ...

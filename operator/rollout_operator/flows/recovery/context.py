@@ -1,10 +1,13 @@
 """What every step of the recovery shares: its reasons, waits and errors, the context a step
-is given, and the writes of the set's status as the recovery.
+is given, and the pass a step adds its changes of the set's status to.
 
-Every step is a function of a `RecoveryContext` and the set, and returns the set as it wrote it
-(`status.recovery` in its next phase), or None when the recovery has nothing left to do. The
-recovery writes the set's status only through `patch` and `set_phase`, as its owner
-(`model/owners.py`, docs/design.md#69-who-writes-the-sets-status).
+Every step is a function of a `RecoveryContext` and a `RecoveryPass` (the pass of the set's
+loop it runs in: the set as the pass's snapshot shows it, with what the step changed so far),
+and returns the pass, `status.recovery` in its next phase, or None when the recovery has
+nothing left to do. A step writes no status itself: it adds its changes to the pass's draft
+(`change`, `set_phase`: deltas of the recovery, `model/owners.py`), and the pass sends them in
+its one write (`flows/stagedpass.py`, docs/design.md#60-layers); the transitions' Events are
+posted after that write (docs/design.md#69-who-writes-the-sets-status).
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from typing import Any, Final
 
 from rollout_protocol import Coordinator, HttpParticipantClient
 
-from ...cluster.kube import Conflict, Kube
+from ...cluster.kube import Kube
 from ...cluster.objects import read_control_token
-from ...cluster.statuswriter import SetGone, SetStatusWriter
+from ...cluster.statuswriter import PassStatus, SetDelta
 from ...model.api import (
     RecoveryPhase,
     RecoveryStatus,
@@ -30,6 +33,7 @@ from ...model.api import (
     namespace_or_default,
 )
 from ...model.conditions import ConditionUpdate, merge_conditions, truncate, utcnow
+from ...model.owners import StatusOwner
 from ...model.reasons import Reason
 from ...model.settings import DEFAULT_RESTORE_FLOOR_SECONDS, DEFAULT_RETIRE_SECONDS
 
@@ -87,9 +91,6 @@ class InPlaceRefused(Exception):
     """An InPlace recovery cannot keep its survivors safely; the try falls back to Recreate."""
 
 
-OnTransition = Callable[[RolloutSet, str, str, bool], Awaitable[None]]
-"""Posts the Event of a transition (the set, its reason, its message, whether a warning)."""
-
 CoordinatorFactory = Callable[
     [RolloutSet], Awaitable[tuple[Coordinator, list[HttpParticipantClient]]]
 ]
@@ -101,16 +102,9 @@ class RecoveryContext:
     """The operator's parts a recovery uses: the same for every step of every try."""
 
     kube: Kube
-    writer: SetStatusWriter
     clock: Callable[[], float]
     waits: RecoveryWaits
     coordinator: CoordinatorFactory
-    on_transition: OnTransition | None = None
-
-    async def transition(self, rset: RolloutSet, reason: str, message: str, warn: bool) -> None:
-        """Post the transition's Event (once the status that records it was written)."""
-        if self.on_transition is not None:
-            await self.on_transition(rset, reason, message, warn)
 
 
 def recovery_of(rset: RolloutSet) -> RecoveryStatus:
@@ -136,48 +130,62 @@ def try_deadline(rset: RolloutSet) -> float:
     return max(begun, 0.0) + rset.spec.recovery.restore_timeout_seconds
 
 
-# --- the set's status, written as the recovery ---------------------------------------------------
+# --- the set's status, changed as the recovery -------------------------------------------------
 
 
-async def read_set(context: RecoveryContext, namespace: str, name: str) -> RolloutSet | None:
-    raw = await context.kube.get_set(namespace, name)
-    return None if raw is None else RolloutSet.model_validate(raw)
+Transition = tuple[str, str, bool]
+"""A transition's Event: its reason, its message, whether a warning."""
 
 
-async def patch(
-    context: RecoveryContext,
-    rset: RolloutSet,
+class RecoveryPass:
+    """What one pass of the set's loop does with the recovery: the pass's draft of the set's
+    status (`PassStatus`), to which the step adds its changes as deltas of the recovery; the
+    transitions whose Events follow the pass's write, and what else may only follow it; and,
+    for a step that waits, when to look again (the pods' events wake the loop before that)."""
+
+    def __init__(self, draft: PassStatus) -> None:
+        self.draft = draft
+        self.transitions: list[Transition] = []
+        self.after_write: list[Callable[[], None]] = []
+        self.retry_at: datetime | None = None
+
+    @property
+    def rset(self) -> RolloutSet:
+        """The set as the pass read it, with the changes added so far."""
+        return self.draft.rset
+
+    def announce(self, reason: str, message: str, warn: bool) -> None:
+        """The transition's Event, posted once the pass's write landed."""
+        self.transitions.append((reason, message, warn))
+
+    def look_again_at(self, when: datetime) -> None:
+        """The step waits: the loop passes again at `when` (or at the set's next event)."""
+        self.retry_at = when if self.retry_at is None else min(self.retry_at, when)
+
+
+def change(
+    run: RecoveryPass,
     changes: dict[str, Any],
     conditions: list[ConditionUpdate] | None = None,
+    *,
+    requeue: bool = True,
 ) -> RolloutSet:
-    """Write `changes` and the merged `conditions` as the recovery (`SetStatusWriter`,
-    which re-reads and writes again after a conflict, the conditions merged anew)."""
-
-    def build(current: RolloutSet) -> dict[str, Any]:
-        if not conditions:
-            return changes
+    """Add `changes` and the `conditions` (merged over the set's as the pass left them) to the
+    pass's draft as the recovery; `requeue`: the loop passes again at once after the write.
+    Returns the set as the pass now shows it."""
+    rset = run.rset
+    if conditions:
         merged = merge_conditions(
-            current.status.conditions,
-            conditions,
-            observed_generation=current.metadata.generation,
+            rset.status.conditions, conditions, observed_generation=rset.metadata.generation
         )
-        return {**changes, "conditions": merged}
-
-    try:
-        return await context.writer.write_retrying(rset, build)
-    except SetGone:
-        raise RecoveryFailed("SetDeleted", "the RolloutSet was deleted") from None
-    except Conflict:
-        raise RecoveryFailed(
-            "StatusConflict", "could not write the set's status (conflicts)"
-        ) from None
+        changes = {**changes, "conditions": merged}
+    run.draft.add(SetDelta(StatusOwner.RECOVERY, changes, requeue=requeue))
+    return run.rset
 
 
-async def set_phase(
-    context: RecoveryContext, rset: RolloutSet, phase: RecoveryPhase, **fields: Any
-) -> RolloutSet:
+def set_phase(run: RecoveryPass, phase: RecoveryPhase, **fields: Any) -> RolloutSet:
     """Enter `phase` (with `fields`), counting the time spent in the one it leaves."""
-    recovery = recovery_of(rset)
+    recovery = recovery_of(run.rset)
     now = utcnow()
     spent = phase_seconds_until(recovery, now)
     updated = recovery.model_copy(
@@ -186,9 +194,8 @@ async def set_phase(
     message = f"attempt {updated.from_attempt} -> {updated.target_attempt}: {phase.value}" + (
         f" (checkpoint {updated.checkpoint})" if updated.checkpoint else ""
     )
-    rset = await patch(
-        context,
-        rset,
+    rset = change(
+        run,
         {"recovery": updated},
         [ConditionUpdate.of(SetConditionType.RECOVERING.value, True, phase.value, message)],
     )

@@ -9,6 +9,14 @@ the participants; records that fail verification mark that checkpoint not restor
 older Ready checkpoint or starts fresh, never waiting for that storage. Resuming clears
 `status.recovery`, moves `attempt` to the target and writes `lastRecovery` (what was kept,
 restored and lost) and the conditions, in one write.
+
+Each step adds its changes to the pass's draft, sent in the pass's one write (a checkpoint
+replaced by `still_restorable` in the same write as Resuming, or as the failed try). Safe to run
+again from Restoring or Resuming (a successor's, or the next pass's after the write lost a
+race): a participant replays a repeated restore of the same checkpoint, attempt and identity
+(docs/protocol.md, "Replay and checkpoint ids"), and a repeated resume of a restored checkpoint
+resumes nothing more; a checkpoint marked not restorable stays so (its own status, written
+before the try failed), and the next pass picks another.
 """
 
 from __future__ import annotations
@@ -57,8 +65,9 @@ from .context import (
     POLL_SECONDS,
     RecoveryContext,
     RecoveryFailed,
+    RecoveryPass,
+    change,
     logger,
-    patch,
     phase_seconds_until,
     read_checkpoint,
     recovery_of,
@@ -83,17 +92,19 @@ def counts_as_restart(recovery: RecoveryStatus) -> bool:
 _T = TypeVar("_T")
 
 
-async def still_restorable(context: RecoveryContext, rset: RolloutSet) -> RolloutSet:
+async def still_restorable(context: RecoveryContext, run: RecoveryPass) -> RecoveryPass:
     """Check `recovery.checkpoint` against the cluster before restoring it: a Ready
     checkpoint of this set. Anything else (written by hand: another set's checkpoint, a
     Failed or missing one) is replaced by the newest Ready one (or a fresh start), with an
-    Event, before a restore could fail on it and mark it invalid."""
+    Event, before a restore could fail on it and mark it invalid: added to the pass, whose one
+    write carries it with what the restore adds (or the failed try)."""
+    rset = run.rset
     recovery = recovery_of(rset)
     if recovery.checkpoint is None:
-        return rset
+        return run
     ckpt = await read_checkpoint(context, rset, recovery.checkpoint)
     if ckpt is not None and is_true(ckpt.status.conditions, "Ready"):
-        return rset
+        return run
     pick = await restorable_checkpoint(context, rset)
     why = "does not exist" if ckpt is None else "is not Ready"
     message = (
@@ -103,18 +114,19 @@ async def still_restorable(context: RecoveryContext, rset: RolloutSet) -> Rollou
         + f"; {NOT_AN_INTERFACE}"
     )
     logger.warning("set %s: %s", rset.metadata.name, message)
-    rset = await set_phase(context, rset, RecoveryPhase.RESTORING, checkpoint=pick)
-    await context.transition(rset, REPAIRED, message, True)
-    return rset
+    set_phase(run, RecoveryPhase.RESTORING, checkpoint=pick)
+    run.announce(REPAIRED, message, True)
+    return run
 
 
-async def restore(context: RecoveryContext, rset: RolloutSet) -> RolloutSet:
+async def restore(context: RecoveryContext, run: RecoveryPass) -> RecoveryPass:
     """Restoring: the checkpoint (checked against the cluster first) into every participant
-    at once under the target attempt, all or nothing; then write Resuming."""
-    rset = await still_restorable(context, rset)
+    at once under the target attempt, all or nothing; then add Resuming."""
+    rset = (await still_restorable(context, run)).rset
     recovery = recovery_of(rset)
     if recovery.checkpoint is None:
-        return await set_phase(context, rset, RecoveryPhase.RESUMING)
+        set_phase(run, RecoveryPhase.RESUMING)
+        return run
     checkpoint = recovery.checkpoint
     # the rollouts a participant's commit listed: a NeMo Gym participant restores only those
     # it is told (docs/protocol.md, "The NeMo Gym dialect")
@@ -162,18 +174,19 @@ async def restore(context: RecoveryContext, rset: RolloutSet) -> RolloutSet:
         recovery.checkpoint,
         recovery.target_attempt,
     )
-    return await set_phase(
-        context,
-        rset,
+    set_phase(
+        run,
         RecoveryPhase.RESUMING,
         episodes_restored=len(outcome.episodes),
         kept_work=total_work(outcome.kept.values()),
     )
+    return run
 
 
-async def resume(context: RecoveryContext, rset: RolloutSet) -> RolloutSet | None:
-    """Resuming: resume the restored participants, then end the recovery in one write
-    (`attempt` is the target, `lastRecovery`, the conditions) and post its Event."""
+async def resume(context: RecoveryContext, run: RecoveryPass) -> RecoveryPass | None:
+    """Resuming: resume the restored participants, then end the recovery in the pass's one
+    write (`attempt` is the target, `lastRecovery`, the conditions), its Event after it."""
+    rset = run.rset
     recovery = recovery_of(rset)
     if recovery.checkpoint is not None:
         coordinator, clients = await context.coordinator(rset)
@@ -208,9 +221,8 @@ async def resume(context: RecoveryContext, rset: RolloutSet) -> RolloutSet | Non
         f"attempt {recovery.target_attempt} runs; {how}{kept}"
     )
     last = await last_recovery(context, rset, recovery, now)
-    rset = await patch(
-        context,
-        rset,
+    change(
+        run,
         {
             "recovery": None,
             "lastRecovery": last,
@@ -224,8 +236,8 @@ async def resume(context: RecoveryContext, rset: RolloutSet) -> RolloutSet | Non
             ConditionUpdate.of(SetConditionType.DEGRADED.value, False, reason, message),
         ],
     )
-    await context.transition(rset, reason, message, False)
-    return rset
+    run.announce(reason, message, False)
+    return run
 
 
 async def while_pods_hold(

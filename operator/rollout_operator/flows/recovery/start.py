@@ -5,6 +5,10 @@
 the bound the set is held Degraded (`RecoveryLimitReached`) until its spec or the retry
 annotation changes. `start` records the loss, the restore policy and the new start; a resume
 after suspend starts the same way but is not counted.
+
+Both add their changes to the pass's draft (`context.RecoveryPass`), and their Events follow
+the pass's one write. A write that loses a race is safe to lose: the next pass looks at the set
+again, sees the loss again (a lost pod does not come back) and decides again.
 """
 
 from __future__ import annotations
@@ -28,16 +32,17 @@ from ...model.conditions import (
     utcnow,
 )
 from ...model.reasons import Reason
-from .context import RecoveryContext, logger, patch
+from .context import RecoveryPass, change, logger
 from .loss import Loss
 
 
-async def start(context: RecoveryContext, rset: RolloutSet, loss: Loss) -> RolloutSet:
+def start(run: RecoveryPass, loss: Loss) -> RolloutSet:
     """Record the loss: from now on the recovery owns the set's pods and conditions.
 
     A resume after suspend (`Loss` with reason `Resumed`, see `policy.suspend.resume_due`) starts
     the same way, but no pod is left to keep (Recreate) and it is not counted against
     `maxRestarts` (a queueing system may suspend and resume a set many times)."""
+    rset = run.rset
     attempt = rset.status.attempt or 1
     resume = loss.reason == Reason.RESUMED
     policy = RestorePolicy.RECREATE if resume else rset.spec.recovery.restore_policy
@@ -67,9 +72,8 @@ async def start(context: RecoveryContext, rset: RolloutSet, loss: Loss) -> Rollo
             bound=MAX_RECOVERY_STARTS,
         )
         changes["recoveryStarts"] = [format_time(t) for t in starts]
-    rset = await patch(
-        context,
-        rset,
+    rset = change(
+        run,
         changes,
         [
             ConditionUpdate.of(SetConditionType.RECOVERING.value, True, loss.reason, message),
@@ -77,25 +81,26 @@ async def start(context: RecoveryContext, rset: RolloutSet, loss: Loss) -> Rollo
             ConditionUpdate.of(SetConditionType.PROGRESSING.value, True, loss.reason, message),
         ],
     )
-    await context.transition(rset, loss.reason, message, not resume)
+    run.announce(loss.reason, message, not resume)
     return rset
 
 
-async def churn(
-    context: RecoveryContext, rset: RolloutSet, loss: Loss
-) -> tuple[ChurnDecision, RolloutSet]:
+def churn(run: RecoveryPass, loss: Loss) -> ChurnDecision:
     """Whether this loss may start a recovery now (see `churn.decide`). Past the bound the
     set is held: Degraded=True, RecoveryLimitReached, naming the loss (role, container,
-    exit code), until the spec or the retry-recovery annotation changes."""
+    exit code), until the spec or the retry-recovery annotation changes. A hold that no longer
+    applies is cleared in the same pass (and write) as what follows: the new hold, or the
+    start."""
+    rset = run.rset
     token = rset.metadata.annotations.get(ANNOTATION_RETRY_RECOVERY)
     hold = rset.status.recovery_hold
     if hold is not None:
         if hold.generation == rset.metadata.generation and hold.retry_token == token:
-            return ChurnDecision(recent=0, stop=hold.message), rset
+            return ChurnDecision(recent=0, stop=hold.message)
         logger.info(
             "set %s: retrying recovery (spec or retry-recovery changed)", rset.metadata.name
         )
-        rset = await patch(context, rset, {"recoveryHold": None, "recoveryStarts": []})
+        rset = change(run, {"recoveryHold": None, "recoveryStarts": []}, requeue=False)
     recovery = rset.spec.recovery
     decision = decide(
         rset.status.recovery_starts,
@@ -104,7 +109,7 @@ async def churn(
         window_seconds=recovery.window_seconds,
     )
     if decision.stop is None:
-        return decision, rset
+        return decision
     message = (
         f"recovery stopped: {loss.message}; {decision.stop}. Fix the cause, then change the "
         f"spec or run `kubectl annotate rset {rset.metadata.name} "
@@ -113,9 +118,8 @@ async def churn(
     hold = RecoveryHold(
         since=utcnow(), message=message, generation=rset.metadata.generation, retry_token=token
     )
-    rset = await patch(
-        context,
-        rset,
+    rset = change(
+        run,
         {"recoveryHold": hold},
         [
             ConditionUpdate.of(
@@ -123,10 +127,11 @@ async def churn(
             ),
             ConditionUpdate.of(SetConditionType.READY.value, False, Reason.RECOVERY_LIMIT, message),
         ],
+        requeue=False,
     )
     logger.warning("set %s: %s", rset.metadata.name, message)
-    await context.transition(rset, Reason.RECOVERY_LIMIT, message, True)
-    return decision, rset
+    run.announce(Reason.RECOVERY_LIMIT, message, True)
+    return decision
 
 
 # --- the flow -------------------------------------------------------------------------------

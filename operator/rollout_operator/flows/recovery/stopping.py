@@ -5,7 +5,14 @@ stop, or, InPlace, only the lost ones.
 checkpoint (`lastRecovery`, best effort), then deletes every pod of the lost attempt. `InPlace`
 has the kept pods retire the lost attempt and relabels them into the target attempt, deleting
 only the lost; when that cannot be done safely it falls back to Recreate, saying why. Either
-way the step writes StartingPods, with `nextTryAt` marking when the try began.
+way the step adds StartingPods to the pass, with `nextTryAt` marking when the try began, and a
+fall-back (its reason on the Recovering condition, its Event) in the same write.
+
+Safe to run again from StoppingAttempt (a successor's, or the next pass's after the write lost
+a race): deleting pods is idempotent; InPlace finds its kept pods already relabelled into the
+target (their retire is replayed by its operation id), and a fall-back whose Recreate ran
+finds nothing left to keep and falls back again; Recreate finds no survivor left to count
+(their work is reported uncounted).
 """
 
 from __future__ import annotations
@@ -47,8 +54,9 @@ from .context import (
     STOP_GRACE_SECONDS,
     InPlaceRefused,
     RecoveryContext,
+    RecoveryPass,
+    change,
     logger,
-    patch,
     recovery_of,
     set_phase,
 )
@@ -68,16 +76,17 @@ def reported_losses(retired: RetireOutcome) -> list[LostWorkReport]:
     return lost_reports({i: (w.since, w.counts) for i, w in retired.lost.items()})
 
 
-async def stop_attempt(context: RecoveryContext, rset: RolloutSet) -> RolloutSet:
+async def stop_attempt(context: RecoveryContext, run: RecoveryPass) -> RecoveryPass:
     """StoppingAttempt: stop the lost attempt (InPlace: only its lost pods, the kept ones
-    joining the target; Recreate: every pod, after counting the work they lose), then write
+    joining the target; Recreate: every pod, after counting the work they lose), then add
     StartingPods with `nextTryAt`, the try's start."""
+    rset = run.rset
     recovery = recovery_of(rset)
     if recovery.restore_policy is RestorePolicy.IN_PLACE:
         try:
-            return await keep_survivors(context, rset)
+            return await keep_survivors(context, run)
         except InPlaceRefused as refused:
-            rset = await fall_back(context, rset, str(refused))
+            rset = fall_back(run, str(refused))
             recovery = recovery_of(rset)
     fields: dict[str, Any] = {}
     if recovery.tries == 0 and recovery.fallback is None and not recovery.lost_work:
@@ -91,15 +100,15 @@ async def stop_attempt(context: RecoveryContext, rset: RolloutSet) -> RolloutSet
         await delete_attempt_pods(context.kube, rset, attempt, grace_seconds=STOP_GRACE_SECONDS)
     replaced = [instance_name(i) for i in attempt_instances(rset, recovery.from_attempt, [])]
     # `nextTryAt` marks when this try began: its restoreTimeoutSeconds count from here.
-    return await set_phase(
-        context,
-        rset,
+    set_phase(
+        run,
         RecoveryPhase.STARTING_PODS,
         next_try_at=utcnow(),
         kept=[],
         replaced=replaced,
         **fields,
     )
+    return run
 
 
 async def count_before_deleting(context: RecoveryContext, rset: RolloutSet) -> list[LostWorkReport]:
@@ -151,8 +160,9 @@ async def count_before_deleting(context: RecoveryContext, rset: RolloutSet) -> l
     return reported_losses(retired)
 
 
-async def keep_survivors(context: RecoveryContext, rset: RolloutSet) -> RolloutSet:
+async def keep_survivors(context: RecoveryContext, run: RecoveryPass) -> RecoveryPass:
     """InPlace: the kept pods retire the lost attempt and join the target; the lost go."""
+    rset = run.rset
     recovery = recovery_of(rset)
     source, target = recovery.from_attempt, recovery.target_attempt
     pods, nodes_of, lost_nodes = await observe(context.kube, rset)
@@ -200,15 +210,15 @@ async def keep_survivors(context: RecoveryContext, rset: RolloutSet) -> RolloutS
         ", ".join(replaced),
         target,
     )
-    return await set_phase(
-        context,
-        rset,
+    set_phase(
+        run,
         RecoveryPhase.STARTING_PODS,
         next_try_at=utcnow(),
         kept=kept,
         replaced=replaced,
         lost_work=reported_losses(retired),
     )
+    return run
 
 
 async def retire_source(
@@ -245,17 +255,18 @@ async def retire_source(
             await client.aclose()
 
 
-async def fall_back(context: RecoveryContext, rset: RolloutSet, why: str) -> RolloutSet:
-    """Recreate from here on, saying why on the Recovering condition and in an Event."""
+def fall_back(run: RecoveryPass, why: str) -> RolloutSet:
+    """Recreate from here on, saying why on the Recovering condition and in an Event (added to
+    the pass with the phase that follows, in its one write)."""
+    rset = run.rset
     recovery = recovery_of(rset)
     message = f"InPlace recovery not possible, replacing every participant instead: {why}"
     logger.warning("set %s: %s", rset.metadata.name, message)
     updated = recovery.model_copy(
         update={"restore_policy": RestorePolicy.RECREATE, "fallback": why}
     )
-    rset = await patch(
-        context,
-        rset,
+    rset = change(
+        run,
         {"recovery": updated},
         [
             ConditionUpdate.of(
@@ -263,5 +274,5 @@ async def fall_back(context: RecoveryContext, rset: RolloutSet, why: str) -> Rol
             )
         ],
     )
-    await context.transition(rset, Reason.IN_PLACE_FALLBACK, message, True)
+    run.announce(Reason.IN_PLACE_FALLBACK, message, True)
     return rset
