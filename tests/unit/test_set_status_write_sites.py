@@ -2,7 +2,7 @@
 (docs/design.md#6-the-operator, "one pass, one snapshot, one write").
 
 A call sends the set's status when it calls a sending method of the set's writer
-(`cluster.statuswriter.SetStatusWriter`: `write`, `write_retrying`, `write_pass`) on a writer:
+(`cluster.statuswriter.SetStatusWriter.write_pass`) on a writer:
 `SetStatusWriter(...)` itself, or a name or attribute called `writer`/`_writer` in a module
 that imports `SetStatusWriter` (a module that imports the RolloutCheckpoint's writer as well
 would be ambiguous, and fails here); or the API call underneath (`patch_set_status`, the
@@ -21,7 +21,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 OPERATOR = Path(__file__).resolve().parents[2] / "operator" / "rollout_operator"
-SENDING = frozenset({"write", "write_retrying", "write_pass"})
+SENDING = frozenset({"write_pass"})
 RECOVERY = OPERATOR / "flows" / "recovery"
 SET_LOOP = (
     "flows/reconciler.py",

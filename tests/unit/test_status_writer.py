@@ -2,10 +2,11 @@
 (docs/design.md#69-who-writes-the-sets-status).
 
 The table (`model.owners`) is held to the status model: every field and every condition type
-has exactly one owner. The writer (`cluster.statuswriter.SetStatusWriter`) refuses a write of
-anything its owner does not own, before any request; writes the wire form with one dump
-(explicit nulls at the top level only); carries the resourceVersion; and retries a conflict
-in `write_retrying`, merging again onto what won. No flow calls `patch_set_status` itself.
+has exactly one owner. A pass's status (`cluster.statuswriter.PassStatus`) refuses a delta of
+anything its owner does not own, before any request; the writer (`SetStatusWriter.write_pass`)
+sends the wire form with one dump (explicit nulls at the top level only) and the snapshot's
+resourceVersion, and leaves a conflict to the loop, which passes again from what won. No flow
+calls `patch_set_status` itself.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ from typing import Any
 
 import pytest
 from rollout_operator.cluster.kube import Conflict
-from rollout_operator.cluster.statuswriter import SetGone, SetStatusWriter
+from rollout_operator.cluster.statuswriter import PassStatus, SetDelta, SetStatusWriter
 from rollout_operator.model import api
 from rollout_operator.model.api import (
     Condition,
-    ConditionStatus,
     RecoveryHold,
     RecoveryPhase,
     RecoveryStatus,
@@ -155,12 +155,25 @@ def status_patches(cluster: FakeCluster) -> list[dict[str, Any]]:
     ]
 
 
+async def write(
+    cluster: FakeCluster,
+    obj: dict[str, Any],
+    owner: StatusOwner,
+    changes: dict[str, Any],
+    *,
+    delta_only: bool = False,
+) -> dict[str, Any] | None:
+    """`changes` as `owner`'s delta of one pass over `obj`, written as the pass writes."""
+    draft = PassStatus(obj)
+    draft.add(SetDelta(owner, changes, delta_only=delta_only))
+    return await SetStatusWriter(cluster.kube(), owner).write_pass(draft)
+
+
 async def test_a_foreign_write_fails_before_any_request() -> None:
     cluster = FakeCluster()
     obj = stored_set(cluster, attempt=1)
-    writer = SetStatusWriter(cluster.kube(), StatusOwner.POLICY)
     with pytest.raises(ForeignStatusWrite, match="attempt"):
-        await writer.write(api.RolloutSet.model_validate(obj), {"attempt": 2})
+        await write(cluster, obj, StatusOwner.POLICY, {"attempt": 2})
     assert status_patches(cluster) == []
 
 
@@ -168,9 +181,9 @@ async def test_one_wire_form_with_nulls_only_at_the_top_and_the_read_version() -
     cluster = FakeCluster()
     obj = stored_set(cluster, attempt=1, recovery=api.dump(recovery()))
     rset = api.RolloutSet.model_validate(obj)
-    writer = SetStatusWriter(cluster.kube(), StatusOwner.RECOVERY)
     ready = merge_conditions([], [ConditionUpdate.of("Ready", True, "Restored")])
-    written = await writer.write(rset, {"recovery": None, "attempt": 2, "conditions": ready})
+    changes = {"recovery": None, "attempt": 2, "conditions": ready}
+    written = await write(cluster, obj, StatusOwner.RECOVERY, changes)
     assert written is not None
     [body] = status_patches(cluster)
     assert body["metadata"] == {"resourceVersion": rset.metadata.resource_version}
@@ -189,10 +202,8 @@ async def test_a_model_field_set_back_to_none_is_deleted_from_the_stored_object(
     cluster = FakeCluster()
     first = recovery().model_copy(update={"checkpoint": "rl-manual-1"})
     obj = stored_set(cluster, attempt=1, recovery=api.dump(first))
-    rset = api.RolloutSet.model_validate(obj)
-    writer = SetStatusWriter(cluster.kube(), StatusOwner.RECOVERY)
     fresh_start = first.model_copy(update={"checkpoint": None, "phase": RecoveryPhase.RESTORING})
-    written = await writer.write(rset, {"recovery": fresh_start})
+    written = await write(cluster, obj, StatusOwner.RECOVERY, {"recovery": fresh_start})
     assert written is not None
     [body] = status_patches(cluster)
     assert body["status"]["recovery"]["checkpoint"] is None
@@ -205,55 +216,21 @@ async def test_a_model_field_set_back_to_none_is_deleted_from_the_stored_object(
 async def test_delta_only_writes_what_the_stored_status_does_not_show() -> None:
     cluster = FakeCluster()
     obj = stored_set(cluster, attempt=1, observedGeneration=2)
-    writer = SetStatusWriter(cluster.kube(), StatusOwner.SET_PASS)
     unchanged = {"attempt": 1, "observedGeneration": 2, "activeCheckpoint": None}
-    assert await writer.write(obj, unchanged, delta_only=True) is None
+    assert await write(cluster, obj, StatusOwner.SET_PASS, unchanged, delta_only=True) is None
     assert status_patches(cluster) == []
-    await writer.write(obj, {**unchanged, "createdAttempt": 1}, delta_only=True)
+    changed = {**unchanged, "createdAttempt": 1}
+    await write(cluster, obj, StatusOwner.SET_PASS, changed, delta_only=True)
     [body] = status_patches(cluster)
     assert body["status"] == {"createdAttempt": 1}
 
 
-async def test_write_leaves_a_conflict_to_the_caller() -> None:
+async def test_a_conflict_is_left_to_the_loop() -> None:
     cluster = FakeCluster()
     obj = stored_set(cluster)
     cluster.update("rolloutsets", "ns", "rl", lambda o: o["status"].update(attempt=1))
-    writer = SetStatusWriter(cluster.kube(), StatusOwner.POLICY)
     with pytest.raises(Conflict):
-        await writer.write(api.RolloutSet.model_validate(obj), {"lastTrainerStep": 4})
-
-
-async def test_write_retrying_merges_again_onto_what_won() -> None:
-    cluster = FakeCluster()
-    obj = stored_set(cluster, recovery=api.dump(recovery()))
-    stale = api.RolloutSet.model_validate(obj)
-    suspended = api.dump(condition("Suspended", reason="Suspending"))
-    cluster.update("rolloutsets", "ns", "rl", lambda o: o["status"].update(conditions=[suspended]))
-    writer = SetStatusWriter(cluster.kube(), StatusOwner.RECOVERY)
-    update = [ConditionUpdate.of("Recovering", True, "StoppingAttempt")]
-
-    def build(current: api.RolloutSet) -> dict[str, Any]:
-        merged = merge_conditions(current.status.conditions, update)
-        return {"recovery": current.status.recovery, "conditions": merged}
-
-    written = await writer.write_retrying(stale, build)
-    assert len(status_patches(cluster)) == 2, "refused once, then written"
-    types = {c.type: c.status for c in written.status.conditions}
-    assert types == {"Suspended": ConditionStatus.TRUE, "Recovering": ConditionStatus.TRUE}
-
-
-async def test_write_retrying_gives_up_and_says_when_the_set_went() -> None:
-    cluster = FakeCluster()
-    obj = stored_set(cluster, recovery=api.dump(recovery()))
-    rset = api.RolloutSet.model_validate(obj)
-    writer = SetStatusWriter(cluster.kube(), StatusOwner.RECOVERY)
-    cluster.refuse("patch", "rolloutsets", status=409, message="modified", times=3)
-    with pytest.raises(Conflict, match="3 status writes"):
-        await writer.write_retrying(rset, lambda s: {"restarts": 1}, tries=3)
-    cluster.refuse("patch", "rolloutsets", status=409, message="modified")
-    cluster.remove("rolloutsets", "ns", "rl")
-    with pytest.raises(SetGone):
-        await writer.write_retrying(rset, lambda s: {"restarts": 1})
+        await write(cluster, obj, StatusOwner.POLICY, {"lastTrainerStep": 4})
 
 
 def test_only_the_writer_patches_the_sets_status() -> None:

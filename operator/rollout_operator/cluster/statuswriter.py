@@ -1,16 +1,17 @@
 """The one writer of a RolloutSet's status (docs/design.md#69-who-writes-the-sets-status).
 
 Every flow that changes the set's status (the set pass, the recovery, the policy, the queue,
-and the repairs as the owners of what they repair) writes through a `SetStatusWriter` made
-for its owner (`model.owners.StatusOwner`). The writer:
+and the repairs as the owners of what they repair) adds its changes to the pass's status as a
+delta of its owner (`model.owners.StatusOwner`), and the pass writes them once
+(`flows/stagedpass.py`). On the way:
 
-- refuses a field or condition the owner does not own (`model.owners.check_owner` raises
-  `ForeignStatusWrite`): two owners of one field would undo each other's writes;
-- puts every value in its wire form with one function (`wire`, built on `model.api.dump`);
-- writes one merge patch with the resourceVersion the changes were computed from, so a lost
-  race is a `Conflict`, never a silently overwritten field; `write` and `write_pass` leave the
-  retry to the flow's loop (a pass that decides again from what won), `write_retrying`
-  re-reads and writes again (no flow of the operator uses it now).
+- a delta setting a field or condition its owner does not own is refused as it is added
+  (`model.owners.check_owner` raises `ForeignStatusWrite`): two owners of one field would undo
+  each other's writes;
+- every value is put in its wire form with one function (`wire`, built on `model.api.dump`);
+- the write is one merge patch with the resourceVersion the changes were computed from, so a
+  lost race is a `Conflict`, never a silently overwritten field, left to the loop (a pass that
+  decides again from what won).
 
 Explicit nulls: a top-level field set to None is sent as null, which deletes it (a merge patch
 has no other way to remove `status.recovery`); a model is written whole (`replacing`): what the
@@ -27,22 +28,15 @@ the stages before it left it, the delta is checked against the owner table as it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
 from pydantic import BaseModel
 
 from ..model.api import RolloutSet, RolloutSetStatus, dump, namespace_or_default
 from ..model.owners import StatusOwner, check_owner
-from .kube import Conflict, Kube
-
-CONFLICT_TRIES: Final = 20
-"""How often `write_retrying` writes before it gives up on a set that keeps changing."""
-
-
-class SetGone(Exception):
-    """The set was deleted while a write was retried."""
+from .kube import Kube
 
 
 def wire(value: Any) -> Any:
@@ -177,41 +171,6 @@ class SetStatusWriter:
         self._kube = kube
         self.owner = owner
 
-    async def write(
-        self,
-        obj: RolloutSet | Mapping[str, Any],
-        changes: Mapping[str, Any],
-        *,
-        resource_version: str | None = None,
-        delta_only: bool = False,
-    ) -> dict[str, Any] | None:
-        """Merge-patch `changes` (wire names; values models or wire values) over the status of
-        `obj` (the set as the flow read it, a model or its raw form), only if the set is still
-        at the resourceVersion read with it (or `resource_version`, where the flow wrote the
-        set since): `Conflict` otherwise. `delta_only` leaves out what the stored status shows
-        already. Returns the written set, or None when there was nothing to write."""
-        if isinstance(obj, RolloutSet):
-            namespace = namespace_or_default(obj.metadata.namespace)
-            name = obj.metadata.name
-            version = obj.metadata.resource_version
-            status = obj.status
-            shown: Mapping[str, Any] = dump(status)
-        else:
-            meta = obj["metadata"]
-            namespace, name, version = meta["namespace"], meta["name"], meta.get("resourceVersion")
-            shown = obj.get("status") or {}
-            status = RolloutSetStatus.model_validate(shown)
-        body = {key: wire(value) for key, value in changes.items()}
-        if delta_only:
-            body = {key: value for key, value in body.items() if shown.get(key) != value}
-        if not body:
-            return None
-        for key, value in changes.items():
-            if isinstance(value, BaseModel) and key in body:
-                body[key] = replacing(shown.get(key), body[key])
-        check_owner(self.owner, status, body)
-        return await self._send(namespace, name, body, resource_version or version)
-
     async def write_pass(self, draft: PassStatus) -> dict[str, Any] | None:
         """Send the pass's merged changes (each checked against its owner as it was added),
         only if the set is still at the snapshot's resourceVersion (`Conflict` otherwise).
@@ -227,36 +186,10 @@ class SetStatusWriter:
     ) -> dict[str, Any]:
         return await self._kube.patch_set_status(namespace, name, body, resource_version=version)
 
-    async def write_retrying(
-        self,
-        rset: RolloutSet,
-        build: Callable[[RolloutSet], Mapping[str, Any]],
-        *,
-        tries: int = CONFLICT_TRIES,
-    ) -> RolloutSet:
-        """Write `build(rset)`; after a `Conflict`, read the set again (the refused write read
-        it from the API server already, see `Kube.patch_set_status`) and write what `build`
-        makes of it, up to `tries` writes. Returns the written set; raises `SetGone` when the
-        set was deleted, `Conflict` when every try lost."""
-        namespace = namespace_or_default(rset.metadata.namespace)
-        for _ in range(tries):
-            try:
-                written = await self.write(rset, build(rset))
-            except Conflict:
-                fresh = await self._kube.get_set(namespace, rset.metadata.name)
-                if fresh is None:
-                    raise SetGone(rset.metadata.name) from None
-                rset = RolloutSet.model_validate(fresh)
-                continue
-            return rset if written is None else RolloutSet.model_validate(written)
-        raise Conflict(f"set {rset.metadata.name}: {tries} status writes lost to others")
-
 
 __all__ = [
-    "CONFLICT_TRIES",
     "PassStatus",
     "SetDelta",
-    "SetGone",
     "SetStatusWriter",
     "replacing",
     "wire",
