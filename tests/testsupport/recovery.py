@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 from rollout_operator.cluster.kube import Kube
 from rollout_operator.cluster.statuswriter import PassStatus, SetStatusWriter
@@ -28,6 +28,7 @@ from rollout_operator.model import api
 from rollout_operator.model.owners import StatusOwner
 from rollout_protocol import Coordinator, HttpParticipantClient
 
+from testsupport import builders
 from testsupport.fakecluster import FakeCluster
 from testsupport.scripted import Scripted
 
@@ -121,3 +122,44 @@ async def start_resume_written(kube: Kube, rset: api.RolloutSet, live_pods: int)
     started = await start_resume(kube, run, live_pods)
     await _write(kube, run)
     return started
+
+
+RECOVERING_NS, RECOVERING_SET = "ns", "rl"
+"""Where `recovering_model_set` puts its set."""
+
+
+def recovering_model_set(
+    phase: str, *, recovery_spec: dict[str, Any], **recovery: Any
+) -> FakeCluster:
+    """An API server holding the set `rl` of one model recovering from attempt 2 to 3 in
+    `phase` (its pod lost), with `spec.recovery` and the recovery's further fields given."""
+    cluster = FakeCluster()
+    cluster.put(
+        builders.set_body(
+            generation=2,
+            port=9000,
+            recovery=recovery_spec,
+            status={
+                "attempt": 2,
+                "createdAttempt": 2,
+                "recovery": {
+                    "phase": phase,
+                    "fromAttempt": 2,
+                    "targetAttempt": 3,
+                    "startedAt": "2026-11-29T12:00:00Z",
+                    "reason": "PodDeleted",
+                    "message": "participant model-0 of attempt 2: its pod is gone",
+                    **recovery,
+                },
+            },
+        )
+    )
+    return cluster
+
+
+def stored_set_status(cluster: FakeCluster) -> dict[str, Any]:
+    """The status of `recovering_model_set`'s set as the API server holds it."""
+    found = cluster.get(api.ROLLOUT_SET_PLURAL, RECOVERING_NS, RECOVERING_SET)
+    assert found is not None
+    status: dict[str, Any] = found["status"]
+    return status

@@ -6,17 +6,15 @@ called), on the unit tests' API server (`testsupport.fakecluster.FakeCluster`)."
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 from rollout_operator.flows.reconciler import set_pass
 from rollout_operator.flows.recovery import RecoveryWaits
 from rollout_operator.flows.state import OperatorState
 from rollout_operator.model import api
-from rollout_operator.model.api import ROLLOUT_SET_PLURAL, RolloutSet
+from rollout_operator.model.api import RolloutSet
 from rollout_operator.model.reasons import Reason
-from testsupport import builders
 from testsupport.fakecluster import FakeCluster
+from testsupport.recovery import recovering_model_set, stored_set_status
 
 pytestmark = pytest.mark.unit
 
@@ -24,34 +22,7 @@ NS, SET = "ns", "rl"
 
 
 def restoring() -> FakeCluster:
-    cluster = FakeCluster()
-    cluster.put(
-        builders.set_body(
-            generation=2,
-            port=9000,
-            recovery={"maxRestarts": 3},
-            status={
-                "attempt": 2,
-                "createdAttempt": 2,
-                "recovery": {
-                    "phase": "Restoring",
-                    "fromAttempt": 2,
-                    "targetAttempt": 3,
-                    "startedAt": "2026-11-29T12:00:00Z",
-                    "reason": "PodDeleted",
-                    "message": "participant model-0 of attempt 2: its pod is gone",
-                },
-            },
-        )
-    )
-    return cluster
-
-
-def stored_status(cluster: FakeCluster) -> dict[str, Any]:
-    found = cluster.get(ROLLOUT_SET_PLURAL, NS, SET)
-    assert found is not None
-    status: dict[str, Any] = found["status"]
-    return status
+    return recovering_model_set("Restoring", recovery_spec={"maxRestarts": 3})
 
 
 async def test_each_pass_runs_one_recovery_phase_persists_it_and_passes_again_at_once() -> None:
@@ -77,14 +48,14 @@ async def test_each_pass_runs_one_recovery_phase_persists_it_and_passes_again_at
         return step.again
 
     assert await one_pass(), "a phase ran: the loop passes again at once"
-    status = stored_status(cluster)
+    status = stored_set_status(cluster)
     assert status["recovery"]["phase"] == "Resuming", "one phase, persisted"
     assert status["attempt"] == 2
     assert "observedGeneration" not in status, "the set pass did not run in that pass"
     assert transitions == []
 
     assert await one_pass(), "the last phase ran: the next pass is the set pass's"
-    status = stored_status(cluster)
+    status = stored_set_status(cluster)
     assert "recovery" not in status
     assert status["attempt"] == 3
     assert transitions == [Reason.NO_CHECKPOINT]
@@ -92,7 +63,7 @@ async def test_each_pass_runs_one_recovery_phase_persists_it_and_passes_again_at
     # Attempt 3 has no pod on this API server: its participant is lost. The pass that sees it
     # starts the next recovery, persists its first phase, and leaves that phase to the next pass.
     assert await one_pass(), "a recovery started: the loop passes again at once"
-    recovery = stored_status(cluster)["recovery"]
+    recovery = stored_set_status(cluster)["recovery"]
     assert (recovery["phase"], recovery["fromAttempt"], recovery["targetAttempt"]) == (
         "StoppingAttempt",
         3,

@@ -19,8 +19,8 @@ from rollout_operator.flows.state import OperatorState
 from rollout_operator.model import api
 from rollout_operator.model.api import LABEL_ATTEMPT, ROLLOUT_SET_PLURAL, RolloutSet
 from rollout_operator.model.reasons import Reason
-from testsupport import builders
 from testsupport.fakecluster import FakeCluster
+from testsupport.recovery import recovering_model_set, stored_set_status
 from testsupport.setplan import running
 
 pytestmark = pytest.mark.unit
@@ -30,35 +30,11 @@ TIMEOUT_S = 600
 
 
 def recovering(phase: str, **recovery: Any) -> FakeCluster:
-    cluster = FakeCluster()
-    cluster.put(
-        builders.set_body(
-            generation=2,
-            port=9000,
-            recovery={"maxRestarts": 3, "restoreTimeoutSeconds": TIMEOUT_S},
-            status={
-                "attempt": 2,
-                "createdAttempt": 2,
-                "recovery": {
-                    "phase": phase,
-                    "fromAttempt": 2,
-                    "targetAttempt": 3,
-                    "startedAt": "2026-11-29T12:00:00Z",
-                    "reason": "PodDeleted",
-                    "message": "participant model-0 of attempt 2: its pod is gone",
-                    **recovery,
-                },
-            },
-        )
+    return recovering_model_set(
+        phase,
+        recovery_spec={"maxRestarts": 3, "restoreTimeoutSeconds": TIMEOUT_S},
+        **recovery,
     )
-    return cluster
-
-
-def stored_status(cluster: FakeCluster) -> dict[str, Any]:
-    found = cluster.get(ROLLOUT_SET_PLURAL, NS, SET)
-    assert found is not None
-    status: dict[str, Any] = found["status"]
-    return status
 
 
 class Loop:
@@ -93,11 +69,11 @@ async def test_a_lost_race_leaves_the_persisted_phase_and_the_next_pass_runs_its
     loop = Loop(cluster)
     cluster.refuse("patch", ROLLOUT_SET_PLURAL, status=409, times=1)
     assert (await loop()).again, "the write lost a race: the loop passes again at once"
-    assert stored_status(cluster)["recovery"]["phase"] == "Resuming", "nothing of it landed"
+    assert stored_set_status(cluster)["recovery"]["phase"] == "Resuming", "nothing of it landed"
     assert loop.transitions == [], "no Event for a status that was not written"
 
     assert (await loop()).again
-    status = stored_status(cluster)
+    status = stored_set_status(cluster)
     assert "recovery" not in status
     assert status["attempt"] == 3
     assert loop.transitions == [Reason.NO_CHECKPOINT]
@@ -112,7 +88,7 @@ async def test_starting_pods_not_ready_leaves_the_phase_and_asks_for_a_pass_at_t
     waiting = await loop()
     assert not waiting.again, "the pods' events wake the loop, nothing else until the deadline"
     assert waiting.at == began + timedelta(seconds=TIMEOUT_S)
-    assert stored_status(cluster)["recovery"]["phase"] == "StartingPods"
+    assert stored_set_status(cluster)["recovery"]["phase"] == "StartingPods"
     created = [
         p
         for p in cluster.list_objects("pods", NS)
@@ -124,7 +100,7 @@ async def test_starting_pods_not_ready_leaves_the_phase_and_asks_for_a_pass_at_t
     for manifest in plan_attempt(rset, 3, []).to_create:
         cluster.put(running(manifest, "127.0.3.1"))
     assert (await loop()).again
-    status = stored_status(cluster)
+    status = stored_set_status(cluster)
     assert status["recovery"]["phase"] == "Restoring", "participants and phase in one write"
     (participant,) = status["participants"]
     assert participant["address"] == "http://127.0.3.1:9000"
@@ -136,7 +112,7 @@ async def test_backing_off_leaves_the_phase_and_asks_for_a_pass_at_the_next_try(
     loop = Loop(cluster)
     waiting = await loop()
     assert (waiting.again, waiting.at) == (False, next_try)
-    assert stored_status(cluster)["recovery"]["phase"] == "BackingOff"
+    assert stored_set_status(cluster)["recovery"]["phase"] == "BackingOff"
 
     cluster.update(
         ROLLOUT_SET_PLURAL,
@@ -145,5 +121,5 @@ async def test_backing_off_leaves_the_phase_and_asks_for_a_pass_at_the_next_try(
         lambda s: s["status"]["recovery"].update(nextTryAt="2026-11-29T12:00:00Z"),
     )
     assert (await loop()).again
-    recovery = stored_status(cluster)["recovery"]
+    recovery = stored_set_status(cluster)["recovery"]
     assert (recovery["phase"], recovery["targetAttempt"]) == ("StoppingAttempt", 4)
