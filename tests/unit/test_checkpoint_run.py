@@ -41,9 +41,6 @@ class StopStandIn:
         self.deleted = False
         self.operator_exiting = False
 
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
     async def wait(self) -> None:
         await self._event.wait()
 

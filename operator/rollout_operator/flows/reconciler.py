@@ -193,10 +193,8 @@ async def policy_pass(
 
 
 class CheckpointStop(Protocol):
-    """What a checkpoint's run needs of its daemon's stop (Kopf's `stopped` kwarg): whether and
-    why it was stopped, and a wait for it."""
-
-    def is_set(self) -> bool: ...
+    """What a checkpoint's run needs of its daemon's stop (Kopf's `stopped` kwarg): a wait for
+    it, and why it came."""
 
     def wait(self) -> Awaitable[object]: ...
 

@@ -359,7 +359,7 @@ class SetPass:
         namespace = namespace_or_default(obj["metadata"].get("namespace"))
         name = obj["metadata"]["name"]
         try:
-            rset = _validated(obj)
+            rset = _validated(draft)
             await _ensure_startable(kube, rset, self._owned_objects, self._max_replicas_per_role)
         except SetBlocked as blocked:
             generation = obj["metadata"].get("generation")
@@ -406,10 +406,11 @@ class SetPass:
             )
 
 
-def _validated(obj: dict[str, Any]) -> RolloutSet:
-    """The set parsed, or SetBlocked `InvalidSpec` naming the first fields the model refuses."""
+def _validated(draft: PassStatus) -> RolloutSet:
+    """The pass's set as parsed once for every stage (`PassStatus.rset`), or SetBlocked
+    `InvalidSpec` naming the first fields the model refuses."""
     try:
-        return RolloutSet.model_validate(obj)
+        return draft.rset
     except ValidationError as error:
         message = "spec is invalid (is the CRD older than the operator?): " + "; ".join(
             f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in error.errors()[:5]

@@ -110,9 +110,6 @@ class _DaemonStop:
     def __init__(self, stopped: kopf.DaemonStopped) -> None:
         self._stopped = stopped
 
-    def is_set(self) -> bool:
-        return self._stopped.is_set()
-
     def wait(self) -> Awaitable[object]:
         return self._stopped.wait()
 
